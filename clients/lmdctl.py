@@ -1,0 +1,149 @@
+"""`lmdctl`: control a running lmdd over its Unix socket.
+
+Exit codes: 0 ok, 1 the daemon answered with an error, 2 bad usage,
+3 the daemon is not running (as `systemctl status` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from lmd_client.control import ControlClient, ControlRequestError, DaemonNotRunning
+
+EXIT_OK, EXIT_ERROR, EXIT_NOT_RUNNING = 0, 1, 3
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024  # type: ignore[assignment]
+    raise AssertionError("unreachable")
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+        for r in [header, *rows]
+    ]
+    return "\n".join(lines)
+
+
+def workers_table(workers: list[dict[str, Any]]) -> str:
+    now = time.time()
+    rows = []
+    for w in workers:
+        kv = w.get("kv")
+        rows.append(
+            [
+                w["name"],
+                w["state"],
+                str(w["pid"] or "-"),
+                str(w["restarts"]),
+                _duration(now - w["started_at"] if w["started_at"] and w["pid"] else None),
+                _bytes(w["rss_bytes"]),
+                w["backend"] or "-",
+                w["device"] or "-",
+                f"{kv['free_blocks']}/{kv['total_blocks']}" if kv else "-",
+                str(w.get("num_dropped", 0)),
+            ]
+        )
+    header = [
+        "NAME",
+        "STATE",
+        "PID",
+        "RESTARTS",
+        "UPTIME",
+        "RSS",
+        "BACKEND",
+        "DEVICE",
+        "KV FREE",
+        "DROPPED",
+    ]
+    return table(rows, header)
+
+
+def status_text(s: dict[str, Any]) -> str:
+    head = (
+        f"lmdd {s['version']} is {s['state']} (pid {s['pid']}, up "
+        f"{_duration(s['uptime_s'])})\n"
+        f"model: {s['model']}   device: {s['device']}   runtime dir: {s['runtime_dir']}\n"
+    )
+    if s.get("num_dropped"):
+        head += f"dropped malformed messages: {s['num_dropped']}\n"
+    return head + "\n" + workers_table(s["workers"])
+
+
+async def _run(args: argparse.Namespace) -> tuple[str, dict[str, Any] | list[Any]]:
+    async with ControlClient(args.socket) as ctl:
+        if args.command == "status":
+            s = await ctl.status()
+            return status_text(s), s
+        if args.command == "workers":
+            w = await ctl.workers()
+            return workers_table(w), w
+        if args.command == "restart":
+            r = await ctl.restart(args.name)
+            return f"restarting {args.name}", r
+        reply = await getattr(ctl, args.command)()
+        return f"{args.command}: daemon is now {reply['state']}", reply
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lmdctl", description="control a running lmdd")
+    parser.add_argument(
+        "--socket",
+        help="control socket (default $LMD_SOCKET, else the default runtime dir's control.sock)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the raw JSON reply")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("status", help="daemon state and every worker")
+    sub.add_parser("workers", help="the worker table")
+    restart = sub.add_parser("restart", help="restart one worker, e.g. decode-0")
+    restart.add_argument("name")
+    sub.add_parser("drain", help="refuse new requests, finish in-flight ones, stay up")
+    sub.add_parser("resume", help="admit requests again after a drain")
+    sub.add_parser("shutdown", help="drain, then stop the daemon")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        text, reply = asyncio.run(_run(args))
+    except DaemonNotRunning as exc:
+        print(f"lmdctl: {exc}", file=sys.stderr)
+        return EXIT_NOT_RUNNING
+    except ControlRequestError as exc:
+        print(f"lmdctl: {exc.message} ({exc.code})", file=sys.stderr)
+        return EXIT_ERROR
+    if args.json:
+        sys.stdout.write(orjson.dumps(reply, option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        print(text)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""The supervisor's record of one worker process: spawn, watch, kill, report.
+
+A Child outlives the processes it runs: on a restart the record stays (name, counters)
+and a new process is spawned into it. State changes go through states.transition.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import time
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import psutil
+
+from lmd.states import WorkerState, transition
+from lmd.worker import WorkerSpec, worker_main
+
+_SPAWN = multiprocessing.get_context("spawn")
+
+
+class Child:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.state = WorkerState.STARTING
+        self.process: BaseProcess | None = None
+        self.num_restarts = 0
+        self.num_fast_failures = 0  # consecutive runs that died young
+        self.started_at = 0.0  # wall clock (time.time) of the current process
+        self.started_mono = 0.0
+        self.last_seen = 0.0  # monotonic time of the last message from it
+        self.next_start_at: float | None = None  # monotonic; set while restarting
+        self.restart_requested_at: float | None = None  # monotonic
+        self.last_exit: int | None = None
+        self.info: dict[str, Any] = {}
+        self.stats: dict[str, Any] = {}
+        self.inflight = 0
+        self.num_dropped = 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def role(self) -> str:
+        return self.spec.role
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def set_state(self, new: WorkerState) -> None:
+        self.state = transition(self.state, new)
+
+    def spawn(self) -> None:
+        self.set_state(WorkerState.STARTING)
+        self.process = _SPAWN.Process(
+            target=worker_main, args=(self.spec.to_dict(),), name=self.name
+        )
+        self.process.start()
+        self.started_at = time.time()
+        self.started_mono = self.last_seen = time.monotonic()
+        self.next_start_at = None
+        self.info, self.stats, self.inflight = {}, {}, 0
+
+    def exit_code(self) -> int | None:
+        """The exit code once the process has ended (reaps it), else None."""
+        if self.process is None:
+            return None
+        return self.process.exitcode  # waitpid(WNOHANG) under the hood
+
+    def signal(self, sig: signal.Signals) -> None:
+        if self.process is not None and self.process.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.process.pid, sig)
+
+    def join(self, timeout: float) -> None:
+        if self.process is not None:
+            self.process.join(timeout)
+
+    def rss_bytes(self) -> int | None:
+        if self.process is None or self.exit_code() is not None or self.pid is None:
+            return None
+        try:
+            return int(psutil.Process(self.pid).memory_info().rss)
+        except psutil.Error:
+            return None
+
+    def to_status(self) -> dict[str, Any]:
+        running = self.state in (WorkerState.STARTING, WorkerState.RUNNING)
+        status: dict[str, Any] = {
+            "name": self.name,
+            "role": self.role,
+            "pid": self.pid if running else None,
+            "state": str(self.state),
+            "backend": self.info.get("backend", self.spec.backend),
+            "device": self.info.get("device", self.spec.device),
+            "restarts": self.num_restarts,
+            "rss_bytes": self.rss_bytes() if running else None,
+            "started_at": self.started_at or None,
+            "inflight": self.inflight,
+            "num_dropped": self.num_dropped,
+            "last_exit_code": self.last_exit,
+        }
+        status.update({k: v for k, v in self.stats.items() if k not in status and k != "rss_bytes"})
+        status.update({k: v for k, v in self.info.items() if k not in status})
+        return status

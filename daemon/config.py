@@ -1,0 +1,125 @@
+"""The daemon's configuration: frozen dataclasses, validated on construction, no I/O.
+
+`ServeConfig` is what `lmdd serve` runs with; the supervisor hands it (as a plain dict)
+to every worker it spawns. Loading from the command line lives in cli.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BACKENDS = ("auto", "torch", "turbo")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the key."""
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    """How the supervisor restarts a worker that died.
+
+    The delay doubles from `backoff_s` up to `max_backoff_s`. A run shorter than
+    `stable_after_s` is a fast failure; `max_fast_failures` in a row and the daemon
+    gives up (exit non-zero, so systemd's Restart=on-failure takes over).
+    """
+
+    backoff_s: float = 0.5
+    max_backoff_s: float = 30.0
+    stable_after_s: float = 30.0
+    max_fast_failures: int = 5
+
+    def __post_init__(self) -> None:
+        _check(self.backoff_s > 0, "restart_backoff", "must be > 0 seconds")
+        _check(
+            self.max_backoff_s >= self.backoff_s,
+            "restart_max_backoff",
+            "must be >= restart_backoff",
+        )
+        _check(self.stable_after_s > 0, "restart_stable_after", "must be > 0 seconds")
+        _check(self.max_fast_failures >= 1, "max_fast_failures", "must be >= 1")
+
+    def delay(self, num_fast_failures: int) -> float:
+        """Seconds to wait before the next start after `num_fast_failures` in a row."""
+        if num_fast_failures <= 0:
+            return 0.0
+        return float(min(self.max_backoff_s, self.backoff_s * 2 ** (num_fast_failures - 1)))
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    runtime_dir: Path
+    model: str | None = None  # local HF directory or .gguf file; None = embedded default
+    model_name: str | None = None  # served name; derived from the model when None
+    host: str = "127.0.0.1"
+    port: int = 23333
+    device: str = "auto"  # auto = cuda if the driver reports a device, else cpu
+    prefill_backend: str = "auto"
+    decode_backend: str = "auto"
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    drain_timeout: float = 30.0
+    startup_timeout: float = 300.0
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 15.0
+    log_level: str = "info"
+    restart: RestartPolicy = dataclasses.field(default_factory=RestartPolicy)
+
+    def __post_init__(self) -> None:
+        _check(0 < self.port < 65536, "port", f"{self.port} is not a TCP port (1-65535)")
+        _check(bool(self.host), "host", "must not be empty")
+        _check(
+            self.device in {"auto", "cpu"} or self.device.startswith("cuda"),
+            "device",
+            f"{self.device!r} is not auto, cpu, cuda or cuda:N",
+        )
+        for key in ("prefill_backend", "decode_backend"):
+            value = getattr(self, key)
+            _check(value in BACKENDS, key, f"{value!r} is not one of {', '.join(BACKENDS)}")
+        for key in ("prefill_workers", "decode_workers"):
+            value = getattr(self, key)
+            _check(1 <= value <= 64, key, f"{value} is out of range (1-64)")
+        for key in ("drain_timeout", "startup_timeout", "heartbeat_interval"):
+            _check(getattr(self, key) > 0, key, "must be > 0 seconds")
+        _check(
+            self.heartbeat_timeout >= 3 * self.heartbeat_interval,
+            "heartbeat_timeout",
+            "must be at least 3x heartbeat_interval",
+        )
+        _check(
+            self.log_level in LOG_LEVELS,
+            "log_level",
+            f"{self.log_level!r} is not one of {', '.join(LOG_LEVELS)}",
+        )
+
+    @property
+    def served_model_name(self) -> str:
+        if self.model_name:
+            return self.model_name
+        if self.model is None:
+            return DEFAULT_MODEL_NAME
+        path = Path(self.model.rstrip("/"))
+        return path.stem if path.suffix == ".gguf" else path.name
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form, as shown by status and handed to workers."""
+        out = dataclasses.asdict(self)
+        out["runtime_dir"] = str(self.runtime_dir)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ServeConfig:
+        fields = dict(data)
+        fields["runtime_dir"] = Path(fields["runtime_dir"])
+        fields["restart"] = RestartPolicy(**fields.get("restart", {}))
+        return cls(**fields)

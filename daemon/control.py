@@ -1,0 +1,115 @@
+"""The control API: JSON over HTTP on $RUNTIME_DIR/control.sock (mode 0660).
+
+    curl --unix-socket /run/lmd/control.sock http://lmd/v1/status
+
+Each route's docstring is its help text and its protocol. Errors are
+`{"error": {"code": str, "message": str}}` with a 4xx status, never a traceback.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
+from starlette.responses import Response
+
+from lmd import __version__
+from lmd.http_server import JSONResponse
+
+if TYPE_CHECKING:
+    from lmd.supervisor import Supervisor
+
+
+class ControlError(Exception):
+    """A control request that cannot be done; becomes an error body."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+def error_response(status: int, code: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
+
+
+_HTTP_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}
+
+
+class _JsonBodyCheck(BaseHTTPMiddleware):
+    """A body, when sent, must be a JSON object: junk is a 400, not a crash."""
+
+    async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
+        body = await request.body()
+        if body.strip():
+            try:
+                parsed = orjson.loads(body)
+            except orjson.JSONDecodeError as exc:
+                return error_response(400, "bad_json", f"request body is not valid JSON: {exc}")
+            if not isinstance(parsed, dict):
+                return error_response(400, "bad_json", "request body must be a JSON object")
+        return await call_next(request)
+
+
+def build_control_app(sup: Supervisor) -> FastAPI:
+    app = FastAPI(
+        title="lmd control",
+        version=__version__,
+        docs_url=None,
+        redoc_url=None,
+        default_response_class=JSONResponse,
+    )
+    app.add_middleware(_JsonBodyCheck)
+
+    @app.exception_handler(ControlError)
+    async def control_error(_: Request, exc: ControlError) -> JSONResponse:
+        return error_response(exc.status, exc.code, exc.message)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        return error_response(
+            exc.status_code, _HTTP_CODES.get(exc.status_code, "error"), str(exc.detail)
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(400, "bad_request", str(exc.errors()))
+
+    @app.get("/v1/status")
+    async def status() -> dict[str, Any]:
+        """The daemon's state, model, uptime and every worker (see `/v1/workers`)."""
+        return sup.status()
+
+    @app.get("/v1/workers")
+    async def workers() -> dict[str, Any]:
+        """Every worker: name, role, pid, state, backend, device, restarts, rss_bytes."""
+        return {"workers": sup.workers()}
+
+    @app.post("/v1/workers/{name}/restart")
+    async def restart(name: str) -> dict[str, Any]:
+        """Stop worker NAME (SIGTERM) and start it again at once; 404 for an unknown name."""
+        sup.restart_worker(name)
+        return {"ok": True, "worker": name}
+
+    @app.post("/v1/drain")
+    async def drain() -> dict[str, Any]:
+        """Refuse new requests, finish those in flight, keep running (undo: resume)."""
+        await sup.drain()
+        return {"ok": True, "state": str(sup.state)}
+
+    @app.post("/v1/resume")
+    async def resume() -> dict[str, Any]:
+        """Admit requests again after a drain; 409 unless draining."""
+        await sup.resume()
+        return {"ok": True, "state": str(sup.state)}
+
+    @app.post("/v1/shutdown")
+    async def shutdown() -> dict[str, Any]:
+        """Drain (up to drain_timeout), stop every worker and exit 0, as SIGTERM does."""
+        sup.request_stop("shutdown requested over the control socket")
+        return {"ok": True, "state": str(sup.state)}
+
+    return app

@@ -1,0 +1,196 @@
+"""A worker process: what every role (tokenizer, prefill, decode, api) shares.
+
+Life cycle of a worker:
+  1. The supervisor spawns it (spawn context) with a WorkerSpec as a plain dict.
+  2. `worker_main` ties it to the supervisor (PR_SET_PDEATHSIG=SIGKILL, and exits if the
+     supervisor is already gone), moves it into its own process group, sets up logging.
+  3. `Worker.run` connects to the supervisor (DEALER, identity = worker name), binds its
+     inbox, runs the role's `start()` (load a model, listen on a port), then sends Ready.
+  4. Running: a Heartbeat every heartbeat_interval; control messages from the supervisor
+     (Drain, Resume, Stop, ClusterState); data messages on the inbox go to `handle()`.
+  5. Stop (or SIGTERM): the role's `stop()`, sockets closed, exit 0. A start-up failure
+     exits 1 with a one-line reason, which the supervisor logs and counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+import psutil
+import uvloop
+import zmq.asyncio
+
+from lmd import ipc, protocol
+from lmd.config import ServeConfig
+from lmd.ipc import Endpoints
+from lmd.protocol import Message
+
+log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+
+
+class WorkerStartError(RuntimeError):
+    """The role cannot start; the message is the one line the operator sees."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    name: str  # e.g. "decode-0"; also the DEALER identity and the inbox file name
+    role: str
+    index: int
+    supervisor_pid: int
+    config: dict[str, Any]  # ServeConfig.to_dict()
+    backend: str | None = None  # engine roles only
+    device: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
+        os._exit(1)
+
+
+def configure_logging(level: str, name: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stderr,
+        force=True,
+        format=f"%(asctime)s %(levelname)s {name}[%(process)d] %(name)s: %(message)s",
+    )
+
+
+def worker_main(spec_dict: dict[str, Any]) -> None:
+    """Entry point of a spawned worker process."""
+    spec = WorkerSpec(**spec_dict)
+    _die_with_parent(spec.supervisor_pid)
+    os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the supervisor only; it drains us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    config = ServeConfig.from_dict(spec.config)
+    configure_logging(config.log_level, spec.name)
+    from lmd.roles import worker_class  # roles import heavy modules
+
+    worker = worker_class(spec.role)(spec, config)
+    code: int = uvloop.run(worker.run())
+    sys.exit(code)
+
+
+class Worker:
+    """The shared half of every role; subclasses override the hooks at the bottom."""
+
+    role: ClassVar[str] = "idle"
+
+    def __init__(self, spec: WorkerSpec, config: ServeConfig) -> None:
+        self.spec = spec
+        self.config = config
+        self.endpoints = Endpoints(config.runtime_dir)
+        self.draining = False
+        self.cluster_state = "starting"
+        self.missing_roles: list[str] = []
+        self._stop = asyncio.Event()
+        self._num_unexpected = 0
+        self._proc = psutil.Process()
+
+    @property
+    def num_dropped(self) -> int:
+        return self.control.num_dropped + self.inbox.num_dropped + self._num_unexpected
+
+    async def run(self) -> int:
+        ctx = zmq.asyncio.Context()
+        self.control = ipc.connect_dealer(ctx, self.endpoints.supervisor, self.spec.name)
+        self.inbox = ipc.bind_pull(
+            ctx, self.endpoints.inbox(self.spec.name), f"{self.spec.name} inbox"
+        )
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self._stop.set)
+        try:
+            await self.start()
+        except WorkerStartError as exc:
+            log.error("%s cannot start: %s", self.spec.name, exc)
+            return 1
+        info = {"backend": self.spec.backend, "device": self.spec.device, **self.info()}
+        await self.control.send(protocol.Ready(self.spec.name, os.getpid(), info))
+        log.info("%s ready", self.spec.name)
+        tasks = [
+            asyncio.create_task(c)
+            for c in (self._heartbeats(), self._control_loop(), self._inbox_loop())
+        ]
+        await self._stop.wait()
+        for task in tasks:
+            task.cancel()
+        await self.stop()
+        self.control.close()
+        self.inbox.close()
+        ctx.term()
+        return 0
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await self._send_heartbeat()
+            await asyncio.sleep(self.config.heartbeat_interval)
+
+    async def _send_heartbeat(self) -> None:
+        stats = {"rss_bytes": self._proc.memory_info().rss, **self.stats()}
+        beat = protocol.Heartbeat(self.spec.name, self.inflight(), self.num_dropped, stats)
+        await self.control.send(beat)
+
+    async def _control_loop(self) -> None:
+        while True:
+            msg = await self.control.recv()
+            if isinstance(msg, protocol.Stop):
+                self._stop.set()
+            elif isinstance(msg, protocol.Drain):
+                self.draining = True
+                await self._send_heartbeat()  # the supervisor waits for a fresh inflight
+            elif isinstance(msg, protocol.Resume):
+                self.draining = False
+            elif isinstance(msg, protocol.ClusterState):
+                self.cluster_state, self.missing_roles = msg.state, msg.missing_roles
+            else:
+                self._unexpected(msg, "control")
+
+    async def _inbox_loop(self) -> None:
+        while True:
+            msg = await self.inbox.recv()
+            if not await self.handle(msg):
+                self._unexpected(msg, "inbox")
+
+    def _unexpected(self, msg: Message, where: str) -> None:
+        self._num_unexpected += 1
+        log.warning("%s: dropped unexpected %s on %s", self.spec.name, type(msg).__name__, where)
+
+    # Hooks for roles ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load what the role needs; raise WorkerStartError with a one-line reason."""
+
+    async def stop(self) -> None:
+        """Release what start() took."""
+
+    async def handle(self, msg: Message) -> bool:
+        """Handle a data-path message; False means this role does not take it."""
+        return False
+
+    def info(self) -> dict[str, Any]:
+        """Facts sent once with Ready (shown in status)."""
+        return {}
+
+    def stats(self) -> dict[str, Any]:
+        """Numbers sent with every heartbeat (shown in status)."""
+        return {}
+
+    def inflight(self) -> int:
+        """Requests this worker holds; a drain waits for every worker to reach 0."""
+        return 0

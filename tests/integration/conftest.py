@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.integration.daemon import Daemon
+
+
+@pytest.fixture
+def daemon() -> Iterator[Daemon]:
+    """A running daemon with default settings; stopped and cleaned after the test."""
+    d = Daemon("--heartbeat-timeout", "4", "--drain-timeout", "5")
+    try:
+        d.start()
+        yield d
+    finally:
+        d.close()
+
+
+@pytest.fixture
+def make_daemon() -> Iterator[type[Daemon]]:
+    """For tests that start daemons with their own flags; all are cleaned up."""
+    made: list[Daemon] = []
+
+    class Tracked(Daemon):
+        def __init__(self, *args: str, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            made.append(self)
+
+    try:
+        yield Tracked
+    finally:
+        for d in made:
+            d.close()

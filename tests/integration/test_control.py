@@ -1,0 +1,116 @@
+"""The control socket and lmdctl against a real daemon."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import orjson
+
+from tests.integration.daemon import Daemon, wait_until
+
+LMDCTL = [sys.executable, "-m", "lmd_client.lmdctl"]
+
+
+def lmdctl(daemon: Daemon | None, *args: str) -> subprocess.CompletedProcess[str]:
+    sock = str(daemon.socket_path) if daemon else "/nonexistent/lmd/control.sock"
+    return subprocess.run(
+        [*LMDCTL, "--socket", sock, *args], capture_output=True, text=True, timeout=30, check=False
+    )
+
+
+def test_malformed_json_is_400_and_the_socket_stays_up(daemon: Daemon) -> None:
+    ctl = daemon.control()
+    for body in (b"{bad", b"[1, 2]", b"\xff\xfe"):
+        r = ctl.post("/v1/drain", content=body)
+        assert r.status_code == 400
+        assert r.json()["error"]["code"] == "bad_json"
+    assert daemon.status()["state"] == "running"  # and nothing was drained
+
+
+def test_errors_are_structured(daemon: Daemon) -> None:
+    ctl = daemon.control()
+    r = ctl.get("/v1/nope")
+    assert r.status_code == 404 and set(r.json()["error"]) == {"code", "message"}
+    r = ctl.post("/v1/workers/decode-9/restart")
+    assert r.status_code == 404 and "decode-9" in r.json()["error"]["message"]
+    r = ctl.get("/v1/drain")
+    assert r.status_code == 405
+    r = ctl.post("/v1/resume")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "not_draining"
+
+
+def test_drain_and_resume(daemon: Daemon) -> None:
+    assert lmdctl(daemon, "drain").returncode == 0
+    assert daemon.status()["state"] == "draining"
+    health = httpx.get(f"{daemon.url}/health")
+    assert health.status_code == 503 and health.json()["status"] == "draining"
+    assert lmdctl(daemon, "resume").returncode == 0
+    wait_until(lambda: httpx.get(f"{daemon.url}/health").status_code == 200, 5, "health 200")
+
+
+def test_status_json_shape(daemon: Daemon) -> None:
+    out = lmdctl(daemon, "--json", "status")
+    assert out.returncode == 0, out.stderr
+    s = orjson.loads(out.stdout)
+    assert {"state", "pid", "uptime_s", "model", "runtime_dir", "workers"} <= set(s)
+    assert s["state"] == "running" and s["model"] == "SmolLM2-135M-Instruct"
+    keys = {
+        "name",
+        "role",
+        "pid",
+        "state",
+        "backend",
+        "device",
+        "restarts",
+        "rss_bytes",
+        "started_at",
+    }
+    for w in s["workers"]:
+        assert keys <= set(w)
+        assert w["role"] in ("tokenizer", "prefill", "decode", "api")
+
+
+def test_status_table(daemon: Daemon) -> None:
+    out = lmdctl(daemon, "status")
+    assert out.returncode == 0
+    assert "lmdd 0.1.0 is running" in out.stdout
+    lines = out.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("NAME"))
+    names = [line.split()[0] for line in lines[header + 1 :]]
+    assert names == ["tokenizer-0", "prefill-0", "decode-0", "api-0"]
+
+
+def test_restart_via_lmdctl(daemon: Daemon) -> None:
+    old = daemon.worker("tokenizer-0")["pid"]
+    out = lmdctl(daemon, "restart", "tokenizer-0")
+    assert out.returncode == 0 and "restarting tokenizer-0" in out.stdout
+    wait_until(
+        lambda: (
+            daemon.worker("tokenizer-0")["pid"] not in (None, old)
+            and daemon.worker("tokenizer-0")["state"] == "running"
+        ),
+        20,
+        "restart",
+    )
+    assert daemon.worker("tokenizer-0")["restarts"] == 1
+
+
+def test_unknown_worker_exits_1(daemon: Daemon) -> None:
+    out = lmdctl(daemon, "restart", "nope-0")
+    assert out.returncode == 1
+    assert out.stderr.strip().startswith("lmdctl: no worker named 'nope-0'")
+
+
+def test_no_daemon_exits_3() -> None:
+    out = lmdctl(None, "status")
+    assert out.returncode == 3
+    assert out.stderr.strip() == (
+        "lmdctl: lmdd is not running (no answer on /nonexistent/lmd/control.sock)"
+    )
+
+
+def test_shutdown_via_lmdctl(daemon: Daemon) -> None:
+    assert lmdctl(daemon, "shutdown").returncode == 0
+    assert daemon.wait_exit(timeout=20) == 0

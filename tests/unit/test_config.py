@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmd.cli import _parser, build_config
+from lmd.config import ConfigError, RestartPolicy, ServeConfig
+
+
+def test_defaults_match_the_design() -> None:
+    c = ServeConfig(runtime_dir=Path("/run/lmd"))
+    assert (c.host, c.port, c.device) == ("127.0.0.1", 23333, "auto")
+    assert (c.prefill_workers, c.decode_workers) == (1, 1)
+    assert c.served_model_name == "SmolLM2-135M-Instruct"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"port": 0}, "port"),
+        ({"port": 70000}, "port"),
+        ({"device": "tpu"}, "device"),
+        ({"prefill_backend": "vllm"}, "prefill_backend"),
+        ({"decode_workers": 0}, "decode_workers"),
+        ({"drain_timeout": 0}, "drain_timeout"),
+        ({"heartbeat_timeout": 2.0}, "heartbeat_timeout"),
+        ({"log_level": "loud"}, "log_level"),
+    ],
+)
+def test_bad_values_name_the_key(kwargs: dict[str, object], key: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{key}: "):
+        ServeConfig(runtime_dir=Path("/run/lmd"), **kwargs)
+
+
+def test_served_name_from_the_model_path() -> None:
+    rd = Path("/r")
+    assert ServeConfig(rd, model="/m/Llama-3-8B/").served_model_name == "Llama-3-8B"
+    assert ServeConfig(rd, model="/m/tiny.Q4_0.gguf").served_model_name == "tiny.Q4_0"
+    assert ServeConfig(rd, model="/m/x", model_name="prod").served_model_name == "prod"
+
+
+def test_dict_round_trip_for_workers() -> None:
+    c = ServeConfig(Path("/r"), port=9000, restart=RestartPolicy(backoff_s=0.2))
+    assert ServeConfig.from_dict(c.to_dict()) == c
+
+
+def test_backoff_doubles_and_caps() -> None:
+    p = RestartPolicy(backoff_s=0.5, max_backoff_s=3.0)
+    assert [p.delay(n) for n in range(6)] == [0.0, 0.5, 1.0, 2.0, 3.0, 3.0]
+    with pytest.raises(ConfigError, match="max_fast_failures"):
+        RestartPolicy(max_fast_failures=0)
+
+
+def test_cli_flags_reach_the_config(tmp_path: Path) -> None:
+    args = _parser().parse_args(
+        [
+            "serve",
+            "--port",
+            "8000",
+            "--runtime-dir",
+            str(tmp_path),
+            "--decode-workers",
+            "2",
+            "--max-fast-failures",
+            "2",
+        ]
+    )
+    c = build_config(args)
+    assert (c.port, c.runtime_dir, c.decode_workers) == (8000, tmp_path, 2)
+    assert c.restart.max_fast_failures == 2
+
+
+def test_cli_rejects_a_missing_model(tmp_path: Path) -> None:
+    args = _parser().parse_args(["serve", str(tmp_path / "nope")])
+    with pytest.raises(ConfigError, match="does not exist"):
+        build_config(args)
