@@ -108,3 +108,9 @@ class Child:
         status.update({k: v for k, v in self.stats.items() if k not in status and k != "rss_bytes"})
         status.update({k: v for k, v in self.info.items() if k not in status})
         return status
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"

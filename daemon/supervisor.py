@@ -25,15 +25,14 @@ from typing import Any
 import zmq.asyncio
 
 from lmd import __version__, ipc, protocol
-from lmd.child import Child
+from lmd.child import Child, describe_exit
 from lmd.config import ServeConfig
 from lmd.control import ControlError, build_control_app
 from lmd.http_server import EmbeddedServer, bind_unix
 from lmd.paths import control_socket_path
-from lmd.roles import ENGINE_ROLES, ROLES
+from lmd.roles import ROLES, plan_workers
 from lmd.runtime_lock import RuntimeLock
 from lmd.states import DaemonState, WorkerState, transition
-from lmd.worker import WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -43,44 +42,13 @@ CONTROL_SOCKET_MODE = 0o660
 LIVE = (WorkerState.STARTING, WorkerState.RUNNING)
 
 
-def plan_workers(config: ServeConfig, device: str, supervisor_pid: int) -> list[Child]:
-    counts = {
-        "tokenizer": 1,
-        "prefill": config.prefill_workers,
-        "decode": config.decode_workers,
-        "api": 1,
-    }
-    backends = {"prefill": config.prefill_backend, "decode": config.decode_backend}
-    children = []
-    for role in ROLES:
-        for i in range(counts[role]):
-            engine = role in ENGINE_ROLES
-            spec = WorkerSpec(
-                name=f"{role}-{i}",
-                role=role,
-                index=i,
-                supervisor_pid=supervisor_pid,
-                config=config.to_dict(),
-                backend=backends[role] if engine else None,
-                device=device if engine else None,
-            )
-            children.append(Child(spec))
-    return children
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        return f"killed by {signal.Signals(-code).name}"
-    return f"exit code {code}"
-
-
 class Supervisor:
     def __init__(self, config: ServeConfig, device: str, pid: int) -> None:
         self.config = config
         self.device = device
         self.pid = pid
         self.state = DaemonState.STARTING
-        self.children = {c.name: c for c in plan_workers(config, device, pid)}
+        self.children = {s.name: Child(s) for s in plan_workers(config, device, pid)}
         self.endpoints = ipc.Endpoints(config.runtime_dir)
         self.started_at = time.time()
         self.started_mono = time.monotonic()
@@ -278,7 +246,7 @@ class Supervisor:
                 "%s (pid %s) died (%s) after %.1f s",
                 child.name,
                 child.pid,
-                _describe_exit(code),
+                describe_exit(code),
                 ran,
             )
             if child.num_fast_failures >= policy.max_fast_failures:
@@ -286,7 +254,7 @@ class Supervisor:
                 self.give_up(
                     f"{child.name} died {child.num_fast_failures} times in a row "
                     f"within {policy.stable_after_s:.0f} s of starting "
-                    f"(last: {_describe_exit(code)})"
+                    f"(last: {describe_exit(code)})"
                 )
                 return
             delay = policy.delay(child.num_fast_failures)

@@ -1,0 +1,14 @@
+from __future__ import annotations
+
+from lmd.bench import main, measure_ipc
+
+
+def test_ipc_benchmark_moves_every_message_between_two_processes() -> None:
+    result = measure_ipc(num_messages=2000, num_round_trips=50)
+    assert result["messages"] == 2000 and result["round_trips"] == 50
+    assert result["messages_per_s"] > 0 and result["message_bytes"] > 100
+    assert 0 < result["rtt_us"]["p50"] <= result["rtt_us"]["p99"]
+
+
+def test_bad_arguments_are_a_usage_error(capsys: object) -> None:
+    assert main(["ipc", "--messages", "0"]) == 2
