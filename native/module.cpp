@@ -2,13 +2,12 @@
 // own file; this one only binds them.
 #include <pybind11/pybind11.h>
 
-#include "bindings.h"
 #include "cuda_driver.h"
 
 namespace py = pybind11;
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "lmd native helpers: the KV transfer engine (host and cuda_ipc transports) and a CUDA probe";
+  m.doc() = "lmd native helpers: CUDA driver probe (KV transfer engine to follow)";
   m.attr("ABI_VERSION") = 1;
 
   m.def(
@@ -27,6 +26,4 @@ PYBIND11_MODULE(_native, m) {
       },
       "Load the CUDA driver at run time and count devices.\n\n"
       "Returns {'available': bool, 'devices': int, 'reason': str}; never raises.");
-
-  lmd::bind_transport(m);
 }
