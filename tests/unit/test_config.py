@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,7 +29,7 @@ def test_defaults_match_the_design() -> None:
         ({"log_level": "loud"}, "log_level"),
     ],
 )
-def test_bad_values_name_the_key(kwargs: dict[str, object], key: str) -> None:
+def test_bad_values_name_the_key(kwargs: dict[str, Any], key: str) -> None:
     with pytest.raises(ConfigError, match=f"^{key}: "):
         ServeConfig(runtime_dir=Path("/run/lmd"), **kwargs)
 
