@@ -1,0 +1,171 @@
+"""Decode scheduling: the persistent running batch. Pure: no I/O, no tensors.
+
+Life cycle of a request in the decode scheduler:
+  1. `add(seq)` takes a sequence whose prompt is computed (all but its last token
+     cached in its blocks: prefilled in this process, or migrated into reserved
+     blocks) and puts it in `waiting`.
+  2. `schedule()` first gives every running sequence room for its last token, oldest
+     first. When no block is free it preempts the most recently admitted sequence
+     (possibly the one asking): its blocks are freed and it is returned in
+     `batch.preempted`, to be put at the front of a prefill queue and recomputed
+     (prompt + output). Sequences already given room are never touched. Then it
+     admits waiting sequences in order while the batch has a slot and a block.
+  3. `postprocess(batch, token_ids)` appends one sampled token per sequence, finishes
+     it on a stop or eos token (not before min_new_tokens, eos not with ignore_eos),
+     max_tokens or session_len (finish_reason `length`), and frees finished ones.
+  4. `abort(request_id)` frees the request wherever it is.
+
+A hybrid engine drives both schedulers over one block manager:
+    pre = prefill.schedule(max_new_seqs=max_batch_size - decode.num_seqs - prefill.num_running)
+    run(pre); for seq in prefill.postprocess(pre, tokens): decode.add(seq) unless finished
+    dec = decode.schedule(); for seq in dec.preempted: prefill.add(seq, front=True)
+    run(dec); decode.postprocess(dec, tokens)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Collection, Iterable
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+
+from lmd.engine.block_manager import BlockManager
+from lmd.engine.config import EngineConfig
+from lmd.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """One decode step: each of `seqs` feeds its last token and samples the next."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)  # newest first; recompute them
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class DecodeScheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids: Collection[int] = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is the newest
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest sequence this engine holds: session_len, and what the pool fits."""
+        pool = self.block_manager.max_num_tokens
+        session_len = self.config.session_len
+        return pool if session_len is None else min(session_len, pool)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a prefilled sequence (KV of all but its last token in its blocks)."""
+        if seq.is_finished:
+            raise ValueError(f"request {seq.request_id} is already finished")
+        if seq.num_cached_tokens != seq.num_tokens - 1:
+            raise ValueError(
+                f"request {seq.request_id} has {seq.num_tokens} tokens but "
+                f"{seq.num_cached_tokens} cached; decode needs all but the last cached"
+            )
+        if len(seq.block_table) < self.block_manager.num_blocks_needed(seq.num_cached_tokens):
+            raise ValueError(f"request {seq.request_id} has too few blocks for its cached tokens")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> DecodeBatch:
+        """The next step's batch, growing each sequence by one token's room."""
+        batch = DecodeBatch()
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            if self._make_room(seq, batch.preempted):
+                batch.seqs.append(seq)
+                i += 1
+        while self.waiting and len(self.running) < self.config.max_batch_size:
+            seq = self.waiting[0]
+            if not self.block_manager.can_append(seq):
+                if self.running:
+                    break  # wait for running sequences to finish and free blocks
+                # Nothing runs, so nothing will free blocks: make room from the newest
+                # waiting sequences (the head itself, as a last resort).
+                victim = self.waiting.pop()
+                self._preempt(victim, batch.preempted)
+                continue
+            self.waiting.popleft()
+            self.block_manager.append(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+        return batch
+
+    def postprocess(self, batch: DecodeBatch, token_ids: SequenceOf[int]) -> list[Sequence]:
+        """Append one sampled token per `batch.seqs`; returns the sequences that finished."""
+        if len(token_ids) != len(batch.seqs):
+            raise ValueError(
+                f"expected {len(batch.seqs)} sampled tokens, one per sequence, got {len(token_ids)}"
+            )
+        finished: list[Sequence] = []
+        for seq, token_id in zip(batch.seqs, token_ids, strict=True):
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            seq.num_cached_tokens = seq.num_tokens
+            self.block_manager.cache_full_blocks(seq)
+            reason = seq.append_token(
+                token_id, eos_token_ids=self.eos_token_ids, max_seq_len=self.max_seq_len
+            )
+            if reason is not None:
+                self.running.remove(seq)
+                self.block_manager.free(seq)
+                finished.append(seq)
+        return finished
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Free and finish `request_id` if it is here; returns it, or None."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self.block_manager.free(seq)
+                    seq.finish(FinishReason.ABORT)
+                    return seq
+        return None
+
+    def _make_room(self, seq: Sequence, preempted: list[Sequence]) -> bool:
+        """Room for `seq`'s last token, preempting newer sequences; False if `seq` went."""
+        while not self.block_manager.can_append(seq):
+            victim = self.running.pop()
+            self._preempt(victim, preempted)
+            if victim is seq:
+                return False
+        self.block_manager.append(seq)
+        return True
+
+    def _preempt(self, seq: Sequence, preempted: list[Sequence]) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
+        preempted.append(seq)

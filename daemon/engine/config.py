@@ -1,0 +1,89 @@
+"""Engine settings shared by the KV pool, block manager and schedulers.
+
+The names and defaults follow LMDeploy's engine config, so that `--block-size`,
+`--max-batch-size`, `--max-prefill-token-num`, `--session-len`,
+`--cache-max-entry-count` and `--enable-prefix-caching` mean what its users expect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How one engine process pages, batches and caches.
+
+    cache_max_entry_count: a float in (0, 1] is the fraction of the memory left free
+    after the weights that the KV pool takes; an int > 0 is an exact block count.
+    session_len: cap on prompt + output tokens per sequence; None = the model's maximum
+    (resolve it with `with_session_len` once the model is loaded).
+    """
+
+    block_size: int = 64
+    max_batch_size: int = 128
+    max_prefill_token_num: int = 8192
+    session_len: int | None = None
+    cache_max_entry_count: float | int = 0.8
+    enable_prefix_caching: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("block_size", self.block_size, minimum=1)
+        _check_int("max_batch_size", self.max_batch_size, minimum=1)
+        _check_int("max_prefill_token_num", self.max_prefill_token_num, minimum=1)
+        if self.session_len is not None:
+            _check_int("session_len", self.session_len, minimum=2)
+        _check_cache_max_entry_count(self.cache_max_entry_count)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}"
+            )
+
+    @property
+    def cache_is_block_count(self) -> bool:
+        """True when cache_max_entry_count names a block count rather than a fraction."""
+        return isinstance(self.cache_max_entry_count, int)
+
+    def with_session_len(self, model_max_len: int) -> EngineConfig:
+        """A copy whose session_len is resolved against the model's context length.
+
+        None becomes the model maximum; a larger explicit value is an error, because
+        positions beyond the model's context are not meaningful.
+        """
+        _check_int("model_max_len", model_max_len, minimum=2)
+        if self.session_len is None:
+            return dataclasses.replace(self, session_len=model_max_len)
+        if self.session_len > model_max_len:
+            raise ValueError(
+                f"session_len={self.session_len} exceeds the model's context length "
+                f"{model_max_len}; lower --session-len"
+            )
+        return dataclasses.replace(self)
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_cache_max_entry_count(value: object) -> None:
+    if isinstance(value, bool):
+        raise ValueError(
+            "cache_max_entry_count must be a fraction in (0, 1] or a block count > 0, "
+            f"got {value!r}"
+        )
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"cache_max_entry_count as a block count must be > 0, got {value}")
+        return
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(
+                f"cache_max_entry_count as a fraction must be in (0, 1], got {value}; "
+                "pass an integer for a block count"
+            )
+        return
+    raise ValueError(
+        f"cache_max_entry_count must be a float fraction or an int block count, got {value!r}"
+    )

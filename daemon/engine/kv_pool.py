@@ -1,0 +1,212 @@
+"""The KV pool: one tensor per engine process, block-major, and how big to make it.
+
+Layout (ARCHITECTURE §4): kv: [num_blocks, num_layers, 2 (k, v), block_size,
+num_kv_heads, head_dim]. One block of every layer is one contiguous byte range, so a
+migration copies whole blocks, and consecutive block ids merge into one range.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Iterable
+
+import torch
+
+# On CPU there is no "free device memory": an engine takes a share of the available
+# RAM (prefill and decode processes share one machine), at most this much.
+CPU_KV_CAP_BYTES = 4 << 30
+
+PoolBuffer = torch.Tensor | bytearray | memoryview | mmap.mmap
+
+
+def bytes_per_block(
+    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> int:
+    """Bytes of one block: k and v of `block_size` tokens for every layer."""
+    for name, value in (
+        ("num_layers", num_layers),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+        ("block_size", block_size),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+def num_blocks_for(
+    cache_max_entry_count: float | int, free_bytes: int, bytes_per_block: int
+) -> int:
+    """Blocks in the pool, with LMDeploy's cache_max_entry_count semantics.
+
+    A float in (0, 1] takes that fraction of `free_bytes` (free device memory after the
+    weights); an int > 0 is the block count itself, which must fit in `free_bytes`.
+    """
+    if bytes_per_block < 1:
+        raise ValueError(f"bytes_per_block must be >= 1, got {bytes_per_block}")
+    if isinstance(cache_max_entry_count, bool):
+        raise ValueError(f"cache_max_entry_count must be a number, got {cache_max_entry_count}")
+    if isinstance(cache_max_entry_count, int):
+        if cache_max_entry_count < 1:
+            raise ValueError(
+                f"cache_max_entry_count as a block count must be > 0, got {cache_max_entry_count}"
+            )
+        needed = cache_max_entry_count * bytes_per_block
+        if needed > free_bytes:
+            raise ValueError(
+                f"cache_max_entry_count={cache_max_entry_count} blocks need "
+                f"{needed / 2**30:.2f} GiB but only {free_bytes / 2**30:.2f} GiB is free; "
+                "lower it or pass a fraction"
+            )
+        return cache_max_entry_count
+    if not 0.0 < cache_max_entry_count <= 1.0:
+        raise ValueError(
+            f"cache_max_entry_count as a fraction must be in (0, 1], got {cache_max_entry_count}"
+        )
+    num_blocks = int(free_bytes * cache_max_entry_count) // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"cache_max_entry_count={cache_max_entry_count} of {free_bytes / 2**20:.1f} MiB "
+            f"free holds no {bytes_per_block / 2**20:.2f} MiB block; free memory or raise it"
+        )
+    return num_blocks
+
+
+def cpu_free_bytes(
+    available_bytes: int, *, share: float = 0.5, cap_bytes: int = CPU_KV_CAP_BYTES
+) -> int:
+    """What a CPU engine treats as free memory: a share of available RAM, capped."""
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"share must be in (0, 1], got {share}")
+    return max(0, min(int(available_bytes * share), cap_bytes))
+
+
+class KVPool:
+    """The engine's KV cache: one allocation, block-major, indexed by block id.
+
+    Pass `buffer` (a flat tensor, or a writable bytearray/memoryview/mmap such as a
+    shared-memory mapping) to view existing memory instead of allocating; the pool then
+    keeps its contents as they are. A pool it allocates itself starts zeroed, so that
+    unused slots never hold NaNs an attention kernel could pick up.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        buffer: PoolBuffer | None = None,
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.block_nbytes = bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype)
+        shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+        if buffer is None:
+            # kv: [N, L, 2, S, Hkv, D]
+            self.kv = torch.zeros(shape, dtype=dtype, device=device or "cpu")
+        else:
+            raw = _as_bytes(buffer, device)
+            if raw.numel() < self.nbytes_for(num_blocks):
+                raise ValueError(
+                    f"buffer holds {raw.numel()} bytes but {num_blocks} blocks need "
+                    f"{self.nbytes_for(num_blocks)}"
+                )
+            if raw.data_ptr() % dtype.itemsize:
+                raise ValueError(f"buffer is not aligned to {dtype.itemsize} bytes for {dtype}")
+            self.kv = raw[: self.nbytes_for(num_blocks)].view(dtype).view(shape)
+
+    def nbytes_for(self, num_blocks: int) -> int:
+        return num_blocks * self.block_nbytes
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.kv.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.kv.shape[3]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kv.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.block_nbytes
+
+    @property
+    def data_ptr(self) -> int:
+        """Address of block 0: what a transport registers with its peer."""
+        return self.kv.data_ptr()
+
+    def block_offset(self, block_id: int) -> int:
+        """Byte offset of `block_id` from the start of the pool."""
+        self._check_block(block_id)
+        return block_id * self.block_nbytes
+
+    def contiguous_ranges(self, block_ids: Iterable[int]) -> list[tuple[int, int]]:
+        """(byte offset, byte length) per run of consecutive block ids, in order."""
+        ranges: list[tuple[int, int]] = []
+        previous = -2
+        for block_id in block_ids:
+            offset = self.block_offset(block_id)
+            if ranges and block_id == previous + 1:
+                start, length = ranges[-1]
+                ranges[-1] = (start, length + self.block_nbytes)
+            else:
+                ranges.append((offset, self.block_nbytes))
+            previous = block_id
+        return ranges
+
+    def block(self, block_id: int) -> torch.Tensor:
+        """One block of every layer. # [L, 2, S, Hkv, D]"""
+        self._check_block(block_id)
+        return self.kv[block_id]
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Strided k and v views of one layer. # each [N, S, Hkv, D]"""
+        if not 0 <= layer_idx < self.num_layers:
+            raise IndexError(f"layer {layer_idx} out of range 0..{self.num_layers - 1}")
+        return self.kv[:, layer_idx, 0], self.kv[:, layer_idx, 1]
+
+    def as_bytes(self) -> torch.Tensor:
+        """The whole pool as a flat uint8 view (same memory). # [N * block_nbytes]"""
+        return self.kv.view(-1).view(torch.uint8)
+
+    def _check_block(self, block_id: int) -> None:
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block {block_id} out of range 0..{self.num_blocks - 1}")
+
+
+def _as_bytes(buffer: PoolBuffer, device: torch.device | str | None) -> torch.Tensor:
+    """A flat uint8 tensor over `buffer`'s memory (no copy)."""
+    if isinstance(buffer, torch.Tensor):
+        if device is not None and torch.device(device) != buffer.device:
+            raise ValueError(f"buffer is on {buffer.device} but device={device} was asked")
+        if not buffer.is_contiguous():
+            raise ValueError("buffer tensor must be contiguous")
+        return buffer.reshape(-1).view(torch.uint8)
+    if device is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"a host buffer cannot back a pool on {device}")
+    view = memoryview(buffer)
+    if not view.c_contiguous:
+        raise ValueError("buffer must be C-contiguous")
+    view = view.cast("B")
+    if view.readonly:
+        raise ValueError("buffer is read-only; the KV pool must be writable")
+    if view.nbytes == 0:
+        raise ValueError("buffer is empty")
+    return torch.frombuffer(view, dtype=torch.uint8)

@@ -1,0 +1,206 @@
+"""One request inside an engine: its tokens, sampling settings and KV blocks.
+
+Lifecycle of a Sequence (status transitions; nothing else is allowed):
+  WAITING   -> RUNNING     the prefill scheduler admitted it (blocks allocated)
+  RUNNING   -> WAITING     its prompt is computed and a first token sampled; it waits
+                           for a place in the decode batch (or for migration)
+  WAITING   -> RUNNING     the decode scheduler admitted it into its batch
+  RUNNING   -> PREEMPTED   decode ran out of blocks (or, with nothing running, a
+                           WAITING one held them); its blocks were freed and its
+                           prompt + output will be prefilled again
+  PREEMPTED -> RUNNING     the prefill scheduler re-admitted it for that recompute
+  any       -> FINISHED    stop/eos token, max_tokens, session_len, or abort
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Collection
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    """The OpenAI `finish_reason` values a sequence can end with."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to choose each next token, and when to stop.
+
+    temperature 0 is greedy. top_k 0 and top_p 1 and min_p 0 are off. logprobs None
+    returns none; N in 0..20 returns the chosen token's logprob and N alternatives.
+    min_new_tokens keeps eos and stop_token_ids from ending the output earlier.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 256
+    min_new_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        self.temperature = _number("temperature", self.temperature)
+        self.top_p = _number("top_p", self.top_p)
+        self.min_p = _number("min_p", self.min_p)
+        self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(
+                f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}"
+            )
+        _integer("top_k", self.top_k, minimum=0)
+        _integer("max_tokens", self.max_tokens, minimum=1)
+        _integer("min_new_tokens", self.min_new_tokens, minimum=0)
+        if self.seed is not None:
+            _integer("seed", self.seed, minimum=None)
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, minimum=0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        for token_id in self.stop_token_ids:
+            _integer("stop_token_ids entry", token_id, minimum=0)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """A request's tokens and KV bookkeeping; compared by identity.
+
+    num_cached_tokens counts the leading tokens whose KV is already in `block_table`
+    (prefix-cache hits plus prefill chunks and decode steps that ran). The block
+    manager owns `block_table`; schedulers own `status`.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_prefix_cached_tokens: int = 0  # of the prompt, served by the prefix cache
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id}: the prompt has no tokens")
+        for token_id in self.prompt_token_ids:
+            _integer("prompt token id", token_id, minimum=0)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt then output: what a (re)prefill computes."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncached_tokens(self) -> int:
+        return self.num_tokens - self.num_cached_tokens
+
+    @property
+    def last_token_id(self) -> int:
+        if self.output_token_ids:
+            return self.output_token_ids[-1]
+        return self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(
+        self, token_id: int, *, eos_token_ids: Collection[int], max_seq_len: int | None
+    ) -> FinishReason | None:
+        """Add a sampled token; finish the sequence if it stops here and say why.
+
+        The stopping token itself is kept in the output (it counts as generated, as in
+        vLLM); the detokenizer leaves special tokens out of the text.
+        """
+        if self.is_finished:
+            raise RuntimeError(f"request {self.request_id} is finished; cannot append")
+        may_stop = self.num_output_tokens >= self.sampling.min_new_tokens
+        self.output_token_ids.append(token_id)
+        eos = not self.sampling.ignore_eos and token_id in eos_token_ids
+        reason: FinishReason | None = None
+        if may_stop and (eos or token_id in self.sampling.stop_token_ids):
+            reason = FinishReason.STOP
+        elif self.num_output_tokens >= self.sampling.max_tokens or (
+            max_seq_len is not None and self.num_tokens >= max_seq_len
+        ):
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self.finish(reason)
+        return reason
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+
+
+def banned_token_ids(seq: Sequence, eos_token_ids: SequenceOf[int]) -> list[int]:
+    """Tokens the sampler must not pick yet, because min_new_tokens is not reached."""
+    if seq.num_output_tokens >= seq.sampling.min_new_tokens:
+        return []
+    banned = list(seq.sampling.stop_token_ids)
+    if not seq.sampling.ignore_eos:
+        banned.extend(eos_token_ids)
+    return banned
+
+
+def _number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    return float(value)
+
+
+def _integer(name: str, value: object, *, minimum: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
