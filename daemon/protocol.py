@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import sys
 import types
 import typing
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Union
 
@@ -33,6 +36,11 @@ class MsgType(enum.IntEnum):
     RESUME = 11
     STOP = 12
     CLUSTER_STATE = 13
+    # data path
+    GENERATE = 20
+    ABORT = 21
+    TOKENS = 22
+    REQUEST_ERROR = 23
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +94,82 @@ class ClusterState:
     missing_roles: list[str]  # roles with no running worker (why /health is 503)
 
 
-Message = Union[Ready, Heartbeat, Drain, Resume, Stop, ClusterState]  # noqa: UP007
+@dataclass(frozen=True, slots=True)
+class Generate:
+    """Run a tokenized request; its tokens go to the inbox of worker `reply_to`."""
+
+    TYPE: ClassVar[MsgType] = MsgType.GENERATE
+    request_id: str
+    reply_to: str  # a worker name, e.g. "tokenizer-0"
+    sampling: dict[str, Any]  # SamplingParams fields
+    prompt: bytes  # token ids, int32 little-endian
+
+    def check(self) -> None:
+        if not self.prompt or len(self.prompt) % 4:
+            raise ProtocolError("Generate.prompt must be a non-empty int32 array")
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return unpack_ids(self.prompt)
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Forget a request and free what it holds (client gone, or stopped early)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.ABORT
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """The tokens one engine step sampled, one entry per request, for one receiver."""
+
+    TYPE: ClassVar[MsgType] = MsgType.TOKENS
+    request_ids: list[str]
+    finish_reasons: list[str | None]  # stop, length, abort on a request's last token
+    logprobs: list[dict[str, Any] | None]  # {"logprob", "top": [[id, logprob], ...]}
+    token_ids: bytes  # int32 little-endian, one per request
+
+    def check(self) -> None:
+        n = len(self.request_ids)
+        if len(self.finish_reasons) != n or len(self.logprobs) != n:
+            raise ProtocolError("Tokens: request_ids, finish_reasons, logprobs differ in length")
+        if len(self.token_ids) != 4 * n:
+            raise ProtocolError(f"Tokens: {n} requests but {len(self.token_ids) // 4} token ids")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestError:
+    """A request failed where it was; `code` is an OpenAI-style error type."""
+
+    TYPE: ClassVar[MsgType] = MsgType.REQUEST_ERROR
+    request_id: str
+    code: str  # invalid_request_error, overloaded, internal_error
+    message: str
+
+
+Message = Union[  # noqa: UP007
+    Ready, Heartbeat, Drain, Resume, Stop, ClusterState, Generate, Abort, Tokens, RequestError
+]
+
+
+def pack_ids(ids: Sequence[int]) -> bytes:
+    """Token ids as int32 little-endian bytes (the wire form)."""
+    out = array("i", ids)
+    if sys.byteorder != "little":
+        out.byteswap()
+    return out.tobytes()
+
+
+def unpack_ids(raw: bytes) -> list[int]:
+    ids = array("i")
+    ids.frombytes(raw)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return ids.tolist()
+
+
 _MESSAGE_CLASSES: tuple[type[Any], ...] = typing.get_args(Message)
 
 
@@ -94,6 +177,7 @@ _MESSAGE_CLASSES: tuple[type[Any], ...] = typing.get_args(Message)
 class _Field:
     name: str
     kinds: tuple[type, ...]  # accepted JSON-decoded types
+    item_kinds: tuple[type, ...] | None  # for list[X]: accepted types of each element
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,10 +203,14 @@ def _schema(cls: type[Any]) -> _Schema:
     hints = typing.get_type_hints(cls)
     header, frames = [], []
     for f in dataclasses.fields(cls):
-        if hints[f.name] is bytes:
+        hint = hints[f.name]
+        if hint is bytes:
             frames.append(f.name)
-        else:
-            header.append(_Field(f.name, _kinds(hints[f.name])))
+            continue
+        args = typing.get_args(hint)
+        is_typed_list = typing.get_origin(hint) is list and args and args[0] is not Any
+        items = _kinds(args[0]) if is_typed_list else None
+        header.append(_Field(f.name, _kinds(hint), items))
     return _Schema(cls, tuple(header), tuple(frames))
 
 
@@ -166,8 +254,14 @@ def decode(frames: list[bytes]) -> Message:
     if set(header) != expected:
         raise ProtocolError(f"{name}: header keys {sorted(header)} != {sorted(expected)}")
     for f in schema.header:
-        if not _type_ok(header[f.name], f.kinds):
-            raise ProtocolError(f"{name}.{f.name}: wrong type {type(header[f.name]).__name__}")
+        value = header[f.name]
+        if not _type_ok(value, f.kinds):
+            raise ProtocolError(f"{name}.{f.name}: wrong type {type(value).__name__}")
+        if f.item_kinds is not None and not all(_type_ok(v, f.item_kinds) for v in value):
+            raise ProtocolError(f"{name}.{f.name}: an element has the wrong type")
     raw = dict(zip(schema.frames, frames[2:], strict=True))
     msg: Message = schema.cls(**header, **raw)
+    check = getattr(msg, "check", None)
+    if check is not None:
+        check()
     return msg

@@ -12,6 +12,15 @@ MESSAGES: list[protocol.Message] = [
     protocol.Resume(),
     protocol.Stop(),
     protocol.ClusterState("running", ["decode"]),
+    protocol.Generate("r1", "tokenizer-0", {"temperature": 0.0}, protocol.pack_ids([1, 2, 3])),
+    protocol.Abort("r1"),
+    protocol.Tokens(
+        ["r1", "r2"],
+        [None, "stop"],
+        [None, {"logprob": -0.5, "top": [[7, -0.5], [9, -1.5]]}],
+        protocol.pack_ids([7, 2]),
+    ),
+    protocol.RequestError("r1", "invalid_request_error", "temperature must be >= 0"),
 ]
 
 
@@ -42,6 +51,28 @@ def test_no_pickle_on_the_wire() -> None:
         ([b"\x02", b'{"name":"a","inflight":1.5,"num_dropped":0,"stats":{}}'], "inflight"),
         ([b"\x02", b'{"name":null,"inflight":0,"num_dropped":0,"stats":{}}'], "name"),
         ([b"\x0c", b"{}", b"extra"], "expected 2 frames"),
+        ([b"\x14", b'{"request_id":"a","reply_to":"t","sampling":{}}', b"\x01\x00"], "int32"),
+        ([b"\x14", b'{"request_id":"a","reply_to":"t","sampling":{}}', b""], "int32"),
+        (
+            [
+                b"\x16",
+                b'{"request_ids":["a",2],"finish_reasons":[null,null],"logprobs":[null,null]}',
+                b"\x00" * 8,
+            ],
+            "element",
+        ),
+        (
+            [
+                b"\x16",
+                b'{"request_ids":["a"],"finish_reasons":[null],"logprobs":[null]}',
+                b"\x00" * 8,
+            ],
+            "1 requests but 2 token ids",
+        ),
+        (
+            [b"\x16", b'{"request_ids":["a"],"finish_reasons":[],"logprobs":[null]}', b"\x00" * 4],
+            "differ in length",
+        ),
     ],
 )
 def test_malformed_is_a_protocol_error(frames: list[bytes], reason: str) -> None:
@@ -52,3 +83,10 @@ def test_malformed_is_a_protocol_error(frames: list[bytes], reason: str) -> None
 def test_message_types_are_unique_bytes() -> None:
     types = [int(t) for t in protocol.MsgType]
     assert len(types) == len(set(types)) and all(0 < t < 256 for t in types)
+
+
+def test_token_ids_travel_as_int32_little_endian() -> None:
+    ids = [0, 1, 49151, 2**31 - 1]
+    raw = protocol.pack_ids(ids)
+    assert raw[:8] == b"\x00\x00\x00\x00\x01\x00\x00\x00"
+    assert protocol.unpack_ids(raw) == ids
