@@ -1,11 +1,8 @@
-"""`lmd-bench`: benchmarks that print figures for docs/benchmarks.md.
+"""`lmd-bench ipc [--messages N] [--round-trips N] [--json]`
 
-    lmd-bench ipc [--messages N] [--round-trips N] [--json]
-
-`ipc` measures the internal wire path (protocol encode + ZeroMQ ipc + decode) between two
+Measures the internal wire path (protocol encode + ZeroMQ ipc + decode) between two
 real processes: one-way messages per second (PUSH -> PULL, decoded on arrival) and the
-round-trip latency of one message there and back. The serving, offline and migration
-benchmarks join it with their issues.
+round-trip latency of one message there and back.
 """
 
 from __future__ import annotations
@@ -13,14 +10,11 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import statistics
-import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import orjson
 import zmq
 
 from lmd import protocol
@@ -89,38 +83,28 @@ def measure_ipc(num_messages: int, num_round_trips: int) -> dict[str, Any]:
             "p99": round(quantiles[98], 1),
             "mean": round(statistics.fmean(rtt_us), 1),
         },
-        "command": " ".join(["lmd-bench", *sys.argv[1:]]),
     }
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lmd-bench", description="lmd benchmarks")
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_parser(sub: Any) -> None:
     ipc = sub.add_parser("ipc", help="wire protocol over ZeroMQ ipc between two processes")
     ipc.add_argument("--messages", type=int, default=200_000)
     ipc.add_argument("--round-trips", type=int, default=5_000)
     ipc.add_argument("--json", action="store_true", help="print one JSON line")
-    return parser
+    ipc.set_defaults(run=run)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.messages < 1 or args.round_trips < 2:
-        print("lmd-bench: --messages must be >= 1 and --round-trips >= 2", file=sys.stderr)
-        return 2
-    result = measure_ipc(args.messages, args.round_trips)
-    if args.json:
-        print(orjson.dumps(result).decode())
-    else:
-        rtt = result["rtt_us"]
-        print(
-            f"one way: {result['messages_per_s']:,} messages/s "
-            f"({result['messages']:,} x {result['message_bytes']} B in {result['seconds']} s)\n"
-            f"round trip: p50 {rtt['p50']} us, p99 {rtt['p99']} us, mean {rtt['mean']} us "
-            f"over {result['round_trips']:,}"
-        )
-    return 0
+        raise ValueError("--messages must be >= 1 and --round-trips >= 2")
+    return measure_ipc(args.messages, args.round_trips)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def summary(result: dict[str, Any]) -> str:
+    rtt = result["rtt_us"]
+    return (
+        f"one way: {result['messages_per_s']:,} messages/s "
+        f"({result['messages']:,} x {result['message_bytes']} B in {result['seconds']} s)\n"
+        f"round trip: p50 {rtt['p50']} us, p99 {rtt['p99']} us, mean {rtt['mean']} us "
+        f"over {result['round_trips']:,}"
+    )

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from lmd.bench import main, measure_ipc
+from lmd.bench import main
+from lmd.bench.ipc import measure_ipc
 
 
 def test_ipc_benchmark_moves_every_message_between_two_processes() -> None:

@@ -1,0 +1,260 @@
+"""The interface every model backend implements, and the batch it runs.
+
+A backend owns the model weights of one engine process and runs one `ForwardBatch` per
+engine step: it writes the new tokens' K/V into the paged KV pool and returns logits for
+the rows that are sampled. The pool is one tensor, block-major (ARCHITECTURE §4):
+
+    kv: [num_blocks, num_layers, 2 (k, v), block_size, num_kv_heads, head_dim]
+
+Backends: `torch` (any Hugging Face causal LM through transformers' modules, CPU and
+CUDA) and later `turbo` (Triton/CUDA, Llama family). `select_backend` picks one.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAMES = ("auto", "torch", "turbo")
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+class BackendError(ValueError):
+    """A backend cannot be chosen or built as asked; the message says why in one line."""
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """One engine step: the new tokens of B sequences packed into T rows, no padding.
+
+    Sequences may mix prefill chunks (many new tokens, maybe after a cached prefix) and
+    decode steps (one new token). Sequence b owns rows `cu_seqlens[b]:cu_seqlens[b+1]`;
+    its new tokens sit at positions `num_cached[b] .. context_lens[b]-1`, and the K/V of
+    all `context_lens[b]` tokens lives in the blocks `block_tables[b]` lists in order
+    (token p in block `block_tables[b, p // block_size]` at offset `p % block_size`).
+    Build it with `ForwardBatch.pack`; `seq_lens` and `context_lens` stay on the CPU
+    (the backend reads them without a device sync), the rest is copied to the device.
+    """
+
+    input_ids: Tensor  # [T] int64, new tokens, sequence after sequence
+    positions: Tensor  # [T] int64, position of each token in its sequence
+    seq_lens: Tensor  # [B] int32 on CPU, new tokens per sequence (>= 1)
+    context_lens: Tensor  # [B] int32 on CPU, cached + new tokens after this step
+    block_tables: Tensor  # [B, max_blocks] int32, block ids, -1 padded
+    slot_mapping: Tensor  # [T] int64, block_id * block_size + offset of each new token
+    logits_indices: Tensor  # [R] int64, rows of T whose logits forward returns
+
+    def __post_init__(self) -> None:
+        t, b = self.input_ids.shape[0], self.seq_lens.shape[0]
+        if self.input_ids.ndim != 1 or self.positions.shape != (t,):
+            raise ValueError("input_ids and positions must both be [T]")
+        if self.slot_mapping.shape != (t,):
+            raise ValueError("slot_mapping must be [T], one slot per new token")
+        if self.context_lens.shape != (b,) or self.block_tables.ndim != 2:
+            raise ValueError("context_lens must be [B] and block_tables [B, max_blocks]")
+        if self.block_tables.shape[0] != b or self.block_tables.dtype != torch.int32:
+            raise ValueError("block_tables must be int32 with one row per sequence")
+        if self.seq_lens.device.type != "cpu" or self.context_lens.device.type != "cpu":
+            raise ValueError("seq_lens and context_lens must stay on the CPU")
+        if int(self.seq_lens.sum()) != t or (b and int(self.seq_lens.min()) < 1):
+            raise ValueError("seq_lens must be >= 1 and sum to the number of tokens")
+        if bool((self.context_lens < self.seq_lens).any()):
+            raise ValueError("context_lens must count the new tokens too (>= seq_lens)")
+        if self.positions.device.type == "cpu" and not torch.equal(
+            self.positions, _positions(self.seq_lens, self.num_cached)
+        ):
+            raise ValueError("positions must run from num_cached to context_lens - 1")
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def cu_seqlens(self) -> Tensor:
+        """[B + 1] int32 on CPU: sequence b's rows are cu_seqlens[b]:cu_seqlens[b+1]."""
+        out = torch.zeros(self.num_seqs + 1, dtype=torch.int32)
+        torch.cumsum(self.seq_lens, 0, out=out[1:])
+        return out
+
+    @property
+    def num_cached(self) -> Tensor:
+        """[B] int32 on CPU: tokens already in the KV pool before this step."""
+        return self.context_lens - self.seq_lens
+
+    @classmethod
+    def pack(
+        cls,
+        new_token_ids: Sequence[Sequence[int]],
+        num_cached: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        sample: Sequence[bool] | None = None,
+    ) -> ForwardBatch:
+        """Pack B sequences' new tokens into one batch (CPU tensors).
+
+        new_token_ids[b]: the tokens to run now (a prompt chunk, or the one last token);
+        num_cached[b]: tokens of sequence b whose K/V is already in its blocks (a cached
+        prefix or earlier chunks); block_tables[b]: its block ids, covering at least
+        num_cached[b] + len(new_token_ids[b]) tokens; sample[b]: whether forward returns
+        logits for its last token (False for a prompt chunk that is not the last; default
+        all True).
+        """
+        b = len(new_token_ids)
+        if not len(num_cached) == len(block_tables) == b or (
+            sample is not None and len(sample) != b
+        ):
+            raise ValueError("pack needs one entry per sequence in every argument")
+        seq_lens = torch.tensor([len(ids) for ids in new_token_ids], dtype=torch.int32)
+        cached = torch.tensor(list(num_cached), dtype=torch.int32).reshape(b)
+        context_lens = cached + seq_lens
+        width = max(1, max((len(t) for t in block_tables), default=1))
+        totals = context_lens.tolist()
+        padded = []
+        for i, table in enumerate(block_tables):
+            if table and min(table) < 0:
+                raise ValueError(f"sequence {i}: block ids must be >= 0")
+            if len(table) * block_size < totals[i]:
+                raise ValueError(
+                    f"sequence {i}: {len(table)} blocks of {block_size} cannot hold "
+                    f"{totals[i]} tokens"
+                )
+            padded.append([*table, *([-1] * (width - len(table)))])
+        tables = torch.tensor(padded, dtype=torch.int32).reshape(b, width)
+        input_ids = torch.tensor([t for ids in new_token_ids for t in ids], dtype=torch.int64)
+        positions = _positions(seq_lens, cached)
+        seq_of_row = torch.repeat_interleave(torch.arange(b), seq_lens.long())  # [T]
+        blocks = tables.long()[seq_of_row, positions // block_size]
+        slot_mapping = blocks * block_size + positions % block_size
+        wanted = [True] * b if sample is None else list(sample)
+        last_rows = torch.cumsum(seq_lens.long(), 0) - 1
+        logits_indices = last_rows[torch.tensor(wanted, dtype=torch.bool)]
+        return cls(
+            input_ids, positions, seq_lens, context_lens, tables, slot_mapping, logits_indices
+        )
+
+
+def _positions(seq_lens: Tensor, num_cached: Tensor) -> Tensor:
+    """[T] int64: num_cached[b], num_cached[b] + 1, ... for each sequence's new tokens."""
+    lens = seq_lens.long()
+    seq_of_row = torch.repeat_interleave(torch.arange(lens.shape[0]), lens)  # [T]
+    starts = torch.cumsum(lens, 0) - lens  # [B], first row of each sequence
+    return torch.arange(int(lens.sum())) - starts[seq_of_row] + num_cached.long()[seq_of_row]
+
+
+class Backend(ABC):
+    """A model loaded for one engine process; built as `cls(model_dir, device, dtype)`.
+
+    `model_dir` is a local Hugging Face directory (see model_source.resolve_model).
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
+        """Load the model in `model_dir` onto `device` in `dtype`."""
+
+    @property
+    @abstractmethod
+    def architecture(self) -> str:
+        """The model class name from config.json, e.g. "LlamaForCausalLM"."""
+
+    @property
+    @abstractmethod
+    def num_layers(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_kv_heads(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def head_dim(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Width of the returned logits."""
+
+    @property
+    @abstractmethod
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Token ids that end a sequence (generation_config, else config)."""
+
+    @property
+    @abstractmethod
+    def max_position_embeddings(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def dtype(self) -> torch.dtype:
+        """Dtype of the weights and of the KV pool this backend reads and writes."""
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device: ...
+
+    @abstractmethod
+    def forward(self, batch: ForwardBatch, kv: Tensor) -> Tensor:
+        """Run one step: write the new tokens' K/V into `kv`, return float32 logits
+        [len(batch.logits_indices), vocab_size], one row per entry of logits_indices."""
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of the block-major KV pool this backend expects."""
+        return (num_blocks, self.num_layers, 2, block_size, self.num_kv_heads, self.head_dim)
+
+
+def parse_dtype(name: str, device: torch.device) -> torch.dtype:
+    """ "auto" = bfloat16 on CUDA (float16 where bf16 is unsupported), float32 on CPU."""
+    if name == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if name not in DTYPES:
+        raise BackendError(f"dtype {name!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def select_backend(name: str, architecture: str, device: torch.device | str) -> type[Backend]:
+    """The backend class for `name` ("auto", "torch" or "turbo") on `device`.
+
+    `auto` prefers turbo where it supports the architecture on CUDA; until turbo exists
+    it takes torch and logs why.
+    """
+    if name not in BACKEND_NAMES:
+        raise BackendError(f"backend {name!r} is not one of {', '.join(BACKEND_NAMES)}")
+    if name == "turbo":
+        raise BackendError(
+            "the turbo backend is not available yet: use backend torch (or auto) for now"
+        )
+    from lmd.engine.torch_backend import TorchBackend
+
+    if name == "auto":
+        dev = torch.device(device)
+        reason = (
+            f"turbo needs CUDA and the device is {dev.type}"
+            if dev.type != "cuda"
+            else f"the turbo backend is not available yet for {architecture}"
+        )
+        log.warning("backend auto: using torch for %s because %s", architecture, reason)
+    return TorchBackend

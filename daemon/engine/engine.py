@@ -1,0 +1,203 @@
+"""The engine: schedulers, a backend, the sampler and one KV pool, stepped in-process.
+
+Life cycle of a request in the engine (hybrid: prefill and decode in one process):
+  1. `add(seq)` queues it for prefill (the prompt is checked against the length limit).
+  2. `step()` runs a prefill step when prompts are waiting and the decode batch has
+     room (chunks of several prompts packed up to max_prefill_token_num); a prompt whose
+     last chunk ran samples its first token and joins the decode batch. Otherwise it runs
+     one decode step over the running batch; sequences preempted for lack of blocks go
+     back to the front of the prefill queue to be recomputed.
+  3. Every token sampled comes back as a `TokenEvent` with the finish reason, if any.
+  4. `abort(request_id)` frees the request's blocks wherever it is.
+The worker that owns an engine calls `step()` from one thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from lmd.decode.scheduler import DecodeBatch, DecodeScheduler
+from lmd.engine.backend import Backend, ForwardBatch, parse_dtype, select_backend
+from lmd.engine.block_manager import BlockManager
+from lmd.engine.config import EngineConfig
+from lmd.engine.kv_pool import KVPool, bytes_per_block, cpu_free_bytes, num_blocks_for
+from lmd.engine.sampler import Sampler, TokenLogprobs
+from lmd.engine.sequence import FinishReason, Sequence
+from lmd.prefill.scheduler import PrefillBatch, PrefillScheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One sampled token of one request."""
+
+    request_id: str
+    token_id: int
+    logprobs: TokenLogprobs | None
+    finish_reason: FinishReason | None  # set on the request's last token
+
+
+def size_pool(backend: Backend, config: EngineConfig) -> int:
+    """Blocks for the pool: cache_max_entry_count of the free memory after the weights."""
+    per_block = bytes_per_block(
+        backend.num_layers, backend.num_kv_heads, backend.head_dim, config.block_size,
+        backend.dtype,
+    )  # fmt: skip
+    if backend.device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(backend.device)
+    else:
+        free = cpu_free_bytes(psutil.virtual_memory().available)
+    return num_blocks_for(config.cache_max_entry_count, free, per_block)
+
+
+class Engine:
+    def __init__(self, backend: Backend, config: EngineConfig, pool: KVPool) -> None:
+        self.backend = backend
+        self.config = config.with_session_len(backend.max_position_embeddings)
+        self.pool = pool
+        eos = backend.eos_token_ids
+        self.block_manager = BlockManager(
+            pool.num_blocks, pool.block_size,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+        )  # fmt: skip
+        self.prefill = PrefillScheduler(self.config, self.block_manager, eos)
+        self.decode = DecodeScheduler(self.config, self.block_manager, eos)
+        self.sampler = Sampler(eos)
+        self.num_steps = 0
+
+    @classmethod
+    def build(
+        cls,
+        model_dir: Path,
+        config: EngineConfig,
+        *,
+        device: str = "cpu",
+        dtype: str = "auto",
+        backend: str = "auto",
+    ) -> Engine:
+        """Load the model, size and allocate the KV pool."""
+        dev = torch.device(device)
+        arch = _architecture(model_dir)
+        model = select_backend(backend, arch, dev)(model_dir, dev, parse_dtype(dtype, dev))
+        num_blocks = size_pool(model, config)
+        pool = KVPool(
+            num_blocks, num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim, block_size=config.block_size, dtype=model.dtype,
+            device=dev,
+        )  # fmt: skip
+        log.info(
+            "KV pool: %d blocks of %d tokens (%.1f MiB)",
+            num_blocks, config.block_size, pool.nbytes / 2**20,
+        )  # fmt: skip
+        return cls(model, config, pool)
+
+    # Requests --------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request; raises ValueError with the limit when the prompt is too long."""
+        self.prefill.add(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        return self.prefill.abort(request_id) or self.decode.abort(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return self.prefill.has_work or self.decode.has_work
+
+    @property
+    def num_running(self) -> int:
+        return self.prefill.num_running + self.decode.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.prefill.num_waiting + self.decode.num_waiting
+
+    def stats(self) -> dict[str, Any]:
+        """What status shows for an engine worker."""
+        return {
+            "kv": {
+                "total_blocks": self.block_manager.num_total_blocks,
+                "free_blocks": self.block_manager.num_free_blocks,
+                "block_size": self.config.block_size,
+            },
+            "running": self.num_running,
+            "waiting": self.num_waiting,
+        }
+
+    # Stepping --------------------------------------------------------------------------
+
+    def step(self) -> list[TokenEvent]:
+        """Run one prefill or decode step; returns the tokens it sampled."""
+        self.num_steps += 1
+        free_slots = self.config.max_batch_size - self.decode.num_seqs - self.prefill.num_running
+        if self.prefill.num_waiting or self.prefill.num_running:
+            batch = self.prefill.schedule(max_new_seqs=max(0, free_slots))
+            if not batch.is_empty:
+                return self._run_prefill(batch)
+        dec = self.decode.schedule()
+        for seq in dec.preempted:
+            self.prefill.add(seq, front=True)
+        if dec.is_empty:
+            return []
+        return self._run_decode(dec)
+
+    def _run_prefill(self, batch: PrefillBatch) -> list[TokenEvent]:
+        chunks = batch.chunks
+        forward = ForwardBatch.pack(
+            [c.token_ids for c in chunks],
+            [c.start for c in chunks],
+            [c.seq.block_table for c in chunks],
+            self.pool.block_size,
+            sample=[c.is_last for c in chunks],
+        )
+        to_sample = batch.seqs_to_sample
+        token_ids, logprobs = self._sample(forward, to_sample)
+        for seq in self.prefill.postprocess(batch, token_ids):
+            if not seq.is_finished:
+                self.decode.add(seq)
+        return self._events(to_sample, token_ids, logprobs)
+
+    def _run_decode(self, batch: DecodeBatch) -> list[TokenEvent]:
+        seqs = batch.seqs
+        forward = ForwardBatch.pack(
+            [[s.last_token_id] for s in seqs],
+            [s.num_tokens - 1 for s in seqs],
+            [s.block_table for s in seqs],
+            self.pool.block_size,
+        )
+        token_ids, logprobs = self._sample(forward, seqs)
+        self.decode.postprocess(batch, token_ids)
+        return self._events(seqs, token_ids, logprobs)
+
+    def _sample(
+        self, forward: ForwardBatch, seqs: list[Sequence]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        logits = self.backend.forward(forward, self.pool.kv)  # [R, V]
+        if not seqs:
+            return [], []
+        return self.sampler.sample(logits, seqs).tolist()
+
+    @staticmethod
+    def _events(
+        seqs: list[Sequence], token_ids: list[int], logprobs: list[TokenLogprobs | None]
+    ) -> list[TokenEvent]:
+        return [
+            TokenEvent(seq.request_id, tok, lp, seq.finish_reason)
+            for seq, tok, lp in zip(seqs, token_ids, logprobs, strict=True)
+            if seq.finish_reason != FinishReason.ABORT
+        ]
+
+
+def _architecture(model_dir: Path) -> str:
+    import orjson
+
+    config = orjson.loads((model_dir / "config.json").read_bytes())
+    archs = config.get("architectures") or ["unknown"]
+    return str(archs[0])

@@ -1,0 +1,264 @@
+"""Paged attention plugged into transformers' modules through its AttentionInterface.
+
+The model runs the packed batch as one "sequence" of T tokens (batch dim 1) with
+explicit position ids; the attention function, registered as `lmd_paged`, gets the
+paging metadata as an extra keyword argument of the model's forward. Per layer:
+
+1. Write each new token's K/V into `kv[block, layer, 0/1, offset]` (the slot mapping).
+2. Decode rows (one new token each): gather the sequences' contexts from their block
+   tables into padded batches and attend with one SDPA call per batch, padding masked
+   out. Sequences are bucketed by context blocks (powers of two), so one long sequence
+   does not pad every short one to its length: padding stays under 2x.
+3. Prefill rows (a chunk of new tokens): per sequence, attend causally over the chunk's
+   own K/V, or, after a cached prefix, over the context gathered from its blocks.
+
+Positions are token indices into the context (token p lives in slot p), so one mask
+rule serves every case: key j is visible to a query at position p iff j <= p (and
+p - j < window for sliding-window layers). The pool must have the model's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lmd.engine.backend import ForwardBatch
+
+ATTENTION_NAME = "lmd_paged"
+METADATA_KWARG = "lmd_paged"
+
+
+@dataclass(slots=True)
+class DecodeRows:
+    """Sequences of this step that add a single token, attended as one padded batch."""
+
+    group: int  # mask cache key, negative (prefill sequences use their index)
+    rows: Tensor  # [Bd] int64, rows of T holding those tokens
+    block_tables: Tensor  # [Bd, nb] int64, -1 padding replaced by block 0 (masked out)
+    positions: Tensor  # [Bd] int64, position of each new token (= context_len - 1)
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    """A sequence that adds several tokens (rows start:end) this step."""
+
+    start: int
+    end: int
+    context_len: int  # cached prefix + this chunk
+    block_ids: Tensor | None  # [nb] int64, blocks of its context; None without a prefix
+
+    @property
+    def has_prefix(self) -> bool:
+        return self.block_ids is not None
+
+
+@dataclass(slots=True)
+class PagedMetadata:
+    """Everything the attention function needs, built once per forward for all layers."""
+
+    kv: Tensor  # [N, L, 2, S, Hkv, D]
+    slot_blocks: Tensor  # [T] int64, block of each new token
+    slot_offsets: Tensor  # [T] int64, offset in that block
+    positions: Tensor  # [T] int64
+    decodes: list[DecodeRows]
+    prefills: list[PrefillSeq]
+    masks: dict[tuple[int, int | None], Tensor] = field(default_factory=dict)
+    num_layers_run: int = 0  # counts attention calls, to catch models that bypass us
+
+    @classmethod
+    def build(cls, batch: ForwardBatch, kv: Tensor) -> PagedMetadata:
+        device, block_size = kv.device, kv.shape[3]
+        seq_lens: list[int] = batch.seq_lens.tolist()
+        context_lens: list[int] = batch.context_lens.tolist()
+        cu: list[int] = batch.cu_seqlens.tolist()
+        slots = batch.slot_mapping.to(device, torch.int64, non_blocking=True)
+        tables = batch.block_tables
+        # Bucket single-token sequences by the power of two above their block count.
+        buckets: dict[int, list[int]] = {}
+        for i, n in enumerate(seq_lens):
+            if n == 1:
+                blocks = math.ceil(context_lens[i] / block_size)
+                buckets.setdefault(1 << (blocks - 1).bit_length(), []).append(i)
+        decodes = []
+        for group, (width, members) in enumerate(sorted(buckets.items())):
+            num_blocks = min(width, max(math.ceil(context_lens[i] / block_size) for i in members))
+            decodes.append(
+                DecodeRows(
+                    group=-1 - group,
+                    rows=torch.tensor([cu[i] for i in members]).to(device, non_blocking=True),
+                    block_tables=tables[members, :num_blocks]
+                    .to(device, torch.int64, non_blocking=True)
+                    .clamp_(min=0),
+                    positions=torch.tensor([context_lens[i] - 1 for i in members]).to(
+                        device, non_blocking=True
+                    ),
+                )
+            )
+        prefills = []
+        for i, n in enumerate(seq_lens):
+            if n == 1:
+                continue
+            block_ids = None
+            if context_lens[i] > n:
+                num_blocks = math.ceil(context_lens[i] / block_size)
+                block_ids = tables[i, :num_blocks].to(device, torch.int64, non_blocking=True)
+            prefills.append(PrefillSeq(cu[i], cu[i + 1], context_lens[i], block_ids))
+        return cls(
+            kv=kv,
+            slot_blocks=slots // block_size,
+            slot_offsets=slots % block_size,
+            positions=batch.positions.to(device, torch.int64, non_blocking=True),
+            decodes=decodes,
+            prefills=prefills,
+        )
+
+    def mask(self, group: int, q_positions: Tensor, num_keys: int, window: int | None) -> Tensor:
+        """[Q, K] bool: may the query at q_positions[i] see the key in slot j (j < num_keys)?
+
+        Cached per (group, window): every layer of the step reuses it.
+        """
+        key = (group, window)
+        found = self.masks.get(key)
+        if found is not None:
+            return found
+        slots = torch.arange(num_keys, device=q_positions.device)  # [K]
+        allowed = slots[None, :] <= q_positions[:, None]  # [Q, K]
+        if window is not None:
+            allowed &= slots[None, :] > q_positions[:, None] - window
+        self.masks[key] = allowed
+        return allowed
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    *,
+    scale: float | None,
+    softcap: float | None,
+    is_causal: bool = False,
+) -> Tensor:
+    """Scaled dot-product attention; q: [B, Hk, Q, D], k/v: [B, Hk, K, D] -> [B, Hk, Q, D].
+
+    `mask` (bool, True = visible) broadcasts to [B, Hk, Q, K]. With a logit soft cap
+    (Gemma 2) SDPA cannot be used, so the scores are computed explicitly.
+    """
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal
+        )
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, Hk, Q, K]
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def repeat_heads(x: Tensor, groups: int) -> Tensor:
+    """[B, Hkv, K, D] -> [B, Hkv * groups, K, D]: kv head i serves query heads i*groups...
+
+    The same head order as transformers' repeat_kv.
+    """
+    if groups == 1:
+        return x
+    b, h, n, d = x.shape
+    return x[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
+
+
+def paged_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    *,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers attention function; query: [1, H, T, D], key/value: [1, Hkv, T, D].
+
+    Returns ([1, T, H, D], None); `attention_mask` is ignored (the model makes none for
+    an implementation without a mask function; causality comes from the metadata).
+    """
+    meta = kwargs.get(METADATA_KWARG)
+    if not isinstance(meta, PagedMetadata):
+        raise RuntimeError(
+            f"attention {ATTENTION_NAME!r} was called without paging metadata: "
+            "run the model through TorchBackend.forward"
+        )
+    if kwargs.get("s_aux") is not None:
+        raise RuntimeError("attention sinks (s_aux) are not supported by the torch backend")
+    layer = cast(int, module.layer_idx)  # set by every transformers attention module
+    window: int | None = kwargs.get("sliding_window")
+    softcap: float | None = kwargs.get("softcap")
+    kv = meta.kv  # [N, L, 2, S, Hkv, D]
+    num_heads, num_kv_heads, head_dim = query.shape[1], key.shape[1], key.shape[3]
+    if num_kv_heads != kv.shape[4] or head_dim != kv.shape[5]:
+        raise RuntimeError(
+            f"layer {layer} has {num_kv_heads} kv heads of dim {head_dim}, the KV pool "
+            f"{kv.shape[4]} of dim {kv.shape[5]}: the pool was sized for another model"
+        )
+    groups = num_heads // num_kv_heads
+    meta.num_layers_run += 1
+
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    k = key[0].transpose(0, 1)  # [T, Hkv, D]
+    v = value[0].transpose(0, 1)  # [T, Hkv, D]
+    kv[:, layer, 0][meta.slot_blocks, meta.slot_offsets] = k
+    kv[:, layer, 1][meta.slot_blocks, meta.slot_offsets] = v
+
+    out = torch.empty_like(q)  # [T, H, D]
+    for dec in meta.decodes:
+        bd = dec.rows.shape[0]
+        k_ctx = kv[dec.block_tables, layer, 0].flatten(1, 2)  # [Bd, nb * S, Hkv, D]
+        v_ctx = kv[dec.block_tables, layer, 1].flatten(1, 2)
+        mask = meta.mask(dec.group, dec.positions, k_ctx.shape[1], window)  # [Bd, K]
+        # Group query heads by kv head: [Bd, Hkv, G, D] attends to [Bd, Hkv, K, D].
+        q_dec = q[dec.rows].view(bd, num_kv_heads, groups, head_dim)
+        o = attend(
+            q_dec,
+            k_ctx.transpose(1, 2),
+            v_ctx.transpose(1, 2),
+            mask[:, None, None, :],
+            scale=scaling,
+            softcap=softcap,
+        )
+        out[dec.rows] = o.reshape(bd, num_heads, head_dim)
+
+    for index, seq in enumerate(meta.prefills):
+        q_seq = q[seq.start : seq.end].transpose(0, 1)[None]  # [1, H, n, D]
+        if seq.block_ids is None:
+            k_seq = k[seq.start : seq.end].transpose(0, 1)[None]  # [1, Hkv, n, D]
+            v_seq = v[seq.start : seq.end].transpose(0, 1)[None]
+        else:
+            ctx = seq.context_len
+            k_seq = kv[seq.block_ids, layer, 0].flatten(0, 1)[:ctx].transpose(0, 1)[None]
+            v_seq = kv[seq.block_ids, layer, 1].flatten(0, 1)[:ctx].transpose(0, 1)[None]
+        if not seq.has_prefix and window is None and softcap is None:
+            o = F.scaled_dot_product_attention(
+                q_seq, k_seq, v_seq, scale=scaling, is_causal=True, enable_gqa=groups > 1
+            )
+        else:
+            positions = meta.positions[seq.start : seq.end]
+            mask = meta.mask(index, positions, seq.context_len, window)  # [n, ctx]
+            o = attend(
+                q_seq,
+                repeat_heads(k_seq, groups),
+                repeat_heads(v_seq, groups),
+                mask[None, None],
+                scale=scaling,
+                softcap=softcap,
+            )
+        out[seq.start : seq.end] = o[0].transpose(0, 1)
+    return out[None], None

@@ -1,0 +1,168 @@
+"""The torch backend: any Hugging Face causal LM, run by transformers' own modules.
+
+The model is loaded from a local directory with `AutoModelForCausalLM` (never the hub)
+and switched to our paged attention (`attention.py`) through transformers' attention
+interface. A step runs the packed batch as one sequence of T tokens with explicit
+position ids, so there is no padding, no HF KV cache object (use_cache=False) and no
+mask tensor (transformers makes none for an implementation without a mask function);
+rotary embeddings come from the position ids.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from lmd.engine.backend import Backend, BackendError, ForwardBatch
+from lmd.engine.torch_backend.attention import (
+    ATTENTION_NAME,
+    METADATA_KWARG,
+    PagedMetadata,
+    paged_attention,
+)
+
+log = logging.getLogger(__name__)
+
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+class TorchBackend(Backend):
+    """A Hugging Face causal LM on CPU or CUDA with paged attention."""
+
+    name: ClassVar[str] = "torch"
+
+    def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
+        self._device = torch.device(device)
+        self._dtype = dtype
+        config = _load_config(model_dir)
+        self._config = config.get_text_config()
+        layer_types = getattr(self._config, "layer_types", None) or []
+        others = sorted(set(layer_types) - ATTENTION_LAYER_TYPES)
+        if others:
+            raise BackendError(
+                f"model {model_dir} has {', '.join(others)} layers: the torch backend "
+                "serves attention-only models"
+            )
+        AttentionInterface.register(ATTENTION_NAME, paged_attention)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir),
+            dtype=dtype,
+            attn_implementation=ATTENTION_NAME,
+            local_files_only=True,
+        )
+        # is_backend_compatible is unannotated in transformers.
+        if not type(model).is_backend_compatible():  # type: ignore[no-untyped-call]
+            raise BackendError(
+                f"{type(model).__name__} does not route attention through transformers' "
+                "attention interface, so the torch backend cannot page its KV cache"
+            )
+        # PreTrainedModel.to is wrapped by a decorator whose typing mypy misreads.
+        model = model.to(self._device)  # type: ignore[arg-type]
+        self.model: PreTrainedModel = model.eval().requires_grad_(False)
+        self._architecture = type(model).__name__
+        log.info(
+            "torch backend: %s from %s on %s (%s)", self._architecture, model_dir, device, dtype
+        )
+
+    @property
+    def architecture(self) -> str:
+        return self._architecture
+
+    @property
+    def num_layers(self) -> int:
+        return int(self._config.num_hidden_layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        heads = getattr(self._config, "num_key_value_heads", None)
+        return int(heads if heads is not None else self._config.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        dim = getattr(self._config, "head_dim", None)
+        if dim is not None:
+            return int(dim)
+        return int(self._config.hidden_size // self._config.num_attention_heads)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._config.vocab_size)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        generation = getattr(self.model, "generation_config", None)
+        eos = getattr(generation, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self._config, "eos_token_id", None)
+        if eos is None:
+            return ()
+        return tuple(int(t) for t in eos) if isinstance(eos, list | tuple) else (int(eos),)
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return int(self._config.max_position_embeddings)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def forward(self, batch: ForwardBatch, kv: Tensor) -> Tensor:
+        expected = self.kv_cache_shape(kv.shape[0], kv.shape[3])
+        if tuple(kv.shape) != expected or kv.dtype != self._dtype:
+            raise ValueError(
+                f"KV pool is {tuple(kv.shape)} {kv.dtype}, this model needs "
+                f"{expected} {self._dtype}"
+            )
+        if kv.device.type != self._device.type:
+            raise ValueError(f"KV pool is on {kv.device}, the model on {self._device}")
+        _check_slots(batch, kv.shape[0], kv.shape[3])
+        num_rows = int(batch.logits_indices.shape[0])
+        if batch.num_tokens == 0:
+            return torch.empty(num_rows, self.vocab_size, device=self._device)
+        meta = PagedMetadata.build(batch, kv)
+        extra: dict[str, Any] = {METADATA_KWARG: meta}
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=batch.input_ids.to(self._device, non_blocking=True)[None],  # [1, T]
+                position_ids=meta.positions[None],  # [1, T]
+                use_cache=False,
+                logits_to_keep=batch.logits_indices.to(self._device, non_blocking=True),
+                **extra,
+            )
+        if meta.num_layers_run != self.num_layers:
+            raise RuntimeError(
+                f"{self._architecture} ran {meta.num_layers_run} of {self.num_layers} "
+                "attention layers through the paged attention: its KV cache would be wrong"
+            )
+        logits: Tensor = out.logits[0]  # [R, V]
+        return logits.float()
+
+
+def _check_slots(batch: ForwardBatch, num_blocks: int, block_size: int) -> None:
+    """Out-of-range block ids would fault inside an index kernel (on CUDA a device
+    assert that kills the process): refuse them while they are still on the CPU."""
+    tables, slots = batch.block_tables, batch.slot_mapping
+    if tables.device.type == "cpu" and tables.numel() and int(tables.max()) >= num_blocks:
+        raise ValueError(f"block id {int(tables.max())} is outside the pool of {num_blocks}")
+    if slots.device.type == "cpu" and slots.numel():
+        low, high = int(slots.min()), int(slots.max())
+        if low < 0 or high >= num_blocks * block_size:
+            raise ValueError(f"slot {high if low >= 0 else low} is outside the KV pool")
+
+
+def _load_config(model_dir: Path) -> Any:
+    """The model's config, with a one-line error for a directory transformers rejects."""
+    try:
+        return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise BackendError(f"cannot load the config of {model_dir}: {first_line}") from exc

@@ -1,0 +1,69 @@
+"""Models for tests: a tiny random-weight Llama from a fixed seed, and HF references."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+TINY_VOCAB = 512
+TINY_EOS = 1
+
+
+def save_tiny_llama(path: Path, seed: int = 0) -> Path:
+    """2 layers, hidden 64, 4 heads over 2 KV heads (GQA), vocab 512; saved as safetensors."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=0,
+        eos_token_id=TINY_EOS,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def load_reference(path: Path) -> PreTrainedModel:
+    """The transformers model itself, in float32, for hf_greedy."""
+    model: PreTrainedModel = LlamaForCausalLM.from_pretrained(
+        path, local_files_only=True, dtype=torch.float32
+    )
+    model.train(False)
+    return model
+
+
+def hf_greedy(model: PreTrainedModel, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy decoding of exactly max_new_tokens, as with ignore_eos.
+
+    EOS must neither stop nor be masked (transformers' min_new_tokens would mask it), and
+    generate() fills a GenerationConfig's unset fields from the model's own, so the EOS
+    id is cleared on the model itself. The explicit attention mask matters: without it
+    generate masks every prompt token equal to the pad id (SmolLM2 pads with
+    <|im_end|>, which its chat template puts in every prompt).
+    """
+    model.generation_config.eos_token_id = None
+    # GenerationConfig takes **kwargs, untyped in transformers.
+    config = GenerationConfig(  # type: ignore[no-untyped-call]
+        max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+    )
+    with torch.inference_mode():
+        ids = torch.tensor([list(prompt)], device=model.device)
+        out = model.generate(  # type: ignore[operator]  # generate is untyped in transformers
+            ids, attention_mask=torch.ones_like(ids), generation_config=config
+        )
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+def random_prompts(
+    lengths: Sequence[int], vocab: int = TINY_VOCAB, seed: int = 1
+) -> list[list[int]]:
+    """Random token ids, skipping 0 and 1 (bos and eos of the tiny Llama)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
