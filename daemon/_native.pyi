@@ -1,8 +1,23 @@
-"""Types of lmd._native (the C++ extension built from native/)."""
+"""Types of lmd._native, the C++ extension built from native/ (see native/transport.h).
 
-from typing import TypedDict
+Errors: ValueError for bad arguments (out-of-range copies, foreign or closed regions,
+malformed descriptors), RuntimeError for what the system refused (CUDA missing, a peer's
+region gone, a failed copy batch), BufferError for a buffer over a closed or GPU region.
+"""
 
-ABI_VERSION: int
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, Final, Protocol, Self, TypedDict
+
+from typing_extensions import Buffer
+
+ABI_VERSION: Final[int]
+
+class _Int64Array(Protocol):
+    """A C-contiguous int64 array of shape [N, 3] (numpy), read through its buffer."""
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]: ...
 
 class CudaProbe(TypedDict):
     available: bool
@@ -11,3 +26,96 @@ class CudaProbe(TypedDict):
 
 def probe_cuda() -> CudaProbe:
     """Load the CUDA driver at run time and count devices; never raises."""
+
+class Region(Buffer):
+    """Local memory registered with a transport; a CPU region is a writable uint8 buffer."""
+
+    @property
+    def transport(self) -> str: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def ptr(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def exportable(self) -> bool: ...
+    def descriptor(self) -> bytes: ...
+    def close(self) -> None: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __enter__(self) -> Self: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+        /,
+    ) -> None: ...
+
+class RemoteRegion:
+    """A peer's region, opened from its descriptor."""
+
+    @property
+    def transport(self) -> str: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> Self: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+        /,
+    ) -> None: ...
+
+class Ticket:
+    """One submitted batch of copies."""
+
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def num_copies(self) -> int: ...
+    def poll(self) -> bool: ...
+    def wait(self, timeout_s: float | None = None) -> bool: ...
+
+class Transport:
+    @property
+    def name(self) -> str: ...
+    @property
+    def closed(self) -> bool: ...
+    def create_region(self, size: int) -> Region: ...
+    def register(self, ptr: int, size: int, device: str) -> Region: ...
+    def open(self, descriptor: bytes) -> RemoteRegion: ...
+    def submit(
+        self,
+        src: Region,
+        dst: RemoteRegion,
+        copies: Sequence[tuple[int, int, int]] | _Int64Array | Buffer,
+        wait_stream: int | None = None,
+    ) -> Ticket: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> Self: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+        /,
+    ) -> None: ...
+
+class HostTransport(Transport):
+    def __init__(self, num_threads: int = 0) -> None: ...
+    @property
+    def num_threads(self) -> int: ...
+
+class CudaIpcTransport(Transport):
+    def __init__(self, device: str, *, copy_kernel: bool = True) -> None: ...
+    @property
+    def device(self) -> str: ...

@@ -2,12 +2,15 @@
 // own file; this one only binds them.
 #include <pybind11/pybind11.h>
 
+#include "bindings.h"
 #include "cuda_driver.h"
 
 namespace py = pybind11;
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "lmd native helpers: CUDA driver probe (KV transfer engine to follow)";
+  m.doc() =
+      "lmd native helpers: the KV transfer engine (host and cuda_ipc transports) and a "
+      "CUDA probe";
   m.attr("ABI_VERSION") = 1;
 
   m.def(
@@ -26,4 +29,6 @@ PYBIND11_MODULE(_native, m) {
       },
       "Load the CUDA driver at run time and count devices.\n\n"
       "Returns {'available': bool, 'devices': int, 'reason': str}; never raises.");
+
+  lmd::bind_transport(m);
 }
