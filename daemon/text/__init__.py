@@ -1,0 +1,8 @@
+"""The text half of the tokenizer process: pure functions of text and token ids.
+
+`chat_template` (OpenAI messages -> prompt text, HF or LMDeploy templates),
+`detokenizer` (token ids -> text deltas, per request) and `stop_strings` (stop strings
+across delta boundaries, per request). No sockets, no processes, no model weights.
+"""
+
+from __future__ import annotations

