@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One call on a GPU machine (the device tool): install the carried wheels, build
+# lmd._native, run tests/gpu, and time the engine. Results land in $OUT (or ./gpu-out).
+# Needs: scripts/../.whl from ../shared/scripts/device-wheels.sh (+ pytest pluggy
+# iniconfig pytest-timeout pytest-asyncio prometheus-client packaging), carried as `.whl`.
+#   scripts/gpu-check.sh [quick]     quick: tests only, no benchmarks
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+# The import packages live in folders named otherwise (daemon/ is lmd).
+mkdir -p /tmp/pkgs && ln -sfn "$PWD/daemon" /tmp/pkgs/lmd && ln -sfn "$PWD/clients" /tmp/pkgs/lmd_client
+export PYTHONPATH=/tmp/pkgs:/tmp/site:$PWD
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
+} 2>&1 | tee "$out/env.txt"
+python3 setup.py -q build_ext --inplace 2>&1 | tail -5 | tee "$out/build.txt"
+python3 -m pytest -q -ra -p no:cacheprovider tests/gpu tests/unit/test_native_host.py \
+  2>&1 | tee "$out/gpu-tests.txt" | tail -25
+[[ "${1:-}" == "quick" ]] && exit 0
+# Engine throughput on the SmolLM2-135M shape with random weights (bf16), ARCHITECTURE §8.
+python3 - <<'PY'
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                     max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
+                     bos_token_id=1, eos_token_id=2)
+LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained("/tmp/smollm2-shape")
+PY
+for batch in 1 64 256; do
+  python3 -m lmd.bench offline --model /tmp/smollm2-shape --device cuda --batch "$batch" \
+    --input-len 512 --output-len 256 --json 2>/dev/null | tail -1 | tee -a "$out/offline.jsonl"
+done
+python3 -m lmd.bench offline --model /tmp/smollm2-shape --device cuda --batch 64 \
+  --input-len 512 --output-len 256 --compare-hf --json 2>/dev/null | tail -1 \
+  | tee -a "$out/offline.jsonl"
