@@ -11,7 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lmd.engine.config import EngineConfig
+
 BACKENDS = ("auto", "torch", "turbo")
+MODES = ("disaggregated", "hybrid")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -63,7 +67,9 @@ class ServeConfig:
     model_name: str | None = None  # served name; derived from the model when None
     host: str = "127.0.0.1"
     port: int = 23333
+    mode: str = "disaggregated"  # hybrid: prefill and decode in one engine process
     device: str = "auto"  # auto = cuda if the driver reports a device, else cpu
+    dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
     prefill_backend: str = "auto"
     decode_backend: str = "auto"
     prefill_workers: int = 1
@@ -73,6 +79,16 @@ class ServeConfig:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 15.0
     log_level: str = "info"
+    api_keys: tuple[str, ...] = ()  # Bearer keys the api accepts; empty = no auth
+    max_request_bytes: int = 1 << 20  # largest HTTP request body the api reads
+    chat_template: str | None = None  # LMDeploy ChatTemplateConfig JSON; None = the model's
+    # Engine settings (flat, so that CLI flags, env and file keys are the same names).
+    block_size: int = 64
+    max_batch_size: int = 128
+    max_prefill_token_num: int = 8192
+    session_len: int | None = None  # prompt + output cap; None = the model's maximum
+    cache_max_entry_count: float | int = 0.8  # fraction of free memory, or a block count
+    enable_prefix_caching: bool = False
     restart: RestartPolicy = dataclasses.field(default_factory=RestartPolicy)
 
     def __post_init__(self) -> None:
@@ -96,10 +112,34 @@ class ServeConfig:
             "heartbeat_timeout",
             "must be at least 3x heartbeat_interval",
         )
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))  # a list from TOML
+        _check(
+            all(isinstance(k, str) and k for k in self.api_keys),
+            "api_keys",
+            "must be non-empty strings",
+        )
+        _check(self.max_request_bytes >= 1024, "max_request_bytes", "must be >= 1024")
+        _check(self.mode in MODES, "mode", f"{self.mode!r} is not one of {', '.join(MODES)}")
+        _check(self.dtype in DTYPES, "dtype", f"{self.dtype!r} is not one of {', '.join(DTYPES)}")
+        try:
+            self.engine  # noqa: B018 (validates the engine settings)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         _check(
             self.log_level in LOG_LEVELS,
             "log_level",
             f"{self.log_level!r} is not one of {', '.join(LOG_LEVELS)}",
+        )
+
+    @property
+    def engine(self) -> EngineConfig:
+        return EngineConfig(
+            block_size=self.block_size,
+            max_batch_size=self.max_batch_size,
+            max_prefill_token_num=self.max_prefill_token_num,
+            session_len=self.session_len,
+            cache_max_entry_count=self.cache_max_entry_count,
+            enable_prefix_caching=self.enable_prefix_caching,
         )
 
     @property

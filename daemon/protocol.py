@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import sys
 import types
 import typing
@@ -21,6 +22,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Union
 
 import orjson
+
+# A worker name becomes a socket file name in the runtime directory: no paths.
+WORKER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class ProtocolError(ValueError):
@@ -41,6 +45,8 @@ class MsgType(enum.IntEnum):
     ABORT = 21
     TOKENS = 22
     REQUEST_ERROR = 23
+    TEXT_REQUEST = 24
+    TEXT_DELTA = 25
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +113,8 @@ class Generate:
     def check(self) -> None:
         if not self.prompt or len(self.prompt) % 4:
             raise ProtocolError("Generate.prompt must be a non-empty int32 array")
+        if not WORKER_NAME.fullmatch(self.reply_to):
+            raise ProtocolError(f"Generate.reply_to {self.reply_to[:40]!r} is not a worker name")
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -149,8 +157,77 @@ class RequestError:
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class TextRequest:
+    """An OpenAI request as the api hands it to the tokenizer (already validated).
+
+    Exactly one of `messages` (chat), `prompt` (completion text) or `prompt_ids`
+    (completion given as token ids; empty bytes when not) is set.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.TEXT_REQUEST
+    request_id: str
+    reply_to: str  # the api worker's name
+    messages: list[dict[str, Any]] | None
+    prompt: str | None
+    sampling: dict[str, Any]  # SamplingParams fields, passed on to the engine
+    stop: list[str]  # stop strings, matched on text across token boundaries
+    skip_special_tokens: bool
+    prompt_ids: bytes  # int32 little-endian
+
+    def check(self) -> None:
+        given = [self.messages is not None, self.prompt is not None, bool(self.prompt_ids)]
+        if sum(given) != 1:
+            raise ProtocolError("TextRequest needs exactly one of messages, prompt, prompt_ids")
+        if len(self.prompt_ids) % 4:
+            raise ProtocolError("TextRequest.prompt_ids must be an int32 array")
+        if not WORKER_NAME.fullmatch(self.reply_to):
+            raise ProtocolError(f"TextRequest.reply_to {self.reply_to[:40]!r} is not a worker name")
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    """New text of several requests since the last delta, for one api worker.
+
+    Per request: the text to append (stop strings removed), the finish reason on its
+    last delta (stop, length, abort), token counts so far, and, when logprobs were asked
+    for, one entry per new token: {"token", "logprob", "top": [[token, logprob], ...]}.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.TEXT_DELTA
+    request_ids: list[str]
+    texts: list[str]
+    finish_reasons: list[str | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    logprobs: list[list[dict[str, Any]] | None]
+
+    def check(self) -> None:
+        n = len(self.request_ids)
+        lists = (
+            self.texts,
+            self.finish_reasons,
+            self.prompt_tokens,
+            self.completion_tokens,
+            self.logprobs,
+        )
+        if any(len(x) != n for x in lists):
+            raise ProtocolError("TextDelta: per-request lists differ in length")
+
+
 Message = Union[  # noqa: UP007
-    Ready, Heartbeat, Drain, Resume, Stop, ClusterState, Generate, Abort, Tokens, RequestError
+    Ready,
+    Heartbeat,
+    Drain,
+    Resume,
+    Stop,
+    ClusterState,
+    Generate,
+    Abort,
+    Tokens,
+    RequestError,
+    TextRequest,
+    TextDelta,
 ]
 
 
