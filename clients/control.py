@@ -103,3 +103,11 @@ class ControlClient:
 
     async def shutdown(self) -> dict[str, Any]:
         return await self.request("POST", "/v1/shutdown")
+
+    async def reload(self) -> dict[str, Any]:
+        """Re-read the config: {"applied": [key], "needs_restart": [key], "changes": ...}."""
+        return await self.request("POST", "/v1/reload")
+
+    async def config(self) -> dict[str, Any]:
+        """The effective config: {"file", "values", "origins", "needs_restart"}."""
+        return await self.request("GET", "/v1/config")

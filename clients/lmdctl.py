@@ -95,6 +95,31 @@ def status_text(s: dict[str, Any]) -> str:
     return head + "\n" + workers_table(s["workers"])
 
 
+def _change(key: str, changes: dict[str, Any]) -> str:
+    return f"{key} ({changes[key]['from']} -> {changes[key]['to']})"
+
+
+def reload_text(r: dict[str, Any]) -> str:
+    lines = [f"reloaded {r['file'] or '(no config file; environment only)'}"]
+    if not r["changes"]:
+        lines.append("nothing changed")
+    if r["applied"]:
+        lines.append("applied: " + ", ".join(_change(k, r["changes"]) for k in r["applied"]))
+    if r["needs_restart"]:
+        keys = ", ".join(_change(k, r["changes"]) for k in r["needs_restart"])
+        lines.append(f"needs a restart: {keys}")
+    return "\n".join(lines)
+
+
+def config_text(c: dict[str, Any]) -> str:
+    rows = [[k, "-" if v is None else str(v), c["origins"][k]] for k, v in c["values"].items()]
+    text = f"config file: {c['file'] or '-'}\n\n" + table(rows, ["KEY", "VALUE", "FROM"])
+    if c["needs_restart"]:
+        pending = ", ".join(f"{k} = {v}" for k, v in c["needs_restart"].items())
+        text += f"\n\nloaded by a reload, applied at the next restart: {pending}"
+    return text
+
+
 async def _run(args: argparse.Namespace) -> tuple[str, dict[str, Any] | list[Any]]:
     async with ControlClient(args.socket) as ctl:
         if args.command == "status":
@@ -106,6 +131,12 @@ async def _run(args: argparse.Namespace) -> tuple[str, dict[str, Any] | list[Any
         if args.command == "restart":
             r = await ctl.restart(args.name)
             return f"restarting {args.name}", r
+        if args.command == "reload":
+            r = await ctl.reload()
+            return reload_text(r), r
+        if args.command == "config":
+            c = await ctl.config()
+            return config_text(c), c
         reply = await getattr(ctl, args.command)()
         return f"{args.command}: daemon is now {reply['state']}", reply
 
@@ -125,6 +156,12 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("drain", help="refuse new requests, finish in-flight ones, stay up")
     sub.add_parser("resume", help="admit requests again after a drain")
     sub.add_parser("shutdown", help="drain, then stop the daemon")
+    sub.add_parser(
+        "reload",
+        help="re-read the config file and LMD_* environment: apply the log level, "
+        "list what needs a restart",
+    )
+    sub.add_parser("config", help="the effective config and where each value came from")
     return parser
 
 

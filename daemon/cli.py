@@ -1,7 +1,10 @@
 """`lmdd`: the daemon's command line.
 
-lmdd serve [MODEL] [--host H] [--port P] [--runtime-dir DIR] ...
+lmdd serve [MODEL] [--config PATH] [--host H] [--port P] [--runtime-dir DIR] ...
 lmdd version
+
+Settings: command line > LMD_<KEY> environment variables > config file > defaults
+(config_loader.py). A bad setting is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -10,93 +13,137 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 from lmd import __version__
-from lmd.config import BACKENDS, LOG_LEVELS, ConfigError, RestartPolicy, ServeConfig
+from lmd.config import BACKENDS, DTYPES, LOG_LEVELS, MODES, ConfigError, ServeConfig
+from lmd.config_loader import (
+    DEFAULT_CONFIG_PATH,
+    KEYS,
+    PATH_KEYS,
+    ConfigSource,
+    Kind,
+    default_values,
+    parse_value,
+)
 
 log = logging.getLogger("lmd")
+
+
+# Help for each config key's flag; a key without an entry still gets its flag.
+HELP = {
+    "runtime_dir": "sockets and lock; default $RUNTIME_DIRECTORY, else $XDG_RUNTIME_DIR/lmd, "
+    "else <tmp>/lmd-<uid>",
+    "model_name": "name served in /v1/models (default: from MODEL)",
+    "host": "address the HTTP API listens on",
+    "port": "HTTP API port",
+    "mode": "disaggregated (prefill and decode processes) or hybrid (one engine process)",
+    "device": "auto (cuda if the driver reports a device, else cpu), cpu, cuda, cuda:N",
+    "dtype": "weights and KV cache dtype; auto = bfloat16 on CUDA, float32 on CPU",
+    "prefill_backend": "engine backend of the prefill processes",
+    "decode_backend": "engine backend of the decode processes",
+    "prefill_workers": "number of prefill processes",
+    "decode_workers": "number of decode processes",
+    "drain_timeout": "seconds to finish in-flight requests on SIGTERM",
+    "startup_timeout": "seconds a worker may take to become ready",
+    "heartbeat_interval": "seconds between a worker's heartbeats",
+    "heartbeat_timeout": "seconds without a heartbeat before a worker is replaced",
+    "log_level": "log level (`lmdctl reload` applies a new one without a restart)",
+    "api_keys": "comma-separated Bearer keys the API accepts (default: none, no auth); "
+    "visible in ps: prefer LMD_API_KEYS or the config file",
+    "max_request_bytes": "largest HTTP request body the API reads",
+    "chat_template": "LMDeploy chat template JSON file (default: the model's own template)",
+    "block_size": "tokens per KV cache block",
+    "max_batch_size": "most sequences an engine runs in one batch",
+    "max_prefill_token_num": "most prompt tokens in one prefill step",
+    "session_len": "prompt + output token cap (default: the model's context length)",
+    "cache_max_entry_count": "KV cache size: a fraction (0, 1] of the free device memory "
+    "after the weights, or an integer block count",
+    "enable_prefix_caching": "reuse the KV blocks of a prompt prefix seen before",
+    "restart_backoff": "first delay before restarting a worker that died young, doubling",
+    "max_fast_failures": "young deaths in a row of one worker before the daemon gives up",
+}
+CHOICES = {
+    "mode": MODES,
+    "dtype": DTYPES,
+    "prefill_backend": BACKENDS,
+    "decode_backend": BACKENDS,
+    "log_level": LOG_LEVELS,
+}
+
+
+_METAVARS = {Kind.INT: "N", Kind.FLOAT: "X", Kind.NUMBER: "X", Kind.STRINGS: "A,B,..."}
+
+
+def _flag_type(key: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return parse_value(key, text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = KEYS[key].value  # argparse names it in "invalid <name> value"
+    return parse
+
+
+def _add_flag(serve: argparse.ArgumentParser, key: str) -> None:
+    default = default_values()[key]
+    help_text = HELP.get(key, key.replace("_", " "))
+    if default is not None and default != () and "(default" not in help_text:
+        help_text += f" (default: {str(default).lower() if default is False else default})"
+    flag = "--" + key.replace("_", "-")
+    if KEYS[key] is Kind.BOOL:
+        serve.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+    elif key in CHOICES:
+        serve.add_argument(flag, choices=CHOICES[key], help=help_text)
+    else:
+        metavar = "PATH" if key in PATH_KEYS else _METAVARS.get(KEYS[key], "")
+        metavar = metavar or key.rsplit("_", 1)[-1].upper()  # --host HOST, --model-name NAME
+        serve.add_argument(flag, type=_flag_type(key), metavar=metavar, help=help_text)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmdd", description="lmd serving daemon")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("version", help="print the version")
+    # No defaults here: a flag left out is absent from the namespace, so that LMD_* and
+    # the config file can set it (config_loader applies the precedence and the defaults).
     serve = sub.add_parser(
         "serve",
         help="run the daemon in the foreground",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        argument_default=argparse.SUPPRESS,
+        epilog="Every option can also be set as LMD_<OPTION> (e.g. LMD_PORT=8000) or as a "
+        "key in the config file (e.g. port = 8000); the command line wins, then the "
+        "environment, then the file.",
     )
-    d = ServeConfig.__dataclass_fields__
-    r = RestartPolicy.__dataclass_fields__
     serve.add_argument(
         "model",
         nargs="?",
-        default=None,
         help="local HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
     )
-    serve.add_argument("--model-name", help="name served in /v1/models (default: from MODEL)")
-    serve.add_argument("--host", default=d["host"].default)
-    serve.add_argument("--port", type=int, default=d["port"].default)
     serve.add_argument(
-        "--runtime-dir",
-        help="sockets and lock; default $RUNTIME_DIRECTORY, "
-        "else $XDG_RUNTIME_DIR/lmd, else <tmp>/lmd-<uid>",
+        "--config",
+        metavar="PATH",
+        help=f"TOML config file (default: {DEFAULT_CONFIG_PATH} if it exists)",
     )
-    serve.add_argument("--device", default=d["device"].default, help="auto, cpu, cuda, cuda:N")
-    serve.add_argument("--prefill-backend", default=d["prefill_backend"].default, choices=BACKENDS)
-    serve.add_argument("--decode-backend", default=d["decode_backend"].default, choices=BACKENDS)
-    serve.add_argument("--prefill-workers", type=int, default=d["prefill_workers"].default)
-    serve.add_argument("--decode-workers", type=int, default=d["decode_workers"].default)
-    serve.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=d["drain_timeout"].default,
-        help="seconds to finish in-flight requests on SIGTERM",
-    )
-    serve.add_argument("--startup-timeout", type=float, default=d["startup_timeout"].default)
-    serve.add_argument(
-        "--heartbeat-timeout",
-        type=float,
-        default=d["heartbeat_timeout"].default,
-        help="seconds without a heartbeat before a worker is replaced",
-    )
-    serve.add_argument("--restart-backoff", type=float, default=r["backoff_s"].default)
-    serve.add_argument(
-        "--max-fast-failures",
-        type=int,
-        default=r["max_fast_failures"].default,
-        help="young deaths in a row of one worker before the daemon gives up",
-    )
-    serve.add_argument("--log-level", default=d["log_level"].default, choices=LOG_LEVELS)
+    for key in KEYS:
+        if key != "model":
+            _add_flag(serve, key)
     return parser
 
 
-def build_config(args: argparse.Namespace) -> ServeConfig:
-    from lmd.paths import resolve_runtime_dir
+def config_source(args: argparse.Namespace) -> ConfigSource:
+    """The flags given (absent ones stay absent) and the --config file, for loading."""
+    given = {k: v for k, v in vars(args).items() if k in KEYS}
+    path = getattr(args, "config", None)
+    return ConfigSource(cli=given, path=Path(path) if path else None)
 
-    if args.model is not None and not os.path.exists(args.model):
-        raise ConfigError(f"model: {args.model} does not exist")
-    restart = RestartPolicy(
-        backoff_s=args.restart_backoff, max_fast_failures=args.max_fast_failures
-    )
-    return ServeConfig(
-        runtime_dir=resolve_runtime_dir(args.runtime_dir),
-        model=args.model,
-        model_name=args.model_name,
-        host=args.host,
-        port=args.port,
-        device=args.device,
-        prefill_backend=args.prefill_backend,
-        decode_backend=args.decode_backend,
-        prefill_workers=args.prefill_workers,
-        decode_workers=args.decode_workers,
-        drain_timeout=args.drain_timeout,
-        startup_timeout=args.startup_timeout,
-        heartbeat_timeout=args.heartbeat_timeout,
-        log_level=args.log_level,
-        restart=restart,
-    )
+
+def build_config(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> ServeConfig:
+    """The ServeConfig for `lmdd serve ARGS` (raises ConfigError naming the key)."""
+    return config_source(args).load(env).config
 
 
 def resolve_device(device: str) -> str:
@@ -118,10 +165,11 @@ def serve(args: argparse.Namespace) -> int:
     from lmd.worker import configure_logging
 
     try:
-        config = build_config(args)
+        loaded = config_source(args).load()
     except ConfigError as exc:
         print(f"lmdd: {exc}", file=sys.stderr)
         return 2
+    config = loaded.config
     configure_logging(config.log_level, "lmdd")
     try:
         prepare_runtime_dir(config.runtime_dir)
@@ -131,9 +179,13 @@ def serve(args: argparse.Namespace) -> int:
 
     import uvloop
 
+    from lmd.sd_notify import Notifier
     from lmd.supervisor import Supervisor
 
-    supervisor = Supervisor(config, resolve_device(config.device), os.getpid())
+    # Read $NOTIFY_SOCKET before any worker is spawned, and unset it: only we speak to
+    # systemd (NotifyAccess=main), workers report to us.
+    notifier = Notifier.from_environ()
+    supervisor = Supervisor(loaded, resolve_device(config.device), os.getpid(), notifier)
     try:
         code: int = uvloop.run(supervisor.run())
     except AlreadyRunning as exc:

@@ -106,6 +106,20 @@ def build_control_app(sup: Supervisor) -> FastAPI:
         await sup.resume()
         return {"ok": True, "state": str(sup.state)}
 
+    @app.get("/v1/config")
+    async def config() -> dict[str, Any]:
+        """The running config by key (`values`), where each came from (`origins`: default,
+        command line, env LMD_X, file PATH), the `file` read, and `needs_restart`: values
+        a reload loaded that only a restart applies."""
+        return sup.loaded.to_json()
+
+    @app.post("/v1/reload")
+    async def reload() -> dict[str, Any]:
+        """Read the config file and LMD_* environment again (flags stay). Answers which
+        changed keys were `applied` live (log_level) and which `needs_restart`, with
+        `changes` {key: {from, to}}; a bad file is 400 `bad_config`, the daemon unchanged."""
+        return sup.reload()
+
     @app.post("/v1/shutdown")
     async def shutdown() -> dict[str, Any]:
         """Drain (up to drain_timeout), stop every worker and exit 0, as SIGTERM does."""

@@ -3,20 +3,25 @@
 Life cycle of the daemon (states.DaemonState):
   1. starting: take the runtime-dir lock, remove a crashed daemon's sockets, bind the
      supervisor socket and the control socket, spawn every worker (spawn context).
-  2. running: once every worker sent Ready within startup_timeout. A worker that dies is
-     restarted with exponential backoff; one that misses heartbeats for
-     heartbeat_timeout is killed and restarted; max_fast_failures young deaths in a row
-     and the daemon gives up (exit 1).
+  2. running: once every worker sent Ready within startup_timeout (the api's Ready comes
+     after its port listens): READY=1. A worker that dies is restarted with exponential
+     backoff; one that misses heartbeats for heartbeat_timeout is killed and restarted
+     (the watchdog pings stop until its replacement is ready); max_fast_failures young
+     deaths in a row and the daemon gives up (exit 1: Restart=on-failure acts).
+     `lmdctl reload` applies what can change live and reports what needs a restart.
   3. draining (`lmdctl drain`): workers stop admitting; `resume` returns to running.
-  4. stopping (SIGTERM, SIGINT, `lmdctl shutdown`, giving up): Drain, wait until no
-     worker holds a request (up to drain_timeout; a second signal cuts it short), Stop,
-     SIGKILL what is still alive after a grace period, release the lock, exit.
+  4. stopping (SIGTERM, SIGINT, `lmdctl shutdown`, giving up): STOPPING=1, Drain, wait
+     until no worker holds a request (up to drain_timeout; a second signal cuts it
+     short), Stop, SIGKILL what is still alive after a grace period, release the lock,
+     exit.
 Signal handlers only request the stop; the stop itself runs as a task on the loop.
+What systemd hears at each step (READY, STATUS, WATCHDOG, ...): service_notify.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import time
@@ -26,12 +31,15 @@ import zmq.asyncio
 
 from lmd import __version__, ipc, protocol
 from lmd.child import Child, describe_exit
-from lmd.config import ServeConfig
+from lmd.config import ConfigError
+from lmd.config_loader import LoadedConfig, reload_config
 from lmd.control import ControlError, build_control_app
 from lmd.http_server import EmbeddedServer, bind_unix
 from lmd.paths import control_socket_path
 from lmd.roles import ROLES, plan_workers
 from lmd.runtime_lock import RuntimeLock
+from lmd.sd_notify import Notifier
+from lmd.service_notify import ServiceNotifier, status_line
 from lmd.states import DaemonState, WorkerState, transition
 
 log = logging.getLogger(__name__)
@@ -43,8 +51,12 @@ LIVE = (WorkerState.STARTING, WorkerState.RUNNING)
 
 
 class Supervisor:
-    def __init__(self, config: ServeConfig, device: str, pid: int) -> None:
-        self.config = config
+    def __init__(
+        self, loaded: LoadedConfig, device: str, pid: int, notifier: Notifier | None = None
+    ) -> None:
+        config = loaded.config
+        self.loaded = loaded  # the config as loaded, with where each value came from
+        self.config = config  # what runs; a reload changes its live keys only
         self.device = device
         self.pid = pid
         self.state = DaemonState.STARTING
@@ -56,6 +68,9 @@ class Supervisor:
         self._exit_code = 0
         self._force_stop = False
         self._drain_started = 0.0
+        self._stop_reason = ""
+        self.service = ServiceNotifier(notifier)
+        self._hung: set[str] = set()  # killed for missing heartbeats, not yet back
 
     # Running ---------------------------------------------------------------------------
 
@@ -91,6 +106,7 @@ class Supervisor:
         )
         for child in self.children.values():
             child.spawn()
+        self.service.status(self.status_line)
         tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._tick_loop())]
         await self._finished.wait()
         for task in tasks:
@@ -98,6 +114,7 @@ class Supervisor:
         await control.stop()
         self.router.close()
         ctx.term()
+        self.service.close()
         log.info("lmdd stopped (exit code %d)", self._exit_code)
         return self._exit_code
 
@@ -110,8 +127,10 @@ class Supervisor:
 
     @property
     def missing_roles(self) -> list[str]:
+        """Roles this daemon runs (hybrid mode runs no prefill/decode) with none running."""
+        planned = {c.role for c in self.children.values()}
         up = {c.role for c in self.children.values() if c.state == WorkerState.RUNNING}
-        return [r for r in ROLES if r not in up]
+        return [r for r in ROLES if r in planned and r not in up]
 
     async def _broadcast(self, msg: protocol.Message, children: list[Child] | None = None) -> None:
         for child in self.live_children if children is None else children:
@@ -119,6 +138,12 @@ class Supervisor:
 
     async def _publish_cluster_state(self) -> None:
         await self._broadcast(protocol.ClusterState(str(self.state), self.missing_roles))
+        self.service.status(self.status_line)
+
+    @property
+    def status_line(self) -> str:
+        workers = {c.name: c.state for c in self.children.values()}
+        return status_line(self.state, workers, self._stop_reason)
 
     async def _recv_loop(self) -> None:
         while True:
@@ -146,6 +171,7 @@ class Supervisor:
     async def _on_ready(self, child: Child, msg: protocol.Ready) -> None:
         child.info = msg.info
         child.set_state(WorkerState.RUNNING)
+        self._hung.discard(child.name)
         log.info(
             "%s ready (pid %d) after %.1f s",
             child.name,
@@ -163,6 +189,7 @@ class Supervisor:
                 len(self.children),
                 time.monotonic() - self.started_mono,
             )
+            self.service.ready(self.status_line)
         if self.state in (DaemonState.DRAINING, DaemonState.STOPPING):
             await self.router.send(child.name, protocol.Drain())
         await self._publish_cluster_state()
@@ -182,6 +209,8 @@ class Supervisor:
                 self.give_up(
                     f"start-up took over {self.config.startup_timeout:.0f} s; not ready: {waiting}"
                 )
+            # Healthy = every worker that missed its heartbeats has a ready replacement.
+            self.service.watchdog(now, healthy=not self._hung)
             await asyncio.sleep(TICK_S)
 
     async def _tick_child(self, child: Child, now: float) -> None:
@@ -199,6 +228,7 @@ class Supervisor:
                     child.pid,
                     now - child.last_seen,
                 )
+                self._hung.add(child.name)
                 child.signal(signal.SIGKILL)
             elif (
                 child.restart_requested_at is not None
@@ -273,12 +303,14 @@ class Supervisor:
         self._set_state(DaemonState.STOPPING)
         self._exit_code = exit_code
         self._force_stop = not drain
+        self._stop_reason = reason
         log.info("stopping (%s)", reason)
+        self.service.stopping(self.status_line)
         self._stop_task = asyncio.get_running_loop().create_task(self._stop())
 
     def give_up(self, reason: str) -> None:
         log.error("giving up: %s", reason)
-        self.request_stop(reason, exit_code=1, drain=False)
+        self.request_stop(f"giving up: {reason}", exit_code=1, drain=False)
 
     async def _stop(self) -> None:
         await self._publish_cluster_state()
@@ -365,3 +397,29 @@ class Supervisor:
         log.info("resumed: admitting requests again")
         await self._broadcast(protocol.Resume())
         await self._publish_cluster_state()
+
+    def reload(self) -> dict[str, Any]:
+        """Load the config file and environment again (the command line stays as it was).
+
+        Live keys (config_loader.LIVE_KEYS) apply at once: the log level here, and in each
+        worker from its next start. Other changed keys keep their running value and are
+        reported as needing a restart.
+        """
+        if self.state in (DaemonState.STARTING, DaemonState.STOPPING):
+            raise ControlError(409, str(self.state), f"the daemon is {self.state}; try later")
+        with self.service.reloading(lambda: self.status_line):
+            try:
+                self.loaded, plan = reload_config(self.loaded)
+            except ConfigError as exc:
+                raise ControlError(400, "bad_config", str(exc)) from None
+            self.config = self.loaded.config
+            for child in self.children.values():  # what a restarted worker runs with
+                child.spec = dataclasses.replace(child.spec, config=self.config.to_dict())
+            for name in ("", "uvicorn.error", "uvicorn.access"):  # "" = every lmd logger
+                logging.getLogger(name).setLevel(self.config.log_level.upper())
+        log.info(
+            "config reloaded: applied %s; needs a restart: %s",
+            ", ".join(plan.applied) or "nothing",
+            ", ".join(plan.needs_restart) or "nothing",
+        )
+        return {"ok": True, "file": self.loaded.to_json()["file"], **plan.to_json()}

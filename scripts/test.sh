@@ -17,5 +17,29 @@ ln -sfn ../../daemon build/typecheck/lmd
 ln -sfn ../../clients build/typecheck/lmd_client
 $bin/mypy -p lmd -p lmd_client
 $bin/mypy tests
+echo "== systemd unit"
+# systemd-analyze verify: CI machines have it (systemd); as root with apt, install it
+# where it is missing. verify exits 0 on unknown keys and bad values (it only warns),
+# so any line about our unit fails the step. It also checks that ExecStart's program
+# exists: the unit runs lmd from /opt/lmd, so verify a copy pointing at this .venv.
+if ! command -v systemd-analyze >/dev/null && [[ $EUID == 0 ]] && command -v apt-get >/dev/null; then
+    { apt-get -qq update && apt-get -qq install -y --no-install-recommends systemd >/dev/null; } ||
+        echo "could not install systemd"
+fi
+if command -v systemd-analyze >/dev/null; then
+    unit_dir=$(mktemp -d)
+    sed "s|/opt/lmd/bin/|$PWD/.venv/bin/|g" systemd/lmdd.service >"$unit_dir/lmdd.service"
+    verify_rc=0
+    verify_out=$(systemd-analyze verify "$unit_dir/lmdd.service" 2>&1) || verify_rc=$?
+    rm -rf "$unit_dir"
+    if [[ $verify_rc != 0 ]] || grep -q "lmdd.service" <<<"$verify_out"; then
+        echo "$verify_out"
+        echo "systemd-analyze verify systemd/lmdd.service failed"
+        exit 1
+    fi
+    echo "systemd/lmdd.service verified"
+else
+    echo "systemd-analyze not available: systemd/lmdd.service not verified"
+fi
 echo "== pytest"
 $bin/python -m pytest -q -ra -m "not slow" "$@"
