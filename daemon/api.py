@@ -1,23 +1,82 @@
-"""The api process: the HTTP front on --host/--port (FastAPI on uvicorn + uvloop).
+"""The api process: the OpenAI HTTP front on --host/--port (FastAPI on uvicorn + uvloop).
 
-For now it answers `GET /health` (from the ClusterState the supervisor pushes) and
-`GET /v1/models`; the OpenAI generation endpoints arrive with the tokenizer issue.
+Life cycle of a generation request in the api (POST /v1/chat/completions, /v1/completions):
+  1. RequestGuard checks the API key (/v1/* only) and the body size (413) before any
+     parsing; the body is validated into a request model (400 naming the field), the
+     model name checked (404), and the daemon's state (503 + Retry-After while starting,
+     draining or missing a role).
+  2. Admitted: an OpenRequest is registered under a fresh id (chatcmpl-... / cmpl-...)
+     and a TextRequest goes to the tokenizer, which answers on our inbox.
+  3. `handle` routes each TextDelta entry or RequestError to its request's queue and keeps
+     the counts and timings (first token, last token).
+  4. Non-streaming: the deltas are added up into one body. Streaming: the first event is
+     awaited before the 200 goes out (so an over-long prompt is still a 400), then each
+     delta becomes an SSE chunk, then the usage chunk if asked for, then [DONE].
+  5. Closed however it ends (last token, error, client gone): the request leaves the
+     table; if the tokenizer still holds it (client gone first), an Abort goes down.
+If the tokenizer stops, every open request fails with 503 at once instead of hanging.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+import uuid
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from pydantic import ValidationError
+from starlette.responses import Response
 
-from lmd import __version__
+from lmd import __version__, ipc, protocol
+from lmd.api_http import (
+    EventStream,
+    RequestGuard,
+    body_doc,
+    disconnected,
+    error_response,
+    install_body_schemas,
+    install_error_handlers,
+)
+from lmd.api_metrics import CLIENT_GONE, CONTENT_TYPE, ApiMetrics
+from lmd.config import ServeConfig
 from lmd.http_server import BindError, EmbeddedServer, JSONResponse, bind_tcp
-from lmd.worker import Worker, WorkerStartError
+from lmd.openai_responses import SSE_DONE, Answer, ChatFormat, CompletionFormat, Delta, sse
+from lmd.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest
+from lmd.worker import Worker, WorkerSpec, WorkerStartError
+
+TOKENIZER = "tokenizer-0"
+RETRY_AFTER_S = 5  # while the daemon starts, drains or restarts a role
+
+Event = Delta | protocol.RequestError
+Format = ChatFormat | CompletionFormat
+
+
+@dataclass(slots=True, eq=False)
+class OpenRequest:
+    """One admitted request, from its TextRequest until it is closed."""
+
+    id: str
+    endpoint: str
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None  # its last delta arrived
+    ended: bool = False  # last delta or error seen: the tokenizer no longer holds it
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
 
 
 class ApiWorker(Worker):
     role = "api"
+
+    def __init__(self, spec: WorkerSpec, config: ServeConfig) -> None:
+        self._open: dict[str, OpenRequest] = {}  # before Worker sets missing_roles
+        self._missing_roles: list[str] = []
+        super().__init__(spec, config)
+        self.metrics = ApiMetrics(lambda: len(self._open))
 
     async def start(self) -> None:
         try:
@@ -25,14 +84,35 @@ class ApiWorker(Worker):
         except BindError as exc:
             raise WorkerStartError(str(exc)) from None
         self.created = int(time.time())
+        self.tokenizer = ipc.connect_push(
+            self.ctx, self.endpoints.inbox(TOKENIZER), f"{self.spec.name}->tokenizer"
+        )
         self.server = EmbeddedServer(self.build_app(), sock, self.config.log_level)
         await self.server.start()
 
     async def stop(self) -> None:
         await self.server.stop()
+        self.tokenizer.close()
 
     def info(self) -> dict[str, Any]:
         return {"listen": f"http://{self.config.host}:{self.config.port}"}
+
+    def inflight(self) -> int:
+        return len(self._open)
+
+    @property
+    def missing_roles(self) -> list[str]:
+        return self._missing_roles
+
+    @missing_roles.setter
+    def missing_roles(self, roles: list[str]) -> None:
+        self._missing_roles = roles
+        if "tokenizer" in roles:  # it died: what it held is lost
+            lost = protocol.RequestError("", "service_unavailable", "the tokenizer stopped; retry")
+            for request in self._open.values():
+                if not request.ended:
+                    request.ended = True
+                    request.events.put_nowait(lost)
 
     def health(self) -> tuple[int, dict[str, Any]]:
         """(HTTP status, body): 200 only when the daemon runs and every role is up."""
@@ -45,6 +125,34 @@ class ApiWorker(Worker):
             return 503, {"status": "degraded", "reason": f"no running worker for: {missing}"}
         return 200, {"status": "ok"}
 
+    # Inbox: the tokenizer's answers ---------------------------------------------------
+
+    async def handle(self, msg: protocol.Message) -> bool:
+        if isinstance(msg, protocol.TextDelta):
+            now = time.perf_counter()
+            for request_id, delta in Delta.split(msg):
+                request = self._open.get(request_id)
+                if request is None or request.ended:
+                    continue  # closed already (client gone, aborted): late tokens
+                if request.first_token_at is None and (delta.text or delta.completion_tokens):
+                    request.first_token_at = now
+                    self.metrics.first_token(now - request.started)
+                request.prompt_tokens = delta.prompt_tokens
+                request.completion_tokens = delta.completion_tokens
+                if delta.finish_reason is not None:
+                    request.ended, request.finished_at = True, now
+                request.events.put_nowait(delta)
+            return True
+        if isinstance(msg, protocol.RequestError):
+            request = self._open.get(msg.request_id)
+            if request is not None and not request.ended:
+                request.ended = True
+                request.events.put_nowait(msg)
+            return True
+        return False
+
+    # HTTP --------------------------------------------------------------------------------
+
     def build_app(self) -> FastAPI:
         app = FastAPI(title="lmd", version=__version__, default_response_class=JSONResponse)
 
@@ -55,12 +163,176 @@ class ApiWorker(Worker):
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
-            card = {
-                "id": self.config.served_model_name,
-                "object": "model",
-                "created": self.created,
-                "owned_by": "lmd",
-            }
-            return {"object": "list", "data": [card]}
+            return {"object": "list", "data": [self._model_card()]}
 
+        @app.get("/v1/models/{model:path}")
+        async def model(model: str) -> JSONResponse:
+            if model != self.config.served_model_name:
+                return error_response(self._unknown_model(model))
+            return JSONResponse(self._model_card())
+
+        @app.post("/v1/chat/completions", openapi_extra=body_doc(ChatCompletionRequest))
+        async def chat_completions(request: Request) -> Response:
+            return await self.generate(request, "chat_completions")
+
+        @app.post("/v1/completions", openapi_extra=body_doc(CompletionRequest))
+        async def completions(request: Request) -> Response:
+            return await self.generate(request, "completions")
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+        install_error_handlers(app)
+        install_body_schemas(app, [ChatCompletionRequest, CompletionRequest])
+        app.add_middleware(
+            RequestGuard,
+            api_keys=self.config.api_keys,
+            max_body_bytes=self.config.max_request_bytes,
+            on_reject=self._count_rejected,
+        )
         return app
+
+    def _model_card(self) -> dict[str, Any]:
+        name = self.config.served_model_name
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "lmd"}
+
+    def _unknown_model(self, name: str) -> ApiError:
+        served = self.config.served_model_name
+        message = f"the model {name!r} does not exist; this server serves {served!r}"
+        return ApiError(404, message, param="model", code="model_not_found")
+
+    def _count_rejected(self, path: str, status: int) -> None:
+        endpoint = path.removeprefix("/v1/").replace("/", "_")
+        if endpoint in ("chat_completions", "completions"):
+            self.metrics.count(endpoint, status)
+
+    async def generate(self, http: Request, endpoint: str) -> Response:
+        """Validate, admit, and answer one generation request (streamed or not)."""
+        chat = endpoint == "chat_completions"
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        try:
+            body = await self._admit(http, chat, request_id)
+        except ApiError as err:
+            self.metrics.count(endpoint, err.status)
+            return error_response(err)
+        request = self._open[request_id] = OpenRequest(request_id, endpoint)
+        shape = ChatFormat if chat else CompletionFormat
+        fmt = shape(request_id, int(time.time()), body.model, body.include_usage)
+        client_gone = asyncio.ensure_future(disconnected(http))
+        try:
+            if body.stream:
+                return await self._start_stream(request, fmt, client_gone)
+            return await self._answer(request, fmt, client_gone)
+        except BaseException:
+            self._close(request, 500)  # a no-op when already closed
+            raise
+        finally:
+            client_gone.cancel()
+
+    async def _admit(
+        self, http: Request, chat: bool, request_id: str
+    ) -> ChatCompletionRequest | CompletionRequest:
+        """Parse and check a request, and hand it to the tokenizer; raise ApiError."""
+        model = ChatCompletionRequest if chat else CompletionRequest
+        try:
+            body = model.model_validate_json(await http.body())
+        except ValidationError as exc:
+            raise ApiError.from_validation(exc) from None
+        if body.model != self.config.served_model_name:
+            raise self._unknown_model(body.model)
+        status, state = self.health()
+        if status != 200:
+            reason = f"{state['reason']}; retry later"
+            raise ApiError(503, reason, type="service_unavailable", retry_after_s=RETRY_AFTER_S)
+        if not self.tokenizer.try_send(body.text_request(request_id, self.spec.name)):
+            reason = "the tokenizer is not keeping up; retry later"
+            raise ApiError(503, reason, type="overloaded", retry_after_s=1)
+        return body
+
+    async def _answer(
+        self, request: OpenRequest, fmt: Format, client_gone: asyncio.Future[None]
+    ) -> Response:
+        collect = asyncio.ensure_future(_add_up(request))
+        await asyncio.wait((collect, client_gone), return_when=asyncio.FIRST_COMPLETED)
+        if not collect.done():
+            collect.cancel()
+            self._close(request, CLIENT_GONE)
+            return Response(status_code=CLIENT_GONE)
+        answer = collect.result()
+        if isinstance(answer, ApiError):
+            self._close(request, answer.status)
+            return error_response(answer)
+        self._close(request, 200)
+        return JSONResponse(fmt.response(answer))
+
+    async def _start_stream(
+        self, request: OpenRequest, fmt: Format, client_gone: asyncio.Future[None]
+    ) -> Response:
+        first = asyncio.ensure_future(request.events.get())
+        await asyncio.wait((first, client_gone), return_when=asyncio.FIRST_COMPLETED)
+        if not first.done():
+            first.cancel()
+            self._close(request, CLIENT_GONE)
+            return Response(status_code=CLIENT_GONE)
+        event = first.result()
+        if isinstance(event, protocol.RequestError):
+            err = ApiError.from_request_error(event)
+            self._close(request, err.status)
+            return error_response(err)
+        answered: int | None = None  # the HTTP status, once the stream went out to its end
+
+        async def chunks() -> AsyncGenerator[bytes, None]:
+            nonlocal answered
+            status = 200
+            if isinstance(fmt, ChatFormat):
+                yield sse(fmt.first_chunk())
+            item: Event = event
+            while True:
+                if isinstance(item, protocol.RequestError):
+                    err = ApiError.from_request_error(item)
+                    status = err.status
+                    yield sse(err.body)
+                    break
+                chunk = fmt.chunk(item)
+                if chunk is not None:
+                    yield sse(chunk)
+                if item.finish_reason is not None:
+                    break
+                item = await request.events.get()
+            if fmt.include_usage and status == 200:
+                yield sse(fmt.usage_chunk(request.prompt_tokens, request.completion_tokens))
+            yield SSE_DONE
+            answered = status
+
+        def on_close() -> None:
+            self._close(request, CLIENT_GONE if answered is None else answered)
+
+        return EventStream(chunks(), on_close)
+
+    def _close(self, request: OpenRequest, status: int) -> None:
+        """Forget a request; tell the tokenizer if it still holds it. Idempotent."""
+        if self._open.pop(request.id, None) is None:
+            return
+        if not request.ended:
+            request.ended = True
+            self.tokenizer.try_send(protocol.Abort(request.id))
+        self.metrics.count(request.endpoint, status)
+        self.metrics.tokens(request.prompt_tokens, request.completion_tokens)
+        if request.finished_at is not None and status == 200:
+            first = request.first_token_at
+            self.metrics.finished(
+                e2e_s=request.finished_at - request.started,
+                first_token_s=None if first is None else first - request.started,
+                num_tokens=request.completion_tokens,
+            )
+
+
+async def _add_up(request: OpenRequest) -> Answer | ApiError:
+    answer = Answer()
+    while not answer.done:
+        event = await request.events.get()
+        if isinstance(event, protocol.RequestError):
+            return ApiError.from_request_error(event)
+        answer.add(event)
+    return answer

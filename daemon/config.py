@@ -67,7 +67,7 @@ class ServeConfig:
     model_name: str | None = None  # served name; derived from the model when None
     host: str = "127.0.0.1"
     port: int = 23333
-    mode: str = "disaggregated"  # hybrid: prefill and decode in one engine process
+    mode: str = "hybrid"  # hybrid: prefill and decode in one engine process
     device: str = "auto"  # auto = cuda if the driver reports a device, else cpu
     dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
     prefill_backend: str = "auto"

@@ -69,6 +69,14 @@ class Channel(_Dropping):
     async def send(self, msg: Message) -> None:
         await self.socket.send_multipart(protocol.encode(msg), copy=False)
 
+    def try_send(self, msg: Message) -> bool:
+        """Send without waiting; False when the peer is gone or not keeping up (queue full)."""
+        try:
+            self.socket.send_multipart(protocol.encode(msg), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        return True
+
     async def recv(self) -> Message:
         while True:
             frames = await self.socket.recv_multipart()

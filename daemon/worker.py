@@ -102,13 +102,15 @@ class Worker:
         self._stop = asyncio.Event()
         self._num_unexpected = 0
         self._proc = psutil.Process()
+        self._peers: dict[str, ipc.Channel] = {}  # worker name -> PUSH to its inbox
+        self.num_lost = 0  # data-path messages a peer did not take (gone or not reading)
 
     @property
     def num_dropped(self) -> int:
         return self.control.num_dropped + self.inbox.num_dropped + self._num_unexpected
 
     async def run(self) -> int:
-        ctx = zmq.asyncio.Context()
+        self.ctx = ctx = zmq.asyncio.Context()
         self.control = ipc.connect_dealer(ctx, self.endpoints.supervisor, self.spec.name)
         self.inbox = ipc.bind_pull(
             ctx, self.endpoints.inbox(self.spec.name), f"{self.spec.name} inbox"
@@ -131,6 +133,8 @@ class Worker:
         for task in tasks:
             task.cancel()
         await self.stop()
+        for channel in self._peers.values():
+            channel.close()
         self.control.close()
         self.inbox.close()
         ctx.term()
@@ -142,7 +146,11 @@ class Worker:
             await asyncio.sleep(self.config.heartbeat_interval)
 
     async def _send_heartbeat(self) -> None:
-        stats = {"rss_bytes": self._proc.memory_info().rss, **self.stats()}
+        stats = {
+            "rss_bytes": self._proc.memory_info().rss,
+            "num_lost": self.num_lost,
+            **self.stats(),
+        }
         beat = protocol.Heartbeat(self.spec.name, self.inflight(), self.num_dropped, stats)
         await self.control.send(beat)
 
@@ -158,6 +166,7 @@ class Worker:
                 self.draining = False
             elif isinstance(msg, protocol.ClusterState):
                 self.cluster_state, self.missing_roles = msg.state, msg.missing_roles
+                self.on_cluster_state()
             else:
                 self._unexpected(msg, "control")
 
@@ -166,6 +175,18 @@ class Worker:
             msg = await self.inbox.recv()
             if not await self.handle(msg):
                 self._unexpected(msg, "inbox")
+
+    def push(self, worker_name: str, msg: Message) -> bool:
+        """Send `msg` to another worker's inbox without waiting; False (counted) if lost."""
+        channel = self._peers.get(worker_name)
+        if channel is None:
+            endpoint = self.endpoints.inbox(worker_name)
+            channel = ipc.connect_push(self.ctx, endpoint, f"{self.spec.name}->{worker_name}")
+            self._peers[worker_name] = channel
+        if channel.try_send(msg):
+            return True
+        self.num_lost += 1
+        return False
 
     def _unexpected(self, msg: Message, where: str) -> None:
         self._num_unexpected += 1
@@ -182,6 +203,9 @@ class Worker:
     async def handle(self, msg: Message) -> bool:
         """Handle a data-path message; False means this role does not take it."""
         return False
+
+    def on_cluster_state(self) -> None:
+        """The daemon's state or its set of running roles changed."""
 
     def info(self) -> dict[str, Any]:
         """Facts sent once with Ready (shown in status)."""

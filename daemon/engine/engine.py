@@ -47,9 +47,12 @@ class TokenEvent:
 def size_pool(backend: Backend, config: EngineConfig) -> int:
     """Blocks for the pool: cache_max_entry_count of the free memory after the weights."""
     per_block = bytes_per_block(
-        backend.num_layers, backend.num_kv_heads, backend.head_dim, config.block_size,
+        backend.num_layers,
+        backend.num_kv_heads,
+        backend.head_dim,
+        config.block_size,
         backend.dtype,
-    )  # fmt: skip
+    )
     if backend.device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(backend.device)
     else:
@@ -64,9 +67,10 @@ class Engine:
         self.pool = pool
         eos = backend.eos_token_ids
         self.block_manager = BlockManager(
-            pool.num_blocks, pool.block_size,
+            pool.num_blocks,
+            pool.block_size,
             enable_prefix_caching=self.config.enable_prefix_caching,
-        )  # fmt: skip
+        )
         self.prefill = PrefillScheduler(self.config, self.block_manager, eos)
         self.decode = DecodeScheduler(self.config, self.block_manager, eos)
         self.sampler = Sampler(eos)
@@ -88,14 +92,20 @@ class Engine:
         model = select_backend(backend, arch, dev)(model_dir, dev, parse_dtype(dtype, dev))
         num_blocks = size_pool(model, config)
         pool = KVPool(
-            num_blocks, num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
-            head_dim=model.head_dim, block_size=config.block_size, dtype=model.dtype,
+            num_blocks,
+            num_layers=model.num_layers,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            block_size=config.block_size,
+            dtype=model.dtype,
             device=dev,
-        )  # fmt: skip
+        )
         log.info(
             "KV pool: %d blocks of %d tokens (%.1f MiB)",
-            num_blocks, config.block_size, pool.nbytes / 2**20,
-        )  # fmt: skip
+            num_blocks,
+            config.block_size,
+            pool.nbytes / 2**20,
+        )
         return cls(model, config, pool)
 
     # Requests --------------------------------------------------------------------------

@@ -1,16 +1,23 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from tests.integration.daemon import Daemon
+from tests.integration.daemon import DISAGGREGATED, Daemon
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _default_model_converted(smollm2_dir: Path) -> Path:
+    """Every daemon's tokenizer loads the default model: convert it once, before any starts."""
+    return smollm2_dir
 
 
 @pytest.fixture
 def daemon() -> Iterator[Daemon]:
     """A running daemon with default settings; stopped and cleaned after the test."""
-    d = Daemon("--heartbeat-timeout", "4", "--drain-timeout", "5")
+    d = Daemon(*DISAGGREGATED, "--heartbeat-timeout", "4", "--drain-timeout", "5")
     try:
         d.start()
         yield d

@@ -23,6 +23,8 @@ import httpx
 import psutil
 
 START_TIMEOUT_S = 60.0
+# Bare prefill/decode workers: for tests of process management, no engine to load.
+DISAGGREGATED = ("--mode", "disaggregated")
 
 
 def free_port() -> int:

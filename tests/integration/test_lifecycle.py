@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.integration.daemon import Daemon, alive, wait_until
+from tests.integration.daemon import DISAGGREGATED, Daemon, alive, wait_until
 
 ROLES = ["tokenizer-0", "prefill-0", "decode-0", "api-0"]
 
@@ -75,7 +75,7 @@ def test_supervisor_sigkill_takes_every_child_with_it(daemon: Daemon) -> None:
 def test_second_daemon_on_same_runtime_dir_refuses(
     daemon: Daemon, make_daemon: type[Daemon]
 ) -> None:
-    second = make_daemon(runtime_dir=daemon.runtime_dir).start(wait=False)
+    second = make_daemon(*DISAGGREGATED, runtime_dir=daemon.runtime_dir).start(wait=False)
     assert second.wait_exit(timeout=30) == 1
     first_pid = daemon.status()["pid"]
     assert f"another lmdd (pid {first_pid}) is running" in second.log()
@@ -83,11 +83,11 @@ def test_second_daemon_on_same_runtime_dir_refuses(
 
 
 def test_stale_sockets_of_a_crashed_daemon_are_cleaned(make_daemon: type[Daemon]) -> None:
-    first = make_daemon().start()
+    first = make_daemon(*DISAGGREGATED).start()
     first.signal(signal.SIGKILL)
     first.wait_exit(timeout=5)
     assert first.socket_path.exists()  # a crash leaves its socket behind
-    again = make_daemon(runtime_dir=first.runtime_dir).start()
+    again = make_daemon(*DISAGGREGATED, runtime_dir=first.runtime_dir).start()
     assert again.status()["state"] == "running"
     assert "stale sockets" in again.log()
 
@@ -97,7 +97,9 @@ def test_gives_up_with_nonzero_exit_after_fast_failures(make_daemon: type[Daemon
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        d = make_daemon("--restart-backoff", "0.1", "--max-fast-failures", "3", port=port)
+        d = make_daemon(
+            *DISAGGREGATED, "--restart-backoff", "0.1", "--max-fast-failures", "3", port=port
+        )
         d.start(wait=False)
         assert d.wait_exit(timeout=60) == 1
     log = d.log()

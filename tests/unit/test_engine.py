@@ -32,8 +32,11 @@ def make_engine(model_dir: Path, **overrides: object) -> Engine:
     return Engine.build(model_dir, EngineConfig(**settings))  # type: ignore[arg-type]
 
 
-def run(engine: Engine, prompts: list[list[int]], params: SamplingParams = GREEDY,
-        ) -> dict[str, list[int]]:  # fmt: skip
+def run(
+    engine: Engine,
+    prompts: list[list[int]],
+    params: SamplingParams = GREEDY,
+) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for i, prompt in enumerate(prompts):
         engine.add(Sequence(f"r{i}", prompt, params))
@@ -45,8 +48,7 @@ def run(engine: Engine, prompts: list[list[int]], params: SamplingParams = GREED
     return out
 
 
-def test_concurrent_greedy_equals_transformers(model_dir: Path, reference: PreTrainedModel
-                                               ) -> None:  # fmt: skip
+def test_concurrent_greedy_equals_transformers(model_dir: Path, reference: PreTrainedModel) -> None:
     prompts = random_prompts(LENGTHS)
     out = run(make_engine(model_dir), prompts)
     for i, prompt in enumerate(prompts):
@@ -115,15 +117,15 @@ def test_abort_frees_every_block(model_dir: Path) -> None:
 
 def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(model_dir: Path) -> None:
     prompts = random_prompts([12, 25], seed=8)
-    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=16,
-                            ignore_eos=True)  # fmt: skip
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
     a = run(make_engine(model_dir), prompts, seeded)
     b = run(make_engine(model_dir), [prompts[1], prompts[0]], seeded)
     assert a["r0"] == b["r1"] and a["r1"] == b["r0"]
     top1 = SamplingParams(temperature=1.0, top_k=1, max_tokens=16, ignore_eos=True)
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    assert run(make_engine(model_dir), prompts, top1) == run(make_engine(model_dir), prompts,
-                                                              greedy)  # fmt: skip
+    assert run(make_engine(model_dir), prompts, top1) == run(
+        make_engine(model_dir), prompts, greedy
+    )
 
 
 def test_max_tokens_and_eos_finish_reasons(model_dir: Path) -> None:

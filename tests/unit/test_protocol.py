@@ -55,6 +55,14 @@ def test_no_pickle_on_the_wire() -> None:
         ([b"\x14", b'{"request_id":"a","reply_to":"t","sampling":{}}', b""], "int32"),
         (
             [
+                b"\x14",
+                b'{"request_id":"a","reply_to":"../../x","sampling":{}}',
+                b"\x01\x00\x00\x00",
+            ],
+            "not a worker name",
+        ),
+        (
+            [
                 b"\x16",
                 b'{"request_ids":["a",2],"finish_reasons":[null,null],"logprobs":[null,null]}',
                 b"\x00" * 8,

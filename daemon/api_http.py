@@ -1,0 +1,196 @@
+"""HTTP plumbing of the api: the request guard, SSE responses, error bodies, docs.
+
+`RequestGuard` is plain ASGI middleware (no per-request task, unlike BaseHTTPMiddleware):
+it checks the Bearer key on /v1/* (constant-time; /health, /metrics and the docs stay
+open, as in vLLM) and reads at most `max_body_bytes` of a body before anything parses
+it, answering 401 and 413 as OpenAI error bodies.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from lmd.http_server import JSONResponse
+from lmd.openai_schema import ApiError
+
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body, status_code=err.status, headers=err.headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Unknown routes, wrong methods and unexpected exceptions answer OpenAI bodies too."""
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(ApiError(exc.status_code, str(exc.detail), type=kind))
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        message = f"internal error: {type(exc).__name__}: {exc}"
+        return error_response(ApiError(500, message, type="internal_error"))
+
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, internal_error)
+
+
+async def disconnected(request: Request) -> None:
+    """Return once the client has gone (call after the body was read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class EventStream(StreamingResponse):
+    """A text/event-stream response whose `on_close` runs however it ends.
+
+    Starlette stops iterating when the client goes away but leaves the generator
+    suspended; here it is closed and `on_close` called right then.
+    """
+
+    def __init__(self, chunks: AsyncGenerator[bytes, None], on_close: Callable[[], None]) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(chunks, media_type="text/event-stream", headers=headers)
+        self._chunks = chunks
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self._chunks.aclose()
+            finally:
+                self._on_close()
+
+
+class _ClientGone(Exception):
+    """The client hung up before its request body was complete."""
+
+
+class RequestGuard:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        api_keys: Sequence[str],
+        max_body_bytes: int,
+        on_reject: Callable[[str, int], None],
+    ) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in api_keys]
+        self.max_body_bytes = max_body_bytes
+        self.on_reject = on_reject  # (path, status) of each request refused here
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        if self.keys and scope["path"].startswith("/v1/"):
+            err = self._check_key(headers.get(b"authorization", b""))
+            if err is not None:
+                await self._reject(scope, receive, send, err)
+                return
+        if scope["method"] not in _BODY_METHODS:
+            await self.app(scope, receive, send)
+            return
+        length = headers.get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            await self._reject(scope, receive, send, self._too_large())
+            return
+        try:
+            body = await self._read_body(receive)
+        except _ClientGone:
+            return  # nobody to answer
+        if body is None:  # over the limit while it streamed in (no Content-Length)
+            await self._reject(scope, receive, send, self._too_large())
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+    def _check_key(self, authorization: bytes) -> ApiError | None:
+        scheme, _, given = authorization.partition(b" ")
+        if scheme.lower() != b"bearer" or not given.strip():
+            message = "missing API key: send it as 'Authorization: Bearer KEY'"
+            return ApiError(401, message, code="invalid_api_key")
+        given = given.strip()
+        ok = False
+        for key in self.keys:  # no early exit: the time does not depend on which matched
+            ok |= hmac.compare_digest(given, key)
+        return None if ok else ApiError(401, "incorrect API key", code="invalid_api_key")
+
+    def _too_large(self) -> ApiError:
+        message = f"the request body is larger than the limit of {self.max_body_bytes} bytes"
+        return ApiError(413, message, code="request_too_large")
+
+    async def _read_body(self, receive: Receive) -> bytes | None:
+        """The whole body, or None once it passes the limit; raises _ClientGone."""
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            part = message.get("body", b"")
+            size += len(part)
+            if size > self.max_body_bytes:
+                return None
+            parts.append(part)
+            if not message.get("more_body", False):
+                return b"".join(parts)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send, err: ApiError) -> None:
+        self.on_reject(scope["path"], err.status)
+        headers = err.headers
+        if err.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        await JSONResponse(err.body, status_code=err.status, headers=headers)(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that yields the body read already, then the connection's own events."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+# OpenAPI: the generation routes read their body themselves (to answer OpenAI errors and
+# validate from bytes); these put the request models into /openapi.json and /docs anyway.
+
+
+def body_doc(model: type[BaseModel]) -> dict[str, Any]:
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def install_body_schemas(app: FastAPI, models: Sequence[type[BaseModel]]) -> None:
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            _, defs = models_json_schema(
+                [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
+            )
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components.update(defs.get("$defs", {}))
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,84 @@
+"""The api's Prometheus series (`GET /metrics`), in a registry of its own.
+
+Latencies are per request, in seconds, measured in the api process from the moment the
+request was admitted: time to first token (first text or token from the tokenizer),
+time per output token after the first, and end to end. `lmd_requests_total` counts every
+answered generation request by endpoint and HTTP status; a client that went away before
+its answer counts as status 499 (nginx's "client closed request").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+CLIENT_GONE = 499
+
+# Seconds. TTFT spans a CPU prefill of a long prompt; TPOT a single decode step.
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+
+
+class ApiMetrics:
+    def __init__(self, num_running: Callable[[], int]) -> None:
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+        self.time_to_first_token = Histogram(
+            "lmd_time_to_first_token_seconds",
+            "Seconds from admitting a request to its first output token.",
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.time_per_output_token = Histogram(
+            "lmd_time_per_output_token_seconds",
+            "Mean seconds per output token after the first, per request.",
+            buckets=_TPOT_BUCKETS,
+            registry=registry,
+        )
+        self.e2e_request_latency = Histogram(
+            "lmd_e2e_request_latency_seconds",
+            "Seconds from admitting a request to its last token.",
+            buckets=_E2E_BUCKETS,
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "lmd_prompt_tokens", "Prompt tokens of closed requests.", registry=registry
+        )
+        self.generation_tokens = Counter(
+            "lmd_generation_tokens", "Tokens generated for closed requests.", registry=registry
+        )
+        self.requests = Counter(
+            "lmd_requests",
+            "Generation requests answered, by endpoint and HTTP status.",
+            ["endpoint", "status"],
+            registry=registry,
+        )
+        self.requests_running = Gauge(
+            "lmd_requests_running",
+            "Requests admitted and not finished yet.",
+            registry=registry,
+        )
+        self.requests_running.set_function(lambda: float(num_running()))
+
+    def count(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def first_token(self, seconds: float) -> None:
+        self.time_to_first_token.observe(seconds)
+
+    def finished(self, *, e2e_s: float, first_token_s: float | None, num_tokens: int) -> None:
+        """A request that got its last token (not an error, not aborted early)."""
+        self.e2e_request_latency.observe(e2e_s)
+        if first_token_s is not None and num_tokens > 1:
+            self.time_per_output_token.observe((e2e_s - first_token_s) / (num_tokens - 1))
+
+    def tokens(self, prompt_tokens: int, completion_tokens: int) -> None:
+        """What a closed request computed, finished or not."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

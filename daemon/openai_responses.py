@@ -1,0 +1,221 @@
+"""OpenAI response bodies and stream chunks, built from the tokenizer's deltas.
+
+Plain dicts (orjson encodes them), shaped as the OpenAI schema's
+CreateChatCompletionResponse / CreateChatCompletionStreamResponse and
+CreateCompletionResponse. One `ChatFormat` or `CompletionFormat` per request holds what
+every chunk of it shares (id, created, model); `Answer` adds deltas up for a
+non-streaming body. `finish_reason` is stop, length, or abort (LMDeploy's, when the
+server cut the request short).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from lmd import protocol
+
+VERY_UNLIKELY_LOGPROB = -9999.0  # OpenAI's stand-in for a logprob too small to show
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """One request's share of a TextDelta message."""
+
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[dict[str, Any]] | None
+
+    @classmethod
+    def split(cls, msg: protocol.TextDelta) -> list[tuple[str, Delta]]:
+        return [
+            (rid, cls(text, reason, prompt, completion, lps))
+            for rid, text, reason, prompt, completion, lps in zip(
+                msg.request_ids,
+                msg.texts,
+                msg.finish_reasons,
+                msg.prompt_tokens,
+                msg.completion_tokens,
+                msg.logprobs,
+                strict=True,
+            )
+        ]
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    """One server-sent event: `data: {json}` and a blank line."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _logprob(value: float) -> float:
+    # JSON has no -inf; OpenAI documents -9999.0 for "very unlikely".
+    return value if math.isfinite(value) else VERY_UNLIKELY_LOGPROB
+
+
+def _token_bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", "surrogatepass"))
+
+
+@dataclass(slots=True)
+class Answer:
+    """What the deltas of one request add up to (for a non-streaming response)."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, delta: Delta) -> None:
+        self.text.append(delta.text)
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        self.finish_reason = delta.finish_reason
+        self.prompt_tokens = delta.prompt_tokens
+        self.completion_tokens = delta.completion_tokens
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class _Format:
+    """The envelope every body and chunk of one response shares."""
+
+    id: str
+    created: int
+    model: str
+    include_usage: bool = False  # streams: `usage: null` on chunks, a usage chunk at the end
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _chunk(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        out = {**self._head(obj), "choices": choices}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+
+@dataclass(slots=True)
+class ChatFormat(_Format):
+    def first_chunk(self) -> dict[str, Any]:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+        return self._chunk("chat.completion.chunk", [{**choice, "finish_reason": None}])
+
+    def chunk(self, delta: Delta) -> dict[str, Any] | None:
+        """The chunk for a delta; None when it carries nothing to show."""
+        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+            return None
+        choice = {
+            "index": 0,
+            "delta": {"content": delta.text} if delta.text else {},
+            "logprobs": self.logprobs(delta.logprobs),
+            "finish_reason": delta.finish_reason,
+        }
+        return self._chunk("chat.completion.chunk", [choice])
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        return {
+            **self._head("chat.completion.chunk"),
+            "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens),
+        }
+
+    def response(self, answer: Answer) -> dict[str, Any]:
+        message = {"role": "assistant", "content": "".join(answer.text), "refusal": None}
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": self.logprobs(answer.logprobs),
+            "finish_reason": answer.finish_reason,
+        }
+        return {
+            **self._head("chat.completion"),
+            "choices": [choice],
+            "usage": usage(answer.prompt_tokens, answer.completion_tokens),
+        }
+
+    @staticmethod
+    def logprobs(entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        content = [
+            {
+                "token": e["token"],
+                "logprob": _logprob(e["logprob"]),
+                "bytes": _token_bytes(e["token"]),
+                "top_logprobs": [
+                    {"token": t, "logprob": _logprob(lp), "bytes": _token_bytes(t)}
+                    for t, lp in e["top"]
+                ],
+            }
+            for e in entries
+        ]
+        return {"content": content, "refusal": None}
+
+
+@dataclass(slots=True)
+class CompletionFormat(_Format):
+    text_offset: int = 0  # characters of output before the next token (logprobs)
+
+    def chunk(self, delta: Delta) -> dict[str, Any] | None:
+        """The chunk for a delta; None when it carries nothing to show."""
+        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+            return None
+        choice = {
+            "index": 0,
+            "text": delta.text,
+            "logprobs": self.logprobs(delta.logprobs),
+            "finish_reason": delta.finish_reason,
+        }
+        return self._chunk("text_completion", [choice])
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        return {
+            **self._head("text_completion"),
+            "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens),
+        }
+
+    def response(self, answer: Answer) -> dict[str, Any]:
+        choice = {
+            "index": 0,
+            "text": "".join(answer.text),
+            "logprobs": self.logprobs(answer.logprobs),
+            "finish_reason": answer.finish_reason,
+        }
+        return {
+            **self._head("text_completion"),
+            "choices": [choice],
+            "usage": usage(answer.prompt_tokens, answer.completion_tokens),
+        }
+
+    def logprobs(self, entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        offsets = []
+        for e in entries:
+            offsets.append(self.text_offset)
+            self.text_offset += len(e["token"])
+        return {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [_logprob(e["logprob"]) for e in entries],
+            "top_logprobs": [{t: _logprob(lp) for t, lp in e["top"]} for e in entries],
+            "text_offset": offsets,
+        }

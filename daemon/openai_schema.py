@@ -1,0 +1,327 @@
+"""OpenAI requests as the api accepts them, and the errors it answers with.
+
+Requests are pydantic models validated straight from the body bytes in strict mode (a
+string where a number belongs is a 400, never coerced). Fields OpenAI defines that would
+change the answer and that lmd cannot honour (n > 1, presence/frequency penalties, echo,
+tools, logit_bias, ...) are a 400 naming them; fields we do not know at all are ignored,
+since SDKs send some. Each request maps to the tokenizer's TextRequest
+(`text_request`); responses are built in openai_responses.py.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+
+from lmd import protocol
+from lmd.engine.sequence import MAX_LOGPROBS
+
+MAX_STOP_STRINGS = 16
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API allows 0..5
+
+# RequestError.code -> HTTP status; anything unknown is a 500.
+_STATUS_OF_CODE = {
+    "invalid_request_error": 400,
+    "overloaded": 503,
+    "service_unavailable": 503,
+    "internal_error": 500,
+}
+
+
+class ApiError(Exception):
+    """An error answered as an OpenAI error body with its HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",  # the OpenAI field name
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    @property
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
+
+    @classmethod
+    def from_request_error(cls, err: protocol.RequestError) -> ApiError:
+        status = _STATUS_OF_CODE.get(err.code, 500)
+        return cls(status, err.message, type=err.code, retry_after_s=1 if status == 503 else None)
+
+    @classmethod
+    def from_validation(cls, exc: ValidationError) -> ApiError:
+        """The first problem pydantic found, with the field it is about as `param`."""
+        first = exc.errors(include_url=False)[0]
+        if first["type"] == "json_invalid":
+            reason = first.get("ctx", {}).get("error", "")
+            return cls(400, f"the request body is not valid JSON: {reason}")
+        if first["type"] == "model_type" and not first["loc"]:
+            return cls(400, "the request body must be a JSON object")
+        param = _param(first["loc"])
+        msg = str(first["msg"]).removeprefix("Value error, ")
+        return cls(400, f"{param}: {msg}" if param else msg, param=param)
+
+
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    # Union branches show up in `loc` as type names ("list[int]"); keep field names and
+    # list indices only.
+    parts = [
+        str(p)
+        for p in loc
+        if isinstance(p, int) or (p.isidentifier() and p.islower() and p not in _TYPE_TAGS)
+    ]
+    return ".".join(parts) or None
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+# Requests ----------------------------------------------------------------------------
+
+
+def _one_prompt(value: Any) -> Any:
+    """A completion prompt: text, or token ids; a batch of one is unwrapped."""
+    if isinstance(value, list) and value and isinstance(value[0], str | list):
+        if len(value) > 1:
+            raise ValueError(
+                f"{len(value)} prompts in one request are not supported; "
+                "send one request per prompt"
+            )
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise ValueError("must not be empty")
+        return value
+    if not isinstance(value, list):
+        raise ValueError("must be a string or a list of token ids")
+    if not value:
+        raise ValueError("must not be an empty list of token ids")
+    for i, token_id in enumerate(value):
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < 2**31:
+            raise ValueError(f"token id {token_id!r} at position {i} is not an integer >= 0")
+    return value
+
+
+def _stop_list(value: Any) -> Any:
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if isinstance(stops, list):
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+    return stops
+
+
+def _text_content(value: Any) -> Any:
+    """Message content: a string, or a list of text parts joined into one string."""
+    if not isinstance(value, list):
+        return "" if value is None else value
+    texts = []
+    for part in value:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"only text content parts are supported, got type {kind!r}")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _not_supported(instead: str = "") -> Any:
+    """A validator: any value but the neutral one is a 400 naming the field."""
+
+    def check(value: Any) -> Any:
+        if value:
+            raise ValueError(
+                "is not supported by this server" + (f"; {instead}" if instead else "")
+            )
+        return value
+
+    return AfterValidator(check)
+
+
+def _only_one(value: int | None) -> int | None:
+    if value not in (None, 1):
+        raise ValueError(f"only 1 is supported, got {value}")
+    return value
+
+
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+Prompt = Annotated[str | list[int], BeforeValidator(_one_prompt)]
+StopStrings = Annotated[list[str], BeforeValidator(_stop_list)]
+Content = Annotated[str, BeforeValidator(_text_content)]
+Penalty = Annotated[float, Field(ge=-2, le=2), _not_supported("use repetition_penalty")]
+OnlyOne = Annotated[int, AfterValidator(_only_one)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Content = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        # "developer" is OpenAI's new name for "system"; chat templates know "system".
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": self.content}
+
+
+class _GenerateRequest(_Strict):
+    """The fields chat and completions share: sampling, stopping, streaming."""
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # 0 or -1 = off
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    seed: int | None = None
+    stop: StopStrings = Field(default_factory=list)
+    stop_token_ids: list[TokenId] | None = None
+    n: OnlyOne | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    logit_bias: Annotated[dict[str, float], _not_supported()] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """How many alternatives to return per token; None = no logprobs."""
+        return None
+
+    @property
+    def num_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling(self) -> dict[str, Any]:
+        """SamplingParams fields; max_tokens is left out when not given (engine default)."""
+        out: dict[str, Any] = {
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": max(self.top_k or 0, 0),
+            "min_p": self.min_p or 0.0,
+            "repetition_penalty": self.repetition_penalty or 1.0,
+            "seed": self.seed,
+            "min_new_tokens": self.min_tokens,
+            "stop_token_ids": list(self.stop_token_ids or ()),
+            "ignore_eos": self.ignore_eos,
+            "logprobs": self.num_logprobs,
+        }
+        if self.num_max_tokens is not None:
+            out["max_tokens"] = self.num_max_tokens
+        return out
+
+
+def _text_only(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    kind = (value or {}).get("type", "text")
+    if kind != "text":
+        raise ValueError(f"type {kind!r} is not supported by this server (only 'text')")
+    return value
+
+
+class ChatCompletionRequest(_GenerateRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    response_format: Annotated[dict[str, Any], AfterValidator(_text_only)] | None = None
+    tools: Annotated[list[dict[str, Any]], _not_supported()] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return value
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def num_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def text_request(self, request_id: str, reply_to: str) -> protocol.TextRequest:
+        return protocol.TextRequest(
+            request_id=request_id,
+            reply_to=reply_to,
+            messages=[m.to_dict() for m in self.messages],
+            prompt=None,
+            sampling=self.sampling(),
+            stop=self.stop,
+            skip_special_tokens=self.skip_special_tokens,
+            prompt_ids=b"",
+        )
+
+
+class CompletionRequest(_GenerateRequest):
+    prompt: Prompt
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default here
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+    echo: Annotated[bool, _not_supported()] | None = False
+    best_of: OnlyOne | None = None
+    suffix: Annotated[str, _not_supported()] | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def text_request(self, request_id: str, reply_to: str) -> protocol.TextRequest:
+        ids = self.prompt if isinstance(self.prompt, list) else None
+        return protocol.TextRequest(
+            request_id=request_id,
+            reply_to=reply_to,
+            messages=None,
+            prompt=self.prompt if isinstance(self.prompt, str) else None,
+            sampling=self.sampling(),
+            stop=self.stop,
+            skip_special_tokens=self.skip_special_tokens,
+            prompt_ids=protocol.pack_ids(ids) if ids else b"",
+        )

@@ -1,0 +1,161 @@
+"""The hybrid engine worker inside a real daemon, driven over its ZeroMQ inbox as the
+tokenizer drives it: Generate in, Tokens out, exact against transformers."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+from transformers import AutoTokenizer
+
+from lmd import protocol
+from tests.integration.daemon import Daemon, wait_until
+from tests.models import hf_greedy, load_reference, random_prompts, save_tiny_llama
+
+CLIENT = "client-0"  # the inbox name the test answers on, as a tokenizer would
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """The tiny Llama plus a tokenizer: every daemon runs a tokenizer process."""
+    path = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def hybrid(model_dir: Path) -> Iterator[Daemon]:
+    d = Daemon(
+        str(model_dir),
+        "--mode",
+        "hybrid",
+        "--block-size",
+        "16",
+        "--cache-max-entry-count",
+        "64",
+        "--heartbeat-timeout",
+        "5",
+    )
+    try:
+        d.start()
+        yield d
+    finally:
+        d.close()
+
+
+class Client:
+    """Sends Generate/Abort to hybrid-0 and collects what comes back on its own inbox."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.ctx = zmq.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.bind(f"ipc://{daemon.runtime_dir}/{CLIENT}.ipc")
+        self.engine = self.ctx.socket(zmq.PUSH)
+        self.engine.connect(f"ipc://{daemon.runtime_dir}/hybrid-0.ipc")
+
+    def generate(self, request_id: str, prompt: list[int], **sampling: object) -> None:
+        msg = protocol.Generate(request_id, CLIENT, sampling, protocol.pack_ids(prompt))
+        self.engine.send_multipart(protocol.encode(msg))
+
+    def abort(self, request_id: str) -> None:
+        self.engine.send_multipart(protocol.encode(protocol.Abort(request_id)))
+
+    def recv(self, timeout_ms: int = 20_000) -> protocol.Message:
+        if not self.inbox.poll(timeout_ms):
+            raise AssertionError("no message from the engine")
+        return protocol.decode(self.inbox.recv_multipart())
+
+    def collect(self, request_ids: set[str]) -> dict[str, list[int]]:
+        """Tokens of each request until all of them finished."""
+        out: dict[str, list[int]] = {r: [] for r in request_ids}
+        open_ids = set(request_ids)
+        while open_ids:
+            msg = self.recv()
+            assert isinstance(msg, protocol.Tokens), msg
+            ids = protocol.unpack_ids(msg.token_ids)
+            for rid, tok, reason in zip(msg.request_ids, ids, msg.finish_reasons, strict=True):
+                out[rid].append(tok)
+                if reason is not None:
+                    open_ids.discard(rid)
+        return out
+
+    def close(self) -> None:
+        self.inbox.close(0)
+        self.engine.close(0)
+        self.ctx.term()
+
+
+def kv_idle(daemon: Daemon) -> bool:
+    w = daemon.worker("hybrid-0")
+    kv = w.get("kv")
+    return bool(kv and kv["free_blocks"] == kv["total_blocks"] and w["running"] == 0)
+
+
+def test_status_shows_the_engine(hybrid: Daemon) -> None:
+    workers = {w["name"]: w for w in hybrid.status()["workers"]}
+    assert list(workers) == ["tokenizer-0", "hybrid-0", "api-0"]
+    engine = workers["hybrid-0"]
+    assert engine["role"] == "hybrid" and engine["backend"] == "torch"
+    assert engine["device"] == "cpu" and engine["dtype"] == "float32"
+    wait_until(lambda: "kv" in hybrid.worker("hybrid-0"), 10, "engine stats")
+    kv = hybrid.worker("hybrid-0")["kv"]
+    assert kv == {"total_blocks": 64, "free_blocks": 64, "block_size": 16}
+
+
+def test_greedy_tokens_equal_transformers(hybrid: Daemon, model_dir: Path) -> None:
+    prompts = random_prompts([5, 40, 77], seed=11)
+    client = Client(hybrid)
+    try:
+        for i, prompt in enumerate(prompts):
+            client.generate(f"r{i}", prompt, temperature=0.0, max_tokens=16, ignore_eos=True)
+        out = client.collect({f"r{i}" for i in range(len(prompts))})
+    finally:
+        client.close()
+    reference = load_reference(model_dir)
+    for i, prompt in enumerate(prompts):
+        assert out[f"r{i}"] == hf_greedy(reference, prompt, 16)
+    wait_until(lambda: kv_idle(hybrid), 10, "every block free again")
+
+
+def test_bad_requests_get_an_error_and_nothing_leaks(hybrid: Daemon) -> None:
+    client = Client(hybrid)
+    try:
+        client.generate("bad", [5, 6], temperature=-1.0)
+        err = client.recv()
+        assert isinstance(err, protocol.RequestError) and err.request_id == "bad"
+        assert err.code == "invalid_request_error" and "temperature" in err.message
+        client.generate("long", list(range(2, 1100)), max_tokens=4)
+        err = client.recv()
+        assert isinstance(err, protocol.RequestError) and "limit" in err.message
+        client.generate("slow", [5, 6, 7], temperature=0.0, max_tokens=500, ignore_eos=True)
+        first = client.recv()
+        assert isinstance(first, protocol.Tokens) and first.request_ids == ["slow"]
+        client.abort("slow")
+        wait_until(lambda: kv_idle(hybrid), 10, "aborted request's blocks freed")
+    finally:
+        client.close()
+    assert hybrid.worker("hybrid-0")["inflight"] == 0
+
+
+def test_engine_killed_comes_back_and_serves(hybrid: Daemon) -> None:
+    old = hybrid.worker("hybrid-0")["pid"]
+    os.kill(old, signal.SIGKILL)
+    wait_until(
+        lambda: (
+            hybrid.worker("hybrid-0")["pid"] not in (None, old)
+            and hybrid.worker("hybrid-0")["state"] == "running"
+        ),
+        60,
+        "engine restart",
+    )
+    client = Client(hybrid)
+    try:
+        client.generate("again", [9, 8, 7], temperature=0.0, max_tokens=4, ignore_eos=True)
+        assert len(client.collect({"again"})["again"]) == 4
+    finally:
+        client.close()
+    assert hybrid.worker("hybrid-0")["restarts"] == 1

@@ -1,0 +1,355 @@
+"""OpenAI request validation and mapping (openai_schema), response and chunk assembly
+(openai_responses), checked against OpenAI's own OpenAPI schemas."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from lmd import protocol
+from lmd.api_metrics import ApiMetrics
+from lmd.engine.sequence import SamplingParams
+from lmd.openai_responses import (
+    SSE_DONE,
+    VERY_UNLIKELY_LOGPROB,
+    Answer,
+    ChatFormat,
+    CompletionFormat,
+    Delta,
+    sse,
+)
+from lmd.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest
+
+OPENAPI = Path("/work/shared/reference/openai-openapi.json")
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def _nullable(node: Any) -> Any:
+    """OpenAPI 3.0's `nullable: true` as JSON Schema 2020-12 (the spec mixes both)."""
+    if isinstance(node, list):
+        return [_nullable(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _nullable(v) for k, v in node.items() if k != "nullable"}
+    if not node.get("nullable"):
+        return out
+    if "enum" in out:
+        out["enum"] = [*out["enum"], None]
+    if isinstance(out.get("type"), str):
+        out["type"] = [out["type"], "null"]
+        return out
+    return {"anyOf": [out, {"type": "null"}]}
+
+
+@cache
+def _openapi() -> Any:
+    return _nullable(json.loads(OPENAPI.read_text()))
+
+
+def assert_schema(instance: Any, name: str) -> None:
+    """`instance` is valid as OpenAI's components/schemas/`name` (skips without the spec)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    referencing = pytest.importorskip("referencing")
+    if not OPENAPI.exists():
+        pytest.skip(f"{OPENAPI} is not here")
+    resource = referencing.Resource.from_contents(_openapi(), referencing.jsonschema.DRAFT202012)
+    registry = referencing.Registry().with_resource("openai", resource)
+    schema = {"$ref": f"openai#/components/schemas/{name}"}
+    jsonschema.Draft202012Validator(schema, registry=registry).validate(instance)
+
+
+def chat(**fields: Any) -> ChatCompletionRequest:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}
+    return ChatCompletionRequest.model_validate_json(json.dumps(body))
+
+
+def completion(**fields: Any) -> CompletionRequest:
+    return CompletionRequest.model_validate_json(json.dumps({"model": MODEL, **fields}))
+
+
+def error_of(make: Any, **fields: Any) -> ApiError:
+    with pytest.raises(ValidationError) as exc:
+        make(**fields)
+    err = ApiError.from_validation(exc.value)
+    assert err.status == 400 and err.type == "invalid_request_error"
+    assert set(err.body["error"]) == {"message", "type", "param", "code"}
+    return err
+
+
+# Requests ------------------------------------------------------------------------------
+
+
+def test_chat_defaults_map_to_engine_defaults() -> None:
+    req = chat()
+    sampling = req.sampling()
+    assert "max_tokens" not in sampling  # absent: the engine side picks the limit
+    assert sampling["temperature"] == 1.0 and sampling["logprobs"] is None
+    SamplingParams(**sampling)  # what the engine will build from it
+    assert not req.stream and not req.include_usage
+
+
+def test_every_sampling_field_maps() -> None:
+    req = chat(
+        temperature=0, top_p=0.9, top_k=-1, min_p=0.05, repetition_penalty=1.2, seed=-5,
+        max_tokens=100, max_completion_tokens=20, min_tokens=3, stop_token_ids=[2, 7],
+        ignore_eos=True, logprobs=True, top_logprobs=4, presence_penalty=0.0, n=1,
+    )  # fmt: skip
+    assert req.sampling() == {
+        "temperature": 0.0, "top_p": 0.9, "top_k": 0, "min_p": 0.05, "repetition_penalty": 1.2,
+        "seed": -5, "max_tokens": 20, "min_new_tokens": 3, "stop_token_ids": [2, 7],
+        "ignore_eos": True, "logprobs": 4,
+    }  # fmt: skip
+    SamplingParams(**req.sampling())
+    assert chat(logprobs=True).sampling()["logprobs"] == 0
+
+
+def test_chat_text_request() -> None:
+    req = chat(
+        messages=[
+            {"role": "developer", "content": "Be brief."},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "you"}],
+            },
+            {"role": "assistant", "content": None},
+        ],
+        stop="END",
+        skip_special_tokens=False,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    msg = req.text_request("chatcmpl-1", "api-0")
+    assert msg.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello you"},
+        {"role": "assistant", "content": ""},
+    ]
+    assert msg.stop == ["END"] and msg.skip_special_tokens is False and msg.prompt_ids == b""
+    assert req.include_usage
+    assert protocol.decode(protocol.encode(msg)) == msg  # passes the wire checks
+
+
+@pytest.mark.parametrize(
+    ("prompt", "text", "ids"),
+    [
+        ("Once upon", "Once upon", None),
+        (["Once upon"], "Once upon", None),
+        ([5, 6, 7], None, [5, 6, 7]),
+        ([[5, 6]], None, [5, 6]),
+    ],
+)
+def test_completion_prompt_forms(prompt: Any, text: str | None, ids: list[int] | None) -> None:
+    msg = completion(prompt=prompt).text_request("cmpl-1", "api-0")
+    assert msg.prompt == text and msg.messages is None
+    assert (protocol.unpack_ids(msg.prompt_ids) if ids else msg.prompt_ids) == (ids or b"")
+    assert protocol.decode(protocol.encode(msg)) == msg
+    assert msg.sampling["max_tokens"] == 16  # OpenAI's completions default
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "says"),
+    [
+        ({"temperature": -0.1}, "temperature", "greater than or equal to 0"),
+        ({"temperature": "1"}, "temperature", "valid number"),
+        ({"top_p": 0}, "top_p", "greater than 0"),
+        ({"top_p": 1.5}, "top_p", "less than or equal to 1"),
+        ({"top_k": -2}, "top_k", ""),
+        ({"min_p": 2}, "min_p", ""),
+        ({"repetition_penalty": 0}, "repetition_penalty", ""),
+        ({"max_tokens": 0}, "max_tokens", ""),
+        ({"max_completion_tokens": 1.5}, "max_completion_tokens", "valid integer"),
+        ({"seed": True}, "seed", "valid integer"),
+        ({"n": 3}, "n", "only 1"),
+        ({"presence_penalty": 0.1}, "presence_penalty", "repetition_penalty"),
+        ({"frequency_penalty": -1}, "frequency_penalty", "not supported"),
+        ({"frequency_penalty": 3}, "frequency_penalty", "less than or equal to 2"),
+        ({"logit_bias": {"50256": -100}}, "logit_bias", "not supported"),
+        ({"top_logprobs": 2}, "top_logprobs", "logprobs: true"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "20"),
+        ({"stop": ["a"] * 17}, "stop", "at most 16"),
+        ({"stop": [""]}, "stop", "empty"),
+        ({"stop": 5}, "stop", ""),
+        ({"stream": 1}, "stream", "valid boolean"),
+        ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage", ""),
+        ({"tools": [{"type": "function"}]}, "tools", "not supported"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "json_object"),
+        ({"messages": []}, "messages", "at least 1"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", ""),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages.0.content",
+            "only text",
+        ),
+        ({"model": 3}, "model", "valid string"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids.0", ""),
+    ],
+)
+def test_chat_errors_name_the_field(fields: dict[str, Any], param: str, says: str) -> None:
+    err = error_of(chat, **fields)
+    assert err.param == param
+    assert err.message.startswith(f"{param}: ") and says in err.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "says"),
+    [
+        ({"prompt": ["a", "b"]}, "prompt", "one request per prompt"),
+        ({"prompt": ""}, "prompt", "empty"),
+        ({"prompt": []}, "prompt", "empty"),
+        ({"prompt": [1, -2]}, "prompt", "-2 at position 1"),
+        ({"prompt": [1, "a"]}, "prompt", "'a' at position 1"),
+        ({"prompt": {"text": "a"}}, "prompt", "a string or a list of token ids"),
+        ({"prompt": "x", "logprobs": 6}, "logprobs", "less than or equal to 5"),
+        ({"prompt": "x", "echo": True}, "echo", "not supported"),
+        ({"prompt": "x", "best_of": 2}, "best_of", "only 1"),
+        ({"prompt": "x", "suffix": "end"}, "suffix", "not supported"),
+        ({}, "prompt", "required"),
+    ],
+)
+def test_completion_errors_name_the_field(fields: dict[str, Any], param: str, says: str) -> None:
+    err = error_of(completion, **fields)
+    assert err.param == param and says in err.message
+
+
+def test_unknown_fields_are_ignored() -> None:
+    req = chat(user="u1", metadata={"a": "b"}, parallel_tool_calls=False, service_tier="auto")
+    assert req.sampling() == chat().sampling()
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [(b"{oops", "not valid JSON"), (b"[1]", "must be a JSON object"), (b"", "not valid JSON")],
+)
+def test_body_that_is_not_an_object(body: bytes, says: str) -> None:
+    with pytest.raises(ValidationError) as exc:
+        ChatCompletionRequest.model_validate_json(body)
+    err = ApiError.from_validation(exc.value)
+    assert says in err.message and err.param is None
+
+
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        ("invalid_request_error", 400),
+        ("overloaded", 503),
+        ("service_unavailable", 503),
+        ("internal_error", 500),
+        ("something_new", 500),
+    ],
+)
+def test_request_errors_map_to_http(code: str, status: int) -> None:
+    err = ApiError.from_request_error(protocol.RequestError("r1", code, "the prompt is too long"))
+    assert err.status == status and err.type == code
+    assert ("Retry-After" in err.headers) == (status == 503)
+
+
+def test_error_bodies_match_openai() -> None:
+    assert_schema(error_of(chat, temperature=-1).body, "ErrorResponse")
+    assert_schema(ApiError(404, "no such model", code="model_not_found").body, "ErrorResponse")
+    lost = protocol.RequestError("r", "service_unavailable", "the tokenizer restarted")
+    assert_schema(ApiError.from_request_error(lost).body, "ErrorResponse")
+
+
+# Responses -----------------------------------------------------------------------------
+
+TOP = [["Paris", -0.1], ["Lyon", float("-inf")]]
+LOGPROBS = [{"token": "Paris", "logprob": -0.1, "top": TOP}]
+
+
+def deltas(logprobs: bool = False) -> list[Delta]:
+    msgs = [
+        protocol.TextDelta(["a", "b"], ["Par", "x"], [None, None], [7, 3], [1, 1], [None, None]),
+        protocol.TextDelta(["a"], ["is"], ["stop"], [7], [2], [None]),
+    ]
+    out = [d for m in msgs for rid, d in Delta.split(m) if rid == "a"]
+    if logprobs:
+        out = [Delta(d.text, d.finish_reason, 7, d.completion_tokens, LOGPROBS) for d in out]
+    return out
+
+
+def test_chat_response_matches_openai() -> None:
+    answer = Answer()
+    for d in deltas():
+        answer.add(d)
+    body = ChatFormat("chatcmpl-1", 1700000000, MODEL).response(answer)
+    assert_schema(body, "CreateChatCompletionResponse")
+    assert body["choices"][0]["message"]["content"] == "Paris"
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
+
+
+def test_chat_logprobs_match_openai() -> None:
+    answer = Answer()
+    for d in deltas(logprobs=True):
+        answer.add(d)
+    body = ChatFormat("chatcmpl-1", 1, MODEL).response(answer)
+    assert_schema(body, "CreateChatCompletionResponse")
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == 2 and content[0]["bytes"] == list(b"Paris")
+    assert content[0]["top_logprobs"][1]["logprob"] == VERY_UNLIKELY_LOGPROB  # -inf has no JSON
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_chat_chunks_match_openai(include_usage: bool) -> None:
+    fmt = ChatFormat("chatcmpl-1", 1, MODEL, include_usage)
+    middle = [fmt.chunk(d) for d in deltas(logprobs=True)]
+    chunks = [fmt.first_chunk(), *(c for c in middle if c is not None), fmt.usage_chunk(7, 2)]
+    assert len(chunks) == 4
+    for chunk in chunks:
+        assert_schema(chunk, "CreateChatCompletionStreamResponse")
+        assert ("usage" in chunk) == (include_usage or chunk["choices"] == [])
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 9
+
+
+def test_empty_delta_makes_no_chunk() -> None:
+    empty = Delta("", None, 3, 1, None)  # e.g. a token held back by a partial stop string
+    assert ChatFormat("c", 1, MODEL).chunk(empty) is None
+    assert CompletionFormat("c", 1, MODEL).chunk(empty) is None
+    last = ChatFormat("c", 1, MODEL).chunk(Delta("", "length", 3, 2, None))
+    assert last is not None and last["choices"][0]["delta"] == {}
+
+
+def test_completion_response_and_chunks_match_openai() -> None:
+    answer = Answer()
+    for d in deltas(logprobs=True):
+        answer.add(d)
+    body = CompletionFormat("cmpl-1", 1, MODEL).response(answer)
+    assert_schema(body, "CreateCompletionResponse")
+    lp = body["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["Paris", "Paris"] and lp["text_offset"] == [0, 5]
+    assert lp["top_logprobs"][0] == {"Paris": -0.1, "Lyon": VERY_UNLIKELY_LOGPROB}
+    # The schema is the non-stream body's, where finish_reason and usage are never null:
+    # the last chunk of a stream without include_usage is checked against it as is.
+    chunks = [CompletionFormat("cmpl-1", 1, MODEL).chunk(d) for d in deltas()]
+    assert chunks[0] is not None and chunks[0]["choices"][0]["finish_reason"] is None
+    assert chunks[-1] is not None and chunks[-1]["choices"][0]["text"] == "is"
+    assert_schema(chunks[-1], "CreateCompletionResponse")
+    fmt = CompletionFormat("cmpl-1", 1, MODEL, include_usage=True)
+    assert all(c is not None and c["usage"] is None for c in map(fmt.chunk, deltas()))
+    assert_schema(fmt.usage_chunk(7, 2), "CreateCompletionResponse")
+
+
+def test_sse_framing() -> None:
+    assert sse({"a": "é\n"}) == b'data: {"a":"\xc3\xa9\\n"}\n\n'
+    assert SSE_DONE == b"data: [DONE]\n\n"
+
+
+def test_metrics_per_request() -> None:
+    m = ApiMetrics(lambda: 4)
+    m.first_token(0.5)
+    m.finished(e2e_s=2.5, first_token_s=0.5, num_tokens=5)  # 4 tokens after the first in 2 s
+    m.tokens(10, 5)
+    m.count("completions", 200)
+    text = m.render().decode()
+    assert "lmd_time_per_output_token_seconds_sum 0.5" in text
+    assert "lmd_e2e_request_latency_seconds_sum 2.5" in text
+    assert "lmd_prompt_tokens_total 10.0" in text and "lmd_generation_tokens_total 5.0" in text
+    assert 'lmd_requests_total{endpoint="completions",status="200"} 1.0' in text
+    assert "lmd_requests_running 4.0" in text
