@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel
@@ -12,20 +13,22 @@ TINY_VOCAB = 512
 TINY_EOS = 1
 
 
-def save_tiny_llama(path: Path, seed: int = 0) -> Path:
-    """2 layers, hidden 64, 4 heads over 2 KV heads (GQA), vocab 512; saved as safetensors."""
+def save_tiny_llama(path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """2 layers, hidden 64, 4 heads over 2 KV heads (GQA), vocab 512, random weights from
+    `seed`; `overrides` change LlamaConfig fields. Saved as safetensors."""
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        bos_token_id=0,
-        eos_token_id=TINY_EOS,
-    )
+    fields: dict[str, Any] = {
+        "vocab_size": TINY_VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "bos_token_id": 0,
+        "eos_token_id": TINY_EOS,
+    }
+    config = LlamaConfig(**{**fields, **overrides})
     LlamaForCausalLM(config).save_pretrained(path)
     return path
 

@@ -24,14 +24,11 @@ A hybrid engine drives both schedulers over one block manager:
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Collection, Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
-from lmd.engine.block_manager import BlockManager
-from lmd.engine.config import EngineConfig
-from lmd.engine.sequence import FinishReason, Sequence, SequenceStatus
+from lmd.engine.queues import SequenceQueues
+from lmd.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
@@ -46,42 +43,7 @@ class DecodeBatch:
         return not self.seqs
 
 
-class DecodeScheduler:
-    def __init__(
-        self,
-        config: EngineConfig,
-        block_manager: BlockManager,
-        eos_token_ids: Iterable[int] = (),
-    ) -> None:
-        self.config = config
-        self.block_manager = block_manager
-        self.eos_token_ids: Collection[int] = frozenset(eos_token_ids)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: the last is the newest
-
-    @property
-    def max_seq_len(self) -> int:
-        """Longest sequence this engine holds: session_len, and what the pool fits."""
-        pool = self.block_manager.max_num_tokens
-        session_len = self.config.session_len
-        return pool if session_len is None else min(session_len, pool)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.waiting) + len(self.running)
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
+class DecodeScheduler(SequenceQueues):
     def add(self, seq: Sequence) -> None:
         """Queue a prefilled sequence (KV of all but its last token in its blocks)."""
         if seq.is_finished:
@@ -142,17 +104,6 @@ class DecodeScheduler:
                 self.block_manager.free(seq)
                 finished.append(seq)
         return finished
-
-    def abort(self, request_id: str) -> Sequence | None:
-        """Free and finish `request_id` if it is here; returns it, or None."""
-        for queue in (self.waiting, self.running):
-            for seq in queue:
-                if seq.request_id == request_id:
-                    queue.remove(seq)
-                    self.block_manager.free(seq)
-                    seq.finish(FinishReason.ABORT)
-                    return seq
-        return None
 
     def _make_room(self, seq: Sequence, preempted: list[Sequence]) -> bool:
         """Room for `seq`'s last token, preempting newer sequences; False if `seq` went."""

@@ -18,14 +18,11 @@ Life cycle of a request in the prefill scheduler:
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Collection, Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
-from lmd.engine.block_manager import BlockManager
-from lmd.engine.config import EngineConfig
-from lmd.engine.sequence import FinishReason, Sequence, SequenceStatus
+from lmd.engine.queues import SequenceQueues
+from lmd.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True, frozen=True)
@@ -64,38 +61,7 @@ class PrefillBatch:
         return [c.seq for c in self.chunks if c.is_last]
 
 
-class PrefillScheduler:
-    def __init__(
-        self,
-        config: EngineConfig,
-        block_manager: BlockManager,
-        eos_token_ids: Iterable[int] = (),
-    ) -> None:
-        self.config = config
-        self.block_manager = block_manager
-        self.eos_token_ids: Collection[int] = frozenset(eos_token_ids)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # admitted, prompt not fully computed yet
-
-    @property
-    def max_seq_len(self) -> int:
-        """Longest sequence this engine holds: session_len, and what the pool fits."""
-        pool = self.block_manager.max_num_tokens
-        session_len = self.config.session_len
-        return pool if session_len is None else min(session_len, pool)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
+class PrefillScheduler(SequenceQueues):
     def add(self, seq: Sequence, *, front: bool = False) -> None:
         """Queue `seq` for prefill; `front=True` for a preempted one to recompute."""
         if seq.num_tokens >= self.max_seq_len:
@@ -170,17 +136,6 @@ class PrefillScheduler:
                 seq.status = SequenceStatus.WAITING
             done.append(seq)
         return done
-
-    def abort(self, request_id: str) -> Sequence | None:
-        """Free and finish `request_id` if it is here; returns it, or None."""
-        for queue in (self.waiting, self.running):
-            for seq in queue:
-                if seq.request_id == request_id:
-                    queue.remove(seq)
-                    self.block_manager.free(seq)
-                    seq.finish(FinishReason.ABORT)
-                    return seq
-        return None
 
     def _add_chunk(self, batch: PrefillBatch, seq: Sequence, budget: int) -> int:
         start = seq.num_cached_tokens

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from lmd.engine.backend import ForwardBatch
 from lmd.engine.torch_backend import TorchBackend
-from tests.models import hf_greedy, random_prompts
+from tests.models import hf_greedy, random_prompts, save_tiny_llama
 from tests.unit.test_torch_backend import BLOCK_SIZE, greedy
 
 pytestmark = [
@@ -25,20 +25,15 @@ HALF = [torch.bfloat16, torch.float16]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    config = LlamaConfig(
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("gpu-llama"),
         vocab_size=2048,
         hidden_size=256,
         intermediate_size=688,
         num_hidden_layers=4,
         num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
         initializer_range=0.05,  # peakier logits than the default, fewer near-ties
     )
-    path = tmp_path_factory.mktemp("gpu-llama")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
 
 
 def reference(model_dir: Path, dtype: torch.dtype) -> PreTrainedModel:

@@ -8,8 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from lmd.engine import model_source
 from lmd.engine.model_source import (
@@ -20,22 +18,12 @@ from lmd.engine.model_source import (
     gguf_cache_dir,
     resolve_model,
 )
+from tests.models import save_tiny_llama
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    path = tmp_path_factory.mktemp("tiny-hf")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-hf"))
 
 
 def test_hf_directory_is_used_in_place(hf_dir: Path, tmp_path: Path) -> None:
