@@ -3,7 +3,7 @@
 # lmd._native, run tests/gpu, and time the engine. Results land in $OUT (or ./gpu-out).
 # Needs: scripts/../.whl from ../shared/scripts/device-wheels.sh (+ pytest pluggy
 # iniconfig pytest-timeout pytest-asyncio prometheus-client packaging), carried as `.whl`.
-#   scripts/gpu-check.sh [quick]     quick: tests only, no benchmarks
+#   scripts/gpu-check.sh [quick|full]   quick: tests only; full: also the Llama-3-8B shape
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
@@ -22,21 +22,33 @@ python3 setup.py -q build_ext --inplace 2>&1 | tail -5 | tee "$out/build.txt"
 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu tests/unit/test_native_host.py \
   2>&1 | tee "$out/gpu-tests.txt" | tail -25
 [[ "${1:-}" == "quick" ]] && exit 0
-# Engine throughput on the SmolLM2-135M shape with random weights (bf16), ARCHITECTURE §8.
-python3 - <<'PY'
-import torch
+# Engine throughput with random weights (bf16), the workload of ARCHITECTURE §8.
+python3 - "${1:-}" <<'PY'
+import sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 torch.manual_seed(0)
-config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                     max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
-                     bos_token_id=1, eos_token_id=2)
-LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained("/tmp/smollm2-shape")
+shapes = {"smollm2-shape": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1,
+                                eos_token_id=2)}
+if sys.argv[1] == "full":
+    shapes["llama3-8b-shape"] = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                     num_hidden_layers=32, num_attention_heads=32,
+                                     num_key_value_heads=8, rope_theta=500000.0,
+                                     bos_token_id=128000, eos_token_id=128001)
+for name, fields in shapes.items():
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=8192, **fields))
+    model.to(torch.bfloat16).save_pretrained(f"/tmp/{name}")
 PY
-for batch in 1 64 256; do
-  python3 -m lmd.bench offline --model /tmp/smollm2-shape --device cuda --batch "$batch" \
-    --input-len 512 --output-len 256 --json 2>/dev/null | tail -1 | tee -a "$out/offline.jsonl"
-done
-python3 -m lmd.bench offline --model /tmp/smollm2-shape --device cuda --batch 64 \
-  --input-len 512 --output-len 256 --compare-hf --json 2>/dev/null | tail -1 \
-  | tee -a "$out/offline.jsonl"
+bench() {
+  python3 -m lmd.bench offline --device cuda --input-len 512 --output-len 256 --json "$@" \
+    2>"$out/bench-stderr.txt" | tail -1 | tee -a "$out/offline.jsonl"
+}
+for batch in 1 64 256 512; do bench --model /tmp/smollm2-shape --batch "$batch"; done
+bench --model /tmp/smollm2-shape --batch 64 --compare-hf
+if [[ "${1:-}" == "full" ]]; then
+  for batch in 1 64 512; do bench --model /tmp/llama3-8b-shape --batch "$batch"; done
+  # The KV pool leaves room for transformers' own copy of the 16 GB of weights.
+  bench --model /tmp/llama3-8b-shape --batch 64 --compare-hf --cache-max-entry-count 0.3
+fi

@@ -36,6 +36,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--backend", default="auto")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--max-prefill-token-num", type=int, default=8192)
+    p.add_argument(
+        "--cache-max-entry-count",
+        type=float,
+        default=0.8,
+        help="KV pool: fraction of free memory (lower it to leave room for --compare-hf)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-hf", action="store_true", help="also time transformers generate")
     p.add_argument("--json", action="store_true", help="print one JSON line")
@@ -88,6 +94,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         block_size=args.block_size,
         max_batch_size=max(args.batch, 1),
         max_prefill_token_num=args.max_prefill_token_num,
+        cache_max_entry_count=args.cache_max_entry_count,
     )
     engine = Engine.build(
         model.path, config, device=args.device, dtype=args.dtype, backend=args.backend
