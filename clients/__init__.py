@@ -1,11 +1,24 @@
 """lmd_client: Python clients for lmd.
 
-`ControlClient` speaks the control API over the daemon's Unix socket; the OpenAI-API
-`AsyncClient` arrives with the service issue.
+- `AsyncClient` / `Client`: the OpenAI-compatible HTTP API (chat, completions, streams,
+  retries on connection refused and 503).
+- `ControlClient`: the control API over the daemon's Unix socket (what lmdctl uses).
 """
 
 from __future__ import annotations
 
 from lmd_client.control import ControlClient, ControlRequestError, DaemonNotRunning
+from lmd_client.openai_client import AsyncClient, Completion, Delta, LmdError, Usage
+from lmd_client.sync_client import Client
 
-__all__ = ["ControlClient", "ControlRequestError", "DaemonNotRunning"]
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "Completion",
+    "ControlClient",
+    "ControlRequestError",
+    "DaemonNotRunning",
+    "Delta",
+    "LmdError",
+    "Usage",
+]
