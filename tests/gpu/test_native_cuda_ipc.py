@@ -8,17 +8,16 @@ own tensor). Only plain values cross the pipe.
 
 from __future__ import annotations
 
-import multiprocessing
+import functools
 import random
-from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
 
 import pytest
 
 from lmd import _native
 from lmd.migration.bench_native import measure_cuda_ipc
 from lmd.migration.native import block_copies, make_transport, register_tensor
+from tests.processes import run_in_child as _run_in_child
 
 PROBE = _native.probe_cuda()
 pytestmark = [
@@ -31,6 +30,8 @@ SENTINEL = 0xEE
 SRC_SIZE = 24 << 20
 DST_SIZE = (32 << 20) + 3
 CHILD_TIMEOUT_S = 120.0
+# CUDA contexts torn down at a child's exit need not give a clean exit code.
+run_in_child = functools.partial(_run_in_child, timeout=CHILD_TIMEOUT_S, check_exit=False)
 
 Copy = tuple[int, int, int]
 
@@ -90,23 +91,6 @@ def _child_push(
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def _run_child(target: Callable[..., None], *args: Any) -> Any:
-    ctx = multiprocessing.get_context("spawn")
-    receiver, sender = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=target, args=(sender, *args), daemon=True)
-    child.start()
-    sender.close()
-    try:
-        assert receiver.poll(CHILD_TIMEOUT_S), "child sent nothing"
-        status, payload = receiver.recv()
-    finally:
-        child.join(timeout=CHILD_TIMEOUT_S)
-        if child.is_alive():
-            child.kill()
-    assert status == "ok", payload
-    return payload
-
-
 def _push_and_check(src_device: str, dst_device: str, copy_kernel: bool) -> None:
     import torch
 
@@ -116,7 +100,7 @@ def _push_and_check(src_device: str, dst_device: str, copy_kernel: bool) -> None
         region = register_tensor(transport, pool)
         seed = 3
         descriptor = region.descriptor().hex()
-        moved = _run_child(_child_push, src_device, descriptor, seed, copy_kernel)
+        moved = run_in_child(_child_push, src_device, descriptor, seed, copy_kernel)
         torch.cuda.synchronize(dst_device)
         region.close()
     src = _source_bytes(seed)

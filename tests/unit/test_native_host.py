@@ -9,10 +9,9 @@ tests that use it, so that the spawned children (which import this module) start
 from __future__ import annotations
 
 import ctypes
-import multiprocessing
 import os
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -22,6 +21,7 @@ import pytest
 from lmd import _native
 from lmd.migration.bench_native import measure_host
 from lmd.migration.native import block_copies, make_transport, register_tensor
+from tests.processes import run_in_child
 
 SENTINEL = 0xEE
 SRC_SIZE = 6 << 20
@@ -106,24 +106,6 @@ def _child_export_and_exit(conn: Connection) -> None:
         conn.send(("ok", region.descriptor().hex()))
 
 
-def _run_child(target: Callable[..., None], *args: Any) -> Any:
-    ctx = multiprocessing.get_context("spawn")
-    receiver, sender = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=target, args=(sender, *args), daemon=True)
-    child.start()
-    sender.close()
-    try:
-        assert receiver.poll(CHILD_TIMEOUT_S), "child sent nothing"
-        status, payload = receiver.recv()
-    finally:
-        child.join(timeout=CHILD_TIMEOUT_S)
-        if child.is_alive():
-            child.kill()
-    assert status == "ok", payload
-    assert child.exitcode == 0
-    return payload
-
-
 # ----------------------------------------------------------------------------- fixtures
 
 
@@ -195,7 +177,7 @@ def test_exact_bytes_between_processes(dst: _native.Region) -> None:
     # Runs contiguous on both sides merge into one copy.
     batches.append([(100 + i * 1000, 7_000_001 + i * 1000, 1000) for i in range(300)])
     seed = 11
-    moved = _run_child(_child_push, dst.descriptor().hex(), seed, batches)
+    moved = run_in_child(_child_push, dst.descriptor().hex(), seed, batches)
 
     src = random.Random(seed).randbytes(SRC_SIZE)
     expected = bytearray([SENTINEL]) * DST_SIZE
@@ -219,7 +201,7 @@ def test_out_of_range_copies_raise_value_error_and_write_nothing(dst: _native.Re
         [good, (0, 0)],
         [good, (0, 0, "8")],
     ]
-    raised = _run_child(_child_bad_batches, dst.descriptor().hex(), bad_batches)
+    raised = run_in_child(_child_bad_batches, dst.descriptor().hex(), bad_batches)
     assert all(r.startswith("ValueError") for r in raised), raised
     assert "copy 1" in raised[0] and "writes past the end of the destination" in raised[0]
     assert "reads past the end of the source" in raised[1]
@@ -230,7 +212,7 @@ def test_close_twice_is_safe_and_leaves_no_fd_or_shm(transport: _native.HostTran
     shm_before = sorted(os.listdir("/dev/shm"))
     fds_before = len(os.listdir("/proc/self/fd"))
     region = transport.create_region(1 << 20)
-    before, after = _run_child(_child_fds_after_close, region.descriptor().hex())
+    before, after = run_in_child(_child_fds_after_close, region.descriptor().hex())
     assert after == before  # the child's mapping left no fd behind
     peer = transport.open(region.descriptor())  # this same process can open it too
     region.close()
@@ -263,7 +245,7 @@ def test_views_and_copies_outliving_close_never_crash(transport: _native.HostTra
 
 
 def test_descriptor_of_a_region_that_is_gone(transport: _native.HostTransport) -> None:
-    descriptor_hex = _run_child(_child_export_and_exit)
+    descriptor_hex = run_in_child(_child_export_and_exit)
     with pytest.raises(RuntimeError, match="is gone"):
         transport.open(bytes.fromhex(descriptor_hex))
     region = transport.create_region(4096)
