@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 
+from lmd import __version__
 from lmd_client.control import ControlClient, ControlRequestError, DaemonNotRunning
 
 EXIT_OK, EXIT_ERROR, EXIT_NOT_RUNNING = 0, 1, 3
@@ -137,6 +138,10 @@ async def _run(args: argparse.Namespace) -> tuple[str, dict[str, Any] | list[Any
         if args.command == "config":
             c = await ctl.config()
             return config_text(c), c
+        if args.command == "version":
+            s = await ctl.status()
+            v = {"lmdctl": __version__, "lmdd": s["version"], "pid": s["pid"]}
+            return f"lmdctl {__version__}\nlmdd {s['version']} (pid {s['pid']})", v
         reply = await getattr(ctl, args.command)()
         return f"{args.command}: daemon is now {reply['state']}", reply
 
@@ -162,6 +167,7 @@ def _parser() -> argparse.ArgumentParser:
         "list what needs a restart",
     )
     sub.add_parser("config", help="the effective config and where each value came from")
+    sub.add_parser("version", help="versions of lmdctl and of the running lmdd")
     return parser
 
 

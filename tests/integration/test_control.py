@@ -114,3 +114,14 @@ def test_no_daemon_exits_3() -> None:
 def test_shutdown_via_lmdctl(daemon: Daemon) -> None:
     assert lmdctl(daemon, "shutdown").returncode == 0
     assert daemon.wait_exit(timeout=20) == 0
+
+
+def test_version(daemon: Daemon) -> None:
+    out = lmdctl(daemon, "--json", "version")
+    assert out.returncode == 0
+    assert orjson.loads(out.stdout) == {
+        "lmdctl": "0.1.0",
+        "lmdd": "0.1.0",
+        "pid": daemon.status()["pid"],
+    }
+    assert lmdctl(None, "version").returncode == 3  # no daemon: like status
