@@ -2,6 +2,7 @@
 
     lmd-bench ipc       the internal wire path between two processes
     lmd-bench offline   the engine in-process on a fixed workload (optionally vs transformers)
+    lmd-bench front     the serving path (api, tokenizer, engine loop) with a model-less engine
 
 Every subcommand prints a readable summary, or one JSON line with --json that also
 records the exact command, the versions and the device.
@@ -18,9 +19,9 @@ from typing import Any
 import orjson
 
 from lmd import __version__
-from lmd.bench import ipc, offline
+from lmd.bench import front, ipc, offline
 
-SUBCOMMANDS = (ipc, offline)
+SUBCOMMANDS = (ipc, offline, front)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -24,7 +24,7 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("auto", "torch", "turbo")
+BACKEND_NAMES = ("auto", "torch", "turbo", "fake")
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -236,7 +236,9 @@ def parse_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def select_backend(name: str, architecture: str, device: torch.device | str) -> type[Backend]:
-    """The backend class for `name` ("auto", "torch" or "turbo") on `device`.
+    """The backend class for `name` ("auto", "torch", "turbo" or "fake") on `device`.
+
+    `fake` computes nothing (engine/fake_backend.py): for tests and `lmd-bench front`.
 
     `auto` prefers turbo where it supports the architecture on CUDA; until turbo exists
     it takes torch and logs why.
@@ -247,6 +249,10 @@ def select_backend(name: str, architecture: str, device: torch.device | str) -> 
         raise BackendError(
             "the turbo backend is not available yet: use backend torch (or auto) for now"
         )
+    if name == "fake":
+        from lmd.engine.fake_backend import FakeBackend
+
+        return FakeBackend
     from lmd.engine.torch_backend import TorchBackend
 
     if name == "auto":

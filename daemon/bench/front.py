@@ -1,0 +1,192 @@
+"""`lmd-bench front`: what the serving path costs without the model.
+
+    lmd-bench front [--requests 2000] [--concurrency 64] [--stream-tokens 64] [--json]
+
+Starts a daemon in hybrid mode with the `fake` backend (tokens come out of a fixed rule,
+no model runs; the real tokenizer, api, engine loop and wire protocol do), then measures
+through HTTP on loopback:
+- non-streaming `/v1/completions` with max_tokens=1 at --concurrency: requests per second;
+- the same one at a time: p50/p99 latency, i.e. what the front adds to every request;
+- streaming with --stream-tokens tokens each at --concurrency: streamed tokens per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+MODEL_FIELDS = {"model": "SmolLM2-135M-Instruct", "prompt": "Hello there", "temperature": 0}
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("front", help="the serving path's own cost, with a model-less engine")
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--stream-tokens", type=int, default=64)
+    p.add_argument("--port", type=int, default=0, help="default: a free port")
+    p.add_argument("--json", action="store_true", help="print one JSON line")
+    p.set_defaults(run=run)
+
+
+async def _load(
+    n: int, concurrency: int, one: Callable[[httpx.AsyncClient], Awaitable[int]], url: str
+) -> tuple[float, list[float], int, int]:
+    """Run `one` n times, `concurrency` at once: (seconds, latencies, units, failures)."""
+    queue = iter(range(n))
+    latencies: list[float] = []
+    totals = [0, 0]  # units (requests or tokens), failures
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        for _ in queue:
+            t0 = time.perf_counter()
+            try:
+                totals[0] += await one(client)
+            except (httpx.HTTPError, ValueError):
+                totals[1] += 1
+                continue
+            latencies.append(time.perf_counter() - t0)
+
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        return time.perf_counter() - start, latencies, totals[0], totals[1]
+
+
+async def _one_request(client: httpx.AsyncClient) -> int:
+    r = await client.post("/v1/completions", json={**MODEL_FIELDS, "max_tokens": 1})
+    r.raise_for_status()
+    return 1
+
+
+def _streamer(tokens: int) -> Callable[[httpx.AsyncClient], Awaitable[int]]:
+    body = {
+        **MODEL_FIELDS,
+        "max_tokens": tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+    async def one(client: httpx.AsyncClient) -> int:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            r.raise_for_status()
+            usage = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = orjson.loads(line[6:])
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]["completion_tokens"]
+            if usage != tokens:
+                raise ValueError(f"streamed {usage} tokens, not {tokens}")
+            return usage
+
+    return one
+
+
+def _ms(values: list[float], q: int) -> float:
+    return round(statistics.quantiles(values, n=100)[q - 1] * 1000, 2) if len(values) > 1 else 0.0
+
+
+async def _measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    await _load(50, 8, _one_request, url)  # warm-up
+    secs, _, done, failed = await _load(args.requests, args.concurrency, _one_request, url)
+    _, lat, _, failed_1 = await _load(min(500, args.requests), 1, _one_request, url)
+    n_stream = max(1, args.requests // 4)
+    s_secs, _, tokens, s_failed = await _load(
+        n_stream, args.concurrency, _streamer(args.stream_tokens), url
+    )
+    return {
+        "benchmark": "front",
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "requests_per_s": round(done / secs, 1),
+        "latency_ms_at_concurrency_1": {"p50": _ms(lat, 50), "p99": _ms(lat, 99)},
+        "stream_requests": n_stream,
+        "stream_tokens_each": args.stream_tokens,
+        "streamed_tokens_per_s": round(tokens / s_secs, 1),
+        "failed": failed + failed_1 + s_failed,
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.requests < 2 or args.concurrency < 1 or args.stream_tokens < 1:
+        raise ValueError("--requests must be >= 2, --concurrency and --stream-tokens >= 1")
+    runtime = Path(tempfile.mkdtemp(prefix="lmdb-"))
+    port = args.port or _free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "lmd",
+        "serve",
+        "--mode",
+        "hybrid",
+        "--decode-backend",
+        "fake",
+        "--port",
+        str(port),
+        "--runtime-dir",
+        str(runtime),
+        "--log-level",
+        "warning",
+        "--cache-max-entry-count",
+        "256",
+        "--max-batch-size",
+        "256",
+    ]
+    log_path = runtime.parent / f"{runtime.name}.log"
+    with open(log_path, "wb") as log:
+        daemon = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, daemon, log_path)
+        return asyncio.run(_measure(url, args))
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(60)
+        os.unlink(log_path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_healthy(url: str, daemon: subprocess.Popen[bytes], log_path: Path) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if daemon.poll() is not None:
+            raise ValueError(f"the daemon exited ({daemon.returncode}): see {log_path}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise ValueError("the daemon did not become healthy in 300 s")
+
+
+def summary(result: dict[str, Any]) -> str:
+    lat = result["latency_ms_at_concurrency_1"]
+    return (
+        f"non-streaming: {result['requests_per_s']:,} requests/s at concurrency "
+        f"{result['concurrency']} ({result['requests']:,} requests)\n"
+        f"one at a time: p50 {lat['p50']} ms, p99 {lat['p99']} ms per request\n"
+        f"streaming: {result['streamed_tokens_per_s']:,} tokens/s "
+        f"({result['stream_requests']:,} x {result['stream_tokens_each']} tokens)\n"
+        f"failed: {result['failed']}"
+    )

@@ -1,0 +1,86 @@
+"""FakeBackend: the Backend interface with no model behind it.
+
+It reads the model's config.json for its facts (layers, heads, vocabulary, EOS), so the
+KV pool, the schedulers, the sampler and every process around them work as with a real
+model, but `forward` computes nothing: the next token after token t is a fixed function
+of t (never an EOS id), and the KV pool is left untouched. Used by tests of the engine's
+bookkeeping and by `lmd-bench front`, which measures the serving path (api, tokenizer,
+engine loop, wire) without the model's cost. Its text is meaningless.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from lmd.engine.backend import Backend, ForwardBatch
+
+
+class FakeBackend(Backend):
+    name: ClassVar[str] = "fake"
+
+    def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
+        config: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
+        config = config.get("text_config", config)
+        self._config = config
+        self._device = torch.device(device)
+        self._dtype = dtype
+        eos = config.get("eos_token_id")
+        self._eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+
+    @property
+    def architecture(self) -> str:
+        archs = self._config.get("architectures") or ["unknown"]
+        return str(archs[0])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self._config["num_hidden_layers"])
+
+    @property
+    def num_kv_heads(self) -> int:
+        heads = self._config.get("num_key_value_heads") or self._config["num_attention_heads"]
+        return int(heads)
+
+    @property
+    def head_dim(self) -> int:
+        dim = self._config.get("head_dim")
+        return int(dim or self._config["hidden_size"] // self._config["num_attention_heads"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._config["vocab_size"])
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(int(t) for t in self._eos)
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return int(self._config.get("max_position_embeddings") or 4096)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def next_token(self, token: Tensor) -> Tensor:
+        """The token that follows `token`: a fixed walk over the vocabulary, skipping EOS."""
+        nxt = (token * 31 + 7) % self.vocab_size
+        for eos in self._eos:
+            nxt = torch.where(nxt == eos, (nxt + 1) % self.vocab_size, nxt)
+        return nxt
+
+    def forward(self, batch: ForwardBatch, kv: Tensor) -> Tensor:
+        rows = batch.logits_indices.to(self._device)
+        last = batch.input_ids.to(self._device)[rows]  # [R]
+        logits = torch.zeros(len(rows), self.vocab_size, device=self._device)  # [R, V]
+        logits[torch.arange(len(rows), device=self._device), self.next_token(last)] = 1.0
+        return logits

@@ -1,0 +1,14 @@
+"""lmd-bench front against the real daemon it starts (hybrid mode, fake backend)."""
+
+from __future__ import annotations
+
+from argparse import Namespace
+
+from lmd.bench import front
+
+
+def test_front_benchmark_serves_every_request_through_a_real_daemon() -> None:
+    result = front.run(Namespace(requests=40, concurrency=4, stream_tokens=8, port=0))
+    assert result["failed"] == 0
+    assert result["requests_per_s"] > 0 and result["streamed_tokens_per_s"] > 0
+    assert result["latency_ms_at_concurrency_1"]["p50"] > 0
