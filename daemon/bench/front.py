@@ -54,10 +54,13 @@ async def _load(
         for _ in queue:
             t0 = time.perf_counter()
             try:
-                totals[0] += await one(client)
+                # Not `totals[0] += await ...`: that reads totals[0] before the await and
+                # overwrites what the other workers added meanwhile.
+                units = await one(client)
             except (httpx.HTTPError, ValueError):
                 totals[1] += 1
                 continue
+            totals[0] += units
             latencies.append(time.perf_counter() - t0)
 
     limits = httpx.Limits(max_connections=concurrency)
