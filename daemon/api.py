@@ -1,6 +1,7 @@
 """The api process: the OpenAI HTTP front on --host/--port (FastAPI on uvicorn + uvloop).
 
-Life cycle of a generation request in the api (POST /v1/chat/completions, /v1/completions):
+Life cycle of a generation request in the api (POST /v1/chat/completions, /v1/completions,
+/v1/chat/interactive):
   1. RequestGuard checks the API key (/v1/* only) and the body size (413) before any
      parsing; the body is validated into a request model (400 naming the field), the
      model name checked (404), and the daemon's state (503 + Retry-After while starting,
@@ -11,10 +12,13 @@ Life cycle of a generation request in the api (POST /v1/chat/completions, /v1/co
      the counts and timings (first token, last token).
   4. Non-streaming: the deltas are added up into one body. Streaming: the first event is
      awaited before the 200 goes out (so an over-long prompt is still a 400), then each
-     delta becomes an SSE chunk, then the usage chunk if asked for, then [DONE].
+     delta becomes an SSE chunk, then the usage chunk if asked for, then [DONE]
+     (/v1/chat/interactive: one JSON object per line, LMDeploy's framing).
   5. Closed however it ends (last token, error, client gone): the request leaves the
      table; if the tokenizer still holds it (client gone first), an Abort goes down.
 If the tokenizer stops, every open request fails with 503 at once instead of hanging.
+An interactive `cancel` or session end is a SessionControl to the tokenizer, answered at
+once (the session's history lives in the tokenizer, see sessions.py).
 """
 
 from __future__ import annotations
@@ -43,7 +47,20 @@ from lmd.api_http import (
 from lmd.api_metrics import CLIENT_GONE, CONTENT_TYPE, ApiMetrics
 from lmd.config import ServeConfig
 from lmd.http_server import BindError, EmbeddedServer, JSONResponse, bind_tcp
-from lmd.openai_responses import SSE_DONE, Answer, ChatFormat, CompletionFormat, Delta, sse
+from lmd.interactive import (
+    InteractiveFormat,
+    InteractiveRequest,
+    LineFraming,
+    prefix_caching_off,
+)
+from lmd.openai_responses import (
+    Answer,
+    ChatFormat,
+    CompletionFormat,
+    Delta,
+    Framing,
+    SseFraming,
+)
 from lmd.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest
 from lmd.worker import Worker, WorkerSpec, WorkerStartError
 
@@ -51,7 +68,15 @@ TOKENIZER = "tokenizer-0"
 RETRY_AFTER_S = 5  # while the daemon starts, drains or restarts a role
 
 Event = Delta | protocol.RequestError
-Format = ChatFormat | CompletionFormat
+Format = ChatFormat | CompletionFormat | InteractiveFormat
+Body = ChatCompletionRequest | CompletionRequest | InteractiveRequest
+GENERATE_ENDPOINTS = ("chat_completions", "completions", "chat_interactive")
+_BODY_MODELS: dict[str, type[Body]] = {
+    "chat_completions": ChatCompletionRequest,
+    "completions": CompletionRequest,
+    "chat_interactive": InteractiveRequest,
+}
+_ID_PREFIXES = {"chat_completions": "chatcmpl", "completions": "cmpl", "chat_interactive": "chat"}
 
 
 @dataclass(slots=True, eq=False)
@@ -179,12 +204,17 @@ class ApiWorker(Worker):
         async def completions(request: Request) -> Response:
             return await self.generate(request, "completions")
 
+        @app.post("/v1/chat/interactive", openapi_extra=body_doc(InteractiveRequest))
+        async def chat_interactive(request: Request) -> Response:
+            """LMDeploy's interactive chat: the server keeps each session's history."""
+            return await self.generate(request, "chat_interactive")
+
         @app.get("/metrics")
         async def metrics() -> Response:
             return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
         install_error_handlers(app)
-        install_body_schemas(app, [ChatCompletionRequest, CompletionRequest])
+        install_body_schemas(app, [ChatCompletionRequest, CompletionRequest, InteractiveRequest])
         app.add_middleware(
             RequestGuard,
             api_keys=self.config.api_keys,
@@ -204,25 +234,34 @@ class ApiWorker(Worker):
 
     def _count_rejected(self, path: str, status: int) -> None:
         endpoint = path.removeprefix("/v1/").replace("/", "_")
-        if endpoint in ("chat_completions", "completions"):
+        if endpoint in GENERATE_ENDPOINTS:
             self.metrics.count(endpoint, status)
 
     async def generate(self, http: Request, endpoint: str) -> Response:
         """Validate, admit, and answer one generation request (streamed or not)."""
-        chat = endpoint == "chat_completions"
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        request_id = f"{_ID_PREFIXES[endpoint]}-{uuid.uuid4().hex}"
         try:
-            body = await self._admit(http, chat, request_id)
+            body = await self._admit(http, endpoint, request_id)
         except ApiError as err:
             self.metrics.count(endpoint, err.status)
             return error_response(err)
+        if body is None:  # an interactive cancel or end: the tokenizer does it
+            self.metrics.count(endpoint, 200)
+            return JSONResponse(InteractiveFormat.control_done())
         request = self._open[request_id] = OpenRequest(request_id, endpoint)
-        shape = ChatFormat if chat else CompletionFormat
-        fmt = shape(request_id, int(time.time()), body.model, body.include_usage)
+        fmt: Format
+        framing: Framing
+        if isinstance(body, InteractiveRequest):
+            fmt = InteractiveFormat()
+            framing = LineFraming(fmt)
+        else:
+            shape = ChatFormat if isinstance(body, ChatCompletionRequest) else CompletionFormat
+            fmt = shape(request_id, int(time.time()), body.model, body.include_usage)
+            framing = SseFraming(fmt)
         client_gone = asyncio.ensure_future(disconnected(http))
         try:
             if body.stream:
-                return await self._start_stream(request, fmt, client_gone)
+                return await self._start_stream(request, framing, client_gone)
             return await self._answer(request, fmt, client_gone)
         except BaseException:
             self._close(request, 500)  # a no-op when already closed
@@ -230,25 +269,32 @@ class ApiWorker(Worker):
         finally:
             client_gone.cancel()
 
-    async def _admit(
-        self, http: Request, chat: bool, request_id: str
-    ) -> ChatCompletionRequest | CompletionRequest:
-        """Parse and check a request, and hand it to the tokenizer; raise ApiError."""
-        model = ChatCompletionRequest if chat else CompletionRequest
+    async def _admit(self, http: Request, endpoint: str, request_id: str) -> Body | None:
+        """Parse and check a request, and hand it to the tokenizer; raise ApiError.
+
+        None: the request was an interactive cancel or end, passed on to the tokenizer.
+        """
         try:
-            body = model.model_validate_json(await http.body())
+            body = _BODY_MODELS[endpoint].model_validate_json(await http.body())
         except ValidationError as exc:
             raise ApiError.from_validation(exc) from None
-        if body.model != self.config.served_model_name:
+        if isinstance(body, InteractiveRequest):  # LMDeploy's: no model field
+            if not self.config.enable_prefix_caching:
+                raise prefix_caching_off()
+        elif body.model != self.config.served_model_name:
             raise self._unknown_model(body.model)
         status, state = self.health()
         if status != 200:
             reason = f"{state['reason']}; retry later"
             raise ApiError(503, reason, type="service_unavailable", retry_after_s=RETRY_AFTER_S)
-        if not self.tokenizer.try_send(body.text_request(request_id, self.spec.name)):
+        msg: protocol.Message = body.text_request(request_id, self.spec.name)
+        control = body.control if isinstance(body, InteractiveRequest) else None
+        if isinstance(body, InteractiveRequest) and control is not None:
+            msg = protocol.SessionControl(body.session_id, control)
+        if not self.tokenizer.try_send(msg):
             reason = "the tokenizer is not keeping up; retry later"
             raise ApiError(503, reason, type="overloaded", retry_after_s=1)
-        return body
+        return None if control is not None else body
 
     async def _answer(
         self, request: OpenRequest, fmt: Format, client_gone: asyncio.Future[None]
@@ -267,7 +313,7 @@ class ApiWorker(Worker):
         return JSONResponse(fmt.response(answer))
 
     async def _start_stream(
-        self, request: OpenRequest, fmt: Format, client_gone: asyncio.Future[None]
+        self, request: OpenRequest, framing: Framing, client_gone: asyncio.Future[None]
     ) -> Response:
         first = asyncio.ensure_future(request.events.get())
         await asyncio.wait((first, client_gone), return_when=asyncio.FIRST_COMPLETED)
@@ -285,30 +331,31 @@ class ApiWorker(Worker):
         async def chunks() -> AsyncGenerator[bytes, None]:
             nonlocal answered
             status = 200
-            if isinstance(fmt, ChatFormat):
-                yield sse(fmt.first_chunk())
+            for head in framing.head():
+                yield head
             item: Event = event
+            last: Delta | None = None
             while True:
                 if isinstance(item, protocol.RequestError):
                     err = ApiError.from_request_error(item)
                     status = err.status
-                    yield sse(err.body)
+                    yield framing.error(err)
                     break
-                chunk = fmt.chunk(item)
-                if chunk is not None:
-                    yield sse(chunk)
+                last = item
+                frame = framing.frame(item)
+                if frame is not None:
+                    yield frame
                 if item.finish_reason is not None:
                     break
                 item = await request.events.get()
-            if fmt.include_usage and status == 200:
-                yield sse(fmt.usage_chunk(request.prompt_tokens, request.completion_tokens))
-            yield SSE_DONE
+            for tail in framing.tail(last, status == 200):
+                yield tail
             answered = status
 
         def on_close() -> None:
             self._close(request, CLIENT_GONE if answered is None else answered)
 
-        return EventStream(chunks(), on_close)
+        return EventStream(chunks(), on_close, framing.media_type)
 
     def _close(self, request: OpenRequest, status: int) -> None:
         """Forget a request; tell the tokenizer if it still holds it. Idempotent."""

@@ -54,15 +54,20 @@ async def disconnected(request: Request) -> None:
 
 
 class EventStream(StreamingResponse):
-    """A text/event-stream response whose `on_close` runs however it ends.
+    """A streamed response (SSE by default) whose `on_close` runs however it ends.
 
     Starlette stops iterating when the client goes away but leaves the generator
     suspended; here it is closed and `on_close` called right then.
     """
 
-    def __init__(self, chunks: AsyncGenerator[bytes, None], on_close: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        chunks: AsyncGenerator[bytes, None],
+        on_close: Callable[[], None],
+        media_type: str = "text/event-stream",
+    ) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        super().__init__(chunks, media_type="text/event-stream", headers=headers)
+        super().__init__(chunks, media_type=media_type, headers=headers)
         self._chunks = chunks
         self._on_close = on_close
 

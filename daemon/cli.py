@@ -55,13 +55,15 @@ HELP = {
     "visible in ps: prefer LMD_API_KEYS or the config file",
     "max_request_bytes": "largest HTTP request body the API reads",
     "chat_template": "LMDeploy chat template JSON file (default: the model's own template)",
+    "session_idle_timeout": "seconds an idle /v1/chat/interactive session keeps its history",
     "block_size": "tokens per KV cache block",
     "max_batch_size": "most sequences an engine runs in one batch",
     "max_prefill_token_num": "most prompt tokens in one prefill step",
     "session_len": "prompt + output token cap (default: the model's context length)",
     "cache_max_entry_count": "KV cache size: a fraction (0, 1] of the free device memory "
     "after the weights, or an integer block count",
-    "enable_prefix_caching": "reuse the KV blocks of a prompt prefix seen before",
+    "enable_prefix_caching": "reuse the KV blocks of a prompt prefix seen before "
+    "(/v1/chat/interactive needs it)",
     "restart_backoff": "first delay before restarting a worker that died young, doubling",
     "max_fast_failures": "young deaths in a row of one worker before the daemon gives up",
 }
@@ -92,7 +94,7 @@ def _add_flag(serve: argparse.ArgumentParser, key: str) -> None:
     default = default_values()[key]
     help_text = HELP.get(key, key.replace("_", " "))
     if default is not None and default != () and "(default" not in help_text:
-        help_text += f" (default: {str(default).lower() if default is False else default})"
+        help_text += f" (default: {str(default).lower() if isinstance(default, bool) else default})"
     flag = "--" + key.replace("_", "-")
     if KEYS[key] is Kind.BOOL:
         serve.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)

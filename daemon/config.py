@@ -13,7 +13,7 @@ from typing import Any
 
 from lmd.engine.config import EngineConfig
 
-BACKENDS = ("auto", "torch", "turbo")
+BACKENDS = ("auto", "torch", "turbo", "fake")  # fake: no model, for benchmarks
 MODES = ("disaggregated", "hybrid")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -82,13 +82,15 @@ class ServeConfig:
     api_keys: tuple[str, ...] = ()  # Bearer keys the api accepts; empty = no auth
     max_request_bytes: int = 1 << 20  # largest HTTP request body the api reads
     chat_template: str | None = None  # LMDeploy ChatTemplateConfig JSON; None = the model's
+    session_idle_timeout: float = 600.0  # seconds an idle interactive session is kept
     # Engine settings (flat, so that CLI flags, env and file keys are the same names).
     block_size: int = 64
     max_batch_size: int = 128
     max_prefill_token_num: int = 8192
     session_len: int | None = None  # prompt + output cap; None = the model's maximum
     cache_max_entry_count: float | int = 0.8  # fraction of free memory, or a block count
-    enable_prefix_caching: bool = False
+    # On by default (as LMDeploy and vLLM): interactive sessions reuse their KV through it.
+    enable_prefix_caching: bool = True
     restart: RestartPolicy = dataclasses.field(default_factory=RestartPolicy)
 
     def __post_init__(self) -> None:
@@ -105,7 +107,12 @@ class ServeConfig:
         for key in ("prefill_workers", "decode_workers"):
             value = getattr(self, key)
             _check(1 <= value <= 64, key, f"{value} is out of range (1-64)")
-        for key in ("drain_timeout", "startup_timeout", "heartbeat_interval"):
+        for key in (
+            "drain_timeout",
+            "startup_timeout",
+            "heartbeat_interval",
+            "session_idle_timeout",
+        ):
             _check(getattr(self, key) > 0, key, "must be > 0 seconds")
         _check(
             self.heartbeat_timeout >= 3 * self.heartbeat_interval,

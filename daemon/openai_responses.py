@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
 from lmd import protocol
+from lmd.openai_schema import ApiError
 
 VERY_UNLIKELY_LOGPROB = -9999.0  # OpenAI's stand-in for a logprob too small to show
 SSE_DONE = b"data: [DONE]\n\n"
@@ -31,18 +32,22 @@ class Delta:
     prompt_tokens: int
     completion_tokens: int
     logprobs: list[dict[str, Any]] | None
+    cached_tokens: int = 0  # of the prompt, served by the engine's prefix cache
+    history_tokens: int = 0  # of the prompt, from an interactive session's earlier turns
 
     @classmethod
     def split(cls, msg: protocol.TextDelta) -> list[tuple[str, Delta]]:
         return [
-            (rid, cls(text, reason, prompt, completion, lps))
-            for rid, text, reason, prompt, completion, lps in zip(
+            (rid, cls(text, reason, prompt, completion, lps, cached, history))
+            for rid, text, reason, prompt, completion, lps, cached, history in zip(
                 msg.request_ids,
                 msg.texts,
                 msg.finish_reasons,
                 msg.prompt_tokens,
                 msg.completion_tokens,
                 msg.logprobs,
+                msg.cached_tokens,
+                msg.history_tokens,
                 strict=True,
             )
         ]
@@ -53,11 +58,13 @@ def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens` are the prompt's prefix-cache hits."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -79,6 +86,8 @@ class Answer:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
+    history_tokens: int = 0
 
     def add(self, delta: Delta) -> None:
         self.text.append(delta.text)
@@ -87,6 +96,8 @@ class Answer:
         self.finish_reason = delta.finish_reason
         self.prompt_tokens = delta.prompt_tokens
         self.completion_tokens = delta.completion_tokens
+        self.cached_tokens = delta.cached_tokens
+        self.history_tokens = delta.history_tokens
 
     @property
     def done(self) -> bool:
@@ -130,11 +141,13 @@ class ChatFormat(_Format):
         }
         return self._chunk("chat.completion.chunk", [choice])
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(
+        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+    ) -> dict[str, Any]:
         return {
             **self._head("chat.completion.chunk"),
             "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens),
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
         }
 
     def response(self, answer: Answer) -> dict[str, Any]:
@@ -148,7 +161,7 @@ class ChatFormat(_Format):
         return {
             **self._head("chat.completion"),
             "choices": [choice],
-            "usage": usage(answer.prompt_tokens, answer.completion_tokens),
+            "usage": usage(answer.prompt_tokens, answer.completion_tokens, answer.cached_tokens),
         }
 
     @staticmethod
@@ -186,11 +199,13 @@ class CompletionFormat(_Format):
         }
         return self._chunk("text_completion", [choice])
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(
+        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+    ) -> dict[str, Any]:
         return {
             **self._head("text_completion"),
             "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens),
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
         }
 
     def response(self, answer: Answer) -> dict[str, Any]:
@@ -203,7 +218,7 @@ class CompletionFormat(_Format):
         return {
             **self._head("text_completion"),
             "choices": [choice],
-            "usage": usage(answer.prompt_tokens, answer.completion_tokens),
+            "usage": usage(answer.prompt_tokens, answer.completion_tokens, answer.cached_tokens),
         }
 
     def logprobs(self, entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
@@ -219,3 +234,53 @@ class CompletionFormat(_Format):
             "top_logprobs": [{t: _logprob(lp) for t, lp in e["top"]} for e in entries],
             "text_offset": offsets,
         }
+
+
+class Framing(Protocol):
+    """How a stream's events become bytes (SSE here, JSON lines for interactive)."""
+
+    @property
+    def media_type(self) -> str: ...
+
+    def head(self) -> list[bytes]:
+        """What goes out before the first delta."""
+        ...
+
+    def frame(self, delta: Delta) -> bytes | None:
+        """A delta's bytes; None when it carries nothing to show."""
+        ...
+
+    def error(self, err: ApiError) -> bytes:
+        """An error after the 200 went out; the stream ends after it."""
+        ...
+
+    def tail(self, last: Delta | None, ok: bool) -> list[bytes]:
+        """What closes the stream; `ok`: it ended without an error."""
+        ...
+
+
+@dataclass(slots=True)
+class SseFraming:
+    """A chat or completion stream as server-sent events, ending with [DONE]."""
+
+    fmt: ChatFormat | CompletionFormat
+    media_type: str = "text/event-stream"
+
+    def head(self) -> list[bytes]:
+        return [sse(self.fmt.first_chunk())] if isinstance(self.fmt, ChatFormat) else []
+
+    def frame(self, delta: Delta) -> bytes | None:
+        chunk = self.fmt.chunk(delta)
+        return None if chunk is None else sse(chunk)
+
+    def error(self, err: ApiError) -> bytes:
+        return sse(err.body)
+
+    def tail(self, last: Delta | None, ok: bool) -> list[bytes]:
+        """The usage chunk (when asked for and the stream ended well), then [DONE]."""
+        if not (self.fmt.include_usage and ok and last is not None):
+            return [SSE_DONE]
+        usage_chunk = self.fmt.usage_chunk(
+            last.prompt_tokens, last.completion_tokens, last.cached_tokens
+        )
+        return [sse(usage_chunk), SSE_DONE]

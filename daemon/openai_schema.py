@@ -158,7 +158,7 @@ def _text_content(value: Any) -> Any:
     return "".join(texts)
 
 
-def _not_supported(instead: str = "") -> Any:
+def not_supported(instead: str = "") -> Any:
     """A validator: any value but the neutral one is a 400 naming the field."""
 
     def check(value: Any) -> Any:
@@ -181,19 +181,19 @@ TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 Prompt = Annotated[str | list[int], BeforeValidator(_one_prompt)]
 StopStrings = Annotated[list[str], BeforeValidator(_stop_list)]
 Content = Annotated[str, BeforeValidator(_text_content)]
-Penalty = Annotated[float, Field(ge=-2, le=2), _not_supported("use repetition_penalty")]
+Penalty = Annotated[float, Field(ge=-2, le=2), not_supported("use repetition_penalty")]
 OnlyOne = Annotated[int, AfterValidator(_only_one)]
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool | None = None
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content = ""
 
@@ -203,7 +203,7 @@ class ChatMessage(_Strict):
         return {"role": role, "content": self.content}
 
 
-class _GenerateRequest(_Strict):
+class _GenerateRequest(StrictModel):
     """The fields chat and completions share: sampling, stopping, streaming."""
 
     model: str
@@ -222,7 +222,7 @@ class _GenerateRequest(_Strict):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     min_tokens: Annotated[int, Field(ge=0)] = 0
-    logit_bias: Annotated[dict[str, float], _not_supported()] | None = None
+    logit_bias: Annotated[dict[str, float], not_supported()] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
 
@@ -271,7 +271,7 @@ class ChatCompletionRequest(_GenerateRequest):
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: Annotated[dict[str, Any], AfterValidator(_text_only)] | None = None
-    tools: Annotated[list[dict[str, Any]], _not_supported()] | None = None
+    tools: Annotated[list[dict[str, Any]], not_supported()] | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -305,9 +305,9 @@ class CompletionRequest(_GenerateRequest):
     prompt: Prompt
     max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default here
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
-    echo: Annotated[bool, _not_supported()] | None = False
+    echo: Annotated[bool, not_supported()] | None = False
     best_of: OnlyOne | None = None
-    suffix: Annotated[str, _not_supported()] | None = None
+    suffix: Annotated[str, not_supported()] | None = None
 
     @property
     def num_logprobs(self) -> int | None:

@@ -2,7 +2,7 @@
 
 Wire format (ZeroMQ multipart): frame 0 is one type byte, frame 1 an orjson header
 holding the message's JSON fields, and one further raw frame per `bytes` field (token ids
-as little-endian int32, logprobs as float32), in declaration order. No pickle.
+as little-endian int32, logprobs as float32), in declaration order. Nothing is pickled.
 
 `decode` checks everything a peer could get wrong (type byte, header shape, field names
 and types, frame count) and raises ProtocolError; receivers log, count and drop.
@@ -47,6 +47,7 @@ class MsgType(enum.IntEnum):
     REQUEST_ERROR = 23
     TEXT_REQUEST = 24
     TEXT_DELTA = 25
+    SESSION_CONTROL = 26
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,12 +138,16 @@ class Tokens:
     request_ids: list[str]
     finish_reasons: list[str | None]  # stop, length, abort on a request's last token
     logprobs: list[dict[str, Any] | None]  # {"logprob", "top": [[id, logprob], ...]}
+    cached_tokens: list[int]  # prompt tokens the prefix cache served (no compute)
     token_ids: bytes  # int32 little-endian, one per request
 
     def check(self) -> None:
         n = len(self.request_ids)
-        if len(self.finish_reasons) != n or len(self.logprobs) != n:
-            raise ProtocolError("Tokens: request_ids, finish_reasons, logprobs differ in length")
+        lists = (self.finish_reasons, self.logprobs, self.cached_tokens)
+        if any(len(x) != n for x in lists):
+            raise ProtocolError(
+                "Tokens: request_ids, finish_reasons, logprobs, cached_tokens differ in length"
+            )
         if len(self.token_ids) != 4 * n:
             raise ProtocolError(f"Tokens: {n} requests but {len(self.token_ids) // 4} token ids")
 
@@ -163,6 +168,11 @@ class TextRequest:
 
     Exactly one of `messages` (chat), `prompt` (completion text) or `prompt_ids`
     (completion given as token ids; empty bytes when not) is set.
+
+    `session_id` (>= 0) makes it a turn of an interactive session (/v1/chat/interactive,
+    LMDeploy's): `prompt` is then a user turn for the chat template, not raw text. With
+    `interactive_mode` the turn follows the session's history and its answer joins it;
+    without, the session starts afresh and keeps nothing.
     """
 
     TYPE: ClassVar[MsgType] = MsgType.TEXT_REQUEST
@@ -174,11 +184,15 @@ class TextRequest:
     stop: list[str]  # stop strings, matched on text across token boundaries
     skip_special_tokens: bool
     prompt_ids: bytes  # int32 little-endian
+    session_id: int | None = None  # an interactive session's id; None: no session
+    interactive_mode: bool = False  # keep the session's history (only with session_id)
 
     def check(self) -> None:
         given = [self.messages is not None, self.prompt is not None, bool(self.prompt_ids)]
         if sum(given) != 1:
             raise ProtocolError("TextRequest needs exactly one of messages, prompt, prompt_ids")
+        if self.session_id is not None and (self.session_id < 0 or self.prompt_ids):
+            raise ProtocolError("TextRequest.session_id must be >= 0 and needs messages or prompt")
         if len(self.prompt_ids) % 4:
             raise ProtocolError("TextRequest.prompt_ids must be an int32 array")
         if not WORKER_NAME.fullmatch(self.reply_to):
@@ -190,8 +204,10 @@ class TextDelta:
     """New text of several requests since the last delta, for one api worker.
 
     Per request: the text to append (stop strings removed), the finish reason on its
-    last delta (stop, length, abort), token counts so far, and, when logprobs were asked
-    for, one entry per new token: {"token", "logprob", "top": [[token, logprob], ...]}.
+    last delta (stop, length, abort), token counts so far (`cached_tokens`: prompt tokens
+    the engine's prefix cache served; `history_tokens`: prompt tokens an interactive
+    session brought from earlier turns, else 0), and, when logprobs were asked for, one
+    entry per new token: {"token", "logprob", "top": [[token, logprob], ...]}.
     """
 
     TYPE: ClassVar[MsgType] = MsgType.TEXT_DELTA
@@ -201,6 +217,8 @@ class TextDelta:
     prompt_tokens: list[int]
     completion_tokens: list[int]
     logprobs: list[list[dict[str, Any]] | None]
+    cached_tokens: list[int]
+    history_tokens: list[int]
 
     def check(self) -> None:
         n = len(self.request_ids)
@@ -210,9 +228,31 @@ class TextDelta:
             self.prompt_tokens,
             self.completion_tokens,
             self.logprobs,
+            self.cached_tokens,
+            self.history_tokens,
         )
         if any(len(x) != n for x in lists):
             raise ProtocolError("TextDelta: per-request lists differ in length")
+
+
+SESSION_ACTIONS = ("cancel", "end")
+
+
+@dataclass(frozen=True, slots=True)
+class SessionControl:
+    """An interactive session's control, api -> tokenizer (answered by nobody).
+
+    `cancel` aborts the session's running request (it finishes with "abort" and its
+    turn is not kept); `end` does that too and forgets the session.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.SESSION_CONTROL
+    session_id: int
+    action: str  # one of SESSION_ACTIONS
+
+    def check(self) -> None:
+        if self.action not in SESSION_ACTIONS:
+            raise ProtocolError(f"SessionControl.action {self.action[:20]!r} is not cancel or end")
 
 
 Message = Union[  # noqa: UP007
@@ -228,6 +268,7 @@ Message = Union[  # noqa: UP007
     RequestError,
     TextRequest,
     TextDelta,
+    SessionControl,
 ]
 
 

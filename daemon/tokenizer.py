@@ -11,16 +11,21 @@ Life cycle of a request in the tokenizer:
      request and aborts it in the engine.
   3. RequestError from the engine is passed to the api; Abort from the api is passed
      to the engine. Either way, and on finish, the request's state is dropped.
+Interactive sessions (`TextRequest.session_id`, /v1/chat/interactive) live here, in a
+SessionTable (sessions.py): a turn's prompt is the session's history ids + the new turn's
+text tokenized; when the turn finishes its answer joins the history (not when aborted);
+SessionControl cancels a session's running turn or ends the session.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +33,23 @@ from lmd import protocol
 from lmd.engine.model_source import ModelSourceError, resolve_model
 from lmd.protocol import Message
 from lmd.roles import plan_workers
+from lmd.sessions import (
+    Session,
+    SessionError,
+    SessionTable,
+    Turn,
+    finish_turn,
+    start_turn,
+)
 from lmd.text.chat_template import (
+    ChatMessage,
     ChatTemplate,
     ChatTemplateError,
     HfChatTemplate,
     LmdeployChatTemplate,
     parse_messages,
 )
-from lmd.text.stream import TextStream
+from lmd.text.stream import StreamUpdate, TextStream
 from lmd.worker import Worker, WorkerStartError
 
 log = logging.getLogger(__name__)
@@ -46,6 +60,17 @@ class _Request:
     reply_to: str  # api worker
     engine: str
     stream: TextStream
+    cached_tokens: int | None = None  # from the engine's first Tokens for it
+    # Interactive sessions only: the session, this turn, and what it generated so far.
+    session: Session | None = None
+    turn: Turn | None = None
+    keep_turn: bool = False  # interactive_mode: the answer joins the history
+    answer: list[str] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_history_tokens(self) -> int:
+        return 0 if self.turn is None else self.turn.num_history_tokens
 
 
 class TokenizerWorker(Worker):
@@ -68,6 +93,22 @@ class TokenizerWorker(Worker):
         engines = [s.name for s in plan_workers(self.config, "cpu", 0) if s.role == "hybrid"]
         self.engines = itertools.cycle(engines) if engines else None
         self._requests: dict[str, _Request] = {}
+        self.sessions = SessionTable(self.config.session_idle_timeout)
+        self._expiry = asyncio.create_task(self._expire_sessions())
+
+    async def stop(self) -> None:
+        self._expiry.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._expiry
+
+    async def _expire_sessions(self) -> None:
+        interval = min(self.config.session_idle_timeout / 2, 30.0)
+        while True:
+            await asyncio.sleep(interval)
+            for session_id in self.sessions.expire():
+                log.debug(
+                    "session %d expired (idle for %.0f s)", session_id, self.sessions.idle_timeout_s
+                )
 
     def _load_template(self) -> ChatTemplate:
         if self.config.chat_template:
@@ -78,7 +119,7 @@ class TokenizerWorker(Worker):
         return {"session_len": self.session_len, "template": type(self.template).__name__}
 
     def stats(self) -> dict[str, Any]:
-        return {"running": len(self._requests)}
+        return {"running": len(self._requests), "sessions": len(self.sessions)}
 
     def inflight(self) -> int:
         return len(self._requests)
@@ -88,7 +129,7 @@ class TokenizerWorker(Worker):
         if "hybrid" not in self.missing_roles:
             return
         for request_id, request in list(self._requests.items()):
-            del self._requests[request_id]
+            self._drop(request_id)
             error = protocol.RequestError(
                 request_id, "service_unavailable", "the engine serving this request restarted"
             )
@@ -100,13 +141,15 @@ class TokenizerWorker(Worker):
         elif isinstance(msg, protocol.Tokens):
             self._on_tokens(msg)
         elif isinstance(msg, protocol.RequestError):
-            request = self._requests.pop(msg.request_id, None)
+            request = self._drop(msg.request_id)
             if request is not None:
                 self.push(request.reply_to, msg)
         elif isinstance(msg, protocol.Abort):
-            request = self._requests.pop(msg.request_id, None)
+            request = self._drop(msg.request_id)
             if request is not None:
                 self.push(request.engine, msg)
+        elif isinstance(msg, protocol.SessionControl):
+            self._session_control(msg)
         else:
             return False
         return True
@@ -130,19 +173,32 @@ class TokenizerWorker(Worker):
         if msg.request_id in self._requests:
             fail("invalid_request_error", f"request id {msg.request_id} is already running")
             return
+        session: Session | None = None
+        turn: Turn | None = None
         try:
-            prompt_ids, stops = self._tokenize(msg)
-        except (ChatTemplateError, ValueError) as exc:
+            if msg.session_id is None:
+                prompt_ids = self._tokenize(msg)
+            else:
+                session = self.sessions.open(msg.session_id, fresh=not msg.interactive_mode)
+                turn = self._start_turn(session, msg)
+                prompt_ids = turn.token_ids
+        except (SessionError, ChatTemplateError, ValueError) as exc:
             fail("invalid_request_error", str(exc))
             return
         if len(prompt_ids) >= self.session_len:
+            hint = ""
+            if session is not None:
+                hint = "; end the session or start it again with interactive_mode false"
             fail(
                 "invalid_request_error",
                 f"the prompt has {len(prompt_ids)} tokens; this "
                 f"model's limit is {self.session_len - 1} prompt tokens (session_len "
-                f"{self.session_len}, shared with the output)",
+                f"{self.session_len}, shared with the output){hint}",
             )
             return
+        stops = list(msg.stop)
+        if msg.messages is not None or session is not None:
+            stops += [s for s in self.template.stop_words if s not in stops]
         stream = TextStream(
             self.decoder,
             prompt_ids=prompt_ids,
@@ -151,7 +207,11 @@ class TokenizerWorker(Worker):
             want_logprobs=msg.sampling.get("logprobs") is not None,
         )
         engine = next(self.engines)
-        self._requests[msg.request_id] = _Request(msg.reply_to, engine, stream)
+        request = _Request(msg.reply_to, engine, stream, session=session, turn=turn)
+        request.keep_turn = msg.interactive_mode
+        self._requests[msg.request_id] = request
+        if session is not None:
+            self.sessions.begin(session, msg.request_id)
         # No max_tokens: as much as the session length leaves (as LMDeploy and vLLM do).
         room = self.session_len - len(prompt_ids)
         sampling = {**msg.sampling, "max_tokens": min(msg.sampling.get("max_tokens") or room, room)}
@@ -159,16 +219,16 @@ class TokenizerWorker(Worker):
             msg.request_id, self.spec.name, sampling, protocol.pack_ids(prompt_ids)
         )
         if not self.push(engine, generate):
-            del self._requests[msg.request_id]
+            self._drop(msg.request_id)
             fail("service_unavailable", f"engine {engine} is not taking requests")
 
-    def _tokenize(self, msg: protocol.TextRequest) -> tuple[list[int], list[str]]:
-        """Prompt token ids and stop strings of a request."""
-        stops = list(msg.stop)
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _tokenize(self, msg: protocol.TextRequest) -> list[int]:
+        """Prompt token ids of a request outside any session."""
         if msg.messages is not None:
-            text = self.template.render(parse_messages(msg.messages))
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            stops += [s for s in self.template.stop_words if s not in stops]
+            ids = self._encode(self.template.render(parse_messages(msg.messages)))
         elif msg.prompt is not None:
             ids = self.tokenizer(msg.prompt, add_special_tokens=True)["input_ids"]
         else:
@@ -180,38 +240,106 @@ class TokenizerWorker(Worker):
                 )
         if not ids:
             raise ValueError("the prompt is empty")
-        return list(ids), stops
+        return list(ids)
 
-    # Tokens out ------------------------------------------------------------------------
+    def _start_turn(self, session: Session, msg: protocol.TextRequest) -> Turn:
+        """An interactive turn's prompt: the session's history + the new messages."""
+        if msg.messages is not None:
+            new = parse_messages(msg.messages)
+        else:
+            new = [ChatMessage("user", msg.prompt or "")]
+        turn = start_turn(session, new, self.template, self._encode, bare_prompt=msg.prompt)
+        if not turn.token_ids:
+            raise ValueError("the prompt is empty")
+        return turn
+
+    # Requests out ----------------------------------------------------------------------
+
+    def _drop(self, request_id: str) -> _Request | None:
+        """Forget a request that did not finish; its session keeps its history."""
+        request = self._requests.pop(request_id, None)
+        if request is not None and request.session is not None:
+            self._close_turn(request, keep=False)
+        return request
+
+    def _close_turn(self, request: _Request, *, keep: bool) -> None:
+        """The turn is over: keep its answer in the session's history, or not."""
+        session, turn = request.session, request.turn
+        assert session is not None and turn is not None
+        if not (keep and request.keep_turn):
+            self.sessions.release(session)
+            if not request.keep_turn:  # a one-off turn: LMDeploy ends its session
+                self.sessions.end(session.session_id)
+            return
+        try:
+            history = finish_turn(
+                turn,
+                "".join(request.answer),
+                request.output_ids,
+                template=self.template,
+                encode=self._encode,
+                decode=lambda ids: self.decoder.decode(ids, skip_special_tokens=False),
+            )
+        except ChatTemplateError as exc:
+            log.warning("session %d starts afresh: %s", session.session_id, exc)
+            session.reset()
+            self.sessions.release(session)
+            return
+        self.sessions.commit(session, *history)
+
+    def _session_control(self, msg: protocol.SessionControl) -> None:
+        """Cancel a session's running turn (it ends with "abort"), or end the session."""
+        session = self.sessions.get(msg.session_id)
+        if session is None:
+            return
+        rid = session.request_id
+        request = None if rid is None else self._drop(rid)
+        if rid is not None and request is not None:
+            self.push(request.engine, protocol.Abort(rid))
+            self.push(
+                request.reply_to, _text_delta([(rid, request, StreamUpdate("", "abort", False))])
+            )
+        if msg.action == "end":
+            self.sessions.end(msg.session_id)
 
     def _on_tokens(self, msg: protocol.Tokens) -> None:
-        deltas: dict[str, list[tuple[str, _Request, Any]]] = defaultdict(list)
+        deltas: dict[str, list[tuple[str, _Request, StreamUpdate]]] = defaultdict(list)
         ids = protocol.unpack_ids(msg.token_ids)
-        for rid, token, reason, lp in zip(
-            msg.request_ids, ids, msg.finish_reasons, msg.logprobs, strict=True
+        for rid, token, reason, lp, cached in zip(
+            msg.request_ids, ids, msg.finish_reasons, msg.logprobs, msg.cached_tokens, strict=True
         ):
             request = self._requests.get(rid)
             if request is None:
                 continue  # finished by a stop string, or aborted
+            if request.cached_tokens is None:
+                request.cached_tokens = cached
             update = request.stream.feed(token, reason, lp)
+            if request.session is not None:
+                request.answer.append(update.text)
+                request.output_ids.append(token)
             if update.stopped_by_string:
                 self.push(request.engine, protocol.Abort(rid))
             if update.finish_reason is not None:
                 del self._requests[rid]
+                if request.session is not None:
+                    self._close_turn(request, keep=update.finish_reason != "abort")
             if update.text or update.finish_reason or update.logprobs:
                 deltas[request.reply_to].append((rid, request, update))
         for reply_to, entries in deltas.items():
-            self.push(
-                reply_to,
-                protocol.TextDelta(
-                    [rid for rid, _, _ in entries],
-                    [u.text for _, _, u in entries],
-                    [u.finish_reason for _, _, u in entries],
-                    [r.stream.num_prompt_tokens for _, r, _ in entries],
-                    [r.stream.num_completion_tokens for _, r, _ in entries],
-                    [u.logprobs for _, _, u in entries],
-                ),
-            )
+            self.push(reply_to, _text_delta(entries))
+
+
+def _text_delta(entries: list[tuple[str, _Request, StreamUpdate]]) -> protocol.TextDelta:
+    return protocol.TextDelta(
+        [rid for rid, _, _ in entries],
+        [u.text for _, _, u in entries],
+        [u.finish_reason for _, _, u in entries],
+        [r.stream.num_prompt_tokens for _, r, _ in entries],
+        [r.stream.num_completion_tokens for _, r, _ in entries],
+        [u.logprobs for _, _, u in entries],
+        [r.cached_tokens or 0 for _, r, _ in entries],
+        [r.num_history_tokens for _, r, _ in entries],
+    )
 
 
 def _max_positions(model_dir: Path) -> int:

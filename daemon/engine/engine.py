@@ -42,6 +42,7 @@ class TokenEvent:
     token_id: int
     logprobs: TokenLogprobs | None
     finish_reason: FinishReason | None  # set on the request's last token
+    cached_tokens: int = 0  # prompt tokens the prefix cache served at its (last) prefill
 
 
 def size_pool(backend: Backend, config: EngineConfig) -> int:
@@ -199,7 +200,13 @@ class Engine:
         seqs: list[Sequence], token_ids: list[int], logprobs: list[TokenLogprobs | None]
     ) -> list[TokenEvent]:
         return [
-            TokenEvent(seq.request_id, tok, lp, seq.finish_reason)
+            TokenEvent(
+                seq.request_id,
+                tok,
+                lp,
+                seq.finish_reason,
+                min(seq.num_prefix_cached_tokens, seq.num_prompt_tokens),
+            )
             for seq, tok, lp in zip(seqs, token_ids, logprobs, strict=True)
             if seq.finish_reason != FinishReason.ABORT
         ]

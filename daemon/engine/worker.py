@@ -154,6 +154,7 @@ class EngineWorker(Worker):
                 [e.request_id for e in batch],
                 [None if e.finish_reason is None else str(e.finish_reason) for e in batch],
                 [_logprobs(e) for e in batch],
+                [e.cached_tokens for e in batch],
                 protocol.pack_ids([e.token_id for e in batch]),
             )
             self.push(reply_to, msg)

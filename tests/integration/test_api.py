@@ -49,6 +49,7 @@ class FakeTokenizer:
         self.api.connect(f"ipc://{runtime_dir}/api-0.ipc")
         self.requests: list[protocol.TextRequest] = []
         self.aborted: set[str] = set()
+        self.controls: list[protocol.SessionControl] = []
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
@@ -56,6 +57,8 @@ class FakeTokenizer:
             msg = protocol.decode(await self.inbox.recv_multipart())
             if isinstance(msg, protocol.Abort):
                 self.aborted.add(msg.request_id)
+            elif isinstance(msg, protocol.SessionControl):
+                self.controls.append(msg)
             elif isinstance(msg, protocol.TextRequest):
                 self.requests.append(msg)
                 task = asyncio.create_task(self._answer(msg))
@@ -83,7 +86,9 @@ class FakeTokenizer:
             if n_top is not None:
                 lps = [{"token": word, "logprob": -0.25, "top": [[word, -0.25]] * n_top}]
             await self._send(
-                protocol.TextDelta([req.request_id], [word], [reason], [prompt_tokens], [i], [lps])
+                protocol.TextDelta(
+                    [req.request_id], [word], [reason], [prompt_tokens], [i], [lps], [0], [0]
+                )
             )
             await asyncio.sleep(0.02 if text == "slow" else 0)
 
@@ -478,3 +483,57 @@ async def test_openapi_and_docs(stack: Stack) -> None:
     assert "temperature" in spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert (await stack.http.get("/docs")).status_code == 200
     assert_error(await stack.http.get("/v1/nothing"), 404)
+
+
+# /v1/chat/interactive ---------------------------------------------------------------------
+
+
+async def test_interactive_turn_goes_to_the_tokenizer_as_a_session_turn(stack: Stack) -> None:
+    body = {"prompt": "What is the capital of France?", "session_id": 9, "interactive_mode": True}
+    r = await stack.http.post("/v1/chat/interactive", json=body)
+    assert r.status_code == 200
+    assert r.json() == {
+        "text": "".join(REPLY),
+        "tokens": len(REPLY),
+        "input_tokens": 6,
+        "history_tokens": 0,
+        "finish_reason": "stop",
+        "cached_tokens": 0,
+    }
+    sent = stack.tokenizer.requests[-1]
+    assert (sent.session_id, sent.interactive_mode) == (9, True)
+    assert sent.prompt == body["prompt"] and sent.messages is None
+    assert sent.sampling["temperature"] == 0.8 and sent.sampling["top_k"] == 40  # LMDeploy's
+    one_off = await stack.http.post("/v1/chat/interactive", json={"prompt": "Hi"})
+    assert one_off.status_code == 200
+    sent = stack.tokenizer.requests[-1]
+    assert sent.session_id is None and sent.messages == [{"role": "user", "content": "Hi"}]
+
+
+async def test_interactive_cancel_and_end_are_session_controls(stack: Stack) -> None:
+    done = {"text": "", "tokens": 0, "input_tokens": 0, "history_tokens": 0,
+            "finish_reason": "stop", "cached_tokens": 0}  # fmt: skip
+    r = await stack.http.post(
+        "/v1/chat/interactive", json={"prompt": "", "session_id": 3, "cancel": True}
+    )
+    assert r.status_code == 200 and r.json() == done
+    r = await stack.http.post("/v1/chat/interactive", json={"prompt": "", "session_id": 3})
+    assert r.status_code == 200 and r.json() == done
+    await wait_for(lambda: len(stack.tokenizer.controls) == 2, "both controls")
+    assert [(c.session_id, c.action) for c in stack.tokenizer.controls] == [
+        (3, "cancel"),
+        (3, "end"),
+    ]
+    assert not stack.tokenizer.requests  # no turn ran
+
+
+async def test_interactive_needs_prefix_caching() -> None:
+    s = Stack(enable_prefix_caching=False)
+    await s.start()
+    try:
+        body = {"prompt": "Hi", "session_id": 1, "interactive_mode": True}
+        r = await s.http.post("/v1/chat/interactive", json=body)
+        assert r.status_code == 400 and "--enable-prefix-caching" in r.json()["error"]["message"]
+        assert not s.tokenizer.requests
+    finally:
+        await s.close()

@@ -14,6 +14,9 @@ def test_defaults_match_the_design() -> None:
     assert (c.host, c.port, c.device) == ("127.0.0.1", 23333, "auto")
     assert (c.prefill_workers, c.decode_workers) == (1, 1)
     assert c.served_model_name == "SmolLM2-135M-Instruct"
+    # Interactive sessions reuse their KV through the prefix cache: on, as in LMDeploy.
+    assert c.enable_prefix_caching is True and c.engine.enable_prefix_caching is True
+    assert c.session_idle_timeout == 600.0
 
 
 @pytest.mark.parametrize(
@@ -27,6 +30,7 @@ def test_defaults_match_the_design() -> None:
         ({"drain_timeout": 0}, "drain_timeout"),
         ({"heartbeat_timeout": 2.0}, "heartbeat_timeout"),
         ({"log_level": "loud"}, "log_level"),
+        ({"session_idle_timeout": 0}, "session_idle_timeout"),
     ],
 )
 def test_bad_values_name_the_key(kwargs: dict[str, Any], key: str) -> None:

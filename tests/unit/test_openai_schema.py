@@ -263,12 +263,14 @@ LOGPROBS = [{"token": "Paris", "logprob": -0.1, "top": TOP}]
 
 def deltas(logprobs: bool = False) -> list[Delta]:
     msgs = [
-        protocol.TextDelta(["a", "b"], ["Par", "x"], [None, None], [7, 3], [1, 1], [None, None]),
-        protocol.TextDelta(["a"], ["is"], ["stop"], [7], [2], [None]),
+        protocol.TextDelta(
+            ["a", "b"], ["Par", "x"], [None, None], [7, 3], [1, 1], [None, None], [4, 0], [0, 0]
+        ),
+        protocol.TextDelta(["a"], ["is"], ["stop"], [7], [2], [None], [4], [0]),
     ]
     out = [d for m in msgs for rid, d in Delta.split(m) if rid == "a"]
     if logprobs:
-        out = [Delta(d.text, d.finish_reason, 7, d.completion_tokens, LOGPROBS) for d in out]
+        out = [Delta(d.text, d.finish_reason, 7, d.completion_tokens, LOGPROBS, 4) for d in out]
     return out
 
 
@@ -280,7 +282,12 @@ def test_chat_response_matches_openai() -> None:
     assert_schema(body, "CreateChatCompletionResponse")
     assert body["choices"][0]["message"]["content"] == "Paris"
     assert body["choices"][0]["finish_reason"] == "stop"
-    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
+    assert body["usage"] == {
+        "prompt_tokens": 7,
+        "completion_tokens": 2,
+        "total_tokens": 9,
+        "prompt_tokens_details": {"cached_tokens": 4},  # the prefix cache served 4
+    }
 
 
 def test_chat_logprobs_match_openai() -> None:
@@ -298,7 +305,7 @@ def test_chat_logprobs_match_openai() -> None:
 def test_chat_chunks_match_openai(include_usage: bool) -> None:
     fmt = ChatFormat("chatcmpl-1", 1, MODEL, include_usage)
     middle = [fmt.chunk(d) for d in deltas(logprobs=True)]
-    chunks = [fmt.first_chunk(), *(c for c in middle if c is not None), fmt.usage_chunk(7, 2)]
+    chunks = [fmt.first_chunk(), *(c for c in middle if c is not None), fmt.usage_chunk(7, 2, 4)]
     assert len(chunks) == 4
     for chunk in chunks:
         assert_schema(chunk, "CreateChatCompletionStreamResponse")
@@ -306,6 +313,7 @@ def test_chat_chunks_match_openai(include_usage: bool) -> None:
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 9
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
 
 
 def test_empty_delta_makes_no_chunk() -> None:
@@ -333,7 +341,8 @@ def test_completion_response_and_chunks_match_openai() -> None:
     assert_schema(chunks[-1], "CreateCompletionResponse")
     fmt = CompletionFormat("cmpl-1", 1, MODEL, include_usage=True)
     assert all(c is not None and c["usage"] is None for c in map(fmt.chunk, deltas()))
-    assert_schema(fmt.usage_chunk(7, 2), "CreateCompletionResponse")
+    assert_schema(fmt.usage_chunk(7, 2, 4), "CreateCompletionResponse")
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
 
 
 def test_sse_framing() -> None:

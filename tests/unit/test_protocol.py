@@ -18,9 +18,17 @@ MESSAGES: list[protocol.Message] = [
         ["r1", "r2"],
         [None, "stop"],
         [None, {"logprob": -0.5, "top": [[7, -0.5], [9, -1.5]]}],
+        [0, 128],
         protocol.pack_ids([7, 2]),
     ),
     protocol.RequestError("r1", "invalid_request_error", "temperature must be >= 0"),
+    protocol.TextRequest(
+        "chat-1", "api-0", None, "Hello", {"temperature": 0.0}, [], True, b"", 7, True
+    ),
+    protocol.TextDelta(
+        ["r1", "r2"], ["Par", ""], [None, "abort"], [9, 70], [1, 3], [None, None], [0, 64], [0, 60]
+    ),
+    protocol.SessionControl(7, "cancel"),
 ]
 
 
@@ -64,7 +72,8 @@ def test_no_pickle_on_the_wire() -> None:
         (
             [
                 b"\x16",
-                b'{"request_ids":["a",2],"finish_reasons":[null,null],"logprobs":[null,null]}',
+                b'{"request_ids":["a",2],"finish_reasons":[null,null],"logprobs":[null,null],'
+                b'"cached_tokens":[0,0]}',
                 b"\x00" * 8,
             ],
             "element",
@@ -72,15 +81,58 @@ def test_no_pickle_on_the_wire() -> None:
         (
             [
                 b"\x16",
-                b'{"request_ids":["a"],"finish_reasons":[null],"logprobs":[null]}',
+                b'{"request_ids":["a"],"finish_reasons":[null],"logprobs":[null],'
+                b'"cached_tokens":[0]}',
                 b"\x00" * 8,
             ],
             "1 requests but 2 token ids",
         ),
         (
-            [b"\x16", b'{"request_ids":["a"],"finish_reasons":[],"logprobs":[null]}', b"\x00" * 4],
+            [
+                b"\x16",
+                b'{"request_ids":["a"],"finish_reasons":[],"logprobs":[null],"cached_tokens":[0]}',
+                b"\x00" * 4,
+            ],
             "differ in length",
         ),
+        (
+            [
+                b"\x16",
+                b'{"request_ids":["a"],"finish_reasons":[null],"logprobs":[null],'
+                b'"cached_tokens":[]}',
+                b"\x00" * 4,
+            ],
+            "cached_tokens differ in length",
+        ),
+        (
+            [
+                b"\x16",
+                b'{"request_ids":["a"],"finish_reasons":[null],"logprobs":[null],'
+                b'"cached_tokens":[1.5]}',
+                b"\x00" * 4,
+            ],
+            "cached_tokens: an element",
+        ),
+        (
+            [
+                b"\x19",
+                b'{"request_ids":["a"],"texts":["x"],"finish_reasons":[null],'
+                b'"prompt_tokens":[3],"completion_tokens":[1],"logprobs":[null],'
+                b'"cached_tokens":[0],"history_tokens":[0,0]}',
+            ],
+            "TextDelta: per-request lists differ in length",
+        ),
+        (
+            [
+                b"\x18",
+                b'{"request_id":"a","reply_to":"api-0","messages":null,"prompt":"hi",'
+                b'"sampling":{},"stop":[],"skip_special_tokens":true,"session_id":-2,'
+                b'"interactive_mode":true}',
+                b"",
+            ],
+            "session_id must be >= 0",
+        ),
+        ([b"\x1a", b'{"session_id":1,"action":"delete"}'], "is not cancel or end"),
     ],
 )
 def test_malformed_is_a_protocol_error(frames: list[bytes], reason: str) -> None:
