@@ -188,7 +188,7 @@ async def test_concurrent_async_streams(daemon: Daemon) -> None:
             chunks = [c async for c in stream]
             return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
 
-        results = await asyncio.gather(*(one(i) for i in range(24)))
+        results = await asyncio.gather(*(one(i) for i in range(32)))
     assert all(text and finish in ("stop", "length") for text, finish in results)
     wait_until(lambda: idle(daemon), 20, "all requests closed and blocks freed")
 
