@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import orjson
 
@@ -112,6 +112,7 @@ class _Format:
     created: int
     model: str
     include_usage: bool = False  # streams: `usage: null` on chunks, a usage chunk at the end
+    CHUNK_OBJECT: ClassVar[str] = ""  # the `object` of this format's stream chunks
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -122,12 +123,24 @@ class _Format:
             out["usage"] = None
         return out
 
+    def usage_chunk(
+        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+    ) -> dict[str, Any]:
+        """The last chunk of a stream with stream_options.include_usage: no choices."""
+        return {
+            **self._head(self.CHUNK_OBJECT),
+            "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
+        }
+
 
 @dataclass(slots=True)
 class ChatFormat(_Format):
+    CHUNK_OBJECT: ClassVar[str] = "chat.completion.chunk"
+
     def first_chunk(self) -> dict[str, Any]:
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
-        return self._chunk("chat.completion.chunk", [{**choice, "finish_reason": None}])
+        return self._chunk(self.CHUNK_OBJECT, [{**choice, "finish_reason": None}])
 
     def chunk(self, delta: Delta) -> dict[str, Any] | None:
         """The chunk for a delta; None when it carries nothing to show."""
@@ -139,16 +152,7 @@ class ChatFormat(_Format):
             "logprobs": self.logprobs(delta.logprobs),
             "finish_reason": delta.finish_reason,
         }
-        return self._chunk("chat.completion.chunk", [choice])
-
-    def usage_chunk(
-        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
-    ) -> dict[str, Any]:
-        return {
-            **self._head("chat.completion.chunk"),
-            "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
-        }
+        return self._chunk(self.CHUNK_OBJECT, [choice])
 
     def response(self, answer: Answer) -> dict[str, Any]:
         message = {"role": "assistant", "content": "".join(answer.text), "refusal": None}
@@ -185,6 +189,8 @@ class ChatFormat(_Format):
 
 @dataclass(slots=True)
 class CompletionFormat(_Format):
+    CHUNK_OBJECT: ClassVar[str] = "text_completion"
+
     text_offset: int = 0  # characters of output before the next token (logprobs)
 
     def chunk(self, delta: Delta) -> dict[str, Any] | None:
@@ -197,16 +203,7 @@ class CompletionFormat(_Format):
             "logprobs": self.logprobs(delta.logprobs),
             "finish_reason": delta.finish_reason,
         }
-        return self._chunk("text_completion", [choice])
-
-    def usage_chunk(
-        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
-    ) -> dict[str, Any]:
-        return {
-            **self._head("text_completion"),
-            "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
-        }
+        return self._chunk(self.CHUNK_OBJECT, [choice])
 
     def response(self, answer: Answer) -> dict[str, Any]:
         choice = {
