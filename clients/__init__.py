@@ -1,7 +1,8 @@
 """lmd_client: Python clients for lmd.
 
 - `AsyncClient` / `Client`: the OpenAI-compatible HTTP API (chat, completions, streams,
-  retries on connection refused and 503).
+  retries on connection refused and 503); `AsyncClient.session()` for conversations the
+  server remembers (`Session`, LMDeploy's /v1/chat/interactive).
 - `ControlClient`: the control API over the daemon's Unix socket (what lmdctl uses).
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from lmd_client.control import ControlClient, ControlRequestError, DaemonNotRunning
 from lmd_client.openai_client import AsyncClient, Completion, Delta, LmdError, Usage
+from lmd_client.session import Session, Turn
 from lmd_client.sync_client import Client
 
 __all__ = [
@@ -20,5 +22,7 @@ __all__ = [
     "DaemonNotRunning",
     "Delta",
     "LmdError",
+    "Session",
+    "Turn",
     "Usage",
 ]

@@ -16,6 +16,7 @@ the connection, and the server aborts the request and frees what it held.
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from typing import Any
 
 import httpx
 import orjson
+
+from lmd_client.session import Session
 
 Messages = Sequence[Mapping[str, Any]]
 
@@ -154,6 +157,17 @@ class AsyncClient:
         body = await self._body(params, prompt=_prompt(prompt), stream=True)
         async for chunk in self._stream("/v1/completions", body):
             yield _delta(chunk, lambda c: c.get("text") or "")
+
+    # Sessions (LMDeploy's /v1/chat/interactive) ------------------------------------------
+
+    @asynccontextmanager
+    async def session(self, **defaults: Any) -> AsyncIterator[Session]:
+        """A conversation the server remembers; `defaults` go with every turn."""
+        chat = Session(self, secrets.randbelow(2**62), defaults)
+        try:
+            yield chat
+        finally:
+            await chat.end()
 
     # Plumbing --------------------------------------------------------------------------
 

@@ -102,3 +102,23 @@ def test_sync_client(daemon: Daemon) -> None:
             if i == 2:
                 break  # leaving early closes the stream
     wait_until(lambda: idle(daemon), 15, "the abandoned stream aborted")
+
+
+async def test_session_keeps_history_and_reuses_its_kv(daemon: Daemon) -> None:
+    intro = (
+        "Here is some background about me. I live in a small town by the sea, I work as a "
+        "carpenter, I like long walks on the beach at sunset, I have two cats called Pepper "
+        "and Salt, and my favourite food is fresh bread with butter. My name is Ada."
+    )
+    client = AsyncClient(daemon.url)
+    async with client, client.session(temperature=0, max_tokens=16) as chat:
+        first = await chat.send(intro)
+        assert first.history_tokens == 0 and first.input_tokens > 64
+        second = await chat.send("What is my name?")
+        # Turn 2 brings turn 1 (prompt + answer) as history: its full blocks are cached.
+        assert second.history_tokens >= first.input_tokens + first.tokens - 1
+        assert second.cached_tokens >= 64
+        pieces = [t async for t in chat.stream("Thank you!")]
+        assert pieces[-1].finish_reason in ("stop", "length")
+        assert "".join(t.text for t in pieces)
+    wait_until(lambda: idle(daemon), 15, "session turns done")
