@@ -16,6 +16,8 @@ from typing import Any
 
 import psutil
 
+from lmd.config import RestartPolicy
+from lmd.protocol import Heartbeat
 from lmd.states import WorkerState, transition
 from lmd.worker import WorkerSpec, worker_main
 
@@ -51,6 +53,41 @@ class Child:
     @property
     def pid(self) -> int | None:
         return self.process.pid if self.process is not None else None
+
+    def heard(self, beat: Heartbeat) -> None:
+        self.last_seen = time.monotonic()
+        self.inflight, self.num_dropped, self.stats = beat.inflight, beat.num_dropped, beat.stats
+
+    def missed_heartbeats(self, now: float, timeout: float) -> bool:
+        return self.state == WorkerState.RUNNING and now - self.last_seen > timeout
+
+    def overdue(
+        self, now: float, heartbeat_timeout: float, startup_timeout: float, stop_grace: float
+    ) -> str | None:
+        """Why this live process must be killed now (for the log), or None."""
+        if self.missed_heartbeats(now, heartbeat_timeout):
+            return f"sent no heartbeat for {now - self.last_seen:.0f} s"
+        if self.restart_requested_at is not None and now - self.restart_requested_at > stop_grace:
+            return f"did not exit within {stop_grace:.0f} s of SIGTERM"
+        if self.state == WorkerState.STARTING and now - self.started_mono > startup_timeout:
+            return f"not ready after {now - self.started_mono:.0f} s"
+        return None
+
+    def record_exit(self, code: int, now: float, policy: RestartPolicy) -> float | None:
+        """Count an exit: seconds to wait before the next start, or None to give up.
+
+        A restart that was asked for costs nothing; a death within stable_after_s of
+        starting (or before Ready) is a fast failure, and max_fast_failures in a row give up.
+        """
+        self.last_exit = code
+        if self.restart_requested_at is not None:
+            self.restart_requested_at = None
+            return 0.0
+        fast = self.state == WorkerState.STARTING or now - self.started_mono < policy.stable_after_s
+        self.num_fast_failures = self.num_fast_failures + 1 if fast else 0
+        if self.num_fast_failures >= policy.max_fast_failures:
+            return None
+        return policy.delay(self.num_fast_failures)
 
     def set_state(self, new: WorkerState) -> None:
         self.state = transition(self.state, new)

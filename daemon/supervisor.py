@@ -155,14 +155,10 @@ class Supervisor:
                 continue
             if child.state not in LIVE:
                 continue  # late message from a process that already ended
-            child.last_seen = time.monotonic()
             if isinstance(msg, protocol.Heartbeat):
-                child.inflight, child.num_dropped, child.stats = (
-                    msg.inflight,
-                    msg.num_dropped,
-                    msg.stats,
-                )
+                child.heard(msg)
             elif isinstance(msg, protocol.Ready) and msg.pid == child.pid:
+                child.last_seen = time.monotonic()
                 await self._on_ready(child, msg)
             else:
                 self.num_foreign += 1
@@ -214,40 +210,17 @@ class Supervisor:
             await asyncio.sleep(TICK_S)
 
     async def _tick_child(self, child: Child, now: float) -> None:
+        cfg = self.config
         if child.state in LIVE:
             code = child.exit_code()
             if code is not None:
                 await self._on_exit(child, code, now)
-            elif (
-                child.state == WorkerState.RUNNING
-                and now - child.last_seen > self.config.heartbeat_timeout
+            elif reason := child.overdue(
+                now, cfg.heartbeat_timeout, cfg.startup_timeout, STOP_GRACE_S
             ):
-                log.error(
-                    "%s (pid %s) sent no heartbeat for %.0f s; killing it",
-                    child.name,
-                    child.pid,
-                    now - child.last_seen,
-                )
-                self._hung.add(child.name)
-                child.signal(signal.SIGKILL)
-            elif (
-                child.restart_requested_at is not None
-                and now - child.restart_requested_at > STOP_GRACE_S
-            ):
-                log.warning(
-                    "%s did not exit within %.0f s of SIGTERM; killing it", child.name, STOP_GRACE_S
-                )
-                child.signal(signal.SIGKILL)
-            elif (
-                child.state == WorkerState.STARTING
-                and now - child.started_mono > self.config.startup_timeout
-            ):
-                log.error(
-                    "%s (pid %s) not ready after %.0f s; killing it",
-                    child.name,
-                    child.pid,
-                    now - child.started_mono,
-                )
+                log.error("%s (pid %s) %s; killing it", child.name, child.pid, reason)
+                if child.missed_heartbeats(now, cfg.heartbeat_timeout):
+                    self._hung.add(child.name)  # the watchdog stops until it is back
                 child.signal(signal.SIGKILL)
         elif (
             child.state == WorkerState.RESTARTING
@@ -260,18 +233,12 @@ class Supervisor:
             child.spawn()
 
     async def _on_exit(self, child: Child, code: int, now: float) -> None:
-        child.last_exit = code
         if self.state == DaemonState.STOPPING:
+            child.last_exit = code
             child.set_state(WorkerState.STOPPED)
             return
-        policy = self.config.restart
-        delay = 0.0
-        if child.restart_requested_at is not None:
-            child.restart_requested_at = None
-        else:
+        if child.restart_requested_at is None:
             ran = now - child.started_mono
-            fast = child.state == WorkerState.STARTING or ran < policy.stable_after_s
-            child.num_fast_failures = child.num_fast_failures + 1 if fast else 0
             log.warning(
                 "%s (pid %s) died (%s) after %.1f s",
                 child.name,
@@ -279,15 +246,15 @@ class Supervisor:
                 describe_exit(code),
                 ran,
             )
-            if child.num_fast_failures >= policy.max_fast_failures:
-                child.set_state(WorkerState.FAILED)
-                self.give_up(
-                    f"{child.name} died {child.num_fast_failures} times in a row "
-                    f"within {policy.stable_after_s:.0f} s of starting "
-                    f"(last: {describe_exit(code)})"
-                )
-                return
-            delay = policy.delay(child.num_fast_failures)
+        policy = self.config.restart
+        delay = child.record_exit(code, now, policy)
+        if delay is None:
+            child.set_state(WorkerState.FAILED)
+            self.give_up(
+                f"{child.name} died {child.num_fast_failures} times in a row "
+                f"within {policy.stable_after_s:.0f} s of starting (last: {describe_exit(code)})"
+            )
+            return
         child.set_state(WorkerState.RESTARTING)
         child.next_start_at = now + delay
         await self._publish_cluster_state()
