@@ -1,0 +1,66 @@
+"""`lmd-bench serve` and `compare` against a real daemon serving SmolLM2-135M on CPU."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from lmd.bench import main
+from tests.integration.daemon import Daemon
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    d = Daemon("--mode", "hybrid", "--heartbeat-timeout", "10", "--drain-timeout", "5")
+    try:
+        d.start()
+        yield d
+    finally:
+        d.close()
+
+
+def serve(daemon: Daemon, out: Path, *extra: str) -> dict[str, Any]:
+    args = ["serve", "--url", daemon.url, "--input-len", "32", "--output-len", "8"]
+    assert main([*args, "--ignore-eos", "--concurrency", "10", "--out", str(out), *extra]) == 0
+    result: dict[str, Any] = orjson.loads(out.read_bytes())
+    return result
+
+
+def test_twenty_prompts_complete_with_a_real_plot(daemon: Daemon, tmp_path: Path) -> None:
+    png = tmp_path / "serve.png"
+    result = serve(daemon, tmp_path / "completions.json", "--num-prompts", "20",
+                   "--plot", str(png), "--goodput", "e2e:600000")  # fmt: skip
+    assert (result["completed"], result["failed"]) == (20, 0)
+    assert result["model"] == "SmolLM2-135M-Instruct"
+    assert result["total_output_tokens"] == 20 * 8  # ignore_eos: exactly max_tokens each
+    assert result["total_input_tokens"] == 20 * 32  # one token a word for this tokenizer
+    assert result["goodput"] == result["request_throughput"] > 0
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        stats = result[key]
+        assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"], key
+    assert result["ttft_ms"]["p50"] < result["e2e_ms"]["p50"]
+    assert png.read_bytes()[:8] == PNG_SIGNATURE and png.stat().st_size > 20_000
+
+
+@pytest.mark.slow  # another ~15 s; the fake-server unit tests cover chat and compare
+def test_chat_endpoint_then_compare(daemon: Daemon, tmp_path: Path, capsys: Any) -> None:
+    chat = serve(daemon, tmp_path / "chat.json", "--num-prompts", "8",
+                 "--endpoint", "/v1/chat/completions", "--label", "chat")  # fmt: skip
+    assert (chat["completed"], chat["failed"]) == (8, 0)
+    assert chat["total_input_tokens"] > 8 * 32  # the chat template adds its own tokens
+    prefix = serve(daemon, tmp_path / "prefix.json", "--num-prompts", "8",
+                   "--prefix-len", "128", "--num-prefixes", "2", "--label", "prefix")  # fmt: skip
+    assert (prefix["completed"], prefix["failed"]) == (8, 0)
+    png = tmp_path / "compare.png"
+    files = [str(tmp_path / "chat.json"), str(tmp_path / "prefix.json")]
+    capsys.readouterr()
+    assert main(["compare", *files, "--plot", str(png)]) == 0
+    table = capsys.readouterr().out
+    assert "output_throughput" in table and "chat" in table and "prefix" in table
+    assert png.read_bytes()[:8] == PNG_SIGNATURE and png.stat().st_size > 20_000
