@@ -41,6 +41,11 @@ HELP = {
     "port": "HTTP API port",
     "mode": "disaggregated (prefill and decode processes) or hybrid (one engine process)",
     "device": "auto (cuda if the driver reports a device, else cpu), cpu, cuda, cuda:N",
+    "prefill_device": "device of the prefill processes (default: --device)",
+    "decode_device": "device of the decode processes (default: --device); prefill and "
+    "decode are both cpu or both cuda",
+    "migration_timeout": "seconds a KV reservation or copy between prefill and decode may "
+    "take before the request fails",
     "dtype": "weights and KV cache dtype; auto = bfloat16 on CUDA, float32 on CPU",
     "prefill_backend": "engine backend of the prefill processes",
     "decode_backend": "engine backend of the decode processes",
@@ -187,7 +192,13 @@ def serve(args: argparse.Namespace) -> int:
     # Read $NOTIFY_SOCKET before any worker is spawned, and unset it: only we speak to
     # systemd (NotifyAccess=main), workers report to us.
     notifier = Notifier.from_environ()
-    supervisor = Supervisor(loaded, resolve_device(config.device), os.getpid(), notifier)
+    device = resolve_device(config.device)
+    try:
+        config.role_device("prefill", device)  # prefill and decode devices must pair up
+    except ConfigError as exc:
+        print(f"lmdd: {exc}", file=sys.stderr)
+        return 2
+    supervisor = Supervisor(loaded, device, os.getpid(), notifier)
     try:
         code: int = uvloop.run(supervisor.run())
     except AlreadyRunning as exc:

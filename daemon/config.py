@@ -7,6 +7,7 @@ to every worker it spawns. Loading from the command line lives in cli.py.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,13 +68,16 @@ class ServeConfig:
     model_name: str | None = None  # served name; derived from the model when None
     host: str = "127.0.0.1"
     port: int = 23333
-    mode: str = "hybrid"  # hybrid: prefill and decode in one engine process
+    mode: str = "disaggregated"  # or hybrid: prefill and decode in one engine process
     device: str = "auto"  # auto = cuda if the driver reports a device, else cpu
+    prefill_device: str = "auto"  # auto = device
+    decode_device: str = "auto"
     dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
     prefill_backend: str = "auto"
     decode_backend: str = "auto"
     prefill_workers: int = 1
     decode_workers: int = 1
+    migration_timeout: float = 120.0  # seconds a reservation or a KV copy may take
     drain_timeout: float = 30.0
     startup_timeout: float = 300.0
     heartbeat_interval: float = 1.0
@@ -96,11 +100,13 @@ class ServeConfig:
     def __post_init__(self) -> None:
         _check(0 < self.port < 65536, "port", f"{self.port} is not a TCP port (1-65535)")
         _check(bool(self.host), "host", "must not be empty")
-        _check(
-            self.device in {"auto", "cpu"} or self.device.startswith("cuda"),
-            "device",
-            f"{self.device!r} is not auto, cpu, cuda or cuda:N",
-        )
+        for key in ("device", "prefill_device", "decode_device"):
+            value = getattr(self, key)
+            _check(
+                value in {"auto", "cpu"} or re.fullmatch(r"cuda(:\d+)?", value) is not None,
+                key,
+                f"{value!r} is not auto, cpu, cuda or cuda:N",
+            )
         for key in ("prefill_backend", "decode_backend"):
             value = getattr(self, key)
             _check(value in BACKENDS, key, f"{value!r} is not one of {', '.join(BACKENDS)}")
@@ -109,6 +115,7 @@ class ServeConfig:
             _check(1 <= value <= 64, key, f"{value} is out of range (1-64)")
         for key in (
             "drain_timeout",
+            "migration_timeout",
             "startup_timeout",
             "heartbeat_interval",
             "session_idle_timeout",
@@ -148,6 +155,25 @@ class ServeConfig:
             cache_max_entry_count=self.cache_max_entry_count,
             enable_prefix_caching=self.enable_prefix_caching,
         )
+
+    def role_device(self, role: str, resolved: str) -> str:
+        """The device of an engine role; `resolved` is `device` with auto resolved.
+
+        Prefill and decode must both be on cpu or both on CUDA (the migration
+        transport is shared memory or CUDA IPC); ConfigError says so otherwise.
+        """
+        devices = {}
+        for r in ("prefill", "decode"):
+            own = getattr(self, f"{r}_device")
+            devices[r] = resolved if own == "auto" else own
+        if self.mode == "disaggregated" and (devices["prefill"] == "cpu") != (
+            devices["decode"] == "cpu"
+        ):
+            raise ConfigError(
+                f"prefill_device: {devices['prefill']} and decode_device {devices['decode']} "
+                "must both be cpu or both cuda (KV migrates over shared memory or CUDA IPC)"
+            )
+        return devices.get(role, resolved)
 
     @property
     def served_model_name(self) -> str:

@@ -48,6 +48,11 @@ class MsgType(enum.IntEnum):
     TEXT_REQUEST = 24
     TEXT_DELTA = 25
     SESSION_CONTROL = 26
+    # KV migration, prefill <-> decode (ARCHITECTURE §4)
+    RESERVE = 30
+    RESERVED = 31
+    MIGRATED = 32
+    RELEASE = 33
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,23 +104,47 @@ class ClusterState:
     TYPE: ClassVar[MsgType] = MsgType.CLUSTER_STATE
     state: str  # DaemonState value
     missing_roles: list[str]  # roles with no running worker (why /health is 503)
+    # Running workers by name, with each one's pid: a name whose pid changed is a new
+    # process, and whatever the old one held (requests, KV reservations) is gone.
+    workers: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def check(self) -> None:
+        for name, pid in self.workers.items():
+            _check_name("ClusterState", "workers", name)
+            if not isinstance(pid, int) or isinstance(pid, bool):
+                raise ProtocolError("ClusterState.workers: a pid is not an integer")
+
+
+def _check_name(cls: str, field: str, value: str) -> None:
+    if not WORKER_NAME.fullmatch(value):
+        raise ProtocolError(f"{cls}.{field} {value[:40]!r} is not a worker name")
+
+
+def _check_ids(cls: str, field: str, value: bytes, *, empty: bool = False) -> None:
+    if (not value and not empty) or len(value) % 4:
+        raise ProtocolError(f"{cls}.{field} must be a non-empty int32 array")
 
 
 @dataclass(frozen=True, slots=True)
 class Generate:
-    """Run a tokenized request; its tokens go to the inbox of worker `reply_to`."""
+    """Run a tokenized request; its tokens go to the inbox of worker `reply_to`.
+
+    Sent to a hybrid engine (`decode` empty), or to a prefill worker with the decode
+    worker that continues the request after its KV migrated there.
+    """
 
     TYPE: ClassVar[MsgType] = MsgType.GENERATE
     request_id: str
     reply_to: str  # a worker name, e.g. "tokenizer-0"
     sampling: dict[str, Any]  # SamplingParams fields
     prompt: bytes  # token ids, int32 little-endian
+    decode: str = ""  # disaggregated: the decode worker's name
 
     def check(self) -> None:
-        if not self.prompt or len(self.prompt) % 4:
-            raise ProtocolError("Generate.prompt must be a non-empty int32 array")
-        if not WORKER_NAME.fullmatch(self.reply_to):
-            raise ProtocolError(f"Generate.reply_to {self.reply_to[:40]!r} is not a worker name")
+        _check_ids("Generate", "prompt", self.prompt)
+        _check_name("Generate", "reply_to", self.reply_to)
+        if self.decode:
+            _check_name("Generate", "decode", self.decode)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -255,6 +284,83 @@ class SessionControl:
             raise ProtocolError(f"SessionControl.action {self.action[:20]!r} is not cancel or end")
 
 
+@dataclass(frozen=True, slots=True)
+class Reserve:
+    """prefill -> decode: hold KV blocks for this prompt (step 1 of a migration).
+
+    Decode answers Reserved once the blocks are allocated (it may queue the request
+    until they free up), or RequestError when it cannot take the request at all.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.RESERVE
+    request_id: str
+    prefill: str  # the sender; Reserved and errors go back to it
+    reply_to: str  # where decode streams the tokens (the tokenizer)
+    sampling: dict[str, Any]  # SamplingParams fields
+    prompt: bytes  # token ids, int32 little-endian
+
+    def check(self) -> None:
+        _check_ids("Reserve", "prompt", self.prompt)
+        _check_name("Reserve", "prefill", self.prefill)
+        _check_name("Reserve", "reply_to", self.reply_to)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return unpack_ids(self.prompt)
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """decode -> prefill: blocks allocated for a request (step 2 of a migration).
+
+    `block_ids[i]` receives the prompt's i-th block. The first `num_cached_blocks` of
+    them already hold that KV (decode's prefix cache): prefill does not copy those.
+    `descriptor` opens decode's KV pool with the migration transport; prefill checks
+    `block_nbytes` against its own pool and every id against the pool's size.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.RESERVED
+    request_id: str
+    decode: str  # the sender
+    transport: str  # host or cuda_ipc
+    block_nbytes: int
+    num_blocks: int  # blocks in decode's pool
+    num_cached_blocks: int
+    descriptor: bytes
+    block_ids: bytes  # int32 little-endian
+
+    def check(self) -> None:
+        _check_name("Reserved", "decode", self.decode)
+        _check_ids("Reserved", "block_ids", self.block_ids)
+        if not self.descriptor:
+            raise ProtocolError("Reserved.descriptor is empty")
+
+    @property
+    def dst_block_ids(self) -> list[int]:
+        return unpack_ids(self.block_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class Migrated:
+    """prefill -> decode: the KV is in the reserved blocks; here is the first token."""
+
+    TYPE: ClassVar[MsgType] = MsgType.MIGRATED
+    request_id: str
+    prefill: str  # the sender
+    token_id: int  # the first sampled token
+    logprobs: dict[str, Any] | None  # as in Tokens
+    cached_tokens: int  # prompt tokens prefill's prefix cache served
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """prefill -> decode: free a reservation; no KV is coming (finished, aborted, failed)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.RELEASE
+    request_id: str
+    prefill: str  # the sender
+
+
 Message = Union[  # noqa: UP007
     Ready,
     Heartbeat,
@@ -269,6 +375,10 @@ Message = Union[  # noqa: UP007
     TextRequest,
     TextDelta,
     SessionControl,
+    Reserve,
+    Reserved,
+    Migrated,
+    Release,
 ]
 
 

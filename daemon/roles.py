@@ -1,12 +1,12 @@
 """Which workers a daemon runs, and which Worker class runs each role.
 
 Modes:
-  hybrid (default until KV migration lands): tokenizer-0, hybrid-0, api-0; hybrid-0
-      runs the whole engine (prefill and decode in one process, lmd.engine.worker).
-  disaggregated: tokenizer-0, prefill-0..K-1, decode-0..M-1, api-0. Until KV migration
-      lands, prefill and decode are bare workers: real processes that start, announce
-      Ready, heartbeat, obey Drain/Stop and count what they drop, but serve nothing; the
-      tokenizer answers every request with a clear 503 saying so.
+  disaggregated (default): tokenizer-0, prefill-0..K-1, decode-0..M-1, api-0; prefill
+      workers compute prompts and migrate their KV to decode workers
+      (lmd.prefill.worker, lmd.decode.worker; ARCHITECTURE §4).
+  hybrid: tokenizer-0, hybrid-0, api-0; hybrid-0 runs the whole engine (prefill and
+      decode in one process, lmd.engine.worker): the smallest deployments, and the
+      reference the disaggregated path is tested against.
 """
 
 from __future__ import annotations
@@ -31,22 +31,36 @@ def worker_class(role: str) -> type[Worker]:
         from lmd.engine.worker import EngineWorker  # only engines import torch
 
         return EngineWorker
-    if role in ROLES:
-        return Worker
+    if role == "prefill":
+        from lmd.prefill.worker import PrefillWorker
+
+        return PrefillWorker
+    if role == "decode":
+        from lmd.decode.worker import DecodeWorker
+
+        return DecodeWorker
     raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
+
+
+def role_counts(config: ServeConfig) -> dict[str, int]:
+    """How many workers of each role the daemon runs."""
+    if config.mode == "hybrid":
+        return {"tokenizer": 1, "hybrid": 1, "api": 1}
+    return {
+        "tokenizer": 1,
+        "prefill": config.prefill_workers,
+        "decode": config.decode_workers,
+        "api": 1,
+    }
+
+
+def worker_names(config: ServeConfig, role: str) -> list[str]:
+    return [f"{role}-{i}" for i in range(role_counts(config).get(role, 0))]
 
 
 def plan_workers(config: ServeConfig, device: str, supervisor_pid: int) -> list[WorkerSpec]:
     """The workers a daemon runs, in start order."""
-    if config.mode == "hybrid":
-        counts = {"tokenizer": 1, "hybrid": 1, "api": 1}
-    else:
-        counts = {
-            "tokenizer": 1,
-            "prefill": config.prefill_workers,
-            "decode": config.decode_workers,
-            "api": 1,
-        }
+    counts = role_counts(config)
     backends = {
         "prefill": config.prefill_backend,
         "decode": config.decode_backend,
@@ -63,7 +77,7 @@ def plan_workers(config: ServeConfig, device: str, supervisor_pid: int) -> list[
                 supervisor_pid=supervisor_pid,
                 config=config.to_dict(),
                 backend=backends[role] if engine else None,
-                device=device if engine else None,
+                device=config.role_device(role, device) if engine else None,
             )
             specs.append(spec)
     return specs

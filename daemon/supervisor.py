@@ -137,7 +137,13 @@ class Supervisor:
             await self.router.send(child.name, msg)
 
     async def _publish_cluster_state(self) -> None:
-        await self._broadcast(protocol.ClusterState(str(self.state), self.missing_roles))
+        running = {
+            c.name: c.pid
+            for c in self.children.values()
+            if c.state == WorkerState.RUNNING and c.pid is not None
+        }
+        state = protocol.ClusterState(str(self.state), self.missing_roles, running)
+        await self._broadcast(state)
         self.service.status(self.status_line)
 
     @property

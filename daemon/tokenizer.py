@@ -3,14 +3,17 @@
 Life cycle of a request in the tokenizer:
   1. TextRequest from an api worker: render the chat template (messages) or take the
      prompt (text or token ids), tokenize, check the length against the session
-     length, pick an engine (round robin over the engines of this daemon), send it
-     Generate with this worker as reply_to. Anything wrong answers RequestError.
+     length, pick the engine workers (routing.Router: a hybrid engine, or a prefill and
+     a decode worker, the least loaded that run), send Generate to the engine with this
+     worker as reply_to. Anything wrong answers RequestError.
   2. Tokens from the engine: each token goes through the request's TextStream
      (incremental detokenizer + stop strings); the new text of every request of one
      engine step goes back as one TextDelta per api worker. A stop string finishes the
      request and aborts it in the engine.
   3. RequestError from the engine is passed to the api; Abort from the api is passed
-     to the engine. Either way, and on finish, the request's state is dropped.
+     to the engine (and the decode worker). Either way, and on finish, the request's
+     state is dropped. A worker serving a request that dies or restarts (ClusterState)
+     fails the request at once: nothing waits for tokens that cannot come.
 Interactive sessions (`TextRequest.session_id`, /v1/chat/interactive) live here, in a
 SessionTable (sessions.py): a turn's prompt is the session's history ids + the new turn's
 text tokenized; when the turn finishes its answer joins the history (not when aborted);
@@ -21,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 from collections import defaultdict
@@ -32,7 +34,8 @@ from typing import Any
 from lmd import protocol
 from lmd.engine.model_source import ModelSourceError, resolve_model
 from lmd.protocol import Message
-from lmd.roles import plan_workers
+from lmd.roles import worker_names
+from lmd.routing import NoEngine, Route, Router
 from lmd.sessions import (
     Session,
     SessionError,
@@ -58,7 +61,7 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class _Request:
     reply_to: str  # api worker
-    engine: str
+    route: Route
     stream: TextStream
     cached_tokens: int | None = None  # from the engine's first Tokens for it
     # Interactive sessions only: the session, this turn, and what it generated so far.
@@ -90,8 +93,11 @@ class TokenizerWorker(Worker):
             raise WorkerStartError(str(exc)) from None
         self.decoder = self.tokenizer.backend_tokenizer  # decode without clean-up
         self.vocab_size = len(self.tokenizer)
-        engines = [s.name for s in plan_workers(self.config, "cpu", 0) if s.role == "hybrid"]
-        self.engines = itertools.cycle(engines) if engines else None
+        hybrid = self.config.mode == "hybrid"
+        self.router = Router(
+            worker_names(self.config, "hybrid" if hybrid else "prefill"),
+            [] if hybrid else worker_names(self.config, "decode"),
+        )
         self._requests: dict[str, _Request] = {}
         self.sessions = SessionTable(self.config.session_idle_timeout)
         self._expiry = asyncio.create_task(self._expire_sessions())
@@ -126,14 +132,29 @@ class TokenizerWorker(Worker):
 
     def on_cluster_state(self) -> None:
         """An engine that died took its requests with it: fail them now, never hang."""
-        if "hybrid" not in self.missing_roles:
-            return
         for request_id, request in list(self._requests.items()):
+            reason = self._broken(request.route)
+            if reason is None:
+                continue
             self._drop(request_id)
-            error = protocol.RequestError(
-                request_id, "service_unavailable", "the engine serving this request restarted"
-            )
+            self._abort_engines(request, request_id)  # free what a survivor holds
+            error = protocol.RequestError(request_id, "service_unavailable", reason)
             self.push(request.reply_to, error)
+
+    def _broken(self, route: Route) -> str | None:
+        if self.workers:
+            return self.router.broken(route, self.workers)
+        # No worker list (an older supervisor or a test): go by the missing roles.
+        for name in (route.engine, route.decode):
+            if name and name.rsplit("-", 1)[0] in self.missing_roles:
+                return f"{name}, serving this request, restarted"
+        return None
+
+    def _abort_engines(self, request: _Request, request_id: str) -> None:
+        abort = protocol.Abort(request_id)
+        self.push(request.route.engine, abort)
+        if request.route.decode:
+            self.push(request.route.decode, abort)
 
     async def handle(self, msg: Message) -> bool:
         if isinstance(msg, protocol.TextRequest):
@@ -147,7 +168,7 @@ class TokenizerWorker(Worker):
         elif isinstance(msg, protocol.Abort):
             request = self._drop(msg.request_id)
             if request is not None:
-                self.push(request.engine, msg)
+                self._abort_engines(request, msg.request_id)
         elif isinstance(msg, protocol.SessionControl):
             self._session_control(msg)
         else:
@@ -162,13 +183,6 @@ class TokenizerWorker(Worker):
 
         if self.draining:
             fail("overloaded", "the server is draining; retry later")
-            return
-        if self.engines is None:
-            fail(
-                "service_unavailable",
-                "no engine serves requests in disaggregated mode "
-                "until KV migration lands; start lmdd with --mode hybrid",
-            )
             return
         if msg.request_id in self._requests:
             fail("invalid_request_error", f"request id {msg.request_id} is already running")
@@ -206,8 +220,12 @@ class TokenizerWorker(Worker):
             skip_special_tokens=msg.skip_special_tokens,
             want_logprobs=msg.sampling.get("logprobs") is not None,
         )
-        engine = next(self.engines)
-        request = _Request(msg.reply_to, engine, stream, session=session, turn=turn)
+        try:
+            route = self.router.pick(self.workers or None)
+        except NoEngine as exc:
+            fail("service_unavailable", f"{exc}; retry later")
+            return
+        request = _Request(msg.reply_to, route, stream, session=session, turn=turn)
         request.keep_turn = msg.interactive_mode
         self._requests[msg.request_id] = request
         if session is not None:
@@ -216,11 +234,11 @@ class TokenizerWorker(Worker):
         room = self.session_len - len(prompt_ids)
         sampling = {**msg.sampling, "max_tokens": min(msg.sampling.get("max_tokens") or room, room)}
         generate = protocol.Generate(
-            msg.request_id, self.spec.name, sampling, protocol.pack_ids(prompt_ids)
+            msg.request_id, self.spec.name, sampling, protocol.pack_ids(prompt_ids), route.decode
         )
-        if not self.push(engine, generate):
+        if not self.push(route.engine, generate):
             self._drop(msg.request_id)
-            fail("service_unavailable", f"engine {engine} is not taking requests")
+            fail("service_unavailable", f"engine {route.engine} is not taking requests")
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -258,8 +276,10 @@ class TokenizerWorker(Worker):
     def _drop(self, request_id: str) -> _Request | None:
         """Forget a request that did not finish; its session keeps its history."""
         request = self._requests.pop(request_id, None)
-        if request is not None and request.session is not None:
-            self._close_turn(request, keep=False)
+        if request is not None:
+            self.router.finished(request.route)
+            if request.session is not None:
+                self._close_turn(request, keep=False)
         return request
 
     def _close_turn(self, request: _Request, *, keep: bool) -> None:
@@ -295,7 +315,7 @@ class TokenizerWorker(Worker):
         rid = session.request_id
         request = None if rid is None else self._drop(rid)
         if rid is not None and request is not None:
-            self.push(request.engine, protocol.Abort(rid))
+            self._abort_engines(request, rid)
             self.push(
                 request.reply_to, _text_delta([(rid, request, StreamUpdate("", "abort", False))])
             )
@@ -313,14 +333,16 @@ class TokenizerWorker(Worker):
                 continue  # finished by a stop string, or aborted
             if request.cached_tokens is None:
                 request.cached_tokens = cached
+                self.router.prefilled(request.route)
             update = request.stream.feed(token, reason, lp)
             if request.session is not None:
                 request.answer.append(update.text)
                 request.output_ids.append(token)
             if update.stopped_by_string:
-                self.push(request.engine, protocol.Abort(rid))
+                self._abort_engines(request, rid)
             if update.finish_reason is not None:
                 del self._requests[rid]
+                self.router.finished(request.route)
                 if request.session is not None:
                     self._close_turn(request, keep=update.finish_reason != "abort")
             if update.text or update.finish_reason or update.logprobs:

@@ -99,6 +99,7 @@ class Worker:
         self.draining = False
         self.cluster_state = "starting"
         self.missing_roles: list[str] = []
+        self.workers: dict[str, int] = {}  # running workers by name -> pid (ClusterState)
         self._stop = asyncio.Event()
         self._num_unexpected = 0
         self._proc = psutil.Process()
@@ -166,6 +167,7 @@ class Worker:
                 self.draining = False
             elif isinstance(msg, protocol.ClusterState):
                 self.cluster_state, self.missing_roles = msg.state, msg.missing_roles
+                self.workers = msg.workers
                 self.on_cluster_state()
             else:
                 self._unexpected(msg, "control")
@@ -189,8 +191,12 @@ class Worker:
         return False
 
     def _unexpected(self, msg: Message, where: str) -> None:
+        self.count_dropped(f"unexpected {type(msg).__name__} on {where}")
+
+    def count_dropped(self, what: str) -> None:
+        """A message that did not fit: logged, counted (num_dropped), and dropped."""
         self._num_unexpected += 1
-        log.warning("%s: dropped unexpected %s on %s", self.spec.name, type(msg).__name__, where)
+        log.warning("%s: dropped %s", self.spec.name, what)
 
     # Hooks for roles ------------------------------------------------------------------
 

@@ -10,11 +10,17 @@ Life cycle of a request in the engine (hybrid: prefill and decode in one process
   3. Every token sampled comes back as a `TokenEvent` with the finish reason, if any.
   4. `abort(request_id)` frees the request's blocks wherever it is.
 The worker that owns an engine calls `step()` from one thread only.
+
+Disaggregated roles run the same engine: a `prefill` engine hands each sequence whose
+prompt completed (and did not finish at its first token) to `take_prefilled()` instead
+of decoding it, for the worker to migrate; a `decode` engine takes migrated sequences
+through `add_prefilled(seq)` and recomputes preempted ones itself.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,12 +32,20 @@ from lmd.decode.scheduler import DecodeBatch, DecodeScheduler
 from lmd.engine.backend import Backend, ForwardBatch, parse_dtype, select_backend
 from lmd.engine.block_manager import BlockManager
 from lmd.engine.config import EngineConfig
-from lmd.engine.kv_pool import KVPool, bytes_per_block, cpu_free_bytes, num_blocks_for
+from lmd.engine.kv_pool import (
+    KVPool,
+    PoolBuffer,
+    bytes_per_block,
+    cpu_free_bytes,
+    num_blocks_for,
+)
 from lmd.engine.sampler import Sampler, TokenLogprobs
 from lmd.engine.sequence import FinishReason, Sequence
 from lmd.prefill.scheduler import PrefillBatch, PrefillScheduler
 
 log = logging.getLogger(__name__)
+
+ENGINE_ROLES = ("hybrid", "prefill", "decode")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +76,12 @@ def size_pool(backend: Backend, config: EngineConfig) -> int:
 
 
 class Engine:
-    def __init__(self, backend: Backend, config: EngineConfig, pool: KVPool) -> None:
+    def __init__(
+        self, backend: Backend, config: EngineConfig, pool: KVPool, *, role: str = "hybrid"
+    ) -> None:
+        if role not in ENGINE_ROLES:
+            raise ValueError(f"engine role {role!r} is not one of {', '.join(ENGINE_ROLES)}")
+        self.role = role
         self.backend = backend
         self.config = config.with_session_len(backend.max_position_embeddings)
         self.pool = pool
@@ -76,6 +95,7 @@ class Engine:
         self.decode = DecodeScheduler(self.config, self.block_manager, eos)
         self.sampler = Sampler(eos)
         self.num_steps = 0
+        self._prefilled: list[Sequence] = []  # prefill role: prompts done, to migrate
 
     @classmethod
     def build(
@@ -86,12 +106,21 @@ class Engine:
         device: str = "cpu",
         dtype: str = "auto",
         backend: str = "auto",
+        role: str = "hybrid",
+        pool_buffer: Callable[[int], PoolBuffer | None] | None = None,
     ) -> Engine:
-        """Load the model, size and allocate the KV pool."""
+        """Load the model, size and allocate the KV pool.
+
+        `pool_buffer(nbytes)`, when given, provides the pool's memory (a migration
+        transport's shared region); otherwise the pool allocates its own.
+        """
         dev = torch.device(device)
         arch = _architecture(model_dir)
         model = select_backend(backend, arch, dev)(model_dir, dev, parse_dtype(dtype, dev))
         num_blocks = size_pool(model, config)
+        per_block = bytes_per_block(
+            model.num_layers, model.num_kv_heads, model.head_dim, config.block_size, model.dtype
+        )
         pool = KVPool(
             num_blocks,
             num_layers=model.num_layers,
@@ -100,6 +129,7 @@ class Engine:
             block_size=config.block_size,
             dtype=model.dtype,
             device=dev,
+            buffer=None if pool_buffer is None else pool_buffer(num_blocks * per_block),
         )
         log.info(
             "KV pool: %d blocks of %d tokens (%.1f MiB)",
@@ -107,13 +137,25 @@ class Engine:
             config.block_size,
             pool.nbytes / 2**20,
         )
-        return cls(model, config, pool)
+        return cls(model, config, pool, role=role)
 
     # Requests --------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
         """Queue a request; raises ValueError with the limit when the prompt is too long."""
         self.prefill.add(seq)
+
+    def add_prefilled(self, seq: Sequence) -> None:
+        """Decode a sequence whose prompt KV is already in its blocks (migrated here)."""
+        self.decode.add(seq)
+
+    def take_prefilled(self) -> list[Sequence]:
+        """Prefill role: the sequences whose prompt completed since the last call.
+
+        Each holds its blocks until the worker frees them (after migrating them).
+        """
+        out, self._prefilled = self._prefilled, []
+        return out
 
     def abort(self, request_id: str) -> Sequence | None:
         return self.prefill.abort(request_id) or self.decode.abort(request_id)
@@ -148,6 +190,8 @@ class Engine:
         """Run one prefill or decode step; returns the tokens it sampled."""
         self.num_steps += 1
         free_slots = self.config.max_batch_size - self.decode.num_seqs - self.prefill.num_running
+        if self.role == "prefill":  # nothing decodes here: the batch is prefill's own
+            free_slots = self.config.max_batch_size - self.prefill.num_running
         if self.prefill.num_waiting or self.prefill.num_running:
             batch = self.prefill.schedule(max_new_seqs=max(0, free_slots))
             if not batch.is_empty:
@@ -171,7 +215,11 @@ class Engine:
         to_sample = batch.seqs_to_sample
         token_ids, logprobs = self._sample(forward, to_sample)
         for seq in self.prefill.postprocess(batch, token_ids):
-            if not seq.is_finished:
+            if seq.is_finished:
+                continue
+            if self.role == "prefill":
+                self._prefilled.append(seq)
+            else:
                 self.decode.add(seq)
         return self._events(to_sample, token_ids, logprobs)
 

@@ -1,13 +1,20 @@
-"""The engine worker: one Engine in a process, fed by Generate/Abort on its inbox.
+"""Engine workers: one Engine in a process, driven by messages on its inbox.
 
-Life cycle of a request in the engine worker:
-  1. Generate arrives on the inbox: the sampling parameters are checked (a bad value
-     answers RequestError to `reply_to`), then the request waits for the next step.
-  2. Between two steps the loop applies what arrived: adds (a prompt over the length
-     limit answers RequestError) and aborts (blocks freed at once).
-  3. `Engine.step` runs in a dedicated thread, so heartbeats and the inbox keep flowing
-     while the model computes; the tokens it sampled go out as one Tokens message per
-     receiver. A request's last token carries its finish reason.
+`EngineWorker` is what every engine role shares; it is also the `hybrid` role, which
+runs prefill and decode in one process. lmd.prefill.worker and lmd.decode.worker add
+the migration halves (ARCHITECTURE §4).
+
+Life cycle of a request in an engine worker:
+  1. Data messages (Generate, Abort, and the migration messages of the disaggregated
+     roles) are queued as they arrive and applied between two engine steps, in arrival
+     order, by `apply(msg)`: the engine's state only ever changes between steps. A bad
+     request answers RequestError to its `reply_to`.
+  2. `Engine.step` runs in a dedicated thread, so heartbeats and the inbox keep flowing
+     while the model computes; `on_events` sends the tokens it sampled, one Tokens
+     message per receiver. A request's last token carries its finish reason.
+  3. `between_steps()` lets a role do its periodic work (grant reservations, start
+     copies, expire timeouts); `idle_timeout()` says how long the loop may sleep when
+     the engine has nothing to compute.
   4. If a step raises, every request in flight gets RequestError(internal_error) and the
      process exits 1: the supervisor restarts it with a fresh engine.
 Sends never wait: a receiver that is gone or not reading loses its tokens (counted).
@@ -16,6 +23,7 @@ Sends never wait: a receiver that is gone or not reading loses its tokens (count
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections import defaultdict
@@ -28,6 +36,7 @@ from lmd.engine.config import EngineConfig
 from lmd.engine.engine import Engine, TokenEvent
 from lmd.engine.model_source import ModelSourceError, resolve_model
 from lmd.engine.sequence import SamplingParams, Sequence
+from lmd.migration.base import PoolMemory
 from lmd.protocol import Message
 from lmd.worker import Worker, WorkerStartError
 
@@ -38,22 +47,29 @@ class EngineWorker(Worker):
     role = "hybrid"
 
     async def start(self) -> None:
+        device = self.spec.device or "cpu"
+        self.memory: PoolMemory | None = None
         try:
             model = resolve_model(self.config.model)
+            if self.role != "hybrid":
+                self.memory = PoolMemory.for_device(device)
             self.engine = await asyncio.to_thread(
                 Engine.build,
                 model.path,
                 self.engine_config(),
-                device=self.spec.device or "cpu",
+                device=device,
                 dtype=self.config.dtype,
                 backend=self.spec.backend or "auto",
+                role=self.role,
+                pool_buffer=None if self.memory is None else self.memory.buffer,
             )
-        except (ModelSourceError, BackendError, ValueError, OSError) as exc:
+            if self.memory is not None:
+                self.memory.attach(self.engine.pool)
+        except (ModelSourceError, BackendError, ValueError, OSError, RuntimeError) as exc:
             raise WorkerStartError(str(exc)) from None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.spec.name}-step")
         self._reply_to: dict[str, str] = {}  # request id -> receiving worker
-        self._adds: list[tuple[Sequence, str]] = []
-        self._aborts: list[str] = []
+        self._pending: list[Message] = []
         self._wake = asyncio.Event()
         self._loop_task = asyncio.create_task(self._step_loop())
 
@@ -63,84 +79,111 @@ class EngineWorker(Worker):
     async def stop(self) -> None:
         self._loop_task.cancel()
         self._executor.shutdown(wait=True, cancel_futures=True)
+        if self.memory is not None:
+            self.memory.close()
 
     def info(self) -> dict[str, Any]:
         b = self.engine.backend
-        return {"backend": b.name, "device": str(b.device), "dtype": str(b.dtype)[6:]}
+        info = {"backend": b.name, "device": str(b.device), "dtype": str(b.dtype)[6:]}
+        if self.memory is not None:
+            info["transport"] = self.memory.kind
+        return info
 
     def stats(self) -> dict[str, Any]:
-        return {
-            **self.engine.stats(),
-            "num_steps": self.engine.num_steps,
-        }
+        return {**self.engine.stats(), "num_steps": self.engine.num_steps}
 
     def inflight(self) -> int:
         return len(self._reply_to)
 
     async def handle(self, msg: Message) -> bool:
-        if isinstance(msg, protocol.Generate):
-            self._admit(msg)
-        elif isinstance(msg, protocol.Abort):
-            self._aborts.append(msg.request_id)
-        else:
+        if not isinstance(msg, self.accepted):
             return False
+        self._pending.append(msg)
         self._wake.set()
         return True
 
-    def _admit(self, msg: protocol.Generate) -> None:
+    # The step loop -----------------------------------------------------------------------
+
+    async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            pending, self._pending = self._pending, []
+            for msg in pending:
+                self.apply(msg)
+            self.between_steps()
+            if not self.engine.has_work:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.idle_timeout())
+                continue
+            try:
+                events = await loop.run_in_executor(self._executor, self.engine.step)
+            except Exception:
+                log.exception("engine step failed; failing %d requests", self.inflight())
+                self.fail_all("the engine failed")
+                os._exit(1)  # the engine's state is unknown: let the supervisor restart us
+            self.on_events(events)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # Hooks of the roles (hybrid here) ------------------------------------------------------
+
+    accepted: tuple[type, ...] = (protocol.Generate, protocol.Abort)
+
+    def apply(self, msg: Message) -> None:
+        """Apply one queued message; runs between steps."""
+        if isinstance(msg, protocol.Generate):
+            seq = self.admit(msg)
+            if seq is None:
+                return
+            try:
+                self.engine.add(seq)
+            except ValueError as exc:
+                self.error(msg.reply_to, msg.request_id, "invalid_request_error", str(exc))
+                return
+            self._reply_to[msg.request_id] = msg.reply_to
+        elif isinstance(msg, protocol.Abort):
+            self.engine.abort(msg.request_id)
+            self._reply_to.pop(msg.request_id, None)
+
+    def between_steps(self) -> None:
+        """Periodic work of the role, between two steps."""
+
+    def idle_timeout(self) -> float | None:
+        """How long the loop may wait for a message when there is nothing to compute."""
+        return None
+
+    def on_events(self, events: list[TokenEvent]) -> None:
+        self.publish(events)
+
+    def fail_all(self, message: str) -> None:
+        for request_id, reply_to in list(self._reply_to.items()):
+            self.error(reply_to, request_id, "internal_error", message)
+
+    # Shared helpers --------------------------------------------------------------------------
+
+    def admit(self, msg: protocol.Generate) -> Sequence | None:
+        """The request as a Sequence, or None after answering why it cannot run."""
         if self.draining:
-            self._error(msg.reply_to, msg.request_id, "overloaded", "the server is draining")
-            return
+            self.error(msg.reply_to, msg.request_id, "overloaded", "the server is draining")
+            return None
         if msg.request_id in self._reply_to:
-            self._error(
+            self.error(
                 msg.reply_to,
                 msg.request_id,
                 "invalid_request_error",
                 f"request id {msg.request_id} is already running",
             )
-            return
+            return None
         try:
-            sampling = SamplingParams(**msg.sampling)
-            seq = Sequence(msg.request_id, msg.prompt_token_ids, sampling)
+            return Sequence(msg.request_id, msg.prompt_token_ids, SamplingParams(**msg.sampling))
         except (TypeError, ValueError) as exc:
-            self._error(msg.reply_to, msg.request_id, "invalid_request_error", str(exc))
-            return
-        self._reply_to[msg.request_id] = msg.reply_to
-        self._adds.append((seq, msg.reply_to))
+            self.error(msg.reply_to, msg.request_id, "invalid_request_error", str(exc))
+            return None
 
-    async def _step_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            self._apply_pending()
-            if not self.engine.has_work:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            try:
-                events = await loop.run_in_executor(self._executor, self.engine.step)
-            except Exception:
-                log.exception("engine step failed; failing %d requests", len(self._reply_to))
-                for request_id, reply_to in list(self._reply_to.items()):
-                    self._error(reply_to, request_id, "internal_error", "the engine failed")
-                os._exit(1)  # the engine's state is unknown: let the supervisor restart us
-            self._publish(events)
-
-    def _apply_pending(self) -> None:
-        adds, self._adds = self._adds, []
-        for seq, reply_to in adds:
-            if seq.request_id in self._aborts:
-                continue
-            try:
-                self.engine.add(seq)
-            except ValueError as exc:
-                del self._reply_to[seq.request_id]
-                self._error(reply_to, seq.request_id, "invalid_request_error", str(exc))
-        aborts, self._aborts = self._aborts, []
-        for request_id in aborts:
-            self.engine.abort(request_id)
-            self._reply_to.pop(request_id, None)
-
-    def _publish(self, events: list[TokenEvent]) -> None:
+    def publish(self, events: list[TokenEvent]) -> None:
+        """Send sampled tokens to each request's receiver; forget finished requests."""
         by_receiver: dict[str, list[TokenEvent]] = defaultdict(list)
         for event in events:
             reply_to = self._reply_to.get(event.request_id)
@@ -153,17 +196,17 @@ class EngineWorker(Worker):
             msg = protocol.Tokens(
                 [e.request_id for e in batch],
                 [None if e.finish_reason is None else str(e.finish_reason) for e in batch],
-                [_logprobs(e) for e in batch],
+                [logprobs_dict(e) for e in batch],
                 [e.cached_tokens for e in batch],
                 protocol.pack_ids([e.token_id for e in batch]),
             )
             self.push(reply_to, msg)
 
-    def _error(self, reply_to: str, request_id: str, code: str, message: str) -> None:
+    def error(self, reply_to: str, request_id: str, code: str, message: str) -> None:
         self.push(reply_to, protocol.RequestError(request_id, code, message))
 
 
-def _logprobs(event: TokenEvent) -> dict[str, Any] | None:
+def logprobs_dict(event: TokenEvent) -> dict[str, Any] | None:
     lp = event.logprobs
     if lp is None:
         return None

@@ -23,8 +23,18 @@ import httpx
 import psutil
 
 START_TIMEOUT_S = 60.0
-# Bare prefill/decode workers: for tests of process management, no engine to load.
-DISAGGREGATED = ("--mode", "disaggregated")
+# Model-less prefill/decode engines (the fake backend, real KV pools and migration):
+# for tests of process management, with nothing heavy to load.
+DISAGGREGATED = (
+    "--mode",
+    "disaggregated",
+    "--prefill-backend",
+    "fake",
+    "--decode-backend",
+    "fake",
+    "--cache-max-entry-count",
+    "64",
+)
 
 
 def free_port() -> int:

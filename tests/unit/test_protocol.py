@@ -29,6 +29,14 @@ MESSAGES: list[protocol.Message] = [
         ["r1", "r2"], ["Par", ""], [None, "abort"], [9, 70], [1, 3], [None, None], [0, 64], [0, 60]
     ),
     protocol.SessionControl(7, "cancel"),
+    protocol.ClusterState("running", [], {"prefill-0": 41, "decode-0": 42}),
+    protocol.Generate(
+        "r2", "tokenizer-0", {"seed": 3}, protocol.pack_ids([5, 6]), decode="decode-1"
+    ),
+    protocol.Reserve("r2", "prefill-0", "tokenizer-0", {"seed": 3}, protocol.pack_ids([5, 6])),
+    protocol.Reserved("r2", "decode-1", "host", 4096, 64, 1, b"desc", protocol.pack_ids([3, 9])),
+    protocol.Migrated("r2", "prefill-0", 17, {"logprob": -0.1, "top": []}, 64),
+    protocol.Release("r2", "prefill-0"),
 ]
 
 
@@ -59,12 +67,12 @@ def test_no_pickle_on_the_wire() -> None:
         ([b"\x02", b'{"name":"a","inflight":1.5,"num_dropped":0,"stats":{}}'], "inflight"),
         ([b"\x02", b'{"name":null,"inflight":0,"num_dropped":0,"stats":{}}'], "name"),
         ([b"\x0c", b"{}", b"extra"], "expected 2 frames"),
-        ([b"\x14", b'{"request_id":"a","reply_to":"t","sampling":{}}', b"\x01\x00"], "int32"),
-        ([b"\x14", b'{"request_id":"a","reply_to":"t","sampling":{}}', b""], "int32"),
+        ([b"\x14", b'{"request_id":"a","reply_to":"t","sampling":{},"decode":""}', b"\x01\x00"], "int32"),
+        ([b"\x14", b'{"request_id":"a","reply_to":"t","sampling":{},"decode":""}', b""], "int32"),
         (
             [
                 b"\x14",
-                b'{"request_id":"a","reply_to":"../../x","sampling":{}}',
+                b'{"request_id":"a","reply_to":"../../x","sampling":{},"decode":""}',
                 b"\x01\x00\x00\x00",
             ],
             "not a worker name",

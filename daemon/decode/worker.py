@@ -1,0 +1,165 @@
+"""The decode worker: reserves KV blocks for prefill, then decodes migrated requests.
+
+Life cycle of a request here (ARCHITECTURE §4; the table is migration.receiver):
+  1. Reserve from a prefill worker: queued, then granted when blocks fit (between
+     steps, oldest first); Reserved goes back with the block ids and this pool's
+     descriptor. A request this worker can never hold gets RequestError (to the
+     prefill worker, which passes it to the tokenizer).
+  2. Migrated: the KV is in the blocks. The first token goes to the tokenizer at once
+     and the sequence joins the decode batch; from then on it is decoded as in a hybrid
+     engine (preempted sequences are recomputed here).
+  3. Release frees a reservation prefill gave up. Abort from the tokenizer frees a
+     queued or running request; a granted one is freed when its prefill worker is done
+     with it (Migrated or Release), since a copy may still be writing into its blocks.
+  4. A prefill worker that dies or restarts (ClusterState) loses its reservations here,
+     and so does one whose KV does not arrive within the migration timeout: their
+     requests end with a RequestError.
+Messages that do not fit (unknown request, wrong sender) are logged, counted, dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from lmd import protocol
+from lmd.engine.worker import EngineWorker
+from lmd.migration.receiver import MigrationError, Receiver, ReservationRefused
+from lmd.protocol import Message
+
+log = logging.getLogger(__name__)
+
+
+class DecodeWorker(EngineWorker):
+    role = "decode"
+    accepted = (protocol.Reserve, protocol.Migrated, protocol.Release, protocol.Abort)
+
+    async def start(self) -> None:
+        await super().start()
+        assert self.memory is not None
+        engine = self.engine
+        self.receiver = Receiver(
+            engine.block_manager,
+            eos_token_ids=engine.backend.eos_token_ids,
+            max_seq_len=engine.decode.max_seq_len,
+            timeout_s=self.config.migration_timeout,
+        )
+        self.descriptor = self.memory.descriptor
+        self.num_migrated = 0
+        self.num_refused = 0
+        self._workers: dict[str, int] | None = None
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **super().stats(),
+            "migration": {
+                "received": self.num_migrated,
+                "refused": self.num_refused,
+                "reserved": self.receiver.num_granted,
+                "queued": self.receiver.num_queued,
+            },
+        }
+
+    def inflight(self) -> int:
+        return len(self._reply_to) + len(self.receiver)
+
+    def on_cluster_state(self) -> None:
+        self._workers = dict(self.workers)
+        self.wake()
+
+    def idle_timeout(self) -> float | None:
+        return 1.0 if len(self.receiver) else None
+
+    # Messages -----------------------------------------------------------------------------
+
+    def apply(self, msg: Message) -> None:
+        try:
+            if isinstance(msg, protocol.Reserve):
+                self._on_reserve(msg)
+            elif isinstance(msg, protocol.Migrated):
+                self._on_migrated(msg)
+            elif isinstance(msg, protocol.Release):
+                self.receiver.release(msg)
+            elif isinstance(msg, protocol.Abort):
+                if not self.receiver.abort(msg.request_id):
+                    self.engine.abort(msg.request_id)
+                self._reply_to.pop(msg.request_id, None)
+        except MigrationError as exc:
+            self.count_dropped(str(exc))
+
+    def _on_reserve(self, msg: protocol.Reserve) -> None:
+        def refuse(code: str, message: str) -> None:
+            self.num_refused += 1
+            self.push(msg.prefill, protocol.RequestError(msg.request_id, code, message))
+
+        if self.draining:
+            refuse("overloaded", "the server is draining")
+            return
+        if msg.request_id in self._reply_to:
+            raise MigrationError(f"Reserve of {msg.request_id}: the request is already running")
+        try:
+            self.receiver.reserve(msg, self.workers.get(msg.prefill), time.monotonic())
+        except ReservationRefused as exc:
+            refuse("invalid_request_error", f"{self.spec.name}: {exc}")
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, MigrationError):
+                raise
+            refuse("invalid_request_error", str(exc))
+
+    def _on_migrated(self, msg: protocol.Migrated) -> None:
+        res = self.receiver.get(msg.request_id)
+        seq = self.receiver.migrated(msg)
+        if seq is None or res is None:
+            return  # aborted while its KV was on the way
+        self.num_migrated += 1
+        reason = seq.finish_reason
+        tokens = protocol.Tokens(
+            [seq.request_id],
+            [None if reason is None else str(reason)],
+            [msg.logprobs],
+            [msg.cached_tokens],
+            protocol.pack_ids([msg.token_id]),
+        )
+        self.push(res.reply_to, tokens)
+        if reason is None:
+            self._reply_to[seq.request_id] = res.reply_to
+            self.engine.add_prefilled(seq)
+
+    # Between steps ---------------------------------------------------------------------------
+
+    def between_steps(self) -> None:
+        now = time.monotonic()
+        if self._workers is not None:
+            for res in self.receiver.prefill_gone(self._workers):
+                self.error(
+                    res.reply_to,
+                    res.seq.request_id,
+                    "service_unavailable",
+                    f"prefill worker {res.prefill} died before the KV migrated",
+                )
+            self._workers = None
+        for res in self.receiver.expire(now):
+            log.warning("%s: no KV from %s in time", res.seq.request_id, res.prefill)
+            self.error(
+                res.reply_to,
+                res.seq.request_id,
+                "internal_error",
+                f"the KV from {res.prefill} did not arrive within "
+                f"{self.receiver.timeout_s:.0f} s",
+            )
+        running = self.engine.decode.num_seqs
+        pool = self.engine.pool
+        for res in self.receiver.grant(running, now):
+            seq = res.seq
+            reserved = protocol.Reserved(
+                seq.request_id,
+                self.spec.name,
+                self.memory.transport.name if self.memory else "",
+                pool.block_nbytes,
+                pool.num_blocks,
+                seq.num_cached_tokens // pool.block_size,
+                self.descriptor,
+                protocol.pack_ids(seq.block_table),
+            )
+            self.push(res.prefill, reserved)
