@@ -19,6 +19,8 @@ from starlette.responses import Response
 
 from lmd import __version__
 from lmd.http_server import JSONResponse
+from lmd.metrics_collect import MAX_INTERVAL_S, collect, scrape_url
+from lmd.states import WorkerState
 
 if TYPE_CHECKING:
     from lmd.supervisor import Supervisor
@@ -119,6 +121,26 @@ def build_control_app(sup: Supervisor) -> FastAPI:
         changed keys were `applied` live (log_level) and which `needs_restart`, with
         `changes` {key: {from, to}}; a bad file is 400 `bad_config`, the daemon unchanged."""
         return sup.reload()
+
+    @app.get("/v1/metrics")
+    async def metrics(interval: float = 1.0) -> dict[str, Any]:
+        """A summary over a window of `interval` seconds (default 1, at most 60): the api's
+        tok/s and req/s, TTFT/TPOT/e2e count, mean, p50 and p99 (estimated from the
+        /metrics histogram buckets) over the window and since the api started; running,
+        waiting and KV use per engine worker (heartbeats); GPU memory and utilisation
+        (NVML; `gpu.reason` says why it is absent). Answers after the window."""
+        if not 0 < interval <= MAX_INTERVAL_S:
+            raise ControlError(
+                400, "bad_interval", f"interval must be > 0 and <= {MAX_INTERVAL_S:.0f} s"
+            )
+        url = scrape_url(sup.config.host, sup.config.port)
+        apis = {
+            c.name: url
+            for c in sup.children.values()
+            if c.role == "api" and c.state == WorkerState.RUNNING
+        }
+        reply = await collect(apis, sup.workers, interval)
+        return {"state": str(sup.state), "model": sup.config.served_model_name, **reply}
 
     @app.post("/v1/shutdown")
     async def shutdown() -> dict[str, Any]:
