@@ -59,9 +59,17 @@ class ControlClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def request(self, method: str, path: str) -> dict[str, Any]:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        params: dict[str, str | float] | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """One control request; `timeout` (seconds) replaces the client's for this one."""
+        extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         try:
-            response = await self._http.request(method, path)
+            response = await self._http.request(method, path, params=params, **extra)
         except (httpx.ConnectError, FileNotFoundError) as exc:
             raise DaemonNotRunning(
                 f"lmdd is not running (no answer on {self.socket_path})"
@@ -111,3 +119,11 @@ class ControlClient:
     async def config(self) -> dict[str, Any]:
         """The effective config: {"file", "values", "origins", "needs_restart"}."""
         return await self.request("GET", "/v1/config")
+
+    async def metrics(self, interval: float = 1.0) -> dict[str, Any]:
+        """A summary over `interval` seconds (the reply comes after it): `api.window` and
+        `api.since_start` (tok/s, req/s, TTFT/TPOT/e2e p50/p99 estimated from histogram
+        buckets), `engines` (running, waiting, KV per engine worker) and `gpu`."""
+        return await self.request(
+            "GET", "/v1/metrics", params={"interval": interval}, timeout=interval + 15.0
+        )

@@ -16,39 +16,13 @@ from typing import Any
 import orjson
 
 from lmd import __version__
+from lmd_client import completion
 from lmd_client.control import ControlClient, ControlRequestError, DaemonNotRunning
+from lmd_client.metrics_view import metrics_text
+from lmd_client.tables import duration, human_bytes, table
 
 EXIT_OK, EXIT_ERROR, EXIT_NOT_RUNNING = 0, 1, 3
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    s = int(seconds)
-    if s < 120:
-        return f"{s}s"
-    if s < 7200:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
-
-
-def _bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024  # type: ignore[assignment]
-    raise AssertionError("unreachable")
-
-
-def table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = [
-        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-        for r in [header, *rows]
-    ]
-    return "\n".join(lines)
+MAX_INTERVAL_S = 60.0  # metrics --interval; the daemon's metrics_collect.MAX_INTERVAL_S
 
 
 def workers_table(workers: list[dict[str, Any]]) -> str:
@@ -62,8 +36,8 @@ def workers_table(workers: list[dict[str, Any]]) -> str:
                 w["state"],
                 str(w["pid"] or "-"),
                 str(w["restarts"]),
-                _duration(now - w["started_at"] if w["started_at"] and w["pid"] else None),
-                _bytes(w["rss_bytes"]),
+                duration(now - w["started_at"] if w["started_at"] and w["pid"] else None),
+                human_bytes(w["rss_bytes"]),
                 w["backend"] or "-",
                 w["device"] or "-",
                 f"{kv['free_blocks']}/{kv['total_blocks']}" if kv else "-",
@@ -88,7 +62,7 @@ def workers_table(workers: list[dict[str, Any]]) -> str:
 def status_text(s: dict[str, Any]) -> str:
     head = (
         f"lmdd {s['version']} is {s['state']} (pid {s['pid']}, up "
-        f"{_duration(s['uptime_s'])})\n"
+        f"{duration(s['uptime_s'])})\n"
         f"model: {s['model']}   device: {s['device']}   runtime dir: {s['runtime_dir']}\n"
     )
     if s.get("num_dropped"):
@@ -138,12 +112,26 @@ async def _run(args: argparse.Namespace) -> tuple[str, dict[str, Any] | list[Any
         if args.command == "config":
             c = await ctl.config()
             return config_text(c), c
+        if args.command == "metrics":
+            m = await ctl.metrics(args.interval)
+            return metrics_text(m), m
         if args.command == "version":
             s = await ctl.status()
             v = {"lmdctl": __version__, "lmdd": s["version"], "pid": s["pid"]}
             return f"lmdctl {__version__}\nlmdd {s['version']} (pid {s['pid']})", v
         reply = await getattr(ctl, args.command)()
         return f"{args.command}: daemon is now {reply['state']}", reply
+
+
+def _interval(text: str) -> float:
+    """--interval: seconds, > 0 and <= 60 (what the daemon accepts)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < seconds <= MAX_INTERVAL_S:
+        raise argparse.ArgumentTypeError(f"{text} is not > 0 and <= {MAX_INTERVAL_S:g} s")
+    return seconds
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -168,11 +156,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub.add_parser("config", help="the effective config and where each value came from")
     sub.add_parser("version", help="versions of lmdctl and of the running lmdd")
+    metrics = sub.add_parser(
+        "metrics",
+        help="tok/s, request rate, TTFT/TPOT/e2e p50/p99, running/waiting, KV use per "
+        "engine worker, GPU memory and utilisation",
+    )
+    metrics.add_argument(
+        "--interval",
+        type=_interval,
+        default=1.0,
+        help="seconds between the two scrapes that rates come from (default 1, at most 60)",
+    )
+    shell = sub.add_parser("completion", help="print a shell completion script (bash, zsh or fish)")
+    shell.add_argument("shell", choices=completion.SHELLS)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "completion":  # needs no daemon
+        sys.stdout.write(completion.script(args.shell, parser))
+        return EXIT_OK
     try:
         text, reply = asyncio.run(_run(args))
     except DaemonNotRunning as exc:
