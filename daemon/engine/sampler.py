@@ -3,13 +3,18 @@
 Order of processing, per row (as in transformers and vLLM):
   repetition_penalty (over prompt + output) -> ban eos/stop tokens while
   min_new_tokens is not reached -> greedy rows take the argmax; the others apply
-  temperature -> top_k -> top_p -> min_p and draw one token.
+  temperature -> top_k -> top_p -> min_p (`warpers.py`) and draw one token.
 
-Drawing uses the exponential race (argmax of probs / Exp(1) noise), which samples the
-categorical distribution exactly. A row with a seed draws its noise from its own
-generator seeded by (seed, number of tokens generated so far), so its tokens do not
-depend on the rest of the batch, on preemption, or on which process samples them.
-Logprobs are those of the model's raw distribution (before penalties and warpers).
+Only what a row needs is computed: the logits are copied only when some row has a penalty
+or a ban, greedy rows only take an argmax, a sampled row with top_k or top_p draws from its
+survivors alone, and logprobs are computed for the rows that asked for them.
+
+Drawing inverts the cumulative probabilities at one uniform number per row
+(`categorical.py`), which samples the categorical distribution exactly. A row with a seed
+takes its number from its own generator seeded by (seed, number of tokens generated so
+far), so its tokens do not depend on the rest of the batch, on preemption, or on which
+process samples them. Logprobs are those of the model's raw distribution (before penalties
+and warpers).
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lmd.engine.categorical import argmax_rows, draw_rows
 from lmd.engine.sequence import Sequence, banned_token_ids
+from lmd.engine.warpers import warp
 
 _MASK64 = (1 << 64) - 1
 
@@ -80,20 +87,34 @@ class Sampler:
             raise ValueError(
                 f"logits must be [B, V] with B = {len(seqs)} sequences, got {tuple(logits.shape)}"
             )
-        raw = logits.float()  # [B, V]
+        raw = logits.float()  # [B, V]; the same tensor when already float32
+        x = self._penalized(raw, seqs)
+        greedy = [i for i, seq in enumerate(seqs) if seq.sampling.is_greedy]
+        if len(greedy) == len(seqs):
+            return self._with_logprobs(raw, argmax_rows(x), seqs)
+        tokens = torch.empty(len(seqs), dtype=torch.long, device=x.device)  # [B]
+        if greedy:
+            index = torch.tensor(greedy, dtype=torch.long, device=x.device)
+            tokens[index] = argmax_rows(x.index_select(0, index))
+        sampled = [i for i, seq in enumerate(seqs) if not seq.sampling.is_greedy]
+        for group in warp(x, sampled, [seqs[i].sampling for i in sampled]):
+            u = uniforms([seqs[i] for i in group.rows]).to(x.device)
+            index = torch.tensor(group.rows, dtype=torch.long, device=x.device)
+            choice = draw_rows(group.weights, u)  # [R] positions in the candidates
+            if group.token_ids is not None:
+                choice = group.token_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
+            tokens[index] = choice
+        return self._with_logprobs(raw, tokens, seqs)
+
+    def _penalized(self, raw: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
+        """raw with repetition penalties and bans applied: a copy, or raw when none apply."""
+        bans = [banned_token_ids(seq, self.eos_token_ids) for seq in seqs]
+        if not any(bans) and all(s.sampling.repetition_penalty == 1.0 for s in seqs):
+            return raw
         x = raw.clone()
         self._apply_repetition_penalty(x, seqs)
-        self._apply_bans(x, seqs)
-        greedy_tokens = x.argmax(dim=-1)  # [B]
-        if all(seq.sampling.is_greedy for seq in seqs):
-            tokens = greedy_tokens
-        else:
-            probs = self._warp(x, seqs).softmax(dim=-1)  # [B, V]
-            noise = self._exponential_noise(probs, seqs)  # [B, V]
-            sampled = (probs / noise).argmax(dim=-1)  # [B]
-            greedy = torch.tensor([s.sampling.is_greedy for s in seqs], device=x.device)
-            tokens = torch.where(greedy, greedy_tokens, sampled)
-        return self._with_logprobs(raw, tokens, seqs)
+        self._apply_bans(x, bans)
+        return x
 
     def _apply_repetition_penalty(self, x: torch.Tensor, seqs: SequenceOf[Sequence]) -> None:
         rows = [i for i, s in enumerate(seqs) if s.sampling.repetition_penalty != 1.0]
@@ -114,68 +135,51 @@ class Sampler:
         sub.scatter_(1, ids, score)
         x.index_copy_(0, index, sub)
 
-    def _apply_bans(self, x: torch.Tensor, seqs: SequenceOf[Sequence]) -> None:
-        rows: list[int] = []
-        cols: list[int] = []
-        for i, seq in enumerate(seqs):
-            banned = banned_token_ids(seq, self.eos_token_ids)
-            rows.extend([i] * len(banned))
-            cols.extend(banned)
+    @staticmethod
+    def _apply_bans(x: torch.Tensor, bans: list[list[int]]) -> None:
+        rows = [i for i, banned in enumerate(bans) for _ in banned]
+        cols = [token for banned in bans for token in banned]
         if rows:
             r = torch.tensor(rows, dtype=torch.long, device=x.device)
             c = torch.tensor(cols, dtype=torch.long, device=x.device)
             x[r, c] = float("-inf")
 
-    def _warp(self, x: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
-        """Temperature, then top_k, top_p and min_p as -inf masks. # [B, V]"""
-        params = [s.sampling for s in seqs]
-        device = x.device
-        vocab = x.shape[1]
-        temperature = torch.tensor(
-            [p.temperature if p.temperature > 0 else 1.0 for p in params], device=device
-        )
-        x = x / temperature.unsqueeze(1)
-        use_top_k = any(p.top_k > 0 for p in params)
-        use_top_p = any(p.top_p < 1.0 for p in params)
-        if use_top_k or use_top_p:
-            ordered, order = x.sort(dim=-1, descending=True)  # [B, V] each
-            if use_top_k:
-                k = torch.tensor([p.top_k or vocab for p in params], device=device)
-                rank = torch.arange(vocab, device=device).unsqueeze(0)  # [1, V]
-                ordered = ordered.masked_fill(rank >= k.unsqueeze(1), float("-inf"))
-            if use_top_p:
-                top_p = torch.tensor([p.top_p for p in params], device=device)
-                p_sorted = ordered.softmax(dim=-1)
-                # Keep the smallest prefix whose mass reaches top_p (the first always).
-                before = p_sorted.cumsum(dim=-1) - p_sorted
-                ordered = ordered.masked_fill(before > top_p.unsqueeze(1), float("-inf"))
-            x = torch.empty_like(x).scatter_(1, order, ordered)
-        if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=device)
-            probs = x.softmax(dim=-1)
-            floor = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
-            x = x.masked_fill(probs < floor, float("-inf"))
-        return x
-
-    def _exponential_noise(self, probs: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
-        noise = torch.empty_like(probs).exponential_()  # [B, V]
-        for i, seq in enumerate(seqs):
-            seed = seq.sampling.seed
-            if seed is None or seq.sampling.is_greedy:
-                continue
-            generator = torch.Generator(device=probs.device)
-            generator.manual_seed(step_seed(seed, seq.num_output_tokens))
-            noise[i].exponential_(generator=generator)
-        return noise
-
     def _with_logprobs(
         self, raw: torch.Tensor, tokens: torch.Tensor, seqs: SequenceOf[Sequence]
     ) -> SamplerOutput:
         asked = [s.sampling.logprobs for s in seqs]
-        if all(n is None for n in asked):
+        rows = [i for i, n in enumerate(asked) if n is not None]
+        if not rows:
             return SamplerOutput(tokens, num_logprobs=asked)
-        logprobs = raw.log_softmax(dim=-1)  # [B, V]
-        chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [B]
-        most = min(max(n or 0 for n in asked), logprobs.shape[1])
-        top_lps, top_ids = logprobs.topk(most, dim=-1)  # [B, N] each
+        most = min(max(n or 0 for n in asked), raw.shape[1])
+        if len(rows) == len(seqs):
+            logprobs = raw.log_softmax(dim=-1)  # [B, V]
+            chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [B]
+            top_lps, top_ids = logprobs.topk(most, dim=-1)  # [B, N] each
+            return SamplerOutput(tokens, chosen, top_ids, top_lps, asked)
+        # Only the rows that asked: [R, V] instead of [B, V]; the others stay 0.
+        index = torch.tensor(rows, dtype=torch.long, device=raw.device)
+        logprobs = raw.index_select(0, index).log_softmax(dim=-1)  # [R, V]
+        picked = tokens.index_select(0, index).unsqueeze(1)
+        chosen = torch.zeros(len(seqs), device=raw.device)
+        chosen[index] = logprobs.gather(1, picked).squeeze(1)
+        top_lps = torch.zeros(len(seqs), most, device=raw.device)
+        top_ids = torch.zeros(len(seqs), most, dtype=torch.long, device=raw.device)
+        top_lps[index], top_ids[index] = logprobs.topk(most, dim=-1)
         return SamplerOutput(tokens, chosen, top_ids, top_lps, asked)
+
+
+def uniforms(seqs: SequenceOf[Sequence]) -> torch.Tensor:
+    """One uniform number in [0, 1) per sequence, on the CPU. # [R] float64
+
+    A seeded sequence's number comes from a generator seeded by (seed, tokens so far), so
+    it is the same on any device and in any batch.
+    """
+    u = torch.rand(len(seqs), dtype=torch.float64)
+    for n, seq in enumerate(seqs):
+        if seq.sampling.seed is not None:
+            generator = torch.Generator().manual_seed(
+                step_seed(seq.sampling.seed, seq.num_output_tokens)
+            )
+            u[n] = torch.rand(1, dtype=torch.float64, generator=generator)
+    return u

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -139,3 +140,44 @@ def test_half_precision_logits_are_accepted() -> None:
 def test_batch_size_mismatch_is_refused() -> None:
     with pytest.raises(ValueError, match=r"logits must be \[B, V\] with B = 1 sequences"):
         Sampler().sample(torch.zeros(2, 5), [seq()])
+
+
+def test_top_k_draws_only_from_the_k_most_likely_of_a_large_vocabulary() -> None:
+    logits = random_logits(1, vocab=5000, seed=4) * 0.2  # flat: many tokens are plausible
+    assert draws(logits, top_k=5) == set(logits[0].topk(5).indices.tolist())
+
+
+def test_seeded_rows_draw_the_same_in_a_mixed_batch_as_alone() -> None:
+    vocab = 3000
+    logits = random_logits(1, vocab=vocab, seed=9) * 0.3
+    kinds: list[dict[str, Any]] = [
+        {},
+        {"top_k": 20},
+        {"top_p": 0.5},  # needs more than the first stage's 64 candidates
+        {"min_p": 0.5},
+        {"temperature": 0.7, "top_k": 300, "top_p": 0.9, "min_p": 0.02},
+    ]
+    others = [
+        seq("greedy", temperature=0),
+        seq("unseeded", top_k=7),
+        seq("penalized", prompt=[1, 2, 3], repetition_penalty=1.3, seed=5),
+        seq("banned", min_new_tokens=2, stop_token_ids=(4,), top_p=0.8),
+    ]
+    for kind in kinds:
+        for seed in range(5):
+            alone = Sampler(eos_token_ids=[EOS]).sample(logits, [seq(seed=seed, **kind)])
+            crowd = [*others[:2], seq(seed=seed, **kind), *others[2:]]
+            mixed = Sampler(eos_token_ids=[EOS]).sample(logits.expand(len(crowd), vocab), crowd)
+            assert int(mixed.token_ids[2]) == int(alone.token_ids[0]), (kind, seed)
+
+
+def test_logprobs_for_some_sampled_rows_are_of_the_raw_distribution() -> None:
+    logits = random_logits(3, vocab=400)
+    seqs = [seq(seed=1, top_p=0.9, logprobs=2), seq(seed=2), seq(temperature=0, logprobs=0)]
+    tokens, rows = Sampler().sample(logits, seqs).tolist()
+    expected = logits.log_softmax(-1)
+    first, last = rows[0], rows[2]
+    assert first is not None and rows[1] is None and last is not None
+    assert first.logprob == pytest.approx(float(expected[0, tokens[0]]), abs=1e-5)
+    assert [token for token, _ in first.top] == expected[0].topk(2).indices.tolist()
+    assert last.logprob == pytest.approx(float(expected[2].max()), abs=1e-5)
