@@ -1,0 +1,196 @@
+"""Disaggregated serving end to end: prefill and decode processes with KV migrating
+between them over shared memory (the host transport).
+
+- the same greedy and seeded outputs as the hybrid engine (real SmolLM2);
+- kill -9 of the decode worker during migrations: affected requests end with an error,
+  the worker comes back, no KV block stays held on either side;
+- a prompt the decode pool can never hold fails with a clear 400 and does not stall
+  the requests around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from tests.integration.daemon import DISAGGREGATED, Daemon, wait_until
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "List three prime numbers:",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The quick brown fox",
+]
+ENGINE = ("--cache-max-entry-count", "64", "--heartbeat-timeout", "10")
+
+
+def completions(daemon: Daemon, **params: Any) -> list[dict[str, Any]]:
+    """One /v1/completions per prompt, all at once; the responses in prompt order."""
+
+    async def run() -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(base_url=daemon.url, timeout=120) as http:
+            bodies = [{"model": MODEL, "prompt": p, **params} for p in PROMPTS]
+            responses = await asyncio.gather(
+                *(http.post("/v1/completions", json=b) for b in bodies)
+            )
+        for r in responses:
+            assert r.status_code == 200, r.text
+        return [r.json() for r in responses]
+
+    return asyncio.run(run())
+
+
+def outputs(daemon: Daemon) -> dict[str, list[tuple[str, int]]]:
+    greedy = completions(daemon, max_tokens=24, temperature=0)
+    seeded = completions(daemon, max_tokens=16, temperature=0.9, top_p=0.95, seed=1234)
+    return {
+        name: [(r["choices"][0]["text"], r["usage"]["completion_tokens"]) for r in rs]
+        for name, rs in (("greedy", greedy), ("seeded", seeded))
+    }
+
+
+def idle_and_leak_free(daemon: Daemon, names: list[str]) -> None:
+    """Every engine's pool is whole again (heartbeats are once a second: poll)."""
+
+    def whole() -> bool:
+        for name in names:
+            kv = daemon.worker(name).get("kv")
+            if kv is None or kv["free_blocks"] != kv["total_blocks"]:
+                return False
+        return True
+
+    wait_until(whole, 10, f"all KV blocks free on {', '.join(names)}")
+
+
+@pytest.mark.timeout(600)
+def test_disaggregated_equals_hybrid_token_for_token() -> None:
+    results = {}
+    for mode in ("hybrid", "disaggregated"):
+        daemon = Daemon("--mode", mode, *ENGINE)
+        try:
+            daemon.start()
+            results[mode] = outputs(daemon)
+            engines = ["hybrid-0"] if mode == "hybrid" else ["prefill-0", "decode-0"]
+            idle_and_leak_free(daemon, engines)
+            if mode == "disaggregated":
+                prefill = daemon.worker("prefill-0")["migration"]
+                decode = daemon.worker("decode-0")["migration"]
+                total = 2 * len(PROMPTS)
+                assert prefill["count"] == decode["received"] == total, (prefill, decode)
+                assert prefill["bytes"] > 0 and prefill["failures"] == 0
+        finally:
+            daemon.close()
+    assert results["disaggregated"] == results["hybrid"]
+    assert all(n == 24 or text for text, n in results["hybrid"]["greedy"])
+
+
+@pytest.fixture
+def fake_engines() -> Iterator[Daemon]:
+    """Model-less engines (fast), real pools and migration; a small decode pool."""
+    d = Daemon(*DISAGGREGATED, "--block-size", "16", "--heartbeat-timeout", "5")
+    try:
+        d.start()
+        yield d
+    finally:
+        d.close()
+
+
+async def _stream(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """A streamed completion: its chunk count, how it ended (error, finish reason, an
+    HTTP status) and when."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    chunks, ended = 0, "eof"
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            return {"chunks": 0, "ended": f"http {response.status_code}", "at": time.monotonic()}
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = orjson.loads(line[6:])
+            if "error" in event:
+                ended = "error"
+                break
+            chunks += 1
+            reason = event["choices"][0].get("finish_reason")
+            if reason:
+                ended = reason
+    return {"chunks": chunks, "ended": ended, "at": time.monotonic()}
+
+
+def test_kill_decode_during_migrations(fake_engines: Daemon) -> None:
+    daemon = fake_engines
+    decode_pid = daemon.worker("decode-0")["pid"]
+
+    async def run() -> tuple[list[dict[str, Any]], float]:
+        async with httpx.AsyncClient(base_url=daemon.url, timeout=60) as http:
+            tasks = [
+                asyncio.create_task(_stream(http, f"request {i} " * (5 + i), 100_000))
+                for i in range(16)
+            ]
+
+            # Kill once tokens flow (migrations done for some, in flight for others).
+            def migrated() -> bool:
+                return daemon.worker("decode-0").get("migration", {}).get("received", 0) > 0
+
+            await asyncio.to_thread(wait_until, migrated, 20, "a first migration")
+            await asyncio.sleep(0.2)
+            killed_at = time.monotonic()
+            os.kill(decode_pid, signal.SIGKILL)
+            return await asyncio.gather(*tasks), killed_at
+
+    results, killed_at = asyncio.run(run())
+    for r in results:
+        # An error event, or a 503 for one whose stream had not started: never a
+        # silent end, never a hang.
+        assert r["ended"] in ("error", "http 503"), r
+        assert r["at"] - killed_at < 10
+    wait_until(lambda: daemon.worker("decode-0")["state"] == "running", 30, "decode back")
+    assert daemon.worker("decode-0")["pid"] != decode_pid
+    wait_until(lambda: httpx.get(f"{daemon.url}/health").status_code == 200, 30, "health")
+    again = httpx.post(
+        f"{daemon.url}/v1/completions",
+        json={"model": MODEL, "prompt": "after", "max_tokens": 5},
+        timeout=30,
+    )
+    assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 5
+    idle_and_leak_free(daemon, ["prefill-0", "decode-0"])
+    for name in ("tokenizer-0", "prefill-0", "decode-0", "api-0"):
+        wait_until(lambda n=name: daemon.worker(n)["inflight"] == 0, 5, f"{name} idle")  # type: ignore[misc]
+
+
+def test_a_prompt_the_decode_pool_cannot_hold_fails_clearly(fake_engines: Daemon) -> None:
+    daemon = fake_engines
+    # 64 blocks of 16 tokens: the pool holds 1024 tokens; this prompt needs more.
+    huge = "word " * 1500
+
+    async def run() -> tuple[httpx.Response, list[httpx.Response]]:
+        async with httpx.AsyncClient(base_url=daemon.url, timeout=60) as http:
+            small = [
+                http.post(
+                    "/v1/completions", json={"model": MODEL, "prompt": f"hi {i}", "max_tokens": 8}
+                )
+                for i in range(8)
+            ]
+            big = http.post(
+                "/v1/completions", json={"model": MODEL, "prompt": huge, "max_tokens": 4}
+            )
+            answers = await asyncio.gather(big, *small)
+            return answers[0], list(answers[1:])
+
+    big, small = asyncio.run(run())
+    assert big.status_code == 400, big.text
+    message = big.json()["error"]["message"]
+    assert "decode-0" in message and "KV" in message, message
+    assert all(r.status_code == 200 for r in small)
+    idle_and_leak_free(daemon, ["prefill-0", "decode-0"])
