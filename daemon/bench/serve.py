@@ -7,7 +7,8 @@
 
 One asyncio process streams every request (server-sent events, usage asked for through
 stream_options) and times each text chunk; serve_metrics.py defines the figures. A warm-up
-request goes first and is not counted; when it fails the run stops with its error.
+request (random words, not one of the measured prompts, so that it leaves nothing measured
+in a prefix cache) goes first and is not counted; when it fails the run stops with its error.
 """
 
 from __future__ import annotations
@@ -27,8 +28,12 @@ import orjson
 
 from lmd.bench import serve_data
 from lmd.bench.serve_client import Load, Run, Target, first_model, http_client, run_load, send
+from lmd.bench.serve_data import Prompt
 from lmd.bench.serve_metrics import RequestResult, parse_slos, summarize
 from lmd.bench.serve_plot import plot_serve, require_matplotlib
+
+WARM_UP_TOKENS = 16  # enough to run every code path once
+WARM_UP_SEED = 7_919_001  # far from the seeds people pick, so never a measured prompt
 
 
 def add_parser(sub: Any) -> None:
@@ -82,7 +87,7 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError(message)
 
 
-def prompts(args: argparse.Namespace) -> tuple[list[serve_data.Prompt], dict[str, Any]]:
+def prompts(args: argparse.Namespace) -> tuple[list[Prompt], dict[str, Any]]:
     """The run's prompts and how they were made (recorded in the JSON)."""
     n, seed = args.num_prompts, args.seed
     if args.dataset is not None:
@@ -133,9 +138,15 @@ def _extra_body(text: str) -> tuple[tuple[str, Any], ...]:
     return tuple(extra.items())
 
 
-async def _bench(
-    args: argparse.Namespace, items: list[serve_data.Prompt]
-) -> tuple[Target, Run, str]:
+def warm_up_prompts(args: argparse.Namespace, items: list[Prompt]) -> list[Prompt]:
+    """Random words of the first prompt's length, never a measured prompt (nor a shared
+    prefix): a warm-up must not fill the server's prefix cache with what is measured."""
+    length, max_tokens = items[0].input_len, min(items[0].output_len, WARM_UP_TOKENS)
+    seed = args.seed + WARM_UP_SEED
+    return serve_data.random_prompts(args.warmup, length, max_tokens, 0.0, seed)
+
+
+async def _bench(args: argparse.Namespace, items: list[Prompt]) -> tuple[Target, Run, str]:
     target = Target(
         url=args.url.rstrip("/"), model=args.model or "", endpoint=args.endpoint,
         api_key=args.api_key, ignore_eos=args.ignore_eos, temperature=args.temperature,
@@ -145,7 +156,7 @@ async def _bench(
     async with http_client(target) as client:
         if not target.model:
             target = dataclasses.replace(target, model=await first_model(client, target))
-        warm = [await send(client, target, items[i % len(items)]) for i in range(args.warmup)]
+        warm = [await send(client, target, p) for p in warm_up_prompts(args, items)]
         if warm and not any(r.ok for r in warm):
             r = warm[-1]
             raise ValueError(f"the warm-up request failed ({r.error}: {r.error_message[:200]}); "
@@ -215,7 +226,7 @@ def summary(result: dict[str, Any]) -> str:
         f"{'completed / failed':<26}{result['completed']} / {result['failed']}",
         f"{'duration':<26}{_fmt(result['duration_s'], ' s')}",
         f"{'input / output tokens':<26}{result['total_input_tokens']:,} / "
-        f"{result['total_output_tokens']:,}",
+        f"{result['total_output_tokens']:,} ({result['total_cached_tokens']:,} input cached)",
         f"{'request throughput':<26}{_fmt(result['request_throughput'], ' req/s')}",
         f"{'output throughput':<26}{_fmt(result['output_throughput'], ' tok/s')}",
         f"{'total token throughput':<26}{_fmt(result['total_token_throughput'], ' tok/s')}",

@@ -147,6 +147,9 @@ async def _read_events(
             result.completion_tokens = _count(
                 usage.get("completion_tokens"), result.completion_tokens
             )
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict):  # the prefix cache's hits (lmd, vLLM, OpenAI)
+                result.cached_tokens = _count(details.get("cached_tokens"), result.cached_tokens)
         for choice in event.get("choices") or []:
             if _text(choice, chat):
                 result.chunk_times.append(now)

@@ -33,6 +33,7 @@ class RequestResult:
     end: float = 0.0
     prompt_tokens: int | None = None  # from the server's usage, when it sent one
     completion_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     error: str | None = None  # kind: http_500, stream_error, dropped, timeout, ...
     error_message: str = ""
 
@@ -131,6 +132,8 @@ def summarize(
         "duration_s": round(duration, 6),
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
+        # Prompt tokens the server's prefix cache served, where it says (else 0).
+        "total_cached_tokens": sum(r.cached_tokens or 0 for r in done),
         "request_throughput": round(len(done) * per_s, 4),
         "output_throughput": round(output_tokens * per_s, 4),
         "total_token_throughput": round((input_tokens + output_tokens) * per_s, 4),

@@ -57,6 +57,7 @@ def test_chat_endpoint_then_compare(daemon: Daemon, tmp_path: Path, capsys: Any)
     prefix = serve(daemon, tmp_path / "prefix.json", "--num-prompts", "8",
                    "--prefix-len", "128", "--num-prefixes", "2", "--label", "prefix")  # fmt: skip
     assert (prefix["completed"], prefix["failed"]) == (8, 0)
+    assert prefix["total_cached_tokens"] >= 6 * 128  # 2 prefixes of 2 blocks each, cached
     png = tmp_path / "compare.png"
     files = [str(tmp_path / "chat.json"), str(tmp_path / "prefix.json")]
     capsys.readouterr()

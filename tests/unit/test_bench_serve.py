@@ -62,7 +62,7 @@ TWO = {
     # 5 tokens: first at 100 ms, then one every 20 ms.
     "a": Script(ttft=0.1, gaps=[0.02] * 4, completion_tokens=5),
     # 10 tokens in 2 chunks: first at 300 ms, the other 9 at once 50 ms later.
-    "b": Script(ttft=0.3, gaps=[0.05], completion_tokens=10),
+    "b": Script(ttft=0.3, gaps=[0.05], completion_tokens=10, cached_tokens=4),
 }
 
 
@@ -89,6 +89,7 @@ def test_latencies_and_throughputs_are_exact(endpoint: str) -> None:
         {"mean": 265, "p50": 265, "p90": 333, "p99": 348.3}, abs=EXACT
     )
     assert (out["total_input_tokens"], out["total_output_tokens"]) == (14, 15)  # from usage
+    assert out["total_cached_tokens"] == 4
     assert out["request_throughput"] == pytest.approx(2 / 0.53, abs=1e-4)
     assert out["output_throughput"] == pytest.approx(15 / 0.53, abs=1e-4)
     assert out["total_token_throughput"] == pytest.approx(29 / 0.53, abs=1e-4)
@@ -189,7 +190,8 @@ def test_command_writes_the_json_it_prints(tmp_path: Path, capsys: Any) -> None:
     assert written["total_output_tokens"] == 24 and written["model"] == "fake-model"
     assert written["server"] == "fake-openai" and written["environment"]["lmd"]
     assert "sk-secret" not in written["command"] and "--api-key ***" in written["command"]
-    assert len(server.bodies) == 7  # one warm-up request, not counted
+    assert len(server.bodies) == 7  # one warm-up request, not counted, not a measured prompt
+    assert server.bodies[0]["prompt"] not in {b["prompt"] for b in server.bodies[1:]}
     assert all(h["authorization"] == "Bearer sk-secret" for h in server.headers)
     assert all(b["ignore_eos"] and len(b["prompt"].split()) == 5 for b in server.bodies)
 

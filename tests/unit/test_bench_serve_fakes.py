@@ -69,6 +69,7 @@ class Script:
     gaps: list[float] = field(default_factory=list)  # before each further text chunk
     completion_tokens: int | None = None  # reported in a usage chunk; None: no usage chunk
     prompt_tokens: int = 7
+    cached_tokens: int = 0  # reported as usage.prompt_tokens_details.cached_tokens
     status: int = 200
     error_after: int | None = None  # an error event after this many text chunks
     drop_after: int | None = None  # the connection cut after this many text chunks
@@ -169,7 +170,11 @@ class FakeOpenAI:
             text = {"delta": {"content": f"t{i}"}} if chat else {"text": f"t{i}"}
             w.write(_event({"choices": [{"index": 0, **text, "finish_reason": reason}]}))
         if s.completion_tokens is not None:
-            usage = {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens}
+            usage = {
+                "prompt_tokens": s.prompt_tokens,
+                "completion_tokens": s.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": s.cached_tokens},
+            }
             w.write(_event({"choices": [], "usage": usage}))
         if s.finish:
             w.write(_chunk(b"data: [DONE]\n\n"))
