@@ -62,6 +62,7 @@ from lmd.openai_responses import (
     SseFraming,
 )
 from lmd.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest
+from lmd.paths import control_socket_path
 from lmd.worker import Worker, WorkerSpec, WorkerStartError
 
 TOKENIZER = "tokenizer-0"
@@ -101,7 +102,7 @@ class ApiWorker(Worker):
         self._open: dict[str, OpenRequest] = {}  # before Worker sets missing_roles
         self._missing_roles: list[str] = []
         super().__init__(spec, config)
-        self.metrics = ApiMetrics(lambda: len(self._open))
+        self.metrics = ApiMetrics(lambda: len(self._open), control_socket_path(config.runtime_dir))
 
     async def start(self) -> None:
         try:
@@ -211,7 +212,7 @@ class ApiWorker(Worker):
 
         @app.get("/metrics")
         async def metrics() -> Response:
-            return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+            return Response(await self.metrics.scrape(), media_type=CONTENT_TYPE)
 
         install_error_handlers(app)
         install_body_schemas(app, [ChatCompletionRequest, CompletionRequest, InteractiveRequest])
@@ -329,27 +330,35 @@ class ApiWorker(Worker):
         answered: int | None = None  # the HTTP status, once the stream went out to its end
 
         async def chunks() -> AsyncGenerator[bytes, None]:
+            # Every event already queued goes out in one write: a client that is behind
+            # (or a busy api) gets several tokens per write instead of one write each.
             nonlocal answered
             status = 200
-            for head in framing.head():
-                yield head
+            out = framing.head()
             item: Event = event
             last: Delta | None = None
             while True:
                 if isinstance(item, protocol.RequestError):
                     err = ApiError.from_request_error(item)
                     status = err.status
-                    yield framing.error(err)
+                    out.append(framing.error(err))
                     break
                 last = item
                 frame = framing.frame(item)
                 if frame is not None:
-                    yield frame
+                    out.append(frame)
                 if item.finish_reason is not None:
                     break
-                item = await request.events.get()
-            for tail in framing.tail(last, status == 200):
-                yield tail
+                if request.events.empty():
+                    if out:
+                        yield b"".join(out)
+                        out = []
+                    item = await request.events.get()
+                else:
+                    item = request.events.get_nowait()
+            out += framing.tail(last, status == 200)
+            if out:
+                yield b"".join(out)
             answered = status
 
         def on_close() -> None:

@@ -4,15 +4,19 @@ Latencies are per request, in seconds, measured in the api process from the mome
 request was admitted: time to first token (first text or token from the tokenizer),
 time per output token after the first, and end to end. `lmd_requests_total` counts every
 answered generation request by endpoint and HTTP status; a client that went away before
-its answer counts as status 499 (nginx's "client closed request").
+its answer counts as status 499 (nginx's "client closed request"). The engines' KV,
+queue and migration series come from the supervisor at each scrape (cluster_metrics.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from lmd.cluster_metrics import ClusterCollector
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 CLIENT_GONE = 499
@@ -24,8 +28,11 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 
 
 class ApiMetrics:
-    def __init__(self, num_running: Callable[[], int]) -> None:
+    def __init__(self, num_running: Callable[[], int], control_socket: Path | None = None) -> None:
         self.registry = registry = CollectorRegistry(auto_describe=True)
+        self.cluster = None if control_socket is None else ClusterCollector(control_socket)
+        if self.cluster is not None:
+            registry.register(self.cluster)
         self.time_to_first_token = Histogram(
             "lmd_time_to_first_token_seconds",
             "Seconds from admitting a request to its first output token.",
@@ -82,3 +89,9 @@ class ApiMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    async def scrape(self) -> bytes:
+        """The exposition, with the engines' latest figures fetched first."""
+        if self.cluster is not None:
+            await self.cluster.refresh()
+        return self.render()

@@ -89,6 +89,17 @@ def test_disaggregated_equals_hybrid_token_for_token() -> None:
                 total = 2 * len(PROMPTS)
                 assert prefill["count"] == decode["received"] == total, (prefill, decode)
                 assert prefill["bytes"] > 0 and prefill["failures"] == 0
+                scrape = httpx.get(f"{daemon.url}/metrics").text
+                series = {
+                    line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                    for line in scrape.splitlines()
+                    if line.startswith("lmd_migration_") or line.startswith("lmd_kv_")
+                }
+                worker = '{worker="prefill-0"}'
+                assert series[f"lmd_migration_bytes_total{worker}"] == prefill["bytes"]
+                assert series[f"lmd_migration_seconds_count{worker}"] == total
+                assert series[f"lmd_migration_failures_total{worker}"] == 0
+                assert series['lmd_kv_blocks_total{worker="decode-0"}'] == 64
         finally:
             daemon.close()
     assert results["disaggregated"] == results["hybrid"]

@@ -1,0 +1,64 @@
+"""The engines' series on /metrics, from status entries as heartbeats carry them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from lmd.cluster_metrics import ClusterCollector
+from lmd.migration.stats import SECONDS_BUCKETS, MigrationStats
+
+
+def samples(workers: list[dict[str, object]]) -> dict[tuple[str, str, str], float]:
+    collector = ClusterCollector(control_socket=Path("/nonexistent"))
+    collector.workers = workers  # type: ignore[assignment]
+    registry = CollectorRegistry()
+    registry.register(collector)
+    out = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in family.samples:
+            out[(s.name, s.labels.get("worker", ""), s.labels.get("le", ""))] = s.value
+    return out
+
+
+def test_kv_queues_and_migration_per_worker() -> None:
+    stats = MigrationStats()
+    stats.record(3_000_000, 0.0004)  # lands in the 0.0005 bucket
+    stats.record(1_000_000, 0.003)  # the 0.005 bucket
+    stats.failures = 2
+    workers = [
+        {"name": "tokenizer-0", "running": 4},
+        {
+            "name": "prefill-0",
+            "kv": {"total_blocks": 100, "free_blocks": 75},
+            "running": 2,
+            "waiting": 1,
+            "migration": stats.to_dict(),
+        },
+        {"name": "decode-0", "kv": {"total_blocks": 50, "free_blocks": 50}, "running": 0},
+    ]
+    got = samples(workers)
+    assert got[("lmd_kv_blocks_total", "prefill-0", "")] == 100
+    assert got[("lmd_kv_usage_ratio", "prefill-0", "")] == 0.25
+    assert got[("lmd_kv_usage_ratio", "decode-0", "")] == 0.0
+    assert got[("lmd_engine_waiting", "prefill-0", "")] == 1
+    assert ("lmd_engine_running", "tokenizer-0", "") not in got  # not an engine
+    assert got[("lmd_migration_bytes_total", "prefill-0", "")] == 4_000_000
+    assert got[("lmd_migration_failures_total", "prefill-0", "")] == 2
+    assert got[("lmd_migration_seconds_count", "prefill-0", "")] == 2
+    assert abs(got[("lmd_migration_seconds_sum", "prefill-0", "")] - 0.0034) < 1e-12
+    assert got[("lmd_migration_seconds_bucket", "prefill-0", "0.00025")] == 0
+    assert got[("lmd_migration_seconds_bucket", "prefill-0", "0.0005")] == 1
+    assert got[("lmd_migration_seconds_bucket", "prefill-0", "0.005")] == 2
+    assert got[("lmd_migration_seconds_bucket", "prefill-0", "+Inf")] == 2
+    assert len(stats.seconds_counts) == len(SECONDS_BUCKETS) + 1
+    assert ("lmd_migration_bytes_total", "decode-0", "") not in got
+
+
+async def test_no_supervisor_means_no_engine_series() -> None:
+    collector = ClusterCollector(control_socket=Path("/nonexistent"))
+    collector.workers = [{"name": "x"}]
+    await collector.refresh()  # nothing listens there: no figures, no exception
+    assert collector.workers == []
