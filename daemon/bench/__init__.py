@@ -3,6 +3,7 @@
     lmd-bench ipc       the internal wire path between two processes
     lmd-bench offline   the engine in-process on a fixed workload (optionally vs transformers)
     lmd-bench front     the serving path (api, tokenizer, engine loop) with a model-less engine
+    lmd-bench migration KV blocks between two processes through lmd._native
     lmd-bench serve     TTFT/TPOT/ITL/E2E, throughput and goodput of any OpenAI server
     lmd-bench compare   several runs' JSON side by side (table, bar chart)
 
@@ -27,9 +28,9 @@ from typing import Any
 import orjson
 
 from lmd import __version__
-from lmd.bench import compare, front, ipc, offline, serve
+from lmd.bench import compare, front, ipc, migration, offline, serve
 
-SUBCOMMANDS = (ipc, offline, front, serve, compare)
+SUBCOMMANDS = (ipc, offline, front, migration, serve, compare)
 SECRET_FLAGS = ("--api-key",)
 
 
