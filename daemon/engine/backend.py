@@ -7,7 +7,8 @@ the rows that are sampled. The pool is one tensor, block-major (ARCHITECTURE §4
     kv: [num_blocks, num_layers, 2 (k, v), block_size, num_kv_heads, head_dim]
 
 Backends: `torch` (any Hugging Face causal LM through transformers' modules, CPU and
-CUDA) and later `turbo` (Triton/CUDA, Llama family). `select_backend` picks one.
+CUDA) and `turbo` (engine/turbo/: Llama family, Triton kernels and CUDA graphs, CUDA
+only). `select_backend` picks one.
 """
 
 from __future__ import annotations
@@ -235,32 +236,37 @@ def parse_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def select_backend(name: str, architecture: str, device: torch.device | str) -> type[Backend]:
+def select_backend(
+    name: str,
+    architecture: str,
+    device: torch.device | str,
+    model_dir: Path | None = None,
+) -> type[Backend]:
     """The backend class for `name` ("auto", "torch", "turbo" or "fake") on `device`.
 
     `fake` computes nothing (engine/fake_backend.py): for tests and `lmd-bench front`.
-
-    `auto` prefers turbo where it supports the architecture on CUDA; until turbo exists
-    it takes torch and logs why.
+    `turbo` (engine/turbo/) serves the Llama family on CUDA; asked for where it cannot
+    run, it is a BackendError with the reason. `auto` takes turbo where it can run and
+    torch otherwise, with a log line that says why. With `model_dir`, its config.json
+    is checked too (turbo refuses, e.g., rotary types that depend on the length).
     """
     if name not in BACKEND_NAMES:
         raise BackendError(f"backend {name!r} is not one of {', '.join(BACKEND_NAMES)}")
-    if name == "turbo":
-        raise BackendError(
-            "the turbo backend is not available yet: use backend torch (or auto) for now"
-        )
     if name == "fake":
         from lmd.engine.fake_backend import FakeBackend
 
         return FakeBackend
+    if name in ("turbo", "auto"):
+        from lmd.engine.turbo import unsupported_reason
+
+        reason = unsupported_reason(architecture, device, model_dir)
+        if reason is None:
+            from lmd.engine.turbo.backend import TurboBackend
+
+            return TurboBackend
+        if name == "turbo":
+            raise BackendError(f"backend turbo cannot run here: {reason}; use torch or auto")
+        log.warning("backend auto: using torch for %s because %s", architecture, reason)
     from lmd.engine.torch_backend import TorchBackend
 
-    if name == "auto":
-        dev = torch.device(device)
-        reason = (
-            f"turbo needs CUDA and the device is {dev.type}"
-            if dev.type != "cuda"
-            else f"the turbo backend is not available yet for {architecture}"
-        )
-        log.warning("backend auto: using torch for %s because %s", architecture, reason)
     return TorchBackend

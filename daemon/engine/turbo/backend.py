@@ -1,0 +1,187 @@
+"""`TurboBackend`: the turbo decoder behind the engine's `Backend` interface.
+
+Built as `TurboBackend(model_dir, device, dtype)` on CUDA. A pure decode step (one new
+token per sequence, every row sampled) replays a CUDA graph; graphs are captured for a
+KV pool the first time a decode step runs on it, or up front with `capture_graphs`
+(which the engine should call once the pool exists, so that capture is start-up time).
+Prefill chunks and mixed batches run eagerly. The pool layout and dtype are the torch
+backend's, so either backend can continue what the other started.
+
+Importing this module imports triton: `select_backend` checks that it can first. On
+CPU the backend builds only with Triton's interpreter switched on (TRITON_INTERPRET=1):
+a test path that runs the same kernels slowly, without graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from lmd.engine.backend import Backend, BackendError, ForwardBatch
+from lmd.engine.turbo import kernels
+from lmd.engine.turbo.config import TurboConfig, UnsupportedModel
+from lmd.engine.turbo.graphs import DecodeGraphs
+from lmd.engine.turbo.model import StepInputs, TurboModel
+from lmd.engine.turbo.rope import rope_table
+from lmd.engine.turbo.weights import eos_token_ids, load_weights
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_GRAPH_BATCH = 512
+DEFAULT_GRAPH_BUDGET_S = 60.0
+
+
+class TurboBackend(Backend):
+    name: ClassVar[str] = "turbo"
+
+    def __init__(
+        self,
+        model_dir: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        *,
+        cuda_graphs: bool = True,
+    ) -> None:
+        self._device = torch.device(device)
+        self._dtype = dtype
+        if self._device.type != "cuda" and not (
+            self._device.type == "cpu" and kernels.interpreting()
+        ):
+            raise BackendError(f"backend turbo needs CUDA, not {self._device.type}")
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise BackendError(f"backend turbo runs bfloat16, float16 or float32, not {dtype}")
+        try:
+            self.config = TurboConfig.load(model_dir)
+        except UnsupportedModel as exc:
+            raise BackendError(f"backend turbo cannot serve {model_dir}: {exc}") from None
+        start = time.perf_counter()
+        try:
+            weights = load_weights(model_dir, self.config, self._device, dtype)
+        except UnsupportedModel as exc:
+            raise BackendError(f"backend turbo cannot load {model_dir}: {exc}") from None
+        rope = rope_table(model_dir, self.config.max_position_embeddings, self._device)
+        self.model = TurboModel(self.config, weights, rope)
+        self._eos = eos_token_ids(model_dir)
+        self.use_cuda_graphs = cuda_graphs and self._device.type == "cuda"
+        self.graphs: DecodeGraphs | None = None
+        self._num_sms = (
+            torch.cuda.get_device_properties(self._device).multi_processor_count
+            if self._device.type == "cuda"
+            else 4
+        )
+        log.info(
+            "turbo backend: %s from %s on %s (%s), %.2f GiB of weights in %.1f s",
+            self.config.architecture,
+            model_dir,
+            self._device,
+            dtype,
+            weights.nbytes / 2**30,
+            time.perf_counter() - start,
+        )
+
+    # Backend properties ----------------------------------------------------------------
+
+    @property
+    def architecture(self) -> str:
+        return self.config.architecture
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    # Stepping --------------------------------------------------------------------------
+
+    def capture_graphs(
+        self,
+        kv: Tensor,
+        max_batch_size: int = DEFAULT_MAX_GRAPH_BATCH,
+        budget_s: float = DEFAULT_GRAPH_BUDGET_S,
+    ) -> None:
+        """Capture decode CUDA graphs for batches up to max_batch_size on this pool."""
+        if not self.use_cuda_graphs:
+            return
+        self._check_pool(kv)
+        graphs = DecodeGraphs(self.model, kv, max_batch_size)
+        graphs.capture(budget_s)
+        self.graphs = graphs
+
+    def forward(self, batch: ForwardBatch, kv: Tensor) -> Tensor:
+        self._check_pool(kv)
+        _check_slots(batch, kv.shape[0], kv.shape[3])
+        num_rows = int(batch.logits_indices.shape[0])
+        if batch.num_tokens == 0:
+            return torch.empty(num_rows, self.vocab_size, device=self._device)
+        is_decode = batch.num_tokens == batch.num_seqs
+        if self.use_cuda_graphs and is_decode:
+            if self.graphs is None or self.graphs.kv.data_ptr() != kv.data_ptr():
+                self.capture_graphs(kv)
+            if self.graphs is not None and self.graphs.can_run(batch, kv):
+                with torch.inference_mode():
+                    return self.graphs.run(batch)
+        return self.forward_eager(batch, kv)
+
+    def forward_eager(self, batch: ForwardBatch, kv: Tensor) -> Tensor:
+        """The same step without CUDA graphs."""
+        step = StepInputs.from_batch(batch, self._device, self.num_kv_heads, self._num_sms)
+        with torch.inference_mode():
+            return self.model.forward(step, kv)
+
+    def _check_pool(self, kv: Tensor) -> None:
+        expected = self.kv_cache_shape(kv.shape[0], kv.shape[3])
+        if tuple(kv.shape) != expected or kv.dtype != self._dtype:
+            raise ValueError(
+                f"KV pool is {tuple(kv.shape)} {kv.dtype}, this model needs "
+                f"{expected} {self._dtype}"
+            )
+        if kv.device.type != self._device.type:
+            raise ValueError(f"KV pool is on {kv.device}, the model on {self._device}")
+        if not kv.is_contiguous():
+            raise ValueError("the KV pool must be one contiguous tensor")
+
+
+def _check_slots(batch: ForwardBatch, num_blocks: int, block_size: int) -> None:
+    """Out-of-range block ids would make a kernel read or write outside the pool:
+    refuse them while they are still on the CPU."""
+    tables, slots = batch.block_tables, batch.slot_mapping
+    if tables.device.type == "cpu" and tables.numel() and int(tables.max()) >= num_blocks:
+        raise ValueError(f"block id {int(tables.max())} is outside the pool of {num_blocks}")
+    if slots.device.type == "cpu" and slots.numel():
+        low, high = int(slots.min()), int(slots.max())
+        if low < 0 or high >= num_blocks * block_size:
+            raise ValueError(f"slot {high if low >= 0 else low} is outside the KV pool")
+    needed = (batch.context_lens + block_size - 1) // block_size
+    if batch.num_seqs and int(needed.max()) > tables.shape[1]:
+        raise ValueError("a block table is shorter than its sequence's context")

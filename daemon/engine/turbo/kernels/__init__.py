@@ -1,0 +1,32 @@
+"""Triton kernels of the turbo backend; each file holds one kernel and its launcher.
+
+Every launcher takes torch tensors and returns (or fills) torch tensors; shapes are in
+their docstrings. With `TRITON_INTERPRET=1` (set before triton is imported) the same
+kernels run on CPU tensors through Triton's interpreter: that is how the CPU tests
+check them; production runs them on CUDA only.
+"""
+
+from __future__ import annotations
+
+import os
+
+from lmd.engine.turbo.kernels.activation import silu_and_mul
+from lmd.engine.turbo.kernels.decode_attention import decode_attention, decode_splits
+from lmd.engine.turbo.kernels.norm import rms_norm
+from lmd.engine.turbo.kernels.prefill_attention import prefill_attention
+from lmd.engine.turbo.kernels.rotary import rotary_and_cache_write
+
+__all__ = [
+    "decode_attention",
+    "decode_splits",
+    "interpreting",
+    "prefill_attention",
+    "rms_norm",
+    "rotary_and_cache_write",
+    "silu_and_mul",
+]
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels through its CPU interpreter (tests only)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -1,0 +1,37 @@
+"""SiLU-and-multiply: the gated MLP's activation, silu(gate) * up, in one pass."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
+    x_ptr, out_ptr, stride_x, stride_out, width, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + width + cols, mask=mask, other=0.0).to(tl.float32)
+    y = gate * tl.sigmoid(gate) * up
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """x: [T, 2I] (gate | up, the fused projection's output) -> [T, I]."""
+    num_rows, double = x.shape
+    if double % 2 or x.stride(1) != 1:
+        raise ValueError("silu_and_mul needs [T, 2I] with unit-stride rows")
+    width = double // 2
+    out = torch.empty(num_rows, width, dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    grid = (num_rows, triton.cdiv(width, BLOCK))
+    _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), width, BLOCK=BLOCK)
+    return out

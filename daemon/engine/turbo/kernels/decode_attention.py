@@ -1,0 +1,240 @@
+"""Paged decode attention: one new query token per sequence over its cached context.
+
+Grid (B, Hkv, splits): a program takes the G = H / Hkv query heads that share one KV
+head (GQA: each K/V tile is loaded once for the group, and the group's [G, D] queries
+make one small matrix product with it) over one split of the context. Splits let a few
+long sequences fill the GPU; a second kernel merges the splits' partial outputs by their
+log-sum-exp. With one split the first kernel writes the output itself.
+
+Tokens are gathered through the block table one key at a time (block
+`block_tables[b, j // S]`, offset `j % S`), so any block size works; the rows of one
+key are head_dim contiguous elements of the block-major pool.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from lmd.engine.turbo.kernels.common import LOG2E, dot_precision
+
+BLOCK_N = 64  # keys per tile
+MAX_SPLITS = 16
+
+
+@triton.jit
+def _decode_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
+    q_ptr,
+    kv_ptr,
+    tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    stride_q_seq,
+    stride_q_head,
+    stride_tables,
+    stride_out_seq,
+    stride_out_head,
+    layer,
+    block_size,
+    stride_kv_block,
+    stride_kv_layer,
+    stride_kv_kv,
+    stride_kv_slot,
+    stride_kv_head,
+    scale_log2,  # softmax scale * log2(e): scores in base 2
+    window,  # 0 = full attention
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context = tl.load(context_lens_ptr + seq)
+    # The query is the last token (position context - 1): every key before it is visible,
+    # or with a window the last `window` keys.
+    first = tl.where(window > 0, tl.maximum(context - window, 0), 0)
+    per_split = tl.cdiv(tl.cdiv(context - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * per_split
+    end = tl.minimum(start + per_split, context)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    gmask = g < GROUP
+    dmask = d < HEAD_DIM
+    heads = kv_head * GROUP + g
+    q = tl.load(
+        q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + d[None, :],
+        mask=gmask[:, None] & dmask[None, :],
+        other=0.0,
+    )  # [BLOCK_G, BLOCK_D]
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    layer_ptr = kv_ptr + layer * stride_kv_layer + kv_head * stride_kv_head
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < end
+        block = tl.load(tables_ptr + seq * stride_tables + n // block_size, mask=nmask, other=0)
+        rows = block.to(tl.int64) * stride_kv_block + (n % block_size) * stride_kv_slot
+        kvmask = nmask[:, None] & dmask[None, :]
+        k = tl.load(layer_ptr + rows[:, None] + d[None, :], mask=kvmask, other=0.0)
+        scores = (
+            tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        )  # [BLOCK_G, BLOCK_N]
+        scores = tl.where(nmask[None, :], scores, float("-inf"))
+        # Every tile holds at least one visible key, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(layer_ptr + stride_kv_kv + rows[:, None] + d[None, :], mask=kvmask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    omask = gmask[:, None] & dmask[None, :]
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / safe_l[:, None]
+    if NUM_SPLITS == 1:
+        dst = out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + d[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        # part_out: [B, H, NUM_SPLITS, BLOCK_D] float32, part_lse: [B, H, NUM_SPLITS].
+        row = (seq * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], out, mask=omask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=gmask)
+
+
+@triton.jit
+def _merge_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_out_seq,
+    stride_out_head,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    row = (seq * NUM_HEADS + head) * NUM_SPLITS + s  # [NUM_SPLITS]
+    lse = tl.load(part_lse_ptr + row)
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # an empty sequence (a padding row)
+    w = tl.exp2(lse - m)  # empty splits weigh 0
+    total = tl.sum(w, axis=0)
+    parts = tl.load(part_out_ptr + row[:, None] * BLOCK_D + d[None, :])
+    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    dst = out_ptr + seq * stride_out_seq + head * stride_out_head + d
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """Splits per sequence: enough programs for about two waves over the GPU's
+    multiprocessors, no more than the longest context has tiles; a power of two."""
+    wanted = math.ceil(2 * num_sms / max(1, num_seqs * num_kv_heads))
+    tiles = math.ceil(max(1, max_context) / BLOCK_N)
+    splits = max(1, min(MAX_SPLITS, wanted, tiles))
+    return 1 << (splits - 1).bit_length()
+
+
+def decode_attention(
+    q: Tensor,
+    kv: Tensor,
+    *,
+    layer: int,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    window: int = 0,
+    num_splits: int = 1,
+) -> Tensor:
+    """Attention of one new token per sequence over its paged context.
+
+    q: [B, H, D] (any row and head strides, unit stride in D); kv: [N, L, 2, S, Hkv, D];
+    block_tables: [B, W] int32; context_lens: [B] int32 on q's device, tokens of each
+    sequence in the pool including the new one (0 = a padding row: output zeros).
+    Returns [B, H, D] in q's dtype. num_splits: a power of two (see decode_splits).
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    _, _, _, block_size, num_kv_heads, kv_dim = kv.shape
+    if kv_dim != head_dim or num_heads % num_kv_heads or q.stride(2) != 1:
+        raise ValueError(f"q {tuple(q.shape)} does not fit the KV pool {tuple(kv.shape)}")
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    group = num_heads // num_kv_heads
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if num_splits > 1:
+        part_out = torch.empty(
+            num_seqs * num_heads * num_splits, block_d, dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(
+            num_seqs * num_heads * num_splits, dtype=torch.float32, device=q.device
+        )
+    else:
+        part_out = part_lse = out  # unused
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q,
+        kv,
+        block_tables,
+        context_lens,
+        out,
+        part_out,
+        part_lse,
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        layer,
+        block_size,
+        kv.stride(0),
+        kv.stride(1),
+        kv.stride(2),
+        kv.stride(3),
+        kv.stride(4),
+        scale * LOG2E,
+        window,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=block_d,
+        BLOCK_N=BLOCK_N,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
+    if num_splits > 1:
+        _merge_kernel[(num_seqs, num_heads)](
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits,
+            BLOCK_D=block_d,
+            num_warps=1,
+        )
+    return out

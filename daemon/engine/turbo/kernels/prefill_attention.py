@@ -1,0 +1,172 @@
+"""Variable-length causal attention for prompt chunks, over the paged KV pool.
+
+Each sequence's new tokens (rows cu_seqlens[b]:cu_seqlens[b+1] of q) sit at positions
+context_lens[b] - seq_len .. context_lens[b] - 1; their K/V is already in the pool
+(written by the rotary kernel), after any cached prefix. So one kernel covers a whole
+prompt, a later chunk of it, and a prompt after a prefix-cache hit: it reads every key
+from the pool. Grid (query tiles, B, H); key j is visible from the query at position p
+iff j <= p (and p - j < window with a sliding window).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from lmd.engine.turbo.kernels.common import LOG2E, dot_precision
+
+
+@triton.jit
+def _prefill_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
+    q_ptr,
+    kv_ptr,
+    tables_ptr,
+    cu_seqlens_ptr,
+    context_lens_ptr,
+    out_ptr,
+    stride_q_tok,
+    stride_q_head,
+    stride_tables,
+    stride_out_tok,
+    stride_out_head,
+    layer,
+    block_size,
+    stride_kv_block,
+    stride_kv_layer,
+    stride_kv_kv,
+    stride_kv_slot,
+    stride_kv_head,
+    scale_log2,
+    window,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
+    head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_ptr + seq)
+    q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    context = tl.load(context_lens_ptr + seq)
+    cached = context - q_len
+
+    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    mmask = m < q_len
+    dmask = d < HEAD_DIM
+    pos = cached + m  # [BLOCK_M] query positions
+    rows = (q_start + m).to(tl.int64)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_q_tok + head * stride_q_head + d[None, :],
+        mask=mmask[:, None] & dmask[None, :],
+        other=0.0,
+    )
+
+    # Keys this tile can see: up to its last query's position, from its first query's
+    # window start (rounded down to a tile).
+    hi = tl.minimum(context, cached + (tile + 1) * BLOCK_M)
+    lo = tl.where(window > 0, tl.maximum(cached + tile * BLOCK_M - window + 1, 0), 0)
+    lo = (lo // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    layer_ptr = kv_ptr + layer * stride_kv_layer + (head // GROUP) * stride_kv_head
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < hi
+        block = tl.load(tables_ptr + seq * stride_tables + n // block_size, mask=nmask, other=0)
+        krows = block.to(tl.int64) * stride_kv_block + (n % block_size) * stride_kv_slot
+        kvmask = nmask[:, None] & dmask[None, :]
+        k = tl.load(layer_ptr + krows[:, None] + d[None, :], mask=kvmask, other=0.0)
+        scores = (
+            tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        )  # [BLOCK_M, BLOCK_N]
+        visible = nmask[None, :] & (n[None, :] <= pos[:, None])
+        if window > 0:
+            visible = visible & (pos[:, None] - n[None, :] < window)
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # A row may see nothing in this tile yet (window, or a padding row): keep it at 0.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(scores - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(layer_ptr + stride_kv_kv + krows[:, None] + d[None, :], mask=kvmask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    dst = out_ptr + rows[:, None] * stride_out_tok + head * stride_out_head + d[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+
+
+def prefill_attention(
+    q: Tensor,
+    kv: Tensor,
+    *,
+    layer: int,
+    block_tables: Tensor,
+    cu_seqlens: Tensor,
+    context_lens: Tensor,
+    max_seq_len: int,
+    scale: float,
+    window: int = 0,
+) -> Tensor:
+    """Causal attention of T new tokens of B sequences over their paged contexts.
+
+    q: [T, H, D] (any token and head strides, unit stride in D); kv: [N, L, 2, S, Hkv, D]
+    with these tokens' K/V already written; block_tables: [B, W] int32; cu_seqlens:
+    [B + 1] int32 and context_lens: [B] int32, both on q's device; max_seq_len: the
+    longest seq_len (host int, sizes the grid). Returns [T, H, D] in q's dtype.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, _, block_size, num_kv_heads, kv_dim = kv.shape
+    if kv_dim != head_dim or num_heads % num_kv_heads or q.stride(2) != 1:
+        raise ValueError(f"q {tuple(q.shape)} does not fit the KV pool {tuple(kv.shape)}")
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    num_seqs = context_lens.shape[0]
+    if num_tokens == 0:
+        return out
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_m = 64 if block_d <= 128 else 32
+    block_n = 64 if block_d <= 64 else 32
+    grid = (triton.cdiv(max_seq_len, block_m), num_seqs, num_heads)
+    _prefill_kernel[grid](
+        q,
+        kv,
+        block_tables,
+        cu_seqlens,
+        context_lens,
+        out,
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        layer,
+        block_size,
+        kv.stride(0),
+        kv.stride(1),
+        kv.stride(2),
+        kv.stride(3),
+        kv.stride(4),
+        scale * LOG2E,
+        window,
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
+    return out

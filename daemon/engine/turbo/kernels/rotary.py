@@ -1,0 +1,132 @@
+"""Rotary embedding of q and k, fused with the write of k and v into the paged KV pool.
+
+One program per token: q is rotated in place inside the fused qkv projection output
+(attention reads it from there), k is rotated and stored with v into the token's slot of
+this layer in the block-major pool. Rotation is transformers' "rotate half" form: for a
+head x = [x1, x2] (halves of head_dim) and frequency i,
+    out1 = x1 * cos - x2 * sin,   out2 = x2 * cos + x1 * sin.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin):
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _rotary_cache_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
+    qkv_ptr,
+    positions_ptr,
+    slots_ptr,
+    rope_ptr,
+    kv_ptr,
+    stride_qkv,
+    stride_rope,
+    layer,
+    block_size,
+    stride_kv_block,
+    stride_kv_layer,
+    stride_kv_kv,
+    stride_kv_slot,
+    stride_kv_head,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_KVH: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    HALF: tl.constexpr = HEAD_DIM // 2
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token)
+    i = tl.arange(0, BLOCK_HALF)
+    im = i < HALF
+    cos = tl.load(rope_ptr + pos * stride_rope + i, mask=im, other=0.0)[None, :]
+    sin = tl.load(rope_ptr + pos * stride_rope + HALF + i, mask=im, other=0.0)[None, :]
+    row = qkv_ptr + token * stride_qkv
+
+    # q heads, rotated in place: [BLOCK_H, BLOCK_HALF] per half.
+    h = tl.arange(0, BLOCK_H)
+    qmask = (h < NUM_HEADS)[:, None] & im[None, :]
+    q1_ptr = row + h[:, None] * HEAD_DIM + i[None, :]
+    q1 = tl.load(q1_ptr, mask=qmask, other=0.0).to(tl.float32)
+    q2 = tl.load(q1_ptr + HALF, mask=qmask, other=0.0).to(tl.float32)
+    o1, o2 = _rotate(q1, q2, cos, sin)
+    tl.store(q1_ptr, o1.to(qkv_ptr.dtype.element_ty), mask=qmask)
+    tl.store(q1_ptr + HALF, o2.to(qkv_ptr.dtype.element_ty), mask=qmask)
+
+    # k (rotated) and v into the slot; a negative slot is a padding row (CUDA graphs).
+    slot = tl.load(slots_ptr + token)
+    block = tl.maximum(slot, 0) // block_size
+    offset = tl.maximum(slot, 0) % block_size
+    dst = kv_ptr + block * stride_kv_block + layer * stride_kv_layer + offset * stride_kv_slot
+    kh = tl.arange(0, BLOCK_KVH)
+    kmask = (kh < NUM_KV_HEADS)[:, None] & im[None, :]
+    k1_ptr = row + NUM_HEADS * HEAD_DIM + kh[:, None] * HEAD_DIM + i[None, :]
+    k1 = tl.load(k1_ptr, mask=kmask, other=0.0).to(tl.float32)
+    k2 = tl.load(k1_ptr + HALF, mask=kmask, other=0.0).to(tl.float32)
+    kmask = kmask & ((kh * 0 + slot) >= 0)[:, None]  # stores only for a real slot
+    o1, o2 = _rotate(k1, k2, cos, sin)
+    k_dst = dst + kh[:, None] * stride_kv_head + i[None, :]
+    tl.store(k_dst, o1.to(kv_ptr.dtype.element_ty), mask=kmask)
+    tl.store(k_dst + HALF, o2.to(kv_ptr.dtype.element_ty), mask=kmask)
+    v_src = k1_ptr + NUM_KV_HEADS * HEAD_DIM
+    v_dst = k_dst + stride_kv_kv
+    tl.store(v_dst, tl.load(v_src, mask=kmask), mask=kmask)
+    tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=kmask), mask=kmask)
+
+
+def rotary_and_cache_write(
+    qkv: Tensor,
+    *,
+    positions: Tensor,
+    slot_mapping: Tensor,
+    rope: Tensor,
+    kv: Tensor,
+    layer: int,
+    num_heads: int,
+) -> None:
+    """Rotate q in place and store rotated k and v into the pool.
+
+    qkv: [T, (H + 2 Hkv) * D], rows q heads | k heads | v heads (the fused projection);
+    positions: [T] int64; slot_mapping: [T] int64, block * block_size + offset (< 0:
+    skip); rope: [max_positions, D] float32, cos of the D/2 frequencies | their sin;
+    kv: [N, L, 2, S, Hkv, D] (the pool; written at `layer`).
+    """
+    num_tokens = qkv.shape[0]
+    _, _, _, block_size, num_kv_heads, head_dim = kv.shape
+    if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
+        raise ValueError(f"qkv {tuple(qkv.shape)} does not hold {num_heads} q heads + k + v")
+    if kv.stride(5) != 1 or kv.stride(4) != head_dim or rope.stride(1) != 1:
+        raise ValueError("the KV pool and the rope table need contiguous heads")
+    if num_tokens == 0:
+        return
+    _rotary_cache_kernel[(num_tokens,)](
+        qkv,
+        positions,
+        slot_mapping,
+        rope,
+        kv,
+        qkv.stride(0),
+        rope.stride(0),
+        layer,
+        block_size,
+        kv.stride(0),
+        kv.stride(1),
+        kv.stride(2),
+        kv.stride(3),
+        kv.stride(4),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        num_warps=4,
+    )

@@ -1,0 +1,176 @@
+"""The Llama-family decoder as plain functions over the fused weights (gpt-fast style).
+
+One step runs the packed batch of T new tokens (ForwardBatch) through every layer:
+
+    residual = embed(ids)                                # [T, hidden]
+    per layer:
+        h = rms_norm(residual)  (layer 0)  |  rms_norm(out, residual += out)
+        qkv = h @ Wqkv (+ b)                             # [T, (H + 2 Hkv) D]
+        rotate q in place, write rotated k and v into the pool (one kernel)
+        attn = decode or prefill paged attention         # [T, H, D]
+        out = attn @ Wo
+        h = rms_norm(out, residual += out)
+        out = silu(h @ Wgate) * (h @ Wup) @ Wdown
+    logits = rms_norm(rows of out, residual += out) @ Wlm   # only the sampled rows
+
+Matrix products go to cuBLAS through torch; the rest are our Triton kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lmd.engine.backend import ForwardBatch
+from lmd.engine.turbo import kernels
+from lmd.engine.turbo.config import TurboConfig
+from lmd.engine.turbo.weights import ModelWeights
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's inputs on the model's device (static buffers when a graph replays)."""
+
+    input_ids: Tensor  # [T] int64
+    positions: Tensor  # [T] int64
+    slot_mapping: Tensor  # [T] int64, < 0 = padding row (nothing written)
+    block_tables: Tensor  # [B, W] int32
+    context_lens: Tensor  # [B] int32, 0 = padding row
+    cu_seqlens: Tensor | None  # [B + 1] int32; None for a decode step (one token each)
+    logits_indices: Tensor | None  # [R] int64 rows to return; None = every row
+    max_seq_len: int  # longest run of new tokens of one sequence; 1 = decode step
+    num_splits: int  # decode attention's context splits
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_seq_len == 1
+
+    @classmethod
+    def from_batch(
+        cls, batch: ForwardBatch, device: torch.device, num_kv_heads: int, num_sms: int
+    ) -> StepInputs:
+        """Move a packed batch to the device; the host-side decisions are made here."""
+        seq_lens = batch.seq_lens
+        max_seq_len = int(seq_lens.max())
+        rows = batch.logits_indices
+        every_row = rows.shape[0] == batch.num_tokens and (
+            rows.device.type != "cpu" or torch.equal(rows, torch.arange(batch.num_tokens))
+        )
+        is_decode = max_seq_len == 1
+        splits = 1
+        if is_decode:
+            max_context = int(batch.context_lens.max())
+            splits = kernels.decode_splits(batch.num_seqs, num_kv_heads, max_context, num_sms)
+
+        def dev(t: Tensor, dtype: torch.dtype) -> Tensor:
+            return t.to(device=device, dtype=dtype, non_blocking=True)
+
+        return cls(
+            input_ids=dev(batch.input_ids, torch.int64),
+            positions=dev(batch.positions, torch.int64),
+            slot_mapping=dev(batch.slot_mapping, torch.int64),
+            block_tables=dev(batch.block_tables, torch.int32),
+            context_lens=dev(batch.context_lens, torch.int32),
+            cu_seqlens=None if is_decode else dev(batch.cu_seqlens, torch.int32),
+            logits_indices=None if every_row else dev(rows, torch.int64),
+            max_seq_len=max_seq_len,
+            num_splits=splits,
+        )
+
+
+class TurboModel:
+    def __init__(self, config: TurboConfig, weights: ModelWeights, rope: Tensor) -> None:
+        self.config = config
+        self.weights = weights
+        self.rope = rope  # [max_positions, D] float32, cos | sin
+        self.scale = config.head_dim**-0.5
+        self.float_logits = _mm_has_float_output(weights.embed)
+
+    def forward(self, step: StepInputs, kv: Tensor, out: Tensor | None = None) -> Tensor:
+        """Logits [R, V] float32 of the step's sampled rows, written into `out` if given.
+
+        Writes the new tokens' K/V into kv: [N, L, 2, S, Hkv, D]. Makes no host sync and
+        allocates only from torch's caching allocator, so it can be captured in a graph.
+        """
+        c, w = self.config, self.weights
+        num_tokens = step.input_ids.shape[0]
+        residual = F.embedding(step.input_ids, w.embed)  # [T, hidden]
+        hidden: Tensor | None = None
+        for i, layer in enumerate(w.layers):
+            if hidden is None:
+                h = kernels.rms_norm(residual, layer.input_norm, c.rms_norm_eps)
+            else:
+                h = kernels.rms_norm(hidden, layer.input_norm, c.rms_norm_eps, residual)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [T, (H + 2 Hkv) D]
+            kernels.rotary_and_cache_write(
+                qkv,
+                positions=step.positions,
+                slot_mapping=step.slot_mapping,
+                rope=self.rope,
+                kv=kv,
+                layer=i,
+                num_heads=c.num_heads,
+            )
+            q = qkv.view(num_tokens, -1, c.head_dim)[:, : c.num_heads]  # [T, H, D], strided
+            attn = self._attention(q, kv, i, step)  # [T, H, D]
+            hidden = F.linear(attn.view(num_tokens, -1), layer.o, layer.o_bias)
+            h = kernels.rms_norm(hidden, layer.post_norm, c.rms_norm_eps, residual)
+            gate_up = F.linear(h, layer.gate_up, layer.gate_up_bias)  # [T, 2I]
+            hidden = F.linear(kernels.silu_and_mul(gate_up), layer.down, layer.down_bias)
+        if hidden is None:
+            raise ValueError("a model without layers")
+        if step.logits_indices is not None:
+            hidden = hidden[step.logits_indices]
+            residual = residual[step.logits_indices]
+        h = kernels.rms_norm(hidden, w.norm, c.rms_norm_eps, residual)
+        if self.float_logits:
+            # float32 straight out of the GEMM: rounding logits to bf16 alone flips ~1% of
+            # the argmaxes of near-flat (random-weight) distributions.
+            logits = torch.mm(h, w.lm_head.t(), out_dtype=torch.float32)  # [R, V]
+        else:
+            logits = F.linear(h, w.lm_head).float()
+        if out is None:
+            return logits
+        return out.copy_(logits)
+
+    def _attention(self, q: Tensor, kv: Tensor, layer: int, step: StepInputs) -> Tensor:
+        window = self.config.windows[layer]
+        if step.is_decode:
+            return kernels.decode_attention(
+                q,
+                kv,
+                layer=layer,
+                block_tables=step.block_tables,
+                context_lens=step.context_lens,
+                scale=self.scale,
+                window=window,
+                num_splits=step.num_splits,
+            )
+        if step.cu_seqlens is None:
+            raise ValueError("a step with several new tokens per sequence needs cu_seqlens")
+        return kernels.prefill_attention(
+            q,
+            kv,
+            layer=layer,
+            block_tables=step.block_tables,
+            cu_seqlens=step.cu_seqlens,
+            context_lens=step.context_lens,
+            max_seq_len=step.max_seq_len,
+            scale=self.scale,
+            window=window,
+        )
+
+
+def _mm_has_float_output(like: Tensor) -> bool:
+    """Whether torch.mm can multiply half-precision matrices into float32 here (cuBLAS
+    can; torch exposes it as `out_dtype` on CUDA since 2.8)."""
+    if like.dtype == torch.float32 or like.device.type != "cuda":
+        return False
+    a = torch.ones(2, 2, dtype=like.dtype, device=like.device)
+    try:
+        return bool(torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32)
+    except (TypeError, RuntimeError):
+        return False

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# One call on a GPU machine (the device tool) for the turbo backend: install the carried
+# wheels, run its tests (CPU-side ones compiled on the GPU too), time decode steps
+# (CUDA graph and eager) and the offline engine. Results land in $OUT (or ./gpu-out).
+# Needs .whl carried (see scripts/gpu-check.sh).
+#   scripts/gpu-turbo.sh [tests|smol|full]
+#     tests: tests only; smol (default): + SmolLM2-shape timings; full: + Llama-3-8B shape
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-out}
+mode=${1:-smol}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+# The import packages live in folders named otherwise (daemon/ is lmd).
+mkdir -p /tmp/pkgs && ln -sfn "$PWD/daemon" /tmp/pkgs/lmd && ln -sfn "$PWD/clients" /tmp/pkgs/lmd_client
+export PYTHONPATH=/tmp/pkgs:/tmp/site:$PWD
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
+  python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
+} 2>&1 | tee "$out/env.txt"
+timeout 300 python3 -m pytest -q -ra -p no:cacheprovider --timeout 240 \
+  tests/gpu/test_turbo_kernels_gpu.py tests/gpu/test_turbo_backend_gpu.py \
+  tests/unit/test_turbo_kernels.py tests/unit/test_turbo_model.py -s \
+  2>&1 | tee "$out/turbo-tests.txt" | grep -v "^Writing\|^Loading" | tail -25
+[[ "$mode" == "tests" ]] && exit 0
+
+# Random-weight models of the ARCHITECTURE §8 shapes, bf16.
+python3 - "$mode" <<'PY'
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+shapes = {"smollm2-shape": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1,
+                                eos_token_id=2)}
+if sys.argv[1] == "full":
+    shapes["llama3-8b-shape"] = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                     num_hidden_layers=32, num_attention_heads=32,
+                                     num_key_value_heads=8, rope_theta=500000.0,
+                                     bos_token_id=128000, eos_token_id=128001)
+for name, fields in shapes.items():
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=8192, **fields))
+    model.to(torch.bfloat16).save_pretrained(f"/tmp/{name}")
+    del model
+    torch.cuda.empty_cache()
+PY
+
+# Decode step: one token for B sequences of 512 tokens of context, through
+# TurboBackend.forward (host copies + graph replay + logits copy), median of 50.
+cat > /tmp/turbo_timing.py <<'PY'
+import math, statistics, sys, time
+from pathlib import Path
+import torch
+from lmd.engine.backend import ForwardBatch
+from lmd.engine.turbo.backend import TurboBackend
+model_dir, batches = Path(sys.argv[1]), [int(b) for b in sys.argv[2].split(",")]
+block, context = 64, 512
+for graphs in (True, False):
+    backend = TurboBackend(model_dir, torch.device("cuda"), torch.bfloat16, cuda_graphs=graphs)
+    per_seq = math.ceil((context + 1) / block)
+    shape = backend.kv_cache_shape(max(batches) * per_seq, block)
+    kv = torch.randn(shape, device="cuda").to(torch.bfloat16)
+    if graphs:
+        t0 = time.perf_counter()
+        backend.capture_graphs(kv, max_batch_size=max(batches))
+        print(f"{model_dir.name}: {len(backend.graphs.graphs)} graphs captured in "
+              f"{time.perf_counter() - t0:.1f} s")
+    for b in batches:
+        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
+        batch = ForwardBatch.pack([[7]] * b, [context] * b, tables, block)
+        times = []
+        for _ in range(60):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            backend.forward(batch, kv)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        step = statistics.median(times[10:]) * 1e3
+        replay = ""
+        if graphs and backend.graphs is not None:
+            g = backend.graphs.graphs[min(s for s in backend.graphs.graphs if s >= b)]
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(50):
+                g.replay()
+            end.record()
+            torch.cuda.synchronize()
+            replay = f", replay alone {start.elapsed_time(end) / 50:.3f} ms"
+        kind = "graph" if graphs else "eager"
+        print(f"{model_dir.name} batch {b} context {context} {kind}: step {step:.3f} ms{replay}")
+    if not graphs:  # where an eager step's GPU time goes
+        from torch.profiler import ProfilerActivity, profile
+        batch = ForwardBatch.pack([[7]] * batches[0], [context] * batches[0],
+                                  [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batches[0])], block)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                backend.forward(batch, kv)
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+    del backend, kv
+    torch.cuda.empty_cache()
+PY
+timing() {
+  timeout "$1" python3 /tmp/turbo_timing.py "$2" "$3" 2>&1 | grep -v "^Loading\|^Writing" \
+    | tee -a "$out/decode-steps.txt"
+}
+timing 150 /tmp/smollm2-shape 1,64,256
+
+bench() {
+  timeout 200 python3 -m lmd.bench offline --device cuda --backend turbo --input-len 512 \
+    --output-len 256 --json "$@" 2>>"$out/bench-stderr.txt" | tail -1 | tee -a "$out/offline.jsonl"
+}
+for batch in 1 64 512; do bench --model /tmp/smollm2-shape --batch "$batch"; done
+if [[ "$mode" == "full" ]]; then
+  timing 200 /tmp/llama3-8b-shape 1,64
+  for batch in 1 64 512; do bench --model /tmp/llama3-8b-shape --batch "$batch"; done
+fi
+tail -3 "$out/bench-stderr.txt"

@@ -1,0 +1,138 @@
+"""What the turbo backend accepts from config.json, and how `select_backend` chooses.
+
+Pure CPU, no triton: these run in CI.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+from lmd.engine.backend import BackendError, select_backend
+from lmd.engine.torch_backend import TorchBackend
+from lmd.engine.turbo import TurboConfig, UnsupportedModel, unsupported_reason
+
+
+def llama(**overrides: Any) -> dict[str, Any]:
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        **overrides,
+    ).to_dict()
+    config["architectures"] = ["LlamaForCausalLM"]
+    return config
+
+
+def test_llama_fields() -> None:
+    c = TurboConfig.from_dict(llama(tie_word_embeddings=True))
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.num_queries_per_kv) == (8, 2, 32, 4)
+    assert c.qkv_size == (8 + 2 * 2) * 32
+    assert c.tie_word_embeddings and not (c.qkv_bias or c.o_bias or c.mlp_bias)
+    assert c.windows == (0, 0, 0)
+
+
+def test_llama_attention_bias_covers_all_four_projections() -> None:
+    c = TurboConfig.from_dict(llama(attention_bias=True, mlp_bias=True))
+    assert c.qkv_bias and c.o_bias and c.mlp_bias
+
+
+def test_explicit_head_dim_wins() -> None:
+    assert TurboConfig.from_dict(llama(head_dim=64)).head_dim == 64
+
+
+def test_qwen2_has_qkv_bias_and_windows_only_when_enabled() -> None:
+    fields: dict[str, Any] = dict(num_hidden_layers=4, max_window_layers=2, sliding_window=128)
+    plain = Qwen2Config(**fields).to_dict() | {"architectures": ["Qwen2ForCausalLM"]}
+    c = TurboConfig.from_dict(plain)
+    assert c.qkv_bias and not c.o_bias
+    assert c.windows == (0, 0, 0, 0)  # use_sliding_window is false by default
+    windowed = Qwen2Config(use_sliding_window=True, **fields).to_dict()
+    windowed["architectures"] = ["Qwen2ForCausalLM"]
+    # transformers applies the window from layer max_window_layers on.
+    assert TurboConfig.from_dict(windowed).windows == (0, 0, 128, 128)
+    # An original Qwen2.5 config.json has no layer_types.
+    del windowed["layer_types"]
+    assert TurboConfig.from_dict(windowed).windows == (0, 0, 128, 128)
+
+
+def test_mistral_window_applies_to_every_layer() -> None:
+    raw = MistralConfig(num_hidden_layers=2, sliding_window=4096).to_dict()
+    raw["architectures"] = ["MistralForCausalLM"]
+    assert TurboConfig.from_dict(raw).windows == (4096, 4096)
+    raw["sliding_window"] = None
+    assert TurboConfig.from_dict(raw).windows == (0, 0)
+
+
+def test_static_rope_scalings_are_accepted_in_both_spellings() -> None:
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+            "rope_theta": 500000.0}  # fmt: skip
+    TurboConfig.from_dict(llama() | {"rope_parameters": rope})
+    legacy = llama()
+    del legacy["rope_parameters"]
+    TurboConfig.from_dict(legacy | {"rope_scaling": {"type": "linear", "factor": 2.0}})
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "architecture GPT2LMHeadModel is not one of"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not silu"),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope type 'dynamic'"),
+        ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "partial"),
+        ({"num_key_value_heads": 3}, "do not split evenly over 3 KV heads"),
+        ({"pretraining_tp": 2}, "pretraining_tp"),
+    ],
+)
+def test_unsupported_configs_say_why(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(UnsupportedModel, match=message) as info:
+        TurboConfig.from_dict(llama() | change)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_field_is_named(tmp_path: Any) -> None:
+    raw = llama()
+    del raw["hidden_size"]
+    (tmp_path / "config.json").write_text(__import__("json").dumps(raw))
+    with pytest.raises(UnsupportedModel, match="has no 'hidden_size'"):
+        TurboConfig.load(tmp_path)
+
+
+# Selection (ARCHITECTURE §5) -----------------------------------------------------------
+
+
+def test_auto_on_cpu_takes_torch_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        assert select_backend("auto", "LlamaForCausalLM", "cpu") is TorchBackend
+    assert "using torch for LlamaForCausalLM because turbo needs CUDA and the device is cpu" in (
+        caplog.text
+    )
+
+
+def test_explicit_turbo_that_cannot_run_is_a_one_line_error() -> None:
+    with pytest.raises(BackendError, match="backend turbo cannot run here: turbo needs CUDA") as e:
+        select_backend("turbo", "LlamaForCausalLM", "cpu")
+    assert "\n" not in str(e.value)
+    with pytest.raises(BackendError, match="turbo does not implement Gemma2ForCausalLM"):
+        select_backend("turbo", "Gemma2ForCausalLM", "cuda")
+
+
+def test_auto_takes_torch_for_architectures_turbo_lacks(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        assert select_backend("auto", "Gemma2ForCausalLM", "cuda") is TorchBackend
+    assert "turbo does not implement Gemma2ForCausalLM" in caplog.text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_turbo_on_cuda_without_a_gpu_says_so() -> None:
+    assert unsupported_reason("LlamaForCausalLM", "cuda") == (
+        "turbo needs CUDA and torch sees no CUDA device"
+    )

@@ -1,0 +1,97 @@
+"""Checkpoint -> the turbo decoder's fused tensors, and the rotary table.
+
+Pure CPU, no triton: these run in CI.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from lmd.engine.turbo import TurboConfig, UnsupportedModel
+from lmd.engine.turbo.rope import rope_table
+from lmd.engine.turbo.weights import eos_token_ids, load_weights
+from tests.models import TINY_EOS, save_tiny_llama
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("weights-llama"))
+
+
+def test_fused_tensors_are_the_checkpoint_in_order(llama_dir: Path) -> None:
+    config = TurboConfig.load(llama_dir)
+    weights = load_weights(llama_dir, config, CPU, torch.bfloat16)
+    ref = LlamaForCausalLM.from_pretrained(llama_dir, local_files_only=True, dtype=torch.bfloat16)
+    for i, layer in enumerate(weights.layers):
+        hf = ref.model.layers[i]
+        attn, mlp = hf.self_attn, hf.mlp
+        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        assert torch.equal(layer.qkv, qkv)
+        assert torch.equal(layer.gate_up, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        assert torch.equal(layer.o, attn.o_proj.weight)
+        assert torch.equal(layer.down, mlp.down_proj.weight)
+        assert torch.equal(layer.input_norm, hf.input_layernorm.weight)
+        assert torch.equal(layer.post_norm, hf.post_attention_layernorm.weight)
+        assert layer.qkv_bias is None and layer.o_bias is None
+    assert torch.equal(weights.lm_head, ref.lm_head.weight)
+    assert weights.lm_head is not weights.embed  # the tiny Llama is untied
+    assert weights.embed.dtype == torch.bfloat16
+    expected = sum(p.numel() for p in ref.parameters()) * 2
+    assert weights.nbytes == expected
+
+
+def test_missing_tensor_is_named(llama_dir: Path, tmp_path: Path) -> None:
+    tensors = load_file(llama_dir / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((llama_dir / "config.json").read_text())
+    with pytest.raises(UnsupportedModel, match=r"no tensor model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_weights(tmp_path, TurboConfig.load(tmp_path), CPU, torch.float32)
+
+
+def test_shapes_that_contradict_the_config_are_refused(llama_dir: Path, tmp_path: Path) -> None:
+    tensors = load_file(llama_dir / "model.safetensors")
+    tensors["model.layers.0.mlp.down_proj.weight"] = torch.zeros(64, 100)
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((llama_dir / "config.json").read_text())
+    with pytest.raises(UnsupportedModel, match=r"layer 0 down is \(64, 100\)"):
+        load_weights(tmp_path, TurboConfig.load(tmp_path), CPU, torch.float32)
+
+
+def test_eos_comes_from_the_generation_config(llama_dir: Path) -> None:
+    assert eos_token_ids(llama_dir) == (TINY_EOS,)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        None,
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 64, "rope_theta": 500000.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+         "rope_theta": 10000.0},
+    ],
+)  # fmt: skip
+def test_rope_table_is_transformers_cos_and_sin(
+    tmp_path: Path, rope: dict[str, Any] | None
+) -> None:
+    overrides: dict[str, Any] = {} if rope is None else {"rope_parameters": rope}
+    save_tiny_llama(tmp_path, **overrides)
+    table = rope_table(tmp_path, 300, CPU)  # [P, D]
+    config = AutoConfig.from_pretrained(tmp_path, local_files_only=True)
+    rotary = LlamaRotaryEmbedding(config=config)
+    positions = torch.arange(300)[None]
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)  # [1, P, D]
+    half = table.shape[1] // 2
+    torch.testing.assert_close(table[:, :half], cos[0, :, :half], rtol=0, atol=1e-6)
+    torch.testing.assert_close(table[:, half:], sin[0, :, :half], rtol=0, atol=1e-6)
+    assert torch.equal(cos[0, :, :half], cos[0, :, half:])  # rotate-half duplicates angles
