@@ -3,7 +3,10 @@
 # lmd._native, run tests/gpu, and time the engine. Results land in $OUT (or ./gpu-out).
 # Needs: scripts/../.whl from ../shared/scripts/device-wheels.sh (+ pytest pluggy
 # iniconfig pytest-timeout pytest-asyncio prometheus-client packaging), carried as `.whl`.
-#   scripts/gpu-check.sh [quick|full]   quick: tests only; full: also the Llama-3-8B shape
+#   scripts/gpu-check.sh [quick|full|migration]   quick: tests only; full: also the
+#   Llama-3-8B shape; migration: the cuda_ipc tests, lmd-bench migration, and TTFT of a
+#   ~2k-token prompt on a Llama-3-8B shape, hybrid vs disaggregated (carry .gpu-assets:
+#   SmolLM2's tokenizer files, see tests/gpu/test_disaggregated_gpu.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
@@ -19,6 +22,9 @@ export PYTHONPATH=/tmp/pkgs:/tmp/site:$PWD
   python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
 } 2>&1 | tee "$out/env.txt"
 python3 setup.py -q build_ext --inplace 2>&1 | tail -5 | tee "$out/build.txt"
+if [[ "${1:-}" == "migration" ]]; then
+  exec scripts/gpu-migration.sh "$out"
+fi
 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu tests/unit/test_native_host.py \
   2>&1 | tee "$out/gpu-tests.txt" | tail -25
 [[ "${1:-}" == "quick" ]] && exit 0
