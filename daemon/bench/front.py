@@ -1,13 +1,16 @@
 """`lmd-bench front`: what the serving path costs without the model.
 
-    lmd-bench front [--requests 2000] [--concurrency 64] [--stream-tokens 64] [--json]
+    lmd-bench front [--requests 2000] [--concurrency 64] [--stream-tokens 64]
+                    [--torch-threads 1] [--json]
 
 Starts a daemon in hybrid mode with the `fake` backend (tokens come out of a fixed rule,
 no model runs; the real tokenizer, api, engine loop and wire protocol do), then measures
 through HTTP on loopback:
 - non-streaming `/v1/completions` with max_tokens=1 at --concurrency: requests per second;
 - the same one at a time: p50/p99 latency, i.e. what the front adds to every request;
-- streaming with --stream-tokens tokens each at --concurrency: streamed tokens per second.
+- streaming with --stream-tokens tokens each at --concurrency: streamed tokens per second;
+- for both loads, the CPU time each process used per request or per streamed token, which
+  holds when other work shares the cores (requests per second does not).
 The client (`http_client.Connection`, one keep-alive connection per concurrent worker, on
 uvloop) costs far less per request than the server, so that it does not bound the figures
 on the cores it shares with the daemon.
@@ -31,6 +34,7 @@ from typing import Any
 
 import httpx
 import orjson
+import psutil
 import uvloop
 
 from lmd.bench.http_client import Connection, HttpError
@@ -44,6 +48,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--stream-tokens", type=int, default=64)
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch threads (OMP_NUM_THREADS) in the daemon; 0: torch's default",
+    )
     p.add_argument("--port", type=int, default=0, help="default: a free port")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.set_defaults(run=run)
@@ -127,24 +137,56 @@ def _ms(values: list[float], q: int) -> float:
     return round(statistics.quantiles(values, n=100)[q - 1] * 1000, 2) if len(values) > 1 else 0.0
 
 
-async def _measure(port: int, args: argparse.Namespace) -> dict[str, Any]:
+class CpuMeter:
+    """CPU seconds (user + system) used by each daemon process and by this client.
+
+    Figures per request or per token from these hold even when other work shares the
+    cores, unlike requests per second.
+    """
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self._procs = {name: psutil.Process(pid) for name, pid in pids.items()}
+        self._procs["client"] = psutil.Process()
+
+    def read(self) -> dict[str, float]:
+        return {name: _cpu_seconds(proc) for name, proc in self._procs.items()}
+
+    def per_unit(self, before: dict[str, float], units: int, scale: float) -> dict[str, float]:
+        """CPU used since `before`, per unit, times `scale` (1e3: ms, 1e6: us)."""
+        used = {name: secs - before[name] for name, secs in self.read().items()}
+        used["daemon"] = sum(v for name, v in used.items() if name != "client")
+        return {name: round(v * scale / max(units, 1), 3) for name, v in used.items()}
+
+
+def _cpu_seconds(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return float(times.user + times.system)
+
+
+async def _measure(port: int, args: argparse.Namespace, cpu: CpuMeter) -> dict[str, Any]:
     one_request = _requester()
     await _load(50, 8, one_request, port)  # warm-up
+    before = cpu.read()
     secs, _, done, failed = await _load(args.requests, args.concurrency, one_request, port)
+    cpu_request = cpu.per_unit(before, done, 1e3)
     _, lat, _, failed_1 = await _load(min(500, args.requests), 1, one_request, port)
     n_stream = max(1, args.requests // 4)
+    before = cpu.read()
     s_secs, _, tokens, s_failed = await _load(
         n_stream, args.concurrency, _streamer(args.stream_tokens), port
     )
+    cpu_token = cpu.per_unit(before, tokens, 1e6)
     return {
         "benchmark": "front",
         "requests": args.requests,
         "concurrency": args.concurrency,
         "requests_per_s": round(done / secs, 1),
+        "cpu_ms_per_request": cpu_request,
         "latency_ms_at_concurrency_1": {"p50": _ms(lat, 50), "p99": _ms(lat, 99)},
         "stream_requests": n_stream,
         "stream_tokens_each": args.stream_tokens,
         "streamed_tokens_per_s": round(tokens / s_secs, 1),
+        "cpu_us_per_streamed_token": cpu_token,
         "failed": failed + failed_1 + s_failed,
     }
 
@@ -176,11 +218,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ]
     log_path = runtime.parent / f"{runtime.name}.log"
     with open(log_path, "wb") as log:
-        daemon = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        env = dict(os.environ)
+        # The fake engine's tensors are small: a second OpenMP thread gains nothing and,
+        # on cores shared with the api and tokenizer, made a decode step 15x slower.
+        threads = getattr(args, "torch_threads", 1)
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        daemon = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, daemon, log_path)
-        return uvloop.run(_measure(port, args))
+        cpu = CpuMeter({"supervisor": daemon.pid, **_worker_pids(runtime)})
+        return uvloop.run(_measure(port, args, cpu))
     finally:
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(60)
@@ -191,6 +240,14 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _worker_pids(runtime: Path) -> dict[str, int]:
+    """Worker name -> pid, from the daemon's control socket."""
+    transport = httpx.HTTPTransport(uds=str(runtime / "control.sock"))
+    with httpx.Client(transport=transport, base_url="http://lmd", timeout=10) as client:
+        workers = client.get("/v1/workers").json()["workers"]
+    return {str(w["name"]): int(w["pid"]) for w in workers}
 
 
 def _wait_healthy(url: str, daemon: subprocess.Popen[bytes], log_path: Path) -> None:
@@ -215,5 +272,11 @@ def summary(result: dict[str, Any]) -> str:
         f"one at a time: p50 {lat['p50']} ms, p99 {lat['p99']} ms per request\n"
         f"streaming: {result['streamed_tokens_per_s']:,} tokens/s "
         f"({result['stream_requests']:,} x {result['stream_tokens_each']} tokens)\n"
+        f"CPU ms per request: {_cpu_line(result['cpu_ms_per_request'])}\n"
+        f"CPU us per streamed token: {_cpu_line(result['cpu_us_per_streamed_token'])}\n"
         f"failed: {result['failed']}"
     )
+
+
+def _cpu_line(per_process: dict[str, float]) -> str:
+    return ", ".join(f"{name} {value}" for name, value in per_process.items())
