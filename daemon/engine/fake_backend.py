@@ -6,6 +6,11 @@ model, but `forward` computes nothing: the next token after token t is a fixed f
 of t (never an EOS id), and the KV pool is left untouched. Used by tests of the engine's
 bookkeeping and by `lmd-bench front`, which measures the serving path (api, tokenizer,
 engine loop, wire) without the model's cost. Its text is meaningless.
+
+The logits live in one buffer that each forward rewrites (as a CUDA-graph backend's output
+buffer would): a step only touches the entries it sets, instead of allocating and zeroing
+[R, V] (0.2 ms of a ~1 ms fake decode step at batch 64 with a 49k vocabulary). They are
+valid until the next forward.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ class FakeBackend(Backend):
         self._dtype = dtype
         eos = config.get("eos_token_id")
         self._eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        self._logits = torch.zeros(0, self.vocab_size, device=self._device)  # [capacity, V]
+        self._ones: tuple[Tensor, Tensor] | None = None  # (rows, cols) set to 1 last time
 
     @property
     def architecture(self) -> str:
@@ -81,6 +88,12 @@ class FakeBackend(Backend):
     def forward(self, batch: ForwardBatch, kv: Tensor) -> Tensor:
         rows = batch.logits_indices.to(self._device)
         last = batch.input_ids.to(self._device)[rows]  # [R]
-        logits = torch.zeros(len(rows), self.vocab_size, device=self._device)  # [R, V]
-        logits[torch.arange(len(rows), device=self._device), self.next_token(last)] = 1.0
-        return logits
+        n = len(rows)
+        if n > self._logits.shape[0]:
+            capacity = max(n, 2 * self._logits.shape[0])
+            self._logits = torch.zeros(capacity, self.vocab_size, device=self._device)
+        elif self._ones is not None:
+            self._logits[self._ones] = 0.0  # back to all zeros
+        self._ones = (torch.arange(n, device=self._device), self.next_token(last))
+        self._logits[self._ones] = 1.0
+        return self._logits[:n]  # [R, V]

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmd.engine.backend import select_backend
+from lmd.engine.backend import ForwardBatch, select_backend
 from lmd.engine.config import EngineConfig
 from lmd.engine.engine import Engine
 from lmd.engine.fake_backend import FakeBackend
@@ -44,3 +44,17 @@ def test_engine_runs_on_it_with_fixed_tokens_and_frees_everything(model_dir: Pat
         assert seq.output_token_ids[0] == expected
         assert TINY_EOS not in seq.output_token_ids
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+
+
+def test_forward_gives_one_hot_logits_with_nothing_left_from_earlier_steps(
+    model_dir: Path,
+) -> None:
+    fake = FakeBackend(model_dir, torch.device("cpu"), torch.float32)
+    for last_tokens in ([3, 9, 40], [7], [1, 2, 3, 4, 5, 6, 7], [11, 12]):
+        batch = ForwardBatch.pack(
+            [[t] for t in last_tokens], [0] * len(last_tokens), [[0]] * len(last_tokens), 16
+        )
+        logits = fake.forward(batch, torch.empty(0))
+        expected = torch.zeros(len(last_tokens), fake.vocab_size)
+        expected[range(len(last_tokens)), fake.next_token(torch.tensor(last_tokens))] = 1.0
+        assert torch.equal(logits, expected)
