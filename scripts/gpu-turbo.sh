@@ -25,6 +25,8 @@ timeout 300 python3 -m pytest -q -ra -p no:cacheprovider --timeout 240 \
   tests/unit/test_turbo_kernels.py tests/unit/test_turbo_model.py -s \
   2>&1 | tee "$out/turbo-tests.txt" | grep -v "^Writing\|^Loading" | tail -25
 [[ "$mode" == "tests" ]] && exit 0
+# lmd-bench imports lmd._native (the migration benchmark).
+python3 setup.py -q build_ext --inplace 2>&1 | tail -3
 
 # Random-weight models of the ARCHITECTURE §8 shapes, bf16.
 python3 - "$mode" <<'PY'

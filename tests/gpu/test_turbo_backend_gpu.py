@@ -92,15 +92,27 @@ def test_bf16_logits_agree_with_float32_transformers(smollm_dir: Path) -> None:
     assert top1 >= 0.99
 
 
-def test_prefill_and_decode_on_different_backends_give_the_same_tokens(tmp_path: Path) -> None:
+def test_prefill_and_decode_on_different_backends(tmp_path: Path) -> None:
+    """float32: the same 32 greedy tokens whichever backend prefills and which decodes
+    (the pool's layout, rotation and dtype are shared). bf16: torch and turbo round
+    differently (transformers rounds cos/sin to bf16, we rotate in float32), so greedy
+    paths of a random model part at near-ties; along turbo's own output, torch decoding
+    from turbo's prefill must choose turbo's token almost everywhere."""
     model_dir = save_bf16(tmp_path, vocab_size=2048, initializer_range=0.05)
-    turbo = TurboBackend(model_dir, CUDA, BF16)
-    torch_backend = TorchBackend(model_dir, CUDA, BF16)
-    prompts = random_prompts([7, 40, 100], turbo.vocab_size, seed=22)
+    prompts = random_prompts([7, 40, 100], 2048, seed=22)
+    turbo = TurboBackend(model_dir, CUDA, torch.float32)
+    torch_backend = TorchBackend(model_dir, CUDA, torch.float32)
     alone = greedy(turbo, prompts, 32)
     assert greedy(turbo, prompts, 32, decode=torch_backend) == alone
-    torch_alone = greedy(torch_backend, prompts, 32)
-    assert greedy(torch_backend, prompts, 32, decode=turbo) == torch_alone
+    assert greedy(torch_backend, prompts, 32, decode=turbo) == alone
+
+    turbo = TurboBackend(model_dir, CUDA, BF16)
+    torch_backend = TorchBackend(model_dir, CUDA, BF16)
+    alone = greedy(turbo, prompts, 32)
+    mixed = greedy(turbo, prompts, 32, decode=torch_backend, force=alone)
+    same = sum(a == b for x, y in zip(alone, mixed, strict=True) for a, b in zip(x, y, strict=True))
+    print(f"\nbf16 turbo prefill + torch decode, teacher-forced: {same}/96 tokens as turbo alone")
+    assert same / 96 >= 0.95
 
 
 def test_cuda_graph_decode_gives_the_eager_tokens(smollm_dir: Path) -> None:

@@ -98,15 +98,15 @@ def attention_ref(
     out = []
     row = 0
     for table, n, ctx in zip(tables, seq_lens, context_lens, strict=True):
-        slots = torch.arange(ctx)
-        blocks = torch.tensor(table)[slots // block_size]
+        slots = torch.arange(ctx, device=kv.device)
+        blocks = torch.tensor(table, device=kv.device)[slots // block_size]
         k = kv[blocks, layer, 0, slots % block_size].float()  # [ctx, Hkv, D]
         v = kv[blocks, layer, 1, slots % block_size].float()
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         qs = q[row : row + n].float()  # [n, H, D]
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
-        pos = torch.arange(ctx - n, ctx)
+        pos = torch.arange(ctx - n, ctx, device=kv.device)
         visible = slots[None, :] <= pos[:, None]
         if window:
             visible &= pos[:, None] - slots[None, :] < window

@@ -94,10 +94,15 @@ def greedy(
     chunk: int | None = None,
     decode: Backend | None = None,
     kv: Tensor | None = None,
+    force: Sequence[Sequence[int]] | None = None,
 ) -> list[list[int]]:
     """Greedy decoding as the engine runs it: prompts in chunks of `chunk` tokens on
     `prefill`, then one decode step per token for all sequences on `decode` (default
-    the same backend), all in one KV pool (default: a fresh one of blocks of 4)."""
+    the same backend), all in one KV pool (default: a fresh one of blocks of 4).
+
+    With `force` (teacher forcing), decode step t feeds force[b][t] instead of the
+    token chosen before; the chosen tokens are still what it returns.
+    """
     decoder = decode or prefill
     kv = new_pool(prefill) if kv is None else kv
     block_size = kv.shape[3]
@@ -123,9 +128,11 @@ def greedy(
         lens = [len(p) + len(o) for p, o in zip(prompts, outputs, strict=True)]
         for table, n in zip(tables, lens, strict=True):
             blocks.grow(table, n, block_size)
-        batch = ForwardBatch.pack(
-            [[o[-1]] for o in outputs], [n - 1 for n in lens], tables, block_size
-        )
+        fed = [
+            [f[len(o) - 1] if force else o[-1]]
+            for f, o in zip(force or outputs, outputs, strict=True)
+        ]
+        batch = ForwardBatch.pack(fed, [n - 1 for n in lens], tables, block_size)
         for out, token in zip(outputs, decoder.forward(batch, kv).argmax(-1).tolist(), strict=True):
             out.append(token)
     return outputs

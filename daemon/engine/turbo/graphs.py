@@ -61,6 +61,15 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.logits = torch.empty(n, model.config.vocab_size, dtype=torch.float32, device=device)
+        # Pinned host mirrors of the inputs: a step fills them and sends each with one
+        # asynchronous copy (a pageable copy waits for a staging buffer).
+        self._host = [
+            torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            for t in (self.input_ids, self.positions, self.slot_mapping, self.context_lens)
+        ]
+        self._host_tables = torch.empty(self.block_tables.shape, dtype=torch.int32, pin_memory=True)
+        # Marks when the copies out of the host mirrors are done (Event is untyped).
+        self._sent = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
 
@@ -137,14 +146,26 @@ class DecodeGraphs:
         n = batch.num_seqs
         size = next(s for s in sorted(self.graphs) if s >= n)
         width = batch.block_tables.shape[1]
-        self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
-        self.positions[:n].copy_(batch.positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
-        self.block_tables[:n, :width].copy_(batch.block_tables, non_blocking=True)
-        self.context_lens[:n].copy_(batch.context_lens, non_blocking=True)
-        if size > n:
-            self.slot_mapping[n:size].fill_(-1)
-            self.context_lens[n:size].zero_()
+        self._sent.synchronize()  # the last step's copies have left the host mirrors
+        ids, positions, slots, context_lens = self._host
+        # Rows n..size are padding: no slot to write, no context to read.
+        for host, value, pad in (
+            (ids, batch.input_ids, 0),
+            (positions, batch.positions, 0),
+            (slots, batch.slot_mapping, -1),
+            (context_lens, batch.context_lens, 0),
+        ):
+            host[:n].copy_(value)
+            host[n:size].fill_(pad)
+        self._host_tables[:n, :width].copy_(batch.block_tables)
+        for device, host in zip(
+            (self.input_ids, self.positions, self.slot_mapping, self.context_lens),
+            self._host,
+            strict=True,
+        ):
+            device[:size].copy_(host[:size], non_blocking=True)
+        self.block_tables[:size, :width].copy_(self._host_tables[:size, :width], non_blocking=True)
+        self._sent.record()
         self.graphs[size].replay()
         # A copy: the static buffer is overwritten by the next replay.
         return self.logits[:n].clone()
