@@ -59,8 +59,12 @@ class TokenEvent:
     cached_tokens: int = 0  # prompt tokens the prefix cache served at its (last) prefill
 
 
-def size_pool(backend: Backend, config: EngineConfig) -> int:
-    """Blocks for the pool: cache_max_entry_count of the free memory after the weights."""
+def size_pool(backend: Backend, config: EngineConfig, cpu_share: float = 0.5) -> int:
+    """Blocks for the pool: cache_max_entry_count of the free memory after the weights.
+
+    On CPU, "free memory" is `cpu_share` of the available RAM (capped): the engines of
+    one daemon share the machine's memory.
+    """
     per_block = bytes_per_block(
         backend.num_layers,
         backend.num_kv_heads,
@@ -71,7 +75,7 @@ def size_pool(backend: Backend, config: EngineConfig) -> int:
     if backend.device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(backend.device)
     else:
-        free = cpu_free_bytes(psutil.virtual_memory().available)
+        free = cpu_free_bytes(psutil.virtual_memory().available, share=cpu_share)
     return num_blocks_for(config.cache_max_entry_count, free, per_block)
 
 
@@ -108,6 +112,7 @@ class Engine:
         backend: str = "auto",
         role: str = "hybrid",
         pool_buffer: Callable[[int], PoolBuffer | None] | None = None,
+        cpu_share: float = 0.5,
     ) -> Engine:
         """Load the model, size and allocate the KV pool.
 
@@ -117,7 +122,7 @@ class Engine:
         dev = torch.device(device)
         arch = _architecture(model_dir)
         model = select_backend(backend, arch, dev)(model_dir, dev, parse_dtype(dtype, dev))
-        num_blocks = size_pool(model, config)
+        num_blocks = size_pool(model, config, cpu_share)
         per_block = bytes_per_block(
             model.num_layers, model.num_kv_heads, model.head_dim, config.block_size, model.dtype
         )

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from lmd import protocol
+from lmd.config import ServeConfig
 from lmd.engine.backend import BackendError
 from lmd.engine.config import EngineConfig
 from lmd.engine.engine import Engine, TokenEvent
@@ -38,9 +39,18 @@ from lmd.engine.model_source import ModelSourceError, resolve_model
 from lmd.engine.sequence import SamplingParams, Sequence
 from lmd.migration.base import PoolMemory
 from lmd.protocol import Message
+from lmd.roles import ENGINE_ROLES, role_counts
 from lmd.worker import Worker, WorkerStartError
 
 log = logging.getLogger(__name__)
+
+# On CPU the engines of one daemon split this share of the available RAM between them.
+CPU_SHARE = 0.5
+
+
+def engine_workers(config: ServeConfig) -> list[str]:
+    counts = role_counts(config)
+    return [f"{r}-{i}" for r in ENGINE_ROLES for i in range(counts.get(r, 0))]
 
 
 class EngineWorker(Worker):
@@ -62,6 +72,7 @@ class EngineWorker(Worker):
                 backend=self.spec.backend or "auto",
                 role=self.role,
                 pool_buffer=None if self.memory is None else self.memory.buffer,
+                cpu_share=CPU_SHARE / len(engine_workers(self.config)),
             )
             if self.memory is not None:
                 self.memory.attach(self.engine.pool)

@@ -49,6 +49,7 @@ __all__ = [
     "available_transports",
     "block_copies",
     "make_transport",
+    "probe_cuda",
     "register_tensor",
 ]
 

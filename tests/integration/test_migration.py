@@ -152,7 +152,8 @@ def test_kill_decode_during_migrations(fake_engines: Daemon) -> None:
 
             # Kill once tokens flow (migrations done for some, in flight for others).
             def migrated() -> bool:
-                return daemon.worker("decode-0").get("migration", {}).get("received", 0) > 0
+                received: int = daemon.worker("decode-0").get("migration", {}).get("received", 0)
+                return received > 0
 
             await asyncio.to_thread(wait_until, migrated, 20, "a first migration")
             await asyncio.sleep(0.2)

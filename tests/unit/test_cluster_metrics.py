@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -11,9 +12,9 @@ from lmd.cluster_metrics import ClusterCollector
 from lmd.migration.stats import SECONDS_BUCKETS, MigrationStats
 
 
-def samples(workers: list[dict[str, object]]) -> dict[tuple[str, str, str], float]:
+def samples(workers: list[dict[str, Any]]) -> dict[tuple[str, str, str], float]:
     collector = ClusterCollector(control_socket=Path("/nonexistent"))
-    collector.workers = workers  # type: ignore[assignment]
+    collector.workers = workers
     registry = CollectorRegistry()
     registry.register(collector)
     out = {}

@@ -16,16 +16,20 @@ from lmd.migration.receiver import MigrationError, Receiver, ReservationRefused
 from lmd.migration.sender import Outgoing, Sender
 
 BLOCK = 4  # tokens per block
-SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 4, "block_size": BLOCK}
+
+
+def pool(num_blocks: int, buffer: memoryview | None = None) -> KVPool:
+    return KVPool(
+        num_blocks, num_layers=2, num_kv_heads=2, head_dim=4, block_size=BLOCK, buffer=buffer
+    )
 
 
 class Side:
     """One engine's pool in a fake-transport region, and its block manager."""
 
     def __init__(self, transport: FakeTransport, num_blocks: int, *, prefix: bool = False):
-        probe = KVPool(1, **SHAPE)
-        self.region = transport.create_region(num_blocks * probe.block_nbytes)
-        self.pool = KVPool(num_blocks, **SHAPE, buffer=memoryview(self.region))
+        self.region = transport.create_region(num_blocks * pool(1).block_nbytes)
+        self.pool = pool(num_blocks, memoryview(self.region))
         self.blocks = BlockManager(num_blocks, BLOCK, enable_prefix_caching=prefix)
 
 

@@ -67,7 +67,10 @@ def test_no_pickle_on_the_wire() -> None:
         ([b"\x02", b'{"name":"a","inflight":1.5,"num_dropped":0,"stats":{}}'], "inflight"),
         ([b"\x02", b'{"name":null,"inflight":0,"num_dropped":0,"stats":{}}'], "name"),
         ([b"\x0c", b"{}", b"extra"], "expected 2 frames"),
-        ([b"\x14", b'{"request_id":"a","reply_to":"t","sampling":{},"decode":""}', b"\x01\x00"], "int32"),
+        (
+            [b"\x14", b'{"request_id":"a","reply_to":"t","sampling":{},"decode":""}', b"\x01\x00"],
+            "int32",
+        ),
         ([b"\x14", b'{"request_id":"a","reply_to":"t","sampling":{},"decode":""}', b""], "int32"),
         (
             [
