@@ -145,8 +145,7 @@ class DecodeWorker(EngineWorker):
                 res.reply_to,
                 res.seq.request_id,
                 "internal_error",
-                f"the KV from {res.prefill} did not arrive within "
-                f"{self.receiver.timeout_s:.0f} s",
+                f"the KV from {res.prefill} did not arrive within {self.receiver.timeout_s:.0f} s",
             )
         running = self.engine.decode.num_seqs
         pool = self.engine.pool
