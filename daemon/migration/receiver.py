@@ -182,9 +182,7 @@ class Receiver:
 
     def expire(self, now: float) -> list[Reservation]:
         """Free granted reservations whose KV did not come within the timeout."""
-        old = [
-            r for r in self._by_id.values() if r.granted and now - r.since > self.timeout_s
-        ]
+        old = [r for r in self._by_id.values() if r.granted and now - r.since > self.timeout_s]
         for res in old:
             self._forget(res)
         return old
