@@ -103,6 +103,10 @@ class ControlClient:
     async def restart(self, name: str) -> dict[str, Any]:
         return await self.request("POST", f"/v1/workers/{name}/restart")
 
+    async def scale(self, role: str, count: int) -> dict[str, Any]:
+        """Run `count` prefill or decode workers: {"added": [...], "retiring": [...]}."""
+        return await self.request("POST", f"/v1/scale/{role}/{count}")
+
     async def drain(self) -> dict[str, Any]:
         return await self.request("POST", "/v1/drain")
 

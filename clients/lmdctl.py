@@ -106,6 +106,12 @@ async def _run(args: argparse.Namespace) -> tuple[str, dict[str, Any] | list[Any
         if args.command == "restart":
             r = await ctl.restart(args.name)
             return f"restarting {args.name}", r
+        if args.command == "scale":
+            r = await ctl.scale(args.role, args.count)
+            parts = [f"{args.role}: {args.count} workers"]
+            parts += [f"starting {', '.join(r['added'])}"] if r["added"] else []
+            parts += [f"retiring {', '.join(r['retiring'])} once idle"] if r["retiring"] else []
+            return "; ".join(parts), r
         if args.command == "reload":
             r = await ctl.reload()
             return reload_text(r), r
@@ -146,6 +152,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("workers", help="the worker table")
     restart = sub.add_parser("restart", help="restart one worker, e.g. decode-0")
     restart.add_argument("name")
+    scale = sub.add_parser("scale", help="add or remove prefill/decode workers live")
+    scale.add_argument("role", choices=("prefill", "decode"))
+    scale.add_argument("count", type=int, help="workers of that role to run (1-64)")
     sub.add_parser("drain", help="refuse new requests, finish in-flight ones, stay up")
     sub.add_parser("resume", help="admit requests again after a drain")
     sub.add_parser("shutdown", help="drain, then stop the daemon")

@@ -41,6 +41,10 @@ class Child:
         self.stats: dict[str, Any] = {}
         self.inflight = 0
         self.num_dropped = 0
+        # lmdctl scale removed it (scaling.py): no new work, stopped once idle, not restarted.
+        self.retiring = False
+        self.retire_started = 0.0
+        self.stop_sent = False
 
     @property
     def name(self) -> str:
@@ -142,6 +146,8 @@ class Child:
             "num_dropped": self.num_dropped,
             "last_exit_code": self.last_exit,
         }
+        if self.retiring:
+            status["retiring"] = True
         status.update({k: v for k, v in self.stats.items() if k not in status and k != "rss_bytes"})
         status.update({k: v for k, v in self.info.items() if k not in status})
         return status

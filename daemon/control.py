@@ -96,6 +96,13 @@ def build_control_app(sup: Supervisor) -> FastAPI:
         sup.restart_worker(name)
         return {"ok": True, "worker": name}
 
+    @app.post("/v1/scale/{role}/{count}")
+    async def scale(role: str, count: int) -> dict[str, Any]:
+        """Run COUNT workers of ROLE (prefill or decode; disaggregated mode): new ones
+        start at once; removed ones (the highest indices) take no new request and stop
+        once idle (`retiring` in status). Answers {role, count, added, retiring}."""
+        return await sup.scale(role, count)
+
     @app.post("/v1/drain")
     async def drain() -> dict[str, Any]:
         """Refuse new requests, finish those in flight, keep running (undo: resume)."""

@@ -107,6 +107,8 @@ class ClusterState:
     # Running workers by name, with each one's pid: a name whose pid changed is a new
     # process, and whatever the old one held (requests, KV reservations) is gone.
     workers: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Running workers being retired (lmdctl scale): route nothing new to them.
+    draining: list[str] = dataclasses.field(default_factory=list)
 
     def check(self) -> None:
         for name, pid in self.workers.items():

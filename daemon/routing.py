@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass
 
 
@@ -38,10 +39,13 @@ class Router:
         self._load: Counter[str] = Counter()
         self._turn = itertools.count()
 
-    def pick(self, running: dict[str, int] | None) -> Route:
-        """A route over running workers (`running`: name -> pid; None = assume all run)."""
-        engine = self._least_loaded(self.engines, running)
-        decode = self._least_loaded(self.decodes, running) if self.decodes else ""
+    def pick(self, running: dict[str, int] | None, draining: Collection[str] = ()) -> Route:
+        """A route over running workers (`running`: name -> pid; None = assume the
+        configured ones run), leaving out `draining` ones (being retired)."""
+        engine = self._least_loaded(self._names(self.engines, running, draining), running)
+        decode = ""
+        if self.decodes:
+            decode = self._least_loaded(self._names(self.decodes, running, draining), running)
         route = Route(
             engine,
             decode,
@@ -84,10 +88,21 @@ class Router:
     def load(self, name: str) -> int:
         return self._load[name]
 
-    def _least_loaded(self, names: list[str], running: dict[str, int] | None) -> str:
-        up = names if running is None else [n for n in names if n in running]
-        if not up:
-            raise NoEngine(f"no {names[0].rsplit('-', 1)[0]} worker is running")
+    @staticmethod
+    def _names(
+        configured: list[str], running: dict[str, int] | None, draining: Collection[str]
+    ) -> list[str]:
+        """Workers of the role of `configured`: those running (lmdctl scale adds and
+        removes some), in index order, or the configured ones when nothing is known."""
+        if running is None:
+            return configured
+        role = configured[0].rsplit("-", 1)[0]
+        names = [n for n in running if n.rsplit("-", 1)[0] == role and n not in draining]
+        if not names:
+            raise NoEngine(f"no {role} worker is running")
+        return sorted(names, key=lambda n: int(n.rsplit("-", 1)[1]))
+
+    def _least_loaded(self, up: list[str], running: dict[str, int] | None) -> str:
         start = next(self._turn) % len(up)
         rotated = up[start:] + up[:start]
         return min(rotated, key=lambda n: self._load[n])

@@ -29,7 +29,7 @@ from typing import Any
 
 import zmq.asyncio
 
-from lmd import __version__, ipc, protocol
+from lmd import __version__, ipc, protocol, scaling
 from lmd.child import Child, describe_exit
 from lmd.config import ConfigError
 from lmd.config_loader import LoadedConfig, reload_config
@@ -136,14 +136,13 @@ class Supervisor:
         for child in self.live_children if children is None else children:
             await self.router.send(child.name, msg)
 
-    async def _publish_cluster_state(self) -> None:
-        running = {
-            c.name: c.pid
-            for c in self.children.values()
-            if c.state == WorkerState.RUNNING and c.pid is not None
-        }
-        state = protocol.ClusterState(str(self.state), self.missing_roles, running)
-        await self._broadcast(state)
+    async def publish_cluster_state(self) -> None:
+        up = [c for c in self.children.values() if c.state == WorkerState.RUNNING and c.pid]
+        running = {c.name: c.pid for c in up if c.pid is not None}
+        retiring = [c.name for c in up if c.retiring]
+        await self._broadcast(
+            protocol.ClusterState(str(self.state), self.missing_roles, running, retiring)
+        )
         self.service.status(self.status_line)
 
     @property
@@ -194,13 +193,14 @@ class Supervisor:
             self.service.ready(self.status_line)
         if self.state in (DaemonState.DRAINING, DaemonState.STOPPING):
             await self.router.send(child.name, protocol.Drain())
-        await self._publish_cluster_state()
+        await self.publish_cluster_state()
 
     async def _tick_loop(self) -> None:
         while True:
             now = time.monotonic()
-            for child in self.children.values():
+            for child in list(self.children.values()):
                 await self._tick_child(child, now)
+                await scaling.tick_retiring(self, child, now)
             if (
                 self.state == DaemonState.STARTING
                 and now - self.started_mono > self.config.startup_timeout
@@ -243,6 +243,9 @@ class Supervisor:
             child.last_exit = code
             child.set_state(WorkerState.STOPPED)
             return
+        if scaling.forget_retired(self, child):
+            await self.publish_cluster_state()
+            return
         if child.restart_requested_at is None:
             ran = now - child.started_mono
             log.warning(
@@ -263,7 +266,7 @@ class Supervisor:
             return
         child.set_state(WorkerState.RESTARTING)
         child.next_start_at = now + delay
-        await self._publish_cluster_state()
+        await self.publish_cluster_state()
 
     # Stopping --------------------------------------------------------------------------
 
@@ -286,7 +289,7 @@ class Supervisor:
         self.request_stop(f"giving up: {reason}", exit_code=1, drain=False)
 
     async def _stop(self) -> None:
-        await self._publish_cluster_state()
+        await self.publish_cluster_state()
         await self._broadcast(protocol.Drain())
         self._drain_started = time.monotonic()
         deadline = self._drain_started + self.config.drain_timeout
@@ -339,6 +342,9 @@ class Supervisor:
     def workers(self) -> list[dict[str, Any]]:
         return [c.to_status() for c in self.children.values()]
 
+    async def scale(self, role: str, count: int) -> dict[str, Any]:
+        return await scaling.scale(self, role, count)
+
     def restart_worker(self, name: str) -> None:
         child = self.children.get(name)
         if child is None:
@@ -361,7 +367,7 @@ class Supervisor:
             self._set_state(DaemonState.DRAINING)
             log.info("draining: new requests are refused until resume")
             await self._broadcast(protocol.Drain())
-            await self._publish_cluster_state()
+            await self.publish_cluster_state()
 
     async def resume(self) -> None:
         if self.state != DaemonState.DRAINING:
@@ -369,7 +375,7 @@ class Supervisor:
         self._set_state(DaemonState.RUNNING)
         log.info("resumed: admitting requests again")
         await self._broadcast(protocol.Resume())
-        await self._publish_cluster_state()
+        await self.publish_cluster_state()
 
     def reload(self) -> dict[str, Any]:
         """Load the config file and environment again (the command line stays as it was).

@@ -221,7 +221,7 @@ class TokenizerWorker(Worker):
             want_logprobs=msg.sampling.get("logprobs") is not None,
         )
         try:
-            route = self.router.pick(self.workers or None)
+            route = self.router.pick(self.workers or None, self.draining_workers)
         except NoEngine as exc:
             fail("service_unavailable", f"{exc}; retry later")
             return

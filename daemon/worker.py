@@ -100,6 +100,7 @@ class Worker:
         self.cluster_state = "starting"
         self.missing_roles: list[str] = []
         self.workers: dict[str, int] = {}  # running workers by name -> pid (ClusterState)
+        self.draining_workers: list[str] = []  # of those, the ones being retired
         self._stop = asyncio.Event()
         self._num_unexpected = 0
         self._proc = psutil.Process()
@@ -167,7 +168,7 @@ class Worker:
                 self.draining = False
             elif isinstance(msg, protocol.ClusterState):
                 self.cluster_state, self.missing_roles = msg.state, msg.missing_roles
-                self.workers = msg.workers
+                self.workers, self.draining_workers = msg.workers, msg.draining
                 self.on_cluster_state()
             else:
                 self._unexpected(msg, "control")

@@ -1,0 +1,55 @@
+"""The tokenizer's router: least loaded among running workers, draining ones skipped,
+restarts noticed by pid."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmd.routing import NoEngine, Router
+
+
+def test_least_loaded_pairs_and_load_accounting() -> None:
+    router = Router(["prefill-0", "prefill-1"], ["decode-0", "decode-1"])
+    running = {"prefill-0": 10, "prefill-1": 11, "decode-0": 20, "decode-1": 21}
+    a = router.pick(running)
+    b = router.pick(running)
+    assert {a.engine, b.engine} == {"prefill-0", "prefill-1"}
+    assert {a.decode, b.decode} == {"decode-0", "decode-1"}
+    router.prefilled(a)  # first token: a's prefill worker is free again
+    assert router.load(a.engine) == 0 and router.load(a.decode) == 1
+    c = router.pick(running)
+    assert (c.engine == a.engine and c.decode == a.decode) or c.decode != b.decode
+    for route in (a, b, c):
+        router.finished(route)
+        router.finished(route)  # twice is harmless
+    assert all(router.load(n) == 0 for n in running)
+
+
+def test_scaled_and_draining_workers() -> None:
+    router = Router(["prefill-0"], ["decode-0"])  # the configured ones
+    running = {"prefill-0": 1, "decode-0": 2, "decode-1": 3}  # lmdctl scale added one
+    picked = {router.pick(running).decode for _ in range(4)}
+    assert picked == {"decode-0", "decode-1"}
+    only = {router.pick(running, draining=["decode-1"]).decode for _ in range(4)}
+    assert only == {"decode-0"}
+    with pytest.raises(NoEngine, match="no decode worker is running"):
+        router.pick({"prefill-0": 1}, draining=[])
+
+
+def test_broken_routes() -> None:
+    router = Router(["prefill-0"], ["decode-0"])
+    route = router.pick({"prefill-0": 1, "decode-0": 2})
+    assert router.broken(route, {"prefill-0": 1, "decode-0": 2}) is None
+    assert "decode-0" in (router.broken(route, {"prefill-0": 1, "decode-0": 9}) or "")
+    assert "prefill-0" in (router.broken(route, {"decode-0": 2}) or "")
+    router.prefilled(route)  # after the first token the prefill worker no longer matters
+    assert router.broken(route, {"decode-0": 2}) is None
+
+
+def test_hybrid_routes_have_no_decode() -> None:
+    router = Router(["hybrid-0"], [])
+    assert router.pick(None).engine == "hybrid-0"  # nothing known yet: the configured one
+    route = router.pick({"hybrid-0": 5})
+    assert route.engine == "hybrid-0" and route.decode == ""
+    router.prefilled(route)
+    assert "hybrid-0" in (router.broken(route, {}) or "")  # the engine matters to the end
