@@ -1,7 +1,7 @@
 """`lmd-bench front`: what the serving path costs without the model.
 
     lmd-bench front [--requests 2000] [--concurrency 64] [--stream-tokens 64]
-                    [--torch-threads 1] [--json]
+                    [--temperature 0] [--torch-threads 1] [--json]
 
 Starts a daemon in hybrid mode with the `fake` backend (tokens come out of a fixed rule,
 no model runs; the real tokenizer, api, engine loop and wire protocol do), then measures
@@ -28,9 +28,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -40,7 +40,7 @@ import uvloop
 from lmd.bench.http_client import Connection, HttpError
 
 HOST = "127.0.0.1"
-MODEL_FIELDS = {"model": "SmolLM2-135M-Instruct", "prompt": "Hello there", "temperature": 0}
+MODEL_FIELDS = {"model": "SmolLM2-135M-Instruct", "prompt": "Hello there"}
 
 
 def add_parser(sub: Any) -> None:
@@ -54,23 +54,39 @@ def add_parser(sub: Any) -> None:
         default=1,
         help="torch threads (OMP_NUM_THREADS) in the daemon; 0: torch's default",
     )
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy; above: the sampled path"
+    )
     p.add_argument("--port", type=int, default=0, help="default: a free port")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.set_defaults(run=run)
 
 
 Unit = Callable[[Connection], Awaitable[int]]
+C = TypeVar("C")
 
 
 async def _load(
     n: int, concurrency: int, one: Unit, port: int
 ) -> tuple[float, list[float], int, int]:
-    """Run `one` n times, `concurrency` at once: (seconds, latencies, units, failures)."""
+    """Run `one` n times over `concurrency` connections: (seconds, latencies, units, failures)."""
+    conns = [await Connection.open(HOST, port) for _ in range(concurrency)]
+    try:
+        return await _drive(n, conns, one)
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+async def _drive(
+    n: int, conns: Sequence[C], one: Callable[[C], Awaitable[int]]
+) -> tuple[float, list[float], int, int]:
+    """Run `one` n times, one worker per connection at once."""
     queue = iter(range(n))
     latencies: list[float] = []
     totals = [0, 0]  # units (requests or tokens), failures
 
-    async def worker(conn: Connection) -> None:
+    async def worker(conn: C) -> None:
         for _ in queue:
             t0 = time.perf_counter()
             try:
@@ -83,20 +99,14 @@ async def _load(
             totals[0] += units
             latencies.append(time.perf_counter() - t0)
 
-    conns = [await Connection.open(HOST, port) for _ in range(concurrency)]
-    try:
-        start = time.perf_counter()
-        await asyncio.gather(*(worker(conn) for conn in conns))
-        return time.perf_counter() - start, latencies, totals[0], totals[1]
-    finally:
-        for conn in conns:
-            conn.close()
+    start = time.perf_counter()
+    await asyncio.gather(*(worker(conn) for conn in conns))
+    return time.perf_counter() - start, latencies, totals[0], totals[1]
 
 
-def _requester() -> Unit:
-    request = Connection.post_request(
-        HOST, "/v1/completions", orjson.dumps({**MODEL_FIELDS, "max_tokens": 1})
-    )
+def _requester(temperature: float) -> Unit:
+    body = {**MODEL_FIELDS, "temperature": temperature, "max_tokens": 1}
+    request = Connection.post_request(HOST, "/v1/completions", orjson.dumps(body))
 
     async def one(conn: Connection) -> int:
         body = orjson.loads(await conn.send(request))
@@ -107,9 +117,10 @@ def _requester() -> Unit:
     return one
 
 
-def _streamer(tokens: int) -> Unit:
+def _streamer(tokens: int, temperature: float) -> Unit:
     body = {
         **MODEL_FIELDS,
+        "temperature": temperature,
         "max_tokens": tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -164,7 +175,7 @@ def _cpu_seconds(proc: psutil.Process) -> float:
 
 
 async def _measure(port: int, args: argparse.Namespace, cpu: CpuMeter) -> dict[str, Any]:
-    one_request = _requester()
+    one_request = _requester(args.temperature)
     await _load(50, 8, one_request, port)  # warm-up
     before = cpu.read()
     secs, _, done, failed = await _load(args.requests, args.concurrency, one_request, port)
@@ -173,13 +184,14 @@ async def _measure(port: int, args: argparse.Namespace, cpu: CpuMeter) -> dict[s
     n_stream = max(1, args.requests // 4)
     before = cpu.read()
     s_secs, _, tokens, s_failed = await _load(
-        n_stream, args.concurrency, _streamer(args.stream_tokens), port
+        n_stream, args.concurrency, _streamer(args.stream_tokens, args.temperature), port
     )
     cpu_token = cpu.per_unit(before, tokens, 1e6)
     return {
         "benchmark": "front",
         "requests": args.requests,
         "concurrency": args.concurrency,
+        "temperature": args.temperature,
         "requests_per_s": round(done / secs, 1),
         "cpu_ms_per_request": cpu_request,
         "latency_ms_at_concurrency_1": {"p50": _ms(lat, 50), "p99": _ms(lat, 99)},
@@ -194,6 +206,8 @@ async def _measure(port: int, args: argparse.Namespace, cpu: CpuMeter) -> dict[s
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.requests < 2 or args.concurrency < 1 or args.stream_tokens < 1:
         raise ValueError("--requests must be >= 2, --concurrency and --stream-tokens >= 1")
+    if args.temperature < 0 or args.torch_threads < 0:
+        raise ValueError("--temperature and --torch-threads must be >= 0")
     runtime = Path(tempfile.mkdtemp(prefix="lmdb-"))
     port = args.port or _free_port()
     cmd = [
@@ -221,9 +235,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         env = dict(os.environ)
         # The fake engine's tensors are small: a second OpenMP thread gains nothing and,
         # on cores shared with the api and tokenizer, made a decode step 15x slower.
-        threads = getattr(args, "torch_threads", 1)
-        if threads:
-            env["OMP_NUM_THREADS"] = str(threads)
+        if args.torch_threads:
+            env["OMP_NUM_THREADS"] = str(args.torch_threads)
         daemon = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:

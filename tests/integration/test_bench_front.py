@@ -8,7 +8,10 @@ from lmd.bench import front
 
 
 def test_front_benchmark_serves_every_request_through_a_real_daemon() -> None:
-    result = front.run(Namespace(requests=40, concurrency=4, stream_tokens=8, port=0))
+    args = Namespace(
+        requests=40, concurrency=4, stream_tokens=8, port=0, temperature=1.0, torch_threads=1
+    )
+    result = front.run(args)
     assert result["failed"] == 0
     assert result["requests_per_s"] > 0 and result["streamed_tokens_per_s"] > 0
     assert result["latency_ms_at_concurrency_1"]["p50"] > 0

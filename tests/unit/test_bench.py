@@ -18,13 +18,11 @@ def test_bad_arguments_are_a_usage_error(capsys: object) -> None:
 async def test_front_load_counts_every_unit_of_concurrent_workers() -> None:
     import asyncio
 
-    import httpx
+    from lmd.bench.front import _drive
 
-    from lmd.bench.front import _load
-
-    async def one(client: httpx.AsyncClient) -> int:
+    async def one(conn: int) -> int:
         await asyncio.sleep(0.001)  # every worker is suspended here at once
         return 3
 
-    _, latencies, units, failures = await _load(200, 16, one, "http://127.0.0.1:9")
+    _, latencies, units, failures = await _drive(200, list(range(16)), one)
     assert (units, failures, len(latencies)) == (600, 0, 200)
