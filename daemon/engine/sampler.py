@@ -28,6 +28,7 @@ import torch
 from lmd.engine.categorical import argmax_rows, draw_rows
 from lmd.engine.sequence import Sequence, banned_token_ids
 from lmd.engine.warpers import warp
+from lmd.engine.workspace import Workspace
 
 _MASK64 = (1 << 64) - 1
 
@@ -80,6 +81,7 @@ class Sampler:
 
     def __init__(self, eos_token_ids: Iterable[int] = ()) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
+        self.workspace = Workspace()  # [B, V] scratch reused across steps (see workspace.py)
 
     def sample(self, logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> SamplerOutput:
         """One next token per row of `logits` ([B, V]) for the matching `seqs[i]`."""
@@ -89,15 +91,12 @@ class Sampler:
             )
         raw = logits.float()  # [B, V]; the same tensor when already float32
         x = self._penalized(raw, seqs)
-        greedy = [i for i, seq in enumerate(seqs) if seq.sampling.is_greedy]
-        if len(greedy) == len(seqs):
-            return self._with_logprobs(raw, argmax_rows(x), seqs)
-        tokens = torch.empty(len(seqs), dtype=torch.long, device=x.device)  # [B]
-        if greedy:
-            index = torch.tensor(greedy, dtype=torch.long, device=x.device)
-            tokens[index] = argmax_rows(x.index_select(0, index))
+        # Every row's argmax (cheap next to sampling); sampled rows are overwritten below.
+        tokens = argmax_rows(x)  # [B]
         sampled = [i for i, seq in enumerate(seqs) if not seq.sampling.is_greedy]
-        for group in warp(x, sampled, [seqs[i].sampling for i in sampled]):
+        if not sampled:
+            return self._with_logprobs(raw, tokens, seqs)
+        for group in warp(x, sampled, [seqs[i].sampling for i in sampled], self.workspace):
             u = uniforms([seqs[i] for i in group.rows]).to(x.device)
             index = torch.tensor(group.rows, dtype=torch.long, device=x.device)
             choice = draw_rows(group.weights, u)  # [R] positions in the candidates
@@ -111,7 +110,7 @@ class Sampler:
         bans = [banned_token_ids(seq, self.eos_token_ids) for seq in seqs]
         if not any(bans) and all(s.sampling.repetition_penalty == 1.0 for s in seqs):
             return raw
-        x = raw.clone()
+        x = self.workspace.get("penalized", raw.shape[0], raw.shape[1], raw.device).copy_(raw)
         self._apply_repetition_penalty(x, seqs)
         self._apply_bans(x, bans)
         return x
@@ -152,14 +151,16 @@ class Sampler:
         if not rows:
             return SamplerOutput(tokens, num_logprobs=asked)
         most = min(max(n or 0 for n in asked), raw.shape[1])
+        logprobs = self.workspace.get("logprobs", len(rows), raw.shape[1], raw.device)
         if len(rows) == len(seqs):
-            logprobs = raw.log_softmax(dim=-1)  # [B, V]
+            torch.log_softmax(raw, dim=-1, out=logprobs)  # [B, V]
             chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [B]
             top_lps, top_ids = logprobs.topk(most, dim=-1)  # [B, N] each
             return SamplerOutput(tokens, chosen, top_ids, top_lps, asked)
         # Only the rows that asked: [R, V] instead of [B, V]; the others stay 0.
         index = torch.tensor(rows, dtype=torch.long, device=raw.device)
-        logprobs = raw.index_select(0, index).log_softmax(dim=-1)  # [R, V]
+        asking = self.workspace.get("scaled", len(rows), raw.shape[1], raw.device)
+        torch.log_softmax(torch.index_select(raw, 0, index, out=asking), dim=-1, out=logprobs)
         picked = tokens.index_select(0, index).unsqueeze(1)
         chosen = torch.zeros(len(seqs), device=raw.device)
         chosen[index] = logprobs.gather(1, picked).squeeze(1)

@@ -15,6 +15,7 @@ Semantics, in this order (as transformers and vLLM; the same as masking [B, V] w
 Each row's candidates depend only on its own logits and parameters, never on the other rows
 of the batch: rows are grouped by top_k, and a top_p row without top_k widens its own
 candidate set (TOP_P_STAGES, then the full sort) until the survivors fit in it.
+The [R, V] intermediates live in a Workspace (no fresh pages each step on CPU).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from torch import Tensor
 
 from lmd.engine.sequence import SamplingParams
+from lmd.engine.workspace import Workspace
 
 # Candidate counts a top_p row (without top_k) tries before sorting its whole vocabulary
 # (per row on one CPU core: topk 64 0.06 ms, 1024 0.4 ms, 8192 ~0.9 ms; the sort 3.2 ms).
@@ -41,73 +43,99 @@ class Candidates:
     weights: Tensor  # [R, K] (or [R, V]) float32 >= 0, a positive entry per row
 
 
-def warp(x: Tensor, rows: list[int], params: SequenceOf[SamplingParams]) -> list[Candidates]:
-    """Candidate sets for `rows` of the logits x [B, V]; params[i] belongs to row rows[i]."""
+def warp(
+    x: Tensor,
+    rows: list[int],
+    params: SequenceOf[SamplingParams],
+    workspace: Workspace | None = None,
+) -> list[Candidates]:
+    """Candidate sets for `rows` of the logits x [B, V]; params[i] belongs to row rows[i].
+
+    The whole-vocabulary weights are views of `workspace` ("probs"): draw them before the
+    workspace is used again.
+    """
+    ws = workspace or Workspace()
     vocab = x.shape[1]
-    by_top_k: dict[int, list[int]] = {}
+    groups: dict[int, list[int]] = {}  # top_k -> members; 0: top_p only; -1: neither
     for i, p in enumerate(params):
-        by_top_k.setdefault(p.top_k if 0 < p.top_k < vocab else 0, []).append(i)
+        k = p.top_k if 0 < p.top_k < vocab else 0
+        groups.setdefault(-1 if k == 0 and p.top_p >= 1.0 else k, []).append(i)
     out: list[Candidates] = []
-    for k, members in by_top_k.items():
-        group = [params[i] for i in members]
-        scaled = _scaled(x, [rows[i] for i in members], group)  # [R, V]
-        if k:
-            values, ids = scaled.topk(k, dim=-1)  # [R, k] each, most likely first
-            probs = values.softmax(dim=-1)
-            out.append(_top_p_min_p([rows[i] for i in members], ids, probs, group))
-            continue
-        nucleus = [j for j, p in enumerate(group) if p.top_p < 1.0]
-        whole = [j for j, p in enumerate(group) if p.top_p >= 1.0]
-        if whole:
-            out.append(_whole([rows[members[j]] for j in whole], scaled[whole], group, whole))
-        if nucleus:
-            out += _nucleus([rows[members[j]] for j in nucleus], scaled[nucleus], group, nucleus)
+    for k in sorted(groups, reverse=True):  # the whole-vocabulary rows last: see above
+        group = [params[i] for i in groups[k]]
+        group_rows = [rows[i] for i in groups[k]]
+        if k > 0:
+            values, ids = _scaled(x, group_rows, group, ws).topk(k, dim=-1)  # [R, k] each
+            out.append(_top_p_min_p(group_rows, ids, values.softmax(dim=-1), group))
+        elif k == 0:
+            out += _nucleus(x, group_rows, group, ws)
+        else:
+            out.append(_whole(x, group_rows, group, ws))
     return out
 
 
-def _scaled(x: Tensor, rows: list[int], params: list[SamplingParams]) -> Tensor:
-    """The rows' logits divided by their temperatures. # [R, V]"""
-    index = torch.tensor(rows, dtype=torch.long, device=x.device)
-    temperature = torch.tensor([p.temperature for p in params], device=x.device)
-    return x.index_select(0, index) / temperature.unsqueeze(1)
+def _scaled(x: Tensor, rows: list[int], params: list[SamplingParams], ws: Workspace) -> Tensor:
+    """The rows' logits divided by their temperatures, in workspace "scaled". # [R, V]"""
+    out = ws.get("scaled", len(rows), x.shape[1], x.device)
+    if rows == list(range(x.shape[0])):
+        out.copy_(x)
+    else:
+        torch.index_select(x, 0, torch.tensor(rows, dtype=torch.long, device=x.device), out=out)
+    temperature = [p.temperature for p in params]
+    if any(t != 1.0 for t in temperature):
+        out.div_(torch.tensor(temperature, device=x.device).unsqueeze(1))
+    return out
 
 
-def _whole(
-    rows: list[int], scaled: Tensor, group: list[SamplingParams], picked: list[int]
-) -> Candidates:
+def _probs(x: Tensor, rows: list[int], params: list[SamplingParams], ws: Workspace) -> Tensor:
+    """softmax of the rows' scaled logits, in workspace "probs". # [R, V]"""
+    out = ws.get("probs", len(rows), x.shape[1], x.device)
+    if rows == list(range(x.shape[0])) and all(p.temperature == 1.0 for p in params):
+        return torch.softmax(x, dim=-1, out=out)
+    return torch.softmax(_scaled(x, rows, params, ws), dim=-1, out=out)
+
+
+def _whole(x: Tensor, rows: list[int], params: list[SamplingParams], ws: Workspace) -> Candidates:
     """Rows with neither top_k nor top_p: the whole vocabulary, min_p applied."""
-    probs = scaled.softmax(dim=-1)  # [R, V]
-    min_p = [group[j].min_p for j in picked]
+    probs = _probs(x, rows, params, ws)  # [R, V]
+    min_p = [p.min_p for p in params]
     if any(m > 0 for m in min_p):
-        floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, device=probs.device)[:, None]
-        probs = probs.masked_fill(probs < floor, 0.0)
+        floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, device=x.device)[:, None]
+        below = ws.get("mask", len(rows), x.shape[1], x.device, torch.bool)
+        probs.masked_fill_(torch.lt(probs, floor, out=below), 0.0)
     return Candidates(rows, None, probs)
 
 
 def _nucleus(
-    rows: list[int], scaled: Tensor, group: list[SamplingParams], picked: list[int]
+    x: Tensor, rows: list[int], params: list[SamplingParams], ws: Workspace
 ) -> list[Candidates]:
     """Rows with top_p and no top_k: the most likely tokens until the survivors fit."""
-    vocab = scaled.shape[1]
-    params = [group[j] for j in picked]
-    probs = scaled.softmax(dim=-1)  # [R, V], normalized over the whole vocabulary
-    top_p = torch.tensor([p.top_p for p in params], device=scaled.device)
+    vocab = x.shape[1]
+    scaled = _scaled(x, rows, params, ws)  # [R, V]
+    probs = ws.get("probs", len(rows), vocab, x.device)
+    torch.softmax(scaled, dim=-1, out=probs)  # normalized over the whole vocabulary
+    top_p = torch.tensor([p.top_p for p in params], device=x.device)
     out: list[Candidates] = []
     left = list(range(len(rows)))
     for size in (*(s for s in TOP_P_STAGES if s < vocab), vocab):
-        index = torch.tensor(left, dtype=torch.long, device=scaled.device)
-        if size < vocab:
-            _, ids = scaled.index_select(0, index).topk(size, dim=-1)  # [R, size]
+        index = torch.tensor(left, dtype=torch.long, device=x.device)
+        if len(left) == len(rows):
+            candidates = scaled
         else:
-            _, ids = scaled.index_select(0, index).sort(dim=-1, descending=True)
-        p = probs.index_select(0, index).gather(1, ids)  # [R, size], most likely first
+            candidates = ws.get("stage", len(left), vocab, x.device)
+            torch.index_select(scaled, 0, index, out=candidates)
+        if size < vocab:
+            _, ids = candidates.topk(size, dim=-1)  # [R, size], most likely first
+        else:
+            _, ids = candidates.sort(dim=-1, descending=True)
+        p = probs[index.unsqueeze(1), ids]  # [R, size]
         # The survivors fit when the mass of all `size` candidates passes top_p: the next
         # token would have more than top_p before it, so it is cut.
         mass = p.cumsum(dim=-1)[:, -1]  # summed in the order the top_p cut sums them
         fits = (mass > top_p.index_select(0, index)).tolist() if size < vocab else None
         done = [n for n in range(len(left)) if fits is None or fits[n]]
         if done:
-            sel = torch.tensor(done, dtype=torch.long, device=scaled.device)
+            sel = torch.tensor(done, dtype=torch.long, device=x.device)
             out.append(
                 _top_p_min_p(
                     [rows[left[n]] for n in done],

@@ -181,3 +181,19 @@ def test_logprobs_for_some_sampled_rows_are_of_the_raw_distribution() -> None:
     assert first.logprob == pytest.approx(float(expected[0, tokens[0]]), abs=1e-5)
     assert [token for token, _ in first.top] == expected[0].topk(2).indices.tolist()
     assert last.logprob == pytest.approx(float(expected[2].max()), abs=1e-5)
+
+
+def test_a_sampler_reused_over_steps_of_any_size_samples_as_a_fresh_one() -> None:
+    kinds: list[dict[str, Any]] = [
+        {"min_p": 0.3},
+        {"top_p": 0.6},
+        {"top_k": 4, "logprobs": 2},
+        {"temperature": 0, "repetition_penalty": 1.2},
+        {"temperature": 0.5},
+    ]
+    reused = Sampler()
+    for step, size in enumerate([5, 2, 7, 1, 6]):
+        logits = random_logits(size, vocab=700, seed=step)
+        seqs = [seq(f"r{i}", seed=i, **kinds[i % len(kinds)]) for i in range(size)]
+        tokens, rows = reused.sample(logits, seqs).tolist()
+        assert (tokens, rows) == Sampler().sample(logits, seqs).tolist()
