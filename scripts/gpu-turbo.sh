@@ -59,8 +59,9 @@ import torch
 from lmd.engine.backend import ForwardBatch
 from lmd.engine.turbo.backend import TurboBackend
 model_dir, batches = Path(sys.argv[1]), [int(b) for b in sys.argv[2].split(",")]
+kinds = (True,) if sys.argv[3:] == ["graph"] else (True, False)
 block, context = 64, 512
-for graphs in (True, False):
+for graphs in kinds:
     backend = TurboBackend(model_dir, torch.device("cuda"), torch.bfloat16, cuda_graphs=graphs)
     per_seq = math.ceil((context + 1) / block)
     shape = backend.kv_cache_shape(max(batches) * per_seq, block)
@@ -106,11 +107,48 @@ for graphs in (True, False):
     del backend, kv
     torch.cuda.empty_cache()
 PY
+# Prefill: the attention kernel alone at the Llama-3-8B shape (16 prompts of 512 tokens,
+# one layer) for a few tilings, and where one 8,192-token prefill chunk's time goes.
+cat > /tmp/turbo_prefill.py <<'PY'
+import sys
+from pathlib import Path
+import torch, triton
+from lmd.engine.backend import ForwardBatch
+from lmd.engine.turbo import kernels
+from lmd.engine.turbo.backend import TurboBackend
+seqs, n, heads, kv_heads, d, block = 16, 512, 32, 8, 128, 64
+q = torch.randn(seqs * n, heads, d, device="cuda", dtype=torch.bfloat16)
+kv = torch.randn(seqs * n // block, 1, 2, block, kv_heads, d, device="cuda", dtype=torch.bfloat16)
+tables = torch.arange(seqs * n // block, device="cuda", dtype=torch.int32).view(seqs, -1)
+cu = torch.arange(0, seqs * n + 1, n, device="cuda", dtype=torch.int32)
+lens = torch.full((seqs,), n, device="cuda", dtype=torch.int32)
+flops = 4 * seqs * heads * d * n * (n + 1) / 2  # QK^T and PV over the causal half
+for tiles in (None, (64, 64, 4), (128, 64, 8), (128, 32, 8), (64, 32, 4), (128, 128, 8)):
+    try:
+        run = lambda: kernels.prefill_attention(q, kv, layer=0, block_tables=tables, cu_seqlens=cu,
+                                                context_lens=lens, max_seq_len=n, scale=d**-0.5, tiles=tiles)
+        ms = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
+        print(f"prefill attention 16x512, 32/8 heads x 128, tiles {tiles or 'default'}: "
+              f"{ms * 1e3:.0f} us, {flops / ms / 1e9:.0f} TFLOP/s")
+    except Exception as exc:  # a tiling that does not compile is a result too
+        print(f"prefill attention tiles {tiles}: {type(exc).__name__}: {str(exc)[:120]}")
+backend = TurboBackend(Path(sys.argv[1]), torch.device("cuda"), torch.bfloat16, cuda_graphs=False)
+pool = torch.randn(backend.kv_cache_shape(seqs * n // block, block), device="cuda").to(torch.bfloat16)
+prompts = torch.randint(16, 1000, (seqs, n)).tolist()
+batch = ForwardBatch.pack(prompts, [0] * seqs, tables.cpu().tolist(), block)
+backend.forward(batch, pool)
+torch.cuda.synchronize()
+from torch.profiler import ProfilerActivity, profile
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    backend.forward(batch, pool)
+    torch.cuda.synchronize()
+print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=50))
+PY
 timing() {
-  timeout "$1" python3 /tmp/turbo_timing.py "$2" "$3" 2>&1 | grep -v "^Loading\|^Writing" \
+  timeout "$1" python3 /tmp/turbo_timing.py "$2" "$3" "${4:-both}" 2>&1 | grep -v "^Loading\|^Writing" \
     | tee -a "$out/decode-steps.txt"
 }
-timing 150 /tmp/smollm2-shape 1,64,256
+timing 150 /tmp/smollm2-shape 1,64,256 "$([[ $mode == full ]] && echo graph)"
 
 bench() {
   timeout 200 python3 -m lmd.bench offline --device cuda --backend turbo --input-len 512 \
@@ -118,7 +156,9 @@ bench() {
 }
 for batch in 1 64 512; do bench --model /tmp/smollm2-shape --batch "$batch"; done
 if [[ "$mode" == "full" ]]; then
-  timing 200 /tmp/llama3-8b-shape 1,64
-  for batch in 1 64 512; do bench --model /tmp/llama3-8b-shape --batch "$batch"; done
+  timing 200 /tmp/llama3-8b-shape 1,64 graph
+  timeout 150 python3 /tmp/turbo_prefill.py /tmp/llama3-8b-shape 2>&1 | grep -v "^Loading" \
+    | tee -a "$out/prefill.txt"
+  for batch in 64 512; do bench --model /tmp/llama3-8b-shape --batch "$batch"; done
 fi
 tail -3 "$out/bench-stderr.txt"

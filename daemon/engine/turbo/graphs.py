@@ -20,7 +20,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -29,6 +31,9 @@ from lmd.engine.turbo import kernels
 from lmd.engine.turbo.model import StepInputs, TurboModel
 
 log = logging.getLogger(__name__)
+
+# A padding row's inputs (token id, position, slot, context length), as a column.
+PADDING = np.array([[0], [0], [-1], [0]], dtype=np.int32)
 
 
 def bucket_sizes(max_batch_size: int) -> list[int]:
@@ -55,23 +60,37 @@ class DecodeGraphs:
         self.max_blocks = math.ceil(model.config.max_position_embeddings / block_size)
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        # Static inputs, int32: rows of one buffer (token ids, positions, slots, context
+        # lengths), so that a step sends them with one copy, and the block tables.
+        self._inputs = torch.zeros(4, n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
-        self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.logits = torch.empty(n, model.config.vocab_size, dtype=torch.float32, device=device)
-        # Pinned host mirrors of the inputs: a step fills them and sends each with one
-        # asynchronous copy (a pageable copy waits for a staging buffer).
-        self._host = [
-            torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            for t in (self.input_ids, self.positions, self.slot_mapping, self.context_lens)
-        ]
-        self._host_tables = torch.empty(self.block_tables.shape, dtype=torch.int32, pin_memory=True)
+        # Their pinned host mirrors, filled through numpy views: a torch op on the host
+        # costs ~15 us here, a numpy slice assignment ~1 us.
+        self._host = torch.zeros(4, n, dtype=torch.int32, pin_memory=True)
+        self._host_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, pin_memory=True)
+        self._host_np = self._host.numpy()
+        self._host_tables_np = self._host_tables.numpy()
         # Marks when the copies out of the host mirrors are done (Event is untyped).
         self._sent = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
+
+    @property
+    def input_ids(self) -> Tensor:
+        return self._inputs[0]
+
+    @property
+    def positions(self) -> Tensor:
+        return self._inputs[1]
+
+    @property
+    def slot_mapping(self) -> Tensor:
+        return self._inputs[2]
+
+    @property
+    def context_lens(self) -> Tensor:
+        return self._inputs[3]
 
     @property
     def max_batch_size(self) -> int:
@@ -147,25 +166,20 @@ class DecodeGraphs:
         size = next(s for s in sorted(self.graphs) if s >= n)
         width = batch.block_tables.shape[1]
         self._sent.synchronize()  # the last step's copies have left the host mirrors
-        ids, positions, slots, context_lens = self._host
-        # Rows n..size are padding: no slot to write, no context to read.
-        for host, value, pad in (
-            (ids, batch.input_ids, 0),
-            (positions, batch.positions, 0),
-            (slots, batch.slot_mapping, -1),
-            (context_lens, batch.context_lens, 0),
-        ):
-            host[:n].copy_(value)
-            host[n:size].fill_(pad)
-        self._host_tables[:n, :width].copy_(batch.block_tables)
-        for device, host in zip(
-            (self.input_ids, self.positions, self.slot_mapping, self.context_lens),
-            self._host,
-            strict=True,
-        ):
-            device[:size].copy_(host[:size], non_blocking=True)
+        host = self._host_np
+        host[0, :n] = _numpy(batch.input_ids)
+        host[1, :n] = _numpy(batch.positions)
+        host[2, :n] = _numpy(batch.slot_mapping)
+        host[3, :n] = _numpy(batch.context_lens)
+        host[:, n:size] = PADDING  # rows past n: no slot to write, no context to read
+        self._host_tables_np[:n, :width] = _numpy(batch.block_tables)
+        self._inputs[:, :size].copy_(self._host[:, :size], non_blocking=True)
         self.block_tables[:size, :width].copy_(self._host_tables[:size, :width], non_blocking=True)
         self._sent.record()
         self.graphs[size].replay()
         # A copy: the static buffer is overwritten by the next replay.
         return self.logits[:n].clone()
+
+
+def _numpy(t: Tensor) -> np.ndarray[Any, Any]:
+    return (t if t.device.type == "cpu" else t.cpu()).numpy()

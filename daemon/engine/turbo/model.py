@@ -34,9 +34,9 @@ from lmd.engine.turbo.weights import ModelWeights
 class StepInputs:
     """One step's inputs on the model's device (static buffers when a graph replays)."""
 
-    input_ids: Tensor  # [T] int64
-    positions: Tensor  # [T] int64
-    slot_mapping: Tensor  # [T] int64, < 0 = padding row (nothing written)
+    input_ids: Tensor  # [T] int64 (int32 in a graph)
+    positions: Tensor  # [T] int64 (int32 in a graph)
+    slot_mapping: Tensor  # [T] int64 (int32 in a graph), < 0 = padding row (no write)
     block_tables: Tensor  # [B, W] int32
     context_lens: Tensor  # [B] int32, 0 = padding row
     cu_seqlens: Tensor | None  # [B + 1] int32; None for a decode step (one token each)

@@ -119,6 +119,7 @@ def prefill_attention(
     max_seq_len: int,
     scale: float,
     window: int = 0,
+    tiles: tuple[int, int, int] | None = None,
 ) -> Tensor:
     """Causal attention of T new tokens of B sequences over their paged contexts.
 
@@ -126,6 +127,7 @@ def prefill_attention(
     with these tokens' K/V already written; block_tables: [B, W] int32; cu_seqlens:
     [B + 1] int32 and context_lens: [B] int32, both on q's device; max_seq_len: the
     longest seq_len (host int, sizes the grid). Returns [T, H, D] in q's dtype.
+    tiles: (queries per program, keys per step, warps), to try others than the default.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, _, block_size, num_kv_heads, kv_dim = kv.shape
@@ -136,8 +138,11 @@ def prefill_attention(
     if num_tokens == 0:
         return out
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_m = 64 if block_d <= 128 else 32
-    block_n = 64 if block_d <= 64 else 32
+    block_m, block_n, num_warps = tiles or (
+        64 if block_d <= 128 else 32,
+        64 if block_d <= 64 else 32,
+        4,
+    )
     grid = (triton.cdiv(max_seq_len, block_m), num_seqs, num_heads)
     _prefill_kernel[grid](
         q,
@@ -166,7 +171,7 @@ def prefill_attention(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=4,
+        num_warps=num_warps,
         num_stages=2,
     )
     return out

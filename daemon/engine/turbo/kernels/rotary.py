@@ -62,7 +62,7 @@ def _rotary_cache_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
     tl.store(q1_ptr + HALF, o2.to(qkv_ptr.dtype.element_ty), mask=qmask)
 
     # k (rotated) and v into the slot; a negative slot is a padding row (CUDA graphs).
-    slot = tl.load(slots_ptr + token)
+    slot = tl.load(slots_ptr + token).to(tl.int64)  # block * stride needs 64 bits
     block = tl.maximum(slot, 0) // block_size
     offset = tl.maximum(slot, 0) % block_size
     dst = kv_ptr + block * stride_kv_block + layer * stride_kv_layer + offset * stride_kv_slot
