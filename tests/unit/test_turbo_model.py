@@ -27,13 +27,16 @@ from transformers import (
 )
 
 pytest.importorskip("triton")
-from lmd.engine.backend import Backend, ForwardBatch
-from lmd.engine.torch_backend import TorchBackend
-from lmd.engine.turbo.backend import TurboBackend
-from tests.models import hf_greedy, random_prompts, save_tiny_llama
-from tests.unit.test_turbo_kernels import ON_CUDA  # (switches the interpreter on)
+# First: without CUDA this switches Triton to its interpreter before turbo is imported.
+from tests.unit.test_turbo_kernels import ON_CUDA
 
-DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
+DEVICE = torch.device("cuda" if ON_CUDA else "cpu")  # (keeps the imports below after it)
+
+from lmd.engine.backend import Backend, ForwardBatch  # noqa: E402
+from lmd.engine.torch_backend import TorchBackend  # noqa: E402
+from lmd.engine.turbo.backend import TurboBackend  # noqa: E402
+from tests.models import hf_greedy, random_prompts, save_tiny_llama  # noqa: E402
+
 BLOCK_SIZE = 4  # small: prompts span several blocks and end mid-block
 # The interpreter is slow: fewer tokens on CPU; the 32 with CUDA.
 NEW_TOKENS = 32 if ON_CUDA else 12
