@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # KV migration on a GPU machine; run through `scripts/gpu-check.sh migration`, which
 # installs the wheels, sets PYTHONPATH and builds lmd._native first. Writes to $1.
+# LMD_GPU_SKIP_BENCH=1 skips the transfer benchmarks (tests and TTFT only).
 set -uo pipefail
 out=$1
 ngpu=$(nvidia-smi -L | wc -l)
 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu/test_disaggregated_gpu.py \
   tests/gpu/test_native_cuda_ipc.py 2>&1 | tee "$out/migration-tests.txt" | tail -15
-bench() { python3 -m lmd.bench migration --json "$@" | tail -1 | tee -a "$out/migration.jsonl"; }
+bench() {
+  [[ -n "${LMD_GPU_SKIP_BENCH:-}" ]] && return
+  python3 -m lmd.bench migration --json "$@" | tail -1 | tee -a "$out/migration.jsonl"
+}
 for kb in 128 1024 4096; do bench --transport cuda_ipc --size-mb 256 --block-kb "$kb"; done
 bench --transport cuda_ipc --size-mb 256 --block-kb 128 --direct-copies
 bench --transport host --size-mb 256 --block-kb 1024

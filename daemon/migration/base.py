@@ -97,6 +97,10 @@ class PoolMemory:
         kind = transport_kind(device)
         if kind == "host":
             return cls(make_transport("host"), kind, device)
+        if device == "cuda":  # torch's current device; the transport names it
+            import torch
+
+            device = f"cuda:{torch.cuda.current_device()}"
         return cls(make_transport("cuda_ipc", device=device), kind, device)
 
     def buffer(self, nbytes: int) -> PoolBuffer | None:
