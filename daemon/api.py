@@ -37,6 +37,7 @@ from starlette.responses import Response
 from lmd import __version__, ipc, protocol
 from lmd.api_http import (
     EventStream,
+    GuardLimits,
     RequestGuard,
     body_doc,
     disconnected,
@@ -103,6 +104,7 @@ class ApiWorker(Worker):
         self._missing_roles: list[str] = []
         super().__init__(spec, config)
         self.metrics = ApiMetrics(lambda: len(self._open), control_socket_path(config.runtime_dir))
+        self.limits = GuardLimits(config.api_keys, config.max_request_bytes)
 
     async def start(self) -> None:
         try:
@@ -119,6 +121,9 @@ class ApiWorker(Worker):
     async def stop(self) -> None:
         await self.server.stop()
         self.tokenizer.close()
+
+    def on_reconfigure(self, keys: set[str]) -> None:
+        self.limits.set(self.config.api_keys, self.config.max_request_bytes)
 
     def info(self) -> dict[str, Any]:
         return {"listen": f"http://{self.config.host}:{self.config.port}"}
@@ -216,12 +221,7 @@ class ApiWorker(Worker):
 
         install_error_handlers(app)
         install_body_schemas(app, [ChatCompletionRequest, CompletionRequest, InteractiveRequest])
-        app.add_middleware(
-            RequestGuard,
-            api_keys=self.config.api_keys,
-            max_body_bytes=self.config.max_request_bytes,
-            on_reject=self._count_rejected,
-        )
+        app.add_middleware(RequestGuard, limits=self.limits, on_reject=self._count_rejected)
         return app
 
     def _model_card(self) -> dict[str, Any]:

@@ -107,19 +107,36 @@ class _ClientGone(Exception):
     """The client hung up before its request body was complete."""
 
 
+class GuardLimits:
+    """What RequestGuard enforces; `lmdctl reload` changes it in place (live keys)."""
+
+    def __init__(self, api_keys: Sequence[str], max_body_bytes: int) -> None:
+        self.set(api_keys, max_body_bytes)
+
+    def set(self, api_keys: Sequence[str], max_body_bytes: int) -> None:
+        self.keys = [k.encode() for k in api_keys]
+        self.max_body_bytes = max_body_bytes
+
+
 class RequestGuard:
     def __init__(
         self,
         app: ASGIApp,
         *,
-        api_keys: Sequence[str],
-        max_body_bytes: int,
+        limits: GuardLimits,
         on_reject: Callable[[str, int], None],
     ) -> None:
         self.app = app
-        self.keys = [k.encode() for k in api_keys]
-        self.max_body_bytes = max_body_bytes
+        self.limits = limits
         self.on_reject = on_reject  # (path, status) of each request refused here
+
+    @property
+    def keys(self) -> list[bytes]:
+        return self.limits.keys
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.limits.max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

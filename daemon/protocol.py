@@ -40,6 +40,7 @@ class MsgType(enum.IntEnum):
     RESUME = 11
     STOP = 12
     CLUSTER_STATE = 13
+    RECONFIGURE = 14
     # data path
     GENERATE = 20
     ABORT = 21
@@ -95,6 +96,14 @@ class Stop:
     """Exit now (after a drain, or when the daemon stops)."""
 
     TYPE: ClassVar[MsgType] = MsgType.STOP
+
+
+@dataclass(frozen=True, slots=True)
+class Reconfigure:
+    """New values of config keys that apply live (lmdctl reload): {key: value}."""
+
+    TYPE: ClassVar[MsgType] = MsgType.RECONFIGURE
+    values: dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,6 +378,7 @@ Message = Union[  # noqa: UP007
     Drain,
     Resume,
     Stop,
+    Reconfigure,
     ClusterState,
     Generate,
     Abort,

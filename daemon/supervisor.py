@@ -41,6 +41,7 @@ from lmd.runtime_lock import RuntimeLock
 from lmd.sd_notify import Notifier
 from lmd.service_notify import ServiceNotifier, status_line
 from lmd.states import DaemonState, WorkerState, transition
+from lmd.worker import set_log_level
 
 log = logging.getLogger(__name__)
 
@@ -380,8 +381,9 @@ class Supervisor:
     def reload(self) -> dict[str, Any]:
         """Load the config file and environment again (the command line stays as it was).
 
-        Live keys (config_loader.LIVE_KEYS) apply at once: the log level here, and in each
-        worker from its next start. Other changed keys keep their running value and are
+        Live keys (config_loader.LIVE_KEYS: log level, API keys, request size limit) apply
+        at once, here and in every worker (Reconfigure). Other changed keys keep their
+        running value and are
         reported as needing a restart.
         """
         if self.state in (DaemonState.STARTING, DaemonState.STOPPING):
@@ -394,8 +396,12 @@ class Supervisor:
             self.config = self.loaded.config
             for child in self.children.values():  # what a restarted worker runs with
                 child.spec = dataclasses.replace(child.spec, config=self.config.to_dict())
-            for name in ("", "uvicorn.error", "uvicorn.access"):  # "" = every lmd logger
-                logging.getLogger(name).setLevel(self.config.log_level.upper())
+            set_log_level(self.config.log_level)
+            live = {k: getattr(self.config, k) for k in plan.applied}
+        if live:
+            self._reconfigure = asyncio.get_running_loop().create_task(
+                self._broadcast(protocol.Reconfigure(live))
+            )
         log.info(
             "config reloaded: applied %s; needs a restart: %s",
             ", ".join(plan.applied) or "nothing",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -70,6 +71,12 @@ def configure_logging(level: str, name: str) -> None:
         force=True,
         format=f"%(asctime)s %(levelname)s {name}[%(process)d] %(name)s: %(message)s",
     )
+
+
+def set_log_level(level: str) -> None:
+    """The level of every lmd logger and uvicorn's, in this process."""
+    for name in ("", "uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).setLevel(level.upper())
 
 
 def worker_main(spec_dict: dict[str, Any]) -> None:
@@ -166,6 +173,8 @@ class Worker:
                 await self._send_heartbeat()  # the supervisor waits for a fresh inflight
             elif isinstance(msg, protocol.Resume):
                 self.draining = False
+            elif isinstance(msg, protocol.Reconfigure):
+                self._reconfigure(msg.values)
             elif isinstance(msg, protocol.ClusterState):
                 self.cluster_state, self.missing_roles = msg.state, msg.missing_roles
                 self.workers, self.draining_workers = msg.workers, msg.draining
@@ -178,6 +187,18 @@ class Worker:
             msg = await self.inbox.recv()
             if not await self.handle(msg):
                 self._unexpected(msg, "inbox")
+
+    def _reconfigure(self, values: dict[str, Any]) -> None:
+        """Apply live config keys (lmdctl reload); a bad value is logged and ignored."""
+        try:
+            self.config = dataclasses.replace(self.config, **values)
+        except (TypeError, ValueError) as exc:
+            log.error("%s: reload not applied: %s", self.spec.name, exc)
+            return
+        if "log_level" in values:
+            set_log_level(self.config.log_level)
+        self.on_reconfigure(set(values))
+        log.info("%s: applied %s", self.spec.name, ", ".join(sorted(values)))
 
     def push(self, worker_name: str, msg: Message) -> bool:
         """Send `msg` to another worker's inbox without waiting; False (counted) if lost."""
@@ -213,6 +234,9 @@ class Worker:
 
     def on_cluster_state(self) -> None:
         """The daemon's state or its set of running roles changed."""
+
+    def on_reconfigure(self, keys: set[str]) -> None:
+        """`self.config` has new values for `keys` (live keys of a reload)."""
 
     def info(self) -> dict[str, Any]:
         """Facts sent once with Ready (shown in status)."""

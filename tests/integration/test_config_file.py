@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import orjson
 
-from tests.integration.daemon import DISAGGREGATED, Daemon, free_port
+from tests.integration.daemon import DISAGGREGATED, Daemon, free_port, wait_until
 
 LMDCTL = [sys.executable, "-m", "lmd_client.lmdctl"]
 # Bare tokenizer/prefill/decode/api workers: fast to start, no model loaded.
@@ -75,6 +75,8 @@ def test_reload_applies_the_log_level_and_lists_what_needs_a_restart(
     assert c["values"]["log_level"] == "debug" and c["values"]["drain_timeout"] == 5.0
     assert c["needs_restart"] == {"drain_timeout": 7.0}
     assert "config reloaded: applied log_level; needs a restart: drain_timeout" in d.log()
+    for worker in ("tokenizer-0", "prefill-0", "decode-0", "api-0"):  # live in every worker
+        wait_until(lambda w=worker: f"{w}: applied log_level" in d.log(), 10, f"{worker} level")  # type: ignore[misc]
 
     again = orjson.loads(lmdctl(d, "--json", "reload").stdout)  # nothing new since
     assert again["applied"] == [] and again["needs_restart"] == ["drain_timeout"]
@@ -84,6 +86,27 @@ def test_reload_applies_the_log_level_and_lists_what_needs_a_restart(
     assert bad.returncode == 1
     assert f"{config}: log_level: expected a string" in bad.stderr and "bad_config" in bad.stderr
     assert d.status()["state"] == "running"
+
+
+def test_reload_applies_api_keys_and_the_body_limit_live(
+    make_daemon: type[Daemon], tmp_path: Path
+) -> None:
+    config = tmp_path / "lmd.toml"
+    config.write_text("max_request_bytes = 100000\n")
+    d = make_daemon(*DISAGGREGATED, "--config", str(config)).start()
+    assert httpx.get(f"{d.url}/v1/models").status_code == 200
+    config.write_text('api_keys = ["sesame"]\nmax_request_bytes = 2048\n')
+    out = lmdctl(d, "reload")
+    assert out.returncode == 0, out.stderr
+    assert "applied: " in out.stdout and "api_keys" in out.stdout
+    wait_until(lambda: "api-0: applied api_keys, max_request_bytes" in d.log(), 10, "api reload")
+    assert httpx.get(f"{d.url}/v1/models").status_code == 401
+    good = {"Authorization": "Bearer sesame"}
+    assert httpx.get(f"{d.url}/v1/models", headers=good).status_code == 200
+    big = {"model": "m", "prompt": "x" * 4000}
+    r = httpx.post(f"{d.url}/v1/completions", json=big, headers=good)
+    assert r.status_code == 413 and "2048" in r.json()["error"]["message"]
+    assert httpx.get(f"{d.url}/health").status_code == 200  # exempt from keys
 
 
 def test_a_bad_config_file_exits_2_naming_the_key_and_the_file(tmp_path: Path) -> None:
