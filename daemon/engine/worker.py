@@ -204,14 +204,17 @@ class EngineWorker(Worker):
             if event.finish_reason is not None:
                 del self._reply_to[event.request_id]
         for reply_to, batch in by_receiver.items():
-            msg = protocol.Tokens(
-                [e.request_id for e in batch],
-                [None if e.finish_reason is None else str(e.finish_reason) for e in batch],
-                [logprobs_dict(e) for e in batch],
-                [e.cached_tokens for e in batch],
-                protocol.pack_ids([e.token_id for e in batch]),
-            )
-            self.push(reply_to, msg)
+            self.send_tokens(reply_to, batch)
+
+    def send_tokens(self, reply_to: str, events: list[TokenEvent]) -> None:
+        msg = protocol.Tokens(
+            [e.request_id for e in events],
+            [None if e.finish_reason is None else str(e.finish_reason) for e in events],
+            [logprobs_dict(e) for e in events],
+            [e.cached_tokens for e in events],
+            protocol.pack_ids([e.token_id for e in events]),
+        )
+        self.push(reply_to, msg)
 
     def error(self, reply_to: str, request_id: str, code: str, message: str) -> None:
         self.push(reply_to, protocol.RequestError(request_id, code, message))

@@ -223,15 +223,13 @@ class PrefillWorker(EngineWorker):
     # Step results -------------------------------------------------------------------------------
 
     def on_events(self, events: list[TokenEvent]) -> None:
-        finished = []
         for event in events:
             out = self._outgoing.get(event.request_id)
             if out is None:
                 continue
             if event.finish_reason is not None:  # the first token ended it: no migration
-                finished.append(event)
                 self._drop(out)
-                self.publish_to(out.reply_to, [event])
+                self.send_tokens(out.reply_to, [event])
             else:
                 self._first[event.request_id] = event
         for seq in self.engine.take_prefilled():
@@ -306,13 +304,3 @@ class PrefillWorker(EngineWorker):
     def fail_all(self, message: str) -> None:
         for out in self._outgoing.values():
             self.error(out.reply_to, out.request_id, "internal_error", message)
-
-    def publish_to(self, reply_to: str, events: list[TokenEvent]) -> None:
-        msg = protocol.Tokens(
-            [e.request_id for e in events],
-            [None if e.finish_reason is None else str(e.finish_reason) for e in events],
-            [logprobs_dict(e) for e in events],
-            [e.cached_tokens for e in events],
-            protocol.pack_ids([e.token_id for e in events]),
-        )
-        self.push(reply_to, msg)

@@ -206,3 +206,21 @@ def test_a_prompt_the_decode_pool_cannot_hold_fails_clearly(fake_engines: Daemon
     assert "decode-0" in message and "KV" in message, message
     assert all(r.status_code == 200 for r in small)
     idle_and_leak_free(daemon, ["prefill-0", "decode-0"])
+
+
+def test_a_first_token_that_ends_the_request_releases_the_reservation(
+    fake_engines: Daemon,
+) -> None:
+    daemon = fake_engines
+    for _ in range(3):
+        r = httpx.post(
+            f"{daemon.url}/v1/completions",
+            json={"model": MODEL, "prompt": "one token only", "max_tokens": 1},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 1
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+    idle_and_leak_free(daemon, ["prefill-0", "decode-0"])
+    wait_until(lambda: daemon.worker("decode-0")["inflight"] == 0, 5, "decode idle")
+    assert daemon.worker("decode-0")["migration"]["received"] == 0  # nothing migrated
