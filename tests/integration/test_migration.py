@@ -20,7 +20,9 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+import zmq
 
+from lmd import protocol
 from tests.integration.daemon import DISAGGREGATED, Daemon, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -224,3 +226,44 @@ def test_a_first_token_that_ends_the_request_releases_the_reservation(
     idle_and_leak_free(daemon, ["prefill-0", "decode-0"])
     wait_until(lambda: daemon.worker("decode-0")["inflight"] == 0, 5, "decode idle")
     assert daemon.worker("decode-0")["migration"]["received"] == 0  # nothing migrated
+
+
+def test_hostile_migration_messages_are_dropped_and_counted(fake_engines: Daemon) -> None:
+    """Well-formed but foreign migration messages on the engines' inboxes: nothing is
+    freed or written that the sender did not own, and the engines keep serving."""
+    daemon = fake_engines
+    ctx = zmq.Context()
+    try:
+        to_decode = ctx.socket(zmq.PUSH)
+        to_decode.connect(f"ipc://{daemon.runtime_dir}/decode-0.ipc")
+        to_prefill = ctx.socket(zmq.PUSH)
+        to_prefill.connect(f"ipc://{daemon.runtime_dir}/prefill-0.ipc")
+        hostile_to_decode = [
+            protocol.Migrated("nobody", "prefill-0", 5, None, 0),  # no such reservation
+            protocol.Release("nobody", "prefill-0"),
+            protocol.Migrated("x", "prefill-7", 5, None, 0),  # not the owner
+        ]
+        # Block ids far outside decode's pool, for a request prefill never sent.
+        bad_ids = protocol.pack_ids([10**6, -3])
+        hostile_to_prefill = [
+            protocol.Reserved("ghost", "decode-0", "host", 1, 1, 0, b"junk", bad_ids),
+            protocol.RequestError("ghost", "overloaded", "no"),
+        ]
+        for msg in hostile_to_decode:
+            to_decode.send_multipart(protocol.encode(msg))
+        for msg in hostile_to_prefill:
+            to_prefill.send_multipart(protocol.encode(msg))
+        wait_until(lambda: daemon.worker("decode-0")["num_dropped"] >= 3, 10, "decode drops")
+        wait_until(lambda: daemon.worker("prefill-0")["num_dropped"] >= 2, 10, "prefill drops")
+        to_decode.close(0)
+        to_prefill.close(0)
+    finally:
+        ctx.term()
+    r = httpx.post(
+        f"{daemon.url}/v1/completions",
+        json={"model": MODEL, "prompt": "still serving", "max_tokens": 6},
+        timeout=30,
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+    idle_and_leak_free(daemon, ["prefill-0", "decode-0"])
+    assert all(w["restarts"] == 0 for w in daemon.status()["workers"])
