@@ -238,14 +238,14 @@ def test_hostile_migration_messages_are_dropped_and_counted(fake_engines: Daemon
         to_decode.connect(f"ipc://{daemon.runtime_dir}/decode-0.ipc")
         to_prefill = ctx.socket(zmq.PUSH)
         to_prefill.connect(f"ipc://{daemon.runtime_dir}/prefill-0.ipc")
-        hostile_to_decode = [
+        hostile_to_decode: list[protocol.Message] = [
             protocol.Migrated("nobody", "prefill-0", 5, None, 0),  # no such reservation
             protocol.Release("nobody", "prefill-0"),
             protocol.Migrated("x", "prefill-7", 5, None, 0),  # not the owner
         ]
         # Block ids far outside decode's pool, for a request prefill never sent.
         bad_ids = protocol.pack_ids([10**6, -3])
-        hostile_to_prefill = [
+        hostile_to_prefill: list[protocol.Message] = [
             protocol.Reserved("ghost", "decode-0", "host", 1, 1, 0, b"junk", bad_ids),
             protocol.RequestError("ghost", "overloaded", "no"),
         ]
