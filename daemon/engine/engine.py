@@ -59,11 +59,11 @@ class TokenEvent:
     cached_tokens: int = 0  # prompt tokens the prefix cache served at its (last) prefill
 
 
-def size_pool(backend: Backend, config: EngineConfig, cpu_share: float = 0.5) -> int:
+def size_pool(backend: Backend, config: EngineConfig, cpu_engines: int = 1) -> int:
     """Blocks for the pool: cache_max_entry_count of the free memory after the weights.
 
-    On CPU, "free memory" is `cpu_share` of the available RAM (capped): the engines of
-    one daemon share the machine's memory.
+    On CPU, "free memory" is a share of the available RAM, capped (kv_pool.cpu_free_bytes),
+    split evenly between the `cpu_engines` engine processes of one daemon.
     """
     per_block = bytes_per_block(
         backend.num_layers,
@@ -75,7 +75,7 @@ def size_pool(backend: Backend, config: EngineConfig, cpu_share: float = 0.5) ->
     if backend.device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(backend.device)
     else:
-        free = cpu_free_bytes(psutil.virtual_memory().available, share=cpu_share)
+        free = cpu_free_bytes(psutil.virtual_memory().available) // max(1, cpu_engines)
     return num_blocks_for(config.cache_max_entry_count, free, per_block)
 
 
@@ -112,7 +112,7 @@ class Engine:
         backend: str = "auto",
         role: str = "hybrid",
         pool_buffer: Callable[[int], PoolBuffer | None] | None = None,
-        cpu_share: float = 0.5,
+        cpu_engines: int = 1,
     ) -> Engine:
         """Load the model, size and allocate the KV pool.
 
@@ -122,7 +122,7 @@ class Engine:
         dev = torch.device(device)
         arch = _architecture(model_dir)
         model = select_backend(backend, arch, dev)(model_dir, dev, parse_dtype(dtype, dev))
-        num_blocks = size_pool(model, config, cpu_share)
+        num_blocks = size_pool(model, config, cpu_engines)
         per_block = bytes_per_block(
             model.num_layers, model.num_kv_heads, model.head_dim, config.block_size, model.dtype
         )

@@ -44,9 +44,6 @@ from lmd.worker import Worker, WorkerStartError
 
 log = logging.getLogger(__name__)
 
-# On CPU the engines of one daemon split this share of the available RAM between them.
-CPU_SHARE = 0.5
-
 
 def engine_workers(config: ServeConfig) -> list[str]:
     counts = role_counts(config)
@@ -72,7 +69,7 @@ class EngineWorker(Worker):
                 backend=self.spec.backend or "auto",
                 role=self.role,
                 pool_buffer=None if self.memory is None else self.memory.buffer,
-                cpu_share=CPU_SHARE / len(engine_workers(self.config)),
+                cpu_engines=len(engine_workers(self.config)),
             )
             if self.memory is not None:
                 self.memory.attach(self.engine.pool)
