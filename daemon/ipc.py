@@ -65,6 +65,9 @@ class Channel(_Dropping):
     def __init__(self, socket: zmq.asyncio.Socket, label: str) -> None:
         super().__init__(label)
         self.socket = socket
+        # The asyncio socket reports a full queue in a returned future, never as
+        # zmq.Again; a plain socket over the same handle raises it (and costs less).
+        self._nowait: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
 
     async def send(self, msg: Message) -> None:
         await self.socket.send_multipart(protocol.encode(msg), copy=False)
@@ -72,7 +75,7 @@ class Channel(_Dropping):
     def try_send(self, msg: Message) -> bool:
         """Send without waiting; False when the peer is gone or not keeping up (queue full)."""
         try:
-            self.socket.send_multipart(protocol.encode(msg), flags=zmq.NOBLOCK, copy=False)
+            self._nowait.send_multipart(protocol.encode(msg), flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return False
         return True

@@ -121,7 +121,8 @@ class Engine:
         """
         dev = torch.device(device)
         arch = _architecture(model_dir)
-        model = select_backend(backend, arch, dev)(model_dir, dev, parse_dtype(dtype, dev))
+        kind = select_backend(backend, arch, dev, model_dir)
+        model = kind(model_dir, dev, parse_dtype(dtype, dev))
         num_blocks = size_pool(model, config, cpu_engines)
         per_block = bytes_per_block(
             model.num_layers, model.num_kv_heads, model.head_dim, config.block_size, model.dtype
@@ -142,6 +143,9 @@ class Engine:
             config.block_size,
             pool.nbytes / 2**20,
         )
+        capture = getattr(model, "capture_graphs", None)  # turbo: decode CUDA graphs
+        if capture is not None and role != "prefill":
+            capture(pool.kv, config.max_batch_size)
         return cls(model, config, pool, role=role)
 
     # Requests --------------------------------------------------------------------------

@@ -283,7 +283,7 @@ def test_select_backend(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
         assert select_backend("auto", "LlamaForCausalLM", "cpu") is TorchBackend
     assert "turbo needs CUDA and the device is cpu" in caplog.text
-    with pytest.raises(BackendError, match="turbo backend is not available yet"):
+    with pytest.raises(BackendError, match="backend turbo cannot run here"):
         select_backend("turbo", "LlamaForCausalLM", "cuda")
     with pytest.raises(BackendError, match="not one of"):
         select_backend("vllm", "LlamaForCausalLM", "cpu")
