@@ -19,21 +19,8 @@ if (( ngpu > 1 )); then
 fi
 # TTFT of a ~2k-token prompt, hybrid vs disaggregated, on a Llama-3-8B shape (random
 # bf16 weights; vocabulary cut to SmolLM2's tokenizer, whose files are carried).
-python3 - <<'PY'
-import shutil, torch
-from pathlib import Path
-from transformers import LlamaConfig, LlamaForCausalLM
-torch.manual_seed(0)
-config = LlamaConfig(vocab_size=49152, hidden_size=4096, intermediate_size=14336,
-                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                     rope_theta=500000.0, max_position_embeddings=8192, bos_token_id=1,
-                     eos_token_id=2, torch_dtype="bfloat16")
-with torch.device("cuda"):
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-model.save_pretrained("/tmp/llama3-8b-shape")
-for f in Path(".gpu-assets/smollm2-tokenizer").iterdir():
-    shutil.copy(f, "/tmp/llama3-8b-shape")
-PY
+python3 scripts/random_models.py llama3-8b-shape --vocab 49152 \
+  --tokenizer .gpu-assets/smollm2-tokenizer
 for mode in hybrid disaggregated; do
   rt=/tmp/lmd-$mode
   python3 -m lmd serve /tmp/llama3-8b-shape --mode "$mode" --runtime-dir "$rt" --port 24000 \

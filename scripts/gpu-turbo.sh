@@ -7,19 +7,8 @@
 #     tests: tests only; smol (default): + SmolLM2-shape timings; full: + Llama-3-8B shape
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${OUT:-gpu-out}
 mode=${1:-smol}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-# The import packages live in folders named otherwise (daemon/ is lmd).
-mkdir -p /tmp/pkgs && ln -sfn "$PWD/daemon" /tmp/pkgs/lmd && ln -sfn "$PWD/clients" /tmp/pkgs/lmd_client
-export PYTHONPATH=/tmp/pkgs:/tmp/site:$PWD
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
-  python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
-} 2>&1 | tee "$out/env.txt"
+source scripts/gpu-env.sh
 timeout 300 python3 -m pytest -q -ra -p no:cacheprovider --timeout 240 \
   tests/gpu/test_turbo_kernels_gpu.py tests/gpu/test_turbo_backend_gpu.py \
   tests/unit/test_turbo_kernels.py tests/unit/test_turbo_model.py -s \
@@ -29,26 +18,7 @@ timeout 300 python3 -m pytest -q -ra -p no:cacheprovider --timeout 240 \
 python3 setup.py -q build_ext --inplace 2>&1 | tail -3
 
 # Random-weight models of the ARCHITECTURE §8 shapes, bf16.
-python3 - "$mode" <<'PY'
-import sys, torch
-from transformers import LlamaConfig, LlamaForCausalLM
-torch.manual_seed(0)
-shapes = {"smollm2-shape": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                                num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                                rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1,
-                                eos_token_id=2)}
-if sys.argv[1] == "full":
-    shapes["llama3-8b-shape"] = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                                     num_hidden_layers=32, num_attention_heads=32,
-                                     num_key_value_heads=8, rope_theta=500000.0,
-                                     bos_token_id=128000, eos_token_id=128001)
-for name, fields in shapes.items():
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=8192, **fields))
-    model.to(torch.bfloat16).save_pretrained(f"/tmp/{name}")
-    del model
-    torch.cuda.empty_cache()
-PY
+python3 scripts/random_models.py smollm2-shape $([[ $mode == full ]] && echo llama3-8b-shape)
 
 # Decode step: one token for B sequences of 512 tokens of context, through
 # TurboBackend.forward (host copies + graph replay + logits copy), median of 50.

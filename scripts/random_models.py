@@ -1,0 +1,70 @@
+"""Random-weight bf16 models of the ARCHITECTURE §8 shapes, saved for the GPU scripts.
+
+    python3 scripts/random_models.py smollm2-shape [llama3-8b-shape] [--vocab N]
+        [--tokenizer DIR] [--out-dir /tmp]
+
+Each lands in OUT_DIR/NAME. `--vocab` cuts the vocabulary (to match a carried
+tokenizer, whose files `--tokenizer` copies in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+SHAPES = {
+    "smollm2-shape": {
+        "vocab_size": 49152,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "rope_theta": 100000.0,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "llama3-8b-shape": {
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "rope_theta": 500000.0,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("names", nargs="+", choices=sorted(SHAPES))
+    parser.add_argument("--vocab", type=int, default=None)
+    parser.add_argument("--tokenizer", type=Path, default=None)
+    parser.add_argument("--out-dir", type=Path, default=Path("/tmp"))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    for name in args.names:
+        fields = dict(SHAPES[name])
+        if args.vocab:
+            fields.update(vocab_size=args.vocab, bos_token_id=1, eos_token_id=2)
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=8192, **fields))
+        path = args.out_dir / name
+        model.to(torch.bfloat16).save_pretrained(path)
+        if args.tokenizer is not None:
+            for f in args.tokenizer.iterdir():
+                shutil.copy(f, path / f.name)
+        del model
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
