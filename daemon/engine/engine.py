@@ -120,6 +120,9 @@ class Engine:
         transport's shared region); otherwise the pool allocates its own.
         """
         dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is not None:
+            # Kernels (Triton's included) and graph captures use the current device.
+            torch.cuda.set_device(dev)
         arch = _architecture(model_dir)
         kind = select_backend(backend, arch, dev, model_dir)
         model = kind(model_dir, dev, parse_dtype(dtype, dev))

@@ -22,6 +22,7 @@ from tests.models import random_prompts, save_tiny_llama
 
 TOKENIZER = Path(__file__).resolve().parents[2] / ".gpu-assets" / "smollm2-tokenizer"
 VOCAB = 49152
+START_TIMEOUT_S = 300.0
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,7 +54,8 @@ def serve_outputs(model_dir: Path, *args: str) -> tuple[list[list[int]], dict[st
     every step, so the kernels are the same in both modes), and the final status."""
     daemon = Daemon(str(model_dir), "--cache-max-entry-count", "256", "--block-size", "16", *args)
     try:
-        daemon.start()
+        # A cold GPU machine compiles the turbo kernels and captures graphs at start.
+        daemon.start(wait=False).wait_state("running", START_TIMEOUT_S)
         outputs = []
         prompts = random_prompts([5, 17, 40, 70, 130], VOCAB, seed=3)
         with httpx.Client(base_url=daemon.url, timeout=120) as http:
