@@ -40,7 +40,8 @@ class Outgoing:
     decode: str
     seq: Sequence
     sampling: dict[str, Any]  # as the tokenizer sent it; passed on in Reserve
-    since: float  # when Reserve went out (then when the copy started)
+    since: float  # when it arrived, then when Reserve went out
+    reserve_sent: bool = False
     dst_block_ids: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0
     peer: Any = None  # the decode pool, opened

@@ -29,7 +29,7 @@ import asyncio
 import logging
 import os
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 from lmd import protocol
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 # Reserve ahead at most this many steps' worth of prompt tokens.
 RESERVE_AHEAD_STEPS = 2
+RELEASED_MEMORY = 4096
 
 
 class PrefillWorker(EngineWorker):
@@ -61,7 +62,10 @@ class PrefillWorker(EngineWorker):
         self.timeout_s = self.config.migration_timeout
         self.migration = MigrationStats()
         self._outgoing: OrderedDict[str, Outgoing] = OrderedDict()  # by request id
-        self._waiting: list[Outgoing] = []  # no Reserve sent yet, oldest first
+        self._waiting: deque[Outgoing] = deque()  # no Reserve sent yet, oldest first
+        # Requests whose reservation was released before decode answered: their late
+        # Reserved is expected, not a stray message (bounded, oldest forgotten first).
+        self._released: OrderedDict[str, None] = OrderedDict()
         self._copied: list[Outgoing] = []  # copy finished: free their blocks here
         self._first: dict[str, TokenEvent] = {}  # first tokens of prompts being copied
         self._workers: dict[str, int] | None = None
@@ -98,7 +102,7 @@ class PrefillWorker(EngineWorker):
         elif isinstance(msg, protocol.RequestError):
             out = self._outgoing.get(msg.request_id)
             if out is not None and not out.reserved:  # decode refused the reservation
-                self._drop(out)
+                self._drop(out, release=False)
                 self.push(out.reply_to, msg)
             else:
                 self.count_dropped(f"RequestError for {msg.request_id}")
@@ -128,8 +132,10 @@ class PrefillWorker(EngineWorker):
 
     def _on_reserved(self, msg: protocol.Reserved) -> None:
         out = self._outgoing.get(msg.request_id)
-        if out is None or out.reserved or out in self._waiting:
-            # Not (or no longer) waiting for blocks, e.g. aborted meanwhile: give them back.
+        if out is None and msg.request_id in self._released:
+            del self._released[msg.request_id]  # aborted meanwhile; Release already sent
+            return
+        if out is None or out.reserved or not out.reserve_sent:
             self.count_dropped(f"Reserved for {msg.request_id}")
             self.push(msg.decode, protocol.Release(msg.request_id, self.spec.name))
             return
@@ -170,11 +176,12 @@ class PrefillWorker(EngineWorker):
 
     def _send_reserves(self, now: float) -> None:
         budget = RESERVE_AHEAD_STEPS * self.config.max_prefill_token_num
-        ahead = [o for o in self._outgoing.values() if o.ticket is None and o not in self._waiting]
+        ahead = [o for o in self._outgoing.values() if o.ticket is None and o.reserve_sent]
         tokens = sum(o.seq.num_prompt_tokens for o in ahead)
         limit = self.config.max_batch_size
         while self._waiting and len(ahead) < limit and (not ahead or tokens < budget):
-            out = self._waiting.pop(0)
+            out = self._waiting.popleft()
+            out.reserve_sent = True
             reserve = protocol.Reserve(
                 out.request_id,
                 self.spec.name,
@@ -200,7 +207,7 @@ class PrefillWorker(EngineWorker):
                     )
                     self.fail_all("KV migration stalled")
                     os._exit(1)
-            elif not out.reserved and out not in self._waiting and now - out.since > self.timeout_s:
+            elif out.reserve_sent and not out.reserved and now - out.since > self.timeout_s:
                 self.migration.failures += 1
                 self._fail(
                     out,
@@ -286,16 +293,21 @@ class PrefillWorker(EngineWorker):
 
     # Helpers ------------------------------------------------------------------------------------
 
-    def _drop(self, out: Outgoing) -> None:
-        """Forget a request before its copy started; release its reservation if any."""
+    def _drop(self, out: Outgoing, *, release: bool = True) -> None:
+        """Forget a request before its copy started; release its reservation if any
+        (`release=False`: decode refused it, there is nothing to release)."""
         self._outgoing.pop(out.request_id, None)
         self._first.pop(out.request_id, None)
-        if out in self._waiting:
+        if not out.reserve_sent:
             self._waiting.remove(out)
             return
-        if out.ticket is None:  # a copy in flight releases when it finishes
+        if out.ticket is None and release:  # a copy in flight releases when it finishes
             self.engine.abort(out.request_id)
             self.push(out.decode, protocol.Release(out.request_id, self.spec.name))
+            if not out.reserved:
+                self._released[out.request_id] = None
+                if len(self._released) > RELEASED_MEMORY:
+                    self._released.popitem(last=False)
 
     def _fail(self, out: Outgoing, code: str, message: str) -> None:
         self._drop(out)

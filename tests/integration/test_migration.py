@@ -208,6 +208,9 @@ def test_a_prompt_the_decode_pool_cannot_hold_fails_clearly(fake_engines: Daemon
     assert "decode-0" in message and "KV" in message, message
     assert all(r.status_code == 200 for r in small)
     idle_and_leak_free(daemon, ["prefill-0", "decode-0"])
+    # A refusal is part of the protocol: nothing was dropped as unexpected on either side.
+    assert daemon.worker("prefill-0")["num_dropped"] == 0
+    assert daemon.worker("decode-0")["num_dropped"] == 0
 
 
 def test_a_first_token_that_ends_the_request_releases_the_reservation(
