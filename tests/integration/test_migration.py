@@ -11,7 +11,9 @@ between them over shared memory (the host transport).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import random
 import signal
 import time
 from collections.abc import Iterator
@@ -270,3 +272,31 @@ def test_hostile_migration_messages_are_dropped_and_counted(fake_engines: Daemon
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
     idle_and_leak_free(daemon, ["prefill-0", "decode-0"])
     assert all(w["restarts"] == 0 for w in daemon.status()["workers"])
+
+
+def test_clients_leaving_at_any_moment_leak_nothing(fake_engines: Daemon) -> None:
+    """Streams cut at random points (before the reservation, during prefill or copy,
+    while decoding): every block comes back, and no protocol message was unexpected."""
+    daemon = fake_engines
+
+    async def cut(http: httpx.AsyncClient, i: int, after_s: float) -> None:
+        body = {"model": MODEL, "prompt": f"leave {i} " * (1 + i % 7), "max_tokens": 2000}
+        with contextlib.suppress(asyncio.TimeoutError, httpx.HTTPError):
+            async with asyncio.timeout(after_s):
+                async with http.stream(
+                    "POST", "/v1/completions", json={**body, "stream": True}
+                ) as r:
+                    async for _ in r.aiter_lines():
+                        pass
+
+    async def run() -> None:
+        rng = random.Random(7)
+        async with httpx.AsyncClient(base_url=daemon.url, timeout=60) as http:
+            await asyncio.gather(*(cut(http, i, rng.uniform(0.0, 0.6)) for i in range(40)))
+
+    asyncio.run(run())
+    idle_and_leak_free(daemon, ["prefill-0", "decode-0"])
+    for name in ("tokenizer-0", "prefill-0", "decode-0", "api-0"):
+        wait_until(lambda n=name: daemon.worker(n)["inflight"] == 0, 10, f"{name} idle")  # type: ignore[misc]
+    assert daemon.worker("prefill-0")["num_dropped"] == 0
+    assert daemon.worker("decode-0")["num_dropped"] == 0
