@@ -1,11 +1,9 @@
 """Every message that crosses a process boundary, and nothing else.
 
-Wire format (ZeroMQ multipart): frame 0 is one type byte, frame 1 an orjson header
-holding the message's JSON fields, and one further raw frame per `bytes` field (token ids
-as little-endian int32, logprobs as float32), in declaration order. Nothing is pickled.
-
-`decode` checks everything a peer could get wrong (type byte, header shape, field names
-and types, frame count) and raises ProtocolError; receivers log, count and drop.
+How a message becomes frames is wire.py's (type byte, orjson header, raw frames; nothing
+pickled). `decode` checks everything a peer could get wrong (type byte, header shape,
+field names and types, frame count, then each message's own `check`) and raises
+ProtocolError; receivers log, count and drop.
 """
 
 from __future__ import annotations
@@ -13,22 +11,16 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
-import sys
-import types
 import typing
-from array import array
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Union
 
-import orjson
+from lmd.wire import Codec, ProtocolError, pack_ids, unpack_ids
+
+__all__ = ["ProtocolError", "pack_ids", "unpack_ids"]  # re-exported: part of the protocol
 
 # A worker name becomes a socket file name in the runtime directory: no paths.
 WORKER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-
-
-class ProtocolError(ValueError):
-    """A message that does not decode; the receiver drops it."""
 
 
 class MsgType(enum.IntEnum):
@@ -131,8 +123,8 @@ def _check_name(cls: str, field: str, value: str) -> None:
         raise ProtocolError(f"{cls}.{field} {value[:40]!r} is not a worker name")
 
 
-def _check_ids(cls: str, field: str, value: bytes, *, empty: bool = False) -> None:
-    if (not value and not empty) or len(value) % 4:
+def _check_ids(cls: str, field: str, value: bytes) -> None:
+    if not value or len(value) % 4:
         raise ProtocolError(f"{cls}.{field} must be a non-empty int32 array")
 
 
@@ -394,114 +386,14 @@ Message = Union[  # noqa: UP007
 ]
 
 
-def pack_ids(ids: Sequence[int]) -> bytes:
-    """Token ids as int32 little-endian bytes (the wire form)."""
-    out = array("i", ids)
-    if sys.byteorder != "little":
-        out.byteswap()
-    return out.tobytes()
-
-
-def unpack_ids(raw: bytes) -> list[int]:
-    ids = array("i")
-    ids.frombytes(raw)
-    if sys.byteorder != "little":
-        ids.byteswap()
-    return ids.tolist()
-
-
-_MESSAGE_CLASSES: tuple[type[Any], ...] = typing.get_args(Message)
-
-
-@dataclass(frozen=True, slots=True)
-class _Field:
-    name: str
-    kinds: tuple[type, ...]  # accepted JSON-decoded types
-    item_kinds: tuple[type, ...] | None  # for list[X]: accepted types of each element
-
-
-@dataclass(frozen=True, slots=True)
-class _Schema:
-    cls: type[Any]
-    header: tuple[_Field, ...]
-    frames: tuple[str, ...]  # names of the bytes fields, in frame order
-
-
-def _kinds(hint: Any) -> tuple[type, ...]:
-    origin = typing.get_origin(hint)
-    if origin in (Union, types.UnionType):
-        return tuple(k for arg in typing.get_args(hint) for k in _kinds(arg))
-    if hint is type(None):
-        return (type(None),)
-    base = origin or hint
-    if base is float:
-        return (int, float)
-    return (base,)
-
-
-def _schema(cls: type[Any]) -> _Schema:
-    hints = typing.get_type_hints(cls)
-    header, frames = [], []
-    for f in dataclasses.fields(cls):
-        hint = hints[f.name]
-        if hint is bytes:
-            frames.append(f.name)
-            continue
-        args = typing.get_args(hint)
-        is_typed_list = typing.get_origin(hint) is list and args and args[0] is not Any
-        items = _kinds(args[0]) if is_typed_list else None
-        header.append(_Field(f.name, _kinds(hint), items))
-    return _Schema(cls, tuple(header), tuple(frames))
-
-
-_SCHEMAS: dict[int, _Schema] = {int(c.TYPE): _schema(c) for c in _MESSAGE_CLASSES}
+_CODEC = Codec(typing.get_args(Message))
 
 
 def encode(msg: Message) -> list[bytes]:
-    schema = _SCHEMAS[int(msg.TYPE)]
-    header = {f.name: getattr(msg, f.name) for f in schema.header}
-    frames = [bytes((int(msg.TYPE),)), orjson.dumps(header)]
-    frames.extend(getattr(msg, name) for name in schema.frames)
-    return frames
-
-
-def _type_ok(value: Any, kinds: tuple[type, ...]) -> bool:
-    # bool is an int in Python, but a JSON true is never a valid count.
-    if isinstance(value, bool):
-        return bool in kinds
-    return isinstance(value, kinds)
+    return _CODEC.encode(msg)
 
 
 def decode(frames: list[bytes]) -> Message:
     """Parse a multipart message; raise ProtocolError saying what is wrong."""
-    if len(frames) < 2:
-        raise ProtocolError(f"expected at least 2 frames, got {len(frames)}")
-    if len(frames[0]) != 1:
-        raise ProtocolError(f"type frame must be 1 byte, got {len(frames[0])}")
-    schema = _SCHEMAS.get(frames[0][0])
-    if schema is None:
-        raise ProtocolError(f"unknown message type {frames[0][0]}")
-    name = schema.cls.__name__
-    if len(frames) != 2 + len(schema.frames):
-        raise ProtocolError(f"{name}: expected {2 + len(schema.frames)} frames, got {len(frames)}")
-    try:
-        header = orjson.loads(frames[1])
-    except orjson.JSONDecodeError as exc:
-        raise ProtocolError(f"{name}: header is not JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise ProtocolError(f"{name}: header must be a JSON object")
-    expected = {f.name for f in schema.header}
-    if set(header) != expected:
-        raise ProtocolError(f"{name}: header keys {sorted(header)} != {sorted(expected)}")
-    for f in schema.header:
-        value = header[f.name]
-        if not _type_ok(value, f.kinds):
-            raise ProtocolError(f"{name}.{f.name}: wrong type {type(value).__name__}")
-        if f.item_kinds is not None and not all(_type_ok(v, f.item_kinds) for v in value):
-            raise ProtocolError(f"{name}.{f.name}: an element has the wrong type")
-    raw = dict(zip(schema.frames, frames[2:], strict=True))
-    msg: Message = schema.cls(**header, **raw)
-    check = getattr(msg, "check", None)
-    if check is not None:
-        check()
+    msg: Message = _CODEC.decode(frames)
     return msg
