@@ -57,6 +57,8 @@ class _JsonBodyCheck(BaseHTTPMiddleware):
 
 
 def build_control_app(sup: Supervisor) -> FastAPI:
+    from lmd import reloading, scaling  # they raise ControlError: import after it exists
+
     app = FastAPI(
         title="lmd control",
         version=__version__,
@@ -101,7 +103,7 @@ def build_control_app(sup: Supervisor) -> FastAPI:
         """Run COUNT workers of ROLE (prefill or decode; disaggregated mode): new ones
         start at once; removed ones (the highest indices) take no new request and stop
         once idle (`retiring` in status). Answers {role, count, added, retiring}."""
-        return await sup.scale(role, count)
+        return await scaling.scale(sup, role, count)
 
     @app.post("/v1/drain")
     async def drain() -> dict[str, Any]:
@@ -127,7 +129,7 @@ def build_control_app(sup: Supervisor) -> FastAPI:
         """Read the config file and LMD_* environment again (flags stay). Answers which
         changed keys were `applied` live (log_level) and which `needs_restart`, with
         `changes` {key: {from, to}}; a bad file is 400 `bad_config`, the daemon unchanged."""
-        return sup.reload()
+        return await reloading.reload(sup)
 
     @app.get("/v1/metrics")
     async def metrics(interval: float = 1.0) -> dict[str, Any]:

@@ -105,7 +105,7 @@ async def tick_retiring(sup: Supervisor, child: Child, now: float) -> None:
             log.warning("%s still holds %d requests; stopping it", child.name, child.inflight)
         child.stop_sent = True
         child.restart_requested_at = now  # its exit is expected (Child.overdue kills late)
-        await sup.router.send(child.name, protocol.Stop())
+        await sup.broadcast(protocol.Stop(), [child])
 
 
 def forget_retired(sup: Supervisor, child: Child) -> bool:

@@ -21,7 +21,6 @@ What systemd hears at each step (READY, STATUS, WATCHDOG, ...): service_notify.p
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import signal
 import time
@@ -31,8 +30,7 @@ import zmq.asyncio
 
 from lmd import __version__, ipc, protocol, scaling
 from lmd.child import Child, describe_exit
-from lmd.config import ConfigError
-from lmd.config_loader import LoadedConfig, reload_config
+from lmd.config_loader import LoadedConfig
 from lmd.control import ControlError, build_control_app
 from lmd.http_server import EmbeddedServer, bind_unix
 from lmd.paths import control_socket_path
@@ -41,7 +39,6 @@ from lmd.runtime_lock import RuntimeLock
 from lmd.sd_notify import Notifier
 from lmd.service_notify import ServiceNotifier, status_line
 from lmd.states import DaemonState, WorkerState, transition
-from lmd.worker import set_log_level
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +130,7 @@ class Supervisor:
         up = {c.role for c in self.children.values() if c.state == WorkerState.RUNNING}
         return [r for r in ROLES if r in planned and r not in up]
 
-    async def _broadcast(self, msg: protocol.Message, children: list[Child] | None = None) -> None:
+    async def broadcast(self, msg: protocol.Message, children: list[Child] | None = None) -> None:
         for child in self.live_children if children is None else children:
             await self.router.send(child.name, msg)
 
@@ -141,7 +138,7 @@ class Supervisor:
         up = [c for c in self.children.values() if c.state == WorkerState.RUNNING and c.pid]
         running = {c.name: c.pid for c in up if c.pid is not None}
         retiring = [c.name for c in up if c.retiring]
-        await self._broadcast(
+        await self.broadcast(
             protocol.ClusterState(str(self.state), self.missing_roles, running, retiring)
         )
         self.service.status(self.status_line)
@@ -291,7 +288,7 @@ class Supervisor:
 
     async def _stop(self) -> None:
         await self.publish_cluster_state()
-        await self._broadcast(protocol.Drain())
+        await self.broadcast(protocol.Drain())
         self._drain_started = time.monotonic()
         deadline = self._drain_started + self.config.drain_timeout
         while not self._force_stop and time.monotonic() < deadline and not self._drained():
@@ -301,7 +298,7 @@ class Supervisor:
                 "drain timed out after %.0f s; stopping with requests in flight",
                 self.config.drain_timeout,
             )
-        await self._broadcast(protocol.Stop())
+        await self.broadcast(protocol.Stop())
         deadline = time.monotonic() + STOP_GRACE_S
         while self.live_children and time.monotonic() < deadline:
             await asyncio.sleep(TICK_S)
@@ -343,9 +340,6 @@ class Supervisor:
     def workers(self) -> list[dict[str, Any]]:
         return [c.to_status() for c in self.children.values()]
 
-    async def scale(self, role: str, count: int) -> dict[str, Any]:
-        return await scaling.scale(self, role, count)
-
     def restart_worker(self, name: str) -> None:
         child = self.children.get(name)
         if child is None:
@@ -367,7 +361,7 @@ class Supervisor:
         if self.state == DaemonState.RUNNING:
             self._set_state(DaemonState.DRAINING)
             log.info("draining: new requests are refused until resume")
-            await self._broadcast(protocol.Drain())
+            await self.broadcast(protocol.Drain())
             await self.publish_cluster_state()
 
     async def resume(self) -> None:
@@ -375,36 +369,5 @@ class Supervisor:
             raise ControlError(409, "not_draining", f"the daemon is {self.state}, not draining")
         self._set_state(DaemonState.RUNNING)
         log.info("resumed: admitting requests again")
-        await self._broadcast(protocol.Resume())
+        await self.broadcast(protocol.Resume())
         await self.publish_cluster_state()
-
-    def reload(self) -> dict[str, Any]:
-        """Load the config file and environment again (the command line stays as it was).
-
-        Live keys (config_loader.LIVE_KEYS: log level, API keys, request size limit) apply
-        at once, here and in every worker (Reconfigure). Other changed keys keep their
-        running value and are
-        reported as needing a restart.
-        """
-        if self.state in (DaemonState.STARTING, DaemonState.STOPPING):
-            raise ControlError(409, str(self.state), f"the daemon is {self.state}; try later")
-        with self.service.reloading(lambda: self.status_line):
-            try:
-                self.loaded, plan = reload_config(self.loaded)
-            except ConfigError as exc:
-                raise ControlError(400, "bad_config", str(exc)) from None
-            self.config = self.loaded.config
-            for child in self.children.values():  # what a restarted worker runs with
-                child.spec = dataclasses.replace(child.spec, config=self.config.to_dict())
-            set_log_level(self.config.log_level)
-            live = {k: getattr(self.config, k) for k in plan.applied}
-        if live:
-            self._reconfigure = asyncio.get_running_loop().create_task(
-                self._broadcast(protocol.Reconfigure(live))
-            )
-        log.info(
-            "config reloaded: applied %s; needs a restart: %s",
-            ", ".join(plan.applied) or "nothing",
-            ", ".join(plan.needs_restart) or "nothing",
-        )
-        return {"ok": True, "file": self.loaded.to_json()["file"], **plan.to_json()}
