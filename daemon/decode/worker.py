@@ -102,9 +102,9 @@ class DecodeWorker(EngineWorker):
             self.receiver.reserve(msg, self.workers.get(msg.prefill), time.monotonic())
         except ReservationRefused as exc:
             refuse("invalid_request_error", f"{self.spec.name}: {exc}")
-        except (TypeError, ValueError) as exc:
-            if isinstance(exc, MigrationError):
-                raise
+        except MigrationError:
+            raise  # a stray message: apply() counts and drops it
+        except (TypeError, ValueError) as exc:  # bad sampling parameters
             refuse("invalid_request_error", str(exc))
 
     def _on_migrated(self, msg: protocol.Migrated) -> None:

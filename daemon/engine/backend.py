@@ -224,6 +224,11 @@ class Backend(ABC):
         """Shape of the block-major KV pool this backend expects."""
         return (num_blocks, self.num_layers, 2, block_size, self.num_kv_heads, self.head_dim)
 
+    def capture_graphs(self, kv: Tensor, max_batch_size: int) -> None:
+        """Prepare decode steps of up to `max_batch_size` sequences on this pool ahead of
+        time (turbo: CUDA graphs); nothing by default."""
+        del kv, max_batch_size
+
 
 def parse_dtype(name: str, device: torch.device) -> torch.dtype:
     """ "auto" = bfloat16 on CUDA (float16 where bf16 is unsupported), float32 on CPU."""

@@ -146,9 +146,8 @@ class Engine:
             config.block_size,
             pool.nbytes / 2**20,
         )
-        capture = getattr(model, "capture_graphs", None)  # turbo: decode CUDA graphs
-        if capture is not None and role != "prefill":
-            capture(pool.kv, config.max_batch_size)
+        if role != "prefill":  # a prefill engine runs no decode step
+            model.capture_graphs(pool.kv, config.max_batch_size)
         return cls(model, config, pool, role=role)
 
     # Requests --------------------------------------------------------------------------

@@ -45,9 +45,9 @@ from lmd.worker import Worker, WorkerStartError
 log = logging.getLogger(__name__)
 
 
-def engine_workers(config: ServeConfig) -> list[str]:
+def num_engine_workers(config: ServeConfig) -> int:
     counts = role_counts(config)
-    return [f"{r}-{i}" for r in ENGINE_ROLES for i in range(counts.get(r, 0))]
+    return sum(counts.get(role, 0) for role in ENGINE_ROLES)
 
 
 class EngineWorker(Worker):
@@ -69,7 +69,7 @@ class EngineWorker(Worker):
                 backend=self.spec.backend or "auto",
                 role=self.role,
                 pool_buffer=None if self.memory is None else self.memory.buffer,
-                cpu_engines=len(engine_workers(self.config)),
+                cpu_engines=num_engine_workers(self.config),
             )
             if self.memory is not None:
                 self.memory.attach(self.engine.pool)

@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmd import protocol
+from lmd.engine.engine import TokenEvent
 from lmd.engine.kv_pool import KVPool
 from lmd.engine.sequence import Sequence
 from lmd.migration.base import MigrationTransport, TicketLike
+from lmd.migration.native import block_copies
 from lmd.migration.receiver import MigrationError
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ class Outgoing:
     dst_block_ids: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0
     peer: Any = None  # the decode pool, opened
+    first: TokenEvent | None = None  # the first sampled token, sent on in Migrated
     ticket: TicketLike | None = None
     copy_started: float = 0.0
     aborted: bool = False
@@ -117,8 +120,6 @@ class Sender:
 
     def submit(self, out: Outgoing, now: float) -> None:
         """Start copying `out`'s prompt blocks into the reserved ones."""
-        from lmd.migration.native import block_copies
-
         skip = out.num_cached_blocks
         src = out.seq.block_table[skip : self.pool_blocks_for(out.seq)]
         dst = out.dst_block_ids[skip:]

@@ -67,7 +67,6 @@ class PrefillWorker(EngineWorker):
         # Reserved is expected, not a stray message (bounded, oldest forgotten first).
         self._released: OrderedDict[str, None] = OrderedDict()
         self._copied: list[Outgoing] = []  # copy finished: free their blocks here
-        self._first: dict[str, TokenEvent] = {}  # first tokens of prompts being copied
         self._workers: dict[str, int] | None = None
 
     async def stop(self) -> None:
@@ -238,7 +237,7 @@ class PrefillWorker(EngineWorker):
                 self._drop(out)
                 self.send_tokens(out.reply_to, [event])
             else:
-                self._first[event.request_id] = event
+                out.first = event
         for seq in self.engine.take_prefilled():
             out = self._outgoing.get(seq.request_id)
             if out is None:  # aborted while the step ran
@@ -265,7 +264,7 @@ class PrefillWorker(EngineWorker):
         if not ok and not error:
             return  # timed out: _expire exits the process
         seconds = time.monotonic() - out.copy_started
-        first = self._first.pop(out.request_id, None)
+        first = out.first
         self._copied.append(out)  # its blocks are freed between steps
         self.wake()
         if self._outgoing.pop(out.request_id, None) is None:
@@ -297,7 +296,6 @@ class PrefillWorker(EngineWorker):
         """Forget a request before its copy started; release its reservation if any
         (`release=False`: decode refused it, there is nothing to release)."""
         self._outgoing.pop(out.request_id, None)
-        self._first.pop(out.request_id, None)
         if not out.reserve_sent:
             self._waiting.remove(out)
             return
