@@ -207,11 +207,7 @@ def decode_attention(
         out.stride(1),
         layer,
         block_size,
-        kv.stride(0),
-        kv.stride(1),
-        kv.stride(2),
-        kv.stride(3),
-        kv.stride(4),
+        *kv.stride()[:5],  # block, layer, k/v, slot, head (head_dim is contiguous)
         scale * LOG2E,
         window,
         GROUP=group,

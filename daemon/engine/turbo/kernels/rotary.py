@@ -117,11 +117,7 @@ def rotary_and_cache_write(
         rope.stride(0),
         layer,
         block_size,
-        kv.stride(0),
-        kv.stride(1),
-        kv.stride(2),
-        kv.stride(3),
-        kv.stride(4),
+        *kv.stride()[:5],  # block, layer, k/v, slot, head (head_dim is contiguous)
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
