@@ -172,6 +172,10 @@ class Tokens:
     logprobs: list[dict[str, Any] | None]  # {"logprob", "top": [[id, logprob], ...]}
     cached_tokens: list[int]  # prompt tokens the prefix cache served (no compute)
     token_ids: bytes  # int32 little-endian, one per request
+    # int32 little-endian, one per request: the token's index among the request's output
+    # tokens. In disaggregated mode token 0 comes from prefill and the rest from decode,
+    # over different sockets: the tokenizer puts them back in order by it.
+    positions: bytes
 
     def check(self) -> None:
         n = len(self.request_ids)
@@ -182,6 +186,8 @@ class Tokens:
             )
         if len(self.token_ids) != 4 * n:
             raise ProtocolError(f"Tokens: {n} requests but {len(self.token_ids) // 4} token ids")
+        if len(self.positions) != 4 * n:
+            raise ProtocolError(f"Tokens: {n} requests but {len(self.positions) // 4} positions")
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,10 +52,14 @@ from lmd.text.chat_template import (
     LmdeployChatTemplate,
     parse_messages,
 )
+from lmd.text.in_order import InOrder
 from lmd.text.stream import StreamUpdate, TextStream
 from lmd.worker import Worker, WorkerStartError
 
 log = logging.getLogger(__name__)
+
+
+_Entry = tuple[int, str | None, dict[str, Any] | None, int]
 
 
 @dataclass(slots=True)
@@ -64,6 +68,9 @@ class _Request:
     route: Route
     stream: TextStream
     cached_tokens: int | None = None  # from the engine's first Tokens for it
+    # (token, finish reason, logprobs, cached tokens) by position: prefill sends token 0,
+    # decode the rest, over different sockets.
+    order: InOrder[_Entry] = field(default_factory=InOrder)
     # Interactive sessions only: the session, this turn, and what it generated so far.
     session: Session | None = None
     turn: Turn | None = None
@@ -325,30 +332,63 @@ class TokenizerWorker(Worker):
     def _on_tokens(self, msg: protocol.Tokens) -> None:
         deltas: dict[str, list[tuple[str, _Request, StreamUpdate]]] = defaultdict(list)
         ids = protocol.unpack_ids(msg.token_ids)
-        for rid, token, reason, lp, cached in zip(
-            msg.request_ids, ids, msg.finish_reasons, msg.logprobs, msg.cached_tokens, strict=True
+        positions = protocol.unpack_ids(msg.positions)
+        for rid, token, position, reason, lp, cached in zip(
+            msg.request_ids,
+            ids,
+            positions,
+            msg.finish_reasons,
+            msg.logprobs,
+            msg.cached_tokens,
+            strict=True,
         ):
             request = self._requests.get(rid)
             if request is None:
                 continue  # finished by a stop string, or aborted
-            if request.cached_tokens is None:
-                request.cached_tokens = cached
-                self.router.prefilled(request.route)
-            update = request.stream.feed(token, reason, lp)
-            if request.session is not None:
-                request.answer.append(update.text)
-                request.output_ids.append(token)
-            if update.stopped_by_string:
-                self._abort_engines(request, rid)
-            if update.finish_reason is not None:
-                del self._requests[rid]
-                self.router.finished(request.route)
-                if request.session is not None:
-                    self._close_turn(request, keep=update.finish_reason != "abort")
-            if update.text or update.finish_reason or update.logprobs:
+            ready = request.order.arrive(position, (token, reason, lp, cached))
+            if ready is None:  # a token that went out already
+                if reason is None:
+                    log.warning("%s: token %d came twice; dropped", rid, position)
+                    continue
+                # Decode ending the request on the token prefill sent: the finish alone.
+                update = StreamUpdate("", reason, False)
+                self._finish(rid, request, update)
                 deltas[request.reply_to].append((rid, request, update))
+                continue
+            for entry in ready:
+                self._feed(rid, request, entry, deltas)
         for reply_to, entries in deltas.items():
             self.push(reply_to, _text_delta(entries))
+
+    def _feed(
+        self,
+        rid: str,
+        request: _Request,
+        entry: _Entry,
+        deltas: dict[str, list[tuple[str, _Request, StreamUpdate]]],
+    ) -> None:
+        token, reason, lp, cached = entry
+        if rid not in self._requests:
+            return  # ended by an earlier token of this batch (a stop string)
+        if request.cached_tokens is None:
+            request.cached_tokens = cached
+            self.router.prefilled(request.route)
+        update = request.stream.feed(token, reason, lp)
+        if request.session is not None:
+            request.answer.append(update.text)
+            request.output_ids.append(token)
+        if update.stopped_by_string:
+            self._abort_engines(request, rid)
+        if update.finish_reason is not None:
+            self._finish(rid, request, update)
+        if update.text or update.finish_reason or update.logprobs:
+            deltas[request.reply_to].append((rid, request, update))
+
+    def _finish(self, rid: str, request: _Request, update: StreamUpdate) -> None:
+        del self._requests[rid]
+        self.router.finished(request.route)
+        if request.session is not None:
+            self._close_turn(request, keep=update.finish_reason != "abort")
 
 
 def _text_delta(entries: list[tuple[str, _Request, StreamUpdate]]) -> protocol.TextDelta:

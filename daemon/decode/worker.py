@@ -5,9 +5,9 @@ Life cycle of a request here (ARCHITECTURE §4; the table is migration.receiver)
      steps, oldest first); Reserved goes back with the block ids and this pool's
      descriptor. A request this worker can never hold gets RequestError (to the
      prefill worker, which passes it to the tokenizer).
-  2. Migrated: the KV is in the blocks. The first token goes to the tokenizer at once
-     and the sequence joins the decode batch; from then on it is decoded as in a hybrid
-     engine (preempted sequences are recomputed here).
+  2. Migrated: the KV is in the blocks, and carries the first token, which prefill sent
+     to the tokenizer already. The sequence joins the decode batch; from then on it is
+     decoded as in a hybrid engine (preempted sequences are recomputed here).
   3. Release frees a reservation prefill gave up. Abort from the tokenizer frees a
      queued or running request; a granted one is freed when its prefill worker is done
      with it (Migrated or Release), since a copy may still be writing into its blocks.
@@ -114,17 +114,21 @@ class DecodeWorker(EngineWorker):
             return  # aborted while its KV was on the way
         self.num_migrated += 1
         reason = seq.finish_reason
+        if reason is None:  # prefill sent the first token to the tokenizer already
+            self._reply_to[seq.request_id] = res.reply_to
+            self.engine.add_prefilled(seq)
+            return
+        # Only where this worker's limits differ from prefill's: the first token ends it
+        # here; the tokenizer takes this duplicate of token 0 as the finish.
         tokens = protocol.Tokens(
             [seq.request_id],
-            [None if reason is None else str(reason)],
+            [str(reason)],
             [msg.logprobs],
             [msg.cached_tokens],
             protocol.pack_ids([msg.token_id]),
+            protocol.pack_ids([0]),
         )
         self.push(res.reply_to, tokens)
-        if reason is None:
-            self._reply_to[seq.request_id] = res.reply_to
-            self.engine.add_prefilled(seq)
 
     # Between steps ---------------------------------------------------------------------------
 

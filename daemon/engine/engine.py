@@ -57,6 +57,7 @@ class TokenEvent:
     logprobs: TokenLogprobs | None
     finish_reason: FinishReason | None  # set on the request's last token
     cached_tokens: int = 0  # prompt tokens the prefix cache served at its (last) prefill
+    position: int = 0  # index among the request's output tokens (0: the first)
 
 
 def size_pool(backend: Backend, config: EngineConfig, cpu_engines: int = 1) -> int:
@@ -265,6 +266,7 @@ class Engine:
                 lp,
                 seq.finish_reason,
                 min(seq.num_prefix_cached_tokens, seq.num_prompt_tokens),
+                seq.num_output_tokens - 1,
             )
             for seq, tok, lp in zip(seqs, token_ids, logprobs, strict=True)
             if seq.finish_reason != FinishReason.ABORT

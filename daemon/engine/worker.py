@@ -59,7 +59,7 @@ class EngineWorker(Worker):
         try:
             model = resolve_model(self.config.model)
             if self.role != "hybrid":
-                self.memory = PoolMemory.for_device(device)
+                self.memory = PoolMemory.for_device(device, self.config.migration_transport)
             self.engine = await asyncio.to_thread(
                 Engine.build,
                 model.path,
@@ -94,7 +94,7 @@ class EngineWorker(Worker):
         b = self.engine.backend
         info = {"backend": b.name, "device": str(b.device), "dtype": str(b.dtype)[6:]}
         if self.memory is not None:
-            info["transport"] = self.memory.kind
+            info["transport"] = self.memory.transport.name
         return info
 
     def stats(self) -> dict[str, Any]:
@@ -210,6 +210,7 @@ class EngineWorker(Worker):
             [logprobs_dict(e) for e in events],
             [e.cached_tokens for e in events],
             protocol.pack_ids([e.token_id for e in events]),
+            protocol.pack_ids([e.position for e in events]),
         )
         self.push(reply_to, msg)
 

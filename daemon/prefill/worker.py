@@ -8,10 +8,11 @@ Life cycle of a request here (ARCHITECTURE §4, push, decode-first):
   2. Reserved: the reservation is checked (sender.Sender.accept) and the prompt joins
      the engine's prefill queue (chunked, batched with others). RequestError from
      decode (refused, draining) goes on to the tokenizer.
-  3. The step that completes the prompt samples the first token. If that token ends
-     the request, it goes straight to the tokenizer and the reservation is released.
-     Otherwise the copy of its blocks starts at once on the transport's threads (or
-     CUDA stream) while the next step computes.
+  3. The step that completes the prompt samples the first token, which goes straight
+     to the tokenizer (time to first token does not wait for the copy). If that token
+     ends the request, the reservation is released. Otherwise the copy of its blocks
+     starts at once on the transport's threads (or CUDA stream) while the next step
+     computes.
   4. When the copy is done, Migrated (with the first token) goes to decode and the
      prompt's blocks here are freed (the prefix cache keeps them while it can).
   5. Abort at any point: before the copy, the request is dropped and the reservation
@@ -29,7 +30,7 @@ import asyncio
 import logging
 import os
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict, defaultdict, deque
 from typing import Any
 
 from lmd import protocol
@@ -229,15 +230,20 @@ class PrefillWorker(EngineWorker):
     # Step results -------------------------------------------------------------------------------
 
     def on_events(self, events: list[TokenEvent]) -> None:
+        # First tokens go to their tokenizer now: time to first token does not wait for
+        # the copy and a hop through decode.
+        first_tokens: defaultdict[str, list[TokenEvent]] = defaultdict(list)
         for event in events:
             out = self._outgoing.get(event.request_id)
             if out is None:
                 continue
             if event.finish_reason is not None:  # the first token ended it: no migration
                 self._drop(out)
-                self.send_tokens(out.reply_to, [event])
             else:
-                out.first = event
+                out.first = event  # decode continues from it once the KV is there
+            first_tokens[out.reply_to].append(event)
+        for reply_to, firsts in first_tokens.items():
+            self.send_tokens(reply_to, firsts)
         for seq in self.engine.take_prefilled():
             out = self._outgoing.get(seq.request_id)
             if out is None:  # aborted while the step ran

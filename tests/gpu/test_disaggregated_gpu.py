@@ -82,7 +82,19 @@ def serve_outputs(model_dir: Path, *args: str) -> tuple[list[list[int]], dict[st
             return True
 
         wait_until(whole, 10, "every KV block free")
-        return outputs, daemon.status()
+
+        def settled() -> dict[str, Any] | None:
+            # Counters travel in heartbeats: wait until they show every migration.
+            status = daemon.status()
+            for w in status["workers"]:
+                m = w.get("migration") or {}
+                if m.get("count", len(prompts)) < len(prompts):
+                    return None
+                if m.get("received", len(prompts)) < len(prompts):
+                    return None
+            return status
+
+        return outputs, wait_until(settled, 10, "migration counters")
     finally:
         daemon.close()
 

@@ -20,6 +20,7 @@ MESSAGES: list[protocol.Message] = [
         [None, {"logprob": -0.5, "top": [[7, -0.5], [9, -1.5]]}],
         [0, 128],
         protocol.pack_ids([7, 2]),
+        protocol.pack_ids([0, 5]),
     ),
     protocol.RequestError("r1", "invalid_request_error", "temperature must be >= 0"),
     protocol.TextRequest(
@@ -86,6 +87,7 @@ def test_no_pickle_on_the_wire() -> None:
                 b'{"request_ids":["a",2],"finish_reasons":[null,null],"logprobs":[null,null],'
                 b'"cached_tokens":[0,0]}',
                 b"\x00" * 8,
+                b"\x00" * 8,
             ],
             "element",
         ),
@@ -95,13 +97,25 @@ def test_no_pickle_on_the_wire() -> None:
                 b'{"request_ids":["a"],"finish_reasons":[null],"logprobs":[null],'
                 b'"cached_tokens":[0]}',
                 b"\x00" * 8,
+                b"\x00" * 4,
             ],
             "1 requests but 2 token ids",
         ),
         (
             [
                 b"\x16",
+                b'{"request_ids":["a"],"finish_reasons":[null],"logprobs":[null],'
+                b'"cached_tokens":[0]}',
+                b"\x00" * 4,
+                b"\x00" * 8,
+            ],
+            "1 requests but 2 positions",
+        ),
+        (
+            [
+                b"\x16",
                 b'{"request_ids":["a"],"finish_reasons":[],"logprobs":[null],"cached_tokens":[0]}',
+                b"\x00" * 4,
                 b"\x00" * 4,
             ],
             "differ in length",
@@ -112,6 +126,7 @@ def test_no_pickle_on_the_wire() -> None:
                 b'{"request_ids":["a"],"finish_reasons":[null],"logprobs":[null],'
                 b'"cached_tokens":[]}',
                 b"\x00" * 4,
+                b"\x00" * 4,
             ],
             "cached_tokens differ in length",
         ),
@@ -120,6 +135,7 @@ def test_no_pickle_on_the_wire() -> None:
                 b"\x16",
                 b'{"request_ids":["a"],"finish_reasons":[null],"logprobs":[null],'
                 b'"cached_tokens":[1.5]}',
+                b"\x00" * 4,
                 b"\x00" * 4,
             ],
             "cached_tokens: an element",
