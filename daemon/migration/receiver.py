@@ -23,13 +23,15 @@ them, raise MigrationError: the worker logs, counts and drops them.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from lmd import protocol
 from lmd.engine.block_manager import BlockManager
 from lmd.engine.sequence import FinishReason, SamplingParams, Sequence
+
+ABORTED_MEMORY = 4096
 
 
 class MigrationError(ValueError):
@@ -66,6 +68,9 @@ class Receiver:
         self.timeout_s = timeout_s
         self._queue: deque[Reservation] = deque()
         self._by_id: dict[str, Reservation] = {}
+        # Queued reservations an Abort freed, by request id -> prefill worker: their
+        # prefill's Release is on its way and expected (bounded, oldest forgotten first).
+        self._aborted: OrderedDict[str, str] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -146,8 +151,12 @@ class Receiver:
             self.block_manager.free(seq)
         return seq
 
-    def release(self, msg: protocol.Release) -> Reservation:
-        """Free a reservation its prefill gave up (queued or granted)."""
+    def release(self, msg: protocol.Release) -> Reservation | None:
+        """Free a reservation its prefill gave up (queued or granted); None when an
+        Abort freed it first."""
+        if self._aborted.get(msg.request_id) == msg.prefill:
+            del self._aborted[msg.request_id]
+            return None
         res = self._by_id.get(msg.request_id)
         if res is None or res.prefill != msg.prefill:
             raise MigrationError(
@@ -165,6 +174,9 @@ class Receiver:
             res.aborted = True  # freed when its prefill sends Migrated or Release
         else:
             self._forget(res)
+            self._aborted[request_id] = res.prefill
+            if len(self._aborted) > ABORTED_MEMORY:
+                self._aborted.popitem(last=False)
         res.seq.finish(FinishReason.ABORT)
         return True
 
