@@ -6,6 +6,7 @@
     lmd-bench migration KV blocks between two processes through lmd._native
     lmd-bench serve     TTFT/TPOT/ITL/E2E, throughput and goodput of any OpenAI server
     lmd-bench compare   several runs' JSON side by side (table, bar chart)
+    lmd-bench plan      prefill:decode GPUs for a workload and its SLOs, by simulation
 
 Output conventions, the same for every subcommand (the parser class adds the flags, so a
 subcommand need not): a readable summary on stdout; `--json` prints one JSON line instead;
@@ -28,9 +29,9 @@ from typing import Any
 import orjson
 
 from lmd import __version__
-from lmd.bench import compare, front, ipc, migration, offline, serve
+from lmd.bench import compare, front, ipc, migration, offline, plan, serve
 
-SUBCOMMANDS = (ipc, offline, front, migration, serve, compare)
+SUBCOMMANDS = (ipc, offline, front, migration, serve, compare, plan)
 SECRET_FLAGS = ("--api-key",)
 
 
