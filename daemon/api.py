@@ -32,23 +32,39 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from pydantic import ValidationError
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 
 from lmd import __version__, ipc, protocol
+from lmd.api_docs import (
+    GENERATE_ERRORS,
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChunk,
+    Health,
+    InteractiveAnswer,
+    ModelCard,
+    ModelList,
+    answers,
+    body_doc,
+    errors,
+    install_schemas,
+    json_lines,
+    sse,
+)
 from lmd.api_http import (
     EventStream,
     GuardLimits,
     RequestGuard,
-    body_doc,
     disconnected,
     error_response,
-    install_body_schemas,
     install_error_handlers,
 )
 from lmd.api_metrics import CLIENT_GONE, CONTENT_TYPE, ApiMetrics
 from lmd.config import ServeConfig
 from lmd.http_server import BindError, EmbeddedServer, JSONResponse, bind_tcp
 from lmd.interactive import (
+    MEDIA_TYPE,
     InteractiveFormat,
     InteractiveRequest,
     LineFraming,
@@ -187,40 +203,60 @@ class ApiWorker(Worker):
     def build_app(self) -> FastAPI:
         app = FastAPI(title="lmd", version=__version__, default_response_class=JSONResponse)
 
-        @app.get("/health")
+        @app.get("/health", responses={200: {"model": Health}, 503: {"model": Health}})
         async def health() -> JSONResponse:
             status, body = self.health()
             return JSONResponse(body, status_code=status)
 
-        @app.get("/v1/models")
+        @app.get("/v1/models", responses={200: {"model": ModelList}, **errors(401)})
         async def models() -> dict[str, Any]:
             return {"object": "list", "data": [self._model_card()]}
 
-        @app.get("/v1/models/{model:path}")
+        @app.get("/v1/models/{model:path}", responses=answers(ModelCard, 401, 404))
         async def model(model: str) -> JSONResponse:
             if model != self.config.served_model_name:
                 return error_response(self._unknown_model(model))
             return JSONResponse(self._model_card())
 
-        @app.post("/v1/chat/completions", openapi_extra=body_doc(ChatCompletionRequest))
+        @app.post(
+            "/v1/chat/completions",
+            openapi_extra=body_doc(ChatCompletionRequest),
+            responses=answers(ChatCompletion, *GENERATE_ERRORS, stream=sse(ChatCompletionChunk)),
+        )
         async def chat_completions(request: Request) -> Response:
             return await self.generate(request, "chat_completions")
 
-        @app.post("/v1/completions", openapi_extra=body_doc(CompletionRequest))
+        @app.post(
+            "/v1/completions",
+            openapi_extra=body_doc(CompletionRequest),
+            responses=answers(Completion, *GENERATE_ERRORS, stream=sse(CompletionChunk)),
+        )
         async def completions(request: Request) -> Response:
             return await self.generate(request, "completions")
 
-        @app.post("/v1/chat/interactive", openapi_extra=body_doc(InteractiveRequest))
+        @app.post(
+            "/v1/chat/interactive",
+            openapi_extra=body_doc(InteractiveRequest),
+            responses=answers(
+                InteractiveAnswer,
+                *GENERATE_ERRORS,
+                stream=json_lines(InteractiveAnswer, MEDIA_TYPE),
+            ),
+        )
         async def chat_interactive(request: Request) -> Response:
             """LMDeploy's interactive chat: the server keeps each session's history."""
             return await self.generate(request, "chat_interactive")
 
-        @app.get("/metrics")
+        @app.get("/metrics", response_class=PlainTextResponse)
         async def metrics() -> Response:
             return Response(await self.metrics.scrape(), media_type=CONTENT_TYPE)
 
         install_error_handlers(app)
-        install_body_schemas(app, [ChatCompletionRequest, CompletionRequest, InteractiveRequest])
+        install_schemas(
+            app,
+            [ChatCompletionRequest, CompletionRequest, InteractiveRequest],
+            self.config.served_model_name,
+        )
         app.add_middleware(RequestGuard, limits=self.limits, on_reject=self._count_rejected)
         return app
 
@@ -275,6 +311,16 @@ class ApiWorker(Worker):
 
         None: the request was an interactive cancel or end, passed on to the tokenizer.
         """
+        content_type = http.headers.get("content-type")
+        if content_type is not None and not _is_json(content_type):
+            # Not JSON by its own account. Refusing it also keeps browsers' "simple"
+            # cross-site POSTs (form or text/plain, sent without a CORS preflight) out.
+            raise ApiError(
+                415,
+                f"the request body must be JSON (Content-Type: application/json), "
+                f"got {content_type!r}",
+                code="unsupported_media_type",
+            )
         try:
             body = _BODY_MODELS[endpoint].model_validate_json(await http.body())
         except ValidationError as exc:
@@ -392,3 +438,11 @@ async def _add_up(request: OpenRequest) -> Answer | ApiError:
             return ApiError.from_request_error(event)
         answer.add(event)
     return answer
+
+
+def _is_json(content_type: str) -> bool:
+    """application/json or application/*+json, whatever the parameters (charset)."""
+    media = content_type.partition(";")[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )

@@ -1,4 +1,4 @@
-"""HTTP plumbing of the api: the request guard, SSE responses, error bodies, docs.
+"""HTTP plumbing of the api: the request guard, SSE responses, error bodies (docs: api_docs.py).
 
 `RequestGuard` is plain ASGI middleware (no per-request task, unlike BaseHTTPMiddleware):
 it checks the Bearer key on /v1/* (constant-time; /health, /metrics and the docs stay
@@ -11,12 +11,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 from collections.abc import AsyncGenerator, Callable, Sequence
-from typing import Any
 
 from fastapi import FastAPI
-from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel
-from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -38,7 +34,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(ApiError(exc.status_code, str(exc.detail), type=kind))
+        response = error_response(ApiError(exc.status_code, str(exc.detail), type=kind))
+        response.headers.update(exc.headers or {})  # a 405's Allow (RFC 9110)
+        return response
 
     async def internal_error(request: Request, exc: Exception) -> Response:
         message = f"internal error: {type(exc).__name__}: {exc}"
@@ -214,27 +212,3 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
-
-
-# OpenAPI: the generation routes read their body themselves (to answer OpenAI errors and
-# validate from bytes); these put the request models into /openapi.json and /docs anyway.
-
-
-def body_doc(model: type[BaseModel]) -> dict[str, Any]:
-    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
-
-
-def install_body_schemas(app: FastAPI, models: Sequence[type[BaseModel]]) -> None:
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            _, defs = models_json_schema(
-                [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
-            )
-            components = schema.setdefault("components", {}).setdefault("schemas", {})
-            components.update(defs.get("$defs", {}))
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]

@@ -4,26 +4,36 @@
 
 Each route's docstring is its help text and its protocol. Errors are
 `{"error": {"code": str, "message": str}}` with a 4xx status, never a traceback.
+
+Who may use it: the socket's mode (0660, in a 0750 directory) keeps other users out of
+connecting at all; past that, `_Guard` refuses (403 `forbidden`, and a warning naming the
+pid and uid) a peer whose uid is neither root nor the daemon's own, e.g. one in the
+socket's group. It also refuses junk before any route runs: a body that is not a JSON
+object (400 `bad_json`) or is larger than any command needs (413 `body_too_large`).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
-from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
-from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lmd import __version__
-from lmd.http_server import JSONResponse
+from lmd.http_server import JSONResponse, Peer
 from lmd.metrics_collect import MAX_INTERVAL_S, collect, scrape_url
 from lmd.states import WorkerState
 
 if TYPE_CHECKING:
     from lmd.supervisor import Supervisor
+
+log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 64 * 1024  # no command takes a body; a client may send `{}`
 
 
 class ControlError(Exception):
@@ -41,19 +51,96 @@ def error_response(status: int, code: str, message: str) -> JSONResponse:
 _HTTP_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}
 
 
-class _JsonBodyCheck(BaseHTTPMiddleware):
-    """A body, when sent, must be a JSON object: junk is a 400, not a crash."""
+def peer_allowed(uid: int, own_uid: int | None = None) -> bool:
+    """Root and the daemon's own user may use the control API; nobody else."""
+    return uid in (0, os.getuid() if own_uid is None else own_uid)
 
-    async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
-        body = await request.body()
-        if body.strip():
-            try:
-                parsed = orjson.loads(body)
-            except orjson.JSONDecodeError as exc:
-                return error_response(400, "bad_json", f"request body is not valid JSON: {exc}")
-            if not isinstance(parsed, dict):
-                return error_response(400, "bad_json", "request body must be a JSON object")
-        return await call_next(request)
+
+class _Guard:
+    """Refuses other users' peers and junk bodies before any route runs (pure ASGI)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            body = await _read_body(receive)
+        except _ClientGone:
+            return  # nobody to answer
+        refused = self._refuse_peer(scope.get("state", {}).get("peer")) or _refuse_body(body)
+        if refused is not None:
+            await refused(scope, receive, send)
+        else:
+            assert body is not None
+            await self.app(scope, _replay(body, receive), send)
+
+    @staticmethod
+    def _refuse_peer(peer: Peer | None) -> JSONResponse | None:
+        if peer is None or peer_allowed(peer.uid):
+            return None  # no credentials (not Linux): the socket's mode is the guard
+        own = os.getuid()
+        allowed = "root" if own == 0 else f"root and uid {own}"
+        log.warning(
+            "control socket: refused pid %d uid %d gid %d (only %s may use it)",
+            peer.pid,
+            peer.uid,
+            peer.gid,
+            allowed,
+        )
+        message = f"uid {peer.uid} may not use this daemon's control socket (only {allowed})"
+        return error_response(403, "forbidden", message)
+
+
+class _ClientGone(Exception):
+    """The client hung up before its request body was complete."""
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    """The whole body, or None once it passes MAX_BODY_BYTES; raises _ClientGone."""
+    parts, size, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        part = message.get("body", b"")
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            return None
+        parts.append(part)
+        more = message.get("more_body", False)
+    return b"".join(parts)
+
+
+def _refuse_body(body: bytes | None) -> JSONResponse | None:
+    """Junk: too large (None), not JSON, or JSON but not an object; an empty body is fine."""
+    if body is None:
+        return error_response(413, "body_too_large", f"request body is over {MAX_BODY_BYTES} bytes")
+    if not body.strip():
+        return None
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        return error_response(400, "bad_json", f"request body is not valid JSON: {exc}")
+    if not isinstance(parsed, dict):
+        return error_response(400, "bad_json", "request body must be a JSON object")
+    return None
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that yields the body read already, then the connection's own events."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def build_control_app(sup: Supervisor) -> FastAPI:
@@ -66,7 +153,7 @@ def build_control_app(sup: Supervisor) -> FastAPI:
         redoc_url=None,
         default_response_class=JSONResponse,
     )
-    app.add_middleware(_JsonBodyCheck)
+    app.add_middleware(_Guard)
 
     @app.exception_handler(ControlError)
     async def control_error(_: Request, exc: ControlError) -> JSONResponse:
@@ -74,9 +161,10 @@ def build_control_app(sup: Supervisor) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        return error_response(
-            exc.status_code, _HTTP_CODES.get(exc.status_code, "error"), str(exc.detail)
-        )
+        code = _HTTP_CODES.get(exc.status_code, "error")
+        response = error_response(exc.status_code, code, str(exc.detail))
+        response.headers.update(exc.headers or {})  # a 405's Allow (RFC 9110)
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -28,10 +28,14 @@ from pydantic import Field, model_validator
 from lmd import protocol
 from lmd.openai_responses import Answer, Delta
 from lmd.openai_schema import (
+    MAX_COUNT,
     ApiError,
     ChatMessage,
+    RepetitionPenalty,
+    Seed,
     StopStrings,
     StrictModel,
+    Temperature,
     not_supported,
 )
 
@@ -45,18 +49,18 @@ class InteractiveRequest(StrictModel):
     interactive_mode: bool = False
     stream: bool = False
     stop: StopStrings = Field(default_factory=list)
-    request_output_len: Annotated[int, Field(ge=1)] | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    request_output_len: Annotated[int, Field(ge=1, lt=MAX_COUNT)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, lt=MAX_COUNT)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] = 0.8
-    top_k: Annotated[int, Field(ge=-1)] = 40  # 0 or -1 = off
-    temperature: Annotated[float, Field(ge=0)] = 0.8
+    top_k: Annotated[int, Field(ge=-1, lt=MAX_COUNT)] = 40  # 0 or -1 = off
+    temperature: Temperature = 0.8
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
+    repetition_penalty: RepetitionPenalty = 1.0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     cancel: bool = False
-    seed: int | None = None
-    min_new_tokens: Annotated[int, Field(ge=0)] | None = None
+    seed: Seed | None = None
+    min_new_tokens: Annotated[int, Field(ge=0, lt=MAX_COUNT)] | None = None
     image_url: Annotated[Any, not_supported("this server serves text-only models")] = None
     adapter_name: Annotated[str, not_supported()] | None = None
 

@@ -20,14 +20,23 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
 )
 
 from lmd import protocol
-from lmd.engine.sequence import MAX_LOGPROBS
+from lmd.engine.sequence import (
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    MIN_REPETITION_PENALTY,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API allows 0..5
+# Token counts and ids travel as int32 and every integer as a JSON int64 inside lmd: a
+# larger number is a 400 here, never a failure further down.
+MAX_COUNT = 2**31
 
 # RequestError.code -> HTTP status; anything unknown is a 500.
 _STATUS_OF_CODE = {
@@ -81,8 +90,15 @@ class ApiError(Exception):
 
     @classmethod
     def from_validation(cls, exc: ValidationError) -> ApiError:
-        """The first problem pydantic found, with the field it is about as `param`."""
-        first = exc.errors(include_url=False)[0]
+        """The first problem pydantic found, with the field it is about as `param`.
+
+        A field of several types (a union) fails once per type: of its failures, the one
+        deepest in the value is the one about the type the client meant (a list of
+        messages with a bad role, not "should be a string").
+        """
+        problems = exc.errors(include_url=False)
+        field = problems[0]["loc"][:1]
+        first = max((p for p in problems if p["loc"][:1] == field), key=lambda p: len(p["loc"]))
         if first["type"] == "json_invalid":
             reason = first.get("ctx", {}).get("error", "")
             return cls(400, f"the request body is not valid JSON: {reason}")
@@ -128,7 +144,11 @@ def _one_prompt(value: Any) -> Any:
     if not value:
         raise ValueError("must not be an empty list of token ids")
     for i, token_id in enumerate(value):
-        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < 2**31:
+        if (
+            isinstance(token_id, bool)
+            or not isinstance(token_id, int)
+            or not 0 <= token_id < MAX_COUNT
+        ):
             raise ValueError(f"token id {token_id!r} at position {i} is not an integer >= 0")
     return value
 
@@ -177,10 +197,44 @@ def _only_one(value: int | None) -> int | None:
     return value
 
 
-TokenId = Annotated[int, Field(ge=0, lt=2**31)]
-Prompt = Annotated[str | list[int], BeforeValidator(_one_prompt)]
-StopStrings = Annotated[list[str], BeforeValidator(_stop_list)]
-Content = Annotated[str, BeforeValidator(_text_content)]
+TokenId = Annotated[int, Field(ge=0, lt=MAX_COUNT)]
+Seed = Annotated[int, Field(ge=-(2**63), lt=2**63)]  # int64, as OpenAI's
+Temperature = Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)]
+RepetitionPenalty = Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)]
+# What the validators above take, for /openapi.json (the annotated types say what they give).
+_TEXT = {"type": "string", "minLength": 1}
+_IDS = {
+    "type": "array",
+    "items": {"type": "integer", "minimum": 0, "exclusiveMaximum": MAX_COUNT},
+    "minItems": 1,
+}
+_PROMPT_DOC = {
+    "anyOf": [
+        _TEXT,
+        _IDS,
+        *({"type": "array", "items": p, "minItems": 1, "maxItems": 1} for p in (_TEXT, _IDS)),
+    ],
+    "description": "text or token ids (a batch of one is taken)",
+}
+_STOP_DOC = {
+    "anyOf": [
+        _TEXT,
+        {"type": "array", "items": _TEXT, "maxItems": MAX_STOP_STRINGS},
+        {"type": "null"},
+    ]
+}
+_TEXT_PART = {
+    "type": "object",
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "required": ["type", "text"],
+}
+_CONTENT_DOC = {
+    "anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]
+}
+
+Prompt = Annotated[str | list[int], BeforeValidator(_one_prompt), WithJsonSchema(_PROMPT_DOC)]
+StopStrings = Annotated[list[str], BeforeValidator(_stop_list), WithJsonSchema(_STOP_DOC)]
+Content = Annotated[str, BeforeValidator(_text_content), WithJsonSchema(_CONTENT_DOC)]
 Penalty = Annotated[float, Field(ge=-2, le=2), not_supported("use repetition_penalty")]
 OnlyOne = Annotated[int, AfterValidator(_only_one)]
 
@@ -207,21 +261,21 @@ class _GenerateRequest(StrictModel):
     """The fields chat and completions share: sampling, stopping, streaming."""
 
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, lt=MAX_COUNT)] | None = None
+    temperature: Temperature | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # 0 or -1 = off
+    top_k: Annotated[int, Field(ge=-1, lt=MAX_COUNT)] | None = None  # 0 or -1 = off
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stop: StopStrings = Field(default_factory=list)
     stop_token_ids: list[TokenId] | None = None
     n: OnlyOne | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Annotated[int, Field(ge=0, lt=MAX_COUNT)] = 0
     logit_bias: Annotated[dict[str, float], not_supported()] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -267,7 +321,7 @@ def _text_only(value: dict[str, Any] | None) -> dict[str, Any] | None:
 
 class ChatCompletionRequest(_GenerateRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, lt=MAX_COUNT)] | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: Annotated[dict[str, Any], AfterValidator(_text_only)] | None = None
@@ -303,7 +357,7 @@ class ChatCompletionRequest(_GenerateRequest):
 
 class CompletionRequest(_GenerateRequest):
     prompt: Prompt
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default here
+    max_tokens: Annotated[int, Field(ge=1, lt=MAX_COUNT)] | None = 16  # OpenAI's default here
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     echo: Annotated[bool, not_supported()] | None = False
     best_of: OnlyOne | None = None

@@ -21,6 +21,13 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# The sampler divides float32 logits by the temperature and scales them by the repetition
+# penalty: past these bounds a logit overflows to inf, the softmax turns to NaN and the
+# step fails (taking every request of the worker with it).
+GREEDY_BELOW = 1e-5  # a lower temperature samples greedily (as vLLM does)
+MAX_TEMPERATURE = 1e4  # far past the point where every token is about equally likely
+MIN_REPETITION_PENALTY = 1e-4
+MAX_REPETITION_PENALTY = 1e4
 
 
 class SequenceStatus(enum.Enum):
@@ -42,8 +49,9 @@ class FinishReason(enum.StrEnum):
 class SamplingParams:
     """How to choose each next token, and when to stop.
 
-    temperature 0 is greedy. top_k 0 and top_p 1 and min_p 0 are off. logprobs None
-    returns none; N in 0..20 returns the chosen token's logprob and N alternatives.
+    temperature 0 (or below GREEDY_BELOW) is greedy. top_k 0 and top_p 1 and min_p 0 are
+    off. logprobs None returns none; N in 0..20 returns the chosen token's logprob and N
+    alternatives.
     min_new_tokens keeps eos and stop_token_ids from ending the output earlier.
     """
 
@@ -66,6 +74,10 @@ class SamplingParams:
         self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.temperature > MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be <= {MAX_TEMPERATURE:g}, got {self.temperature:g}"
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
@@ -73,6 +85,11 @@ class SamplingParams:
         if self.repetition_penalty <= 0:
             raise ValueError(
                 f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}"
+            )
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                f"{MAX_REPETITION_PENALTY:g}] (1 = off), got {self.repetition_penalty:g}"
             )
         _integer("top_k", self.top_k, minimum=0)
         _integer("max_tokens", self.max_tokens, minimum=1)
@@ -91,7 +108,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(slots=True, eq=False)

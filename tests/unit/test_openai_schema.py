@@ -187,6 +187,18 @@ def test_completion_prompt_forms(prompt: Any, text: str | None, ids: list[int] |
         ),
         ({"model": 3}, "model", "valid string"),
         ({"stop_token_ids": [-1]}, "stop_token_ids.0", ""),
+        # past what travels inside lmd (int32 counts, int64 JSON) or what float32 sampling
+        # survives: a 400 here, not a 500 from the encoder or a failed engine step
+        ({"max_tokens": 2**31}, "max_tokens", "less than 2147483648"),
+        ({"max_tokens": 2**64}, "max_tokens", "less than 2147483648"),
+        ({"max_completion_tokens": 10**30}, "max_completion_tokens", "less than"),
+        ({"min_tokens": 10**12}, "min_tokens", "less than"),
+        ({"top_k": 2**40}, "top_k", "less than"),
+        ({"seed": 2**63}, "seed", "less than 9223372036854775808"),
+        ({"seed": -(2**63) - 1}, "seed", "greater than or equal to -9223372036854775808"),
+        ({"temperature": 1e308}, "temperature", "less than or equal to 10000"),
+        ({"repetition_penalty": 1e39}, "repetition_penalty", "less than or equal to 10000"),
+        ({"repetition_penalty": 1e-39}, "repetition_penalty", "greater than or equal to 0.0001"),
     ],
 )
 def test_chat_errors_name_the_field(fields: dict[str, Any], param: str, says: str) -> None:
@@ -214,6 +226,23 @@ def test_chat_errors_name_the_field(fields: dict[str, Any], param: str, says: st
 def test_completion_errors_name_the_field(fields: dict[str, Any], param: str, says: str) -> None:
     err = error_of(completion, **fields)
     assert err.param == param and says in err.message
+
+
+def test_a_union_field_reports_the_type_the_client_meant() -> None:
+    # messages in an interactive prompt (str | list of messages): the bad role, not "should
+    # be a valid string"
+    from lmd.interactive import InteractiveRequest
+
+    with pytest.raises(ValidationError) as exc:
+        InteractiveRequest.model_validate_json(b'{"prompt": [{"role": "wizard"}]}')
+    assert ApiError.from_validation(exc.value).param == "prompt.0.role"
+
+
+def test_edges_of_the_integer_ranges_are_accepted() -> None:
+    req = chat(max_tokens=2**31 - 1, seed=-(2**63), top_k=2**31 - 1, temperature=1e-39)
+    sent = protocol.decode(protocol.encode(req.text_request("c", "api-0")))  # the wire takes it
+    assert isinstance(sent, protocol.TextRequest) and sent.sampling["seed"] == -(2**63)
+    assert SamplingParams(**req.sampling()).is_greedy  # a temperature this small is greedy
 
 
 def test_unknown_fields_are_ignored() -> None:

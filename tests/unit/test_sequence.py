@@ -34,6 +34,10 @@ EOS = frozenset({2})
         ({"temperature": "hot"}, "temperature must be a number, got 'hot'"),
         ({"stop_token_ids": (5, -2)}, "stop_token_ids entry must be >= 0, got -2"),
         ({"ignore_eos": 1}, "ignore_eos must be true or false, got 1"),
+        # float32 logits scaled by these overflow: NaN probabilities, a failed step
+        ({"temperature": 1e308}, r"temperature must be <= 10000, got 1e\+308"),
+        ({"repetition_penalty": 1e39}, r"repetition_penalty must be in \[0.0001, 10000\]"),
+        ({"repetition_penalty": 1e-39}, r"repetition_penalty must be in \[0.0001, 10000\]"),
     ],
 )
 def test_out_of_range_sampling_params_are_rejected(kwargs: dict[str, object], message: str) -> None:
@@ -48,6 +52,11 @@ def test_edges_of_the_allowed_ranges_are_accepted() -> None:
     assert params.is_greedy
     assert params.top_p == 1.0 and isinstance(params.top_p, float)
     assert SamplingParams(stop_token_ids=[7, 8]).stop_token_ids == (7, 8)  # type: ignore[arg-type]
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy() -> None:
+    assert SamplingParams(temperature=1e-39).is_greedy  # x / 1e-39 overflows float32
+    assert not SamplingParams(temperature=1e-5).is_greedy
 
 
 def test_empty_prompt_is_rejected() -> None:

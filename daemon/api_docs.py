@@ -1,0 +1,238 @@
+"""The api's OpenAPI document (/openapi.json, /docs): what each route takes and answers.
+
+The generation routes read their body themselves (to answer OpenAI errors and validate
+from bytes), so FastAPI cannot see their request models: `body_doc` and `install_schemas`
+put them into the document. The answer models below describe the bodies
+openai_responses.py and interactive.py build as plain dicts (tests/integration/
+test_schemathesis.py checks real answers against them). Every error any route answers is
+an OpenAI error body (`ErrorResponse`); FastAPI's 422 is never answered and is left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+FinishReason = Literal["stop", "length", "abort"]
+
+# What each error status of the api means (the body is always an ErrorResponse).
+ERRORS = {
+    400: "The request is invalid; `param` names the field when one is to blame.",
+    401: "Missing or wrong API key (only when the server runs with --api-keys).",
+    404: "No such model (or route).",
+    413: "The body is larger than max_request_bytes.",
+    415: "The body is not declared as JSON (Content-Type must be application/json).",
+    500: "The engine failed while serving the request.",
+    503: "Starting, draining, a role is down, or overloaded: retry after Retry-After seconds.",
+}
+GENERATE_ERRORS = (400, 401, 404, 413, 415, 500, 503)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body."""
+
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: Literal["ok", "starting", "draining", "stopping", "degraded"]
+    reason: str | None = None  # absent when ok
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+    refusal: None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: dict[str, Any] | None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: FinishReason | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None  # the first chunk's
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: dict[str, Any] | None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """A chat stream's event; with stream_options.include_usage, a last one with `usage`."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class InteractiveAnswer(BaseModel):
+    """LMDeploy's answer; streamed, one per line with the delta's text."""
+
+    text: str
+    tokens: int
+    input_tokens: int
+    history_tokens: int
+    finish_reason: FinishReason | None
+    cached_tokens: int
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """FastAPI `responses` entries for these error statuses."""
+    return {s: {"model": ErrorResponse, "description": ERRORS[s]} for s in statuses}
+
+
+# in components/schemas beside the request bodies (the streams' itemSchema refer to them)
+STREAMED: tuple[type[BaseModel], ...] = (ChatCompletionChunk, CompletionChunk)
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def sse(chunk: type[BaseModel]) -> dict[str, Any]:
+    """A stream (stream: true) of server-sent events: `chunk`s, an error body when the
+    request fails after the 200 went out, then `[DONE]` (OpenAPI 3.2's itemSchema)."""
+    data = {
+        "anyOf": [
+            {"const": "[DONE]"},
+            {
+                "type": "string",
+                "contentMediaType": "application/json",
+                "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]},
+            },
+        ]
+    }
+    event = {"type": "object", "properties": {"data": data, "event": {"type": "string"}}}
+    return {"text/event-stream": {"itemSchema": {**event, "required": ["data"]}}}
+
+
+def json_lines(item: type[BaseModel], media_type: str) -> dict[str, Any]:
+    """A stream (stream: true) of one JSON object per line: `item`s, or an error body."""
+    return {media_type: {"itemSchema": {"anyOf": [_ref(item), _ref(ErrorResponse)]}}}
+
+
+def answers(
+    ok: type[BaseModel], *error_statuses: int, stream: dict[str, Any] | None = None
+) -> dict[int | str, dict[str, Any]]:
+    """FastAPI `responses`: `ok` as the JSON 200 (and the `stream` content), then errors."""
+    out: dict[int | str, dict[str, Any]] = {200: {"model": ok}}
+    if stream is not None:
+        out[200]["content"] = stream
+    return {**out, **errors(*error_statuses)}
+
+
+def body_doc(model: type[BaseModel]) -> dict[str, Any]:
+    """FastAPI `openapi_extra` naming `model` as the JSON request body."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def install_schemas(app: FastAPI, bodies: Sequence[type[BaseModel]], model: str) -> None:
+    """/openapi.json with the request models `bodies` in it, the served `model` as the
+    example of every `model` field and parameter, and no 422 (never answered)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            _, defs = models_json_schema(
+                [(m, "validation") for m in (*bodies, *STREAMED)],
+                ref_template="#/components/schemas/{model}",
+            )
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components.update(defs.get("$defs", {}))
+            for body in components.values():
+                if "model" in body.get("properties", {}):
+                    body["properties"]["model"]["examples"] = [model]
+            # Path parameters are plain strings and bodies are validated by the routes, so
+            # FastAPI's request validation (422) never answers.
+            for path in schema["paths"].values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+                    for parameter in operation.get("parameters", []):
+                        if parameter["name"] == "model":
+                            parameter["example"] = model
+            components.pop("HTTPValidationError", None)
+            components.pop("ValidationError", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
