@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from lmd import __version__
-from lmd.config import BACKENDS, DTYPES, LOG_LEVELS, MODES, ConfigError, ServeConfig
+from lmd.config import (
+    BACKENDS,
+    DTYPES,
+    LOG_LEVELS,
+    MIGRATION_TRANSPORTS,
+    MODES,
+    ConfigError,
+    ServeConfig,
+)
 from lmd.config_loader import (
     DEFAULT_CONFIG_PATH,
     KEYS,
@@ -46,6 +54,8 @@ HELP = {
     "decode are both cpu or both cuda",
     "migration_timeout": "seconds a KV reservation or copy between prefill and decode may "
     "take before the request fails",
+    "migration_transport": "how KV moves from prefill to decode: native (shared memory or "
+    "CUDA IPC, one host) or nixl (NVIDIA NIXL over UCX; needs `pip install lmd[cluster]`)",
     "dtype": "weights and KV cache dtype; auto = bfloat16 on CUDA, float32 on CPU",
     "prefill_backend": "engine backend of the prefill processes",
     "decode_backend": "engine backend of the decode processes",
@@ -78,6 +88,7 @@ CHOICES = {
     "prefill_backend": BACKENDS,
     "decode_backend": BACKENDS,
     "log_level": LOG_LEVELS,
+    "migration_transport": MIGRATION_TRANSPORTS,
 }
 
 
@@ -198,6 +209,12 @@ def serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"lmdd: {exc}", file=sys.stderr)
         return 2
+    if config.migration_transport == "nixl" and config.mode == "disaggregated":
+        from lmd.migration import nixl
+
+        if not nixl.installed():
+            print(f"lmdd: migration_transport: {nixl.INSTALL_HINT}", file=sys.stderr)
+            return 2
     supervisor = Supervisor(loaded, device, os.getpid(), notifier)
     try:
         code: int = uvloop.run(supervisor.run())

@@ -17,6 +17,9 @@ from lmd.engine.config import EngineConfig
 BACKENDS = ("auto", "torch", "turbo", "fake")  # fake: no model, for benchmarks
 MODES = ("disaggregated", "hybrid")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# native: lmd._native (host shared memory, CUDA IPC); nixl: NVIDIA NIXL over UCX, the
+# optional `lmd[cluster]` install (lmd.migration.nixl).
+MIGRATION_TRANSPORTS = ("native", "nixl")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -78,6 +81,7 @@ class ServeConfig:
     prefill_workers: int = 1
     decode_workers: int = 1
     migration_timeout: float = 120.0  # seconds a reservation or a KV copy may take
+    migration_transport: str = "native"  # how KV moves between prefill and decode
     drain_timeout: float = 30.0
     startup_timeout: float = 300.0
     heartbeat_interval: float = 1.0
@@ -134,6 +138,11 @@ class ServeConfig:
         )
         _check(self.max_request_bytes >= 1024, "max_request_bytes", "must be >= 1024")
         _check(self.mode in MODES, "mode", f"{self.mode!r} is not one of {', '.join(MODES)}")
+        _check(
+            self.migration_transport in MIGRATION_TRANSPORTS,
+            "migration_transport",
+            f"{self.migration_transport!r} is not one of {', '.join(MIGRATION_TRANSPORTS)}",
+        )
         _check(self.dtype in DTYPES, "dtype", f"{self.dtype!r} is not one of {', '.join(DTYPES)}")
         try:
             self.engine  # noqa: B018 (validates the engine settings)

@@ -3,12 +3,12 @@
 What the migration protocol (sender.py, receiver.py) needs of a transport: open a
 peer's pool from its descriptor, submit a batch of byte-range copies from the local pool
 into it, and poll or wait on the ticket. lmd._native's HostTransport and
-CudaIpcTransport fit (native.py); fake.py is an in-process one for unit tests; an RDMA
-transport fits the same verbs.
+CudaIpcTransport fit (native.py); fake.py is an in-process one for unit tests; nixl.py
+(NVIDIA NIXL over UCX: shared memory, TCP, cuda_ipc, RDMA) fits the same verbs.
 
 `PoolMemory` is an engine's KV pool as a transport sees it:
-  - host (CPU pools): the pool lives in a shared-memory region the transport creates,
-    so a peer process can map it;
+  - host (CPU pools): the pool lives in a region the transport creates (native: shared
+    memory a peer process maps; nixl: host memory registered with its agent);
   - cuda_ipc (GPU pools): the pool tensor is allocated as usual, then registered.
 """
 
@@ -91,16 +91,24 @@ class PoolMemory:
         self.region: Any = None  # LocalRegion once the pool exists
 
     @classmethod
-    def for_device(cls, device: str) -> PoolMemory:
-        from lmd.migration.native import make_transport
-
+    def for_device(cls, device: str, transport: str = "native") -> PoolMemory:
+        """The pool memory of an engine on `device`, moved by `transport`: native
+        (lmd._native's host or cuda_ipc) or nixl (lmd.migration.nixl, either memory)."""
         kind = transport_kind(device)
-        if kind == "host":
-            return cls(make_transport("host"), kind, device)
         if device == "cuda":  # torch's current device; the transport names it
             import torch
 
             device = f"cuda:{torch.cuda.current_device()}"
+        if transport == "nixl":
+            from lmd.migration.nixl import NixlTransport
+
+            return cls(NixlTransport(), kind, device)
+        if transport != "native":
+            raise ValueError(f"unknown migration transport {transport!r}; use native or nixl")
+        from lmd.migration.native import make_transport
+
+        if kind == "host":
+            return cls(make_transport("host"), kind, device)
         return cls(make_transport("cuda_ipc", device=device), kind, device)
 
     def buffer(self, nbytes: int) -> PoolBuffer | None:

@@ -1,15 +1,16 @@
-"""Migration benchmarks of the native transports between two real processes.
+"""Migration benchmarks of the transports between two real processes.
 
-`measure_host(size_mb, block_kb)` and `measure_cuda_ipc(size_mb, block_kb, ...)`: this
-process plays decode (it allocates the destination pool and exports it); a spawned child
-plays prefill (it opens the pool, fills its own source pool with random bytes and
-pushes every block, in one submit, to a shuffled destination block, as a migration into
-a fragmented decode pool would). The child times submit + wait: one warm-up batch, then
-the median of `repeats`. The bytes are verified afterwards, outside the timing.
+`measure_host(size_mb, block_kb)`, `measure_cuda_ipc(size_mb, block_kb, ...)` (lmd._native)
+and `measure_nixl(size_mb, block_kb, ...)` (lmd.migration.nixl): this process plays
+decode (it allocates the destination pool and exports it); a spawned child plays prefill
+(it opens the pool, fills its own source pool with random bytes and pushes every block,
+in one submit, to a shuffled destination block, as a migration into a fragmented decode
+pool would). The child times submit + wait: one warm-up batch, then the median of
+`repeats`. The bytes are verified afterwards, outside the timing.
 
 For comparison, `memcpy_gbps` copies the same number of bytes inside one process: one
-memcpy thread between two warm buffers (host), or a torch device copy from the source
-device to the destination device (cuda_ipc). GB/s are one-way: bytes / seconds / 1e9.
+memcpy thread between two warm buffers (cpu pools), or a torch device copy from the
+source device to the destination device (GPU pools). GB/s are one-way: bytes / seconds / 1e9.
 """
 
 from __future__ import annotations
@@ -22,13 +23,12 @@ import random
 import statistics
 import time
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, NamedTuple, TypedDict
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 from lmd.migration.native import (
     Copy,
     HostTransport,
     Region,
-    Transport,
     make_transport,
     register_tensor,
 )
@@ -86,9 +86,9 @@ def _host_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(ctypes.string_at(cpu.data_ptr(), cpu.nbytes))
 
 
-def _source(job: _Job, transport: Transport, nbytes: int) -> tuple[Region, memoryview]:
+def _source(job: _Job, transport: Any, nbytes: int) -> tuple[Region, memoryview]:
     """The child's source pool, full of random bytes, and a CPU view of its contents."""
-    if job.kind == "host":
+    if job.device == "cpu":
         src = transport.create_region(nbytes)
         memoryview(src)[:] = os.urandom(nbytes)
         return src, memoryview(src)
@@ -99,12 +99,27 @@ def _source(job: _Job, transport: Transport, nbytes: int) -> tuple[Region, memor
     return register_tensor(transport, data), _host_bytes(data)
 
 
+def _transport(job: _Job) -> Any:
+    """The child's transport (a native Transport or a NixlTransport)."""
+    if job.kind == "nixl":
+        from lmd.migration.nixl import NixlTransport
+
+        return NixlTransport()
+    return make_transport(
+        job.kind, device=job.device, num_threads=job.threads, copy_kernel=job.copy_kernel
+    )
+
+
 def _sender(conn: Connection, job: _Job) -> None:
     """The child: push the whole pool into the peer `repeats + 1` times, report timings."""
     try:
-        with make_transport(
-            job.kind, device=job.device, num_threads=job.threads, copy_kernel=job.copy_kernel
-        ) as transport:
+        with _transport(job) as transport:
+            if job.kind == "nixl" and job.device != "cpu":
+                import torch
+
+                # UCX takes cuda_ipc only for a peer loaded once this process has a
+                # CUDA context (else it emulates GPU writes over TCP): make it first.
+                torch.zeros(1, device=job.device)
             peer = transport.open(job.descriptor)
             src, contents = _source(job, transport, peer.size)
             num_blocks = peer.size // job.block_nbytes
@@ -257,5 +272,44 @@ def measure_cuda_ipc(
         _verify(_host_bytes(pool), digest, block_nbytes, seed)
     local = torch_copy_gbps(nbytes, src_device, dst_device, repeats)
     result = _result("cuda_ipc", nbytes, block_nbytes, seconds, local)
+    result["src_device"], result["dst_device"] = src_device, dst_device
+    return result
+
+
+def measure_nixl(
+    size_mb: int,
+    block_kb: int,
+    *,
+    src_device: str = "cpu",
+    dst_device: str = "cpu",
+    repeats: int = 5,
+    seed: int = 0,
+) -> Measurement:
+    """Like measure_host through NIXL (UCX picks the path: shared memory or TCP between
+    host pools, cuda_ipc or RDMA between GPU pools; UCX_TLS narrows it)."""
+    from lmd.migration.nixl import NixlTransport
+
+    nbytes, block_nbytes = _check_sizes(size_mb, block_kb, repeats)
+
+    def job(descriptor: bytes) -> _Job:
+        return _Job("nixl", descriptor, src_device, block_nbytes, repeats, 0, seed)
+
+    with NixlTransport() as transport:
+        if dst_device == "cpu":
+            host = transport.create_region(nbytes)
+            seconds, digest, _ = _run_sender(job(host.descriptor()))
+            _verify(memoryview(host), digest, block_nbytes, seed)
+        else:
+            import torch
+
+            pool = torch.zeros(nbytes, dtype=torch.uint8, device=dst_device)
+            dst = transport.register(pool.data_ptr(), nbytes, dst_device)
+            seconds, digest, _ = _run_sender(job(dst.descriptor()))
+            _verify(_host_bytes(pool), digest, block_nbytes, seed)
+    if src_device == dst_device == "cpu":
+        local = memcpy_gbps(nbytes, repeats)
+    else:
+        local = torch_copy_gbps(nbytes, src_device, dst_device, repeats)
+    result = _result("nixl", nbytes, block_nbytes, seconds, local)
     result["src_device"], result["dst_device"] = src_device, dst_device
     return result

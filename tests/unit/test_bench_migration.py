@@ -6,6 +6,7 @@ import orjson
 import pytest
 
 from lmd.bench import main
+from lmd.migration import nixl
 from lmd.migration.native import available_transports
 
 
@@ -24,6 +25,15 @@ def test_summary_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["migration", "--size-mb", "1", "--block-kb", "128", "--repeats", "2"]) == 0
     out = capsys.readouterr().out
     assert "host cpu -> cpu" in out and "8 blocks" in out and "memcpy" in out
+
+
+@pytest.mark.skipif(not nixl.available(), reason="NIXL is not installed (lmd[cluster])")
+def test_nixl_migration_json(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["migration", "--transport", "nixl", "--size-mb", "4", "--block-kb", "64"]
+    assert main([*argv, "--repeats", "2", "--json"]) == 0
+    result = orjson.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["transport"] == "nixl" and result["src_device"] == "cpu"
+    assert result["bytes"] == 4 << 20 and result["blocks"] == 64 and result["gbps"] > 0
 
 
 @pytest.mark.skipif("cuda_ipc" in available_transports(), reason="this machine has CUDA")
