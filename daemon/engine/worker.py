@@ -37,6 +37,7 @@ from lmd.engine.config import EngineConfig
 from lmd.engine.engine import Engine, TokenEvent
 from lmd.engine.model_source import ModelSourceError, resolve_model
 from lmd.engine.sequence import SamplingParams, Sequence
+from lmd.engine.stage_clock import StageClock
 from lmd.migration.base import PoolMemory
 from lmd.protocol import Message
 from lmd.roles import ENGINE_ROLES, role_counts
@@ -78,6 +79,7 @@ class EngineWorker(Worker):
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.spec.name}-step")
         self._reply_to: dict[str, str] = {}  # request id -> receiving worker
         self._pending: list[Message] = []
+        self.clock = StageClock()  # where time to first token goes in this worker
         self._wake = asyncio.Event()
         self._loop_task = asyncio.create_task(self._step_loop())
 
@@ -98,7 +100,11 @@ class EngineWorker(Worker):
         return info
 
     def stats(self) -> dict[str, Any]:
-        return {**self.engine.stats(), "num_steps": self.engine.num_steps}
+        return {
+            **self.engine.stats(),
+            "num_steps": self.engine.num_steps,
+            "stages_ms": self.clock.to_dict(),
+        }
 
     def inflight(self) -> int:
         return len(self._reply_to)
@@ -106,6 +112,8 @@ class EngineWorker(Worker):
     async def handle(self, msg: Message) -> bool:
         if not isinstance(msg, self.accepted):
             return False
+        if isinstance(msg, protocol.Generate):
+            self.clock.start(msg.request_id)
         self._pending.append(msg)
         self._wake.set()
         return True
@@ -197,6 +205,8 @@ class EngineWorker(Worker):
             reply_to = self._reply_to.get(event.request_id)
             if reply_to is None:
                 continue  # aborted while the step ran
+            if event.position == 0:
+                self.clock.stop(event.request_id, "to_first_token")
             by_receiver[reply_to].append(event)
             if event.finish_reason is not None:
                 del self._reply_to[event.request_id]

@@ -48,6 +48,7 @@ class Outgoing:
     num_cached_blocks: int = 0
     peer: Any = None  # the decode pool, opened
     first: TokenEvent | None = None  # the first sampled token, sent on in Migrated
+    prefilled: bool = False  # the prompt is computed; its blocks wait for the copy
     ticket: TicketLike | None = None
     copy_started: float = 0.0
     aborted: bool = False

@@ -1,18 +1,20 @@
 """The prefill worker: computes prompts and pushes their KV into a decode worker's pool.
 
-Life cycle of a request here (ARCHITECTURE §4, push, decode-first):
-  1. Generate from the tokenizer names the decode worker that will continue it. It
-     waits in `waiting` until the reservations in flight leave room (at most about two
-     steps' worth of prompt tokens), then Reserve goes to that decode worker: decode's
-     blocks are held only shortly before they are filled.
-  2. Reserved: the reservation is checked (sender.Sender.accept) and the prompt joins
-     the engine's prefill queue (chunked, batched with others). RequestError from
-     decode (refused, draining) goes on to the tokenizer.
+Life cycle of a request here (ARCHITECTURE §4, push):
+  1. Generate from the tokenizer names the decode worker that will continue it. The
+     prompt joins the engine's prefill queue at once (chunked, batched with others), so
+     the reservation's round trip hides behind the compute. The request waits in
+     `waiting` until the reservations in flight leave room (at most about two steps'
+     worth of prompt tokens), then Reserve goes to that decode worker: decode's blocks
+     are held only shortly before they are filled.
+  2. Reserved: the reservation is checked (sender.Sender.accept). RequestError from
+     decode (refused, draining) goes on to the tokenizer and the prompt is dropped.
   3. The step that completes the prompt samples the first token, which goes straight
-     to the tokenizer (time to first token does not wait for the copy). If that token
-     ends the request, the reservation is released. Otherwise the copy of its blocks
-     starts at once on the transport's threads (or CUDA stream) while the next step
-     computes.
+     to the tokenizer (time to first token waits neither for the reservation nor for
+     the copy). If that token ends the request, the reservation is released.
+     Otherwise the copy of its blocks starts as soon as both the prompt is done and the
+     reservation is there, on the transport's threads (or CUDA stream) while the next
+     step computes; until then the prompt's blocks stay held here.
   4. When the copy is done, Migrated (with the first token) goes to decode and the
      prompt's blocks here are freed (the prefix cache keeps them while it can).
   5. Abort at any point: before the copy, the request is dropped and the reservation
@@ -124,6 +126,11 @@ class PrefillWorker(EngineWorker):
         seq = self.admit(msg)
         if seq is None:
             return
+        try:
+            self.engine.add(seq)  # computes while the reservation is on its way
+        except ValueError as exc:
+            self.error(msg.reply_to, msg.request_id, "invalid_request_error", str(exc))
+            return
         out = Outgoing(
             msg.request_id, msg.reply_to, msg.decode, seq, msg.sampling, time.monotonic()
         )
@@ -139,14 +146,16 @@ class PrefillWorker(EngineWorker):
             self.count_dropped(f"Reserved for {msg.request_id}")
             self.push(msg.decode, protocol.Release(msg.request_id, self.spec.name))
             return
+        self.clock.lap(msg.request_id, "reserve")  # Generate in -> Reserved applied
         try:
             self.sender.accept(out, msg)
-            self.engine.add(out.seq)
         except (MigrationError, ValueError) as exc:
             log.warning("%s", exc)
             self.migration.failures += 1
             self._fail(out, "internal_error", f"KV migration refused: {exc}")
             return
+        if out.prefilled:  # the prompt was done before the reservation came
+            self._start_copy(out)
 
     def _on_abort(self, request_id: str) -> None:
         out = self._outgoing.get(request_id)
@@ -155,7 +164,6 @@ class PrefillWorker(EngineWorker):
         if out.ticket is not None:
             out.aborted = True  # Release once the copy finished
             return
-        self.engine.abort(request_id)
         self._drop(out)
 
     # Between steps -----------------------------------------------------------------------------
@@ -237,6 +245,7 @@ class PrefillWorker(EngineWorker):
             out = self._outgoing.get(event.request_id)
             if out is None:
                 continue
+            self.clock.stop(event.request_id, "compute")  # -> first token out
             if event.finish_reason is not None:  # the first token ended it: no migration
                 self._drop(out)
             else:
@@ -249,15 +258,19 @@ class PrefillWorker(EngineWorker):
             if out is None:  # aborted while the step ran
                 self.engine.block_manager.free(seq)
                 continue
-            try:
-                self.sender.submit(out, time.monotonic())
-            except (ValueError, RuntimeError) as exc:
-                log.warning("KV copy of %s to %s failed: %s", out.request_id, out.decode, exc)
-                self.migration.failures += 1
-                self.engine.block_manager.free(seq)
-                self._fail(out, "internal_error", f"KV migration failed: {exc}")
-                continue
-            asyncio.get_running_loop().create_task(self._finish_copy(out))
+            out.prefilled = True  # its blocks stay held until they are copied
+            if out.reserved:
+                self._start_copy(out)
+
+    def _start_copy(self, out: Outgoing) -> None:
+        try:
+            self.sender.submit(out, time.monotonic())
+        except (ValueError, RuntimeError) as exc:
+            log.warning("KV copy of %s to %s failed: %s", out.request_id, out.decode, exc)
+            self.migration.failures += 1
+            self._fail(out, "internal_error", f"KV migration failed: {exc}")
+            return
+        asyncio.get_running_loop().create_task(self._finish_copy(out))
 
     async def _finish_copy(self, out: Outgoing) -> None:
         assert out.ticket is not None
@@ -299,14 +312,19 @@ class PrefillWorker(EngineWorker):
     # Helpers ------------------------------------------------------------------------------------
 
     def _drop(self, out: Outgoing, *, release: bool = True) -> None:
-        """Forget a request before its copy started; release its reservation if any
-        (`release=False`: decode refused it, there is nothing to release)."""
+        """Forget a request before its copy started: free its prompt's blocks here and
+        release its reservation if any (`release=False`: decode refused it, there is
+        nothing to release). A copy in flight frees and releases when it finishes."""
         self._outgoing.pop(out.request_id, None)
+        if out.ticket is None:
+            if out.prefilled:
+                self.engine.block_manager.free(out.seq)
+            else:
+                self.engine.abort(out.request_id)  # still computing, or finished
         if not out.reserve_sent:
             self._waiting.remove(out)
             return
-        if out.ticket is None and release:  # a copy in flight releases when it finishes
-            self.engine.abort(out.request_id)
+        if out.ticket is None and release:
             self.push(out.decode, protocol.Release(out.request_id, self.spec.name))
             if not out.reserved:
                 self._released[out.request_id] = None
