@@ -16,9 +16,9 @@ from fastapi import FastAPI
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from lmd.http_server import JSONResponse
+from lmd.http_server import JSONResponse, replay
 from lmd.openai_schema import ApiError
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -160,7 +160,7 @@ class RequestGuard:
         if body is None:  # over the limit while it streamed in (no Content-Length)
             await self._reject(scope, receive, send, self._too_large())
             return
-        await self.app(scope, _replay(body, receive), send)
+        await self.app(scope, replay(body, receive), send)
 
     def _check_key(self, authorization: bytes) -> ApiError | None:
         scheme, _, given = authorization.partition(b" ")
@@ -198,17 +198,3 @@ class RequestGuard:
         if err.status == 401:
             headers["WWW-Authenticate"] = "Bearer"
         await JSONResponse(err.body, status_code=err.status, headers=headers)(scope, receive, send)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A receive that yields the body read already, then the connection's own events."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay

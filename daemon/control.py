@@ -22,10 +22,10 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lmd import __version__
-from lmd.http_server import JSONResponse, Peer
+from lmd.http_server import JSONResponse, Peer, replay
 from lmd.metrics_collect import MAX_INTERVAL_S, collect, scrape_url
 from lmd.states import WorkerState
 
@@ -75,7 +75,7 @@ class _Guard:
             await refused(scope, receive, send)
         else:
             assert body is not None
-            await self.app(scope, _replay(body, receive), send)
+            await self.app(scope, replay(body, receive), send)
 
     @staticmethod
     def _refuse_peer(peer: Peer | None) -> JSONResponse | None:
@@ -127,20 +127,6 @@ def _refuse_body(body: bytes | None) -> JSONResponse | None:
     if not isinstance(parsed, dict):
         return error_response(400, "bad_json", "request body must be a JSON object")
     return None
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A receive that yields the body read already, then the connection's own events."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
 
 
 def build_control_app(sup: Supervisor) -> FastAPI:

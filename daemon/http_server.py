@@ -26,6 +26,7 @@ from typing import Any
 import orjson
 import uvicorn
 from starlette import responses
+from starlette.types import Message, Receive
 
 log = logging.getLogger(__name__)
 
@@ -159,3 +160,17 @@ class EmbeddedServer:
         if self._task is not None:
             await self._task
         self._sock.close()
+
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that yields the body read already, then the connection's own events."""
+    sent = False
+
+    async def again() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return again

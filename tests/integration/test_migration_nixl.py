@@ -10,23 +10,15 @@ Skipped where NIXL is not installed (`pip install lmd[cluster]`).
 
 from __future__ import annotations
 
-import asyncio
-import os
-import signal
-import time
-from typing import Any
-
-import httpx
 import pytest
 
 from lmd.migration import nixl
-from tests.integration.daemon import DISAGGREGATED, Daemon, wait_until
+from tests.integration.daemon import DISAGGREGATED, Daemon
 from tests.integration.test_migration import (
     ENGINE,
-    MODEL,
     PROMPTS,
-    _stream,
     idle_and_leak_free,
+    kill_decode_during_migrations,
     outputs,
 )
 
@@ -62,41 +54,6 @@ def test_kill_decode_during_nixl_migrations() -> None:
     daemon = Daemon(*DISAGGREGATED, *NIXL, "--block-size", "16", "--heartbeat-timeout", "5")
     try:
         daemon.start()
-        decode_pid = daemon.worker("decode-0")["pid"]
-        prefill_pid = daemon.worker("prefill-0")["pid"]
-
-        async def run() -> tuple[list[dict[str, Any]], float]:
-            async with httpx.AsyncClient(base_url=daemon.url, timeout=60) as http:
-                tasks = [
-                    asyncio.create_task(_stream(http, f"request {i} " * (5 + i), 100_000))
-                    for i in range(16)
-                ]
-
-                def migrated() -> bool:
-                    stats = daemon.worker("decode-0").get("migration", {})
-                    return int(stats.get("received", 0)) > 0
-
-                await asyncio.to_thread(wait_until, migrated, 20, "a first migration")
-                await asyncio.sleep(0.2)
-                killed_at = time.monotonic()
-                os.kill(decode_pid, signal.SIGKILL)
-                return await asyncio.gather(*tasks), killed_at
-
-        results, killed_at = asyncio.run(run())
-        for r in results:
-            assert r["ended"] in ("error", "http 503"), r
-            assert r["at"] - killed_at < 10
-        wait_until(lambda: daemon.worker("decode-0")["state"] == "running", 30, "decode back")
-        wait_until(lambda: httpx.get(f"{daemon.url}/health").status_code == 200, 30, "health")
-        for i in range(3):  # through the new decode worker's pool
-            again = httpx.post(
-                f"{daemon.url}/v1/completions",
-                json={"model": MODEL, "prompt": f"after {i} " * 30, "max_tokens": 5},
-                timeout=30,
-            )
-            assert again.status_code == 200, again.text
-            assert again.json()["usage"]["completion_tokens"] == 5
-        assert daemon.worker("prefill-0")["pid"] == prefill_pid  # prefill never restarted
-        idle_and_leak_free(daemon, ["prefill-0", "decode-0"])
+        kill_decode_during_migrations(daemon)
     finally:
         daemon.close()
