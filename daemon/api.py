@@ -2,10 +2,10 @@
 
 Life cycle of a generation request in the api (POST /v1/chat/completions, /v1/completions,
 /v1/chat/interactive):
-  1. RequestGuard checks the API key (/v1/* only) and the body size (413) before any
-     parsing; the body is validated into a request model (400 naming the field), the
-     model name checked (404), and the daemon's state (503 + Retry-After while starting,
-     draining or missing a role).
+  1. RequestGuard checks the API key (/v1/* only), the body size (413) and that the body
+     is JSON by its Content-Type (415) before any parsing; the body is validated into a
+     request model (400 naming the field), the model name checked (404), and the
+     daemon's state (503 + Retry-After while starting, draining or missing a role).
   2. Admitted: an OpenRequest is registered under a fresh id (chatcmpl-... / cmpl-...)
      and a TextRequest goes to the tokenizer, which answers on our inbox.
   3. `handle` routes each TextDelta entry or RequestError to its request's queue and keeps
@@ -26,8 +26,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -61,6 +59,7 @@ from lmd.api_http import (
     install_error_handlers,
 )
 from lmd.api_metrics import CLIENT_GONE, CONTENT_TYPE, ApiMetrics
+from lmd.api_request import OpenRequest, add_up, writes
 from lmd.config import ServeConfig
 from lmd.http_server import BindError, EmbeddedServer, JSONResponse, bind_tcp
 from lmd.interactive import (
@@ -71,7 +70,6 @@ from lmd.interactive import (
     prefix_caching_off,
 )
 from lmd.openai_responses import (
-    Answer,
     ChatFormat,
     CompletionFormat,
     Delta,
@@ -85,7 +83,6 @@ from lmd.worker import Worker, WorkerSpec, WorkerStartError
 TOKENIZER = "tokenizer-0"
 RETRY_AFTER_S = 5  # while the daemon starts, drains or restarts a role
 
-Event = Delta | protocol.RequestError
 Format = ChatFormat | CompletionFormat | InteractiveFormat
 Body = ChatCompletionRequest | CompletionRequest | InteractiveRequest
 GENERATE_ENDPOINTS = ("chat_completions", "completions", "chat_interactive")
@@ -95,21 +92,6 @@ _BODY_MODELS: dict[str, type[Body]] = {
     "chat_interactive": InteractiveRequest,
 }
 _ID_PREFIXES = {"chat_completions": "chatcmpl", "completions": "cmpl", "chat_interactive": "chat"}
-
-
-@dataclass(slots=True, eq=False)
-class OpenRequest:
-    """One admitted request, from its TextRequest until it is closed."""
-
-    id: str
-    endpoint: str
-    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
-    started: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-    finished_at: float | None = None  # its last delta arrived
-    ended: bool = False  # last delta or error seen: the tokenizer no longer holds it
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
 
 
 class ApiWorker(Worker):
@@ -311,16 +293,6 @@ class ApiWorker(Worker):
 
         None: the request was an interactive cancel or end, passed on to the tokenizer.
         """
-        content_type = http.headers.get("content-type")
-        if content_type is not None and not _is_json(content_type):
-            # Not JSON by its own account. Refusing it also keeps browsers' "simple"
-            # cross-site POSTs (form or text/plain, sent without a CORS preflight) out.
-            raise ApiError(
-                415,
-                f"the request body must be JSON (Content-Type: application/json), "
-                f"got {content_type!r}",
-                code="unsupported_media_type",
-            )
         try:
             body = _BODY_MODELS[endpoint].model_validate_json(await http.body())
         except ValidationError as exc:
@@ -346,7 +318,7 @@ class ApiWorker(Worker):
     async def _answer(
         self, request: OpenRequest, fmt: Format, client_gone: asyncio.Future[None]
     ) -> Response:
-        collect = asyncio.ensure_future(_add_up(request))
+        collect = asyncio.ensure_future(add_up(request))
         await asyncio.wait((collect, client_gone), return_when=asyncio.FIRST_COMPLETED)
         if not collect.done():
             collect.cancel()
@@ -375,42 +347,14 @@ class ApiWorker(Worker):
             return error_response(err)
         answered: int | None = None  # the HTTP status, once the stream went out to its end
 
-        async def chunks() -> AsyncGenerator[bytes, None]:
-            # Every event already queued goes out in one write: a client that is behind
-            # (or a busy api) gets several tokens per write instead of one write each.
+        def sent(status: int) -> None:
             nonlocal answered
-            status = 200
-            out = framing.head()
-            item: Event = event
-            last: Delta | None = None
-            while True:
-                if isinstance(item, protocol.RequestError):
-                    err = ApiError.from_request_error(item)
-                    status = err.status
-                    out.append(framing.error(err))
-                    break
-                last = item
-                frame = framing.frame(item)
-                if frame is not None:
-                    out.append(frame)
-                if item.finish_reason is not None:
-                    break
-                if request.events.empty():
-                    if out:
-                        yield b"".join(out)
-                        out = []
-                    item = await request.events.get()
-                else:
-                    item = request.events.get_nowait()
-            out += framing.tail(last, status == 200)
-            if out:
-                yield b"".join(out)
             answered = status
 
         def on_close() -> None:
             self._close(request, CLIENT_GONE if answered is None else answered)
 
-        return EventStream(chunks(), on_close, framing.media_type)
+        return EventStream(writes(request, framing, event, sent), on_close, framing.media_type)
 
     def _close(self, request: OpenRequest, status: int) -> None:
         """Forget a request; tell the tokenizer if it still holds it. Idempotent."""
@@ -428,21 +372,3 @@ class ApiWorker(Worker):
                 first_token_s=None if first is None else first - request.started,
                 num_tokens=request.completion_tokens,
             )
-
-
-async def _add_up(request: OpenRequest) -> Answer | ApiError:
-    answer = Answer()
-    while not answer.done:
-        event = await request.events.get()
-        if isinstance(event, protocol.RequestError):
-            return ApiError.from_request_error(event)
-        answer.add(event)
-    return answer
-
-
-def _is_json(content_type: str) -> bool:
-    """application/json or application/*+json, whatever the parameters (charset)."""
-    media = content_type.partition(";")[0].strip().lower()
-    return media == "application/json" or (
-        media.startswith("application/") and media.endswith("+json")
-    )

@@ -153,6 +153,12 @@ class RequestGuard:
         if length.isdigit() and int(length) > self.max_body_bytes:
             await self._reject(scope, receive, send, self._too_large())
             return
+        content_type = headers.get(b"content-type")
+        if content_type is not None and not _is_json(content_type):
+            # Not JSON by its own account. Refusing it also keeps browsers' "simple"
+            # cross-site POSTs (form or text/plain, sent without a CORS preflight) out.
+            await self._reject(scope, receive, send, _not_json(content_type))
+            return
         try:
             body = await self._read_body(receive)
         except _ClientGone:
@@ -198,3 +204,17 @@ class RequestGuard:
         if err.status == 401:
             headers["WWW-Authenticate"] = "Bearer"
         await JSONResponse(err.body, status_code=err.status, headers=headers)(scope, receive, send)
+
+
+def _is_json(content_type: bytes) -> bool:
+    """application/json or application/*+json, whatever the parameters (charset)."""
+    media = content_type.partition(b";")[0].strip().lower()
+    return media == b"application/json" or (
+        media.startswith(b"application/") and media.endswith(b"+json")
+    )
+
+
+def _not_json(content_type: bytes) -> ApiError:
+    given = content_type.decode("latin-1")
+    message = f"the request body must be JSON (Content-Type: application/json), got {given!r}"
+    return ApiError(415, message, code="unsupported_media_type")
