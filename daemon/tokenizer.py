@@ -27,7 +27,6 @@ import contextlib
 import json
 import logging
 from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,35 +51,11 @@ from lmd.text.chat_template import (
     LmdeployChatTemplate,
     parse_messages,
 )
-from lmd.text.in_order import InOrder
 from lmd.text.stream import StreamUpdate, TextStream
+from lmd.tokenizer_request import Entry, TokenizerRequest, text_delta
 from lmd.worker import Worker, WorkerStartError
 
 log = logging.getLogger(__name__)
-
-
-_Entry = tuple[int, str | None, dict[str, Any] | None, int]
-
-
-@dataclass(slots=True)
-class _Request:
-    reply_to: str  # api worker
-    route: Route
-    stream: TextStream
-    cached_tokens: int | None = None  # from the engine's first Tokens for it
-    # (token, finish reason, logprobs, cached tokens) by position: prefill sends token 0,
-    # decode the rest, over different sockets.
-    order: InOrder[_Entry] = field(default_factory=InOrder)
-    # Interactive sessions only: the session, this turn, and what it generated so far.
-    session: Session | None = None
-    turn: Turn | None = None
-    keep_turn: bool = False  # interactive_mode: the answer joins the history
-    answer: list[str] = field(default_factory=list)
-    output_ids: list[int] = field(default_factory=list)
-
-    @property
-    def num_history_tokens(self) -> int:
-        return 0 if self.turn is None else self.turn.num_history_tokens
 
 
 class TokenizerWorker(Worker):
@@ -105,7 +80,7 @@ class TokenizerWorker(Worker):
             worker_names(self.config, "hybrid" if hybrid else "prefill"),
             [] if hybrid else worker_names(self.config, "decode"),
         )
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, TokenizerRequest] = {}
         self.sessions = SessionTable(self.config.session_idle_timeout)
         self._expiry = asyncio.create_task(self._expire_sessions())
 
@@ -138,8 +113,13 @@ class TokenizerWorker(Worker):
         return len(self._requests)
 
     def on_cluster_state(self) -> None:
-        """An engine that died took its requests with it: fail them now, never hang."""
+        """An engine that died took its requests with it: fail them now, never hang.
+        An api worker that died took its clients: stop computing for them."""
         for request_id, request in list(self._requests.items()):
+            if self._client_gone(request):
+                self._drop(request_id)
+                self._abort_engines(request, request_id)
+                continue
             reason = self._broken(request.route)
             if reason is None:
                 continue
@@ -147,6 +127,11 @@ class TokenizerWorker(Worker):
             self._abort_engines(request, request_id)  # free what a survivor holds
             error = protocol.RequestError(request_id, "service_unavailable", reason)
             self.push(request.reply_to, error)
+
+    def _client_gone(self, request: TokenizerRequest) -> bool:
+        if not self.workers or request.reply_pid is None:
+            return False  # not known when the request came
+        return self.workers.get(request.reply_to) != request.reply_pid
 
     def _broken(self, route: Route) -> str | None:
         if self.workers:
@@ -157,7 +142,7 @@ class TokenizerWorker(Worker):
                 return f"{name}, serving this request, restarted"
         return None
 
-    def _abort_engines(self, request: _Request, request_id: str) -> None:
+    def _abort_engines(self, request: TokenizerRequest, request_id: str) -> None:
         abort = protocol.Abort(request_id)
         self.push(request.route.engine, abort)
         if request.route.decode:
@@ -232,7 +217,8 @@ class TokenizerWorker(Worker):
         except NoEngine as exc:
             fail("service_unavailable", f"{exc}; retry later")
             return
-        request = _Request(msg.reply_to, route, stream, session=session, turn=turn)
+        request = TokenizerRequest(msg.reply_to, route, stream, session=session, turn=turn)
+        request.reply_pid = self.workers.get(msg.reply_to) if self.workers else None
         request.keep_turn = msg.interactive_mode
         self._requests[msg.request_id] = request
         if session is not None:
@@ -280,7 +266,7 @@ class TokenizerWorker(Worker):
 
     # Requests out ----------------------------------------------------------------------
 
-    def _drop(self, request_id: str) -> _Request | None:
+    def _drop(self, request_id: str) -> TokenizerRequest | None:
         """Forget a request that did not finish; its session keeps its history."""
         request = self._requests.pop(request_id, None)
         if request is not None:
@@ -289,7 +275,7 @@ class TokenizerWorker(Worker):
                 self._close_turn(request, keep=False)
         return request
 
-    def _close_turn(self, request: _Request, *, keep: bool) -> None:
+    def _close_turn(self, request: TokenizerRequest, *, keep: bool) -> None:
         """The turn is over: keep its answer in the session's history, or not."""
         session, turn = request.session, request.turn
         assert session is not None and turn is not None
@@ -324,13 +310,13 @@ class TokenizerWorker(Worker):
         if rid is not None and request is not None:
             self._abort_engines(request, rid)
             self.push(
-                request.reply_to, _text_delta([(rid, request, StreamUpdate("", "abort", False))])
+                request.reply_to, text_delta([(rid, request, StreamUpdate("", "abort", False))])
             )
         if msg.action == "end":
             self.sessions.end(msg.session_id)
 
     def _on_tokens(self, msg: protocol.Tokens) -> None:
-        deltas: dict[str, list[tuple[str, _Request, StreamUpdate]]] = defaultdict(list)
+        deltas: dict[str, list[tuple[str, TokenizerRequest, StreamUpdate]]] = defaultdict(list)
         ids = protocol.unpack_ids(msg.token_ids)
         positions = protocol.unpack_ids(msg.positions)
         for rid, token, position, reason, lp, cached in zip(
@@ -345,7 +331,11 @@ class TokenizerWorker(Worker):
             request = self._requests.get(rid)
             if request is None:
                 continue  # finished by a stop string, or aborted
-            ready = request.order.arrive(position, (token, reason, lp, cached))
+            entry = (token, reason, lp, cached)
+            if request.order.take(position):  # the next one, as nearly always
+                self._feed(rid, request, entry, deltas)
+                continue
+            ready = request.order.arrive(position, entry)
             if ready is None:  # a token that went out already
                 if reason is None:
                     log.warning("%s: token %d came twice; dropped", rid, position)
@@ -358,14 +348,14 @@ class TokenizerWorker(Worker):
             for entry in ready:
                 self._feed(rid, request, entry, deltas)
         for reply_to, entries in deltas.items():
-            self.push(reply_to, _text_delta(entries))
+            self.push(reply_to, text_delta(entries))
 
     def _feed(
         self,
         rid: str,
-        request: _Request,
-        entry: _Entry,
-        deltas: dict[str, list[tuple[str, _Request, StreamUpdate]]],
+        request: TokenizerRequest,
+        entry: Entry,
+        deltas: dict[str, list[tuple[str, TokenizerRequest, StreamUpdate]]],
     ) -> None:
         token, reason, lp, cached = entry
         if rid not in self._requests:
@@ -384,24 +374,11 @@ class TokenizerWorker(Worker):
         if update.text or update.finish_reason or update.logprobs:
             deltas[request.reply_to].append((rid, request, update))
 
-    def _finish(self, rid: str, request: _Request, update: StreamUpdate) -> None:
+    def _finish(self, rid: str, request: TokenizerRequest, update: StreamUpdate) -> None:
         del self._requests[rid]
         self.router.finished(request.route)
         if request.session is not None:
             self._close_turn(request, keep=update.finish_reason != "abort")
-
-
-def _text_delta(entries: list[tuple[str, _Request, StreamUpdate]]) -> protocol.TextDelta:
-    return protocol.TextDelta(
-        [rid for rid, _, _ in entries],
-        [u.text for _, _, u in entries],
-        [u.finish_reason for _, _, u in entries],
-        [r.stream.num_prompt_tokens for _, r, _ in entries],
-        [r.stream.num_completion_tokens for _, r, _ in entries],
-        [u.logprobs for _, _, u in entries],
-        [r.cached_tokens or 0 for _, r, _ in entries],
-        [r.num_history_tokens for _, r, _ in entries],
-    )
 
 
 def _max_positions(model_dir: Path) -> int:

@@ -24,6 +24,14 @@ class InOrder(Generic[T]):
     def num_waiting(self) -> int:
         return len(self._early) if self._early else 0
 
+    def take(self, position: int) -> bool:
+        """True (and counted as out) when `position` is the next one and nothing waits:
+        the common case, with nothing to hold or allocate."""
+        if position == self.num_released and not self._early:
+            self.num_released += 1
+            return True
+        return False
+
     def arrive(self, position: int, item: T) -> list[T] | None:
         """Items now in order (maybe none yet); None when `position` went out already
         (a duplicate: the caller decides what it means)."""

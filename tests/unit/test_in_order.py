@@ -24,3 +24,13 @@ def test_a_position_that_went_out_is_a_duplicate() -> None:
     order.arrive(0, "t0")
     assert order.arrive(0, "again") is None
     assert order.num_released == 1
+
+
+def test_take_is_the_in_order_case_only() -> None:
+    order: InOrder[str] = InOrder()
+    assert order.take(0) and order.num_released == 1
+    assert not order.take(2)  # a gap: it must wait
+    assert order.arrive(2, "t2") == []
+    assert not order.take(1)  # something waits: arrive() releases it with t1
+    assert order.arrive(1, "t1") == ["t1", "t2"]
+    assert order.take(3)
