@@ -67,7 +67,34 @@ def status_text(s: dict[str, Any]) -> str:
     )
     if s.get("num_dropped"):
         head += f"dropped malformed messages: {s['num_dropped']}\n"
-    return head + "\n" + workers_table(s["workers"])
+    text = head + "\n" + workers_table(s["workers"])
+    if "cluster" in s:
+        text += "\n\n" + cluster_text(s["cluster"])
+    return text
+
+
+def cluster_text(c: dict[str, Any]) -> str:
+    """Every node's workers, as this node's membership (etcd) knows them."""
+    link = "connected" if c["connected"] else "NOT connected (the view may be stale)"
+    head = f"cluster {c['etcd']}, {link}; this node: {c['node']}\n"
+    rows = []
+    for node in c["nodes"]:
+        for w in node["workers"]:
+            load = w.get("load") or {}
+            rows.append(
+                [
+                    node["node"],
+                    node["state"],
+                    w["name"],
+                    w["state"],
+                    str(w["pid"] or "-"),
+                    w.get("endpoint") or "-",
+                    str(load.get("queued_tokens", "-")),
+                    str(load.get("free_blocks", "-")),
+                ]
+            )
+    header = ["NODE", "NODE STATE", "WORKER", "STATE", "PID", "ENDPOINT", "QUEUED", "KV FREE"]
+    return head + table(rows, header)
 
 
 def _change(key: str, changes: dict[str, Any]) -> str:

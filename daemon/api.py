@@ -32,7 +32,7 @@ from fastapi import FastAPI, Request
 from pydantic import ValidationError
 from starlette.responses import PlainTextResponse, Response
 
-from lmd import __version__, ipc, protocol
+from lmd import __version__, protocol
 from lmd.api_docs import (
     GENERATE_ERRORS,
     ChatCompletion,
@@ -69,6 +69,7 @@ from lmd.interactive import (
     LineFraming,
     prefix_caching_off,
 )
+from lmd.names import role_of, worker_name
 from lmd.openai_responses import (
     ChatFormat,
     CompletionFormat,
@@ -80,7 +81,6 @@ from lmd.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest
 from lmd.paths import control_socket_path
 from lmd.worker import Worker, WorkerSpec, WorkerStartError
 
-TOKENIZER = "tokenizer-0"
 RETRY_AFTER_S = 5  # while the daemon starts, drains or restarts a role
 
 Format = ChatFormat | CompletionFormat | InteractiveFormat
@@ -110,15 +110,11 @@ class ApiWorker(Worker):
         except BindError as exc:
             raise WorkerStartError(str(exc)) from None
         self.created = int(time.time())
-        self.tokenizer = ipc.connect_push(
-            self.ctx, self.endpoints.inbox(TOKENIZER), f"{self.spec.name}->tokenizer"
-        )
         self.server = EmbeddedServer(self.build_app(), sock, self.config.log_level)
         await self.server.start()
 
     async def stop(self) -> None:
         await self.server.stop()
-        self.tokenizer.close()
 
     def on_reconfigure(self, keys: set[str]) -> None:
         self.limits.set(self.config.api_keys, self.config.max_request_bytes)
@@ -142,6 +138,24 @@ class ApiWorker(Worker):
                 if not request.ended:
                     request.ended = True
                     request.events.put_nowait(lost)
+
+    @property
+    def tokenizer(self) -> str:
+        """The tokenizer this api sends requests to: its node's, else (a cluster node
+        without one) the first running one in the cluster."""
+        local = worker_name("tokenizer", 0, self.config.node)
+        if not self.workers or local in self.workers:
+            return local
+        return min((n for n in self.workers if role_of(n) == "tokenizer"), default=local)
+
+    def on_cluster_state(self) -> None:
+        """A tokenizer that left (in a cluster: not the one of a node-wide failure)
+        took the requests it held."""
+        lost = protocol.RequestError("", "service_unavailable", "the tokenizer stopped; retry")
+        for request in self._open.values():
+            if not request.ended and request.tokenizer not in self.workers:
+                request.ended = True
+                request.events.put_nowait(lost)
 
     def health(self) -> tuple[int, dict[str, Any]]:
         """(HTTP status, body): 200 only when the daemon runs and every role is up."""
@@ -259,15 +273,16 @@ class ApiWorker(Worker):
     async def generate(self, http: Request, endpoint: str) -> Response:
         """Validate, admit, and answer one generation request (streamed or not)."""
         request_id = f"{_ID_PREFIXES[endpoint]}-{uuid.uuid4().hex}"
+        tokenizer = self.tokenizer
         try:
-            body = await self._admit(http, endpoint, request_id)
+            body = await self._admit(http, endpoint, request_id, tokenizer)
         except ApiError as err:
             self.metrics.count(endpoint, err.status)
             return error_response(err)
         if body is None:  # an interactive cancel or end: the tokenizer does it
             self.metrics.count(endpoint, 200)
             return JSONResponse(InteractiveFormat.control_done())
-        request = self._open[request_id] = OpenRequest(request_id, endpoint)
+        request = self._open[request_id] = OpenRequest(request_id, endpoint, tokenizer)
         fmt: Format
         framing: Framing
         if isinstance(body, InteractiveRequest):
@@ -288,7 +303,9 @@ class ApiWorker(Worker):
         finally:
             client_gone.cancel()
 
-    async def _admit(self, http: Request, endpoint: str, request_id: str) -> Body | None:
+    async def _admit(
+        self, http: Request, endpoint: str, request_id: str, tokenizer: str
+    ) -> Body | None:
         """Parse and check a request, and hand it to the tokenizer; raise ApiError.
 
         None: the request was an interactive cancel or end, passed on to the tokenizer.
@@ -310,7 +327,7 @@ class ApiWorker(Worker):
         control = body.control if isinstance(body, InteractiveRequest) else None
         if isinstance(body, InteractiveRequest) and control is not None:
             msg = protocol.SessionControl(body.session_id, control)
-        if not self.tokenizer.try_send(msg):
+        if not self.push(tokenizer, msg):
             reason = "the tokenizer is not keeping up; retry later"
             raise ApiError(503, reason, type="overloaded", retry_after_s=1)
         return None if control is not None else body
@@ -362,7 +379,7 @@ class ApiWorker(Worker):
             return
         if not request.ended:
             request.ended = True
-            self.tokenizer.try_send(protocol.Abort(request.id))
+            self.push(request.tokenizer, protocol.Abort(request.id))
         self.metrics.count(request.endpoint, status)
         self.metrics.tokens(request.prompt_tokens, request.completion_tokens)
         if request.finished_at is not None and status == 200:

@@ -26,6 +26,7 @@ class OpenRequest:
 
     id: str
     endpoint: str
+    tokenizer: str  # the tokenizer worker that holds it
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None

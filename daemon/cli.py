@@ -2,6 +2,7 @@
 
 lmdd serve [MODEL] [--config PATH] [--host H] [--port P] [--runtime-dir DIR] ...
 lmdd version
+lmdd keygen PATH
 
 Settings: command line > LMD_<KEY> environment variables > config file > defaults
 (config_loader.py). A bad setting is one line on stderr and exit code 2.
@@ -10,6 +11,7 @@ Settings: command line > LMD_<KEY> environment variables > config file > default
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -33,6 +35,7 @@ from lmd.config_loader import (
     PATH_KEYS,
     ConfigSource,
     Kind,
+    LoadedConfig,
     default_values,
     parse_value,
 )
@@ -79,6 +82,13 @@ HELP = {
     "after the weights, or an integer block count",
     "enable_prefix_caching": "reuse the KV blocks of a prompt prefix seen before "
     "(/v1/chat/interactive needs it)",
+    "cluster": "join the cluster whose membership lives in this etcd (etcd://HOST:PORT)",
+    "node_name": "this node's name in the cluster (default: the host name)",
+    "roles": "the roles this cluster node runs: api,tokenizer,prefill,decode (default: all)",
+    "cluster_key": "the cluster's key file (`lmdd keygen PATH`): signs membership and "
+    "authenticates links between hosts (CURVE)",
+    "advertise_host": "the address other cluster hosts reach this node at (default: this "
+    "host's address on the route to etcd)",
     "restart_backoff": "first delay before restarting a worker that died young, doubling",
     "max_fast_failures": "young deaths in a row of one worker before the daemon gives up",
 }
@@ -126,6 +136,11 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmdd", description="lmd serving daemon")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("version", help="print the version")
+    keygen_parser = sub.add_parser(
+        "keygen",
+        help="write a new cluster key file (mode 0600); every node of the cluster needs a copy",
+    )
+    keygen_parser.add_argument("path", metavar="PATH", help="the file to create (never replaced)")
     # No defaults here: a flag left out is absent from the namespace, so that LMD_* and
     # the config file can set it (config_loader applies the precedence and the defaults).
     serve = sub.add_parser(
@@ -215,6 +230,12 @@ def serve(args: argparse.Namespace) -> int:
         if not nixl.installed():
             print(f"lmdd: migration_transport: {nixl.INSTALL_HINT}", file=sys.stderr)
             return 2
+    if config.cluster is not None:
+        try:
+            loaded = _cluster_ready(loaded)
+        except (OSError, ValueError) as exc:
+            print(f"lmdd: {exc}", file=sys.stderr)
+            return 2
     supervisor = Supervisor(loaded, device, os.getpid(), notifier)
     try:
         code: int = uvloop.run(supervisor.run())
@@ -224,11 +245,48 @@ def serve(args: argparse.Namespace) -> int:
     return code
 
 
+def _cluster_ready(loaded: LoadedConfig) -> LoadedConfig:
+    """Check the cluster key file, and settle the address other nodes reach us at."""
+    from lmd.cluster.keys import ClusterKey
+    from lmd.cluster.node import route_address
+
+    config = loaded.config
+    assert config.cluster is not None and config.cluster_key is not None
+    ClusterKey.load(Path(config.cluster_key))  # a missing or open key: one line, exit 2
+    if config.advertise_host:
+        return loaded
+    try:
+        host = route_address(config.cluster)
+    except OSError as exc:
+        raise OSError(
+            f"cluster: no route to {config.cluster} ({exc}); set --advertise-host"
+        ) from None
+    return dataclasses.replace(loaded, config=dataclasses.replace(config, advertise_host=host))
+
+
+def keygen(path: str) -> int:
+    """Write a new cluster key to PATH (mode 0600; an existing file is left alone)."""
+    from lmd.cluster.keys import ClusterKey
+
+    try:
+        ClusterKey.generate().save(path)
+    except ValueError as exc:
+        print(f"lmdd: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"lmdd: wrote a new cluster key to {path} (mode 0600); every node of the cluster "
+        "needs a copy (--cluster-key)"
+    )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "version":
         print(f"lmdd {__version__}")
         return 0
+    if args.command == "keygen":
+        return keygen(args.path)
     return serve(args)
 
 

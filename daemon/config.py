@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lmd.engine.config import EngineConfig
+from lmd.names import NODE_NAME
 
 BACKENDS = ("auto", "torch", "turbo", "fake")  # fake: no model, for benchmarks
 MODES = ("disaggregated", "hybrid")
@@ -20,6 +22,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # native: lmd._native (host shared memory, CUDA IPC); nixl: NVIDIA NIXL over UCX, the
 # optional `lmd[cluster]` install (lmd.migration.nixl).
 MIGRATION_TRANSPORTS = ("native", "nixl")
+CLUSTER_ROLES = ("api", "tokenizer", "prefill", "decode")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -99,6 +102,12 @@ class ServeConfig:
     cache_max_entry_count: float | int = 0.8  # fraction of free memory, or a block count
     # On by default (as LMDeploy and vLLM): interactive sessions reuse their KV through it.
     enable_prefix_caching: bool = True
+    # Cluster mode (docs/cluster.md): nodes find each other through etcd; None = one host.
+    cluster: str | None = None  # etcd://HOST:PORT
+    node_name: str | None = None  # this node's name in the cluster; default: the host name
+    roles: tuple[str, ...] = ()  # the roles this node runs; empty = every role
+    cluster_key: str | None = None  # the cluster's CURVE key file (`lmdd keygen`)
+    advertise_host: str | None = None  # where other hosts reach us; default: the route to etcd
     restart: RestartPolicy = dataclasses.field(default_factory=RestartPolicy)
 
     def __post_init__(self) -> None:
@@ -143,6 +152,7 @@ class ServeConfig:
             "migration_transport",
             f"{self.migration_transport!r} is not one of {', '.join(MIGRATION_TRANSPORTS)}",
         )
+        self._check_cluster()
         _check(self.dtype in DTYPES, "dtype", f"{self.dtype!r} is not one of {', '.join(DTYPES)}")
         try:
             self.engine  # noqa: B018 (validates the engine settings)
@@ -153,6 +163,45 @@ class ServeConfig:
             "log_level",
             f"{self.log_level!r} is not one of {', '.join(LOG_LEVELS)}",
         )
+
+    def _check_cluster(self) -> None:
+        object.__setattr__(self, "roles", tuple(self.roles))  # a list from TOML
+        bad = [r for r in self.roles if r not in CLUSTER_ROLES]
+        _check(not bad, "roles", f"{bad} are not among {', '.join(CLUSTER_ROLES)}")
+        if self.cluster is None:
+            _check(not self.roles, "roles", "only a cluster node (--cluster) runs some roles")
+            return
+        _check(
+            re.fullmatch(r"etcd://[^:/\s]+:\d{1,5}", self.cluster) is not None,
+            "cluster",
+            f"{self.cluster!r} is not etcd://HOST:PORT",
+        )
+        _check(
+            self.node_name is None or NODE_NAME.fullmatch(self.node_name) is not None,
+            "node_name",
+            f"{self.node_name!r} is not 1-32 letters, digits or _",
+        )
+        _check(
+            self.cluster_key is not None,
+            "cluster_key",
+            "a cluster node needs the cluster's key file (create one with `lmdd keygen PATH` "
+            "and copy it to every node)",
+        )
+        _check(self.mode == "disaggregated", "mode", "a cluster node runs disaggregated")
+        _check(
+            self.migration_transport == "nixl",
+            "migration_transport",
+            "KV moves between cluster nodes over nixl: add --migration-transport nixl",
+        )
+
+    @property
+    def node(self) -> str:
+        """This node's name in the cluster; "" for a single-host daemon."""
+        if self.cluster is None:
+            return ""
+        if self.node_name:
+            return self.node_name
+        return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:32] or "node"
 
     @property
     def engine(self) -> EngineConfig:

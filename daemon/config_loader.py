@@ -50,7 +50,7 @@ class Kind(enum.Enum):
 
 
 RESTART_FIELDS = {"restart_backoff": "backoff_s", "max_fast_failures": "max_fast_failures"}
-PATH_KEYS = frozenset({"model", "runtime_dir", "chat_template"})
+PATH_KEYS = frozenset({"model", "runtime_dir", "chat_template", "cluster_key"})
 SECRET_KEYS = frozenset({"api_keys"})  # never shown: /v1/config and reload redact them
 # What `lmdctl reload` can change in a running daemon; every other key needs a restart.
 LIVE_KEYS = frozenset({"log_level", "api_keys", "max_request_bytes"})

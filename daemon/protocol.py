@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import re
 import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar, Union
 
+from lmd.names import WORKER_NAME
 from lmd.wire import Codec, ProtocolError, pack_ids, unpack_ids
 
 __all__ = ["ProtocolError", "pack_ids", "unpack_ids"]  # re-exported: part of the protocol
-
-# A worker name becomes a socket file name in the runtime directory: no paths.
-WORKER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class MsgType(enum.IntEnum):
@@ -110,12 +107,19 @@ class ClusterState:
     workers: dict[str, int] = dataclasses.field(default_factory=dict)
     # Running workers being retired (lmdctl scale): route nothing new to them.
     draining: list[str] = dataclasses.field(default_factory=list)
+    # A cluster's workers on other nodes: name -> their inbox's tcp:// endpoint.
+    endpoints: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Engines' published load (routing.py): name -> {"queued_tokens", "free_blocks"}.
+    load: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     def check(self) -> None:
         for name, pid in self.workers.items():
             _check_name("ClusterState", "workers", name)
             if not isinstance(pid, int) or isinstance(pid, bool):
                 raise ProtocolError("ClusterState.workers: a pid is not an integer")
+        for name, endpoint in self.endpoints.items():
+            if name not in self.workers or not str(endpoint).startswith("tcp://"):
+                raise ProtocolError(f"ClusterState.endpoints: bad entry for {name[:40]!r}")
 
 
 def _check_name(cls: str, field: str, value: str) -> None:

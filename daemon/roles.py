@@ -12,6 +12,7 @@ Modes:
 from __future__ import annotations
 
 from lmd.config import ServeConfig
+from lmd.names import worker_name
 from lmd.worker import Worker, WorkerSpec
 
 ROLES = ("tokenizer", "prefill", "decode", "hybrid", "api")
@@ -43,19 +44,21 @@ def worker_class(role: str) -> type[Worker]:
 
 
 def role_counts(config: ServeConfig) -> dict[str, int]:
-    """How many workers of each role the daemon runs."""
+    """How many workers of each role the daemon runs (a cluster node: its `roles`)."""
     if config.mode == "hybrid":
         return {"tokenizer": 1, "hybrid": 1, "api": 1}
-    return {
+    counts = {
         "tokenizer": 1,
         "prefill": config.prefill_workers,
         "decode": config.decode_workers,
         "api": 1,
     }
+    return {r: n for r, n in counts.items() if not config.roles or r in config.roles}
 
 
 def worker_names(config: ServeConfig, role: str) -> list[str]:
-    return [f"{role}-{i}" for i in range(role_counts(config).get(role, 0))]
+    count = role_counts(config).get(role, 0)
+    return [worker_name(role, i, config.node) for i in range(count)]
 
 
 def plan_workers(config: ServeConfig, device: str, supervisor_pid: int) -> list[WorkerSpec]:
@@ -71,7 +74,7 @@ def plan_workers(config: ServeConfig, device: str, supervisor_pid: int) -> list[
         for i in range(counts.get(role, 0)):
             engine = role in ENGINE_ROLES
             spec = WorkerSpec(
-                name=f"{role}-{i}",
+                name=worker_name(role, i, config.node),
                 role=role,
                 index=i,
                 supervisor_pid=supervisor_pid,

@@ -1,19 +1,28 @@
 """Which engine workers take a request: the tokenizer's router. Pure: no I/O.
 
 Hybrid mode routes to one of the hybrid engines; disaggregated mode to a pair (a
-prefill worker, and the decode worker its KV migrates to). Among the workers that are
-running, each pick takes the one with the fewest requests this router has in flight on
-it (a request counts on its prefill worker until its first token arrives, and on its
-decode worker until it ends), ties going round robin. The tokenizer routes every
-request of the daemon, so these counts are the engines' request load.
+prefill worker, and the decode worker its KV migrates to). Only running workers that
+are not being retired are candidates. What decides, in order:
+- prefill: the fewest prompt tokens queued, counting both what the worker last
+  published (`queued_tokens`, with its heartbeat, through the supervisor; in a cluster,
+  other routers' requests too) and what this router sent it that has not prefilled yet
+  (the published figure lags a heartbeat); then the fewest requests from this router.
+- decode: a worker on the prefill worker's node if one has room for the prompt (its
+  published `free_blocks` less the blocks this router's requests on their way to it
+  will take): KV then moves within a host. Among the candidates, the most room; then
+  the fewest requests from this router.
+Ties go round robin. Before any load is published, every worker has the same figures
+and the router's own request counts decide.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+
+from lmd.names import index_of, node_of, role_of
 
 
 class NoEngine(LookupError):
@@ -26,53 +35,74 @@ class Route:
     decode: str  # disaggregated: the decode worker; "" in hybrid mode
     engine_pid: int | None  # the processes picked, to notice a restart
     decode_pid: int | None
+    num_tokens: int = 0  # prompt tokens, counted on both workers until prefilled
     prefilled: bool = False  # the first token arrived: the engine is done with it
     done: bool = False
 
 
 class Router:
-    def __init__(self, engines: list[str], decodes: list[str]) -> None:
-        if not engines:
-            raise ValueError("no engine workers to route to")
-        self.engines = engines
-        self.decodes = decodes
-        self._load: Counter[str] = Counter()
+    def __init__(
+        self,
+        engine_role: str,
+        decode_role: str = "",
+        configured: Collection[str] = (),
+        block_size: int = 64,
+    ) -> None:
+        self.engine_role = engine_role  # hybrid or prefill
+        self.decode_role = decode_role  # decode, or "" in hybrid mode
+        self.configured = sorted(configured)  # this node's: used until the running are known
+        self.block_size = block_size
+        self._load: Counter[str] = Counter()  # requests of this router on each worker
+        self._tokens: Counter[str] = Counter()  # their prompt tokens not yet prefilled
         self._turn = itertools.count()
 
-    def pick(self, running: dict[str, int] | None, draining: Collection[str] = ()) -> Route:
+    def pick(
+        self,
+        running: dict[str, int] | None,
+        draining: Collection[str] = (),
+        load: Mapping[str, Mapping[str, int]] | None = None,
+        num_tokens: int = 0,
+    ) -> Route:
         """A route over running workers (`running`: name -> pid; None = assume the
-        configured ones run), leaving out `draining` ones (being retired)."""
-        engine = self._least_loaded(self._names(self.engines, running, draining), running)
+        configured ones run), leaving out `draining` ones (being retired); `load` is
+        what the engines published, `num_tokens` the prompt's length."""
+        load = load or {}
+        engines = self._names(self.engine_role, running, draining)
+        engine = self._best(engines, lambda n: (self._queued(n, load), self._load[n]))
         decode = ""
-        if self.decodes:
-            decode = self._least_loaded(self._names(self.decodes, running, draining), running)
+        if self.decode_role:
+            decodes = self._names(self.decode_role, running, draining)
+            need = -(-num_tokens // self.block_size) + 1
+            near = [
+                d for d in decodes if node_of(d) == node_of(engine) and self._fits(d, need, load)
+            ]
+            decode = self._best(near or decodes, lambda n: (-self._room(n, load), self._load[n]))
         route = Route(
             engine,
             decode,
             None if running is None else running[engine],
             None if running is None or not decode else running[decode],
+            num_tokens,
         )
-        self._load[engine] += 1
-        if decode:
-            self._load[decode] += 1
+        for name in (engine, decode):
+            if name:
+                self._load[name] += 1
+                self._tokens[name] += num_tokens
         return route
 
     def prefilled(self, route: Route) -> None:
         """The request's first token arrived: its prefill worker is done with it."""
-        if route.decode and not route.prefilled and not route.done:
-            self._load[route.engine] -= 1
+        if not route.prefilled and not route.done:
+            self._settle(route, load=bool(route.decode))
         route.prefilled = True
 
     def finished(self, route: Route) -> None:
         """The request ended (finished, failed or aborted); a second call does nothing."""
         if route.done:
             return
-        if route.decode:
-            if not route.prefilled:
-                self._load[route.engine] -= 1
-            self._load[route.decode] -= 1
-        else:
-            self._load[route.engine] -= 1
+        if not route.prefilled:
+            self._settle(route, load=bool(route.decode))
+        self._load[route.decode or route.engine] -= 1
         route.done = True
 
     def broken(self, route: Route, running: dict[str, int]) -> str | None:
@@ -82,27 +112,49 @@ class Router:
             (route.decode, route.decode_pid, bool(route.decode)),
         ):
             if needed and name and running.get(name) != pid:
-                return f"{name}, serving this request, restarted"
+                return f"{name}, serving this request, restarted or left"
         return None
 
     def load(self, name: str) -> int:
         return self._load[name]
 
-    @staticmethod
+    def _settle(self, route: Route, load: bool) -> None:
+        """The prompt is computed: its tokens no longer count; in disaggregated mode,
+        the request no longer counts on its prefill worker (`load`)."""
+        for name in (route.engine, route.decode):
+            if name:
+                self._tokens[name] -= route.num_tokens
+        if load:
+            self._load[route.engine] -= 1
+
+    def _queued(self, name: str, load: Mapping[str, Mapping[str, int]]) -> int:
+        return max(load.get(name, {}).get("queued_tokens", 0), self._tokens[name])
+
+    def _room(self, name: str, load: Mapping[str, Mapping[str, int]]) -> int:
+        """Free blocks left once this router's requests on their way there arrive;
+        0 when nothing is published yet (all workers alike)."""
+        published = load.get(name, {}).get("free_blocks")
+        if published is None:
+            return 0
+        return published - -(-self._tokens[name] // self.block_size)
+
+    def _fits(self, name: str, need: int, load: Mapping[str, Mapping[str, int]]) -> bool:
+        """Room for `need` blocks, as far as is known (nothing published: yes)."""
+        return "free_blocks" not in load.get(name, {}) or self._room(name, load) >= need
+
+    def _best(self, names: list[str], key: Callable[[str], tuple[int, int]]) -> str:
+        start = next(self._turn) % len(names)
+        rotated = names[start:] + names[:start]
+        return min(rotated, key=key)
+
     def _names(
-        configured: list[str], running: dict[str, int] | None, draining: Collection[str]
+        self, role: str, running: dict[str, int] | None, draining: Collection[str]
     ) -> list[str]:
-        """Workers of the role of `configured`: those running (lmdctl scale adds and
-        removes some), in index order, or the configured ones when nothing is known."""
-        if running is None:
-            return configured
-        role = configured[0].rsplit("-", 1)[0]
-        names = [n for n in running if n.rsplit("-", 1)[0] == role and n not in draining]
+        """Workers of `role`: those running (lmdctl scale adds and removes some; a
+        cluster's other nodes have theirs), or the configured ones when nothing is
+        known yet."""
+        pool = self.configured if running is None else running
+        names = [n for n in pool if role_of(n) == role and n not in draining]
         if not names:
             raise NoEngine(f"no {role} worker is running")
-        return sorted(names, key=lambda n: int(n.rsplit("-", 1)[1]))
-
-    def _least_loaded(self, up: list[str], running: dict[str, int] | None) -> str:
-        start = next(self._turn) % len(up)
-        rotated = up[start:] + up[:start]
-        return min(rotated, key=lambda n: self._load[n])
+        return sorted(names, key=lambda n: (node_of(n), index_of(n)))

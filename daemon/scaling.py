@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from lmd import protocol
 from lmd.child import Child
 from lmd.control import ControlError
+from lmd.names import worker_name
 from lmd.states import DaemonState, WorkerState
 from lmd.worker import WorkerSpec
 
@@ -79,7 +80,7 @@ async def scale(sup: Supervisor, role: str, count: int) -> dict[str, Any]:
 def _spawn(sup: Supervisor, role: str, index: int) -> str:
     backend = sup.config.prefill_backend if role == "prefill" else sup.config.decode_backend
     spec = WorkerSpec(
-        name=f"{role}-{index}",
+        name=worker_name(role, index, sup.config.node),
         role=role,
         index=index,
         supervisor_pid=sup.pid,

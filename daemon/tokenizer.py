@@ -32,6 +32,7 @@ from typing import Any
 
 from lmd import protocol
 from lmd.engine.model_source import ModelSourceError, resolve_model
+from lmd.names import role_of
 from lmd.protocol import Message
 from lmd.roles import worker_names
 from lmd.routing import NoEngine, Route, Router
@@ -76,10 +77,11 @@ class TokenizerWorker(Worker):
         self.decoder = self.tokenizer.backend_tokenizer  # decode without clean-up
         self.vocab_size = len(self.tokenizer)
         hybrid = self.config.mode == "hybrid"
-        self.router = Router(
-            worker_names(self.config, "hybrid" if hybrid else "prefill"),
-            [] if hybrid else worker_names(self.config, "decode"),
-        )
+        engine_role, decode_role = ("hybrid", "") if hybrid else ("prefill", "decode")
+        configured = worker_names(self.config, engine_role)
+        if decode_role:
+            configured += worker_names(self.config, decode_role)
+        self.router = Router(engine_role, decode_role, configured, self.config.block_size)
         self._requests: dict[str, TokenizerRequest] = {}
         self.sessions = SessionTable(self.config.session_idle_timeout)
         self._expiry = asyncio.create_task(self._expire_sessions())
@@ -138,7 +140,7 @@ class TokenizerWorker(Worker):
             return self.router.broken(route, self.workers)
         # No worker list (an older supervisor or a test): go by the missing roles.
         for name in (route.engine, route.decode):
-            if name and name.rsplit("-", 1)[0] in self.missing_roles:
+            if name and role_of(name) in self.missing_roles:
                 return f"{name}, serving this request, restarted"
         return None
 
@@ -213,7 +215,9 @@ class TokenizerWorker(Worker):
             want_logprobs=msg.sampling.get("logprobs") is not None,
         )
         try:
-            route = self.router.pick(self.workers or None, self.draining_workers)
+            route = self.router.pick(
+                self.workers or None, self.draining_workers, self.load, len(prompt_ids)
+            )
         except NoEngine as exc:
             fail("service_unavailable", f"{exc}; retry later")
             return

@@ -17,12 +17,14 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import dataclasses
+import functools
 import logging
 import os
 import signal
 import sys
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import psutil
 import uvloop
@@ -32,6 +34,9 @@ from lmd import ipc, protocol
 from lmd.config import ServeConfig
 from lmd.ipc import Endpoints
 from lmd.protocol import Message
+
+if TYPE_CHECKING:
+    from lmd.cluster.keys import ClusterKey
 
 log = logging.getLogger(__name__)
 
@@ -108,10 +113,13 @@ class Worker:
         self.missing_roles: list[str] = []
         self.workers: dict[str, int] = {}  # running workers by name -> pid (ClusterState)
         self.draining_workers: list[str] = []  # of those, the ones being retired
+        self.load: dict[str, dict[str, int]] = {}  # engines' published load (routing.py)
+        self.remote: dict[str, str] = {}  # workers on other cluster nodes -> tcp endpoint
+        self.tcp_endpoint: str | None = None  # a cluster node's: where other hosts reach us
         self._stop = asyncio.Event()
         self._num_unexpected = 0
         self._proc = psutil.Process()
-        self._peers: dict[str, ipc.Channel] = {}  # worker name -> PUSH to its inbox
+        self._peers: dict[str, tuple[str, ipc.Channel]] = {}  # name -> (endpoint, PUSH)
         self.num_lost = 0  # data-path messages a peer did not take (gone or not reading)
 
     @property
@@ -121,9 +129,7 @@ class Worker:
     async def run(self) -> int:
         self.ctx = ctx = zmq.asyncio.Context()
         self.control = ipc.connect_dealer(ctx, self.endpoints.supervisor, self.spec.name)
-        self.inbox = ipc.bind_pull(
-            ctx, self.endpoints.inbox(self.spec.name), f"{self.spec.name} inbox"
-        )
+        self.inbox = self._bind_inbox(ctx)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
         try:
@@ -132,6 +138,8 @@ class Worker:
             log.error("%s cannot start: %s", self.spec.name, exc)
             return 1
         info = {"backend": self.spec.backend, "device": self.spec.device, **self.info()}
+        if self.tcp_endpoint:
+            info["endpoint"] = self.tcp_endpoint
         await self.control.send(protocol.Ready(self.spec.name, os.getpid(), info))
         log.info("%s ready", self.spec.name)
         tasks = [
@@ -142,7 +150,7 @@ class Worker:
         for task in tasks:
             task.cancel()
         await self.stop()
-        for channel in self._peers.values():
+        for _, channel in self._peers.values():
             channel.close()
         self.control.close()
         self.inbox.close()
@@ -158,6 +166,8 @@ class Worker:
         stats = {
             "rss_bytes": self._proc.memory_info().rss,
             "num_lost": self.num_lost,
+            # cluster nodes: TCP peers refused for lacking the cluster key (links.py)
+            "num_refused": getattr(self.inbox, "num_refused", 0),
             **self.stats(),
         }
         beat = protocol.Heartbeat(self.spec.name, self.inflight(), self.num_dropped, stats)
@@ -178,6 +188,7 @@ class Worker:
             elif isinstance(msg, protocol.ClusterState):
                 self.cluster_state, self.missing_roles = msg.state, msg.missing_roles
                 self.workers, self.draining_workers = msg.workers, msg.draining
+                self.load, self.remote = msg.load, msg.endpoints
                 self.on_cluster_state()
             else:
                 self._unexpected(msg, "control")
@@ -200,13 +211,44 @@ class Worker:
         self.on_reconfigure(set(values))
         log.info("%s: applied %s", self.spec.name, ", ".join(sorted(values)))
 
+    def _bind_inbox(self, ctx: zmq.asyncio.Context) -> ipc.Channel:
+        """The PULL inbox: at `<runtime>/<name>.ipc` and, on a cluster node, also on TCP
+        at the advertised host (CURVE-authenticated with the cluster key)."""
+        endpoint, label = self.endpoints.inbox(self.spec.name), f"{self.spec.name} inbox"
+        if self.config.cluster is None:
+            return ipc.bind_pull(ctx, endpoint, label)
+        from lmd.cluster import links
+
+        channel, self.tcp_endpoint = links.bind_inbox(
+            ctx, endpoint, label, self.config.advertise_host, self.cluster_key
+        )
+        return channel
+
+    @functools.cached_property
+    def cluster_key(self) -> ClusterKey:
+        from lmd.cluster.keys import ClusterKey
+
+        assert self.config.cluster_key is not None  # config checks it in cluster mode
+        return ClusterKey.load(Path(self.config.cluster_key))
+
     def push(self, worker_name: str, msg: Message) -> bool:
-        """Send `msg` to another worker's inbox without waiting; False (counted) if lost."""
-        channel = self._peers.get(worker_name)
+        """Send `msg` to another worker's inbox without waiting; False (counted) if lost.
+        A worker on another cluster node is reached over TCP, at the endpoint its node
+        published (a new one after a restart)."""
+        endpoint = self.remote.get(worker_name) or self.endpoints.inbox(worker_name)
+        known, channel = self._peers.get(worker_name, (endpoint, None))
+        if channel is not None and known != endpoint:
+            channel.close()
+            channel = None
         if channel is None:
-            endpoint = self.endpoints.inbox(worker_name)
-            channel = ipc.connect_push(self.ctx, endpoint, f"{self.spec.name}->{worker_name}")
-            self._peers[worker_name] = channel
+            label = f"{self.spec.name}->{worker_name}"
+            if endpoint.startswith("tcp://"):
+                from lmd.cluster import links
+
+                channel = links.connect_push(self.ctx, endpoint, label, self.cluster_key)
+            else:
+                channel = ipc.connect_push(self.ctx, endpoint, label)
+            self._peers[worker_name] = (endpoint, channel)
         if channel.try_send(msg):
             return True
         self.num_lost += 1

@@ -41,5 +41,11 @@ if command -v systemd-analyze >/dev/null; then
 else
     echo "systemd-analyze not available: systemd/lmdd.service not verified"
 fi
+# tests/unit/test_membership.py runs a real etcd (it skips without one): as root with
+# apt, install Debian's etcd-server where etcd is missing.
+if ! command -v etcd >/dev/null && [[ $EUID == 0 ]] && command -v apt-get >/dev/null; then
+    { apt-get -qq update && apt-get -qq install -y --no-install-recommends etcd-server >/dev/null; } ||
+        echo "could not install etcd-server"
+fi
 echo "== pytest"
 $bin/python -m pytest -q -ra -m "not slow" "$@"

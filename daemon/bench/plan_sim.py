@@ -63,7 +63,7 @@ class _Cluster:
         role = "prefill" if num_decode else "hybrid"
         names = [f"{role}-{i}" for i in range(num_prefill)]
         decodes = [f"decode-{i}" for i in range(num_decode)]
-        self.router = Router(names, decodes)
+        self.router = Router(role, "decode" if num_decode else "", names + decodes)
         self.index = {n: i for i, n in enumerate(names)} | {n: i for i, n in enumerate(decodes)}
         on_prefilled = self._migrate if num_decode else self._first_token
         self.prefillers = [self._engine(True, on_prefilled) for _ in names]
@@ -97,7 +97,8 @@ class _Cluster:
         return SimResult(self.first, self.end, self._utilisation(), waited)
 
     def _arrive(self, rid: int) -> None:
-        route = self.routes[rid] = self.router.pick(None)
+        tokens = self.requests[rid].input_len
+        route = self.routes[rid] = self.router.pick(None, num_tokens=tokens)
         if route.decode:
             self.unreserved[self.index[route.engine]].append(rid)
             self._reserve(self.index[route.engine])

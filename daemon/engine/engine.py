@@ -194,6 +194,7 @@ class Engine:
             },
             "running": self.num_running,
             "waiting": self.num_waiting,
+            "queued_tokens": self.prefill.num_queued_tokens,
         }
 
     # Stepping --------------------------------------------------------------------------

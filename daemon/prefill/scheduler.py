@@ -77,6 +77,13 @@ class PrefillScheduler(SequenceQueues):
         else:
             self.waiting.append(seq)
 
+    @property
+    def num_queued_tokens(self) -> int:
+        """Prompt tokens waiting or admitted that no step computed yet (the load routers
+        see). The queues are copied first: status reads this while the engine steps."""
+        seqs = [*list(self.waiting), *list(self.running)]
+        return sum(s.num_tokens - s.num_cached_tokens for s in seqs)
+
     def schedule(self, max_new_seqs: int | None = None) -> PrefillBatch:
         """The next step's chunks; admits at most `max_new_seqs` new sequences.
 

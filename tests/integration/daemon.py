@@ -17,10 +17,13 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import psutil
+
+if TYPE_CHECKING:
+    from tests.netns import Host
 
 START_TIMEOUT_S = 60.0
 # Model-less prefill/decode engines (the fake backend, real KV pools and migration):
@@ -64,10 +67,17 @@ def alive(pid: int) -> bool:
 
 class Daemon:
     def __init__(
-        self, *extra: str, runtime_dir: Path | None = None, port: int | None = None
+        self,
+        *extra: str,
+        runtime_dir: Path | None = None,
+        port: int | None = None,
+        host: Host | None = None,
     ) -> None:
+        """`host`: run inside that network namespace (tests/netns.py), the API on its
+        address."""
         self.runtime_dir = runtime_dir or Path(tempfile.mkdtemp(prefix="lmdt-"))
-        self.port = port or free_port()
+        self.host = host
+        self.port = port or (23333 if host else free_port())  # a namespace has its own ports
         self.log_path = self.runtime_dir.parent / f"{self.runtime_dir.name}.log"
         self.args = [
             sys.executable,
@@ -78,6 +88,7 @@ class Daemon:
             str(self.runtime_dir),
             "--port",
             str(self.port),
+            *(("--host", host.address) if host else ()),
             *extra,
         ]
         self.proc: subprocess.Popen[bytes] | None = None
@@ -89,11 +100,14 @@ class Daemon:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host.address if self.host else '127.0.0.1'}:{self.port}"
 
     def start(self, wait: bool = True) -> Daemon:
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
+            if self.host is not None:
+                self.proc = self.host.popen(self.args, stdout=log, stderr=subprocess.STDOUT)
+            else:
+                self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
         if wait:
             self.wait_state("running", START_TIMEOUT_S)
         return self
@@ -132,7 +146,8 @@ class Daemon:
         return next(w for w in self.status()["workers"] if w["name"] == name)
 
     def child_pids(self) -> list[int]:
-        assert self.proc is not None
+        if self.proc is None:
+            return []
         with contextlib.suppress(psutil.NoSuchProcess):
             return [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
         return []

@@ -37,6 +37,7 @@ PROMPTS = [
     "The quick brown fox",
 ]
 ENGINE = ("--cache-max-entry-count", "64", "--heartbeat-timeout", "10")
+ROLES = ("tokenizer", "prefill", "decode", "api")
 
 
 def completions(daemon: Daemon, **params: Any) -> list[dict[str, Any]]:
@@ -147,12 +148,16 @@ def test_kill_decode_during_migrations(fake_engines: Daemon) -> None:
     kill_decode_during_migrations(fake_engines)
 
 
-def kill_decode_during_migrations(daemon: Daemon) -> None:
+def kill_decode_during_migrations(
+    daemon: Daemon, decode_node: Daemon | None = None, names: dict[str, str] | None = None
+) -> None:
     """kill -9 of decode-0 with 16 streams in flight, some migrated, some migrating:
     each ends with an error within 10 s, decode comes back, requests go through its new
-    pool, prefill never restarts, and nothing leaks. (Also run over NIXL.)"""
-    decode_pid = daemon.worker("decode-0")["pid"]
-    prefill_pid = daemon.worker("prefill-0")["pid"]
+    pool, prefill never restarts, and nothing leaks. (Also run over NIXL, and across two
+    cluster nodes: `decode_node` runs the decode worker; `names`: role -> worker.)"""
+    decoder, names = decode_node or daemon, names or {r: f"{r}-0" for r in ROLES}
+    decode_pid = decoder.worker(names["decode"])["pid"]
+    prefill_pid = daemon.worker(names["prefill"])["pid"]
 
     async def run() -> tuple[list[dict[str, Any]], float]:
         async with httpx.AsyncClient(base_url=daemon.url, timeout=60) as http:
@@ -163,7 +168,8 @@ def kill_decode_during_migrations(daemon: Daemon) -> None:
 
             # Kill once tokens flow (migrations done for some, in flight for others).
             def migrated() -> bool:
-                received: int = daemon.worker("decode-0").get("migration", {}).get("received", 0)
+                migration = decoder.worker(names["decode"]).get("migration", {})
+                received: int = migration.get("received", 0)
                 return received > 0
 
             await asyncio.to_thread(wait_until, migrated, 20, "a first migration")
@@ -178,8 +184,8 @@ def kill_decode_during_migrations(daemon: Daemon) -> None:
         # silent end, never a hang.
         assert r["ended"] in ("error", "http 503"), r
         assert r["at"] - killed_at < 10
-    wait_until(lambda: daemon.worker("decode-0")["state"] == "running", 30, "decode back")
-    assert daemon.worker("decode-0")["pid"] != decode_pid
+    wait_until(lambda: decoder.worker(names["decode"])["state"] == "running", 30, "decode back")
+    assert decoder.worker(names["decode"])["pid"] != decode_pid
     wait_until(lambda: httpx.get(f"{daemon.url}/health").status_code == 200, 30, "health")
     for i in range(3):  # through the new decode worker's pool
         again = httpx.post(
@@ -189,10 +195,12 @@ def kill_decode_during_migrations(daemon: Daemon) -> None:
         )
         assert again.status_code == 200, again.text
         assert again.json()["usage"]["completion_tokens"] == 5
-    assert daemon.worker("prefill-0")["pid"] == prefill_pid  # prefill never restarted
-    idle_and_leak_free(daemon, ["prefill-0", "decode-0"])
-    for name in ("tokenizer-0", "prefill-0", "decode-0", "api-0"):
-        wait_until(lambda n=name: daemon.worker(n)["inflight"] == 0, 5, f"{name} idle")  # type: ignore[misc]
+    assert daemon.worker(names["prefill"])["pid"] == prefill_pid  # prefill never restarted
+    idle_and_leak_free(daemon, [names["prefill"]])
+    idle_and_leak_free(decoder, [names["decode"]])
+    for role, name in names.items():
+        holder = decoder if role == "decode" else daemon
+        wait_until(lambda h=holder, n=name: h.worker(n)["inflight"] == 0, 5, f"{name} idle")  # type: ignore[misc]
 
 
 def test_a_prompt_the_decode_pool_cannot_hold_fails_clearly(fake_engines: Daemon) -> None:

@@ -273,6 +273,7 @@ def test_the_example_config_documents_every_key_at_its_default(tmp_path: Path) -
     documented.pop("model")  # an example path that does not exist here
     documented["chat_template"] = "template.json"
     documented["runtime_dir"] = str(tmp_path / "rt")
+    documented["migration_transport"] = "nixl"  # what a cluster node (`cluster`) needs
     text = "\n".join(f"{k} = {toml_literal(v)}" for k, v in documented.items())
     loaded = source(tmp_path, text).load(env={})
     assert loaded.config.model_name == documented["model_name"]
