@@ -24,26 +24,22 @@ import asyncio
 import logging
 import signal
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq.asyncio
 
 from lmd import __version__, ipc, protocol, scaling
+from lmd.announcer import Announcer
 from lmd.child import Child, describe_exit
-from lmd.cluster.view import ClusterView, merge, worker_facts
-from lmd.config import CLUSTER_ROLES
 from lmd.config_loader import LoadedConfig
 from lmd.control import ControlError, build_control_app
 from lmd.http_server import EmbeddedServer, bind_unix
 from lmd.paths import control_socket_path
-from lmd.roles import ROLES, plan_workers
+from lmd.roles import plan_workers
 from lmd.runtime_lock import RuntimeLock
 from lmd.sd_notify import Notifier
 from lmd.service_notify import ServiceNotifier, status_line
 from lmd.states import DaemonState, WorkerState, transition
-
-if TYPE_CHECKING:
-    from lmd.cluster.node import ClusterNode
 
 log = logging.getLogger(__name__)
 
@@ -74,15 +70,7 @@ class Supervisor:
         self._stop_reason = ""
         self.service = ServiceNotifier(notifier)
         self._hung: set[str] = set()  # killed for missing heartbeats, not yet back
-        # A cluster node (--cluster): its record in etcd and the other nodes' workers.
-        self.cluster: ClusterNode | None = None
-        if config.cluster is not None:
-            from lmd.cluster.node import ClusterNode
-
-            self.cluster = ClusterNode(config, pid)
-        self._cluster_changed = False  # another node's record changed: publish
-        self._published_load: dict[str, dict[str, int]] = {}
-        self._next_load_at = 0.0
+        self.announcer = Announcer(self)  # ClusterState; a cluster node's etcd record
 
     # Running ---------------------------------------------------------------------------
 
@@ -116,7 +104,7 @@ class Supervisor:
             self.device,
             self.config.runtime_dir,
         )
-        if self.cluster is not None and not await self._join_cluster():
+        if not await self.announcer.join():
             await control.stop()
             self.router.close()
             ctx.term()
@@ -128,8 +116,7 @@ class Supervisor:
         await self._finished.wait()
         for task in tasks:
             task.cancel()
-        if self.cluster is not None:
-            await self.cluster.leave()
+        await self.announcer.leave()
         await control.stop()
         self.router.close()
         ctx.term()
@@ -148,54 +135,15 @@ class Supervisor:
     def missing_roles(self) -> list[str]:
         """Roles this daemon runs (hybrid mode runs no prefill/decode) with none running."""
         up = {c.role for c in self.children.values() if c.state == WorkerState.RUNNING}
-        return [r for r in self.planned_roles if r not in up]
+        return [r for r in self.announcer.planned_roles if r not in up]
 
     async def broadcast(self, msg: protocol.Message, children: list[Child] | None = None) -> None:
         for child in self.live_children if children is None else children:
             await self.router.send(child.name, msg)
 
-    async def _join_cluster(self) -> bool:
-        from lmd.cluster.membership import MembershipError
-
-        assert self.cluster is not None
-        try:
-            await self.cluster.join(str(self.state), worker_facts(self.children.values()))
-        except MembershipError as exc:
-            log.error("cannot join the cluster: %s", exc)
-            return False
-        self.cluster.on_change(self._on_cluster_change)
-        return True
-
-    def _on_cluster_change(self) -> None:
-        self._cluster_changed = True  # the tick loop publishes (one ClusterState per tick)
-
-    def view(self) -> ClusterView:
-        """Running workers (a cluster's: on every node), their endpoints and load."""
-        facts = worker_facts(self.children.values())
-        if self.cluster is None:
-            return merge("", str(self.state), facts)
-        self.cluster.publish(str(self.state), facts)
-        return self.cluster.view(str(self.state), facts)
-
     async def publish_cluster_state(self) -> None:
-        view = self.view()
-        required = CLUSTER_ROLES if self.cluster is not None else self.planned_roles
-        state = protocol.ClusterState(
-            str(self.state),
-            view.missing(required),
-            view.workers,
-            view.draining,
-            view.endpoints,
-            view.load,
-        )
-        self._published_load = view.load
-        await self.broadcast(state)
+        await self.announcer.publish()
         self.service.status(self.status_line)
-
-    @property
-    def planned_roles(self) -> list[str]:
-        planned = {c.role for c in self.children.values()}
-        return [r for r in ROLES if r in planned]
 
     @property
     def status_line(self) -> str:
@@ -265,20 +213,9 @@ class Supervisor:
                 )
             # Healthy = every worker that missed its heartbeats has a ready replacement.
             self.service.watchdog(now, healthy=not self._hung)
-            if self._cluster_changed or now >= self._next_load_at:
-                await self._publish_news(now)
+            if await self.announcer.tick(now, stopping=self.state == DaemonState.STOPPING):
+                self.service.status(self.status_line)
             await asyncio.sleep(TICK_S)
-
-    async def _publish_news(self, now: float) -> None:
-        """Another node changed, or a heartbeat interval passed: push a ClusterState
-        when the cluster or the engines' load changed (a cluster node also refreshes
-        its record: the load it publishes)."""
-        self._next_load_at = now + self.config.heartbeat_interval
-        changed, self._cluster_changed = self._cluster_changed, False
-        if self.state == DaemonState.STOPPING:
-            return
-        if changed or self.view().load != self._published_load:
-            await self.publish_cluster_state()
 
     async def _tick_child(self, child: Child, now: float) -> None:
         cfg = self.config
@@ -402,7 +339,7 @@ class Supervisor:
             "runtime_dir": str(self.config.runtime_dir),
             "num_dropped": self.router.num_dropped + self.num_foreign,
             "workers": self.workers(),
-            **({"cluster": self.cluster.status()} if self.cluster is not None else {}),
+            **({"cluster": cluster.status()} if (cluster := self.announcer.cluster) else {}),
         }
 
     def workers(self) -> list[dict[str, Any]]:

@@ -18,6 +18,8 @@ Skipped (with the reason) without root network namespaces, etcd, aetcd or NIXL.
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +44,6 @@ from tests.netns import Host, hosts, skip_reason
 
 
 def _why_skip() -> str | None:
-    if reason := skip_reason():
-        return reason
     if etcd_binary() is None:
         return "etcd is not installed (Debian: apt-get install etcd-server)"
     if not nixl.available():
@@ -56,6 +56,8 @@ def _why_skip() -> str | None:
 
 
 pytestmark = pytest.mark.skipif(_why_skip() is not None, reason=str(_why_skip()))
+LMDCTL = [sys.executable, "-m", "lmd_client.lmdctl"]
+needs_netns = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
 
 
 def node(host: Host, etcd: EtcdServer, key: Path, roles: str, *extra: str) -> Daemon:
@@ -87,6 +89,7 @@ def cluster_nodes(daemon: Daemon) -> dict[str, Any]:
     return {n["node"]: n for n in daemon.status()["cluster"]["nodes"]}
 
 
+@needs_netns
 @pytest.mark.timeout(900)
 def test_two_hosts_serve_as_one_and_survive_losing_decode(tmp_path: Path) -> None:
     reference = Daemon("--mode", "hybrid", *ENGINE)
@@ -135,6 +138,17 @@ def _serve_across_hosts(a: Daemon, b: Daemon, expected: dict[str, Any]) -> None:
     assert b.worker("decode-0@b")["migration"]["received"] == total
     idle_and_leak_free(a, ["prefill-0@a"])
     idle_and_leak_free(b, ["decode-0@b"])
+    table = subprocess.run(
+        [*LMDCTL, "--socket", str(a.socket_path), "status"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert table.returncode == 0, table.stderr
+    assert "cluster etcd://" in table.stdout and "connected; this node: a" in table.stdout
+    rows = {line.split()[2]: line.split() for line in table.stdout.splitlines() if "@" in line}
+    assert {"tokenizer-0@a", "prefill-0@a", "api-0@a", "decode-0@b"} <= set(rows)
+    assert rows["decode-0@b"][:2] == ["b", "running"]
 
 
 def _lose_and_regain_node_b(a: Daemon, b: Daemon) -> None:
@@ -189,3 +203,36 @@ def _intruder_cannot_join(a: Daemon, c: Daemon, other_key: Path) -> None:
             timeout=60,
         )
         assert ok.status_code == 200, ok.text
+
+
+def test_a_node_that_cannot_join_says_why(tmp_path: Path) -> None:
+    """A taken node name, an etcd that does not answer, a key file others can read: one
+    line each, and no worker started."""
+    from lmd.cluster.keys import ClusterKey
+
+    key = tmp_path / "cluster.key"
+    ClusterKey.generate().save(key)
+    with EtcdServer(tmp_path) as etcd:
+        args = ("--cluster", etcd.url, "--cluster-key", str(key), "--node-name", "x")
+        first = Daemon(*args, "--migration-transport", "nixl", "--roles", "api")
+        second = Daemon(*args, "--migration-transport", "nixl", "--roles", "api")
+        try:
+            first.start()
+            second.start(wait=False)
+            assert second.wait_exit(30) == 1
+            assert "node name x is already registered by pid" in second.log()
+            assert not second.child_pids()
+        finally:
+            first.close()
+            second.close()
+    nowhere = Daemon(*args, "--migration-transport", "nixl", "--roles", "api")
+    nowhere.start(wait=False)
+    assert nowhere.wait_exit(30) == 1  # etcd is gone now
+    assert f"cannot reach etcd at {etcd.host}:{etcd.port}" in nowhere.log()
+    nowhere.close()
+    key.chmod(0o644)
+    open_key = Daemon(*args, "--migration-transport", "nixl")
+    open_key.start(wait=False)
+    assert open_key.wait_exit(30) == 2
+    assert "chmod 600" in open_key.log()
+    open_key.close()

@@ -80,3 +80,40 @@ def test_cli_rejects_a_missing_model(tmp_path: Path) -> None:
     args = _parser().parse_args(["serve", str(tmp_path / "nope")])
     with pytest.raises(ConfigError, match="does not exist"):
         build_config(args)
+
+
+CLUSTER: dict[str, Any] = {
+    "cluster": "etcd://10.0.0.1:2379",
+    "cluster_key": "/etc/lmd/cluster.key",
+    "migration_transport": "nixl",
+}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key", "says"),
+    [
+        ({**CLUSTER, "cluster": "http://10.0.0.1:2379"}, "cluster", "etcd://HOST:PORT"),
+        ({**CLUSTER, "cluster_key": None}, "cluster_key", "lmdd keygen"),
+        ({**CLUSTER, "migration_transport": "native"}, "migration_transport", "nixl"),
+        ({**CLUSTER, "mode": "hybrid"}, "mode", "disaggregated"),
+        ({**CLUSTER, "node_name": "a.b"}, "node_name", "letters, digits or _"),
+        ({**CLUSTER, "roles": ("decode", "hybrid")}, "roles", "hybrid"),
+        ({"roles": ("decode",)}, "roles", "--cluster"),
+    ],
+)
+def test_cluster_settings_are_checked(kwargs: dict[str, Any], key: str, says: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{key}: .*{says}"):
+        ServeConfig(runtime_dir=Path("/run/lmd"), **kwargs)
+
+
+def test_a_cluster_node_names_itself_and_its_workers() -> None:
+    from lmd.roles import plan_workers
+
+    node = ServeConfig(Path("/run/lmd"), **CLUSTER, node_name="b", roles=("decode",))
+    assert node.node == "b"
+    assert [s.name for s in plan_workers(node, "cpu", 1)] == ["decode-0@b"]
+    assert ServeConfig(Path("/run/lmd")).node == ""  # one host: plain names
+    unnamed = ServeConfig(Path("/run/lmd"), **CLUSTER)  # default: the host name
+    assert unnamed.node and all(ch.isalnum() or ch == "_" for ch in unnamed.node)
+    names = [s.name for s in plan_workers(unnamed, "cpu", 1)]
+    assert names == [f"{r}-0@{unnamed.node}" for r in ("tokenizer", "prefill", "decode", "api")]
