@@ -52,6 +52,9 @@ class Kind(enum.Enum):
 RESTART_FIELDS = {"restart_backoff": "backoff_s", "max_fast_failures": "max_fast_failures"}
 PATH_KEYS = frozenset({"model", "runtime_dir", "chat_template", "cluster_key"})
 SECRET_KEYS = frozenset({"api_keys"})  # never shown: /v1/config and reload redact them
+# Keys lmdd settles at start when they are unset (cli.py); unset again in a reload, they
+# keep that value rather than count as changed.
+DERIVED_AT_START = frozenset({"advertise_host"})
 # What `lmdctl reload` can change in a running daemon; every other key needs a restart.
 LIVE_KEYS = frozenset({"log_level", "api_keys", "max_request_bytes"})
 
@@ -330,7 +333,13 @@ class ReloadPlan:
 
 def plan_reload(running: ServeConfig, loaded: ServeConfig) -> ReloadPlan:
     old, new = flatten(running), flatten(loaded)
-    return ReloadPlan({k: (old[k], new[k]) for k in KEYS if old[k] != new[k]})
+    return ReloadPlan(
+        {
+            k: (old[k], new[k])
+            for k in KEYS
+            if old[k] != new[k] and not (k in DERIVED_AT_START and new[k] is None)
+        }
+    )
 
 
 def reload_config(running: LoadedConfig) -> tuple[LoadedConfig, ReloadPlan]:

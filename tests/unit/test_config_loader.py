@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import tomllib
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lmd.cli import _parser, config_source
-from lmd.config import ConfigError
+from lmd.config import ConfigError, ServeConfig
 from lmd.config_loader import (
     COMMAND_LINE,
     DEFAULT,
@@ -245,6 +246,20 @@ def test_flatten_uses_the_file_keys(tmp_path: Path) -> None:
     assert set(flat) == set(KEYS)
     assert flat["max_fast_failures"] == 2 and flat["runtime_dir"] == str(tmp_path)
     assert not plan_reload(c, c).changes
+
+
+def test_an_address_settled_at_start_is_no_change_on_reload(tmp_path: Path) -> None:
+    """A cluster node's advertise_host, unset, is the route to etcd found at start."""
+    loaded = ServeConfig(
+        tmp_path,
+        cluster="etcd://10.0.0.1:2379",
+        cluster_key="k",
+        migration_transport="nixl",
+    )
+    running = dataclasses.replace(loaded, advertise_host="10.0.0.2")
+    assert not plan_reload(running, loaded).changes
+    moved = dataclasses.replace(loaded, advertise_host="10.0.0.3")
+    assert set(plan_reload(running, moved).changes) == {"advertise_host"}
 
 
 def test_cli_values_must_be_keys() -> None:
