@@ -24,7 +24,8 @@ serve() {  # label mode
     --num-prompts 320 --concurrency 64 --input-len 512 --output-len 256 --ignore-eos \
     --warmup 8 --label "$1" --out "$out/serve-$1.json" --no-progress 2>&1 | tail -12 |
     sed "s/^/$1 /"
-  python3 -m lmd_client.lmdctl --socket "$rt/control.sock" --json status >"$out/status-$1.json"
+  [[ $1 == disagg ]] &&  # (8 files come back at most)
+    python3 -m lmd_client.lmdctl --socket "$rt/control.sock" --json status >"$out/status-$1.json"
   python3 -m lmd_client.lmdctl --socket "$rt/control.sock" shutdown >/dev/null
   wait
 }
