@@ -88,12 +88,23 @@ def cluster_text(c: dict[str, Any]) -> str:
                     w["name"],
                     w["state"],
                     str(w["pid"] or "-"),
+                    w.get("device") or "-",
                     w.get("endpoint") or "-",
                     str(load.get("queued_tokens", "-")),
-                    str(load.get("free_blocks", "-")),
+                    f"{load['free_blocks']}/{w['total_blocks']}" if load else "-",
                 ]
             )
-    header = ["NODE", "NODE STATE", "WORKER", "STATE", "PID", "ENDPOINT", "QUEUED", "KV FREE"]
+    header = [
+        "NODE",
+        "NODE STATE",
+        "WORKER",
+        "STATE",
+        "PID",
+        "DEVICE",
+        "ENDPOINT",
+        "QUEUED",
+        "KV FREE",
+    ]
     return head + table(rows, header)
 
 

@@ -81,8 +81,11 @@ def worker_facts(children: Iterable[WorkerLike]) -> dict[str, dict[str, Any]]:
             facts["retiring"] = True
         if endpoint := child.info.get("endpoint"):
             facts["endpoint"] = endpoint
+        if device := child.info.get("device"):
+            facts["device"] = device
         if child.role in ENGINE_ROLES and (load := load_of(child.stats)) is not None:
             facts["load"] = load
+            facts["total_blocks"] = int(child.stats["kv"].get("total_blocks", 0))  # capacity
         out[child.name] = facts
     return out
 

@@ -34,7 +34,7 @@ def test_worker_facts_carry_endpoint_load_and_retiring() -> None:
                 "prefill-0@a",
                 "prefill",
                 11,
-                info={"endpoint": "tcp://10.0.0.2:4000"},
+                info={"endpoint": "tcp://10.0.0.2:4000", "device": "cuda:0"},
                 stats={"kv": {"free_blocks": 7, "total_blocks": 9}, "queued_tokens": 300},
             ),
             FakeChild("decode-1@a", "decode", 12, retiring=True),  # no heartbeat yet
@@ -46,7 +46,9 @@ def test_worker_facts_carry_endpoint_load_and_retiring() -> None:
         "pid": 11,
         "state": "running",
         "endpoint": "tcp://10.0.0.2:4000",
+        "device": "cuda:0",
         "load": {"queued_tokens": 300, "free_blocks": 7},
+        "total_blocks": 9,
     }
     assert facts["decode-1@a"] == {
         "role": "decode",
