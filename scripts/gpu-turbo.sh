@@ -3,8 +3,9 @@
 # wheels, run its tests (CPU-side ones compiled on the GPU too), time decode steps
 # (CUDA graph and eager) and the offline engine. Results land in $OUT (or ./gpu-out).
 # Needs .whl carried (see scripts/gpu-check.sh).
-#   scripts/gpu-turbo.sh [tests|smol|full]
-#     tests: tests only; smol (default): + SmolLM2-shape timings; full: + Llama-3-8B shape
+#   scripts/gpu-turbo.sh [tests|smol|full|steps]
+#     tests: tests only; smol (default): + SmolLM2-shape timings; full: + Llama-3-8B shape;
+#     steps: tests + CUDA-graph decode steps of both shapes at batch 1, 4, 64 only
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-smol}
@@ -18,7 +19,7 @@ timeout 300 python3 -m pytest -q -ra -p no:cacheprovider --timeout 240 \
 python3 setup.py -q build_ext --inplace 2>&1 | tail -3
 
 # Random-weight models of the ARCHITECTURE §8 shapes, bf16.
-python3 scripts/random_models.py smollm2-shape $([[ $mode == full ]] && echo llama3-8b-shape)
+python3 scripts/random_models.py smollm2-shape $([[ $mode == full || $mode == steps ]] && echo llama3-8b-shape)
 
 # Decode step: one token for B sequences of 512 tokens of context, through
 # TurboBackend.forward (host copies + graph replay + logits copy), median of 50.
@@ -118,6 +119,11 @@ timing() {
   timeout "$1" python3 /tmp/turbo_timing.py "$2" "$3" "${4:-both}" 2>&1 | grep -v "^Loading\|^Writing" \
     | tee -a "$out/decode-steps.txt"
 }
+if [[ "$mode" == "steps" ]]; then
+  timing 150 /tmp/smollm2-shape 1,4,64 graph
+  timing 200 /tmp/llama3-8b-shape 1,4,64 graph
+  exit 0
+fi
 timing 150 /tmp/smollm2-shape 1,64,256 "$([[ $mode == full ]] && echo graph)"
 
 bench() {

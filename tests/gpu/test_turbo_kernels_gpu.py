@@ -20,6 +20,7 @@ from tests.unit.test_turbo_kernels import (
     DecodeCase,
     PrefillCase,
     check_decode,
+    check_gemv,
     check_prefill,
     rel_err,
     rms_norm_ref,
@@ -80,3 +81,13 @@ def test_silu_and_mul_at_serving_shapes(rows: int, width: int, dtype: torch.dtyp
     gate, up = x.float().chunk(2, dim=-1)
     ref = torch.nn.functional.silu(gate) * up
     assert rel_err(kernels.silu_and_mul(x), ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize(
+    ("rows", "n", "k"),
+    [(1, 6144, 4096), (4, 28672, 4096), (1, 4096, 14336), (16, 960, 576), (1, 49152, 576)],
+)
+def test_gemv_at_decode_shapes(rows: int, n: int, k: int, dtype: torch.dtype) -> None:
+    """Llama-3-8B's and SmolLM2's projections and lm_head at decode batches."""
+    check_gemv(rows, n, k, dtype, bias=n == 960, out_float=n == 49152)

@@ -178,6 +178,33 @@ def test_silu_and_mul(dtype: torch.dtype, rows: int, width: int) -> None:
     assert rel_err(kernels.silu_and_mul(x), ref) < TOLERANCE[dtype]
 
 
+def check_gemv(
+    rows: int, n: int, k: int, dtype: torch.dtype, *, bias: bool, out_float: bool
+) -> None:
+    x = torch.randn(rows, k, device=DEVICE).to(dtype)
+    w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
+    b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
+    ref = x.float() @ w.float().t() + (b.float() if b is not None else 0)
+    out_dtype = torch.float32 if out_float else None
+    y = kernels.gemv(x, w, b, out_dtype=out_dtype)
+    assert y.dtype == (torch.float32 if out_float else dtype) and y.shape == (rows, n)
+    assert rel_err(y, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "extras"),
+    [(1, 40, 64, ""), (3, 70, 200, "bias"), (16, 33, 2100, "float32 out")],
+)
+def test_gemv(rows: int, n: int, k: int, extras: str, dtype: torch.dtype) -> None:
+    check_gemv(rows, n, k, dtype, bias="bias" in extras, out_float="float32" in extras)
+
+
+def test_gemv_refuses_what_it_cannot_take() -> None:
+    with pytest.raises(ValueError, match="up to 16"):
+        kernels.gemv(torch.zeros(17, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "shape", [Attention(4, 2, 16, 4), Attention(9, 3, 64, 64), Attention(8, 8, 128, 16)]

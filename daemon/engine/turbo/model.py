@@ -88,6 +88,9 @@ class TurboModel:
         self.rope = rope  # [max_positions, D] float32, cos | sin
         self.scale = config.head_dim**-0.5
         self.float_logits = _mm_has_float_output(weights.embed)
+        # Decode steps of up to 16 rows take the skinny-GEMM kernel (kernels/gemv.py),
+        # faster than cuBLAS at those shapes; CPU (the interpreter tests) keeps F.linear.
+        self.skinny = weights.embed.is_cuda
 
     def forward(self, step: StepInputs, kv: Tensor, out: Tensor | None = None) -> Tensor:
         """Logits [R, V] float32 of the step's sampled rows, written into `out` if given.
@@ -104,7 +107,7 @@ class TurboModel:
                 h = kernels.rms_norm(residual, layer.input_norm, c.rms_norm_eps)
             else:
                 h = kernels.rms_norm(hidden, layer.input_norm, c.rms_norm_eps, residual)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [T, (H + 2 Hkv) D]
+            qkv = self._linear(h, layer.qkv, layer.qkv_bias)  # [T, (H + 2 Hkv) D]
             kernels.rotary_and_cache_write(
                 qkv,
                 positions=step.positions,
@@ -116,17 +119,19 @@ class TurboModel:
             )
             q = qkv.view(num_tokens, -1, c.head_dim)[:, : c.num_heads]  # [T, H, D], strided
             attn = self._attention(q, kv, i, step)  # [T, H, D]
-            hidden = F.linear(attn.view(num_tokens, -1), layer.o, layer.o_bias)
+            hidden = self._linear(attn.view(num_tokens, -1), layer.o, layer.o_bias)
             h = kernels.rms_norm(hidden, layer.post_norm, c.rms_norm_eps, residual)
-            gate_up = F.linear(h, layer.gate_up, layer.gate_up_bias)  # [T, 2I]
-            hidden = F.linear(kernels.silu_and_mul(gate_up), layer.down, layer.down_bias)
+            gate_up = self._linear(h, layer.gate_up, layer.gate_up_bias)  # [T, 2I]
+            hidden = self._linear(kernels.silu_and_mul(gate_up), layer.down, layer.down_bias)
         if hidden is None:
             raise ValueError("a model without layers")
         if step.logits_indices is not None:
             hidden = hidden[step.logits_indices]
             residual = residual[step.logits_indices]
         h = kernels.rms_norm(hidden, w.norm, c.rms_norm_eps, residual)
-        if self.float_logits:
+        if self.skinny and h.shape[0] <= kernels.GEMV_MAX_ROWS:
+            logits = kernels.gemv(h, w.lm_head, out_dtype=torch.float32)  # [R, V]
+        elif self.float_logits:
             # float32 straight out of the GEMM: rounding logits to bf16 alone flips ~1% of
             # the argmaxes of near-flat (random-weight) distributions.
             logits = torch.mm(h, w.lm_head.t(), out_dtype=torch.float32)  # [R, V]
@@ -135,6 +140,11 @@ class TurboModel:
         if out is None:
             return logits
         return out.copy_(logits)
+
+    def _linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        if self.skinny and x.shape[0] <= kernels.GEMV_MAX_ROWS:
+            return kernels.gemv(x, weight, bias)
+        return F.linear(x, weight, bias)
 
     def _attention(self, q: Tensor, kv: Tensor, layer: int, step: StepInputs) -> Tensor:
         window = self.config.windows[layer]

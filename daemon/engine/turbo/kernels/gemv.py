@@ -1,0 +1,105 @@
+"""Skinny matrix products for small decode batches: y = x @ W^T (+ b) with x of 1-16 rows.
+
+At batch 1-4 a decode step's GEMMs read each weight once and do almost no arithmetic, so
+they should run at memory bandwidth; cuBLAS's kernels for these shapes are tuned for
+larger M and leave part of it unused (docs/benchmarks.md, turbo). Here each program owns
+BLOCK_N output columns: it streams their weight rows [BLOCK_N, K] once, in BLOCK_K
+slices pipelined over `num_stages`, against the x rows padded to 16 (tl.dot's least M),
+and accumulates in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+MAX_ROWS = 16
+
+
+@triton.jit
+def _gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    num_rows,
+    n,
+    k,
+    stride_x,
+    stride_w,
+    stride_y,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = W rows
+    rows = tl.arange(0, 16)  # x rows, padded
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_x + ks[None, :],
+            mask=(rows[:, None] < num_rows) & (ks[None, :] < k),
+            other=0.0,
+        )  # [16, BLOCK_K]
+        w = tl.load(
+            w_ptr + cols[None, :].to(tl.int64) * stride_w + ks[:, None],
+            mask=(cols[None, :] < n) & (ks[:, None] < k),
+            other=0.0,
+        )  # [BLOCK_K, BLOCK_N]
+        acc = tl.dot(x, w, acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        y_ptr + rows[:, None] * stride_y + cols[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=(rows[:, None] < num_rows) & (cols[None, :] < n),
+    )
+
+
+def gemv(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 4,
+) -> Tensor:
+    """x: [M, K] (M <= 16), weight: [N, K], bias: [N] -> [M, N] (as F.linear), in
+    `out_dtype` (default: x's) straight from the float32 accumulator.
+
+    Tiles: the fastest of a sweep on an H100 at Llama-3-8B and SmolLM2 shapes (M = 1, 4):
+    BLOCK_N 32 x BLOCK_K 512 for K >= 2048, 16 x 128 for smaller K (more programs for the
+    small matrices); docs/benchmarks.md has the sweep."""
+    num_rows, k = x.shape
+    n = weight.shape[0]
+    if num_rows > MAX_ROWS or weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"gemv takes up to {MAX_ROWS} unit-stride rows of K = weight's K")
+    wide = k >= 2048
+    block_n = block_n or (32 if wide else 16)
+    block_k = block_k or (512 if wide else 128)
+    y = torch.empty(num_rows, n, dtype=out_dtype or x.dtype, device=x.device)
+    grid = (triton.cdiv(n, block_n),)
+    _gemv_kernel[grid](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        num_rows,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return y
