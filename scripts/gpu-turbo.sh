@@ -24,7 +24,7 @@ python3 scripts/random_models.py smollm2-shape $([[ $mode == full || $mode == st
 # Decode step: one token for B sequences of 512 tokens of context, through
 # TurboBackend.forward (host copies + graph replay + logits copy), median of 50.
 cat > /tmp/turbo_timing.py <<'PY'
-import math, statistics, sys, time
+import math, os, statistics, sys, time
 from pathlib import Path
 import torch
 from lmd.engine.backend import ForwardBatch
@@ -34,6 +34,8 @@ kinds = (True,) if sys.argv[3:] == ["graph"] else (True, False)
 block, context = 64, 512
 for graphs in kinds:
     backend = TurboBackend(model_dir, torch.device("cuda"), torch.bfloat16, cuda_graphs=graphs)
+    if os.environ.get("TURBO_SKINNY") == "0":  # A/B: cuBLAS for every projection
+        backend.model.skinny = False
     per_seq = math.ceil((context + 1) / block)
     shape = backend.kv_cache_shape(max(batches) * per_seq, block)
     kv = torch.randn(shape, device="cuda").to(torch.bfloat16)
@@ -119,9 +121,12 @@ timing() {
   timeout "$1" python3 /tmp/turbo_timing.py "$2" "$3" "${4:-both}" 2>&1 | grep -v "^Loading\|^Writing" \
     | tee -a "$out/decode-steps.txt"
 }
-if [[ "$mode" == "steps" ]]; then
-  timing 150 /tmp/smollm2-shape 1,4,64 graph
-  timing 200 /tmp/llama3-8b-shape 1,4,64 graph
+if [[ "$mode" == "steps" ]]; then  # skinny GEMMs on, off, on again: an A/B on one host
+  for skinny in 1 0 1; do
+    echo "TURBO_SKINNY=$skinny" | tee -a "$out/decode-steps.txt"
+    TURBO_SKINNY=$skinny timing 150 /tmp/smollm2-shape 1,4 graph
+    TURBO_SKINNY=$skinny timing 200 /tmp/llama3-8b-shape 1,4,64 graph
+  done
   exit 0
 fi
 timing 150 /tmp/smollm2-shape 1,64,256 "$([[ $mode == full ]] && echo graph)"

@@ -29,6 +29,8 @@ from lmd.engine.turbo import kernels
 from lmd.engine.turbo.config import TurboConfig
 from lmd.engine.turbo.weights import ModelWeights
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
 
 @dataclass(slots=True)
 class StepInputs:
@@ -89,8 +91,9 @@ class TurboModel:
         self.scale = config.head_dim**-0.5
         self.float_logits = _mm_has_float_output(weights.embed)
         # Decode steps of up to 16 rows take the skinny-GEMM kernel (kernels/gemv.py),
-        # faster than cuBLAS at those shapes; CPU (the interpreter tests) keeps F.linear.
-        self.skinny = weights.embed.is_cuda
+        # faster than cuBLAS at those shapes in half precision (float32 keeps cuBLAS: the
+        # kernel's tl.dot would round it to TF32); CPU (the interpreter tests) keeps F.linear.
+        self.skinny = weights.embed.is_cuda and weights.embed.dtype in HALF_DTYPES
 
     def forward(self, step: StepInputs, kv: Tensor, out: Tensor | None = None) -> Tensor:
         """Logits [R, V] float32 of the step's sampled rows, written into `out` if given.
