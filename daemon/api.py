@@ -8,7 +8,7 @@ Life cycle of a generation request in the api (POST /v1/chat/completions, /v1/co
      daemon's state (503 + Retry-After while starting, draining or missing a role).
   2. Admitted: an OpenRequest is registered under a fresh id (chatcmpl-... / cmpl-...)
      and a TextRequest goes to the tokenizer, which answers on our inbox.
-  3. `handle` routes each TextDelta entry or RequestError to its request's queue and keeps
+  3. `handle` routes each TextDelta entry or RequestError to its request's Events and keeps
      the counts and timings (first token, last token).
   4. Non-streaming: the deltas are added up into one body. Streaming: the first event is
      awaited before the 200 goes out (so an over-long prompt is still a 400), then each
@@ -59,7 +59,7 @@ from lmd.api_http import (
     install_error_handlers,
 )
 from lmd.api_metrics import CLIENT_GONE, CONTENT_TYPE, ApiMetrics
-from lmd.api_request import OpenRequest, add_up, writes
+from lmd.api_request import OpenRequest, add_up, first_events, writes
 from lmd.config import ServeConfig
 from lmd.http_server import BindError, EmbeddedServer, JSONResponse, bind_tcp
 from lmd.interactive import (
@@ -137,7 +137,7 @@ class ApiWorker(Worker):
             for request in self._open.values():
                 if not request.ended:
                     request.ended = True
-                    request.events.put_nowait(lost)
+                    request.events.put(lost)
 
     @property
     def tokenizer(self) -> str:
@@ -155,7 +155,7 @@ class ApiWorker(Worker):
         for request in self._open.values():
             if not request.ended and request.tokenizer not in self.workers:
                 request.ended = True
-                request.events.put_nowait(lost)
+                request.events.put(lost)
 
     def health(self) -> tuple[int, dict[str, Any]]:
         """(HTTP status, body): 200 only when the daemon runs and every role is up."""
@@ -184,13 +184,13 @@ class ApiWorker(Worker):
                 request.completion_tokens = delta.completion_tokens
                 if delta.finish_reason is not None:
                     request.ended, request.finished_at = True, now
-                request.events.put_nowait(delta)
+                request.events.put(delta)
             return True
         if isinstance(msg, protocol.RequestError):
             request = self._open.get(msg.request_id)
             if request is not None and not request.ended:
                 request.ended = True
-                request.events.put_nowait(msg)
+                request.events.put(msg)
             return True
         return False
 
@@ -293,15 +293,19 @@ class ApiWorker(Worker):
             fmt = shape(request_id, int(time.time()), body.model, body.include_usage)
             framing = SseFraming(fmt)
         client_gone = asyncio.ensure_future(disconnected(http))
+        handed_over = False  # a stream watches client_gone from then on
         try:
             if body.stream:
-                return await self._start_stream(request, framing, client_gone)
+                response = await self._start_stream(request, framing, client_gone)
+                handed_over = isinstance(response, EventStream)
+                return response
             return await self._answer(request, fmt, client_gone)
         except BaseException:
             self._close(request, 500)  # a no-op when already closed
             raise
         finally:
-            client_gone.cancel()
+            if not handed_over:
+                client_gone.cancel()
 
     async def _admit(
         self, http: Request, endpoint: str, request_id: str, tokenizer: str
@@ -335,13 +339,10 @@ class ApiWorker(Worker):
     async def _answer(
         self, request: OpenRequest, fmt: Format, client_gone: asyncio.Future[None]
     ) -> Response:
-        collect = asyncio.ensure_future(add_up(request))
-        await asyncio.wait((collect, client_gone), return_when=asyncio.FIRST_COMPLETED)
-        if not collect.done():
-            collect.cancel()
+        answer = await add_up(request, client_gone)
+        if answer is None:
             self._close(request, CLIENT_GONE)
             return Response(status_code=CLIENT_GONE)
-        answer = collect.result()
         if isinstance(answer, ApiError):
             self._close(request, answer.status)
             return error_response(answer)
@@ -351,15 +352,12 @@ class ApiWorker(Worker):
     async def _start_stream(
         self, request: OpenRequest, framing: Framing, client_gone: asyncio.Future[None]
     ) -> Response:
-        first = asyncio.ensure_future(request.events.get())
-        await asyncio.wait((first, client_gone), return_when=asyncio.FIRST_COMPLETED)
-        if not first.done():
-            first.cancel()
+        events = await first_events(request, client_gone)
+        if not events:
             self._close(request, CLIENT_GONE)
             return Response(status_code=CLIENT_GONE)
-        event = first.result()
-        if isinstance(event, protocol.RequestError):
-            err = ApiError.from_request_error(event)
+        if isinstance(events[0], protocol.RequestError):
+            err = ApiError.from_request_error(events[0])
             self._close(request, err.status)
             return error_response(err)
         answered: int | None = None  # the HTTP status, once the stream went out to its end
@@ -371,7 +369,9 @@ class ApiWorker(Worker):
         def on_close() -> None:
             self._close(request, CLIENT_GONE if answered is None else answered)
 
-        return EventStream(writes(request, framing, event, sent), on_close, framing.media_type)
+        return EventStream(
+            writes(request, framing, events, sent), on_close, client_gone, framing.media_type
+        )
 
     def _close(self, request: OpenRequest, status: int) -> None:
         """Forget a request; tell the tokenizer if it still holds it. Idempotent."""

@@ -1,8 +1,8 @@
 """One admitted generation request in the api, and how its events become an answer.
 
 The api worker registers an `OpenRequest` per request it hands to the tokenizer; its
-inbox puts each TextDelta entry or RequestError on the request's queue. `add_up` turns
-the queue into one non-streamed answer; `writes` into the bytes of a stream (SSE or
+inbox puts each TextDelta entry or RequestError in the request's `Events`. `add_up`
+turns them into one non-streamed answer; `writes` into the bytes of a stream (SSE or
 JSON lines, by its Framing).
 """
 
@@ -20,6 +20,53 @@ from lmd.openai_schema import ApiError
 Event = Delta | protocol.RequestError
 
 
+class Events:
+    """A request's events in arrival order: the inbox puts them, one reader takes them.
+
+    Leaner than an asyncio.Queue, since a streamed token passes through here: `put` is an
+    append (and wakes the reader once, however many events arrive before it runs), and
+    the reader takes everything that is there at once. `wake_on(future)` also wakes the
+    reader when that future completes (the client went away), so that one wait covers
+    both without a task per request.
+    """
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: list[Event] = []
+        self._waiter: asyncio.Future[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, event: Event) -> None:
+        self._items.append(event)
+        self.wake()
+
+    def wake(self, _: object = None) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def wake_on(self, future: asyncio.Future[None]) -> None:
+        future.add_done_callback(self.wake)
+
+    def take(self) -> list[Event]:
+        """Every event received since the last take, oldest first."""
+        items, self._items = self._items, []
+        return items
+
+    async def wait(self) -> None:
+        """Return once an event is there (at once if one is) or `wake` was called."""
+        if self._items:
+            return
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+
 @dataclass(slots=True, eq=False)
 class OpenRequest:
     """One admitted request, from its TextRequest until it is closed."""
@@ -27,7 +74,7 @@ class OpenRequest:
     id: str
     endpoint: str
     tokenizer: str  # the tokenizer worker that holds it
-    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    events: Events = field(default_factory=Events)
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None  # its last delta arrived
@@ -36,45 +83,67 @@ class OpenRequest:
     completion_tokens: int = 0
 
 
-async def add_up(request: OpenRequest) -> Answer | ApiError:
+async def first_events(request: OpenRequest, client_gone: asyncio.Future[None]) -> list[Event]:
+    """The request's first events as they come; [] when the client went first."""
+    request.events.wake_on(client_gone)
+    while True:
+        events = request.events.take()
+        if events or client_gone.done():
+            return events
+        await request.events.wait()
+
+
+async def add_up(
+    request: OpenRequest, client_gone: asyncio.Future[None]
+) -> Answer | ApiError | None:
+    """The whole answer; None when the client went before it was complete."""
     answer = Answer()
-    while not answer.done:
-        event = await request.events.get()
-        if isinstance(event, protocol.RequestError):
-            return ApiError.from_request_error(event)
-        answer.add(event)
-    return answer
+    request.events.wake_on(client_gone)
+    while True:
+        for event in request.events.take():
+            if isinstance(event, protocol.RequestError):
+                return ApiError.from_request_error(event)
+            answer.add(event)
+            if answer.done:
+                return answer
+        if client_gone.done():
+            return None
+        await request.events.wait()
 
 
 async def writes(
-    request: OpenRequest, framing: Framing, first: Event, sent: Callable[[int], None]
+    request: OpenRequest, framing: Framing, first: list[Event], sent: Callable[[int], None]
 ) -> AsyncGenerator[bytes, None]:
-    """A stream's writes, from its first event to its end; `sent(status)` once the end
-    went out. Every event already queued goes out in one write: a client that is behind
+    """A stream's writes, from its first events to its end; `sent(status)` once the end
+    went out. Every event already received goes out in one write: a client that is behind
     (or a busy api) gets several tokens per write instead of one write each."""
     status = 200
     out = framing.head()
-    item: Event = first
     last: Delta | None = None
+    events = first
+    ended = False
     while True:
-        if isinstance(item, protocol.RequestError):
-            err = ApiError.from_request_error(item)
-            status = err.status
-            out.append(framing.error(err))
+        for item in events:
+            if isinstance(item, protocol.RequestError):
+                err = ApiError.from_request_error(item)
+                status = err.status
+                out.append(framing.error(err))
+                ended = True
+                break
+            last = item
+            frame = framing.frame(item)
+            if frame is not None:
+                out.append(frame)
+            if item.finish_reason is not None:
+                ended = True
+                break
+        if ended:
             break
-        last = item
-        frame = framing.frame(item)
-        if frame is not None:
-            out.append(frame)
-        if item.finish_reason is not None:
-            break
-        if request.events.empty():
-            if out:
-                yield b"".join(out)
-                out = []
-            item = await request.events.get()
-        else:
-            item = request.events.get_nowait()
+        if out:
+            yield b"".join(out)
+            out = []
+        await request.events.wait()
+        events = request.events.take()
     out += framing.tail(last, status == 200)
     if out:
         yield b"".join(out)

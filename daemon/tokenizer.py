@@ -7,9 +7,10 @@ Life cycle of a request in the tokenizer:
      a decode worker, the least loaded that run), send Generate to the engine with this
      worker as reply_to. Anything wrong answers RequestError.
   2. Tokens from the engine: each token goes through the request's TextStream
-     (incremental detokenizer + stop strings); the new text of every request of one
-     engine step goes back as one TextDelta per api worker. A stop string finishes the
-     request and aborts it in the engine.
+     (incremental detokenizer + stop strings); the new text of every Tokens message
+     handled in one turn of the event loop (one engine step, or several when the
+     tokenizer is behind) goes back as one TextDelta per api worker (DeltaOutbox). A stop
+     string finishes the request and aborts it in the engine.
   3. RequestError from the engine is passed to the api; Abort from the api is passed
      to the engine (and the decode worker). Either way, and on finish, the request's
      state is dropped. A worker serving a request that dies or restarts (ClusterState)
@@ -26,7 +27,6 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +52,9 @@ from lmd.text.chat_template import (
     LmdeployChatTemplate,
     parse_messages,
 )
+from lmd.text.detokenizer import CachedDecoder
 from lmd.text.stream import StreamUpdate, TextStream
-from lmd.tokenizer_request import Entry, TokenizerRequest, text_delta
+from lmd.tokenizer_request import DeltaOutbox, Entry, TokenizerRequest
 from lmd.worker import Worker, WorkerStartError
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,8 @@ class TokenizerWorker(Worker):
             self.session_len = self.config.session_len or _max_positions(model.path)
         except (ModelSourceError, ChatTemplateError, OSError, ValueError) as exc:
             raise WorkerStartError(str(exc)) from None
-        self.decoder = self.tokenizer.backend_tokenizer  # decode without clean-up
+        # decode without clean-up; a token's own text is looked up, not decoded again
+        self.decoder = CachedDecoder(self.tokenizer.backend_tokenizer)
         self.vocab_size = len(self.tokenizer)
         hybrid = self.config.mode == "hybrid"
         engine_role, decode_role = ("hybrid", "") if hybrid else ("prefill", "decode")
@@ -83,10 +85,12 @@ class TokenizerWorker(Worker):
             configured += worker_names(self.config, decode_role)
         self.router = Router(engine_role, decode_role, configured, self.config.block_size)
         self._requests: dict[str, TokenizerRequest] = {}
+        self.outbox = DeltaOutbox(self.push)  # new text for the api workers
         self.sessions = SessionTable(self.config.session_idle_timeout)
         self._expiry = asyncio.create_task(self._expire_sessions())
 
     async def stop(self) -> None:
+        self.outbox.flush()
         self._expiry.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._expiry
@@ -117,6 +121,7 @@ class TokenizerWorker(Worker):
     def on_cluster_state(self) -> None:
         """An engine that died took its requests with it: fail them now, never hang.
         An api worker that died took its clients: stop computing for them."""
+        self.outbox.flush()  # the text before an error goes first
         for request_id, request in list(self._requests.items()):
             if self._client_gone(request):
                 self._drop(request_id)
@@ -158,6 +163,7 @@ class TokenizerWorker(Worker):
         elif isinstance(msg, protocol.RequestError):
             request = self._drop(msg.request_id)
             if request is not None:
+                self.outbox.flush()  # the text before the error goes first
                 self.push(request.reply_to, msg)
         elif isinstance(msg, protocol.Abort):
             request = self._drop(msg.request_id)
@@ -173,6 +179,7 @@ class TokenizerWorker(Worker):
 
     def _start_request(self, msg: protocol.TextRequest) -> None:
         def fail(code: str, message: str) -> None:
+            self.outbox.flush()
             self.push(msg.reply_to, protocol.RequestError(msg.request_id, code, message))
 
         if self.draining:
@@ -313,14 +320,14 @@ class TokenizerWorker(Worker):
         request = None if rid is None else self._drop(rid)
         if rid is not None and request is not None:
             self._abort_engines(request, rid)
-            self.push(
-                request.reply_to, text_delta([(rid, request, StreamUpdate("", "abort", False))])
-            )
+            abort = request.delta_entry(rid, StreamUpdate("", "abort", False))
+            self.outbox.add(request.reply_to, abort)
+            self.outbox.flush()
         if msg.action == "end":
             self.sessions.end(msg.session_id)
 
     def _on_tokens(self, msg: protocol.Tokens) -> None:
-        deltas: dict[str, list[tuple[str, TokenizerRequest, StreamUpdate]]] = defaultdict(list)
+        """Each token through its request's TextStream; the new text to the outbox."""
         ids = protocol.unpack_ids(msg.token_ids)
         positions = protocol.unpack_ids(msg.positions)
         for rid, token, position, reason, lp, cached in zip(
@@ -337,7 +344,7 @@ class TokenizerWorker(Worker):
                 continue  # finished by a stop string, or aborted
             entry = (token, reason, lp, cached)
             if request.order.take(position):  # the next one, as nearly always
-                self._feed(rid, request, entry, deltas)
+                self._feed(rid, request, entry)
                 continue
             ready = request.order.arrive(position, entry)
             if ready is None:  # a token that went out already
@@ -347,20 +354,12 @@ class TokenizerWorker(Worker):
                 # Decode ending the request on the token prefill sent: the finish alone.
                 update = StreamUpdate("", reason, False)
                 self._finish(rid, request, update)
-                deltas[request.reply_to].append((rid, request, update))
+                self.outbox.add(request.reply_to, request.delta_entry(rid, update))
                 continue
             for entry in ready:
-                self._feed(rid, request, entry, deltas)
-        for reply_to, entries in deltas.items():
-            self.push(reply_to, text_delta(entries))
+                self._feed(rid, request, entry)
 
-    def _feed(
-        self,
-        rid: str,
-        request: TokenizerRequest,
-        entry: Entry,
-        deltas: dict[str, list[tuple[str, TokenizerRequest, StreamUpdate]]],
-    ) -> None:
+    def _feed(self, rid: str, request: TokenizerRequest, entry: Entry) -> None:
         token, reason, lp, cached = entry
         if rid not in self._requests:
             return  # ended by an earlier token of this batch (a stop string)
@@ -376,7 +375,7 @@ class TokenizerWorker(Worker):
         if update.finish_reason is not None:
             self._finish(rid, request, update)
         if update.text or update.finish_reason or update.logprobs:
-            deltas[request.reply_to].append((rid, request, update))
+            self.outbox.add(request.reply_to, request.delta_entry(rid, update))
 
     def _finish(self, rid: str, request: TokenizerRequest, update: StreamUpdate) -> None:
         del self._requests[rid]

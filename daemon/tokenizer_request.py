@@ -1,7 +1,9 @@
-"""What the tokenizer keeps of one request in flight, and the TextDelta it sends the api."""
+"""What the tokenizer keeps of one request in flight, and the TextDeltas it sends the api."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +15,11 @@ from lmd.text.stream import StreamUpdate, TextStream
 
 # One output token as an engine sent it: (token id, finish reason, logprobs, cached tokens).
 Entry = tuple[int, str | None, dict[str, Any] | None, int]
+
+# One request's entry of a TextDelta, as it was when its text was made: (request id,
+# text, finish reason, prompt tokens, completion tokens, logprobs, cached tokens,
+# history tokens).
+DeltaEntry = tuple[str, str, str | None, int, int, list[dict[str, Any]] | None, int, int]
 
 
 @dataclass(slots=True)
@@ -35,16 +42,70 @@ class TokenizerRequest:
     def num_history_tokens(self) -> int:
         return 0 if self.turn is None else self.turn.num_history_tokens
 
+    def delta_entry(self, request_id: str, update: StreamUpdate) -> DeltaEntry:
+        """This request's TextDelta entry for `update`, with its counts as of now."""
+        return (
+            request_id,
+            update.text,
+            update.finish_reason,
+            self.stream.num_prompt_tokens,
+            self.stream.num_completion_tokens,
+            update.logprobs,
+            self.cached_tokens or 0,
+            self.num_history_tokens,
+        )
 
-def text_delta(entries: list[tuple[str, TokenizerRequest, StreamUpdate]]) -> protocol.TextDelta:
-    """One TextDelta for one api worker: each request's new text of this step."""
-    return protocol.TextDelta(
-        [rid for rid, _, _ in entries],
-        [u.text for _, _, u in entries],
-        [u.finish_reason for _, _, u in entries],
-        [r.stream.num_prompt_tokens for _, r, _ in entries],
-        [r.stream.num_completion_tokens for _, r, _ in entries],
-        [u.logprobs for _, _, u in entries],
-        [r.cached_tokens or 0 for _, r, _ in entries],
-        [r.num_history_tokens for _, r, _ in entries],
+
+def text_delta(entries: list[DeltaEntry]) -> protocol.TextDelta:
+    """One TextDelta for one api worker: each entry's new text, in order."""
+    rids, texts, reasons, prompts, completions, logprobs, cached, history = (
+        list(column) for column in zip(*entries, strict=True)
     )
+    return protocol.TextDelta(rids, texts, reasons, prompts, completions, logprobs, cached, history)
+
+
+class DeltaOutbox:
+    """The TextDelta entries the tokenizer owes its api workers, sent once per turn of the
+    event loop.
+
+    The worker's inbox loop handles every message already received before it yields to
+    the loop, so the text of all the Tokens messages handled in one turn goes out as one
+    TextDelta per api worker. When the tokenizer is behind (the engine stepped twice while
+    it waited for a core) that is one send, one wakeup of the api and one write per stream
+    instead of several; when it is not, the entries go out as soon as the message that
+    made them is handled, as before. Whatever else goes to an api worker must `flush()`
+    first, so that it arrives after the text before it.
+    """
+
+    MAX_ENTRIES = 512  # sent at once past this: a full inbox must not hold text back
+
+    def __init__(self, push: Callable[[str, protocol.Message], bool]) -> None:
+        self._push = push
+        self._entries: dict[str, list[DeltaEntry]] = {}  # api worker -> entries, in order
+        self._num_entries = 0
+        self._scheduled = False
+
+    def __len__(self) -> int:
+        return self._num_entries
+
+    def add(self, reply_to: str, entry: DeltaEntry) -> None:
+        batch = self._entries.get(reply_to)
+        if batch is None:
+            batch = self._entries[reply_to] = []
+        batch.append(entry)
+        self._num_entries += 1
+        if self._num_entries >= self.MAX_ENTRIES:
+            self.flush()
+        elif not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush_soon)
+
+    def flush(self) -> None:
+        """Send every entry held, one TextDelta per api worker."""
+        entries, self._entries, self._num_entries = self._entries, {}, 0
+        for reply_to, batch in entries.items():
+            self._push(reply_to, text_delta(batch))
+
+    def _flush_soon(self) -> None:
+        self._scheduled = False
+        self.flush()

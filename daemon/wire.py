@@ -45,8 +45,8 @@ def unpack_ids(raw: bytes) -> list[int]:
 @dataclass(frozen=True, slots=True)
 class _Field:
     name: str
-    kinds: tuple[type, ...]  # accepted JSON-decoded types
-    item_kinds: tuple[type, ...] | None  # for list[X]: accepted types of each element
+    kinds: frozenset[type]  # accepted JSON-decoded types
+    item_kinds: frozenset[type] | None  # for list[X]: accepted types of each element
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,16 +57,18 @@ class _Schema:
     keys: frozenset[str]  # the header's field names
 
 
-def _kinds(hint: Any) -> tuple[type, ...]:
+def _kinds(hint: Any) -> frozenset[type]:
+    """The exact types a JSON value of this hint decodes to (orjson makes no subclasses,
+    and a JSON true is a bool, never a valid int or float)."""
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
-        return tuple(k for arg in typing.get_args(hint) for k in _kinds(arg))
+        return frozenset(k for arg in typing.get_args(hint) for k in _kinds(arg))
     if hint is type(None):
-        return (type(None),)
+        return frozenset((type(None),))
     base = origin or hint
     if base is float:
-        return (int, float)
-    return (base,)
+        return frozenset((int, float))
+    return frozenset((base,))
 
 
 def _schema(cls: type[Any]) -> _Schema:
@@ -82,13 +84,6 @@ def _schema(cls: type[Any]) -> _Schema:
         items = _kinds(args[0]) if is_typed_list else None
         header.append(_Field(f.name, _kinds(hint), items))
     return _Schema(cls, tuple(header), tuple(frames), frozenset(f.name for f in header))
-
-
-def _type_ok(value: Any, kinds: tuple[type, ...]) -> bool:
-    # bool is an int in Python, but a JSON true is never a valid count.
-    if isinstance(value, bool):
-        return bool in kinds
-    return isinstance(value, kinds)
 
 
 class Codec:
@@ -130,9 +125,11 @@ class Codec:
             raise ProtocolError(f"{name}: header keys {sorted(header)} != {sorted(schema.keys)}")
         for f in schema.header:
             value = header[f.name]
-            if not _type_ok(value, f.kinds):
+            # Exact types, compared in C: a TextDelta's lists hold one entry per request
+            # and token, and this runs for every message on the data path.
+            if type(value) not in f.kinds:
                 raise ProtocolError(f"{name}.{f.name}: wrong type {type(value).__name__}")
-            if f.item_kinds is not None and not all(_type_ok(v, f.item_kinds) for v in value):
+            if f.item_kinds is not None and not f.item_kinds.issuperset(map(type, value)):
                 raise ProtocolError(f"{name}.{f.name}: an element has the wrong type")
         raw = dict(zip(schema.frames, frames[2:], strict=True))
         msg = schema.cls(**header, **raw)

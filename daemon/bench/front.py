@@ -10,7 +10,10 @@ through HTTP on loopback:
 - the same one at a time: p50/p99 latency, i.e. what the front adds to every request;
 - streaming with --stream-tokens tokens each at --concurrency: streamed tokens per second;
 - for both loads, the CPU time each process used per request or per streamed token, which
-  holds when other work shares the cores (requests per second does not).
+  holds when other work shares the cores (requests per second does not);
+- how many tokens a stream's HTTP chunk carried on average: the api writes every event
+  it has for a stream at once, so a busy api writes less often, and its CPU per token
+  depends on this.
 The client (`http_client.Connection`, one keep-alive connection per concurrent worker, on
 uvloop) costs far less per request than the server, so that it does not bound the figures
 on the cores it shares with the daemon.
@@ -117,7 +120,9 @@ def _requester(temperature: float) -> Unit:
     return one
 
 
-def _streamer(tokens: int, temperature: float) -> Unit:
+def _streamer(tokens: int, temperature: float, chunks: list[int] | None = None) -> Unit:
+    """Streams `tokens` each; `chunks[0]` counts the HTTP chunks (the api's writes)."""
+    counted = chunks if chunks is not None else [0]
     body = {
         **MODEL_FIELDS,
         "temperature": temperature,
@@ -131,6 +136,7 @@ def _streamer(tokens: int, temperature: float) -> Unit:
         usage = 0
         pending = b""
         async for piece in conn.stream(request):
+            counted[0] += 1
             pending += piece
             *events, pending = pending.split(b"\n\n")
             for event in events:
@@ -183,8 +189,9 @@ async def _measure(port: int, args: argparse.Namespace, cpu: CpuMeter) -> dict[s
     _, lat, _, failed_1 = await _load(min(500, args.requests), 1, one_request, port)
     n_stream = max(1, args.requests // 4)
     before = cpu.read()
+    chunks = [0]
     s_secs, _, tokens, s_failed = await _load(
-        n_stream, args.concurrency, _streamer(args.stream_tokens, args.temperature), port
+        n_stream, args.concurrency, _streamer(args.stream_tokens, args.temperature, chunks), port
     )
     cpu_token = cpu.per_unit(before, tokens, 1e6)
     return {
@@ -198,6 +205,7 @@ async def _measure(port: int, args: argparse.Namespace, cpu: CpuMeter) -> dict[s
         "stream_requests": n_stream,
         "stream_tokens_each": args.stream_tokens,
         "streamed_tokens_per_s": round(tokens / s_secs, 1),
+        "stream_tokens_per_write": round(tokens / max(chunks[0], 1), 2),
         "cpu_us_per_streamed_token": cpu_token,
         "failed": failed + failed_1 + s_failed,
     }
@@ -284,7 +292,8 @@ def summary(result: dict[str, Any]) -> str:
         f"{result['concurrency']} ({result['requests']:,} requests)\n"
         f"one at a time: p50 {lat['p50']} ms, p99 {lat['p99']} ms per request\n"
         f"streaming: {result['streamed_tokens_per_s']:,} tokens/s "
-        f"({result['stream_requests']:,} x {result['stream_tokens_each']} tokens)\n"
+        f"({result['stream_requests']:,} x {result['stream_tokens_each']} tokens, "
+        f"{result['stream_tokens_per_write']} tokens per write)\n"
         f"CPU ms per request: {_cpu_line(result['cpu_ms_per_request'])}\n"
         f"CPU us per streamed token: {_cpu_line(result['cpu_us_per_streamed_token'])}\n"
         f"failed: {result['failed']}"

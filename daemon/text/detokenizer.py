@@ -50,6 +50,37 @@ class TokenDecoder(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+class CachedDecoder:
+    """A TokenDecoder that remembers the text of single tokens.
+
+    After every token it emits, a Detokenizer decodes its window's head, which is one
+    token in the steady state (see `_advance`); a token's own text never changes, so that
+    second decode per token becomes a dict lookup. Several ids decode as they always do.
+    """
+
+    __slots__ = ("_decoder", "_keep_special", "_skip_special")
+
+    MAX_ENTRIES = 1 << 17  # per skip_special_tokens value; past it, start over
+
+    def __init__(self, decoder: TokenDecoder) -> None:
+        self._decoder = decoder
+        self._skip_special: dict[int, str] = {}
+        self._keep_special: dict[int, str] = {}
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if len(ids) != 1:
+            return self._decoder.decode(ids, skip_special_tokens=skip_special_tokens)
+        cache = self._skip_special if skip_special_tokens else self._keep_special
+        token = ids[0]
+        text = cache.get(token)
+        if text is None:
+            text = self._decoder.decode(ids, skip_special_tokens=skip_special_tokens)
+            if len(cache) >= self.MAX_ENTRIES:
+                cache.clear()
+            cache[token] = text
+        return text
+
+
 class Detokenizer:
     """Turns one request's token ids, fed as they are generated, into text deltas."""
 

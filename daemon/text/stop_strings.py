@@ -21,9 +21,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StopCheck:
-    """The result of feeding one delta: `text` may be sent to the client now."""
+    """The result of feeding one delta: `text` may be sent to the client now.
+
+    (Not frozen: one or two are made per generated token, and a frozen dataclass takes
+    several times as long to construct.)"""
 
     text: str
     stop: str | None = None  # the stop string that matched, None while none has

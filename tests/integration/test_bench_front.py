@@ -15,6 +15,7 @@ def test_front_benchmark_serves_every_request_through_a_real_daemon() -> None:
     assert result["failed"] == 0
     assert result["requests_per_s"] > 0 and result["streamed_tokens_per_s"] > 0
     assert result["latency_ms_at_concurrency_1"]["p50"] > 0
+    assert 1 <= result["stream_tokens_per_write"] <= 8  # 8 tokens a stream, >= 1 write each
     processes = {"supervisor", "api-0", "tokenizer-0", "hybrid-0", "daemon", "client"}
     assert set(result["cpu_ms_per_request"]) == processes
     assert set(result["cpu_us_per_streamed_token"]) == processes

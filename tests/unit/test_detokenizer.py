@@ -10,7 +10,7 @@ import pytest
 import transformers
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from lmd.text.detokenizer import Detokenizer
+from lmd.text.detokenizer import CachedDecoder, Detokenizer
 
 TEXTS = [
     "The capital of France is Paris.",
@@ -230,3 +230,34 @@ def test_state_is_a_small_window_not_the_whole_output(smollm2: Tokenizer) -> Non
     assert len(ids) > 1000 and largest <= 8
     detok.finish()
     assert detok.num_window_tokens == 0
+
+
+@pytest.mark.parametrize("name", ["smollm2", "byte_level", "sentencepiece"])
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_a_cached_decoder_streams_the_same_deltas(
+    request: pytest.FixtureRequest, name: str, skip_special_tokens: bool
+) -> None:
+    tokenizer: Tokenizer = request.getfixturevalue(name)
+    cached = CachedDecoder(tokenizer)
+    rng = random.Random(3)
+    vocab_size = tokenizer.get_vocab_size()
+    streams = [tokenizer.encode(text).ids for text in TEXTS]
+    streams += [[rng.randrange(vocab_size) for _ in range(40)] for _ in range(20)]
+    for ids in streams:
+        plain = deltas(Detokenizer(tokenizer, skip_special_tokens=skip_special_tokens), ids)
+        reused = deltas(Detokenizer(cached, skip_special_tokens=skip_special_tokens), ids)
+        assert reused == plain, ids
+    assert cached.decode([5, 6], skip_special_tokens) == tokenizer.decode(
+        [5, 6], skip_special_tokens
+    )
+
+
+def test_a_cached_decoder_starts_over_when_full(smollm2: Tokenizer) -> None:
+    class Small(CachedDecoder):
+        MAX_ENTRIES = 4
+
+    cached = Small(smollm2)
+    for token in range(10):
+        assert cached.decode([token]) == smollm2.decode([token])
+    assert cached.decode([1], skip_special_tokens=False) == "<|im_start|>"
+    assert cached.decode([1]) == ""

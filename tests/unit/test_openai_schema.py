@@ -345,6 +345,25 @@ def test_chat_chunks_match_openai(include_usage: bool) -> None:
     assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
 
 
+@pytest.mark.parametrize("shape", [ChatFormat, CompletionFormat])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_sse_chunks_are_the_chunks_encoded(
+    shape: type[ChatFormat | CompletionFormat], include_usage: bool
+) -> None:
+    """The stream's pre-rendered envelope gives exactly the bytes of sse(chunk)."""
+    fmt = shape('cmpl-"1\\é', 1700000000, 'model "ü"\n', include_usage)
+    check = shape('cmpl-"1\\é', 1700000000, 'model "ü"\n', include_usage)
+    samples = [
+        *deltas(logprobs=True),
+        Delta('日本 😀 "quoted"\n', None, 3, 1, None),
+        Delta("", "length", 3, 2, None),
+        Delta("", None, 3, 2, None),
+    ]
+    for delta in samples:
+        chunk = check.chunk(delta)
+        assert fmt.sse_chunk(delta) == (None if chunk is None else sse(chunk))
+
+
 def test_empty_delta_makes_no_chunk() -> None:
     empty = Delta("", None, 3, 1, None)  # e.g. a token held back by a partial stop string
     assert ChatFormat("c", 1, MODEL).chunk(empty) is None

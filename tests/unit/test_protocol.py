@@ -142,6 +142,25 @@ def test_no_pickle_on_the_wire() -> None:
         ),
         (
             [
+                b"\x16",
+                b'{"request_ids":["a"],"finish_reasons":[null],"logprobs":[null],'
+                b'"cached_tokens":[true]}',
+                b"\x00" * 4,
+                b"\x00" * 4,
+            ],
+            "cached_tokens: an element",  # a JSON true is not a count
+        ),
+        (
+            [
+                b"\x16",
+                b'{"request_ids":["a"],"finish_reasons":[1],"logprobs":[null],"cached_tokens":[0]}',
+                b"\x00" * 4,
+                b"\x00" * 4,
+            ],
+            "finish_reasons: an element",
+        ),
+        (
+            [
                 b"\x19",
                 b'{"request_ids":["a"],"texts":["x"],"finish_reasons":[null],'
                 b'"prompt_tokens":[3],"completion_tokens":[1],"logprobs":[null],'

@@ -1,0 +1,82 @@
+"""What the tokenizer sends the api: TextDelta entries, batched per turn of the loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from lmd import protocol
+from lmd.routing import Route
+from lmd.text.stream import StreamUpdate, TextStream
+from lmd.tokenizer_request import DeltaOutbox, TokenizerRequest, text_delta
+
+
+class Decoder:
+    """Each id is one letter."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def tokenizer_request(reply_to: str = "api-0") -> TokenizerRequest:
+    stream = TextStream(Decoder(), prompt_ids=[0, 1, 2])
+    request = TokenizerRequest(reply_to, Route("hybrid-0", "", None, None), stream)
+    request.cached_tokens = 2
+    return request
+
+
+class Sent:
+    def __init__(self) -> None:
+        self.messages: list[tuple[str, protocol.Message]] = []
+
+    def __call__(self, worker: str, msg: protocol.Message) -> bool:
+        self.messages.append((worker, msg))
+        return True
+
+
+def test_a_delta_entry_keeps_the_counts_it_was_made_with() -> None:
+    request = tokenizer_request()
+    first = request.delta_entry("r", request.stream.feed(3, None))
+    second = request.delta_entry("r", request.stream.feed(4, "length"))
+    msg = text_delta([first, second])
+    assert msg.request_ids == ["r", "r"] and msg.texts == ["d", "e"]
+    assert msg.completion_tokens == [1, 2] and msg.prompt_tokens == [3, 3]
+    assert msg.finish_reasons == [None, "length"] and msg.cached_tokens == [2, 2]
+    msg.check()
+
+
+async def test_entries_of_one_turn_go_out_as_one_text_delta_per_api_worker() -> None:
+    sent = Sent()
+    outbox = DeltaOutbox(sent)
+    a, b = tokenizer_request("api-0"), tokenizer_request("api-1")
+    for step in range(3):  # three Tokens messages handled in one turn
+        outbox.add("api-0", a.delta_entry("a", a.stream.feed(step, None)))
+        outbox.add("api-1", b.delta_entry("b", b.stream.feed(step, None)))
+    assert sent.messages == [] and len(outbox) == 6
+    await asyncio.sleep(0)  # the turn ends
+    assert [worker for worker, _ in sent.messages] == ["api-0", "api-1"]
+    first = sent.messages[0][1]
+    assert isinstance(first, protocol.TextDelta)
+    assert first.texts == ["a", "b", "c"] and first.completion_tokens == [1, 2, 3]
+    assert len(outbox) == 0
+
+
+async def test_flush_sends_at_once_so_that_what_follows_comes_after() -> None:
+    sent = Sent()
+    outbox = DeltaOutbox(sent)
+    request = tokenizer_request()
+    outbox.add("api-0", request.delta_entry("r", StreamUpdate("x", None, False)))
+    outbox.flush()
+    sent("api-0", protocol.RequestError("r", "internal_error", "the engine failed"))
+    await asyncio.sleep(0)  # nothing is left for the end of the turn
+    kinds = [type(msg).__name__ for _, msg in sent.messages]
+    assert kinds == ["TextDelta", "RequestError"]
+
+
+async def test_a_full_outbox_does_not_wait_for_the_turn_to_end() -> None:
+    sent = Sent()
+    outbox = DeltaOutbox(sent)
+    request = tokenizer_request()
+    for _ in range(DeltaOutbox.MAX_ENTRIES):
+        outbox.add("api-0", request.delta_entry("r", StreamUpdate("x", None, False)))
+    assert len(sent.messages) == 1 and len(outbox) == 0
