@@ -168,7 +168,12 @@ def _lose_and_regain_node_b(a: Daemon, b: Daemon) -> None:
     wait_until(lambda: healthy(a), 60, "host a healthy once b is back")
     again = httpx.post(
         f"{a.url}/v1/completions",
-        json={"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4},
+        json={
+            "model": MODEL,
+            "prompt": "The capital of France is",
+            "max_tokens": 4,
+            "ignore_eos": True,  # the default temperature of 1 may sample EOS early
+        },
         timeout=60,
     )
     assert again.status_code == 200, again.text

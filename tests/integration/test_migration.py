@@ -190,7 +190,12 @@ def kill_decode_during_migrations(
     for i in range(3):  # through the new decode worker's pool
         again = httpx.post(
             f"{daemon.url}/v1/completions",
-            json={"model": MODEL, "prompt": f"after {i} " * 30, "max_tokens": 5},
+            json={
+                "model": MODEL,
+                "prompt": f"after {i} " * 30,
+                "max_tokens": 5,
+                "ignore_eos": True,
+            },
             timeout=30,
         )
         assert again.status_code == 200, again.text
@@ -243,7 +248,7 @@ def test_a_first_token_that_ends_the_request_releases_the_reservation(
     for _ in range(3):
         r = httpx.post(
             f"{daemon.url}/v1/completions",
-            json={"model": MODEL, "prompt": "one token only", "max_tokens": 1},
+            json={"model": MODEL, "prompt": "one token only", "max_tokens": 1, "ignore_eos": True},
             timeout=30,
         )
         assert r.status_code == 200, r.text
@@ -287,7 +292,7 @@ def test_hostile_migration_messages_are_dropped_and_counted(fake_engines: Daemon
         ctx.term()
     r = httpx.post(
         f"{daemon.url}/v1/completions",
-        json={"model": MODEL, "prompt": "still serving", "max_tokens": 6},
+        json={"model": MODEL, "prompt": "still serving", "max_tokens": 6, "ignore_eos": True},
         timeout=30,
     )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
