@@ -8,7 +8,10 @@ ignore_eos, greedy; all --batch requests are added at once and the engine steps 
 they finish. Output tokens per second = batch * output_len / wall time. With
 --compare-hf, transformers' `generate` runs the same prompts as one batch in the same
 run (EOS neither stops nor is masked, as with ignore_eos) and the ratio is printed.
-Each side runs a short warm-up first.
+Each side runs a short warm-up first. Both share the process: transformers runs with the
+torch thread count the process started with (the CPU engine lowers its own while other
+processes keep cores busy, engine/torch_backend/cpu_threads.py) and with the engine's
+allocator setting (engine/torch_backend/host_memory.py), which speeds up its prefill too.
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if min(args.batch, args.input_len, args.output_len) < 1:
         raise ValueError("--batch, --input-len and --output-len must be >= 1")
     model = resolve_model(args.model)
+    threads = torch.get_num_threads()
     config = EngineConfig(
         block_size=args.block_size,
         max_batch_size=max(args.batch, 1),
@@ -116,10 +120,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": round(seconds, 3),
         "output_tokens_per_s": round(num_output / seconds, 1),
         "steps": engine.num_steps,
-        "threads": torch.get_num_threads(),
+        "threads": threads,
+        "engine_threads_at_end": torch.get_num_threads(),
     }
     if args.compare_hf:
         from transformers import AutoModelForCausalLM
+
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)  # transformers as it would run alone
 
         hf = AutoModelForCausalLM.from_pretrained(
             str(model.path), dtype=engine.backend.dtype, local_files_only=True

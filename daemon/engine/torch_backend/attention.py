@@ -5,10 +5,12 @@ explicit position ids; the attention function, registered as `lmd_paged`, gets t
 paging metadata as an extra keyword argument of the model's forward. Per layer:
 
 1. Write each new token's K/V into `kv[block, layer, 0/1, offset]` (the slot mapping).
-2. Decode rows (one new token each): gather the sequences' contexts from their block
-   tables into padded batches and attend with one SDPA call per batch, padding masked
-   out. Sequences are bucketed by context blocks (powers of two), so one long sequence
-   does not pad every short one to its length: padding stays under 2x.
+2. Decode rows (one new token each): copy the sequences' context blocks (whole blocks,
+   one `index_select` for K and one for V) into padded batches and attend with one SDPA
+   call per batch that reads them through strides, padding masked out. Sequences are
+   bucketed by context blocks (powers of two), so one long sequence does not pad every
+   short one to its length: padding stays under 2x. A plain decode step (one bucket, no
+   prefill) uses the query and returns the output in place: no row gather or scatter.
 3. Prefill rows (a chunk of new tokens): per sequence, attend causally over the chunk's
    own K/V, or, after a cached prefix, over the context gathered from its blocks.
 
@@ -39,7 +41,8 @@ class DecodeRows:
 
     group: int  # mask cache key, negative (prefill sequences use their index)
     rows: Tensor  # [Bd] int64, rows of T holding those tokens
-    block_tables: Tensor  # [Bd, nb] int64, -1 padding replaced by block 0 (masked out)
+    block_ids: Tensor  # [Bd * nb] int64, block tables row after row, -1 -> 0 (masked out)
+    num_blocks: int  # nb, blocks per sequence in this group
     positions: Tensor  # [Bd] int64, position of each new token (= context_len - 1)
 
 
@@ -70,6 +73,11 @@ class PagedMetadata:
     masks: dict[tuple[int, int | None], Tensor] = field(default_factory=dict)
     num_layers_run: int = 0  # counts attention calls, to catch models that bypass us
 
+    @property
+    def is_one_decode_group(self) -> bool:
+        """All rows are decode rows of one group, in row order (a plain decode step)."""
+        return len(self.decodes) == 1 and not self.prefills
+
     @classmethod
     def build(cls, batch: ForwardBatch, kv: Tensor) -> PagedMetadata:
         device, block_size = kv.device, kv.shape[3]
@@ -91,9 +99,11 @@ class PagedMetadata:
                 DecodeRows(
                     group=-1 - group,
                     rows=torch.tensor([cu[i] for i in members]).to(device, non_blocking=True),
-                    block_tables=tables[members, :num_blocks]
+                    block_ids=tables[members, :num_blocks]
+                    .flatten()
                     .to(device, torch.int64, non_blocking=True)
                     .clamp_(min=0),
+                    num_blocks=num_blocks,
                     positions=torch.tensor([context_lens[i] - 1 for i in members]).to(
                         device, non_blocking=True
                     ),
@@ -218,23 +228,17 @@ def paged_attention(
     kv[:, layer, 0][meta.slot_blocks, meta.slot_offsets] = k
     kv[:, layer, 1][meta.slot_blocks, meta.slot_offsets] = v
 
+    q_grouped = q.view(q.shape[0], num_kv_heads, groups, head_dim)  # [T, Hkv, G, D]
+    if meta.is_one_decode_group:  # every row is a decode row, in order: no gather, no scatter
+        o = _decode(
+            meta, meta.decodes[0], q_grouped, layer, window=window, scaling=scaling, softcap=softcap
+        )
+        return o.reshape(1, q.shape[0], num_heads, head_dim), None
     out = torch.empty_like(q)  # [T, H, D]
     for dec in meta.decodes:
-        bd = dec.rows.shape[0]
-        k_ctx = kv[dec.block_tables, layer, 0].flatten(1, 2)  # [Bd, nb * S, Hkv, D]
-        v_ctx = kv[dec.block_tables, layer, 1].flatten(1, 2)
-        mask = meta.mask(dec.group, dec.positions, k_ctx.shape[1], window)  # [Bd, K]
-        # Group query heads by kv head: [Bd, Hkv, G, D] attends to [Bd, Hkv, K, D].
-        q_dec = q[dec.rows].view(bd, num_kv_heads, groups, head_dim)
-        o = attend(
-            q_dec,
-            k_ctx.transpose(1, 2),
-            v_ctx.transpose(1, 2),
-            mask[:, None, None, :],
-            scale=scaling,
-            softcap=softcap,
-        )
-        out[dec.rows] = o.reshape(bd, num_heads, head_dim)
+        q_dec = q_grouped[dec.rows]
+        o = _decode(meta, dec, q_dec, layer, window=window, scaling=scaling, softcap=softcap)
+        out[dec.rows] = o.reshape(-1, num_heads, head_dim)
 
     for index, seq in enumerate(meta.prefills):
         q_seq = q[seq.start : seq.end].transpose(0, 1)[None]  # [1, H, n, D]
@@ -242,9 +246,8 @@ def paged_attention(
             k_seq = k[seq.start : seq.end].transpose(0, 1)[None]  # [1, Hkv, n, D]
             v_seq = v[seq.start : seq.end].transpose(0, 1)[None]
         else:
-            ctx = seq.context_len
-            k_seq = kv[seq.block_ids, layer, 0].flatten(0, 1)[:ctx].transpose(0, 1)[None]
-            v_seq = kv[seq.block_ids, layer, 1].flatten(0, 1)[:ctx].transpose(0, 1)[None]
+            k_seq = _context(kv, layer, 0, seq.block_ids)[None, :, : seq.context_len]
+            v_seq = _context(kv, layer, 1, seq.block_ids)[None, :, : seq.context_len]
         if not seq.has_prefix and window is None and softcap is None:
             o = F.scaled_dot_product_attention(
                 q_seq, k_seq, v_seq, scale=scaling, is_causal=True, enable_gqa=groups > 1
@@ -262,3 +265,43 @@ def paged_attention(
             )
         out[seq.start : seq.end] = o[0].transpose(0, 1)
     return out[None], None
+
+
+def _decode(
+    meta: PagedMetadata,
+    dec: DecodeRows,
+    q: Tensor,
+    layer: int,
+    *,
+    window: int | None,
+    scaling: float | None,
+    softcap: float | None,
+) -> Tensor:
+    """Attention of one decode group; q: [Bd, Hkv, G, D] (any strides) -> [Bd, Hkv, G, D].
+
+    Query heads grouped by kv head attend to [Bd, Hkv, K, D]: one SDPA call for the group.
+    """
+    kv = meta.kv  # [N, L, 2, S, Hkv, D]
+    bd, num_kv_heads, _, head_dim = q.shape
+    k_ctx = _context(kv, layer, 0, dec.block_ids).view(num_kv_heads, bd, -1, head_dim)
+    v_ctx = _context(kv, layer, 1, dec.block_ids).view(num_kv_heads, bd, -1, head_dim)
+    mask = meta.mask(dec.group, dec.positions, k_ctx.shape[2], window)  # [Bd, K]
+    return attend(
+        q,
+        k_ctx.transpose(0, 1),
+        v_ctx.transpose(0, 1),
+        mask[:, None, None, :],
+        scale=scaling,
+        softcap=softcap,
+    )
+
+
+def _context(kv: Tensor, layer: int, k_or_v: int, block_ids: Tensor) -> Tensor:
+    """Keys (0) or values (1) of `layer` in the blocks `block_ids`, one after the other.
+
+    Whole blocks are copied once (one memcpy-like index_select on the block dim, not an
+    element-wise gather); SDPA reads the heads-first result in place through its strides.
+    kv: [N, L, 2, S, Hkv, D], block_ids: [n] -> [Hkv, n * S, D] (a strided view of the copy)
+    """
+    blocks = kv[:, layer, k_or_v].index_select(0, block_ids)  # [n, S, Hkv, D]
+    return blocks.flatten(0, 1).transpose(0, 1)

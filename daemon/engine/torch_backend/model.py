@@ -25,6 +25,10 @@ from lmd.engine.torch_backend.attention import (
     PagedMetadata,
     paged_attention,
 )
+from lmd.engine.torch_backend.cpu_threads import CpuThreads
+from lmd.engine.torch_backend.host_memory import keep_freed_memory
+from lmd.engine.torch_backend.linear import can_pack, pack_linears
+from lmd.engine.torch_backend.norm import fuse_rms_norms
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +43,11 @@ class TorchBackend(Backend):
     def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
         self._device = torch.device(device)
         self._dtype = dtype
+        # CPU: reuse freed activations; only as many threads as other processes leave cores.
+        self._threads: CpuThreads | None = None
+        if self._device.type == "cpu":
+            keep_freed_memory()
+            self._threads = CpuThreads()
         config = _load_config(model_dir)
         self._config = config.get_text_config()
         layer_types = getattr(self._config, "layer_types", None) or []
@@ -64,6 +73,9 @@ class TorchBackend(Backend):
         # PreTrainedModel.to is wrapped by a decorator whose typing mypy misreads.
         model = model.to(self._device)  # type: ignore[arg-type]
         self.model: PreTrainedModel = model.eval().requires_grad_(False)
+        if can_pack(self._device, dtype):  # fp32 on CPU: see linear.py and norm.py
+            pack_linears(self.model)
+            fuse_rms_norms(self.model)
         self._architecture = type(model).__name__
         log.info(
             "torch backend: %s from %s on %s (%s)", self._architecture, model_dir, device, dtype
@@ -128,6 +140,8 @@ class TorchBackend(Backend):
         num_rows = int(batch.logits_indices.shape[0])
         if batch.num_tokens == 0:
             return torch.empty(num_rows, self.vocab_size, device=self._device)
+        if self._threads is not None:
+            self._threads.update()
         meta = PagedMetadata.build(batch, kv)
         extra: dict[str, Any] = {METADATA_KWARG: meta}
         with torch.inference_mode():

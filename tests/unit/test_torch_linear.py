@@ -1,0 +1,110 @@
+"""oneDNN-packed and fused linear layers (engine/torch_backend/linear.py) against nn.Linear."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from lmd.engine.backend import ForwardBatch
+from lmd.engine.torch_backend import TorchBackend
+from lmd.engine.torch_backend.linear import (
+    FusedLinear,
+    FusedPart,
+    PackedLinear,
+    can_pack,
+    pack_linears,
+)
+from tests.models import random_prompts, save_tiny_llama
+
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.skipif(
+    not can_pack(CPU, torch.float32), reason="this torch has no oneDNN linear"
+)
+
+
+def linear(n_in: int, n_out: int, *, bias: bool, seed: int) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(n_in, n_out, bias=bias).requires_grad_(False)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_nn_linear(bias: bool) -> None:
+    stock = linear(48, 80, bias=bias, seed=0)
+    packed = PackedLinear(stock)
+    x = torch.randn(1, 7, 48)
+    strided = torch.randn(1, 7, 60)[..., :48]  # a slice, as fused parts hand out
+    for inp in (x, x[0], strided):
+        torch.testing.assert_close(packed(inp), stock(inp), rtol=1e-5, atol=1e-5)
+    assert packed(x[:, :0]).shape == (1, 0, 80)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_parts_match_their_linears(bias: bool) -> None:
+    stock = [linear(32, n, bias=bias, seed=i) for i, n in enumerate((40, 16, 16))]
+    fused = FusedLinear(stock)
+    parts = [FusedPart(fused, i, lin) for i, lin in enumerate(stock)]
+    x = torch.randn(1, 5, 32)
+    for part, lin in zip(parts, stock, strict=True):
+        torch.testing.assert_close(part(x), lin(x), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_part_never_returns_a_stale_slice() -> None:
+    stock = [linear(32, 24, bias=False, seed=i) for i in range(2)]
+    fused = FusedLinear(stock)
+    gate, up = (FusedPart(fused, i, lin) for i, lin in enumerate(stock))
+    x, y = torch.randn(3, 32), torch.randn(3, 32)
+    gate(x)
+    # Another input before `up` took its slice of x: computed for y, not taken from x.
+    torch.testing.assert_close(up(y), stock[1](y), rtol=1e-5, atol=1e-5)
+    # The same part twice on one input computes again rather than reusing.
+    torch.testing.assert_close(gate(y), stock[0](y), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gate(y), stock[0](y), rtol=1e-5, atol=1e-5)
+    up(y)  # every part served: the shared output is let go
+    assert not fused.holds_output
+
+
+def test_pack_linears_fuses_siblings_and_packs_the_rest(tmp_path: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(save_tiny_llama(tmp_path), dtype=torch.float32)
+    ids = torch.tensor([random_prompts([9], 512, seed=1)[0]])
+    with torch.inference_mode():
+        before = model(ids).logits
+        # 2 layers: q/k/v and gate/up fused; o_proj, down_proj and lm_head alone.
+        assert pack_linears(model) == (10, 5)
+        after = model(ids).logits
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.k_proj, FusedPart)
+    assert isinstance(layer.mlp.down_proj, PackedLinear)
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+    assert torch.equal(after.argmax(-1), before.argmax(-1))
+
+
+def test_qkv_bias_model_agrees_with_transformers(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    backend = TorchBackend(tmp_path, CPU, torch.float32)
+    assert backend.model.model.layers[0].self_attn.q_proj.fused.bias is not None
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True)
+    prompts = random_prompts([6, 13], 512, seed=7)
+    kv = torch.zeros(backend.kv_cache_shape(8, 4))
+    batch = ForwardBatch.pack(prompts, [0, 0], [[0, 1], [2, 3, 4, 5]], 4)
+    ours = backend.forward(batch, kv)
+    with torch.inference_mode():
+        for prompt, row in zip(prompts, ours, strict=True):
+            theirs = ref(torch.tensor([prompt])).logits[0, -1]
+            torch.testing.assert_close(row, theirs, rtol=1e-4, atol=1e-4)
+            assert int(row.argmax()) == int(theirs.argmax())
