@@ -45,6 +45,12 @@ def add_parser(sub: Any) -> None:
         default=0.8,
         help="KV pool: fraction of free memory (lower it to leave room for --compare-hf)",
     )
+    p.add_argument(
+        "--overlap",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="decode steps launched before the last one is read back (auto: on CUDA)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-hf", action="store_true", help="also time transformers generate")
     p.add_argument("--json", action="store_true", help="print one JSON line")
@@ -99,6 +105,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_batch_size=max(args.batch, 1),
         max_prefill_token_num=args.max_prefill_token_num,
         cache_max_entry_count=args.cache_max_entry_count,
+        overlap_steps={"auto": None, "on": True, "off": False}[args.overlap],
     )
     engine = Engine.build(
         model.path, config, device=args.device, dtype=args.dtype, backend=args.backend
@@ -120,6 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": round(seconds, 3),
         "output_tokens_per_s": round(num_output / seconds, 1),
         "steps": engine.num_steps,
+        "ahead_steps": engine.num_ahead_steps,
         "threads": threads,
         "engine_threads_at_end": torch.get_num_threads(),
     }

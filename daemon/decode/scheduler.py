@@ -14,6 +14,12 @@ Life cycle of a request in the decode scheduler:
      it on a stop or eos token (not before min_new_tokens, eos not with ignore_eos),
      max_tokens or session_len (finish_reason `length`), and frees finished ones.
   4. `abort(request_id)` frees the request wherever it is.
+A step may also be scheduled before the last step's tokens are known (the engine's
+overlap of host and device work): `schedule_ahead()` gives every running sequence room
+for one token more than it holds, or returns None (sequences waiting, or too few blocks:
+the engine then waits for the tokens and schedules normally). `postprocess(...,
+free=False)` leaves finished sequences' blocks to the caller, which frees them once the
+step that ran ahead, and may still write into them, is done.
 
 A hybrid engine drives both schedulers over one block manager:
     pre = prefill.schedule(max_new_seqs=max_batch_size - decode.num_seqs - prefill.num_running)
@@ -84,8 +90,29 @@ class DecodeScheduler(SequenceQueues):
             batch.seqs.append(seq)
         return batch
 
-    def postprocess(self, batch: DecodeBatch, token_ids: SequenceOf[int]) -> list[Sequence]:
-        """Append one sampled token per `batch.seqs`; returns the sequences that finished."""
+    def schedule_ahead(self) -> DecodeBatch | None:
+        """The running batch again, each sequence with room for its pending token too.
+
+        For a step launched before the previous one's tokens are appended: it feeds each
+        sequence's pending token (at position num_tokens). None, with nothing changed,
+        when sequences wait to join or the blocks it needs are not free.
+        """
+        if self.waiting or not self.running:
+            return None
+        bm = self.block_manager
+        if sum(bm.num_missing(s, s.num_tokens + 1) for s in self.running) > bm.num_free_blocks:
+            return None
+        for seq in self.running:
+            bm.append(seq, seq.num_tokens + 1)
+        return DecodeBatch(seqs=list(self.running))
+
+    def postprocess(
+        self, batch: DecodeBatch, token_ids: SequenceOf[int], *, free: bool = True
+    ) -> list[Sequence]:
+        """Append one sampled token per `batch.seqs`; returns the sequences that finished.
+
+        Their blocks are freed unless `free` is False (the caller frees them later).
+        """
         if len(token_ids) != len(batch.seqs):
             raise ValueError(
                 f"expected {len(batch.seqs)} sampled tokens, one per sequence, got {len(token_ids)}"
@@ -101,7 +128,8 @@ class DecodeScheduler(SequenceQueues):
             )
             if reason is not None:
                 self.running.remove(seq)
-                self.block_manager.free(seq)
+                if free:
+                    self.block_manager.free(seq)
                 finished.append(seq)
         return finished
 

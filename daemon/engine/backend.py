@@ -55,9 +55,11 @@ class ForwardBatch:
     (token p in block `block_tables[b, p // block_size]` at offset `p % block_size`).
     Build it with `ForwardBatch.pack`; `seq_lens` and `context_lens` stay on the CPU
     (the backend reads them without a device sync), the rest is copied to the device.
+    `input_ids` may already be on the device: a decode step the engine runs ahead feeds
+    the previous step's sampled tokens from where they are.
     """
 
-    input_ids: Tensor  # [T] int64, new tokens, sequence after sequence
+    input_ids: Tensor  # [T] int64, new tokens, sequence after sequence (CPU or device)
     positions: Tensor  # [T] int64, position of each token in its sequence
     seq_lens: Tensor  # [B] int32 on CPU, new tokens per sequence (>= 1)
     context_lens: Tensor  # [B] int32 on CPU, cached + new tokens after this step

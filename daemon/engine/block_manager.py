@@ -139,20 +139,25 @@ class BlockManager:
 
     # -- grow -------------------------------------------------------------------------
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether `seq` can get room for all its tokens (at most one new block)."""
-        missing = self.num_blocks_needed(seq.num_tokens) - len(seq.block_table)
-        return missing <= self.num_free_blocks
+    def num_missing(self, seq: Sequence, num_tokens: int | None = None) -> int:
+        """Blocks `seq` lacks to hold `num_tokens` tokens (default: all it has)."""
+        needed = self.num_blocks_needed(seq.num_tokens if num_tokens is None else num_tokens)
+        return max(0, needed - len(seq.block_table))
 
-    def append(self, seq: Sequence) -> None:
-        """Make room for the token just appended to `seq` (a new block when full)."""
+    def can_append(self, seq: Sequence, num_tokens: int | None = None) -> bool:
+        """Whether `seq` can get room for `num_tokens` tokens (default: all it has)."""
+        return self.num_missing(seq, num_tokens) <= self.num_free_blocks
+
+    def append(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Make room for the token just appended to `seq` (a new block when full), or for
+        `num_tokens` tokens in all (a step run ahead of its last token's arrival)."""
         if not seq.block_table:
             raise RuntimeError(f"request {seq.request_id} holds no blocks; allocate it first")
-        if not self.can_append(seq):
+        if not self.can_append(seq, num_tokens):
             raise RuntimeError(
                 f"request {seq.request_id} cannot grow: no free block; check can_append first"
             )
-        while len(seq.block_table) < self.num_blocks_needed(seq.num_tokens):
+        for _ in range(self.num_missing(seq, num_tokens)):
             seq.block_table.append(self._take_free())
 
     # -- prefix cache -----------------------------------------------------------------

@@ -19,6 +19,9 @@ class EngineConfig:
     after the weights that the KV pool takes; an int > 0 is an exact block count.
     session_len: cap on prompt + output tokens per sequence; None = the model's maximum
     (resolve it with `with_session_len` once the model is loaded).
+    overlap_steps: launch each decode step before reading back the previous one's tokens,
+    so the host prepares step N+1 while the device runs step N (engine.py); None = where
+    the model runs on CUDA (on a CPU there is no device to overlap with).
     """
 
     block_size: int = 64
@@ -27,6 +30,7 @@ class EngineConfig:
     session_len: int | None = None
     cache_max_entry_count: float | int = 0.8
     enable_prefix_caching: bool = False
+    overlap_steps: bool | None = None
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, minimum=1)
@@ -38,6 +42,10 @@ class EngineConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
                 f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}"
+            )
+        if self.overlap_steps is not None and not isinstance(self.overlap_steps, bool):
+            raise ValueError(
+                f"overlap_steps must be true, false or None, got {self.overlap_steps!r}"
             )
 
     @property

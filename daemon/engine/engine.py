@@ -11,6 +11,19 @@ Life cycle of a request in the engine (hybrid: prefill and decode in one process
   4. `abort(request_id)` frees the request's blocks wherever it is.
 The worker that owns an engine calls `step()` from one thread only.
 
+Overlapped decode steps (`EngineConfig.overlap_steps`, on by default on CUDA): a decode
+step is launched (forward and sampling queued on the device, its tokens copied to pinned
+host memory behind them) and left in flight; the next `step()` call schedules and
+launches step N+1 first, feeding it step N's tokens straight from the device, and only
+then waits for step N's tokens, appends them and returns their events. The host's work
+for a step (scheduling, packing, sampler set-up, postprocessing) thus runs while the
+device computes the previous one. Step N+1 runs ahead only when it is the same batch
+again (no prompt to prefill, no sequence waiting to join, blocks free for every
+sequence's next token, no repetition penalty); otherwise the engine reads step N back
+first and schedules as usual. A sequence that finished at step N has one wasted row in
+step N+1, whose token is dropped. Blocks that a step in flight may still write into (a
+finished or aborted sequence's) are freed only once it is done.
+
 Disaggregated roles run the same engine: a `prefill` engine hands each sequence whose
 prompt completed (and did not finish at its first token) to `take_prefilled()` instead
 of decoding it, for the worker to migrate; a `decode` engine takes migrated sequences
@@ -21,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +52,7 @@ from lmd.engine.kv_pool import (
     cpu_free_bytes,
     num_blocks_for,
 )
-from lmd.engine.sampler import Sampler, TokenLogprobs
+from lmd.engine.sampler import Sampler, SamplerOutput, TokenLogprobs
 from lmd.engine.sequence import FinishReason, Sequence
 from lmd.prefill.scheduler import PrefillBatch, PrefillScheduler
 
@@ -58,6 +71,32 @@ class TokenEvent:
     finish_reason: FinishReason | None  # set on the request's last token
     cached_tokens: int = 0  # prompt tokens the prefix cache served at its (last) prefill
     position: int = 0  # index among the request's output tokens (0: the first)
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A decode step launched on the device whose tokens are not read back yet."""
+
+    batch: DecodeBatch
+    tokens: torch.Tensor  # [B] int64 on the device: the inputs of a step run ahead
+    host: SamplerOutput  # host copies of the sampler's output, valid after wait()
+    done: Any = None  # a torch.cuda.Event recorded after the copies; None on the CPU
+    seq_rows: dict[int, int] = field(default_factory=dict)  # id(seq) -> row
+
+    @classmethod
+    def launch(cls, batch: DecodeBatch, out: SamplerOutput) -> InFlight:
+        rows = {id(seq): i for i, seq in enumerate(batch.seqs)}
+        if out.token_ids.device.type != "cuda":
+            return cls(batch, out.token_ids, out, None, rows)
+        host = out.to_host()
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record()
+        return cls(batch, out.token_ids, host, done, rows)
+
+    def wait(self) -> None:
+        """Block until the step and its copies to the host are done."""
+        if self.done is not None:
+            self.done.synchronize()
 
 
 def size_pool(backend: Backend, config: EngineConfig, cpu_engines: int = 1) -> int:
@@ -101,6 +140,11 @@ class Engine:
         self.sampler = Sampler(eos)
         self.num_steps = 0
         self._prefilled: list[Sequence] = []  # prefill role: prompts done, to migrate
+        overlap = self.config.overlap_steps
+        self.overlap = backend.device.type == "cuda" if overlap is None else overlap
+        self.num_ahead_steps = 0  # decode steps launched before the last one was read
+        self._inflight: InFlight | None = None
+        self._free_later: list[Sequence] = []  # finished while a step was in flight
 
     @classmethod
     def build(
@@ -170,11 +214,13 @@ class Engine:
         return out
 
     def abort(self, request_id: str) -> Sequence | None:
+        if self._inflight is not None:
+            self._inflight.wait()  # its kernels may still write into the blocks freed here
         return self.prefill.abort(request_id) or self.decode.abort(request_id)
 
     @property
     def has_work(self) -> bool:
-        return self.prefill.has_work or self.decode.has_work
+        return self._inflight is not None or self.prefill.has_work or self.decode.has_work
 
     @property
     def num_running(self) -> int:
@@ -200,8 +246,23 @@ class Engine:
     # Stepping --------------------------------------------------------------------------
 
     def step(self) -> list[TokenEvent]:
-        """Run one prefill or decode step; returns the tokens it sampled."""
+        """Run one prefill or decode step; returns the tokens sampled since the last call.
+
+        With a decode step in flight: launch the next one ahead if it can, then return the
+        one in flight's tokens (without a step ahead, a step of its own follows).
+        """
         self.num_steps += 1
+        inflight = self._inflight
+        if inflight is None:
+            return self._step()
+        ahead = self._schedule_ahead()
+        self._inflight = None if ahead is None else self._launch_ahead(ahead, inflight)
+        events = self._read_back(inflight)
+        if ahead is None:
+            events += self._step()
+        return events
+
+    def _step(self) -> list[TokenEvent]:
         free_slots = self.config.max_batch_size - self.decode.num_seqs - self.prefill.num_running
         if self.role == "prefill":  # nothing decodes here: the batch is prefill's own
             free_slots = self.config.max_batch_size - self.prefill.num_running
@@ -244,9 +305,59 @@ class Engine:
             [s.block_table for s in seqs],
             self.pool.block_size,
         )
+        if self.overlap:
+            logits = self.backend.forward(forward, self.pool.kv)  # [B, V]
+            self._inflight = InFlight.launch(batch, self.sampler.sample(logits, seqs))
+            return []  # read back by the next step() call
         token_ids, logprobs = self._sample(forward, seqs)
         self.decode.postprocess(batch, token_ids)
         return self._events(seqs, token_ids, logprobs)
+
+    def _schedule_ahead(self) -> DecodeBatch | None:
+        """Step N+1 if it can run before step N's tokens are known (see the module doc)."""
+        free_slots = self.config.max_batch_size - self.decode.num_seqs - self.prefill.num_running
+        if self.prefill.num_running or (self.prefill.num_waiting and free_slots > 0):
+            return None  # a prompt is to be prefilled next
+        if any(s.sampling.repetition_penalty != 1.0 for s in self.decode.running):
+            return None  # needs the pending token in its history
+        return self.decode.schedule_ahead()
+
+    def _launch_ahead(self, batch: DecodeBatch, last: InFlight) -> InFlight:
+        """Launch `batch`, each sequence feeding the token `last` sampled for it."""
+        seqs = batch.seqs
+        rows = [last.seq_rows[id(s)] for s in seqs]  # every one ran in `last`
+        tokens = last.tokens
+        if rows != list(range(tokens.shape[0])):  # some left since (aborted)
+            tokens = tokens.index_select(0, torch.tensor(rows).to(tokens.device, non_blocking=True))
+        forward = ForwardBatch.pack(
+            [[0]] * len(seqs),  # placeholders: the ids are on the device (below)
+            [s.num_tokens for s in seqs],  # the pending token's position
+            [s.block_table for s in seqs],
+            self.pool.block_size,
+        )
+        forward.input_ids = tokens
+        logits = self.backend.forward(forward, self.pool.kv)  # [B, V]
+        self.num_ahead_steps += 1
+        return InFlight.launch(batch, self.sampler.sample(logits, seqs, ahead=1))
+
+    def _read_back(self, inflight: InFlight) -> list[TokenEvent]:
+        """Wait for `inflight`, append its tokens and return their events."""
+        inflight.wait()  # every step launched before it is done too
+        for seq in self._free_later:
+            self.block_manager.free(seq)
+        self._free_later = []
+        token_ids, logprobs = inflight.host.tolist()
+        seqs = inflight.batch.seqs
+        # Sequences that finished (or were aborted) before this step's tokens came back:
+        # their rows ran ahead for nothing.
+        live = [i for i, seq in enumerate(seqs) if not seq.is_finished]
+        ahead = self._inflight is not None  # a step still in flight holds their blocks
+        finished = self.decode.postprocess(inflight.batch, token_ids, free=not ahead)
+        if ahead:
+            self._free_later.extend(finished)
+        return self._events(
+            [seqs[i] for i in live], [token_ids[i] for i in live], [logprobs[i] for i in live]
+        )
 
     def _sample(
         self, forward: ForwardBatch, seqs: list[Sequence]

@@ -15,6 +15,10 @@ takes its number from its own generator seeded by (seed, number of tokens genera
 far), so its tokens do not depend on the rest of the batch, on preemption, or on which
 process samples them. Logprobs are those of the model's raw distribution (before penalties
 and warpers).
+
+A step run ahead (engine.py: sampled before the previous step's tokens are read back) passes
+`ahead=1`: every count of tokens generated so far is one more than the sequences show, and
+repetition penalties, which need the missing token itself, are refused.
 """
 
 from __future__ import annotations
@@ -50,6 +54,26 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # [B, N]
     num_logprobs: list[int | None] = field(default_factory=list)  # asked per row
 
+    def to_host(self) -> SamplerOutput:
+        """Copies in pinned host memory, queued behind the step on its stream (no wait);
+        read them once an event recorded after this call has fired."""
+
+        def pinned(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return out.copy_(t, non_blocking=True)
+
+        tokens = pinned(self.token_ids)
+        assert tokens is not None
+        return SamplerOutput(
+            tokens,
+            pinned(self.logprobs),
+            pinned(self.top_token_ids),
+            pinned(self.top_logprobs),
+            self.num_logprobs,
+        )
+
     def tolist(self) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Token ids and per-row logprobs as Python values (one device sync)."""
         tokens: list[int] = self.token_ids.tolist()
@@ -83,21 +107,26 @@ class Sampler:
         self.eos_token_ids = tuple(eos_token_ids)
         self.workspace = Workspace()  # [B, V] scratch reused across steps (see workspace.py)
 
-    def sample(self, logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> SamplerOutput:
-        """One next token per row of `logits` ([B, V]) for the matching `seqs[i]`."""
+    def sample(
+        self, logits: torch.Tensor, seqs: SequenceOf[Sequence], ahead: int = 0
+    ) -> SamplerOutput:
+        """One next token per row of `logits` ([B, V]) for the matching `seqs[i]`.
+
+        `ahead`: tokens each sequence has sampled that it does not hold yet (0 or 1).
+        """
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(
                 f"logits must be [B, V] with B = {len(seqs)} sequences, got {tuple(logits.shape)}"
             )
         raw = logits.float()  # [B, V]; the same tensor when already float32
-        x = self._penalized(raw, seqs)
+        x = self._penalized(raw, seqs, ahead)
         # Every row's argmax (cheap next to sampling); sampled rows are overwritten below.
         tokens = argmax_rows(x)  # [B]
         sampled = [i for i, seq in enumerate(seqs) if not seq.sampling.is_greedy]
         if not sampled:
             return self._with_logprobs(raw, tokens, seqs)
         for group in warp(x, sampled, [seqs[i].sampling for i in sampled], self.workspace):
-            u = uniforms([seqs[i] for i in group.rows]).to(x.device)
+            u = uniforms([seqs[i] for i in group.rows], ahead).to(x.device)
             index = torch.tensor(group.rows, dtype=torch.long, device=x.device)
             choice = draw_rows(group.weights, u)  # [R] positions in the candidates
             if group.token_ids is not None:
@@ -105,10 +134,13 @@ class Sampler:
             tokens[index] = choice
         return self._with_logprobs(raw, tokens, seqs)
 
-    def _penalized(self, raw: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
+    def _penalized(self, raw: torch.Tensor, seqs: SequenceOf[Sequence], ahead: int) -> torch.Tensor:
         """raw with repetition penalties and bans applied: a copy, or raw when none apply."""
-        bans = [banned_token_ids(seq, self.eos_token_ids) for seq in seqs]
-        if not any(bans) and all(s.sampling.repetition_penalty == 1.0 for s in seqs):
+        bans = [banned_token_ids(seq, self.eos_token_ids, ahead) for seq in seqs]
+        penalized = any(s.sampling.repetition_penalty != 1.0 for s in seqs)
+        if penalized and ahead:
+            raise ValueError("a repetition penalty needs every earlier token: cannot run ahead")
+        if not any(bans) and not penalized:
             return raw
         x = self.workspace.get("penalized", raw.shape[0], raw.shape[1], raw.device).copy_(raw)
         self._apply_repetition_penalty(x, seqs)
@@ -170,17 +202,17 @@ class Sampler:
         return SamplerOutput(tokens, chosen, top_ids, top_lps, asked)
 
 
-def uniforms(seqs: SequenceOf[Sequence]) -> torch.Tensor:
+def uniforms(seqs: SequenceOf[Sequence], ahead: int = 0) -> torch.Tensor:
     """One uniform number in [0, 1) per sequence, on the CPU. # [R] float64
 
-    A seeded sequence's number comes from a generator seeded by (seed, tokens so far), so
-    it is the same on any device and in any batch.
+    A seeded sequence's number comes from a generator seeded by (seed, tokens so far, with
+    `ahead` sampled but not appended yet), so it is the same on any device and in any batch.
     """
     u = torch.rand(len(seqs), dtype=torch.float64)
     for n, seq in enumerate(seqs):
         if seq.sampling.seed is not None:
             generator = torch.Generator().manual_seed(
-                step_seed(seq.sampling.seed, seq.num_output_tokens)
+                step_seed(seq.sampling.seed, seq.num_output_tokens + ahead)
             )
             u[n] = torch.rand(1, dtype=torch.float64, generator=generator)
     return u

@@ -198,9 +198,12 @@ class Sequence:
         self.finish_reason = reason
 
 
-def banned_token_ids(seq: Sequence, eos_token_ids: SequenceOf[int]) -> list[int]:
-    """Tokens the sampler must not pick yet, because min_new_tokens is not reached."""
-    if seq.num_output_tokens >= seq.sampling.min_new_tokens:
+def banned_token_ids(seq: Sequence, eos_token_ids: SequenceOf[int], ahead: int = 0) -> list[int]:
+    """Tokens the sampler must not pick yet, because min_new_tokens is not reached.
+
+    `ahead`: output tokens sampled already but not appended yet (a step run ahead).
+    """
+    if seq.num_output_tokens + ahead >= seq.sampling.min_new_tokens:
         return []
     banned = list(seq.sampling.stop_token_ids)
     if not seq.sampling.ignore_eos:

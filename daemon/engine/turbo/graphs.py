@@ -10,6 +10,8 @@ Life cycle:
   3. `run(batch)` copies a decode batch of n sequences into the buffers of the smallest
      captured bucket >= n, marks the rows past n as padding (no slot: nothing written;
      context 0: attention reads nothing), replays, and returns the first n logits rows.
+     Token ids already on the device (a step the engine runs ahead) are copied there,
+     device to device, without waiting for them on the host.
 The attention splits of a bucket are fixed at capture (for the longest context the
 block tables can hold); each split's share of a sequence is computed on the GPU from
 its context length, so short contexts cost little.
@@ -167,7 +169,9 @@ class DecodeGraphs:
         width = batch.block_tables.shape[1]
         self._sent.synchronize()  # the last step's copies have left the host mirrors
         host = self._host_np
-        host[0, :n] = _numpy(batch.input_ids)
+        on_device = batch.input_ids.device.type == "cuda"  # a step run ahead (engine.py)
+        if not on_device:
+            host[0, :n] = _numpy(batch.input_ids)
         host[1, :n] = _numpy(batch.positions)
         host[2, :n] = _numpy(batch.slot_mapping)
         host[3, :n] = _numpy(batch.context_lens)
@@ -175,6 +179,8 @@ class DecodeGraphs:
         self._host_tables_np[:n, :width] = _numpy(batch.block_tables)
         self._inputs[:, :size].copy_(self._host[:, :size], non_blocking=True)
         self.block_tables[:size, :width].copy_(self._host_tables[:size, :width], non_blocking=True)
+        if on_device:  # the previous step's tokens, behind it on the stream: no host wait
+            self.input_ids[:n].copy_(batch.input_ids)
         self._sent.record()
         self.graphs[size].replay()
         # A copy: the static buffer is overwritten by the next replay.
