@@ -131,8 +131,17 @@ def _serve_across_hosts(a: Daemon, b: Daemon, expected: dict[str, Any]) -> None:
     assert set(nodes) == {"a", "b"}
     decode = {w["name"]: w for w in nodes["b"]["workers"]}["decode-0@b"]
     assert decode["endpoint"].startswith(f"tcp://{b.host.address}:")  # type: ignore[union-attr]
-    prefill = a.worker("prefill-0@a")
     total = 2 * len(PROMPTS)
+    # Worker stats travel on heartbeats (every second): wait for ones that count them all.
+    wait_until(
+        lambda: (
+            a.worker("prefill-0@a")["migration"]["count"] >= total
+            and b.worker("decode-0@b")["migration"]["received"] >= total
+        ),
+        10,
+        "heartbeats counting every migration",
+    )
+    prefill = a.worker("prefill-0@a")
     assert prefill["transport"] == "nixl"
     assert prefill["migration"]["count"] == total and prefill["migration"]["failures"] == 0
     assert b.worker("decode-0@b")["migration"]["received"] == total
