@@ -61,9 +61,10 @@ log = logging.getLogger(__name__)
 ENGINE_ROLES = ("hybrid", "prefill", "decode")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TokenEvent:
-    """One sampled token of one request."""
+    """One sampled token of one request (not frozen: one is built per token, and a
+    frozen dataclass takes 2.3 us to build against 0.45)."""
 
     request_id: str
     token_id: int
