@@ -11,6 +11,15 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 
 TINY_VOCAB = 512
 TINY_EOS = 1
+# The tiny test models' widths: 2 layers, hidden 64, 4 heads over 2 KV heads, vocab 512.
+TINY_SHAPE: dict[str, Any] = {
+    "vocab_size": TINY_VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 
 
 def save_tiny_llama(path: Path, seed: int = 0, **overrides: Any) -> Path:
@@ -18,12 +27,7 @@ def save_tiny_llama(path: Path, seed: int = 0, **overrides: Any) -> Path:
     `seed`; `overrides` change LlamaConfig fields. Saved as safetensors."""
     torch.manual_seed(seed)
     fields: dict[str, Any] = {
-        "vocab_size": TINY_VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        **TINY_SHAPE,
         "max_position_embeddings": 1024,
         "bos_token_id": 0,
         "eos_token_id": TINY_EOS,

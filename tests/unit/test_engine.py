@@ -87,11 +87,13 @@ def test_prefix_cache_hit_gives_same_tokens_and_computes_less(model_dir: Path) -
     assert tokens == run(make_engine(model_dir), [second])["r0"]
 
 
-def test_preemption_under_a_small_pool_keeps_tokens_exact(model_dir: Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped steps"])
+def test_preemption_under_a_small_pool_keeps_tokens_exact(model_dir: Path, overlap: bool) -> None:
     prompts = random_prompts([30, 31, 32, 33], seed=6)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     roomy = run(make_engine(model_dir), prompts, params)
-    tight = make_engine(model_dir, cache_max_entry_count=12)  # 192 tokens for 4 x 72
+    # 192 tokens for 4 x 72
+    tight = make_engine(model_dir, cache_max_entry_count=12, overlap_steps=overlap)
     seqs = [Sequence(f"r{i}", p, params) for i, p in enumerate(prompts)]
     for seq in seqs:
         tight.add(seq)

@@ -119,24 +119,6 @@ def test_requests_joining_and_aborted_mid_run(model_dir: Path) -> None:
     assert engine.num_ahead_steps > 0
 
 
-def test_preemption_in_a_small_pool_with_steps_run_ahead(model_dir: Path) -> None:
-    prompts = random_prompts([30, 31, 32, 33], seed=6)
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    tight = {"cache_max_entry_count": 12}  # 192 tokens for 4 x 72: preemption
-    roomy_events = run(make_engine(model_dir, False), [(p, params) for p in prompts])
-    engine = make_engine(model_dir, True, **tight)
-    seqs = [Sequence(f"r{i}", p, params) for i, p in enumerate(prompts)]
-    for seq in seqs:
-        engine.add(seq)
-    while engine.has_work:
-        engine.step()
-    assert sum(seq.num_preemptions for seq in seqs) > 0
-    assert {s.request_id: s.output_token_ids for s in seqs} == {
-        r: [e[0] for e in events] for r, events in roomy_events.items()
-    }
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
-
-
 def test_a_repetition_penalty_never_runs_ahead(model_dir: Path) -> None:
     prompts = random_prompts([10, 20], seed=24)
     params = SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=12)

@@ -25,7 +25,7 @@ from transformers import (
 from lmd.engine.backend import BackendError, ForwardBatch, select_backend
 from lmd.engine.model_source import resolve_model
 from lmd.engine.torch_backend import TorchBackend
-from tests.models import hf_greedy, load_reference, random_prompts, save_tiny_llama
+from tests.models import TINY_SHAPE, hf_greedy, load_reference, random_prompts, save_tiny_llama
 
 BLOCK_SIZE = 4  # small, so that prompts span several blocks and end mid-block
 NUM_BLOCKS = 96
@@ -169,12 +169,7 @@ def test_prefix_from_cached_blocks_gives_same_logits(llama: TorchBackend) -> Non
 def test_sliding_window_and_softcap_match_transformers(tmp_path: Path) -> None:
     torch.manual_seed(0)
     config = Gemma2Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_SHAPE,
         head_dim=16,
         sliding_window=6,  # shorter than the prompts, so the window matters
         initializer_range=0.1,

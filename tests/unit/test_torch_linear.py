@@ -18,7 +18,7 @@ from lmd.engine.torch_backend.linear import (
     can_pack,
     pack_linears,
 )
-from tests.models import random_prompts, save_tiny_llama
+from tests.models import TINY_SHAPE, random_prompts, save_tiny_llama
 
 CPU = torch.device("cpu")
 
@@ -87,12 +87,7 @@ def test_pack_linears_fuses_siblings_and_packs_the_rest(tmp_path: Path) -> None:
 def test_qkv_bias_model_agrees_with_transformers(tmp_path: Path) -> None:
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_SHAPE,
         max_position_embeddings=256,
     )
     Qwen2ForCausalLM(config).save_pretrained(tmp_path)

@@ -35,7 +35,7 @@ DEVICE = torch.device("cuda" if ON_CUDA else "cpu")  # (keeps the imports below 
 from lmd.engine.backend import Backend, ForwardBatch  # noqa: E402
 from lmd.engine.torch_backend import TorchBackend  # noqa: E402
 from lmd.engine.turbo.backend import TurboBackend  # noqa: E402
-from tests.models import hf_greedy, random_prompts, save_tiny_llama  # noqa: E402
+from tests.models import TINY_SHAPE, hf_greedy, random_prompts, save_tiny_llama  # noqa: E402
 
 BLOCK_SIZE = 4  # small: prompts span several blocks and end mid-block
 # The interpreter is slow: fewer tokens on CPU; the 32 with CUDA.
@@ -234,12 +234,7 @@ def test_turbo_prefill_then_torch_decode_equals_turbo_alone(
 def test_qwen2_biases_and_tied_embeddings_match_transformers(tmp_path: Path) -> None:
     torch.manual_seed(1)
     config = Qwen2Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
+        **{**TINY_SHAPE, "num_key_value_heads": 1},
         tie_word_embeddings=True,
         initializer_range=0.05,
     )
@@ -261,12 +256,7 @@ def test_qwen2_biases_and_tied_embeddings_match_transformers(tmp_path: Path) -> 
 def test_mistral_sliding_window_matches_transformers(tmp_path: Path) -> None:
     torch.manual_seed(2)
     config = MistralConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_SHAPE,
         sliding_window=7,  # shorter than the prompts and the decode contexts
         initializer_range=0.1,
     )
