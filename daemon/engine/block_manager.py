@@ -153,11 +153,12 @@ class BlockManager:
         `num_tokens` tokens in all (a step run ahead of its last token's arrival)."""
         if not seq.block_table:
             raise RuntimeError(f"request {seq.request_id} holds no blocks; allocate it first")
-        if not self.can_append(seq, num_tokens):
+        missing = self.num_missing(seq, num_tokens)
+        if missing > self.num_free_blocks:
             raise RuntimeError(
                 f"request {seq.request_id} cannot grow: no free block; check can_append first"
             )
-        for _ in range(self.num_missing(seq, num_tokens)):
+        for _ in range(missing):
             seq.block_table.append(self._take_free())
 
     # -- prefix cache -----------------------------------------------------------------
