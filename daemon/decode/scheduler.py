@@ -67,10 +67,13 @@ class DecodeScheduler(SequenceQueues):
     def schedule(self) -> DecodeBatch:
         """The next step's batch, growing each sequence by one token's room."""
         batch = DecodeBatch()
+        block_size = self.block_manager.block_size
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            if self._make_room(seq, batch.preempted):
+            # Room already (most steps: the last block is not full), or made now.
+            has_room = seq.num_tokens <= len(seq.block_table) * block_size
+            if has_room or self._make_room(seq, batch.preempted):
                 batch.seqs.append(seq)
                 i += 1
         while self.waiting and len(self.running) < self.config.max_batch_size:
@@ -118,14 +121,16 @@ class DecodeScheduler(SequenceQueues):
                 f"expected {len(batch.seqs)} sampled tokens, one per sequence, got {len(token_ids)}"
             )
         finished: list[Sequence] = []
+        # Once per step, not per sequence (this loop runs for every token).
+        eos, max_seq_len = self.eos_token_ids, self.max_seq_len
+        caching = self.block_manager.enable_prefix_caching
         for seq, token_id in zip(batch.seqs, token_ids, strict=True):
             if seq.is_finished:  # aborted while the step ran
                 continue
             seq.num_cached_tokens = seq.num_tokens
-            self.block_manager.cache_full_blocks(seq)
-            reason = seq.append_token(
-                token_id, eos_token_ids=self.eos_token_ids, max_seq_len=self.max_seq_len
-            )
+            if caching:
+                self.block_manager.cache_full_blocks(seq)
+            reason = seq.append_token(token_id, eos_token_ids=eos, max_seq_len=max_seq_len)
             if reason is not None:
                 self.running.remove(seq)
                 if free:

@@ -378,8 +378,8 @@ class Engine:
                 tok,
                 lp,
                 seq.finish_reason,
-                min(seq.num_prefix_cached_tokens, seq.num_prompt_tokens),
-                seq.num_output_tokens - 1,
+                min(seq.num_prefix_cached_tokens, len(seq.prompt_token_ids)),
+                len(seq.output_token_ids) - 1,
             )
             for seq, tok, lp in zip(seqs, token_ids, logprobs, strict=True)
             if seq.finish_reason != FinishReason.ABORT

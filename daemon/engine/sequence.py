@@ -179,14 +179,16 @@ class Sequence:
         """
         if self.is_finished:
             raise RuntimeError(f"request {self.request_id} is finished; cannot append")
-        may_stop = self.num_output_tokens >= self.sampling.min_new_tokens
-        self.output_token_ids.append(token_id)
-        eos = not self.sampling.ignore_eos and token_id in eos_token_ids
+        # Plain len() calls, not the properties: this runs for every token.
+        sampling, output = self.sampling, self.output_token_ids
+        may_stop = len(output) >= sampling.min_new_tokens
+        output.append(token_id)
+        eos = not sampling.ignore_eos and token_id in eos_token_ids
         reason: FinishReason | None = None
-        if may_stop and (eos or token_id in self.sampling.stop_token_ids):
+        if may_stop and (eos or token_id in sampling.stop_token_ids):
             reason = FinishReason.STOP
-        elif self.num_output_tokens >= self.sampling.max_tokens or (
-            max_seq_len is not None and self.num_tokens >= max_seq_len
+        elif len(output) >= sampling.max_tokens or (
+            max_seq_len is not None and len(self.prompt_token_ids) + len(output) >= max_seq_len
         ):
             reason = FinishReason.LENGTH
         if reason is not None:
