@@ -11,6 +11,7 @@ server cut the request short).
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -106,8 +107,9 @@ class Answer:
 
 
 @dataclass(slots=True)
-class _Format:
-    """The envelope every body and chunk of one response shares."""
+class _Format(ABC):
+    """The envelope every body and chunk of one response shares; ChatFormat and
+    CompletionFormat say what a choice holds."""
 
     id: str
     created: int
@@ -134,9 +136,9 @@ class _Format:
             out["usage"] = None
         return out
 
+    @abstractmethod
     def choice(self, delta: Delta) -> dict[str, Any] | None:
         """A delta's one choice of a stream chunk; None when it carries nothing to show."""
-        raise NotImplementedError
 
     def chunk(self, delta: Delta) -> dict[str, Any] | None:
         """The chunk for a delta; None when it carries nothing to show."""
