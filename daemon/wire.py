@@ -1,4 +1,4 @@
-"""The wire format of protocol.py's messages: a message is a frozen dataclass with a
+"""The wire format of lmd.protocol's messages: a message is a frozen dataclass with a
 `TYPE` byte; it travels as ZeroMQ multipart frames.
 
 Frame 0 is the type byte, frame 1 an orjson header holding the message's JSON fields, and

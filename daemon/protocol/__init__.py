@@ -1,0 +1,100 @@
+"""Every message that crosses a process boundary, and nothing else.
+
+How a message becomes frames is wire.py's (type byte, orjson header, raw frames; nothing
+pickled). `decode` checks everything a peer could get wrong (type byte, header shape,
+field names and types, frame count, then each message's own `check`) and raises
+ProtocolError; receivers log, count and drop. The messages live by path: `control`
+(supervisor <-> workers), `requests` (the data path), `migration` (prefill <-> decode);
+everything is used as `protocol.Name`.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Union
+
+from lmd.protocol.control import (
+    ClusterState,
+    Drain,
+    Heartbeat,
+    Ready,
+    Reconfigure,
+    Resume,
+    Stop,
+)
+from lmd.protocol.kinds import MsgType
+from lmd.protocol.migration import Migrated, Release, Reserve, Reserved
+from lmd.protocol.requests import (
+    SESSION_ACTIONS,
+    Abort,
+    Generate,
+    RequestError,
+    SessionControl,
+    TextDelta,
+    TextRequest,
+    Tokens,
+)
+from lmd.wire import Codec, ProtocolError, pack_ids, unpack_ids
+
+__all__ = [
+    "SESSION_ACTIONS",
+    "Abort",
+    "ClusterState",
+    "Drain",
+    "Generate",
+    "Heartbeat",
+    "Message",
+    "Migrated",
+    "MsgType",
+    "ProtocolError",
+    "Ready",
+    "Reconfigure",
+    "Release",
+    "RequestError",
+    "Reserve",
+    "Reserved",
+    "Resume",
+    "SessionControl",
+    "Stop",
+    "TextDelta",
+    "TextRequest",
+    "Tokens",
+    "decode",
+    "encode",
+    "pack_ids",
+    "unpack_ids",
+]
+
+Message = Union[  # noqa: UP007
+    Ready,
+    Heartbeat,
+    Drain,
+    Resume,
+    Stop,
+    Reconfigure,
+    ClusterState,
+    Generate,
+    Abort,
+    Tokens,
+    RequestError,
+    TextRequest,
+    TextDelta,
+    SessionControl,
+    Reserve,
+    Reserved,
+    Migrated,
+    Release,
+]
+
+
+_CODEC = Codec(typing.get_args(Message))
+
+
+def encode(msg: Message) -> list[bytes]:
+    return _CODEC.encode(msg)
+
+
+def decode(frames: list[bytes]) -> Message:
+    """Parse a multipart message; raise ProtocolError saying what is wrong."""
+    msg: Message = _CODEC.decode(frames)
+    return msg

@@ -1,0 +1,175 @@
+"""The data path: requests, tokens, text and errors between api, tokenizer and engines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from lmd.names import WORKER_NAME
+from lmd.protocol.kinds import MsgType, check_ids, check_name
+from lmd.wire import ProtocolError, unpack_ids
+
+
+@dataclass(frozen=True, slots=True)
+class Generate:
+    """Run a tokenized request; its tokens go to the inbox of worker `reply_to`.
+
+    Sent to a hybrid engine (`decode` empty), or to a prefill worker with the decode
+    worker that continues the request after its KV migrated there.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.GENERATE
+    request_id: str
+    reply_to: str  # a worker name, e.g. "tokenizer-0"
+    sampling: dict[str, Any]  # SamplingParams fields
+    prompt: bytes  # token ids, int32 little-endian
+    decode: str = ""  # disaggregated: the decode worker's name
+
+    def check(self) -> None:
+        check_ids("Generate", "prompt", self.prompt)
+        check_name("Generate", "reply_to", self.reply_to)
+        if self.decode:
+            check_name("Generate", "decode", self.decode)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return unpack_ids(self.prompt)
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Forget a request and free what it holds (client gone, or stopped early)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.ABORT
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """The tokens one engine step sampled, one entry per request, for one receiver."""
+
+    TYPE: ClassVar[MsgType] = MsgType.TOKENS
+    request_ids: list[str]
+    finish_reasons: list[str | None]  # stop, length, abort on a request's last token
+    logprobs: list[dict[str, Any] | None]  # {"logprob", "top": [[id, logprob], ...]}
+    cached_tokens: list[int]  # prompt tokens the prefix cache served (no compute)
+    token_ids: bytes  # int32 little-endian, one per request
+    # int32 little-endian, one per request: the token's index among the request's output
+    # tokens. In disaggregated mode token 0 comes from prefill and the rest from decode,
+    # over different sockets: the tokenizer puts them back in order by it.
+    positions: bytes
+
+    def check(self) -> None:
+        n = len(self.request_ids)
+        lists = (self.finish_reasons, self.logprobs, self.cached_tokens)
+        if any(len(x) != n for x in lists):
+            raise ProtocolError(
+                "Tokens: request_ids, finish_reasons, logprobs, cached_tokens differ in length"
+            )
+        if len(self.token_ids) != 4 * n:
+            raise ProtocolError(f"Tokens: {n} requests but {len(self.token_ids) // 4} token ids")
+        if len(self.positions) != 4 * n:
+            raise ProtocolError(f"Tokens: {n} requests but {len(self.positions) // 4} positions")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestError:
+    """A request failed where it was; `code` is an OpenAI-style error type."""
+
+    TYPE: ClassVar[MsgType] = MsgType.REQUEST_ERROR
+    request_id: str
+    code: str  # invalid_request_error, overloaded, internal_error
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class TextRequest:
+    """An OpenAI request as the api hands it to the tokenizer (already validated).
+
+    Exactly one of `messages` (chat), `prompt` (completion text) or `prompt_ids`
+    (completion given as token ids; empty bytes when not) is set.
+
+    `session_id` (>= 0) makes it a turn of an interactive session (/v1/chat/interactive,
+    LMDeploy's): `prompt` is then a user turn for the chat template, not raw text. With
+    `interactive_mode` the turn follows the session's history and its answer joins it;
+    without, the session starts afresh and keeps nothing.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.TEXT_REQUEST
+    request_id: str
+    reply_to: str  # the api worker's name
+    messages: list[dict[str, Any]] | None
+    prompt: str | None
+    sampling: dict[str, Any]  # SamplingParams fields, passed on to the engine
+    stop: list[str]  # stop strings, matched on text across token boundaries
+    skip_special_tokens: bool
+    prompt_ids: bytes  # int32 little-endian
+    session_id: int | None = None  # an interactive session's id; None: no session
+    interactive_mode: bool = False  # keep the session's history (only with session_id)
+
+    def check(self) -> None:
+        given = [self.messages is not None, self.prompt is not None, bool(self.prompt_ids)]
+        if sum(given) != 1:
+            raise ProtocolError("TextRequest needs exactly one of messages, prompt, prompt_ids")
+        if self.session_id is not None and (self.session_id < 0 or self.prompt_ids):
+            raise ProtocolError("TextRequest.session_id must be >= 0 and needs messages or prompt")
+        if len(self.prompt_ids) % 4:
+            raise ProtocolError("TextRequest.prompt_ids must be an int32 array")
+        if not WORKER_NAME.fullmatch(self.reply_to):
+            raise ProtocolError(f"TextRequest.reply_to {self.reply_to[:40]!r} is not a worker name")
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    """New text of several requests since the last delta, for one api worker.
+
+    Per request: the text to append (stop strings removed), the finish reason on its
+    last delta (stop, length, abort), token counts so far (`cached_tokens`: prompt tokens
+    the engine's prefix cache served; `history_tokens`: prompt tokens an interactive
+    session brought from earlier turns, else 0), and, when logprobs were asked for, one
+    entry per new token: {"token", "logprob", "top": [[token, logprob], ...]}.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.TEXT_DELTA
+    request_ids: list[str]
+    texts: list[str]
+    finish_reasons: list[str | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    logprobs: list[list[dict[str, Any]] | None]
+    cached_tokens: list[int]
+    history_tokens: list[int]
+
+    def check(self) -> None:
+        n = len(self.request_ids)
+        lists = (
+            self.texts,
+            self.finish_reasons,
+            self.prompt_tokens,
+            self.completion_tokens,
+            self.logprobs,
+            self.cached_tokens,
+            self.history_tokens,
+        )
+        if any(len(x) != n for x in lists):
+            raise ProtocolError("TextDelta: per-request lists differ in length")
+
+
+SESSION_ACTIONS = ("cancel", "end")
+
+
+@dataclass(frozen=True, slots=True)
+class SessionControl:
+    """An interactive session's control, api -> tokenizer (answered by nobody).
+
+    `cancel` aborts the session's running request (it finishes with "abort" and its
+    turn is not kept); `end` does that too and forgets the session.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.SESSION_CONTROL
+    session_id: int
+    action: str  # one of SESSION_ACTIONS
+
+    def check(self) -> None:
+        if self.action not in SESSION_ACTIONS:
+            raise ProtocolError(f"SessionControl.action {self.action[:20]!r} is not cancel or end")
