@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -82,17 +82,15 @@ class InFlight:
     tokens: torch.Tensor  # [B] int64 on the device: the inputs of a step run ahead
     host: SamplerOutput  # host copies of the sampler's output, valid after wait()
     done: Any = None  # a torch.cuda.Event recorded after the copies; None on the CPU
-    seq_rows: dict[int, int] = field(default_factory=dict)  # id(seq) -> row
 
     @classmethod
     def launch(cls, batch: DecodeBatch, out: SamplerOutput) -> InFlight:
-        rows = {id(seq): i for i, seq in enumerate(batch.seqs)}
         if out.token_ids.device.type != "cuda":
-            return cls(batch, out.token_ids, out, None, rows)
+            return cls(batch, out.token_ids, out)
         host = out.to_host()
         done = torch.cuda.Event()  # type: ignore[no-untyped-call]
         done.record()
-        return cls(batch, out.token_ids, host, done, rows)
+        return cls(batch, out.token_ids, host, done)
 
     def wait(self) -> None:
         """Block until the step and its copies to the host are done."""
@@ -263,8 +261,13 @@ class Engine:
             events += self._step()
         return events
 
+    @property
+    def _free_slots(self) -> int:
+        """Decode batch places neither running, waiting nor being prefilled."""
+        return self.config.max_batch_size - self.decode.num_seqs - self.prefill.num_running
+
     def _step(self) -> list[TokenEvent]:
-        free_slots = self.config.max_batch_size - self.decode.num_seqs - self.prefill.num_running
+        free_slots = self._free_slots
         if self.role == "prefill":  # nothing decodes here: the batch is prefill's own
             free_slots = self.config.max_batch_size - self.prefill.num_running
         if self.prefill.num_waiting or self.prefill.num_running:
@@ -316,8 +319,7 @@ class Engine:
 
     def _schedule_ahead(self) -> DecodeBatch | None:
         """Step N+1 if it can run before step N's tokens are known (see the module doc)."""
-        free_slots = self.config.max_batch_size - self.decode.num_seqs - self.prefill.num_running
-        if self.prefill.num_running or (self.prefill.num_waiting and free_slots > 0):
+        if self.prefill.num_running or (self.prefill.num_waiting and self._free_slots > 0):
             return None  # a prompt is to be prefilled next
         if any(s.sampling.repetition_penalty != 1.0 for s in self.decode.running):
             return None  # needs the pending token in its history
@@ -326,10 +328,12 @@ class Engine:
     def _launch_ahead(self, batch: DecodeBatch, last: InFlight) -> InFlight:
         """Launch `batch`, each sequence feeding the token `last` sampled for it."""
         seqs = batch.seqs
-        rows = [last.seq_rows[id(s)] for s in seqs]  # every one ran in `last`
         tokens = last.tokens
-        if rows != list(range(tokens.shape[0])):  # some left since (aborted)
-            tokens = tokens.index_select(0, torch.tensor(rows).to(tokens.device, non_blocking=True))
+        # `seqs` are `last`'s in order, less any finished or aborted since (none join).
+        if len(seqs) < len(last.batch.seqs):
+            row = {id(s): i for i, s in enumerate(last.batch.seqs)}
+            index = torch.tensor([row[id(s)] for s in seqs])
+            tokens = tokens.index_select(0, index.to(tokens.device, non_blocking=True))
         forward = ForwardBatch.pack(
             [[0]] * len(seqs),  # placeholders: the ids are on the device (below)
             [s.num_tokens for s in seqs],  # the pending token's position
@@ -356,9 +360,10 @@ class Engine:
         finished = self.decode.postprocess(inflight.batch, token_ids, free=not ahead)
         if ahead:
             self._free_later.extend(finished)
-        return self._events(
-            [seqs[i] for i in live], [token_ids[i] for i in live], [logprobs[i] for i in live]
-        )
+        if len(live) < len(seqs):
+            seqs = [seqs[i] for i in live]
+            token_ids, logprobs = [token_ids[i] for i in live], [logprobs[i] for i in live]
+        return self._events(seqs, token_ids, logprobs)
 
     def _sample(
         self, forward: ForwardBatch, seqs: list[Sequence]
