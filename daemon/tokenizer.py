@@ -121,7 +121,6 @@ class TokenizerWorker(Worker):
     def on_cluster_state(self) -> None:
         """An engine that died took its requests with it: fail them now, never hang.
         An api worker that died took its clients: stop computing for them."""
-        self.outbox.flush()  # the text before an error goes first
         for request_id, request in list(self._requests.items()):
             if self._client_gone(request):
                 self._drop(request_id)
@@ -133,7 +132,7 @@ class TokenizerWorker(Worker):
             self._drop(request_id)
             self._abort_engines(request, request_id)  # free what a survivor holds
             error = protocol.RequestError(request_id, "service_unavailable", reason)
-            self.push(request.reply_to, error)
+            self.outbox.send(request.reply_to, error)  # after the text before it
 
     def _client_gone(self, request: TokenizerRequest) -> bool:
         if not self.workers or request.reply_pid is None:
@@ -163,8 +162,7 @@ class TokenizerWorker(Worker):
         elif isinstance(msg, protocol.RequestError):
             request = self._drop(msg.request_id)
             if request is not None:
-                self.outbox.flush()  # the text before the error goes first
-                self.push(request.reply_to, msg)
+                self.outbox.send(request.reply_to, msg)  # after the text before it
         elif isinstance(msg, protocol.Abort):
             request = self._drop(msg.request_id)
             if request is not None:
@@ -179,8 +177,7 @@ class TokenizerWorker(Worker):
 
     def _start_request(self, msg: protocol.TextRequest) -> None:
         def fail(code: str, message: str) -> None:
-            self.outbox.flush()
-            self.push(msg.reply_to, protocol.RequestError(msg.request_id, code, message))
+            self.outbox.send(msg.reply_to, protocol.RequestError(msg.request_id, code, message))
 
         if self.draining:
             fail("overloaded", "the server is draining; retry later")

@@ -73,8 +73,8 @@ class DeltaOutbox:
     TextDelta per api worker. When the tokenizer is behind (the engine stepped twice while
     it waited for a core) that is one send, one wakeup of the api and one write per stream
     instead of several; when it is not, the entries go out as soon as the message that
-    made them is handled, as before. Whatever else goes to an api worker must `flush()`
-    first, so that it arrives after the text before it.
+    made them is handled, as before. Whatever else goes to an api worker goes through
+    `send`, which flushes first, so that it arrives after the text before it.
     """
 
     MAX_ENTRIES = 512  # sent at once past this: a full inbox must not hold text back
@@ -105,6 +105,11 @@ class DeltaOutbox:
         entries, self._entries, self._num_entries = self._entries, {}, 0
         for reply_to, batch in entries.items():
             self._push(reply_to, text_delta(batch))
+
+    def send(self, reply_to: str, msg: protocol.Message) -> None:
+        """Another message for an api worker, after all the text held (for any of them)."""
+        self.flush()
+        self._push(reply_to, msg)
 
     def _flush_soon(self) -> None:
         self._scheduled = False

@@ -61,13 +61,12 @@ async def test_entries_of_one_turn_go_out_as_one_text_delta_per_api_worker() -> 
     assert len(outbox) == 0
 
 
-async def test_flush_sends_at_once_so_that_what_follows_comes_after() -> None:
+async def test_another_message_goes_after_the_text_held() -> None:
     sent = Sent()
     outbox = DeltaOutbox(sent)
     request = tokenizer_request()
     outbox.add("api-0", request.delta_entry("r", StreamUpdate("x", None, False)))
-    outbox.flush()
-    sent("api-0", protocol.RequestError("r", "internal_error", "the engine failed"))
+    outbox.send("api-0", protocol.RequestError("r", "internal_error", "the engine failed"))
     await asyncio.sleep(0)  # nothing is left for the end of the turn
     kinds = [type(msg).__name__ for _, msg in sent.messages]
     assert kinds == ["TextDelta", "RequestError"]
