@@ -16,7 +16,9 @@ from typing import Any
 from lmd.engine.config import EngineConfig
 from lmd.names import NODE_NAME
 
-BACKENDS = ("auto", "torch", "turbo", "fake")  # fake: no model, for benchmarks
+# fake: the engine around no model; fixed: no engine at all, fixed tokens (hybrid mode
+# only). Both for benchmarks and tests.
+BACKENDS = ("auto", "torch", "turbo", "fake", "fixed")
 MODES = ("disaggregated", "hybrid")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # native: lmd._native (host shared memory, CUDA IPC); nixl: NVIDIA NIXL over UCX, the
@@ -123,6 +125,12 @@ class ServeConfig:
         for key in ("prefill_backend", "decode_backend"):
             value = getattr(self, key)
             _check(value in BACKENDS, key, f"{value!r} is not one of {', '.join(BACKENDS)}")
+        _check(
+            self.decode_backend != "fixed" or self.mode == "hybrid",
+            "decode_backend",
+            "fixed has no KV to migrate: it needs --mode hybrid",
+        )
+        _check(self.prefill_backend != "fixed", "prefill_backend", "fixed needs --mode hybrid")
         for key in ("prefill_workers", "decode_workers"):
             value = getattr(self, key)
             _check(1 <= value <= 64, key, f"{value} is out of range (1-64)")

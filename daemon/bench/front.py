@@ -1,11 +1,15 @@
 """`lmd-bench front`: what the serving path costs without the model.
 
-    lmd-bench front [--requests 2000] [--concurrency 64] [--stream-tokens 64]
-                    [--temperature 0] [--torch-threads 1] [--json]
+    lmd-bench front [--engine fixed|fake] [--requests 2000] [--concurrency 64]
+                    [--stream-tokens 64] [--temperature 0] [--torch-threads 1] [--json]
 
-Starts a daemon in hybrid mode with the `fake` backend (tokens come out of a fixed rule,
-no model runs; the real tokenizer, api, engine loop and wire protocol do), then measures
-through HTTP on loopback:
+Starts a daemon in hybrid mode whose engine worker computes nothing, then measures the
+real api, tokenizer and wire protocol through HTTP on loopback. `--engine fixed` (the
+default, the front issue's "fake engine, a worker that returns fixed tokens at once"):
+the worker runs `FixedTokenEngine`, which gives every running request its next token at
+each step, with no scheduler, sampler or KV. `--engine fake`: the real engine (schedulers,
+sampler, block manager) around the `fake` backend, a model that computes nothing; the
+engine's own per-token cost is then in the figures too. Measured:
 - non-streaming `/v1/completions` with max_tokens=1 at --concurrency: requests per second;
 - the same one at a time: p50/p99 latency, i.e. what the front adds to every request;
 - streaming with --stream-tokens tokens each at --concurrency: streamed tokens per second;
@@ -48,6 +52,12 @@ MODEL_FIELDS = {"model": "SmolLM2-135M-Instruct", "prompt": "Hello there"}
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("front", help="the serving path's own cost, with a model-less engine")
+    p.add_argument(
+        "--engine",
+        choices=("fixed", "fake"),
+        default="fixed",
+        help="fixed: no engine, fixed tokens at once; fake: the real engine, no model",
+    )
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--stream-tokens", type=int, default=64)
@@ -121,8 +131,9 @@ def _requester(temperature: float) -> Unit:
 
 
 def _streamer(tokens: int, temperature: float, chunks: list[int] | None = None) -> Unit:
-    """Streams `tokens` each; `chunks[0]` counts the HTTP chunks (the api's writes)."""
-    counted = chunks if chunks is not None else [0]
+    """Streams `tokens` each; `chunks` counts the HTTP chunks (the api's writes) and the
+    SSE `data: {...}` events that carried text (the usage-only one left out)."""
+    counted = chunks if chunks is not None else [0, 0]
     body = {
         **MODEL_FIELDS,
         "temperature": temperature,
@@ -140,9 +151,13 @@ def _streamer(tokens: int, temperature: float, chunks: list[int] | None = None) 
             pending += piece
             *events, pending = pending.split(b"\n\n")
             for event in events:
+                if not event.startswith(b"data: {"):
+                    continue
                 # Only the last chunk (include_usage) has a usage object.
-                if event.startswith(b"data: {") and b'"usage":{' in event:
+                if b'"usage":{' in event:
                     usage = orjson.loads(event[6:])["usage"]["completion_tokens"]
+                else:
+                    counted[1] += 1
         if usage != tokens:
             raise ValueError(f"streamed {usage} tokens, not {tokens}")
         return usage
@@ -189,13 +204,14 @@ async def _measure(port: int, args: argparse.Namespace, cpu: CpuMeter) -> dict[s
     _, lat, _, failed_1 = await _load(min(500, args.requests), 1, one_request, port)
     n_stream = max(1, args.requests // 4)
     before = cpu.read()
-    chunks = [0]
+    chunks = [0, 0]
     s_secs, _, tokens, s_failed = await _load(
         n_stream, args.concurrency, _streamer(args.stream_tokens, args.temperature, chunks), port
     )
     cpu_token = cpu.per_unit(before, tokens, 1e6)
     return {
         "benchmark": "front",
+        "engine": args.engine,
         "requests": args.requests,
         "concurrency": args.concurrency,
         "temperature": args.temperature,
@@ -206,6 +222,7 @@ async def _measure(port: int, args: argparse.Namespace, cpu: CpuMeter) -> dict[s
         "stream_tokens_each": args.stream_tokens,
         "streamed_tokens_per_s": round(tokens / s_secs, 1),
         "stream_tokens_per_write": round(tokens / max(chunks[0], 1), 2),
+        "stream_tokens_per_event": round(tokens / max(chunks[1], 1), 2),
         "cpu_us_per_streamed_token": cpu_token,
         "failed": failed + failed_1 + s_failed,
     }
@@ -226,7 +243,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "--mode",
         "hybrid",
         "--decode-backend",
-        "fake",
+        args.engine,
         "--port",
         str(port),
         "--runtime-dir",
@@ -288,12 +305,14 @@ def _wait_healthy(url: str, daemon: subprocess.Popen[bytes], log_path: Path) -> 
 def summary(result: dict[str, Any]) -> str:
     lat = result["latency_ms_at_concurrency_1"]
     return (
+        f"engine: {result['engine']}\n"
         f"non-streaming: {result['requests_per_s']:,} requests/s at concurrency "
         f"{result['concurrency']} ({result['requests']:,} requests)\n"
         f"one at a time: p50 {lat['p50']} ms, p99 {lat['p99']} ms per request\n"
         f"streaming: {result['streamed_tokens_per_s']:,} tokens/s "
         f"({result['stream_requests']:,} x {result['stream_tokens_each']} tokens, "
-        f"{result['stream_tokens_per_write']} tokens per write)\n"
+        f"{result['stream_tokens_per_write']} tokens per write, "
+        f"{result['stream_tokens_per_event']} per SSE event)\n"
         f"CPU ms per request: {_cpu_line(result['cpu_ms_per_request'])}\n"
         f"CPU us per streamed token: {_cpu_line(result['cpu_us_per_streamed_token'])}\n"
         f"failed: {result['failed']}"

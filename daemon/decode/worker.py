@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from lmd import protocol
+from lmd.engine.engine import Engine
 from lmd.engine.worker import EngineWorker
 from lmd.migration.receiver import MigrationError, Receiver, ReservationRefused
 from lmd.protocol import Message
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 
 class DecodeWorker(EngineWorker):
     role = "decode"
+    engine: Engine
     accepted = (protocol.Reserve, protocol.Migrated, protocol.Release, protocol.Abort)
 
     async def start(self) -> None:

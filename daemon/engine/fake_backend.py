@@ -85,6 +85,14 @@ class FakeBackend(Backend):
             nxt = torch.where(nxt == eos, (nxt + 1) % self.vocab_size, nxt)
         return nxt
 
+    def next_token_id(self, token: int) -> int:
+        """`next_token` for one Python int (the fixed-token engine's, per token)."""
+        nxt = (token * 31 + 7) % self.vocab_size
+        for eos in self._eos:
+            if nxt == eos:
+                nxt = (nxt + 1) % self.vocab_size
+        return nxt
+
     def forward(self, batch: ForwardBatch, kv: Tensor) -> Tensor:
         rows = batch.logits_indices.to(self._device)
         last = batch.input_ids.to(self._device)[rows]  # [R]

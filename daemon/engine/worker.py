@@ -35,6 +35,7 @@ from lmd.config import ServeConfig
 from lmd.engine.backend import BackendError
 from lmd.engine.config import EngineConfig
 from lmd.engine.engine import Engine, TokenEvent
+from lmd.engine.fixed_engine import FixedTokenEngine, FixedTokens
 from lmd.engine.model_source import ModelSourceError, resolve_model
 from lmd.engine.sequence import SamplingParams, Sequence
 from lmd.engine.stage_clock import StageClock
@@ -53,6 +54,7 @@ def num_engine_workers(config: ServeConfig) -> int:
 
 class EngineWorker(Worker):
     role = "hybrid"
+    engine: Engine | FixedTokenEngine  # the disaggregated roles run an Engine
 
     async def start(self) -> None:
         device = self.spec.device or "cpu"
@@ -61,19 +63,23 @@ class EngineWorker(Worker):
             model = resolve_model(self.config.model)
             if self.role != "hybrid":
                 self.memory = PoolMemory.for_device(device, self.config.migration_transport)
-            self.engine = await asyncio.to_thread(
-                Engine.build,
-                model.path,
-                self.engine_config(),
-                device=device,
-                dtype=self.config.dtype,
-                backend=self.spec.backend or "auto",
-                role=self.role,
-                pool_buffer=None if self.memory is None else self.memory.buffer,
-                cpu_engines=num_engine_workers(self.config),
-            )
-            if self.memory is not None:
-                self.memory.attach(self.engine.pool)
+            if self.spec.backend == "fixed":  # hybrid only (config.py)
+                self.engine = FixedTokenEngine(FixedTokens(model.path), self.engine_config())
+            else:
+                engine = await asyncio.to_thread(
+                    Engine.build,
+                    model.path,
+                    self.engine_config(),
+                    device=device,
+                    dtype=self.config.dtype,
+                    backend=self.spec.backend or "auto",
+                    role=self.role,
+                    pool_buffer=None if self.memory is None else self.memory.buffer,
+                    cpu_engines=num_engine_workers(self.config),
+                )
+                if self.memory is not None:
+                    self.memory.attach(engine.pool)
+                self.engine = engine
         except (ModelSourceError, BackendError, ValueError, OSError, RuntimeError) as exc:
             raise WorkerStartError(str(exc)) from None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.spec.name}-step")

@@ -36,7 +36,7 @@ from collections import OrderedDict, defaultdict, deque
 from typing import Any
 
 from lmd import protocol
-from lmd.engine.engine import TokenEvent
+from lmd.engine.engine import Engine, TokenEvent
 from lmd.engine.worker import EngineWorker, logprobs_dict
 from lmd.migration.receiver import MigrationError
 from lmd.migration.sender import Outgoing, Sender
@@ -52,6 +52,7 @@ RELEASED_MEMORY = 4096
 
 class PrefillWorker(EngineWorker):
     role = "prefill"
+    engine: Engine
     accepted = (protocol.Generate, protocol.Abort, protocol.Reserved, protocol.RequestError)
 
     async def start(self) -> None:
