@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel
@@ -74,3 +74,33 @@ def random_prompts(
     """Random token ids, skipping 0 and 1 (bos and eos of the tiny Llama)."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three prime numbers greater than 50.",
+    "Translate 'good morning' into Spanish and German.",
+    "Why is the sky blue?",
+    "Give me a name for a grey cat.",
+    "What does a compiler do?",
+]
+
+
+def chat_prompts(model_dir: Path, questions: Sequence[str] = QUESTIONS) -> list[list[int]]:
+    """Each question as one user turn through the model's own chat template, as token ids."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    prompts = []
+    for q in questions:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        assert isinstance(ids, list) and all(isinstance(t, int) for t in ids)
+        prompts.append(cast(list[int], ids))
+    return prompts

@@ -92,12 +92,28 @@ def test_bf16_logits_agree_with_float32_transformers(smollm_dir: Path) -> None:
     assert top1 >= 0.99
 
 
+def agreement_along(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> tuple[float, float]:
+    """Two decoders' teacher-forced decode logits, step by step ([B, V] each): the largest
+    relative error of a step (a wrong KV layout or rotation gives ~1), and the share of
+    rows where their greedy choices agree."""
+    worst = 0.0
+    agree = total = 0
+    for a, b in zip(ours, theirs, strict=True):
+        worst = max(worst, float((a - b).norm() / a.norm()))
+        agree += int(a.argmax(-1).eq(b.argmax(-1)).sum())
+        total += a.shape[0]
+    return worst, agree / total
+
+
 def test_prefill_and_decode_on_different_backends(tmp_path: Path) -> None:
     """float32: the same 32 greedy tokens whichever backend prefills and which decodes
     (the pool's layout, rotation and dtype are shared). bf16: torch and turbo round
     differently (transformers rounds cos/sin to bf16, we rotate in float32), so greedy
-    paths of a random model part at near-ties; along turbo's own output, torch decoding
-    from turbo's prefill must choose turbo's token almost everywhere."""
+    paths of a random model part at near-ties, as transformers' own bf16 paths (SDPA
+    and eager attention) part from each other (docs/benchmarks.md). Along turbo's own
+    output, torch decoding from turbo's prefill must give turbo's logits within 2e-2 (the
+    issue's bound against float32) at every step and choose turbo's token almost
+    everywhere."""
     model_dir = save_bf16(tmp_path, vocab_size=2048, initializer_range=0.05)
     prompts = random_prompts([7, 40, 100], 2048, seed=22)
     turbo = TurboBackend(model_dir, CUDA, torch.float32)
@@ -108,11 +124,16 @@ def test_prefill_and_decode_on_different_backends(tmp_path: Path) -> None:
 
     turbo = TurboBackend(model_dir, CUDA, BF16)
     torch_backend = TorchBackend(model_dir, CUDA, BF16)
-    alone = greedy(turbo, prompts, 32)
-    mixed = greedy(turbo, prompts, 32, decode=torch_backend, force=alone)
-    same = sum(a == b for x, y in zip(alone, mixed, strict=True) for a, b in zip(x, y, strict=True))
-    print(f"\nbf16 turbo prefill + torch decode, teacher-forced: {same}/96 tokens as turbo alone")
-    assert same / 96 >= 0.95
+    ours: list[torch.Tensor] = []
+    theirs: list[torch.Tensor] = []
+    alone = greedy(turbo, prompts, 32, logits=ours)
+    greedy(turbo, prompts, 32, decode=torch_backend, force=alone, logits=theirs)
+    worst, agreement = agreement_along(ours, theirs)
+    print(
+        f"\nbf16 turbo prefill + torch decode, teacher-forced: {agreement:.3f} of turbo's "
+        f"tokens, logits within {worst:.2e} of turbo's at every step"
+    )
+    assert worst < 2e-2 and agreement >= 0.95
 
 
 def test_cuda_graph_decode_gives_the_eager_tokens(smollm_dir: Path) -> None:

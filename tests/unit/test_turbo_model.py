@@ -98,13 +98,15 @@ def greedy(
     decode: Backend | None = None,
     kv: Tensor | None = None,
     force: Sequence[Sequence[int]] | None = None,
+    logits: list[Tensor] | None = None,
 ) -> list[list[int]]:
     """Greedy decoding as the engine runs it: prompts in chunks of `chunk` tokens on
     `prefill`, then one decode step per token for all sequences on `decode` (default
     the same backend), all in one KV pool (default: a fresh one of blocks of 4).
 
     With `force` (teacher forcing), decode step t feeds force[b][t] instead of the
-    token chosen before; the chosen tokens are still what it returns.
+    token chosen before; the chosen tokens are still what it returns. `logits`, when
+    given, gets each decode step's logits ([B, V] float32 on the host).
     """
     decoder = decode or prefill
     kv = new_pool(prefill) if kv is None else kv
@@ -136,7 +138,10 @@ def greedy(
             for f, o in zip(force or outputs, outputs, strict=True)
         ]
         batch = ForwardBatch.pack(fed, [n - 1 for n in lens], tables, block_size)
-        for out, token in zip(outputs, decoder.forward(batch, kv).argmax(-1).tolist(), strict=True):
+        step = decoder.forward(batch, kv)
+        if logits is not None:
+            logits.append(step.float().cpu())
+        for out, token in zip(outputs, step.argmax(-1).tolist(), strict=True):
             out.append(token)
     return outputs
 
