@@ -125,12 +125,10 @@ class ServeConfig:
         for key in ("prefill_backend", "decode_backend"):
             value = getattr(self, key)
             _check(value in BACKENDS, key, f"{value!r} is not one of {', '.join(BACKENDS)}")
-        _check(
-            self.decode_backend != "fixed" or self.mode == "hybrid",
-            "decode_backend",
-            "fixed has no KV to migrate: it needs --mode hybrid",
-        )
-        _check(self.prefill_backend != "fixed", "prefill_backend", "fixed needs --mode hybrid")
+        only_hybrid = "fixed holds no KV, so it runs only as --mode hybrid --decode-backend fixed"
+        hybrid = self.mode == "hybrid"
+        _check(self.decode_backend != "fixed" or hybrid, "decode_backend", only_hybrid)
+        _check(self.prefill_backend != "fixed", "prefill_backend", only_hybrid)
         for key in ("prefill_workers", "decode_workers"):
             value = getattr(self, key)
             _check(1 <= value <= 64, key, f"{value} is out of range (1-64)")

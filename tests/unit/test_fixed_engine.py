@@ -94,7 +94,7 @@ def test_abort_forgets_the_request_and_bad_requests_say_why(model_dir: Path) -> 
 def test_it_runs_only_in_hybrid_mode(tmp_path: Path) -> None:
     config = ServeConfig(tmp_path, mode="hybrid", decode_backend="fixed")
     assert config.decode_backend == "fixed"
-    with pytest.raises(ConfigError, match="needs --mode hybrid"):
+    with pytest.raises(ConfigError, match="only as --mode hybrid --decode-backend fixed"):
         ServeConfig(tmp_path, decode_backend="fixed")
-    with pytest.raises(ConfigError, match="needs --mode hybrid"):
+    with pytest.raises(ConfigError, match="only as --mode hybrid --decode-backend fixed"):
         ServeConfig(tmp_path, mode="hybrid", prefill_backend="fixed")
