@@ -257,6 +257,20 @@ def parse_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def mm_has_float_output(like: Tensor) -> bool:
+    """Whether torch.mm can multiply half-precision matrices like `like` into float32 here
+    (cuBLAS can; torch exposes it as `out_dtype` on CUDA since 2.8). Both backends take
+    their logits that way: cuBLAS accumulates in float32 anyway, and rounding logits to
+    bf16 alone flips the greedy choice at ~1% of a random model's tokens."""
+    if like.dtype == torch.float32 or like.device.type != "cuda":
+        return False
+    a = torch.ones(2, 2, dtype=like.dtype, device=like.device)
+    try:
+        return bool(torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32)
+    except (TypeError, RuntimeError):
+        return False
+
+
 def select_backend(
     name: str,
     architecture: str,

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from lmd.engine.backend import ForwardBatch
 from lmd.engine.torch_backend import TorchBackend
+from lmd.engine.torch_backend.logits import FloatOutputLinear
 from tests.models import hf_greedy, random_prompts, save_tiny_llama
 from tests.unit.test_torch_backend import BLOCK_SIZE, greedy
 
@@ -68,6 +69,21 @@ def test_half_top1_agrees_with_transformers(model_dir: Path, dtype: torch.dtype)
         agree += sum(a == b for a, b in zip(theirs, tokens, strict=True))
         total += len(tokens)
     assert agree / total >= 0.95
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_logits_come_out_in_float32(model_dir: Path, dtype: torch.dtype) -> None:
+    """The lm_head gives the float32 product of the half-precision hidden state and
+    weight (logits.py), not logits rounded to the half-precision grid."""
+    backend = TorchBackend(model_dir, CUDA, dtype)
+    head = backend.model.get_output_embeddings()  # type: ignore[no-untyped-call]
+    assert isinstance(head, FloatOutputLinear)
+    x = torch.randn(5, head.weight.shape[1], device=CUDA).to(dtype)  # [5, hidden]
+    y = head(x)
+    assert y.dtype == torch.float32
+    exact = x.double() @ head.weight.double().t()
+    torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5)  # fp32 accumulation
+    assert not torch.equal(y, y.to(dtype).float())
 
 
 @pytest.mark.parametrize("dtype", HALF)

@@ -28,6 +28,7 @@ from lmd.engine.torch_backend.attention import (
 from lmd.engine.torch_backend.cpu_threads import CpuThreads
 from lmd.engine.torch_backend.host_memory import keep_freed_memory
 from lmd.engine.torch_backend.linear import can_pack, pack_linears
+from lmd.engine.torch_backend.logits import float_logits
 from lmd.engine.torch_backend.norm import fuse_rms_norms
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class TorchBackend(Backend):
         if can_pack(self._device, dtype):  # fp32 on CPU: see linear.py and norm.py
             pack_linears(self.model)
             fuse_rms_norms(self.model)
+        float_logits(self.model)  # half precision on CUDA: see logits.py
         self._architecture = type(model).__name__
         log.info(
             "torch backend: %s from %s on %s (%s)", self._architecture, model_dir, device, dtype

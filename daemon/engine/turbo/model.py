@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lmd.engine.backend import ForwardBatch
+from lmd.engine.backend import ForwardBatch, mm_has_float_output
 from lmd.engine.turbo import kernels
 from lmd.engine.turbo.config import TurboConfig
 from lmd.engine.turbo.weights import ModelWeights
@@ -89,7 +89,7 @@ class TurboModel:
         self.weights = weights
         self.rope = rope  # [max_positions, D] float32, cos | sin
         self.scale = config.head_dim**-0.5
-        self.float_logits = _mm_has_float_output(weights.embed)
+        self.float_logits = mm_has_float_output(weights.embed)
         # Decode steps of up to 16 rows take the skinny-GEMM kernel (kernels/gemv.py),
         # faster than cuBLAS at those shapes in half precision (float32 keeps cuBLAS: the
         # kernel's tl.dot would round it to TF32); CPU (the interpreter tests) keeps F.linear.
@@ -175,15 +175,3 @@ class TurboModel:
             scale=self.scale,
             window=window,
         )
-
-
-def _mm_has_float_output(like: Tensor) -> bool:
-    """Whether torch.mm can multiply half-precision matrices into float32 here (cuBLAS
-    can; torch exposes it as `out_dtype` on CUDA since 2.8)."""
-    if like.dtype == torch.float32 or like.device.type != "cuda":
-        return False
-    a = torch.ones(2, 2, dtype=like.dtype, device=like.device)
-    try:
-        return bool(torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32)
-    except (TypeError, RuntimeError):
-        return False
