@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from lmd.names import WORKER_NAME
 from lmd.protocol.kinds import MsgType, check_ids, check_name
 from lmd.wire import ProtocolError, unpack_ids
 
@@ -115,8 +114,7 @@ class TextRequest:
             raise ProtocolError("TextRequest.session_id must be >= 0 and needs messages or prompt")
         if len(self.prompt_ids) % 4:
             raise ProtocolError("TextRequest.prompt_ids must be an int32 array")
-        if not WORKER_NAME.fullmatch(self.reply_to):
-            raise ProtocolError(f"TextRequest.reply_to {self.reply_to[:40]!r} is not a worker name")
+        check_name("TextRequest", "reply_to", self.reply_to)
 
 
 @dataclass(frozen=True, slots=True)
