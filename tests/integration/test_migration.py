@@ -123,9 +123,16 @@ def fake_engines() -> Iterator[Daemon]:
 
 
 async def _stream(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict[str, Any]:
-    """A streamed completion: its chunk count, how it ended (error, finish reason, an
-    HTTP status) and when."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    """A streamed completion of exactly max_tokens unless cut short: its chunk count, how
+    it ended (error, finish reason, an HTTP status) and when. ignore_eos: at the default
+    temperature of 1 the fake model samples EOS now and then (1 in ~49k tokens)."""
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+    }
     chunks, ended = 0, "eof"
     async with http.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
