@@ -187,10 +187,12 @@ def kill_decode_during_migrations(
 
     results, killed_at = asyncio.run(run())
     for r in results:
-        # An error event, or a 503 for one whose stream had not started: never a
-        # silent end, never a hang.
-        assert r["ended"] in ("error", "http 503"), r
+        # An error event, or a 503 for one whose stream had not started, or, for one the
+        # model-less decode finished before the kill landed (1,000 tokens take it ~0.5 s),
+        # its whole answer up to the session length: never a silent end, never a hang.
+        assert r["ended"] in ("error", "http 503", "length"), r
         assert r["at"] - killed_at < 10
+    assert any(r["ended"] == "error" for r in results), results  # some were cut by the kill
     wait_until(lambda: decoder.worker(names["decode"])["state"] == "running", 30, "decode back")
     assert decoder.worker(names["decode"])["pid"] != decode_pid
     wait_until(lambda: httpx.get(f"{daemon.url}/health").status_code == 200, 30, "health")
