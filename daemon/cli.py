@@ -194,7 +194,7 @@ def resolve_device(device: str) -> str:
 
 def serve(args: argparse.Namespace) -> int:
     from lmd.paths import RuntimeDirError, prepare_runtime_dir
-    from lmd.runtime_lock import AlreadyRunning
+    from lmd.supervisor.runtime_lock import AlreadyRunning
     from lmd.worker import configure_logging
 
     try:
@@ -212,8 +212,8 @@ def serve(args: argparse.Namespace) -> int:
 
     import uvloop
 
-    from lmd.sd_notify import Notifier
-    from lmd.supervisor import Supervisor
+    from lmd.supervisor.sd_notify import Notifier
+    from lmd.supervisor.supervisor import Supervisor
 
     # Read $NOTIFY_SOCKET before any worker is spawned, and unset it: only we speak to
     # systemd (NotifyAccess=main), workers report to us.

@@ -5,7 +5,7 @@ Modes:
       workers compute prompts and migrate their KV to decode workers
       (lmd.prefill.worker, lmd.decode.worker; ARCHITECTURE §4).
   hybrid: tokenizer-0, hybrid-0, api-0; hybrid-0 runs the whole engine (prefill and
-      decode in one process, lmd.engine.worker): the smallest deployments, and the
+      decode in one process, lmd.hybrid.worker): the smallest deployments, and the
       reference the disaggregated path is tested against.
 """
 
@@ -21,15 +21,15 @@ ENGINE_ROLES = ("prefill", "decode", "hybrid")
 
 def worker_class(role: str) -> type[Worker]:
     if role == "api":
-        from lmd.api import ApiWorker  # only the api process needs FastAPI
+        from lmd.api.worker import ApiWorker  # only the api process needs FastAPI
 
         return ApiWorker
     if role == "tokenizer":
-        from lmd.tokenizer import TokenizerWorker
+        from lmd.tokenizer.worker import TokenizerWorker
 
         return TokenizerWorker
     if role == "hybrid":
-        from lmd.engine.worker import EngineWorker  # only engines import torch
+        from lmd.hybrid.worker import EngineWorker  # only engines import torch
 
         return EngineWorker
     if role == "prefill":

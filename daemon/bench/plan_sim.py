@@ -1,7 +1,7 @@
 """A discrete-event simulation of an lmd cluster for `lmd-bench plan` (pure, deterministic).
 
 Life cycle of a request in the simulation (disaggregated; hybrid skips steps 2 and 5):
-  1. It arrives; the tokenizer's router (lmd.routing.Router itself) picks the prefill and
+  1. It arrives; the tokenizer's router (lmd.tokenizer.routing.Router itself) picks the prefill and
      the decode worker with the fewest requests in flight, ties round robin.
   2. The prefill worker asks the decode worker to reserve, in arrival order, while what
      it reserved and has not prefilled yet is under two steps of prompt tokens. Decode
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from lmd.bench.plan_engine import Clock, Engine, Slots
 from lmd.bench.plan_profile import WorkerProfile
 from lmd.bench.plan_workload import SimRequest
-from lmd.routing import Route, Router
+from lmd.tokenizer.routing import Route, Router
 
 RESERVE_AHEAD_STEPS = 2  # lmd.prefill.worker's (a test keeps them equal)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from lmd import protocol
 from lmd.engine.engine import Engine
-from lmd.engine.worker import EngineWorker
+from lmd.hybrid.worker import EngineWorker
 from lmd.migration.receiver import MigrationError, Receiver, ReservationRefused
 from lmd.protocol import Message
 

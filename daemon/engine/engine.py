@@ -41,10 +41,10 @@ from typing import Any
 import psutil
 import torch
 
-from lmd.decode.scheduler import DecodeBatch, DecodeScheduler
 from lmd.engine.backend import Backend, ForwardBatch, parse_dtype, select_backend
 from lmd.engine.block_manager import BlockManager
 from lmd.engine.config import EngineConfig
+from lmd.engine.decode_scheduler import DecodeBatch, DecodeScheduler
 from lmd.engine.kv_pool import (
     KVPool,
     PoolBuffer,
@@ -52,9 +52,9 @@ from lmd.engine.kv_pool import (
     cpu_free_bytes,
     num_blocks_for,
 )
+from lmd.engine.prefill_scheduler import PrefillBatch, PrefillScheduler
 from lmd.engine.sampler import Sampler, SamplerOutput, TokenLogprobs
 from lmd.engine.sequence import FinishReason, Sequence
-from lmd.prefill.scheduler import PrefillBatch, PrefillScheduler
 
 log = logging.getLogger(__name__)
 

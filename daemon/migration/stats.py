@@ -2,7 +2,7 @@
 
 They reach `lmdctl status --json` (per worker) and the api's /metrics
 (lmd_migration_bytes_total, lmd_migration_seconds, lmd_migration_failures_total, one
-series per prefill worker; see lmd.api_metrics).
+series per prefill worker; see lmd.api.metrics).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from typing import Any
 
 from lmd import protocol
 from lmd.engine.engine import Engine, TokenEvent
-from lmd.engine.worker import EngineWorker, logprobs_dict
+from lmd.hybrid.worker import EngineWorker, logprobs_dict
 from lmd.migration.receiver import MigrationError
 from lmd.migration.sender import Outgoing, Sender
 from lmd.migration.stats import MigrationStats

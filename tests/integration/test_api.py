@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 
 from lmd import protocol
-from lmd.api import ApiWorker
+from lmd.api.worker import ApiWorker
 from lmd.config import ServeConfig
 from lmd.worker import WorkerSpec
 from tests.integration.daemon import free_port

@@ -33,9 +33,9 @@ import httpx
 import orjson
 import pytest
 
-from lmd.control import MAX_BODY_BYTES, build_control_app
 from lmd.http_server import EmbeddedServer, bind_unix
-from lmd.supervisor import Supervisor
+from lmd.supervisor.control import MAX_BODY_BYTES, build_control_app
+from lmd.supervisor.supervisor import Supervisor
 from tests.integration.daemon import DISAGGREGATED, Daemon, wait_until
 
 NOBODY = 65534
@@ -213,7 +213,7 @@ async def test_another_users_request_is_refused(caplog: pytest.LogCaptureFixture
         server = EmbeddedServer(app, sock, "info")
         await server.start()
         try:
-            with caplog.at_level(logging.WARNING, logger="lmd.control"):
+            with caplog.at_level(logging.WARNING, logger="lmd.supervisor.control"):
                 answer = await asyncio.to_thread(connect_as, NOBODY, where / "control.sock")
         finally:
             await server.stop()

@@ -45,7 +45,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from lmd.api import ApiWorker
+from lmd.api.worker import ApiWorker
 from lmd.config import ServeConfig
 from lmd.worker import WorkerSpec
 from tests.integration.daemon import DISAGGREGATED, Daemon

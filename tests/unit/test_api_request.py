@@ -7,9 +7,9 @@ import asyncio
 import orjson
 
 from lmd import protocol
-from lmd.api_request import Event, Events, OpenRequest, add_up, first_events, writes
-from lmd.openai_responses import SSE_DONE, CompletionFormat, Delta, SseFraming, sse
-from lmd.openai_schema import ApiError
+from lmd.api.openai_responses import SSE_DONE, CompletionFormat, Delta, SseFraming, sse
+from lmd.api.openai_schema import ApiError
+from lmd.api.request import Event, Events, OpenRequest, add_up, first_events, writes
 
 MODEL = "SmolLM2-135M-Instruct"
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import transformers
 
-from lmd.text.chat_template import (
+from lmd.tokenizer.text.chat_template import (
     ChatMessage,
     ChatTemplateError,
     HfChatTemplate,

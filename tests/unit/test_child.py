@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from lmd.child import Child
 from lmd.config import RestartPolicy
-from lmd.states import WorkerState
+from lmd.supervisor.child import Child
+from lmd.supervisor.states import WorkerState
 from lmd.worker import WorkerSpec
 
 POLICY = RestartPolicy(backoff_s=0.5, max_backoff_s=30.0, stable_after_s=30.0, max_fast_failures=3)

@@ -8,7 +8,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmd.cluster_metrics import ClusterCollector
+from lmd.api.cluster_metrics import ClusterCollector
 from lmd.migration.stats import SECONDS_BUCKETS, MigrationStats
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import socket
 
-from lmd.control import peer_allowed
 from lmd.http_server import Peer, peer_of
+from lmd.supervisor.control import peer_allowed
 
 
 def test_root_and_the_daemons_own_user_are_allowed() -> None:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from lmd.decode.scheduler import DecodeBatch, DecodeScheduler
 from lmd.engine.block_manager import BlockManager
 from lmd.engine.config import EngineConfig
+from lmd.engine.decode_scheduler import DecodeBatch, DecodeScheduler
+from lmd.engine.prefill_scheduler import PrefillScheduler
 from lmd.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
-from lmd.prefill.scheduler import PrefillScheduler
 
 BS = 4
 EOS = 2

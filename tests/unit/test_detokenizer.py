@@ -10,7 +10,7 @@ import pytest
 import transformers
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from lmd.text.detokenizer import CachedDecoder, Detokenizer
+from lmd.tokenizer.text.detokenizer import CachedDecoder, Detokenizer
 
 TEXTS = [
     "The capital of France is Paris.",

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from lmd.gpu_stats import read_gpus
+from lmd.supervisor.gpu_stats import read_gpus
 
 GIB = 1 << 30
 RESERVED = 480 << 20  # what an H100's driver reserves; NVML v1 counts it as used

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from lmd.text.in_order import InOrder
+from lmd.tokenizer.text.in_order import InOrder
 
 
 def test_in_order_passes_straight_through() -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from lmd.api_metrics import ApiMetrics
-from lmd.metrics_collect import engine_json, scrape_url
-from lmd.metrics_summary import Histogram, Scrape, bucket_quantile, parse, summarize
+from lmd.api.metrics import ApiMetrics
+from lmd.supervisor.metrics_collect import engine_json, scrape_url
+from lmd.supervisor.metrics_summary import Histogram, Scrape, bucket_quantile, parse, summarize
 
 INF = float("inf")
 

@@ -12,9 +12,8 @@ import pytest
 from pydantic import ValidationError
 
 from lmd import protocol
-from lmd.api_metrics import ApiMetrics
-from lmd.engine.sequence import SamplingParams
-from lmd.openai_responses import (
+from lmd.api.metrics import ApiMetrics
+from lmd.api.openai_responses import (
     SSE_DONE,
     VERY_UNLIKELY_LOGPROB,
     Answer,
@@ -23,7 +22,8 @@ from lmd.openai_responses import (
     Delta,
     sse,
 )
-from lmd.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest
+from lmd.api.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest
+from lmd.engine.sequence import SamplingParams
 
 OPENAPI = Path("/work/shared/reference/openai-openapi.json")
 MODEL = "SmolLM2-135M-Instruct"
@@ -231,7 +231,7 @@ def test_completion_errors_name_the_field(fields: dict[str, Any], param: str, sa
 def test_a_union_field_reports_the_type_the_client_meant() -> None:
     # messages in an interactive prompt (str | list of messages): the bad role, not "should
     # be a valid string"
-    from lmd.interactive import InteractiveRequest
+    from lmd.api.interactive import InteractiveRequest
 
     with pytest.raises(ValidationError) as exc:
         InteractiveRequest.model_validate_json(b'{"prompt": [{"role": "wizard"}]}')

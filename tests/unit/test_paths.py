@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from lmd.paths import RuntimeDirError, prepare_runtime_dir, resolve_runtime_dir
-from lmd.runtime_lock import AlreadyRunning, RuntimeLock
+from lmd.supervisor.runtime_lock import AlreadyRunning, RuntimeLock
 
 
 def test_runtime_dir_precedence() -> None:

@@ -6,8 +6,8 @@ import pytest
 
 from lmd.engine.block_manager import BlockManager
 from lmd.engine.config import EngineConfig
+from lmd.engine.prefill_scheduler import PrefillBatch, PrefillScheduler
 from lmd.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
-from lmd.prefill.scheduler import PrefillBatch, PrefillScheduler
 
 BS = 4
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmd.routing import NoEngine, Router
+from lmd.tokenizer.routing import NoEngine, Router
 
 
 def test_least_loaded_pairs_and_load_accounting() -> None:

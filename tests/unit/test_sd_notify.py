@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from lmd.sd_notify import Notifier
-from lmd.service_notify import ServiceNotifier, status_line
-from lmd.states import DaemonState, WorkerState
+from lmd.supervisor.sd_notify import Notifier
+from lmd.supervisor.service_notify import ServiceNotifier, status_line
+from lmd.supervisor.states import DaemonState, WorkerState
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmd.sessions import (
+from lmd.tokenizer.sessions import (
     SessionBusyError,
     SessionError,
     SessionTable,
@@ -12,7 +12,7 @@ from lmd.sessions import (
     finish_turn,
     start_turn,
 )
-from lmd.text.chat_template import ChatMessage, LmdeployChatTemplate
+from lmd.tokenizer.text.chat_template import ChatMessage, LmdeployChatTemplate
 
 TEMPLATE = LmdeployChatTemplate(
     model_name="t", user="<u>", eoh="</u>", assistant="<a>", eoa="</a>", separator="\n"

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmd.states import DaemonState, TransitionError, WorkerState, transition
+from lmd.supervisor.states import DaemonState, TransitionError, WorkerState, transition
 
 
 def test_daemon_lifecycle() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from lmd.text.stop_strings import StopCheck, StopMatcher
+from lmd.tokenizer.text.stop_strings import StopCheck, StopMatcher
 
 
 def stream(stops: list[str], deltas: list[str]) -> tuple[list[str], str | None]:

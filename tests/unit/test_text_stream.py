@@ -6,7 +6,7 @@ import pytest
 import transformers
 from tokenizers import Tokenizer
 
-from lmd.text.stream import TextStream
+from lmd.tokenizer.text.stream import TextStream
 
 TEXT = "The capital of France is Paris. It is lovely in spring. 🌷"
 

@@ -6,9 +6,9 @@ import asyncio
 from collections.abc import Sequence
 
 from lmd import protocol
-from lmd.routing import Route
-from lmd.text.stream import StreamUpdate, TextStream
-from lmd.tokenizer_request import DeltaOutbox, TokenizerRequest, text_delta
+from lmd.tokenizer.request import DeltaOutbox, TokenizerRequest, text_delta
+from lmd.tokenizer.routing import Route
+from lmd.tokenizer.text.stream import StreamUpdate, TextStream
 
 
 class Decoder:

@@ -11,8 +11,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmd.text.detokenizer import Detokenizer, TokenDecoder
-from lmd.text.stop_strings import StopMatcher
+from lmd.tokenizer.text.detokenizer import Detokenizer, TokenDecoder
+from lmd.tokenizer.text.stop_strings import StopMatcher
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from lmd.cluster_metrics import ClusterCollector
+from lmd.api.cluster_metrics import ClusterCollector
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 CLIENT_GONE = 499

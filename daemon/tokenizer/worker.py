@@ -35,8 +35,9 @@ from lmd.engine.model_source import ModelSourceError, resolve_model
 from lmd.names import role_of
 from lmd.protocol import Message
 from lmd.roles import worker_names
-from lmd.routing import NoEngine, Route, Router
-from lmd.sessions import (
+from lmd.tokenizer.request import DeltaOutbox, Entry, TokenizerRequest
+from lmd.tokenizer.routing import NoEngine, Route, Router
+from lmd.tokenizer.sessions import (
     Session,
     SessionError,
     SessionTable,
@@ -44,7 +45,7 @@ from lmd.sessions import (
     finish_turn,
     start_turn,
 )
-from lmd.text.chat_template import (
+from lmd.tokenizer.text.chat_template import (
     ChatMessage,
     ChatTemplate,
     ChatTemplateError,
@@ -52,9 +53,8 @@ from lmd.text.chat_template import (
     LmdeployChatTemplate,
     parse_messages,
 )
-from lmd.text.detokenizer import CachedDecoder
-from lmd.text.stream import StreamUpdate, TextStream
-from lmd.tokenizer_request import DeltaOutbox, Entry, TokenizerRequest
+from lmd.tokenizer.text.detokenizer import CachedDecoder
+from lmd.tokenizer.text.stream import StreamUpdate, TextStream
 from lmd.worker import Worker, WorkerStartError
 
 log = logging.getLogger(__name__)

@@ -28,18 +28,19 @@ from typing import Any
 
 import zmq.asyncio
 
-from lmd import __version__, ipc, protocol, scaling
-from lmd.announcer import Announcer
-from lmd.child import Child, describe_exit
+from lmd import __version__, ipc, protocol
 from lmd.config_loader import LoadedConfig
-from lmd.control import ControlError, build_control_app
 from lmd.http_server import EmbeddedServer, bind_unix
 from lmd.paths import control_socket_path
 from lmd.roles import plan_workers
-from lmd.runtime_lock import RuntimeLock
-from lmd.sd_notify import Notifier
-from lmd.service_notify import ServiceNotifier, status_line
-from lmd.states import DaemonState, WorkerState, transition
+from lmd.supervisor import scaling
+from lmd.supervisor.announcer import Announcer
+from lmd.supervisor.child import Child, describe_exit
+from lmd.supervisor.control import ControlError, build_control_app
+from lmd.supervisor.runtime_lock import RuntimeLock
+from lmd.supervisor.sd_notify import Notifier
+from lmd.supervisor.service_notify import ServiceNotifier, status_line
+from lmd.supervisor.states import DaemonState, WorkerState, transition
 
 log = logging.getLogger(__name__)
 

@@ -26,11 +26,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lmd import __version__
 from lmd.http_server import JSONResponse, Peer, replay
-from lmd.metrics_collect import MAX_INTERVAL_S, collect, scrape_url
-from lmd.states import WorkerState
+from lmd.supervisor.metrics_collect import MAX_INTERVAL_S, collect, scrape_url
+from lmd.supervisor.states import WorkerState
 
 if TYPE_CHECKING:
-    from lmd.supervisor import Supervisor
+    from lmd.supervisor.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 * 1024  # no command takes a body; a client may send `{}`
@@ -130,7 +130,7 @@ def _refuse_body(body: bytes | None) -> JSONResponse | None:
 
 
 def build_control_app(sup: Supervisor) -> FastAPI:
-    from lmd import reloading, scaling  # they raise ControlError: import after it exists
+    from lmd.supervisor import reloading, scaling  # they raise ControlError: import after it exists
 
     app = FastAPI(
         title="lmd control",

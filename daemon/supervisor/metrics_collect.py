@@ -17,9 +17,9 @@ from typing import Any
 
 import httpx
 
-from lmd.gpu_stats import read_gpus, unavailable
-from lmd.metrics_summary import QUANTILE_METHOD, Scrape, parse, summarize
 from lmd.roles import ENGINE_ROLES
+from lmd.supervisor.gpu_stats import read_gpus, unavailable
+from lmd.supervisor.metrics_summary import QUANTILE_METHOD, Scrape, parse, summarize
 
 SCRAPE_TIMEOUT_S = 5.0
 MAX_INTERVAL_S = 60.0

@@ -19,8 +19,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
 
-from lmd.sd_notify import Notifier
-from lmd.states import DaemonState, WorkerState
+from lmd.supervisor.sd_notify import Notifier
+from lmd.supervisor.states import DaemonState, WorkerState
 
 
 def status_line(state: DaemonState, workers: Mapping[str, WorkerState], stop_reason: str) -> str:

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 from lmd import protocol
 from lmd.config import ConfigError
 from lmd.config_loader import reload_config
-from lmd.control import ControlError
-from lmd.states import DaemonState
+from lmd.supervisor.control import ControlError
+from lmd.supervisor.states import DaemonState
 from lmd.worker import set_log_level
 
 if TYPE_CHECKING:
-    from lmd.supervisor import Supervisor
+    from lmd.supervisor.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 

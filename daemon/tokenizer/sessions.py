@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lmd.text.chat_template import ChatMessage, ChatTemplate, ChatTemplateError
+from lmd.tokenizer.text.chat_template import ChatMessage, ChatTemplate, ChatTemplateError
 
 DEFAULT_MAX_SESSIONS = 4096
 

@@ -26,8 +26,8 @@ import orjson
 from pydantic import Field, model_validator
 
 from lmd import protocol
-from lmd.openai_responses import Answer, Delta
-from lmd.openai_schema import (
+from lmd.api.openai_responses import Answer, Delta
+from lmd.api.openai_schema import (
     MAX_COUNT,
     ApiError,
     ChatMessage,

@@ -18,7 +18,7 @@ import psutil
 
 from lmd.config import RestartPolicy
 from lmd.protocol import Heartbeat
-from lmd.states import WorkerState, transition
+from lmd.supervisor.states import WorkerState, transition
 from lmd.worker import WorkerSpec, worker_main
 
 _SPAWN = multiprocessing.get_context("spawn")

@@ -14,8 +14,8 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 from lmd import protocol
-from lmd.openai_responses import Answer, Delta, Framing
-from lmd.openai_schema import ApiError
+from lmd.api.openai_responses import Answer, Delta, Framing
+from lmd.api.openai_schema import ApiError
 
 Event = Delta | protocol.RequestError
 

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Protocol
 import orjson
 
 from lmd import protocol
-from lmd.openai_schema import ApiError
+from lmd.api.openai_schema import ApiError
 
 VERY_UNLIKELY_LOGPROB = -9999.0  # OpenAI's stand-in for a logprob too small to show
 SSE_DONE = b"data: [DONE]\n\n"

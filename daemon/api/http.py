@@ -18,8 +18,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from lmd.api.openai_schema import ApiError
 from lmd.http_server import JSONResponse, replay
-from lmd.openai_schema import ApiError
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 

@@ -18,14 +18,14 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from lmd import protocol
-from lmd.child import Child
-from lmd.control import ControlError
 from lmd.names import worker_name
-from lmd.states import DaemonState, WorkerState
+from lmd.supervisor.child import Child
+from lmd.supervisor.control import ControlError
+from lmd.supervisor.states import DaemonState, WorkerState
 from lmd.worker import WorkerSpec
 
 if TYPE_CHECKING:
-    from lmd.supervisor import Supervisor
+    from lmd.supervisor.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 

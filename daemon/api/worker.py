@@ -33,7 +33,7 @@ from pydantic import ValidationError
 from starlette.responses import PlainTextResponse, Response
 
 from lmd import __version__, protocol
-from lmd.api_docs import (
+from lmd.api.docs import (
     GENERATE_ERRORS,
     ChatCompletion,
     ChatCompletionChunk,
@@ -50,7 +50,7 @@ from lmd.api_docs import (
     json_lines,
     sse,
 )
-from lmd.api_http import (
+from lmd.api.http import (
     EventStream,
     GuardLimits,
     RequestGuard,
@@ -58,26 +58,26 @@ from lmd.api_http import (
     error_response,
     install_error_handlers,
 )
-from lmd.api_metrics import CLIENT_GONE, CONTENT_TYPE, ApiMetrics
-from lmd.api_request import OpenRequest, add_up, first_events, writes
-from lmd.config import ServeConfig
-from lmd.http_server import BindError, EmbeddedServer, JSONResponse, bind_tcp
-from lmd.interactive import (
+from lmd.api.interactive import (
     MEDIA_TYPE,
     InteractiveFormat,
     InteractiveRequest,
     LineFraming,
     prefix_caching_off,
 )
-from lmd.names import role_of, worker_name
-from lmd.openai_responses import (
+from lmd.api.metrics import CLIENT_GONE, CONTENT_TYPE, ApiMetrics
+from lmd.api.openai_responses import (
     ChatFormat,
     CompletionFormat,
     Delta,
     Framing,
     SseFraming,
 )
-from lmd.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest
+from lmd.api.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest
+from lmd.api.request import OpenRequest, add_up, first_events, writes
+from lmd.config import ServeConfig
+from lmd.http_server import BindError, EmbeddedServer, JSONResponse, bind_tcp
+from lmd.names import role_of, worker_name
 from lmd.paths import control_socket_path
 from lmd.worker import Worker, WorkerSpec, WorkerStartError
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmd import protocol
-from lmd.routing import Route
-from lmd.sessions import Session, Turn
-from lmd.text.in_order import InOrder
-from lmd.text.stream import StreamUpdate, TextStream
+from lmd.tokenizer.routing import Route
+from lmd.tokenizer.sessions import Session, Turn
+from lmd.tokenizer.text.in_order import InOrder
+from lmd.tokenizer.text.stream import StreamUpdate, TextStream
 
 # One output token as an engine sent it: (token id, finish reason, logprobs, cached tokens).
 Entry = tuple[int, str | None, dict[str, Any] | None, int]

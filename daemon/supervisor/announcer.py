@@ -25,7 +25,7 @@ from lmd.roles import ROLES
 
 if TYPE_CHECKING:
     from lmd.cluster.node import ClusterNode
-    from lmd.supervisor import Supervisor
+    from lmd.supervisor.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
