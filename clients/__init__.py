@@ -9,7 +9,8 @@
 from __future__ import annotations
 
 from lmd_client.control import ControlClient, ControlRequestError, DaemonNotRunning
-from lmd_client.openai_client import AsyncClient, Completion, Delta, LmdError, Usage
+from lmd_client.errors import LmdError
+from lmd_client.openai_client import AsyncClient, Completion, Delta, Usage
 from lmd_client.session import Session, Turn
 from lmd_client.sync_client import Client
 

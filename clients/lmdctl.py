@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from lmd import __version__
+from lmd.protocol.roles import SCALABLE_ROLES
 from lmd_client import completion
 from lmd_client.control import ControlClient, ControlRequestError, DaemonNotRunning
 from lmd_client.metrics_view import metrics_text
@@ -191,7 +192,7 @@ def _parser() -> argparse.ArgumentParser:
     restart = sub.add_parser("restart", help="restart one worker, e.g. decode-0")
     restart.add_argument("name")
     scale = sub.add_parser("scale", help="add or remove prefill/decode workers live")
-    scale.add_argument("role", choices=("prefill", "decode"))
+    scale.add_argument("role", choices=[str(r) for r in SCALABLE_ROLES])
     scale.add_argument("count", type=int, help="workers of that role to run (1-64)")
     sub.add_parser("drain", help="refuse new requests, finish in-flight ones, stay up")
     sub.add_parser("resume", help="admit requests again after a drain")

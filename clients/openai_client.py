@@ -26,17 +26,10 @@ from typing import Any
 import httpx
 import orjson
 
+from lmd_client.errors import LmdError
 from lmd_client.session import Session
 
 Messages = Sequence[Mapping[str, Any]]
-
-
-class LmdError(RuntimeError):
-    """The server answered with an error body (or could not be reached after retries)."""
-
-    def __init__(self, status: int, type: str, message: str) -> None:
-        super().__init__(f"{status} {type}: {message}")
-        self.status, self.type, self.message = status, type, message
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,15 +12,27 @@ cache). Leaving the `async with` ends the session on the server.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import httpx
 import orjson
 
-if TYPE_CHECKING:
-    from lmd_client.openai_client import AsyncClient
+from lmd_client.errors import LmdError
 
 PATH = "/v1/chat/interactive"
+
+
+class Transport(Protocol):
+    """What a Session needs of its client (AsyncClient is one): a JSON request and a
+    stream, both retried on connection refused and 503, both raising LmdError."""
+
+    async def _json(self, method: str, path: str, body: Any = None) -> dict[str, Any]: ...
+
+    def _open_stream(
+        self, path: str, body: dict[str, Any]
+    ) -> AbstractAsyncContextManager[httpx.Response]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +59,7 @@ class Turn:
 
 
 class Session:
-    def __init__(self, client: AsyncClient, session_id: int, defaults: Mapping[str, Any]) -> None:
+    def __init__(self, client: Transport, session_id: int, defaults: Mapping[str, Any]) -> None:
         self.client = client
         self.session_id = session_id
         self.defaults = dict(defaults)
@@ -85,8 +97,6 @@ class Session:
 
 
 def _checked_line(line: str) -> dict[str, Any]:
-    from lmd_client.openai_client import LmdError
-
     body: dict[str, Any] = orjson.loads(line)
     if "error" in body:
         err = body["error"]

@@ -39,6 +39,7 @@ from lmd.config_loader import (
     default_values,
     parse_value,
 )
+from lmd.protocol.roles import Role
 
 log = logging.getLogger("lmd")
 
@@ -212,6 +213,7 @@ def serve(args: argparse.Namespace) -> int:
 
     import uvloop
 
+    from lmd.supervisor.control import build_control_app
     from lmd.supervisor.sd_notify import Notifier
     from lmd.supervisor.supervisor import Supervisor
 
@@ -220,7 +222,7 @@ def serve(args: argparse.Namespace) -> int:
     notifier = Notifier.from_environ()
     device = resolve_device(config.device)
     try:
-        config.role_device("prefill", device)  # prefill and decode devices must pair up
+        config.role_device(Role.PREFILL, device)  # prefill and decode devices must pair up
     except ConfigError as exc:
         print(f"lmdd: {exc}", file=sys.stderr)
         return 2
@@ -236,7 +238,7 @@ def serve(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             print(f"lmdd: {exc}", file=sys.stderr)
             return 2
-    supervisor = Supervisor(loaded, device, os.getpid(), notifier)
+    supervisor = Supervisor(loaded, device, os.getpid(), build_control_app, notifier)
     try:
         code: int = uvloop.run(supervisor.run())
     except AlreadyRunning as exc:

@@ -1,7 +1,7 @@
 """The daemon's configuration: frozen dataclasses, validated on construction, no I/O.
 
 `ServeConfig` is what `lmdd serve` runs with; the supervisor hands it (as a plain dict)
-to every worker it spawns. Loading from the command line lives in cli.py.
+to every worker it spawns. Loading (command line, environment, TOML file) lives in config_loader.py.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 from lmd.engine.config import EngineConfig
 from lmd.names import NODE_NAME
+from lmd.protocol.roles import CLUSTER_ROLES, Role
 
 # fake: the engine around no model; fixed: no engine at all, fixed tokens (hybrid mode
 # only). Both for benchmarks and tests.
@@ -24,7 +25,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # native: lmd._native (host shared memory, CUDA IPC); nixl: NVIDIA NIXL over UCX, the
 # optional `lmd[cluster]` install (lmd.migration.nixl).
 MIGRATION_TRANSPORTS = ("native", "nixl")
-CLUSTER_ROLES = ("api", "tokenizer", "prefill", "decode")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -220,21 +220,20 @@ class ServeConfig:
             enable_prefix_caching=self.enable_prefix_caching,
         )
 
-    def role_device(self, role: str, resolved: str) -> str:
+    def role_device(self, role: Role, resolved: str) -> str:
         """The device of an engine role; `resolved` is `device` with auto resolved.
 
         Prefill and decode must both be on cpu or both on CUDA (the migration
         transport is shared memory or CUDA IPC); ConfigError says so otherwise.
         """
-        devices = {}
-        for r in ("prefill", "decode"):
+        devices: dict[str, str] = {}
+        for r in (Role.PREFILL, Role.DECODE):
             own = getattr(self, f"{r}_device")
             devices[r] = resolved if own == "auto" else own
-        if self.mode == "disaggregated" and (devices["prefill"] == "cpu") != (
-            devices["decode"] == "cpu"
-        ):
+        prefill, decode = devices[Role.PREFILL], devices[Role.DECODE]
+        if self.mode == "disaggregated" and (prefill == "cpu") != (decode == "cpu"):
             raise ConfigError(
-                f"prefill_device: {devices['prefill']} and decode_device {devices['decode']} "
+                f"prefill_device: {prefill} and decode_device {decode} "
                 "must both be cpu or both cuda (KV migrates over shared memory or CUDA IPC)"
             )
         return devices.get(role, resolved)

@@ -1,86 +1,89 @@
-"""Which workers a daemon runs, and which Worker class runs each role.
+"""Which workers a daemon runs: a pure plan from its config (no process is imported).
 
 Modes:
   disaggregated (default): tokenizer-0, prefill-0..K-1, decode-0..M-1, api-0; prefill
       workers compute prompts and migrate their KV to decode workers
-      (lmd.prefill.worker, lmd.decode.worker; ARCHITECTURE §4).
+      (lmd.prefill.worker, lmd.decode.worker; docs/architecture.md §1).
   hybrid: tokenizer-0, hybrid-0, api-0; hybrid-0 runs the whole engine (prefill and
       decode in one process, lmd.hybrid.worker): the smallest deployments, and the
       reference the disaggregated path is tested against.
+A cluster node (`--cluster`) runs the disaggregated workers its `--roles` name.
+Which class runs a role is spawn.py's: the entry point of a worker process.
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+from typing import Any
+
 from lmd.config import ServeConfig
 from lmd.names import worker_name
-from lmd.worker import Worker, WorkerSpec
-
-ROLES = ("tokenizer", "prefill", "decode", "hybrid", "api")
-ENGINE_ROLES = ("prefill", "decode", "hybrid")
+from lmd.protocol.roles import ENGINE_ROLES, Role
 
 
-def worker_class(role: str) -> type[Worker]:
-    if role == "api":
-        from lmd.api.worker import ApiWorker  # only the api process needs FastAPI
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """One worker of the plan, as the supervisor spawns it (a plain dict on the way)."""
 
-        return ApiWorker
-    if role == "tokenizer":
-        from lmd.tokenizer.worker import TokenizerWorker
+    name: str  # e.g. "decode-0"; also the DEALER identity and the inbox file name
+    role: Role
+    index: int
+    supervisor_pid: int
+    config: dict[str, Any]  # ServeConfig.to_dict()
+    backend: str | None = None  # engine roles only
+    device: str | None = None
 
-        return TokenizerWorker
-    if role == "hybrid":
-        from lmd.hybrid.worker import EngineWorker  # only engines import torch
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role(self.role))  # a str from the dict form
 
-        return EngineWorker
-    if role == "prefill":
-        from lmd.prefill.worker import PrefillWorker
-
-        return PrefillWorker
-    if role == "decode":
-        from lmd.decode.worker import DecodeWorker
-
-        return DecodeWorker
-    raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
-def role_counts(config: ServeConfig) -> dict[str, int]:
+def role_counts(config: ServeConfig) -> dict[Role, int]:
     """How many workers of each role the daemon runs (a cluster node: its `roles`)."""
     if config.mode == "hybrid":
-        return {"tokenizer": 1, "hybrid": 1, "api": 1}
+        return {Role.TOKENIZER: 1, Role.HYBRID: 1, Role.API: 1}
     counts = {
-        "tokenizer": 1,
-        "prefill": config.prefill_workers,
-        "decode": config.decode_workers,
-        "api": 1,
+        Role.TOKENIZER: 1,
+        Role.PREFILL: config.prefill_workers,
+        Role.DECODE: config.decode_workers,
+        Role.API: 1,
     }
     return {r: n for r, n in counts.items() if not config.roles or r in config.roles}
 
 
-def worker_names(config: ServeConfig, role: str) -> list[str]:
+def num_engine_workers(config: ServeConfig) -> int:
+    counts = role_counts(config)
+    return sum(counts.get(role, 0) for role in ENGINE_ROLES)
+
+
+def worker_names(config: ServeConfig, role: Role) -> list[str]:
     count = role_counts(config).get(role, 0)
     return [worker_name(role, i, config.node) for i in range(count)]
+
+
+def worker_spec(
+    config: ServeConfig, role: Role, index: int, device: str, supervisor_pid: int
+) -> WorkerSpec:
+    """The spec of worker `index` of `role`; `device` is the daemon's, auto resolved."""
+    backend = config.prefill_backend if role == Role.PREFILL else config.decode_backend
+    return WorkerSpec(
+        name=worker_name(role, index, config.node),
+        role=role,
+        index=index,
+        supervisor_pid=supervisor_pid,
+        config=config.to_dict(),
+        backend=backend if role.is_engine else None,
+        device=config.role_device(role, device) if role.is_engine else None,
+    )
 
 
 def plan_workers(config: ServeConfig, device: str, supervisor_pid: int) -> list[WorkerSpec]:
     """The workers a daemon runs, in start order."""
     counts = role_counts(config)
-    backends = {
-        "prefill": config.prefill_backend,
-        "decode": config.decode_backend,
-        "hybrid": config.decode_backend,
-    }
-    specs = []
-    for role in ROLES:
-        for i in range(counts.get(role, 0)):
-            engine = role in ENGINE_ROLES
-            spec = WorkerSpec(
-                name=worker_name(role, i, config.node),
-                role=role,
-                index=i,
-                supervisor_pid=supervisor_pid,
-                config=config.to_dict(),
-                backend=backends[role] if engine else None,
-                device=config.role_device(role, device) if engine else None,
-            )
-            specs.append(spec)
-    return specs
+    return [
+        worker_spec(config, role, i, device, supervisor_pid)
+        for role in Role
+        for i in range(counts.get(role, 0))
+    ]

@@ -2,8 +2,9 @@
 
 Life cycle of a worker:
   1. The supervisor spawns it (spawn context) with a WorkerSpec as a plain dict.
-  2. `worker_main` ties it to the supervisor (PR_SET_PDEATHSIG=SIGKILL, and exits if the
-     supervisor is already gone), moves it into its own process group, sets up logging.
+  2. `worker_main` (spawn.py) ties it to the supervisor (PR_SET_PDEATHSIG=SIGKILL, and
+     exits if the supervisor is already gone), moves it into its own process group, sets
+     up logging, and builds the role's Worker subclass.
   3. `Worker.run` connects to the supervisor (DEALER, identity = worker name), binds its
      inbox, runs the role's `start()` (load a model, listen on a port), then sends Ready.
   4. Running: a Heartbeat every heartbeat_interval; control messages from the supervisor
@@ -15,7 +16,6 @@ Life cycle of a worker:
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
 import functools
 import gc
@@ -23,52 +23,28 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import psutil
-import uvloop
 import zmq.asyncio
 
 from lmd import ipc, protocol
 from lmd.config import ServeConfig
 from lmd.ipc import Endpoints
-from lmd.protocol import Message
+from lmd.protocol import Message, Role
+from lmd.roles import WorkerSpec
 
 if TYPE_CHECKING:
     from lmd.cluster.keys import ClusterKey
 
 log = logging.getLogger(__name__)
 
-PR_SET_PDEATHSIG = 1
 GC_THRESHOLD = 20_000  # allocations between young collections (Python's default: 700)
 
 
 class WorkerStartError(RuntimeError):
     """The role cannot start; the message is the one line the operator sees."""
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerSpec:
-    name: str  # e.g. "decode-0"; also the DEALER identity and the inbox file name
-    role: str
-    index: int
-    supervisor_pid: int
-    config: dict[str, Any]  # ServeConfig.to_dict()
-    backend: str | None = None  # engine roles only
-    device: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
-        os._exit(1)
 
 
 def configure_logging(level: str, name: str) -> None:
@@ -86,25 +62,10 @@ def set_log_level(level: str) -> None:
         logging.getLogger(name).setLevel(level.upper())
 
 
-def worker_main(spec_dict: dict[str, Any]) -> None:
-    """Entry point of a spawned worker process."""
-    spec = WorkerSpec(**spec_dict)
-    _die_with_parent(spec.supervisor_pid)
-    os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the supervisor only; it drains us
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    config = ServeConfig.from_dict(spec.config)
-    configure_logging(config.log_level, spec.name)
-    from lmd.roles import worker_class  # roles import heavy modules
-
-    worker = worker_class(spec.role)(spec, config)
-    code: int = uvloop.run(worker.run())
-    sys.exit(code)
-
-
 class Worker:
     """The shared half of every role; subclasses override the hooks at the bottom."""
 
-    role: ClassVar[str] = "idle"
+    role: ClassVar[Role]
 
     def __init__(self, spec: WorkerSpec, config: ServeConfig) -> None:
         self.spec = spec
@@ -115,7 +76,7 @@ class Worker:
         self.missing_roles: list[str] = []
         self.workers: dict[str, int] = {}  # running workers by name -> pid (ClusterState)
         self.draining_workers: list[str] = []  # of those, the ones being retired
-        self.load: dict[str, dict[str, int]] = {}  # engines' published load (routing.py)
+        self.load: dict[str, dict[str, int]] = {}  # engines' published load (tokenizer/routing.py)
         self.remote: dict[str, str] = {}  # workers on other cluster nodes -> tcp endpoint
         self.tcp_endpoint: str | None = None  # a cluster node's: where other hosts reach us
         self._stop = asyncio.Event()
@@ -142,8 +103,9 @@ class Worker:
         # What start() built (a model, a tokenizer, FastAPI's schemas) lives as long as the
         # process: leave it out of every collection from now on. Per-request and per-token
         # objects die by reference count; a higher first threshold lets most die before a
-        # young collection scans them (the api spent ~1 s of GC per 350k streamed tokens
-        # with Python's default of 700, docs/benchmarks.md).
+        # young collection scans them (with Python's default of 700 the api spent a
+        # noticeable share of its CPU in GC: docs/benchmarks.md, 'Per-request and
+        # per-token CPU in the api and tokenizer').
         gc.collect()
         gc.freeze()
         gc.set_threshold(GC_THRESHOLD, *gc.get_threshold()[1:])

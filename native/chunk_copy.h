@@ -1,5 +1,5 @@
 // Batched GPU copies in few kernel launches: a batch of many ranges costs one launch per
-// kMaxChunks chunks instead of one cuMemcpyAsync (about 3 us of CPU each) per range.
+// kMaxChunks chunks instead of one cuMemcpyAsync (each costs host CPU time) per range.
 // The kernel (native/kernels/copy_chunks.cu) ships as PTX the driver compiles at run time.
 #pragma once
 

@@ -2,9 +2,9 @@
 // GPU memory (same GPU, or a peer GPU over NVLink/PCIe) through CUDA IPC handles. A
 // batch goes on a dedicated stream, followed by one event that the ticket polls: a
 // single range as one cuMemcpyAsync (copy engines, no SMs taken), several ranges as a
-// few launches of a copy kernel (chunk_copy.h), since each cuMemcpyAsync costs about
-// 3 us of CPU and a migration of small blocks would otherwise run at a few % of the
-// link's bandwidth. The driver is loaded at run time.
+// few launches of a copy kernel (chunk_copy.h), since each cuMemcpyAsync costs host CPU
+// time and a migration of small blocks would otherwise run at a few % of the link's
+// bandwidth (docs/benchmarks.md, "KV transfer"). The driver is loaded at run time.
 #pragma once
 
 #include <atomic>

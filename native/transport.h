@@ -3,7 +3,7 @@
 // copies batches of byte ranges from a local Region into a RemoteRegion, returning a
 // Ticket to poll or wait on.
 //
-// Life cycle of a region pair (push, decode-first; ARCHITECTURE §4):
+// Life cycle of a region pair (push, decode-first; docs/architecture.md §6):
 //   1. the receiver creates or registers its pool -> Region, sends descriptor() once;
 //   2. the sender open()s that descriptor -> RemoteRegion (once per peer);
 //   3. the sender submit()s batches of (src_offset, dst_offset, length) -> Ticket;

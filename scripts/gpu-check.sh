@@ -17,7 +17,7 @@ fi
 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu tests/unit/test_native_host.py \
   2>&1 | tee "$out/gpu-tests.txt" | tail -25
 [[ "${1:-}" == "quick" ]] && exit 0
-# Engine throughput with random weights (bf16), the workload of ARCHITECTURE §8.
+# Engine throughput with random weights (bf16), the workload of docs/benchmarks.md.
 python3 scripts/random_models.py smollm2-shape $([[ "${1:-}" == full ]] && echo llama3-8b-shape)
 bench() {
   python3 -m lmd.bench offline --device cuda --input-len 512 --output-len 256 --json "$@" \

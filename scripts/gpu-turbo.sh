@@ -18,7 +18,7 @@ timeout 300 python3 -m pytest -q -ra -p no:cacheprovider --timeout 240 \
 # lmd-bench imports lmd._native (the migration benchmark).
 python3 setup.py -q build_ext --inplace 2>&1 | tail -3
 
-# Random-weight models of the ARCHITECTURE §8 shapes, bf16.
+# Random-weight models of the benchmark shapes (docs/benchmarks.md), bf16.
 python3 scripts/random_models.py smollm2-shape $([[ $mode == full || $mode == steps ]] && echo llama3-8b-shape)
 
 # Decode step: one token for B sequences of 512 tokens of context, through

@@ -1,4 +1,4 @@
-"""Random-weight bf16 models of the ARCHITECTURE §8 shapes, saved for the GPU scripts.
+"""Random-weight bf16 models of the benchmark shapes (docs/benchmarks.md), for GPU scripts.
 
     python3 scripts/random_models.py smollm2-shape [llama3-8b-shape] [--vocab N]
         [--tokenizer DIR] [--out-dir /tmp]

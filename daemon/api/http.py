@@ -1,4 +1,4 @@
-"""HTTP plumbing of the api: the request guard, SSE responses, error bodies (docs: api_docs.py).
+"""HTTP plumbing of the api: the request guard, SSE responses, error bodies (docs: docs.py).
 
 `RequestGuard` is plain ASGI middleware (no per-request task, unlike BaseHTTPMiddleware):
 it checks the Bearer key on /v1/* (constant-time; /health, /metrics and the docs stay
@@ -75,8 +75,9 @@ class EventStream(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # Starlette runs the stream and a disconnect listener in an anyio task group per
-        # response when the server speaks ASGI < 2.4, as uvicorn does (~50 us a response);
-        # here the route's own watcher cancels this task when the client goes.
+        # response when the server speaks ASGI < 2.4, as uvicorn does: most of the CPU of a
+        # one-chunk response (docs/benchmarks.md, 'Last runs of this session'); here the
+        # route's own watcher cancels this task when the client goes.
         task = asyncio.current_task()
         assert task is not None
         streaming, gone = True, False

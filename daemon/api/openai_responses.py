@@ -27,7 +27,8 @@ SSE_DONE = b"data: [DONE]\n\n"
 @dataclass(slots=True)
 class Delta:
     """One request's share of a TextDelta message (not frozen: one is made per streamed
-    token, and a frozen dataclass takes ~5x as long to construct)."""
+    token, and a frozen dataclass is several times slower to construct; docs/benchmarks.md,
+    'Per-request and per-token CPU in the api and tokenizer')."""
 
     text: str
     finish_reason: str | None

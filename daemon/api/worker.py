@@ -18,7 +18,7 @@ Life cycle of a generation request in the api (POST /v1/chat/completions, /v1/co
      table; if the tokenizer still holds it (client gone first), an Abort goes down.
 If the tokenizer stops, every open request fails with 503 at once instead of hanging.
 An interactive `cancel` or session end is a SessionControl to the tokenizer, answered at
-once (the session's history lives in the tokenizer, see sessions.py).
+once (the session's history lives in the tokenizer, see tokenizer/sessions.py).
 """
 
 from __future__ import annotations
@@ -79,7 +79,9 @@ from lmd.config import ServeConfig
 from lmd.http_server import BindError, EmbeddedServer, JSONResponse, bind_tcp
 from lmd.names import role_of, worker_name
 from lmd.paths import control_socket_path
-from lmd.worker import Worker, WorkerSpec, WorkerStartError
+from lmd.protocol import Role
+from lmd.roles import WorkerSpec
+from lmd.worker import Worker, WorkerStartError
 
 RETRY_AFTER_S = 5  # while the daemon starts, drains or restarts a role
 
@@ -95,7 +97,7 @@ _ID_PREFIXES = {"chat_completions": "chatcmpl", "completions": "cmpl", "chat_int
 
 
 class ApiWorker(Worker):
-    role = "api"
+    role = Role.API
 
     def __init__(self, spec: WorkerSpec, config: ServeConfig) -> None:
         self._open: dict[str, OpenRequest] = {}  # before Worker sets missing_roles
@@ -132,7 +134,7 @@ class ApiWorker(Worker):
     @missing_roles.setter
     def missing_roles(self, roles: list[str]) -> None:
         self._missing_roles = roles
-        if "tokenizer" in roles:  # it died: what it held is lost
+        if Role.TOKENIZER in roles:  # it died: what it held is lost
             lost = protocol.RequestError("", "service_unavailable", "the tokenizer stopped; retry")
             for request in self._open.values():
                 if not request.ended:
@@ -143,10 +145,10 @@ class ApiWorker(Worker):
     def tokenizer(self) -> str:
         """The tokenizer this api sends requests to: its node's, else (a cluster node
         without one) the first running one in the cluster."""
-        local = worker_name("tokenizer", 0, self.config.node)
+        local = worker_name(Role.TOKENIZER, 0, self.config.node)
         if not self.workers or local in self.workers:
             return local
-        return min((n for n in self.workers if role_of(n) == "tokenizer"), default=local)
+        return min((n for n in self.workers if role_of(n) == Role.TOKENIZER), default=local)
 
     def on_cluster_state(self) -> None:
         """A tokenizer that left (in a cluster: not the one of a node-wide failure)

@@ -259,7 +259,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with open(log_path, "wb") as log:
         env = dict(os.environ)
         # The fake engine's tensors are small: a second OpenMP thread gains nothing and,
-        # on cores shared with the api and tokenizer, made a decode step 15x slower.
+        # on cores shared with the api and tokenizer, made a decode step many times slower
+        # (docs/benchmarks.md, 'Sampler, stream writes, one torch thread, CPU per unit').
         if args.torch_threads:
             env["OMP_NUM_THREADS"] = str(args.torch_threads)
         daemon = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -1,11 +1,12 @@
 """A lean HTTP/1.1 keep-alive client for `lmd-bench front`.
 
 The benchmark shares the machine's cores with the daemon it measures, so its own cost
-per request must stay far below the server's: httpx spent ~1 ms of CPU per request (it
-used 87% of a core at 150 requests/s and was the bottleneck). This client writes one
-pre-encoded request per call and parses only what the benchmark needs: the status line,
-Content-Length or chunked framing, and the body. One connection per concurrent worker;
-no redirects, TLS, cookies or retries.
+per request must stay far below the server's: httpx spent more CPU per request than the
+daemon's three processes together and was the bottleneck (docs/benchmarks.md, 'Second
+session: the client was the bottleneck'). This client writes one pre-encoded request per
+call and parses only what the benchmark needs: the status line, Content-Length or chunked
+framing, and the body. One connection per concurrent worker; no redirects, TLS, cookies or
+retries.
 """
 
 from __future__ import annotations

@@ -25,21 +25,26 @@ PRESETS: dict[str, dict[str, Any]] = {
         "notes": "Llama-3-8B shape, bf16, turbo backend, one H100 80GB (2026-11-22)",
         "prefill": {
             # 1 token: a batch-1 engine step (below). 1,600: TTFT mean of ~1,600-token prompts
-            # at concurrency 1, hybrid (57.30 ms, "Disaggregated serving", torch backend).
-            # 8,192: one 16 x 512 chunk, turbo, GPU time from the torch profiler (run 3).
+            # at concurrency 1, hybrid, torch backend (docs/benchmarks.md, 'Disaggregated
+            # serving', H100, 2026-11-22). 8,192: one 16 x 512 chunk, turbo, GPU time from
+            # the torch profiler ('Run 3: measured', H100, 2026-11-22).
             "tokens": [1, 1600, 8192],
             "step_ms": [7.1, 57.3, 180.0],
             "max_tokens": 8192,
         },
         "decode": {
-            # Engine steps from `lmd-bench offline --input-len 512 --output-len 256`, less the
-            # prefill: batch 1 (run 2, 139 tok/s: 1.842 s - ~23 ms prefill over 255 steps),
-            # batch 64 (run 3, 4,861 tok/s: 3.370 s - 4 x 180 ms over 255 steps), batch 512
-            # (run 3: "~8.4 s of decode, ~33 ms a step"). Context 512-768, 640 on average.
+            # Engine steps from `lmd-bench offline --input-len 512 --output-len 256`, the run's
+            # time less its prefill over 255 steps: batch 1 from turbo run 2's tok/s less an
+            # estimated prefill, batch 64 from run 3's tok/s less 4 prefill chunks (the 8,192
+            # point above), batch 512 from run 3's decode time a step (docs/benchmarks.md,
+            # 'Run 2: measured' and 'Run 3: measured', H100, 2026-11-22; the arithmetic is in
+            # 'Figures that code comments used to quote'). Context 512-768, 640 on average.
             "batch_sizes": [1, 64, 512],
             "step_ms": [7.1, 10.4, 32.9],
             "context_len": 640,
-            "kv_read_gbytes_s": 3000,  # device-to-device copy on that H100: 3.0 TB/s
+            # KV read rate: that H100's device-to-device copy rate (docs/benchmarks.md,
+            # 'turbo backend', H100, 2026-11-22).
+            "kv_read_gbytes_s": 3000,
         },
         "max_batch": 512,  # the largest CUDA-graph bucket and batch measured
         # Estimate: 0.8 (cache_max_entry_count) x (80 GB - 16.06 GB of weights - ~4 GB of
@@ -47,10 +52,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         "kv_capacity_tokens": int(0.8 * (80e9 - 16.06e9 - 4e9) / LLAMA3_8B_KV),
         "kv_bytes_per_token": LLAMA3_8B_KV,
         # Assumed, not measured: one 400 Gb/s NIC per GPU (ConnectX-7 class, as in HGX H100
-        # nodes). Over NVLink in one node we measured 304-385 GB/s (2,400-3,100 Gb/s).
+        # nodes). Over NVLink in one node cuda_ipc moved several times that (docs/benchmarks.md,
+        # 'KV transfer' and 'Disaggregated serving', 2x H200, 2026-11-22).
         "migration_gbps": 400,
-        # Measured: disaggregated TTFT was ~2 ms above hybrid on one H100 (reserve round
-        # trip, Migrated, decode's first send), the copy itself ~0.2 ms of it.
+        # Measured: what disaggregation added to TTFT over hybrid on one H100 (reserve round
+        # trip, Migrated, decode's first send; the copy itself a small part of it):
+        # docs/benchmarks.md, 'Disaggregated serving', H100, 2026-11-22.
         "migration_latency_ms": 2.0,
     },
     "smollm2-cpu": {
@@ -58,20 +65,24 @@ PRESETS: dict[str, dict[str, Any]] = {
         "notes": "SmolLM2-135M-Instruct, fp32, torch backend, the 2-core dev machine",
         "prefill": {
             # 1 token: a batch-1 decode step (below). 1,024: `lmd-bench offline --batch 8
-            # --input-len 128 --output-len 1` (prefill only): 2.56 s.
+            # --input-len 128 --output-len 1` (prefill only; docs/benchmarks.md, 'Engine,
+            # offline', 'CPU: 2 cores, 24 GiB, no GPU', 2026-11-22).
             "tokens": [1, 1024],
             "step_ms": [46.2, 2560.0],
         },
         "decode": {
-            # Batch 1: TPOT p50 of `lmd-bench serve` c1 (46.2 ms); batch 8: "a batch-8 decode
-            # step ~81 ms" (offline, 128 in / 64 out). Shared cores: +-30% between runs.
+            # Batch 1: TPOT p50 of `lmd-bench serve` c1 (docs/benchmarks.md, 'Serving, end to
+            # end', 'CPU: 2 cores, 24 GiB, no GPU', 2026-11-22); batch 8: the batch-8 decode
+            # step of `lmd-bench offline`, 128 in / 64 out ('Engine, offline', same machine
+            # and date). Shared cores: runs differ widely (the spread is in those sections).
             "batch_sizes": [1, 8],
             "step_ms": [46.2, 81.0],
         },
         "max_batch": 8,  # the largest batch measured
         "kv_capacity_tokens": int(1.6 * 2**30 / SMOLLM2_FP32_KV),  # 1.6 GiB per engine (README)
         "kv_bytes_per_token": SMOLLM2_FP32_KV,
-        # Measured: a 2.9 MB migration in 0.54-0.57 ms through the host transport, 5.3 GB/s.
+        # Measured: a 2.9 MB migration through the host transport, the middle of its range
+        # (docs/benchmarks.md, 'Disaggregated serving', CPU, 2 cores, 2026-11-22).
         "migration_gbps": 5.3 * 8,
         "migration_latency_ms": 0.0,
     },

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from lmd.bench.plan_engine import Clock, Engine, Slots
 from lmd.bench.plan_profile import WorkerProfile
 from lmd.bench.plan_workload import SimRequest
+from lmd.names import worker_name
+from lmd.protocol.roles import Role
 from lmd.tokenizer.routing import Route, Router
 
 RESERVE_AHEAD_STEPS = 2  # lmd.prefill.worker's (a test keeps them equal)
@@ -60,10 +62,10 @@ class _Cluster:
         self.first = [math.nan] * len(requests)
         self.end = [math.nan] * len(requests)
         self.routes: list[Route | None] = [None] * len(requests)
-        role = "prefill" if num_decode else "hybrid"
-        names = [f"{role}-{i}" for i in range(num_prefill)]
-        decodes = [f"decode-{i}" for i in range(num_decode)]
-        self.router = Router(role, "decode" if num_decode else "", names + decodes)
+        role, decode = (Role.PREFILL, Role.DECODE) if num_decode else (Role.HYBRID, None)
+        names = [worker_name(role, i) for i in range(num_prefill)]
+        decodes = [worker_name(Role.DECODE, i) for i in range(num_decode)]
+        self.router = Router(role, decode, names + decodes)
         self.index = {n: i for i, n in enumerate(names)} | {n: i for i, n in enumerate(decodes)}
         on_prefilled = self._migrate if num_decode else self._first_token
         self.prefillers = [self._engine(True, on_prefilled) for _ in names]

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from lmd.names import role_of
+from lmd.protocol.roles import ENGINE_ROLES
 
-ENGINE_ROLES = ("prefill", "decode", "hybrid")
 ROUTABLE_NODE_STATES = ("running",)
 
 

@@ -1,6 +1,6 @@
 """The decode worker: reserves KV blocks for prefill, then decodes migrated requests.
 
-Life cycle of a request here (ARCHITECTURE §4; the table is migration.receiver):
+Life cycle of a request here (docs/architecture.md §1, steps 3-4; the table is migration.receiver):
   1. Reserve from a prefill worker: queued, then granted when blocks fit (between
      steps, oldest first); Reserved goes back with the block ids and this pool's
      descriptor. A request this worker can never hold gets RequestError (to the
@@ -27,13 +27,13 @@ from lmd import protocol
 from lmd.engine.engine import Engine
 from lmd.hybrid.worker import EngineWorker
 from lmd.migration.receiver import MigrationError, Receiver, ReservationRefused
-from lmd.protocol import Message
+from lmd.protocol import Message, Role
 
 log = logging.getLogger(__name__)
 
 
 class DecodeWorker(EngineWorker):
-    role = "decode"
+    role = Role.DECODE
     engine: Engine
     accepted = (protocol.Reserve, protocol.Migrated, protocol.Release, protocol.Abort)
 

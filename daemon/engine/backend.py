@@ -2,18 +2,18 @@
 
 A backend owns the model weights of one engine process and runs one `ForwardBatch` per
 engine step: it writes the new tokens' K/V into the paged KV pool and returns logits for
-the rows that are sampled. The pool is one tensor, block-major (ARCHITECTURE §4):
+the rows that are sampled. The pool is one tensor, block-major (docs/architecture.md §5):
 
     kv: [num_blocks, num_layers, 2 (k, v), block_size, num_kv_heads, head_dim]
 
 Backends: `torch` (any Hugging Face causal LM through transformers' modules, CPU and
 CUDA) and `turbo` (engine/turbo/: Llama family, Triton kernels and CUDA graphs, CUDA
-only). `select_backend` picks one.
+only); `fake` computes nothing. `backends.select_backend` picks one; this module knows
+none of them.
 """
 
 from __future__ import annotations
 
-import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,9 +26,6 @@ import torch
 from numpy.typing import NDArray
 from torch import Tensor
 
-log = logging.getLogger(__name__)
-
-BACKEND_NAMES = ("auto", "torch", "turbo", "fake")
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -79,7 +76,8 @@ class ForwardBatch:
             raise ValueError("block_tables must be int32 with one row per sequence")
         if self.seq_lens.device.type != "cpu" or self.context_lens.device.type != "cpu":
             raise ValueError("seq_lens and context_lens must stay on the CPU")
-        # numpy views of the CPU tensors: a torch op on the host costs ~15 us, this ~1 us.
+        # numpy views of the CPU tensors: a torch op on the host costs far more than a numpy
+        # one (docs/benchmarks.md, 'Run 2: measured').
         seq_lens, context_lens = self.seq_lens.numpy(), self.context_lens.numpy()
         if int(seq_lens.sum()) != t or (b and int(seq_lens.min()) < 1):
             raise ValueError("seq_lens must be >= 1 and sum to the number of tokens")
@@ -133,8 +131,9 @@ class ForwardBatch:
             sample is not None and len(sample) != b
         ):
             raise ValueError("pack needs one entry per sequence in every argument")
-        # numpy, then zero-copy tensors: a torch op on the host costs ~15 us, and this runs
-        # every step (0.28 ms at batch 1 with torch ops, docs/benchmarks.md).
+        # numpy, then zero-copy tensors: a torch op on the host costs far more than a numpy
+        # one, and this runs every step (with torch ops it took a large share of a batch-1
+        # step: docs/benchmarks.md, 'Where an engine decode step goes').
         seq_lens = np.fromiter(map(len, new_token_ids), dtype=np.int64, count=b)
         cached = np.asarray(num_cached, dtype=np.int64).reshape(b)
         context_lens = cached + seq_lens
@@ -240,6 +239,40 @@ class Backend(ABC):
         """Shape of the block-major KV pool this backend expects."""
         return (num_blocks, self.num_layers, 2, block_size, self.num_kv_heads, self.head_dim)
 
+    def check_pool(self, kv: Tensor) -> None:
+        """ValueError unless `kv` is a pool this model can read and write: its shape,
+        dtype and device type, one contiguous tensor."""
+        expected = self.kv_cache_shape(kv.shape[0], kv.shape[3])
+        if tuple(kv.shape) != expected or kv.dtype != self.dtype:
+            raise ValueError(
+                f"KV pool is {tuple(kv.shape)} {kv.dtype}, this model needs {expected} {self.dtype}"
+            )
+        if kv.device.type != self.device.type:
+            raise ValueError(f"KV pool is on {kv.device}, the model on {self.device}")
+        if not kv.is_contiguous():
+            raise ValueError("the KV pool must be one contiguous tensor")
+
+    def check_step(self, batch: ForwardBatch, kv: Tensor) -> None:
+        """ValueError for a pool this model cannot use (check_pool) or a step that would
+        reach outside it: a block id past the pool, a slot outside it, a block table
+        shorter than its context. Out of range, a kernel reads or writes outside the pool
+        (on CUDA a device assert kills the process), so this runs before any does, while
+        the batch's tables are still on the CPU (in numpy: it runs every step)."""
+        self.check_pool(kv)
+        if batch.block_tables.device.type != "cpu" or batch.slot_mapping.device.type != "cpu":
+            return
+        num_blocks, block_size = kv.shape[0], kv.shape[3]
+        tables, slots = batch.block_tables.numpy(), batch.slot_mapping.numpy()
+        if tables.size and int(tables.max()) >= num_blocks:
+            raise ValueError(f"block id {int(tables.max())} is outside the pool of {num_blocks}")
+        if slots.size:
+            low, high = int(slots.min()), int(slots.max())
+            if low < 0 or high >= num_blocks * block_size:
+                raise ValueError(f"slot {high if low >= 0 else low} is outside the KV pool")
+        context = batch.context_lens.numpy()
+        if context.size and -(-int(context.max()) // block_size) > tables.shape[1]:
+            raise ValueError("a block table is shorter than its sequence's context")
+
     def capture_graphs(self, kv: Tensor, max_batch_size: int) -> None:
         """Prepare decode steps of up to `max_batch_size` sequences on this pool ahead of
         time (turbo: CUDA graphs); nothing by default."""
@@ -269,39 +302,3 @@ def mm_has_float_output(like: Tensor) -> bool:
         return bool(torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32)
     except (TypeError, RuntimeError):
         return False
-
-
-def select_backend(
-    name: str,
-    architecture: str,
-    device: torch.device | str,
-    model_dir: Path | None = None,
-) -> type[Backend]:
-    """The backend class for `name` ("auto", "torch", "turbo" or "fake") on `device`.
-
-    `fake` computes nothing (engine/fake_backend.py): for tests and `lmd-bench front`.
-    `turbo` (engine/turbo/) serves the Llama family on CUDA; asked for where it cannot
-    run, it is a BackendError with the reason. `auto` takes turbo where it can run and
-    torch otherwise, with a log line that says why. With `model_dir`, its config.json
-    is checked too (turbo refuses, e.g., rotary types that depend on the length).
-    """
-    if name not in BACKEND_NAMES:
-        raise BackendError(f"backend {name!r} is not one of {', '.join(BACKEND_NAMES)}")
-    if name == "fake":
-        from lmd.engine.fake_backend import FakeBackend
-
-        return FakeBackend
-    if name in ("turbo", "auto"):
-        from lmd.engine.turbo import unsupported_reason
-
-        reason = unsupported_reason(architecture, device, model_dir)
-        if reason is None:
-            from lmd.engine.turbo.backend import TurboBackend
-
-            return TurboBackend
-        if name == "turbo":
-            raise BackendError(f"backend turbo cannot run here: {reason}; use torch or auto")
-        log.warning("backend auto: using torch for %s because %s", architecture, reason)
-    from lmd.engine.torch_backend import TorchBackend
-
-    return TorchBackend

@@ -1,9 +1,10 @@
 """Choosing one index per row of a [R, V] tensor: the argmax, or a draw by weight.
 
 `argmax_rows` equals `x.argmax(-1)` (the first index of the maximum). On CPU, torch's
-argmax does not vectorize (about 2 ms for [64, 49152] on one core) while `amax` does
-(0.2 ms): the rows are cut into chunks, the chunk maxima found with `amax`, and the argmax
-runs over the chunk maxima and then inside the one chunk that holds the first maximum.
+argmax does not vectorize and is far slower than `amax`, which does (docs/benchmarks.md,
+'Figures that code comments used to quote'): the rows are cut into chunks, the chunk maxima
+found with `amax`, and the argmax runs over the chunk maxima and then inside the one chunk
+that holds the first maximum.
 
 `draw_rows` samples index i with probability w_i / sum(w) by inverting the cumulative
 weights at one uniform number per row, so a seeded row needs one number from its own

@@ -8,7 +8,36 @@ The names and defaults follow LMDeploy's engine config, so that `--block-size`,
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+# A config.json that names no max_position_embeddings: the length Llama's config assumes
+# and vLLM falls back to.
+DEFAULT_CONTEXT_LEN = 2048
+
+
+def context_len(hf_config: Mapping[str, Any]) -> int:
+    """A model's context length, from its config.json as read: max_position_embeddings
+    (of `text_config` for a multimodal model), else DEFAULT_CONTEXT_LEN. The tokenizer
+    and every backend read it here, so they agree on what fits."""
+    text = hf_config.get("text_config") or hf_config
+    return int(text.get("max_position_embeddings") or DEFAULT_CONTEXT_LEN)
+
+
+def resolve_session_len(session_len: int | None, model_context_len: int) -> int:
+    """The cap on prompt + output tokens per sequence: `session_len` (--session-len),
+    which may not exceed the model's context length (positions past it are not
+    meaningful), or by default that context length."""
+    _check_int("model_context_len", model_context_len, minimum=2)
+    if session_len is None:
+        return model_context_len
+    if session_len > model_context_len:
+        raise ValueError(
+            f"session_len={session_len} exceeds the model's context length "
+            f"{model_context_len}; lower --session-len"
+        )
+    return session_len
 
 
 @dataclass(slots=True)
@@ -17,8 +46,8 @@ class EngineConfig:
 
     cache_max_entry_count: a float in (0, 1] is the fraction of the memory left free
     after the weights that the KV pool takes; an int > 0 is an exact block count.
-    session_len: cap on prompt + output tokens per sequence; None = the model's maximum
-    (resolve it with `with_session_len` once the model is loaded).
+    session_len: cap on prompt + output tokens per sequence; None = the model's context
+    length (resolve it with `with_session_len` once the model is loaded).
     overlap_steps: launch each decode step before reading back the previous one's tokens,
     so the host prepares step N+1 while the device runs step N (engine.py); None = where
     the model runs on CUDA (on a CPU there is no device to overlap with).
@@ -53,21 +82,10 @@ class EngineConfig:
         """True when cache_max_entry_count names a block count rather than a fraction."""
         return isinstance(self.cache_max_entry_count, int)
 
-    def with_session_len(self, model_max_len: int) -> EngineConfig:
-        """A copy whose session_len is resolved against the model's context length.
-
-        None becomes the model maximum; a larger explicit value is an error, because
-        positions beyond the model's context are not meaningful.
-        """
-        _check_int("model_max_len", model_max_len, minimum=2)
-        if self.session_len is None:
-            return dataclasses.replace(self, session_len=model_max_len)
-        if self.session_len > model_max_len:
-            raise ValueError(
-                f"session_len={self.session_len} exceeds the model's context length "
-                f"{model_max_len}; lower --session-len"
-            )
-        return dataclasses.replace(self)
+    def with_session_len(self, model_context_len: int) -> EngineConfig:
+        """A copy whose session_len is resolved (resolve_session_len)."""
+        session_len = resolve_session_len(self.session_len, model_context_len)
+        return dataclasses.replace(self, session_len=session_len)
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:

@@ -41,7 +41,8 @@ from typing import Any
 import psutil
 import torch
 
-from lmd.engine.backend import Backend, ForwardBatch, parse_dtype, select_backend
+from lmd.engine.backend import Backend, ForwardBatch, parse_dtype
+from lmd.engine.backends import select_backend
 from lmd.engine.block_manager import BlockManager
 from lmd.engine.config import EngineConfig
 from lmd.engine.decode_scheduler import DecodeBatch, DecodeScheduler
@@ -55,16 +56,16 @@ from lmd.engine.kv_pool import (
 from lmd.engine.prefill_scheduler import PrefillBatch, PrefillScheduler
 from lmd.engine.sampler import Sampler, SamplerOutput, TokenLogprobs
 from lmd.engine.sequence import FinishReason, Sequence
+from lmd.protocol.roles import ENGINE_ROLES, Role
 
 log = logging.getLogger(__name__)
-
-ENGINE_ROLES = ("hybrid", "prefill", "decode")
 
 
 @dataclass(slots=True)
 class TokenEvent:
     """One sampled token of one request (not frozen: one is built per token, and a
-    frozen dataclass takes 2.3 us to build against 0.45)."""
+    frozen dataclass is several times slower to build; docs/benchmarks.md, 'Per-request
+    and per-token CPU in the api and tokenizer')."""
 
     request_id: str
     token_id: int
@@ -120,11 +121,11 @@ def size_pool(backend: Backend, config: EngineConfig, cpu_engines: int = 1) -> i
 
 class Engine:
     def __init__(
-        self, backend: Backend, config: EngineConfig, pool: KVPool, *, role: str = "hybrid"
+        self, backend: Backend, config: EngineConfig, pool: KVPool, *, role: Role = Role.HYBRID
     ) -> None:
         if role not in ENGINE_ROLES:
             raise ValueError(f"engine role {role!r} is not one of {', '.join(ENGINE_ROLES)}")
-        self.role = role
+        self.role = Role(role)
         self.backend = backend
         self.config = config.with_session_len(backend.max_position_embeddings)
         self.pool = pool
@@ -154,7 +155,7 @@ class Engine:
         device: str = "cpu",
         dtype: str = "auto",
         backend: str = "auto",
-        role: str = "hybrid",
+        role: Role = Role.HYBRID,
         pool_buffer: Callable[[int], PoolBuffer | None] | None = None,
         cpu_engines: int = 1,
     ) -> Engine:
@@ -190,7 +191,7 @@ class Engine:
             config.block_size,
             pool.nbytes / 2**20,
         )
-        if role != "prefill":  # a prefill engine runs no decode step
+        if role != Role.PREFILL:  # a prefill engine runs no decode step
             model.capture_graphs(pool.kv, config.max_batch_size)
         return cls(model, config, pool, role=role)
 
@@ -268,7 +269,7 @@ class Engine:
 
     def _step(self) -> list[TokenEvent]:
         free_slots = self._free_slots
-        if self.role == "prefill":  # nothing decodes here: the batch is prefill's own
+        if self.role == Role.PREFILL:  # nothing decodes here: the batch is prefill's own
             free_slots = self.config.max_batch_size - self.prefill.num_running
         if self.prefill.num_waiting or self.prefill.num_running:
             batch = self.prefill.schedule(max_new_seqs=max(0, free_slots))
@@ -295,7 +296,7 @@ class Engine:
         for seq in self.prefill.postprocess(batch, token_ids):
             if seq.is_finished:
                 continue
-            if self.role == "prefill":
+            if self.role == Role.PREFILL:
                 self._prefilled.append(seq)
             else:
                 self.decode.add(seq)

@@ -9,8 +9,9 @@ engine loop, wire) without the model's cost. Its text is meaningless.
 
 The logits live in one buffer that each forward rewrites (as a CUDA-graph backend's output
 buffer would): a step only touches the entries it sets, instead of allocating and zeroing
-[R, V] (0.2 ms of a ~1 ms fake decode step at batch 64 with a 49k vocabulary). They are
-valid until the next forward.
+[R, V], which was a large share of a fake decode step at batch 64 with a 49k vocabulary
+(docs/benchmarks.md, 'Figures that code comments used to quote'). They are valid until
+the next forward.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor
 
 from lmd.engine.backend import Backend, ForwardBatch
+from lmd.engine.config import context_len
 
 
 class FakeBackend(Backend):
@@ -68,7 +70,7 @@ class FakeBackend(Backend):
 
     @property
     def max_position_embeddings(self) -> int:
-        return int(self._config.get("max_position_embeddings") or 4096)
+        return context_len(self._config)
 
     @property
     def dtype(self) -> torch.dtype:

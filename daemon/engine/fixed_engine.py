@@ -3,10 +3,11 @@
 The front issue measures the api and the tokenizer "with a fake engine (a worker that
 returns fixed tokens at once) through the real processes". The `fake` backend is not
 that: it runs the real engine (schedulers, sampler, block manager) around a model that
-computes nothing, which costs the engine process ~23 us of CPU per streamed token on the
-2-core CI machine, more than the api. `--decode-backend fixed` puts this class in the
-hybrid worker instead; the worker around it (inbox, step thread, Tokens messages,
-heartbeats) is the real one.
+computes nothing, which costs the engine process more CPU per streamed token than the api
+on the 2-core CI machine (docs/benchmarks.md, 'The issue's fake engine: a worker that
+returns fixed tokens'). `--decode-backend fixed` puts this class in the hybrid worker
+instead; the worker around it (inbox, step thread, Tokens messages, heartbeats) is the
+real one.
 
 Life cycle of a request here:
   1. `add(seq)` checks the prompt against the session length, as the engine does, and

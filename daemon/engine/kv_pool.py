@@ -1,6 +1,6 @@
 """The KV pool: one tensor per engine process, block-major, and how big to make it.
 
-Layout (ARCHITECTURE §4): kv: [num_blocks, num_layers, 2 (k, v), block_size,
+Layout (docs/architecture.md §5): kv: [num_blocks, num_layers, 2 (k, v), block_size,
 num_kv_heads, head_dim]. One block of every layer is one contiguous byte range, so a
 migration copies whole blocks, and consecutive block ids merge into one range.
 """

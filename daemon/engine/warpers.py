@@ -29,8 +29,9 @@ from torch import Tensor
 from lmd.engine.sequence import SamplingParams
 from lmd.engine.workspace import Workspace
 
-# Candidate counts a top_p row (without top_k) tries before sorting its whole vocabulary
-# (per row on one CPU core: topk 64 0.06 ms, 1024 0.4 ms, 8192 ~0.9 ms; the sort 3.2 ms).
+# Candidate counts a top_p row (without top_k) tries before sorting its whole vocabulary:
+# a topk of each size costs a fraction of that sort on a CPU core (docs/benchmarks.md,
+# 'Figures that code comments used to quote').
 TOP_P_STAGES = (64, 1024, 8192)
 
 

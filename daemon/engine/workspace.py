@@ -1,12 +1,13 @@
 """Workspace: scratch [R, V] tensors that the sampler reuses from step to step.
 
 On CPU a fresh tensor of a few MiB comes from mmap and is paid for in page faults on first
-touch: about 2 us per 4 KiB page on the 2-core dev machine, so 5 ms for one [64, 49152]
-float32 tensor, more than the arithmetic done on it (a sampled decode step made four such
-tensors: 23 ms). A Workspace keeps one buffer per name and hands out views of its first
-rows. A view is valid until the next `get` of the same name; the caller makes sure no two
-live tensors share a name. On other devices (CUDA's caching allocator reuses memory
-already) `get` returns a fresh tensor.
+touch, one 4 KiB page at a time: on the 2-core dev machine that costs more than the
+arithmetic done on one [64, 49152] float32 tensor, and the faults of the four such tensors
+a sampled decode step made were nearly all of its time (docs/benchmarks.md, 'Page faults,
+the fake backend's buffer, the sampled path'). A Workspace keeps one buffer per name and
+hands out views of its first rows. A view is valid until the next `get` of the same name;
+the caller makes sure no two live tensors share a name. On other devices (CUDA's caching
+allocator reuses memory already) `get` returns a fresh tensor.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 `EngineWorker` is what every engine role shares; it is also the `hybrid` role, which
 runs prefill and decode in one process. lmd.prefill.worker and lmd.decode.worker add
-the migration halves (ARCHITECTURE §4).
+the migration halves (docs/architecture.md §1).
 
 Life cycle of a request in an engine worker:
   1. Data messages (Generate, Abort, and the migration messages of the disaggregated
@@ -31,7 +31,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from lmd import protocol
-from lmd.config import ServeConfig
 from lmd.engine.backend import BackendError
 from lmd.engine.config import EngineConfig
 from lmd.engine.engine import Engine, TokenEvent
@@ -40,20 +39,16 @@ from lmd.engine.model_source import ModelSourceError, resolve_model
 from lmd.engine.sequence import SamplingParams, Sequence
 from lmd.engine.stage_clock import StageClock
 from lmd.migration.base import PoolMemory
-from lmd.protocol import Message
-from lmd.roles import ENGINE_ROLES, role_counts
+from lmd.migration.transports import pool_memory
+from lmd.protocol import Message, Role
+from lmd.roles import num_engine_workers
 from lmd.worker import Worker, WorkerStartError
 
 log = logging.getLogger(__name__)
 
 
-def num_engine_workers(config: ServeConfig) -> int:
-    counts = role_counts(config)
-    return sum(counts.get(role, 0) for role in ENGINE_ROLES)
-
-
 class EngineWorker(Worker):
-    role = "hybrid"
+    role = Role.HYBRID
     engine: Engine | FixedTokenEngine  # the disaggregated roles run an Engine
 
     async def start(self) -> None:
@@ -61,8 +56,8 @@ class EngineWorker(Worker):
         self.memory: PoolMemory | None = None
         try:
             model = resolve_model(self.config.model)
-            if self.role != "hybrid":
-                self.memory = PoolMemory.for_device(device, self.config.migration_transport)
+            if self.role != Role.HYBRID:
+                self.memory = pool_memory(device, self.config.migration_transport)
             if self.spec.backend == "fixed":  # hybrid only (config.py)
                 self.engine = FixedTokenEngine(FixedTokens(model.path), self.engine_config())
             else:

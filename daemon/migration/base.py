@@ -3,8 +3,9 @@
 What the migration protocol (sender.py, receiver.py) needs of a transport: open a
 peer's pool from its descriptor, submit a batch of byte-range copies from the local pool
 into it, and poll or wait on the ticket. lmd._native's HostTransport and
-CudaIpcTransport fit (native.py); fake.py is an in-process one for unit tests; nixl.py
-(NVIDIA NIXL over UCX: shared memory, TCP, cuda_ipc, RDMA) fits the same verbs.
+CudaIpcTransport fit (native.py); fake.py is an in-process one for unit tests; nixl/
+(NVIDIA NIXL over UCX: shared memory, TCP, cuda_ipc, RDMA) fits the same verbs. This
+module knows none of them: transports.py picks one.
 
 `PoolMemory` is an engine's KV pool as a transport sees it:
   - host (CPU pools): the pool lives in a region the transport creates (native: shared
@@ -70,15 +71,11 @@ class MigrationTransport(Protocol):
     def close(self) -> None: ...
 
 
-def transport_kind(device: str) -> str:
-    """The transport between pools on `device`: host for cpu, cuda_ipc for cuda[:N]."""
-    return "host" if device == "cpu" else "cuda_ipc"
-
-
 class PoolMemory:
     """An engine's KV pool registered with a migration transport.
 
-    Life cycle: `buffer(nbytes)` is handed to Engine.build (host: the shared region the
+    Life cycle: made by transports.pool_memory for the engine's device; `buffer(nbytes)`
+    is handed to Engine.build (host: the shared region the
     pool will view; cuda_ipc: None, the pool allocates on the GPU); `attach(pool)` once
     the pool exists registers it (cuda_ipc); `region` is then what copies read from or
     peers write into; `close()` on exit.
@@ -89,27 +86,6 @@ class PoolMemory:
         self.kind = kind
         self.device = device
         self.region: Any = None  # LocalRegion once the pool exists
-
-    @classmethod
-    def for_device(cls, device: str, transport: str = "native") -> PoolMemory:
-        """The pool memory of an engine on `device`, moved by `transport`: native
-        (lmd._native's host or cuda_ipc) or nixl (lmd.migration.nixl, either memory)."""
-        kind = transport_kind(device)
-        if device == "cuda":  # torch's current device; the transport names it
-            import torch
-
-            device = f"cuda:{torch.cuda.current_device()}"
-        if transport == "nixl":
-            from lmd.migration.nixl import NixlTransport
-
-            return cls(NixlTransport(), kind, device)
-        if transport != "native":
-            raise ValueError(f"unknown migration transport {transport!r}; use native or nixl")
-        from lmd.migration.native import make_transport
-
-        if kind == "host":
-            return cls(make_transport("host"), kind, device)
-        return cls(make_transport("cuda_ipc", device=device), kind, device)
 
     def buffer(self, nbytes: int) -> PoolBuffer | None:
         if self.kind != "host":

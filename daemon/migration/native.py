@@ -1,6 +1,6 @@
 """Typed facade over lmd._native, the C++ KV transfer engine (native/transport.h).
 
-Life cycle of one migration link (push, decode-first; ARCHITECTURE §4):
+Life cycle of one migration link (push, decode-first; docs/architecture.md §6):
   1. decode: allocates its pool as an exportable region, `transport.create_region(nbytes)`
      on the host transport (its KVPool views `memoryview(region)`), or registers the pool
      tensor, `register_tensor(transport, kv)` on cuda_ipc; sends `region.descriptor()`
@@ -102,7 +102,8 @@ def make_transport(
     host: `device` must be "cpu"; `num_threads` copy threads (0: one per core, at most 8).
     cuda_ipc: `device` is "cuda:N"; RuntimeError says why when CUDA is unusable. A batch
     of several ranges runs as a few launches of a copy kernel (`copy_kernel=False`: one
-    cuMemcpyAsync per range on the copy engines, about 3 us of CPU each, no SMs taken).
+    cuMemcpyAsync per range on the copy engines, no SMs taken, but host CPU time for
+    every range: docs/benchmarks.md, 'Figures that code comments used to quote').
     """
     if kind == "host":
         if device != "cpu":

@@ -1,6 +1,6 @@
 """The decode side of a migration: KV reservations. Pure: no I/O, no tensors.
 
-Life cycle of a reservation (ARCHITECTURE §4, push, decode-first):
+Life cycle of a reservation (docs/architecture.md §1, steps 3-4; push, decode-first):
   1. `reserve(msg)`: prefill asks for blocks for a prompt. A request that can never fit
      (prompt over this engine's length limit, more blocks than the whole pool) raises
      ReservationRefused with the reason; otherwise it queues (FIFO).

@@ -1,6 +1,6 @@
 """The prefill side of a migration: check a reservation, copy the blocks, track tickets.
 
-Life cycle of an outgoing request (ARCHITECTURE §4):
+Life cycle of an outgoing request (docs/architecture.md §1, steps 3-4):
   1. the worker sends Reserve to the request's decode worker and waits;
   2. `accept(reserved, seq)` checks decode's answer against this pool and the request
      before anything is computed: the transport and block size match, the peer pool

@@ -1,6 +1,6 @@
 """The prefill worker: computes prompts and pushes their KV into a decode worker's pool.
 
-Life cycle of a request here (ARCHITECTURE §4, push):
+Life cycle of a request here (docs/architecture.md §1, steps 3-4; push):
   1. Generate from the tokenizer names the decode worker that will continue it. The
      prompt joins the engine's prefill queue at once (chunked, batched with others), so
      the reservation's round trip hides behind the compute. The request waits in
@@ -41,7 +41,7 @@ from lmd.hybrid.worker import EngineWorker, logprobs_dict
 from lmd.migration.receiver import MigrationError
 from lmd.migration.sender import Outgoing, Sender
 from lmd.migration.stats import MigrationStats
-from lmd.protocol import Message
+from lmd.protocol import Message, Role
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ RELEASED_MEMORY = 4096
 
 
 class PrefillWorker(EngineWorker):
-    role = "prefill"
+    role = Role.PREFILL
     engine: Engine
     accepted = (protocol.Generate, protocol.Abort, protocol.Reserved, protocol.RequestError)
 

@@ -5,7 +5,7 @@ pickled). `decode` checks everything a peer could get wrong (type byte, header s
 field names and types, frame count, then each message's own `check`) and raises
 ProtocolError; receivers log, count and drop. The messages live by path: `control`
 (supervisor <-> workers), `requests` (the data path), `migration` (prefill <-> decode);
-everything is used as `protocol.Name`.
+everything is used as `protocol.Name`. `roles` holds the `Role` values messages carry.
 """
 
 from __future__ import annotations
@@ -34,9 +34,13 @@ from lmd.protocol.requests import (
     TextRequest,
     Tokens,
 )
+from lmd.protocol.roles import CLUSTER_ROLES, ENGINE_ROLES, SCALABLE_ROLES, Role
 from lmd.wire import Codec, ProtocolError, pack_ids, unpack_ids
 
 __all__ = [
+    "CLUSTER_ROLES",
+    "ENGINE_ROLES",
+    "SCALABLE_ROLES",
     "SESSION_ACTIONS",
     "Abort",
     "ClusterState",
@@ -54,6 +58,7 @@ __all__ = [
     "Reserve",
     "Reserved",
     "Resume",
+    "Role",
     "SessionControl",
     "Stop",
     "TextDelta",

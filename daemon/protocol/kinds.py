@@ -26,7 +26,7 @@ class MsgType(enum.IntEnum):
     TEXT_REQUEST = 24
     TEXT_DELTA = 25
     SESSION_CONTROL = 26
-    # KV migration, prefill <-> decode (ARCHITECTURE §4)
+    # KV migration, prefill <-> decode (docs/architecture.md §1, steps 3-4)
     RESERVE = 30
     RESERVED = 31
     MIGRATED = 32

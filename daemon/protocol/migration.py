@@ -1,4 +1,7 @@
-"""KV migration, prefill <-> decode (ARCHITECTURE §4): reserve, reserved, migrated, release."""
+"""KV migration, prefill <-> decode: reserve, reserved, migrated, release.
+
+The protocol is docs/architecture.md §1, steps 3-4.
+"""
 
 from __future__ import annotations
 

@@ -16,28 +16,40 @@ When it goes out:
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
 from lmd import protocol
 from lmd.cluster.view import ClusterView, merge, worker_facts
-from lmd.config import CLUSTER_ROLES
-from lmd.roles import ROLES
+from lmd.config import ServeConfig
+from lmd.protocol.roles import CLUSTER_ROLES, Role
+from lmd.supervisor.child import Child
+from lmd.supervisor.states import DaemonState
 
 if TYPE_CHECKING:
     from lmd.cluster.node import ClusterNode
-    from lmd.supervisor.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
 
 class Announcer:
-    def __init__(self, sup: Supervisor) -> None:
-        self.sup = sup
+    def __init__(
+        self,
+        config: ServeConfig,
+        pid: int,
+        children: Mapping[str, Child],
+        state: Callable[[], DaemonState],
+        broadcast: Callable[[protocol.Message], Awaitable[None]],
+    ) -> None:
+        self.heartbeat_interval = config.heartbeat_interval
+        self.children = children  # the supervisor's workers, as they change
+        self._state = state
+        self._broadcast = broadcast
         self.cluster: ClusterNode | None = None  # a cluster node's record in etcd
-        if sup.config.cluster is not None:
+        if config.cluster is not None:
             from lmd.cluster.node import ClusterNode
 
-            self.cluster = ClusterNode(sup.config, sup.pid)
+            self.cluster = ClusterNode(config, pid)
         self._changed = False  # another node's record changed since the last publish
         self._published_load: dict[str, dict[str, int]] = {}
         self._next_at = 0.0
@@ -50,7 +62,7 @@ class Announcer:
         from lmd.cluster.membership import MembershipError
 
         try:
-            await self.cluster.join(str(self.sup.state), worker_facts(self.sup.children.values()))
+            await self.cluster.join(str(self._state()), worker_facts(self.children.values()))
         except MembershipError as exc:
             log.error("cannot join the cluster: %s", exc)
             return False
@@ -66,12 +78,12 @@ class Announcer:
 
     @property
     def planned_roles(self) -> list[str]:
-        planned = {c.role for c in self.sup.children.values()}
-        return [r for r in ROLES if r in planned]
+        planned = {c.role for c in self.children.values()}
+        return [r for r in Role if r in planned]
 
     def view(self) -> ClusterView:
         """Running workers (a cluster's: on every node), their endpoints and load."""
-        state, facts = str(self.sup.state), worker_facts(self.sup.children.values())
+        state, facts = str(self._state()), worker_facts(self.children.values())
         if self.cluster is None:
             return merge("", state, facts)
         self.cluster.publish(state, facts)
@@ -81,7 +93,7 @@ class Announcer:
         view = self.view()
         required = CLUSTER_ROLES if self.cluster is not None else self.planned_roles
         msg = protocol.ClusterState(
-            str(self.sup.state),
+            str(self._state()),
             view.missing(required),
             view.workers,
             view.draining,
@@ -89,13 +101,13 @@ class Announcer:
             view.load,
         )
         self._published_load = view.load
-        await self.sup.broadcast(msg)
+        await self._broadcast(msg)
 
     async def tick(self, now: float, stopping: bool) -> bool:
         """Publish what changed since the last tick; True if a ClusterState went out."""
         if not self._changed and now < self._next_at:
             return False
-        self._next_at = now + self.sup.config.heartbeat_interval
+        self._next_at = now + self.heartbeat_interval
         changed, self._changed = self._changed, False
         if stopping or not (changed or self.view().load != self._published_load):
             return False

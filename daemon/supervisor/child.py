@@ -18,8 +18,9 @@ import psutil
 
 from lmd.config import RestartPolicy
 from lmd.protocol import Heartbeat
+from lmd.roles import WorkerSpec
+from lmd.spawn import worker_main
 from lmd.supervisor.states import WorkerState, transition
-from lmd.worker import WorkerSpec, worker_main
 
 _SPAWN = multiprocessing.get_context("spawn")
 

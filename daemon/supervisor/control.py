@@ -26,6 +26,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lmd import __version__
 from lmd.http_server import JSONResponse, Peer, replay
+from lmd.protocol import Role
+from lmd.supervisor.errors import (
+    BadArgument,
+    BadConfig,
+    SupervisorError,
+    UnknownWorker,
+    WrongState,
+)
 from lmd.supervisor.metrics_collect import MAX_INTERVAL_S, collect, scrape_url
 from lmd.supervisor.states import WorkerState
 
@@ -36,19 +44,18 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 * 1024  # no command takes a body; a client may send `{}`
 
 
-class ControlError(Exception):
-    """A control request that cannot be done; becomes an error body."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
-
-
 def error_response(status: int, code: str, message: str) -> JSONResponse:
     return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
 
 
 _HTTP_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}
+# The one place a supervisor's refusal becomes an HTTP status.
+_STATUS: dict[type[SupervisorError], int] = {
+    UnknownWorker: 404,
+    WrongState: 409,
+    BadArgument: 400,
+    BadConfig: 400,
+}
 
 
 def peer_allowed(uid: int, own_uid: int | None = None) -> bool:
@@ -130,8 +137,6 @@ def _refuse_body(body: bytes | None) -> JSONResponse | None:
 
 
 def build_control_app(sup: Supervisor) -> FastAPI:
-    from lmd.supervisor import reloading, scaling  # they raise ControlError: import after it exists
-
     app = FastAPI(
         title="lmd control",
         version=__version__,
@@ -141,9 +146,9 @@ def build_control_app(sup: Supervisor) -> FastAPI:
     )
     app.add_middleware(_Guard)
 
-    @app.exception_handler(ControlError)
-    async def control_error(_: Request, exc: ControlError) -> JSONResponse:
-        return error_response(exc.status, exc.code, exc.message)
+    @app.exception_handler(SupervisorError)
+    async def refused(_: Request, exc: SupervisorError) -> JSONResponse:
+        return error_response(_STATUS[type(exc)], exc.code, exc.message)
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
@@ -177,7 +182,7 @@ def build_control_app(sup: Supervisor) -> FastAPI:
         """Run COUNT workers of ROLE (prefill or decode; disaggregated mode): new ones
         start at once; removed ones (the highest indices) take no new request and stop
         once idle (`retiring` in status). Answers {role, count, added, retiring}."""
-        return await scaling.scale(sup, role, count)
+        return await sup.scale(role, count)
 
     @app.post("/v1/drain")
     async def drain() -> dict[str, Any]:
@@ -203,7 +208,7 @@ def build_control_app(sup: Supervisor) -> FastAPI:
         """Read the config file and LMD_* environment again (flags stay). Answers which
         changed keys were `applied` live (log_level) and which `needs_restart`, with
         `changes` {key: {from, to}}; a bad file is 400 `bad_config`, the daemon unchanged."""
-        return await reloading.reload(sup)
+        return await sup.reload()
 
     @app.get("/v1/metrics")
     async def metrics(interval: float = 1.0) -> dict[str, Any]:
@@ -213,14 +218,12 @@ def build_control_app(sup: Supervisor) -> FastAPI:
         waiting and KV use per engine worker (heartbeats); GPU memory and utilisation
         (NVML; `gpu.reason` says why it is absent). Answers after the window."""
         if not 0 < interval <= MAX_INTERVAL_S:
-            raise ControlError(
-                400, "bad_interval", f"interval must be > 0 and <= {MAX_INTERVAL_S:.0f} s"
-            )
+            raise BadArgument("bad_interval", f"interval must be > 0 and <= {MAX_INTERVAL_S:.0f} s")
         url = scrape_url(sup.config.host, sup.config.port)
         apis = {
             c.name: url
             for c in sup.children.values()
-            if c.role == "api" and c.state == WorkerState.RUNNING
+            if c.role == Role.API and c.state == WorkerState.RUNNING
         }
         reply = await collect(apis, sup.workers, interval)
         return {"state": str(sup.state), "model": sup.config.served_model_name, **reply}

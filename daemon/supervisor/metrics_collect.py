@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from lmd.roles import ENGINE_ROLES
+from lmd.protocol.roles import ENGINE_ROLES
 from lmd.supervisor.gpu_stats import read_gpus, unavailable
 from lmd.supervisor.metrics_summary import QUANTILE_METHOD, Scrape, parse, summarize
 

@@ -1,7 +1,7 @@
 """The arithmetic behind `lmdctl metrics`: two scrapes of the api's /metrics -> a summary.
 
 The control API (`metrics_collect.py`) scrapes every running api worker's Prometheus
-text (`api_metrics.py`) twice, a window of `interval` seconds apart. From the two:
+text (`api/metrics.py`) twice, a window of `interval` seconds apart. From the two:
 - rates = counter delta / seconds between the scrapes. The api adds a request's tokens
   when the request closes, so a window shorter than the requests is bursty: a request
   that ran for 10 s adds all its tokens to the window it ended in.
@@ -22,7 +22,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-# Our key -> the api's histogram (api_metrics.py).
+# Our key -> the api's histogram (api/metrics.py).
 HISTOGRAMS = {
     "ttft": "lmd_time_to_first_token_seconds",
     "tpot": "lmd_time_per_output_token_seconds",

@@ -7,8 +7,9 @@ Life cycle of the daemon (states.DaemonState):
      after its port listens): READY=1. A worker that dies is restarted with exponential
      backoff; one that misses heartbeats for heartbeat_timeout is killed and restarted
      (the watchdog pings stop until its replacement is ready); max_fast_failures young
-     deaths in a row and the daemon gives up (exit 1: Restart=on-failure acts).
-     `lmdctl reload` applies what can change live and reports what needs a restart.
+     deaths in a row and the daemon gives up (exit 1: Restart=on-failure acts); watch.py.
+     `lmdctl reload` applies what can change live and reports what needs a restart;
+     `lmdctl scale` adds and retires engine workers (scaling.py).
   3. draining (`lmdctl drain`): workers stop admitting; `resume` returns to running.
   4. stopping (SIGTERM, SIGINT, `lmdctl shutdown`, giving up): STOPPING=1, Drain, wait
      until no worker holds a request (up to drain_timeout; a second signal cuts it
@@ -21,38 +22,50 @@ What systemd hears at each step (READY, STATUS, WATCHDOG, ...): service_notify.p
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq.asyncio
+from starlette.types import ASGIApp
 
 from lmd import __version__, ipc, protocol
-from lmd.config_loader import LoadedConfig
+from lmd.config import ConfigError
+from lmd.config_loader import LoadedConfig, reload_config
 from lmd.http_server import EmbeddedServer, bind_unix
 from lmd.paths import control_socket_path
 from lmd.roles import plan_workers
-from lmd.supervisor import scaling
 from lmd.supervisor.announcer import Announcer
-from lmd.supervisor.child import Child, describe_exit
-from lmd.supervisor.control import ControlError, build_control_app
+from lmd.supervisor.child import Child
+from lmd.supervisor.errors import BadConfig, UnknownWorker, WrongState
 from lmd.supervisor.runtime_lock import RuntimeLock
+from lmd.supervisor.scaling import Scaler
 from lmd.supervisor.sd_notify import Notifier
 from lmd.supervisor.service_notify import ServiceNotifier, status_line
 from lmd.supervisor.states import DaemonState, WorkerState, transition
+from lmd.supervisor.watch import LIVE, STOP_GRACE_S, Change, GiveUp, WorkerWatch
+from lmd.worker import set_log_level
 
 log = logging.getLogger(__name__)
 
 TICK_S = 0.1
-STOP_GRACE_S = 5.0  # after Stop, how long a worker may take to exit before SIGKILL
 CONTROL_SOCKET_MODE = 0o660
-LIVE = (WorkerState.STARTING, WorkerState.RUNNING)
+
+
+ControlApp = Callable[["Supervisor"], ASGIApp]  # the control API over this supervisor
 
 
 class Supervisor:
     def __init__(
-        self, loaded: LoadedConfig, device: str, pid: int, notifier: Notifier | None = None
+        self,
+        loaded: LoadedConfig,
+        device: str,
+        pid: int,
+        control_app: ControlApp,
+        notifier: Notifier | None = None,
     ) -> None:
         config = loaded.config
         self.loaded = loaded  # the config as loaded, with where each value came from
@@ -61,6 +74,8 @@ class Supervisor:
         self.pid = pid
         self.state = DaemonState.STARTING
         self.children = {s.name: Child(s) for s in plan_workers(config, device, pid)}
+        self.scaler = Scaler(self.children)  # lmdctl scale adds to and removes from children
+        self._control_app = control_app
         self.endpoints = ipc.Endpoints(config.runtime_dir)
         self.started_at = time.time()
         self.started_mono = time.monotonic()
@@ -70,8 +85,9 @@ class Supervisor:
         self._drain_started = 0.0
         self._stop_reason = ""
         self.service = ServiceNotifier(notifier)
-        self._hung: set[str] = set()  # killed for missing heartbeats, not yet back
-        self.announcer = Announcer(self)  # ClusterState; a cluster node's etcd record
+        self.watch = WorkerWatch(self.scaler)  # restarts; kills what is overdue
+        # ClusterState to the workers; a cluster node's record in etcd
+        self.announcer = Announcer(config, pid, self.children, lambda: self.state, self.broadcast)
 
     # Running ---------------------------------------------------------------------------
 
@@ -92,7 +108,7 @@ class Supervisor:
         ctx = zmq.asyncio.Context()
         self.router = ipc.bind_router(ctx, self.endpoints.supervisor, "supervisor")
         sock = bind_unix(control_socket_path(self.config.runtime_dir), CONTROL_SOCKET_MODE)
-        control = EmbeddedServer(build_control_app(self), sock, self.config.log_level)
+        control = EmbeddedServer(self._control_app(self), sock, self.config.log_level)
         await control.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -173,7 +189,7 @@ class Supervisor:
     async def _on_ready(self, child: Child, msg: protocol.Ready) -> None:
         child.info = msg.info
         child.set_state(WorkerState.RUNNING)
-        self._hung.discard(child.name)
+        self.watch.ready(child)
         log.info(
             "%s ready (pid %d) after %.1f s",
             child.name,
@@ -199,9 +215,15 @@ class Supervisor:
     async def _tick_loop(self) -> None:
         while True:
             now = time.monotonic()
+            stopping = self.state == DaemonState.STOPPING
             for child in list(self.children.values()):
-                await self._tick_child(child, now)
-                await scaling.tick_retiring(self, child, now)
+                verdict = self.watch.tick(child, now, self.config, stopping)
+                if isinstance(verdict, GiveUp):
+                    self.give_up(verdict.reason)
+                elif verdict is Change.WORKERS:
+                    await self.publish_cluster_state()
+            for child in self.scaler.due_to_stop(now, self.config):
+                await self.broadcast(protocol.Stop(), [child])
             if (
                 self.state == DaemonState.STARTING
                 and now - self.started_mono > self.config.startup_timeout
@@ -213,63 +235,10 @@ class Supervisor:
                     f"start-up took over {self.config.startup_timeout:.0f} s; not ready: {waiting}"
                 )
             # Healthy = every worker that missed its heartbeats has a ready replacement.
-            self.service.watchdog(now, healthy=not self._hung)
+            self.service.watchdog(now, healthy=not self.watch.hung)
             if await self.announcer.tick(now, stopping=self.state == DaemonState.STOPPING):
                 self.service.status(self.status_line)
             await asyncio.sleep(TICK_S)
-
-    async def _tick_child(self, child: Child, now: float) -> None:
-        cfg = self.config
-        if child.state in LIVE:
-            code = child.exit_code()
-            if code is not None:
-                await self._on_exit(child, code, now)
-            elif reason := child.overdue(
-                now, cfg.heartbeat_timeout, cfg.startup_timeout, STOP_GRACE_S
-            ):
-                log.error("%s (pid %s) %s; killing it", child.name, child.pid, reason)
-                if child.missed_heartbeats(now, cfg.heartbeat_timeout):
-                    self._hung.add(child.name)  # the watchdog stops until it is back
-                child.signal(signal.SIGKILL)
-        elif (
-            child.state == WorkerState.RESTARTING
-            and self.state != DaemonState.STOPPING
-            and child.next_start_at is not None
-            and now >= child.next_start_at
-        ):
-            child.num_restarts += 1
-            log.info("restarting %s (restart #%d)", child.name, child.num_restarts)
-            child.spawn()
-
-    async def _on_exit(self, child: Child, code: int, now: float) -> None:
-        if self.state == DaemonState.STOPPING:
-            child.last_exit = code
-            child.set_state(WorkerState.STOPPED)
-            return
-        if scaling.forget_retired(self, child):
-            await self.publish_cluster_state()
-            return
-        if child.restart_requested_at is None:
-            ran = now - child.started_mono
-            log.warning(
-                "%s (pid %s) died (%s) after %.1f s",
-                child.name,
-                child.pid,
-                describe_exit(code),
-                ran,
-            )
-        policy = self.config.restart
-        delay = child.record_exit(code, now, policy)
-        if delay is None:
-            child.set_state(WorkerState.FAILED)
-            self.give_up(
-                f"{child.name} died {child.num_fast_failures} times in a row "
-                f"within {policy.stable_after_s:.0f} s of starting (last: {describe_exit(code)})"
-            )
-            return
-        child.set_state(WorkerState.RESTARTING)
-        child.next_start_at = now + delay
-        await self.publish_cluster_state()
 
     # Stopping --------------------------------------------------------------------------
 
@@ -327,7 +296,7 @@ class Supervisor:
             c.last_seen > self._drain_started and c.inflight == 0 for c in self.live_children
         )
 
-    # Control API (control.py calls these) ----------------------------------------------
+    # Operations (the control API, control.py, calls these) ---------------------------
 
     def status(self) -> dict[str, Any]:
         return {
@@ -350,20 +319,20 @@ class Supervisor:
         child = self.children.get(name)
         if child is None:
             known = ", ".join(self.children)
-            raise ControlError(404, "unknown_worker", f"no worker named {name!r} ({known})")
+            raise UnknownWorker("unknown_worker", f"no worker named {name!r} ({known})")
         if self.state == DaemonState.STOPPING:
-            raise ControlError(409, "stopping", "the daemon is stopping")
+            raise WrongState("stopping", "the daemon is stopping")
         if child.state not in LIVE:
-            raise ControlError(409, "not_running", f"{name} is {child.state}, not running")
+            raise WrongState("not_running", f"{name} is {child.state}, not running")
         child.restart_requested_at = time.monotonic()
         child.signal(signal.SIGTERM)
         log.info("restart of %s requested", name)
 
     async def drain(self) -> None:
         if self.state == DaemonState.STOPPING:
-            raise ControlError(409, "stopping", "the daemon is stopping")
+            raise WrongState("stopping", "the daemon is stopping")
         if self.state == DaemonState.STARTING:
-            raise ControlError(409, "starting", "the daemon is still starting")
+            raise WrongState("starting", "the daemon is still starting")
         if self.state == DaemonState.RUNNING:
             self._set_state(DaemonState.DRAINING)
             log.info("draining: new requests are refused until resume")
@@ -372,8 +341,45 @@ class Supervisor:
 
     async def resume(self) -> None:
         if self.state != DaemonState.DRAINING:
-            raise ControlError(409, "not_draining", f"the daemon is {self.state}, not draining")
+            raise WrongState("not_draining", f"the daemon is {self.state}, not draining")
         self._set_state(DaemonState.RUNNING)
         log.info("resumed: admitting requests again")
         await self.broadcast(protocol.Resume())
         await self.publish_cluster_state()
+
+    async def scale(self, role: str, count: int) -> dict[str, Any]:
+        """Run `count` workers of `role` (scaling.py says how)."""
+        parsed = self.scaler.check(role, count, self.config.mode)
+        if self.state != DaemonState.RUNNING:
+            raise WrongState(str(self.state), f"the daemon is {self.state}; try later")
+        result = self.scaler.scale(parsed, count, self.config, self.device, self.pid)
+        if result.changed:
+            await self.publish_cluster_state()
+        return result.to_json()
+
+    async def reload(self) -> dict[str, Any]:
+        """Read the config file and the environment again (the command line stays). Live
+        keys (config_loader.LIVE_KEYS) apply at once, here and in every worker (a
+        Reconfigure; a restarted or added worker starts with them too); other changed
+        keys keep their running value and are reported as needing a restart. A bad file
+        changes nothing (BadConfig)."""
+        if self.state in (DaemonState.STARTING, DaemonState.STOPPING):
+            raise WrongState(str(self.state), f"the daemon is {self.state}; try later")
+        with self.service.reloading(lambda: self.status_line):
+            try:
+                self.loaded, plan = reload_config(self.loaded)
+            except ConfigError as exc:
+                raise BadConfig("bad_config", str(exc)) from None
+            self.config = self.loaded.config
+            for child in self.children.values():  # what a restarted worker runs with
+                child.spec = dataclasses.replace(child.spec, config=self.config.to_dict())
+            set_log_level(self.config.log_level)
+            if plan.applied:
+                live = {k: getattr(self.config, k) for k in plan.applied}
+                await self.broadcast(protocol.Reconfigure(live))
+        log.info(
+            "config reloaded: applied %s; needs a restart: %s",
+            ", ".join(plan.applied) or "nothing",
+            ", ".join(plan.needs_restart) or "nothing",
+        )
+        return {"ok": True, "file": self.loaded.to_json()["file"], **plan.to_json()}

@@ -23,6 +23,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from lmd.names import index_of, node_of, role_of
+from lmd.protocol.roles import Role
 
 
 class NoEngine(LookupError):
@@ -43,13 +44,13 @@ class Route:
 class Router:
     def __init__(
         self,
-        engine_role: str,
-        decode_role: str = "",
+        engine_role: Role,
+        decode_role: Role | None = None,
         configured: Collection[str] = (),
         block_size: int = 64,
     ) -> None:
         self.engine_role = engine_role  # hybrid or prefill
-        self.decode_role = decode_role  # decode, or "" in hybrid mode
+        self.decode_role = decode_role  # decode, or None in hybrid mode
         self.configured = sorted(configured)  # this node's: used until the running are known
         self.block_size = block_size
         self._load: Counter[str] = Counter()  # requests of this router on each worker

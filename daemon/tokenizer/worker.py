@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from lmd import protocol
+from lmd.engine.config import context_len, resolve_session_len
 from lmd.engine.model_source import ModelSourceError, resolve_model
 from lmd.names import role_of
-from lmd.protocol import Message
+from lmd.protocol import Message, Role
 from lmd.roles import worker_names
 from lmd.tokenizer.request import DeltaOutbox, Entry, TokenizerRequest
 from lmd.tokenizer.routing import NoEngine, Route, Router
@@ -61,7 +62,7 @@ log = logging.getLogger(__name__)
 
 
 class TokenizerWorker(Worker):
-    role = "tokenizer"
+    role = Role.TOKENIZER
 
     async def start(self) -> None:
         from transformers import AutoTokenizer
@@ -72,16 +73,17 @@ class TokenizerWorker(Worker):
                 AutoTokenizer.from_pretrained, str(model.path), local_files_only=True
             )
             self.template = self._load_template()
-            self.session_len = self.config.session_len or _max_positions(model.path)
+            hf_config = json.loads((model.path / "config.json").read_text())
+            self.session_len = resolve_session_len(self.config.session_len, context_len(hf_config))
         except (ModelSourceError, ChatTemplateError, OSError, ValueError) as exc:
             raise WorkerStartError(str(exc)) from None
         # decode without clean-up; a token's own text is looked up, not decoded again
         self.decoder = CachedDecoder(self.tokenizer.backend_tokenizer)
         self.vocab_size = len(self.tokenizer)
         hybrid = self.config.mode == "hybrid"
-        engine_role, decode_role = ("hybrid", "") if hybrid else ("prefill", "decode")
+        engine_role, decode_role = (Role.HYBRID, None) if hybrid else (Role.PREFILL, Role.DECODE)
         configured = worker_names(self.config, engine_role)
-        if decode_role:
+        if decode_role is not None:
             configured += worker_names(self.config, decode_role)
         self.router = Router(engine_role, decode_role, configured, self.config.block_size)
         self._requests: dict[str, TokenizerRequest] = {}
@@ -379,9 +381,3 @@ class TokenizerWorker(Worker):
         self.router.finished(request.route)
         if request.session is not None:
             self._close_turn(request, keep=update.finish_reason != "abort")
-
-
-def _max_positions(model_dir: Path) -> int:
-    config = json.loads((model_dir / "config.json").read_text())
-    text = config.get("text_config", config)
-    return int(text.get("max_position_embeddings") or 4096)

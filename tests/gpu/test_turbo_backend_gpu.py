@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from lmd.engine.backend import select_backend
+from lmd.engine.backends import select_backend
 from lmd.engine.torch_backend import TorchBackend
 from lmd.engine.turbo.backend import TurboBackend
 from tests.models import random_prompts, save_tiny_llama

@@ -7,7 +7,7 @@ every answer goes through schemathesis's default checks:
   not_a_server_error            no 5xx
   status_code_conformance       the status is one the document lists for the route
   content_type_conformance      so is the media type
-  response_schema_conformance   and the body fits the documented schema (api_docs.py):
+  response_schema_conformance   and the body fits the documented schema (api/docs.py):
                                 error bodies, and each server-sent event of a stream (a
                                 chunk, an error body or [DONE]); JSON-lines streams
                                 (interactive) are not parsed, schemathesis has no reader
@@ -47,7 +47,8 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from lmd.api.worker import ApiWorker
 from lmd.config import ServeConfig
-from lmd.worker import WorkerSpec
+from lmd.protocol import Role
+from lmd.roles import WorkerSpec
 from tests.integration.daemon import DISAGGREGATED, Daemon
 from tests.integration.test_hostile_http import assert_unharmed
 
@@ -58,7 +59,7 @@ MAX_EXAMPLES = 30  # per operation and phase; the whole module runs in ~30 s on 
 def api_document() -> dict[str, Any]:
     """/openapi.json as an api worker builds it (it depends on no setting)."""
     config = ServeConfig(runtime_dir=Path(tempfile.gettempdir()) / "lmd-openapi")
-    spec = WorkerSpec("api-0", "api", 0, os.getpid(), config.to_dict())
+    spec = WorkerSpec("api-0", Role.API, 0, os.getpid(), config.to_dict())
     document: dict[str, Any] = ApiWorker(spec, config).build_app().openapi()
     return document
 

@@ -1,4 +1,4 @@
-"""One admitted request in the api (api_request.py): its events, its answer, its stream."""
+"""One admitted request in the api (api/request.py): its events, its answer, its stream."""
 
 from __future__ import annotations
 

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from lmd.config import RestartPolicy
+from lmd.protocol import Role
+from lmd.roles import WorkerSpec
 from lmd.supervisor.child import Child
 from lmd.supervisor.states import WorkerState
-from lmd.worker import WorkerSpec
 
 POLICY = RestartPolicy(backoff_s=0.5, max_backoff_s=30.0, stable_after_s=30.0, max_fast_failures=3)
 
 
 def child(state: WorkerState = WorkerState.RUNNING, started: float = 0.0) -> Child:
-    c = Child(WorkerSpec("decode-0", "decode", 0, supervisor_pid=1, config={}))
+    c = Child(WorkerSpec("decode-0", Role.DECODE, 0, supervisor_pid=1, config={}))
     c.state, c.started_mono, c.last_seen = state, started, started
     return c
 

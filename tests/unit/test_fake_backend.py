@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmd.engine.backend import ForwardBatch, select_backend
+from lmd.engine.backend import ForwardBatch
+from lmd.engine.backends import select_backend
 from lmd.engine.config import EngineConfig
 from lmd.engine.engine import Engine
 from lmd.engine.fake_backend import FakeBackend

@@ -30,9 +30,9 @@ import torch
 from lmd.cli import _parser, build_config
 from lmd.config import ConfigError, ServeConfig
 from lmd.migration import nixl
-from lmd.migration.base import PoolMemory
 from lmd.migration.native import block_copies
 from lmd.migration.nixl import NixlTransport, descriptor
+from lmd.migration.transports import pool_memory
 
 needs_nixl = pytest.mark.skipif(
     not nixl.available(), reason="NIXL is not installed (pip install lmd[cluster])"
@@ -295,7 +295,7 @@ def test_checks_every_copy_and_descriptor_before_moving_bytes() -> None:
 
 @needs_nixl
 def test_pool_memory_on_nixl_is_a_writable_registered_buffer() -> None:
-    memory = PoolMemory.for_device("cpu", "nixl")
+    memory = pool_memory("cpu", "nixl")
     assert memory.transport.name == "nixl" and memory.kind == "host"
     view = memory.buffer(3 * BLOCK)
     assert isinstance(view, memoryview) and len(view) == 3 * BLOCK and not view.readonly
@@ -315,9 +315,9 @@ def test_without_nixl_the_error_says_what_to_install(monkeypatch: pytest.MonkeyP
     assert str(raised.value).startswith(nixl.INSTALL_HINT)
     assert "\n" not in str(raised.value)
     with pytest.raises(RuntimeError, match="lmd\\[cluster\\]"):
-        PoolMemory.for_device("cpu", "nixl")
+        pool_memory("cpu", "nixl")
     with pytest.raises(ValueError, match="native or nixl"):
-        PoolMemory.for_device("cpu", "rdma")
+        pool_memory("cpu", "rdma")
 
 
 def test_migration_transport_option(tmp_path: Any) -> None:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from lmd.protocol import Role
 from lmd.tokenizer.routing import NoEngine, Router
 
 
 def test_least_loaded_pairs_and_load_accounting() -> None:
-    router = Router("prefill", "decode", ["prefill-0", "prefill-1", "decode-0", "decode-1"])
+    router = Router(Role.PREFILL, Role.DECODE, ["prefill-0", "prefill-1", "decode-0", "decode-1"])
     running = {"prefill-0": 10, "prefill-1": 11, "decode-0": 20, "decode-1": 21}
     a = router.pick(running)
     b = router.pick(running)
@@ -26,7 +27,7 @@ def test_least_loaded_pairs_and_load_accounting() -> None:
 
 
 def test_scaled_and_draining_workers() -> None:
-    router = Router("prefill", "decode", ["prefill-0", "decode-0"])  # the configured ones
+    router = Router(Role.PREFILL, Role.DECODE, ["prefill-0", "decode-0"])  # the configured ones
     running = {"prefill-0": 1, "decode-0": 2, "decode-1": 3}  # lmdctl scale added one
     picked = {router.pick(running).decode for _ in range(4)}
     assert picked == {"decode-0", "decode-1"}
@@ -37,7 +38,7 @@ def test_scaled_and_draining_workers() -> None:
 
 
 def test_broken_routes() -> None:
-    router = Router("prefill", "decode", ["prefill-0", "decode-0"])
+    router = Router(Role.PREFILL, Role.DECODE, ["prefill-0", "decode-0"])
     route = router.pick({"prefill-0": 1, "decode-0": 2})
     assert router.broken(route, {"prefill-0": 1, "decode-0": 2}) is None
     assert "decode-0" in (router.broken(route, {"prefill-0": 1, "decode-0": 9}) or "")
@@ -47,7 +48,7 @@ def test_broken_routes() -> None:
 
 
 def test_hybrid_routes_have_no_decode() -> None:
-    router = Router("hybrid", "", ["hybrid-0"])
+    router = Router(Role.HYBRID, None, ["hybrid-0"])
     assert router.pick(None).engine == "hybrid-0"  # nothing known yet: the configured one
     route = router.pick({"hybrid-0": 5})
     assert route.engine == "hybrid-0" and route.decode == ""
@@ -57,7 +58,7 @@ def test_hybrid_routes_have_no_decode() -> None:
 
 def test_published_load_decides() -> None:
     """Queued prompt tokens pick the prefill worker; free blocks the decode worker."""
-    router = Router("prefill", "decode", block_size=64)
+    router = Router(Role.PREFILL, Role.DECODE, block_size=64)
     running = {"prefill-0": 1, "prefill-1": 2, "decode-0": 3, "decode-1": 4}
     load = {
         "prefill-0": {"queued_tokens": 5000, "free_blocks": 10},
@@ -77,7 +78,7 @@ def test_published_load_decides() -> None:
 
 
 def test_same_host_pairs_preferred_while_they_have_room() -> None:
-    router = Router("prefill", "decode", block_size=64)
+    router = Router(Role.PREFILL, Role.DECODE, block_size=64)
     running = {"prefill-0@a": 1, "decode-0@a": 2, "decode-0@b": 3}
     load = {"decode-0@a": {"free_blocks": 40}, "decode-0@b": {"free_blocks": 400}}
     # 10 blocks fit on a's decode worker: KV stays within host a, though b has more room.
@@ -85,4 +86,4 @@ def test_same_host_pairs_preferred_while_they_have_room() -> None:
     # 64 blocks do not fit there (40 free, 11 on their way): host b takes it.
     assert router.pick(running, load=load, num_tokens=4096).decode == "decode-0@b"
     # Nothing known of the load yet: the same host, with the fewest requests.
-    assert Router("prefill", "decode").pick(running, num_tokens=640).decode == "decode-0@a"
+    assert Router(Role.PREFILL, Role.DECODE).pick(running, num_tokens=640).decode == "decode-0@a"

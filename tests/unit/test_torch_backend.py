@@ -22,7 +22,8 @@ from transformers import (
     PreTrainedModel,
 )
 
-from lmd.engine.backend import BackendError, ForwardBatch, select_backend
+from lmd.engine.backend import BackendError, ForwardBatch
+from lmd.engine.backends import select_backend
 from lmd.engine.model_source import resolve_model
 from lmd.engine.torch_backend import TorchBackend
 from tests.models import TINY_SHAPE, hf_greedy, load_reference, random_prompts, save_tiny_llama

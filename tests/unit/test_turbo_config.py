@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-from lmd.engine.backend import BackendError, select_backend
+from lmd.engine.backend import BackendError
+from lmd.engine.backends import select_backend
 from lmd.engine.torch_backend import TorchBackend
 from lmd.engine.turbo import TurboConfig, UnsupportedModel, unsupported_reason
 
@@ -106,7 +107,7 @@ def test_missing_field_is_named(tmp_path: Any) -> None:
         TurboConfig.load(tmp_path)
 
 
-# Selection (ARCHITECTURE §5) -----------------------------------------------------------
+# Selection (docs/architecture.md §5) -----------------------------------------------------------
 
 
 def test_auto_on_cpu_takes_torch_and_says_why(caplog: pytest.LogCaptureFixture) -> None:

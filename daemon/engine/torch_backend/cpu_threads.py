@@ -2,10 +2,11 @@
 
 OpenMP regions wait for every thread of their team. With torch's default of one thread
 per core and another process busy on one of the cores, each of the ~200 parallel regions
-of a decode step waits for the thread the scheduler parked. Measured on the 2-core dev
-machine at load 5-7 (docs/benchmarks.md): the offline batch-8 run took 43-51 s with two
-threads and 6-18 s with one. The prefill and decode engines of one daemon on a CPU-only
-host contend for the cores the same way.
+of a decode step waits for the thread the scheduler parked. On the 2-core dev machine
+under load the offline batch-8 run took several times as long with two threads as with
+one (docs/benchmarks.md, 'CPU, second pass: oneDNN linears, block copies, malloc,
+threads', and 'Figures that code comments used to quote'). The prefill and decode
+engines of one daemon on a CPU-only host contend for the cores the same way.
 
 `CpuThreads.update()` runs before each forward, at most once per `interval_s`: from the
 machine's busy time (/proc/stat) less this process's own CPU time it takes the cores the

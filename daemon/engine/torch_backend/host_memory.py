@@ -4,9 +4,11 @@ glibc serves every allocation above its mmap threshold (128 KiB at first, raised
 fly up to 32 MiB) with a fresh mmap and gives heap memory above its trim threshold back
 on free. A CPU forward allocates and frees megabytes per operation (a prefill of 8 x 128
 tokens makes [1024, 1536] fp32 activations: 6 MiB each), so each one came back as fresh
-pages, faulted in and zeroed one 4 KiB page at a time: ~0.5-0.8 s of a 1.5 s prefill on
-the 2-core dev machine (docs/benchmarks.md). With a fixed 32 MiB mmap threshold and a
-1 GiB trim threshold, freed activations are reused from the heap as they are.
+pages, faulted in and zeroed one 4 KiB page at a time: a large part of a prefill on the
+2-core dev machine (docs/benchmarks.md, 'CPU, second pass: oneDNN linears, block copies,
+malloc, threads', and 'Figures that code comments used to quote'). With a fixed 32 MiB
+mmap threshold and a 1 GiB trim threshold, freed activations are reused from the heap as
+they are.
 
 Process-wide: every CPU backend sets it (setting it again changes nothing).
 """

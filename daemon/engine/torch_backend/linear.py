@@ -1,10 +1,11 @@
 """fp32 linear layers through oneDNN with weights packed once, for the torch backend on CPU.
 
 torch runs an fp32 `nn.Linear` on CPU as an MKL sgemm. On the AMD EPYC dev machine MKL
-takes a slow path: one decode step of SmolLM2-135M at batch 8 spends ~60 ms in its GEMMs
-(9 GB/s of weights), the lm_head [8, 576] @ [576, 49152] alone ~35 ms. oneDNN with the
-weight reordered once into its blocked layout streams the same weights in ~16 ms
-(34 GB/s) and runs prefill GEMMs at ~380 GFLOP/s instead of ~180 (docs/benchmarks.md).
+takes a slow path: a decode step of SmolLM2-135M at batch 8 streams its weights far below
+the machine's memory bandwidth, the lm_head [8, 576] @ [576, 49152] taking the largest
+share. oneDNN with the weight reordered once into its blocked layout streams the same
+weights several times faster and runs prefill GEMMs about twice as fast (docs/benchmarks.md,
+'CPU, second pass: oneDNN linears, block copies, malloc, threads').
 
 `pack_linears(model)` swaps the `nn.Linear` leaves of a model; the modules' own forwards
 (transformers' attention, MLP, lm_head) call them exactly as they called the Linears:
@@ -12,7 +13,7 @@ weight reordered once into its blocked layout streams the same weights in ~16 ms
 - sibling projections of one input (`q_proj`/`k_proj`/`v_proj`, `gate_proj`/`up_proj`)
   become parts of one `FusedLinear`: the first part called runs one GEMM over the
   concatenated weight, the others return their column slice of it (3-4 fewer weight
-  passes and calls per layer: ~3 ms of a ~33 ms decode step);
+  passes and calls per layer; the saving per decode step is in the same section);
 - every other Linear becomes a `PackedLinear`.
 
 Results differ from MKL's only by fp32 rounding order (about 1e-6 relative).

@@ -10,6 +10,7 @@ rotary embeddings come from the position ids.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any, ClassVar
@@ -19,6 +20,7 @@ from torch import Tensor
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from lmd.engine.backend import Backend, BackendError, ForwardBatch
+from lmd.engine.config import context_len
 from lmd.engine.torch_backend.attention import (
     ATTENTION_NAME,
     METADATA_KWARG,
@@ -51,6 +53,7 @@ class TorchBackend(Backend):
             self._threads = CpuThreads()
         config = _load_config(model_dir)
         self._config = config.get_text_config()
+        self._context_len = context_len(json.loads((model_dir / "config.json").read_text()))
         layer_types = getattr(self._config, "layer_types", None) or []
         others = sorted(set(layer_types) - ATTENTION_LAYER_TYPES)
         if others:
@@ -119,7 +122,7 @@ class TorchBackend(Backend):
 
     @property
     def max_position_embeddings(self) -> int:
-        return int(self._config.max_position_embeddings)
+        return self._context_len
 
     @property
     def dtype(self) -> torch.dtype:
@@ -130,15 +133,7 @@ class TorchBackend(Backend):
         return self._device
 
     def forward(self, batch: ForwardBatch, kv: Tensor) -> Tensor:
-        expected = self.kv_cache_shape(kv.shape[0], kv.shape[3])
-        if tuple(kv.shape) != expected or kv.dtype != self._dtype:
-            raise ValueError(
-                f"KV pool is {tuple(kv.shape)} {kv.dtype}, this model needs "
-                f"{expected} {self._dtype}"
-            )
-        if kv.device.type != self._device.type:
-            raise ValueError(f"KV pool is on {kv.device}, the model on {self._device}")
-        _check_slots(batch, kv.shape[0], kv.shape[3])
+        self.check_step(batch, kv)
         num_rows = int(batch.logits_indices.shape[0])
         if batch.num_tokens == 0:
             return torch.empty(num_rows, self.vocab_size, device=self._device)
@@ -161,18 +156,6 @@ class TorchBackend(Backend):
             )
         logits: Tensor = out.logits[0]  # [R, V]
         return logits.float()
-
-
-def _check_slots(batch: ForwardBatch, num_blocks: int, block_size: int) -> None:
-    """Out-of-range block ids would fault inside an index kernel (on CUDA a device
-    assert that kills the process): refuse them while they are still on the CPU."""
-    tables, slots = batch.block_tables, batch.slot_mapping
-    if tables.device.type == "cpu" and tables.numel() and int(tables.max()) >= num_blocks:
-        raise ValueError(f"block id {int(tables.max())} is outside the pool of {num_blocks}")
-    if slots.device.type == "cpu" and slots.numel():
-        low, high = int(slots.min()), int(slots.max())
-        if low < 0 or high >= num_blocks * block_size:
-            raise ValueError(f"slot {high if low >= 0 else low} is outside the KV pool")
 
 
 def _load_config(model_dir: Path) -> Any:

@@ -3,9 +3,10 @@
 transformers' `LlamaRMSNorm.forward` (and its copies: Qwen2, Mistral, SmolLM2's Llama...)
 runs seven ops: to(float32), pow, mean, add, rsqrt, mul, mul. `torch.rms_norm` computes
 the same thing in one kernel, bit for bit in float32 on CPU (checked on 60 shapes and
-scales, strided inputs included; tests/unit/test_torch_backend.py keeps checking it):
-~11 us less per call at decode (61 norms a step for SmolLM2) and ~1 ms less per call on a
-[1024, 576] prefill.
+scales, strided inputs included; tests/unit/test_torch_backend.py keeps checking it),
+in less time per call both at decode (61 norms a step for SmolLM2) and on a [1024, 576]
+prefill (docs/benchmarks.md, 'CPU, second pass: oneDNN linears, block copies, malloc,
+threads', and for the prefill 'Figures that code comments used to quote').
 
 Only modules whose forward is byte-for-byte Llama's are swapped; Gemma's (1 + weight) and
 any other variant keep their own.

@@ -1,6 +1,6 @@
 """The turbo backend: our own Llama-family decoder with Triton kernels and CUDA graphs.
 
-CUDA only (ARCHITECTURE §5). Modules: `config` (what config.json must say), `weights`
+CUDA only (docs/architecture.md §5). Modules: `config` (what config.json must say), `weights`
 (checkpoint -> fused tensors), `rope` (rotary table), `model` (the decoder as plain
 functions), `kernels/` (Triton), `graphs` (decode CUDA graphs), `backend`
 (`TurboBackend`, the `Backend` the engine drives), `support` (can it run here?).

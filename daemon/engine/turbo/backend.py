@@ -7,7 +7,7 @@ KV pool the first time a decode step runs on it, or up front with `capture_graph
 Prefill chunks and mixed batches run eagerly. The pool layout and dtype are the torch
 backend's, so either backend can continue what the other started.
 
-Importing this module imports triton: `select_backend` checks that it can first. On
+Importing this module imports triton: `backends.select_backend` checks that it can first. On
 CPU the backend builds only with Triton's interpreter switched on (TRITON_INTERPRET=1):
 a test path that runs the same kernels slowly, without graphs.
 """
@@ -133,14 +133,13 @@ class TurboBackend(Backend):
         """Capture decode CUDA graphs for batches up to max_batch_size on this pool."""
         if not self.use_cuda_graphs:
             return
-        self._check_pool(kv)
+        self.check_pool(kv)
         graphs = DecodeGraphs(self.model, kv, max_batch_size)
         graphs.capture(budget_s)
         self.graphs = graphs
 
     def forward(self, batch: ForwardBatch, kv: Tensor) -> Tensor:
-        self._check_pool(kv)
-        _check_slots(batch, kv.shape[0], kv.shape[3])
+        self.check_step(batch, kv)
         num_rows = int(batch.logits_indices.shape[0])
         if batch.num_tokens == 0:
             return torch.empty(num_rows, self.vocab_size, device=self._device)
@@ -158,33 +157,3 @@ class TurboBackend(Backend):
         step = StepInputs.from_batch(batch, self._device, self.num_kv_heads, self._num_sms)
         with torch.inference_mode():
             return self.model.forward(step, kv)
-
-    def _check_pool(self, kv: Tensor) -> None:
-        expected = self.kv_cache_shape(kv.shape[0], kv.shape[3])
-        if tuple(kv.shape) != expected or kv.dtype != self._dtype:
-            raise ValueError(
-                f"KV pool is {tuple(kv.shape)} {kv.dtype}, this model needs "
-                f"{expected} {self._dtype}"
-            )
-        if kv.device.type != self._device.type:
-            raise ValueError(f"KV pool is on {kv.device}, the model on {self._device}")
-        if not kv.is_contiguous():
-            raise ValueError("the KV pool must be one contiguous tensor")
-
-
-def _check_slots(batch: ForwardBatch, num_blocks: int, block_size: int) -> None:
-    """Out-of-range block ids would make a kernel read or write outside the pool:
-    refuse them while they are still on the CPU (numpy: a torch call on the host costs
-    ~15 us, and this runs every step)."""
-    if batch.block_tables.device.type != "cpu" or batch.slot_mapping.device.type != "cpu":
-        return
-    tables, slots = batch.block_tables.numpy(), batch.slot_mapping.numpy()
-    if tables.size and int(tables.max()) >= num_blocks:
-        raise ValueError(f"block id {int(tables.max())} is outside the pool of {num_blocks}")
-    if slots.size:
-        low, high = int(slots.min()), int(slots.max())
-        if low < 0 or high >= num_blocks * block_size:
-            raise ValueError(f"slot {high if low >= 0 else low} is outside the KV pool")
-    context = batch.context_lens.numpy()
-    if context.size and -(-int(context.max()) // block_size) > tables.shape[1]:
-        raise ValueError("a block table is shorter than its sequence's context")

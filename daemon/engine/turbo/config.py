@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lmd.engine.config import context_len
+
 # Model classes whose checkpoints load unchanged into the turbo decoder.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # Rotary variants whose frequencies do not depend on the sequence length.
@@ -102,7 +104,7 @@ class TurboConfig:
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            max_position_embeddings=context_len(raw),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qwen2 or attention_bias,
             o_bias=not qwen2 and attention_bias,

@@ -68,7 +68,8 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
         self.logits = torch.empty(n, model.config.vocab_size, dtype=torch.float32, device=device)
         # Their pinned host mirrors, filled through numpy views: a torch op on the host
-        # costs ~15 us here, a numpy slice assignment ~1 us.
+        # costs far more than a numpy slice assignment (docs/benchmarks.md, 'Run 2:
+        # measured', where torch ops on the mirrors made the step slower).
         self._host = torch.zeros(4, n, dtype=torch.int32, pin_memory=True)
         self._host_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, pin_memory=True)
         self._host_np = self._host.numpy()

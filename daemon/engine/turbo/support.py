@@ -1,4 +1,4 @@
-"""Can the turbo backend run here? Checked without loading a model (ARCHITECTURE §5)."""
+"""Can the turbo backend run here? Checked without loading a model (docs/architecture.md §5)."""
 
 from __future__ import annotations
 

@@ -174,7 +174,8 @@ class NixlTransport:
         """A peer's region from its descriptor: ValueError if malformed, RuntimeError if
         NIXL refuses its metadata. Open a GPU peer once this process has a CUDA context
         (registering the local GPU pool gives it one): UCX picks cuda_ipc or RDMA only
-        for a peer loaded then, and emulates GPU writes over TCP (~0.5 GB/s) otherwise."""
+        for a peer loaded then, and otherwise emulates GPU writes over TCP, far slower
+        (docs/benchmarks.md, 'The `nixl` transport')."""
         self._check_open()
         agent, metadata, span = descriptor.parse(descriptor_bytes)
         if span.mem == "VRAM" and not self._uses_gpu:

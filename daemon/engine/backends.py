@@ -1,0 +1,55 @@
+"""Which backend runs a model: the backends by name, and the choice `auto` makes.
+
+This is the one module that knows every backend; backend.py, their interface, knows
+none. A backend module is imported only once chosen (turbo imports triton, torch
+transformers' model classes).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from lmd.engine.backend import Backend, BackendError
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAMES = ("auto", "torch", "turbo", "fake")
+
+
+def select_backend(
+    name: str,
+    architecture: str,
+    device: torch.device | str,
+    model_dir: Path | None = None,
+) -> type[Backend]:
+    """The backend class for `name` ("auto", "torch", "turbo" or "fake") on `device`.
+
+    `fake` computes nothing (engine/fake_backend.py): for tests and `lmd-bench front`.
+    `turbo` (engine/turbo/) serves the Llama family on CUDA; asked for where it cannot
+    run, it is a BackendError with the reason. `auto` takes turbo where it can run and
+    torch otherwise, with a log line that says why. With `model_dir`, its config.json
+    is checked too (turbo refuses, e.g., rotary types that depend on the length).
+    """
+    if name not in BACKEND_NAMES:
+        raise BackendError(f"backend {name!r} is not one of {', '.join(BACKEND_NAMES)}")
+    if name == "fake":
+        from lmd.engine.fake_backend import FakeBackend
+
+        return FakeBackend
+    if name in ("turbo", "auto"):
+        from lmd.engine.turbo import unsupported_reason
+
+        reason = unsupported_reason(architecture, device, model_dir)
+        if reason is None:
+            from lmd.engine.turbo.backend import TurboBackend
+
+            return TurboBackend
+        if name == "turbo":
+            raise BackendError(f"backend turbo cannot run here: {reason}; use torch or auto")
+        log.warning("backend auto: using torch for %s because %s", architecture, reason)
+    from lmd.engine.torch_backend import TorchBackend
+
+    return TorchBackend

@@ -1,0 +1,66 @@
+"""The entry point of a worker process, and which class runs each role.
+
+The supervisor spawns `worker_main` (multiprocessing's spawn context) with a WorkerSpec
+as a plain dict. Only here does a role meet its process class, imported on demand: the
+api alone needs FastAPI, the engine roles alone need torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from typing import Any
+
+import uvloop
+
+from lmd.config import ServeConfig
+from lmd.protocol.roles import Role
+from lmd.roles import WorkerSpec
+from lmd.worker import Worker, configure_logging
+
+PR_SET_PDEATHSIG = 1
+
+
+def worker_class(role: Role) -> type[Worker]:
+    if role == Role.API:
+        from lmd.api.worker import ApiWorker
+
+        return ApiWorker
+    if role == Role.TOKENIZER:
+        from lmd.tokenizer.worker import TokenizerWorker
+
+        return TokenizerWorker
+    if role == Role.HYBRID:
+        from lmd.hybrid.worker import EngineWorker
+
+        return EngineWorker
+    if role == Role.PREFILL:
+        from lmd.prefill.worker import PrefillWorker
+
+        return PrefillWorker
+    from lmd.decode.worker import DecodeWorker
+
+    return DecodeWorker
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
+        os._exit(1)
+
+
+def worker_main(spec_dict: dict[str, Any]) -> None:
+    """Entry point of a spawned worker process."""
+    spec = WorkerSpec(**spec_dict)
+    _die_with_parent(spec.supervisor_pid)
+    os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the supervisor only; it drains us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    config = ServeConfig.from_dict(spec.config)
+    configure_logging(config.log_level, spec.name)
+    worker = worker_class(spec.role)(spec, config)
+    code: int = uvloop.run(worker.run())
+    sys.exit(code)
