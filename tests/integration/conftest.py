@@ -1,10 +1,11 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.integration.api_stack import Stack
 from tests.integration.daemon import DISAGGREGATED, Daemon
 
 
@@ -40,3 +41,14 @@ def make_daemon() -> Iterator[type[Daemon]]:
     finally:
         for d in made:
             d.close()
+
+
+@pytest.fixture
+async def stack() -> AsyncIterator[Stack]:
+    """api-0 in the test's event loop with a fake tokenizer and supervisor (api_stack.py)."""
+    s = Stack()
+    await s.start()
+    try:
+        yield s
+    finally:
+        await s.close()

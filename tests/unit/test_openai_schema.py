@@ -1,66 +1,20 @@
-"""OpenAI request validation and mapping (openai_schema), response and chunk assembly
-(openai_responses), checked against OpenAI's own OpenAPI schemas."""
+"""OpenAI request validation and mapping (openai_schema), and its error bodies checked
+against OpenAI's own OpenAPI schemas."""
 
 from __future__ import annotations
 
 import json
-from functools import cache
-from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
 from lmd import protocol
-from lmd.api.metrics import ApiMetrics
-from lmd.api.openai_responses import (
-    SSE_DONE,
-    VERY_UNLIKELY_LOGPROB,
-    Answer,
-    ChatFormat,
-    CompletionFormat,
-    Delta,
-    sse,
-)
 from lmd.api.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest
 from lmd.engine.sequence import SamplingParams
+from tests.openai_spec import assert_schema
 
-OPENAPI = Path("/work/shared/reference/openai-openapi.json")
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def _nullable(node: Any) -> Any:
-    """OpenAPI 3.0's `nullable: true` as JSON Schema 2020-12 (the spec mixes both)."""
-    if isinstance(node, list):
-        return [_nullable(n) for n in node]
-    if not isinstance(node, dict):
-        return node
-    out = {k: _nullable(v) for k, v in node.items() if k != "nullable"}
-    if not node.get("nullable"):
-        return out
-    if "enum" in out:
-        out["enum"] = [*out["enum"], None]
-    if isinstance(out.get("type"), str):
-        out["type"] = [out["type"], "null"]
-        return out
-    return {"anyOf": [out, {"type": "null"}]}
-
-
-@cache
-def _openapi() -> Any:
-    return _nullable(json.loads(OPENAPI.read_text()))
-
-
-def assert_schema(instance: Any, name: str) -> None:
-    """`instance` is valid as OpenAI's components/schemas/`name` (skips without the spec)."""
-    jsonschema = pytest.importorskip("jsonschema")
-    referencing = pytest.importorskip("referencing")
-    if not OPENAPI.exists():
-        pytest.skip(f"{OPENAPI} is not here")
-    resource = referencing.Resource.from_contents(_openapi(), referencing.jsonschema.DRAFT202012)
-    registry = referencing.Registry().with_resource("openai", resource)
-    schema = {"$ref": f"openai#/components/schemas/{name}"}
-    jsonschema.Draft202012Validator(schema, registry=registry).validate(instance)
 
 
 def chat(**fields: Any) -> ChatCompletionRequest:
@@ -282,131 +236,3 @@ def test_error_bodies_match_openai() -> None:
     assert_schema(ApiError(404, "no such model", code="model_not_found").body, "ErrorResponse")
     lost = protocol.RequestError("r", "service_unavailable", "the tokenizer restarted")
     assert_schema(ApiError.from_request_error(lost).body, "ErrorResponse")
-
-
-# Responses -----------------------------------------------------------------------------
-
-TOP = [["Paris", -0.1], ["Lyon", float("-inf")]]
-LOGPROBS = [{"token": "Paris", "logprob": -0.1, "top": TOP}]
-
-
-def deltas(logprobs: bool = False) -> list[Delta]:
-    msgs = [
-        protocol.TextDelta(
-            ["a", "b"], ["Par", "x"], [None, None], [7, 3], [1, 1], [None, None], [4, 0], [0, 0]
-        ),
-        protocol.TextDelta(["a"], ["is"], ["stop"], [7], [2], [None], [4], [0]),
-    ]
-    out = [d for m in msgs for rid, d in Delta.split(m) if rid == "a"]
-    if logprobs:
-        out = [Delta(d.text, d.finish_reason, 7, d.completion_tokens, LOGPROBS, 4) for d in out]
-    return out
-
-
-def test_chat_response_matches_openai() -> None:
-    answer = Answer()
-    for d in deltas():
-        answer.add(d)
-    body = ChatFormat("chatcmpl-1", 1700000000, MODEL).response(answer)
-    assert_schema(body, "CreateChatCompletionResponse")
-    assert body["choices"][0]["message"]["content"] == "Paris"
-    assert body["choices"][0]["finish_reason"] == "stop"
-    assert body["usage"] == {
-        "prompt_tokens": 7,
-        "completion_tokens": 2,
-        "total_tokens": 9,
-        "prompt_tokens_details": {"cached_tokens": 4},  # the prefix cache served 4
-    }
-
-
-def test_chat_logprobs_match_openai() -> None:
-    answer = Answer()
-    for d in deltas(logprobs=True):
-        answer.add(d)
-    body = ChatFormat("chatcmpl-1", 1, MODEL).response(answer)
-    assert_schema(body, "CreateChatCompletionResponse")
-    content = body["choices"][0]["logprobs"]["content"]
-    assert len(content) == 2 and content[0]["bytes"] == list(b"Paris")
-    assert content[0]["top_logprobs"][1]["logprob"] == VERY_UNLIKELY_LOGPROB  # -inf has no JSON
-
-
-@pytest.mark.parametrize("include_usage", [False, True])
-def test_chat_chunks_match_openai(include_usage: bool) -> None:
-    fmt = ChatFormat("chatcmpl-1", 1, MODEL, include_usage)
-    middle = [fmt.chunk(d) for d in deltas(logprobs=True)]
-    chunks = [fmt.first_chunk(), *(c for c in middle if c is not None), fmt.usage_chunk(7, 2, 4)]
-    assert len(chunks) == 4
-    for chunk in chunks:
-        assert_schema(chunk, "CreateChatCompletionStreamResponse")
-        assert ("usage" in chunk) == (include_usage or chunk["choices"] == [])
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 9
-    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
-
-
-@pytest.mark.parametrize("shape", [ChatFormat, CompletionFormat])
-@pytest.mark.parametrize("include_usage", [False, True])
-def test_sse_chunks_are_the_chunks_encoded(
-    shape: type[ChatFormat | CompletionFormat], include_usage: bool
-) -> None:
-    """The stream's pre-rendered envelope gives exactly the bytes of sse(chunk)."""
-    fmt = shape('cmpl-"1\\é', 1700000000, 'model "ü"\n', include_usage)
-    check = shape('cmpl-"1\\é', 1700000000, 'model "ü"\n', include_usage)
-    samples = [
-        *deltas(logprobs=True),
-        Delta('日本 😀 "quoted"\n', None, 3, 1, None),
-        Delta("", "length", 3, 2, None),
-        Delta("", None, 3, 2, None),
-    ]
-    for delta in samples:
-        chunk = check.chunk(delta)
-        assert fmt.sse_chunk(delta) == (None if chunk is None else sse(chunk))
-
-
-def test_empty_delta_makes_no_chunk() -> None:
-    empty = Delta("", None, 3, 1, None)  # e.g. a token held back by a partial stop string
-    assert ChatFormat("c", 1, MODEL).chunk(empty) is None
-    assert CompletionFormat("c", 1, MODEL).chunk(empty) is None
-    last = ChatFormat("c", 1, MODEL).chunk(Delta("", "length", 3, 2, None))
-    assert last is not None and last["choices"][0]["delta"] == {}
-
-
-def test_completion_response_and_chunks_match_openai() -> None:
-    answer = Answer()
-    for d in deltas(logprobs=True):
-        answer.add(d)
-    body = CompletionFormat("cmpl-1", 1, MODEL).response(answer)
-    assert_schema(body, "CreateCompletionResponse")
-    lp = body["choices"][0]["logprobs"]
-    assert lp["tokens"] == ["Paris", "Paris"] and lp["text_offset"] == [0, 5]
-    assert lp["top_logprobs"][0] == {"Paris": -0.1, "Lyon": VERY_UNLIKELY_LOGPROB}
-    # The schema is the non-stream body's, where finish_reason and usage are never null:
-    # the last chunk of a stream without include_usage is checked against it as is.
-    chunks = [CompletionFormat("cmpl-1", 1, MODEL).chunk(d) for d in deltas()]
-    assert chunks[0] is not None and chunks[0]["choices"][0]["finish_reason"] is None
-    assert chunks[-1] is not None and chunks[-1]["choices"][0]["text"] == "is"
-    assert_schema(chunks[-1], "CreateCompletionResponse")
-    fmt = CompletionFormat("cmpl-1", 1, MODEL, include_usage=True)
-    assert all(c is not None and c["usage"] is None for c in map(fmt.chunk, deltas()))
-    assert_schema(fmt.usage_chunk(7, 2, 4), "CreateCompletionResponse")
-    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
-
-
-def test_sse_framing() -> None:
-    assert sse({"a": "é\n"}) == b'data: {"a":"\xc3\xa9\\n"}\n\n'
-    assert SSE_DONE == b"data: [DONE]\n\n"
-
-
-def test_metrics_per_request() -> None:
-    m = ApiMetrics(lambda: 4)
-    m.first_token(0.5)
-    m.finished(e2e_s=2.5, first_token_s=0.5, num_tokens=5)  # 4 tokens after the first in 2 s
-    m.tokens(10, 5)
-    m.count("completions", 200)
-    text = m.render().decode()
-    assert "lmd_time_per_output_token_seconds_sum 0.5" in text
-    assert "lmd_e2e_request_latency_seconds_sum 2.5" in text
-    assert "lmd_prompt_tokens_total 10.0" in text and "lmd_generation_tokens_total 5.0" in text
-    assert 'lmd_requests_total{endpoint="completions",status="200"} 1.0' in text
-    assert "lmd_requests_running 4.0" in text
