@@ -32,10 +32,3 @@ class Role(enum.StrEnum):
 ENGINE_ROLES = (Role.PREFILL, Role.DECODE, Role.HYBRID)
 SCALABLE_ROLES = (Role.PREFILL, Role.DECODE)  # lmdctl scale
 CLUSTER_ROLES = (Role.API, Role.TOKENIZER, Role.PREFILL, Role.DECODE)  # a node's --roles
-
-
-def parse_role(value: str, allowed: tuple[Role, ...] = tuple(Role)) -> Role:
-    """`value` as one of `allowed`; ValueError naming them otherwise."""
-    if value not in allowed:
-        raise ValueError(f"{value!r} is not one of {', '.join(allowed)}")
-    return Role(value)
