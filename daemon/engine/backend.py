@@ -235,6 +235,19 @@ class Backend(ABC):
         """Run one step: write the new tokens' K/V into `kv`, return float32 logits
         [len(batch.logits_indices), vocab_size], one row per entry of logits_indices."""
 
+    def forward_eager(self, batch: ForwardBatch, kv: Tensor) -> Tensor:
+        """`forward` for a one-off pass over a pool other than the engine's (the pipeline's
+        get_ppl and logits outputs): uses and replaces nothing prepared for the engine's
+        own pool (turbo overrides it to bypass its CUDA graphs)."""
+        return self.forward(batch, kv)
+
+    def forward_hidden(self, batch: ForwardBatch, kv: Tensor) -> tuple[Tensor, Tensor]:
+        """`forward_eager`, also returning the last hidden states of the same rows (the
+        output embedding's input): (logits [R, V] float32, hidden [R, hidden_size])."""
+        raise BackendError(
+            f"the {self.name} backend does not return hidden states; use the torch backend"
+        )
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of the block-major KV pool this backend expects."""
         return (num_blocks, self.num_layers, 2, block_size, self.num_kv_heads, self.head_dim)

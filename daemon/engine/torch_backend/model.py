@@ -157,6 +157,20 @@ class TorchBackend(Backend):
         logits: Tensor = out.logits[0]  # [R, V]
         return logits.float()
 
+    def forward_hidden(self, batch: ForwardBatch, kv: Tensor) -> tuple[Tensor, Tensor]:
+        # The output embedding's input, caught on its way in: one pass, whatever the model
+        # does after it (soft-capping, scaling) stays in the logits.
+        caught: list[Tensor] = []
+        head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]
+        hook = head.register_forward_pre_hook(lambda _m, args: caught.append(args[0]))
+        try:
+            logits = self.forward(batch, kv)
+        finally:
+            hook.remove()
+        if not caught:  # an empty batch runs no model
+            return logits, torch.empty(0, int(self._config.hidden_size), device=self._device)
+        return logits, caught[0].reshape(-1, caught[0].shape[-1])  # [R, hidden]
+
 
 def _load_config(model_dir: Path) -> Any:
     """The model's config, with a one-line error for a directory transformers rejects."""

@@ -1,0 +1,231 @@
+"""The pipeline's Engine in a thread of its own, as the hybrid worker runs it, minus sockets.
+
+Life cycle of a request in the engine thread:
+  1. `add(seqs, sink)` queues the sequences of one call; the thread adds them all between
+     two steps (so a call's prompts are scheduled together, as `lmd-bench offline` adds
+     its batch before stepping).
+  2. The thread steps the engine while it has work; after each step the tokens sampled
+     go to their calls' sinks, one list per sink and step (a sink only queues them: the
+     caller's thread detokenizes while the engine computes the next step). A call added
+     with `hold` (nobody reads its text before it ends) gets them in fewer, larger lists:
+     whenever one of its requests finishes, else every HOLD_EVENTS tokens. Each delivery
+     wakes the caller's thread, which then competes with this one for the GIL.
+  3. A request's last token carries its finish reason and the thread forgets its sink;
+     `abort(ids)` drops it earlier and frees its blocks.
+  4. `call(fn)` runs fn(engine) between two steps and returns a Future (the scoring
+     passes of get_ppl and of the logits outputs use the backend there, never at the
+     same time as a step).
+  5. A step that raises fails every sink and pending call with that error; the thread
+     ends and the pipeline is unusable (a new one starts a fresh engine). `close()`
+     fails what is left the same way, ends the thread and drops the engine.
+The engine's state only ever changes in this thread, between steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TypeVar
+
+from lmd.engine.engine import Engine, TokenEvent
+from lmd.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# What a call's sink receives: the tokens of its requests from one step, or the error
+# that ended them (the engine refused a sequence, failed, or the pipeline closed).
+Item = list[TokenEvent] | BaseException
+Sink = Callable[[Item], None]
+# A queued operation, and what tells its caller when it will never run.
+Op = tuple[Callable[[Engine], None], Callable[[BaseException], None] | None]
+HOLD_EVENTS = 1024  # a held call's tokens delivered at least this often (16 steps of 64)
+
+
+class EngineThread:
+    def __init__(self, engine: Engine) -> None:
+        self.engine: Engine | None = engine
+        self._cond = threading.Condition()
+        self._inbox: list[Op] = []
+        self._sinks: dict[str, Sink] = {}  # request id -> its call's sink
+        self._held: dict[Sink, _Held] = {}  # calls added with hold
+        self._closing = False
+        self._error: str | None = None  # why the thread ended early
+        self._thread = threading.Thread(target=self._run, name="lmd-pipeline-engine", daemon=True)
+        self._thread.start()
+
+    # From any thread ---------------------------------------------------------------------
+
+    def add(self, seqs: list[Sequence], sink: Sink, *, hold: bool = False) -> None:
+        """Queue a call's sequences; their tokens (or an error) go to `sink`."""
+
+        def op(engine: Engine) -> None:
+            held = _Held(0, [])
+            for seq in seqs:
+                try:
+                    engine.add(seq)
+                except ValueError as exc:
+                    _deliver(sink, exc)
+                    continue
+                self._sinks[seq.request_id] = sink
+                held.live += 1
+            if hold and held.live:
+                self._held[sink] = held
+
+        self._post(op, lambda error: _deliver(sink, error))
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Stop these requests (those still running) and free their blocks."""
+        ids = list(request_ids)
+
+        def op(engine: Engine) -> None:
+            for rid in ids:
+                if self._forget(rid) is not None:
+                    engine.abort(rid)
+
+        if ids and not self.closed:
+            with contextlib.suppress(RuntimeError):  # closed meanwhile: nothing runs anyway
+                self._post(op)
+
+    def call(self, fn: Callable[[Engine], T]) -> Future[T]:
+        """fn(engine) in the engine thread, between two steps."""
+        future: Future[T] = Future()
+
+        def op(engine: Engine) -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(engine))
+                except Exception as exc:
+                    future.set_exception(exc)
+
+        def never(error: BaseException) -> None:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(error)
+
+        self._post(op, never)
+        return future
+
+    @property
+    def closed(self) -> bool:
+        return self._closing or self._error is not None
+
+    def close(self) -> None:
+        """Fail what is queued or running, end the thread, drop the engine (idempotent)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+        self.engine = None
+
+    def _post(
+        self, fn: Callable[[Engine], None], never: Callable[[BaseException], None] | None = None
+    ) -> None:
+        with self._cond:
+            if self._error is not None:
+                raise RuntimeError(f"{self._error}; create a new pipeline")
+            if self._closing:
+                raise RuntimeError("the pipeline is closed; create a new one")
+            self._inbox.append((fn, never))
+            self._cond.notify()
+
+    # In the engine thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        assert engine is not None
+        reason = "the pipeline was closed"
+        while True:
+            with self._cond:
+                while not (self._inbox or self._closing or engine.has_work):
+                    self._cond.wait()
+                if self._closing:
+                    break
+                ops, self._inbox = self._inbox, []
+            for fn, _never in ops:
+                fn(engine)
+            if not engine.has_work:
+                continue
+            try:
+                events = engine.step()
+            except Exception as exc:
+                log.exception("pipeline engine step failed")
+                reason = f"the engine failed: {type(exc).__name__}: {exc}"
+                with self._cond:
+                    self._error = reason
+                break
+            self._dispatch(events)
+        self._fail_all(reason)
+
+    def _dispatch(self, events: list[TokenEvent]) -> None:
+        by_sink: dict[Sink, list[TokenEvent]] = {}
+        finished: set[Sink] = set()
+        for event in events:
+            sink = self._sinks.get(event.request_id)
+            if sink is None:
+                continue  # aborted while the step ran
+            if event.finish_reason is not None:
+                self._forget(event.request_id, delivered=False)
+                finished.add(sink)
+            batch = by_sink.get(sink)
+            if batch is None:
+                batch = by_sink[sink] = []
+            batch.append(event)
+        for sink, batch in by_sink.items():
+            held = self._held.get(sink)
+            if held is None:
+                _deliver(sink, batch)
+                continue
+            held.events += batch
+            if len(held.events) >= HOLD_EVENTS or sink in finished:
+                _deliver(sink, held.events)
+                held.events = []
+                if held.live == 0:
+                    del self._held[sink]
+
+    def _forget(self, request_id: str, *, delivered: bool = True) -> Sink | None:
+        """A request ended or was aborted: drop its sink, and a held call's record once
+        none of its requests runs and nothing of it is left to deliver."""
+        sink = self._sinks.pop(request_id, None)
+        if sink is None:
+            return None
+        held = self._held.get(sink)
+        if held is not None:
+            held.live -= 1
+            if held.live == 0 and delivered:
+                del self._held[sink]
+        return sink
+
+    def _fail_all(self, reason: str) -> None:
+        """Tell every caller still waiting why nothing more comes (an error each: one
+        exception object must not be raised in several threads)."""
+        with self._cond:
+            ops, self._inbox = self._inbox, []
+        for _fn, never in ops:
+            if never is not None:
+                never(RuntimeError(reason))
+        sinks = {id(s): s for s in self._sinks.values()}  # one error per call
+        self._sinks.clear()
+        self._held.clear()
+        for sink in sinks.values():
+            _deliver(sink, RuntimeError(reason))
+
+
+@dataclass(slots=True)
+class _Held:
+    """A held call: its requests still running, its tokens not delivered yet."""
+
+    live: int
+    events: list[TokenEvent]
+
+
+def _deliver(sink: Sink, item: Item) -> None:
+    """A sink that raises (its event loop closed) loses its items, not the engine."""
+    try:
+        sink(item)
+    except Exception:
+        log.warning("a pipeline caller stopped listening; its tokens are dropped")
