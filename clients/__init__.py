@@ -3,7 +3,8 @@
 - `AsyncClient` / `Client`: the OpenAI-compatible HTTP API (chat, completions, streams,
   retries on connection refused and 503); `AsyncClient.session()` for conversations the
   server remembers (`Session`, LMDeploy's /v1/chat/interactive).
-- `ControlClient`: the control API over the daemon's Unix socket (what lmdctl uses).
+- `ControlClient` / `SyncControlClient`: the control API over the daemon's Unix socket
+  (what lmdctl uses), async and without await.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from lmd_client.errors import LmdError
 from lmd_client.openai_client import AsyncClient, Completion, Delta, Usage
 from lmd_client.session import Session, Turn
 from lmd_client.sync_client import Client
+from lmd_client.sync_control import SyncControlClient
 
 __all__ = [
     "AsyncClient",
@@ -24,6 +26,7 @@ __all__ = [
     "Delta",
     "LmdError",
     "Session",
+    "SyncControlClient",
     "Turn",
     "Usage",
 ]

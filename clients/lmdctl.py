@@ -1,13 +1,20 @@
 """`lmdctl`: control a running lmdd over its Unix socket.
 
+The global options (--socket, --json) go before the subcommand or after it, as with
+kubectl and docker: `lmdctl --json status` and `lmdctl status --json` are the same.
+
 Exit codes: 0 ok, 1 the daemon answered with an error, 2 bad usage,
-3 the daemon is not running (as `systemctl status` does).
+3 the daemon is not running (as `systemctl status` does), 141 the reader of stdout went
+away (`lmdctl status | head -1`): quietly, with the status a shell shows for coreutils
+killed by SIGPIPE (128 + 13), so `set -o pipefail` scripts see it as `seq | head` does.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -23,6 +30,7 @@ from lmd_client.metrics_view import metrics_text
 from lmd_client.tables import duration, human_bytes, table
 
 EXIT_OK, EXIT_ERROR, EXIT_NOT_RUNNING = 0, 1, 3
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # 141, as a shell reports `seq 9999999 | head -1`
 MAX_INTERVAL_S = 60.0  # metrics --interval; the daemon's metrics_collect.MAX_INTERVAL_S
 
 
@@ -179,35 +187,54 @@ def _interval(text: str) -> float:
     return seconds
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lmdctl", description="control a running lmdd")
-    parser.add_argument(
+def _global_options(after_command: bool) -> argparse.ArgumentParser:
+    """--socket and --json: on the main parser with their defaults, and on every
+    subcommand without (SUPPRESS), so that one given after the subcommand is set and one
+    given before it is not reset by the subcommand's parser."""
+    options = argparse.ArgumentParser(
+        add_help=False, argument_default=argparse.SUPPRESS if after_command else None
+    )
+    options.add_argument(
         "--socket",
         help="control socket (default $LMD_SOCKET, else the default runtime dir's control.sock)",
     )
-    parser.add_argument("--json", action="store_true", help="print the raw JSON reply")
+    options.add_argument("--json", action="store_true", help="print the raw JSON reply")
+    return options
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lmdctl", description="control a running lmdd", parents=[_global_options(False)]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("status", help="daemon state and every worker")
-    sub.add_parser("workers", help="the worker table")
-    restart = sub.add_parser("restart", help="restart one worker, e.g. decode-0")
+    after = [_global_options(True)]
+    sub.add_parser("status", help="daemon state and every worker", parents=after)
+    sub.add_parser("workers", help="the worker table", parents=after)
+    restart = sub.add_parser("restart", help="restart one worker, e.g. decode-0", parents=after)
     restart.add_argument("name")
-    scale = sub.add_parser("scale", help="add or remove prefill/decode workers live")
+    scale = sub.add_parser("scale", help="add or remove prefill/decode workers live", parents=after)
     scale.add_argument("role", choices=[str(r) for r in SCALABLE_ROLES])
     scale.add_argument("count", type=int, help="workers of that role to run (1-64)")
-    sub.add_parser("drain", help="refuse new requests, finish in-flight ones, stay up")
-    sub.add_parser("resume", help="admit requests again after a drain")
-    sub.add_parser("shutdown", help="drain, then stop the daemon")
+    sub.add_parser(
+        "drain", help="refuse new requests, finish in-flight ones, stay up", parents=after
+    )
+    sub.add_parser("resume", help="admit requests again after a drain", parents=after)
+    sub.add_parser("shutdown", help="drain, then stop the daemon", parents=after)
     sub.add_parser(
         "reload",
         help="re-read the config file and LMD_* environment: apply the log level, "
         "list what needs a restart",
+        parents=after,
     )
-    sub.add_parser("config", help="the effective config and where each value came from")
-    sub.add_parser("version", help="versions of lmdctl and of the running lmdd")
+    sub.add_parser(
+        "config", help="the effective config and where each value came from", parents=after
+    )
+    sub.add_parser("version", help="versions of lmdctl and of the running lmdd", parents=after)
     metrics = sub.add_parser(
         "metrics",
         help="tok/s, request rate, TTFT/TPOT/e2e p50/p99, running/waiting, KV use per "
         "engine worker, GPU memory and utilisation",
+        parents=after,
     )
     metrics.add_argument(
         "--interval",
@@ -221,6 +248,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run lmdctl; a closed stdout (`lmdctl status | head -1`) ends it quietly with 141."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+    except BrokenPipeError:
+        # What is still buffered goes nowhere, so the exit's own flush cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "completion":  # needs no daemon

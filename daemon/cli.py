@@ -5,7 +5,8 @@ lmdd version
 lmdd keygen PATH
 
 Settings: command line > LMD_<KEY> environment variables > config file > defaults
-(config_loader.py). A bad setting is one line on stderr and exit code 2.
+(config_loader.py). A bad setting is one line on stderr and exit code 2; a model that no
+worker could load (supervisor/model_check.py) is one line and exit code 1, nothing spawned.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ HELP = {
     "api_keys": "comma-separated Bearer keys the API accepts (default: none, no auth); "
     "visible in ps: prefer LMD_API_KEYS or the config file",
     "max_request_bytes": "largest HTTP request body the API reads",
+    "max_connections": "HTTP connections the API holds open; past it new ones get 503 "
+    "(default: what the open-files limit leaves, less 64)",
+    "header_timeout": "seconds a client may take to send its request headers",
     "chat_template": "LMDeploy chat template JSON file (default: the model's own template)",
     "session_idle_timeout": "seconds an idle /v1/chat/interactive session keeps its history",
     "block_size": "tokens per KV cache block",
@@ -194,7 +198,10 @@ def resolve_device(device: str) -> str:
 
 
 def serve(args: argparse.Namespace) -> int:
+    from lmd.engine.model_source import ModelSourceError
     from lmd.paths import RuntimeDirError, prepare_runtime_dir
+    from lmd.supervisor.limits import raise_open_files_limit
+    from lmd.supervisor.model_check import check_daemon_model
     from lmd.supervisor.runtime_lock import AlreadyRunning
     from lmd.worker import configure_logging
 
@@ -205,6 +212,12 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     config = loaded.config
     configure_logging(config.log_level, "lmdd")
+    raise_open_files_limit()  # before any worker is spawned: they inherit it
+    try:  # once, here: a model no worker can load would only restart them until we gave up
+        check_daemon_model(config)
+    except ModelSourceError as exc:
+        print(f"lmdd: {exc}", file=sys.stderr)
+        return 1
     try:
         prepare_runtime_dir(config.runtime_dir)
     except RuntimeDirError as exc:
@@ -212,7 +225,9 @@ def serve(args: argparse.Namespace) -> int:
         return 1
 
     import uvloop
+    from setproctitle import setproctitle
 
+    from lmd.spawn import process_title
     from lmd.supervisor.control import build_control_app
     from lmd.supervisor.sd_notify import Notifier
     from lmd.supervisor.supervisor import Supervisor
@@ -238,6 +253,7 @@ def serve(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             print(f"lmdd: {exc}", file=sys.stderr)
             return 2
+    setproctitle(process_title("supervisor"))  # ps: `lmd: supervisor`, workers `lmd: decode-0`
     supervisor = Supervisor(loaded, device, os.getpid(), build_control_app, notifier)
     try:
         code: int = uvloop.run(supervisor.run())

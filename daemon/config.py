@@ -56,8 +56,8 @@ class RestartPolicy:
         _check(self.backoff_s > 0, "restart_backoff", "must be > 0 seconds")
         _check(
             self.max_backoff_s >= self.backoff_s,
-            "restart_max_backoff",
-            "must be >= restart_backoff",
+            "restart_backoff",  # the key users set; max_backoff_s is no key
+            f"must be at most {self.max_backoff_s:g} seconds (the longest backoff)",
         )
         _check(self.stable_after_s > 0, "restart_stable_after", "must be > 0 seconds")
         _check(self.max_fast_failures >= 1, "max_fast_failures", "must be >= 1")
@@ -94,6 +94,8 @@ class ServeConfig:
     log_level: str = "info"
     api_keys: tuple[str, ...] = ()  # Bearer keys the api accepts; empty = no auth
     max_request_bytes: int = 1 << 20  # largest HTTP request body the api reads
+    max_connections: int | None = None  # HTTP connections the api holds; None = per RLIMIT
+    header_timeout: float = 10.0  # seconds a client may take to send a request's headers
     chat_template: str | None = None  # LMDeploy ChatTemplateConfig JSON; None = the model's
     session_idle_timeout: float = 600.0  # seconds an idle interactive session is kept
     # Engine settings (flat, so that CLI flags, env and file keys are the same names).
@@ -152,6 +154,12 @@ class ServeConfig:
             "must be non-empty strings",
         )
         _check(self.max_request_bytes >= 1024, "max_request_bytes", "must be >= 1024")
+        _check(
+            self.max_connections is None or self.max_connections >= 1,
+            "max_connections",
+            "must be >= 1",
+        )
+        _check(self.header_timeout > 0, "header_timeout", "must be > 0 seconds")
         _check(self.mode in MODES, "mode", f"{self.mode!r} is not one of {', '.join(MODES)}")
         _check(
             self.migration_transport in MIGRATION_TRANSPORTS,

@@ -61,6 +61,9 @@ LIVE_KEYS = frozenset({"log_level", "api_keys", "max_request_bytes"})
 DEFAULT = "default"
 COMMAND_LINE = "command line"
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+# Integers must fit in int64: workers, the control API and the wire carry values as JSON
+# (orjson), which refuses anything wider, so a wider one must be refused here, up front.
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 
 
 def _kind_of(hint: Any) -> Kind:
@@ -141,10 +144,21 @@ def _a(value: Any) -> str:
     return "a date or time"
 
 
-def _finite(value: Any) -> Any:
+def _in_range(value: Any) -> Any:
+    """`value` unless it is a number JSON cannot carry (NaN, inf, an int past int64)."""
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{value} is not a finite number")
+    if isinstance(value, int) and not isinstance(value, bool) and not INT_MIN <= value <= INT_MAX:
+        raise ValueError(f"{value} is out of range (it does not fit in a 64-bit integer)")
     return value
+
+
+def expand_path(text: str) -> str:
+    """`text` with ~ and ~user expanded; raises ValueError for a user with no home."""
+    try:
+        return str(Path(text).expanduser())
+    except RuntimeError:  # pathlib's "Could not determine home directory"
+        raise ValueError(f"cannot expand {text!r}: no such user or no home directory") from None
 
 
 def _typed(key: str, value: Any) -> Any:
@@ -165,7 +179,8 @@ def _typed(key: str, value: Any) -> Any:
         raise ValueError("must not be empty (leave the key out for the default)")
     if kind is Kind.STRINGS:
         return tuple(value)
-    return _finite(float(value) if kind is Kind.FLOAT else value)
+    value = _in_range(value)
+    return float(value) if kind is Kind.FLOAT else value
 
 
 def parse_value(key: str, text: str) -> Any:
@@ -188,11 +203,10 @@ def parse_value(key: str, text: str) -> Any:
             value = float(text)
         except ValueError:
             raise ValueError(f"{text!r} is not {kind.value}") from None
-    if kind is Kind.FLOAT:
-        value = float(value)
-    if not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{text!r} is not a finite number")
-    return value
+    value = _in_range(value)
+    return float(value) if kind is Kind.FLOAT else value
 
 
 def _unknown(key: str) -> str:
@@ -245,11 +259,9 @@ class ConfigSource:
             var = ENV_PREFIX + key.upper()
             if text := env.get(var, ""):
                 try:
-                    values[key] = parse_value(key, text)
+                    values[key] = expand_path(text) if key in PATH_KEYS else parse_value(key, text)
                 except ValueError as exc:
                     raise ConfigError(f"{var}: {key}: {exc}") from None
-                if key in PATH_KEYS:
-                    values[key] = str(Path(text).expanduser())
                 origins[key] = f"env {var}"
         for key, value in self.cli.items():
             values[key], origins[key] = value, COMMAND_LINE
@@ -271,16 +283,21 @@ class ConfigSource:
             raise ConfigError(f"{path}: cannot read it: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+        except UnicodeDecodeError as exc:  # tomllib decodes the whole file first
+            raise ConfigError(
+                f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                f"{exc.start}): TOML files are UTF-8, save it as UTF-8"
+            ) from None
         out = {}
         for key, value in data.items():
             if key not in KEYS:
                 raise ConfigError(f"{path}: {_unknown(key)}")
             try:
                 out[key] = _typed(key, value)
+                if key in PATH_KEYS:  # relative to the file, not to wherever lmdd was started
+                    out[key] = str(path.absolute().parent / expand_path(out[key]))
             except ValueError as exc:
                 raise ConfigError(f"{path}: {key}: {exc}") from None
-            if key in PATH_KEYS:  # relative to the file, not to wherever lmdd was started
-                out[key] = str(path.absolute().parent / Path(out[key]).expanduser())
         return out
 
 
@@ -298,7 +315,13 @@ def _build(
     if model is not None and not os.path.exists(model):
         raise ConfigError(f"{_where(origins['model'])}model: {model} does not exist")
     fields = {k: v for k, v in values.items() if k not in RESTART_FIELDS}
-    fields["runtime_dir"] = resolve_runtime_dir(values["runtime_dir"], env)
+    runtime_dir = values["runtime_dir"]
+    if runtime_dir is not None:
+        try:
+            runtime_dir = expand_path(runtime_dir)
+        except ValueError as exc:
+            raise ConfigError(f"{_where(origins['runtime_dir'])}runtime_dir: {exc}") from None
+    fields["runtime_dir"] = resolve_runtime_dir(runtime_dir, env)
     try:
         restart = RestartPolicy(**{f: values[k] for k, f in RESTART_FIELDS.items()})
         return ServeConfig(**fields, restart=restart)

@@ -3,11 +3,9 @@
 We bind the listening socket ourselves: a port in use becomes a clear one-line error
 instead of uvicorn's sys.exit, and the control socket gets its mode (0660) before
 anyone can connect. The process owns its signals, so uvicorn must not install handlers.
-
-On a Unix socket (the control API) each connection's peer, as the kernel saw it connect
-(SO_PEERCRED: pid, uid, gid), is logged at debug level and handed to the app in every
-request's `scope["state"]["peer"]`; bytes that are not HTTP at all are answered with the
-control API's structured error, not uvicorn's plain text.
+Connections are accepted by our own loop (http_listener.py: a cap on open connections, a
+503 past it, no harm from running out of descriptors) and served by uvicorn's h11
+protocol with a header timeout and half-close support (http_protocol.py).
 """
 
 from __future__ import annotations
@@ -17,9 +15,8 @@ import contextlib
 import logging
 import os
 import socket
-import struct
 from collections.abc import Iterator
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +25,12 @@ import uvicorn
 from starlette import responses
 from starlette.types import Message, Receive
 
-log = logging.getLogger(__name__)
+from lmd.http_listener import Listener, default_max_connections, http_response
+from lmd.http_protocol import Connection, Peer, UnixConnection, peer_of
+
+__all__ = ["Peer", "peer_of"]  # kept here for the control API, which names them so
+
+HEADER_TIMEOUT_S = 10.0
 
 
 class JSONResponse(responses.JSONResponse):
@@ -39,6 +41,13 @@ class JSONResponse(responses.JSONResponse):
 
     def render(self, content: Any) -> bytes:
         return orjson.dumps(content)
+
+
+def quiet_http_client_logs() -> None:
+    """httpx logs every request at INFO (a line per /metrics scrape, as the api reads the
+    supervisor's status) and httpcore each step at DEBUG: keep both to warnings."""
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 class BindError(OSError):
@@ -74,66 +83,60 @@ def bind_unix(path: Path, mode: int) -> socket.socket:
     return sock
 
 
+_TOO_MANY = orjson.dumps(
+    {"error": {"code": "too_many_connections", "message": "too many connections; retry later"}}
+)
+
+
 @dataclass(frozen=True, slots=True)
-class Peer:
-    """The process at the other end of a Unix socket connection, when it connected."""
+class ConnectionLimits:
+    """What a server allows each connection, and how it refuses one past the cap."""
 
-    pid: int
-    uid: int
-    gid: int
-
-
-_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
-
-
-def peer_of(sock: Any) -> Peer | None:
-    """SO_PEERCRED of a connected Unix socket; None where there is none (not Linux, no peer)."""
-    try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-    except (AttributeError, OSError):
-        return None
-    peer = Peer(*_UCRED.unpack(raw))
-    return None if peer.uid == -1 else peer  # the kernel's "nobody there": (0, -1, -1)
-
-
-def _unix_protocol() -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol, knowing each connection's peer and answering junk in JSON."""
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
-
-    base: Any = AutoHTTPProtocol
-
-    class UnixProtocol(base):  # type: ignore[misc]
-        app_state: dict[str, Any]  # uvicorn's
-
-        def connection_made(self, transport: asyncio.Transport) -> None:
-            peer = peer_of(transport.get_extra_info("socket"))
-            if peer is not None:
-                where = transport.get_extra_info("sockname")
-                log.debug("%s: connection from pid %d uid %d gid %d", where, *astuple(peer))
-            # uvicorn copies app_state into each request's scope["state"]: one per connection
-            self.app_state = {**self.app_state, "peer": peer}
-            super().connection_made(transport)
-
-        def send_400_response(self, msg: str) -> None:
-            body = orjson.dumps({"error": {"code": "bad_request", "message": msg}})
-            head = b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
-            head += b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
-            self.transport.write(head + body)
-            self.transport.close()
-
-    return UnixProtocol
+    max_connections: int | None = None  # None: what RLIMIT_NOFILE leaves room for
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    refusal: bytes = http_response(503, _TOO_MANY, {"Retry-After": "1"})
 
 
 class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, limits: ConnectionLimits) -> None:
+        super().__init__(config)
+        self.limits = limits
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield  # the worker/supervisor handles SIGTERM/SIGINT itself
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's, with our Listener in place of loop.create_server."""
+        assert sockets is not None and len(sockets) == 1
+        await self.lifespan.startup()
+        sock, limits, state = sockets[0], self.limits, self.server_state
+        kind = UnixConnection if sock.family == socket.AF_UNIX else Connection
+
+        def connection() -> asyncio.Protocol:
+            return kind(self.config, state, self.lifespan.state, limits.header_timeout_s)
+
+        listener = Listener(
+            sock,
+            connection,
+            max_connections=limits.max_connections or default_max_connections(),
+            num_open=lambda: len(state.connections),
+            refusal=limits.refusal,
+        )
+        self.servers = [listener]  # type: ignore[list-item]  # uvicorn closes and awaits it
+        self.started = True
 
 
 class EmbeddedServer:
     """Serve an ASGI app on a pre-bound socket inside the running loop."""
 
-    def __init__(self, app: Any, sock: socket.socket, log_level: str) -> None:
+    def __init__(
+        self,
+        app: Any,
+        sock: socket.socket,
+        log_level: str,
+        limits: ConnectionLimits | None = None,
+    ) -> None:
         config = uvicorn.Config(
             app,
             lifespan="off",
@@ -141,11 +144,23 @@ class EmbeddedServer:
             access_log=False,
             log_level=log_level,
             timeout_graceful_shutdown=5,
-            http=_unix_protocol() if sock.family == socket.AF_UNIX else "auto",
+            http="h11",  # the protocol http_protocol.py extends
         )
-        self._server = _Server(config)
+        self._server = _Server(config, limits or ConnectionLimits())
         self._sock = sock
         self._task: asyncio.Task[None] | None = None
+
+    @property
+    def task(self) -> asyncio.Task[None]:
+        """The task serving (after start): it ends only when the server stops or fails."""
+        assert self._task is not None
+        return self._task
+
+    @property
+    def listener(self) -> Listener:
+        listener = self._server.servers[0]
+        assert isinstance(listener, Listener)
+        return listener
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._server.serve(sockets=[self._sock]))

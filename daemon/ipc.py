@@ -8,11 +8,17 @@ Links:
   worker inbox PULL (bind)   <-   PUSH from whoever feeds that worker (the data path)
 
 A channel decodes with protocol.decode; a frame set that does not decode is logged
-(rate-limited), counted in `num_dropped` and skipped: a peer can never crash us.
+(rate-limited), counted in `num_dropped` and skipped: a peer can never crash us. Nor
+can it starve the event loop: a receive that finds a message waiting returns without
+yielding, so every RECV_BATCH receives a channel yields once (a flood of 500k messages
+would otherwise hold heartbeats and HTTP for seconds). No frame over
+protocol.MAX_FRAME_BYTES is taken in (ZMQ_MAXMSGSIZE: libzmq drops the peer's
+connection instead), and no message over its kind's cap is sent (kinds.MAX_BYTES).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +33,18 @@ log = logging.getLogger(__name__)
 
 _LOG_FIRST_DROPS = 10
 _LOG_EVERY_DROPS = 1000
+RECV_BATCH = 64  # messages a channel takes in before it lets the event loop run
+
+
+def should_log(n: int) -> bool:
+    """Log the n-th of a kind of event that peers can repeat: the first 10, then every 1000th."""
+    return n <= _LOG_FIRST_DROPS or n % _LOG_EVERY_DROPS == 0
+
+
+def _capped(socket: zmq.asyncio.Socket) -> zmq.asyncio.Socket:
+    """Before it binds or connects (libzmq copies options into each listener then)."""
+    socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
+    return socket
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,17 +64,24 @@ class Endpoints:
 
 
 class _Dropping:
-    """Counts and logs what does not decode."""
+    """Counts and logs what does not decode; paces receiving (RECV_BATCH)."""
 
     def __init__(self, label: str) -> None:
         self.label = label
         self.num_dropped = 0
+        self._num_since_yield = 0
 
     def _drop(self, reason: str) -> None:
         self.num_dropped += 1
         n = self.num_dropped
-        if n <= _LOG_FIRST_DROPS or n % _LOG_EVERY_DROPS == 0:
+        if should_log(n):
             log.warning("%s: dropped malformed message #%d: %s", self.label, n, reason)
+
+    async def _pace(self) -> None:
+        self._num_since_yield += 1
+        if self._num_since_yield >= RECV_BATCH:
+            self._num_since_yield = 0
+            await asyncio.sleep(0)
 
 
 class Channel(_Dropping):
@@ -64,7 +89,8 @@ class Channel(_Dropping):
 
     def __init__(self, socket: zmq.asyncio.Socket, label: str) -> None:
         super().__init__(label)
-        self.socket = socket
+        self.socket = _capped(socket)
+        self.num_oversize = 0  # messages not sent: over their kind's cap
         # The asyncio socket reports a full queue in a returned future, never as
         # zmq.Again; a plain socket over the same handle raises it (and costs less).
         self._nowait: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
@@ -73,15 +99,23 @@ class Channel(_Dropping):
         await self.socket.send_multipart(protocol.encode(msg), copy=False)
 
     def try_send(self, msg: Message) -> bool:
-        """Send without waiting; False when the peer is gone or not keeping up (queue full)."""
+        """Send without waiting; False when the peer is gone or not keeping up (queue full),
+        or the message is over its kind's cap (the peer would drop it)."""
+        frames = protocol.encode(msg)
+        if why := protocol.oversize(frames):
+            self.num_oversize += 1
+            if should_log(self.num_oversize):
+                log.error("%s: not sent: %s", self.label, why)
+            return False
         try:
-            self._nowait.send_multipart(protocol.encode(msg), flags=zmq.NOBLOCK, copy=False)
+            self._nowait.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return False
         return True
 
     async def recv(self) -> Message:
         while True:
+            await self._pace()
             frames = await self.socket.recv_multipart()
             try:
                 return protocol.decode(frames)
@@ -97,7 +131,7 @@ class RouterChannel(_Dropping):
 
     def __init__(self, socket: zmq.asyncio.Socket, label: str) -> None:
         super().__init__(label)
-        self.socket = socket
+        self.socket = _capped(socket)
 
     async def send(self, identity: str, msg: Message) -> None:
         frames = [identity.encode(), *protocol.encode(msg)]
@@ -105,6 +139,7 @@ class RouterChannel(_Dropping):
 
     async def recv(self) -> tuple[str, Message]:
         while True:
+            await self._pace()
             identity, *frames = await self.socket.recv_multipart()
             try:
                 return identity.decode("utf-8", "replace"), protocol.decode(frames)
@@ -116,25 +151,25 @@ class RouterChannel(_Dropping):
 
 
 def bind_router(ctx: zmq.asyncio.Context, endpoint: str, label: str) -> RouterChannel:
-    sock = ctx.socket(zmq.ROUTER)
-    sock.bind(endpoint)
-    return RouterChannel(sock, label)
+    channel = RouterChannel(ctx.socket(zmq.ROUTER), label)
+    channel.socket.bind(endpoint)
+    return channel
 
 
 def connect_dealer(ctx: zmq.asyncio.Context, endpoint: str, identity: str) -> Channel:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, identity.encode())
-    sock.connect(endpoint)
-    return Channel(sock, f"{identity}<-supervisor")
+    channel = Channel(ctx.socket(zmq.DEALER), f"{identity}<-supervisor")
+    channel.socket.setsockopt(zmq.IDENTITY, identity.encode())
+    channel.socket.connect(endpoint)
+    return channel
 
 
 def bind_pull(ctx: zmq.asyncio.Context, endpoint: str, label: str) -> Channel:
-    sock = ctx.socket(zmq.PULL)
-    sock.bind(endpoint)
-    return Channel(sock, label)
+    channel = Channel(ctx.socket(zmq.PULL), label)
+    channel.socket.bind(endpoint)
+    return channel
 
 
 def connect_push(ctx: zmq.asyncio.Context, endpoint: str, label: str) -> Channel:
-    sock = ctx.socket(zmq.PUSH)
-    sock.connect(endpoint)
-    return Channel(sock, label)
+    channel = Channel(ctx.socket(zmq.PUSH), label)
+    channel.socket.connect(endpoint)
+    return channel

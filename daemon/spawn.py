@@ -1,8 +1,9 @@
 """The entry point of a worker process, and which class runs each role.
 
 The supervisor spawns `worker_main` (multiprocessing's spawn context) with a WorkerSpec
-as a plain dict. Only here does a role meet its process class, imported on demand: the
-api alone needs FastAPI, the engine roles alone need torch.
+as a plain dict; the process first renames itself `lmd: <worker name>` (process_title).
+Only here does a role meet its process class, imported on demand: the api alone needs
+FastAPI, the engine roles alone need torch.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from typing import Any
 
 import uvloop
+from setproctitle import setproctitle
 
 from lmd.config import ServeConfig
 from lmd.protocol.roles import Role
@@ -45,6 +47,11 @@ def worker_class(role: Role) -> type[Worker]:
     return DecodeWorker
 
 
+def process_title(name: str) -> str:
+    """What ps, top and /proc/PID/cmdline show for process `name` (a worker, "supervisor")."""
+    return f"lmd: {name}"
+
+
 def _die_with_parent(parent_pid: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
@@ -55,6 +62,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def worker_main(spec_dict: dict[str, Any]) -> None:
     """Entry point of a spawned worker process."""
+    setproctitle(process_title(spec_dict["name"]))  # first: ps and top show it from here on
     spec = WorkerSpec(**spec_dict)
     _die_with_parent(spec.supervisor_pid)
     os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the supervisor only; it drains us

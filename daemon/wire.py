@@ -4,8 +4,9 @@
 Frame 0 is the type byte, frame 1 an orjson header holding the message's JSON fields, and
 one further raw frame per `bytes` field (token ids as little-endian int32, logprobs as
 float32), in declaration order. Nothing is pickled. `Codec.decode` checks the type
-byte, the frame count, the header's keys and the JSON type of every field (and of every
-element of a typed list), then runs the message's own `check()` if it has one.
+byte, the size against the kind's cap (before parsing anything), the frame count, the
+header's keys and the JSON type of every field (and of every element of a typed list),
+then runs the message's own `check()` if it has one.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 import types
 import typing
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -55,6 +56,7 @@ class _Schema:
     header: tuple[_Field, ...]
     frames: tuple[str, ...]  # names of the bytes fields, in frame order
     keys: frozenset[str]  # the header's field names
+    max_bytes: int  # all frames together
 
 
 def _kinds(hint: Any) -> frozenset[type]:
@@ -71,7 +73,7 @@ def _kinds(hint: Any) -> frozenset[type]:
     return frozenset((base,))
 
 
-def _schema(cls: type[Any]) -> _Schema:
+def _schema(cls: type[Any], max_bytes: int) -> _Schema:
     hints = typing.get_type_hints(cls)
     header, frames = [], []
     for f in dataclasses.fields(cls):
@@ -83,16 +85,27 @@ def _schema(cls: type[Any]) -> _Schema:
         is_typed_list = typing.get_origin(hint) is list and args and args[0] is not Any
         items = _kinds(args[0]) if is_typed_list else None
         header.append(_Field(f.name, _kinds(hint), items))
-    return _Schema(cls, tuple(header), tuple(frames), frozenset(f.name for f in header))
+    keys = frozenset(f.name for f in header)
+    return _Schema(cls, tuple(header), tuple(frames), keys, max_bytes)
 
 
 class Codec:
-    """Encodes and decodes the messages of `classes` (each with a distinct TYPE byte)."""
+    """Encodes and decodes the messages of `classes` (each with a distinct TYPE byte);
+    `max_bytes`: the size cap of each type byte (every class needs one)."""
 
-    def __init__(self, classes: Sequence[type[Any]]) -> None:
-        self._schemas = {int(c.TYPE): _schema(c) for c in classes}
+    def __init__(self, classes: Sequence[type[Any]], max_bytes: Mapping[int, int]) -> None:
+        self._schemas = {int(c.TYPE): _schema(c, max_bytes[int(c.TYPE)]) for c in classes}
         if len(self._schemas) != len(classes):
             raise ValueError("two message classes share a type byte")
+
+    def oversize(self, frames: list[bytes]) -> str | None:
+        """Why an encoded message is over its kind's cap; None when it fits."""
+        schema = self._schemas[frames[0][0]]
+        size = sum(map(len, frames))
+        if size <= schema.max_bytes:
+            return None
+        cap = schema.max_bytes
+        return f"{schema.cls.__name__} of {size:,} bytes is over its cap of {cap:,} bytes"
 
     def encode(self, msg: Any) -> list[bytes]:
         schema = self._schemas[int(msg.TYPE)]
@@ -111,6 +124,8 @@ class Codec:
         if schema is None:
             raise ProtocolError(f"unknown message type {frames[0][0]}")
         name = schema.cls.__name__
+        if sum(map(len, frames)) > schema.max_bytes:  # before any parsing
+            raise ProtocolError(self.oversize(frames) or name)
         if len(frames) != 2 + len(schema.frames):
             raise ProtocolError(
                 f"{name}: expected {2 + len(schema.frames)} frames, got {len(frames)}"

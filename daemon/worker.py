@@ -8,9 +8,18 @@ Life cycle of a worker:
   3. `Worker.run` connects to the supervisor (DEALER, identity = worker name), binds its
      inbox, runs the role's `start()` (load a model, listen on a port), then sends Ready.
   4. Running: a Heartbeat every heartbeat_interval; control messages from the supervisor
-     (Drain, Resume, Stop, ClusterState); data messages on the inbox go to `handle()`.
+     (Drain, Resume, Stop, ClusterState); data messages on the inbox go to `handle()`,
+     unless they name a worker this one does not know (`knows`). A message whose
+     handler raises is logged, counted as dropped and, if it is a request, answered
+     with RequestError(internal_error); the worker goes on.
   5. Stop (or SIGTERM): the role's `stop()`, sockets closed, exit 0. A start-up failure
      exits 1 with a one-line reason, which the supervisor logs and counts.
+  6. An essential task ends (`watch`, essential.py: the heartbeat, the control and
+     inbox loops, and what roles add): its traceback is logged, the heartbeat stops,
+     the role gets FATAL_STOP_S to stop, and the process exits 1; the supervisor
+     restarts it and its requests fail at once, never hang behind a live heartbeat.
+     The heartbeat itself survives transient errors (EMFILE reading /proc): it sends
+     the last stats it could read.
 """
 
 from __future__ import annotations
@@ -23,17 +32,20 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import psutil
 import zmq.asyncio
 
 from lmd import ipc, protocol
 from lmd.config import ServeConfig
-from lmd.ipc import Endpoints
+from lmd.essential import EssentialTasks
+from lmd.ipc import Endpoints, should_log
+from lmd.peers import Peers
 from lmd.protocol import Message, Role
-from lmd.roles import WorkerSpec
+from lmd.roles import WorkerSpec, worker_names
 
 if TYPE_CHECKING:
     from lmd.cluster.keys import ClusterKey
@@ -41,6 +53,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GC_THRESHOLD = 20_000  # allocations between young collections (Python's default: 700)
+FATAL_STOP_S = 2.0  # after an essential task ended: how long the role's stop() may take
+T = TypeVar("T")
 
 
 class WorkerStartError(RuntimeError):
@@ -80,9 +94,15 @@ class Worker:
         self.remote: dict[str, str] = {}  # workers on other cluster nodes -> tcp endpoint
         self.tcp_endpoint: str | None = None  # a cluster node's: where other hosts reach us
         self._stop = asyncio.Event()
+        self.tasks = EssentialTasks(spec.name, self._stop.set)
         self._num_unexpected = 0
         self._proc = psutil.Process()
-        self._peers: dict[str, tuple[str, ipc.Channel]] = {}  # name -> (endpoint, PUSH)
+        self._last_stats: dict[str, Any] = {}  # what the heartbeat sends if reading fails
+        self.num_heartbeat_errors = 0
+        self._peers = Peers(self._open_peer)
+        # Every name this worker may answer or talk to: its node's plan, and every worker
+        # of every cluster view it received (a restarted peer keeps its name).
+        self._known = {n for role in Role for n in worker_names(config, role)}
         self.num_lost = 0  # data-path messages a peer did not take (gone or not reading)
 
     @property
@@ -115,35 +135,78 @@ class Worker:
         await self.control.send(protocol.Ready(self.spec.name, os.getpid(), info))
         log.info("%s ready", self.spec.name)
         tasks = [
-            asyncio.create_task(c)
-            for c in (self._heartbeats(), self._control_loop(), self._inbox_loop())
+            self.watch(self._heartbeats(), "the heartbeat"),
+            self.watch(self._control_loop(), "the control loop"),
+            self.watch(self._inbox_loop(), "the inbox loop"),
         ]
         await self._stop.wait()
+        self.tasks.stopping = True
         for task in tasks:
             task.cancel()
-        await self.stop()
-        for _, channel in self._peers.values():
-            channel.close()
+        if self.exit_code:
+            await self._stop_role_quickly()
+        else:
+            await self.stop()
+        self._peers.close()
         self.control.close()
         self.inbox.close()
-        ctx.term()
-        return 0
+        if self.exit_code:
+            ctx.destroy(linger=0)  # closes what a failed role left open; term() would wait
+        else:
+            ctx.term()
+        return self.exit_code
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.tasks.failed else 0
+
+    def watch(
+        self, work: Coroutine[Any, Any, T] | asyncio.Task[T], what: str, *, may_return: bool = False
+    ) -> asyncio.Task[T]:
+        """Run `work` as an essential task (essential.py): if it ends while the worker
+        runs, the worker exits 1 (step 6 above)."""
+        return self.tasks.watch(work, what, may_return=may_return)
+
+    async def _stop_role_quickly(self) -> None:
+        """The role's stop() after a failure: bounded, and its own failure only logged."""
+        try:
+            await asyncio.wait_for(self.stop(), FATAL_STOP_S)
+        except Exception as exc:  # the role's state is what failed: nothing to save
+            log.warning("%s: did not stop cleanly: %r", self.spec.name, exc)
 
     async def _heartbeats(self) -> None:
         while True:
-            await self._send_heartbeat()
+            try:
+                await self._send_heartbeat()
+            except Exception as exc:  # transient (a full queue, a signal): beat on
+                self._heartbeat_error("heartbeat not sent", exc)
             await asyncio.sleep(self.config.heartbeat_interval)
 
     async def _send_heartbeat(self) -> None:
         stats = {
-            "rss_bytes": self._proc.memory_info().rss,
+            **self._beat_stats(),
             "num_lost": self.num_lost,
             # cluster nodes: TCP peers refused for lacking the cluster key (links.py)
             "num_refused": getattr(self.inbox, "num_refused", 0),
-            **self.stats(),
         }
         beat = protocol.Heartbeat(self.spec.name, self.inflight(), self.num_dropped, stats)
         await self.control.send(beat)
+
+    def _beat_stats(self) -> dict[str, Any]:
+        """RSS and the role's stats; when they cannot be read (EMFILE opening /proc, a
+        role's bug), the last ones read: a beat goes out whatever its numbers."""
+        try:
+            stats = {"rss_bytes": self._proc.memory_info().rss, **self.stats()}
+        except Exception as exc:
+            self._heartbeat_error("stats not read, the last ones sent", exc)
+            return self._last_stats
+        self._last_stats = stats
+        return stats
+
+    def _heartbeat_error(self, what: str, exc: Exception) -> None:
+        self.num_heartbeat_errors += 1
+        if should_log(self.num_heartbeat_errors):
+            log.warning("%s: %s: %r", self.spec.name, what, exc)
 
     async def _control_loop(self) -> None:
         while True:
@@ -158,6 +221,7 @@ class Worker:
             elif isinstance(msg, protocol.Reconfigure):
                 self._reconfigure(msg.values)
             elif isinstance(msg, protocol.ClusterState):
+                self._known.update(msg.workers)
                 self.cluster_state, self.missing_roles = msg.state, msg.missing_roles
                 self.workers, self.draining_workers = msg.workers, msg.draining
                 self.load, self.remote = msg.load, msg.endpoints
@@ -167,9 +231,33 @@ class Worker:
 
     async def _inbox_loop(self) -> None:
         while True:
-            msg = await self.inbox.recv()
-            if not await self.handle(msg):
+            msg = await self.inbox.recv()  # yields to the loop every ipc.RECV_BATCH
+            stranger = next((n for n in protocol.peer_names(msg) if n not in self._known), None)
+            if stranger is not None:
+                kind = type(msg).__name__
+                self.count_dropped(f"{kind} naming {stranger!r}, no worker of this cluster")
+                continue
+            try:
+                taken = await self.handle(msg)
+            except Exception:
+                self._handler_failed(msg)
+                continue
+            if not taken:
                 self._unexpected(msg, "inbox")
+
+    def knows(self, name: str) -> bool:
+        """A worker of this node's plan or of a cluster view: messages may name only these."""
+        return name in self._known
+
+    def _handler_failed(self, msg: Message) -> None:
+        """One message's handler raised: log, count and drop it, and fail its request."""
+        self._num_unexpected += 1
+        if should_log(self._num_unexpected):
+            log.exception("%s: handling %s failed; dropped", self.spec.name, type(msg).__name__)
+        request_id, reply_to = getattr(msg, "request_id", None), getattr(msg, "reply_to", None)
+        if isinstance(request_id, str) and isinstance(reply_to, str):
+            why = f"{self.spec.name} failed on this request; see its log"
+            self.push(reply_to, protocol.RequestError(request_id, "internal_error", why))
 
     def _reconfigure(self, values: dict[str, Any]) -> None:
         """Apply live config keys (lmdctl reload); a bad value is logged and ignored."""
@@ -208,31 +296,32 @@ class Worker:
         A worker on another cluster node is reached over TCP, at the endpoint its node
         published (a new one after a restart)."""
         endpoint = self.remote.get(worker_name) or self.endpoints.inbox(worker_name)
-        known, channel = self._peers.get(worker_name, (endpoint, None))
-        if channel is not None and known != endpoint:
-            channel.close()
-            channel = None
-        if channel is None:
-            label = f"{self.spec.name}->{worker_name}"
-            if endpoint.startswith("tcp://"):
-                from lmd.cluster import links
-
-                channel = links.connect_push(self.ctx, endpoint, label, self.cluster_key)
-            else:
-                channel = ipc.connect_push(self.ctx, endpoint, label)
-            self._peers[worker_name] = (endpoint, channel)
-        if channel.try_send(msg):
+        if self._peers.channel(worker_name, endpoint).try_send(msg):
             return True
         self.num_lost += 1
         return False
+
+    @property
+    def num_peers(self) -> int:
+        """PUSH channels open to other workers (at most peers.MAX_PEERS)."""
+        return len(self._peers)
+
+    def _open_peer(self, worker_name: str, endpoint: str) -> ipc.Channel:
+        label = f"{self.spec.name}->{worker_name}"
+        if endpoint.startswith("tcp://"):
+            from lmd.cluster import links
+
+            return links.connect_push(self.ctx, endpoint, label, self.cluster_key)
+        return ipc.connect_push(self.ctx, endpoint, label)
 
     def _unexpected(self, msg: Message, where: str) -> None:
         self.count_dropped(f"unexpected {type(msg).__name__} on {where}")
 
     def count_dropped(self, what: str) -> None:
-        """A message that did not fit: logged, counted (num_dropped), and dropped."""
+        """A message that did not fit: logged (rate-limited), counted (num_dropped), dropped."""
         self._num_unexpected += 1
-        log.warning("%s: dropped %s", self.spec.name, what)
+        if should_log(self._num_unexpected):
+            log.warning("%s: dropped %s (#%d)", self.spec.name, what, self._num_unexpected)
 
     # Hooks for roles ------------------------------------------------------------------
 

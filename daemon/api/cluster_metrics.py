@@ -28,6 +28,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from lmd.http_server import quiet_http_client_logs
+
 log = logging.getLogger(__name__)
 
 STATUS_TIMEOUT_S = 1.0
@@ -35,6 +37,7 @@ STATUS_TIMEOUT_S = 1.0
 
 class ClusterCollector(Collector):
     def __init__(self, control_socket: Path) -> None:
+        quiet_http_client_logs()
         self.control_socket = control_socket
         self.workers: list[dict[str, Any]] = []
 

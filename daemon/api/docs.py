@@ -1,5 +1,9 @@
 """The api's OpenAPI document (/openapi.json, /docs): what each route takes and answers.
 
+`/docs` (Swagger UI) and `/redoc` load their scripts and styles from this server
+(`/docs/assets/`, fastapi-offline's copies of Swagger UI 5 and ReDoc, with FastAPI's
+self-hosting recipe): from a CDN, they rendered blank on a host without internet access.
+
 The generation routes read their body themselves (to answer OpenAI errors and validate
 from bytes), so FastAPI cannot see their request models: `body_doc` and `install_schemas`
 put them into the document. The answer models below describe the bodies
@@ -11,14 +15,19 @@ an OpenAI error body (`ErrorResponse`); FastAPI's 422 is never answered and is l
 from __future__ import annotations
 
 from collections.abc import Sequence
+from importlib.resources import files
 from typing import Any, Literal
 
 from fastapi import FastAPI
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
+from starlette.responses import HTMLResponse, Response
+from starlette.staticfiles import StaticFiles
 
 FinishReason = Literal["stop", "length", "abort"]
+ASSETS_URL = "/docs/assets"
 
 # What each error status of the api means (the body is always an ErrorResponse).
 ERRORS = {
@@ -236,3 +245,40 @@ def install_schemas(app: FastAPI, bodies: Sequence[type[BaseModel]], model: str)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def app_with_docs(title: str, version: str, response_class: type[Response]) -> FastAPI:
+    """A FastAPI app whose /docs and /redoc pages need nothing but this server."""
+    app = FastAPI(
+        title=title,
+        version=version,
+        default_response_class=response_class,
+        docs_url=None,
+        redoc_url=None,
+    )
+    assets = files("fastapi_offline") / "static"  # swagger-ui-bundle.js, redoc.standalone.js
+    app.mount(ASSETS_URL, StaticFiles(directory=str(assets)), name="docs-assets")
+    openapi_url, favicon = app.openapi_url or "/openapi.json", f"{ASSETS_URL}/favicon.png"
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=openapi_url,
+            title=f"{title} - Swagger UI",
+            swagger_js_url=f"{ASSETS_URL}/swagger-ui-bundle.js",
+            swagger_css_url=f"{ASSETS_URL}/swagger-ui.css",
+            swagger_favicon_url=favicon,
+            swagger_ui_parameters={"validatorUrl": None},  # its badge is an online service
+        )
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(
+            openapi_url=openapi_url,
+            title=f"{title} - ReDoc",
+            redoc_js_url=f"{ASSETS_URL}/redoc.standalone.js",
+            redoc_favicon_url=favicon,
+            with_google_fonts=False,
+        )
+
+    return app

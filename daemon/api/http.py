@@ -1,4 +1,5 @@
-"""HTTP plumbing of the api: the request guard, SSE responses, error bodies (docs: docs.py).
+"""HTTP plumbing of the api: the request guard, SSE responses, error bodies (docs: docs.py),
+and its connection limits (http_server.ConnectionLimits, the 503 past the cap).
 
 `RequestGuard` is plain ASGI middleware (no per-request task, unlike BaseHTTPMiddleware):
 it checks the Bearer key on /v1/* (constant-time; /health, /metrics and the docs stay
@@ -12,6 +13,7 @@ import asyncio
 import hmac
 from collections.abc import AsyncGenerator, Callable, Sequence
 
+import orjson
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -19,13 +21,23 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lmd.api.openai_schema import ApiError
-from lmd.http_server import JSONResponse, replay
+from lmd.config import ServeConfig
+from lmd.http_listener import http_response
+from lmd.http_server import ConnectionLimits, JSONResponse, replay
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
 def error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body, status_code=err.status, headers=err.headers)
+
+
+def connection_limits(config: ServeConfig) -> ConnectionLimits:
+    """The api's connection cap and header timeout; past the cap, an OpenAI 503."""
+    message = "the server holds as many connections as it can; retry later"
+    err = ApiError(503, message, type="overloaded", code="too_many_connections", retry_after_s=1)
+    refusal = http_response(err.status, orjson.dumps(err.body), err.headers)
+    return ConnectionLimits(config.max_connections, config.header_timeout, refusal)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -32,9 +32,9 @@ from lmd.api.openai_schema import (
     ApiError,
     ChatMessage,
     RepetitionPenalty,
+    RequestBody,
     Seed,
     StopStrings,
-    StrictModel,
     Temperature,
     not_supported,
 )
@@ -43,7 +43,7 @@ MEDIA_TYPE = "application/x-ndjson"  # JSON objects separated by newlines
 NO_SESSION = -1  # LMDeploy's default session_id: a one-off turn
 
 
-class InteractiveRequest(StrictModel):
+class InteractiveRequest(RequestBody):
     prompt: str | list[ChatMessage]  # one user turn, or messages to add to the chat
     session_id: Annotated[int, Field(ge=NO_SESSION, lt=2**63)] = NO_SESSION
     interactive_mode: bool = False

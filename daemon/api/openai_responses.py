@@ -76,10 +76,6 @@ def _logprob(value: float) -> float:
     return value if math.isfinite(value) else VERY_UNLIKELY_LOGPROB
 
 
-def _token_bytes(token: str) -> list[int]:
-    return list(token.encode("utf-8", "surrogatepass"))
-
-
 @dataclass(slots=True)
 class Answer:
     """What the deltas of one request add up to (for a non-streaming response)."""
@@ -204,10 +200,9 @@ class ChatFormat(_Format):
             {
                 "token": e["token"],
                 "logprob": _logprob(e["logprob"]),
-                "bytes": _token_bytes(e["token"]),
+                "bytes": e["bytes"],
                 "top_logprobs": [
-                    {"token": t, "logprob": _logprob(lp), "bytes": _token_bytes(t)}
-                    for t, lp in e["top"]
+                    {"token": t, "logprob": _logprob(lp), "bytes": raw} for t, lp, raw in e["top"]
                 ],
             }
             for e in entries
@@ -254,7 +249,7 @@ class CompletionFormat(_Format):
         return {
             "tokens": [e["token"] for e in entries],
             "token_logprobs": [_logprob(e["logprob"]) for e in entries],
-            "top_logprobs": [{t: _logprob(lp) for t, lp in e["top"]} for e in entries],
+            "top_logprobs": [{t: _logprob(lp) for t, lp, _ in e["top"]} for e in entries],
             "text_offset": offsets,
         }
 

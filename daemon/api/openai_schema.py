@@ -3,13 +3,15 @@
 Requests are pydantic models validated straight from the body bytes in strict mode (a
 string where a number belongs is a 400, never coerced). Fields OpenAI defines that would
 change the answer and that lmd cannot honour (n > 1, presence/frequency penalties, echo,
-tools, logit_bias, ...) are a 400 naming them; fields we do not know at all are ignored,
-since SDKs send some. Each request maps to the tokenizer's TextRequest
-(`text_request`); responses are built in openai_responses.py.
+tools, logit_bias, ...) are a 400 naming them. Top-level fields we do not know at all
+are ignored, as OpenAI does (SDKs send some, e.g. `user`), and their names logged at debug
+level. `temperature` is OpenAI's 0 to 2 (LMDeploy's range too). Each request maps to the
+tokenizer's TextRequest (`text_request`); responses are built in openai_responses.py.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -22,16 +24,19 @@ from pydantic import (
     ValidationInfo,
     WithJsonSchema,
     field_validator,
+    model_validator,
 )
 
 from lmd import protocol
 from lmd.engine.sequence import (
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
-    MAX_TEMPERATURE,
     MIN_REPETITION_PENALTY,
 )
 
+log = logging.getLogger(__name__)
+
+MAX_TEMPERATURE = 2.0  # OpenAI's (the engine itself takes up to engine.sequence's)
 MAX_STOP_STRINGS = 16
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API allows 0..5
 # Token counts and ids travel as int32 and every integer as a JSON int64 inside lmd: a
@@ -243,6 +248,19 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
+class RequestBody(StrictModel):
+    """A request's top-level object: fields it does not know are logged, then ignored."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_unknown(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not log.isEnabledFor(logging.DEBUG):
+            return data  # not an object: the model's own check says so
+        if unknown := sorted(data.keys() - cls.model_fields.keys()):
+            log.debug("%s: ignoring unknown fields %s", cls.__name__, ", ".join(unknown))
+        return data
+
+
 class StreamOptions(StrictModel):
     include_usage: bool | None = None
 
@@ -257,7 +275,7 @@ class ChatMessage(StrictModel):
         return {"role": role, "content": self.content}
 
 
-class _GenerateRequest(StrictModel):
+class _GenerateRequest(RequestBody):
     """The fields chat and completions share: sampling, stopping, streaming."""
 
     model: str

@@ -44,6 +44,7 @@ from lmd.api.docs import (
     ModelCard,
     ModelList,
     answers,
+    app_with_docs,
     body_doc,
     errors,
     install_schemas,
@@ -54,6 +55,7 @@ from lmd.api.http import (
     EventStream,
     GuardLimits,
     RequestGuard,
+    connection_limits,
     disconnected,
     error_response,
     install_error_handlers,
@@ -112,8 +114,10 @@ class ApiWorker(Worker):
         except BindError as exc:
             raise WorkerStartError(str(exc)) from None
         self.created = int(time.time())
-        self.server = EmbeddedServer(self.build_app(), sock, self.config.log_level)
+        limits = connection_limits(self.config)
+        self.server = EmbeddedServer(self.build_app(), sock, self.config.log_level, limits)
         await self.server.start()
+        self.watch(self.server.task, "the HTTP server")
 
     async def stop(self) -> None:
         await self.server.stop()
@@ -199,7 +203,7 @@ class ApiWorker(Worker):
     # HTTP --------------------------------------------------------------------------------
 
     def build_app(self) -> FastAPI:
-        app = FastAPI(title="lmd", version=__version__, default_response_class=JSONResponse)
+        app = app_with_docs("lmd", __version__, JSONResponse)
 
         @app.get("/health", responses={200: {"model": Health}, 503: {"model": Health}})
         async def health() -> JSONResponse:

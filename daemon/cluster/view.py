@@ -69,6 +69,9 @@ def load_of(stats: Mapping[str, Any]) -> dict[str, int] | None:
     return {
         "queued_tokens": int(stats.get("queued_tokens", 0)),
         "free_blocks": int(kv.get("free_blocks", 0)),
+        "total_blocks": int(kv.get("total_blocks", 0)),
+        # sequences in the engine, running or waiting for a place (routing.Router.pressure)
+        "running": int(stats.get("running", 0)) + int(stats.get("waiting", 0)),
     }
 
 

@@ -46,11 +46,11 @@ class DecodeWorker(EngineWorker):
             eos_token_ids=engine.backend.eos_token_ids,
             max_seq_len=engine.decode.max_seq_len,
             timeout_s=self.config.migration_timeout,
+            vocab_size=engine.backend.vocab_size,
         )
         self.descriptor = self.memory.descriptor
         self.num_migrated = 0
         self.num_refused = 0
-        self._workers: dict[str, int] | None = None
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -65,10 +65,6 @@ class DecodeWorker(EngineWorker):
 
     def inflight(self) -> int:
         return len(self._reply_to) + len(self.receiver)
-
-    def on_cluster_state(self) -> None:
-        self._workers = dict(self.workers)
-        self.wake()
 
     def idle_timeout(self) -> float | None:
         return 1.0 if len(self.receiver) else None
@@ -102,6 +98,7 @@ class DecodeWorker(EngineWorker):
             raise MigrationError(f"Reserve of {msg.request_id}: the request is already running")
         try:
             self.receiver.reserve(msg, self.workers.get(msg.prefill), time.monotonic())
+            self.clients.note(msg.reply_to, self.workers)
         except ReservationRefused as exc:
             refuse("invalid_request_error", f"{self.spec.name}: {exc}")
         except MigrationError:
@@ -111,7 +108,13 @@ class DecodeWorker(EngineWorker):
 
     def _on_migrated(self, msg: protocol.Migrated) -> None:
         res = self.receiver.get(msg.request_id)
-        seq = self.receiver.migrated(msg)
+        try:
+            seq = self.receiver.migrated(msg)
+        except MigrationError:
+            if res is not None and self.receiver.get(msg.request_id) is None:
+                # a bad first token freed the reservation: the request ends here
+                self.error(res.reply_to, msg.request_id, "internal_error", "KV migration failed")
+            raise  # apply() counts and drops the message
         if seq is None or res is None:
             return  # aborted while its KV was on the way
         self.num_migrated += 1
@@ -134,17 +137,27 @@ class DecodeWorker(EngineWorker):
 
     # Between steps ---------------------------------------------------------------------------
 
+    def workers_changed(self, workers: dict[str, int]) -> None:
+        """Free the reservations of prefill workers that went away (and drop the requests
+        of tokenizers that went away: EngineWorker's)."""
+        super().workers_changed(workers)
+        for res in self.receiver.prefill_gone(workers):
+            self.error(
+                res.reply_to,
+                res.seq.request_id,
+                "service_unavailable",
+                f"prefill worker {res.prefill} died before the KV migrated",
+            )
+
+    def drop_requests_of(self, receiver: str) -> list[str]:
+        """Abort the running requests and the reservations answering to `receiver`."""
+        reserved = self.receiver.request_ids_of(receiver)
+        for request_id in reserved:
+            self.receiver.abort(request_id)
+        return super().drop_requests_of(receiver) + reserved
+
     def between_steps(self) -> None:
         now = time.monotonic()
-        if self._workers is not None:
-            for res in self.receiver.prefill_gone(self._workers):
-                self.error(
-                    res.reply_to,
-                    res.seq.request_id,
-                    "service_unavailable",
-                    f"prefill worker {res.prefill} died before the KV migrated",
-                )
-            self._workers = None
         for res in self.receiver.expire(now):
             log.warning("%s: no KV from %s in time", res.seq.request_id, res.prefill)
             self.error(

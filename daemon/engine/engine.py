@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 
 from lmd.engine.backend import Backend, ForwardBatch, parse_dtype
@@ -46,16 +45,10 @@ from lmd.engine.backends import select_backend
 from lmd.engine.block_manager import BlockManager
 from lmd.engine.config import EngineConfig
 from lmd.engine.decode_scheduler import DecodeBatch, DecodeScheduler
-from lmd.engine.kv_pool import (
-    KVPool,
-    PoolBuffer,
-    bytes_per_block,
-    cpu_free_bytes,
-    num_blocks_for,
-)
+from lmd.engine.kv_pool import KVPool, PoolBuffer, bytes_per_block, size_pool
 from lmd.engine.prefill_scheduler import PrefillBatch, PrefillScheduler
 from lmd.engine.sampler import Sampler, SamplerOutput, TokenLogprobs
-from lmd.engine.sequence import FinishReason, Sequence
+from lmd.engine.sequence import FinishReason, Sequence, check_token_ids
 from lmd.protocol.roles import ENGINE_ROLES, Role
 
 log = logging.getLogger(__name__)
@@ -99,26 +92,6 @@ class InFlight:
             self.done.synchronize()
 
 
-def size_pool(backend: Backend, config: EngineConfig, cpu_engines: int = 1) -> int:
-    """Blocks for the pool: cache_max_entry_count of the free memory after the weights.
-
-    On CPU, "free memory" is a share of the available RAM, capped (kv_pool.cpu_free_bytes),
-    split evenly between the `cpu_engines` engine processes of one daemon.
-    """
-    per_block = bytes_per_block(
-        backend.num_layers,
-        backend.num_kv_heads,
-        backend.head_dim,
-        config.block_size,
-        backend.dtype,
-    )
-    if backend.device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(backend.device)
-    else:
-        free = cpu_free_bytes(psutil.virtual_memory().available) // max(1, cpu_engines)
-    return num_blocks_for(config.cache_max_entry_count, free, per_block)
-
-
 class Engine:
     def __init__(
         self, backend: Backend, config: EngineConfig, pool: KVPool, *, role: Role = Role.HYBRID
@@ -158,11 +131,14 @@ class Engine:
         role: Role = Role.HYBRID,
         pool_buffer: Callable[[int], PoolBuffer | None] | None = None,
         cpu_engines: int = 1,
+        cpu_free: int | None = None,
     ) -> Engine:
         """Load the model, size and allocate the KV pool.
 
         `pool_buffer(nbytes)`, when given, provides the pool's memory (a migration
-        transport's shared region); otherwise the pool allocates its own.
+        transport's shared region); otherwise the pool allocates its own. On CPU,
+        `cpu_free` is the bytes this engine may treat as free (its share of the cap,
+        kv_pool.cpu_kv_free); None: an even share of `cpu_engines` of the available RAM.
         """
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is not None:
@@ -171,7 +147,7 @@ class Engine:
         arch = _architecture(model_dir)
         kind = select_backend(backend, arch, dev, model_dir)
         model = kind(model_dir, dev, parse_dtype(dtype, dev))
-        num_blocks = size_pool(model, config, cpu_engines)
+        num_blocks = size_pool(model, config, cpu_engines, cpu_free)
         per_block = bytes_per_block(
             model.num_layers, model.num_kv_heads, model.head_dim, config.block_size, model.dtype
         )
@@ -198,7 +174,9 @@ class Engine:
     # Requests --------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        """Queue a request; raises ValueError with the limit when the prompt is too long."""
+        """Queue a request; raises ValueError saying what is wrong: a token id outside the
+        vocabulary, or a prompt over the length limit (naming it)."""
+        check_token_ids(seq, self.backend.vocab_size)
         self.prefill.add(seq)
 
     def add_prefilled(self, seq: Sequence) -> None:

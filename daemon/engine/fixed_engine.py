@@ -10,7 +10,7 @@ instead; the worker around it (inbox, step thread, Tokens messages, heartbeats) 
 real one.
 
 Life cycle of a request here:
-  1. `add(seq)` checks the prompt against the session length, as the engine does, and
+  1. `add(seq)` checks the token ids and the prompt's length, as the engine does, and
      refuses logprobs (there is no distribution to report).
   2. Each `step()` gives every running request its next token at once: one token per
      request per step, as a decode step does, so the worker sends Tokens messages of a
@@ -31,7 +31,7 @@ import torch
 from lmd.engine.config import EngineConfig
 from lmd.engine.engine import TokenEvent
 from lmd.engine.fake_backend import FakeBackend
-from lmd.engine.sequence import FinishReason, Sequence
+from lmd.engine.sequence import FinishReason, Sequence, check_token_ids
 
 
 class FixedTokens(FakeBackend):
@@ -52,6 +52,7 @@ class FixedTokenEngine:
 
     def add(self, seq: Sequence) -> None:
         """Start a request; ValueError says why one cannot run."""
+        check_token_ids(seq, self.backend.vocab_size)
         limit = self.config.session_len
         if limit is not None and seq.num_tokens >= limit:
             raise ValueError(

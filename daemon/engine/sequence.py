@@ -200,6 +200,24 @@ class Sequence:
         self.finish_reason = reason
 
 
+def check_token_ids(seq: Sequence, vocab_size: int) -> None:
+    """ValueError naming the first token id of `seq` (prompt, output or stop_token_ids)
+    outside the model's vocabulary [0, vocab_size): such an id would index past the
+    embedding or the logits and fail the whole step, every request of the worker with it.
+    """
+    for what, ids in (
+        ("prompt token id", seq.prompt_token_ids),
+        ("output token id", seq.output_token_ids),
+        ("stop_token_ids entry", seq.sampling.stop_token_ids),
+    ):
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"request {seq.request_id}: {what} {bad} is outside this model's "
+                f"vocabulary (0-{vocab_size - 1})"
+            )
+
+
 def banned_token_ids(seq: Sequence, eos_token_ids: SequenceOf[int], ahead: int = 0) -> list[int]:
     """Tokens the sampler must not pick yet, because min_new_tokens is not reached.
 

@@ -17,7 +17,13 @@ Life cycle of a request in an engine worker:
      the engine has nothing to compute.
   4. If a step raises, every request in flight gets RequestError(internal_error) and the
      process exits 1: the supervisor restarts it with a fresh engine.
+  5. A ClusterState that shows a request's receiver (its tokenizer) gone or replaced
+     drops the request between steps, freeing its blocks (clients.py): nobody would
+     read its tokens.
 Sends never wait: a receiver that is gone or not reading loses its tokens (counted).
+Everything that arrives over IPC is checked before the engine sees it: sampling settings
+(SamplingParams), token ids against the vocabulary and the prompt against the length
+limit (Engine.add); a bad request gets RequestError(invalid_request_error) alone.
 """
 
 from __future__ import annotations
@@ -30,14 +36,19 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import psutil
+
 from lmd import protocol
 from lmd.engine.backend import BackendError
 from lmd.engine.config import EngineConfig
 from lmd.engine.engine import Engine, TokenEvent
 from lmd.engine.fixed_engine import FixedTokenEngine, FixedTokens
+from lmd.engine.kv_pool import CPU_KV_CAP_BYTES, cpu_kv_free
 from lmd.engine.model_source import ModelSourceError, resolve_model
 from lmd.engine.sequence import SamplingParams, Sequence
 from lmd.engine.stage_clock import StageClock
+from lmd.hybrid.clients import Clients
+from lmd.hybrid.pool_ledger import PoolLedger
 from lmd.migration.base import PoolMemory
 from lmd.migration.transports import pool_memory
 from lmd.protocol import Message, Role
@@ -54,6 +65,8 @@ class EngineWorker(Worker):
     async def start(self) -> None:
         device = self.spec.device or "cpu"
         self.memory: PoolMemory | None = None
+        self.ledger: PoolLedger | None = None  # CPU pools: their share of the daemon's cap
+        self._cap_note = ""  # why a CPU pool got less than its share, for a start-up error
         try:
             model = resolve_model(self.config.model)
             if self.role != Role.HYBRID:
@@ -61,6 +74,10 @@ class EngineWorker(Worker):
             if self.spec.backend == "fixed":  # hybrid only (config.py)
                 self.engine = FixedTokenEngine(FixedTokens(model.path), self.engine_config())
             else:
+                cpu_free = None
+                if device == "cpu":
+                    self.ledger = PoolLedger(self.config.runtime_dir)
+                    cpu_free = self._claim_cpu_pool(self.ledger)
                 engine = await asyncio.to_thread(
                     Engine.build,
                     model.path,
@@ -71,27 +88,56 @@ class EngineWorker(Worker):
                     role=self.role,
                     pool_buffer=None if self.memory is None else self.memory.buffer,
                     cpu_engines=num_engine_workers(self.config),
+                    cpu_free=cpu_free,
                 )
                 if self.memory is not None:
                     self.memory.attach(engine.pool)
+                if self.ledger is not None:  # its real size, for engines added later
+                    self.ledger.record(self.spec.name, engine.pool.nbytes)
                 self.engine = engine
         except (ModelSourceError, BackendError, ValueError, OSError, RuntimeError) as exc:
-            raise WorkerStartError(str(exc)) from None
+            raise WorkerStartError(f"{exc}{self._cap_note}") from None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.spec.name}-step")
         self._reply_to: dict[str, str] = {}  # request id -> receiving worker
+        self.clients = Clients()  # the receivers' processes, to drop requests of dead ones
+        self._new_workers: dict[str, int] | None = None  # from ClusterState, for between steps
         self._pending: list[Message] = []
         self.clock = StageClock()  # where time to first token goes in this worker
         self._wake = asyncio.Event()
-        self._loop_task = asyncio.create_task(self._step_loop())
+        self._loop_task = self.watch(self._step_loop(), "the engine step loop")
 
     def engine_config(self) -> EngineConfig:
         return self.config.engine
+
+    def _claim_cpu_pool(self, ledger: PoolLedger) -> int:
+        """The bytes a CPU pool may treat as free: this engine's share of the daemon's cap,
+        less what its other engines' pools hold (an engine added by lmdctl scale)."""
+        engines = num_engine_workers(self.config)
+        available = psutil.virtual_memory().available
+        entries = self.engine_config().cache_max_entry_count
+        free = ledger.claim(
+            self.spec.name,
+            lambda taken: cpu_kv_free(available, engines, taken),
+            None if isinstance(entries, int) else entries,
+        )
+        share = cpu_kv_free(available, engines)
+        if free < share:
+            self._cap_note = (
+                f" (the other engines' KV pools leave {free / 2**30:.2f} GiB of the "
+                f"{CPU_KV_CAP_BYTES / 2**30:.0f} GiB CPU cap; scale one down first)"
+            )
+            log.warning(
+                "%s: KV pool limited to %.2f GiB by the CPU cap", self.spec.name, free / 2**30
+            )
+        return free
 
     async def stop(self) -> None:
         self._loop_task.cancel()
         self._executor.shutdown(wait=True, cancel_futures=True)
         if self.memory is not None:
             self.memory.close()
+        if self.ledger is not None:
+            self.ledger.remove(self.spec.name)
 
     def info(self) -> dict[str, Any]:
         b = self.engine.backend
@@ -110,6 +156,10 @@ class EngineWorker(Worker):
     def inflight(self) -> int:
         return len(self._reply_to)
 
+    def on_cluster_state(self) -> None:
+        self._new_workers = dict(self.workers)
+        self.wake()  # act on it between steps
+
     async def handle(self, msg: Message) -> bool:
         if not isinstance(msg, self.accepted):
             return False
@@ -127,6 +177,9 @@ class EngineWorker(Worker):
             pending, self._pending = self._pending, []
             for msg in pending:
                 self.apply(msg)
+            workers, self._new_workers = self._new_workers, None
+            if workers is not None:
+                self.workers_changed(workers)
             self.between_steps()
             if not self.engine.has_work:
                 self._wake.clear()
@@ -160,9 +213,28 @@ class EngineWorker(Worker):
                 self.error(msg.reply_to, msg.request_id, "invalid_request_error", str(exc))
                 return
             self._reply_to[msg.request_id] = msg.reply_to
+            self.clients.note(msg.reply_to, self.workers)
         elif isinstance(msg, protocol.Abort):
             self.engine.abort(msg.request_id)
             self._reply_to.pop(msg.request_id, None)
+
+    def workers_changed(self, workers: dict[str, int]) -> None:
+        """ClusterState changed the running workers; runs between steps. Drops the
+        requests of receivers whose process is gone (roles add their peers' checks)."""
+        for name, replaced in self.clients.gone(workers):
+            dropped = self.drop_requests_of(name)
+            log.warning("%s is gone; dropped its %d requests", name, len(dropped))
+            if replaced:  # a new process has the name: it may have sent some of them
+                for request_id in dropped:
+                    self.error(name, request_id, "service_unavailable", f"{name} restarted; retry")
+
+    def drop_requests_of(self, receiver: str) -> list[str]:
+        """Abort every request answering to `receiver` and free its blocks; their ids."""
+        dropped = [rid for rid, reply_to in self._reply_to.items() if reply_to == receiver]
+        for request_id in dropped:
+            self.engine.abort(request_id)
+            del self._reply_to[request_id]
+        return dropped
 
     def between_steps(self) -> None:
         """Periodic work of the role, between two steps."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from lmd import protocol
 from lmd.engine.block_manager import BlockManager
-from lmd.engine.sequence import FinishReason, SamplingParams, Sequence
+from lmd.engine.sequence import FinishReason, SamplingParams, Sequence, check_token_ids
 
 ABORTED_MEMORY = 4096
 
@@ -61,9 +61,11 @@ class Receiver:
         eos_token_ids: Iterable[int],
         max_seq_len: int,
         timeout_s: float,
+        vocab_size: int,
     ) -> None:
         self.block_manager = block_manager
         self.eos_token_ids: Collection[int] = frozenset(eos_token_ids)
+        self.vocab_size = vocab_size  # token ids from a peer must index the model's
         self.max_seq_len = max_seq_len
         self.timeout_s = timeout_s
         self._queue: deque[Reservation] = deque()
@@ -86,11 +88,17 @@ class Receiver:
     def get(self, request_id: str) -> Reservation | None:
         return self._by_id.get(request_id)
 
+    def request_ids_of(self, reply_to: str) -> list[str]:
+        """The reservations whose tokens go to `reply_to` (not aborted yet)."""
+        return [r for r, res in self._by_id.items() if res.reply_to == reply_to and not res.aborted]
+
     def reserve(self, msg: protocol.Reserve, prefill_pid: int | None, now: float) -> None:
-        """Queue a reservation; raises ReservationRefused or ValueError (bad request)."""
+        """Queue a reservation; raises ReservationRefused or ValueError (bad request:
+        sampling settings, a token id outside the vocabulary)."""
         if msg.request_id in self._by_id:
             raise MigrationError(f"request {msg.request_id} is already reserved")
         seq = Sequence(msg.request_id, msg.prompt_token_ids, SamplingParams(**msg.sampling))
+        check_token_ids(seq, self.vocab_size)
         if seq.num_tokens >= self.max_seq_len:
             raise ReservationRefused(
                 f"the prompt has {seq.num_tokens} tokens; this decode worker holds at most "
@@ -139,9 +147,18 @@ class Receiver:
         if res.aborted:
             self.block_manager.free(seq)
             return None
-        if msg.token_id < 0:
+        if not 0 <= msg.token_id < self.vocab_size:
             self.block_manager.free(seq)
-            raise MigrationError(f"Migrated {msg.request_id}: token id {msg.token_id} < 0")
+            raise MigrationError(
+                f"Migrated {msg.request_id}: token id {msg.token_id} is outside the "
+                f"vocabulary (0-{self.vocab_size - 1})"
+            )
+        if not 0 <= msg.cached_tokens <= seq.num_prompt_tokens:
+            self.block_manager.free(seq)
+            raise MigrationError(
+                f"Migrated {msg.request_id}: {msg.cached_tokens} cached tokens of a "
+                f"{seq.num_prompt_tokens}-token prompt"
+            )
         seq.num_cached_tokens = seq.num_tokens
         self.block_manager.cache_full_blocks(seq)
         reason = seq.append_token(

@@ -71,7 +71,6 @@ class PrefillWorker(EngineWorker):
         # Reserved is expected, not a stray message (bounded, oldest forgotten first).
         self._released: OrderedDict[str, None] = OrderedDict()
         self._copied: list[Outgoing] = []  # copy finished: free their blocks here
-        self._workers: dict[str, int] | None = None
 
     async def stop(self) -> None:
         self.sender.close()
@@ -90,10 +89,6 @@ class PrefillWorker(EngineWorker):
 
     def inflight(self) -> int:
         return len(self._outgoing)
-
-    def on_cluster_state(self) -> None:
-        self._workers = dict(self.workers)
-        self.wake()  # fail requests of decode workers that went away, between steps
 
     # Messages -------------------------------------------------------------------------------
 
@@ -137,6 +132,7 @@ class PrefillWorker(EngineWorker):
         )
         self._outgoing[msg.request_id] = out
         self._waiting.append(out)
+        self.clients.note(msg.reply_to, self.workers)
 
     def _on_reserved(self, msg: protocol.Reserved) -> None:
         out = self._outgoing.get(msg.request_id)
@@ -171,9 +167,6 @@ class PrefillWorker(EngineWorker):
 
     def between_steps(self) -> None:
         now = time.monotonic()
-        if self._workers is not None:
-            self._decode_workers_changed(self._workers)
-            self._workers = None
         for out in self._copied:
             self.engine.block_manager.free(out.seq)
         self._copied = []
@@ -224,7 +217,10 @@ class PrefillWorker(EngineWorker):
                     f"{out.decode} reserved no KV blocks within {self.timeout_s:.0f} s",
                 )
 
-    def _decode_workers_changed(self, workers: dict[str, int]) -> None:
+    def workers_changed(self, workers: dict[str, int]) -> None:
+        """Fail the requests bound for decode workers that went away, close their pools
+        (and drop the requests of tokenizers that went away: EngineWorker's)."""
+        super().workers_changed(workers)
         for out in list(self._outgoing.values()):
             if out.decode in workers or out.aborted:
                 continue
@@ -271,7 +267,7 @@ class PrefillWorker(EngineWorker):
             self.migration.failures += 1
             self._fail(out, "internal_error", f"KV migration failed: {exc}")
             return
-        asyncio.get_running_loop().create_task(self._finish_copy(out))
+        self.watch(self._finish_copy(out), f"the KV copy of {out.request_id}", may_return=True)
 
     async def _finish_copy(self, out: Outgoing) -> None:
         assert out.ticket is not None
@@ -335,6 +331,14 @@ class PrefillWorker(EngineWorker):
     def _fail(self, out: Outgoing, code: str, message: str) -> None:
         self._drop(out)
         self.error(out.reply_to, out.request_id, code, message)
+
+    def drop_requests_of(self, receiver: str) -> list[str]:
+        """As an Abort of each request answering to `receiver`: a reservation is released,
+        a copy in flight finishes first (those already with decode, decode drops)."""
+        dropped = [rid for rid, out in self._outgoing.items() if out.reply_to == receiver]
+        for request_id in dropped:
+            self._on_abort(request_id)
+        return dropped
 
     def fail_all(self, message: str) -> None:
         for out in self._outgoing.values():

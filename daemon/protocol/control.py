@@ -74,7 +74,8 @@ class ClusterState:
     draining: list[str] = dataclasses.field(default_factory=list)
     # A cluster's workers on other nodes: name -> their inbox's tcp:// endpoint.
     endpoints: dict[str, str] = dataclasses.field(default_factory=dict)
-    # Engines' published load (tokenizer/routing.py): name -> {"queued_tokens", "free_blocks"}.
+    # Engines' published load (tokenizer/routing.py): name -> {"queued_tokens",
+    # "free_blocks", "total_blocks", "running"}.
     load: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     def check(self) -> None:

@@ -1,4 +1,4 @@
-"""Message type bytes, and the field checks several messages share."""
+"""Message type bytes, the size cap of each kind, and the field checks several messages share."""
 
 from __future__ import annotations
 
@@ -31,6 +31,41 @@ class MsgType(enum.IntEnum):
     RESERVED = 31
     MIGRATED = 32
     RELEASE = 33
+
+
+KiB, MiB = 1 << 10, 1 << 20
+
+# The most bytes a message of each kind may take on the wire, all its frames together.
+# `decode` drops a bigger one before parsing its header, and `Channel.try_send` refuses
+# to send one (the sender fails the request instead of the receiver dropping it). Each
+# cap is far above the largest message the daemon makes; the largest of them is also
+# every socket's ZMQ_MAXMSGSIZE (per frame: a peer that sends more is disconnected).
+MAX_BYTES: dict[int, int] = {  # by MsgType
+    MsgType.READY: 1 * MiB,  # a few role facts
+    MsgType.HEARTBEAT: 4 * MiB,  # counters and the stage histograms (~10 KiB)
+    MsgType.DRAIN: 4 * KiB,  # no fields
+    MsgType.RESUME: 4 * KiB,
+    MsgType.STOP: 4 * KiB,
+    MsgType.CLUSTER_STATE: 16 * MiB,  # ~150 bytes per worker of the cluster
+    MsgType.RECONFIGURE: 1 * MiB,  # live keys (api_keys is the longest)
+    # 4 bytes per prompt token: 4M tokens fit (a 1M-token prompt is 4 MiB)
+    MsgType.GENERATE: 16 * MiB,
+    MsgType.ABORT: 64 * KiB,  # a request id
+    # one entry per request of a step (max_batch_size, 20 top logprobs: ~0.6 KiB each)
+    MsgType.TOKENS: 8 * MiB,
+    MsgType.REQUEST_ERROR: 1 * MiB,
+    # an HTTP body re-encoded (token ids grow to 4 bytes each: at most 2x the body); room
+    # for the api's max_request_bytes up to 32 MiB
+    MsgType.TEXT_REQUEST: 64 * MiB,
+    # at most DeltaOutbox.MAX_ENTRIES (512) entries of a token's text and logprobs
+    MsgType.TEXT_DELTA: 8 * MiB,
+    MsgType.SESSION_CONTROL: 4 * KiB,
+    MsgType.RESERVE: 16 * MiB,  # a prompt, as Generate
+    MsgType.RESERVED: 16 * MiB,  # the transport's descriptor and a block id per prompt block
+    MsgType.MIGRATED: 1 * MiB,  # one token and its logprobs
+    MsgType.RELEASE: 64 * KiB,
+}
+MAX_FRAME_BYTES = max(MAX_BYTES.values())
 
 
 def check_name(cls: str, field: str, value: str) -> None:

@@ -21,6 +21,7 @@ class Reserve:
     """
 
     TYPE: ClassVar[MsgType] = MsgType.RESERVE
+    PEERS: ClassVar[tuple[str, ...]] = ("prefill", "reply_to")  # protocol.peer_names
     request_id: str
     prefill: str  # the sender; Reserved and errors go back to it
     reply_to: str  # where decode streams the tokens (the tokenizer)
@@ -48,6 +49,7 @@ class Reserved:
     """
 
     TYPE: ClassVar[MsgType] = MsgType.RESERVED
+    PEERS: ClassVar[tuple[str, ...]] = ("decode",)  # protocol.peer_names
     request_id: str
     decode: str  # the sender
     transport: str  # host or cuda_ipc
@@ -73,6 +75,7 @@ class Migrated:
     """prefill -> decode: the KV is in the reserved blocks; here is the first token."""
 
     TYPE: ClassVar[MsgType] = MsgType.MIGRATED
+    PEERS: ClassVar[tuple[str, ...]] = ("prefill",)  # protocol.peer_names
     request_id: str
     prefill: str  # the sender
     token_id: int  # the first sampled token
@@ -85,5 +88,6 @@ class Release:
     """prefill -> decode: free a reservation; no KV is coming (finished, aborted, failed)."""
 
     TYPE: ClassVar[MsgType] = MsgType.RELEASE
+    PEERS: ClassVar[tuple[str, ...]] = ("prefill",)  # protocol.peer_names
     request_id: str
     prefill: str  # the sender

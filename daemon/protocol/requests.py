@@ -18,6 +18,7 @@ class Generate:
     """
 
     TYPE: ClassVar[MsgType] = MsgType.GENERATE
+    PEERS: ClassVar[tuple[str, ...]] = ("reply_to", "decode")  # protocol.peer_names
     request_id: str
     reply_to: str  # a worker name, e.g. "tokenizer-0"
     sampling: dict[str, Any]  # SamplingParams fields
@@ -95,6 +96,7 @@ class TextRequest:
     """
 
     TYPE: ClassVar[MsgType] = MsgType.TEXT_REQUEST
+    PEERS: ClassVar[tuple[str, ...]] = ("reply_to",)  # protocol.peer_names
     request_id: str
     reply_to: str  # the api worker's name
     messages: list[dict[str, Any]] | None
@@ -125,7 +127,8 @@ class TextDelta:
     last delta (stop, length, abort), token counts so far (`cached_tokens`: prompt tokens
     the engine's prefix cache served; `history_tokens`: prompt tokens an interactive
     session brought from earlier turns, else 0), and, when logprobs were asked for, one
-    entry per new token: {"token", "logprob", "top": [[token, logprob], ...]}.
+    entry per new token: {"token", "logprob", "bytes", "top": [[token, logprob, bytes], ...]}
+    (bytes: the token's raw UTF-8 bytes as a list of ints, see tokenizer/text/token_bytes.py).
     """
 
     TYPE: ClassVar[MsgType] = MsgType.TEXT_DELTA

@@ -38,6 +38,7 @@ class Child:
         self.next_start_at: float | None = None  # monotonic; set while restarting
         self.restart_requested_at: float | None = None  # monotonic
         self.last_exit: int | None = None
+        self.scaled_in = False  # added by lmdctl scale and not yet Ready once
         self.info: dict[str, Any] = {}
         self.stats: dict[str, Any] = {}
         self.inflight = 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -56,6 +57,16 @@ _STATUS: dict[type[SupervisorError], int] = {
     BadArgument: 400,
     BadConfig: 400,
 }
+
+
+def validation_message(errors: Sequence[Any]) -> str:
+    """FastAPI's validation errors as one line: `count: Input should be a valid integer`."""
+    parts = []
+    for error in errors:
+        where = str(error.get("loc", ("?",))[-1])
+        value = f" (got {error['input']!r})" if isinstance(error.get("input"), str) else ""
+        parts.append(f"{where}: {error.get('msg', 'invalid')}{value}")
+    return "; ".join(parts) or "invalid request"
 
 
 def peer_allowed(uid: int, own_uid: int | None = None) -> bool:
@@ -159,7 +170,15 @@ def build_control_app(sup: Supervisor) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(400, "bad_request", str(exc.errors()))
+        return error_response(400, "bad_request", validation_message(exc.errors()))
+
+    @app.exception_handler(Exception)
+    async def failed(_: Request, exc: Exception) -> JSONResponse:
+        # A bug, not bad input (that is a SupervisorError): still one structured line
+        # for lmdctl; Starlette logs the traceback after this answer.
+        first = next(iter(str(exc).splitlines()), "")
+        message = f"internal error: {type(exc).__name__}: {first} (the daemon's log has more)"
+        return error_response(500, "internal_error", message)
 
     @app.get("/v1/status")
     async def status() -> dict[str, Any]:

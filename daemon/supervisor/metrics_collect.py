@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from lmd.http_server import quiet_http_client_logs
 from lmd.protocol.roles import ENGINE_ROLES
 from lmd.supervisor.gpu_stats import read_gpus, unavailable
 from lmd.supervisor.metrics_summary import QUANTILE_METHOD, Scrape, parse, summarize
@@ -72,6 +73,7 @@ async def collect(
     `workers`: the supervisor's worker list (called after the window)."""
     if not 0 < interval <= MAX_INTERVAL_S:
         raise ValueError(f"interval must be > 0 and <= {MAX_INTERVAL_S:.0f} s, got {interval}")
+    quiet_http_client_logs()
     gpu_task = asyncio.create_task(asyncio.to_thread(read_gpus))
     urls = sorted(set(api_sources.values()))
     api: dict[str, Any] = {"sources": sorted(api_sources), "error": None}

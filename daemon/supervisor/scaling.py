@@ -10,7 +10,8 @@ Life cycle of a scaled worker:
      arrive), a retiring worker is stopped once a heartbeat says it holds no request,
      or when drain_timeout runs out (what it still holds then fails with an error, as
      for a worker that died).
-  4. A retired worker that exits is forgotten, not restarted.
+  4. A retired worker that exits is forgotten, not restarted; so is an added one that
+     exits before it was ever Ready (it could not start: the scale-up is undone).
 The supervisor owns a Scaler, which changes the workers table it is given (the
 supervisor's) and says which workers to stop instead of stopping them.
 """
@@ -84,6 +85,7 @@ class Scaler:
         free = (i for i in itertools.count() if i not in used)
         while len(serving) + len(added) < count:
             child = Child(worker_spec(config, role, next(free), device, pid))
+            child.scaled_in = True
             self.children[child.name] = child
             child.spawn()
             added.append(child.name)
@@ -123,10 +125,22 @@ class Scaler:
                 yield child
 
     def forget(self, child: Child) -> bool:
-        """A retired worker exited: drop it (True) instead of restarting it."""
-        if not child.retiring:
+        """A retired worker exited, or an added one died before it was ever Ready: drop
+        it (True) instead of restarting it. An added worker that cannot start (no memory
+        left for its KV pool, a device gone) would fail the same way on every restart,
+        and max_fast_failures of them would stop the whole daemon: the scale-up is
+        undone instead, and the daemon serves on with the workers it had."""
+        if child.scaled_in:
+            log.error(
+                "%s could not start (exit code %s; its log says why): scale-up of %s undone",
+                child.name,
+                child.exit_code(),
+                child.role,
+            )
+        elif child.retiring:
+            log.info("%s retired (exit code %s)", child.name, child.exit_code())
+        else:
             return False
-        log.info("%s retired (exit code %s)", child.name, child.exit_code())
         child.join(timeout=1.0)
         del self.children[child.name]
         return True

@@ -189,6 +189,7 @@ class Supervisor:
     async def _on_ready(self, child: Child, msg: protocol.Ready) -> None:
         child.info = msg.info
         child.set_state(WorkerState.RUNNING)
+        child.scaled_in = False
         self.watch.ready(child)
         log.info(
             "%s ready (pid %d) after %.1f s",
@@ -361,25 +362,32 @@ class Supervisor:
         """Read the config file and the environment again (the command line stays). Live
         keys (config_loader.LIVE_KEYS) apply at once, here and in every worker (a
         Reconfigure; a restarted or added worker starts with them too); other changed
-        keys keep their running value and are reported as needing a restart. A bad file
-        changes nothing (BadConfig)."""
+        keys keep their running value and are reported as needing a restart. All or
+        nothing: the whole file is checked, and everything derived from it built, before
+        anything changes, so a bad file changes nothing (BadConfig)."""
         if self.state in (DaemonState.STARTING, DaemonState.STOPPING):
             raise WrongState(str(self.state), f"the daemon is {self.state}; try later")
         with self.service.reloading(lambda: self.status_line):
             try:
-                self.loaded, plan = reload_config(self.loaded)
+                loaded, plan = reload_config(self.loaded)
             except ConfigError as exc:
                 raise BadConfig("bad_config", str(exc)) from None
-            self.config = self.loaded.config
-            for child in self.children.values():  # what a restarted worker runs with
-                child.spec = dataclasses.replace(child.spec, config=self.config.to_dict())
+            specs = {  # what a restarted worker runs with
+                n: dataclasses.replace(c.spec, config=loaded.config.to_dict())
+                for n, c in self.children.items()
+            }
+            live = protocol.Reconfigure({k: getattr(loaded.config, k) for k in plan.applied})
+            reply = {"ok": True, "file": loaded.to_json()["file"], **plan.to_json()}
+            # Nothing above changed the daemon; from here on nothing can fail on the file.
+            self.loaded, self.config = loaded, loaded.config
+            for name, spec in specs.items():
+                self.children[name].spec = spec
             set_log_level(self.config.log_level)
             if plan.applied:
-                live = {k: getattr(self.config, k) for k in plan.applied}
-                await self.broadcast(protocol.Reconfigure(live))
+                await self.broadcast(live)
         log.info(
             "config reloaded: applied %s; needs a restart: %s",
             ", ".join(plan.applied) or "nothing",
             ", ".join(plan.needs_restart) or "nothing",
         )
-        return {"ok": True, "file": self.loaded.to_json()["file"], **plan.to_json()}
+        return reply

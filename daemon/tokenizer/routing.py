@@ -9,21 +9,32 @@ are not being retired are candidates. What decides, in order:
   (the published figure lags a heartbeat); then the fewest requests from this router.
 - decode: a worker on the prefill worker's node if one has room for the prompt (its
   published `free_blocks` less the blocks this router's requests on their way to it
-  will take): KV then moves within a host. Among the candidates, the most room; then
-  the fewest requests from this router.
+  will take): KV then moves within a host. Among the candidates, the least load
+  (`pressure`): its sequences (published `running`, or this router's requests on it if
+  more: the published figure lags a heartbeat), plus the one to place, per free share
+  of its pool. Pools of different sizes compare by their free share, not by their free
+  blocks, so a worker that `lmdctl scale` adds, with a pool smaller than the others'
+  (sized from what the cap left), takes its part of the requests at once. Then the
+  fewest requests from this router.
 Ties go round robin. Before any load is published, every worker has the same figures
 and the router's own request counts decide.
 """
 
 from __future__ import annotations
 
-import itertools
+import math
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from lmd.names import index_of, node_of, role_of
 from lmd.protocol.roles import Role
+
+# A decode pool's free share counts in steps of 1/SHARE_STEPS (rounded up): pools that
+# differ by a block or two are alike, and their sequences decide. A full pool counts as
+# MIN_FREE_SHARE (for the division): full pools then compare by their sequences.
+SHARE_STEPS = 32
+MIN_FREE_SHARE = 1e-3
 
 
 class NoEngine(LookupError):
@@ -55,7 +66,10 @@ class Router:
         self.block_size = block_size
         self._load: Counter[str] = Counter()  # requests of this router on each worker
         self._tokens: Counter[str] = Counter()  # their prompt tokens not yet prefilled
-        self._turn = itertools.count()
+        # Where each role's round robin starts next: one turn per role, so that a pick's
+        # two choices do not advance each other's (with one prefill worker, a shared turn
+        # moved by two each request and always broke ties to the same decode worker).
+        self._turns: Counter[str] = Counter()
 
     def pick(
         self,
@@ -77,7 +91,7 @@ class Router:
             near = [
                 d for d in decodes if node_of(d) == node_of(engine) and self._fits(d, need, load)
             ]
-            decode = self._best(near or decodes, lambda n: (-self._room(n, load), self._load[n]))
+            decode = self._best(near or decodes, lambda n: (self.pressure(n, load), self._load[n]))
         route = Route(
             engine,
             decode,
@@ -119,6 +133,22 @@ class Router:
     def load(self, name: str) -> int:
         return self._load[name]
 
+    def pressure(self, name: str, load: Mapping[str, Mapping[str, int]]) -> float:
+        """A decode worker's load: (its sequences + 1) / the free share of its pool
+        (in 1/SHARE_STEPS steps).
+
+        Lower is better. Idle, any pool scores 1; each sequence adds 1, scaled up as
+        the pool fills. A worker that published nothing yet (just added) counts as an
+        empty pool with this router's requests on it."""
+        published = load.get(name, {})
+        seqs = max(published.get("running", 0), self._load[name])
+        total = published.get("total_blocks", 0)
+        share = 1.0
+        if total > 0 and "free_blocks" in published:
+            room = max(0, self._room(name, load))
+            share = math.ceil(room * SHARE_STEPS / total) / SHARE_STEPS
+        return (seqs + 1) / max(share, MIN_FREE_SHARE)
+
     def _settle(self, route: Route, load: bool) -> None:
         """The prompt is computed: its tokens no longer count; in disaggregated mode,
         the request no longer counts on its prefill worker (`load`)."""
@@ -143,8 +173,10 @@ class Router:
         """Room for `need` blocks, as far as is known (nothing published: yes)."""
         return "free_blocks" not in load.get(name, {}) or self._room(name, load) >= need
 
-    def _best(self, names: list[str], key: Callable[[str], tuple[int, int]]) -> str:
-        start = next(self._turn) % len(names)
+    def _best(self, names: list[str], key: Callable[[str], tuple[float, int]]) -> str:
+        role = role_of(names[0])
+        start = self._turns[role] % len(names)
+        self._turns[role] += 1
         rotated = names[start:] + names[:start]
         return min(rotated, key=key)
 

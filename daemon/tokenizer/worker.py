@@ -56,6 +56,7 @@ from lmd.tokenizer.text.chat_template import (
 )
 from lmd.tokenizer.text.detokenizer import CachedDecoder
 from lmd.tokenizer.text.stream import StreamUpdate, TextStream
+from lmd.tokenizer.text.token_bytes import TokenBytes
 from lmd.worker import Worker, WorkerStartError
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class TokenizerWorker(Worker):
             raise WorkerStartError(str(exc)) from None
         # decode without clean-up; a token's own text is looked up, not decoded again
         self.decoder = CachedDecoder(self.tokenizer.backend_tokenizer)
+        self.token_bytes = TokenBytes(self.tokenizer.backend_tokenizer)
         self.vocab_size = len(self.tokenizer)
         hybrid = self.config.mode == "hybrid"
         engine_role, decode_role = (Role.HYBRID, None) if hybrid else (Role.PREFILL, Role.DECODE)
@@ -89,7 +91,7 @@ class TokenizerWorker(Worker):
         self._requests: dict[str, TokenizerRequest] = {}
         self.outbox = DeltaOutbox(self.push)  # new text for the api workers
         self.sessions = SessionTable(self.config.session_idle_timeout)
-        self._expiry = asyncio.create_task(self._expire_sessions())
+        self._expiry = self.watch(self._expire_sessions(), "session expiry")
 
     async def stop(self) -> None:
         self.outbox.flush()
@@ -218,7 +220,7 @@ class TokenizerWorker(Worker):
             prompt_ids=prompt_ids,
             stops=stops,
             skip_special_tokens=msg.skip_special_tokens,
-            want_logprobs=msg.sampling.get("logprobs") is not None,
+            token_bytes=self.token_bytes if msg.sampling.get("logprobs") is not None else None,
         )
         try:
             route = self.router.pick(

@@ -82,7 +82,9 @@ class FakeTokenizer:
             reason = None if not last else ("length" if i == max_tokens else "stop")
             lps = None
             if n_top is not None:
-                lps = [{"token": word, "logprob": -0.25, "top": [[word, -0.25]] * n_top}]
+                raw = list(word.encode())
+                top = [[word, -0.25, raw]] * n_top
+                lps = [{"token": word, "logprob": -0.25, "bytes": raw, "top": top}]
             await self._send(
                 protocol.TextDelta(
                     [req.request_id], [word], [reason], [prompt_tokens], [i], [lps], [0], [0]

@@ -217,6 +217,7 @@ def number_cases() -> list[Hostile]:
         *on(ROUTES, huge, "max_tokens", 10**12, 2**31, 2**63, 2**64, 10**30),
         *on(ROUTES, huge, "seed", 2**63, 2**64, -(2**63) - 1, 10**30),
         *on(ROUTES, huge, "top_k", 2**40),
+        *on(ROUTES, huge, "temperature", 2.001, 5, 100),  # OpenAI's range is 0 to 2
         *on(OPENAI, huge, "min_tokens", 10**12),
         *on(OPENAI, huge, "stop_token_ids", [2**40], param="stop_token_ids.0"),
         *on((CHAT,), huge, "max_completion_tokens", 2**64),

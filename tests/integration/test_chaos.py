@@ -284,3 +284,50 @@ def test_sigstop_under_load(daemon_short_heartbeat: Daemon, name: str) -> None:
     assert f"{name} (pid {old_pid}) sent no heartbeat" in daemon.log()
     assert outcome.health[503] > 0, f"/health never said the role was missing: {outcome.summary()}"
     assert_recovered(daemon, name, old_pid)
+
+
+def test_engines_drop_the_requests_of_a_dead_tokenizer(daemon: Daemon) -> None:
+    """kill -9 of the tokenizer while long answers stream: its clients get their error at
+    once (the api's doing), and the engines, which would compute every answer to the end
+    (the session length) with their KV blocks held, drop them within a second or two."""
+    pid = daemon.worker("tokenizer-0")["pid"]
+    streams = [Stream() for _ in range(IN_FLIGHT)]
+
+    def engines_idle() -> bool:
+        workers = [daemon.worker(n) for n in ENGINES]
+        return all(
+            w["kv"]["free_blocks"] == w["kv"]["total_blocks"] and w["inflight"] == 0
+            for w in workers
+        )
+
+    async def run() -> float:
+        limits = httpx.Limits(max_connections=IN_FLIGHT)
+        async with httpx.AsyncClient(base_url=daemon.url, timeout=120, limits=limits) as http:
+            started = [asyncio.Event() for _ in streams]
+            tasks = [
+                asyncio.create_task(stream_one(http, s, e, 100_000))
+                for s, e in zip(streams, started, strict=True)
+            ]
+            async with asyncio.timeout(60):
+                await asyncio.gather(*(e.wait() for e in started))
+            await asyncio.to_thread(wait_until, lambda: not engines_idle(), 5, "busy engines")
+            killed_at = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            await asyncio.to_thread(wait_until, engines_idle, 2.5, "the engines to drop them")
+            idle_after = time.monotonic() - killed_at
+            async with asyncio.timeout(30):
+                await asyncio.gather(*tasks)
+            return idle_after
+
+    idle_after = asyncio.run(run())
+    print(f"kill -9 tokenizer-0: engines idle {idle_after:.2f} s after the kill")
+    assert all(s.outcome != "complete" for s in streams)
+    wait_until(
+        lambda: (
+            daemon.worker("tokenizer-0")["pid"] not in (None, pid)
+            and daemon.worker("tokenizer-0")["state"] == "running"
+        ),
+        60,
+        "tokenizer-0 to be replaced",
+    )
+    assert_recovered(daemon, "tokenizer-0", pid)

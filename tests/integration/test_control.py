@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import httpx
 import orjson
+import pytest
 
+from lmd_client import ControlRequestError, DaemonNotRunning, SyncControlClient
 from tests.integration.daemon import Daemon, wait_until
 
 LMDCTL = [sys.executable, "-m", "lmd_client.lmdctl"]
@@ -70,6 +73,51 @@ def test_status_json_shape(daemon: Daemon) -> None:
     for w in s["workers"]:
         assert keys <= set(w)
         assert w["role"] in ("tokenizer", "prefill", "decode", "api")
+
+
+def test_global_options_after_the_subcommand_and_a_reader_gone(daemon: Daemon) -> None:
+    out = subprocess.run(
+        [*LMDCTL, "status", "--json", "--socket", str(daemon.socket_path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert orjson.loads(out.stdout)["state"] == "running"
+    read, write = os.pipe()
+    os.close(read)  # `lmdctl status | head -1` once head has gone
+    try:
+        gone = subprocess.run(
+            [*LMDCTL, "--socket", str(daemon.socket_path), "status"],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            timeout=30,
+            check=False,
+        )
+    finally:
+        os.close(write)
+    assert (gone.returncode, gone.stderr) == (141, b"")  # as coreutils killed by SIGPIPE
+
+
+def test_sync_control_client(daemon: Daemon) -> None:
+    with SyncControlClient(daemon.socket_path) as ctl:
+        assert ctl.status()["state"] == "running"
+        assert [w["name"] for w in ctl.workers()] == [
+            "tokenizer-0",
+            "prefill-0",
+            "decode-0",
+            "api-0",
+        ]
+        assert ctl.drain()["state"] == "draining"
+        assert daemon.status()["state"] == "draining"
+        assert ctl.resume()["state"] == "running"
+        assert ctl.config()["values"]["port"] == daemon.port
+        with pytest.raises(ControlRequestError) as refused:
+            ctl.restart("decode-9")
+        assert (refused.value.status, refused.value.code) == (404, "unknown_worker")
+    with pytest.raises(DaemonNotRunning), SyncControlClient("/nonexistent/control.sock") as ctl:
+        ctl.status()
 
 
 def test_status_table(daemon: Daemon) -> None:

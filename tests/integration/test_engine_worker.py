@@ -16,7 +16,10 @@ from lmd import protocol
 from tests.integration.daemon import Daemon, wait_until
 from tests.models import hf_greedy, load_reference, random_prompts, save_tiny_llama
 
-CLIENT = "client-0"  # the inbox name the test answers on, as a tokenizer would
+# The test stands in for the daemon's tokenizer: an engine answers only workers of its
+# cluster, so the test binds tokenizer-0's inbox, which takes the socket file over
+# (libzmq replaces it); the daemon's own tokenizer gets nothing from the engine.
+CLIENT = "tokenizer-0"
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +131,7 @@ def test_bad_requests_get_an_error_and_nothing_leaks(hybrid: Daemon) -> None:
         err = client.recv()
         assert isinstance(err, protocol.RequestError) and err.request_id == "bad"
         assert err.code == "invalid_request_error" and "temperature" in err.message
-        client.generate("long", list(range(2, 1100)), max_tokens=4)
+        client.generate("long", [5, 6] * 550, max_tokens=4)  # ids in the vocabulary
         err = client.recv()
         assert isinstance(err, protocol.RequestError) and "limit" in err.message
         client.generate("slow", [5, 6, 7], temperature=0.0, max_tokens=500, ignore_eos=True)
@@ -159,3 +162,36 @@ def test_engine_killed_comes_back_and_serves(hybrid: Daemon) -> None:
     finally:
         client.close()
     assert hybrid.worker("hybrid-0")["restarts"] == 1
+
+
+def test_token_ids_outside_the_vocabulary_fail_that_request_alone(
+    hybrid: Daemon, model_dir: Path
+) -> None:
+    """A Generate whose prompt holds an id >= the vocabulary size used to reach the model
+    (IndexError in the embedding), fail the step and restart the worker, taking every
+    request with it. Now that request alone gets an error; the others go on."""
+    vocab = load_reference(model_dir).config.vocab_size
+    client = Client(hybrid)
+    try:
+        client.generate("long", [5, 6, 7], temperature=0.0, max_tokens=40, ignore_eos=True)
+        first = client.recv()
+        assert isinstance(first, protocol.Tokens) and first.request_ids == ["long"]
+        client.generate("oov", [5, vocab, 7], temperature=0.0, max_tokens=4)
+        client.generate("stop", [5, 6], stop_token_ids=[vocab + 3], min_new_tokens=2)
+        errors: dict[str, str] = {}
+        tokens = 1
+        while len(errors) < 2 or tokens < 40:
+            msg = client.recv()
+            if isinstance(msg, protocol.RequestError):
+                assert msg.code == "invalid_request_error"
+                errors[msg.request_id] = msg.message
+            else:
+                assert isinstance(msg, protocol.Tokens) and msg.request_ids == ["long"], msg
+                tokens += 1
+        assert f"prompt token id {vocab} is outside this model's vocabulary" in errors["oov"]
+        assert f"stop_token_ids entry {vocab + 3} is outside" in errors["stop"]
+    finally:
+        client.close()
+    wait_until(lambda: kv_idle(hybrid), 10, "every block free again")
+    engine = hybrid.worker("hybrid-0")
+    assert engine["restarts"] == 0 and engine["inflight"] == 0

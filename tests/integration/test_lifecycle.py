@@ -6,7 +6,10 @@ import os
 import signal
 import socket
 import stat
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -29,6 +32,36 @@ def test_start_reports_every_worker_running(daemon: Daemon) -> None:
     assert mode == 0o660
     health = httpx.get(f"{daemon.url}/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
+    # ps names each process, not `python -B -c from multiprocessing.spawn import ...`
+    assert daemon.proc is not None and ps_args(daemon.proc.pid) == "lmd: supervisor"
+    assert {w["name"]: ps_args(w["pid"]) for w in status["workers"]} == {
+        name: f"lmd: {name}" for name in ROLES
+    }
+
+
+def test_a_file_that_is_no_model_exits_1_at_once_spawning_nothing(tmp_path: Path) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a model\n")
+    runtime = tmp_path / "rt"
+    out = subprocess.run(
+        [sys.executable, "-m", "lmd", "serve", str(notes), "--runtime-dir", str(runtime)],
+        capture_output=True,
+        text=True,
+        timeout=60,  # it used to restart its workers for about 30-50 s, then exit 1
+        check=False,
+    )
+    assert out.returncode == 1
+    assert out.stderr == (
+        f"lmdd: model {notes} is not a supported file: give a local Hugging Face directory "
+        "(config.json + *.safetensors) or a .gguf file\n"
+    )
+    assert not runtime.exists()  # no socket, no lock: no worker was spawned
+
+
+def ps_args(pid: int) -> str:
+    """The command line as `ps -o args` shows it (/proc/PID/cmdline, NULs as spaces)."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode().strip()
 
 
 def test_sigterm_exits_0_and_leaves_nothing(daemon: Daemon) -> None:

@@ -47,7 +47,7 @@ def test_worker_facts_carry_endpoint_load_and_retiring() -> None:
         "state": "running",
         "endpoint": "tcp://10.0.0.2:4000",
         "device": "cuda:0",
-        "load": {"queued_tokens": 300, "free_blocks": 7},
+        "load": {"queued_tokens": 300, "free_blocks": 7, "total_blocks": 9, "running": 0},
         "total_blocks": 9,
     }
     assert facts["decode-1@a"] == {

@@ -98,6 +98,12 @@ def test_a_named_file_must_exist(tmp_path: Path) -> None:
         ('log_level = "loud"\n', r"log_level: 'loud' is not one of"),
         ("max_fast_failures = 0\n", r"max_fast_failures: must be >= 1"),
         ("port = \n", r"not valid TOML"),
+        # JSON (orjson: workers, the control API) carries no integer past int64
+        ("max_request_bytes = 99999999999999999999\n", r"max_request_bytes: 9+ is out of range"),
+        ("session_len = -99999999999999999999\n", r"session_len: -9+ is out of range"),
+        ("drain_timeout = 99999999999999999999\n", r"drain_timeout: 9+ is out of range"),
+        ("restart_backoff = 60\n", r"restart_backoff: must be at most 30 seconds"),
+        ('chat_template = "~nosuchuser/t.json"\n', r"chat_template: cannot expand '~nosuch"),
     ],
 )
 def test_file_errors_name_the_file_and_the_key(tmp_path: Path, toml: str, message: str) -> None:
@@ -116,6 +122,8 @@ def test_file_errors_name_the_file_and_the_key(tmp_path: Path, toml: str, messag
         ({"LMD_DEVICE": "tpu"}, r"^LMD_DEVICE: device: 'tpu' is not auto, cpu"),
         ({"LMD_ENABLE_PREFIX_CACHING": "maybe"}, r"^LMD_ENABLE_PREFIX_CACHING: .*not a boolean"),
         ({"LMD_SESSION_LEN": "1"}, r"^LMD_SESSION_LEN: session_len must be an integer >= 2"),
+        ({"LMD_MAX_BATCH_SIZE": "9" * 20}, r"^LMD_MAX_BATCH_SIZE: max_batch_size: 9+ is out of"),
+        ({"LMD_MODEL": "~nosuchuser/m"}, r"^LMD_MODEL: model: cannot expand '~nosuchuser/m'"),
     ],
 )
 def test_env_errors_name_the_variable(tmp_path: Path, env: dict[str, str], message: str) -> None:
@@ -156,6 +164,19 @@ def test_bad_flag_values_are_usage_errors(capsys: pytest.CaptureFixture[str]) ->
         _parser().parse_args(["serve", "--port", "eighty"])
     assert exit_.value.code == 2
     assert "argument --port: 'eighty' is not an integer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--max-request-bytes", "9" * 20])
+    assert "does not fit in a 64-bit integer" in capsys.readouterr().err
+
+
+def test_a_file_that_is_not_utf8_is_one_line_naming_the_byte(tmp_path: Path) -> None:
+    path = tmp_path / "lmd.toml"
+    path.write_bytes(b'model_name = "caf\xe9"\n')  # Latin-1
+    with pytest.raises(ConfigError) as err:
+        ConfigSource(path=path, default_path=NO_DEFAULT_FILE).load(env={})
+    assert str(err.value) == (
+        f"{path}: not UTF-8 text (byte 0xe9 at offset 17): TOML files are UTF-8, save it as UTF-8"
+    )
 
 
 def test_api_keys_are_never_shown(tmp_path: Path) -> None:

@@ -145,3 +145,23 @@ def test_a_prompt_over_the_session_length_is_rejected(model_dir: Path) -> None:
     engine = make_engine(model_dir, session_len=64)
     with pytest.raises(ValueError, match="limit is 63"):
         engine.add(Sequence("long", list(range(2, 70)), GREEDY))
+
+
+def test_token_ids_outside_the_vocabulary_fail_that_request_alone(model_dir: Path) -> None:
+    """An id past the vocabulary would index past the embedding (prompt) or the logits (a
+    stop token banned by min_new_tokens) and fail the step of every request with it."""
+    engine = make_engine(model_dir)
+    vocab = engine.backend.vocab_size
+    engine.add(Sequence("good", [5, 6, 7], GREEDY))
+    banned_stop = SamplingParams(stop_token_ids=(3, vocab + 7), min_new_tokens=2, max_tokens=4)
+    for bad, what in (
+        (Sequence("oov", [5, vocab, 6], GREEDY), f"prompt token id {vocab} "),
+        (Sequence("stop", [5, 6], banned_stop), f"stop_token_ids entry {vocab + 7} "),
+    ):
+        with pytest.raises(ValueError, match=f"{what}is outside this model's vocabulary"):
+            engine.add(bad)
+    tokens = []
+    while engine.has_work:
+        tokens += [e.token_id for e in engine.step()]
+    assert len(tokens) == GREEDY.max_tokens  # the good request, untouched
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks

@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from lmd.engine.kv_pool import (
+    CPU_KV_CAP_BYTES,
     KVPool,
     PoolBuffer,
     bytes_per_block,
     cpu_free_bytes,
+    cpu_kv_free,
     num_blocks_for,
 )
 
@@ -65,6 +67,34 @@ def test_cpu_budget_is_a_capped_share_of_available_ram() -> None:
     assert cpu_free_bytes(8 << 30) == 4 << 30
     assert cpu_free_bytes(64 << 30) == 4 << 30  # capped
     assert cpu_free_bytes(1 << 30, share=0.25) == 256 << 20
+
+
+def test_cpu_pools_added_by_scaling_stay_within_the_cap() -> None:
+    """lmdctl scale decode 2 on CPU: prefill-0 and decode-0 took 1.6 GiB each (0.8 of their
+    half of the 4 GiB cap); decode-1, sized from what it alone saw, added 1.2 GiB more and
+    the pools reached 4.4 GiB. Sized from what the cap leaves, every pool fits in it."""
+    block = 2_949_120  # SmolLM2-135M, fp32, 64 tokens: 2.8 MiB
+    available = 24 << 30
+    pools: list[int] = []
+    for _ in range(7):  # prefill-0 and decode-0 start together, then one more at a time
+        free = cpu_kv_free(available, num_engines=2, taken_bytes=sum(pools))
+        pools.append(num_blocks_for(0.8, free, block) * block)
+    # As before for the first two (1.6 GiB each); then 0.8 of what the cap leaves.
+    assert [p // block for p in pools] == [582, 582, 233, 47, 9, 2, 1]
+    assert sum(pools) <= CPU_KV_CAP_BYTES
+    with pytest.raises(ValueError, match="holds no"):  # the cap is spent: one line says so
+        num_blocks_for(0.8, cpu_kv_free(available, 2, taken_bytes=sum(pools)), block)
+    # An integer block count must fit in what is left, as on a GPU.
+    free = cpu_kv_free(available, 2, taken_bytes=2 * 582 * block)
+    with pytest.raises(ValueError, match="lower it or pass a fraction"):
+        num_blocks_for(582, free, block)
+
+
+def test_cpu_kv_free_is_an_even_share_within_the_cap() -> None:
+    assert cpu_kv_free(24 << 30, 2) == 2 << 30  # half of the 4 GiB cap each
+    assert cpu_kv_free(4 << 30, 2) == 1 << 30  # half of half the available RAM
+    assert cpu_kv_free(24 << 30, 2, taken_bytes=3 << 30) == 1 << 30  # what the cap leaves
+    assert cpu_kv_free(24 << 30, 2, taken_bytes=5 << 30) == 0  # over it already
 
 
 def test_pool_is_one_block_major_allocation() -> None:

@@ -16,6 +16,7 @@ from lmd.migration.receiver import MigrationError, Receiver, ReservationRefused
 from lmd.migration.sender import Outgoing, Sender
 
 BLOCK = 4  # tokens per block
+VOCAB = 100  # the decode model's vocabulary
 
 
 def pool(num_blocks: int, buffer: memoryview | None = None) -> KVPool:
@@ -53,7 +54,9 @@ def reserved_msg(receiver_side: Side, seq: Sequence, **overrides: object) -> pro
 
 
 def make_receiver(side: Side, timeout_s: float = 10.0) -> Receiver:
-    return Receiver(side.blocks, eos_token_ids=[0], max_seq_len=1000, timeout_s=timeout_s)
+    return Receiver(
+        side.blocks, eos_token_ids=[0], max_seq_len=1000, timeout_s=timeout_s, vocab_size=VOCAB
+    )
 
 
 def prefilled(side: Side, rid: str, prompt: list[int], seed: int) -> Sequence:
@@ -154,6 +157,44 @@ def test_decode_refuses_what_it_can_never_hold() -> None:
         bad = protocol.Reserve("x", "prefill-0", "t", {"temperature": -1}, protocol.pack_ids([1]))
         receiver.reserve(bad, 7, 0.0)
     assert len(receiver) == 0
+
+
+def test_token_ids_outside_the_vocabulary_are_refused() -> None:
+    """A peer's token ids reach the decode model (a preempted prompt is recomputed, the
+    first token is decoded next): one past the vocabulary would fail the whole step."""
+    dec = Side(FakeTransport(), 8)
+    receiver = make_receiver(dec)
+    with pytest.raises(ValueError, match=r"prompt token id 100 is outside .* \(0-99\)"):
+        receiver.reserve(reserve_msg("a", [1, VOCAB]), 7, 0.0)
+    stops = protocol.Reserve(
+        "s", "prefill-0", "t", {"stop_token_ids": [7, 1000]}, protocol.pack_ids([1])
+    )
+    with pytest.raises(ValueError, match="stop_token_ids entry 1000"):
+        receiver.reserve(stops, 7, 0.0)
+    assert len(receiver) == 0
+    receiver.reserve(reserve_msg("b", [1, 2, 3]), 7, 0.0)
+    receiver.grant(0, 0.0)
+    with pytest.raises(MigrationError, match="token id 100 is outside the vocabulary"):
+        receiver.migrated(protocol.Migrated("b", "prefill-0", VOCAB, None, 0))
+    assert len(receiver) == 0 and dec.blocks.num_free_blocks == 8
+    receiver.reserve(reserve_msg("c", [1, 2, 3]), 7, 0.0)
+    receiver.grant(0, 0.0)
+    with pytest.raises(MigrationError, match="9 cached tokens of a 3-token prompt"):
+        receiver.migrated(protocol.Migrated("c", "prefill-0", 5, None, 9))
+    assert len(receiver) == 0 and dec.blocks.num_free_blocks == 8
+
+
+def test_reservations_of_a_receiver() -> None:
+    dec = Side(FakeTransport(), 8)
+    receiver = make_receiver(dec)
+    receiver.reserve(reserve_msg("a", [1, 2]), 7, 0.0)
+    other = protocol.Reserve("b", "prefill-0", "tokenizer-1", {}, protocol.pack_ids([1, 2]))
+    receiver.reserve(other, 7, 0.0)
+    receiver.reserve(reserve_msg("c", [3, 4]), 7, 0.0)
+    receiver.grant(0, 0.0)
+    assert receiver.request_ids_of("tokenizer-0") == ["a", "c"]
+    receiver.abort("a")  # aborted: its blocks wait for prefill, nothing more to do
+    assert receiver.request_ids_of("tokenizer-0") == ["c"]
 
 
 def test_reservations_wait_for_blocks_in_order() -> None:

@@ -65,15 +65,17 @@ def test_broken_gguf_is_a_clear_error_and_leaves_no_debris(tmp_path: Path) -> No
     cache = tmp_path / "cache"
     with pytest.raises(ModelSourceError, match=r"cannot load GGUF .*broken\.gguf"):
         resolve_model(gguf, cache_root=cache)
-    assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == []
+    left = [p.name for p in cache.iterdir() if not p.name.endswith(".lock")]
+    assert left == [model_source.DIGESTS_FILE]  # the digest index, no half conversion
 
 
 def test_converted_gguf_is_reused_without_converting(tmp_path: Path) -> None:
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
     cache = tmp_path / "cache"
-    done = cache / cache_key(gguf)
-    done.mkdir(parents=True)
+    cache.mkdir()
+    done = cache / cache_key(gguf, cache)
+    done.mkdir()
     (done / MARKER_FILE).write_text(json.dumps({"source": str(gguf)}))
     # A leftover of a converter that crashed is not in the way either.
     (cache / f".{done.name}.tmp-x").mkdir()
@@ -81,21 +83,40 @@ def test_converted_gguf_is_reused_without_converting(tmp_path: Path) -> None:
     assert resolved.path == done and resolved.kind == "gguf" and resolved.name == "model"
 
 
-def test_cache_key_follows_the_file(tmp_path: Path) -> None:
+def test_cache_key_follows_the_content_not_the_path(tmp_path: Path) -> None:
+    """The same GGUF in another venv (another path, another mtime) reuses one conversion."""
+    gguf = tmp_path / "a" / "model.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF v1")
+    before = cache_key(gguf, tmp_path)
+    assert before.startswith("model-") and cache_key(gguf, tmp_path) == before
+    copy = tmp_path / "b" / "model.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(gguf.read_bytes())
+    os.utime(copy, ns=(1, 1))
+    assert cache_key(copy, tmp_path) == before
+    gguf.write_bytes(b"GGUF v2")  # same size, new content
+    assert cache_key(gguf, tmp_path) != before
+
+
+def test_a_digest_is_computed_once_per_file(tmp_path: Path) -> None:
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
-    before = cache_key(gguf)
-    assert before.startswith("model-") and cache_key(gguf) == before
-    os.utime(gguf, ns=(1, 1))
-    assert cache_key(gguf) != before
+    digest = model_source.content_digest(gguf, tmp_path)
+    index = json.loads((tmp_path / model_source.DIGESTS_FILE).read_text())
+    assert list(index.values()) == [digest]
+    # a remembered digest is what a later start uses (here: deliberately a wrong one)
+    (tmp_path / model_source.DIGESTS_FILE).write_text(json.dumps({k: "x" for k in index}))
+    assert model_source.content_digest(gguf, tmp_path) == "x"
 
 
 def test_cache_dir_without_marker_is_not_trusted(tmp_path: Path) -> None:
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"not gguf")
     cache = tmp_path / "cache"
-    half = cache / cache_key(gguf)
-    half.mkdir(parents=True)  # no marker: a conversion that never finished
+    cache.mkdir()
+    half = cache / cache_key(gguf, cache)
+    half.mkdir()  # no marker: a conversion that never finished
     with pytest.raises(ModelSourceError, match="cannot load GGUF"):
         gguf_cache_dir(gguf, cache)
     assert not half.exists()

@@ -19,8 +19,8 @@ from tests.openai_spec import assert_schema
 
 MODEL = "SmolLM2-135M-Instruct"
 
-TOP = [["Paris", -0.1], ["Lyon", float("-inf")]]
-LOGPROBS = [{"token": "Paris", "logprob": -0.1, "top": TOP}]
+TOP = [["Paris", -0.1, list(b"Paris")], ["Lyon", float("-inf"), list(b"Lyon")]]
+LOGPROBS = [{"token": "Paris", "logprob": -0.1, "bytes": list(b"Paris"), "top": TOP}]
 
 
 def deltas(logprobs: bool = False) -> list[Delta]:

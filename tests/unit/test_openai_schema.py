@@ -4,6 +4,7 @@ against OpenAI's own OpenAPI schemas."""
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import pytest
@@ -150,7 +151,10 @@ def test_completion_prompt_forms(prompt: Any, text: str | None, ids: list[int] |
         ({"top_k": 2**40}, "top_k", "less than"),
         ({"seed": 2**63}, "seed", "less than 9223372036854775808"),
         ({"seed": -(2**63) - 1}, "seed", "greater than or equal to -9223372036854775808"),
-        ({"temperature": 1e308}, "temperature", "less than or equal to 10000"),
+        ({"temperature": 1e308}, "temperature", "less than or equal to 2"),
+        # OpenAI's range is 0 to 2 (issue 19: 5 was accepted)
+        ({"temperature": 5}, "temperature", "less than or equal to 2"),
+        ({"temperature": 2.000001}, "temperature", "less than or equal to 2"),
         ({"repetition_penalty": 1e39}, "repetition_penalty", "less than or equal to 10000"),
         ({"repetition_penalty": 1e-39}, "repetition_penalty", "greater than or equal to 0.0001"),
     ],
@@ -202,6 +206,26 @@ def test_edges_of_the_integer_ranges_are_accepted() -> None:
 def test_unknown_fields_are_ignored() -> None:
     req = chat(user="u1", metadata={"a": "b"}, parallel_tool_calls=False, service_tier="auto")
     assert req.sampling() == chat().sampling()
+
+
+def test_unknown_top_level_fields_are_logged_at_debug(caplog: pytest.LogCaptureFixture) -> None:
+    """OpenAI's policy (ignore them), with their names in the debug log (issue 19)."""
+    from lmd.api.interactive import InteractiveRequest
+
+    with caplog.at_level(logging.DEBUG, logger="lmd.api.openai_schema"):
+        chat(frobnicate=1, user="u1", stream_options={"include_usage": True, "nested": 1})
+        completion(prompt="x", zzz=None)
+        InteractiveRequest.model_validate_json(b'{"prompt": "x", "wat": 1}')
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert said == [
+        "ChatCompletionRequest: ignoring unknown fields frobnicate, user",  # top level only
+        "CompletionRequest: ignoring unknown fields zzz",
+        "InteractiveRequest: ignoring unknown fields wat",
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="lmd.api.openai_schema"):
+        chat(temperature=2, max_tokens=3)  # known fields only, and 2 is in range
+    assert not caplog.records
 
 
 @pytest.mark.parametrize(

@@ -196,3 +196,25 @@ def test_token_ids_travel_as_int32_little_endian() -> None:
     raw = protocol.pack_ids(ids)
     assert raw[:8] == b"\x00\x00\x00\x00\x01\x00\x00\x00"
     assert protocol.unpack_ids(raw) == ids
+
+
+def test_every_kind_has_a_size_cap() -> None:
+    assert set(protocol.MAX_BYTES) == {int(t) for t in protocol.MsgType}
+
+
+def test_a_generate_of_a_million_token_ids_fits_its_cap() -> None:
+    msg = protocol.Generate("r", "tokenizer-0", {"max_tokens": 8}, protocol.pack_ids([7] * 10**6))
+    assert protocol.oversize(protocol.encode(msg)) is None
+    assert protocol.decode(protocol.encode(msg)) == msg
+
+
+def test_a_message_over_its_kinds_cap_is_refused_before_parsing() -> None:
+    """A 64 MB message stalled the api's event loop while it was parsed and handled."""
+    text = "x" * (8 << 20)  # TextDelta's cap is 8 MiB, all frames together
+    big = protocol.TextDelta(["r"], [text], [None], [1], [1], [None], [0], [0])
+    frames = protocol.encode(big)
+    with pytest.raises(ProtocolError, match="over its cap of 8,388,608 bytes"):
+        protocol.decode(frames)
+    # Not parsed: a header that is not even JSON says the same.
+    with pytest.raises(ProtocolError, match="over its cap"):
+        protocol.decode([frames[0], b"{" * len(frames[1])])

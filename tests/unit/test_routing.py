@@ -57,14 +57,15 @@ def test_hybrid_routes_have_no_decode() -> None:
 
 
 def test_published_load_decides() -> None:
-    """Queued prompt tokens pick the prefill worker; free blocks the decode worker."""
+    """Queued prompt tokens pick the prefill worker; the free share of its pool the
+    decode worker."""
     router = Router(Role.PREFILL, Role.DECODE, block_size=64)
     running = {"prefill-0": 1, "prefill-1": 2, "decode-0": 3, "decode-1": 4}
     load = {
         "prefill-0": {"queued_tokens": 5000, "free_blocks": 10},
         "prefill-1": {"queued_tokens": 100, "free_blocks": 10},
-        "decode-0": {"queued_tokens": 0, "free_blocks": 10},
-        "decode-1": {"queued_tokens": 0, "free_blocks": 500},
+        "decode-0": {"queued_tokens": 0, "free_blocks": 10, "total_blocks": 500},
+        "decode-1": {"queued_tokens": 0, "free_blocks": 500, "total_blocks": 500},
     }
     route = router.pick(running, load=load, num_tokens=1000)
     assert (route.engine, route.decode) == ("prefill-1", "decode-1")
@@ -87,3 +88,58 @@ def test_same_host_pairs_preferred_while_they_have_room() -> None:
     assert router.pick(running, load=load, num_tokens=4096).decode == "decode-0@b"
     # Nothing known of the load yet: the same host, with the fewest requests.
     assert Router(Role.PREFILL, Role.DECODE).pick(running, num_tokens=640).decode == "decode-0@a"
+
+
+def test_a_scaled_decode_worker_with_a_smaller_pool_takes_its_part() -> None:
+    """lmdctl scale decode 2: the new worker sized its pool from what the cap left (449
+    blocks against 582). Routing by the most free blocks never chose it while decode-0
+    had 450 free; by load (sequences per free share) it takes requests at once."""
+    router = Router(Role.PREFILL, Role.DECODE, block_size=64)
+    running = {"prefill-0": 1, "decode-0": 2, "decode-1": 3}
+    load = {
+        "decode-0": {"free_blocks": 560, "total_blocks": 582, "running": 4},
+        "decode-1": {"free_blocks": 449, "total_blocks": 449, "running": 0},  # just added
+    }
+    picks = [router.pick(running, load=load, num_tokens=100).decode for _ in range(8)]
+    # This router's requests count at once: decode-1 takes them until it runs more than
+    # decode-0's 4; then decode-0 (whose published 4 may already hold this router's next
+    # ones: it lags a heartbeat, so they count as the larger of the two figures).
+    assert picks == ["decode-1"] * 5 + ["decode-0"] * 3
+    # A pool near full weighs more than its sequence count.
+    load["decode-1"] = {"free_blocks": 20, "total_blocks": 449, "running": 6}
+    fresh = Router(Role.PREFILL, Role.DECODE, block_size=64)
+    assert fresh.pick(running, load=load, num_tokens=100).decode == "decode-0"
+
+
+def test_pressure_of_a_decode_worker() -> None:
+    router = Router(Role.PREFILL, Role.DECODE, block_size=64)
+    load = {
+        "decode-0": {"free_blocks": 100, "total_blocks": 100, "running": 0},
+        "decode-1": {"free_blocks": 25, "total_blocks": 100, "running": 3},
+        "decode-2": {"free_blocks": 0, "total_blocks": 100, "running": 1},
+    }
+    assert router.pressure("decode-0", load) == 1.0  # idle, whatever the pool's size
+    assert router.pressure("decode-1", load) == 16.0  # 4 / 0.25
+    assert router.pressure("decode-2", load) == 2000.0  # full: 2 / MIN_FREE_SHARE
+    assert router.pressure("decode-9", load) == 1.0  # nothing published yet: empty
+    # A block or two does not decide (a heartbeat taken while a request still ran).
+    assert router.pressure("d", {"d": {"free_blocks": 581, "total_blocks": 582}}) == 1.0
+
+
+def test_ties_alternate_between_decode_workers() -> None:
+    """One request at a time, every pool idle between them: the decode workers take turns
+    (a round robin shared by the prefill and the decode choice advanced by two each
+    request, and with one prefill worker always chose the same decode worker)."""
+    router = Router(Role.PREFILL, Role.DECODE, block_size=64)
+    running = {"prefill-0": 1, "decode-0": 2, "decode-1": 3}
+    load = {
+        "decode-0": {"free_blocks": 582, "total_blocks": 582, "running": 0},
+        "decode-1": {"free_blocks": 233, "total_blocks": 233, "running": 0},
+    }
+    picks = []
+    for _ in range(6):
+        route = router.pick(running, load=load, num_tokens=10)
+        picks.append(route.decode)
+        router.prefilled(route)
+        router.finished(route)
+    assert picks.count("decode-0") == picks.count("decode-1") == 3

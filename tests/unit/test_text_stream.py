@@ -7,6 +7,7 @@ import transformers
 from tokenizers import Tokenizer
 
 from lmd.tokenizer.text.stream import TextStream
+from lmd.tokenizer.text.token_bytes import TokenBytes
 
 TEXT = "The capital of France is Paris. It is lovely in spring. 🌷"
 
@@ -67,8 +68,24 @@ def test_special_tokens_are_skipped_unless_asked(tokenizer: Tokenizer) -> None:
 
 def test_logprobs_name_the_tokens(tokenizer: Tokenizer) -> None:
     paris, london = token_id(tokenizer, "ĠParis"), token_id(tokenizer, "ĠLondon")
-    stream = TextStream(tokenizer, prompt_ids=[1], want_logprobs=True)
+    stream = TextStream(tokenizer, prompt_ids=[1], token_bytes=TokenBytes(tokenizer))
     update = stream.feed(paris, None, {"logprob": -0.25, "top": [[paris, -0.25], [london, -2.0]]})
     assert update.logprobs == [
-        {"token": " Paris", "logprob": -0.25, "top": [[" Paris", -0.25], [" London", -2.0]]}
+        {
+            "token": " Paris",
+            "logprob": -0.25,
+            "bytes": list(b" Paris"),
+            "top": [[" Paris", -0.25, list(b" Paris")], [" London", -2.0, list(b" London")]],
+        }
     ]
+
+
+def test_logprob_bytes_of_a_split_character_join_to_its_utf8(tokenizer: Tokenizer) -> None:
+    """🎉 is three tokens here; each alone decodes to U+FFFD, yet their bytes join."""
+    ids = tokenizer.encode("🎉", add_special_tokens=False).ids
+    assert len(ids) > 1
+    stream = TextStream(tokenizer, prompt_ids=[1], token_bytes=TokenBytes(tokenizer))
+    entries = [stream.feed(i, None, {"logprob": -0.5, "top": [[i, -0.5]]}).logprobs for i in ids]
+    joined = b"".join(bytes(e["bytes"]) for entry in entries for e in entry or [])
+    assert joined == "🎉".encode()
+    assert all(e["top"][0][2] == e["bytes"] for entry in entries for e in entry or [])

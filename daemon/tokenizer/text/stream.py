@@ -7,7 +7,7 @@ part of the text; the caller must then abort the request in the engine.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +31,9 @@ class TextStream:
         prompt_ids: Sequence[int],
         stops: Iterable[str] = (),
         skip_special_tokens: bool = True,
-        want_logprobs: bool = False,
+        token_bytes: Callable[[int], list[int]] | None = None,
     ) -> None:
+        """`token_bytes` (a TokenBytes) is given when the request wants logprobs."""
         self.decoder = decoder
         self.num_prompt_tokens = len(prompt_ids)
         self.num_completion_tokens = 0
@@ -41,7 +42,7 @@ class TextStream:
             decoder, skip_special_tokens=skip_special_tokens, prompt_ids=prompt_ids
         )
         self._stops = StopMatcher(stops)
-        self._want_logprobs = want_logprobs
+        self._token_bytes = token_bytes
 
     @property
     def finished(self) -> bool:
@@ -67,16 +68,20 @@ class TextStream:
             self.finish_reason = "stop"
         elif finish_reason is not None:
             self.finish_reason = finish_reason
-        entry = self._logprob_entry(token_id, logprobs) if self._want_logprobs else None
+        entry = self._logprob_entry(token_id, logprobs)
         return StreamUpdate(text, self.finish_reason, stopped, entry)
 
     def _logprob_entry(
         self, token_id: int, logprobs: dict[str, Any] | None
     ) -> list[dict[str, Any]] | None:
-        if logprobs is None:
+        if logprobs is None or self._token_bytes is None:
             return None
-        top = [[self._piece(t), lp] for t, lp in logprobs["top"]]
-        return [{"token": self._piece(token_id), "logprob": logprobs["logprob"], "top": top}]
+        raw = self._token_bytes
+        top = [[self._piece(t), lp, raw(t)] for t, lp in logprobs["top"]]
+        piece = self._piece(token_id)
+        return [
+            {"token": piece, "logprob": logprobs["logprob"], "bytes": raw(token_id), "top": top}
+        ]
 
     def _piece(self, token_id: int) -> str:
         return self.decoder.decode([int(token_id)], skip_special_tokens=False)

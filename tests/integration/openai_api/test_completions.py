@@ -105,6 +105,10 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
         # greedy: the chosen token is the most likely one
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-4)
+        assert entry.bytes == entry.top_logprobs[0].bytes
+    # each token's raw bytes, joined, are the answer's UTF-8
+    answer = r.choices[0].message.content or ""
+    assert b"".join(bytes(e.bytes or []) for e in content) == answer.encode()
 
 
 def test_raw_sse_framing(http: httpx.Client) -> None:

