@@ -22,6 +22,18 @@ TINY_SHAPE: dict[str, Any] = {
 }
 
 
+# The tiny Llama of the GPU tests: wider than TINY_SHAPE, peakier logits than the default
+# initializer (fewer near-ties between greedy candidates).
+GPU_LLAMA: dict[str, Any] = {
+    "vocab_size": 2048,
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "initializer_range": 0.05,
+}
+
+
 def save_tiny_llama(path: Path, seed: int = 0, **overrides: Any) -> Path:
     """2 layers, hidden 64, 4 heads over 2 KV heads (GQA), vocab 512, random weights from
     `seed`; `overrides` change LlamaConfig fields. Saved as safetensors."""

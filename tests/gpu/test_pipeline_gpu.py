@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lmd.pipeline import GenerationConfig, PytorchEngineConfig, TurbomindEngineConfig, pipeline
-from tests.models import random_prompts, save_tiny_llama
+from tests.models import GPU_LLAMA, random_prompts, save_tiny_llama
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,15 +22,7 @@ FP32 = PytorchEngineConfig(device_type="cuda", dtype="float32", cache_max_entry_
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llama(
-        tmp_path_factory.mktemp("gpu-pipeline-llama"),
-        vocab_size=2048,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        initializer_range=0.05,  # peakier logits than the default, fewer near-ties
-    )
+    return save_tiny_llama(tmp_path_factory.mktemp("gpu-pipeline-llama"), **GPU_LLAMA)
 
 
 def test_close_gives_the_gpu_memory_back(model_dir: Path) -> None:

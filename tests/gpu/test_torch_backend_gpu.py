@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from lmd.engine.backend import ForwardBatch
 from lmd.engine.torch_backend import TorchBackend
 from lmd.engine.torch_backend.logits import FloatOutputLinear
-from tests.models import hf_greedy, random_prompts, save_tiny_llama
+from tests.models import GPU_LLAMA, hf_greedy, random_prompts, save_tiny_llama
 from tests.unit.test_torch_backend import BLOCK_SIZE, greedy
 
 pytestmark = [
@@ -26,15 +26,7 @@ HALF = [torch.bfloat16, torch.float16]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llama(
-        tmp_path_factory.mktemp("gpu-llama"),
-        vocab_size=2048,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        initializer_range=0.05,  # peakier logits than the default, fewer near-ties
-    )
+    return save_tiny_llama(tmp_path_factory.mktemp("gpu-llama"), **GPU_LLAMA)
 
 
 def reference(model_dir: Path, dtype: torch.dtype) -> PreTrainedModel:
