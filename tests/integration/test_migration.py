@@ -122,10 +122,13 @@ def fake_engines() -> Iterator[Daemon]:
         d.close()
 
 
-async def _stream(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict[str, Any]:
+async def _stream(
+    http: httpx.AsyncClient, prompt: str, max_tokens: int, started: asyncio.Event | None = None
+) -> dict[str, Any]:
     """A streamed completion of exactly max_tokens unless cut short: its chunk count, how
-    it ended (error, finish reason, an HTTP status) and when. ignore_eos: at the default
-    temperature of 1 the fake model samples EOS now and then (1 in ~49k tokens)."""
+    it ended (error, finish reason, an HTTP status) and when; `started` is set at its
+    first chunk. ignore_eos: at the default temperature of 1 the fake model samples EOS
+    now and then (1 in ~49k tokens)."""
     body = {
         "model": MODEL,
         "prompt": prompt,
@@ -145,6 +148,8 @@ async def _stream(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict
                 ended = "error"
                 break
             chunks += 1
+            if started is not None:
+                started.set()
             reason = event["choices"][0].get("finish_reason")
             if reason:
                 ended = reason
@@ -168,8 +173,9 @@ def kill_decode_during_migrations(
 
     async def run() -> tuple[list[dict[str, Any]], float]:
         async with httpx.AsyncClient(base_url=daemon.url, timeout=60) as http:
+            started = asyncio.Event()  # a stream has its first chunk
             tasks = [
-                asyncio.create_task(_stream(http, f"request {i} " * (5 + i), 100_000))
+                asyncio.create_task(_stream(http, f"request {i} " * (5 + i), 100_000, started))
                 for i in range(16)
             ]
 
@@ -180,6 +186,9 @@ def kill_decode_during_migrations(
                 return received > 0
 
             await asyncio.to_thread(wait_until, migrated, 20, "a first migration")
+            # and tokens reached a client (a busy 2-core machine may lag the heartbeat's
+            # count): then some streams are cut by the kill, not all refused before it
+            await asyncio.wait_for(started.wait(), 20)
             await asyncio.sleep(0.2)
             killed_at = time.monotonic()
             os.kill(decode_pid, signal.SIGKILL)

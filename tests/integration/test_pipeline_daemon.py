@@ -5,6 +5,7 @@ token ids, whether the daemon runs hybrid or disaggregated."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -17,6 +18,7 @@ from tests.models import QUESTIONS
 MAX_TOKENS = 24
 QUESTIONS_USED = QUESTIONS[:4]
 MODEL = "SmolLM2-135M-Instruct"
+CHAT, RAW = "/v1/chat/completions", "/v1/completions"
 
 
 @pytest.fixture(scope="module", params=["hybrid", "disaggregated"])
@@ -53,14 +55,25 @@ def same(response: Response | list[Response], answer: dict[str, Any], text: str)
 
 
 def test_greedy_output_equals_the_daemons(daemon: Daemon, pipe: Pipeline) -> None:
+    """Every prompt of a kind in one pipeline call and in concurrent daemon requests (both
+    batch them; a batch gives what one at a time gives, tests/unit/test_pipeline.py)."""
     gen = GenerationConfig(max_new_tokens=MAX_TOKENS)
-    for question in QUESTIONS_USED:
-        messages = [{"role": "user", "content": question}]
-        chat = post(daemon, "/v1/chat/completions", {"messages": messages})
-        same(pipe(messages, gen), chat, chat["choices"][0]["message"]["content"])
-        same(pipe(question, gen), chat, chat["choices"][0]["message"]["content"])
-        raw = post(daemon, "/v1/completions", {"prompt": question})
-        same(pipe(question, gen, do_preprocess=False), raw, raw["choices"][0]["text"])
-        ids = pipe.tokenizer(question)["input_ids"]
-        by_ids = post(daemon, "/v1/completions", {"prompt": ids})
-        same(pipe(ids, gen), by_ids, by_ids["choices"][0]["text"])
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS_USED]
+    ids = [pipe.tokenizer(q)["input_ids"] for q in QUESTIONS_USED]
+    with ThreadPoolExecutor(len(QUESTIONS_USED)) as pool:
+        by_chat = list(pool.map(lambda m: post(daemon, CHAT, {"messages": m}), chats))
+        by_raw = list(pool.map(lambda q: post(daemon, RAW, {"prompt": q}), QUESTIONS_USED))
+        by_ids = list(pool.map(lambda i: post(daemon, RAW, {"prompt": i}), ids))
+    chat_texts = [a["choices"][0]["message"]["content"] for a in by_chat]
+    raw_texts = [a["choices"][0]["text"] for a in by_raw]
+    ids_texts = [a["choices"][0]["text"] for a in by_ids]
+    calls = [
+        (pipe(chats, gen), by_chat, chat_texts),
+        (pipe(QUESTIONS_USED, gen), by_chat, chat_texts),
+        (pipe(QUESTIONS_USED, gen, do_preprocess=False), by_raw, raw_texts),
+        (pipe(ids, gen), by_ids, ids_texts),
+    ]
+    for responses, answers, texts in calls:
+        assert isinstance(responses, list) and len(responses) == len(answers)
+        for response, answer, text in zip(responses, answers, texts, strict=True):
+            same(response, answer, text)
