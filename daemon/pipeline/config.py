@@ -12,6 +12,7 @@ Nothing here does I/O: the pipeline checks the device when it builds the engine.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -101,7 +102,7 @@ class GenerationConfig:
 
 
 @dataclass(slots=True, kw_only=True)
-class _EngineSettings:
+class _EngineSettings(ABC):
     """What both engine configs share. device_type None: CUDA where available, else CPU."""
 
     dtype: str = "auto"  # auto = bf16 on CUDA (fp16 where bf16 is unsupported), fp32 on CPU
@@ -125,9 +126,9 @@ class _EngineSettings:
             raise ValueError(f"device_type must be 'cuda', 'cuda:N', 'cpu' or None, got {device!r}")
         self.engine_config()  # EngineConfig's checks, raised here
 
+    @abstractmethod
     def sizes(self) -> tuple[int, int]:
         """(tokens per KV block, tokens per prefill step), named differently by each."""
-        raise NotImplementedError
 
     def engine_config(self) -> EngineConfig:
         block_size, max_prefill_token_num = self.sizes()

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -63,45 +66,50 @@ async def test_a_flood_of_waiting_messages_lets_the_event_loop_run(tmp_path: Pat
         ctx.term()
 
 
-async def test_a_message_over_its_cap_is_dropped_and_the_next_one_taken(tmp_path: Path) -> None:
+@dataclass
+class Inbox:
+    """An inbox channel bound in the test's loop, and a raw PUSH socket connected to it."""
+
+    ctx: zmq.asyncio.Context
+    endpoint: str
+    channel: ipc.Channel
+    push: zmq.asyncio.Socket
+
+
+@pytest.fixture
+def inbox(tmp_path: Path) -> Iterator[Inbox]:
     ctx = zmq.asyncio.Context()
     endpoint = f"ipc://{tmp_path}/inbox.ipc"
-    inbox = ipc.bind_pull(ctx, endpoint, "inbox")
+    channel = ipc.bind_pull(ctx, endpoint, "inbox")
     push = ctx.socket(zmq.PUSH)
     push.connect(endpoint)
     try:
-        text = "x" * (8 << 20)  # TextDelta's cap is 8 MiB, all frames together
-        big = protocol.TextDelta(["r"], [text], [None], [1], [1], [None], [0], [0])
-        await push.send_multipart(protocol.encode(big))
-        await push.send_multipart(protocol.encode(protocol.Abort("next")))
-        assert await asyncio.wait_for(inbox.recv(), 5) == protocol.Abort("next")
-        assert inbox.num_dropped == 1
-        # A sender refuses it: the request fails where it starts, not silently later.
-        out = ipc.connect_push(ctx, endpoint, "out")
-        assert out.try_send(big) is False and out.num_oversize == 1
-        assert out.try_send(protocol.Abort("small")) is True
-        assert await asyncio.wait_for(inbox.recv(), 5) == protocol.Abort("small")
-        out.close()
+        yield Inbox(ctx, endpoint, channel, push)
     finally:
         push.close(0)
-        inbox.close()
+        channel.close()
         ctx.term()
 
 
-async def test_a_frame_over_every_cap_is_not_taken_in(tmp_path: Path) -> None:
+async def test_a_message_over_its_cap_is_dropped_and_the_next_one_taken(inbox: Inbox) -> None:
+    text = "x" * (8 << 20)  # TextDelta's cap is 8 MiB, all frames together
+    big = protocol.TextDelta(["r"], [text], [None], [1], [1], [None], [0], [0])
+    await inbox.push.send_multipart(protocol.encode(big))
+    await inbox.push.send_multipart(protocol.encode(protocol.Abort("next")))
+    assert await asyncio.wait_for(inbox.channel.recv(), 5) == protocol.Abort("next")
+    assert inbox.channel.num_dropped == 1
+    # A sender refuses it: the request fails where it starts, not silently later.
+    out = ipc.connect_push(inbox.ctx, inbox.endpoint, "out")
+    assert out.try_send(big) is False and out.num_oversize == 1
+    assert out.try_send(protocol.Abort("small")) is True
+    assert await asyncio.wait_for(inbox.channel.recv(), 5) == protocol.Abort("small")
+    out.close()
+
+
+async def test_a_frame_over_every_cap_is_not_taken_in(inbox: Inbox) -> None:
     """ZMQ_MAXMSGSIZE: libzmq drops the connection instead of buffering the frame."""
-    ctx = zmq.asyncio.Context()
-    endpoint = f"ipc://{tmp_path}/inbox.ipc"
-    inbox = ipc.bind_pull(ctx, endpoint, "inbox")
-    push = ctx.socket(zmq.PUSH)
-    push.connect(endpoint)
-    try:
-        await push.send_multipart([b"\x19", bytes((64 << 20) + 1)])  # MAX_FRAME_BYTES + 1
-        await asyncio.sleep(0.5)  # the peer reconnects
-        await push.send_multipart(protocol.encode(protocol.Abort("after")))
-        assert await asyncio.wait_for(inbox.recv(), 5) == protocol.Abort("after")
-        assert inbox.num_dropped == 0  # never reached the decoder
-    finally:
-        push.close(0)
-        inbox.close()
-        ctx.term()
+    await inbox.push.send_multipart([b"\x19", bytes((64 << 20) + 1)])  # MAX_FRAME_BYTES + 1
+    await asyncio.sleep(0.5)  # the peer reconnects
+    await inbox.push.send_multipart(protocol.encode(protocol.Abort("after")))
+    assert await asyncio.wait_for(inbox.channel.recv(), 5) == protocol.Abort("after")
+    assert inbox.channel.num_dropped == 0  # never reached the decoder
