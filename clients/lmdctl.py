@@ -77,9 +77,25 @@ def status_text(s: dict[str, Any]) -> str:
     if s.get("num_dropped"):
         head += f"dropped malformed messages: {s['num_dropped']}\n"
     text = head + "\n" + workers_table(s["workers"])
+    if any(w.get("memory") for w in s["workers"]):
+        text += "\n\n" + memory_table(s["workers"])
     if "cluster" in s:
         text += "\n\n" + cluster_text(s["cluster"])
     return text
+
+
+def memory_table(workers: list[dict[str, Any]]) -> str:
+    """Each GPU engine's part of its device's memory plan."""
+    keys = ["budget", "weight", "activation", "graph", "kv"]
+    rows = [
+        [w["name"], m["device"], human_bytes(m["device_total_bytes"])]
+        + [human_bytes(m[f"{k}_bytes"]) for k in keys]
+        + [str(m["kv_blocks"])]
+        for w in workers
+        if (m := w.get("memory"))
+    ]
+    header = ["WORKER", "GPU", "GPU TOTAL", "BUDGET", "WEIGHTS", "ACTIVATIONS", "GRAPHS"]
+    return "memory plan:\n" + table(rows, [*header, "KV", "KV BLOCKS"])
 
 
 def cluster_text(c: dict[str, Any]) -> str:

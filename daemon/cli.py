@@ -80,11 +80,15 @@ HELP = {
     "chat_template": "LMDeploy chat template JSON file (default: the model's own template)",
     "session_idle_timeout": "seconds an idle /v1/chat/interactive session keeps its history",
     "block_size": "tokens per KV cache block",
-    "max_batch_size": "most sequences an engine runs in one batch",
+    "max_batch_size": "most sequences an engine runs in one batch (default: 256 on CUDA, "
+    "128 on CPU)",
     "max_prefill_token_num": "most prompt tokens in one prefill step",
     "session_len": "prompt + output token cap (default: the model's context length)",
     "cache_max_entry_count": "KV cache size: a fraction (0, 1] of the free device memory "
-    "after the weights, or an integer block count",
+    "after the weights (of the engine's share of the GPU when engines share one), or an "
+    "integer block count",
+    "gpu_memory_utilization": "fraction (0, 1] of each GPU's memory the daemon's engines may "
+    "hold together (weights, activations, CUDA graphs, KV cache)",
     "enable_prefix_caching": "reuse the KV blocks of a prompt prefix seen before "
     "(/v1/chat/interactive needs it)",
     "cluster": "join the cluster whose membership lives in this etcd (etcd://HOST:PORT)",

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lmd.engine.config import EngineConfig
+from lmd.engine.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION
 from lmd.names import NODE_NAME
 from lmd.protocol.roles import CLUSTER_ROLES, Role
 
@@ -27,6 +28,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 MIGRATION_TRANSPORTS = ("native", "nixl")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# max_batch_size unset: LMDeploy's default on this class of GPU; on CPU, today's.
+DEFAULT_MAX_BATCH_SIZE_CUDA = 256
+DEFAULT_MAX_BATCH_SIZE_CPU = 128
 
 
 class ConfigError(ValueError):
@@ -100,10 +104,12 @@ class ServeConfig:
     session_idle_timeout: float = 600.0  # seconds an idle interactive session is kept
     # Engine settings (flat, so that CLI flags, env and file keys are the same names).
     block_size: int = 64
-    max_batch_size: int = 128
+    max_batch_size: int | None = None  # None: 256 on CUDA (LMDeploy's), 128 on CPU
     max_prefill_token_num: int = 8192
     session_len: int | None = None  # prompt + output cap; None = the model's maximum
     cache_max_entry_count: float | int = 0.8  # fraction of free memory, or a block count
+    # The part of each GPU's memory the daemon's engines may hold together (as vLLM's).
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     # On by default (as LMDeploy and vLLM): interactive sessions reuse their KV through it.
     enable_prefix_caching: bool = True
     # Cluster mode (docs/cluster.md): nodes find each other through etcd; None = one host.
@@ -160,6 +166,11 @@ class ServeConfig:
             "must be >= 1",
         )
         _check(self.header_timeout > 0, "header_timeout", "must be > 0 seconds")
+        _check(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            "gpu_memory_utilization",
+            f"{self.gpu_memory_utilization} is not a fraction in (0, 1]",
+        )
         _check(self.mode in MODES, "mode", f"{self.mode!r} is not one of {', '.join(MODES)}")
         _check(
             self.migration_transport in MIGRATION_TRANSPORTS,
@@ -219,9 +230,19 @@ class ServeConfig:
 
     @property
     def engine(self) -> EngineConfig:
+        """The engine settings of a CPU engine (engine_on gives a device's)."""
+        return self.engine_on("cpu")
+
+    def engine_on(self, device: str | None) -> EngineConfig:
+        """The engine settings of an engine on `device`: max_batch_size unset is
+        DEFAULT_MAX_BATCH_SIZE_CUDA on a GPU, DEFAULT_MAX_BATCH_SIZE_CPU on CPU."""
+        batch = self.max_batch_size
+        if batch is None:
+            on_gpu = (device or "").startswith("cuda")
+            batch = DEFAULT_MAX_BATCH_SIZE_CUDA if on_gpu else DEFAULT_MAX_BATCH_SIZE_CPU
         return EngineConfig(
             block_size=self.block_size,
-            max_batch_size=self.max_batch_size,
+            max_batch_size=batch,
             max_prefill_token_num=self.max_prefill_token_num,
             session_len=self.session_len,
             cache_max_entry_count=self.cache_max_entry_count,

@@ -32,9 +32,15 @@ class WorkerSpec:
     config: dict[str, Any]  # ServeConfig.to_dict()
     backend: str | None = None  # engine roles only
     device: str | None = None
+    # GPU engines: the configured engine workers on the same GPU, itself included, as
+    # (name, role): the memory plan shares the device between them (engine/memory_plan.py).
+    # One that `lmdctl scale` adds is not among them: it takes what they leave.
+    device_engines: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))  # a str from the dict form
+        pairs = tuple((str(n), str(r)) for n, r in self.device_engines)  # lists from the dict
+        object.__setattr__(self, "device_engines", pairs)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,6 +74,7 @@ def worker_spec(
 ) -> WorkerSpec:
     """The spec of worker `index` of `role`; `device` is the daemon's, auto resolved."""
     backend = config.prefill_backend if role == Role.PREFILL else config.decode_backend
+    own = config.role_device(role, device) if role.is_engine else None
     return WorkerSpec(
         name=worker_name(role, index, config.node),
         role=role,
@@ -75,7 +82,31 @@ def worker_spec(
         supervisor_pid=supervisor_pid,
         config=config.to_dict(),
         backend=backend if role.is_engine else None,
-        device=config.role_device(role, device) if role.is_engine else None,
+        device=own,
+        device_engines=() if own is None else engines_on_gpu(config, device, own),
+    )
+
+
+def gpu_name(device: str) -> str | None:
+    """`cuda:N` for a CUDA device (`cuda` is the current one, cuda:0 in a new process),
+    None for the CPU."""
+    if not device.startswith("cuda"):
+        return None
+    return device if ":" in device else "cuda:0"
+
+
+def engines_on_gpu(config: ServeConfig, device: str, gpu: str) -> tuple[tuple[str, str], ...]:
+    """The configured engine workers whose device is the GPU `gpu` ((name, role) pairs);
+    `device` is the daemon's, auto resolved."""
+    target = gpu_name(gpu)
+    if target is None:
+        return ()
+    counts = role_counts(config)
+    return tuple(
+        (worker_name(role, i, config.node), str(role))
+        for role in ENGINE_ROLES
+        if gpu_name(config.role_device(role, device)) == target
+        for i in range(counts.get(role, 0))
     )
 
 

@@ -57,8 +57,18 @@ FATAL_STOP_S = 2.0  # after an essential task ended: how long the role's stop() 
 T = TypeVar("T")
 
 
+# A worker that exits with this code before it was ever ready would fail the same way on
+# every restart (its GPU memory plan cannot hold it): the supervisor gives up at once.
+EXIT_CANNOT_START = 78  # EX_CONFIG
+
+
 class WorkerStartError(RuntimeError):
-    """The role cannot start; the message is the one line the operator sees."""
+    """The role cannot start; the message is the one line the operator sees. `permanent`:
+    a restart would fail the same way (exit EXIT_CANNOT_START)."""
+
+    def __init__(self, message: str, *, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
 
 
 def configure_logging(level: str, name: str) -> None:
@@ -119,7 +129,7 @@ class Worker:
             await self.start()
         except WorkerStartError as exc:
             log.error("%s cannot start: %s", self.spec.name, exc)
-            return 1
+            return EXIT_CANNOT_START if exc.permanent else 1
         # What start() built (a model, a tokenizer, FastAPI's schemas) lives as long as the
         # process: leave it out of every collection from now on. Per-request and per-token
         # objects die by reference count; a higher first threshold lets most die before a

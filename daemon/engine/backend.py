@@ -291,6 +291,13 @@ class Backend(ABC):
         time (turbo: CUDA graphs); nothing by default."""
         del kv, max_batch_size
 
+    def probe_graphs(self, kv: Tensor, max_batch_size: int) -> object | None:
+        """What `capture_graphs` would hold for its largest batch, captured on `kv` (a
+        scratch pool) for the memory profile to measure; the caller drops it. None by
+        default (no graphs)."""
+        del kv, max_batch_size
+        return None
+
 
 def parse_dtype(name: str, device: torch.device) -> torch.dtype:
     """ "auto" = bfloat16 on CUDA (float16 where bf16 is unsupported), float32 on CPU."""

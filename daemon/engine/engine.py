@@ -45,9 +45,12 @@ from lmd.engine.backends import select_backend
 from lmd.engine.block_manager import BlockManager
 from lmd.engine.config import EngineConfig
 from lmd.engine.decode_scheduler import DecodeBatch, DecodeScheduler
+from lmd.engine.inflight import InFlight
 from lmd.engine.kv_pool import KVPool, PoolBuffer, bytes_per_block, size_pool
+from lmd.engine.memory_plan import Budget, StepOutOfMemory, describe
+from lmd.engine.memory_profile import cap_allocator, size_in_budget
 from lmd.engine.prefill_scheduler import PrefillBatch, PrefillScheduler
-from lmd.engine.sampler import Sampler, SamplerOutput, TokenLogprobs
+from lmd.engine.sampler import Sampler, TokenLogprobs
 from lmd.engine.sequence import FinishReason, Sequence, check_token_ids
 from lmd.protocol.roles import ENGINE_ROLES, Role
 
@@ -66,30 +69,6 @@ class TokenEvent:
     finish_reason: FinishReason | None  # set on the request's last token
     cached_tokens: int = 0  # prompt tokens the prefix cache served at its (last) prefill
     position: int = 0  # index among the request's output tokens (0: the first)
-
-
-@dataclass(slots=True)
-class InFlight:
-    """A decode step launched on the device whose tokens are not read back yet."""
-
-    batch: DecodeBatch
-    tokens: torch.Tensor  # [B] int64 on the device: the inputs of a step run ahead
-    host: SamplerOutput  # host copies of the sampler's output, valid after wait()
-    done: Any = None  # a torch.cuda.Event recorded after the copies; None on the CPU
-
-    @classmethod
-    def launch(cls, batch: DecodeBatch, out: SamplerOutput) -> InFlight:
-        if out.token_ids.device.type != "cuda":
-            return cls(batch, out.token_ids, out)
-        host = out.to_host()
-        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        done.record()
-        return cls(batch, out.token_ids, host, done)
-
-    def wait(self) -> None:
-        """Block until the step and its copies to the host are done."""
-        if self.done is not None:
-            self.done.synchronize()
 
 
 class Engine:
@@ -118,6 +97,8 @@ class Engine:
         self.num_ahead_steps = 0  # decode steps launched before the last one was read
         self._inflight: InFlight | None = None
         self._free_later: list[Sequence] = []  # finished while a step was in flight
+        self.memory: dict[str, Any] | None = None  # the memory plan's part (CUDA), bytes
+        self._stepping: list[Sequence] = []  # the sequences of the step being run
 
     @classmethod
     def build(
@@ -132,25 +113,34 @@ class Engine:
         pool_buffer: Callable[[int], PoolBuffer | None] | None = None,
         cpu_engines: int = 1,
         cpu_free: int | None = None,
+        budget: Budget | None = None,
     ) -> Engine:
         """Load the model, size and allocate the KV pool.
 
         `pool_buffer(nbytes)`, when given, provides the pool's memory (a migration
-        transport's shared region); otherwise the pool allocates its own. On CPU,
-        `cpu_free` is the bytes this engine may treat as free (its share of the cap,
-        kv_pool.cpu_kv_free); None: an even share of `cpu_engines` of the available RAM.
-        """
+        transport's shared region); otherwise the pool allocates its own. On CUDA, the
+        pool is sized inside `budget`, the engine's part of the device (memory_profile.py).
+        On CPU, `cpu_free` is the bytes this engine may treat as free (kv_pool.cpu_kv_free);
+        None: an even share of `cpu_engines` of the available RAM."""
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is not None:
             # Kernels (Triton's included) and graph captures use the current device.
             torch.cuda.set_device(dev)
+        planned = budget if dev.type == "cuda" else None
+        if planned is not None:
+            cap_allocator(planned, dev)
         arch = _architecture(model_dir)
         kind = select_backend(backend, arch, dev, model_dir)
         model = kind(model_dir, dev, parse_dtype(dtype, dev))
-        num_blocks = size_pool(model, config, cpu_engines, cpu_free)
         per_block = bytes_per_block(
             model.num_layers, model.num_kv_heads, model.head_dim, config.block_size, model.dtype
         )
+        memory: dict[str, Any] | None = None
+        if planned is not None:
+            resolved = config.with_session_len(model.max_position_embeddings)
+            num_blocks, memory = size_in_budget(model, resolved, role, planned, per_block)
+        else:
+            num_blocks = size_pool(model, config, cpu_engines, cpu_free)
         pool = KVPool(
             num_blocks,
             num_layers=model.num_layers,
@@ -169,7 +159,11 @@ class Engine:
         )
         if role != Role.PREFILL:  # a prefill engine runs no decode step
             model.capture_graphs(pool.kv, config.max_batch_size)
-        return cls(model, config, pool, role=role)
+        engine = cls(model, config, pool, role=role)
+        if memory is not None:
+            engine.memory = memory
+            log.info("memory plan: %s", describe(memory))
+        return engine
 
     # Requests --------------------------------------------------------------------------
 
@@ -230,6 +224,33 @@ class Engine:
         one in flight's tokens (without a step ahead, a step of its own follows).
         """
         self.num_steps += 1
+        self._stepping = []
+        try:
+            return self._step_once()
+        except torch.OutOfMemoryError as exc:
+            failed = self._drop_failed_step()
+            raise StepOutOfMemory(failed, str(exc).splitlines()[0] if str(exc) else "") from None
+
+    def _drop_failed_step(self) -> list[str]:
+        """After an allocation failed in a step: abort the requests of that step (and of
+        the step in flight, which fed it), freeing their blocks; their ids."""
+        seqs = self._stepping
+        if self._inflight is not None:
+            self._inflight.wait()
+            seqs = [*seqs, *self._inflight.batch.seqs]
+            self._inflight = None
+        for seq in self._free_later:
+            self.block_manager.free(seq)
+        self._free_later = []
+        failed = list(dict.fromkeys(s.request_id for s in seqs if not s.is_finished))
+        for request_id in failed:
+            if self.prefill.abort(request_id) is None:
+                self.decode.abort(request_id)
+        if self.backend.device.type == "cuda":
+            torch.cuda.empty_cache()  # whole segments back: the cache was in pieces
+        return failed
+
+    def _step_once(self) -> list[TokenEvent]:
         inflight = self._inflight
         if inflight is None:
             return self._step()
@@ -262,6 +283,7 @@ class Engine:
 
     def _run_prefill(self, batch: PrefillBatch) -> list[TokenEvent]:
         chunks = batch.chunks
+        self._stepping = [c.seq for c in chunks]
         forward = ForwardBatch.pack(
             [c.token_ids for c in chunks],
             [c.start for c in chunks],
@@ -281,7 +303,7 @@ class Engine:
         return self._events(to_sample, token_ids, logprobs)
 
     def _run_decode(self, batch: DecodeBatch) -> list[TokenEvent]:
-        seqs = batch.seqs
+        seqs = self._stepping = batch.seqs
         forward = ForwardBatch.pack(
             [[s.last_token_id] for s in seqs],
             [s.num_tokens - 1 for s in seqs],
@@ -306,7 +328,7 @@ class Engine:
 
     def _launch_ahead(self, batch: DecodeBatch, last: InFlight) -> InFlight:
         """Launch `batch`, each sequence feeding the token `last` sampled for it."""
-        seqs = batch.seqs
+        seqs = self._stepping = batch.seqs
         tokens = last.tokens
         # `seqs` are `last`'s in order, less any finished or aborted since (none join).
         if len(seqs) < len(last.batch.seqs):

@@ -33,9 +33,12 @@ LEDGER_DIR = "kv-pools"
 
 
 class PoolLedger:
-    def __init__(self, runtime_dir: Path) -> None:
-        self.dir = Path(runtime_dir) / LEDGER_DIR
-        self.dir.mkdir(mode=0o700, exist_ok=True)
+    """The CPU pools' ledger, or with `scope` a GPU's (`cuda:N`: the memory budgets of the
+    engines on it, hybrid/gpu_budget.py) in a directory of its own."""
+
+    def __init__(self, runtime_dir: Path, scope: str = "") -> None:
+        self.dir = Path(runtime_dir) / LEDGER_DIR / scope
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def claim(self, name: str, free_for: Callable[[int], int], fraction: float | None) -> int:
         """This worker's free memory, `free_for(bytes the other pools hold)`; notes

@@ -44,10 +44,12 @@ from lmd.engine.config import EngineConfig
 from lmd.engine.engine import Engine, TokenEvent
 from lmd.engine.fixed_engine import FixedTokenEngine, FixedTokens
 from lmd.engine.kv_pool import CPU_KV_CAP_BYTES, cpu_kv_free
+from lmd.engine.memory_plan import Budget, MemoryPlanError, StepOutOfMemory, describe
 from lmd.engine.model_source import ModelSourceError, resolve_model
 from lmd.engine.sequence import SamplingParams, Sequence
 from lmd.engine.stage_clock import StageClock
 from lmd.hybrid.clients import Clients
+from lmd.hybrid.gpu_budget import claim_gpu_budget
 from lmd.hybrid.pool_ledger import PoolLedger
 from lmd.migration.base import PoolMemory
 from lmd.migration.transports import pool_memory
@@ -66,6 +68,7 @@ class EngineWorker(Worker):
         device = self.spec.device or "cpu"
         self.memory: PoolMemory | None = None
         self.ledger: PoolLedger | None = None  # CPU pools: their share of the daemon's cap
+        self.budget: Budget | None = None  # on a GPU: its part of the device's memory plan
         self._cap_note = ""  # why a CPU pool got less than its share, for a start-up error
         try:
             model = resolve_model(self.config.model)
@@ -78,6 +81,10 @@ class EngineWorker(Worker):
                 if device == "cpu":
                     self.ledger = PoolLedger(self.config.runtime_dir)
                     cpu_free = self._claim_cpu_pool(self.ledger)
+                else:
+                    self.budget, self.ledger = await asyncio.to_thread(
+                        claim_gpu_budget, self.spec, self.config, self.engine_config(), model.path
+                    )
                 engine = await asyncio.to_thread(
                     Engine.build,
                     model.path,
@@ -89,12 +96,15 @@ class EngineWorker(Worker):
                     pool_buffer=None if self.memory is None else self.memory.buffer,
                     cpu_engines=num_engine_workers(self.config),
                     cpu_free=cpu_free,
+                    budget=self.budget,
                 )
                 if self.memory is not None:
                     self.memory.attach(engine.pool)
-                if self.ledger is not None:  # its real size, for engines added later
+                if self.ledger is not None and self.budget is None:  # for engines added later
                     self.ledger.record(self.spec.name, engine.pool.nbytes)
                 self.engine = engine
+        except MemoryPlanError as exc:  # the same on every restart: do not retry
+            raise WorkerStartError(str(exc), permanent=True) from None
         except (ModelSourceError, BackendError, ValueError, OSError, RuntimeError) as exc:
             raise WorkerStartError(f"{exc}{self._cap_note}") from None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.spec.name}-step")
@@ -107,7 +117,7 @@ class EngineWorker(Worker):
         self._loop_task = self.watch(self._step_loop(), "the engine step loop")
 
     def engine_config(self) -> EngineConfig:
-        return self.config.engine
+        return self.config.engine_on(self.spec.device)
 
     def _claim_cpu_pool(self, ledger: PoolLedger) -> int:
         """The bytes a CPU pool may treat as free: this engine's share of the daemon's cap,
@@ -141,7 +151,13 @@ class EngineWorker(Worker):
 
     def info(self) -> dict[str, Any]:
         b = self.engine.backend
-        info = {"backend": b.name, "device": str(b.device), "dtype": str(b.dtype)[6:]}
+        info: dict[str, Any] = {
+            "backend": b.name,
+            "device": str(b.device),
+            "dtype": str(b.dtype)[6:],
+        }
+        if isinstance(self.engine, Engine) and self.engine.memory is not None:
+            info["memory"] = self.engine.memory
         if self.memory is not None:
             info["transport"] = self.memory.transport.name
         return info
@@ -188,6 +204,9 @@ class EngineWorker(Worker):
                 continue
             try:
                 events = await loop.run_in_executor(self._executor, self.engine.step)
+            except StepOutOfMemory as exc:
+                self.on_out_of_memory(exc)
+                continue
             except Exception:
                 log.exception("engine step failed; failing %d requests", self.inflight())
                 self.fail_all("the engine failed")
@@ -249,6 +268,26 @@ class EngineWorker(Worker):
     def fail_all(self, message: str) -> None:
         for request_id, reply_to in list(self._reply_to.items()):
             self.error(reply_to, request_id, "internal_error", message)
+
+    def on_out_of_memory(self, exc: StepOutOfMemory) -> None:
+        """A step's allocation failed: the engine dropped that step's requests; they fail
+        with a 503 (retry), the rest go on."""
+        memory = self.engine.memory if isinstance(self.engine, Engine) else None
+        log.error(
+            "%s: %s; failing them and serving on (memory plan: %s)",
+            self.spec.name,
+            exc,
+            describe(memory) if memory else "none",
+        )
+        message = "the server ran out of GPU memory for this request's step; retry"
+        self.fail_requests(exc.request_ids, "service_unavailable", message)
+
+    def fail_requests(self, request_ids: list[str], code: str, message: str) -> None:
+        """Answer these requests with an error and forget them (the engine freed them)."""
+        for request_id in request_ids:
+            reply_to = self._reply_to.pop(request_id, None)
+            if reply_to is not None:
+                self.error(reply_to, request_id, code, message)
 
     # Shared helpers --------------------------------------------------------------------------
 

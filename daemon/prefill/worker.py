@@ -180,7 +180,7 @@ class PrefillWorker(EngineWorker):
         budget = RESERVE_AHEAD_STEPS * self.config.max_prefill_token_num
         ahead = [o for o in self._outgoing.values() if o.ticket is None and o.reserve_sent]
         tokens = sum(o.seq.num_prompt_tokens for o in ahead)
-        limit = self.config.max_batch_size
+        limit = self.engine.config.max_batch_size
         while self._waiting and len(ahead) < limit and (not ahead or tokens < budget):
             out = self._waiting.popleft()
             out.reserve_sent = True
@@ -339,6 +339,12 @@ class PrefillWorker(EngineWorker):
         for request_id in dropped:
             self._on_abort(request_id)
         return dropped
+
+    def fail_requests(self, request_ids: list[str], code: str, message: str) -> None:
+        for request_id in request_ids:
+            out = self._outgoing.get(request_id)
+            if out is not None:
+                self._fail(out, code, message)
 
     def fail_all(self, message: str) -> None:
         for out in self._outgoing.values():

@@ -25,6 +25,7 @@ from lmd.config import ServeConfig
 from lmd.supervisor.child import Child, describe_exit
 from lmd.supervisor.scaling import Scaler
 from lmd.supervisor.states import WorkerState
+from lmd.worker import EXIT_CANNOT_START
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,10 @@ class WorkerWatch:
                 describe_exit(code),
                 ran,
             )
+        if code == EXIT_CANNOT_START:  # it said why in its log; a restart would too
+            child.last_exit = code
+            child.set_state(WorkerState.FAILED)
+            return GiveUp(f"{child.name} cannot start (see its error above); not restarting it")
         policy = config.restart
         delay = child.record_exit(code, now, policy)
         if delay is None:

@@ -17,6 +17,11 @@ def test_defaults_match_the_design() -> None:
     # Interactive sessions reuse their KV through the prefix cache: on, as in LMDeploy.
     assert c.enable_prefix_caching is True and c.engine.enable_prefix_caching is True
     assert c.session_idle_timeout == 600.0
+    # LMDeploy's batch on a GPU of this class, today's on CPU; 0.9 of each GPU (vLLM's)
+    assert c.engine_on("cuda:1").max_batch_size == 256
+    assert c.engine_on("cpu").max_batch_size == c.engine.max_batch_size == 128
+    assert ServeConfig(Path("/r"), max_batch_size=64).engine_on("cuda").max_batch_size == 64
+    assert c.gpu_memory_utilization == 0.9
 
 
 @pytest.mark.parametrize(
@@ -31,6 +36,8 @@ def test_defaults_match_the_design() -> None:
         ({"heartbeat_timeout": 2.0}, "heartbeat_timeout"),
         ({"log_level": "loud"}, "log_level"),
         ({"session_idle_timeout": 0}, "session_idle_timeout"),
+        ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
+        ({"gpu_memory_utilization": 1.2}, "gpu_memory_utilization"),
     ],
 )
 def test_bad_values_name_the_key(kwargs: dict[str, Any], key: str) -> None:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from lmd_client.lmdctl import EXIT_BROKEN_PIPE, EXIT_NOT_RUNNING, _parser
+from lmd_client.lmdctl import EXIT_BROKEN_PIPE, EXIT_NOT_RUNNING, _parser, memory_table
 
 LMDCTL = [sys.executable, "-m", "lmd_client.lmdctl"]
 NO_DAEMON = "/nonexistent/lmd/control.sock"
@@ -64,3 +64,31 @@ def test_a_closed_stdout_exits_141_without_a_traceback() -> None:
     out = closed_pipe_run("completion", "bash")  # needs no daemon; status: test_control.py
     assert out.stderr == b""
     assert out.returncode == EXIT_BROKEN_PIPE == 141
+
+
+def test_status_shows_each_gpu_engines_part_of_the_memory_plan() -> None:
+    gib = 1 << 30
+    memory = {
+        "device": "cuda:0",
+        "device_total_bytes": 80 * gib,
+        "budget_bytes": 50 * gib,
+        "weight_bytes": 15 * gib,
+        "activation_bytes": 2 * gib,
+        "graph_bytes": gib // 2,
+        "kv_bytes": 30 * gib,
+        "kv_blocks": 3840,
+    }
+    worker = {"name": "decode-0", "role": "decode", "state": "running", "memory": memory}
+    cpu = {"name": "api-0", "role": "api", "state": "running"}
+    text = memory_table([worker, cpu])
+    lines = text.splitlines()
+    assert lines[0] == "memory plan:"
+    assert lines[1].split() == [
+        "WORKER", "GPU", "GPU", "TOTAL", "BUDGET", "WEIGHTS", "ACTIVATIONS", "GRAPHS", "KV",
+        "KV", "BLOCKS",
+    ]  # fmt: skip
+    assert lines[2].split() == [
+        "decode-0", "cuda:0", "80.0GiB", "50.0GiB", "15.0GiB", "2.0GiB", "512.0MiB", "30.0GiB",
+        "3840",
+    ]  # fmt: skip
+    assert len(lines) == 3  # a worker without a GPU plan has no row

@@ -138,6 +138,15 @@ class TurboBackend(Backend):
         graphs.capture(budget_s)
         self.graphs = graphs
 
+    def probe_graphs(self, kv: Tensor, max_batch_size: int) -> object | None:
+        """The largest decode batch's graph alone, captured on `kv` (memory_profile.py)."""
+        if not self.use_cuda_graphs:
+            return None
+        self.check_pool(kv)
+        graphs = DecodeGraphs(self.model, kv, max_batch_size)
+        graphs.capture(sizes=[max(graphs.sizes)])
+        return graphs
+
     def forward(self, batch: ForwardBatch, kv: Tensor) -> Tensor:
         self.check_step(batch, kv)
         num_rows = int(batch.logits_indices.shape[0])

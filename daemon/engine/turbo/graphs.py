@@ -117,14 +117,15 @@ class DecodeGraphs:
             ),
         )
 
-    def capture(self, budget_s: float = 60.0) -> None:
-        """Capture every bucket, largest first, until `budget_s` seconds have passed."""
+    def capture(self, budget_s: float = 60.0, sizes: list[int] | None = None) -> None:
+        """Capture every bucket (or `sizes`), largest first, until `budget_s` seconds
+        have passed."""
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         # Padding everywhere: the warm-up runs write nothing into the pool.
         self.slot_mapping.fill_(-1)
         self.context_lens.zero_()
-        todo = sorted(self.sizes, reverse=True)
+        todo = sorted(self.sizes if sizes is None else sizes, reverse=True)
         log.info("turbo: capturing %d decode CUDA graphs (batch %d..1)", len(todo), todo[0])
         with torch.inference_mode():
             for done, size in enumerate(todo, 1):

@@ -1,0 +1,124 @@
+"""What an engine will need on its GPU before its KV pool, estimated from the checkpoint and
+config.json alone (no GPU, no loaded model), so that every engine of a device computes
+the same numbers and the same plan (`memory_plan.py`).
+
+The estimates only split the device between engines: each engine then measures its real
+weights and activation peak (`memory_profile.py`) and sizes its pool inside its budget, so
+an estimate that is low costs that engine some KV blocks, never another engine's memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmd.engine.config import EngineConfig, context_len
+from lmd.engine.memory_plan import EngineNeeds
+from lmd.protocol.roles import Role
+
+# cuBLAS workspaces, Triton's scratch, the allocator's rounding: beyond the activations.
+RESERVE_SLACK_BYTES = 512 << 20
+# A prefill engine wants KV for this many steps of prompts (migrating, being computed).
+PREFILL_KV_STEPS = 4
+_ITEMSIZE = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+}  # fmt: skip
+
+
+def text_config(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
+    return hf_config.get("text_config") or hf_config
+
+
+def load_config(model_dir: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((Path(model_dir) / "config.json").read_text())
+    return data
+
+
+def weight_bytes(model_dir: Path, dtype: torch.dtype) -> int:
+    """Bytes of the model's floating-point weights once loaded as `dtype`: every tensor
+    of its safetensors files (their headers only), else the size of its weight files."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        other = [*Path(model_dir).glob("*.bin"), *Path(model_dir).glob("*.pt")]
+        return sum(f.stat().st_size for f in other)
+    total = 0
+    for path in files:
+        for name, entry in _header(path).items():
+            if name == "__metadata__":
+                continue
+            numel = math.prod(entry["shape"])
+            floating = entry["dtype"].startswith(("F", "BF"))
+            total += numel * (dtype.itemsize if floating else _ITEMSIZE.get(entry["dtype"], 1))
+    return total
+
+
+def _header(path: Path) -> dict[str, Any]:
+    with path.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header: dict[str, Any] = json.loads(f.read(length))
+    return header
+
+
+def kv_bytes_per_token(hf_config: Mapping[str, Any], dtype: torch.dtype) -> int:
+    """K and V of one token in every layer (the pool's layout: kv_pool.bytes_per_block)."""
+    c = text_config(hf_config)
+    heads = int(c["num_attention_heads"])
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // heads)
+    return int(c["num_hidden_layers"]) * 2 * kv_heads * head_dim * dtype.itemsize
+
+
+def reserve_estimate(
+    hf_config: Mapping[str, Any], role: Role, config: EngineConfig, dtype: torch.dtype
+) -> int:
+    """The activation memory of the engine's largest steps: a prefill step of
+    max_prefill_token_num tokens, float32 logits and sampler temporaries for up to
+    max_batch_size rows, and (roles that decode) the CUDA graphs' pool and logits buffer."""
+    c = text_config(hf_config)
+    hidden = int(c["hidden_size"])
+    heads = int(c["num_attention_heads"])
+    head_dim = int(c.get("head_dim") or hidden // heads)
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    inter = int(c.get("intermediate_size") or 4 * hidden)
+    if c.get("moe_intermediate_size"):  # routed experts: each token runs top-k of them
+        inter = max(inter, int(c["moe_intermediate_size"]) * int(c.get("num_experts_per_tok", 2)))
+    vocab = int(c["vocab_size"])
+    # hidden, residual, normed, q|k|v, attention out, gate|up and the activation
+    per_token = dtype.itemsize * (3 * hidden + (heads + 2 * kv_heads) * head_dim + 3 * inter)
+    rows = min(config.max_batch_size, config.max_prefill_token_num)
+    logits = rows * vocab * 4
+    reserve = config.max_prefill_token_num * per_token + 3 * logits + RESERVE_SLACK_BYTES
+    if role != Role.PREFILL:  # decode steps: graphs hold their activations and logits
+        reserve += config.max_batch_size * (per_token + 2 * vocab * 4)
+    return reserve
+
+
+def engine_needs(
+    name: str,
+    role: Role,
+    hf_config: Mapping[str, Any],
+    *,
+    weights: int,
+    config: EngineConfig,
+    dtype: torch.dtype,
+) -> EngineNeeds:
+    """The plan's inputs for one engine of a model whose weights take `weights` bytes."""
+    wanted = None
+    if role == Role.PREFILL:
+        session = config.session_len or context_len(hf_config)
+        tokens = max(PREFILL_KV_STEPS * config.max_prefill_token_num, session)
+        wanted = tokens * kv_bytes_per_token(hf_config, dtype)
+    return EngineNeeds(
+        name=name,
+        role=role,
+        weight_bytes=weights,
+        reserve_bytes=reserve_estimate(hf_config, role, config, dtype),
+        kv_wanted=wanted,
+    )
