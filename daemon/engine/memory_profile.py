@@ -27,7 +27,6 @@ import torch
 
 from lmd.engine.backend import Backend, ForwardBatch
 from lmd.engine.config import EngineConfig
-from lmd.engine.kv_pool import KVPool
 from lmd.engine.memory_plan import Budget, GiB, MemoryPlanError
 from lmd.engine.sampler import Sampler
 from lmd.engine.sequence import MAX_LOGPROBS, SamplingParams, Sequence
@@ -110,16 +109,17 @@ def profile(backend: Backend, config: EngineConfig, role: Role) -> StepMemory:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_reserved(device)
-    scratch = _scratch_pool(backend, num_blocks, config.block_size)
+    shape = backend.kv_cache_shape(num_blocks, config.block_size)
+    scratch = torch.zeros(shape, dtype=backend.dtype, device=device)  # [N, L, 2, S, Hkv, D]
     with_scratch = torch.cuda.memory_reserved(device)
-    run_steps(backend, scratch.kv, batches)
+    run_steps(backend, scratch, batches)
     torch.cuda.synchronize(device)
     activation = torch.cuda.max_memory_reserved(device) - with_scratch
     graphs = 0
     if role != Role.PREFILL:
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(device)
-        probe = backend.probe_graphs(scratch.kv, config.max_batch_size)
+        probe = backend.probe_graphs(scratch, config.max_batch_size)
         graphs = torch.cuda.memory_reserved(device) - before
         del probe
     del scratch
@@ -142,18 +142,6 @@ def run_steps(backend: Backend, kv: torch.Tensor, batches: list[tuple[ForwardBat
         logits = backend.forward_eager(batch, kv)
         seqs = [Sequence(f"profile-{i}", [0], WORST_SAMPLING) for i in range(rows)]
         sampler.sample(logits, seqs).tolist()
-
-
-def _scratch_pool(backend: Backend, num_blocks: int, block_size: int) -> KVPool:
-    return KVPool(
-        num_blocks,
-        num_layers=backend.num_layers,
-        num_kv_heads=backend.num_kv_heads,
-        head_dim=backend.head_dim,
-        block_size=block_size,
-        dtype=backend.dtype,
-        device=backend.device,
-    )
 
 
 def kv_bytes(

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lmd.engine.config import EngineConfig
-from lmd.engine.kv_pool import KVPool, bytes_per_block
+from lmd.engine.kv_pool import bytes_per_block
 from lmd.engine.memory_needs import (
     engine_needs,
     kv_bytes_per_token,
@@ -102,14 +102,8 @@ def test_the_profiles_worst_steps_fit_their_scratch_pool_and_run(tiny: Path, rol
     for batch, _rows in batches:
         assert int(batch.block_tables.max()) < num_blocks
     backend = TorchBackend(tiny, torch.device("cpu"), torch.float32)
-    pool = KVPool(
-        num_blocks,
-        num_layers=backend.num_layers,
-        num_kv_heads=backend.num_kv_heads,
-        head_dim=backend.head_dim,
-        block_size=config.block_size,
-    )
-    run_steps(backend, pool.kv, batches)  # forward and the worst sampling, as on a GPU
+    kv = torch.zeros(backend.kv_cache_shape(num_blocks, config.block_size))
+    run_steps(backend, kv, batches)  # forward and the worst sampling, as on a GPU
 
 
 def test_the_profile_prefill_never_passes_the_session_length() -> None:
