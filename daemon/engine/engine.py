@@ -322,7 +322,7 @@ class Engine:
         """Step N+1 if it can run before step N's tokens are known (see the module doc)."""
         if self.prefill.num_running or (self.prefill.num_waiting and self._free_slots > 0):
             return None  # a prompt is to be prefilled next
-        if any(s.sampling.repetition_penalty != 1.0 for s in self.decode.running):
+        if any(s.sampling.needs_history for s in self.decode.running):
             return None  # needs the pending token in its history
         return self.decode.schedule_ahead()
 

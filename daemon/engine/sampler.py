@@ -1,8 +1,9 @@
 """Choose each sequence's next token from a batch of logits, on the logits' device.
 
 Order of processing, per row (as in transformers and vLLM):
-  repetition_penalty (over prompt + output) -> ban eos/stop tokens while
-  min_new_tokens is not reached -> greedy rows take the argmax; the others apply
+  repetition_penalty (over prompt + output) -> presence/frequency penalties -> logit_bias
+  -> ban eos/stop tokens while min_new_tokens is not reached, and bad words
+  (`penalties.py`) -> greedy rows take the argmax; the others apply
   temperature -> top_k -> top_p -> min_p (`warpers.py`) and draw one token.
 
 Only what a row needs is computed: the logits are copied only when some row has a penalty
@@ -30,7 +31,8 @@ from dataclasses import dataclass, field
 import torch
 
 from lmd.engine.categorical import argmax_rows, draw_rows
-from lmd.engine.sequence import Sequence, banned_token_ids
+from lmd.engine.penalties import penalize
+from lmd.engine.sequence import Sequence
 from lmd.engine.warpers import warp
 from lmd.engine.workspace import Workspace
 
@@ -119,7 +121,7 @@ class Sampler:
                 f"logits must be [B, V] with B = {len(seqs)} sequences, got {tuple(logits.shape)}"
             )
         raw = logits.float()  # [B, V]; the same tensor when already float32
-        x = self._penalized(raw, seqs, ahead)
+        x = penalize(raw, seqs, self.eos_token_ids, self.workspace, ahead)
         # Every row's argmax (cheap next to sampling); sampled rows are overwritten below.
         tokens = argmax_rows(x)  # [B]
         sampled = [i for i, seq in enumerate(seqs) if not seq.sampling.is_greedy]
@@ -133,47 +135,6 @@ class Sampler:
                 choice = group.token_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
             tokens[index] = choice
         return self._with_logprobs(raw, tokens, seqs)
-
-    def _penalized(self, raw: torch.Tensor, seqs: SequenceOf[Sequence], ahead: int) -> torch.Tensor:
-        """raw with repetition penalties and bans applied: a copy, or raw when none apply."""
-        bans = [banned_token_ids(seq, self.eos_token_ids, ahead) for seq in seqs]
-        penalized = any(s.sampling.repetition_penalty != 1.0 for s in seqs)
-        if penalized and ahead:
-            raise ValueError("a repetition penalty needs every earlier token: cannot run ahead")
-        if not any(bans) and not penalized:
-            return raw
-        x = self.workspace.get("penalized", raw.shape[0], raw.shape[1], raw.device).copy_(raw)
-        self._apply_repetition_penalty(x, seqs)
-        self._apply_bans(x, bans)
-        return x
-
-    def _apply_repetition_penalty(self, x: torch.Tensor, seqs: SequenceOf[Sequence]) -> None:
-        rows = [i for i, s in enumerate(seqs) if s.sampling.repetition_penalty != 1.0]
-        if not rows:
-            return
-        histories = [seqs[i].token_ids for i in rows]
-        width = max(len(h) for h in histories)
-        # Pad with a token already in the row: a repeated index rewrites the same value.
-        padded = [h + [h[0]] * (width - len(h)) for h in histories]
-        ids = torch.tensor(padded, dtype=torch.long, device=x.device)  # [R, T]
-        penalty = torch.tensor(
-            [seqs[i].sampling.repetition_penalty for i in rows], device=x.device
-        ).unsqueeze(1)  # [R, 1]
-        index = torch.tensor(rows, dtype=torch.long, device=x.device)
-        sub = x.index_select(0, index)  # [R, V]
-        score = sub.gather(1, ids)  # [R, T]
-        score = torch.where(score > 0, score / penalty, score * penalty)
-        sub.scatter_(1, ids, score)
-        x.index_copy_(0, index, sub)
-
-    @staticmethod
-    def _apply_bans(x: torch.Tensor, bans: list[list[int]]) -> None:
-        rows = [i for i, banned in enumerate(bans) for _ in banned]
-        cols = [token for banned in bans for token in banned]
-        if rows:
-            r = torch.tensor(rows, dtype=torch.long, device=x.device)
-            c = torch.tensor(cols, dtype=torch.long, device=x.device)
-            x[r, c] = float("-inf")
 
     def _with_logprobs(
         self, raw: torch.Tensor, tokens: torch.Tensor, seqs: SequenceOf[Sequence]

@@ -21,6 +21,10 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# Bounds on what a request may ask the sampler to carry per step.
+MAX_LOGIT_BIAS = 1024
+MAX_BAD_WORDS = 256
+MAX_WORD_TOKENS = 32
 # The sampler divides float32 logits by the temperature and scales them by the repetition
 # penalty: past these bounds a logit overflows to inf, the softmax turns to NaN and the
 # step fails (taking every request of the worker with it).
@@ -53,6 +57,9 @@ class SamplingParams:
     off. logprobs None returns none; N in 0..20 returns the chosen token's logprob and N
     alternatives.
     min_new_tokens keeps eos and stop_token_ids from ending the output earlier.
+    presence_penalty and frequency_penalty (OpenAI's, -2..2) lower the logits of the output
+    tokens so far; logit_bias adds (token id, bias in -100..100) pairs; bad_words (token id
+    sequences) are never completed (penalties.py).
     """
 
     temperature: float = 1.0
@@ -66,8 +73,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
+        self._check_openai_penalties()
         self.temperature = _number("temperature", self.temperature)
         self.top_p = _number("top_p", self.top_p)
         self.min_p = _number("min_p", self.min_p)
@@ -106,9 +118,48 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
 
+    def _check_openai_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _number(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value:g}")
+            setattr(self, name, value)
+        bias: list[tuple[int, float]] = []
+        for pair in self.logit_bias:
+            if not isinstance(pair, list | tuple) or len(pair) != 2:
+                raise ValueError(f"logit_bias entries must be (token id, bias), got {pair!r}")
+            _integer("logit_bias token id", pair[0], minimum=0)
+            value = _number("logit_bias value", pair[1])
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value:g}")
+            bias.append((pair[0], value))
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+        self.logit_bias = tuple(bias)
+        words = tuple(tuple(word) for word in self.bad_words)
+        if len(words) > MAX_BAD_WORDS or any(not 0 < len(w) <= MAX_WORD_TOKENS for w in words):
+            raise ValueError(
+                f"bad_words takes at most {MAX_BAD_WORDS} words of 1-{MAX_WORD_TOKENS} tokens"
+            )
+        for word in words:
+            for token_id in word:
+                _integer("bad_words token id", token_id, minimum=0)
+        self.bad_words = words
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def counts_tokens(self) -> bool:
+        """presence or frequency penalties: they count the output tokens so far."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def needs_history(self) -> bool:
+        """Its logits depend on every earlier token (a step cannot run ahead of one)."""
+        multi_token_word = any(len(w) > 1 for w in self.bad_words)
+        return self.repetition_penalty != 1.0 or self.counts_tokens or multi_token_word
 
 
 @dataclass(slots=True, eq=False)
@@ -209,6 +260,8 @@ def check_token_ids(seq: Sequence, vocab_size: int) -> None:
         ("prompt token id", seq.prompt_token_ids),
         ("output token id", seq.output_token_ids),
         ("stop_token_ids entry", seq.sampling.stop_token_ids),
+        ("logit_bias token id", [t for t, _ in seq.sampling.logit_bias]),
+        ("bad_words token id", [t for w in seq.sampling.bad_words for t in w]),
     ):
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         if bad is not None:
