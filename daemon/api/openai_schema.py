@@ -2,8 +2,8 @@
 
 Requests are pydantic models validated straight from the body bytes in strict mode (a
 string where a number belongs is a 400, never coerced). Fields OpenAI defines that would
-change the answer and that lmd cannot honour (n > 1, presence/frequency penalties, echo,
-tools, logit_bias, ...) are a 400 naming them. Top-level fields we do not know at all
+change the answer and that lmd cannot honour (n > 1, echo, tools, ...) are a 400 naming
+them. Top-level fields we do not know at all
 are ignored, as OpenAI does (SDKs send some, e.g. `user`), and their names logged at debug
 level. `temperature` is OpenAI's 0 to 2 (LMDeploy's range too). Each request maps to the
 tokenizer's TextRequest (`text_request`); responses are built in openai_responses.py.
@@ -29,6 +29,8 @@ from pydantic import (
 
 from lmd import protocol
 from lmd.engine.sequence import (
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
     MIN_REPETITION_PENALTY,
@@ -183,6 +185,18 @@ def _text_content(value: Any) -> Any:
     return "".join(texts)
 
 
+def _logit_bias(value: dict[str, float]) -> dict[str, float]:
+    """OpenAI's {"token id": bias}: ids as decimal strings, biases in [-100, 100]."""
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ValueError(f"takes at most {MAX_LOGIT_BIAS} tokens")
+    for key, bias in value.items():
+        if not key.isdecimal() or int(key) >= 2**31:
+            raise ValueError(f"keys must be token ids, got {key!r}")
+        if not -100 <= bias <= 100:
+            raise ValueError(f"biases must be in [-100, 100], got {bias:g} for {key}")
+    return value
+
+
 def not_supported(instead: str = "") -> Any:
     """A validator: any value but the neutral one is a 400 naming the field."""
 
@@ -240,7 +254,9 @@ _CONTENT_DOC = {
 Prompt = Annotated[str | list[int], BeforeValidator(_one_prompt), WithJsonSchema(_PROMPT_DOC)]
 StopStrings = Annotated[list[str], BeforeValidator(_stop_list), WithJsonSchema(_STOP_DOC)]
 Content = Annotated[str, BeforeValidator(_text_content), WithJsonSchema(_CONTENT_DOC)]
-Penalty = Annotated[float, Field(ge=-2, le=2), not_supported("use repetition_penalty")]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+LogitBias = Annotated[dict[str, float], AfterValidator(_logit_bias)]
+BadWords = Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_BAD_WORDS)]
 OnlyOne = Annotated[int, AfterValidator(_only_one)]
 
 
@@ -294,7 +310,8 @@ class _GenerateRequest(RequestBody):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     min_tokens: Annotated[int, Field(ge=0, lt=MAX_COUNT)] = 0
-    logit_bias: Annotated[dict[str, float], not_supported()] | None = None
+    logit_bias: LogitBias | None = None
+    bad_words: BadWords | None = None  # vLLM's: words the output never completes
     stream: bool | None = False
     stream_options: StreamOptions | None = None
 
@@ -319,6 +336,10 @@ class _GenerateRequest(RequestBody):
             "top_k": max(self.top_k or 0, 0),
             "min_p": self.min_p or 0.0,
             "repetition_penalty": self.repetition_penalty or 1.0,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "logit_bias": [[int(k), v] for k, v in (self.logit_bias or {}).items()],
+            "bad_words": list(self.bad_words or ()),  # text: the tokenizer makes them ids
             "seed": self.seed,
             "min_new_tokens": self.min_tokens,
             "stop_token_ids": list(self.stop_token_ids or ()),

@@ -36,6 +36,7 @@ from lmd.engine.model_source import ModelSourceError, resolve_model
 from lmd.names import role_of
 from lmd.protocol import Message, Role
 from lmd.roles import worker_names
+from lmd.tokenizer.bad_words import bad_word_ids
 from lmd.tokenizer.request import DeltaOutbox, Entry, TokenizerRequest
 from lmd.tokenizer.routing import NoEngine, Route, Router
 from lmd.tokenizer.sessions import (
@@ -238,6 +239,8 @@ class TokenizerWorker(Worker):
         # No max_tokens: as much as the session length leaves (as LMDeploy and vLLM do).
         room = self.session_len - len(prompt_ids)
         sampling = {**msg.sampling, "max_tokens": min(msg.sampling.get("max_tokens") or room, room)}
+        if words := sampling.get("bad_words"):
+            sampling["bad_words"] = bad_word_ids(words, self._encode)
         generate = protocol.Generate(
             msg.request_id, self.spec.name, sampling, protocol.pack_ids(prompt_ids), route.decode
         )

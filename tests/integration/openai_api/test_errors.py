@@ -16,7 +16,7 @@ def test_bad_parameter_is_400(client: openai.OpenAI) -> None:
         client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=-1)
     assert exc.value.param == "temperature" and "temperature" in exc.value.message
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
-        client.chat.completions.create(model=MODEL, messages=QUESTION, presence_penalty=0.5)
+        client.chat.completions.create(model=MODEL, messages=QUESTION, presence_penalty=2.5)
 
 
 def test_prompt_over_the_session_length_is_400(client: openai.OpenAI) -> None:
