@@ -1,9 +1,17 @@
 """One HTTP/1.1 connection of the api or the control socket: uvicorn's h11 protocol, with
-three rules uvicorn lacks.
+four rules uvicorn lacks.
 
 - Header timeout: a connection whose request line and headers are not complete within
   `header_timeout_s` (of its opening, or of the first byte of a later request on it) is
   closed. Without it a client that sends half a request holds its descriptor for good.
+- No close over a request that has come: uvloop runs the timers that came due while its
+  callbacks ran before it polls the sockets again, so on a busy api the keep-alive (or
+  header) timer fired after the client's next request had arrived but before it was
+  read, and closing a socket with unread bytes sends a reset (TcpExtTCPAbortOnData): the
+  client, which had sent its request on a connection it was entitled to reuse, got a
+  connection reset (httpx ReadError). A timer that finds bytes waiting (FIONREAD) gives
+  the loop READ_GRACE_S to read them; the request, once read, stops the keep-alive timer
+  and gets the header timeout like any other.
 - Half-close: a client that sends its request and then shuts down its write side
   (`nc -N`, some proxies) still gets the answer; uvicorn took the end of its input for a
   disconnect and dropped the request. The end of input with a request pending closes the
@@ -20,9 +28,11 @@ three rules uvicorn lacks.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import socket
 import struct
+import termios
 from dataclasses import astuple, dataclass
 from typing import Any
 
@@ -37,7 +47,21 @@ log = logging.getLogger(__name__)
 # Seconds between interim answers to a half-closed client: the first one at once, the
 # second soon (its reset comes back within a round trip), then doubling up to the last.
 PROBE_INTERVALS_S = (0.05, 5.0)
+# What a timer that finds bytes waiting gives the loop to read them: one turn is enough, so
+# a client that trickles its headers gains at most this once per request.
+READ_GRACE_S = 0.1
 _CONTINUE = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
+_INT = struct.Struct("i")
+
+
+def bytes_waiting(transport: asyncio.BaseTransport) -> int:
+    """Bytes the kernel holds for this connection that the event loop has not read yet."""
+    sock = transport.get_extra_info("socket")
+    try:
+        raw = fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(_INT.size))
+    except (AttributeError, OSError):  # no socket (closed), or not one FIONREAD knows
+        return 0
+    return int(_INT.unpack(raw)[0])
 
 
 class Connection(H11Protocol):
@@ -47,13 +71,18 @@ class Connection(H11Protocol):
         server_state: ServerState,
         app_state: dict[str, Any],
         header_timeout_s: float,
+        keep_alive_s: float,
     ) -> None:
         super().__init__(config, server_state, app_state)
         self.header_timeout_s = header_timeout_s
+        # uvicorn's idle time, else read from its config; typed int there, but it only
+        # goes to call_later, and tests need less than a second.
+        self.timeout_keep_alive = keep_alive_s  # type: ignore[assignment]
         self._header_timer: asyncio.TimerHandle | None = None
         self._probe_timer: asyncio.TimerHandle | None = None
         self._probe_interval_s = 0.0
         self._half_closed = False
+        self._header_grace_used = False  # READ_GRACE_S given to this request's headers
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -90,18 +119,33 @@ class Connection(H11Protocol):
         elif not waiting and self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
+            self._header_grace_used = False
 
     def _too_slow(self) -> None:
         self._header_timer = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            log.debug(
-                "closing a connection from %s: no complete request headers within %g s",
-                self.client,
-                self.header_timeout_s,
-            )
-            if self.conn.our_state is h11.IDLE:
-                self.conn.send(h11.ConnectionClosed())
-            self.transport.close()
+        if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+            return
+        if not self._header_grace_used and bytes_waiting(self.transport):
+            self._header_grace_used = True  # the headers may be complete once read
+            self._header_timer = self.loop.call_later(READ_GRACE_S, self._too_slow)
+            return
+        log.debug(
+            "closing a connection from %s: no complete request headers within %g s",
+            self.client,
+            self.header_timeout_s,
+        )
+        if self.conn.our_state is h11.IDLE:
+            self.conn.send(h11.ConnectionClosed())
+        self.transport.close()
+
+    def timeout_keep_alive_handler(self) -> None:
+        """uvicorn's close of an idle kept-alive connection, unless the next request has
+        come and waits to be read (data_received then stops this timer)."""
+        if bytes_waiting(self.transport) and not self.transport.is_closing():
+            handler = self.timeout_keep_alive_handler
+            self.timeout_keep_alive_task = self.loop.call_later(READ_GRACE_S, handler)
+            return
+        super().timeout_keep_alive_handler()
 
     def _probe(self) -> None:
         """An interim answer while a half-closed client waits: a gone one resets it."""

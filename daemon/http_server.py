@@ -31,6 +31,13 @@ from lmd.http_protocol import Connection, Peer, UnixConnection, peer_of
 __all__ = ["Peer", "peer_of"]  # kept here for the control API, which names them so
 
 HEADER_TIMEOUT_S = 10.0
+# Seconds an idle kept-alive connection stays open: longer than clients keep idle pooled
+# connections (httpx, so the OpenAI SDK and lmd-bench: 5 s; aiohttp: 15 s; nginx upstream
+# pools and cloud load balancers: 60 s), so that the client, not the server, closes it. A
+# server that closes first races the request a client may be sending on it; uvicorn's
+# default of 5 s was httpx's 5 s. 75 s is nginx's own keepalive_timeout.
+KEEP_ALIVE_S = 75.0
+SOMAXCONN_PATH = Path("/proc/sys/net/core/somaxconn")
 
 
 class JSONResponse(responses.JSONResponse):
@@ -54,13 +61,24 @@ class BindError(OSError):
     """The listening socket could not be created; the message says where and why."""
 
 
+def listen_backlog() -> int:
+    """The most connections the kernel lets wait for accept (net.core.somaxconn, which
+    caps any listen() backlog). A burst of new connections larger than the backlog has
+    some SYNs dropped, each costing its client 1-3 s of retransmission: lmd-bench opens a
+    connection per streamed request, 512 at once at concurrency 512."""
+    try:
+        return int(SOMAXCONN_PATH.read_text())
+    except (OSError, ValueError):
+        return socket.SOMAXCONN
+
+
 def bind_tcp(host: str, port: int) -> socket.socket:
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        sock.listen(1024)
+        sock.listen(listen_backlog())
     except OSError as exc:
         sock.close()
         raise BindError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
@@ -95,6 +113,7 @@ class ConnectionLimits:
     max_connections: int | None = None  # None: what RLIMIT_NOFILE leaves room for
     header_timeout_s: float = HEADER_TIMEOUT_S
     refusal: bytes = http_response(503, _TOO_MANY, {"Retry-After": "1"})
+    keep_alive_s: float = KEEP_ALIVE_S  # an idle connection's life between requests
 
 
 class _Server(uvicorn.Server):
@@ -113,8 +132,10 @@ class _Server(uvicorn.Server):
         sock, limits, state = sockets[0], self.limits, self.server_state
         kind = UnixConnection if sock.family == socket.AF_UNIX else Connection
 
+        timeouts = (limits.header_timeout_s, limits.keep_alive_s)
+
         def connection() -> asyncio.Protocol:
-            return kind(self.config, state, self.lifespan.state, limits.header_timeout_s)
+            return kind(self.config, state, self.lifespan.state, *timeouts)
 
         listener = Listener(
             sock,

@@ -58,6 +58,7 @@ class ErrorResponse(BaseModel):
 class Health(BaseModel):
     status: Literal["ok", "starting", "draining", "stopping", "degraded"]
     reason: str | None = None  # absent when ok
+    missing_roles: list[str] | None = None  # roles with no running worker; absent if none
 
 
 class ModelCard(BaseModel):
@@ -164,9 +165,18 @@ class InteractiveAnswer(BaseModel):
     cached_tokens: int
 
 
+# Every 503 says when to come back (RFC 9110 10.2.3; seconds).
+RETRY_AFTER = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}}
+
+
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """FastAPI `responses` entries for these error statuses."""
-    return {s: {"model": ErrorResponse, "description": ERRORS[s]} for s in statuses}
+    out: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        out[status] = {"model": ErrorResponse, "description": ERRORS[status]}
+        if status == 503:
+            out[status]["headers"] = RETRY_AFTER
+    return out
 
 
 # in components/schemas beside the request bodies (the streams' itemSchema refer to them)

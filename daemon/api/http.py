@@ -37,7 +37,11 @@ def connection_limits(config: ServeConfig) -> ConnectionLimits:
     message = "the server holds as many connections as it can; retry later"
     err = ApiError(503, message, type="overloaded", code="too_many_connections", retry_after_s=1)
     refusal = http_response(err.status, orjson.dumps(err.body), err.headers)
-    return ConnectionLimits(config.max_connections, config.header_timeout, refusal)
+    return ConnectionLimits(
+        max_connections=config.max_connections,
+        header_timeout_s=config.header_timeout,
+        refusal=refusal,
+    )
 
 
 def install_error_handlers(app: FastAPI) -> None:

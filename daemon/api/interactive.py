@@ -26,18 +26,16 @@ import orjson
 from pydantic import Field, model_validator
 
 from lmd import protocol
-from lmd.api.openai_responses import Answer, Delta
-from lmd.api.openai_schema import (
+from lmd.api.openai_fields import (
     MAX_COUNT,
-    ApiError,
-    ChatMessage,
     RepetitionPenalty,
-    RequestBody,
     Seed,
     StopStrings,
     Temperature,
     not_supported,
 )
+from lmd.api.openai_responses import Answer, Delta
+from lmd.api.openai_schema import ApiError, ChatMessage, RequestBody
 
 MEDIA_TYPE = "application/x-ndjson"  # JSON objects separated by newlines
 NO_SESSION = -1  # LMDeploy's default session_id: a one-off turn

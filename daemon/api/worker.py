@@ -5,7 +5,8 @@ Life cycle of a generation request in the api (POST /v1/chat/completions, /v1/co
   1. RequestGuard checks the API key (/v1/* only), the body size (413) and that the body
      is JSON by its Content-Type (415) before any parsing; the body is validated into a
      request model (400 naming the field), the model name checked (404), and the
-     daemon's state (503 + Retry-After while starting, draining or missing a role).
+     daemon's state (503 + Retry-After while starting, draining or missing a role: the
+     one readiness rule, `unavailable`, which /v1/models answers by too).
   2. Admitted: an OpenRequest is registered under a fresh id (chatcmpl-... / cmpl-...)
      and a TextRequest goes to the tokenizer, which answers on our inbox.
   3. `handle` routes each TextDelta entry or RequestError to its request's Events and keeps
@@ -33,6 +34,7 @@ from pydantic import ValidationError
 from starlette.responses import PlainTextResponse, Response
 
 from lmd import __version__, protocol
+from lmd.api import readiness
 from lmd.api.docs import (
     GENERATE_ERRORS,
     ChatCompletion,
@@ -84,8 +86,6 @@ from lmd.paths import control_socket_path
 from lmd.protocol import Role
 from lmd.roles import WorkerSpec
 from lmd.worker import Worker, WorkerStartError
-
-RETRY_AFTER_S = 5  # while the daemon starts, drains or restarts a role
 
 Format = ChatFormat | CompletionFormat | InteractiveFormat
 Body = ChatCompletionRequest | CompletionRequest | InteractiveRequest
@@ -164,15 +164,10 @@ class ApiWorker(Worker):
                 request.events.put(lost)
 
     def health(self) -> tuple[int, dict[str, Any]]:
-        """(HTTP status, body): 200 only when the daemon runs and every role is up."""
-        if self.draining or self.cluster_state == "draining":
-            return 503, {"status": "draining", "reason": "the daemon is draining"}
-        if self.cluster_state != "running":
-            return 503, {"status": self.cluster_state, "reason": f"daemon is {self.cluster_state}"}
-        if self.missing_roles:
-            missing = ", ".join(self.missing_roles)
-            return 503, {"status": "degraded", "reason": f"no running worker for: {missing}"}
-        return 200, {"status": "ok"}
+        return readiness.health(self.draining, self.cluster_state, self.missing_roles)
+
+    def unavailable(self) -> ApiError | None:
+        return readiness.unavailable(self.health())
 
     # Inbox: the tokenizer's answers ---------------------------------------------------
 
@@ -210,14 +205,19 @@ class ApiWorker(Worker):
             status, body = self.health()
             return JSONResponse(body, status_code=status)
 
-        @app.get("/v1/models", responses={200: {"model": ModelList}, **errors(401)})
-        async def models() -> dict[str, Any]:
-            return {"object": "list", "data": [self._model_card()]}
+        @app.get("/v1/models", responses={200: {"model": ModelList}, **errors(401, 503)})
+        async def models() -> JSONResponse:
+            """The served model, once the daemon can answer a completion (else 503)."""
+            if (err := self.unavailable()) is not None:
+                return error_response(err)
+            return JSONResponse({"object": "list", "data": [self._model_card()]})
 
-        @app.get("/v1/models/{model:path}", responses=answers(ModelCard, 401, 404))
+        @app.get("/v1/models/{model:path}", responses=answers(ModelCard, 401, 404, 503))
         async def model(model: str) -> JSONResponse:
             if model != self.config.served_model_name:
                 return error_response(self._unknown_model(model))
+            if (err := self.unavailable()) is not None:
+                return error_response(err)
             return JSONResponse(self._model_card())
 
         @app.post(
@@ -329,10 +329,8 @@ class ApiWorker(Worker):
                 raise prefix_caching_off()
         elif body.model != self.config.served_model_name:
             raise self._unknown_model(body.model)
-        status, state = self.health()
-        if status != 200:
-            reason = f"{state['reason']}; retry later"
-            raise ApiError(503, reason, type="service_unavailable", retry_after_s=RETRY_AFTER_S)
+        if (err := self.unavailable()) is not None:
+            raise err
         msg: protocol.Message = body.text_request(request_id, self.spec.name)
         control = body.control if isinstance(body, InteractiveRequest) else None
         if isinstance(body, InteractiveRequest) and control is not None:

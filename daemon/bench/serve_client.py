@@ -8,7 +8,15 @@ Life cycle of one request (`send`):
    failure `stream_error`; `usage` (asked for through stream_options) gives token counts.
 4. `[DONE]` or a finish_reason ends it well; a stream that stops before either is
    `incomplete`, a broken connection `dropped`, --timeout `timeout`, refused `connect`.
+   A `dropped` request's message says what the socket reported (a reset, an end of
+   input), whether the connection was new or reused and whether the response had begun:
+   a server that closes an idle connection as the client reuses it, a reset before any
+   answer and a stream cut short are told apart.
 No failure escapes `send`: the run always finishes and counts it.
+
+The client reads a stream to its `[DONE]`, not to the end of the chunked body, so httpx
+closes that connection and the next request opens one: only a non-streamed answer
+(/v1/models, /health) leaves a connection to reuse.
 
 Times come from an injected clock (default `time.perf_counter`); tests drive it and the
 event loop's sleeps from one virtual clock so that every metric is exact.
@@ -108,6 +116,35 @@ def _fail(result: RequestResult, kind: str, message: str) -> RequestResult:
     return result
 
 
+class ConnectionTrace:
+    """What became of a request's connection, from httpcore's trace events."""
+
+    def __init__(self) -> None:
+        self.new = False  # opened for this request (else reused from the pool)
+        self.answered = False  # the response's status line and headers came
+
+    async def __call__(self, event: str, info: dict[str, Any]) -> None:
+        if event == "connection.connect_tcp.complete":
+            self.new = True
+        elif event == "http11.receive_response_headers.complete":
+            self.answered = True
+
+    def dropped(self, exc: Exception) -> str:
+        """'ReadError (ConnectionResetError: [Errno 104] ...) on a reused connection,
+        before any response'."""
+        why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        cause = exc.__cause__ or exc.__context__
+        for _ in range(8):  # httpx's error wraps httpcore's, anyio's, then the socket's
+            if cause is None or isinstance(cause, OSError):
+                break
+            cause = cause.__cause__ or cause.__context__
+        if isinstance(cause, OSError):
+            why += f" ({type(cause).__name__}: {cause})"
+        connection = "a new" if self.new else "a reused"
+        when = "after the response began" if self.answered else "before any response"
+        return f"{why} on {connection} connection, {when}"
+
+
 def _text(choice: Any, chat: bool) -> str:
     if not isinstance(choice, dict):
         return ""
@@ -164,10 +201,12 @@ async def send(
 ) -> RequestResult:
     """One streamed request, timed; failures are recorded in the result, never raised."""
     result = RequestResult(start=clock(), expected_input_len=prompt.input_len)
-    body, headers = target.body(prompt), target.headers
+    body, headers, trace = target.body(prompt), target.headers, ConnectionTrace()
     try:
         async with asyncio.timeout(target.timeout_s):
-            async with client.stream("POST", target.endpoint, json=body, headers=headers) as r:
+            async with client.stream(
+                "POST", target.endpoint, json=body, headers=headers, extensions={"trace": trace}
+            ) as r:
                 if r.status_code != 200:
                     text = (await r.aread())[:300].decode(errors="replace")
                     return _fail(result, f"http_{r.status_code}", text)
@@ -177,7 +216,7 @@ async def send(
     except httpx.ConnectError as exc:
         return _fail(result, "connect", str(exc) or type(exc).__name__)
     except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-        return _fail(result, "dropped", str(exc) or type(exc).__name__)
+        return _fail(result, "dropped", trace.dropped(exc))
     except httpx.HTTPError as exc:
         return _fail(result, "http_error", f"{type(exc).__name__}: {exc}")
     except Exception as exc:  # a malformed answer must not stop the run: count it, go on

@@ -134,14 +134,25 @@ class Stack:
         key = config["api_keys"][0] if config.get("api_keys") else "none"
         self.openai = openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0)
 
-    async def start(self) -> None:
+    async def start(self, running: bool = True) -> None:
+        """Start api-0; `running`: then tell it the daemon runs (else it stays starting)."""
         self._tasks = [
             asyncio.create_task(c)
             for c in (self.worker.run(), self.tokenizer.run(), self.supervisor.run())
         ]
         await asyncio.wait_for(self.supervisor.ready.wait(), 10)
-        await self.supervisor.send(protocol.ClusterState("running", []))
-        await wait_for(lambda: self.worker.cluster_state == "running", "cluster state")
+        if running:
+            await self.tell(protocol.ClusterState("running", []))
+
+    async def tell(self, state: protocol.ClusterState) -> None:
+        """Send api-0 the cluster's state, as the supervisor does; wait till it has it."""
+        await self.supervisor.send(state)
+
+        def applied() -> bool:
+            w = self.worker
+            return (w.cluster_state, w.missing_roles) == (state.state, state.missing_roles)
+
+        await wait_for(applied, "cluster state")
 
     async def close(self) -> None:
         await self.http.aclose()

@@ -52,12 +52,14 @@ def test_every_sampling_field_maps() -> None:
     req = chat(
         temperature=0, top_p=0.9, top_k=-1, min_p=0.05, repetition_penalty=1.2, seed=-5,
         max_tokens=100, max_completion_tokens=20, min_tokens=3, stop_token_ids=[2, 7],
-        ignore_eos=True, logprobs=True, top_logprobs=4, presence_penalty=0.0, n=1,
+        ignore_eos=True, logprobs=True, top_logprobs=4, presence_penalty=0.5, n=1,
+        frequency_penalty=-0.5, logit_bias={"9": -100},
     )  # fmt: skip
     assert req.sampling() == {
         "temperature": 0.0, "top_p": 0.9, "top_k": 0, "min_p": 0.05, "repetition_penalty": 1.2,
         "seed": -5, "max_tokens": 20, "min_new_tokens": 3, "stop_token_ids": [2, 7],
-        "ignore_eos": True, "logprobs": 4,
+        "ignore_eos": True, "logprobs": 4, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+        "logit_bias": [[9, -100]], "bad_words": [],
     }  # fmt: skip
     SamplingParams(**req.sampling())
     assert chat(logprobs=True).sampling()["logprobs"] == 0
@@ -120,10 +122,11 @@ def test_completion_prompt_forms(prompt: Any, text: str | None, ids: list[int] |
         ({"max_completion_tokens": 1.5}, "max_completion_tokens", "valid integer"),
         ({"seed": True}, "seed", "valid integer"),
         ({"n": 3}, "n", "only 1"),
-        ({"presence_penalty": 0.1}, "presence_penalty", "repetition_penalty"),
-        ({"frequency_penalty": -1}, "frequency_penalty", "not supported"),
+        ({"presence_penalty": -2.1}, "presence_penalty", "greater than or equal to -2"),
         ({"frequency_penalty": 3}, "frequency_penalty", "less than or equal to 2"),
-        ({"logit_bias": {"50256": -100}}, "logit_bias", "not supported"),
+        ({"logit_bias": {"x": -100}}, "logit_bias", "keys must be token ids"),
+        ({"logit_bias": {"5": 100.5}}, "logit_bias", "[-100, 100]"),
+        ({"bad_words": "foo"}, "bad_words", "valid array"),
         ({"top_logprobs": 2}, "top_logprobs", "logprobs: true"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "20"),
         ({"stop": ["a"] * 17}, "stop", "at most 16"),
