@@ -59,8 +59,8 @@ def bytes_waiting(transport: asyncio.BaseTransport) -> int:
     sock = transport.get_extra_info("socket")
     try:
         raw = fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(_INT.size))
-    except (AttributeError, OSError):  # no socket (closed), or not one FIONREAD knows
-        return 0
+    except (AttributeError, OSError, ValueError):  # no socket, closed (fileno -1), or not
+        return 0  # one FIONREAD knows
     return int(_INT.unpack(raw)[0])
 
 

@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from lmd.http_protocol import bytes_waiting
 from lmd.http_server import (
     KEEP_ALIVE_S,
     ConnectionLimits,
@@ -154,3 +155,16 @@ def test_the_listen_backlog_is_what_the_kernel_allows() -> None:
     assert backlog == listen_backlog()
     with open("/proc/sys/net/core/somaxconn") as f:
         assert backlog == int(f.read())
+
+
+def test_a_timer_that_fires_after_the_close_finds_nothing_waiting() -> None:
+    """The keep-alive timer of a connection whose socket is already closed (fileno -1):
+    on an H100 run this raised ValueError in the timer callback (logged by asyncio)."""
+    closed = socket.socket()
+    closed.close()
+
+    class Transport(asyncio.BaseTransport):
+        def get_extra_info(self, name: str, default: object = None) -> object:
+            return closed if name == "socket" else default
+
+    assert bytes_waiting(Transport()) == 0
