@@ -58,7 +58,8 @@ async def test_sampling_fields_reach_the_tokenizer(stack: Stack) -> None:
     body = chat_body(
         temperature=0, top_p=0.5, top_k=7, min_p=0.1, seed=3, stop=["\n", "END"],
         repetition_penalty=1.1, min_tokens=2, ignore_eos=True, skip_special_tokens=False,
-        max_completion_tokens=9, presence_penalty=0, user="someone", unknown_field={"x": 1},
+        max_completion_tokens=9, presence_penalty=0.5, frequency_penalty=-1,
+        logit_bias={"17": 5}, bad_words=["END"], user="someone", unknown_field={"x": 1},
     )  # fmt: skip
     r = await stack.http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
@@ -66,7 +67,8 @@ async def test_sampling_fields_reach_the_tokenizer(stack: Stack) -> None:
     assert sent.sampling == {
         "temperature": 0.0, "top_p": 0.5, "top_k": 7, "min_p": 0.1, "repetition_penalty": 1.1,
         "seed": 3, "min_new_tokens": 2, "stop_token_ids": [], "ignore_eos": True,
-        "logprobs": None, "max_tokens": 9,
+        "logprobs": None, "max_tokens": 9, "presence_penalty": 0.5, "frequency_penalty": -1.0,
+        "logit_bias": [[17, 5.0]], "bad_words": ["END"],
     }  # fmt: skip
     assert sent.stop == ["\n", "END"] and sent.skip_special_tokens is False
 
