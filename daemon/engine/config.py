@@ -8,8 +8,10 @@ The names and defaults follow LMDeploy's engine config, so that `--block-size`,
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 # A config.json that names no max_position_embeddings: the length Llama's config assumes
@@ -17,12 +19,22 @@ from typing import Any
 DEFAULT_CONTEXT_LEN = 2048
 
 
+def read_hf_config(model_dir: Path) -> dict[str, Any]:
+    """A model directory's config.json, as read."""
+    config: dict[str, Any] = json.loads((Path(model_dir) / "config.json").read_text())
+    return config
+
+
+def text_config(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's part of a config.json (`text_config` of a multimodal one)."""
+    return hf_config.get("text_config") or hf_config
+
+
 def context_len(hf_config: Mapping[str, Any]) -> int:
     """A model's context length, from its config.json as read: max_position_embeddings
     (of `text_config` for a multimodal model), else DEFAULT_CONTEXT_LEN. The tokenizer
     and every backend read it here, so they agree on what fits."""
-    text = hf_config.get("text_config") or hf_config
-    return int(text.get("max_position_embeddings") or DEFAULT_CONTEXT_LEN)
+    return int(text_config(hf_config).get("max_position_embeddings") or DEFAULT_CONTEXT_LEN)
 
 
 def resolve_session_len(session_len: int | None, model_context_len: int) -> int:

@@ -43,7 +43,7 @@ import torch
 from lmd.engine.backend import Backend, ForwardBatch, parse_dtype
 from lmd.engine.backends import select_backend
 from lmd.engine.block_manager import BlockManager
-from lmd.engine.config import EngineConfig
+from lmd.engine.config import EngineConfig, read_hf_config
 from lmd.engine.decode_scheduler import DecodeBatch, DecodeScheduler
 from lmd.engine.inflight import InFlight
 from lmd.engine.kv_pool import KVPool, PoolBuffer, bytes_per_block, size_pool
@@ -393,8 +393,5 @@ class Engine:
 
 
 def _architecture(model_dir: Path) -> str:
-    import orjson
-
-    config = orjson.loads((model_dir / "config.json").read_bytes())
-    archs = config.get("architectures") or ["unknown"]
+    archs = read_hf_config(model_dir).get("architectures") or ["unknown"]
     return str(archs[0])

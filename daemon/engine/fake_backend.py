@@ -16,7 +16,6 @@ the next forward.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -24,14 +23,14 @@ import torch
 from torch import Tensor
 
 from lmd.engine.backend import Backend, ForwardBatch
-from lmd.engine.config import context_len
+from lmd.engine.config import context_len, read_hf_config
 
 
 class FakeBackend(Backend):
     name: ClassVar[str] = "fake"
 
     def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
-        config: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
+        config: dict[str, Any] = read_hf_config(model_dir)
         config = config.get("text_config", config)
         self._config = config
         self._device = torch.device(device)

@@ -9,16 +9,16 @@ an estimate that is low costs that engine some KV blocks, never another engine's
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
-from lmd.engine.config import EngineConfig, context_len
+from lmd.engine.config import EngineConfig, context_len, text_config
+from lmd.engine.kv_pool import bytes_per_block
 from lmd.engine.memory_plan import EngineNeeds
 from lmd.protocol.roles import Role
 
@@ -26,53 +26,35 @@ from lmd.protocol.roles import Role
 RESERVE_SLACK_BYTES = 512 << 20
 # A prefill engine wants KV for this many steps of prompts (migrating, being computed).
 PREFILL_KV_STEPS = 4
-_ITEMSIZE = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-}  # fmt: skip
-
-
-def text_config(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
-    return hf_config.get("text_config") or hf_config
-
-
-def load_config(model_dir: Path) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((Path(model_dir) / "config.json").read_text())
-    return data
+# Bytes of the checkpoint's tensors that are not floating point (they load as they are).
+_INT_ITEMSIZE = {"I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 def weight_bytes(model_dir: Path, dtype: torch.dtype) -> int:
-    """Bytes of the model's floating-point weights once loaded as `dtype`: every tensor
-    of its safetensors files (their headers only), else the size of its weight files."""
+    """Bytes of the model's weights once loaded as `dtype`: every tensor of its
+    safetensors files (read from their headers), else the size of its weight files."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         other = [*Path(model_dir).glob("*.bin"), *Path(model_dir).glob("*.pt")]
         return sum(f.stat().st_size for f in other)
     total = 0
     for path in files:
-        for name, entry in _header(path).items():
-            if name == "__metadata__":
-                continue
-            numel = math.prod(entry["shape"])
-            floating = entry["dtype"].startswith(("F", "BF"))
-            total += numel * (dtype.itemsize if floating else _ITEMSIZE.get(entry["dtype"], 1))
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (a safetensors handle is no dict)
+                tensor = f.get_slice(name)
+                kind = tensor.get_dtype()
+                itemsize = _INT_ITEMSIZE.get(kind, dtype.itemsize)  # floats load as dtype
+                total += math.prod(tensor.get_shape()) * itemsize
     return total
 
 
-def _header(path: Path) -> dict[str, Any]:
-    with path.open("rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header: dict[str, Any] = json.loads(f.read(length))
-    return header
-
-
 def kv_bytes_per_token(hf_config: Mapping[str, Any], dtype: torch.dtype) -> int:
-    """K and V of one token in every layer (the pool's layout: kv_pool.bytes_per_block)."""
+    """K and V of one token in every layer: a pool block of one token."""
     c = text_config(hf_config)
     heads = int(c["num_attention_heads"])
     kv_heads = int(c.get("num_key_value_heads") or heads)
     head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // heads)
-    return int(c["num_hidden_layers"]) * 2 * kv_heads * head_dim * dtype.itemsize
+    return bytes_per_block(int(c["num_hidden_layers"]), kv_heads, head_dim, 1, dtype)
 
 
 def reserve_estimate(

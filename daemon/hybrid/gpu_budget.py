@@ -18,8 +18,8 @@ import torch
 
 from lmd.config import ServeConfig
 from lmd.engine.backend import parse_dtype
-from lmd.engine.config import EngineConfig
-from lmd.engine.memory_needs import engine_needs, load_config, weight_bytes
+from lmd.engine.config import EngineConfig, read_hf_config
+from lmd.engine.memory_needs import engine_needs, weight_bytes
 from lmd.engine.memory_plan import (
     Budget,
     EngineNeeds,
@@ -45,7 +45,7 @@ def claim_gpu_budget(
     device = torch.device(gpu)
     _free, total = torch.cuda.mem_get_info(device)
     dtype = parse_dtype(config.dtype, device)
-    hf_config = load_config(model_dir)
+    hf_config = read_hf_config(model_dir)
     weights = weight_bytes(model_dir, dtype)
     utilization = config.gpu_memory_utilization
     planned = dict(spec.device_engines)

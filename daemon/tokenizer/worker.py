@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 from lmd import protocol
-from lmd.engine.config import context_len, resolve_session_len
+from lmd.engine.config import context_len, read_hf_config, resolve_session_len
 from lmd.engine.model_source import ModelSourceError, resolve_model
 from lmd.names import role_of
 from lmd.protocol import Message, Role
@@ -75,7 +74,7 @@ class TokenizerWorker(Worker):
                 AutoTokenizer.from_pretrained, str(model.path), local_files_only=True
             )
             self.template = self._load_template()
-            hf_config = json.loads((model.path / "config.json").read_text())
+            hf_config = read_hf_config(model.path)
             self.session_len = resolve_session_len(self.config.session_len, context_len(hf_config))
         except (ModelSourceError, ChatTemplateError, OSError, ValueError) as exc:
             raise WorkerStartError(str(exc)) from None

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmd.engine.config import EngineConfig
+from lmd.engine.config import EngineConfig, read_hf_config
 from lmd.engine.engine import Engine
-from lmd.engine.memory_needs import engine_needs, load_config, weight_bytes
+from lmd.engine.memory_needs import engine_needs, weight_bytes
 from lmd.engine.memory_plan import Budget, StepOutOfMemory, plan_device
 from lmd.engine.sequence import SamplingParams, Sequence
 from lmd.protocol.roles import Role
@@ -44,7 +44,7 @@ def uncapped() -> Iterator[None]:
 def shared_budget(model_dir: Path, utilization: float) -> Budget:
     """decode-0's part of a GPU it shares with a prefill engine."""
     dtype = torch.bfloat16
-    config, weights = load_config(model_dir), weight_bytes(model_dir, dtype)
+    config, weights = read_hf_config(model_dir), weight_bytes(model_dir, dtype)
     needs = [
         engine_needs(n, r, config, weights=weights, config=SETTINGS, dtype=dtype)
         for n, r in (("prefill-0", Role.PREFILL), ("decode-0", Role.DECODE))

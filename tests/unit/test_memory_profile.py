@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmd.engine.config import EngineConfig
+from lmd.engine.config import EngineConfig, read_hf_config
 from lmd.engine.kv_pool import bytes_per_block
 from lmd.engine.memory_needs import (
     engine_needs,
     kv_bytes_per_token,
-    load_config,
     reserve_estimate,
     weight_bytes,
 )
@@ -44,7 +43,7 @@ def test_weight_bytes_count_every_tensor_of_the_checkpoint_in_the_dtype_it_loads
 
 
 def test_kv_bytes_per_token_is_the_pools_block_bytes_per_token(tiny: Path) -> None:
-    config = load_config(tiny)
+    config = read_hf_config(tiny)
     s = TINY_SHAPE
     head_dim = s["hidden_size"] // s["num_attention_heads"]
     block = bytes_per_block(
@@ -56,7 +55,7 @@ def test_kv_bytes_per_token_is_the_pools_block_bytes_per_token(tiny: Path) -> No
 def test_the_reserve_grows_with_the_batch_and_the_prefill_step_and_decode_adds_graphs(
     tiny: Path,
 ) -> None:
-    config = load_config(tiny)
+    config = read_hf_config(tiny)
     small = EngineConfig(max_batch_size=8, max_prefill_token_num=512)
     big = EngineConfig(max_batch_size=256, max_prefill_token_num=8192)
     dtype = torch.bfloat16
@@ -69,7 +68,7 @@ def test_the_reserve_grows_with_the_batch_and_the_prefill_step_and_decode_adds_g
 
 
 def test_every_engine_of_a_gpu_computes_the_same_needs(tiny: Path) -> None:
-    config = load_config(tiny)
+    config = read_hf_config(tiny)
     engine = EngineConfig(max_batch_size=64, max_prefill_token_num=1024, session_len=512)
     weights = weight_bytes(tiny, torch.bfloat16)
 

@@ -10,7 +10,6 @@ rotary embeddings come from the position ids.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any, ClassVar
@@ -20,7 +19,7 @@ from torch import Tensor
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from lmd.engine.backend import Backend, BackendError, ForwardBatch
-from lmd.engine.config import context_len
+from lmd.engine.config import context_len, read_hf_config
 from lmd.engine.torch_backend.attention import (
     ATTENTION_NAME,
     METADATA_KWARG,
@@ -53,7 +52,7 @@ class TorchBackend(Backend):
             self._threads = CpuThreads()
         config = _load_config(model_dir)
         self._config = config.get_text_config()
-        self._context_len = context_len(json.loads((model_dir / "config.json").read_text()))
+        self._context_len = context_len(read_hf_config(model_dir))
         layer_types = getattr(self._config, "layer_types", None) or []
         others = sorted(set(layer_types) - ATTENTION_LAYER_TYPES)
         if others:
