@@ -34,11 +34,11 @@ def penalize(
     """`raw` ([B, V] float32) with each row's adjustments: a copy, or `raw` if none."""
     if ahead and any(s.sampling.needs_history for s in seqs):
         raise ValueError("a penalty or bad word needs every earlier token: cannot run ahead")
-    bans = [banned_token_ids(s, eos_token_ids, ahead) + bad_word_bans(s) for s in seqs]
-    params = [s.sampling for s in seqs]
-    adjusted = any(p.repetition_penalty != 1.0 or p.counts_tokens or p.logit_bias for p in params)
-    if not adjusted and not any(bans):
+    bans = [banned_token_ids(s, eos_token_ids, ahead) for s in seqs]
+    if not any(s.sampling.adjusts_logits for s in seqs) and not any(bans):
         return raw
+    for banned, seq in zip(bans, seqs, strict=True):
+        banned.extend(bad_word_bans(seq))
     x = workspace.get("penalized", raw.shape[0], raw.shape[1], raw.device).copy_(raw)
     _repetition(x, seqs)
     _presence_and_frequency(x, seqs)
@@ -49,11 +49,16 @@ def penalize(
 
 def bad_word_bans(seq: Sequence) -> list[int]:
     """The last tokens of the bad words that the next token would complete."""
-    words = seq.sampling.bad_words
-    if not words:
-        return []
-    tokens = seq.token_ids
-    return [w[-1] for w in words if len(w) == 1 or tokens[-(len(w) - 1) :] == list(w[:-1])]
+    return [w[-1] for w in seq.sampling.bad_words if _ends_with(seq, w[:-1])]
+
+
+def _ends_with(seq: Sequence, tokens: tuple[int, ...]) -> bool:
+    """Whether prompt + output ends with `tokens` (without joining the two each step)."""
+    if not tokens:
+        return True
+    output, n = seq.output_token_ids, len(tokens)
+    tail = output[-n:] if n <= len(output) else seq.prompt_token_ids[len(output) - n :] + output
+    return tail == list(tokens)
 
 
 def _rows(x: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

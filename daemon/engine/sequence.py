@@ -156,10 +156,18 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
+    def adjusts_logits(self) -> bool:
+        """A penalty, a bias or a bad word changes its logits (penalties.py)."""
+        return self.repetition_penalty != 1.0 or self.counts_tokens or bool(
+            self.logit_bias or self.bad_words
+        )
+
+    @property
     def needs_history(self) -> bool:
         """Its logits depend on every earlier token (a step cannot run ahead of one)."""
-        multi_token_word = any(len(w) > 1 for w in self.bad_words)
-        return self.repetition_penalty != 1.0 or self.counts_tokens or multi_token_word
+        if self.repetition_penalty != 1.0 or self.counts_tokens:
+            return True
+        return bool(self.bad_words) and any(len(w) > 1 for w in self.bad_words)
 
 
 @dataclass(slots=True, eq=False)
