@@ -176,10 +176,12 @@ def remainder_budget(
     held_bytes: int,
     utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
     *,
+    num_others: int = 1,
     context_bytes: int = CONTEXT_BYTES,
 ) -> Budget:
     """The budget of an engine the configured plan did not count (one `lmdctl scale`
-    added): what the budgets of the engines already on the device (`held_bytes`) leave."""
+    added): what the budgets of the `num_others` engines already on the device
+    (`held_bytes` together) leave."""
     usable = int(total_bytes * utilization)
     fixed = context_bytes + needs.weight_bytes + needs.reserve_bytes
     share = usable - held_bytes - fixed
@@ -200,7 +202,7 @@ def remainder_budget(
         weight_bytes=needs.weight_bytes,
         reserve_bytes=needs.reserve_bytes,
         share_bytes=share,
-        num_engines=2,  # it shares the device with those engines
+        num_engines=num_others + 1,
         context_bytes=context_bytes,
     )
 

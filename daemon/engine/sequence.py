@@ -158,8 +158,10 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """A penalty, a bias or a bad word changes its logits (penalties.py)."""
-        return self.repetition_penalty != 1.0 or self.counts_tokens or bool(
-            self.logit_bias or self.bad_words
+        return (
+            self.repetition_penalty != 1.0
+            or self.counts_tokens
+            or bool(self.logit_bias or self.bad_words)
         )
 
     @property

@@ -50,16 +50,17 @@ def claim_gpu_budget(
     utilization = config.gpu_memory_utilization
     planned = dict(spec.device_engines)
     ledger = PoolLedger(config.runtime_dir, scope=gpu)
-    claimed: list[Budget] = []
 
     def needs(name: str, role: Role) -> EngineNeeds:
         return engine_needs(
             name, role, hf_config, weights=weights, config=engine_config, dtype=dtype
         )
 
-    def budget_for(held: int) -> int:
+    def decide(taken: dict[str, int]) -> tuple[Budget, int]:
+        held = sum(taken.values())
         if spec.name not in planned:  # added by lmdctl scale: what the others leave
-            budget = remainder_budget(gpu, total, needs(spec.name, spec.role), held, utilization)
+            own = needs(spec.name, spec.role)
+            budget = remainder_budget(gpu, total, own, held, utilization, num_others=len(taken))
         else:
             every = [needs(name, Role(role)) for name, role in planned.items()]
             budget = plan_device(gpu, total, every, utilization)[spec.name]
@@ -70,8 +71,6 @@ def claim_gpu_budget(
                     f"fit: the other engines on {gpu} hold {held / GiB:.2f} of the "
                     f"{usable / GiB:.2f} GiB the daemon may use; scale one of them down"
                 )
-        claimed.append(budget)
-        return budget.budget_bytes
+        return budget, budget.budget_bytes
 
-    ledger.claim(spec.name, budget_for, None)
-    return claimed[0], ledger
+    return ledger.claim_with(spec.name, decide), ledger

@@ -24,12 +24,14 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import psutil
 
 log = logging.getLogger(__name__)
 
 LEDGER_DIR = "kv-pools"
+T = TypeVar("T")
 
 
 class PoolLedger:
@@ -44,15 +46,23 @@ class PoolLedger:
         """This worker's free memory, `free_for(bytes the other pools hold)`; notes
         `fraction` of it (cache_max_entry_count; None for a block count: all of it) as
         taken until `record` gives the pool's real size."""
-        with self._locked():
-            taken = self.taken(name)
+
+        def decide(taken: dict[str, int]) -> tuple[int, int]:
             free = free_for(sum(taken.values()))
-            reserve = free if fraction is None else int(free * fraction)
-            self._write(name, reserve)
-        if taken:
-            held = ", ".join(f"{n} {b / 2**30:.2f} GiB" for n, b in sorted(taken.items()))
-            log.info("CPU KV pools held by the other engines: %s", held)
-        return free
+            if taken:
+                held = ", ".join(f"{n} {b / 2**30:.2f} GiB" for n, b in sorted(taken.items()))
+                log.info("CPU KV pools held by the other engines: %s", held)
+            return free, free if fraction is None else int(free * fraction)
+
+        return self.claim_with(name, decide)
+
+    def claim_with(self, name: str, decide: Callable[[dict[str, int]], tuple[T, int]]) -> T:
+        """`decide(the other live workers' bytes, by name)` -> (its answer, the bytes to
+        note as this worker's), with the lock held throughout; returns the answer."""
+        with self._locked():
+            answer, nbytes = decide(self.taken(name))
+            self._write(name, nbytes)
+        return answer
 
     def record(self, name: str, nbytes: int) -> None:
         with self._locked():
