@@ -40,6 +40,20 @@ DISAGGREGATED = (
 )
 
 
+LMDCTL = [sys.executable, "-m", "lmd_client.lmdctl"]
+
+
+def lmdctl(daemon: Daemon, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    """`lmdctl --socket <the daemon's> ARGS`, its output captured (no check)."""
+    return subprocess.run(
+        [*LMDCTL, "--socket", str(daemon.socket_path), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

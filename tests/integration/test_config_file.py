@@ -10,20 +10,9 @@ from pathlib import Path
 import httpx
 import orjson
 
-from tests.integration.daemon import DISAGGREGATED, Daemon, free_port, wait_until
+from tests.integration.daemon import DISAGGREGATED, Daemon, free_port, lmdctl, wait_until
 
-LMDCTL = [sys.executable, "-m", "lmd_client.lmdctl"]
 # Bare tokenizer/prefill/decode/api workers: fast to start, no model loaded.
-
-
-def lmdctl(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*LMDCTL, "--socket", str(daemon.socket_path), *args],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
 
 
 def test_file_values_apply_and_flags_override_them(

@@ -16,9 +16,8 @@ import httpx
 import orjson
 import pytest
 
-from tests.integration.daemon import Daemon
+from tests.integration.daemon import Daemon, lmdctl
 
-LMDCTL = [sys.executable, "-m", "lmd_client.lmdctl"]
 BODY = {"model": "SmolLM2-135M-Instruct", "prompt": "Hello there", "temperature": 0}
 MAX_TOKENS = 8
 NUM_BEFORE = 5  # requests answered before the metrics call
@@ -50,16 +49,6 @@ def complete(client: httpx.Client) -> dict[str, Any]:
     return body
 
 
-def lmdctl(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*LMDCTL, "--socket", str(daemon.socket_path), *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 def metrics_under_load(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
     """Run `lmdctl ARGS metrics --interval 2` while requests keep completing."""
     stop = threading.Event()
@@ -72,7 +61,7 @@ def metrics_under_load(daemon: Daemon, *args: str) -> subprocess.CompletedProces
     thread = threading.Thread(target=load, daemon=True)
     thread.start()
     try:
-        return lmdctl(daemon, *args, "metrics", "--interval", "2")
+        return lmdctl(daemon, *args, "metrics", "--interval", "2", timeout=60)
     finally:
         stop.set()
         thread.join(30)
@@ -138,7 +127,7 @@ def test_bash_completes_the_running_daemons_worker_names(
     fake_daemon: Daemon, tmp_path: Path
 ) -> None:
     script = tmp_path / "lmdctl.bash"
-    script.write_text(lmdctl(fake_daemon, "completion", "bash").stdout)
+    script.write_text(lmdctl(fake_daemon, "completion", "bash", timeout=60).stdout)
     words = f"lmdctl --socket {fake_daemon.socket_path} restart ''"
     program = (
         f'source {script}; COMP_WORDS=({words}); COMP_CWORD=4; _lmdctl; echo "${{COMPREPLY[*]}}"'

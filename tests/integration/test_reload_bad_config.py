@@ -6,16 +6,13 @@ before and after, and the body-size limit still holds in an api worker started a
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import orjson
 
-from tests.integration.daemon import DISAGGREGATED, Daemon, wait_until
+from tests.integration.daemon import DISAGGREGATED, Daemon, lmdctl, wait_until
 
-LMDCTL = [sys.executable, "-m", "lmd_client.lmdctl"]
 GOOD = b"max_request_bytes = 4096\n"
 # (file content, what the one-line error says)
 BAD_FILES = [
@@ -27,16 +24,6 @@ BAD_FILES = [
     (b'max_request_bytes = "2048"\n', "expected an integer, got a string"),
     (b'max_request_bytes = 2048\nchat_template = "~nosuchuser/t.json"\n', "chat_template"),
 ]
-
-
-def lmdctl(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*LMDCTL, "--socket", str(daemon.socket_path), *args],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
 
 
 def running_config(daemon: Daemon) -> dict[str, object]:
