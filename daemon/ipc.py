@@ -101,12 +101,21 @@ class Channel(_Dropping):
     def try_send(self, msg: Message) -> bool:
         """Send without waiting; False when the peer is gone or not keeping up (queue full),
         or the message is over its kind's cap (the peer would drop it)."""
+        frames = self.encode(msg)
+        return frames is not None and self.try_send_frames(frames)
+
+    def encode(self, msg: Message) -> list[bytes] | None:
+        """`msg`'s frames; None (logged, counted in num_oversize) when over its kind's cap."""
         frames = protocol.encode(msg)
         if why := protocol.oversize(frames):
             self.num_oversize += 1
             if should_log(self.num_oversize):
                 log.error("%s: not sent: %s", self.label, why)
-            return False
+            return None
+        return frames
+
+    def try_send_frames(self, frames: list[bytes]) -> bool:
+        """Hand encoded frames to ZeroMQ without waiting; False when its queue is full."""
         try:
             self._nowait.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:

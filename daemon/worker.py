@@ -109,11 +109,10 @@ class Worker:
         self._proc = psutil.Process()
         self._last_stats: dict[str, Any] = {}  # what the heartbeat sends if reading fails
         self.num_heartbeat_errors = 0
-        self._peers = Peers(self._open_peer)
+        self._peers = Peers(self._open_peer, functools.partial(self.watch, may_return=True))
         # Every name this worker may answer or talk to: its node's plan, and every worker
         # of every cluster view it received (a restarted peer keeps its name).
         self._known = {n for role in Role for n in worker_names(config, role)}
-        self.num_lost = 0  # data-path messages a peer did not take (gone or not reading)
 
     @property
     def num_dropped(self) -> int:
@@ -195,7 +194,8 @@ class Worker:
     async def _send_heartbeat(self) -> None:
         stats = {
             **self._beat_stats(),
-            "num_lost": self.num_lost,
+            "num_lost": self._peers.num_lost,
+            "num_waiting": self._peers.num_waiting,  # in backlogs to peers behind (peers.py)
             # cluster nodes: TCP peers refused for lacking the cluster key (links.py)
             "num_refused": getattr(self.inbox, "num_refused", 0),
         }
@@ -302,14 +302,12 @@ class Worker:
         return ClusterKey.load(Path(self.config.cluster_key))
 
     def push(self, worker_name: str, msg: Message) -> bool:
-        """Send `msg` to another worker's inbox without waiting; False (counted) if lost.
-        A worker on another cluster node is reached over TCP, at the endpoint its node
-        published (a new one after a restart)."""
+        """Send `msg` to another worker's inbox without waiting: now, or in order once the
+        peer makes room (peers.py); False (counted in num_lost) if it is lost. A worker on
+        another cluster node is reached over TCP, at the endpoint its node published (a
+        new one after a restart)."""
         endpoint = self.remote.get(worker_name) or self.endpoints.inbox(worker_name)
-        if self._peers.channel(worker_name, endpoint).try_send(msg):
-            return True
-        self.num_lost += 1
-        return False
+        return self._peers.send(worker_name, endpoint, msg)
 
     @property
     def num_peers(self) -> int:

@@ -215,6 +215,22 @@ async def test_the_heartbeat_survives_a_transient_error(harness: Harness, where:
     assert before.stats["rss_bytes"] > 0
 
 
+async def test_answers_to_a_peer_that_falls_behind_wait_and_arrive_in_order(
+    harness: Harness,
+) -> None:
+    """ZeroMQ holds 1,000 messages each side; the rest used to be dropped (num_lost) and
+    their requests hung. The api here reads nothing until all 3,000 are answered."""
+    n = 3000
+    for i in range(n):
+        await harness.send(f"r{i}", "hello")
+    await until(lambda: harness.worker._peers.num_waiting > 0)
+    answers = [(await harness.answer()).request_id for _ in range(n)]
+    assert answers == [f"r{i}" for i in range(n)]
+    await until(lambda: harness.worker._peers.num_waiting == 0)
+    beat = (await harness.beats(1))[0]
+    assert beat.stats["num_lost"] == 0 and beat.stats["num_waiting"] == 0
+
+
 async def test_names_outside_the_cluster_are_dropped_and_open_no_socket(
     harness: Harness,
 ) -> None:
