@@ -42,7 +42,7 @@ Watch = Callable[[Coroutine[Any, Any, None], str], "asyncio.Task[None]"]
 
 
 class _Peer:
-    __slots__ = ("endpoint", "channel", "backlog", "backlog_bytes", "flusher")
+    __slots__ = ("backlog", "backlog_bytes", "channel", "endpoint", "flusher")
 
     def __init__(self, endpoint: str, channel: Channel) -> None:
         self.endpoint = endpoint

@@ -116,7 +116,7 @@ def run_side(args: argparse.Namespace) -> dict[str, Any]:
         backend = engine.backend
         prompts = random_prompts(args.batch, args.input_len, backend.vocab_size, 0)
         time_engine(engine, prompts[:1], 4)  # warm-up
-        seconds = [time_engine(engine, prompts, args.output_len) for _ in range(args.iterations)]
+        seconds = [time_engine(engine, prompts, args.output_len)[0] for _ in range(args.iterations)]
         text = False
     else:
         pipe = make_pipeline(args)

@@ -2,13 +2,18 @@
 
     lmd-bench offline [--model M] [--batch 8] [--input-len 128] [--output-len 64]
                       [--device cpu] [--dtype auto] [--compare-hf] [--json]
+                      [--guided-json SCHEMA.json]
 
 Random-token prompts of exactly --input-len tokens, --output-len tokens each with
 ignore_eos, greedy; all --batch requests are added at once and the engine steps until
 they finish. Output tokens per second = batch * output_len / wall time. With
 --compare-hf, transformers' `generate` runs the same prompts as one batch in the same
 run (EOS neither stops nor is masked, as with ignore_eos) and the ratio is printed.
-Each side runs a short warm-up first. Both share the process: transformers runs with the
+Each side runs a short warm-up first. With --guided-json every request follows that JSON
+schema (structured output, engine/grammar.py; compiled before the clock starts), so the
+figure against a plain run is the grammar's cost per step; a request then ends where the
+grammar does (or at --output-len), and tokens per second count the tokens made. Both
+sides share the process: transformers runs with the
 torch thread count the process started with (the CPU engine lowers its own while other
 processes keep cores busy, engine/torch_backend/cpu_threads.py) and with the engine's
 allocator setting (engine/torch_backend/host_memory.py), which speeds up its prefill too.
@@ -17,13 +22,16 @@ allocator setting (engine/torch_backend/host_memory.py), which speeds up its pre
 from __future__ import annotations
 
 import argparse
+import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from lmd.engine.config import EngineConfig
 from lmd.engine.engine import Engine
+from lmd.engine.grammar import Grammars
 from lmd.engine.model_source import resolve_model
 from lmd.engine.sequence import SamplingParams, Sequence
 
@@ -53,6 +61,9 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-hf", action="store_true", help="also time transformers generate")
+    p.add_argument(
+        "--guided-json", metavar="SCHEMA", help="a JSON schema file every request follows"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.set_defaults(run=run)
 
@@ -63,16 +74,26 @@ def random_prompts(batch: int, input_len: int, vocab: int, seed: int) -> list[li
     return torch.randint(16, vocab, (batch, input_len), generator=g).tolist()
 
 
-def time_engine(engine: Engine, prompts: list[list[int]], output_len: int) -> float:
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add(Sequence(f"bench-{i}", prompt, params))
+def time_engine(
+    engine: Engine,
+    prompts: list[list[int]],
+    output_len: int,
+    guided: tuple[str, str] | None = None,
+    grammars: Grammars | None = None,
+) -> tuple[float, int]:
+    """Seconds to generate for every prompt at once, and the output tokens made."""
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, guided=guided)
+    seqs = [Sequence(f"bench-{i}", prompt, params) for i, prompt in enumerate(prompts)]
+    for seq in seqs:
+        if guided is not None and grammars is not None:
+            seq.guide = grammars.guide(guided)
+        engine.add(seq)
     _sync(engine.backend.device)
     start = time.perf_counter()
     while engine.has_work:
         engine.step()
     _sync(engine.backend.device)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, sum(s.num_output_tokens for s in seqs)
 
 
 def time_hf(model: Any, prompts: list[list[int]], output_len: int) -> float:
@@ -112,9 +133,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     vocab = engine.backend.vocab_size
     prompts = random_prompts(args.batch, args.input_len, vocab, args.seed)
-    time_engine(engine, prompts[:1], 4)  # warm-up
-    seconds = time_engine(engine, prompts, args.output_len)
-    num_output = args.batch * args.output_len
+    guided, grammars = None, None
+    if args.guided_json:
+        guided = ("json", Path(args.guided_json).read_text())
+        grammars = Grammars(model.path, vocab, engine.backend.eos_token_ids)
+        asyncio.run(grammars.prepare(guided))
+    time_engine(engine, prompts[:1], 4, guided, grammars)  # warm-up
+    steps_before = engine.num_steps
+    seconds, num_output = time_engine(engine, prompts, args.output_len, guided, grammars)
+    steps = engine.num_steps - steps_before
     result: dict[str, Any] = {
         "benchmark": "offline",
         "model": model.name,
@@ -126,7 +153,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "output_len": args.output_len,
         "seconds": round(seconds, 3),
         "output_tokens_per_s": round(num_output / seconds, 1),
-        "steps": engine.num_steps,
+        "guided_json": bool(guided),
+        "output_tokens": num_output,
+        "steps": steps,
+        "ms_per_step": round(1000 * seconds / max(steps, 1), 3),
         "ahead_steps": engine.num_ahead_steps,
         "threads": threads,
         "engine_threads_at_end": torch.get_num_threads(),
@@ -144,6 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         hf = hf.to(engine.backend.device).eval()  # type: ignore[arg-type]
         time_hf(hf, prompts[:1], 4)  # warm-up
         hf_seconds = time_hf(hf, prompts, args.output_len)
+        num_output = args.batch * args.output_len
         result["hf_seconds"] = round(hf_seconds, 3)
         result["hf_output_tokens_per_s"] = round(num_output / hf_seconds, 1)
         result["speedup_vs_hf"] = round(hf_seconds / seconds, 2)

@@ -25,6 +25,7 @@ from typing import Any
 
 from lmd import protocol
 from lmd.engine.engine import Engine
+from lmd.engine.sequence import SamplingParams
 from lmd.hybrid.worker import EngineWorker
 from lmd.migration.receiver import MigrationError, Receiver, ReservationRefused
 from lmd.protocol import Message, Role
@@ -97,7 +98,8 @@ class DecodeWorker(EngineWorker):
         if msg.request_id in self._reply_to:
             raise MigrationError(f"Reserve of {msg.request_id}: the request is already running")
         try:
-            self.receiver.reserve(msg, self.workers.get(msg.prefill), time.monotonic())
+            guide = self.new_guide(SamplingParams(**msg.sampling))
+            self.receiver.reserve(msg, self.workers.get(msg.prefill), time.monotonic(), guide)
             self.clients.note(msg.reply_to, self.workers)
         except ReservationRefused as exc:
             refuse("invalid_request_error", f"{self.spec.name}: {exc}")

@@ -25,6 +25,12 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
     return config
 
 
+def architecture(model_dir: Path) -> str:
+    """The model class config.json names (`architectures[0]`), or "unknown"."""
+    archs = read_hf_config(model_dir).get("architectures") or ["unknown"]
+    return str(archs[0])
+
+
 def text_config(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
     """The language model's part of a config.json (`text_config` of a multimodal one)."""
     return hf_config.get("text_config") or hf_config

@@ -19,10 +19,13 @@ then waits for step N's tokens, appends them and returns their events. The host'
 for a step (scheduling, packing, sampler set-up, postprocessing) thus runs while the
 device computes the previous one. Step N+1 runs ahead only when it is the same batch
 again (no prompt to prefill, no sequence waiting to join, blocks free for every
-sequence's next token, no repetition penalty); otherwise the engine reads step N back
-first and schedules as usual. A sequence that finished at step N has one wasted row in
-step N+1, whose token is dropped. Blocks that a step in flight may still write into (a
-finished or aborted sequence's) are freed only once it is done.
+sequence's next token); otherwise the engine reads step N back first and schedules as
+usual. When a row's logits depend on step N's token (a penalty over the output so far,
+a grammar: SamplingParams.needs_history), step N+1's forward is launched, step N read
+back while it runs, and step N+1 sampled after, knowing every token. A sequence that
+finished at step N has one wasted row in step N+1, whose token is dropped. Blocks that
+a step in flight may still write into (a finished or aborted sequence's) are freed only
+once it is done.
 
 Disaggregated roles run the same engine: a `prefill` engine hands each sequence whose
 prompt completed (and did not finish at its first token) to `take_prefilled()` instead
@@ -43,7 +46,7 @@ import torch
 from lmd.engine.backend import Backend, ForwardBatch, parse_dtype
 from lmd.engine.backends import select_backend
 from lmd.engine.block_manager import BlockManager
-from lmd.engine.config import EngineConfig, read_hf_config
+from lmd.engine.config import EngineConfig, architecture
 from lmd.engine.decode_scheduler import DecodeBatch, DecodeScheduler
 from lmd.engine.inflight import InFlight
 from lmd.engine.kv_pool import KVPool, PoolBuffer, bytes_per_block, size_pool
@@ -129,7 +132,7 @@ class Engine:
         planned = budget if dev.type == "cuda" else None
         if planned is not None:
             cap_allocator(planned, dev)
-        arch = _architecture(model_dir)
+        arch = architecture(model_dir)
         kind = select_backend(backend, arch, dev, model_dir)
         model = kind(model_dir, dev, parse_dtype(dtype, dev))
         per_block = bytes_per_block(
@@ -255,10 +258,17 @@ class Engine:
         if inflight is None:
             return self._step()
         ahead = self._schedule_ahead()
-        self._inflight = None if ahead is None else self._launch_ahead(ahead, inflight)
-        events = self._read_back(inflight)
         if ahead is None:
-            events += self._step()
+            self._inflight = None
+            return self._read_back(inflight, pending=False) + self._step()
+        logits, seqs = self._forward_ahead(ahead, inflight), ahead.seqs
+        if not any(s.sampling.needs_history for s in seqs):
+            self._inflight = InFlight.launch(ahead, self.sampler.sample(logits, seqs, ahead=1))
+            return self._read_back(inflight, pending=True)
+        # A row needs the token in flight (a penalty, a grammar): read it back meanwhile.
+        self._inflight = None  # read back: an allocation failing below drops `seqs` alone
+        events = self._read_back(inflight, pending=True)
+        self._inflight = InFlight.launch(ahead, self.sampler.sample(logits, seqs))
         return events
 
     @property
@@ -322,12 +332,11 @@ class Engine:
         """Step N+1 if it can run before step N's tokens are known (see the module doc)."""
         if self.prefill.num_running or (self.prefill.num_waiting and self._free_slots > 0):
             return None  # a prompt is to be prefilled next
-        if any(s.sampling.needs_history for s in self.decode.running):
-            return None  # needs the pending token in its history
         return self.decode.schedule_ahead()
 
-    def _launch_ahead(self, batch: DecodeBatch, last: InFlight) -> InFlight:
-        """Launch `batch`, each sequence feeding the token `last` sampled for it."""
+    def _forward_ahead(self, batch: DecodeBatch, last: InFlight) -> torch.Tensor:
+        """Launch `batch`'s forward, each sequence feeding the token `last` sampled for
+        it; its logits ([B, V], on the device)."""
         seqs = self._stepping = batch.seqs
         tokens = last.tokens
         # `seqs` are `last`'s in order, less any finished or aborted since (none join).
@@ -342,12 +351,12 @@ class Engine:
             self.pool.block_size,
         )
         forward.input_ids = tokens
-        logits = self.backend.forward(forward, self.pool.kv)  # [B, V]
         self.num_ahead_steps += 1
-        return InFlight.launch(batch, self.sampler.sample(logits, seqs, ahead=1))
+        return self.backend.forward(forward, self.pool.kv)
 
-    def _read_back(self, inflight: InFlight) -> list[TokenEvent]:
-        """Wait for `inflight`, append its tokens and return their events."""
+    def _read_back(self, inflight: InFlight, *, pending: bool) -> list[TokenEvent]:
+        """Wait for `inflight`, append its tokens and return their events; `pending`: a
+        step launched since holds the blocks of the sequences that finish here."""
         inflight.wait()  # every step launched before it is done too
         for seq in self._free_later:
             self.block_manager.free(seq)
@@ -357,9 +366,8 @@ class Engine:
         # Sequences that finished (or were aborted) before this step's tokens came back:
         # their rows ran ahead for nothing.
         live = [i for i, seq in enumerate(seqs) if not seq.is_finished]
-        ahead = self._inflight is not None  # a step still in flight holds their blocks
-        finished = self.decode.postprocess(inflight.batch, token_ids, free=not ahead)
-        if ahead:
+        finished = self.decode.postprocess(inflight.batch, token_ids, free=not pending)
+        if pending:
             self._free_later.extend(finished)
         if len(live) < len(seqs):
             seqs = [seqs[i] for i in live]
@@ -390,8 +398,3 @@ class Engine:
             for seq, tok, lp in zip(seqs, token_ids, logprobs, strict=True)
             if seq.finish_reason != FinishReason.ABORT
         ]
-
-
-def _architecture(model_dir: Path) -> str:
-    archs = read_hf_config(model_dir).get("architectures") or ["unknown"]
-    return str(archs[0])

@@ -61,6 +61,8 @@ class FixedTokenEngine:
             )
         if seq.sampling.logprobs is not None:
             raise ValueError("the fixed-token engine (a benchmark fake) computes no logprobs")
+        if seq.sampling.guided is not None:
+            raise ValueError("the fixed-token engine (a benchmark fake) follows no grammar")
         self._running[seq.request_id] = seq
 
     def abort(self, request_id: str) -> Sequence | None:

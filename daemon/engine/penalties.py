@@ -9,9 +9,10 @@
                        of it; a one-token word always).
 `penalize` returns a copy with them applied, or the logits themselves when no row asks.
 
-A step run ahead (`ahead=1`: its sequences lack the token sampled before) cannot count
-that token: the engine does not run ahead a batch with a row whose settings need every
-earlier token (SamplingParams.needs_history), and `penalize` refuses one.
+A step sampled ahead (`ahead=1`: its sequences lack the token sampled before) cannot count
+that token: the engine samples a batch with a row whose settings need every earlier token
+(SamplingParams.needs_history) only once that token is read back, and `penalize` refuses
+one sampled ahead.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Order of processing, per row (as in transformers and vLLM):
   repetition_penalty (over prompt + output) -> presence/frequency penalties -> logit_bias
   -> ban eos/stop tokens while min_new_tokens is not reached, and bad words
-  (`penalties.py`) -> greedy rows take the argmax; the others apply
+  (`penalties.py`) -> a guided row's grammar mask (`grammar.py`) -> greedy rows take
+  the argmax; the others apply
   temperature -> top_k -> top_p -> min_p (`warpers.py`) and draw one token.
 
 Only what a row needs is computed: the logits are copied only when some row has a penalty
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmd.engine.categorical import argmax_rows, draw_rows
+from lmd.engine.grammar import GuideMasks
 from lmd.engine.penalties import penalize
 from lmd.engine.sequence import Sequence
 from lmd.engine.warpers import warp
@@ -108,6 +110,7 @@ class Sampler:
     def __init__(self, eos_token_ids: Iterable[int] = ()) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
         self.workspace = Workspace()  # [B, V] scratch reused across steps (see workspace.py)
+        self.masks = GuideMasks()  # grammar bitmasks (grammar.py), made on first use
 
     def sample(
         self, logits: torch.Tensor, seqs: SequenceOf[Sequence], ahead: int = 0
@@ -122,6 +125,13 @@ class Sampler:
             )
         raw = logits.float()  # [B, V]; the same tensor when already float32
         x = penalize(raw, seqs, self.eos_token_ids, self.workspace, ahead)
+        # A finished row (a step run ahead of its end) has nothing left to follow.
+        guided = [i for i, s in enumerate(seqs) if s.guide is not None and not s.is_finished]
+        if guided:
+            if x is raw:  # logprobs are the raw distribution's: mask a copy
+                x = self.workspace.get("penalized", raw.shape[0], raw.shape[1], raw.device)
+                x.copy_(raw)
+            self.masks.apply(x, guided, [seqs[i].guide for i in guided])  # type: ignore[misc]
         # Every row's argmax (cheap next to sampling); sampled rows are overwritten below.
         tokens = argmax_rows(x)  # [B]
         sampled = [i for i, seq in enumerate(seqs) if not seq.sampling.is_greedy]

@@ -19,6 +19,12 @@ import math
 from collections.abc import Collection
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from lmd.engine.grammar import check_guided
+
+if TYPE_CHECKING:
+    from lmd.engine.grammar import Guide
 
 MAX_LOGPROBS = 20
 # Bounds on what a request may ask the sampler to carry per step.
@@ -59,7 +65,8 @@ class SamplingParams:
     min_new_tokens keeps eos and stop_token_ids from ending the output earlier.
     presence_penalty and frequency_penalty (OpenAI's, -2..2) lower the logits of the output
     tokens so far; logit_bias adds (token id, bias in -100..100) pairs; bad_words (token id
-    sequences) are never completed (penalties.py).
+    sequences) are never completed (penalties.py). guided (kind, spec) keeps the output
+    inside a JSON schema, a regex or a grammar (grammar.py).
     """
 
     temperature: float = 1.0
@@ -77,9 +84,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()
+    guided: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         self._check_openai_penalties()
+        self.guided = check_guided(self.guided)
         self.temperature = _number("temperature", self.temperature)
         self.top_p = _number("top_p", self.top_p)
         self.min_p = _number("min_p", self.min_p)
@@ -167,7 +176,7 @@ class SamplingParams:
     @property
     def needs_history(self) -> bool:
         """Its logits depend on every earlier token (a step cannot run ahead of one)."""
-        if self.repetition_penalty != 1.0 or self.counts_tokens:
+        if self.repetition_penalty != 1.0 or self.counts_tokens or self.guided is not None:
             return True
         return bool(self.bad_words) and any(len(w) > 1 for w in self.bad_words)
 
@@ -191,6 +200,7 @@ class Sequence:
     num_prefix_cached_tokens: int = 0  # of the prompt, served by the prefix cache
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    guide: Guide | None = None  # its place in sampling.guided's grammar (grammar.py)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -246,7 +256,9 @@ class Sequence:
         output.append(token_id)
         eos = not sampling.ignore_eos and token_id in eos_token_ids
         reason: FinishReason | None = None
-        if may_stop and (eos or token_id in sampling.stop_token_ids):
+        if (self.guide is not None and self._guide_ends(token_id)) or (
+            may_stop and (eos or token_id in sampling.stop_token_ids)
+        ):
             reason = FinishReason.STOP
         elif len(output) >= sampling.max_tokens or (
             max_seq_len is not None and len(self.prompt_token_ids) + len(output) >= max_seq_len
@@ -255,6 +267,12 @@ class Sequence:
         if reason is not None:
             self.finish(reason)
         return reason
+
+    def _guide_ends(self, token_id: int) -> bool:
+        """Hand the token to the guide: the output ends when the grammar took its end
+        token, or (never with the mask applied) when the grammar refuses the token."""
+        assert self.guide is not None
+        return not self.guide.accept(token_id) or self.guide.is_done
 
     def finish(self, reason: FinishReason) -> None:
         self.status = SequenceStatus.FINISHED
@@ -286,8 +304,8 @@ def banned_token_ids(seq: Sequence, eos_token_ids: SequenceOf[int], ahead: int =
 
     `ahead`: output tokens sampled already but not appended yet (a step run ahead).
     """
-    if seq.num_output_tokens + ahead >= seq.sampling.min_new_tokens:
-        return []
+    if seq.num_output_tokens + ahead >= seq.sampling.min_new_tokens or seq.guide is not None:
+        return []  # a guided row: its grammar says when it may end
     banned = list(seq.sampling.stop_token_ids)
     if not seq.sampling.ignore_eos:
         banned.extend(eos_token_ids)

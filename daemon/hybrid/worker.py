@@ -43,6 +43,7 @@ from lmd.engine.backend import BackendError
 from lmd.engine.config import EngineConfig
 from lmd.engine.engine import Engine, TokenEvent
 from lmd.engine.fixed_engine import FixedTokenEngine, FixedTokens
+from lmd.engine.grammar import Grammars, Guide, check_guided
 from lmd.engine.kv_pool import CPU_KV_CAP_BYTES, cpu_kv_free
 from lmd.engine.memory_plan import Budget, MemoryPlanError, StepOutOfMemory, describe
 from lmd.engine.model_source import ModelSourceError, resolve_model
@@ -67,6 +68,8 @@ class EngineWorker(Worker):
     async def start(self) -> None:
         device = self.spec.device or "cpu"
         self.memory: PoolMemory | None = None
+        self.grammars: Grammars | None = None  # structured output (the fixed engine has none)
+        self._compiling: dict[str, list[Message]] = {}  # a request's messages held meanwhile
         self.ledger: PoolLedger | None = None  # CPU pools: their share of the daemon's cap
         self.budget: Budget | None = None  # on a GPU: its part of the device's memory plan
         self._cap_note = ""  # why a CPU pool got less than its share, for a start-up error
@@ -103,6 +106,8 @@ class EngineWorker(Worker):
                 if self.ledger is not None and self.budget is None:  # for engines added later
                     self.ledger.record(self.spec.name, engine.pool.nbytes)
                 self.engine = engine
+                vocab, eos = engine.backend.vocab_size, engine.backend.eos_token_ids
+                self.grammars = Grammars(model.path, vocab, eos)
         except MemoryPlanError as exc:  # the same on every restart: do not retry
             raise WorkerStartError(str(exc), permanent=True) from None
         except (ModelSourceError, BackendError, ValueError, OSError, RuntimeError) as exc:
@@ -181,9 +186,44 @@ class EngineWorker(Worker):
             return False
         if isinstance(msg, protocol.Generate):
             self.clock.start(msg.request_id)
+        request_id = getattr(msg, "request_id", "")
+        if (held := self._compiling.get(request_id)) is not None:
+            held.append(msg)  # behind its request's grammar, in order
+            return True
+        if (guided := self._grammar_of(msg)) is not None:
+            self._compiling[request_id] = [msg]
+            self.watch(
+                self._compile(request_id, guided), "a grammar's compilation", may_return=True
+            )
+            return True
         self._pending.append(msg)
         self._wake.set()
         return True
+
+    def _grammar_of(self, msg: Message) -> tuple[str, str] | None:
+        """The grammar a request brings (Generate, Reserve) that is to compile first."""
+        sampling = getattr(msg, "sampling", None)
+        if self.grammars is None or not isinstance(sampling, dict):
+            return None
+        try:
+            return check_guided(sampling.get("guided"))
+        except ValueError:
+            return None  # admitting it answers why
+
+    async def _compile(self, request_id: str, guided: tuple[str, str]) -> None:
+        """Compile off the step loop; then the request's messages go on, in order."""
+        assert self.grammars is not None
+        try:
+            await self.grammars.prepare(guided)
+        finally:
+            self._pending.extend(self._compiling.pop(request_id))
+            self._wake.set()
+
+    def new_guide(self, sampling: SamplingParams) -> Guide | None:
+        """The sequence's Guide when it asks for a grammar; GrammarError for a bad one."""
+        if sampling.guided is None or self.grammars is None:
+            return None  # the fixed engine refuses it in add()
+        return self.grammars.guide(sampling.guided)
 
     # The step loop -----------------------------------------------------------------------
 
@@ -305,7 +345,9 @@ class EngineWorker(Worker):
             )
             return None
         try:
-            return Sequence(msg.request_id, msg.prompt_token_ids, SamplingParams(**msg.sampling))
+            seq = Sequence(msg.request_id, msg.prompt_token_ids, SamplingParams(**msg.sampling))
+            seq.guide = self.new_guide(seq.sampling)
+            return seq
         except (TypeError, ValueError) as exc:
             self.error(msg.reply_to, msg.request_id, "invalid_request_error", str(exc))
             return None

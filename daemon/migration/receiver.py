@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from lmd import protocol
 from lmd.engine.block_manager import BlockManager
+from lmd.engine.grammar import Guide
 from lmd.engine.sequence import FinishReason, SamplingParams, Sequence, check_token_ids
 
 ABORTED_MEMORY = 4096
@@ -92,12 +93,16 @@ class Receiver:
         """The reservations whose tokens go to `reply_to` (not aborted yet)."""
         return [r for r, res in self._by_id.items() if res.reply_to == reply_to and not res.aborted]
 
-    def reserve(self, msg: protocol.Reserve, prefill_pid: int | None, now: float) -> None:
+    def reserve(
+        self, msg: protocol.Reserve, prefill_pid: int | None, now: float, guide: Guide | None = None
+    ) -> None:
         """Queue a reservation; raises ReservationRefused or ValueError (bad request:
-        sampling settings, a token id outside the vocabulary)."""
+        sampling settings, a token id outside the vocabulary). `guide`: the sequence's
+        place in its grammar (structured output), which takes the first token too."""
         if msg.request_id in self._by_id:
             raise MigrationError(f"request {msg.request_id} is already reserved")
         seq = Sequence(msg.request_id, msg.prompt_token_ids, SamplingParams(**msg.sampling))
+        seq.guide = guide
         check_token_ids(seq, self.vocab_size)
         if seq.num_tokens >= self.max_seq_len:
             raise ReservationRefused(
