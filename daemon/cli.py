@@ -6,7 +6,8 @@ lmdd keygen PATH
 
 Settings: command line > LMD_<KEY> environment variables > config file > defaults
 (config_loader.py). A bad setting is one line on stderr and exit code 2; a model that no
-worker could load (supervisor/model_check.py) is one line and exit code 1, nothing spawned.
+worker could load (supervisor/model_check.py), or a --chat-template file the tokenizer
+could not use, is one line and exit code 1, nothing spawned.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from lmd.config import (
     LOG_LEVELS,
     MIGRATION_TRANSPORTS,
     MODES,
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
     ConfigError,
     ServeConfig,
 )
@@ -77,8 +80,14 @@ HELP = {
     "max_connections": "HTTP connections the API holds open; past it new ones get 503 "
     "(default: what the open-files limit leaves, less 64)",
     "header_timeout": "seconds a client may take to send its request headers",
-    "chat_template": "LMDeploy chat template JSON file (default: the model's own template)",
+    "chat_template": "chat template file: Jinja (*.jinja, *.j2, or any file that is not "
+    "JSON) or LMDeploy's JSON (default: the model's own template)",
     "session_idle_timeout": "seconds an idle /v1/chat/interactive session keeps its history",
+    "tool_call_parser": "how the tool calls of a reply are read: auto (the format the "
+    "model's chat template names), " + ", ".join(TOOL_CALL_PARSERS[1:]),
+    "reasoning_parser": "split <think>...</think> off into reasoning_content: "
+    + ", ".join(REASONING_PARSERS)
+    + " (default: none, the reply is content as it is)",
     "block_size": "tokens per KV cache block",
     "max_batch_size": "most sequences an engine runs in one batch (default: 256 on CUDA, "
     "128 on CPU)",
@@ -201,6 +210,16 @@ def resolve_device(device: str) -> str:
     return "cpu"
 
 
+def check_chat_template(config: ServeConfig) -> None:
+    """A --chat-template file the tokenizer could not use: ChatTemplateError, one line."""
+    from lmd.roles import role_counts
+
+    if config.chat_template and Role.TOKENIZER in role_counts(config):
+        from lmd.tokenizer.text.chat_template import read_chat_template
+
+        read_chat_template(Path(config.chat_template))
+
+
 def serve(args: argparse.Namespace) -> int:
     from lmd.engine.model_source import ModelSourceError
     from lmd.paths import RuntimeDirError, prepare_runtime_dir
@@ -219,7 +238,8 @@ def serve(args: argparse.Namespace) -> int:
     raise_open_files_limit()  # before any worker is spawned: they inherit it
     try:  # once, here: a model no worker can load would only restart them until we gave up
         check_daemon_model(config)
-    except ModelSourceError as exc:
+        check_chat_template(config)
+    except (ModelSourceError, ValueError) as exc:  # a ChatTemplateError is a ValueError
         print(f"lmdd: {exc}", file=sys.stderr)
         return 1
     try:

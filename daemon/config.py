@@ -27,6 +27,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # optional `lmd[cluster]` install (lmd.migration.nixl).
 MIGRATION_TRANSPORTS = ("native", "nixl")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# The api's reply parsers (lmd.api.parsers.registry holds them; tests check the names
+# agree). auto: the tool-call format the model's chat template names.
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # max_batch_size unset: LMDeploy's default on this class of GPU; on CPU, today's.
 DEFAULT_MAX_BATCH_SIZE_CUDA = 256
@@ -100,8 +104,10 @@ class ServeConfig:
     max_request_bytes: int = 1 << 20  # largest HTTP request body the api reads
     max_connections: int | None = None  # HTTP connections the api holds; None = per RLIMIT
     header_timeout: float = 10.0  # seconds a client may take to send a request's headers
-    chat_template: str | None = None  # LMDeploy ChatTemplateConfig JSON; None = the model's
+    chat_template: str | None = None  # a Jinja or LMDeploy JSON file; None = the model's
     session_idle_timeout: float = 600.0  # seconds an idle interactive session is kept
+    tool_call_parser: str = "auto"  # how replies to requests with tools are read
+    reasoning_parser: str | None = None  # <think> split into reasoning_content; None = off
     # Engine settings (flat, so that CLI flags, env and file keys are the same names).
     block_size: int = 64
     max_batch_size: int | None = None  # None: 256 on CUDA (LMDeploy's), 128 on CPU
@@ -172,6 +178,16 @@ class ServeConfig:
             f"{self.gpu_memory_utilization} is not a fraction in (0, 1]",
         )
         _check(self.mode in MODES, "mode", f"{self.mode!r} is not one of {', '.join(MODES)}")
+        _check(
+            self.tool_call_parser in TOOL_CALL_PARSERS,
+            "tool_call_parser",
+            f"{self.tool_call_parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}",
+        )
+        _check(
+            self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
+            "reasoning_parser",
+            f"{self.reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}",
+        )
         _check(
             self.migration_transport in MIGRATION_TRANSPORTS,
             "migration_transport",

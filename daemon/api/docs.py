@@ -27,6 +27,8 @@ from starlette.responses import HTMLResponse, Response
 from starlette.staticfiles import StaticFiles
 
 FinishReason = Literal["stop", "length", "abort"]
+# A chat reply that stopped by itself after calling tools (api/parsers/) ends in tool_calls.
+ChatFinishReason = Literal["stop", "length", "tool_calls", "abort"]
 ASSETS_URL = "/docs/assets"
 
 # What each error status of the api means (the body is always an ErrorResponse).
@@ -84,17 +86,30 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # null when the reply is only tool calls
     refusal: None
+    tool_calls: list[ToolCall] | None = None  # when the request's tools were called
+    reasoning_content: str | None = None  # with --reasoning-parser: the <think> text
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: dict[str, Any] | None
-    finish_reason: FinishReason | None
+    finish_reason: ChatFinishReason | None
 
 
 class ChatCompletion(BaseModel):
@@ -122,16 +137,32 @@ class Completion(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None  # in a call's first entry
+    arguments: str  # the next piece of the arguments' JSON text
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of a call: its first entry has `id`, `type` and `function.name`."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None  # the first chunk's
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: dict[str, Any] | None
-    finish_reason: FinishReason | None
+    finish_reason: ChatFinishReason | None
 
 
 class ChatCompletionChunk(BaseModel):

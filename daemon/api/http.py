@@ -2,9 +2,9 @@
 and its connection limits (http_server.ConnectionLimits, the 503 past the cap).
 
 `RequestGuard` is plain ASGI middleware (no per-request task, unlike BaseHTTPMiddleware):
-it checks the Bearer key on /v1/* (constant-time; /health, /metrics and the docs stay
-open, as in vLLM) and reads at most `max_body_bytes` of a body before anything parses
-it, answering 401 and 413 as OpenAI error bodies.
+it checks the Bearer key on /v1/*, /tokenize and /detokenize (constant-time; /health,
+/metrics and the docs stay open, as in vLLM) and reads at most `max_body_bytes` of a body
+before anything parses it, answering 401 and 413 as OpenAI error bodies.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from lmd.http_listener import http_response
 from lmd.http_server import ConnectionLimits, JSONResponse, replay
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+_KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})  # beside /v1/*: they take work
 
 
 def error_response(err: ApiError) -> JSONResponse:
@@ -160,7 +161,8 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self.keys and scope["path"].startswith("/v1/"):
+        path = scope["path"]
+        if self.keys and (path.startswith("/v1/") or path in _KEYED_PATHS):
             err = self._check_key(headers.get(b"authorization", b""))
             if err is not None:
                 await self._reject(scope, receive, send, err)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BeforeValidator, Field, WithJsonSchema
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 from lmd.engine.sequence import (
     MAX_BAD_WORDS,
@@ -19,6 +19,13 @@ MAX_STOP_STRINGS = 16
 # Token counts and ids travel as int32 and every integer as a JSON int64 inside lmd: a
 # larger number is a 400 here, never a failure further down.
 MAX_COUNT = 2**31
+
+
+class StrictModel(BaseModel):
+    """A request object: no coercion (a string where a number belongs is a 400), unknown
+    keys ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 def _one_prompt(value: Any) -> Any:

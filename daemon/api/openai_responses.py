@@ -5,7 +5,10 @@ CreateChatCompletionResponse / CreateChatCompletionStreamResponse and
 CreateCompletionResponse. One `ChatFormat` or `CompletionFormat` per request holds what
 every chunk of it shares (id, created, model); `Answer` adds deltas up for a
 non-streaming body. `finish_reason` is stop, length, or abort (LMDeploy's, when the
-server cut the request short).
+server cut the request short), and tool_calls when a reply that stopped by itself called
+tools. A chat reply with tools or a reasoning parser in play is read by the request's
+`ReplyParser` (parsers/): its message gets `tool_calls` and `reasoning_content`, and its
+stream's deltas carry them as they are read.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import orjson
 
 from lmd import protocol
 from lmd.api.openai_schema import ApiError
+from lmd.api.parsers.reply import ReplyParser, ReplyStream, finish_reason
 
 VERY_UNLIKELY_LOGPROB = -9999.0  # OpenAI's stand-in for a logprob too small to show
 SSE_DONE = b"data: [DONE]\n\n"
@@ -164,11 +168,16 @@ class _Format(ABC):
 class ChatFormat(_Format):
     CHUNK_OBJECT: ClassVar[str] = "chat.completion.chunk"
 
+    reply: ReplyParser | None = None  # None: the reply's text is its content, as it is
+    _reading: ReplyStream | None = field(init=False, repr=False, default=None)
+
     def first_chunk(self) -> dict[str, Any]:
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
         return self._chunk(self.CHUNK_OBJECT, [{**choice, "finish_reason": None}])
 
     def choice(self, delta: Delta) -> dict[str, Any] | None:
+        if self.reply is not None:
+            return self._read_choice(self.reply, delta)
         if not delta.text and delta.finish_reason is None and not delta.logprobs:
             return None
         return {
@@ -178,13 +187,40 @@ class ChatFormat(_Format):
             "finish_reason": delta.finish_reason,
         }
 
+    def _read_choice(self, reply: ReplyParser, delta: Delta) -> dict[str, Any] | None:
+        """A delta's choice, its text read by the reply's parsers: what they make known
+        of content, reasoning and tool calls (text they hold back shows later)."""
+        if self._reading is None:
+            self._reading = reply.stream()
+        reading = self._reading
+        piece = reading.feed(delta.text)
+        reason = delta.finish_reason
+        if reason is not None:
+            piece.extend(reading.finish())
+            reason = finish_reason(reason, reading.num_calls)
+        message = piece.message()
+        if not message and reason is None and not delta.logprobs:
+            return None
+        return {
+            "index": 0,
+            "delta": message,
+            "logprobs": self.logprobs(delta.logprobs),
+            "finish_reason": reason,
+        }
+
     def response(self, answer: Answer) -> dict[str, Any]:
-        message = {"role": "assistant", "content": "".join(answer.text), "refusal": None}
+        text = "".join(answer.text)
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        reason = answer.finish_reason
+        if self.reply is not None:
+            message.update(self.reply.parse(text))
+            if reason is not None:
+                reason = finish_reason(reason, len(message.get("tool_calls", ())))
         choice = {
             "index": 0,
             "message": message,
             "logprobs": self.logprobs(answer.logprobs),
-            "finish_reason": answer.finish_reason,
+            "finish_reason": reason,
         }
         return {
             **self._head("chat.completion"),

@@ -2,11 +2,14 @@
 
 Requests are pydantic models validated straight from the body bytes in strict mode (a
 string where a number belongs is a 400, never coerced). Fields OpenAI defines that would
-change the answer and that lmd cannot honour (n > 1, echo, tools, ...) are a 400 naming
-them. Top-level fields we do not know at all
+change the answer and that lmd cannot honour (n > 1, echo, functions, ...) are a 400
+naming them. Top-level fields we do not know at all
 are ignored, as OpenAI does (SDKs send some, e.g. `user`), and their names logged at debug
 level. `temperature` is OpenAI's 0 to 2 (LMDeploy's range too). Each request maps to the
-tokenizer's TextRequest (`text_request`); responses are built in openai_responses.py.
+tokenizer's TextRequest (`text_request`); tools and chat_template_kwargs go with it to the
+chat template, the fields that constrain the output to `sampling["guided"]` (guided.py,
+whose `checks` are compiled before the request is admitted); responses are built in
+openai_responses.py.
 """
 
 from __future__ import annotations
@@ -15,9 +18,6 @@ import logging
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
@@ -26,6 +26,15 @@ from pydantic import (
 )
 
 from lmd import protocol
+from lmd.api.guided import (
+    ANY_OBJECT,
+    Guided,
+    GuidedFields,
+    constraint_in,
+    first_problem,
+    schema_text,
+    tool_calls_schema,
+)
 from lmd.api.openai_fields import (
     MAX_COUNT,
     BadWords,
@@ -37,10 +46,12 @@ from lmd.api.openai_fields import (
     RepetitionPenalty,
     Seed,
     StopStrings,
+    StrictModel,
     Temperature,
     TokenId,
     not_supported,
 )
+from lmd.api.openai_tools import NamedToolChoice, TemplateKwargs, ToolCall, ToolChoice, Tools
 from lmd.engine.sequence import MAX_LOGPROBS
 
 log = logging.getLogger(__name__)
@@ -118,6 +129,11 @@ class ApiError(Exception):
         return cls(400, f"{param}: {msg}" if param else msg, param=param)
 
 
+def unknown_model(name: str, served: str) -> ApiError:
+    message = f"the model {name!r} does not exist; this server serves {served!r}"
+    return ApiError(404, message, param="model", code="model_not_found")
+
+
 def _param(loc: tuple[int | str, ...]) -> str | None:
     # Union branches show up in `loc` as type names ("list[int]"); keep field names and
     # list indices only.
@@ -130,10 +146,6 @@ def _param(loc: tuple[int | str, ...]) -> str | None:
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
-
-
-class StrictModel(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class RequestBody(StrictModel):
@@ -155,16 +167,34 @@ class StreamOptions(StrictModel):
 
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Content = ""
+    content: Content = ""  # null is "" (an assistant message that only calls tools)
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _assistant_calls(cls, value: list[ToolCall] | None, info: ValidationInfo) -> Any:
+        if value and info.data.get("role") != "assistant":
+            raise ValueError("only assistant messages make tool calls")
+        return value
 
     def to_dict(self) -> dict[str, Any]:
         # "developer" is OpenAI's new name for "system"; chat templates know "system".
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.content}
+        out: dict[str, Any] = {"role": role, "content": self.content}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
-class _GenerateRequest(RequestBody):
-    """The fields chat and completions share: sampling, stopping, streaming."""
+class _GenerateRequest(RequestBody, GuidedFields):
+    """The fields chat and completions share: sampling, stopping, streaming, structured
+    output (GuidedFields)."""
 
     model: str
     max_tokens: Annotated[int, Field(ge=1, lt=MAX_COUNT)] | None = None
@@ -186,6 +216,12 @@ class _GenerateRequest(RequestBody):
     bad_words: BadWords | None = None  # vLLM's: words the output never completes
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+
+    async def check(self) -> None:
+        """Raise a 400 naming the field when xgrammar cannot compile a constraint."""
+        if (found := await first_problem(self.checks)) is not None:
+            guided, reason = found
+            raise ApiError(400, f"{guided.param}: {reason}", param=guided.param)
 
     @property
     def include_usage(self) -> bool:
@@ -220,14 +256,9 @@ class _GenerateRequest(RequestBody):
         }
         if self.num_max_tokens is not None:
             out["max_tokens"] = self.num_max_tokens
+        if (guided := self.guided) is not None:
+            out["guided"] = guided.wire()
         return out
-
-
-def _text_only(value: dict[str, Any] | None) -> dict[str, Any] | None:
-    kind = (value or {}).get("type", "text")
-    if kind != "text":
-        raise ValueError(f"type {kind!r} is not supported by this server (only 'text')")
-    return value
 
 
 class ChatCompletionRequest(_GenerateRequest):
@@ -235,8 +266,13 @@ class ChatCompletionRequest(_GenerateRequest):
     max_completion_tokens: Annotated[int, Field(ge=1, lt=MAX_COUNT)] | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    response_format: Annotated[dict[str, Any], AfterValidator(_text_only)] | None = None
-    tools: Annotated[list[dict[str, Any]], not_supported()] | None = None
+    tools: Tools | None = None
+    # "auto" when tools are given, else "none" (after validation, never None)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: TemplateKwargs | None = None  # extra chat template variables
+    functions: Annotated[Any, not_supported("use tools")] = None  # deprecated by OpenAI
+    function_call: Annotated[Any, not_supported("use tool_choice")] = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -244,6 +280,52 @@ class ChatCompletionRequest(_GenerateRequest):
         if value is not None and not info.data.get("logprobs"):
             raise ValueError("needs logprobs: true")
         return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_of_the_tools(cls, value: Any, info: ValidationInfo) -> Any:
+        if value in (None, "none", "auto"):
+            return value
+        names = [t.function.name for t in info.data.get("tools") or ()]
+        what = "'required'" if value == "required" else "a named function"
+        if not names:
+            raise ValueError(f"{what} needs tools")
+        if isinstance(value, NamedToolChoice) and value.function.name not in names:
+            raise ValueError(
+                f"names {value.function.name!r}, which is not among the tools ({', '.join(names)})"
+            )
+        if (other := constraint_in(info.data)) is not None:
+            raise ValueError(f"{what} constrains the output, as {other} does; give one of them")
+        return value
+
+    @model_validator(mode="after")
+    def _default_tool_choice(self) -> ChatCompletionRequest:
+        if self.tool_choice is None:
+            self.tool_choice = "auto" if self.tools else "none"
+        return self
+
+    @property
+    def guided(self) -> Guided | None:
+        choice, tools = self.tool_choice, self.tools or []
+        if choice == "required":
+            schema = tool_calls_schema(tools, parallel=self.parallel_tool_calls)
+            return Guided("json", schema_text(schema), "tool_choice")
+        if isinstance(choice, NamedToolChoice):
+            i = next(i for i, t in enumerate(tools) if t.function.name == choice.function.name)
+            parameters = tools[i].function.parameters or ANY_OBJECT
+            return Guided("json", schema_text(parameters), f"tools.{i}.function.parameters")
+        return super().guided
+
+    @property
+    def checks(self) -> list[Guided]:
+        if self.tool_choice != "required":
+            return super().checks
+        each = [  # each tool's own schema first, so that a 400 names the one to blame
+            Guided("json", schema_text(t.function.parameters), f"tools.{i}.function.parameters")
+            for i, t in enumerate(self.tools or ())
+            if t.function.parameters is not None
+        ]
+        return [*each, *super().checks]
 
     @property
     def num_logprobs(self) -> int | None:
@@ -263,6 +345,9 @@ class ChatCompletionRequest(_GenerateRequest):
             stop=self.stop,
             skip_special_tokens=self.skip_special_tokens,
             prompt_ids=b"",
+            # rendered whatever tool_choice says, "none" too (as vLLM does by default)
+            tools=[t.for_template() for t in self.tools] if self.tools else None,
+            chat_template_kwargs=self.chat_template_kwargs,
         )
 
 

@@ -53,6 +53,7 @@ from lmd.api.docs import (
     json_lines,
     sse,
 )
+from lmd.api.formats import Body, Format, answer_format
 from lmd.api.http import (
     EventStream,
     GuardLimits,
@@ -66,19 +67,14 @@ from lmd.api.interactive import (
     MEDIA_TYPE,
     InteractiveFormat,
     InteractiveRequest,
-    LineFraming,
     prefix_caching_off,
 )
 from lmd.api.metrics import CLIENT_GONE, CONTENT_TYPE, ApiMetrics
-from lmd.api.openai_responses import (
-    ChatFormat,
-    CompletionFormat,
-    Delta,
-    Framing,
-    SseFraming,
-)
-from lmd.api.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest
+from lmd.api.openai_responses import Delta, Framing
+from lmd.api.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest, unknown_model
+from lmd.api.parsers.choice import ReplyChoice
 from lmd.api.request import OpenRequest, add_up, first_events, writes
+from lmd.api.tokenize import BODIES, TokenizerCalls, add_tokenize_routes
 from lmd.config import ServeConfig
 from lmd.http_server import BindError, EmbeddedServer, JSONResponse, bind_tcp
 from lmd.names import role_of, worker_name
@@ -87,8 +83,6 @@ from lmd.protocol import Role
 from lmd.roles import WorkerSpec
 from lmd.worker import Worker, WorkerStartError
 
-Format = ChatFormat | CompletionFormat | InteractiveFormat
-Body = ChatCompletionRequest | CompletionRequest | InteractiveRequest
 GENERATE_ENDPOINTS = ("chat_completions", "completions", "chat_interactive")
 _BODY_MODELS: dict[str, type[Body]] = {
     "chat_completions": ChatCompletionRequest,
@@ -107,6 +101,8 @@ class ApiWorker(Worker):
         super().__init__(spec, config)
         self.metrics = ApiMetrics(lambda: len(self._open), control_socket_path(config.runtime_dir))
         self.limits = GuardLimits(config.api_keys, config.max_request_bytes)
+        self.replies = ReplyChoice(config)  # how chat replies are read: tools, reasoning
+        self.calls = TokenizerCalls()  # /tokenize and /detokenize: awaiting the tokenizer
 
     async def start(self) -> None:
         try:
@@ -157,6 +153,7 @@ class ApiWorker(Worker):
     def on_cluster_state(self) -> None:
         """A tokenizer that left (in a cluster: not the one of a node-wide failure)
         took the requests it held."""
+        self.calls.fail_lost(self.workers, self.missing_roles)
         lost = protocol.RequestError("", "service_unavailable", "the tokenizer stopped; retry")
         for request in self._open.values():
             if not request.ended and request.tokenizer not in self.workers:
@@ -172,6 +169,8 @@ class ApiWorker(Worker):
     # Inbox: the tokenizer's answers ---------------------------------------------------
 
     async def handle(self, msg: protocol.Message) -> bool:
+        if self.calls.answer(msg):  # to /tokenize or /detokenize
+            return True
         if isinstance(msg, protocol.TextDelta):
             now = time.perf_counter()
             for request_id, delta in Delta.split(msg):
@@ -215,7 +214,7 @@ class ApiWorker(Worker):
         @app.get("/v1/models/{model:path}", responses=answers(ModelCard, 401, 404, 503))
         async def model(model: str) -> JSONResponse:
             if model != self.config.served_model_name:
-                return error_response(self._unknown_model(model))
+                return error_response(unknown_model(model, self.config.served_model_name))
             if (err := self.unavailable()) is not None:
                 return error_response(err)
             return JSONResponse(self._model_card())
@@ -253,10 +252,11 @@ class ApiWorker(Worker):
         async def metrics() -> Response:
             return Response(await self.metrics.scrape(), media_type=CONTENT_TYPE)
 
+        add_tokenize_routes(app, self)
         install_error_handlers(app)
         install_schemas(
             app,
-            [ChatCompletionRequest, CompletionRequest, InteractiveRequest],
+            [ChatCompletionRequest, CompletionRequest, InteractiveRequest, *BODIES],
             self.config.served_model_name,
         )
         app.add_middleware(RequestGuard, limits=self.limits, on_reject=self._count_rejected)
@@ -265,11 +265,6 @@ class ApiWorker(Worker):
     def _model_card(self) -> dict[str, Any]:
         name = self.config.served_model_name
         return {"id": name, "object": "model", "created": self.created, "owned_by": "lmd"}
-
-    def _unknown_model(self, name: str) -> ApiError:
-        served = self.config.served_model_name
-        message = f"the model {name!r} does not exist; this server serves {served!r}"
-        return ApiError(404, message, param="model", code="model_not_found")
 
     def _count_rejected(self, path: str, status: int) -> None:
         endpoint = path.removeprefix("/v1/").replace("/", "_")
@@ -289,18 +284,10 @@ class ApiWorker(Worker):
             self.metrics.count(endpoint, 200)
             return JSONResponse(InteractiveFormat.control_done())
         request = self._open[request_id] = OpenRequest(request_id, endpoint, tokenizer)
-        fmt: Format
-        framing: Framing
-        if isinstance(body, InteractiveRequest):
-            fmt = InteractiveFormat()
-            framing = LineFraming(fmt)
-        else:
-            shape = ChatFormat if isinstance(body, ChatCompletionRequest) else CompletionFormat
-            fmt = shape(request_id, int(time.time()), body.model, body.include_usage)
-            framing = SseFraming(fmt)
         client_gone = asyncio.ensure_future(disconnected(http))
         handed_over = False  # a stream watches client_gone from then on
         try:
+            fmt, framing = await answer_format(body, request_id, self.replies)
             if body.stream:
                 response = await self._start_stream(request, framing, client_gone)
                 handed_over = isinstance(response, EventStream)
@@ -328,9 +315,11 @@ class ApiWorker(Worker):
             if not self.config.enable_prefix_caching:
                 raise prefix_caching_off()
         elif body.model != self.config.served_model_name:
-            raise self._unknown_model(body.model)
+            raise unknown_model(body.model, self.config.served_model_name)
         if (err := self.unavailable()) is not None:
             raise err
+        if not isinstance(body, InteractiveRequest):
+            await body.check()  # a constraint xgrammar cannot compile: 400
         msg: protocol.Message = body.text_request(request_id, self.spec.name)
         control = body.control if isinstance(body, InteractiveRequest) else None
         if isinstance(body, InteractiveRequest) and control is not None:

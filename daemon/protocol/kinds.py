@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from lmd.names import WORKER_NAME
 from lmd.wire import ProtocolError
@@ -26,6 +27,9 @@ class MsgType(enum.IntEnum):
     TEXT_REQUEST = 24
     TEXT_DELTA = 25
     SESSION_CONTROL = 26
+    TOKENIZE = 27  # /tokenize and /detokenize, api <-> tokenizer
+    DETOKENIZE = 28
+    TOKENIZED = 29
     # KV migration, prefill <-> decode (docs/architecture.md §1, steps 3-4)
     RESERVE = 30
     RESERVED = 31
@@ -60,6 +64,11 @@ MAX_BYTES: dict[int, int] = {  # by MsgType
     # at most DeltaOutbox.MAX_ENTRIES (512) entries of a token's text and logprobs
     MsgType.TEXT_DELTA: 8 * MiB,
     MsgType.SESSION_CONTROL: 4 * KiB,
+    # as TEXT_REQUEST: an HTTP body re-encoded
+    MsgType.TOKENIZE: 64 * MiB,
+    MsgType.DETOKENIZE: 64 * MiB,
+    # the token ids of a prompt that fits a TextRequest, their strings (~10 bytes each)
+    MsgType.TOKENIZED: 64 * MiB,
     MsgType.RESERVE: 16 * MiB,  # a prompt, as Generate
     MsgType.RESERVED: 16 * MiB,  # the transport's descriptor and a block id per prompt block
     MsgType.MIGRATED: 1 * MiB,  # one token and its logprobs
@@ -71,6 +80,19 @@ MAX_FRAME_BYTES = max(MAX_BYTES.values())
 def check_name(cls: str, field: str, value: str) -> None:
     if not WORKER_NAME.fullmatch(value):
         raise ProtocolError(f"{cls}.{field} {value[:40]!r} is not a worker name")
+
+
+def check_chat_options(
+    cls: str,
+    messages: list[dict[str, Any]] | None,
+    tools: list[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any] | None,
+) -> None:
+    """A chat's tools (objects) and template variables go only with messages."""
+    if messages is None and (tools is not None or template_kwargs is not None):
+        raise ProtocolError(f"{cls}: tools and chat_template_kwargs need messages")
+    if tools is not None and not all(isinstance(t, dict) for t in tools):
+        raise ProtocolError(f"{cls}.tools: an element has the wrong type")
 
 
 def check_ids(cls: str, field: str, value: bytes) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from lmd.protocol.kinds import MsgType, check_ids, check_name
+from lmd.protocol.kinds import MsgType, check_chat_options, check_ids, check_name
 from lmd.wire import ProtocolError, unpack_ids
 
 
@@ -107,6 +107,10 @@ class TextRequest:
     prompt_ids: bytes  # int32 little-endian
     session_id: int | None = None  # an interactive session's id; None: no session
     interactive_mode: bool = False  # keep the session's history (only with session_id)
+    # chat only: the tools' definitions ({"type": "function", "function": {...}}) and extra
+    # variables, both for the chat template
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
         given = [self.messages is not None, self.prompt is not None, bool(self.prompt_ids)]
@@ -117,6 +121,7 @@ class TextRequest:
         if len(self.prompt_ids) % 4:
             raise ProtocolError("TextRequest.prompt_ids must be an int32 array")
         check_name("TextRequest", "reply_to", self.reply_to)
+        check_chat_options("TextRequest", self.messages, self.tools, self.chat_template_kwargs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,3 +179,62 @@ class SessionControl:
     def check(self) -> None:
         if self.action not in SESSION_ACTIONS:
             raise ProtocolError(f"SessionControl.action {self.action[:20]!r} is not cancel or end")
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenize:
+    """Tokenize a prompt, or render a chat and tokenize it (/tokenize), api -> tokenizer;
+    answered with Tokenized or RequestError. Exactly one of `prompt` and `messages`."""
+
+    TYPE: ClassVar[MsgType] = MsgType.TOKENIZE
+    PEERS: ClassVar[tuple[str, ...]] = ("reply_to",)  # protocol.peer_names
+    request_id: str
+    reply_to: str  # the api worker's name
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+    add_special_tokens: bool  # the tokenizer's own (BOS, ...) around the text
+    add_generation_prompt: bool  # chat: end where the model's reply begins
+    return_token_strs: bool  # also each token's string (Tokenized.token_strs)
+    tools: list[dict[str, Any]] | None = None  # chat: as TextRequest's
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ProtocolError("Tokenize needs exactly one of prompt, messages")
+        check_name("Tokenize", "reply_to", self.reply_to)
+        check_chat_options("Tokenize", self.messages, self.tools, self.chat_template_kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class Detokenize:
+    """Token ids back to text (/detokenize), api -> tokenizer; answered with Tokenized."""
+
+    TYPE: ClassVar[MsgType] = MsgType.DETOKENIZE
+    PEERS: ClassVar[tuple[str, ...]] = ("reply_to",)  # protocol.peer_names
+    request_id: str
+    reply_to: str
+    token_ids: bytes  # int32 little-endian
+
+    def check(self) -> None:
+        if len(self.token_ids) % 4:  # none is fine: ""
+            raise ProtocolError("Detokenize.token_ids must be an int32 array")
+        check_name("Detokenize", "reply_to", self.reply_to)
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenized:
+    """The answer to Tokenize (token ids; `token_strs` when asked) or Detokenize (`text`),
+    tokenizer -> api. `max_model_len`: the session length, prompt and output together."""
+
+    TYPE: ClassVar[MsgType] = MsgType.TOKENIZED
+    request_id: str
+    token_ids: bytes  # int32 little-endian; empty for a Detokenize
+    text: str  # the decoded text; empty for a Tokenize
+    token_strs: list[str] | None
+    max_model_len: int
+
+    def check(self) -> None:
+        if len(self.token_ids) % 4:
+            raise ProtocolError("Tokenized.token_ids must be an int32 array")
+        if self.token_strs is not None and len(self.token_strs) != len(self.token_ids) // 4:
+            raise ProtocolError("Tokenized: token_strs and token_ids differ in length")

@@ -18,7 +18,8 @@ Life cycle of a request in the tokenizer:
 Interactive sessions (`TextRequest.session_id`, /v1/chat/interactive) live here, in a
 SessionTable (sessions.py): a turn's prompt is the session's history ids + the new turn's
 text tokenized; when the turn finishes its answer joins the history (not when aborted);
-SessionControl cancels a session's running turn or ends the session.
+SessionControl cancels a session's running turn or ends the session. Tokenize and
+Detokenize (/tokenize, /detokenize) are answered at once with Tokenized (prompts.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from lmd.names import role_of
 from lmd.protocol import Message, Role
 from lmd.roles import worker_names
 from lmd.tokenizer.bad_words import bad_word_ids
+from lmd.tokenizer.prompts import Prompts
 from lmd.tokenizer.request import DeltaOutbox, Entry, TokenizerRequest
 from lmd.tokenizer.routing import NoEngine, Route, Router
 from lmd.tokenizer.sessions import (
@@ -51,7 +53,7 @@ from lmd.tokenizer.text.chat_template import (
     ChatTemplate,
     ChatTemplateError,
     HfChatTemplate,
-    LmdeployChatTemplate,
+    load_chat_template,
     parse_messages,
 )
 from lmd.tokenizer.text.detokenizer import CachedDecoder
@@ -82,6 +84,7 @@ class TokenizerWorker(Worker):
         self.decoder = CachedDecoder(self.tokenizer.backend_tokenizer)
         self.token_bytes = TokenBytes(self.tokenizer.backend_tokenizer)
         self.vocab_size = len(self.tokenizer)
+        self.prompts = Prompts(self.tokenizer, self.template, self.vocab_size, self.session_len)
         hybrid = self.config.mode == "hybrid"
         engine_role, decode_role = (Role.HYBRID, None) if hybrid else (Role.PREFILL, Role.DECODE)
         configured = worker_names(self.config, engine_role)
@@ -110,7 +113,7 @@ class TokenizerWorker(Worker):
 
     def _load_template(self) -> ChatTemplate:
         if self.config.chat_template:
-            return LmdeployChatTemplate.load(Path(self.config.chat_template))
+            return load_chat_template(Path(self.config.chat_template), self.tokenizer)
         return HfChatTemplate(self.tokenizer)
 
     def info(self) -> dict[str, Any]:
@@ -173,6 +176,8 @@ class TokenizerWorker(Worker):
                 self._abort_engines(request, msg.request_id)
         elif isinstance(msg, protocol.SessionControl):
             self._session_control(msg)
+        elif isinstance(msg, protocol.Tokenize | protocol.Detokenize):
+            self._answer_tokenize(msg)
         else:
             return False
         return True
@@ -193,7 +198,7 @@ class TokenizerWorker(Worker):
         turn: Turn | None = None
         try:
             if msg.session_id is None:
-                prompt_ids = self._tokenize(msg)
+                prompt_ids = self.prompts.of_request(msg)
             else:
                 session = self.sessions.open(msg.session_id, fresh=not msg.interactive_mode)
                 turn = self._start_turn(session, msg)
@@ -248,24 +253,24 @@ class TokenizerWorker(Worker):
             fail("service_unavailable", f"engine {route.engine} is not taking requests")
 
     def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.prompts.encode(text)
 
-    def _tokenize(self, msg: protocol.TextRequest) -> list[int]:
-        """Prompt token ids of a request outside any session."""
-        if msg.messages is not None:
-            ids = self._encode(self.template.render(parse_messages(msg.messages)))
-        elif msg.prompt is not None:
-            ids = self.tokenizer(msg.prompt, add_special_tokens=True)["input_ids"]
-        else:
-            ids = protocol.unpack_ids(msg.prompt_ids)
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"prompt token id {bad[0]} is outside the vocabulary (0-{self.vocab_size - 1})"
-                )
-        if not ids:
-            raise ValueError("the prompt is empty")
-        return list(ids)
+    def _answer_tokenize(self, msg: protocol.Tokenize | protocol.Detokenize) -> None:
+        """/tokenize and /detokenize: answered at once, nothing kept."""
+        try:
+            if isinstance(msg, protocol.Tokenize):
+                answer = self.prompts.tokenize(msg)
+            else:
+                answer = self.prompts.detokenize(msg)
+        except (ChatTemplateError, ValueError) as exc:
+            self.push(
+                msg.reply_to,
+                protocol.RequestError(msg.request_id, "invalid_request_error", str(exc)),
+            )
+            return
+        if not self.push(msg.reply_to, answer):
+            reason = "the tokenizer could not send the answer (over its size cap?)"
+            self.push(msg.reply_to, protocol.RequestError(msg.request_id, "internal_error", reason))
 
     def _start_turn(self, session: Session, msg: protocol.TextRequest) -> Turn:
         """An interactive turn's prompt: the session's history + the new messages."""

@@ -9,6 +9,7 @@ tests are test_api_*.py; their `stack` fixture is in conftest.py.
 Fake tokenizer script, by the prompt (or the last chat message):
   "error:CODE"  -> RequestError(CODE)
   "slow"        -> one token every 20 ms until max_tokens or an Abort
+  "say:TEXT"    -> TEXT in pieces of 3 characters, finish "stop" (or "length")
   anything else -> the words of REPLY, one delta each, finish "stop"; or "length" at
                    max_tokens. prompt_tokens = number of words (or ids) in the prompt.
 """
@@ -74,6 +75,8 @@ class FakeTokenizer:
             return
         max_tokens = req.sampling.get("max_tokens", 256)
         words = ["tok"] * max_tokens if text == "slow" else REPLY
+        if text.startswith("say:"):
+            words = [text[i : i + 3] for i in range(4, len(text), 3)]
         n_top = req.sampling.get("logprobs")
         for i, word in enumerate(words[:max_tokens], start=1):
             if req.request_id in self.aborted:

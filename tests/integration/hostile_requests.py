@@ -11,6 +11,7 @@ from typing import Any
 MODEL = "SmolLM2-135M-Instruct"
 CHAT, COMPLETIONS, INTERACTIVE = "/v1/chat/completions", "/v1/completions", "/v1/chat/interactive"
 ROUTES = (CHAT, COMPLETIONS, INTERACTIVE)
+TOKENIZE, DETOKENIZE = "/tokenize", "/detokenize"
 OPENAI = (CHAT, COMPLETIONS)  # the fields the two OpenAI routes share
 VALID: dict[str, dict[str, Any]] = {
     CHAT: {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
@@ -151,8 +152,16 @@ def type_cases() -> list[Hostile]:
         ),
         *on((CHAT,), t, "logprobs", "yes", 1),
         *on((CHAT,), t, "max_completion_tokens", "5"),
-        *on((CHAT,), t, "response_format", "json", {"type": "json_object"}),
-        *on((CHAT,), t, "tools", [{"type": "function"}]),
+        *on(OPENAI, t, "response_format", "json"),
+        *on(OPENAI, t, "response_format", {"type": "xml"}, param="response_format.type"),
+        *on(OPENAI, t, "guided_json", 5, "{oops", "[1]"),
+        *on(OPENAI, t, "guided_choice", "yes", []),
+        *on((CHAT,), t, "tools", {"type": "function"}, "f"),
+        *on((CHAT,), t, "tools", [{"type": "function"}], param="tools.0.function"),
+        *on((CHAT,), t, "tool_choice", "always", "required"),
+        *on((CHAT,), t, "tool_choice", {"type": "function"}, param="tool_choice.function"),
+        *on((CHAT,), t, "chat_template_kwargs", [], "x", {"tokenize": True}),
+        *on((CHAT,), t, "functions", [{"name": "f"}]),
         # completions
         *on(
             (COMPLETIONS,),
@@ -190,6 +199,32 @@ def type_cases() -> list[Hostile]:
         *on((INTERACTIVE,), t, "request_output_len", "5"),
         *on((INTERACTIVE,), t, "image_url", "http://example.com/cat.png"),
         *on((INTERACTIVE,), t, "adapter_name", "lora"),
+        # /tokenize and /detokenize
+        *(
+            Hostile(f"{route[1:]}-type-{name}", route, json.dumps(body).encode(), 400, param)
+            for route, name, body, param in (
+                (TOKENIZE, "prompt-and-messages", {"prompt": "a", "messages": []}, "messages"),
+                (TOKENIZE, "neither", {"model": MODEL}, None),
+                (TOKENIZE, "prompt", {"prompt": 5}, "prompt"),
+                (TOKENIZE, "tools-without-messages", {"prompt": "a", "tools": []}, None),
+                (DETOKENIZE, "tokens", {"tokens": "1 2"}, "tokens"),
+                (DETOKENIZE, "negative-token", {"tokens": [1, -1]}, "tokens.1"),
+                (DETOKENIZE, "token-past-the-vocabulary", {"tokens": [2**31 - 1]}, None),
+            )
+        ),
+        Hostile(
+            "tokenize-type-model", TOKENIZE, b'{"model": "gpt-4", "prompt": "a"}', 404, "model"
+        ),
+        # constraints xgrammar cannot compile (the api checks them before admission)
+        *on(OPENAI, t, "guided_regex", "(unclosed"),
+        *on(OPENAI, t, "guided_grammar", "root ::= "),
+        *on(
+            OPENAI,
+            t,
+            "response_format",
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}},
+            param="response_format.json_schema.schema",
+        ),
         # cross-field rules: no single field to name
         Hostile(
             "interactive-type-interactive_mode-without-session",

@@ -134,8 +134,9 @@ def test_completion_prompt_forms(prompt: Any, text: str | None, ids: list[int] |
         ({"stop": 5}, "stop", ""),
         ({"stream": 1}, "stream", "valid boolean"),
         ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage", ""),
-        ({"tools": [{"type": "function"}]}, "tools", "not supported"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "json_object"),
+        ({"tools": [{"type": "function"}]}, "tools.0.function", "required"),
+        ({"response_format": {"type": "xml"}}, "response_format.type", "json_object"),
+        ({"functions": [{"name": "f"}]}, "functions", "use tools"),
         ({"messages": []}, "messages", "at least 1"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", ""),
         (

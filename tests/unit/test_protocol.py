@@ -30,6 +30,34 @@ MESSAGES: list[protocol.Message] = [
         ["r1", "r2"], ["Par", ""], [None, "abort"], [9, 70], [1, 3], [None, None], [0, 64], [0, 60]
     ),
     protocol.SessionControl(7, "cancel"),
+    protocol.TextRequest(
+        "chat-2",
+        "api-0",
+        [{"role": "user", "content": "Weather?"}],
+        None,
+        {},
+        [],
+        True,
+        b"",
+        tools=[{"type": "function", "function": {"name": "get_weather"}}],
+        chat_template_kwargs={"enable_thinking": False},
+    ),
+    protocol.Tokenize("t1", "api-0", "Hello", None, True, True, False),
+    protocol.Tokenize(
+        "t2",
+        "api-0",
+        None,
+        [{"role": "user", "content": "Hi"}],
+        False,
+        True,
+        True,
+        [{"type": "function", "function": {"name": "f"}}],
+        {"enable_thinking": True},
+    ),
+    protocol.Detokenize("t3", "api-0", protocol.pack_ids([9, 10])),
+    protocol.Detokenize("t4", "api-0", b""),  # nothing to decode: ""
+    protocol.Tokenized("t1", protocol.pack_ids([1, 2]), "", ["He", "llo"], 2048),
+    protocol.Tokenized("t3", b"", "Hello", None, 2048),
     protocol.ClusterState("running", [], {"prefill-0": 41, "decode-0": 42}),
     protocol.Generate(
         "r2", "tokenizer-0", {"seed": 3}, protocol.pack_ids([5, 6]), decode="decode-1"
@@ -173,10 +201,48 @@ def test_no_pickle_on_the_wire() -> None:
                 b"\x18",
                 b'{"request_id":"a","reply_to":"api-0","messages":null,"prompt":"hi",'
                 b'"sampling":{},"stop":[],"skip_special_tokens":true,"session_id":-2,'
-                b'"interactive_mode":true}',
+                b'"interactive_mode":true,"tools":null,"chat_template_kwargs":null}',
                 b"",
             ],
             "session_id must be >= 0",
+        ),
+        (
+            [
+                b"\x18",
+                b'{"request_id":"a","reply_to":"api-0","messages":null,"prompt":"hi",'
+                b'"sampling":{},"stop":[],"skip_special_tokens":true,"session_id":null,'
+                b'"interactive_mode":false,"tools":[],"chat_template_kwargs":null}',
+                b"",
+            ],
+            "tools and chat_template_kwargs need messages",
+        ),
+        (
+            [
+                b"\x18",
+                b'{"request_id":"a","reply_to":"api-0","messages":[],"prompt":null,'
+                b'"sampling":{},"stop":[],"skip_special_tokens":true,"session_id":null,'
+                b'"interactive_mode":false,"tools":["f"],"chat_template_kwargs":null}',
+                b"",
+            ],
+            "TextRequest.tools: an element has the wrong type",
+        ),
+        (
+            [
+                b"\x1b",
+                b'{"request_id":"a","reply_to":"api-0","prompt":"hi","messages":[],'
+                b'"add_special_tokens":true,"add_generation_prompt":true,'
+                b'"return_token_strs":false,"tools":null,"chat_template_kwargs":null}',
+            ],
+            "Tokenize needs exactly one of prompt, messages",
+        ),
+        ([b"\x1c", b'{"request_id":"a","reply_to":"api-0"}', b"\x01\x00"], "int32"),
+        (
+            [
+                b"\x1d",
+                b'{"request_id":"a","text":"","token_strs":["a","b"],"max_model_len":8}',
+                b"\x01\x00\x00\x00",
+            ],
+            "token_strs and token_ids differ in length",
         ),
         ([b"\x1a", b'{"session_id":1,"action":"delete"}'], "is not cancel or end"),
     ],

@@ -1,7 +1,9 @@
 """Chat templates: OpenAI `messages` -> the prompt text the model was trained on.
 
 Two kinds, one interface (ChatTemplate):
-  HfChatTemplate         the model's own Hugging Face (Jinja) template, the default
+  HfChatTemplate         a Hugging Face (Jinja) template through transformers'
+                         apply_chat_template: the model's own (the default), or the one
+                         `--chat-template FILE.jinja` gives (a file that is not JSON)
   LmdeployChatTemplate   LMDeploy's ChatTemplateConfig, loaded from `--chat-template
                          FILE.json`, concatenated exactly as LMDeploy's BaseChatTemplate:
     [{system}{meta_instruction}{eosys}]    only when the chat has no system message first
@@ -12,11 +14,16 @@ Two kinds, one interface (ChatTemplate):
     {assistant}                            the generation prompt
   As in LMDeploy, a field left out or null is "", `model_name` only names the template
   (LMDeploy's built-in templates are not bundled: write out every field you need), and
-  `model_path` is accepted and unused.
+  `model_path` is accepted and unused. It has no place for tool definitions or tool
+  calls: a chat that brings them is refused (ChatTemplateError, a 400).
 
-A chat whose last message is from the assistant is continued: that message is left
-open (no end marker) and no new generation prompt follows, in both kinds (LMDeploy's
-behaviour; HF's `continue_final_message`).
+Jinja templates get the request's `tools` (the function definitions, as
+apply_chat_template takes them) and its `chat_template_kwargs` as template variables
+(e.g. Qwen3's `enable_thinking`); a variable the template does not use changes nothing.
+
+A chat whose last message is from the assistant (and makes no tool call) is continued:
+that message is left open (no end marker) and no new generation prompt follows, in both
+kinds (LMDeploy's behaviour; HF's `continue_final_message`).
 
 Interactive sessions (LMDeploy's /v1/chat/interactive) keep earlier turns on the
 server; render_increment() gives only the text to append to what the session holds.
@@ -32,76 +39,40 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol
 
-ROLES = ("system", "user", "assistant", "tool")
+from lmd.tokenizer.text.chat_messages import ChatMessage, ChatTemplateError, parse_messages
+
+__all__ = [
+    "ChatMessage",
+    "ChatTemplate",
+    "ChatTemplateError",
+    "HfChatTemplate",
+    "LmdeployChatTemplate",
+    "load_chat_template",
+    "parse_messages",
+    "read_chat_template",
+]
+
 CAPABILITIES = ("completion", "infilling", "chat", "python")
-
-
-class ChatTemplateError(ValueError):
-    """A chat that cannot be rendered, or a template file that cannot be used."""
-
-
-@dataclass(frozen=True, slots=True)
-class ChatMessage:
-    """One validated chat message, its content flattened to text."""
-
-    role: str  # one of ROLES
-    content: str
-
-
-def parse_messages(messages: Sequence[Mapping[str, Any]]) -> list[ChatMessage]:
-    """Validate OpenAI chat messages and flatten their content to text.
-
-    `content` is a string or a list of `{"type": "text", "text": ...}` parts, joined
-    with newlines (as vLLM does); an assistant message may have null content. Other
-    keys (`name`, ...) are ignored. Raises ChatTemplateError saying which message is
-    wrong.
-    """
-    if not messages:
-        raise ChatTemplateError("messages must contain at least one message")
-    parsed = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise ChatTemplateError(f"messages[{i}] must be an object with role and content")
-        role = message.get("role")
-        if role not in ROLES:
-            raise ChatTemplateError(
-                f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}"
-            )
-        parsed.append(ChatMessage(role, _content_text(message.get("content"), role, i)))
-    return parsed
-
-
-def _content_text(content: object, role: str, index: int) -> str:
-    where = f"messages[{index}].content"
-    if isinstance(content, str):
-        return content
-    if content is None and role == "assistant":
-        return ""
-    if not isinstance(content, list):
-        raise ChatTemplateError(f"{where} must be a string or a list of text parts")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text":
-            raise ChatTemplateError(
-                f"{where}[{j}] has type {kind!r}: only {{'type': 'text', 'text': ...}} parts "
-                "are supported by this text-only model"
-            )
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise ChatTemplateError(f"{where}[{j}].text must be a string")
-        texts.append(text)
-    return "\n".join(texts)
+JINJA_SUFFIXES = (".jinja", ".j2")
 
 
 class ChatTemplate(ABC):
     """Renders a chat into prompt text."""
 
     @abstractmethod
-    def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
         """The prompt for `messages`. With add_generation_prompt (the default) it ends
         where the model's reply begins (or continues a final assistant message);
-        without it, every message is closed: the chat as history."""
+        without it, every message is closed: the chat as history. `tools`: function
+        definitions for the model ({"type": "function", "function": {...}});
+        `template_kwargs`: extra template variables."""
 
     @property
     def stop_words(self) -> tuple[str, ...]:
@@ -132,42 +103,104 @@ class ChatTemplate(ABC):
         return full[len(previous) :]
 
 
+def continues(messages: Sequence[ChatMessage]) -> bool:
+    """Whether a generation continues the chat's last message (an unfinished reply)."""
+    return bool(messages) and messages[-1].role == "assistant" and not messages[-1].tool_calls
+
+
 class HfTemplateTokenizer(Protocol):
     """The part of a transformers tokenizer that renders its chat template."""
 
     @property
     def chat_template(self) -> object: ...
 
-    def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> Any: ...
+    def apply_chat_template(self, conversation: list[dict[str, Any]], **kwargs: Any) -> Any: ...
 
 
 class HfChatTemplate(ChatTemplate):
-    """The model's own chat template, through transformers' apply_chat_template."""
+    """A Jinja chat template through transformers' apply_chat_template: the tokenizer's
+    own, or `template` (the text of a `--chat-template` file, checked by jinja_template)."""
 
-    def __init__(self, tokenizer: HfTemplateTokenizer) -> None:
-        if not tokenizer.chat_template:
+    def __init__(self, tokenizer: HfTemplateTokenizer, template: str | None = None) -> None:
+        if not (template or tokenizer.chat_template):
             raise ChatTemplateError(
-                "the model has no chat template; give one with --chat-template FILE.json"
+                "the model has no chat template; give one with --chat-template FILE "
+                "(a Jinja template, or LMDeploy's JSON)"
             )
         self._tokenizer = tokenizer
+        self._template = template  # None: the tokenizer's
 
-    def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
         if not messages:
             raise ChatTemplateError("messages must contain at least one message")
-        conversation = [{"role": m.role, "content": m.content} for m in messages]
-        continue_final = add_generation_prompt and messages[-1].role == "assistant"
+        continue_final = add_generation_prompt and continues(messages)
         try:
             text = self._tokenizer.apply_chat_template(
-                conversation,
+                [m.to_template() for m in messages],
+                tools=tools,
+                chat_template=self._template,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt and not continue_final,
                 continue_final_message=continue_final,
+                **(template_kwargs or {}),
             )
         except Exception as exc:  # Jinja errors (raise_exception), no template, ...
             raise ChatTemplateError(f"the model's chat template rejected the chat: {exc}") from exc
         if not isinstance(text, str):
             raise ChatTemplateError(f"the model's chat template returned {type(text).__name__}")
         return text
+
+
+def jinja_template(text: str, *, source: str) -> str:
+    """`text` if it parses as a chat template (transformers' own Jinja environment);
+    else ChatTemplateError naming `source` and the line."""
+    from jinja2 import TemplateSyntaxError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(text)
+    except TemplateSyntaxError as exc:
+        raise ChatTemplateError(
+            f"{source}: not a valid Jinja chat template: line {exc.lineno}: {exc.message}"
+        ) from None
+    return text
+
+
+def read_chat_template(path: Path) -> LmdeployChatTemplate | str:
+    """A `--chat-template` file: LMDeploy's JSON, or a Jinja template's checked text (a
+    file named *.jinja or *.j2, or one that is not JSON). Raises ChatTemplateError."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ChatTemplateError(f"cannot read chat template {path}: {reason}") from exc
+    suffix = path.suffix.lower()
+    if suffix not in JINJA_SUFFIXES and (suffix == ".json" or _is_json(text)):
+        return LmdeployChatTemplate.from_json(text, source=str(path))
+    return jinja_template(text, source=str(path))
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def load_chat_template(path: Path, tokenizer: HfTemplateTokenizer) -> ChatTemplate:
+    """The ChatTemplate of a `--chat-template` file (read_chat_template's rules)."""
+    template = read_chat_template(path)
+    if isinstance(template, str):
+        return HfChatTemplate(tokenizer, template)
+    return template
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,7 +285,19 @@ class LmdeployChatTemplate(ChatTemplate):
         except ChatTemplateError as exc:
             raise ChatTemplateError(f"{source}: {exc}") from None
 
-    def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,  # no variables: ignored
+    ) -> str:
+        if tools or any(m.tool_calls for m in messages):
+            raise ChatTemplateError(
+                "the chat template (LMDeploy's JSON, --chat-template) has no place for tools "
+                "or tool calls; serve the model with its own template or a Jinja one"
+            )
         box = {"system": self.system, "user": self.user, "assistant": self.assistant}
         eox = {"system": self.eosys, "user": self.eoh, "assistant": self.eoa + self.separator}
         box["tool"], eox["tool"] = self.tool, self.eotool
@@ -264,7 +309,7 @@ class LmdeployChatTemplate(ChatTemplate):
             parts.append(f"{box[m.role]}{m.content}{eox[m.role]}")
         if not add_generation_prompt:
             return "".join(parts)
-        if messages and messages[-1].role == "assistant":
+        if continues(messages):
             # Continue the reply: LMDeploy cuts its end marker (eoa + separator) off.
             parts[-1] = f"{self.assistant}{messages[-1].content}"
             return "".join(parts)
