@@ -69,6 +69,7 @@ class Peers:
         self._peers: OrderedDict[str, _Peer] = OrderedDict()  # least recently used first
         self.num_evicted = 0  # channels closed to stay under the cap
         self.num_lost = 0  # messages not delivered to ZeroMQ (see the module's doc)
+        self.num_held = 0  # messages that waited in a backlog (a peer fell behind)
 
     def __len__(self) -> int:
         return len(self._peers)
@@ -94,6 +95,7 @@ class Peers:
             return False
         peer.backlog.append(frames)
         peer.backlog_bytes += size
+        self.num_held += 1
         if peer.flusher is None:
             peer.flusher = self._watch(self._flush(peer), f"the flusher to {name}")
         return True

@@ -196,6 +196,7 @@ class Worker:
             **self._beat_stats(),
             "num_lost": self._peers.num_lost,
             "num_waiting": self._peers.num_waiting,  # in backlogs to peers behind (peers.py)
+            "num_held": self._peers.num_held,  # that ever waited there
             # cluster nodes: TCP peers refused for lacking the cluster key (links.py)
             "num_refused": getattr(self.inbox, "num_refused", 0),
         }

@@ -229,6 +229,7 @@ async def test_answers_to_a_peer_that_falls_behind_wait_and_arrive_in_order(
     await until(lambda: harness.worker._peers.num_waiting == 0)
     beat = (await harness.beats(1))[0]
     assert beat.stats["num_lost"] == 0 and beat.stats["num_waiting"] == 0
+    assert beat.stats["num_held"] > 0
 
 
 async def test_names_outside_the_cluster_are_dropped_and_open_no_socket(
