@@ -23,7 +23,7 @@ async def answer_format(
     if isinstance(body, InteractiveRequest):
         interactive = InteractiveFormat()
         return interactive, LineFraming(interactive)
-    head = (request_id, int(time.time()), body.model, body.include_usage)
+    head = (request_id, int(time.time()), body.model, body.include_usage, body.num_choices)
     if isinstance(body, ChatCompletionRequest):
         chat = ChatFormat(*head, reply=await replies.for_chat(body))
         return chat, SseFraming(chat)

@@ -26,6 +26,7 @@ import orjson
 from pydantic import Field, model_validator
 
 from lmd import protocol
+from lmd.api.deltas import Answer, Delta, Tally
 from lmd.api.openai_fields import (
     MAX_COUNT,
     RepetitionPenalty,
@@ -34,7 +35,6 @@ from lmd.api.openai_fields import (
     Temperature,
     not_supported,
 )
-from lmd.api.openai_responses import Answer, Delta
 from lmd.api.openai_schema import ApiError, ChatMessage, RequestBody
 
 MEDIA_TYPE = "application/x-ndjson"  # JSON objects separated by newlines
@@ -82,6 +82,10 @@ class InteractiveRequest(RequestBody):
         if not self.prompt and not self.interactive_mode and self.session_id != NO_SESSION:
             return "end"
         return None
+
+    @property
+    def num_choices(self) -> int:
+        return 1  # a turn has one answer, which joins the session's history
 
     def sampling(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -156,7 +160,8 @@ class InteractiveFormat:
             "cached_tokens": cached_tokens,
         }
 
-    def response(self, answer: Answer) -> dict[str, Any]:
+    def response(self, answers: list[Answer]) -> dict[str, Any]:
+        answer = answers[0]  # a turn has one
         return self.body(
             "".join(answer.text),
             answer.finish_reason,
@@ -206,5 +211,5 @@ class LineFraming:
     def error(self, err: ApiError) -> bytes:
         return json_line(err.body)
 
-    def tail(self, last: Delta | None, ok: bool) -> list[bytes]:
+    def tail(self, tally: Tally, ok: bool) -> list[bytes]:
         return []

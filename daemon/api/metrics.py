@@ -54,6 +54,12 @@ class ApiMetrics:
         self.prompt_tokens = Counter(
             "lmd_prompt_tokens", "Prompt tokens of closed requests.", registry=registry
         )
+        self.prompt_tokens_cached = Counter(
+            "lmd_prompt_tokens_cached",
+            "Prompt tokens of closed requests the engines' prefix cache served, summed over "
+            "their choices (the later choices of an n > 1 request find the prompt cached).",
+            registry=registry,
+        )
         self.generation_tokens = Counter(
             "lmd_generation_tokens", "Tokens generated for closed requests.", registry=registry
         )
@@ -82,9 +88,11 @@ class ApiMetrics:
         if first_token_s is not None and num_tokens > 1:
             self.time_per_output_token.observe((e2e_s - first_token_s) / (num_tokens - 1))
 
-    def tokens(self, prompt_tokens: int, completion_tokens: int) -> None:
-        """What a closed request computed, finished or not."""
+    def tokens(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> None:
+        """What a closed request computed, finished or not: its prompt (once), the tokens
+        of all its choices, and the prompt tokens each choice found cached."""
         self.prompt_tokens.inc(prompt_tokens)
+        self.prompt_tokens_cached.inc(cached_tokens)
         self.generation_tokens.inc(completion_tokens)
 
     def render(self) -> bytes:

@@ -13,6 +13,7 @@ from lmd.engine.sequence import (
     MAX_REPETITION_PENALTY,
     MIN_REPETITION_PENALTY,
 )
+from lmd.protocol import MAX_CHOICES
 
 MAX_TEMPERATURE = 2.0  # OpenAI's (the engine itself takes up to engine.sequence's)
 MAX_STOP_STRINGS = 16
@@ -105,12 +106,6 @@ def not_supported(instead: str = "") -> Any:
     return AfterValidator(check)
 
 
-def _only_one(value: int | None) -> int | None:
-    if value not in (None, 1):
-        raise ValueError(f"only 1 is supported, got {value}")
-    return value
-
-
 TokenId = Annotated[int, Field(ge=0, lt=MAX_COUNT)]
 Seed = Annotated[int, Field(ge=-(2**63), lt=2**63)]  # int64, as OpenAI's
 Temperature = Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)]
@@ -152,4 +147,5 @@ Content = Annotated[str, BeforeValidator(_text_content), WithJsonSchema(_CONTENT
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 LogitBias = Annotated[dict[str, float], AfterValidator(_logit_bias)]
 BadWords = Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_BAD_WORDS)]
-OnlyOne = Annotated[int, AfterValidator(_only_one)]
+# OpenAI's n: choices sampled from the one prompt (tokenizer/choices.py), at most MAX_CHOICES
+NumChoices = Annotated[int, Field(ge=1, le=MAX_CHOICES)]

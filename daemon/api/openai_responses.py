@@ -3,12 +3,15 @@
 Plain dicts (orjson encodes them), shaped as the OpenAI schema's
 CreateChatCompletionResponse / CreateChatCompletionStreamResponse and
 CreateCompletionResponse. One `ChatFormat` or `CompletionFormat` per request holds what
-every chunk of it shares (id, created, model); `Answer` adds deltas up for a
-non-streaming body. `finish_reason` is stop, length, or abort (LMDeploy's, when the
-server cut the request short), and tool_calls when a reply that stopped by itself called
-tools. A chat reply with tools or a reasoning parser in play is read by the request's
-`ReplyParser` (parsers/): its message gets `tool_calls` and `reasoning_content`, and its
-stream's deltas carry them as they are read.
+every chunk of it shares (id, created, model); its deltas are read as deltas.py says. A
+request with n > 1 has n choices, `index` 0..n-1, each with its own deltas,
+finish_reason and logprobs; a stream chunk carries one choice; usage counts the prompt
+once and the completion tokens of every choice. `finish_reason` is stop, length, or
+abort (LMDeploy's, when the server cut the request short), and tool_calls when a reply
+that stopped by itself called tools. A chat reply with tools or a reasoning parser in
+play is read by the request's `ReplyParser` (parsers/), one ReplyStream per choice: its
+message gets `tool_calls` and `reasoning_content`, and its stream's deltas carry them as
+they are read.
 """
 
 from __future__ import annotations
@@ -20,44 +23,12 @@ from typing import Any, ClassVar, Protocol
 
 import orjson
 
-from lmd import protocol
+from lmd.api.deltas import Answer, Delta, Tally
 from lmd.api.openai_schema import ApiError
 from lmd.api.parsers.reply import ReplyParser, ReplyStream, finish_reason
 
 VERY_UNLIKELY_LOGPROB = -9999.0  # OpenAI's stand-in for a logprob too small to show
 SSE_DONE = b"data: [DONE]\n\n"
-
-
-@dataclass(slots=True)
-class Delta:
-    """One request's share of a TextDelta message (not frozen: one is made per streamed
-    token, and a frozen dataclass is several times slower to construct; docs/benchmarks.md,
-    'Per-request and per-token CPU in the api and tokenizer')."""
-
-    text: str
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    logprobs: list[dict[str, Any]] | None
-    cached_tokens: int = 0  # of the prompt, served by the engine's prefix cache
-    history_tokens: int = 0  # of the prompt, from an interactive session's earlier turns
-
-    @classmethod
-    def split(cls, msg: protocol.TextDelta) -> list[tuple[str, Delta]]:
-        return [
-            (rid, cls(text, reason, prompt, completion, lps, cached, history))
-            for rid, text, reason, prompt, completion, lps, cached, history in zip(
-                msg.request_ids,
-                msg.texts,
-                msg.finish_reasons,
-                msg.prompt_tokens,
-                msg.completion_tokens,
-                msg.logprobs,
-                msg.cached_tokens,
-                msg.history_tokens,
-                strict=True,
-            )
-        ]
 
 
 def sse(obj: dict[str, Any]) -> bytes:
@@ -75,36 +46,15 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
+def usage_of(answers: list[Answer]) -> dict[str, Any]:
+    """A body's usage: the prompt once (as choice 0 computed it), every choice's output."""
+    first, completion = answers[0], sum(a.completion_tokens for a in answers)
+    return usage(first.prompt_tokens, completion, first.cached_tokens)
+
+
 def _logprob(value: float) -> float:
     # JSON has no -inf; OpenAI documents -9999.0 for "very unlikely".
     return value if math.isfinite(value) else VERY_UNLIKELY_LOGPROB
-
-
-@dataclass(slots=True)
-class Answer:
-    """What the deltas of one request add up to (for a non-streaming response)."""
-
-    text: list[str] = field(default_factory=list)
-    logprobs: list[dict[str, Any]] | None = None
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    history_tokens: int = 0
-
-    def add(self, delta: Delta) -> None:
-        self.text.append(delta.text)
-        if delta.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + delta.logprobs
-        self.finish_reason = delta.finish_reason
-        self.prompt_tokens = delta.prompt_tokens
-        self.completion_tokens = delta.completion_tokens
-        self.cached_tokens = delta.cached_tokens
-        self.history_tokens = delta.history_tokens
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass(slots=True)
@@ -116,6 +66,7 @@ class _Format(ABC):
     created: int
     model: str
     include_usage: bool = False  # streams: `usage: null` on chunks, a usage chunk at the end
+    n: int = 1  # choices
     CHUNK_OBJECT: ClassVar[str] = ""  # the `object` of this format's stream chunks
     # A stream chunk's SSE bytes around its one choice, rendered once per request.
     _sse_open: bytes = field(init=False, repr=False, default=b"")
@@ -169,11 +120,19 @@ class ChatFormat(_Format):
     CHUNK_OBJECT: ClassVar[str] = "chat.completion.chunk"
 
     reply: ReplyParser | None = None  # None: the reply's text is its content, as it is
-    _reading: ReplyStream | None = field(init=False, repr=False, default=None)
+    # each choice's reply as read so far (with a ReplyParser)
+    _reading: dict[int, ReplyStream] = field(init=False, repr=False, default_factory=dict)
 
-    def first_chunk(self) -> dict[str, Any]:
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
-        return self._chunk(self.CHUNK_OBJECT, [{**choice, "finish_reason": None}])
+    def first_chunks(self) -> list[dict[str, Any]]:
+        """A stream's first chunks: each choice's role."""
+        delta = {"role": "assistant", "content": ""}
+        return [
+            self._chunk(
+                self.CHUNK_OBJECT,
+                [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}],
+            )
+            for i in range(self.n)
+        ]
 
     def choice(self, delta: Delta) -> dict[str, Any] | None:
         if self.reply is not None:
@@ -181,7 +140,7 @@ class ChatFormat(_Format):
         if not delta.text and delta.finish_reason is None and not delta.logprobs:
             return None
         return {
-            "index": 0,
+            "index": delta.index,
             "delta": {"content": delta.text} if delta.text else {},
             "logprobs": self.logprobs(delta.logprobs),
             "finish_reason": delta.finish_reason,
@@ -190,9 +149,9 @@ class ChatFormat(_Format):
     def _read_choice(self, reply: ReplyParser, delta: Delta) -> dict[str, Any] | None:
         """A delta's choice, its text read by the reply's parsers: what they make known
         of content, reasoning and tool calls (text they hold back shows later)."""
-        if self._reading is None:
-            self._reading = reply.stream()
-        reading = self._reading
+        reading = self._reading.get(delta.index)
+        if reading is None:
+            reading = self._reading[delta.index] = reply.stream()
         piece = reading.feed(delta.text)
         reason = delta.finish_reason
         if reason is not None:
@@ -202,13 +161,21 @@ class ChatFormat(_Format):
         if not message and reason is None and not delta.logprobs:
             return None
         return {
-            "index": 0,
+            "index": delta.index,
             "delta": message,
             "logprobs": self.logprobs(delta.logprobs),
             "finish_reason": reason,
         }
 
-    def response(self, answer: Answer) -> dict[str, Any]:
+    def response(self, answers: list[Answer]) -> dict[str, Any]:
+        """The body of a whole answer: one Answer per choice, by index."""
+        return {
+            **self._head("chat.completion"),
+            "choices": [self._whole_choice(i, answer) for i, answer in enumerate(answers)],
+            "usage": usage_of(answers),
+        }
+
+    def _whole_choice(self, index: int, answer: Answer) -> dict[str, Any]:
         text = "".join(answer.text)
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
         reason = answer.finish_reason
@@ -216,16 +183,11 @@ class ChatFormat(_Format):
             message.update(self.reply.parse(text))
             if reason is not None:
                 reason = finish_reason(reason, len(message.get("tool_calls", ())))
-        choice = {
-            "index": 0,
+        return {
+            "index": index,
             "message": message,
             "logprobs": self.logprobs(answer.logprobs),
             "finish_reason": reason,
-        }
-        return {
-            **self._head("chat.completion"),
-            "choices": [choice],
-            "usage": usage(answer.prompt_tokens, answer.completion_tokens, answer.cached_tokens),
         }
 
     @staticmethod
@@ -250,38 +212,43 @@ class ChatFormat(_Format):
 class CompletionFormat(_Format):
     CHUNK_OBJECT: ClassVar[str] = "text_completion"
 
-    text_offset: int = 0  # characters of output before the next token (logprobs)
+    # characters of output before each choice's next token (logprobs' text_offset)
+    _offsets: dict[int, int] = field(init=False, repr=False, default_factory=dict)
 
     def choice(self, delta: Delta) -> dict[str, Any] | None:
         if not delta.text and delta.finish_reason is None and not delta.logprobs:
             return None
         return {
-            "index": 0,
+            "index": delta.index,
             "text": delta.text,
-            "logprobs": self.logprobs(delta.logprobs),
+            "logprobs": self.logprobs(delta.logprobs, delta.index),
             "finish_reason": delta.finish_reason,
         }
 
-    def response(self, answer: Answer) -> dict[str, Any]:
-        choice = {
-            "index": 0,
-            "text": "".join(answer.text),
-            "logprobs": self.logprobs(answer.logprobs),
-            "finish_reason": answer.finish_reason,
-        }
-        return {
-            **self._head("text_completion"),
-            "choices": [choice],
-            "usage": usage(answer.prompt_tokens, answer.completion_tokens, answer.cached_tokens),
-        }
+    def response(self, answers: list[Answer]) -> dict[str, Any]:
+        """The body of a whole answer: one Answer per choice, by index."""
+        choices = [
+            {
+                "index": i,
+                "text": "".join(answer.text),
+                "logprobs": self.logprobs(answer.logprobs, i),
+                "finish_reason": answer.finish_reason,
+            }
+            for i, answer in enumerate(answers)
+        ]
+        return {**self._head("text_completion"), "choices": choices, "usage": usage_of(answers)}
 
-    def logprobs(self, entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    def logprobs(
+        self, entries: list[dict[str, Any]] | None, index: int = 0
+    ) -> dict[str, Any] | None:
         if entries is None:
             return None
         offsets = []
+        offset = self._offsets.get(index, 0)
         for e in entries:
-            offsets.append(self.text_offset)
-            self.text_offset += len(e["token"])
+            offsets.append(offset)
+            offset += len(e["token"])
+        self._offsets[index] = offset
         return {
             "tokens": [e["token"] for e in entries],
             "token_logprobs": [_logprob(e["logprob"]) for e in entries],
@@ -308,8 +275,8 @@ class Framing(Protocol):
         """An error after the 200 went out; the stream ends after it."""
         ...
 
-    def tail(self, last: Delta | None, ok: bool) -> list[bytes]:
-        """What closes the stream; `ok`: it ended without an error."""
+    def tail(self, tally: Tally, ok: bool) -> list[bytes]:
+        """What closes the stream (`tally`: its deltas'); `ok`: it ended without an error."""
         ...
 
 
@@ -321,7 +288,7 @@ class SseFraming:
     media_type: str = "text/event-stream"
 
     def head(self) -> list[bytes]:
-        return [sse(self.fmt.first_chunk())] if isinstance(self.fmt, ChatFormat) else []
+        return [sse(c) for c in self.fmt.first_chunks()] if isinstance(self.fmt, ChatFormat) else []
 
     def frame(self, delta: Delta) -> bytes | None:
         return self.fmt.sse_chunk(delta)
@@ -329,11 +296,11 @@ class SseFraming:
     def error(self, err: ApiError) -> bytes:
         return sse(err.body)
 
-    def tail(self, last: Delta | None, ok: bool) -> list[bytes]:
+    def tail(self, tally: Tally, ok: bool) -> list[bytes]:
         """The usage chunk (when asked for and the stream ended well), then [DONE]."""
-        if not (self.fmt.include_usage and ok and last is not None):
+        if not (self.fmt.include_usage and ok):
             return [SSE_DONE]
         usage_chunk = self.fmt.usage_chunk(
-            last.prompt_tokens, last.completion_tokens, last.cached_tokens
+            tally.prompt_tokens, tally.completion_tokens, tally.cached_tokens
         )
         return [sse(usage_chunk), SSE_DONE]

@@ -2,7 +2,7 @@
 
 Requests are pydantic models validated straight from the body bytes in strict mode (a
 string where a number belongs is a 400, never coerced). Fields OpenAI defines that would
-change the answer and that lmd cannot honour (n > 1, echo, functions, ...) are a 400
+change the answer and that lmd cannot honour (echo, suffix, functions, ...) are a 400
 naming them. Top-level fields we do not know at all
 are ignored, as OpenAI does (SDKs send some, e.g. `user`), and their names logged at debug
 level. `temperature` is OpenAI's 0 to 2 (LMDeploy's range too). Each request maps to the
@@ -40,7 +40,7 @@ from lmd.api.openai_fields import (
     BadWords,
     Content,
     LogitBias,
-    OnlyOne,
+    NumChoices,
     Penalty,
     Prompt,
     RepetitionPenalty,
@@ -208,7 +208,9 @@ class _GenerateRequest(RequestBody, GuidedFields):
     seed: Seed | None = None
     stop: StopStrings = Field(default_factory=list)
     stop_token_ids: list[TokenId] | None = None
-    n: OnlyOne | None = None
+    n: NumChoices | None = Field(
+        None, description="choices of the one prompt (1-16), each sampled on its own"
+    )
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     min_tokens: Annotated[int, Field(ge=0, lt=MAX_COUNT)] = 0
@@ -226,6 +228,10 @@ class _GenerateRequest(RequestBody, GuidedFields):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
 
     @property
     def num_logprobs(self) -> int | None:
@@ -348,6 +354,7 @@ class ChatCompletionRequest(_GenerateRequest):
             # rendered whatever tool_choice says, "none" too (as vLLM does by default)
             tools=[t.for_template() for t in self.tools] if self.tools else None,
             chat_template_kwargs=self.chat_template_kwargs,
+            n=self.num_choices,
         )
 
 
@@ -356,8 +363,20 @@ class CompletionRequest(_GenerateRequest):
     max_tokens: Annotated[int, Field(ge=1, lt=MAX_COUNT)] | None = 16  # OpenAI's default here
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     echo: Annotated[bool, not_supported()] | None = False
-    best_of: OnlyOne | None = None
+    best_of: Annotated[int, Field(ge=1, le=protocol.MAX_CHOICES)] | None = Field(
+        None, description="only equal to n"
+    )
     suffix: Annotated[str, not_supported()] | None = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        """OpenAI's best_of picks the n best of best_of choices: only best_of = n, where
+        there is nothing to pick, is served."""
+        n = info.data.get("n") or 1
+        if value is not None and value != n:
+            raise ValueError(f"only best_of equal to n ({n}) is supported, got {value}")
+        return value
 
     @property
     def num_logprobs(self) -> int | None:
@@ -374,4 +393,5 @@ class CompletionRequest(_GenerateRequest):
             stop=self.stop,
             skip_special_tokens=self.skip_special_tokens,
             prompt_ids=protocol.pack_ids(ids) if ids else b"",
+            n=self.num_choices,
         )

@@ -2,8 +2,8 @@
 
 The api worker registers an `OpenRequest` per request it hands to the tokenizer; its
 inbox puts each TextDelta entry or RequestError in the request's `Events`. `add_up`
-turns them into one non-streamed answer; `writes` into the bytes of a stream (SSE or
-JSON lines, by its Framing).
+turns them into one non-streamed answer (an Answer per choice); `writes` into the bytes
+of a stream (SSE or JSON lines, by its Framing). Either ends when every choice finished.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 from lmd import protocol
-from lmd.api.openai_responses import Answer, Delta, Framing
+from lmd.api.deltas import Answer, Delta, Tally
+from lmd.api.openai_responses import Framing
 from lmd.api.openai_schema import ApiError
 
 Event = Delta | protocol.RequestError
@@ -79,8 +80,15 @@ class OpenRequest:
     first_token_at: float | None = None
     finished_at: float | None = None  # its last delta arrived
     ended: bool = False  # last delta or error seen: the tokenizer no longer holds it
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
+    tally: Tally = field(default_factory=Tally)  # its choices' counts, as they arrive
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.tally.prompt_tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.tally.completion_tokens
 
 
 async def first_events(request: OpenRequest, client_gone: asyncio.Future[None]) -> list[Event]:
@@ -95,17 +103,19 @@ async def first_events(request: OpenRequest, client_gone: asyncio.Future[None]) 
 
 async def add_up(
     request: OpenRequest, client_gone: asyncio.Future[None]
-) -> Answer | ApiError | None:
-    """The whole answer; None when the client went before it was complete."""
-    answer = Answer()
+) -> list[Answer] | ApiError | None:
+    """The whole answer, an Answer per choice; None when the client went before it was
+    complete."""
+    answers = [Answer() for _ in range(request.tally.n)]
+    tally = Tally(request.tally.n)
     request.events.wake_on(client_gone)
     while True:
         for event in request.events.take():
             if isinstance(event, protocol.RequestError):
                 return ApiError.from_request_error(event)
-            answer.add(event)
-            if answer.done:
-                return answer
+            answers[event.index].add(event)
+            if tally.add(event):
+                return answers
         if client_gone.done():
             return None
         await request.events.wait()
@@ -119,7 +129,7 @@ async def writes(
     (or a busy api) gets several tokens per write instead of one write each."""
     status = 200
     out = framing.head()
-    last: Delta | None = None
+    tally = Tally(request.tally.n)
     events = first
     ended = False
     while True:
@@ -130,11 +140,10 @@ async def writes(
                 out.append(framing.error(err))
                 ended = True
                 break
-            last = item
             frame = framing.frame(item)
             if frame is not None:
                 out.append(frame)
-            if item.finish_reason is not None:
+            if tally.add(item):
                 ended = True
                 break
         if ended:
@@ -144,7 +153,7 @@ async def writes(
             out = []
         await request.events.wait()
         events = request.events.take()
-    out += framing.tail(last, status == 200)
+    out += framing.tail(tally, status == 200)
     if out:
         yield b"".join(out)
     sent(status)

@@ -35,6 +35,7 @@ from starlette.responses import PlainTextResponse, Response
 
 from lmd import __version__, protocol
 from lmd.api import readiness
+from lmd.api.deltas import Delta, Tally
 from lmd.api.docs import (
     GENERATE_ERRORS,
     ChatCompletion,
@@ -70,7 +71,7 @@ from lmd.api.interactive import (
     prefix_caching_off,
 )
 from lmd.api.metrics import CLIENT_GONE, CONTENT_TYPE, ApiMetrics
-from lmd.api.openai_responses import Delta, Framing
+from lmd.api.openai_responses import Framing
 from lmd.api.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest, unknown_model
 from lmd.api.parsers.choice import ReplyChoice
 from lmd.api.request import OpenRequest, add_up, first_events, writes
@@ -180,9 +181,7 @@ class ApiWorker(Worker):
                 if request.first_token_at is None and (delta.text or delta.completion_tokens):
                     request.first_token_at = now
                     self.metrics.first_token(now - request.started)
-                request.prompt_tokens = delta.prompt_tokens
-                request.completion_tokens = delta.completion_tokens
-                if delta.finish_reason is not None:
+                if request.tally.add(delta):  # its last choice finished
                     request.ended, request.finished_at = True, now
                 request.events.put(delta)
             return True
@@ -283,7 +282,8 @@ class ApiWorker(Worker):
         if body is None:  # an interactive cancel or end: the tokenizer does it
             self.metrics.count(endpoint, 200)
             return JSONResponse(InteractiveFormat.control_done())
-        request = self._open[request_id] = OpenRequest(request_id, endpoint, tokenizer)
+        tally = Tally(body.num_choices)
+        request = self._open[request_id] = OpenRequest(request_id, endpoint, tokenizer, tally=tally)
         client_gone = asyncio.ensure_future(disconnected(http))
         handed_over = False  # a stream watches client_gone from then on
         try:
@@ -332,15 +332,15 @@ class ApiWorker(Worker):
     async def _answer(
         self, request: OpenRequest, fmt: Format, client_gone: asyncio.Future[None]
     ) -> Response:
-        answer = await add_up(request, client_gone)
-        if answer is None:
+        answers = await add_up(request, client_gone)
+        if answers is None:
             self._close(request, CLIENT_GONE)
             return Response(status_code=CLIENT_GONE)
-        if isinstance(answer, ApiError):
-            self._close(request, answer.status)
-            return error_response(answer)
+        if isinstance(answers, ApiError):
+            self._close(request, answers.status)
+            return error_response(answers)
         self._close(request, 200)
-        return JSONResponse(fmt.response(answer))
+        return JSONResponse(fmt.response(answers))
 
     async def _start_stream(
         self, request: OpenRequest, framing: Framing, client_gone: asyncio.Future[None]
@@ -374,11 +374,12 @@ class ApiWorker(Worker):
             request.ended = True
             self.push(request.tokenizer, protocol.Abort(request.id))
         self.metrics.count(request.endpoint, status)
-        self.metrics.tokens(request.prompt_tokens, request.completion_tokens)
+        tally = request.tally
+        self.metrics.tokens(tally.prompt_tokens, tally.completion_tokens, sum(tally.cached))
         if request.finished_at is not None and status == 200:
             first = request.first_token_at
             self.metrics.finished(
                 e2e_s=request.finished_at - request.started,
                 first_token_s=None if first is None else first - request.started,
-                num_tokens=request.completion_tokens,
+                num_tokens=max(tally.completion),  # choices decode side by side
             )

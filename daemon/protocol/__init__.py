@@ -27,6 +27,7 @@ from lmd.protocol.control import (
 from lmd.protocol.kinds import MAX_BYTES, MAX_FRAME_BYTES, MsgType
 from lmd.protocol.migration import Migrated, Release, Reserve, Reserved
 from lmd.protocol.requests import (
+    MAX_CHOICES,
     SESSION_ACTIONS,
     Abort,
     Detokenize,
@@ -46,6 +47,7 @@ __all__ = [
     "CLUSTER_ROLES",
     "ENGINE_ROLES",
     "MAX_BYTES",
+    "MAX_CHOICES",
     "MAX_FRAME_BYTES",
     "SCALABLE_ROLES",
     "SESSION_ACTIONS",

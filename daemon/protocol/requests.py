@@ -8,6 +8,10 @@ from typing import Any, ClassVar
 from lmd.protocol.kinds import MsgType, check_chat_options, check_ids, check_name
 from lmd.wire import ProtocolError, unpack_ids
 
+# The most choices (OpenAI's `n`) one request may ask for: each is an engine request of
+# its own, with its own KV beyond the prompt's shared blocks.
+MAX_CHOICES = 16
+
 
 @dataclass(frozen=True, slots=True)
 class Generate:
@@ -93,6 +97,9 @@ class TextRequest:
     LMDeploy's): `prompt` is then a user turn for the chat template, not raw text. With
     `interactive_mode` the turn follows the session's history and its answer joins it;
     without, the session starts afresh and keeps nothing.
+
+    `n` (1..MAX_CHOICES; 1 in a session): how many choices to sample from the one prompt
+    (tokenizer/choices.py).
     """
 
     TYPE: ClassVar[MsgType] = MsgType.TEXT_REQUEST
@@ -111,6 +118,7 @@ class TextRequest:
     # variables, both for the chat template
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    n: int = 1
 
     def check(self) -> None:
         given = [self.messages is not None, self.prompt is not None, bool(self.prompt_ids)]
@@ -118,6 +126,8 @@ class TextRequest:
             raise ProtocolError("TextRequest needs exactly one of messages, prompt, prompt_ids")
         if self.session_id is not None and (self.session_id < 0 or self.prompt_ids):
             raise ProtocolError("TextRequest.session_id must be >= 0 and needs messages or prompt")
+        if not 1 <= self.n <= (1 if self.session_id is not None else MAX_CHOICES):
+            raise ProtocolError(f"TextRequest.n {self.n} is out of range")
         if len(self.prompt_ids) % 4:
             raise ProtocolError("TextRequest.prompt_ids must be an int32 array")
         check_name("TextRequest", "reply_to", self.reply_to)
@@ -133,7 +143,10 @@ class TextDelta:
     the engine's prefix cache served; `history_tokens`: prompt tokens an interactive
     session brought from earlier turns, else 0), and, when logprobs were asked for, one
     entry per new token: {"token", "logprob", "bytes", "top": [[token, logprob, bytes], ...]}
-    (bytes: the token's raw UTF-8 bytes as a list of ints, see tokenizer/text/token_bytes.py).
+    (bytes: the token's raw UTF-8 bytes as a list of ints, see tokenizer/text/token_bytes.py);
+    `indexes`: the choice each entry is of (OpenAI's `choices[].index`; 0 unless the
+    request asked for n > 1). Each count is the choice's own; every choice has the same
+    `prompt_tokens`.
     """
 
     TYPE: ClassVar[MsgType] = MsgType.TEXT_DELTA
@@ -145,6 +158,7 @@ class TextDelta:
     logprobs: list[list[dict[str, Any]] | None]
     cached_tokens: list[int]
     history_tokens: list[int]
+    indexes: list[int]
 
     def check(self) -> None:
         n = len(self.request_ids)
@@ -156,9 +170,12 @@ class TextDelta:
             self.logprobs,
             self.cached_tokens,
             self.history_tokens,
+            self.indexes,
         )
         if any(len(x) != n for x in lists):
             raise ProtocolError("TextDelta: per-request lists differ in length")
+        if self.indexes and not 0 <= min(self.indexes) <= max(self.indexes) < MAX_CHOICES:
+            raise ProtocolError("TextDelta.indexes: a choice index is out of range")
 
 
 SESSION_ACTIONS = ("cancel", "end")

@@ -73,6 +73,17 @@ class Prompts:
             raise ValueError("the prompt is empty")
         return ids
 
+    def check_length(self, ids: list[int], *, in_session: bool = False) -> None:
+        """ValueError when a prompt leaves no room for output in the session length."""
+        if len(ids) < self.session_len:
+            return
+        hint = "; end the session or start it again with interactive_mode false"
+        raise ValueError(
+            f"the prompt has {len(ids)} tokens; this model's limit is "
+            f"{self.session_len - 1} prompt tokens (session_len {self.session_len}, shared "
+            f"with the output){hint if in_session else ''}"
+        )
+
     def tokenize(self, msg: protocol.Tokenize) -> protocol.Tokenized:
         if msg.messages is not None:
             ids = self.of_chat(

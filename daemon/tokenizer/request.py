@@ -1,4 +1,5 @@
-"""What the tokenizer keeps of one request in flight, and the TextDeltas it sends the api."""
+"""What the tokenizer keeps of one request in flight (of each of its choices, when it asks
+for n > 1: choices.py), and the TextDeltas it sends the api."""
 
 from __future__ import annotations
 
@@ -18,15 +19,22 @@ Entry = tuple[int, str | None, dict[str, Any] | None, int]
 
 # One request's entry of a TextDelta, as it was when its text was made: (request id,
 # text, finish reason, prompt tokens, completion tokens, logprobs, cached tokens,
-# history tokens).
-DeltaEntry = tuple[str, str, str | None, int, int, list[dict[str, Any]] | None, int, int]
+# history tokens, choice index).
+DeltaEntry = tuple[str, str, str | None, int, int, list[dict[str, Any]] | None, int, int, int]
 
 
 @dataclass(slots=True)
 class TokenizerRequest:
+    """One choice of a request: the engine request that samples it (the whole request
+    when it asks for one choice)."""
+
+    request_id: str  # the api's id (the engine's is `<id>-<index>` when n > 1)
     reply_to: str  # api worker
     route: Route
     stream: TextStream
+    index: int = 0  # the choice's index among the request's n
+    # Its Generate, while it waits for choice 0's prompt to be cached (choices.py)
+    held: protocol.Generate | None = None
     cached_tokens: int | None = None  # from the engine's first Tokens for it
     reply_pid: int | None = None  # the api process that asked, where known
     # Tokens by position: prefill sends token 0, decode the rest, over different sockets.
@@ -42,10 +50,10 @@ class TokenizerRequest:
     def num_history_tokens(self) -> int:
         return 0 if self.turn is None else self.turn.num_history_tokens
 
-    def delta_entry(self, request_id: str, update: StreamUpdate) -> DeltaEntry:
-        """This request's TextDelta entry for `update`, with its counts as of now."""
+    def delta_entry(self, update: StreamUpdate) -> DeltaEntry:
+        """This choice's TextDelta entry for `update`, with its counts as of now."""
         return (
-            request_id,
+            self.request_id,
             update.text,
             update.finish_reason,
             self.stream.num_prompt_tokens,
@@ -53,15 +61,18 @@ class TokenizerRequest:
             update.logprobs,
             self.cached_tokens or 0,
             self.num_history_tokens,
+            self.index,
         )
 
 
 def text_delta(entries: list[DeltaEntry]) -> protocol.TextDelta:
     """One TextDelta for one api worker: each entry's new text, in order."""
-    rids, texts, reasons, prompts, completions, logprobs, cached, history = (
+    rids, texts, reasons, prompts, completions, logprobs, cached, history, indexes = (
         list(column) for column in zip(*entries, strict=True)
     )
-    return protocol.TextDelta(rids, texts, reasons, prompts, completions, logprobs, cached, history)
+    return protocol.TextDelta(
+        rids, texts, reasons, prompts, completions, logprobs, cached, history, indexes
+    )
 
 
 class DeltaOutbox:

@@ -99,11 +99,22 @@ class Router:
             None if running is None or not decode else running[decode],
             num_tokens,
         )
-        for name in (engine, decode):
+        self._count(route)
+        return route
+
+    def follow(self, route: Route, num_tokens: int) -> Route:
+        """Another request on `route`'s workers, counted as a pick is: a later choice of
+        the same prompt (tokenizer/choices.py), of which its engine has to compute only
+        `num_tokens` (the prompt's full blocks are cached by then)."""
+        again = Route(route.engine, route.decode, route.engine_pid, route.decode_pid, num_tokens)
+        self._count(again)
+        return again
+
+    def _count(self, route: Route) -> None:
+        for name in (route.engine, route.decode):
             if name:
                 self._load[name] += 1
-                self._tokens[name] += num_tokens
-        return route
+                self._tokens[name] += route.num_tokens
 
     def prefilled(self, route: Route) -> None:
         """The request's first token arrived: its prefill worker is done with it."""

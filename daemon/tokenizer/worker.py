@@ -5,16 +5,19 @@ Life cycle of a request in the tokenizer:
      prompt (text or token ids), tokenize, check the length against the session
      length, pick the engine workers (routing.Router: a hybrid engine, or a prefill and
      a decode worker, the least loaded that run), send Generate to the engine with this
-     worker as reply_to. Anything wrong answers RequestError.
+     worker as reply_to. Anything wrong answers RequestError. A request for n > 1
+     choices is n engine requests on those workers, the later ones sent once choice 0's
+     prompt is in the engine's prefix cache (choices.py).
   2. Tokens from the engine: each token goes through the request's TextStream
      (incremental detokenizer + stop strings); the new text of every Tokens message
      handled in one turn of the event loop (one engine step, or several when the
      tokenizer is behind) goes back as one TextDelta per api worker (DeltaOutbox). A stop
      string finishes the request and aborts it in the engine.
   3. RequestError from the engine is passed to the api; Abort from the api is passed
-     to the engine (and the decode worker). Either way, and on finish, the request's
-     state is dropped. A worker serving a request that dies or restarts (ClusterState)
-     fails the request at once: nothing waits for tokens that cannot come.
+     to the engine (and the decode worker). Either way, and once its last choice
+     finished, the request's state is dropped. A worker serving a request that dies or
+     restarts (ClusterState) fails the request at once: nothing waits for tokens that
+     cannot come.
 Interactive sessions (`TextRequest.session_id`, /v1/chat/interactive) live here, in a
 SessionTable (sessions.py): a turn's prompt is the session's history ids + the new turn's
 text tokenized; when the turn finishes its answer joins the history (not when aborted);
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -37,28 +41,21 @@ from lmd.names import role_of
 from lmd.protocol import Message, Role
 from lmd.roles import worker_names
 from lmd.tokenizer.bad_words import bad_word_ids
+from lmd.tokenizer.choices import Requests, choice_ids, choice_seed, num_uncached
 from lmd.tokenizer.prompts import Prompts
 from lmd.tokenizer.request import DeltaOutbox, Entry, TokenizerRequest
 from lmd.tokenizer.routing import NoEngine, Route, Router
-from lmd.tokenizer.sessions import (
-    Session,
-    SessionError,
-    SessionTable,
-    Turn,
-    finish_turn,
-    start_turn,
-)
+from lmd.tokenizer.sessions import Session, SessionError, SessionTable, Turn
 from lmd.tokenizer.text.chat_template import (
-    ChatMessage,
     ChatTemplate,
     ChatTemplateError,
     HfChatTemplate,
     load_chat_template,
-    parse_messages,
 )
 from lmd.tokenizer.text.detokenizer import CachedDecoder
 from lmd.tokenizer.text.stream import StreamUpdate, TextStream
 from lmd.tokenizer.text.token_bytes import TokenBytes
+from lmd.tokenizer.turns import Turns
 from lmd.worker import Worker, WorkerStartError
 
 log = logging.getLogger(__name__)
@@ -91,9 +88,11 @@ class TokenizerWorker(Worker):
         if decode_role is not None:
             configured += worker_names(self.config, decode_role)
         self.router = Router(engine_role, decode_role, configured, self.config.block_size)
-        self._requests: dict[str, TokenizerRequest] = {}
+        self._requests = Requests()  # the choices in flight
         self.outbox = DeltaOutbox(self.push)  # new text for the api workers
         self.sessions = SessionTable(self.config.session_idle_timeout)
+        decode = functools.partial(self.decoder.decode, skip_special_tokens=False)
+        self.turns = Turns(self.sessions, self.template, self._encode, decode)
         self._expiry = self.watch(self._expire_sessions(), "session expiry")
 
     async def stop(self) -> None:
@@ -128,18 +127,13 @@ class TokenizerWorker(Worker):
     def on_cluster_state(self) -> None:
         """An engine that died took its requests with it: fail them now, never hang.
         An api worker that died took its clients: stop computing for them."""
-        for request_id, request in list(self._requests.items()):
-            if self._client_gone(request):
-                self._drop(request_id)
-                self._abort_engines(request, request_id)
-                continue
-            reason = self._broken(request.route)
-            if reason is None:
-                continue
-            self._drop(request_id)
-            self._abort_engines(request, request_id)  # free what a survivor holds
-            error = protocol.RequestError(request_id, "service_unavailable", reason)
-            self.outbox.send(request.reply_to, error)  # after the text before it
+        for engine_id, choice in self._requests.items():
+            if self._requests.get(engine_id) is not choice:
+                continue  # gone with a choice before it
+            if self._client_gone(choice):
+                self._abort(choice.request_id)
+            elif (reason := self._broken(choice.route)) is not None:
+                self._fail(choice.request_id, "service_unavailable", reason)
 
     def _client_gone(self, request: TokenizerRequest) -> bool:
         if not self.workers or request.reply_pid is None:
@@ -155,25 +149,39 @@ class TokenizerWorker(Worker):
                 return f"{name}, serving this request, restarted"
         return None
 
-    def _abort_engines(self, request: TokenizerRequest, request_id: str) -> None:
-        abort = protocol.Abort(request_id)
+    def _abort_engines(self, request: TokenizerRequest, engine_id: str) -> None:
+        abort = protocol.Abort(engine_id)
         self.push(request.route.engine, abort)
         if request.route.decode:
             self.push(request.route.decode, abort)
+
+    def _abort(self, request_id: str, failed: str = "") -> list[TokenizerRequest]:
+        """End every choice of the api's request: those sent are aborted in the engines
+        (but `failed`, whose engine ended it), those held forgotten. Its choices."""
+        dropped = self._drop(request_id)
+        for engine_id, choice in dropped:
+            if choice.held is None and engine_id != failed:
+                self._abort_engines(choice, engine_id)
+        return [choice for _, choice in dropped]
+
+    def _fail(self, request_id: str, code: str, message: str, failed: str = "") -> None:
+        """End the api's request with an error: all its choices (see _abort)."""
+        choices = self._abort(request_id, failed)
+        if choices:
+            error = protocol.RequestError(request_id, code, message)
+            self.outbox.send(choices[0].reply_to, error)  # after the text before it
 
     async def handle(self, msg: Message) -> bool:
         if isinstance(msg, protocol.TextRequest):
             self._start_request(msg)
         elif isinstance(msg, protocol.Tokens):
             self._on_tokens(msg)
-        elif isinstance(msg, protocol.RequestError):
-            request = self._drop(msg.request_id)
-            if request is not None:
-                self.outbox.send(request.reply_to, msg)  # after the text before it
+        elif isinstance(msg, protocol.RequestError):  # from an engine, for one choice
+            choice = self._requests.get(msg.request_id)
+            if choice is not None:
+                self._fail(choice.request_id, msg.code, msg.message, failed=msg.request_id)
         elif isinstance(msg, protocol.Abort):
-            request = self._drop(msg.request_id)
-            if request is not None:
-                self._abort_engines(request, msg.request_id)
+            self._abort(msg.request_id)
         elif isinstance(msg, protocol.SessionControl):
             self._session_control(msg)
         elif isinstance(msg, protocol.Tokenize | protocol.Detokenize):
@@ -201,32 +209,12 @@ class TokenizerWorker(Worker):
                 prompt_ids = self.prompts.of_request(msg)
             else:
                 session = self.sessions.open(msg.session_id, fresh=not msg.interactive_mode)
-                turn = self._start_turn(session, msg)
+                turn = self.turns.start(session, msg)
                 prompt_ids = turn.token_ids
+            self.prompts.check_length(prompt_ids, in_session=session is not None)
         except (SessionError, ChatTemplateError, ValueError) as exc:
             fail("invalid_request_error", str(exc))
             return
-        if len(prompt_ids) >= self.session_len:
-            hint = ""
-            if session is not None:
-                hint = "; end the session or start it again with interactive_mode false"
-            fail(
-                "invalid_request_error",
-                f"the prompt has {len(prompt_ids)} tokens; this "
-                f"model's limit is {self.session_len - 1} prompt tokens (session_len "
-                f"{self.session_len}, shared with the output){hint}",
-            )
-            return
-        stops = list(msg.stop)
-        if msg.messages is not None or session is not None:
-            stops += [s for s in self.template.stop_words if s not in stops]
-        stream = TextStream(
-            self.decoder,
-            prompt_ids=prompt_ids,
-            stops=stops,
-            skip_special_tokens=msg.skip_special_tokens,
-            token_bytes=self.token_bytes if msg.sampling.get("logprobs") is not None else None,
-        )
         try:
             route = self.router.pick(
                 self.workers or None, self.draining_workers, self.load, len(prompt_ids)
@@ -234,23 +222,60 @@ class TokenizerWorker(Worker):
         except NoEngine as exc:
             fail("service_unavailable", f"{exc}; retry later")
             return
-        request = TokenizerRequest(msg.reply_to, route, stream, session=session, turn=turn)
-        request.reply_pid = self.workers.get(msg.reply_to) if self.workers else None
-        request.keep_turn = msg.interactive_mode
-        self._requests[msg.request_id] = request
-        if session is not None:
-            self.sessions.begin(session, msg.request_id)
         # No max_tokens: as much as the session length leaves (as LMDeploy and vLLM do).
         room = self.session_len - len(prompt_ids)
         sampling = {**msg.sampling, "max_tokens": min(msg.sampling.get("max_tokens") or room, room)}
         if words := sampling.get("bad_words"):
             sampling["bad_words"] = bad_word_ids(words, self._encode)
-        generate = protocol.Generate(
-            msg.request_id, self.spec.name, sampling, protocol.pack_ids(prompt_ids), route.decode
-        )
-        if not self.push(route.engine, generate):
-            self._drop(msg.request_id)
-            fail("service_unavailable", f"engine {route.engine} is not taking requests")
+        choices = self._choices(msg, prompt_ids, route, sampling)
+        self._requests.add(msg.request_id, [(g.request_id, c) for g, c in choices])
+        if session is not None:  # a turn is one choice
+            choices[0][1].session, choices[0][1].turn = session, turn
+            self.sessions.begin(session, msg.request_id)
+        for generate, choice in choices:
+            if choice.held is None and not self.push(route.engine, generate):
+                self._abort(msg.request_id)
+                fail("service_unavailable", f"engine {route.engine} is not taking requests")
+                return
+
+    def _choices(
+        self,
+        msg: protocol.TextRequest,
+        prompt_ids: list[int],
+        route: Route,
+        sampling: dict[str, Any],
+    ) -> list[tuple[protocol.Generate, TokenizerRequest]]:
+        """The request's choices, each with its Generate, by index; with prefix caching,
+        the later choices' Generates are held until choice 0's prompt is cached."""
+        stops = list(msg.stop)
+        if msg.messages is not None or msg.session_id is not None:
+            stops += [s for s in self.template.stop_words if s not in stops]
+        hold = msg.n > 1 and self.config.enable_prefix_caching
+        packed = protocol.pack_ids(prompt_ids)
+        reply_pid = self.workers.get(msg.reply_to) if self.workers else None
+        out = []
+        for index, engine_id in enumerate(choice_ids(msg.request_id, msg.n)):
+            stream = TextStream(
+                self.decoder,
+                prompt_ids=prompt_ids,
+                stops=stops,
+                skip_special_tokens=msg.skip_special_tokens,
+                token_bytes=self.token_bytes if sampling.get("logprobs") is not None else None,
+            )
+            on = route
+            if index > 0:
+                left = num_uncached(len(prompt_ids), self.config.block_size) if hold else 0
+                on = self.router.follow(route, left or len(prompt_ids))
+            seed = choice_seed(sampling.get("seed"), index)
+            generate = protocol.Generate(
+                engine_id, self.spec.name, {**sampling, "seed": seed}, packed, route.decode
+            )
+            choice = TokenizerRequest(msg.request_id, msg.reply_to, on, stream, index)
+            choice.reply_pid, choice.keep_turn = reply_pid, msg.interactive_mode
+            if hold and index > 0:
+                choice.held = generate
+            out.append((generate, choice))
+        return out
 
     def _encode(self, text: str) -> list[int]:
         return self.prompts.encode(text)
@@ -272,52 +297,27 @@ class TokenizerWorker(Worker):
             reason = "the tokenizer could not send the answer (over its size cap?)"
             self.push(msg.reply_to, protocol.RequestError(msg.request_id, "internal_error", reason))
 
-    def _start_turn(self, session: Session, msg: protocol.TextRequest) -> Turn:
-        """An interactive turn's prompt: the session's history + the new messages."""
-        if msg.messages is not None:
-            new = parse_messages(msg.messages)
-        else:
-            new = [ChatMessage("user", msg.prompt or "")]
-        turn = start_turn(session, new, self.template, self._encode, bare_prompt=msg.prompt)
-        if not turn.token_ids:
-            raise ValueError("the prompt is empty")
-        return turn
-
     # Requests out ----------------------------------------------------------------------
 
-    def _drop(self, request_id: str) -> TokenizerRequest | None:
-        """Forget a request that did not finish; its session keeps its history."""
-        request = self._requests.pop(request_id, None)
-        if request is not None:
-            self.router.finished(request.route)
-            if request.session is not None:
-                self._close_turn(request, keep=False)
-        return request
+    def _drop(self, request_id: str) -> list[tuple[str, TokenizerRequest]]:
+        """Forget the choices of an api request that did not finish, as (engine id,
+        choice); its session keeps its history."""
+        dropped = self._requests.drop(request_id)
+        for _, choice in dropped:
+            self.router.finished(choice.route)
+            if choice.session is not None:
+                self.turns.close(choice, keep=False)
+        return dropped
 
-    def _close_turn(self, request: TokenizerRequest, *, keep: bool) -> None:
-        """The turn is over: keep its answer in the session's history, or not."""
-        session, turn = request.session, request.turn
-        assert session is not None and turn is not None
-        if not (keep and request.keep_turn):
-            self.sessions.release(session)
-            if not request.keep_turn:  # a one-off turn: LMDeploy ends its session
-                self.sessions.end(session.session_id)
-            return
-        try:
-            history = finish_turn(
-                turn,
-                "".join(request.answer),
-                request.output_ids,
-                template=self.template,
-                encode=self._encode,
-                decode=lambda ids: self.decoder.decode(ids, skip_special_tokens=False),
-            )
-        except ChatTemplateError as exc:
-            log.warning("session %d starts afresh: %s", session.session_id, exc)
-            session.reset()
-            self.sessions.release(session)
-            return
-        self.sessions.commit(session, *history)
+    def _send_held(self, request_id: str) -> None:
+        """Choice 0's first token is back: its prompt's full blocks are in its engine's
+        prefix cache, where the request's other choices go now (choices.py)."""
+        for choice in self._requests.held(request_id):
+            generate, choice.held = choice.held, None
+            if generate is not None and not self.push(choice.route.engine, generate):
+                reason = f"engine {choice.route.engine} is not taking requests"
+                self._fail(request_id, "service_unavailable", reason)
+                return
 
     def _session_control(self, msg: protocol.SessionControl) -> None:
         """Cancel a session's running turn (it ends with "abort"), or end the session."""
@@ -325,11 +325,8 @@ class TokenizerWorker(Worker):
         if session is None:
             return
         rid = session.request_id
-        request = None if rid is None else self._drop(rid)
-        if rid is not None and request is not None:
-            self._abort_engines(request, rid)
-            abort = request.delta_entry(rid, StreamUpdate("", "abort", False))
-            self.outbox.add(request.reply_to, abort)
+        for choice in [] if rid is None else self._abort(rid):  # one: a turn has n = 1
+            self.outbox.add(choice.reply_to, choice.delta_entry(StreamUpdate("", "abort", False)))
             self.outbox.flush()
         if msg.action == "end":
             self.sessions.end(msg.session_id)
@@ -362,16 +359,17 @@ class TokenizerWorker(Worker):
                 # Decode ending the request on the token prefill sent: the finish alone.
                 update = StreamUpdate("", reason, False)
                 self._finish(rid, request, update)
-                self.outbox.add(request.reply_to, request.delta_entry(rid, update))
+                self.outbox.add(request.reply_to, request.delta_entry(update))
                 continue
             for entry in ready:
                 self._feed(rid, request, entry)
 
     def _feed(self, rid: str, request: TokenizerRequest, entry: Entry) -> None:
         token, reason, lp, cached = entry
-        if rid not in self._requests:
-            return  # ended by an earlier token of this batch (a stop string)
-        if request.cached_tokens is None:
+        if self._requests.get(rid) is not request:
+            return  # ended by an earlier token of this batch (a stop string, an error)
+        first = request.cached_tokens is None
+        if first:
             request.cached_tokens = cached
             self.router.prefilled(request.route)
         update = request.stream.feed(token, reason, lp)
@@ -383,10 +381,12 @@ class TokenizerWorker(Worker):
         if update.finish_reason is not None:
             self._finish(rid, request, update)
         if update.text or update.finish_reason or update.logprobs:
-            self.outbox.add(request.reply_to, request.delta_entry(rid, update))
+            self.outbox.add(request.reply_to, request.delta_entry(update))
+        if first and request.index == 0:
+            self._send_held(request.request_id)
 
     def _finish(self, rid: str, request: TokenizerRequest, update: StreamUpdate) -> None:
-        del self._requests[rid]
+        self._requests.finish(rid)
         self.router.finished(request.route)
         if request.session is not None:
-            self._close_turn(request, keep=update.finish_reason != "abort")
+            self.turns.close(request, keep=update.finish_reason != "abort")

@@ -12,6 +12,7 @@ Fake tokenizer script, by the prompt (or the last chat message):
   "say:TEXT"    -> TEXT in pieces of 3 characters, finish "stop" (or "length")
   anything else -> the words of REPLY, one delta each, finish "stop"; or "length" at
                    max_tokens. prompt_tokens = number of words (or ids) in the prompt.
+Each of a request's n choices says the same, its entries in the same TextDeltas.
 """
 
 from __future__ import annotations
@@ -88,11 +89,12 @@ class FakeTokenizer:
                 raw = list(word.encode())
                 top = [[word, -0.25, raw]] * n_top
                 lps = [{"token": word, "logprob": -0.25, "bytes": raw, "top": top}]
-            await self._send(
-                protocol.TextDelta(
-                    [req.request_id], [word], [reason], [prompt_tokens], [i], [lps], [0], [0]
-                )
-            )
+            n = req.n  # each choice says the same, in one TextDelta
+            delta = protocol.TextDelta(
+                [req.request_id] * n, [word] * n, [reason] * n, [prompt_tokens] * n,
+                [i] * n, [lps] * n, [0] * n, [0] * n, list(range(n)),
+            )  # fmt: skip
+            await self._send(delta)
             await asyncio.sleep(0.02 if text == "slow" else 0)
 
     def close(self) -> None:

@@ -261,7 +261,7 @@ def number_cases() -> list[Hostile]:
         *on((INTERACTIVE,), huge, "request_output_len", 10**12),
         *on((INTERACTIVE,), huge, "min_new_tokens", 10**12),
         *on((INTERACTIVE,), huge, "session_id", 2**63, 2**64),
-        *on(OPENAI, n, "n", 0, -1, 2, 10**6, 2**64),
+        *on(OPENAI, n, "n", 0, -1, 17, 10**6, 2**64),
         *on((COMPLETIONS,), n, "best_of", 0, 10**6),
         *on(ROUTES, neg, "max_tokens", -1, 0),
         *on(ROUTES, neg, "temperature", -1, -1e-9),

@@ -29,10 +29,11 @@ def flood(daemon: Daemon) -> None:
     try:
         push = ctx.socket(zmq.PUSH)
         push.connect(f"ipc://{daemon.runtime_dir}/api-0.ipc")
-        huge = protocol.TextDelta(["r"], ["x" * 64_000_000], [None], [1], [1], [None], [0], [0])
+        text = "x" * 64_000_000
+        huge = protocol.TextDelta(["r"], [text], [None], [1], [1], [None], [0], [0], [0])
         push.send_multipart(protocol.encode(huge))
         small = protocol.encode(
-            protocol.TextDelta(["nobody"], ["hi"], [None], [3], [1], [None], [0], [0])
+            protocol.TextDelta(["nobody"], ["hi"], [None], [3], [1], [None], [0], [0], [0])
         )
         for _ in range(NUM_MESSAGES):
             push.send_multipart(small)  # waits while the api's queue is full

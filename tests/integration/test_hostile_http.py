@@ -12,7 +12,7 @@ the field when one is to blame):
   types       a wrong JSON type for every main field of each route
   huge        max_tokens 10**12, 2**63, 2**64, 10**30; seeds past int64; top_k 2**40;
               temperature 2.001, 5, 100 (OpenAI's range is 0 to 2), ...
-  n abuse     n 0, -1, 2, 10**6, 2**64; best_of 10**6
+  n abuse     n 0, -1, 17, 10**6, 2**64; best_of 0, 10**6
   negative    max_tokens -1, temperature -1, top_p 2, top_k -5, min_p 1.5, ...
   engine      past float32: repetition_penalty 1e39, 1e308, 1e-39, 5e-324 (each made the
               prefill worker fail its step and exit), temperature 1e39, 1e308 (inf)

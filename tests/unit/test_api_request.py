@@ -7,7 +7,8 @@ import asyncio
 import orjson
 
 from lmd import protocol
-from lmd.api.openai_responses import SSE_DONE, CompletionFormat, Delta, SseFraming, sse
+from lmd.api.deltas import Delta, Tally
+from lmd.api.openai_responses import SSE_DONE, CompletionFormat, SseFraming, sse
 from lmd.api.openai_schema import ApiError
 from lmd.api.request import Event, Events, OpenRequest, add_up, first_events, writes
 
@@ -67,9 +68,10 @@ async def test_add_up_stops_at_the_last_delta_an_error_or_the_client_leaving() -
     req = request()
     for e in (delta("Par", 1), delta("is", 2, "stop"), delta("late", 3)):
         req.events.put(e)
-    answer = await add_up(req, loop.create_future())
-    assert answer is not None and not isinstance(answer, ApiError)
-    assert "".join(answer.text) == "Paris" and answer.completion_tokens == 2
+    answers = await add_up(req, loop.create_future())
+    assert answers is not None and not isinstance(answers, ApiError)
+    assert len(answers) == 1
+    assert "".join(answers[0].text) == "Paris" and answers[0].completion_tokens == 2
 
     req = request()
     req.events.put(protocol.RequestError("cmpl-1", "service_unavailable", "gone"))
@@ -122,3 +124,37 @@ async def test_an_error_ends_the_stream_without_usage() -> None:
     events = b"".join(out).split(b"\n\n")[:-1]
     assert orjson.loads(events[1][6:])["error"]["message"] == "the tokenizer stopped"
     assert events[2:] == [SSE_DONE[:-2]]  # no usage chunk, no text after the error
+
+
+def choice_delta(index: int, text: str, tokens: int, reason: str | None = None) -> Delta:
+    return Delta(text, reason, 5, tokens, None, 0, 0, index)
+
+
+async def test_n_choices_add_up_once_the_last_one_finished() -> None:
+    loop = asyncio.get_running_loop()
+    req = OpenRequest("cmpl-1", "completions", "tokenizer-0", tally=Tally(2))
+    for e in (
+        choice_delta(1, "b", 1, "stop"),  # choice 1 finishes first: not the end
+        choice_delta(0, "a", 1),
+        choice_delta(0, "a", 2, "length"),
+    ):
+        req.events.put(e)
+    answers = await asyncio.wait_for(add_up(req, loop.create_future()), 1)
+    assert isinstance(answers, list)
+    assert ["".join(a.text) for a in answers] == ["aa", "b"]
+    assert [a.finish_reason for a in answers] == ["length", "stop"]
+
+
+async def test_a_stream_of_n_choices_ends_after_its_last_and_sums_their_usage() -> None:
+    req = OpenRequest("cmpl-1", "completions", "tokenizer-0", tally=Tally(2))
+    first: list[Event] = [choice_delta(0, "a", 1, "stop"), choice_delta(1, "b", 1)]
+    out = await stream(req, first, [[choice_delta(1, "c", 2, "length")]])
+    events = b"".join(out).split(b"\n\n")[:-1]
+    chunks = [orjson.loads(e[6:]) for e in events[:-1]]
+    assert [(c["choices"][0]["index"], c["choices"][0]["text"]) for c in chunks[:3]] == [
+        (0, "a"),
+        (1, "b"),
+        (1, "c"),
+    ]
+    assert chunks[3]["usage"]["completion_tokens"] == 3 and chunks[3]["usage"]["prompt_tokens"] == 5
+    assert events[-1] + b"\n\n" == SSE_DONE

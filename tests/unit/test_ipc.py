@@ -93,7 +93,7 @@ def inbox(tmp_path: Path) -> Iterator[Inbox]:
 
 async def test_a_message_over_its_cap_is_dropped_and_the_next_one_taken(inbox: Inbox) -> None:
     text = "x" * (8 << 20)  # TextDelta's cap is 8 MiB, all frames together
-    big = protocol.TextDelta(["r"], [text], [None], [1], [1], [None], [0], [0])
+    big = protocol.TextDelta(["r"], [text], [None], [1], [1], [None], [0], [0], [0])
     await inbox.push.send_multipart(protocol.encode(big))
     await inbox.push.send_multipart(protocol.encode(protocol.Abort("next")))
     assert await asyncio.wait_for(inbox.channel.recv(), 5) == protocol.Abort("next")

@@ -121,7 +121,8 @@ def test_completion_prompt_forms(prompt: Any, text: str | None, ids: list[int] |
         ({"max_tokens": 0}, "max_tokens", ""),
         ({"max_completion_tokens": 1.5}, "max_completion_tokens", "valid integer"),
         ({"seed": True}, "seed", "valid integer"),
-        ({"n": 3}, "n", "only 1"),
+        ({"n": 17}, "n", "less than or equal to 16"),
+        ({"n": 0}, "n", "greater than or equal to 1"),
         ({"presence_penalty": -2.1}, "presence_penalty", "greater than or equal to -2"),
         ({"frequency_penalty": 3}, "frequency_penalty", "less than or equal to 2"),
         ({"logit_bias": {"x": -100}}, "logit_bias", "keys must be token ids"),
@@ -180,7 +181,8 @@ def test_chat_errors_name_the_field(fields: dict[str, Any], param: str, says: st
         ({"prompt": {"text": "a"}}, "prompt", "a string or a list of token ids"),
         ({"prompt": "x", "logprobs": 6}, "logprobs", "less than or equal to 5"),
         ({"prompt": "x", "echo": True}, "echo", "not supported"),
-        ({"prompt": "x", "best_of": 2}, "best_of", "only 1"),
+        ({"prompt": "x", "best_of": 2}, "best_of", "equal to n (1)"),
+        ({"prompt": "x", "n": 3, "best_of": 4}, "best_of", "equal to n (3)"),
         ({"prompt": "x", "suffix": "end"}, "suffix", "not supported"),
         ({}, "prompt", "required"),
     ],
@@ -205,6 +207,15 @@ def test_edges_of_the_integer_ranges_are_accepted() -> None:
     sent = protocol.decode(protocol.encode(req.text_request("c", "api-0")))  # the wire takes it
     assert isinstance(sent, protocol.TextRequest) and sent.sampling["seed"] == -(2**63)
     assert SamplingParams(**req.sampling()).is_greedy  # a temperature this small is greedy
+
+
+def test_n_choices_go_to_the_tokenizer() -> None:
+    """n up to protocol.MAX_CHOICES reaches the tokenizer; best_of only as n itself."""
+    assert chat().text_request("c", "api-0").n == 1
+    sent = chat(n=protocol.MAX_CHOICES).text_request("c", "api-0")
+    assert protocol.decode(protocol.encode(sent)) == sent and sent.n == 16
+    req = completion(prompt="x", n=3, best_of=3)
+    assert req.num_choices == 3 and req.text_request("c", "api-0").n == 3
 
 
 def test_unknown_fields_are_ignored() -> None:

@@ -27,7 +27,15 @@ MESSAGES: list[protocol.Message] = [
         "chat-1", "api-0", None, "Hello", {"temperature": 0.0}, [], True, b"", 7, True
     ),
     protocol.TextDelta(
-        ["r1", "r2"], ["Par", ""], [None, "abort"], [9, 70], [1, 3], [None, None], [0, 64], [0, 60]
+        ["r1", "r2"],
+        ["Par", ""],
+        [None, "abort"],
+        [9, 70],
+        [1, 3],
+        [None, None],
+        [0, 64],
+        [0, 60],
+        [0, 2],
     ),
     protocol.SessionControl(7, "cancel"),
     protocol.TextRequest(
@@ -41,6 +49,7 @@ MESSAGES: list[protocol.Message] = [
         b"",
         tools=[{"type": "function", "function": {"name": "get_weather"}}],
         chat_template_kwargs={"enable_thinking": False},
+        n=3,
     ),
     protocol.Tokenize("t1", "api-0", "Hello", None, True, True, False),
     protocol.Tokenize(
@@ -192,16 +201,45 @@ def test_no_pickle_on_the_wire() -> None:
                 b"\x19",
                 b'{"request_ids":["a"],"texts":["x"],"finish_reasons":[null],'
                 b'"prompt_tokens":[3],"completion_tokens":[1],"logprobs":[null],'
-                b'"cached_tokens":[0],"history_tokens":[0,0]}',
+                b'"cached_tokens":[0],"history_tokens":[0,0],"indexes":[0]}',
             ],
             "TextDelta: per-request lists differ in length",
+        ),
+        (
+            [
+                b"\x19",
+                b'{"request_ids":["a"],"texts":["x"],"finish_reasons":[null],'
+                b'"prompt_tokens":[3],"completion_tokens":[1],"logprobs":[null],'
+                b'"cached_tokens":[0],"history_tokens":[0],"indexes":[16]}',
+            ],
+            "TextDelta.indexes: a choice index is out of range",
+        ),
+        (
+            [
+                b"\x18",
+                b'{"request_id":"a","reply_to":"api-0","messages":null,"prompt":"hi",'
+                b'"sampling":{},"stop":[],"skip_special_tokens":true,"session_id":null,'
+                b'"interactive_mode":false,"tools":null,"chat_template_kwargs":null,"n":17}',
+                b"",
+            ],
+            "TextRequest.n 17 is out of range",
+        ),
+        (
+            [
+                b"\x18",
+                b'{"request_id":"a","reply_to":"api-0","messages":null,"prompt":"hi",'
+                b'"sampling":{},"stop":[],"skip_special_tokens":true,"session_id":3,'
+                b'"interactive_mode":false,"tools":null,"chat_template_kwargs":null,"n":2}',
+                b"",
+            ],
+            "TextRequest.n 2 is out of range",
         ),
         (
             [
                 b"\x18",
                 b'{"request_id":"a","reply_to":"api-0","messages":null,"prompt":"hi",'
                 b'"sampling":{},"stop":[],"skip_special_tokens":true,"session_id":-2,'
-                b'"interactive_mode":true,"tools":null,"chat_template_kwargs":null}',
+                b'"interactive_mode":true,"tools":null,"chat_template_kwargs":null,"n":1}',
                 b"",
             ],
             "session_id must be >= 0",
@@ -211,7 +249,7 @@ def test_no_pickle_on_the_wire() -> None:
                 b"\x18",
                 b'{"request_id":"a","reply_to":"api-0","messages":null,"prompt":"hi",'
                 b'"sampling":{},"stop":[],"skip_special_tokens":true,"session_id":null,'
-                b'"interactive_mode":false,"tools":[],"chat_template_kwargs":null}',
+                b'"interactive_mode":false,"tools":[],"chat_template_kwargs":null,"n":1}',
                 b"",
             ],
             "tools and chat_template_kwargs need messages",
@@ -221,7 +259,7 @@ def test_no_pickle_on_the_wire() -> None:
                 b"\x18",
                 b'{"request_id":"a","reply_to":"api-0","messages":[],"prompt":null,'
                 b'"sampling":{},"stop":[],"skip_special_tokens":true,"session_id":null,'
-                b'"interactive_mode":false,"tools":["f"],"chat_template_kwargs":null}',
+                b'"interactive_mode":false,"tools":["f"],"chat_template_kwargs":null,"n":1}',
                 b"",
             ],
             "TextRequest.tools: an element has the wrong type",
@@ -277,7 +315,7 @@ def test_a_generate_of_a_million_token_ids_fits_its_cap() -> None:
 def test_a_message_over_its_kinds_cap_is_refused_before_parsing() -> None:
     """A 64 MB message stalled the api's event loop while it was parsed and handled."""
     text = "x" * (8 << 20)  # TextDelta's cap is 8 MiB, all frames together
-    big = protocol.TextDelta(["r"], [text], [None], [1], [1], [None], [0], [0])
+    big = protocol.TextDelta(["r"], [text], [None], [1], [1], [None], [0], [0], [0])
     frames = protocol.encode(big)
     with pytest.raises(ProtocolError, match="over its cap of 8,388,608 bytes"):
         protocol.decode(frames)

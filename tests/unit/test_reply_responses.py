@@ -6,12 +6,14 @@ the api's OpenAPI document (docs.py)."""
 from __future__ import annotations
 
 import json
+from itertools import zip_longest
 from typing import Any
 
 import pytest
 
+from lmd.api.deltas import Answer, Delta
 from lmd.api.docs import ChatCompletion, ChatCompletionChunk
-from lmd.api.openai_responses import Answer, ChatFormat, Delta, SseFraming, sse
+from lmd.api.openai_responses import ChatFormat, SseFraming, sse
 from lmd.api.parsers.reasoning import QWEN3
 from lmd.api.parsers.reply import ReplyParser
 from lmd.api.parsers.tool_calls import HERMES, MISTRAL
@@ -39,7 +41,7 @@ def full_body(reply: ReplyParser | None, text: str, reason: str = "stop") -> dic
     answer = Answer()
     for d in deltas(text, 3, reason):
         answer.add(d)
-    body = ChatFormat("chatcmpl-1", 1, MODEL, reply=reply).response(answer)
+    body = ChatFormat("chatcmpl-1", 1, MODEL, reply=reply).response([answer])
     assert_schema(body, "CreateChatCompletionResponse")
     ChatCompletion.model_validate(body)  # as /openapi.json describes it
     return body
@@ -173,3 +175,41 @@ def test_qwen3s_own_rendering_streams_and_parses_alike() -> None:
         got = added_up(stream_chunks(QWEN3_REPLY, reply, pieces))
         assert (got["reasoning_content"], got["content"]) == ("Two.", "Calling.")
         assert [c["arguments"] for c in got["tool_calls"]] == ['{"a": 1}', '{"b": [2]}']
+
+
+def test_each_choice_has_its_own_reply_parser() -> None:
+    """n = 2: choice 0 thinks and calls tools, choice 1 answers in plain text; their
+    pieces arrive mixed, each choice's stream adds up to its own message."""
+    plain = "It is sunny."
+    mixed = [
+        Delta(d.text, d.finish_reason, 9, d.completion_tokens, None, 0, 0, index)
+        for pair in zip_longest(deltas(THOUGHT_AND_CALLS, 9), deltas(plain, 4))
+        for index, d in enumerate(pair)
+        if d is not None
+    ]
+    answers = [Answer(), Answer()]
+    for d in mixed:
+        answers[d.index].add(d)
+    body = ChatFormat("chatcmpl-1", 1, MODEL, reply=QWEN3_REPLY, n=2).response(answers)
+    assert_schema(body, "CreateChatCompletionResponse")
+    ChatCompletion.model_validate(body)
+    calling, talking = body["choices"]
+    assert (calling["index"], calling["finish_reason"]) == (0, "tool_calls")
+    assert len(calling["message"]["tool_calls"]) == 2
+    assert (talking["index"], talking["finish_reason"]) == (1, "stop")
+    assert talking["message"]["content"] == plain and "tool_calls" not in talking["message"]
+
+    fmt = ChatFormat("chatcmpl-1", 1, MODEL, reply=QWEN3_REPLY, n=2)
+    chunks = [c for c in map(fmt.chunk, mixed) if c is not None]
+    for chunk in chunks:
+        assert_schema(chunk, "CreateChatCompletionStreamResponse")
+        ChatCompletionChunk.model_validate(chunk)
+    by_choice = [[c for c in chunks if c["choices"][0]["index"] == i] for i in (0, 1)]
+    streamed = [added_up(by_choice[0]), added_up(by_choice[1])]
+    assert streamed[0]["reasoning_content"] == calling["message"]["reasoning_content"]
+    assert [c["arguments"] for c in streamed[0]["tool_calls"]] == [
+        c["function"]["arguments"] for c in calling["message"]["tool_calls"]
+    ]
+    assert streamed[0]["finish_reason"] == "tool_calls"
+    assert streamed[1]["content"] == talking["message"]["content"]
+    assert (streamed[1]["tool_calls"], streamed[1]["finish_reason"]) == ([], "stop")

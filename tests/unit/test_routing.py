@@ -26,6 +26,27 @@ def test_least_loaded_pairs_and_load_accounting() -> None:
     assert all(router.load(n) == 0 for n in running)
 
 
+def test_a_later_choice_follows_its_route_and_counts_there() -> None:
+    """An n > 1 request's later choices go to choice 0's pair, each counted as a pick,
+    with only the prompt tokens its prefill worker still has to compute."""
+    router = Router(Role.PREFILL, Role.DECODE, ["prefill-0", "prefill-1", "decode-0", "decode-1"])
+    running = {"prefill-0": 10, "prefill-1": 11, "decode-0": 20, "decode-1": 21}
+    first = router.pick(running, num_tokens=200)
+    later = router.follow(first, 8)
+    assert (later.engine, later.decode) == (first.engine, first.decode)
+    assert (later.engine_pid, later.decode_pid, later.num_tokens) == (
+        first.engine_pid,
+        first.decode_pid,
+        8,
+    )
+    assert router.load(first.engine) == 2 and router.load(first.decode) == 2
+    other = router.pick(running, num_tokens=10)  # the least loaded pair is the other one
+    assert other.engine != first.engine and other.decode != first.decode
+    for route in (first, later, other):
+        router.finished(route)
+    assert all(router.load(n) == 0 for n in running)
+
+
 def test_scaled_and_draining_workers() -> None:
     router = Router(Role.PREFILL, Role.DECODE, ["prefill-0", "decode-0"])  # the configured ones
     running = {"prefill-0": 1, "decode-0": 2, "decode-1": 3}  # lmdctl scale added one
