@@ -170,3 +170,35 @@ def test_required_tool_choice_calls_the_given_tools(client: openai.OpenAI) -> No
         assert calls
         for name, arguments in calls:
             jsonschema.validate(json.loads(arguments), schemas[name])
+
+
+def test_a_tool_round_trip(client: openai.OpenAI) -> None:
+    """A forced call, its result sent back in the next turn, rendered by the template."""
+    create: Any = client.chat.completions.create
+    question = {"role": "user", "content": "The weather in Oslo for 3 days?"}
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    first = create(model="x", messages=[question], tools=[WEATHER], tool_choice=forced, seed=1)
+    call = first.choices[0].message.tool_calls[0]
+    assert first.choices[0].finish_reason == "tool_calls"
+    assistant = {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]}
+    result = {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}
+    second = create(
+        model="x", messages=[question, assistant, result], tools=[WEATHER], max_tokens=8
+    )
+    assert second.choices[0].finish_reason in ("stop", "length")
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + 5  # call and result
+
+
+def test_langchains_structured_output_and_bound_tools(client: openai.OpenAI) -> None:
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(
+        base_url=str(client.base_url), api_key="-", model="x", temperature=1.0, max_tokens=200,
+        max_retries=0, seed=3,
+    )  # fmt: skip
+    pet = llm.with_structured_output(Pet).invoke("A pet, please.")
+    assert isinstance(pet, Pet)
+    bound = llm.bind_tools([WEATHER, TIME], tool_choice="get_weather")
+    message = bound.invoke("The weather in Oslo?")
+    (call,) = message.tool_calls
+    assert call["name"] == "get_weather"
+    jsonschema.validate(call["args"], WEATHER["function"]["parameters"])
