@@ -211,3 +211,26 @@ def test_text_made_at_the_end_is_the_streamed_text(pipe: Pipeline) -> None:
             reasons = [None] * (len(ids) - 1) + ["length"]
             streamed = "".join(stream.feed(t, r).text for t, r in zip(ids, reasons, strict=True))
             assert whole(ids) == streamed
+
+
+def test_whole_text_is_the_detokenizers_on_qwen3s_vocabulary() -> None:
+    """Two decodes in Rust (context + output, context) give what feeding the ids one by
+    one gives: random ids over Qwen3's 151k tokens (split characters, special tokens,
+    prompts that end inside a character)."""
+    from tests.qwen3 import QWEN3_DIR
+
+    if not (QWEN3_DIR / "tokenizer.json").is_file():
+        pytest.skip(f"no tokenizer in {QWEN3_DIR}")
+    from transformers import AutoTokenizer
+
+    from lmd.tokenizer.text.detokenizer import CachedDecoder, Detokenizer
+
+    decoder = CachedDecoder(AutoTokenizer.from_pretrained(QWEN3_DIR).backend_tokenizer)
+    rng = random.Random(1)
+    for _ in range(200):
+        prompt = [rng.randrange(151_669) for _ in range(rng.randrange(0, 8))]
+        ids = [rng.randrange(151_669) for _ in range(rng.randrange(1, 30))]
+        for skip in (True, False):
+            detok = Detokenizer(decoder, skip_special_tokens=skip, prompt_ids=prompt)
+            streamed = "".join(detok.feed([t]) for t in ids) + detok.finish()
+            assert WholeText(decoder, prompt, skip)(ids) == streamed
