@@ -69,17 +69,30 @@ def one_line(exc: Exception) -> str:
     return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
 
 
+# xgrammar 0.2.8 writes a string with minLength or maxLength as characters other than
+# `"`, `\\`, CR and LF, so control characters (a byte-level token such as 0x12) got
+# through and the output was not JSON; JSON's own rule excludes U+0000 to U+001F.
+_LOOSE_CHARACTER = r"[^\"\\\r\n]"
+_JSON_CHARACTER = r"[^\"\\\0-\x1f]"
+
+
 def check_spec(kind: str, spec: str) -> None:
     """GrammarError when `spec` does not parse (no tokenizer needed: the api's check)."""
+    grammar_of(kind, spec)
+
+
+def grammar_of(kind: str, spec: str) -> xgrammar.Grammar:
+    """The spec as an xgrammar Grammar (not compiled for a vocabulary yet); GrammarError
+    saying why when it does not parse."""
     import xgrammar as xgr
 
     try:
         if kind == "json":
-            xgr.Grammar.from_json_schema(spec or ANY_OBJECT, any_whitespace=False)
-        elif kind == "regex":
-            xgr.Grammar.from_regex(spec)
-        else:
-            xgr.Grammar.from_ebnf(spec)
+            text = str(xgr.Grammar.from_json_schema(spec or ANY_OBJECT, any_whitespace=False))
+            return xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARACTER, _JSON_CHARACTER))
+        if kind == "regex":
+            return xgr.Grammar.from_regex(spec)
+        return xgr.Grammar.from_ebnf(spec)
     except RuntimeError as exc:
         raise GrammarError(f"the {kind} is not valid: {one_line(exc)}") from None
 
@@ -136,10 +149,7 @@ class Grammars:
             log.error("structured output is unavailable: %s", exc)
             result = GrammarError(f"structured output is unavailable on this model: {exc}")
         else:
-            try:
-                result = await asyncio.to_thread(_compile, compiler, *guided)
-            except RuntimeError as exc:
-                result = GrammarError(f"the {guided[0]} is not valid: {one_line(exc)}")
+            result = await asyncio.to_thread(_compile, compiler, *guided)
         self._remember(guided, result)
 
     def _remember(self, guided: tuple[str, str], result: Any) -> None:
@@ -168,33 +178,19 @@ class Grammars:
             compiler = self._compiler
             if compiler is None or not compiler.done() or compiler.exception() is not None:
                 raise GrammarError("the grammar was not compiled; retry")
-            try:
-                result = _compile(compiler.result(), *guided)
-            except RuntimeError as exc:
-                result = GrammarError(f"the {guided[0]} is not valid: {one_line(exc)}")
+            result = _compile(compiler.result(), *guided)
             self._remember(guided, result)
         if isinstance(result, GrammarError):
             raise result
         return Guide(xgr.GrammarMatcher(result, override_stop_tokens=self.eos_token_ids))
 
 
-# xgrammar 0.2.8 writes a string with minLength or maxLength as characters other than
-# `"`, `\\`, CR and LF, so control characters (a byte-level token such as 0x12) got
-# through and the output was not JSON; JSON's own rule excludes U+0000 to U+001F.
-_LOOSE_CHARACTER = r"[^\"\\\r\n]"
-_JSON_CHARACTER = r"[^\"\\\0-\x1f]"
-
-
 def _compile(compiler: xgrammar.GrammarCompiler, kind: str, spec: str) -> Any:
-    import xgrammar as xgr
-
-    if kind == "json":
-        schema = spec or ANY_OBJECT
-        grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
-        return compiler.compile_grammar(grammar.replace(_LOOSE_CHARACTER, _JSON_CHARACTER))
-    if kind == "regex":
-        return compiler.compile_regex(spec)
-    return compiler.compile_grammar(spec)
+    """The spec compiled for the vocabulary, or the GrammarError saying why not."""
+    try:
+        return compiler.compile_grammar(grammar_of(kind, spec))
+    except GrammarError as exc:
+        return exc
 
 
 class GuideMasks:

@@ -30,5 +30,8 @@ def test_outputs_on_the_gpu_validate(tmp_path: Path, backend: str) -> None:
     for overlap in (True, False):
         guided = ("json", json.dumps(PERSON))
         texts = run(model_dir, guided, 16, overlap=overlap, device="cuda", backend=backend)
+        assert len(texts) == 16
         for text in texts:
-            jsonschema.validate(json.loads(text), PERSON)
+            value = json.loads(text)
+            jsonschema.validate(value, PERSON)  # raises on the first field out of place
+            assert set(value) == set(PERSON["required"])
