@@ -34,7 +34,9 @@ def penalize(
 ) -> torch.Tensor:
     """`raw` ([B, V] float32) with each row's adjustments: a copy, or `raw` if none."""
     if ahead and any(s.sampling.needs_history for s in seqs):
-        raise ValueError("a penalty, bad word or grammar needs every earlier token: cannot sample ahead")
+        raise ValueError(
+            "a penalty, bad word or grammar needs every earlier token: cannot sample ahead"
+        )
     bans = [banned_token_ids(s, eos_token_ids, ahead) for s in seqs]
     if not any(s.sampling.adjusts_logits for s in seqs) and not any(bans):
         return raw
