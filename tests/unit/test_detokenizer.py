@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import transformers
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from lmd.tokenizer.text.detokenizer import CachedDecoder, Detokenizer
+from lmd.tokenizer.text import detokenizer
+from lmd.tokenizer.text.detokenizer import NUM_CONTEXT_TOKENS, CachedDecoder, Detokenizer
+from tests.qwen3 import QWEN3_DIR
 
 TEXTS = [
     "The capital of France is Paris.",
@@ -26,6 +29,14 @@ TEXTS = [
 def smollm2(smollm2_dir: Path) -> Tokenizer:
     tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
     backend: Tokenizer = tokenizer.backend_tokenizer
+    return backend
+
+
+@pytest.fixture(scope="session")
+def qwen3() -> Tokenizer:
+    if not (QWEN3_DIR / "tokenizer.json").is_file():
+        pytest.skip(f"no tokenizer in {QWEN3_DIR}")
+    backend: Tokenizer = transformers.AutoTokenizer.from_pretrained(QWEN3_DIR).backend_tokenizer
     return backend
 
 
@@ -261,3 +272,107 @@ def test_a_cached_decoder_starts_over_when_full(smollm2: Tokenizer) -> None:
         assert cached.decode([token]) == smollm2.decode([token])
     assert cached.decode([1], skip_special_tokens=False) == "<|im_start|>"
     assert cached.decode([1]) == ""
+
+
+class PlainDecoder:
+    """A TokenDecoder that is not a tokenizers.Tokenizer: the Detokenizer steps in Python."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def random_streams(tokenizer: Tokenizer, seed: int) -> list[list[int]]:
+    """Token sequences: whole texts (accents, CJK, emoji, ZWJ sequences, combining marks)
+    and slices of them that start or end inside a character, special tokens between
+    them, and random vocabulary ids (byte tokens that never complete a character)."""
+    rng = random.Random(seed)
+    encoded = [tokenizer.encode(text, add_special_tokens=False).ids for text in TEXTS]
+    added = tokenizer.get_added_tokens_decoder()
+    special = [i for i, token in added.items() if token.special]
+    vocab_size = tokenizer.get_vocab_size()
+    streams = []
+    for _ in range(60):
+        ids: list[int] = []
+        for _ in range(rng.randint(1, 6)):
+            kind = rng.random()
+            if kind < 0.4:
+                ids += rng.choice(encoded)
+            elif kind < 0.7:
+                text = rng.choice(encoded)
+                start = rng.randrange(len(text))
+                ids += text[start : rng.randint(start + 1, len(text))]
+            elif kind < 0.85:
+                ids.append(rng.choice(special))
+            else:
+                ids += [rng.randrange(vocab_size) for _ in range(rng.randint(1, 4))]
+        streams.append(ids)
+    return streams
+
+
+def random_chunks(rng: random.Random, num_ids: int) -> list[int]:
+    chunks: list[int] = []
+    while sum(chunks) < num_ids:
+        chunks.append(min(rng.randint(1, 5), num_ids - sum(chunks)))
+    return chunks
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen3"])
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_stream_deltas_are_the_full_decode_after_the_prompt_s_context(
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    skip_special_tokens: bool,
+) -> None:
+    """The Rust path (a tokenizers.Tokenizer, or a CachedDecoder of one: the Python step
+    is taken away) against decode(context + ids) minus decode(context), fed one by one
+    and in chunks, after prompts that may end inside a character (then the context is
+    left out: decode(ids))."""
+    monkeypatch.delattr(detokenizer, "PythonDecodeStream")
+    tokenizer: Tokenizer = request.getfixturevalue(name)
+    cached = CachedDecoder(tokenizer)
+    rng = random.Random(4)
+    streams = random_streams(tokenizer, seed=5)
+    for prompt, ids in zip(streams[::-1], streams, strict=True):
+        context = prompt[-NUM_CONTEXT_TOKENS:]
+        head = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
+        if head.endswith("\ufffd"):
+            context, head = [], ""
+        whole = tokenizer.decode(context + ids, skip_special_tokens=skip_special_tokens)
+        assert whole.startswith(head)
+        expected = whole[len(head) :]
+        for decoder in (tokenizer, cached):
+            one_by_one = deltas(
+                Detokenizer(decoder, skip_special_tokens=skip_special_tokens, prompt_ids=prompt),
+                ids,
+            )
+            assert "".join(one_by_one) == expected, (prompt, ids)
+            if "\ufffd" not in expected:
+                assert all("\ufffd" not in d for d in one_by_one), one_by_one
+            chunked = Detokenizer(
+                decoder, skip_special_tokens=skip_special_tokens, prompt_ids=prompt
+            )
+            chunks = random_chunks(rng, len(ids))
+            assert "".join(deltas(chunked, ids, chunks)) == expected, (prompt, ids, chunks)
+
+
+@pytest.mark.parametrize("name", ["smollm2", "byte_level", "sentencepiece"])
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_a_decoder_that_is_not_a_tokenizer_streams_the_same_deltas(
+    request: pytest.FixtureRequest, name: str, skip_special_tokens: bool
+) -> None:
+    """The Python step (for the tests' fakes) gives what DecodeStream gives, delta by
+    delta, invalid byte-fallback runs included."""
+    tokenizer: Tokenizer = request.getfixturevalue(name)
+    plain = PlainDecoder(tokenizer)
+    streams = random_streams(tokenizer, seed=6)
+    for prompt, ids in zip(streams[::-1], streams, strict=True):
+        for chunks in (None, random_chunks(random.Random(len(ids)), len(ids))):
+            rust = Detokenizer(
+                tokenizer, skip_special_tokens=skip_special_tokens, prompt_ids=prompt
+            )
+            python = Detokenizer(plain, skip_special_tokens=skip_special_tokens, prompt_ids=prompt)
+            assert deltas(python, ids, chunks) == deltas(rust, ids, chunks), (prompt, ids)

@@ -12,19 +12,31 @@ instead equal decode(context + ids) minus decode(context), where the context is 
 prompt's last few tokens: that keeps the leading space of the first generated word for
 tokenizers (sentencepiece, Metaspace) that drop a leading space at the start of a text.
 
-How (the prefix-offset/read-offset scheme of vLLM and TGI): the text of a token depends
-on its neighbours (merged bytes of one UTF-8 character, leading-space rules, skipped
-special tokens), so each step decodes a short window `ids[prefix:]` and the part of it
-already emitted, `ids[prefix:read]`, and returns the difference. When the window's text
-ends in U+FFFD the last bytes are an incomplete character: nothing past the last
-complete point is emitted until more tokens arrive (or finish() flushes it). The offsets
-only ever move to such complete points, so a window never starts inside a character.
-Only the window is kept: the state is a handful of token ids, not the whole output.
+How: tokenizers' DecodeStream does the per-token work in Rust: 0.8 us a token with the
+Python around it, where this module's own window in Python took 1.6-1.9 (SmolLM2 and
+Qwen3, docs/benchmarks.md, 2026-11-25). It is the prefix-offset/read-offset scheme of
+vLLM and TGI: the text of a token depends on its neighbours (merged bytes of one UTF-8
+character, leading-space rules, skipped special tokens), so each step decodes a short
+window, the ids since the last-but-one point where the text was complete, and returns
+the part past what the window's head already gave; nothing (None) while the text ends
+in U+FFFD, an incomplete character, or has nothing new (skipped special tokens).
+Around it the Detokenizer:
+- passes the context as the stream's first ids, or none where the prompt ends inside a
+  character (the stream would return the context's own text with the first delta);
+- steps several ids one by one: the stream given them says nothing while the last one
+  ends in an incomplete character, and the text before that character is due now;
+- keeps the ids of the window (the last complete step and those held since), a handful:
+  the stream has no flush, so finish() decodes them once;
+- starts a new stream where the old one cannot go on (below).
+A decoder that is not a `tokenizers.Tokenizer` (the tests' fakes) gets the same step in
+Python (PythonDecodeStream).
 
 One known difference from the full decode (shared with vLLM and TGI): tokenizers with a
 ByteFallback decoder (Llama 2 style `<0xNN>` tokens) turn a whole run of byte tokens into
 U+FFFD when any byte in the run is not valid UTF-8, so valid characters of that run that
-were already streamed stay as they were. Valid output is never affected.
+were already streamed stay as they were (DecodeStream raises there, "Invalid prefix":
+the new text is cut at the old one's length and a new stream starts). Valid output is
+never affected.
 
 Pass the fast tokenizer's `tokenizers.Tokenizer` (`hf_tokenizer.backend_tokenizer`):
 its decode is transformers' decode without `clean_up_tokenization_spaces`, which would
@@ -34,14 +46,15 @@ rewrite model output (" ." -> ".") and is off for the models lmd serves.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded ahead of the output for context (vLLM uses the same count).
 NUM_CONTEXT_TOKENS = 5
-# A UTF-8 character has at most 4 bytes, so at most 3 trailing tokens (>= 1 byte each)
-# can hold the incomplete part of one: feed() looks back at most this far.
-MAX_INCOMPLETE_TOKENS = 3
+INVALID_PREFIX = "Invalid prefix"  # how DecodeStream's error starts
 
 
 class TokenDecoder(Protocol):
@@ -50,12 +63,19 @@ class TokenDecoder(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+class Stream(Protocol):
+    """DecodeStream's one method: the text the new ids complete, or None."""
+
+    def step(self, tokenizer: Any, id: Any, /) -> str | None: ...
+
+
 class CachedDecoder:
     """A TokenDecoder that remembers the text of single tokens.
 
-    After every token it emits, a Detokenizer decodes its window's head, which is one
-    token in the steady state (see `_advance`); a token's own text never changes, so that
-    second decode per token becomes a dict lookup. Several ids decode as they always do.
+    A token's own text never changes, and it is asked for often: the logprobs' pieces
+    (TextStream) decode each sampled token and its top alternatives one by one; there a
+    decode becomes a dict lookup. Several ids decode as they always do, and a Detokenizer
+    given a CachedDecoder streams through the decoder it wraps.
     """
 
     __slots__ = ("_decoder", "_keep_special", "_skip_special")
@@ -66,6 +86,10 @@ class CachedDecoder:
         self._decoder = decoder
         self._skip_special: dict[int, str] = {}
         self._keep_special: dict[int, str] = {}
+
+    @property
+    def decoder(self) -> TokenDecoder:
+        return self._decoder
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if len(ids) != 1:
@@ -81,10 +105,44 @@ class CachedDecoder:
         return text
 
 
+class PythonDecodeStream:
+    """DecodeStream's step in Python, for a TokenDecoder that is not a tokenizers.Tokenizer
+    (the tests' fakes): the window is ids[:read] (the last complete step, whose text is
+    `prefix`) and ids[read:] (held)."""
+
+    __slots__ = ("_ids", "_prefix", "_read", "_skip_special")
+
+    def __init__(self, ids: Sequence[int] = (), skip_special_tokens: bool = False) -> None:
+        self._ids = list(ids)
+        self._read = len(self._ids)
+        self._prefix: str | None = None  # decode(ids[:read]), at the first step
+        self._skip_special = skip_special_tokens
+
+    def step(self, tokenizer: TokenDecoder, id: int, /) -> str | None:
+        if self._prefix is None:
+            self._prefix = tokenizer.decode(self._ids, skip_special_tokens=self._skip_special)
+        self._ids.append(id)
+        text = tokenizer.decode(self._ids, skip_special_tokens=self._skip_special)
+        if len(text) <= len(self._prefix) or text.endswith(REPLACEMENT_CHAR):
+            return None
+        if not text.startswith(self._prefix):
+            raise ValueError(f"{INVALID_PREFIX}: {self._prefix!r} is not the start of {text!r}")
+        delta = text[len(self._prefix) :]
+        del self._ids[: self._read]
+        self._read = len(self._ids)
+        self._prefix = tokenizer.decode(self._ids, skip_special_tokens=self._skip_special)
+        return delta
+
+
 class Detokenizer:
     """Turns one request's token ids, fed as they are generated, into text deltas."""
 
-    __slots__ = ("_decoder", "_ids", "_prefix_text", "_read", "_skip_special")
+    __slots__ = ("_decoder", "_emitted", "_held", "_skip_special", "_stream", "_tokenizer")
+    # The window, as the stream has it (set by _start): the ids of its last step that
+    # returned text (or the context), and those fed since, whose text is held.
+    _emitted: list[int]
+    _held: list[int]
+    _stream: Stream
 
     def __init__(
         self,
@@ -93,67 +151,77 @@ class Detokenizer:
         skip_special_tokens: bool = True,
         prompt_ids: Sequence[int] = (),
     ) -> None:
-        self._decoder = decoder
+        self._decoder = decoder  # finish()'s decodes: the CachedDecoder if given one
+        # What the stream steps with: a CachedDecoder's own decoder.
+        self._tokenizer = decoder.decoder if isinstance(decoder, CachedDecoder) else decoder
         self._skip_special = skip_special_tokens
-        context = list(prompt_ids[max(0, len(prompt_ids) - NUM_CONTEXT_TOKENS) :])
-        context_text = self._decode(context)
-        if context_text.endswith(REPLACEMENT_CHAR):
-            # The prompt ends inside a character: a window must not start there.
-            context, context_text = [], ""
-        # The window. ids[:read] were emitted already (or are context) and are decoded
-        # again only so that ids[read:] get their neighbours' effect on the text.
-        self._ids: list[int] = context
-        self._read = len(context)
-        self._prefix_text = context_text  # decode(ids[:read])
+        self._start(prompt_ids[max(0, len(prompt_ids) - NUM_CONTEXT_TOKENS) :])
 
     @property
     def num_held_tokens(self) -> int:
         """Tokens fed whose text has not been returned yet (incomplete characters)."""
-        return len(self._ids) - self._read
+        return len(self._held)
 
     @property
     def num_window_tokens(self) -> int:
         """Token ids kept: the decoding window, a few tokens, not the whole output."""
-        return len(self._ids)
+        return len(self._emitted) + len(self._held)
 
     def feed(self, ids: Sequence[int]) -> str:
         """Add newly generated ids (one or several); return the text they complete."""
-        if not ids:
-            return ""
-        self._ids.extend(ids)
-        end = len(self._ids)
-        lowest = max(self._read + 1, end - MAX_INCOMPLETE_TOKENS)
-        while end >= lowest:
-            text = self._decode(self._ids[:end])
-            if not text.endswith(REPLACEMENT_CHAR):
-                return self._advance(text, end)
-            # Emit the tokens before the incomplete character, if several were fed.
-            end -= 1
-        return ""
+        if len(ids) == 1:  # one sampled token, as nearly always
+            return self._step(ids[0])
+        # One by one: a stream given several returns nothing while the last one ends in
+        # an incomplete character, and the text before that character is due now.
+        return "".join([self._step(token) for token in ids])
 
     def finish(self) -> str:
         """Generation ended: return whatever is still held (an incomplete character
         decodes as U+FFFD, as the full decode would), and free the state."""
-        text = self._decode(self._ids)
-        delta = text[len(self._prefix_text) :] if len(text) > len(self._prefix_text) else ""
-        self._ids = []
-        self._read = 0
-        self._prefix_text = ""
-        return delta
-
-    def _advance(self, text: str, end: int) -> str:
-        """`text` = decode(ids[:end]) ends in a complete character: return its new part
-        and move the window so that it starts at the old read offset."""
-        if len(text) <= len(self._prefix_text):
-            # Only skipped special tokens (or nothing visible) so far: keep the window,
-            # so the next visible token is decoded next to the text before it.
+        context, held = self._emitted, self._held
+        self._start(())
+        if not held:
             return ""
-        delta = text[len(self._prefix_text) :]
-        # The window now starts at the old read offset (a complete point, like `end`).
-        del self._ids[: self._read]
-        self._read = end - self._read
-        self._prefix_text = self._decode(self._ids[: self._read])
-        return delta
+        head = self._decode(context)
+        text = self._decode(context + held)
+        return text[len(head) :] if len(text) > len(head) else ""
+
+    def _step(self, token: int) -> str:
+        self._held.append(token)
+        try:  # an int: given a list, DecodeStream first fails to read it as one (0.4 us)
+            text = self._stream.step(self._tokenizer, token)
+        except Exception as error:  # DecodeStream raises a bare Exception
+            if not str(error).startswith(INVALID_PREFIX):
+                raise
+            return self._restart()
+        if text is None:
+            return ""
+        self._emitted = self._held
+        self._held = []
+        return text
+
+    def _restart(self) -> str:
+        """The window's text no longer starts with what was returned (an invalid byte
+        ended a ByteFallback run): return its new part past the old text's length, and
+        go on with a new stream whose context is the ids since the last step."""
+        head = self._decode(self._emitted)
+        text = self._decode(self._emitted + self._held)
+        self._start(self._held)
+        return text[len(head) :] if len(text) > len(head) else ""
+
+    def _start(self, context: Sequence[int]) -> None:
+        """A new stream with `context` as its first ids, or none where their text ends
+        inside a character: a window must start at a complete point."""
+        if self._decode(context).endswith(REPLACEMENT_CHAR):
+            context = ()
+        self._emitted = list(context)
+        self._held = []
+        skip = self._skip_special
+        self._stream = (
+            DecodeStream(self._emitted, skip_special_tokens=skip)
+            if isinstance(self._tokenizer, Tokenizer)
+            else PythonDecodeStream(self._emitted, skip_special_tokens=skip)
+        )
 
     def _decode(self, ids: Sequence[int]) -> str:
         if not ids:
