@@ -46,6 +46,7 @@ from lmd.ipc import Endpoints, should_log
 from lmd.peers import Peers
 from lmd.protocol import Message, Role
 from lmd.roles import WorkerSpec, worker_names
+from lmd.stage_times import StageTimes
 
 if TYPE_CHECKING:
     from lmd.cluster.keys import ClusterKey
@@ -108,6 +109,7 @@ class Worker:
         self._num_unexpected = 0
         self._proc = psutil.Process()
         self._last_stats: dict[str, Any] = {}  # what the heartbeat sends if reading fails
+        self.stages = StageTimes()  # where requests' time goes here (stage_times.py)
         self.num_heartbeat_errors = 0
         self._peers = Peers(self._open_peer, functools.partial(self.watch, may_return=True))
         # Every name this worker may answer or talk to: its node's plan, and every worker
@@ -207,7 +209,13 @@ class Worker:
         """RSS and the role's stats; when they cannot be read (EMFILE opening /proc, a
         role's bug), the last ones read: a beat goes out whatever its numbers."""
         try:
-            stats = {"rss_bytes": self._proc.memory_info().rss, **self.stats()}
+            cpu = self._proc.cpu_times()
+            stats = {
+                "rss_bytes": self._proc.memory_info().rss,
+                "cpu_s": round(cpu.user + cpu.system, 3),
+                "stages": self.stages.to_dict(),
+                **self.stats(),
+            }
         except Exception as exc:
             self._heartbeat_error("stats not read, the last ones sent", exc)
             return self._last_stats

@@ -8,12 +8,15 @@ short local request, with a timeout) and exposes the latest figures. Series:
   lmd_engine_running{worker}, lmd_engine_waiting{worker}             (every engine)
   lmd_migration_bytes_total{worker}, lmd_migration_seconds{worker} (histogram),
   lmd_migration_failures_total{worker}                              (prefill workers)
+  lmd_stage_seconds{stage, worker} (histogram; stage_times.py),
+  lmd_worker_cpu_seconds_total{worker}                              (every worker)
 Counters restart from zero with their worker's process, as Prometheus expects. When
 the supervisor does not answer, the scrape still succeeds without these series.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +32,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from lmd.http_server import quiet_http_client_logs
+from lmd.stage_times import BUCKETS
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +112,36 @@ def engine_metrics(workers: list[dict[str, Any]]) -> list[Metric]:
                 cumulative += int(count)
                 buckets.append((_le(bound), cumulative))
             seconds.add_metric([name], buckets, float(mig["seconds_sum"]))
-    return [*gauges.values(), moved, failures, seconds]
+    return [*gauges.values(), moved, failures, seconds, *worker_metrics(workers)]
+
+
+def worker_metrics(workers: list[dict[str, Any]]) -> list[Metric]:
+    """Every worker's stage histograms and CPU time (what a stage costs, and which
+    process is saturated)."""
+    stages = HistogramMetricFamily(
+        "lmd_stage_seconds",
+        "Seconds per stage of a request's way through the workers (see stage_times.py).",
+        labels=["stage", "worker"],
+    )
+    cpu = CounterMetricFamily(
+        "lmd_worker_cpu_seconds", "CPU seconds a worker process used.", labels=["worker"]
+    )
+    bounds = [_le(b) for b in (*BUCKETS, float("inf"))]
+    for w in workers:
+        name = str(w["name"])
+        if isinstance(w.get("cpu_s"), int | float):
+            cpu.add_metric([name], float(w["cpu_s"]))
+        observed = w.get("stages")
+        if not isinstance(observed, dict):
+            continue
+        for stage, h in observed.items():
+            counts = h.get("buckets") if isinstance(h, dict) else None
+            if not isinstance(counts, list) or len(counts) != len(bounds):
+                continue
+            cumulative = list(itertools.accumulate(int(c) for c in counts))
+            stages.add_metric([str(stage), name], list(zip(bounds, cumulative, strict=True)),
+                              float(h.get("sum_s", 0.0)))  # fmt: skip
+    return [stages, cpu]
 
 
 def _le(bound: float) -> str:

@@ -105,7 +105,9 @@ class InteractiveRequest(RequestBody):
             out["max_tokens"] = max_tokens
         return out
 
-    def text_request(self, request_id: str, reply_to: str) -> protocol.TextRequest:
+    def text_request(
+        self, request_id: str, reply_to: str, sent_at: float = 0.0
+    ) -> protocol.TextRequest:
         """The turn for the tokenizer; a one-off without session is a one-message chat."""
         messages, prompt = None, None
         if isinstance(self.prompt, list):
@@ -118,6 +120,7 @@ class InteractiveRequest(RequestBody):
         return protocol.TextRequest(
             request_id=request_id,
             reply_to=reply_to,
+            sent_at=sent_at,
             messages=messages,
             prompt=prompt,
             sampling=self.sampling(),

@@ -3,13 +3,12 @@
 Requests are pydantic models validated straight from the body bytes in strict mode (a
 string where a number belongs is a 400, never coerced). Fields OpenAI defines that would
 change the answer and that lmd cannot honour (echo, suffix, functions, ...) are a 400
-naming them. Top-level fields we do not know at all
-are ignored, as OpenAI does (SDKs send some, e.g. `user`), and their names logged at debug
-level. `temperature` is OpenAI's 0 to 2 (LMDeploy's range too). Each request maps to the
-tokenizer's TextRequest (`text_request`); tools and chat_template_kwargs go with it to the
-chat template, the fields that constrain the output to `sampling["guided"]` (guided.py,
-whose `checks` are compiled before the request is admitted); responses are built in
-openai_responses.py.
+naming them. Top-level fields we do not know at all are ignored, as OpenAI does (SDKs
+send some, e.g. `user`), and their names logged at debug level. `temperature` is OpenAI's
+0 to 2 (LMDeploy's range too). Each request maps to the tokenizer's TextRequest
+(`text_request`); tools and chat_template_kwargs go with it to the chat template, the
+fields that constrain the output to `sampling["guided"]` (guided.py, whose `checks` are
+compiled before the request is admitted); responses are built in openai_responses.py.
 """
 
 from __future__ import annotations
@@ -17,13 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    Field,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from lmd import protocol
 from lmd.api.guided import (
@@ -341,10 +334,13 @@ class ChatCompletionRequest(_GenerateRequest):
     def num_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def text_request(self, request_id: str, reply_to: str) -> protocol.TextRequest:
+    def text_request(
+        self, request_id: str, reply_to: str, sent_at: float = 0.0
+    ) -> protocol.TextRequest:
         return protocol.TextRequest(
             request_id=request_id,
             reply_to=reply_to,
+            sent_at=sent_at,
             messages=[m.to_dict() for m in self.messages],
             prompt=None,
             sampling=self.sampling(),
@@ -382,11 +378,14 @@ class CompletionRequest(_GenerateRequest):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
-    def text_request(self, request_id: str, reply_to: str) -> protocol.TextRequest:
+    def text_request(
+        self, request_id: str, reply_to: str, sent_at: float = 0.0
+    ) -> protocol.TextRequest:
         ids = self.prompt if isinstance(self.prompt, list) else None
         return protocol.TextRequest(
             request_id=request_id,
             reply_to=reply_to,
+            sent_at=sent_at,
             messages=None,
             prompt=self.prompt if isinstance(self.prompt, str) else None,
             sampling=self.sampling(),

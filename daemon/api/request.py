@@ -17,6 +17,7 @@ from lmd import protocol
 from lmd.api.deltas import Answer, Delta, Tally
 from lmd.api.openai_responses import Framing
 from lmd.api.openai_schema import ApiError
+from lmd.stage_times import StageTimes
 
 Event = Delta | protocol.RequestError
 
@@ -31,16 +32,19 @@ class Events:
     both without a task per request.
     """
 
-    __slots__ = ("_items", "_waiter")
+    __slots__ = ("_items", "_waiter", "oldest_at")
 
     def __init__(self) -> None:
         self._items: list[Event] = []
         self._waiter: asyncio.Future[None] | None = None
+        self.oldest_at = 0.0  # perf_counter() when the oldest event not taken came
 
     def __len__(self) -> int:
         return len(self._items)
 
     def put(self, event: Event) -> None:
+        if not self._items:
+            self.oldest_at = time.perf_counter()
         self._items.append(event)
         self.wake()
 
@@ -122,16 +126,22 @@ async def add_up(
 
 
 async def writes(
-    request: OpenRequest, framing: Framing, first: list[Event], sent: Callable[[int], None]
+    request: OpenRequest,
+    framing: Framing,
+    first: list[Event],
+    sent: Callable[[int], None],
+    stages: StageTimes,
 ) -> AsyncGenerator[bytes, None]:
     """A stream's writes, from its first events to its end; `sent(status)` once the end
     went out. Every event already received goes out in one write: a client that is behind
-    (or a busy api) gets several tokens per write instead of one write each."""
+    (or a busy api) gets several tokens per write instead of one write each. Each write
+    counts for `sse_write`, from its oldest event's arrival until it went out."""
     status = 200
     out = framing.head()
     tally = Tally(request.tally.n)
     events = first
     ended = False
+    arrived = request.events.oldest_at
     while True:
         for item in events:
             if isinstance(item, protocol.RequestError):
@@ -149,11 +159,14 @@ async def writes(
         if ended:
             break
         if out:
-            yield b"".join(out)
+            yield b"".join(out)  # resumed once written
+            stages.observe("sse_write", time.perf_counter() - arrived)
             out = []
         await request.events.wait()
+        arrived = request.events.oldest_at
         events = request.events.take()
     out += framing.tail(tally, status == 200)
     if out:
         yield b"".join(out)
+        stages.observe("sse_write", time.perf_counter() - arrived)
     sent(status)

@@ -173,6 +173,7 @@ class ApiWorker(Worker):
         if self.calls.answer(msg):  # to /tokenize or /detokenize
             return True
         if isinstance(msg, protocol.TextDelta):
+            self.stages.since("to_api", msg.sent_at)
             now = time.perf_counter()
             for request_id, delta in Delta.split(msg):
                 request = self._open.get(request_id)
@@ -272,6 +273,7 @@ class ApiWorker(Worker):
 
     async def generate(self, http: Request, endpoint: str) -> Response:
         """Validate, admit, and answer one generation request (streamed or not)."""
+        began = time.perf_counter()
         request_id = f"{_ID_PREFIXES[endpoint]}-{uuid.uuid4().hex}"
         tokenizer = self.tokenizer
         try:
@@ -282,6 +284,7 @@ class ApiWorker(Worker):
         if body is None:  # an interactive cancel or end: the tokenizer does it
             self.metrics.count(endpoint, 200)
             return JSONResponse(InteractiveFormat.control_done())
+        self.stages.observe("api", time.perf_counter() - began)
         tally = Tally(body.num_choices)
         request = self._open[request_id] = OpenRequest(request_id, endpoint, tokenizer, tally=tally)
         client_gone = asyncio.ensure_future(disconnected(http))
@@ -320,7 +323,7 @@ class ApiWorker(Worker):
             raise err
         if not isinstance(body, InteractiveRequest):
             await body.check()  # a constraint xgrammar cannot compile: 400
-        msg: protocol.Message = body.text_request(request_id, self.spec.name)
+        msg: protocol.Message = body.text_request(request_id, self.spec.name, time.time())
         control = body.control if isinstance(body, InteractiveRequest) else None
         if isinstance(body, InteractiveRequest) and control is not None:
             msg = protocol.SessionControl(body.session_id, control)
@@ -363,7 +366,10 @@ class ApiWorker(Worker):
             self._close(request, CLIENT_GONE if answered is None else answered)
 
         return EventStream(
-            writes(request, framing, events, sent), on_close, client_gone, framing.media_type
+            writes(request, framing, events, sent, self.stages),
+            on_close,
+            client_gone,
+            framing.media_type,
         )
 
     def _close(self, request: OpenRequest, status: int) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import orjson
 
-from lmd.bench import serve_data
+from lmd.bench import serve_data, serve_stages
 from lmd.bench.serve_client import Load, Run, Target, first_model, http_client, run_load, send
 from lmd.bench.serve_data import Prompt
 from lmd.bench.serve_metrics import RequestResult, parse_slos, summarize
@@ -65,6 +65,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--timeout", type=float, default=3600.0, help="per request, seconds")
     p.add_argument("--warmup", type=int, default=1, help="uncounted requests sent first")
     p.add_argument("--label", help="this run's name in `lmd-bench compare`")
+    p.add_argument("--stages", action=argparse.BooleanOptionalAction, default=True,
+                   help="an lmd server's per-stage times and CPU from its /metrics")  # fmt: skip
     p.add_argument("--plot", type=Path, help="PNG: latency CDFs, throughput over time")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction,
                    help="progress bar on stderr (default: when stderr is a terminal)")  # fmt: skip
@@ -146,7 +148,9 @@ def warm_up_prompts(args: argparse.Namespace, items: list[Prompt]) -> list[Promp
     return serve_data.random_prompts(args.warmup, length, max_tokens, 0.0, seed)
 
 
-async def _bench(args: argparse.Namespace, items: list[Prompt]) -> tuple[Target, Run, str]:
+async def _bench(
+    args: argparse.Namespace, items: list[Prompt]
+) -> tuple[Target, Run, str, dict[str, Any]]:
     target = Target(
         url=args.url.rstrip("/"), model=args.model or "", endpoint=args.endpoint,
         api_key=args.api_key, ignore_eos=args.ignore_eos, temperature=args.temperature,
@@ -162,9 +166,15 @@ async def _bench(args: argparse.Namespace, items: list[Prompt]) -> tuple[Target,
             raise ValueError(f"the warm-up request failed ({r.error}: {r.error_message[:200]}); "
                              "pass --warmup 0 to measure a failing server anyway")  # fmt: skip
         server = await _server_header(client, target)
+        before = await serve_stages.scrape(client, target.headers) if args.stages else None
         enabled = sys.stderr.isatty() if args.progress is None else args.progress
         bar = Progress(len(items), enabled)
-        return target, await run_load(client, target, load, items, on_done=bar.update), server
+        result = await run_load(client, target, load, items, on_done=bar.update)
+        after = None if before is None else await serve_stages.scrape(client, target.headers)
+        stages = {}
+        if before is not None and after is not None:
+            stages = serve_stages.breakdown(before, after, result.duration)
+        return target, result, server, stages
 
 
 async def _server_header(client: httpx.AsyncClient, target: Target) -> str:
@@ -185,7 +195,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.plot is not None:
         require_matplotlib()
     items, dataset = prompts(args)
-    target, result, server = asyncio.run(_bench(args, items))
+    target, result, server, stages = asyncio.run(_bench(args, items))
     load = "all at once" if math.isinf(args.request_rate) else f"{args.request_rate:g} req/s"
     out: dict[str, Any] = {
         "benchmark": "serve",
@@ -201,6 +211,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "dataset": dataset,
         "ignore_eos": args.ignore_eos,
         "httpx": httpx.__version__,
+        "stages": stages,  # an lmd server's own breakdown (serve_stages.py); {} otherwise
     }
     if args.plot is not None:
         cap = f", concurrency {args.concurrency}" if args.concurrency else ""
@@ -242,6 +253,7 @@ def summary(result: dict[str, Any]) -> str:
         lines.append(f"{name:<10}" + "".join(f"{_fmt(row[q]):>12}" for q in row))
     for kind, count in result["failed_kinds"].items():
         lines.append(f"failed {kind}: {count} (e.g. {result['failed_examples'][kind][:120]})")
+    lines += serve_stages.lines(result.get("stages") or {})
     if result.get("plot"):
         lines.append(f"plot: {result['plot']}")
     return "\n".join(lines)

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -48,7 +49,6 @@ from lmd.engine.kv_pool import CPU_KV_CAP_BYTES, cpu_kv_free
 from lmd.engine.memory_plan import Budget, MemoryPlanError, StepOutOfMemory, describe
 from lmd.engine.model_source import ModelSourceError, resolve_model
 from lmd.engine.sequence import SamplingParams, Sequence
-from lmd.engine.stage_clock import StageClock
 from lmd.hybrid.clients import Clients
 from lmd.hybrid.gpu_budget import claim_gpu_budget
 from lmd.hybrid.pool_ledger import PoolLedger
@@ -56,6 +56,7 @@ from lmd.migration.base import PoolMemory
 from lmd.migration.transports import pool_memory
 from lmd.protocol import Message, Role
 from lmd.roles import num_engine_workers
+from lmd.stage_times import StageClock
 from lmd.worker import Worker, WorkerStartError
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,8 @@ class EngineWorker(Worker):
         self.clients = Clients()  # the receivers' processes, to drop requests of dead ones
         self._new_workers: dict[str, int] | None = None  # from ClusterState, for between steps
         self._pending: list[Message] = []
-        self.clock = StageClock()  # where time to first token goes in this worker
+        self.clock = StageClock(self.stages)  # a request's queue and prefill stages
+        self._step_span = (0.0, 0.0)  # the last step's start and end, time.time()
         self._wake = asyncio.Event()
         self._loop_task = self.watch(self._step_loop(), "the engine step loop")
 
@@ -168,11 +170,7 @@ class EngineWorker(Worker):
         return info
 
     def stats(self) -> dict[str, Any]:
-        return {
-            **self.engine.stats(),
-            "num_steps": self.engine.num_steps,
-            "stages_ms": self.clock.to_dict(),
-        }
+        return {**self.engine.stats(), "num_steps": self.engine.num_steps}
 
     def inflight(self) -> int:
         return len(self._reply_to)
@@ -185,7 +183,7 @@ class EngineWorker(Worker):
         if not isinstance(msg, self.accepted):
             return False
         if isinstance(msg, protocol.Generate):
-            self.clock.start(msg.request_id)
+            self.clock.start(msg.request_id, msg.sent_at)
         request_id = getattr(msg, "request_id", "")
         if (held := self._compiling.get(request_id)) is not None:
             held.append(msg)  # behind its request's grammar, in order
@@ -242,6 +240,7 @@ class EngineWorker(Worker):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.idle_timeout())
                 continue
+            began = time.time()
             try:
                 events = await loop.run_in_executor(self._executor, self.engine.step)
             except StepOutOfMemory as exc:
@@ -251,6 +250,8 @@ class EngineWorker(Worker):
                 log.exception("engine step failed; failing %d requests", self.inflight())
                 self.fail_all("the engine failed")
                 os._exit(1)  # the engine's state is unknown: let the supervisor restart us
+            self._step_span = (began, time.time())
+            self.stages.observe("step", self._step_span[1] - began)
             self.on_events(events)
 
     def wake(self) -> None:
@@ -360,12 +361,19 @@ class EngineWorker(Worker):
             if reply_to is None:
                 continue  # aborted while the step ran
             if event.position == 0:
-                self.clock.stop(event.request_id, "to_first_token")
+                self.first_token(event.request_id)
             by_receiver[reply_to].append(event)
             if event.finish_reason is not None:
                 del self._reply_to[event.request_id]
         for reply_to, batch in by_receiver.items():
             self.send_tokens(reply_to, batch)
+
+    def first_token(self, request_id: str) -> None:
+        """The step that just ran sampled the request's first token: its queue and
+        prefill stages end (stage_times.py)."""
+        began, ended = self._step_span
+        self.clock.lap(request_id, "queue", began)
+        self.clock.stop(request_id, "prefill", ended)
 
     def send_tokens(self, reply_to: str, events: list[TokenEvent]) -> None:
         msg = protocol.Tokens(
@@ -375,6 +383,7 @@ class EngineWorker(Worker):
             [e.cached_tokens for e in events],
             protocol.pack_ids([e.token_id for e in events]),
             protocol.pack_ids([e.position for e in events]),
+            time.time(),
         )
         self.push(reply_to, msg)
 

@@ -52,6 +52,8 @@ class Outgoing:
     ticket: TicketLike | None = None
     copy_started: float = 0.0
     aborted: bool = False
+    sent_at: float = 0.0  # the Generate's stamp (stage_times.py: reserve)
+    first_at: float = 0.0  # time.monotonic() when its first token was sampled (migration)
 
     @property
     def reserved(self) -> bool:

@@ -130,6 +130,7 @@ class PrefillWorker(EngineWorker):
         out = Outgoing(
             msg.request_id, msg.reply_to, msg.decode, seq, msg.sampling, time.monotonic()
         )
+        out.sent_at = msg.sent_at
         self._outgoing[msg.request_id] = out
         self._waiting.append(out)
         self.clients.note(msg.reply_to, self.workers)
@@ -143,7 +144,7 @@ class PrefillWorker(EngineWorker):
             self.count_dropped(f"Reserved for {msg.request_id}")
             self.push(msg.decode, protocol.Release(msg.request_id, self.spec.name))
             return
-        self.clock.lap(msg.request_id, "reserve")  # Generate in -> Reserved applied
+        self.stages.since("reserve", out.sent_at)
         try:
             self.sender.accept(out, msg)
         except (MigrationError, ValueError) as exc:
@@ -242,7 +243,8 @@ class PrefillWorker(EngineWorker):
             out = self._outgoing.get(event.request_id)
             if out is None:
                 continue
-            self.clock.stop(event.request_id, "compute")  # -> first token out
+            self.first_token(event.request_id)
+            out.first_at = time.monotonic()
             if event.finish_reason is not None:  # the first token ended it: no migration
                 self._drop(out)
             else:
@@ -305,6 +307,8 @@ class PrefillWorker(EngineWorker):
         if not self.push(out.decode, migrated):
             self.migration.failures += 1
             self.error(out.reply_to, out.request_id, "service_unavailable", f"{out.decode} is gone")
+            return
+        self.stages.observe("migration", time.monotonic() - out.first_at)
 
     # Helpers ------------------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ class Generate:
     sampling: dict[str, Any]  # SamplingParams fields
     prompt: bytes  # token ids, int32 little-endian
     decode: str = ""  # disaggregated: the decode worker's name
+    sent_at: float = 0.0  # time.time() when sent (stage_times.py); 0: not stamped
 
     def check(self) -> None:
         check_ids("Generate", "prompt", self.prompt)
@@ -62,6 +63,7 @@ class Tokens:
     # tokens. In disaggregated mode token 0 comes from prefill and the rest from decode,
     # over different sockets: the tokenizer puts them back in order by it.
     positions: bytes
+    sent_at: float = 0.0  # time.time() when sent (stage_times.py); 0: not stamped
 
     def check(self) -> None:
         n = len(self.request_ids)
@@ -119,6 +121,7 @@ class TextRequest:
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     n: int = 1
+    sent_at: float = 0.0  # time.time() when sent (stage_times.py); 0: not stamped
 
     def check(self) -> None:
         given = [self.messages is not None, self.prompt is not None, bool(self.prompt_ids)]
@@ -159,6 +162,7 @@ class TextDelta:
     cached_tokens: list[int]
     history_tokens: list[int]
     indexes: list[int]
+    sent_at: float = 0.0  # time.time() when sent (stage_times.py); 0: not stamped
 
     def check(self) -> None:
         n = len(self.request_ids)

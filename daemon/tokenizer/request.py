@@ -4,11 +4,13 @@ for n > 1: choices.py), and the TextDeltas it sends the api."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from lmd import protocol
+from lmd.stage_times import StageTimes
 from lmd.tokenizer.routing import Route
 from lmd.tokenizer.sessions import Session, Turn
 from lmd.tokenizer.text.in_order import InOrder
@@ -71,7 +73,7 @@ def text_delta(entries: list[DeltaEntry]) -> protocol.TextDelta:
         list(column) for column in zip(*entries, strict=True)
     )
     return protocol.TextDelta(
-        rids, texts, reasons, prompts, completions, logprobs, cached, history, indexes
+        rids, texts, reasons, prompts, completions, logprobs, cached, history, indexes, time.time()
     )
 
 
@@ -85,16 +87,24 @@ class DeltaOutbox:
     it waited for a core) that is one send, one wakeup of the api and one write per stream
     instead of several; when it is not, the entries go out as soon as the message that
     made them is handled, as before. Whatever else goes to an api worker goes through
-    `send`, which flushes first, so that it arrives after the text before it.
+    `send`, which flushes first, so that it arrives after the text before it. From the
+    first Tokens message handled (`arrived`) to the flush counts for `detokenize`.
     """
 
     MAX_ENTRIES = 512  # sent at once past this: a full inbox must not hold text back
 
-    def __init__(self, push: Callable[[str, protocol.Message], bool]) -> None:
+    def __init__(self, push: Callable[[str, protocol.Message], bool], stages: StageTimes) -> None:
         self._push = push
+        self._stages = stages
         self._entries: dict[str, list[DeltaEntry]] = {}  # api worker -> entries, in order
         self._num_entries = 0
         self._scheduled = False
+        self._since = 0.0  # perf_counter() of the first Tokens handled since the last flush
+
+    def arrived(self) -> None:
+        """A Tokens message is being handled: its text goes out at the next flush."""
+        if not self._since:
+            self._since = time.perf_counter()
 
     def __len__(self) -> int:
         return self._num_entries
@@ -116,6 +126,9 @@ class DeltaOutbox:
         entries, self._entries, self._num_entries = self._entries, {}, 0
         for reply_to, batch in entries.items():
             self._push(reply_to, text_delta(batch))
+        if self._since:
+            self._stages.observe("detokenize", time.perf_counter() - self._since)
+            self._since = 0.0
 
     def send(self, reply_to: str, msg: protocol.Message) -> None:
         """Another message for an api worker, after all the text held (for any of them)."""

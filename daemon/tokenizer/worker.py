@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +91,7 @@ class TokenizerWorker(Worker):
             configured += worker_names(self.config, decode_role)
         self.router = Router(engine_role, decode_role, configured, self.config.block_size)
         self._requests = Requests()  # the choices in flight
-        self.outbox = DeltaOutbox(self.push)  # new text for the api workers
+        self.outbox = DeltaOutbox(self.push, self.stages)  # new text for the api workers
         self.sessions = SessionTable(self.config.session_idle_timeout)
         decode = functools.partial(self.decoder.decode, skip_special_tokens=False)
         self.turns = Turns(self.sessions, self.template, self._encode, decode)
@@ -237,6 +239,7 @@ class TokenizerWorker(Worker):
                 self._abort(msg.request_id)
                 fail("service_unavailable", f"engine {route.engine} is not taking requests")
                 return
+        self.stages.since("tokenizer", msg.sent_at)
 
     def _choices(
         self,
@@ -253,7 +256,7 @@ class TokenizerWorker(Worker):
         hold = msg.n > 1 and self.config.enable_prefix_caching
         packed = protocol.pack_ids(prompt_ids)
         reply_pid = self.workers.get(msg.reply_to) if self.workers else None
-        out = []
+        out, now = [], time.time()
         for index, engine_id in enumerate(choice_ids(msg.request_id, msg.n)):
             stream = TextStream(
                 self.decoder,
@@ -268,7 +271,7 @@ class TokenizerWorker(Worker):
                 on = self.router.follow(route, left or len(prompt_ids))
             seed = choice_seed(sampling.get("seed"), index)
             generate = protocol.Generate(
-                engine_id, self.spec.name, {**sampling, "seed": seed}, packed, route.decode
+                engine_id, self.spec.name, {**sampling, "seed": seed}, packed, route.decode, now
             )
             choice = TokenizerRequest(msg.request_id, msg.reply_to, on, stream, index)
             choice.reply_pid, choice.keep_turn = reply_pid, msg.interactive_mode
@@ -313,8 +316,11 @@ class TokenizerWorker(Worker):
         """Choice 0's first token is back: its prompt's full blocks are in its engine's
         prefix cache, where the request's other choices go now (choices.py)."""
         for choice in self._requests.held(request_id):
-            generate, choice.held = choice.held, None
-            if generate is not None and not self.push(choice.route.engine, generate):
+            held, choice.held = choice.held, None
+            if held is None:
+                continue
+            generate = dataclasses.replace(held, sent_at=time.time())
+            if not self.push(choice.route.engine, generate):
                 reason = f"engine {choice.route.engine} is not taking requests"
                 self._fail(request_id, "service_unavailable", reason)
                 return
@@ -333,6 +339,8 @@ class TokenizerWorker(Worker):
 
     def _on_tokens(self, msg: protocol.Tokens) -> None:
         """Each token through its request's TextStream; the new text to the outbox."""
+        self.stages.since("to_tokenizer", msg.sent_at)
+        self.outbox.arrived()
         ids = protocol.unpack_ids(msg.token_ids)
         positions = protocol.unpack_ids(msg.positions)
         for rid, token, position, reason, lp, cached in zip(

@@ -46,6 +46,20 @@ def test_twenty_prompts_complete_with_a_real_plot(daemon: Daemon, tmp_path: Path
         assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"], key
     assert result["ttft_ms"]["p50"] < result["e2e_ms"]["p50"]
     assert png.read_bytes()[:8] == PNG_SIGNATURE and png.stat().st_size > 20_000
+    # The daemon's own breakdown of the run (its /metrics before and after)
+    rows = {(r["stage"], r["role"]): r for r in result["stages"]["stages"]}
+    per_request = [("api", "api"), ("tokenizer", "tokenizer"), ("queue", "hybrid"),
+                   ("prefill", "hybrid")]  # fmt: skip
+    per_message = [("step", "hybrid"), ("to_tokenizer", "tokenizer"), ("to_api", "api"),
+                   ("detokenize", "tokenizer"), ("sse_write", "api")]  # fmt: skip
+    for stage, role in per_request + per_message:
+        assert 0 < rows[(stage, role)]["mean_ms"] < 60_000, stage
+    for pair in per_request:  # each measured request once; the warm-up is not in the run
+        assert rows[pair]["count"] == 20, pair
+    assert rows[("step", "hybrid")]["count"] >= 8  # 10 at once, 8 tokens each
+    assert rows[("sse_write", "api")]["count"] >= 20  # a write at least per request
+    assert set(result["stages"]["cpu_cores"]) >= {"api-0", "tokenizer-0", "hybrid-0"}
+    assert all(0 <= c < 4 for c in result["stages"]["cpu_cores"].values())
 
 
 @pytest.mark.slow  # another ~15 s; the fake-server unit tests cover chat and compare

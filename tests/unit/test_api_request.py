@@ -11,6 +11,7 @@ from lmd.api.deltas import Delta, Tally
 from lmd.api.openai_responses import SSE_DONE, CompletionFormat, SseFraming, sse
 from lmd.api.openai_schema import ApiError
 from lmd.api.request import Event, Events, OpenRequest, add_up, first_events, writes
+from lmd.stage_times import StageTimes
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -92,12 +93,16 @@ async def stream(req: OpenRequest, first: list[Event], later: list[list[Event]])
     statuses: list[int] = []
     fmt = CompletionFormat("cmpl-1", 1, MODEL, include_usage=True)
     out = []
-    gen = writes(req, SseFraming(fmt), first, statuses.append)
+    stages = StageTimes()
+    for e in first:  # as the inbox puts them
+        req.events.put(e)
+    gen = writes(req, SseFraming(fmt), req.events.take(), statuses.append, stages)
     batches = iter(later)
     async for write in gen:
         out.append(write)
         for e in next(batches, []):
             req.events.put(e)
+    assert stages.count("sse_write") == len(out)  # every write timed
     assert len(statuses) == 1
     return out
 

@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lmd.api.cluster_metrics import ClusterCollector
 from lmd.migration.stats import SECONDS_BUCKETS, MigrationStats
+from lmd.stage_times import StageTimes
 
 
 def samples(workers: list[dict[str, Any]]) -> dict[tuple[str, str, str], float]:
@@ -63,3 +64,30 @@ async def test_no_supervisor_means_no_engine_series() -> None:
     collector.workers = [{"name": "x"}]
     await collector.refresh()  # nothing listens there: no figures, no exception
     assert collector.workers == []
+
+
+def test_every_worker_s_stages_and_cpu() -> None:
+    times = StageTimes()
+    times.observe("to_tokenizer", 0.0003)
+    times.observe("to_tokenizer", 0.002)
+    workers = [
+        {"name": "tokenizer-0", "cpu_s": 12.5, "stages": times.to_dict()},
+        {"name": "api-0", "cpu_s": 3.0, "stages": {"bad": {"buckets": [1]}}},  # skipped
+    ]
+    collector = ClusterCollector(control_socket=Path("/nonexistent"))
+    collector.workers = workers
+    registry = CollectorRegistry()
+    registry.register(collector)
+    got = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in family.samples:
+            key = (s.name, s.labels.get("stage", ""), s.labels.get("worker", ""))
+            got[(*key, s.labels.get("le", ""))] = s.value
+    assert got[("lmd_worker_cpu_seconds_total", "", "tokenizer-0", "")] == 12.5
+    assert got[("lmd_worker_cpu_seconds_total", "", "api-0", "")] == 3.0
+    stage = ("to_tokenizer", "tokenizer-0")
+    assert got[("lmd_stage_seconds_count", *stage, "")] == 2
+    assert got[("lmd_stage_seconds_bucket", *stage, "0.0005")] == 1
+    assert got[("lmd_stage_seconds_bucket", *stage, "0.0025")] == 2
+    assert got[("lmd_stage_seconds_bucket", *stage, "+Inf")] == 2
+    assert not any(k[1] == "bad" for k in got)

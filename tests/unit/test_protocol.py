@@ -106,14 +106,25 @@ def test_no_pickle_on_the_wire() -> None:
         ([b"\x02", b'{"name":null,"inflight":0,"num_dropped":0,"stats":{}}'], "name"),
         ([b"\x0c", b"{}", b"extra"], "expected 2 frames"),
         (
-            [b"\x14", b'{"request_id":"a","reply_to":"t","sampling":{},"decode":""}', b"\x01\x00"],
+            [
+                b"\x14",
+                b'{"request_id":"a","reply_to":"t","sampling":{},"decode":"","sent_at":0}',
+                b"\x01\x00",
+            ],
             "int32",
         ),
-        ([b"\x14", b'{"request_id":"a","reply_to":"t","sampling":{},"decode":""}', b""], "int32"),
         (
             [
                 b"\x14",
-                b'{"request_id":"a","reply_to":"../../x","sampling":{},"decode":""}',
+                b'{"request_id":"a","reply_to":"t","sampling":{},"decode":"","sent_at":0}',
+                b"",
+            ],
+            "int32",
+        ),
+        (
+            [
+                b"\x14",
+                b'{"request_id":"a","reply_to":"../../x","sampling":{},"decode":"","sent_at":0}',
                 b"\x01\x00\x00\x00",
             ],
             "not a worker name",
@@ -122,7 +133,7 @@ def test_no_pickle_on_the_wire() -> None:
             [
                 b"\x16",
                 b'{"request_ids":["a",2],"finish_reasons":[null,null],"logprobs":[null,null],'
-                b'"cached_tokens":[0,0]}',
+                b'"cached_tokens":[0,0],"sent_at":0}',
                 b"\x00" * 8,
                 b"\x00" * 8,
             ],
@@ -132,7 +143,7 @@ def test_no_pickle_on_the_wire() -> None:
             [
                 b"\x16",
                 b'{"request_ids":["a"],"finish_reasons":[null],"logprobs":[null],'
-                b'"cached_tokens":[0]}',
+                b'"cached_tokens":[0],"sent_at":0}',
                 b"\x00" * 8,
                 b"\x00" * 4,
             ],
@@ -142,7 +153,7 @@ def test_no_pickle_on_the_wire() -> None:
             [
                 b"\x16",
                 b'{"request_ids":["a"],"finish_reasons":[null],"logprobs":[null],'
-                b'"cached_tokens":[0]}',
+                b'"cached_tokens":[0],"sent_at":0}',
                 b"\x00" * 4,
                 b"\x00" * 8,
             ],
@@ -151,7 +162,8 @@ def test_no_pickle_on_the_wire() -> None:
         (
             [
                 b"\x16",
-                b'{"request_ids":["a"],"finish_reasons":[],"logprobs":[null],"cached_tokens":[0]}',
+                b'{"request_ids":["a"],"finish_reasons":[],"logprobs":[null],"cached_tokens":[0]'
+                b',"sent_at":0}',
                 b"\x00" * 4,
                 b"\x00" * 4,
             ],
@@ -161,7 +173,7 @@ def test_no_pickle_on_the_wire() -> None:
             [
                 b"\x16",
                 b'{"request_ids":["a"],"finish_reasons":[null],"logprobs":[null],'
-                b'"cached_tokens":[]}',
+                b'"cached_tokens":[],"sent_at":0}',
                 b"\x00" * 4,
                 b"\x00" * 4,
             ],
@@ -171,7 +183,7 @@ def test_no_pickle_on_the_wire() -> None:
             [
                 b"\x16",
                 b'{"request_ids":["a"],"finish_reasons":[null],"logprobs":[null],'
-                b'"cached_tokens":[1.5]}',
+                b'"cached_tokens":[1.5],"sent_at":0}',
                 b"\x00" * 4,
                 b"\x00" * 4,
             ],
@@ -181,7 +193,7 @@ def test_no_pickle_on_the_wire() -> None:
             [
                 b"\x16",
                 b'{"request_ids":["a"],"finish_reasons":[null],"logprobs":[null],'
-                b'"cached_tokens":[true]}',
+                b'"cached_tokens":[true],"sent_at":0}',
                 b"\x00" * 4,
                 b"\x00" * 4,
             ],
@@ -190,7 +202,8 @@ def test_no_pickle_on_the_wire() -> None:
         (
             [
                 b"\x16",
-                b'{"request_ids":["a"],"finish_reasons":[1],"logprobs":[null],"cached_tokens":[0]}',
+                b'{"request_ids":["a"],"finish_reasons":[1],"logprobs":[null],"cached_tokens":[0]'
+                b',"sent_at":0}',
                 b"\x00" * 4,
                 b"\x00" * 4,
             ],
@@ -201,7 +214,7 @@ def test_no_pickle_on_the_wire() -> None:
                 b"\x19",
                 b'{"request_ids":["a"],"texts":["x"],"finish_reasons":[null],'
                 b'"prompt_tokens":[3],"completion_tokens":[1],"logprobs":[null],'
-                b'"cached_tokens":[0],"history_tokens":[0,0],"indexes":[0]}',
+                b'"cached_tokens":[0],"history_tokens":[0,0],"indexes":[0],"sent_at":0}',
             ],
             "TextDelta: per-request lists differ in length",
         ),
@@ -210,7 +223,7 @@ def test_no_pickle_on_the_wire() -> None:
                 b"\x19",
                 b'{"request_ids":["a"],"texts":["x"],"finish_reasons":[null],'
                 b'"prompt_tokens":[3],"completion_tokens":[1],"logprobs":[null],'
-                b'"cached_tokens":[0],"history_tokens":[0],"indexes":[16]}',
+                b'"cached_tokens":[0],"history_tokens":[0],"indexes":[16],"sent_at":0}',
             ],
             "TextDelta.indexes: a choice index is out of range",
         ),
@@ -219,7 +232,8 @@ def test_no_pickle_on_the_wire() -> None:
                 b"\x18",
                 b'{"request_id":"a","reply_to":"api-0","messages":null,"prompt":"hi",'
                 b'"sampling":{},"stop":[],"skip_special_tokens":true,"session_id":null,'
-                b'"interactive_mode":false,"tools":null,"chat_template_kwargs":null,"n":17}',
+                b'"interactive_mode":false,"tools":null,"chat_template_kwargs":null,"n":17'
+                b',"sent_at":0}',
                 b"",
             ],
             "TextRequest.n 17 is out of range",
@@ -229,7 +243,8 @@ def test_no_pickle_on_the_wire() -> None:
                 b"\x18",
                 b'{"request_id":"a","reply_to":"api-0","messages":null,"prompt":"hi",'
                 b'"sampling":{},"stop":[],"skip_special_tokens":true,"session_id":3,'
-                b'"interactive_mode":false,"tools":null,"chat_template_kwargs":null,"n":2}',
+                b'"interactive_mode":false,"tools":null,"chat_template_kwargs":null,"n":2'
+                b',"sent_at":0}',
                 b"",
             ],
             "TextRequest.n 2 is out of range",
@@ -239,7 +254,8 @@ def test_no_pickle_on_the_wire() -> None:
                 b"\x18",
                 b'{"request_id":"a","reply_to":"api-0","messages":null,"prompt":"hi",'
                 b'"sampling":{},"stop":[],"skip_special_tokens":true,"session_id":-2,'
-                b'"interactive_mode":true,"tools":null,"chat_template_kwargs":null,"n":1}',
+                b'"interactive_mode":true,"tools":null,"chat_template_kwargs":null,"n":1'
+                b',"sent_at":0}',
                 b"",
             ],
             "session_id must be >= 0",
@@ -249,7 +265,8 @@ def test_no_pickle_on_the_wire() -> None:
                 b"\x18",
                 b'{"request_id":"a","reply_to":"api-0","messages":null,"prompt":"hi",'
                 b'"sampling":{},"stop":[],"skip_special_tokens":true,"session_id":null,'
-                b'"interactive_mode":false,"tools":[],"chat_template_kwargs":null,"n":1}',
+                b'"interactive_mode":false,"tools":[],"chat_template_kwargs":null,"n":1'
+                b',"sent_at":0}',
                 b"",
             ],
             "tools and chat_template_kwargs need messages",
@@ -259,7 +276,8 @@ def test_no_pickle_on_the_wire() -> None:
                 b"\x18",
                 b'{"request_id":"a","reply_to":"api-0","messages":[],"prompt":null,'
                 b'"sampling":{},"stop":[],"skip_special_tokens":true,"session_id":null,'
-                b'"interactive_mode":false,"tools":["f"],"chat_template_kwargs":null,"n":1}',
+                b'"interactive_mode":false,"tools":["f"],"chat_template_kwargs":null,"n":1'
+                b',"sent_at":0}',
                 b"",
             ],
             "TextRequest.tools: an element has the wrong type",

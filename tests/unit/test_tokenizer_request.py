@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Sequence
 
 from lmd import protocol
+from lmd.stage_times import StageTimes
 from lmd.tokenizer.request import DeltaOutbox, TokenizerRequest, text_delta
 from lmd.tokenizer.routing import Route
 from lmd.tokenizer.text.stream import StreamUpdate, TextStream
@@ -56,9 +57,11 @@ def test_a_choice_s_entries_name_the_api_s_request_and_the_choice() -> None:
 
 async def test_entries_of_one_turn_go_out_as_one_text_delta_per_api_worker() -> None:
     sent = Sent()
-    outbox = DeltaOutbox(sent)
+    stages = StageTimes()
+    outbox = DeltaOutbox(sent, stages)
     a, b = tokenizer_request("api-0"), tokenizer_request("api-1")
     for step in range(3):  # three Tokens messages handled in one turn
+        outbox.arrived()
         outbox.add("api-0", a.delta_entry(a.stream.feed(step, None)))
         outbox.add("api-1", b.delta_entry(b.stream.feed(step, None)))
     assert sent.messages == [] and len(outbox) == 6
@@ -68,11 +71,13 @@ async def test_entries_of_one_turn_go_out_as_one_text_delta_per_api_worker() -> 
     assert isinstance(first, protocol.TextDelta)
     assert first.texts == ["a", "b", "c"] and first.completion_tokens == [1, 2, 3]
     assert len(outbox) == 0
+    # stamped for the api's to_api stage; the turn's wait counted once for detokenize
+    assert first.sent_at > 0 and stages.count("detokenize") == 1
 
 
 async def test_another_message_goes_after_the_text_held() -> None:
     sent = Sent()
-    outbox = DeltaOutbox(sent)
+    outbox = DeltaOutbox(sent, StageTimes())
     request = tokenizer_request()
     outbox.add("api-0", request.delta_entry(StreamUpdate("x", None, False)))
     outbox.send("api-0", protocol.RequestError("r", "internal_error", "the engine failed"))
@@ -83,7 +88,7 @@ async def test_another_message_goes_after_the_text_held() -> None:
 
 async def test_a_full_outbox_does_not_wait_for_the_turn_to_end() -> None:
     sent = Sent()
-    outbox = DeltaOutbox(sent)
+    outbox = DeltaOutbox(sent, StageTimes())
     request = tokenizer_request()
     for _ in range(DeltaOutbox.MAX_ENTRIES):
         outbox.add("api-0", request.delta_entry(StreamUpdate("x", None, False)))

@@ -76,6 +76,9 @@ class FlakyProcess:
             raise OSError(errno.EMFILE, "Too many open files")
         return self._real.memory_info()
 
+    def cpu_times(self) -> Any:
+        return self._real.cpu_times()
+
 
 class Harness:
     def __init__(self) -> None:
