@@ -69,6 +69,8 @@ HELP = {
     "decode_backend": "engine backend of the decode processes",
     "prefill_workers": "number of prefill processes",
     "decode_workers": "number of decode processes",
+    "tokenizer_workers": "number of tokenizer processes (requests spread over them; "
+    "each interactive session stays on one)",
     "drain_timeout": "seconds to finish in-flight requests on SIGTERM",
     "startup_timeout": "seconds a worker may take to become ready",
     "heartbeat_interval": "seconds between a worker's heartbeats",

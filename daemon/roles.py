@@ -1,6 +1,6 @@
 """Which workers a daemon runs: a pure plan from its config (no process is imported).
 
-Modes:
+Modes (tokenizer-0..T-1 with --tokenizer-workers T):
   disaggregated (default): tokenizer-0, prefill-0..K-1, decode-0..M-1, api-0; prefill
       workers compute prompts and migrate their KV to decode workers
       (lmd.prefill.worker, lmd.decode.worker; docs/architecture.md §1).
@@ -49,9 +49,9 @@ class WorkerSpec:
 def role_counts(config: ServeConfig) -> dict[Role, int]:
     """How many workers of each role the daemon runs (a cluster node: its `roles`)."""
     if config.mode == "hybrid":
-        return {Role.TOKENIZER: 1, Role.HYBRID: 1, Role.API: 1}
+        return {Role.TOKENIZER: config.tokenizer_workers, Role.HYBRID: 1, Role.API: 1}
     counts = {
-        Role.TOKENIZER: 1,
+        Role.TOKENIZER: config.tokenizer_workers,
         Role.PREFILL: config.prefill_workers,
         Role.DECODE: config.decode_workers,
         Role.API: 1,

@@ -161,8 +161,7 @@ class TokenizeHost(Protocol):
     config: ServeConfig
     spec: WorkerSpec
 
-    @property
-    def tokenizer(self) -> str: ...
+    def tokenizer_for(self, session_id: int | None = None) -> str: ...
 
     def unavailable(self) -> ApiError | None: ...
 
@@ -181,7 +180,7 @@ def add_tokenize_routes(app: FastAPI, host: TokenizeHost) -> None:
         if (err := host.unavailable()) is not None:
             raise err
         msg = body.message(f"tok-{uuid.uuid4().hex}", host.spec.name)
-        return await host.calls.ask(host.tokenizer, msg, host.push)
+        return await host.calls.ask(host.tokenizer_for(), msg, host.push)
 
     @app.post(
         "/tokenize",

@@ -76,9 +76,9 @@ from lmd.api.openai_schema import ApiError, ChatCompletionRequest, CompletionReq
 from lmd.api.parsers.choice import ReplyChoice
 from lmd.api.request import OpenRequest, add_up, first_events, writes
 from lmd.api.tokenize import BODIES, TokenizerCalls, add_tokenize_routes
+from lmd.api.tokenizers import TokenizerChoice
 from lmd.config import ServeConfig
 from lmd.http_server import BindError, EmbeddedServer, JSONResponse, bind_tcp
-from lmd.names import role_of, worker_name
 from lmd.paths import control_socket_path
 from lmd.protocol import Role
 from lmd.roles import WorkerSpec
@@ -104,6 +104,7 @@ class ApiWorker(Worker):
         self.limits = GuardLimits(config.api_keys, config.max_request_bytes)
         self.replies = ReplyChoice(config)  # how chat replies are read: tools, reasoning
         self.calls = TokenizerCalls()  # /tokenize and /detokenize: awaiting the tokenizer
+        self.tokenizers = TokenizerChoice(config)
 
     async def start(self) -> None:
         try:
@@ -142,18 +143,15 @@ class ApiWorker(Worker):
                     request.ended = True
                     request.events.put(lost)
 
-    @property
-    def tokenizer(self) -> str:
-        """The tokenizer this api sends requests to: its node's, else (a cluster node
-        without one) the first running one in the cluster."""
-        local = worker_name(Role.TOKENIZER, 0, self.config.node)
-        if not self.workers or local in self.workers:
-            return local
-        return min((n for n in self.workers if role_of(n) == Role.TOKENIZER), default=local)
+    def tokenizer_for(self, session_id: int | None = None) -> str:
+        """The tokenizer for a new request (tokenizers.py: in turn; a session's: its own)."""
+        return self.tokenizers.pick(session_id)
 
     def on_cluster_state(self) -> None:
         """A tokenizer that left (in a cluster: not the one of a node-wide failure)
         took the requests it held."""
+        if self.workers:
+            self.tokenizers.update(self.workers)
         self.calls.fail_lost(self.workers, self.missing_roles)
         lost = protocol.RequestError("", "service_unavailable", "the tokenizer stopped; retry")
         for request in self._open.values():
@@ -275,9 +273,8 @@ class ApiWorker(Worker):
         """Validate, admit, and answer one generation request (streamed or not)."""
         began = time.perf_counter()
         request_id = f"{_ID_PREFIXES[endpoint]}-{uuid.uuid4().hex}"
-        tokenizer = self.tokenizer
         try:
-            body = await self._admit(http, endpoint, request_id, tokenizer)
+            body, tokenizer = await self._admit(http, endpoint, request_id)
         except ApiError as err:
             self.metrics.count(endpoint, err.status)
             return error_response(err)
@@ -304,11 +301,11 @@ class ApiWorker(Worker):
                 client_gone.cancel()
 
     async def _admit(
-        self, http: Request, endpoint: str, request_id: str, tokenizer: str
-    ) -> Body | None:
-        """Parse and check a request, and hand it to the tokenizer; raise ApiError.
+        self, http: Request, endpoint: str, request_id: str
+    ) -> tuple[Body | None, str]:
+        """Parse and check a request, and hand it to a tokenizer; raise ApiError.
 
-        None: the request was an interactive cancel or end, passed on to the tokenizer.
+        (None, tokenizer): the request was an interactive cancel or end, passed on.
         """
         try:
             body = _BODY_MODELS[endpoint].model_validate_json(await http.body())
@@ -321,6 +318,8 @@ class ApiWorker(Worker):
             raise unknown_model(body.model, self.config.served_model_name)
         if (err := self.unavailable()) is not None:
             raise err
+        session = body.session_id if isinstance(body, InteractiveRequest) else None
+        tokenizer = self.tokenizer_for(session if session is not None and session >= 0 else None)
         if not isinstance(body, InteractiveRequest):
             await body.check()  # a constraint xgrammar cannot compile: 400
         msg: protocol.Message = body.text_request(request_id, self.spec.name, time.time())
@@ -330,7 +329,7 @@ class ApiWorker(Worker):
         if not self.push(tokenizer, msg):
             reason = "the tokenizer is not keeping up; retry later"
             raise ApiError(503, reason, type="overloaded", retry_after_s=1)
-        return None if control is not None else body
+        return (None if control is not None else body), tokenizer
 
     async def _answer(
         self, request: OpenRequest, fmt: Format, client_gone: asyncio.Future[None]

@@ -31,9 +31,11 @@ from lmd.bench.serve_client import Load, Run, Target, first_model, http_client, 
 from lmd.bench.serve_data import Prompt
 from lmd.bench.serve_metrics import RequestResult, parse_slos, summarize
 from lmd.bench.serve_plot import plot_serve, require_matplotlib
+from lmd.bench.serve_processes import own_cores, run_processes
 
 WARM_UP_TOKENS = 16  # enough to run every code path once
 WARM_UP_SEED = 7_919_001  # far from the seeds people pick, so never a measured prompt
+CLIENT_BUSY = 0.85  # a client process this busy may be what set the pace
 
 
 def add_parser(sub: Any) -> None:
@@ -65,6 +67,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--timeout", type=float, default=3600.0, help="per request, seconds")
     p.add_argument("--warmup", type=int, default=1, help="uncounted requests sent first")
     p.add_argument("--label", help="this run's name in `lmd-bench compare`")
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="drive the load from this many processes (one parses ~30k SSE "
+                        "tokens/s; see client_cpu_cores)")  # fmt: skip
     p.add_argument("--stages", action=argparse.BooleanOptionalAction, default=True,
                    help="an lmd server's per-stage times and CPU from its /metrics")  # fmt: skip
     p.add_argument("--plot", type=Path, help="PNG: latency CDFs, throughput over time")
@@ -83,6 +88,7 @@ def _check(args: argparse.Namespace) -> None:
         (args.prefix_len < 0 or args.num_prefixes < 1, "--prefix-len >= 0, --num-prefixes >= 1"),
         (args.dataset is not None and args.prefix_len > 0, "--dataset or --prefix-len, not both"),
         (args.timeout <= 0 or args.warmup < 0, "--timeout must be > 0, --warmup >= 0"),
+        (args.client_processes < 1, "--client-processes must be >= 1"),
     ]
     for bad, message in problems:
         if bad:
@@ -167,13 +173,21 @@ async def _bench(
                              "pass --warmup 0 to measure a failing server anyway")  # fmt: skip
         server = await _server_header(client, target)
         before = await serve_stages.scrape(client, target.headers) if args.stages else None
-        enabled = sys.stderr.isatty() if args.progress is None else args.progress
-        bar = Progress(len(items), enabled)
-        result = await run_load(client, target, load, items, on_done=bar.update)
+        if args.client_processes > 1:
+            result, cores = await asyncio.to_thread(
+                run_processes, target, load, items, args.client_processes
+            )
+        else:
+            enabled = sys.stderr.isatty() if args.progress is None else args.progress
+            bar = Progress(len(items), enabled)
+            cpu = time.process_time()
+            result = await run_load(client, target, load, items, on_done=bar.update)
+            cores = own_cores(result, time.process_time() - cpu)
         after = None if before is None else await serve_stages.scrape(client, target.headers)
-        stages = {}
+        stages: dict[str, Any] = {}
         if before is not None and after is not None:
             stages = serve_stages.breakdown(before, after, result.duration)
+        stages["client_cpu_cores"] = [round(c, 3) for c in cores]
         return target, result, server, stages
 
 
@@ -211,6 +225,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "dataset": dataset,
         "ignore_eos": args.ignore_eos,
         "httpx": httpx.__version__,
+        "client_cpu_cores": stages.pop("client_cpu_cores"),  # per client process
         "stages": stages,  # an lmd server's own breakdown (serve_stages.py); {} otherwise
     }
     if args.plot is not None:
@@ -254,6 +269,12 @@ def summary(result: dict[str, Any]) -> str:
     for kind, count in result["failed_kinds"].items():
         lines.append(f"failed {kind}: {count} (e.g. {result['failed_examples'][kind][:120]})")
     lines += serve_stages.lines(result.get("stages") or {})
+    cores = result.get("client_cpu_cores") or []
+    busy = ", ".join(f"{c:.2f}" for c in cores)
+    lines.append(f"{'client CPU cores busy':<26}{busy}")
+    if any(c >= CLIENT_BUSY for c in cores):
+        lines.append("the client was busy for most of the run: its figures may be its own; "
+                     "rerun with more --client-processes")  # fmt: skip
     if result.get("plot"):
         lines.append(f"plot: {result['plot']}")
     return "\n".join(lines)

@@ -20,6 +20,7 @@ from lmd.bench import main
 from lmd.bench.serve_client import Load, Run, Target, http_client, run_load
 from lmd.bench.serve_data import Prompt
 from lmd.bench.serve_metrics import summarize
+from lmd.bench.serve_processes import shares
 from tests.unit.test_bench_serve_fakes import FakeOpenAI, Script, fake_server_thread, run_virtual
 
 EXACT = 1e-3  # figures are reported in ms rounded to the microsecond
@@ -268,3 +269,31 @@ def test_request_rate_is_recorded(tmp_path: Path) -> None:
     result = orjson.loads(out.read_bytes())
     assert result["request_rate"] == 50 and result["concurrency"] is None
     assert not math.isinf(result["duration_s"])
+
+
+def test_several_client_processes_drive_one_run(tmp_path: Path) -> None:
+    """Each process takes its share of the prompts and of the concurrency; one run."""
+    out = tmp_path / "run.json"
+    with fake_server_thread(quick) as server:
+        code = main([
+            "serve", "--url", server.url, "--num-prompts", "9", "--input-len", "4",
+            "--output-len", "3", "--concurrency", "3", "--client-processes", "2",
+            "--out", str(out), "--warmup", "0",
+        ])  # fmt: skip
+    assert code == 0
+    written = orjson.loads(out.read_bytes())
+    assert (written["completed"], written["failed"]) == (9, 0)
+    assert written["total_output_tokens"] == 27
+    assert len(written["client_cpu_cores"]) == 2
+    assert all(0 <= c < 2 for c in written["client_cpu_cores"])
+    prompts = sorted(b["prompt"] for b in server.bodies)  # each measured prompt once
+    assert len(prompts) == 9 and len(set(prompts)) == 9
+
+
+def test_client_shares_split_prompts_concurrency_and_rate() -> None:
+    plan = shares(Load(request_rate=10.0, concurrency=5, seed=3), 7, 2)
+    assert [indexes for indexes, _ in plan] == [[0, 2, 4, 6], [1, 3, 5]]
+    assert [load.concurrency for _, load in plan] == [3, 2]
+    assert [load.request_rate for _, load in plan] == [5.0, 5.0]
+    assert len({load.seed for _, load in plan}) == 2  # their own arrival times
+    assert len(shares(Load(concurrency=None), 1, 3)) == 1  # no process without prompts
