@@ -11,24 +11,12 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmd.stage_times import BUCKETS
+
 # Histogram bucket upper bounds (seconds): from a few blocks over CUDA IPC (tens of
-# microseconds) to a long prompt over shared memory on a slow machine.
-SECONDS_BUCKETS = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-)
+# microseconds) to a long prompt over shared memory on a slow machine; the stages'
+# bounds up to 2.5 s.
+SECONDS_BUCKETS = BUCKETS[: BUCKETS.index(2.5) + 1]
 
 
 @dataclass(slots=True)

@@ -13,7 +13,10 @@ from lmd.migration.stats import SECONDS_BUCKETS, MigrationStats
 from lmd.stage_times import StageTimes
 
 
-def samples(workers: list[dict[str, Any]]) -> dict[tuple[str, str, str], float]:
+def samples(
+    workers: list[dict[str, Any]], labels: tuple[str, ...] = ("worker", "le")
+) -> dict[tuple[str, ...], float]:
+    """Every sample by (name, *its values of `labels`)."""
     collector = ClusterCollector(control_socket=Path("/nonexistent"))
     collector.workers = workers
     registry = CollectorRegistry()
@@ -21,7 +24,7 @@ def samples(workers: list[dict[str, Any]]) -> dict[tuple[str, str, str], float]:
     out = {}
     for family in text_string_to_metric_families(generate_latest(registry).decode()):
         for s in family.samples:
-            out[(s.name, s.labels.get("worker", ""), s.labels.get("le", ""))] = s.value
+            out[(s.name, *(s.labels.get(label, "") for label in labels))] = s.value
     return out
 
 
@@ -74,15 +77,7 @@ def test_every_worker_s_stages_and_cpu() -> None:
         {"name": "tokenizer-0", "cpu_s": 12.5, "stages": times.to_dict()},
         {"name": "api-0", "cpu_s": 3.0, "stages": {"bad": {"buckets": [1]}}},  # skipped
     ]
-    collector = ClusterCollector(control_socket=Path("/nonexistent"))
-    collector.workers = workers
-    registry = CollectorRegistry()
-    registry.register(collector)
-    got = {}
-    for family in text_string_to_metric_families(generate_latest(registry).decode()):
-        for s in family.samples:
-            key = (s.name, s.labels.get("stage", ""), s.labels.get("worker", ""))
-            got[(*key, s.labels.get("le", ""))] = s.value
+    got = samples(workers, ("stage", "worker", "le"))
     assert got[("lmd_worker_cpu_seconds_total", "", "tokenizer-0", "")] == 12.5
     assert got[("lmd_worker_cpu_seconds_total", "", "api-0", "")] == 3.0
     stage = ("to_tokenizer", "tokenizer-0")
