@@ -138,6 +138,7 @@ def test_a_client_leaving_a_stream_of_three_frees_everything(
             line = next(lines)
             if line.startswith("data: {"):
                 seen.add(httpx.Response(200, content=line[6:]).json()["choices"][0]["index"])
-        tokenizer = daemon.worker("tokenizer-0")
-        assert tokenizer["inflight"] == 3  # the choices, each an engine request
+        # the choices, each an engine request (inflight comes with the next heartbeat)
+        held = lambda: daemon.worker("tokenizer-0")["inflight"] == 3  # noqa: E731
+        wait_until(held, 5, "the tokenizer's heartbeat counting three choices")
     wait_until(lambda: idle(daemon), 20, "the aborted choices' blocks freed")
