@@ -138,9 +138,10 @@ class GuidedFields(StrictModel):
             raise ValueError(f"{other} constrains the output already; give one of them")
         return value
 
-    @property
+    @functools.cached_property
     def guided(self) -> Guided | None:
-        """What constrains the output (the engine's sampling["guided"]); None: nothing."""
+        """What constrains the output (the engine's sampling["guided"]); None: nothing.
+        Built once per request: the check, the sampling and the reply parsers read it."""
         if self.response_format is not None and (found := self.response_format.guided()):
             return found
         if self.guided_json is not None:

@@ -13,6 +13,7 @@ compiled before the request is admitted); responses are built in openai_response
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Annotated, Any, Literal
 
@@ -303,7 +304,7 @@ class ChatCompletionRequest(_GenerateRequest):
             self.tool_choice = "auto" if self.tools else "none"
         return self
 
-    @property
+    @functools.cached_property
     def guided(self) -> Guided | None:
         choice, tools = self.tool_choice, self.tools or []
         if choice == "required":
