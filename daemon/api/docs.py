@@ -26,6 +26,8 @@ from pydantic.json_schema import models_json_schema
 from starlette.responses import HTMLResponse, Response
 from starlette.staticfiles import StaticFiles
 
+from lmd.api.openai_tools import ToolCall
+
 FinishReason = Literal["stop", "length", "abort"]
 # A chat reply that stopped by itself after calling tools (api/parsers/) ends in tool_calls.
 ChatFinishReason = Literal["stop", "length", "tool_calls", "abort"]
@@ -86,22 +88,12 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str  # JSON text, as the model wrote it
-
-
-class ToolCall(BaseModel):
-    id: str
-    type: Literal["function"]
-    function: FunctionCall
-
-
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None  # null when the reply is only tool calls
     refusal: None
-    tool_calls: list[ToolCall] | None = None  # when the request's tools were called
+    # when the request's tools were called; the shape a later request sends them back in
+    tool_calls: list[ToolCall] | None = None
     reasoning_content: str | None = None  # with --reasoning-parser: the <think> text
 
 
