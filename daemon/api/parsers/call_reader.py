@@ -81,10 +81,6 @@ class CallReader:
         self.committed = False
         self.arguments_done = False
 
-    @property
-    def done(self) -> bool:
-        return self._state is _State.DONE
-
     def feed(self, ch: str) -> Step:
         state = self._state
         if state is _State.IN_VALUE:

@@ -61,11 +61,6 @@ class ValueScanner:
         self._number: list[str] = []
 
     @property
-    def depth(self) -> int:
-        """How many containers are open."""
-        return len(self._stack)
-
-    @property
     def done(self) -> bool:
         return self._mode is _Mode.END
 
