@@ -46,7 +46,12 @@ def connection_limits(config: ServeConfig) -> ConnectionLimits:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Unknown routes, wrong methods and unexpected exceptions answer OpenAI bodies too."""
+    """An ApiError a route raises, unknown routes, wrong methods and unexpected exceptions
+    answer OpenAI bodies."""
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return error_response(exc)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -59,6 +64,7 @@ def install_error_handlers(app: FastAPI) -> None:
         message = f"internal error: {type(exc).__name__}: {exc}"
         return error_response(ApiError(500, message, type="internal_error"))
 
+    app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(Exception, internal_error)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Callable
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Protocol
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field, ValidationError, model_validator
@@ -30,7 +30,6 @@ from starlette.responses import Response
 
 from lmd import protocol
 from lmd.api.docs import answers, body_doc
-from lmd.api.http import error_response
 from lmd.api.openai_fields import TokenId
 from lmd.api.openai_schema import ApiError, ChatMessage, RequestBody, unknown_model
 from lmd.api.openai_tools import TemplateKwargs, Tools
@@ -169,7 +168,11 @@ class TokenizeHost(Protocol):
 
 
 def add_tokenize_routes(app: FastAPI, host: TokenizeHost) -> None:
-    async def call(http: Request, model: type[TokenizeRequest | DetokenizeRequest]) -> Any:
+    async def call(
+        http: Request, model: type[TokenizeRequest | DetokenizeRequest]
+    ) -> protocol.Tokenized:
+        """The tokenizer's answer to the body's call; raise ApiError, which the api's
+        error handler (http.install_error_handlers) answers."""
         try:
             body = model.model_validate_json(await http.body())
         except ValidationError as exc:
@@ -189,10 +192,7 @@ def add_tokenize_routes(app: FastAPI, host: TokenizeHost) -> None:
     )
     async def tokenize(http: Request) -> Response:
         """The prompt's token ids, or a chat's as the chat template renders it (vLLM's)."""
-        try:
-            answer = await call(http, TokenizeRequest)
-        except ApiError as err:
-            return error_response(err)
+        answer = await call(http, TokenizeRequest)
         ids = protocol.unpack_ids(answer.token_ids)
         out = {"count": len(ids), "max_model_len": answer.max_model_len, "tokens": ids}
         if answer.token_strs is not None:
@@ -206,8 +206,5 @@ def add_tokenize_routes(app: FastAPI, host: TokenizeHost) -> None:
     )
     async def detokenize(http: Request) -> Response:
         """Token ids back to text (vLLM's)."""
-        try:
-            answer = await call(http, DetokenizeRequest)
-        except ApiError as err:
-            return error_response(err)
+        answer = await call(http, DetokenizeRequest)
         return JSONResponse({"prompt": answer.text})
