@@ -21,6 +21,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from lmd.api.parsers.tool_calls import marker_start
+
 OPEN_TAG = "<think>"
 CLOSE_TAG = "</think>"
 
@@ -98,7 +100,7 @@ class ThinkStream:
                     self._undecided = [buf]
                     self._undecided_tail = buf[-(len(CLOSE_TAG) - 1) :]
                     return reasoning, ""
-                cut = _tag_start(buf)
+                cut = marker_start(buf, CLOSE_TAG)
                 body = self._lstrip(buf[:cut])
                 kept = body.rstrip()  # whitespace may come right before </think>
                 self._pending = body[len(kept) :] + buf[cut:]
@@ -134,11 +136,3 @@ class ThinkStream:
         reasoning, content = self.feed(text)
         more_reasoning, more_content = self.finish()
         return reasoning + more_reasoning, content + more_content
-
-
-def _tag_start(text: str) -> int:
-    """Where a tail of `text` that could be the start of </think> begins (len: none)."""
-    for size in range(min(len(CLOSE_TAG) - 1, len(text)), 0, -1):
-        if text.endswith(CLOSE_TAG[:size]):
-            return len(text) - size
-    return len(text)

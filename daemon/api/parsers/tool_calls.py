@@ -195,7 +195,7 @@ class ToolStream:
                 self._content.append(kept)
             self._open_section(before[len(kept) :] + marker)
             return buf[at + len(marker) :]
-        cut = _marker_start(buf, marker) if marker else len(buf)
+        cut = marker_start(buf, marker) if marker else len(buf)
         kept = buf[:cut].rstrip()  # whitespace is held: it may come before a call
         if kept:
             self._content.append(kept)
@@ -316,12 +316,14 @@ class ToolStream:
         return False
 
 
-def _marker_start(text: str, marker: str) -> int:
-    """Where a tail of `text` that could be the start of `marker` begins (len: none)."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:size]):
-            return len(text) - size
-    return len(text)
+def marker_start(text: str, marker: str) -> int:
+    """Where the longest tail of `text` that could be the start of `marker` begins (len:
+    none). `text` holds no whole marker, so only its last len(marker) - 1 characters
+    are looked at, and only where the marker's first character is."""
+    at = text.find(marker[0], max(0, len(text) - len(marker) + 1))
+    while at >= 0 and not marker.startswith(text[at:]):
+        at = text.find(marker[0], at + 1)
+    return len(text) if at < 0 else at
 
 
 def assemble(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
