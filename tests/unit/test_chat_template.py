@@ -15,6 +15,7 @@ from lmd.tokenizer.text.chat_template import (
     HfChatTemplate,
     LmdeployChatTemplate,
     parse_messages,
+    read_chat_template,
 )
 
 # The example of LMDeploy's "Customized chat template" documentation.
@@ -139,7 +140,8 @@ def test_lmdeploy_fields_left_out_are_empty(tmp_path: Path) -> None:
     path.write_text(
         json.dumps({"model_name": "mini", "user": "U:", "assistant": "A:", "eoa": "\n"})
     )
-    template = LmdeployChatTemplate.load(path)
+    template = read_chat_template(path)
+    assert isinstance(template, LmdeployChatTemplate)
     assert template.render(parse_messages(CHAT)) == "U:HiA:Hello!\nU:Capital of\nFrance?A:"
     assert template.stop_words == ()
 
@@ -252,7 +254,7 @@ def test_template_file_errors_name_the_file_and_the_field(
     path = tmp_path / "t.json"
     path.write_text(json.dumps(data))
     with pytest.raises(ChatTemplateError) as info:
-        LmdeployChatTemplate.load(path)
+        read_chat_template(path)
     assert str(info.value) == f"{tmp_path}/{error}"
 
 
@@ -260,11 +262,11 @@ def test_template_file_that_is_missing_or_not_json(tmp_path: Path) -> None:
     with pytest.raises(
         ChatTemplateError, match=r"cannot read chat template .*nope\.json: No such file"
     ):
-        LmdeployChatTemplate.load(tmp_path / "nope.json")
+        read_chat_template(tmp_path / "nope.json")
     path = tmp_path / "bad.json"
     path.write_text('{"model_name": "m",}')
     with pytest.raises(ChatTemplateError, match=r"bad\.json: not valid JSON: .*line 1 column 20"):
-        LmdeployChatTemplate.load(path)
+        read_chat_template(path)
 
 
 def test_null_fields_take_the_default() -> None:

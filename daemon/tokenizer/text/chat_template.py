@@ -229,15 +229,6 @@ class LmdeployChatTemplate(ChatTemplate):
             )
 
     @classmethod
-    def load(cls, path: Path) -> LmdeployChatTemplate:
-        """Read a ChatTemplateConfig JSON file (`--chat-template FILE.json`)."""
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ChatTemplateError(f"cannot read chat template {path}: {exc.strerror}") from exc
-        return cls.from_json(text, source=str(path))
-
-    @classmethod
     def from_json(cls, text: str, *, source: str = "chat template") -> LmdeployChatTemplate:
         """Parse ChatTemplateConfig JSON; errors name `source` and the offending field."""
         try:
