@@ -116,23 +116,23 @@ class ToolStream:
         self._calls_in_section = 0
         self._end_matched = 0  # characters of syntax.end seen
         self._content: list[str] = []
-        self._entries: list[tuple[int, dict[str, Any] | None, list[str]]] = []
+        # stream entries not yet sent, each without its arguments' text: their pieces
+        self._entries: list[tuple[dict[str, Any], list[str]]] = []
 
     # CallSink: what a CallReader reports -----------------------------------------------
 
     def start_call(self, name: str) -> None:
         self._held.clear()  # the marker and the JSON before the arguments: not content
-        header = {"id": call_id(), "type": "function", "name": name}
-        self._entries.append((self.num_calls, header, []))
+        entry = {"index": self.num_calls, "id": call_id(), "type": "function"}
+        self._entries.append(({**entry, "function": {"name": name}}, []))
         self.num_calls += 1
         self._calls_in_section += 1
 
     def add_arguments(self, text: str) -> None:
-        index = self.num_calls - 1
-        if self._entries and self._entries[-1][0] == index:
-            self._entries[-1][2].append(text)
+        if self._entries:  # the call's latest entry, not yet sent
+            self._entries[-1][1].append(text)
         else:
-            self._entries.append((index, None, [text]))
+            self._entries.append(({"index": self.num_calls - 1, "function": {}}, [text]))
 
     # Text in, deltas out ----------------------------------------------------------------
 
@@ -157,14 +157,9 @@ class ToolStream:
     def _drain(self) -> ToolsDelta:
         out = ToolsDelta("".join(self._content))
         self._content.clear()
-        for index, header, pieces in self._entries:
-            arguments = "".join(pieces)
-            if header is None:
-                out.tool_calls.append({"index": index, "function": {"arguments": arguments}})
-            else:
-                function = {"name": header["name"], "arguments": arguments}
-                entry = {"index": index, "id": header["id"], "type": "function"}
-                out.tool_calls.append({**entry, "function": function})
+        for entry, pieces in self._entries:
+            entry["function"]["arguments"] = "".join(pieces)
+            out.tool_calls.append(entry)
         self._entries.clear()
         return out
 
