@@ -31,7 +31,7 @@ from lmd.bench.serve_client import Load, Run, Target, first_model, http_client, 
 from lmd.bench.serve_data import Prompt
 from lmd.bench.serve_metrics import RequestResult, parse_slos, summarize
 from lmd.bench.serve_plot import plot_serve, require_matplotlib
-from lmd.bench.serve_processes import own_cores, run_processes
+from lmd.bench.serve_processes import run_processes
 
 WARM_UP_TOKENS = 16  # enough to run every code path once
 WARM_UP_SEED = 7_919_001  # far from the seeds people pick, so never a measured prompt
@@ -88,7 +88,10 @@ def _check(args: argparse.Namespace) -> None:
         (args.prefix_len < 0 or args.num_prefixes < 1, "--prefix-len >= 0, --num-prefixes >= 1"),
         (args.dataset is not None and args.prefix_len > 0, "--dataset or --prefix-len, not both"),
         (args.timeout <= 0 or args.warmup < 0, "--timeout must be > 0, --warmup >= 0"),
-        (args.client_processes < 1, "--client-processes must be >= 1"),
+        (
+            not 1 <= args.client_processes <= (args.concurrency or math.inf),
+            "--client-processes must be >= 1 and <= --concurrency",
+        ),
     ]
     for bad, message in problems:
         if bad:
@@ -174,7 +177,7 @@ async def _bench(
         server = await _server_header(client, target)
         before = await serve_stages.scrape(client, target.headers) if args.stages else None
         if args.client_processes > 1:
-            result, cores = await asyncio.to_thread(
+            result = await asyncio.to_thread(
                 run_processes, target, load, items, args.client_processes
             )
         else:
@@ -182,12 +185,12 @@ async def _bench(
             bar = Progress(len(items), enabled)
             cpu = time.process_time()
             result = await run_load(client, target, load, items, on_done=bar.update)
-            cores = own_cores(result, time.process_time() - cpu)
+            busy = time.process_time() - cpu
+            result.client_cpu_cores = [busy / result.duration if result.duration > 0 else 0.0]
         after = None if before is None else await serve_stages.scrape(client, target.headers)
         stages: dict[str, Any] = {}
         if before is not None and after is not None:
             stages = serve_stages.breakdown(before, after, result.duration)
-        stages["client_cpu_cores"] = [round(c, 3) for c in cores]
         return target, result, server, stages
 
 
@@ -225,7 +228,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "dataset": dataset,
         "ignore_eos": args.ignore_eos,
         "httpx": httpx.__version__,
-        "client_cpu_cores": stages.pop("client_cpu_cores"),  # per client process
+        "client_cpu_cores": [round(c, 3) for c in result.client_cpu_cores],
         "stages": stages,  # an lmd server's own breakdown (serve_stages.py); {} otherwise
     }
     if args.plot is not None:

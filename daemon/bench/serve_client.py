@@ -29,7 +29,7 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -105,6 +105,7 @@ class Run:
     results: list[RequestResult]
     start: float
     end: float
+    client_cpu_cores: list[float] = field(default_factory=list)  # per client process
 
     @property
     def duration(self) -> float:

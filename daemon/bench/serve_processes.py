@@ -45,23 +45,21 @@ def _drive(
 ) -> tuple[list[RequestResult], float, float, float]:
     """One client process: its results, start, end and CPU seconds over its run."""
 
-    async def drive() -> Run:
-        await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+    async def drive() -> tuple[Run, float]:
         async with http_client(target) as client:
-            return await run_load(client, target, load, prompts)
+            await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+            cpu = time.process_time()  # the load's alone, not the start's
+            run = await run_load(client, target, load, prompts)
+            return run, time.process_time() - cpu
 
-    cpu = time.process_time()
-    run = asyncio.run(drive())
-    return run.results, run.start, run.end, time.process_time() - cpu
+    run, cpu_s = asyncio.run(drive())
+    return run.results, run.start, run.end, cpu_s
 
 
-def run_processes(
-    target: Target, load: Load, prompts: list[Prompt], num_processes: int
-) -> tuple[Run, list[float]]:
-    """The whole load from `num_processes` processes: one run, and each one's cores busy."""
+def run_processes(target: Target, load: Load, prompts: list[Prompt], num_processes: int) -> Run:
+    """The whole load from `num_processes` processes as one run (with each one's cores
+    busy)."""
     plan = shares(load, len(prompts), num_processes)
-    if load.concurrency is not None and load.concurrency < num_processes:
-        raise ValueError("--client-processes must not exceed --concurrency")
     start_at = time.perf_counter() + START_DELAY_S
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(len(plan), mp_context=context) as pool:
@@ -77,10 +75,4 @@ def run_processes(
             results[i] = result
         cores.append(cpu_s / (end - start) if end > start else 0.0)
     merged = [r for r in results if r is not None]
-    run = Run(merged, min(o[1] for o in outcomes), max(o[2] for o in outcomes))
-    return run, cores
-
-
-def own_cores(run: Run, cpu_s: float) -> list[float]:
-    """This process's cores busy over a run driven here."""
-    return [cpu_s / run.duration if run.duration > 0 else 0.0]
+    return Run(merged, min(o[1] for o in outcomes), max(o[2] for o in outcomes), cores)
