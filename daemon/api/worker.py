@@ -150,8 +150,7 @@ class ApiWorker(Worker):
     def on_cluster_state(self) -> None:
         """A tokenizer that left (in a cluster: not the one of a node-wide failure)
         took the requests it held."""
-        if self.workers:
-            self.tokenizers.update(self.workers)
+        self.tokenizers.update(self.workers)
         self.calls.fail_lost(self.workers, self.missing_roles)
         lost = protocol.RequestError("", "service_unavailable", "the tokenizer stopped; retry")
         for request in self._open.values():

@@ -128,9 +128,14 @@ class PrefillWorker(EngineWorker):
             self.error(msg.reply_to, msg.request_id, "invalid_request_error", str(exc))
             return
         out = Outgoing(
-            msg.request_id, msg.reply_to, msg.decode, seq, msg.sampling, time.monotonic()
+            msg.request_id,
+            msg.reply_to,
+            msg.decode,
+            seq,
+            msg.sampling,
+            time.monotonic(),
+            sent_at=msg.sent_at,
         )
-        out.sent_at = msg.sent_at
         self._outgoing[msg.request_id] = out
         self._waiting.append(out)
         self.clients.note(msg.reply_to, self.workers)
