@@ -47,7 +47,7 @@ class _Peer:
     def __init__(self, endpoint: str, channel: Channel) -> None:
         self.endpoint = endpoint
         self.channel = channel
-        self.backlog: deque[list[bytes]] = deque()  # encoded messages, oldest first
+        self.backlog: deque[tuple[list[bytes], int]] = deque()  # (frames, bytes), oldest first
         self.backlog_bytes = 0
         self.flusher: asyncio.Task[None] | None = None
 
@@ -93,7 +93,7 @@ class Peers:
         if peer.backlog_bytes + size > self.max_backlog_bytes:
             self.num_lost += 1
             return False
-        peer.backlog.append(frames)
+        peer.backlog.append((frames, size))
         peer.backlog_bytes += size
         self.num_held += 1
         if peer.flusher is None:
@@ -126,9 +126,8 @@ class Peers:
             while peer.backlog:
                 await asyncio.sleep(wait)
                 sent = 0
-                while peer.backlog and peer.channel.try_send_frames(peer.backlog[0]):
-                    frames = peer.backlog.popleft()
-                    peer.backlog_bytes -= sum(len(frame) for frame in frames)
+                while peer.backlog and peer.channel.try_send_frames(peer.backlog[0][0]):
+                    peer.backlog_bytes -= peer.backlog.popleft()[1]
                     sent += 1
                 wait = FLUSH_WAIT_S[0] if sent else min(2 * wait, FLUSH_WAIT_S[1])
         finally:
