@@ -126,6 +126,21 @@ class CallReader:
                 return self._close()
         return Step.ERROR
 
+    def feed_plain(self, text: str, at: int) -> int:
+        """Take the run of `text` from `at` that only continues a string (a key, the name,
+        the arguments' text) as `feed` would take it a character at a time; returns
+        where the run ends (`at`: none here)."""
+        state = self._state
+        if state is not _State.IN_KEY and state is not _State.IN_VALUE:
+            return at
+        end = self._scanner.plain_run(text, at)
+        if end > at:
+            if state is _State.IN_VALUE and self._kind is _Value.STREAM and self.committed:
+                self._sink.add_arguments(text[at:end])
+            elif state is _State.IN_KEY or self._kind is not _Value.SKIP:
+                self._raw.append(text[at:end])
+        return end
+
     def _begin_value(self, ch: str) -> None:
         self._scanner, self._raw = ValueScanner(), []
         key = self._key

@@ -1,4 +1,5 @@
-"""An incremental JSON validator for one value, fed one character at a time.
+"""An incremental JSON validator for one value, fed one character at a time (or, inside
+a string, a run of characters that cannot end it at once: `plain_run`).
 
 The tool-call parsers read a call's JSON as the model writes it. Whether a character
 keeps the text a JSON value in progress is known when that character arrives, whatever
@@ -17,6 +18,7 @@ _ESCAPES = frozenset('"\\/bfnrtu')
 _HEX = frozenset("0123456789abcdefABCDEF")
 _WHITESPACE = frozenset(" \t\n\r")
 _LITERALS = {"t": "rue", "f": "alse", "n": "ull"}
+_PLAIN = re.compile(r'[^"\\\x00-\x1f]+')  # characters that only continue a string
 
 
 class Step(enum.IntEnum):
@@ -136,6 +138,14 @@ class ValueScanner:
                 self._stack.pop()
                 return self._end_value()
         return Step.ERROR
+
+    def plain_run(self, text: str, at: int) -> int:
+        """Where the run of `text` from `at` that only continues a string ends (`at`:
+        none, or not in a string). Feeding it would change nothing, so it is skipped."""
+        if self._mode is not _Mode.STRING:
+            return at
+        found = _PLAIN.match(text, at)
+        return at if found is None else found.end()
 
     def _start_value(self, ch: str) -> Step:
         if ch == "{":

@@ -214,11 +214,22 @@ class ToolStream:
         self._after_call = self._calls_in_section > 0 and not give_back
 
     def _section(self, text: str) -> str:
-        """Feed the section character by character; returns the text after it ended."""
-        for i, ch in enumerate(text):
-            consumed = self._section_char(ch)  # refused: the section has ended
+        """Feed the section character by character (a call's string a run at a time);
+        returns the text after it ended."""
+        i = 0
+        while i < len(text):
+            reader = self._reader
+            if reader is not None and self._state is _Section.IN_CALL:
+                end = reader.feed_plain(text, i)
+                if end > i:
+                    if not reader.committed:
+                        self._held.append(text[i:end])
+                    i = end
+                    continue
+            consumed = self._section_char(text[i])  # refused: the section has ended
             if not self._in_section:
                 return text[i + 1 :] if consumed else text[i:]
+            i += 1
         return ""
 
     def _section_char(self, ch: str) -> bool:
