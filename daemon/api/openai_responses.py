@@ -135,29 +135,11 @@ class ChatFormat(_Format):
         ]
 
     def choice(self, delta: Delta) -> dict[str, Any] | None:
-        if self.reply is not None:
-            return self._read_choice(self.reply, delta)
-        if not delta.text and delta.finish_reason is None and not delta.logprobs:
-            return None
-        return {
-            "index": delta.index,
-            "delta": {"content": delta.text} if delta.text else {},
-            "logprobs": self.logprobs(delta.logprobs),
-            "finish_reason": delta.finish_reason,
-        }
-
-    def _read_choice(self, reply: ReplyParser, delta: Delta) -> dict[str, Any] | None:
-        """A delta's choice, its text read by the reply's parsers: what they make known
-        of content, reasoning and tool calls (text they hold back shows later)."""
-        reading = self._reading.get(delta.index)
-        if reading is None:
-            reading = self._reading[delta.index] = reply.stream()
-        piece = reading.feed(delta.text)
         reason = delta.finish_reason
-        if reason is not None:
-            piece.extend(reading.finish())
-            reason = finish_reason(reason, reading.num_calls)
-        message = piece.message()
+        if self.reply is None:
+            message = {"content": delta.text} if delta.text else {}
+        else:
+            message, reason = self._read(self.reply, delta)
         if not message and reason is None and not delta.logprobs:
             return None
         return {
@@ -166,6 +148,20 @@ class ChatFormat(_Format):
             "logprobs": self.logprobs(delta.logprobs),
             "finish_reason": reason,
         }
+
+    def _read(self, reply: ReplyParser, delta: Delta) -> tuple[dict[str, Any], str | None]:
+        """A delta's `delta` and finish_reason, its text read by the reply's parsers: what
+        they make known of content, reasoning and tool calls (text they hold back shows
+        later)."""
+        reading = self._reading.get(delta.index)
+        if reading is None:
+            reading = self._reading[delta.index] = reply.stream()
+        piece = reading.feed(delta.text)
+        reason = delta.finish_reason
+        if reason is not None:
+            piece.extend(reading.finish())
+            reason = finish_reason(reason, reading.num_calls)
+        return piece.message(), reason
 
     def response(self, answers: list[Answer]) -> dict[str, Any]:
         """The body of a whole answer: one Answer per choice, by index."""
