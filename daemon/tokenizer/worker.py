@@ -82,8 +82,7 @@ class TokenizerWorker(Worker):
         # decode without clean-up; a token's own text is looked up, not decoded again
         self.decoder = CachedDecoder(self.tokenizer.backend_tokenizer)
         self.token_bytes = TokenBytes(self.tokenizer.backend_tokenizer)
-        self.vocab_size = len(self.tokenizer)
-        self.prompts = Prompts(self.tokenizer, self.template, self.vocab_size, self.session_len)
+        self.prompts = Prompts(self.tokenizer, self.template, len(self.tokenizer), self.session_len)
         hybrid = self.config.mode == "hybrid"
         engine_role, decode_role = (Role.HYBRID, None) if hybrid else (Role.PREFILL, Role.DECODE)
         configured = worker_names(self.config, engine_role)
@@ -94,7 +93,7 @@ class TokenizerWorker(Worker):
         self.outbox = DeltaOutbox(self.push, self.stages)  # new text for the api workers
         self.sessions = SessionTable(self.config.session_idle_timeout)
         decode = functools.partial(self.decoder.decode, skip_special_tokens=False)
-        self.turns = Turns(self.sessions, self.template, self._encode, decode)
+        self.turns = Turns(self.sessions, self.template, self.prompts.encode, decode)
         self._expiry = self.watch(self._expire_sessions(), "session expiry")
 
     async def stop(self) -> None:
@@ -228,7 +227,7 @@ class TokenizerWorker(Worker):
         room = self.session_len - len(prompt_ids)
         sampling = {**msg.sampling, "max_tokens": min(msg.sampling.get("max_tokens") or room, room)}
         if words := sampling.get("bad_words"):
-            sampling["bad_words"] = bad_word_ids(words, self._encode)
+            sampling["bad_words"] = bad_word_ids(words, self.prompts.encode)
         choices = self._choices(msg, prompt_ids, route, sampling)
         self._requests.add(msg.request_id, [(g.request_id, c) for g, c in choices])
         if session is not None:  # a turn is one choice
@@ -279,9 +278,6 @@ class TokenizerWorker(Worker):
                 choice.held = generate
             out.append((generate, choice))
         return out
-
-    def _encode(self, text: str) -> list[int]:
-        return self.prompts.encode(text)
 
     def _answer_tokenize(self, msg: protocol.Tokenize | protocol.Detokenize) -> None:
         """/tokenize and /detokenize: answered at once, nothing kept."""
