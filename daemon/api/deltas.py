@@ -60,7 +60,9 @@ class Answer:
     def add(self, delta: Delta) -> None:
         self.text.append(delta.text)
         if delta.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + delta.logprobs
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs += delta.logprobs  # in place: a copy per token is quadratic
         self.finish_reason = delta.finish_reason
         self.prompt_tokens = delta.prompt_tokens
         self.completion_tokens = delta.completion_tokens
