@@ -69,10 +69,6 @@ class Answer:
         self.cached_tokens = delta.cached_tokens
         self.history_tokens = delta.history_tokens
 
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
 
 @dataclass(slots=True)
 class Tally:
