@@ -145,10 +145,8 @@ class ToolStream:
         """The end of the reply: what was held is content, unless it only trails a call."""
         if self._in_section:
             reader = self._reader
-            if (reader is not None and not reader.committed) or self._calls_in_section == 0:
-                self._content += self._held
-            self._held.clear()
-            self._in_section = False
+            uncommitted = reader is not None and not reader.committed
+            self._close_section(give_back=uncommitted or self._calls_in_section == 0)
         elif self._pending:
             self._content.append(self._pending)
         self._pending = ""
