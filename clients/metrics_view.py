@@ -45,7 +45,7 @@ def _api_text(api: dict[str, Any]) -> str:
     header = ["LATENCY", "N", "P50", "P99", "N TOTAL", "P50 TOTAL", "P99 TOTAL", "MEAN TOTAL"]
     return (
         f"{text}\n\n{table(lat_rows, header)}\n"
-        f"N, P50, P99: the last {win['seconds']:.1f}s; TOTAL: since the api started.\n"
+        f"N, P50, P99: the last {win['seconds']:.1f}s; TOTAL: since the daemon started.\n"
         "P50/P99 are estimates from the /metrics histogram buckets; means are exact."
     )
 

@@ -71,6 +71,8 @@ HELP = {
     "decode_workers": "number of decode processes",
     "tokenizer_workers": "number of tokenizer processes (requests spread over them; "
     "each interactive session stays on one)",
+    "api_workers": "number of HTTP api processes sharing --port (the kernel spreads "
+    "connections over them; /metrics adds up all of them)",
     "drain_timeout": "seconds to finish in-flight requests on SIGTERM",
     "startup_timeout": "seconds a worker may take to become ready",
     "heartbeat_interval": "seconds between a worker's heartbeats",
@@ -222,11 +224,31 @@ def check_chat_template(config: ServeConfig) -> None:
         read_chat_template(Path(config.chat_template))
 
 
+def check_api_port(config: ServeConfig) -> None:
+    """Several api processes share the port through SO_REUSEPORT, which another process of
+    this user could join too: it must be free when the daemon starts (BindError)."""
+    from lmd.http_server import bind_tcp
+    from lmd.roles import role_counts
+
+    if role_counts(config).get(Role.API, 0) > 1:
+        bind_tcp(config.host, config.port).close()
+
+
+def check_before_start(config: ServeConfig) -> None:
+    """Once, before any worker starts: what no worker could get past would only restart
+    them until the daemon gave up (ModelSourceError, ValueError, BindError)."""
+    from lmd.supervisor.model_check import check_daemon_model
+
+    check_daemon_model(config)
+    check_chat_template(config)  # a ChatTemplateError is a ValueError
+    check_api_port(config)
+
+
 def serve(args: argparse.Namespace) -> int:
     from lmd.engine.model_source import ModelSourceError
+    from lmd.http_server import BindError
     from lmd.paths import RuntimeDirError, prepare_runtime_dir
     from lmd.supervisor.limits import raise_open_files_limit
-    from lmd.supervisor.model_check import check_daemon_model
     from lmd.supervisor.runtime_lock import AlreadyRunning
     from lmd.worker import configure_logging
 
@@ -238,10 +260,9 @@ def serve(args: argparse.Namespace) -> int:
     config = loaded.config
     configure_logging(config.log_level, "lmdd")
     raise_open_files_limit()  # before any worker is spawned: they inherit it
-    try:  # once, here: a model no worker can load would only restart them until we gave up
-        check_daemon_model(config)
-        check_chat_template(config)
-    except (ModelSourceError, ValueError) as exc:  # a ChatTemplateError is a ValueError
+    try:
+        check_before_start(config)
+    except (ModelSourceError, ValueError, BindError) as exc:
         print(f"lmdd: {exc}", file=sys.stderr)
         return 1
     try:

@@ -94,6 +94,7 @@ class ServeConfig:
     prefill_workers: int = 1
     decode_workers: int = 1
     tokenizer_workers: int = 1  # requests spread over them (api/worker.py: tokenizer_for)
+    api_workers: int = 1  # HTTP processes on one port (SO_REUSEPORT; api/worker.py)
     migration_timeout: float = 120.0  # seconds a reservation or a KV copy may take
     migration_transport: str = "native"  # how KV moves between prefill and decode
     drain_timeout: float = 30.0
@@ -144,7 +145,7 @@ class ServeConfig:
         hybrid = self.mode == "hybrid"
         _check(self.decode_backend != "fixed" or hybrid, "decode_backend", only_hybrid)
         _check(self.prefill_backend != "fixed", "prefill_backend", only_hybrid)
-        for key in ("prefill_workers", "decode_workers", "tokenizer_workers"):
+        for key in ("prefill_workers", "decode_workers", "tokenizer_workers", "api_workers"):
             value = getattr(self, key)
             _check(1 <= value <= 64, key, f"{value} is out of range (1-64)")
         for key in (

@@ -72,11 +72,16 @@ def listen_backlog() -> int:
         return socket.SOMAXCONN
 
 
-def bind_tcp(host: str, port: int) -> socket.socket:
+def bind_tcp(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """Listen on host:port. `reuse_port`: with SO_REUSEPORT, so that several processes
+    listen on the port and the kernel spreads new connections over them (by a hash of
+    the client's address and port)."""
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         sock.listen(listen_backlog())
     except OSError as exc:

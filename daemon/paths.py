@@ -15,6 +15,7 @@ from pathlib import Path
 
 CONTROL_SOCKET = "control.sock"
 LOCK_FILE = "lmdd.lock"
+METRICS_DIR = "metrics"
 # sun_path holds 108 bytes; keep room for the longest name we put in the directory.
 MAX_SOCKET_PATH = 107
 LONGEST_NAME = "tokenizer-000.ipc"
@@ -45,6 +46,11 @@ def resolve_runtime_dir(
 
 def control_socket_path(runtime_dir: Path) -> Path:
     return runtime_dir / CONTROL_SOCKET
+
+
+def metrics_dir(runtime_dir: Path) -> Path:
+    """Where the api processes keep their Prometheus series (api/metrics.py)."""
+    return runtime_dir / METRICS_DIR
 
 
 def lock_path(runtime_dir: Path) -> Path:

@@ -1,6 +1,6 @@
 """Which workers a daemon runs: a pure plan from its config (no process is imported).
 
-Modes (tokenizer-0..T-1 with --tokenizer-workers T):
+Modes (tokenizer-0..T-1 with --tokenizer-workers T, api-0..A-1 with --api-workers A):
   disaggregated (default): tokenizer-0, prefill-0..K-1, decode-0..M-1, api-0; prefill
       workers compute prompts and migrate their KV to decode workers
       (lmd.prefill.worker, lmd.decode.worker; docs/architecture.md §1).
@@ -49,12 +49,16 @@ class WorkerSpec:
 def role_counts(config: ServeConfig) -> dict[Role, int]:
     """How many workers of each role the daemon runs (a cluster node: its `roles`)."""
     if config.mode == "hybrid":
-        return {Role.TOKENIZER: config.tokenizer_workers, Role.HYBRID: 1, Role.API: 1}
+        return {
+            Role.TOKENIZER: config.tokenizer_workers,
+            Role.HYBRID: 1,
+            Role.API: config.api_workers,
+        }
     counts = {
         Role.TOKENIZER: config.tokenizer_workers,
         Role.PREFILL: config.prefill_workers,
         Role.DECODE: config.decode_workers,
-        Role.API: 1,
+        Role.API: config.api_workers,
     }
     return {r: n for r, n in counts.items() if not config.roles or r in config.roles}
 

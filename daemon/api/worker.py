@@ -79,7 +79,7 @@ from lmd.api.tokenize import BODIES, TokenizerCalls, add_tokenize_routes
 from lmd.api.tokenizers import TokenizerChoice
 from lmd.config import ServeConfig
 from lmd.http_server import BindError, EmbeddedServer, JSONResponse, bind_tcp
-from lmd.paths import control_socket_path
+from lmd.paths import control_socket_path, metrics_dir
 from lmd.protocol import Role
 from lmd.roles import WorkerSpec
 from lmd.worker import Worker, WorkerStartError
@@ -100,7 +100,8 @@ class ApiWorker(Worker):
         self._open: dict[str, OpenRequest] = {}  # before Worker sets missing_roles
         self._missing_roles: list[str] = []
         super().__init__(spec, config)
-        self.metrics = ApiMetrics(lambda: len(self._open), control_socket_path(config.runtime_dir))
+        shared = metrics_dir(config.runtime_dir)  # every api process's series, added up
+        self.metrics = ApiMetrics(shared, control_socket_path(config.runtime_dir))
         self.limits = GuardLimits(config.api_keys, config.max_request_bytes)
         self.replies = ReplyChoice(config)  # how chat replies are read: tools, reasoning
         self.calls = TokenizerCalls()  # /tokenize and /detokenize: awaiting the tokenizer
@@ -108,7 +109,8 @@ class ApiWorker(Worker):
 
     async def start(self) -> None:
         try:
-            sock = bind_tcp(self.config.host, self.config.port)
+            shared = self.config.api_workers > 1  # the kernel spreads connections over us
+            sock = bind_tcp(self.config.host, self.config.port, reuse_port=shared)
         except BindError as exc:
             raise WorkerStartError(str(exc)) from None
         self.created = int(time.time())
@@ -283,6 +285,7 @@ class ApiWorker(Worker):
         self.stages.observe("api", time.perf_counter() - began)
         tally = Tally(body.num_choices)
         request = self._open[request_id] = OpenRequest(request_id, endpoint, tokenizer, tally=tally)
+        self.metrics.opened()
         client_gone = asyncio.ensure_future(disconnected(http))
         handed_over = False  # a stream watches client_gone from then on
         try:
@@ -374,6 +377,7 @@ class ApiWorker(Worker):
         """Forget a request; tell the tokenizer if it still holds it. Idempotent."""
         if self._open.pop(request.id, None) is None:
             return
+        self.metrics.closed()
         if not request.ended:
             request.ended = True
             self.push(request.tokenizer, protocol.Abort(request.id))

@@ -233,7 +233,7 @@ def build_control_app(sup: Supervisor) -> FastAPI:
     async def metrics(interval: float = 1.0) -> dict[str, Any]:
         """A summary over a window of `interval` seconds (default 1, at most 60): the api's
         tok/s and req/s, TTFT/TPOT/e2e count, mean, p50 and p99 (estimated from the
-        /metrics histogram buckets) over the window and since the api started; running,
+        /metrics histogram buckets) over the window and since the daemon started; running,
         waiting and KV use per engine worker (heartbeats); GPU memory and utilisation
         (NVML; `gpu.reason` says why it is absent). Answers after the window."""
         if not 0 < interval <= MAX_INTERVAL_S:

@@ -1,7 +1,7 @@
 """The arithmetic behind `lmdctl metrics`: two scrapes of the api's /metrics -> a summary.
 
-The control API (`metrics_collect.py`) scrapes every running api worker's Prometheus
-text (`api/metrics.py`) twice, a window of `interval` seconds apart. From the two:
+The control API (`metrics_collect.py`) scrapes the api's Prometheus text (`api/metrics.py`,
+every api process's series added up) twice, a window of `interval` seconds apart. From the two:
 - rates = counter delta / seconds between the scrapes. The api adds a request's tokens
   when the request closes, so a window shorter than the requests is bursty: a request
   that ran for 10 s adds all its tokens to the window it ended in.
@@ -9,9 +9,10 @@ text (`api/metrics.py`) twice, a window of `interval` seconds apart. From the tw
   Prometheus' `histogram_quantile` computes them: linear interpolation inside the bucket
   that holds the rank (the answer is never finer than the bucket bounds); a rank in the
   +Inf bucket answers the highest finite bound. The mean (sum / count) is exact. Both
-  over the window (bucket deltas) and since the api worker started.
-- An api worker that restarted between the scrapes (its histograms' `_created` time
-  changed, or a counter went down) counts from zero: the window is the second scrape.
+  over the window (bucket deltas) and since the daemon started.
+- Series that restarted between the scrapes (a daemon restarted: a counter went down;
+  series of their own process, as in tests: their `_created` time changed) count from
+  zero: the window is the second scrape.
 """
 
 from __future__ import annotations

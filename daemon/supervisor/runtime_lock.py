@@ -1,7 +1,8 @@
 """One daemon per runtime directory: an flock on `lmdd.lock`, held for life.
 
 The kernel drops the lock when the holder dies, however it dies, so a crashed daemon
-never blocks the next start; the next holder then removes the sockets it left behind.
+never blocks the next start; the next holder then removes the sockets and the api's
+metrics files it left behind (a new daemon's counters start from zero).
 """
 
 from __future__ import annotations
@@ -9,9 +10,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 from pathlib import Path
 
-from lmd.paths import control_socket_path, lock_path
+from lmd.paths import control_socket_path, lock_path, metrics_dir
 
 
 class AlreadyRunning(RuntimeError):
@@ -38,8 +40,10 @@ class RuntimeLock:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
 
-    def remove_sockets(self) -> list[Path]:
-        """Delete the socket files (a dead daemon's, or ours at exit); hold the lock."""
+    def remove_leftovers(self) -> list[Path]:
+        """Delete the socket files and the metrics directory (a dead daemon's, or ours at
+        exit); hold the lock. Returns the sockets removed."""
+        shutil.rmtree(metrics_dir(self.runtime_dir), ignore_errors=True)
         stale = [*self.runtime_dir.glob("*.ipc"), control_socket_path(self.runtime_dir)]
         removed = []
         for path in stale:

@@ -96,11 +96,11 @@ class Supervisor:
         lock = RuntimeLock(self.config.runtime_dir)
         lock.acquire()
         try:
-            if removed := lock.remove_sockets():
+            if removed := lock.remove_leftovers():
                 log.info("removed %d stale sockets left by a previous daemon", len(removed))
             return await self._serve()
         finally:
-            lock.remove_sockets()
+            lock.remove_leftovers()
             lock.release()
 
     async def _serve(self) -> int:

@@ -21,7 +21,10 @@ import logging
 import signal
 from dataclasses import dataclass
 
+from lmd.api.metrics import forget_process
 from lmd.config import ServeConfig
+from lmd.paths import metrics_dir
+from lmd.protocol.roles import Role
 from lmd.supervisor.child import Child, describe_exit
 from lmd.supervisor.scaling import Scaler
 from lmd.supervisor.states import WorkerState
@@ -78,6 +81,8 @@ class WorkerWatch:
     def _on_exit(
         self, child: Child, code: int, now: float, config: ServeConfig, stopping: bool
     ) -> Change | GiveUp | None:
+        if child.role == Role.API and child.pid is not None:  # its requests ended with it
+            forget_process(metrics_dir(config.runtime_dir), child.pid)
         if stopping:
             child.last_exit = code
             child.set_state(WorkerState.STOPPED)

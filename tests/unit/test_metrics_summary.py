@@ -36,8 +36,16 @@ def test_quantile_edges() -> None:
         bucket_quantile(1.5, (0.01, INF), (1.0, 1.0))
 
 
+def running(num_open: int) -> ApiMetrics:
+    """An api's series with `num_open` requests running."""
+    m = ApiMetrics()
+    for _ in range(num_open):
+        m.opened()
+    return m
+
+
 def test_parse_reads_the_api_series() -> None:
-    m = ApiMetrics(lambda: 3)
+    m = running(3)
     for seconds in (0.02, 0.03, 0.04, 0.2):
         m.first_token(seconds)
     m.finished(e2e_s=0.5, first_token_s=0.03, num_tokens=101)  # TPOT 0.47 / 100 = 0.0047
@@ -61,7 +69,7 @@ def test_parse_reads_the_api_series() -> None:
 
 
 def test_window_rates_and_latencies_count_only_the_window() -> None:
-    m = ApiMetrics(lambda: 0)
+    m = running(0)
     m.first_token(3.0)  # before the window: in since_start, not in the window
     m.tokens(prompt_tokens=100, completion_tokens=10)
     m.count("chat", 200)
@@ -91,10 +99,10 @@ def test_window_rates_and_latencies_count_only_the_window() -> None:
 
 
 def test_an_api_restart_between_scrapes_counts_from_the_restart() -> None:
-    old = ApiMetrics(lambda: 0)
+    old = running(0)
     old.tokens(prompt_tokens=500, completion_tokens=500)
     old.count("chat", 200)
-    new = ApiMetrics(lambda: 0)  # the restarted api: counters from zero
+    new = running(0)  # the restarted api: counters from zero
     new.tokens(prompt_tokens=8, completion_tokens=6)
     new.count("chat", 200)
     out = summarize(scrape_of(old), scrape_of(new), seconds=2.0)
@@ -113,7 +121,7 @@ def test_a_changed_created_time_is_a_restart_even_when_counts_grew() -> None:
 
 
 def test_two_api_workers_add_up() -> None:
-    a, b = ApiMetrics(lambda: 1), ApiMetrics(lambda: 2)
+    a, b = running(1), running(2)
     a.first_token(0.02)
     b.first_token(0.2)
     a.tokens(1, 10)
@@ -128,7 +136,7 @@ def test_two_api_workers_add_up() -> None:
 def test_parse_names_a_missing_series_and_a_window_needs_time() -> None:
     with pytest.raises(ValueError, match="lmd_time_to_first_token_seconds"):
         parse("# nothing here\n")
-    s = scrape_of(ApiMetrics(lambda: 0))
+    s = scrape_of(running(0))
     with pytest.raises(ValueError, match="> 0 s"):
         summarize(s, s, 0.0)
 

@@ -48,9 +48,12 @@ def test_lock_is_exclusive_and_released(tmp_path: Path) -> None:
     again.release()
 
 
-def test_remove_sockets_only_touches_ours(tmp_path: Path) -> None:
+def test_remove_leftovers_only_touches_ours(tmp_path: Path) -> None:
     for name in ("control.sock", "decode-0.ipc", "model.safetensors"):
         (tmp_path / name).write_text("")
-    removed = RuntimeLock(tmp_path).remove_sockets()
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "counter_123.db").write_text("")
+    removed = RuntimeLock(tmp_path).remove_leftovers()
     assert sorted(p.name for p in removed) == ["control.sock", "decode-0.ipc"]
     assert (tmp_path / "model.safetensors").exists()
+    assert not (tmp_path / "metrics").exists()  # a new daemon's counters start from zero
