@@ -5,8 +5,8 @@
 #   scripts/gpu-stages.sh SHAPE MODE [LABEL [FLAGS...]]
 #       SHAPE llama3-8b-shape or smollm2-shape (random bf16 weights, the SmolLM2
 #       tokenizer), MODE disaggregated or hybrid, FLAGS passed to lmdd serve;
-#       RUNS="C:N ..." (default "64:256 256:1024"): concurrency and requests;
-#       CLIENTS=P (default 1): lmd-bench serve --client-processes P.
+#       RUNS="C:N[:P] ..." (default "64:256 256:1024"): concurrency, requests and
+#       client processes (lmd-bench serve --client-processes; default CLIENTS, else 1).
 # Carry .whl and .gpu-assets. Results: $OUT/stages-LABEL.txt (each run's summary with
 # its breakdown) and $OUT/LABEL.tgz (the JSON of each run, status, daemon log).
 set -uo pipefail
@@ -27,11 +27,11 @@ for _ in $(seq 600); do curl -sf localhost:$port/health >/dev/null && break; sle
 echo "== $label ($shape, $mode, flags: $*): /health 200 after $((SECONDS - start)) s" |
   tee "$summary"
 for run in ${RUNS:-64:256 256:1024}; do
-  c=${run%:*} n=${run#*:}
+  IFS=: read -r c n procs <<<"$run"
   python3 -m lmd.bench serve --url http://127.0.0.1:$port --endpoint /v1/completions \
     --num-prompts "$n" --concurrency "$c" --input-len 512 --output-len 256 --ignore-eos \
     --warmup 4 --label "$label-c$c" --no-progress --timeout 600 --out "$out/serve-c$c.json" \
-    --client-processes "${CLIENTS:-1}" \
+    --client-processes "${procs:-${CLIENTS:-1}}" \
     2>"$out/serve-c$c.err" | tee -a "$summary"
 done
 python3 -m lmd_client.lmdctl --socket "$rt/control.sock" --json status >"$out/status.json"
