@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.api_stack import Stack
-from tests.integration.daemon import DISAGGREGATED, Daemon
+from tests.integration.daemon import DISAGGREGATED, Daemon, served
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -18,12 +18,7 @@ def _default_model_converted(smollm2_dir: Path) -> Path:
 @pytest.fixture
 def daemon() -> Iterator[Daemon]:
     """A running daemon with default settings; stopped and cleaned after the test."""
-    d = Daemon(*DISAGGREGATED, "--heartbeat-timeout", "4", "--drain-timeout", "5")
-    try:
-        d.start()
-        yield d
-    finally:
-        d.close()
+    yield from served(Daemon(*DISAGGREGATED, "--heartbeat-timeout", "4", "--drain-timeout", "5"))
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +70,15 @@ def wait_until(
             return result
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def served(daemon: Daemon) -> Iterator[Daemon]:
+    """A daemon fixture's body: start it, hand it to the tests, close it however they end."""
+    try:
+        daemon.start()
+        yield daemon
+    finally:
+        daemon.close()
 
 
 def alive(pid: int) -> bool:

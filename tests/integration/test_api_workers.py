@@ -10,25 +10,19 @@ import signal
 from collections.abc import Iterator
 
 import httpx
-import psutil
 import pytest
 
-from tests.integration.daemon import Daemon, wait_until
+from tests.integration.daemon import Daemon, alive, served, wait_until
 
 APIS = ("api-0", "api-1")
 
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[Daemon]:
-    d = Daemon(
+    yield from served(Daemon(
         "--mode", "hybrid", "--decode-backend", "fake", "--api-workers", "2",
         "--heartbeat-timeout", "10",
-    )  # fmt: skip
-    try:
-        d.start()
-        yield d
-    finally:
-        d.close()
+    ))  # fmt: skip
 
 
 def complete(daemon: Daemon) -> httpx.Response:
@@ -94,10 +88,3 @@ def test_a_killed_api_comes_back_and_the_other_serves_meanwhile(daemon: Daemon) 
     assert daemon.worker("api-0")["restarts"] == 0
     # the dead process's counts stay in the sum: counters never go down
     assert answered(daemon) - before == 16.0
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False

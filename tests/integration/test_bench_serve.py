@@ -10,19 +10,16 @@ import orjson
 import pytest
 
 from lmd.bench import main
-from tests.integration.daemon import Daemon
+from tests.integration.daemon import Daemon, served
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[Daemon]:
-    d = Daemon("--mode", "hybrid", "--heartbeat-timeout", "10", "--drain-timeout", "5")
-    try:
-        d.start()
-        yield d
-    finally:
-        d.close()
+    yield from served(
+        Daemon("--mode", "hybrid", "--heartbeat-timeout", "10", "--drain-timeout", "5")
+    )
 
 
 def serve(daemon: Daemon, out: Path, *extra: str) -> dict[str, Any]:

@@ -29,7 +29,7 @@ import orjson
 import psutil
 import pytest
 
-from tests.integration.daemon import DISAGGREGATED, Daemon, alive, wait_until
+from tests.integration.daemon import DISAGGREGATED, Daemon, alive, served, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 IN_FLIGHT = 32
@@ -49,20 +49,17 @@ class Stream:
 
 
 def start(heartbeat_timeout_s: float) -> Iterator[Daemon]:
-    d = Daemon(
-        *DISAGGREGATED,
-        "--heartbeat-interval",
-        "0.5",
-        "--heartbeat-timeout",
-        str(heartbeat_timeout_s),
-        "--restart-backoff",
-        "0.2",
+    yield from served(
+        Daemon(
+            *DISAGGREGATED,
+            "--heartbeat-interval",
+            "0.5",
+            "--heartbeat-timeout",
+            str(heartbeat_timeout_s),
+            "--restart-backoff",
+            "0.2",
+        )
     )
-    try:
-        d.start()
-        yield d
-    finally:
-        d.close()
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.daemon import DISAGGREGATED, Daemon, wait_until
+from tests.integration.daemon import DISAGGREGATED, Daemon, served, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK_SIZE = 64
@@ -21,12 +21,7 @@ ENGINES = ("prefill-0", "prefill-1", "decode-0", "decode-1")
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[Daemon]:
-    d = Daemon(*DISAGGREGATED, "--prefill-workers", "2", "--decode-workers", "2")
-    try:
-        d.start()
-        yield d
-    finally:
-        d.close()
+    yield from served(Daemon(*DISAGGREGATED, "--prefill-workers", "2", "--decode-workers", "2"))
 
 
 def fresh_prompt() -> str:

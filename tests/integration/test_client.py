@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from lmd_client import AsyncClient, Client, Delta, LmdError
-from tests.integration.daemon import Daemon, alive, wait_until
+from tests.integration.daemon import Daemon, alive, served, wait_until
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0.0, "max_tokens": 24}
@@ -16,12 +16,7 @@ GREEDY = {"temperature": 0.0, "max_tokens": 24}
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[Daemon]:
-    d = Daemon("--mode", "hybrid", "--heartbeat-timeout", "10")
-    try:
-        d.start()
-        yield d
-    finally:
-        d.close()
+    yield from served(Daemon("--mode", "hybrid", "--heartbeat-timeout", "10"))
 
 
 def idle(daemon: Daemon) -> bool:

@@ -11,17 +11,14 @@ import httpx
 import orjson
 import pytest
 
-from tests.integration.daemon import Daemon, wait_until
+from tests.integration.daemon import Daemon, served, wait_until
 
 
 @pytest.fixture
 def daemon() -> Iterator[Daemon]:
-    d = Daemon("--mode", "hybrid", "--heartbeat-timeout", "5", "--session-len", "2048")
-    try:
-        d.start()
-        yield d
-    finally:
-        d.close()
+    yield from served(
+        Daemon("--mode", "hybrid", "--heartbeat-timeout", "5", "--session-len", "2048")
+    )
 
 
 def test_engine_killed_mid_stream_fails_the_stream_then_recovers(daemon: Daemon) -> None:

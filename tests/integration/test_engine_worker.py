@@ -13,7 +13,7 @@ import zmq
 from transformers import AutoTokenizer
 
 from lmd import protocol
-from tests.integration.daemon import Daemon, wait_until
+from tests.integration.daemon import Daemon, served, wait_until
 from tests.models import hf_greedy, load_reference, random_prompts, save_tiny_llama
 
 # The test stands in for the daemon's tokenizer: an engine answers only workers of its
@@ -32,22 +32,19 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Pa
 
 @pytest.fixture
 def hybrid(model_dir: Path) -> Iterator[Daemon]:
-    d = Daemon(
-        str(model_dir),
-        "--mode",
-        "hybrid",
-        "--block-size",
-        "16",
-        "--cache-max-entry-count",
-        "64",
-        "--heartbeat-timeout",
-        "5",
+    yield from served(
+        Daemon(
+            str(model_dir),
+            "--mode",
+            "hybrid",
+            "--block-size",
+            "16",
+            "--cache-max-entry-count",
+            "64",
+            "--heartbeat-timeout",
+            "5",
+        )
     )
-    try:
-        d.start()
-        yield d
-    finally:
-        d.close()
 
 
 class Client:

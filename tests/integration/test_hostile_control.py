@@ -36,19 +36,14 @@ import pytest
 from lmd.http_server import EmbeddedServer, bind_unix
 from lmd.supervisor.control import MAX_BODY_BYTES, build_control_app
 from lmd.supervisor.supervisor import Supervisor
-from tests.integration.daemon import DISAGGREGATED, Daemon, wait_until
+from tests.integration.daemon import DISAGGREGATED, Daemon, served, wait_until
 
 NOBODY = 65534
 
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[Daemon]:
-    d = Daemon(*DISAGGREGATED, "--log-level", "debug", "--heartbeat-timeout", "10")
-    try:
-        d.start()
-        yield d
-    finally:
-        d.close()
+    yield from served(Daemon(*DISAGGREGATED, "--log-level", "debug", "--heartbeat-timeout", "10"))
 
 
 def assert_control_error(r: httpx.Response, status: int, code: str) -> str:

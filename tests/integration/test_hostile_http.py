@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.daemon import DISAGGREGATED, Daemon, wait_until
+from tests.integration.daemon import DISAGGREGATED, Daemon, served, wait_until
 from tests.integration.hostile_requests import (
     CASES,
     CHAT,
@@ -56,15 +56,10 @@ SESSION_LEN = 256
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[Daemon]:
-    d = Daemon(
+    yield from served(Daemon(
         *DISAGGREGATED, "--session-len", str(SESSION_LEN), "--max-request-bytes", str(MAX_BODY),
         "--heartbeat-timeout", "10",
-    )  # fmt: skip
-    try:
-        d.start()
-        yield d
-    finally:
-        d.close()
+    ))  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.integration.daemon import Daemon, lmdctl
+from tests.integration.daemon import Daemon, lmdctl, served
 
 BODY = {"model": "SmolLM2-135M-Instruct", "prompt": "Hello there", "temperature": 0}
 MAX_TOKENS = 8
@@ -25,21 +25,18 @@ NUM_BEFORE = 5  # requests answered before the metrics call
 
 @pytest.fixture(scope="module")
 def fake_daemon() -> Iterator[Daemon]:
-    d = Daemon(
-        "--mode",
-        "hybrid",
-        "--decode-backend",
-        "fake",
-        "--cache-max-entry-count",
-        "64",
-        "--log-level",
-        "warning",
+    yield from served(
+        Daemon(
+            "--mode",
+            "hybrid",
+            "--decode-backend",
+            "fake",
+            "--cache-max-entry-count",
+            "64",
+            "--log-level",
+            "warning",
+        )
     )
-    try:
-        d.start()
-        yield d
-    finally:
-        d.close()
 
 
 def complete(client: httpx.Client) -> dict[str, Any]:

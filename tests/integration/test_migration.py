@@ -25,7 +25,7 @@ import pytest
 import zmq
 
 from lmd import protocol
-from tests.integration.daemon import DISAGGREGATED, Daemon, wait_until
+from tests.integration.daemon import DISAGGREGATED, Daemon, served, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = [
@@ -114,12 +114,7 @@ def test_disaggregated_equals_hybrid_token_for_token() -> None:
 @pytest.fixture
 def fake_engines() -> Iterator[Daemon]:
     """Model-less engines (fast), real pools and migration; a small decode pool."""
-    d = Daemon(*DISAGGREGATED, "--block-size", "16", "--heartbeat-timeout", "5")
-    try:
-        d.start()
-        yield d
-    finally:
-        d.close()
+    yield from served(Daemon(*DISAGGREGATED, "--block-size", "16", "--heartbeat-timeout", "5"))
 
 
 async def _stream(

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from lmd import GenerationConfig, Pipeline, PytorchEngineConfig, Response, pipeline
-from tests.integration.daemon import Daemon
+from tests.integration.daemon import Daemon, served
 from tests.models import QUESTIONS
 
 MAX_TOKENS = 24
@@ -23,12 +23,7 @@ CHAT, RAW = "/v1/chat/completions", "/v1/completions"
 
 @pytest.fixture(scope="module", params=["hybrid", "disaggregated"])
 def daemon(request: pytest.FixtureRequest) -> Iterator[Daemon]:
-    d = Daemon("--mode", request.param, "--heartbeat-timeout", "10")
-    try:
-        d.start()
-        yield d
-    finally:
-        d.close()
+    yield from served(Daemon("--mode", request.param, "--heartbeat-timeout", "10"))
 
 
 @pytest.fixture(scope="module")

@@ -14,19 +14,16 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.daemon import DISAGGREGATED, Daemon, wait_until
+from tests.integration.daemon import DISAGGREGATED, Daemon, served, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture
 def daemon() -> Iterator[Daemon]:
-    d = Daemon(*DISAGGREGATED, "--heartbeat-interval", "0.5", "--heartbeat-timeout", "5")
-    try:
-        d.start()
-        yield d
-    finally:
-        d.close()
+    yield from served(
+        Daemon(*DISAGGREGATED, "--heartbeat-interval", "0.5", "--heartbeat-timeout", "5")
+    )
 
 
 def lmdctl(daemon: Daemon, *args: str) -> str:

@@ -49,7 +49,7 @@ from lmd.api.worker import ApiWorker
 from lmd.config import ServeConfig
 from lmd.protocol import Role
 from lmd.roles import WorkerSpec
-from tests.integration.daemon import DISAGGREGATED, Daemon
+from tests.integration.daemon import DISAGGREGATED, Daemon, served
 from tests.integration.test_hostile_http import assert_unharmed
 
 SEED = 20240611
@@ -71,12 +71,7 @@ ANSWERS: Counter[tuple[str, int, str]] = Counter()  # (operation, status, media 
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[Daemon]:
-    d = Daemon(*DISAGGREGATED, "--session-len", "64", "--heartbeat-timeout", "10")
-    try:
-        d.start()
-        yield d
-    finally:
-        d.close()
+    yield from served(Daemon(*DISAGGREGATED, "--session-len", "64", "--heartbeat-timeout", "10"))
 
 
 def test_the_daemon_serves_the_tested_document(daemon: Daemon) -> None:

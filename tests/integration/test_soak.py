@@ -18,7 +18,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.integration.daemon import DISAGGREGATED, Daemon, wait_until
+from tests.integration.daemon import DISAGGREGATED, Daemon, served, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 CONCURRENCY = 64
@@ -26,12 +26,9 @@ CONCURRENCY = 64
 
 @pytest.fixture
 def daemon() -> Iterator[Daemon]:
-    d = Daemon(*DISAGGREGATED, "--heartbeat-interval", "0.5", "--heartbeat-timeout", "10")
-    try:
-        d.start()
-        yield d
-    finally:
-        d.close()
+    yield from served(
+        Daemon(*DISAGGREGATED, "--heartbeat-interval", "0.5", "--heartbeat-timeout", "10")
+    )
 
 
 def rss(daemon: Daemon) -> dict[str, int]:

@@ -17,7 +17,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from lmd.engine.model_source import resolve_model
-from tests.integration.daemon import DISAGGREGATED, Daemon
+from tests.integration.daemon import DISAGGREGATED, Daemon, served
 from tests.unit.test_chat_template_tools import JINJA
 from tests.unit.test_openai_tools import ROUND_TRIP, TIME, WEATHER
 
@@ -31,15 +31,10 @@ QUESTION = ROUND_TRIP[:1]
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     template = tmp_path_factory.mktemp("template") / "tools.jinja"
     template.write_text(JINJA)
-    d = Daemon(
+    yield from served(Daemon(
         *DISAGGREGATED, "--session-len", str(SESSION_LEN), "--chat-template", str(template),
         "--api-keys", KEY, "--heartbeat-timeout", "10",
-    )  # fmt: skip
-    try:
-        d.start()
-        yield d
-    finally:
-        d.close()
+    ))  # fmt: skip
 
 
 @pytest.fixture(scope="module")

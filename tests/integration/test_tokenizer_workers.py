@@ -12,17 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.integration.daemon import Daemon, wait_until
+from tests.integration.daemon import Daemon, served, wait_until
 
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[Daemon]:
-    d = Daemon("--mode", "hybrid", "--tokenizer-workers", "2", "--heartbeat-timeout", "10")
-    try:
-        d.start()
-        yield d
-    finally:
-        d.close()
+    yield from served(
+        Daemon("--mode", "hybrid", "--tokenizer-workers", "2", "--heartbeat-timeout", "10")
+    )
 
 
 def complete(daemon: Daemon, prompt: str) -> httpx.Response:

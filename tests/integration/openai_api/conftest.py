@@ -6,21 +6,16 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.daemon import Daemon
+from tests.integration.daemon import Daemon, served
 from tests.integration.openai_api.shared_daemon import KEY, SESSION_LEN
 
 
 @pytest.fixture(scope="package")
 def daemon() -> Iterator[Daemon]:
-    d = Daemon(
+    yield from served(Daemon(
         "--mode", "hybrid", "--heartbeat-timeout", "10", "--api-keys", KEY,
         "--session-len", str(SESSION_LEN), "--drain-timeout", "5",
-    )  # fmt: skip
-    try:
-        d.start()
-        yield d
-    finally:
-        d.close()
+    ))  # fmt: skip
 
 
 @pytest.fixture(scope="package")
