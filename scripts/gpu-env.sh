@@ -14,3 +14,21 @@ export PYTHONPATH=/tmp/pkgs:/tmp/site:$PWD
   python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
   python3 -c 'import triton; print("triton", triton.__version__)' 2>/dev/null
 } 2>&1 | tee "$out/env.txt"
+
+# serve_runs PORT LABEL DIR [FLAGS...]: lmd-bench serve against 127.0.0.1:PORT at each of
+# $RUNS ("C:N[:P] ...": concurrency, requests, client processes; default P: $CLIENTS, else
+# 1, at most C), streaming /v1/completions, 512 in / 256 out, ignore_eos, 4 warm-up requests; the
+# summaries on stdout, each run's JSON and stderr in DIR. FLAGS go to lmd-bench serve.
+serve_runs() {
+  local port=$1 label=$2 dir=$3 run c n procs
+  shift 3
+  for run in ${RUNS:-64:256 256:1024}; do
+    IFS=: read -r c n procs <<<"$run"
+    procs=${procs:-${CLIENTS:-1}}
+    ((procs > c)) && procs=$c  # a process drives at least one stream
+    python3 -m lmd.bench serve --url "http://127.0.0.1:$port" --endpoint /v1/completions \
+      --num-prompts "$n" --concurrency "$c" --input-len 512 --output-len 256 --ignore-eos \
+      --warmup 4 --label "$label-c$c" --no-progress --timeout 600 --out "$dir/serve-c$c.json" \
+      --client-processes "$procs" "$@" 2>"$dir/serve-c$c.err"
+  done
+}

@@ -31,14 +31,7 @@ for _ in $(seq 600); do
 done
 echo "== $label (LMDeploy 0.18 pytorch, $shape, flags: $*): up after $((SECONDS - start)) s" |
   tee "$summary"
-for run in ${RUNS:-64:256 256:1024}; do
-  IFS=: read -r c n procs <<<"$run"
-  python3 -m lmd.bench serve --url http://127.0.0.1:$port --endpoint /v1/completions \
-    --num-prompts "$n" --concurrency "$c" --input-len 512 --output-len 256 --ignore-eos \
-    --warmup 4 --label "$label-c$c" --no-progress --timeout 600 --out "$out/serve-c$c.json" \
-    --client-processes "${procs:-${CLIENTS:-1}}" --no-stages \
-    2>"$out/serve-c$c.err" | tee -a "$summary"
-done
+serve_runs $port "$label" "$out" --no-stages | tee -a "$summary"
 grep -E "Traceback|Error" "$out/server.log" | head -10 | tee -a "$summary"
 kill -- -$server 2>/dev/null
 wait $server 2>/dev/null

@@ -26,14 +26,7 @@ start=$SECONDS
 for _ in $(seq 600); do curl -sf localhost:$port/health >/dev/null && break; sleep 0.5; done
 echo "== $label ($shape, $mode, flags: $*): /health 200 after $((SECONDS - start)) s" |
   tee "$summary"
-for run in ${RUNS:-64:256 256:1024}; do
-  IFS=: read -r c n procs <<<"$run"
-  python3 -m lmd.bench serve --url http://127.0.0.1:$port --endpoint /v1/completions \
-    --num-prompts "$n" --concurrency "$c" --input-len 512 --output-len 256 --ignore-eos \
-    --warmup 4 --label "$label-c$c" --no-progress --timeout 600 --out "$out/serve-c$c.json" \
-    --client-processes "${procs:-${CLIENTS:-1}}" \
-    2>"$out/serve-c$c.err" | tee -a "$summary"
-done
+serve_runs $port "$label" "$out" | tee -a "$summary"
 python3 -m lmd_client.lmdctl --socket "$rt/control.sock" --json status >"$out/status.json"
 grep -E "Traceback|Error|cannot start|out of GPU memory" "$out/daemon.log" | head -10 |
   tee -a "$summary"
