@@ -26,6 +26,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from lmd.api.cluster_metrics import ClusterCollector
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"  # where prometheus_client's values find their files
 CLIENT_GONE = 499
 
 # Seconds. TTFT spans a CPU prefill of a long prompt; TPOT a single decode step.
@@ -41,7 +42,7 @@ def share_values(directory: Path) -> None:
     values find their directory in the environment: call this before any series exists.
     """
     directory.mkdir(parents=True, exist_ok=True)
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
+    os.environ[MULTIPROC_DIR] = str(directory)
     values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
 
 

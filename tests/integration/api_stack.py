@@ -29,8 +29,10 @@ import httpx
 import openai
 import zmq
 import zmq.asyncio
+from prometheus_client import values
 
 from lmd import protocol
+from lmd.api.metrics import MULTIPROC_DIR
 from lmd.api.worker import ApiWorker
 from lmd.config import ServeConfig
 from lmd.protocol import Role
@@ -130,6 +132,9 @@ class Stack:
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="lmda-"))
         self.config = ServeConfig(runtime_dir=self.runtime_dir, port=free_port(), **config)
         spec = WorkerSpec("api-0", Role.API, 0, os.getpid(), self.config.to_dict())
+        # An api process keeps its Prometheus values in files (api/metrics.py), a choice
+        # prometheus_client makes per process: this one's is put back at close().
+        self._values = values.ValueClass, os.environ.get(MULTIPROC_DIR)
         self.worker = ApiWorker(spec, self.config)
         self.ctx = zmq.asyncio.Context()
         self.tokenizer = FakeTokenizer(self.ctx, self.runtime_dir)
@@ -171,6 +176,11 @@ class Stack:
         self.supervisor.close()
         self.ctx.term()
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        values.ValueClass, directory = self._values
+        if directory is None:
+            os.environ.pop(MULTIPROC_DIR, None)
+        else:
+            os.environ[MULTIPROC_DIR] = directory
 
 
 async def wait_for(predicate: Any, what: str, timeout: float = 5.0) -> None:
