@@ -22,6 +22,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -132,9 +133,8 @@ class Stack:
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="lmda-"))
         self.config = ServeConfig(runtime_dir=self.runtime_dir, port=free_port(), **config)
         spec = WorkerSpec("api-0", Role.API, 0, os.getpid(), self.config.to_dict())
-        # An api process keeps its Prometheus values in files (api/metrics.py), a choice
-        # prometheus_client makes per process: this one's is put back at close().
-        self._values = values.ValueClass, os.environ.get(MULTIPROC_DIR)
+        self._kept = contextlib.ExitStack()
+        self._kept.enter_context(metric_values_kept())  # until close()
         self.worker = ApiWorker(spec, self.config)
         self.ctx = zmq.asyncio.Context()
         self.tokenizer = FakeTokenizer(self.ctx, self.runtime_dir)
@@ -176,7 +176,18 @@ class Stack:
         self.supervisor.close()
         self.ctx.term()
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
-        values.ValueClass, directory = self._values
+        self._kept.close()
+
+
+@contextlib.contextmanager
+def metric_values_kept() -> Iterator[None]:
+    """An ApiWorker built in this process keeps its Prometheus values in files (a choice
+    prometheus_client makes per process, api/metrics.py): put back the tests' own."""
+    saved, directory = values.ValueClass, os.environ.get(MULTIPROC_DIR)
+    try:
+        yield
+    finally:
+        values.ValueClass = saved
         if directory is None:
             os.environ.pop(MULTIPROC_DIR, None)
         else:

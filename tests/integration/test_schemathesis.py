@@ -49,6 +49,7 @@ from lmd.api.worker import ApiWorker
 from lmd.config import ServeConfig
 from lmd.protocol import Role
 from lmd.roles import WorkerSpec
+from tests.integration.api_stack import metric_values_kept
 from tests.integration.daemon import DISAGGREGATED, Daemon, served
 from tests.integration.test_hostile_http import assert_unharmed
 
@@ -60,7 +61,8 @@ def api_document() -> dict[str, Any]:
     """/openapi.json as an api worker builds it (it depends on no setting)."""
     config = ServeConfig(runtime_dir=Path(tempfile.gettempdir()) / "lmd-openapi")
     spec = WorkerSpec("api-0", Role.API, 0, os.getpid(), config.to_dict())
-    document: dict[str, Any] = ApiWorker(spec, config).build_app().openapi()
+    with metric_values_kept():
+        document: dict[str, Any] = ApiWorker(spec, config).build_app().openapi()
     return document
 
 
