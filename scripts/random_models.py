@@ -1,10 +1,12 @@
 """Random-weight bf16 models of the benchmark shapes (docs/benchmarks.md), for GPU scripts.
 
-    python3 scripts/random_models.py smollm2-shape [llama3-8b-shape] [--vocab N]
-        [--tokenizer DIR] [--out-dir /tmp]
+    python3 scripts/random_models.py smollm2-shape [llama3-8b-shape qwen3-8b-shape
+        qwen3-30b-a3b-shape ...] [--vocab N] [--tokenizer DIR] [--out-dir /tmp]
 
 Each lands in OUT_DIR/NAME. `--vocab` cuts the vocabulary (to match a carried
-tokenizer, whose files `--tokenizer` copies in).
+tokenizer, whose files `--tokenizer` copies in). Weights are drawn in bf16 on the GPU
+(a 30B model never exists in float32), Qwen3's vocabulary (151,936) pairs with the
+tokenizer in ../shared/assets/tokenizers/qwen3.
 """
 
 from __future__ import annotations
@@ -14,8 +16,23 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
+CLASSES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "qwen3-moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+}
+QWEN3 = {"vocab_size": 151936, "head_dim": 128, "rope_theta": 1000000.0,
+         "bos_token_id": 151643, "eos_token_id": 151645}  # fmt: skip
 SHAPES = {
     "smollm2-shape": {
         "vocab_size": 49152,
@@ -40,6 +57,29 @@ SHAPES = {
         "bos_token_id": 128000,
         "eos_token_id": 128001,
     },
+    "qwen3-8b-shape": {
+        "family": "qwen3",
+        **QWEN3,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+    },
+    # ~61 GB of bf16 weights: one H200.
+    "qwen3-30b-a3b-shape": {
+        "family": "qwen3-moe",
+        **QWEN3,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+    },
 }
 
 
@@ -51,14 +91,18 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=Path("/tmp"))
     args = parser.parse_args()
     torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
     for name in args.names:
         fields = dict(SHAPES[name])
+        config_class, model_class = CLASSES.get(
+            str(fields.pop("family", "")), (LlamaConfig, LlamaForCausalLM)
+        )
         if args.vocab:
             fields.update(vocab_size=args.vocab, bos_token_id=1, eos_token_id=2)
         with torch.device("cuda"):
-            model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=8192, **fields))
+            model = model_class(config_class(max_position_embeddings=8192, **fields))
         path = args.out_dir / name
-        model.to(torch.bfloat16).save_pretrained(path)
+        model.save_pretrained(path)
         if args.tokenizer is not None:
             for f in args.tokenizer.iterdir():
                 shutil.copy(f, path / f.name)

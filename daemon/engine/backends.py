@@ -28,9 +28,10 @@ def select_backend(
     """The backend class for `name` ("auto", "torch", "turbo" or "fake") on `device`.
 
     `fake` computes nothing (engine/fake_backend.py): for tests and `lmd-bench front`.
-    `turbo` (engine/turbo/) serves the Llama family on CUDA; asked for where it cannot
-    run, it is a BackendError with the reason. `auto` takes turbo where it can run and
-    torch otherwise, with a log line that says why. With `model_dir`, its config.json
+    `turbo` (engine/turbo/) serves the Llama family, Qwen3, Qwen3-MoE and Mixtral on
+    CUDA; asked for where it cannot run, it is a BackendError with the reason. `auto`
+    takes turbo where it can run and torch otherwise, with a log line that says which
+    and why. With `model_dir`, its config.json
     is checked too (turbo refuses, e.g., rotary types that depend on the length).
     """
     if name not in BACKEND_NAMES:
@@ -46,6 +47,10 @@ def select_backend(
         if reason is None:
             from lmd.engine.turbo.backend import TurboBackend
 
+            if name == "auto":
+                log.info(
+                    "backend auto: using turbo for %s (turbo implements it on CUDA)", architecture
+                )
             return TurboBackend
         if name == "turbo":
             raise BackendError(f"backend turbo cannot run here: {reason}; use torch or auto")

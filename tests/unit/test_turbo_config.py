@@ -10,7 +10,14 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from lmd.engine.backend import BackendError
 from lmd.engine.backends import select_backend
@@ -70,6 +77,47 @@ def test_mistral_window_applies_to_every_layer() -> None:
     assert TurboConfig.from_dict(raw).windows == (4096, 4096)
     raw["sliding_window"] = None
     assert TurboConfig.from_dict(raw).windows == (0, 0)
+
+
+def test_qwen3_norms_its_heads_and_windows_as_qwen2() -> None:
+    fields: dict[str, Any] = dict(num_hidden_layers=4, max_window_layers=2, sliding_window=64)
+    raw = Qwen3Config(use_sliding_window=True, attention_bias=True, **fields).to_dict()
+    c = TurboConfig.from_dict(raw | {"architectures": ["Qwen3ForCausalLM"]})
+    assert c.qk_norm and c.moe is None
+    assert c.qkv_bias and c.o_bias  # Qwen3's attention_bias covers o_proj too, unlike Qwen2
+    assert c.windows == (0, 0, 64, 64)
+    assert c.head_dim == 128  # Qwen3 names its head_dim; hidden / heads would be 128 too
+
+
+def test_qwen3_moe_sparse_layers_follow_transformers() -> None:
+    raw = Qwen3MoeConfig(
+        num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=True
+    ).to_dict()
+    c = TurboConfig.from_dict(raw | {"architectures": ["Qwen3MoeForCausalLM"]})
+    assert c.qk_norm and c.moe is not None
+    assert (c.moe.num_experts, c.moe.top_k, c.moe.intermediate_size) == (128, 8, 768)
+    assert c.moe.normalize_top_k
+    # Layer i has experts when (i + 1) % 2 == 0 and i is not in mlp_only_layers.
+    assert c.moe.sparse_layers == (False, True, False, False, False, True)
+    # A published Qwen3-30B-A3B config.json spells the count num_experts.
+    published = {k: v for k, v in raw.items() if k != "num_local_experts"} | {"num_experts": 64}
+    published["architectures"] = ["Qwen3MoeForCausalLM"]
+    assert TurboConfig.from_dict(published).moe.num_experts == 64  # type: ignore[union-attr]
+
+
+def test_mixtral_has_experts_everywhere_normalized_and_windowed() -> None:
+    raw = MixtralConfig(num_hidden_layers=2, sliding_window=32, num_local_experts=8).to_dict()
+    c = TurboConfig.from_dict(raw | {"architectures": ["MixtralForCausalLM"]})
+    assert c.moe is not None and not c.qk_norm
+    assert (c.moe.num_experts, c.moe.top_k, c.moe.intermediate_size) == (8, 2, 14336)
+    assert c.moe.normalize_top_k and c.moe.sparse_layers == (True, True)
+    assert c.windows == (32, 32)
+
+
+def test_more_experts_per_token_than_experts_is_refused() -> None:
+    raw = MixtralConfig(num_hidden_layers=1, num_local_experts=2, num_experts_per_tok=3)
+    with pytest.raises(UnsupportedModel, match="3 experts per token of 2 experts"):
+        TurboConfig.from_dict(raw.to_dict() | {"architectures": ["MixtralForCausalLM"]})
 
 
 def test_static_rope_scalings_are_accepted_in_both_spellings() -> None:

@@ -205,11 +205,12 @@ def test_gemv_refuses_what_it_cannot_take() -> None:
         kernels.gemv(torch.zeros(17, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE))
 
 
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk-norm"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "shape", [Attention(4, 2, 16, 4), Attention(9, 3, 64, 64), Attention(8, 8, 128, 16)]
 )
-def test_rotary_and_cache_write(shape: Attention, dtype: torch.dtype) -> None:
+def test_rotary_and_cache_write(shape: Attention, dtype: torch.dtype, qk_norm: bool) -> None:
     heads, kv_heads, head_dim, block_size = (
         shape.heads,
         shape.kv_heads,
@@ -226,6 +227,9 @@ def test_rotary_and_cache_write(shape: Attention, dtype: torch.dtype) -> None:
     kv = torch.full(
         (num_blocks, layers, 2, block_size, kv_heads, head_dim), float("nan"), device=DEVICE
     ).to(dtype)
+    # Qwen3's RMSNorm of each q and k head before rotation, with weights of their own.
+    norms = [torch.rand(head_dim, device=DEVICE).add(0.5).to(dtype) for _ in "qk"]
+    eps = 1e-6
     kernels.rotary_and_cache_write(
         qkv,
         positions=positions,
@@ -234,11 +238,17 @@ def test_rotary_and_cache_write(shape: Attention, dtype: torch.dtype) -> None:
         kv=kv,
         layer=layer,
         num_heads=heads,
+        q_norm=norms[0] if qk_norm else None,
+        k_norm=norms[1] if qk_norm else None,
+        eps=eps,
     )
 
     parts = original.view(num_tokens, heads + 2 * kv_heads, head_dim)
-    q_ref = rotate_ref(parts[:, :heads], positions, table)
-    k_ref = rotate_ref(parts[:, heads : heads + kv_heads], positions, table)
+    q_in, k_in = parts[:, :heads], parts[:, heads : heads + kv_heads]
+    if qk_norm:
+        q_in, k_in = rms_norm_ref(q_in, norms[0], eps), rms_norm_ref(k_in, norms[1], eps)
+    q_ref = rotate_ref(q_in, positions, table)
+    k_ref = rotate_ref(k_in, positions, table)
     v_ref = parts[:, heads + kv_heads :]
     assert rel_err(qkv.view_as(parts)[:, :heads], q_ref) < TOLERANCE[dtype]
     assert torch.equal(qkv.view_as(parts)[:, heads:], parts[:, heads:])  # k, v untouched

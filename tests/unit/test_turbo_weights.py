@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, LlamaForCausalLM
+from transformers import AutoConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from lmd.engine.turbo import TurboConfig, UnsupportedModel
 from lmd.engine.turbo.rope import rope_table
 from lmd.engine.turbo.weights import eos_token_ids, load_weights
-from tests.models import TINY_EOS, save_tiny_llama
+from tests.models import TINY_EOS, TINY_SHAPE, save_tiny_llama
 
 CPU = torch.device("cpu")
 
@@ -36,6 +36,7 @@ def test_fused_tensors_are_the_checkpoint_in_order(llama_dir: Path) -> None:
         attn, mlp = hf.self_attn, hf.mlp
         qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
         assert torch.equal(layer.qkv, qkv)
+        assert layer.gate_up is not None and layer.down is not None and layer.experts is None
         assert torch.equal(layer.gate_up, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
         assert torch.equal(layer.o, attn.o_proj.weight)
         assert torch.equal(layer.down, mlp.down_proj.weight)
@@ -47,6 +48,66 @@ def test_fused_tensors_are_the_checkpoint_in_order(llama_dir: Path) -> None:
     assert weights.embed.dtype == torch.bfloat16
     expected = sum(p.numel() for p in ref.parameters()) * 2
     assert weights.nbytes == expected
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("weights-moe")
+    fields: dict[str, Any] = {
+        **TINY_SHAPE,
+        "head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 24,
+        "mlp_only_layers": [1],
+    }
+    config = Qwen3MoeConfig(**fields)
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_experts_are_stacked_in_expert_order(moe_dir: Path) -> None:
+    config = TurboConfig.load(moe_dir)
+    weights = load_weights(moe_dir, config, CPU, torch.float32)
+    tensors = load_file(moe_dir / "model.safetensors")
+    sparse, dense = weights.layers
+    assert sparse.experts is not None and sparse.gate_up is None and sparse.down is None
+    assert dense.experts is None and dense.gate_up is not None
+    for j in range(4):
+        expert = f"model.layers.0.mlp.experts.{j}"
+        gate_up = torch.cat(
+            [tensors[f"{expert}.gate_proj.weight"], tensors[f"{expert}.up_proj.weight"]]
+        )
+        assert torch.equal(sparse.experts.gate_up[j], gate_up)
+        assert torch.equal(sparse.experts.down[j], tensors[f"{expert}.down_proj.weight"])
+    assert torch.equal(sparse.experts.router, tensors["model.layers.0.mlp.gate.weight"])
+    assert sparse.q_norm is not None and torch.equal(
+        sparse.q_norm, tensors["model.layers.0.self_attn.q_norm.weight"]
+    )
+    assert weights.nbytes == sum(t.numel() * 4 for t in tensors.values())
+
+
+def test_experts_already_stacked_load_as_they_are(moe_dir: Path, tmp_path: Path) -> None:
+    """The stacked form transformers 5 holds in memory, if a checkpoint carries it."""
+    tensors = load_file(moe_dir / "model.safetensors")
+    prefix = "model.layers.0.mlp.experts"
+    parts = [
+        tensors.pop(f"{prefix}.{j}.{n}_proj.weight")
+        for j in range(4)
+        for n in ("gate", "up", "down")
+    ]
+    tensors[f"{prefix}.gate_up_proj"] = torch.stack(
+        [torch.cat(parts[3 * j : 3 * j + 2]) for j in range(4)]
+    )
+    tensors[f"{prefix}.down_proj"] = torch.stack(parts[2::3])
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((moe_dir / "config.json").read_text())
+    stacked = load_weights(tmp_path, TurboConfig.load(tmp_path), CPU, torch.float32)
+    per_expert = load_weights(moe_dir, TurboConfig.load(moe_dir), CPU, torch.float32)
+    assert stacked.layers[0].experts is not None and per_expert.layers[0].experts is not None
+    assert torch.equal(stacked.layers[0].experts.gate_up, per_expert.layers[0].experts.gate_up)
+    assert torch.equal(stacked.layers[0].experts.down, per_expert.layers[0].experts.down)
 
 
 def test_missing_tensor_is_named(llama_dir: Path, tmp_path: Path) -> None:

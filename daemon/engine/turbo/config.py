@@ -1,9 +1,10 @@
 """What the turbo backend reads from a model's config.json, checked once at load.
 
 The turbo model (`model.py`) implements one decoder: RMSNorm, rotary attention with
-grouped KV heads, a SiLU-gated MLP. The Llama family fits it with a few switches
-(biases, sliding windows, tied embeddings); everything else is refused here with one
-line that says why, so `auto` can fall back to the torch backend.
+grouped KV heads, a SiLU-gated MLP or a mixture of SiLU-gated experts. The Llama family
+fits it with a few switches (biases, sliding windows, tied embeddings, Qwen3's RMSNorm of
+each q and k head, experts in Mixtral and Qwen3-MoE); everything else is refused here
+with one line that says why, so `auto` can fall back to the torch backend.
 """
 
 from __future__ import annotations
@@ -16,13 +17,63 @@ from typing import Any
 from lmd.engine.config import context_len
 
 # Model classes whose checkpoints load unchanged into the turbo decoder.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+)
+# Architectures whose layers may hold experts instead of the dense MLP.
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 # Rotary variants whose frequencies do not depend on the sequence length.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class UnsupportedModel(ValueError):
     """The model does not fit the turbo decoder; the message says why in one line."""
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """The experts of a mixture-of-experts model (every sparse layer has the same)."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    intermediate_size: int  # of each expert's gated MLP
+    normalize_top_k: bool  # the k chosen probabilities are scaled to sum to 1
+    sparse_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise UnsupportedModel(f"{self.top_k} experts per token of {self.num_experts} experts")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], arch: str, num_layers: int) -> MoeConfig | None:
+        """Mixtral: experts in every layer, always normalized. Qwen3-MoE: in layer i when
+        i is not in `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0 (as
+        transformers builds it), normalized with `norm_topk_prob`."""
+        num_experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
+        if arch not in MOE_ARCHITECTURES or num_experts == 0:
+            return None
+        if arch == "MixtralForCausalLM":
+            return cls(
+                num_experts=num_experts,
+                top_k=int(raw["num_experts_per_tok"]),
+                intermediate_size=int(raw["intermediate_size"]),
+                normalize_top_k=True,
+                sparse_layers=(True,) * num_layers,
+            )
+        dense = {int(i) for i in raw.get("mlp_only_layers") or ()}
+        step = int(raw.get("decoder_sparse_step", 1))
+        return cls(
+            num_experts=num_experts,
+            top_k=int(raw["num_experts_per_tok"]),
+            intermediate_size=int(raw["moe_intermediate_size"]),
+            normalize_top_k=bool(raw.get("norm_topk_prob", False)),
+            sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +92,8 @@ class TurboConfig:
     qkv_bias: bool  # q, k and v projections have a bias (Qwen2, Llama attention_bias)
     o_bias: bool  # the output projection has one (Llama attention_bias)
     mlp_bias: bool
+    qk_norm: bool  # RMSNorm over each q and k head before rotation (Qwen3)
+    moe: MoeConfig | None  # the experts, or None for a dense model
     # Per layer: attend to the last `window` keys only (key j visible from query p iff
     # p - j < window), or 0 for full attention.
     windows: tuple[int, ...]
@@ -94,6 +147,7 @@ class TurboConfig:
         head_dim = raw.get("head_dim") or hidden // num_heads
         attention_bias = bool(raw.get("attention_bias", False))
         qwen2 = arch == "Qwen2ForCausalLM"
+        qwen3 = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         return cls(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
@@ -109,6 +163,8 @@ class TurboConfig:
             qkv_bias=qwen2 or attention_bias,
             o_bias=not qwen2 and attention_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=qwen3,
+            moe=MoeConfig.from_dict(raw, arch, num_layers),
             windows=layer_windows(raw, arch, num_layers),
         )
 
@@ -134,14 +190,18 @@ def rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
 def layer_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int, ...]:
     """Sliding windows per layer, as transformers applies them.
 
-    Mistral: `sliding_window` on every layer (null = none). Qwen2: only on layers whose
-    `layer_types` entry is "sliding_attention" (by default from layer `max_window_layers`
-    on), and only with `use_sliding_window`. Llama: none.
+    Mistral, Mixtral: `sliding_window` on every layer (null = none). Qwen3-MoE: the same,
+    only with `use_sliding_window`. Qwen2, Qwen3: only on layers whose `layer_types`
+    entry is "sliding_attention" (by default from layer `max_window_layers` on), and only
+    with `use_sliding_window`. Llama: none.
     """
-    window = raw.get("sliding_window")
-    if arch == "MistralForCausalLM":
-        return (int(window or 0),) * num_layers
-    if arch != "Qwen2ForCausalLM" or not window or not raw.get("use_sliding_window", False):
+    window = int(raw.get("sliding_window") or 0)
+    use_window = window > 0 and bool(raw.get("use_sliding_window", False))
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        return (window,) * num_layers
+    if arch == "Qwen3MoeForCausalLM":
+        return (window if use_window else 0,) * num_layers
+    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or not use_window:
         return (0,) * num_layers
     types = raw.get("layer_types")
     if types is None:
@@ -149,4 +209,4 @@ def layer_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int,
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
     if len(types) != num_layers:
         raise UnsupportedModel(f"layer_types has {len(types)} entries for {num_layers} layers")
-    return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+    return tuple(window if t == "sliding_attention" else 0 for t in types)

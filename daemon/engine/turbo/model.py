@@ -6,11 +6,12 @@ One step runs the packed batch of T new tokens (ForwardBatch) through every laye
     per layer:
         h = rms_norm(residual)  (layer 0)  |  rms_norm(out, residual += out)
         qkv = h @ Wqkv (+ b)                             # [T, (H + 2 Hkv) D]
-        rotate q in place, write rotated k and v into the pool (one kernel)
+        (Qwen3: RMSNorm each q and k head,) rotate q in place, write rotated k and v
+        into the pool (one kernel)
         attn = decode or prefill paged attention         # [T, H, D]
         out = attn @ Wo
         h = rms_norm(out, residual += out)
-        out = silu(h @ Wgate) * (h @ Wup) @ Wdown
+        out = silu(h @ Wgate) * (h @ Wup) @ Wdown        # or k experts' (kernels/moe.py)
     logits = rms_norm(rows of out, residual += out) @ Wlm   # only the sampled rows
 
 Matrix products go to cuBLAS through torch; the rest are our Triton kernels.
@@ -27,7 +28,7 @@ from torch import Tensor
 from lmd.engine.backend import ForwardBatch, mm_has_float_output
 from lmd.engine.turbo import kernels
 from lmd.engine.turbo.config import TurboConfig
-from lmd.engine.turbo.weights import ModelWeights
+from lmd.engine.turbo.weights import LayerWeights, ModelWeights
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -119,13 +120,15 @@ class TurboModel:
                 kv=kv,
                 layer=i,
                 num_heads=c.num_heads,
+                q_norm=layer.q_norm,
+                k_norm=layer.k_norm,
+                eps=c.rms_norm_eps,
             )
             q = qkv.view(num_tokens, -1, c.head_dim)[:, : c.num_heads]  # [T, H, D], strided
             attn = self._attention(q, kv, i, step)  # [T, H, D]
             hidden = self._linear(attn.view(num_tokens, -1), layer.o, layer.o_bias)
             h = kernels.rms_norm(hidden, layer.post_norm, c.rms_norm_eps, residual)
-            gate_up = self._linear(h, layer.gate_up, layer.gate_up_bias)  # [T, 2I]
-            hidden = self._linear(kernels.silu_and_mul(gate_up), layer.down, layer.down_bias)
+            hidden = self._mlp(h, layer)
         if hidden is None:
             raise ValueError("a model without layers")
         if step.logits_indices is not None:
@@ -143,6 +146,18 @@ class TurboModel:
         if out is None:
             return logits
         return out.copy_(logits)
+
+    def _mlp(self, h: Tensor, layer: LayerWeights) -> Tensor:
+        """The layer's gated MLP, or its experts: [T, hidden] -> [T, hidden]."""
+        if layer.experts is not None and self.config.moe is not None:
+            x, moe = layer.experts, self.config.moe
+            return kernels.fused_moe(
+                h, x.router, x.gate_up, x.down, top_k=moe.top_k, normalize=moe.normalize_top_k
+            )
+        if layer.gate_up is None or layer.down is None:
+            raise ValueError("a dense layer without its MLP weights")
+        gate_up = self._linear(h, layer.gate_up, layer.gate_up_bias)  # [T, 2I]
+        return self._linear(kernels.silu_and_mul(gate_up), layer.down, layer.down_bias)
 
     def _linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         if self.skinny and x.shape[0] <= kernels.GEMV_MAX_ROWS:

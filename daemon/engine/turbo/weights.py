@@ -1,8 +1,10 @@
 """Load a Llama-family checkpoint (safetensors) into the turbo decoder's fused layout.
 
 Per layer, q/k/v become one [(H + 2 Hkv) * D, hidden] matrix and gate/up one
-[2 I, hidden] matrix, so each runs as one GEMM; everything else keeps its Hugging Face
-shape. Names are transformers' (`model.layers.{i}.self_attn.q_proj.weight`, ...), which
+[2 I, hidden] matrix, so each runs as one GEMM; a layer of experts stacks them, gate/up
+as [E, 2 I, hidden] and down as [E, hidden, I] (one grouped GEMM each, kernels/moe.py);
+everything else keeps its Hugging Face shape.
+Names are transformers' (`model.layers.{i}.self_attn.q_proj.weight`, ...), which
 is also what lmd's GGUF conversion writes. Tensors the decoder does not use (e.g. old
 `rotary_emb.inv_freq` buffers) are ignored; a missing one is an error that names it.
 """
@@ -23,17 +25,32 @@ from lmd.engine.turbo.config import TurboConfig, UnsupportedModel
 
 
 @dataclass(slots=True)
+class ExpertWeights:
+    router: Tensor  # [E, hidden]
+    gate_up: Tensor  # [E, 2 I, hidden], each expert's rows gate | up
+    down: Tensor  # [E, hidden, I]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.router, self.gate_up, self.down))
+
+
+@dataclass(slots=True)
 class LayerWeights:
     input_norm: Tensor  # [hidden]
     qkv: Tensor  # [(H + 2 Hkv) * D, hidden], rows q | k | v
     qkv_bias: Tensor | None  # [(H + 2 Hkv) * D]
+    q_norm: Tensor | None  # [D], Qwen3's RMSNorm of each q head
+    k_norm: Tensor | None  # [D], of each k head
     o: Tensor  # [hidden, H * D]
     o_bias: Tensor | None  # [hidden]
     post_norm: Tensor  # [hidden]
-    gate_up: Tensor  # [2 I, hidden], rows gate | up
+    # The dense MLP, or (a layer of experts) None and `experts`.
+    gate_up: Tensor | None  # [2 I, hidden], rows gate | up
     gate_up_bias: Tensor | None  # [2 I]
-    down: Tensor  # [hidden, I]
+    down: Tensor | None  # [hidden, I]
     down_bias: Tensor | None  # [hidden]
+    experts: ExpertWeights | None
 
 
 @dataclass(slots=True)
@@ -48,9 +65,11 @@ class ModelWeights:
         tensors: list[Tensor | None] = [self.embed, self.norm]
         if self.lm_head is not self.embed:
             tensors.append(self.lm_head)
+        experts = 0
         for layer in self.layers:
-            tensors.extend(getattr(layer, name) for name in LayerWeights.__slots__)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+            tensors.extend(getattr(layer, n) for n in LayerWeights.__slots__ if n != "experts")
+            experts += layer.experts.nbytes if layer.experts is not None else 0
+        return experts + sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 class CheckpointReader:
@@ -98,18 +117,25 @@ def load_weights(
             attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
             qkv = [f"{attn}.{p}_proj" for p in "qkv"]
             gate_up = [f"{mlp}.gate_proj", f"{mlp}.up_proj"]
+            sparse = config.moe is not None and config.moe.sparse_layers[i]
+            dense = not sparse
             layers.append(
                 LayerWeights(
                     input_norm=get(f"model.layers.{i}.input_layernorm.weight"),
                     qkv=cat([f"{p}.weight" for p in qkv]),
                     qkv_bias=cat([f"{p}.bias" for p in qkv]) if config.qkv_bias else None,
+                    q_norm=get(f"{attn}.q_norm.weight") if config.qk_norm else None,
+                    k_norm=get(f"{attn}.k_norm.weight") if config.qk_norm else None,
                     o=get(f"{attn}.o_proj.weight"),
                     o_bias=get(f"{attn}.o_proj.bias") if config.o_bias else None,
                     post_norm=get(f"model.layers.{i}.post_attention_layernorm.weight"),
-                    gate_up=cat([f"{p}.weight" for p in gate_up]),
-                    gate_up_bias=cat([f"{p}.bias" for p in gate_up]) if config.mlp_bias else None,
-                    down=get(f"{mlp}.down_proj.weight"),
-                    down_bias=get(f"{mlp}.down_proj.bias") if config.mlp_bias else None,
+                    gate_up=cat([f"{p}.weight" for p in gate_up]) if dense else None,
+                    gate_up_bias=(
+                        cat([f"{p}.bias" for p in gate_up]) if dense and config.mlp_bias else None
+                    ),
+                    down=get(f"{mlp}.down_proj.weight") if dense else None,
+                    down_bias=get(f"{mlp}.down_proj.bias") if dense and config.mlp_bias else None,
+                    experts=load_experts(reader, config, i, dtype, device) if sparse else None,
                 )
             )
         embed = get("model.embed_tokens.weight")
@@ -121,6 +147,57 @@ def load_weights(
         )
     check_shapes(weights, config)
     return weights
+
+
+# Where each architecture keeps a layer's experts: the block, the router, and each
+# expert's gate, up and down projections.
+EXPERT_NAMES = {
+    "MixtralForCausalLM": ("block_sparse_moe", "gate", ("w1", "w3", "w2")),
+    "Qwen3MoeForCausalLM": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+def load_experts(
+    reader: CheckpointReader,
+    config: TurboConfig,
+    layer: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> ExpertWeights:
+    """Layer `layer`'s router and experts, stacked: per-expert tensors as published
+    (`experts.{j}.gate_proj.weight`), or the stacked form transformers 5 keeps in memory
+    (`experts.gate_up_proj`, `experts.down_proj`) when a checkpoint has that."""
+    moe = config.moe
+    if moe is None:
+        raise ValueError("a dense model has no experts")
+    block, router, (gate, up, down) = EXPERT_NAMES[config.architecture]
+    prefix = f"model.layers.{layer}.{block}"
+    if f"{prefix}.experts.gate_up_proj" in reader:
+        return ExpertWeights(
+            router=reader.get(f"{prefix}.{router}.weight", dtype, device),
+            gate_up=reader.get(f"{prefix}.experts.gate_up_proj", dtype, device),
+            down=reader.get(f"{prefix}.experts.down_proj", dtype, device),
+        )
+    e, i, hidden = moe.num_experts, moe.intermediate_size, config.hidden_size
+    # Filled in place: a torch.stack of the experts would hold the layer twice.
+    gate_up = torch.empty(e, 2 * i, hidden, dtype=dtype, device=device)
+    down_all = torch.empty(e, hidden, i, dtype=dtype, device=device)
+    for j in range(e):
+        expert = f"{prefix}.experts.{j}"
+        for rows, name in ((slice(0, i), gate), (slice(i, 2 * i), up)):
+            part = reader.get(f"{expert}.{name}.weight", dtype, device)
+            if tuple(part.shape) != (i, hidden):
+                raise UnsupportedModel(f"{expert}.{name} is {tuple(part.shape)}, not {(i, hidden)}")
+            gate_up[j, rows] = part
+        part = reader.get(f"{expert}.{down}.weight", dtype, device)
+        if tuple(part.shape) != (hidden, i):
+            raise UnsupportedModel(f"{expert}.{down} is {tuple(part.shape)}, not {(hidden, i)}")
+        down_all[j] = part
+    return ExpertWeights(
+        router=reader.get(f"{prefix}.{router}.weight", dtype, device),
+        gate_up=gate_up,
+        down=down_all,
+    )
 
 
 def check_shapes(weights: ModelWeights, config: TurboConfig) -> None:
@@ -135,17 +212,35 @@ def check_shapes(weights: ModelWeights, config: TurboConfig) -> None:
         got = tuple(getattr(weights, name).shape)
         if got != shape:
             raise UnsupportedModel(f"{name} is {got}, the config says {shape}")
-    per_layer = {
+    per_layer: dict[str, tuple[int, ...]] = {
         "qkv": (c.qkv_size, c.hidden_size),
         "o": (c.hidden_size, c.num_heads * c.head_dim),
+        "q_norm": (c.head_dim,),
+        "k_norm": (c.head_dim,),
         "gate_up": (2 * c.intermediate_size, c.hidden_size),
         "down": (c.hidden_size, c.intermediate_size),
     }
-    for i, layer in enumerate(weights.layers):
-        for name, shape in per_layer.items():
-            got = tuple(getattr(layer, name).shape)
-            if got != shape:
-                raise UnsupportedModel(f"layer {i} {name} is {got}, the config says {shape}")
+    if c.moe is not None:
+        e, i = c.moe.num_experts, c.moe.intermediate_size
+        per_layer |= {
+            "router": (e, c.hidden_size),
+            "experts_gate_up": (e, 2 * i, c.hidden_size),
+            "experts_down": (e, c.hidden_size, i),
+        }
+    for n, layer in enumerate(weights.layers):
+        tensors: dict[str, Tensor | None] = {
+            name: getattr(layer, name)
+            for name in ("qkv", "o", "q_norm", "k_norm", "gate_up", "down")
+        }
+        if layer.experts is not None:
+            x = layer.experts
+            tensors |= {"router": x.router, "experts_gate_up": x.gate_up, "experts_down": x.down}
+        for name, tensor in tensors.items():
+            if tensor is not None and tuple(tensor.shape) != per_layer[name]:
+                got = tuple(tensor.shape)
+                raise UnsupportedModel(
+                    f"layer {n} {name} is {got}, the config says {per_layer[name]}"
+                )
 
 
 def eos_token_ids(model_dir: Path) -> tuple[int, ...]:

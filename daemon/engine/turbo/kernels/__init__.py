@@ -14,6 +14,7 @@ from lmd.engine.turbo.kernels.activation import silu_and_mul
 from lmd.engine.turbo.kernels.decode_attention import decode_attention, decode_splits
 from lmd.engine.turbo.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from lmd.engine.turbo.kernels.gemv import gemv
+from lmd.engine.turbo.kernels.moe import fused_moe
 from lmd.engine.turbo.kernels.norm import rms_norm
 from lmd.engine.turbo.kernels.prefill_attention import prefill_attention
 from lmd.engine.turbo.kernels.rotary import rotary_and_cache_write
@@ -22,6 +23,7 @@ __all__ = [
     "GEMV_MAX_ROWS",
     "decode_attention",
     "decode_splits",
+    "fused_moe",
     "gemv",
     "interpreting",
     "prefill_attention",

@@ -2,7 +2,9 @@
 
 One program per token: q is rotated in place inside the fused qkv projection output
 (attention reads it from there), k is rotated and stored with v into the token's slot of
-this layer in the block-major pool. Rotation is transformers' "rotate half" form: for a
+this layer in the block-major pool. With per-head norm weights (Qwen3), each q and k
+head is first RMS-normalized over head_dim and scaled by its weight.
+Rotation is transformers' "rotate half" form: for a
 head x = [x1, x2] (halves of head_dim) and frequency i,
     out1 = x1 * cos - x2 * sin,   out2 = x2 * cos + x1 * sin.
 """
@@ -20,12 +22,25 @@ def _rotate(x1, x2, cos, sin):
 
 
 @triton.jit
+def _head_norm(x1, x2, w_ptr, i, im, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):  # noqa: PLR0917
+    """RMSNorm of each head (a row of halves x1 | x2) with weight w: [HEAD_DIM]."""
+    variance = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM
+    inv = tl.rsqrt(variance + eps)[:, None]
+    w1 = tl.load(w_ptr + i, mask=im, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + i, mask=im, other=0.0).to(tl.float32)[None, :]
+    return x1 * inv * w1, x2 * inv * w2
+
+
+@triton.jit
 def _rotary_cache_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     qkv_ptr,
     positions_ptr,
     slots_ptr,
     rope_ptr,
     kv_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    eps,
     stride_qkv,
     stride_rope,
     layer,
@@ -41,6 +56,7 @@ def _rotary_cache_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
     BLOCK_H: tl.constexpr,
     BLOCK_KVH: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    HAS_QK_NORM: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
@@ -57,6 +73,8 @@ def _rotary_cache_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
     q1_ptr = row + h[:, None] * HEAD_DIM + i[None, :]
     q1 = tl.load(q1_ptr, mask=qmask, other=0.0).to(tl.float32)
     q2 = tl.load(q1_ptr + HALF, mask=qmask, other=0.0).to(tl.float32)
+    if HAS_QK_NORM:
+        q1, q2 = _head_norm(q1, q2, q_norm_ptr, i, im, eps, HEAD_DIM, HALF)
     o1, o2 = _rotate(q1, q2, cos, sin)
     tl.store(q1_ptr, o1.to(qkv_ptr.dtype.element_ty), mask=qmask)
     tl.store(q1_ptr + HALF, o2.to(qkv_ptr.dtype.element_ty), mask=qmask)
@@ -72,6 +90,8 @@ def _rotary_cache_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
     k1 = tl.load(k1_ptr, mask=kmask, other=0.0).to(tl.float32)
     k2 = tl.load(k1_ptr + HALF, mask=kmask, other=0.0).to(tl.float32)
     kmask = kmask & ((kh * 0 + slot) >= 0)[:, None]  # stores only for a real slot
+    if HAS_QK_NORM:
+        k1, k2 = _head_norm(k1, k2, k_norm_ptr, i, im, eps, HEAD_DIM, HALF)
     o1, o2 = _rotate(k1, k2, cos, sin)
     k_dst = dst + kh[:, None] * stride_kv_head + i[None, :]
     tl.store(k_dst, o1.to(kv_ptr.dtype.element_ty), mask=kmask)
@@ -91,14 +111,21 @@ def rotary_and_cache_write(
     kv: Tensor,
     layer: int,
     num_heads: int,
+    q_norm: Tensor | None = None,
+    k_norm: Tensor | None = None,
+    eps: float = 1e-6,
 ) -> None:
     """Rotate q in place and store rotated k and v into the pool.
 
     qkv: [T, (H + 2 Hkv) * D], rows q heads | k heads | v heads (the fused projection);
     positions: [T] int64; slot_mapping: [T] int64, block * block_size + offset (< 0:
     skip); rope: [max_positions, D] float32, cos of the D/2 frequencies | their sin;
-    kv: [N, L, 2, S, Hkv, D] (the pool; written at `layer`).
+    kv: [N, L, 2, S, Hkv, D] (the pool; written at `layer`); q_norm, k_norm: [D] each
+    or both None, the weights of an RMSNorm (epsilon `eps`) over each head before
+    rotation.
     """
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm come together")
     num_tokens = qkv.shape[0]
     _, _, _, block_size, num_kv_heads, head_dim = kv.shape
     if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
@@ -113,6 +140,9 @@ def rotary_and_cache_write(
         slot_mapping,
         rope,
         kv,
+        q_norm if q_norm is not None else rope,
+        k_norm if k_norm is not None else rope,
+        eps,
         qkv.stride(0),
         rope.stride(0),
         layer,
@@ -124,5 +154,6 @@ def rotary_and_cache_write(
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        HAS_QK_NORM=q_norm is not None,
         num_warps=4,
     )

@@ -1,0 +1,100 @@
+"""lmd's offline engine on one model at several batch sizes, and its batch-1 decode step
+against the HBM floor (docs/benchmarks.md, "turbo for Qwen3 and mixtures of experts").
+
+    python3 scripts/families_bench.py MODEL_DIR [--batches 1,64,512] [--input-len 512]
+        [--output-len 256] [--backend turbo]
+
+One Engine for every batch (max_batch_size = the largest), the prompts and the timing of
+`lmd-bench offline` (random ids, greedy, ignore_eos, prefill included). Prints a JSON
+line per batch, then one for the step: the batch-1 decode step (the time of 256 output
+tokens less that of 1, over 255 steps: the prompt's prefill cancels), the bytes a step
+must read (weights, less the embedding table when untied, less the experts a token does
+not use; plus the KV of 512 tokens), the device's copy bandwidth (read + write of a
+2 GiB copy) and their quotient, the floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from lmd.bench.offline import random_prompts, time_engine
+from lmd.engine.config import EngineConfig
+from lmd.engine.engine import Engine
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second moved by a device-to-device copy (read + written), median of 20."""
+    src = torch.empty(2**30, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(25):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / statistics.median(times[5:])
+
+
+def step_bytes(engine: Engine, context: int) -> int:
+    """What one batch-1 decode step reads at `context` tokens: every weight it uses once
+    (one row of an untied embedding table: ~0), and the context's K and V."""
+    model = engine.backend.model  # type: ignore[attr-defined]  # turbo's
+    w, c = model.weights, model.config
+    total = w.nbytes
+    if w.lm_head is not w.embed:
+        total -= w.embed.numel() * w.embed.element_size()
+    for layer in w.layers:
+        if layer.experts is not None:
+            unused = 1 - c.moe.top_k / c.moe.num_experts
+            experts = layer.experts.gate_up.nbytes + layer.experts.down.nbytes
+            total -= int(experts * unused)
+    kv = c.num_layers * 2 * c.num_kv_heads * c.head_dim * w.embed.element_size() * context
+    return total + kv
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("model", type=Path)
+    parser.add_argument("--batches", default="1,64,512")
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--backend", default="turbo")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    config = EngineConfig(max_batch_size=max(batches))
+    engine = Engine.build(args.model, config, device="cuda", dtype="bfloat16", backend=args.backend)
+    vocab = engine.backend.vocab_size
+    time_engine(engine, random_prompts(1, args.input_len, vocab, 1), 4)  # warm-up
+    for batch in batches:
+        prompts = random_prompts(batch, args.input_len, vocab, 0)
+        seconds, tokens = time_engine(engine, prompts, args.output_len)
+        rate = round(tokens / seconds, 1)
+        print(json.dumps({"model": args.model.name, "backend": engine.backend.name,
+                          "batch": batch, "seconds": round(seconds, 3),
+                          "output_tokens_per_s": rate}), flush=True)  # fmt: skip
+    if engine.backend.name != "turbo":
+        return
+    one = random_prompts(1, args.input_len, vocab, 2)
+    runs = [(time_engine(engine, one, args.output_len)[0], time_engine(engine, one, 1)[0])
+            for _ in range(3)]  # fmt: skip
+    step = min(full - first for full, first in runs) / (args.output_len - 1)
+    device = engine.backend.device
+    needed = step_bytes(engine, args.input_len)
+    bandwidth = copy_bandwidth(device)
+    floor = needed / bandwidth
+    print(json.dumps({"model": args.model.name, "batch1_step_ms": round(step * 1e3, 3),
+                      "step_bytes_gb": round(needed / 1e9, 2),
+                      "copy_bandwidth_tb_s": round(bandwidth / 1e12, 2),
+                      "floor_ms": round(floor * 1e3, 3),
+                      "step_over_floor": round(step / floor, 3)}), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

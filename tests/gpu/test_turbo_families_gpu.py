@@ -1,0 +1,123 @@
+"""The turbo backend on the newer families in bfloat16 on a GPU: Qwen3, Qwen3-MoE, Mixtral.
+
+The Llama criteria of test_turbo_backend_gpu.py, per family: logits at every position
+of 8 prompts (longer than the sliding window where there is one) against transformers in
+float32 on the same bf16 weights (relative error < 2e-2, top-1 agreement >= 99%), CUDA
+graph decode equal to eager decode (the experts' routing and sort run inside the graph),
+and `auto` choosing turbo. The float32 greedy equality with transformers and with the
+torch backend is tests/unit/test_turbo_families.py, compiled here. Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+pytest.importorskip("triton")
+
+from transformers import (
+    MixtralConfig,
+    MixtralForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+from lmd.engine.backends import select_backend
+from lmd.engine.turbo.backend import TurboBackend
+from tests.gpu.test_turbo_backend_gpu import PROMPT_LENGTHS, reference
+from tests.models import random_prompts
+from tests.unit.test_turbo_model import all_logits, greedy, new_pool
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+BF16 = torch.bfloat16
+WIDTHS: dict[str, Any] = {
+    "vocab_size": 4096,
+    "hidden_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 2048,
+    "initializer_range": 0.05,
+}
+WINDOW = 96  # shorter than most of PROMPT_LENGTHS
+
+FAMILIES: dict[str, tuple[type[PreTrainedModel], PretrainedConfig]] = {
+    "qwen3": (
+        Qwen3ForCausalLM,
+        Qwen3Config(
+            **WIDTHS,
+            intermediate_size=1408,
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            max_window_layers=2,
+        ),
+    ),
+    "qwen3-moe": (
+        Qwen3MoeForCausalLM,
+        Qwen3MoeConfig(
+            **WIDTHS,
+            intermediate_size=1408,
+            num_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=256,
+            norm_topk_prob=True,
+        ),
+    ),
+    "mixtral": (
+        MixtralForCausalLM,
+        MixtralConfig(**WIDTHS, intermediate_size=512, num_local_experts=8, sliding_window=WINDOW),
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The family's model with weights that are bf16 values (float32 and bf16 runs use
+    the same weights and differ only in arithmetic)."""
+    model_class, config = FAMILIES[str(request.param)]
+    path = tmp_path_factory.mktemp(str(request.param))
+    torch.manual_seed(5)
+    model_class(config).to(BF16).save_pretrained(path)  # type: ignore[arg-type]  # decorated .to()
+    return path
+
+
+def test_bf16_logits_agree_with_float32_transformers(family: Path) -> None:
+    turbo = TurboBackend(family, CUDA, BF16)
+    prompts = random_prompts(PROMPT_LENGTHS, turbo.vocab_size, seed=31)
+    ours = torch.cat(all_logits(turbo, prompts, new_pool(turbo, 512, 16)))
+    model = reference(family, torch.float32)
+    with torch.inference_mode():
+        ref = torch.cat([model(torch.tensor([p], device=CUDA)).logits[0].float() for p in prompts])
+    rel = float((ours - ref).norm() / ref.norm())
+    top1 = float(ours.argmax(-1).eq(ref.argmax(-1)).float().mean())
+    print(f"\n{family.name}: bf16 vs float32 over {ref.shape[0]} positions: rel {rel:.2e} "
+          f"top-1 {top1:.4f}")  # fmt: skip
+    assert rel < 2e-2
+    assert top1 >= 0.99
+
+
+def test_cuda_graph_decode_gives_the_eager_tokens(family: Path) -> None:
+    graphs = TurboBackend(family, CUDA, BF16)
+    eager = TurboBackend(family, CUDA, BF16, cuda_graphs=False)
+    prompts = random_prompts([5, 17, 130, 3, 200], graphs.vocab_size, seed=32)  # bucket 8
+    kv = new_pool(graphs, 512, 16)
+    graphs.capture_graphs(kv, max_batch_size=16)
+    assert graphs.graphs is not None
+    assert greedy(graphs, prompts, 32, kv=kv) == greedy(eager, prompts, 32)
+
+
+def test_auto_picks_turbo(family: Path) -> None:
+    arch = json.loads((family / "config.json").read_text())["architectures"][0]
+    assert select_backend("auto", arch, "cuda", family) is TurboBackend

@@ -1,0 +1,162 @@
+"""The turbo decoder on the newer families against transformers: Qwen3 (an RMSNorm over
+each q and k head), and the mixtures of experts of Qwen3-MoE and Mixtral.
+
+Tiny random-weight models in float32: the same logits at every position of packed
+prompts, and the same greedy tokens through chunked prefill and decode steps, with
+prompts longer than a sliding window where the family has one. Without CUDA the Triton
+kernels run through the interpreter (as tests/unit/test_turbo_model.py); with CUDA the
+same checks run compiled, and the torch backend must give the same greedy tokens too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import (
+    MixtralConfig,
+    MixtralForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+# First: without CUDA this switches Triton to its interpreter before turbo is imported.
+from tests.unit.test_turbo_model import (
+    DEVICE,
+    NEW_TOKENS,
+    all_logits,
+    assert_logits_match,
+    greedy,
+    new_pool,
+    on_device,
+    reference_logits,
+)
+
+pytest.importorskip("triton")
+
+from lmd.engine.torch_backend import TorchBackend
+from lmd.engine.turbo.backend import TurboBackend
+from tests.models import TINY_SHAPE, hf_greedy, random_prompts
+
+# Sliding window shorter than the prompts and decode contexts below.
+WINDOW = 9
+
+
+def build(tmp_path: Path, model_class: type[PreTrainedModel], config: PretrainedConfig) -> Path:
+    torch.manual_seed(3)
+    model_class(config).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def qwen3(**overrides: Any) -> Qwen3Config:
+    return Qwen3Config(**{**TINY_SHAPE, "head_dim": 16, "initializer_range": 0.08, **overrides})
+
+
+def qwen3_moe(**overrides: Any) -> Qwen3MoeConfig:
+    fields = {
+        **TINY_SHAPE,
+        "head_dim": 16,
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "initializer_range": 0.08,
+    }
+    return Qwen3MoeConfig(**{**fields, **overrides})
+
+
+def mixtral(**overrides: Any) -> MixtralConfig:
+    fields = {
+        **TINY_SHAPE,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 48,
+        "initializer_range": 0.08,
+    }
+    return MixtralConfig(**{**fields, **overrides})
+
+
+CASES: dict[str, tuple[type[PreTrainedModel], PretrainedConfig]] = {
+    "qwen3": (Qwen3ForCausalLM, qwen3()),
+    # Layer 1 on windowed (from max_window_layers), layer 0 full.
+    "qwen3-window": (
+        Qwen3ForCausalLM,
+        qwen3(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    ),
+    # Normalized top-k; layer 1 keeps a dense MLP.
+    "qwen3-moe": (Qwen3MoeForCausalLM, qwen3_moe(norm_topk_prob=True, mlp_only_layers=[1])),
+    # Raw top-k probabilities, experts in every other layer.
+    "qwen3-moe-raw": (Qwen3MoeForCausalLM, qwen3_moe(norm_topk_prob=False, decoder_sparse_step=2)),
+    "mixtral-window": (MixtralForCausalLM, mixtral(sliding_window=WINDOW)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def model_dir(case: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model_class, config = CASES[case]
+    return build(tmp_path_factory.mktemp(case), model_class, config)
+
+
+@pytest.fixture(scope="module")
+def turbo(model_dir: Path) -> TurboBackend:
+    return TurboBackend(model_dir, DEVICE, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path, case: str) -> PreTrainedModel:
+    model_class, _ = CASES[case]
+    loaded = model_class.from_pretrained(
+        model_dir, local_files_only=True, dtype=torch.float32, attn_implementation="eager"
+    )
+    return on_device(loaded)
+
+
+def test_the_config_reads_as_built(case: str, turbo: TurboBackend) -> None:
+    c = turbo.config
+    assert c.qk_norm == case.startswith("qwen3")
+    if case == "qwen3-window":
+        assert c.windows == (0, WINDOW)
+    if case == "mixtral-window":
+        assert c.windows == (WINDOW, WINDOW)
+    if case == "qwen3-moe":
+        assert c.moe is not None and c.moe.normalize_top_k
+        assert c.moe.sparse_layers == (True, False, True)
+    if case == "qwen3-moe-raw":
+        assert c.moe is not None and not c.moe.normalize_top_k
+        assert c.moe.sparse_layers == (False, True, False)
+    if case.startswith("qwen3") and "moe" not in case:
+        assert c.moe is None
+
+
+def test_logits_at_every_position_match_transformers(
+    turbo: TurboBackend, reference: PreTrainedModel
+) -> None:
+    prompts = random_prompts([1, 6, 19, 33, 12], turbo.vocab_size, seed=21)
+    ours = all_logits(turbo, prompts, new_pool(turbo))
+    assert_logits_match(ours, reference_logits(reference, prompts), 1e-4)
+
+
+def test_greedy_equals_transformers_generate(
+    turbo: TurboBackend, reference: PreTrainedModel
+) -> None:
+    prompts = random_prompts([5, 14, 27], turbo.vocab_size, seed=22)
+    for prompt, tokens in zip(prompts, greedy(turbo, prompts, NEW_TOKENS, chunk=8), strict=True):
+        assert tokens == hf_greedy(reference, prompt, NEW_TOKENS)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the torch backend's turn needs CUDA time")
+def test_greedy_equals_the_torch_backend(model_dir: Path, turbo: TurboBackend) -> None:
+    torch_backend = TorchBackend(model_dir, DEVICE, torch.float32)
+    prompts = random_prompts([11, 20, 31], turbo.vocab_size, seed=23)
+    assert greedy(turbo, prompts, NEW_TOKENS) == greedy(torch_backend, prompts, NEW_TOKENS)

@@ -1,0 +1,108 @@
+"""The experts' kernels (kernels/moe.py) against a loop over experts in float32.
+
+`align` must place every (token, choice) pair exactly once, in blocks of one expert
+each; the grouped GEMMs and `fused_moe` must equal running each token through its k
+experts one by one. Through Triton's interpreter without CUDA, compiled with it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# First: without CUDA this switches Triton to its interpreter before turbo is imported.
+from tests.unit.test_turbo_kernels import DEVICE, DTYPES, TOLERANCE, rel_err
+
+pytest.importorskip("triton")
+
+from lmd.engine.turbo.kernels import moe
+
+
+def moe_ref(  # noqa: PLR0917
+    h: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, k: int, norm: bool
+) -> Tensor:
+    """transformers' loop: each token through each of its k experts, weighted, summed."""
+    h, router, gate_up, down = (t.float() for t in (h, router, gate_up, down))
+    probs = torch.softmax(h @ router.t(), dim=-1)
+    weights, experts = torch.topk(probs, k, dim=-1)
+    if norm:
+        weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros_like(h)
+    for t in range(h.shape[0]):
+        for j in range(k):
+            e = int(experts[t, j])
+            gate, up = (gate_up[e] @ h[t]).chunk(2)
+            out[t] += weights[t, j] * (down[e] @ (F.silu(gate) * up))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k", "block_m"),
+    [(1, 8, 2, 16), (3, 128, 8, 16), (40, 4, 2, 16), (200, 16, 4, 32), (64, 8, 1, 64)],
+)
+def test_align_places_every_pair_once_in_blocks_of_one_expert(
+    num_tokens: int, num_experts: int, top_k: int, block_m: int
+) -> None:
+    generator = torch.Generator().manual_seed(num_tokens)
+    scores = torch.rand(num_tokens, num_experts, generator=generator)
+    experts = scores.topk(top_k, dim=-1).indices.to(DEVICE)  # distinct per token
+    sorted_pairs, block_expert = moe.align(experts, num_experts, block_m)
+    num_pairs = num_tokens * top_k
+    assert sorted_pairs.shape[0] == block_expert.shape[0] * block_m
+    pairs = sorted_pairs.cpu().view(-1, block_m)
+    owner = block_expert.cpu()
+    flat = experts.flatten().cpu()
+    seen: list[int] = []
+    for block, expert in zip(pairs.tolist(), owner.tolist(), strict=True):
+        real = [p for p in block if p < num_pairs]
+        if expert < 0:
+            assert not real  # blocks past the last run hold only padding
+            continue
+        assert all(p == num_pairs for p in block[len(real) :])  # padding at the end
+        assert all(int(flat[p]) == expert for p in real)
+        seen.extend(real)
+    assert sorted(seen) == list(range(num_pairs))
+    used = owner[owner >= 0].tolist()
+    assert used == sorted(used)  # runs in expert order, each expert's blocks together
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k", "norm"),
+    [(1, 8, 2, True), (5, 16, 4, False), (37, 4, 2, True), (130, 8, 2, False)],
+)
+def test_fused_moe_equals_the_loop_over_experts(
+    dtype: torch.dtype, num_tokens: int, num_experts: int, top_k: int, norm: bool
+) -> None:
+    hidden, inter = 64, 48  # 2I = 96: not a multiple of the 64-wide column blocks
+    torch.manual_seed(num_tokens)
+    h = torch.randn(num_tokens, hidden, device=DEVICE).to(dtype)
+    router = torch.randn(num_experts, hidden, device=DEVICE).to(dtype)
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden, device=DEVICE) / 8).to(dtype)
+    down = (torch.randn(num_experts, hidden, inter, device=DEVICE) / 8).to(dtype)
+    out = moe.fused_moe(h, router, gate_up, down, top_k=top_k, normalize=norm)
+    assert out.shape == h.shape and out.dtype == dtype
+    ref = moe_ref(h, router, gate_up, down, top_k, norm)
+    # Rounded at the expert boundaries (gate/up, the activation) as well as at the end.
+    assert rel_err(out, ref) < 4 * TOLERANCE[dtype]
+
+
+def test_fused_moe_of_no_tokens_is_empty() -> None:
+    h = torch.empty(0, 32, device=DEVICE)
+    out = moe.fused_moe(
+        h,
+        torch.randn(4, 32, device=DEVICE),
+        torch.randn(4, 16, 32, device=DEVICE),
+        torch.randn(4, 32, 8, device=DEVICE),
+        top_k=2,
+        normalize=True,
+    )
+    assert out.shape == (0, 32)
+
+
+def test_block_rows_grow_with_the_rows_per_expert() -> None:
+    assert moe.block_rows(8, 128) == 16  # a decode step: a few rows per expert
+    assert moe.block_rows(64 * 8, 8) == 64  # a prefill: many
+    assert moe.block_rows(3 * 128, 8) == 32
