@@ -19,6 +19,7 @@ if [[ $what == tests ]]; then
     | grep -v "^Writing\|^Loading" | tee "$out/families-tests.txt" | tail -25
   exit 0
 fi
+python3 setup.py -q build_ext --inplace 2>&1 | tail -3  # lmd-bench imports lmd._native
 shape=$2 batches=$3
 dir=/tmp
 [[ $shape == qwen3-30b* ]] && dir=/dev/shm  # 61 GB: more than the disk leaves

@@ -82,10 +82,12 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
 
 
 def route(h: Tensor, router: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Tensor]:
-    """h: [T, hidden], router: [E, hidden] -> (weights [T, k] float32, experts [T, k]
-    int64): the softmax's k largest probabilities (in float32, as transformers), scaled
-    to sum to 1 when `normalize`."""
-    probs = torch.softmax(F.linear(h, router).float(), dim=-1)
+    """h: [T, hidden], router: [E, hidden] float32 -> (weights [T, k] float32, experts
+    [T, k] int64): the softmax's k largest probabilities, scaled to sum to 1 when
+    `normalize`. All in float32 (transformers takes the router's logits in the model's
+    dtype): a bf16 product flips the choice between near-tied experts, and a flip moves
+    the layer's output by a whole expert's share."""
+    probs = torch.softmax(F.linear(h.float(), router.float()), dim=-1)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
