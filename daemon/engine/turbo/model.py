@@ -152,7 +152,13 @@ class TurboModel:
         if layer.experts is not None and self.config.moe is not None:
             x, moe = layer.experts, self.config.moe
             return kernels.fused_moe(
-                h, x.router, x.gate_up, x.down, top_k=moe.top_k, normalize=moe.normalize_top_k
+                h,
+                x.router,
+                x.gate_up,
+                x.down,
+                top_k=moe.top_k,
+                normalize=moe.normalize_top_k,
+                float_out=self.float_logits,
             )
         if layer.gate_up is None or layer.down is None:
             raise ValueError("a dense layer without its MLP weights")

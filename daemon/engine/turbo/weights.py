@@ -26,7 +26,7 @@ from lmd.engine.turbo.config import TurboConfig, UnsupportedModel
 
 @dataclass(slots=True)
 class ExpertWeights:
-    router: Tensor  # [E, hidden] float32: routing in bf16 flips near-tied experts
+    router: Tensor  # [E, hidden]
     gate_up: Tensor  # [E, 2 I, hidden], each expert's rows gate | up
     down: Tensor  # [E, hidden, I]
 
@@ -174,7 +174,7 @@ def load_experts(
     prefix = f"model.layers.{layer}.{block}"
     if f"{prefix}.experts.gate_up_proj" in reader:
         return ExpertWeights(
-            router=reader.get(f"{prefix}.{router}.weight", torch.float32, device),
+            router=reader.get(f"{prefix}.{router}.weight", dtype, device),
             gate_up=reader.get(f"{prefix}.experts.gate_up_proj", dtype, device),
             down=reader.get(f"{prefix}.experts.down_proj", dtype, device),
         )
@@ -194,7 +194,7 @@ def load_experts(
             raise UnsupportedModel(f"{expert}.{down} is {tuple(part.shape)}, not {(hidden, i)}")
         down_all[j] = part
     return ExpertWeights(
-        router=reader.get(f"{prefix}.{router}.weight", torch.float32, device),
+        router=reader.get(f"{prefix}.{router}.weight", dtype, device),
         gate_up=gate_up,
         down=down_all,
     )

@@ -13,7 +13,9 @@ SiLU-and-multiply between; the down launch scales each row by its routing weight
 the k rows of a token are summed.
 
 Everything runs on the device without a host sync (the padded layout is sized for the
-worst case), so a decode step with experts is captured in a CUDA graph as any other.
+worst case), so a decode step with experts is captured in a CUDA graph as any other. A
+layer of experts is 7 launches: the router's GEMM, softmax + top-k, the layout, two
+grouped GEMMs, SiLU, the sum over k.
 """
 
 from __future__ import annotations
@@ -81,46 +83,156 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
     )
 
 
-def route(h: Tensor, router: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Tensor]:
-    """h: [T, hidden], router: [E, hidden] float32 -> (weights [T, k] float32, experts
-    [T, k] int64): the softmax's k largest probabilities, scaled to sum to 1 when
-    `normalize`. All in float32 (transformers takes the router's logits in the model's
-    dtype): a bf16 product flips the choice between near-tied experts, and a flip moves
-    the layer's output by a whole expert's share."""
-    probs = torch.softmax(F.linear(h.float(), router.float()), dim=-1)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+@triton.jit
+def _top_k_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
+    logits_ptr,
+    weights_ptr,
+    experts_ptr,
+    num_experts,
+    TOP_K: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + token * num_experts + e, mask=e < num_experts, other=-float("inf"))
+    x = tl.exp(x - tl.max(x, axis=0))
+    probs = x / tl.sum(x, axis=0)
+    slots = tl.arange(0, BLOCK_K)
+    chosen_p = tl.zeros([BLOCK_K], dtype=tl.float32)
+    chosen_e = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):  # the largest left, the lowest id among equals
+        best = tl.max(probs, axis=0)
+        pick = tl.min(tl.where(probs == best, e, BLOCK_E), axis=0)
+        chosen_p = tl.where(slots == j, best, chosen_p)
+        chosen_e = tl.where(slots == j, pick, chosen_e)
+        probs = tl.where(e == pick, -1.0, probs)
+    if NORMALIZE:
+        chosen_p = chosen_p / tl.sum(chosen_p, axis=0)
+    out = token * TOP_K + slots
+    tl.store(weights_ptr + out, chosen_p, mask=slots < TOP_K)
+    tl.store(experts_ptr + out, chosen_e, mask=slots < TOP_K)
+
+
+@triton.jit
+def _align_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
+    experts_ptr,
+    scratch_ptr,
+    ranks_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_pairs,
+    num_experts,
+    length,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """One program: count, lay out, place. Phases meet at barriers; what one phase
+    wrote is read back volatile (from L2, not a stale L1 line)."""
+    e = tl.arange(0, BLOCK_E)
+    real_e = e < num_experts
+    tl.store(scratch_ptr + e, tl.zeros([BLOCK_E], dtype=tl.int32), mask=real_e)
+    for i0 in range(0, length, BLOCK):  # every slot padding until placed
+        i = i0 + tl.arange(0, BLOCK)
+        tl.store(sorted_ptr + i, tl.zeros([BLOCK], dtype=tl.int32) + num_pairs, mask=i < length)
+    tl.debug_barrier()
+    for p0 in range(0, num_pairs, BLOCK):  # each pair's rank among its expert's pairs
+        pair = p0 + tl.arange(0, BLOCK)
+        real = pair < num_pairs
+        expert = tl.load(experts_ptr + pair, mask=real, other=0)
+        rank = tl.atomic_add(scratch_ptr + expert, 1, mask=real)
+        tl.store(ranks_ptr + pair, rank, mask=real)
+    tl.debug_barrier()
+    counts = tl.load(scratch_ptr + e, mask=real_e, other=0, volatile=True)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.debug_barrier()
+    tl.store(scratch_ptr + e, ends - padded, mask=real_e)  # now each run's start
+    for b0 in range(0, num_blocks, BLOCK_B):  # a block's expert: runs ending at or before it
+        block = b0 + tl.arange(0, BLOCK_B)
+        before = (ends[None, :] <= (block * BLOCK_M)[:, None]) & real_e[None, :]
+        owner = tl.sum(before.to(tl.int32), axis=1)
+        owner = tl.where(owner < num_experts, owner, -1)
+        tl.store(block_expert_ptr + block, owner, mask=block < num_blocks)
+    tl.debug_barrier()
+    for p0 in range(0, num_pairs, BLOCK):
+        pair = p0 + tl.arange(0, BLOCK)
+        real = pair < num_pairs
+        expert = tl.load(experts_ptr + pair, mask=real, other=0)
+        rank = tl.load(ranks_ptr + pair, mask=real, other=0, volatile=True)
+        start = tl.load(scratch_ptr + expert, mask=real, other=0, volatile=True)
+        tl.store(sorted_ptr + start + rank, pair.to(tl.int32), mask=real)
+
+
+def route(
+    h: Tensor, router: Tensor, top_k: int, normalize: bool, *, float_out: bool = False
+) -> tuple[Tensor, Tensor]:
+    """h: [T, hidden], router: [E, hidden] -> (weights [T, k] float32, experts [T, k]
+    int32): the softmax's k largest probabilities, scaled to sum to 1 when `normalize`.
+
+    The router's logits come out of the GEMM in float32 (`float_out`: torch.mm's
+    out_dtype, else the product is widened after): rounded to bf16, as transformers
+    keeps them, they flip the choice between near-tied experts, and a flip moves the
+    layer's output by a whole expert's share. Softmax and top-k are one kernel."""
+    if float_out:
+        logits = torch.mm(h, router.t(), out_dtype=torch.float32)  # [T, E]
+    else:
+        logits = F.linear(h, router).float()
+    num_tokens, num_experts = logits.shape
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=h.device)
+    experts = torch.empty(num_tokens, top_k, dtype=torch.int32, device=h.device)
+    _top_k_kernel[(num_tokens,)](
+        logits,
+        weights,
+        experts,
+        num_experts,
+        TOP_K=top_k,
+        NORMALIZE=normalize,
+        BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_K=triton.next_power_of_2(top_k),
+    )
     return weights, experts
 
 
 def align(experts: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
-    """experts: [T, k] -> (sorted pairs [P] int32, expert of each block [P / block_m]).
+    """experts: [T, k] int32 -> (sorted pairs [P] int32, expert of each block [P / block_m]).
 
     `sorted` lists the pair ids t * k + j by expert, each expert's run padded with the
     id T * k to a multiple of block_m; P is the worst case's length (each of the
     min(E, T k) experts that can be hit padded by block_m - 1), rounded up to a block.
-    Blocks past the last run have expert -1.
+    Blocks past the last run have expert -1. Within a run the pairs come in any order
+    (ranks are taken by atomic adds). One kernel launch, no host sync.
     """
     flat = experts.flatten()  # [T k]
     num_pairs = flat.numel()
-    device = flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    padded_start = padded_end - padded
-    start = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(flat, stable=True)  # pair ids by expert
-    by_expert = flat[order]
-    rank = torch.arange(num_pairs, device=device) - start[by_expert]
     worst = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    length = triton.cdiv(worst, block_m) * block_m
-    sorted_pairs = torch.full((length,), num_pairs, dtype=torch.int32, device=device)
-    sorted_pairs[padded_start[by_expert] + rank] = order.to(torch.int32)
-    block_starts = torch.arange(0, length, block_m, device=device)
-    block_expert = torch.searchsorted(padded_end, block_starts, right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    num_blocks = triton.cdiv(worst, block_m)
+    length = num_blocks * block_m
+    device = flat.device
+    sorted_pairs = torch.empty(length, dtype=torch.int32, device=device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    scratch = torch.empty(num_experts, dtype=torch.int32, device=device)
+    ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    _align_kernel[(1,)](
+        flat,
+        scratch,
+        ranks,
+        sorted_pairs,
+        block_expert,
+        num_pairs,
+        num_experts,
+        length,
+        num_blocks,
+        BLOCK_M=block_m,
+        BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK=1024,
+        BLOCK_B=max(16, 4096 // triton.next_power_of_2(num_experts)),
+        num_warps=8,
+    )
     return sorted_pairs, block_expert
 
 
@@ -190,14 +302,16 @@ def fused_moe(
     *,
     top_k: int,
     normalize: bool,
+    float_out: bool = False,
 ) -> Tensor:
     """h: [T, hidden]; router: [E, hidden]; gate_up: [E, 2 I, hidden]; down:
-    [E, hidden, I] -> [T, hidden] in h's dtype."""
+    [E, hidden, I] -> [T, hidden] in h's dtype. `float_out`: torch.mm can take the
+    router's product straight to float32 (route)."""
     num_tokens, hidden = h.shape
     num_experts = router.shape[0]
     if num_tokens == 0:
         return torch.empty_like(h)
-    weights, experts = route(h, router, top_k, normalize)
+    weights, experts = route(h, router, top_k, normalize, float_out=float_out)
     num_pairs = num_tokens * top_k
     block_m = block_rows(num_pairs, num_experts)
     sorted_pairs, block_expert = align(experts, num_experts, block_m)
