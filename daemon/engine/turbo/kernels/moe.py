@@ -246,19 +246,24 @@ def grouped_gemm(
     a_row_div: int,
     block_m: int,
     scale: Tensor | None = None,
+    tiles: tuple[int, int, int, int] | None = None,
 ) -> Tensor:
     """out[p] = a[p // a_row_div] @ weight[expert of p]^T (* scale[p]) for every pair p.
 
     a: [R, K]; weight: [E, N, K]; scale: [P] float32 or None -> out [num_pairs, N] in
     a's dtype. Rows of pairs no block holds are left unwritten (there are none when
-    `sorted_pairs` comes from `align`).
+    `sorted_pairs` comes from `align`). `tiles`: (BLOCK_N, BLOCK_K, warps, stages), to
+    try others than the default.
     """
     _, n, k = weight.shape
     if a.shape[1] != k or a.stride(1) != 1 or weight.stride(2) != 1:
         raise ValueError(f"grouped_gemm: a {tuple(a.shape)} against weights {tuple(weight.shape)}")
     out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
-    block_n = 64 if n >= 1024 else 32
-    block_k = 128 if k >= 1024 else 64
+    # The fastest at Qwen3-30B-A3B's shapes on an H200 (scripts/moe_tiles.py): 64 x 128
+    # for decode's few rows per expert (~4 TB/s), 128 x 64 for a prefill's 64-row blocks
+    # (1.4x the former there).
+    default = (128, 64, 4, 3) if block_m >= 64 else (64 if n >= 1024 else 32, 128, 4, 3)
+    block_n, block_k, num_warps, num_stages = tiles or default
     grid = (block_expert.shape[0], triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a,
@@ -280,8 +285,8 @@ def grouped_gemm(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        num_warps=4,
-        num_stages=3,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 

@@ -1,0 +1,68 @@
+"""The grouped GEMMs of a layer of experts (kernels/moe.py) at Qwen3-30B-A3B's shape over
+a few tilings, at decode and prefill sizes: which tiles to take where.
+
+    python3 scripts/moe_tiles.py [--tokens 1,8,64,256,4096]
+
+Random bf16 inputs, E = 128 experts, k = 8, hidden 2,048, I = 768. Times are
+`triton.testing.do_bench_cudagraph` medians (no launch overhead), with the bytes of the
+experts the tokens hit over that time.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import triton
+
+from lmd.engine.turbo.kernels import moe
+
+E, K, HIDDEN, INTER = 128, 8, 2048, 768
+TILES = [None, (32, 128, 4, 3), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 3),
+         (32, 256, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3), (16, 256, 4, 4)]  # fmt: skip
+
+
+def bench(fn: Callable[[], object]) -> float:
+    """Median microseconds of fn inside a CUDA graph."""
+    return float(triton.testing.do_bench_cudagraph(fn)) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tokens", default="1,8,64,256,4096")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    router = torch.randn(E, HIDDEN, device=dev, dtype=torch.bfloat16)
+    gate_up = torch.randn(E, 2 * INTER, HIDDEN, device=dev, dtype=torch.bfloat16) / 32
+    down = torch.randn(E, HIDDEN, INTER, device=dev, dtype=torch.bfloat16) / 32
+    expert_bytes = (gate_up[0].numel() + down[0].numel()) * 2
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        h = torch.randn(tokens, HIDDEN, device=dev, dtype=torch.bfloat16)
+        weights, experts = moe.route(h, router, K, True, float_out=True)
+        gb = int(torch.unique(experts).numel()) * expert_bytes / 1e3  # in kB: GB/s from us
+        block_m = moe.block_rows(tokens * K, E)
+        layout = moe.align(experts, E, block_m)
+        act = torch.randn(tokens * K, INTER, device=dev, dtype=torch.bfloat16)
+        whole = bench(partial(moe.fused_moe, h, router, gate_up, down, top_k=K,
+                              normalize=True, float_out=True))  # fmt: skip
+        print(f"T={tokens}: block_m {block_m}, fused_moe {whole:.1f} us, "
+              f"{gb / whole:.0f} GB/s of the experts hit")  # fmt: skip
+        common = {"num_pairs": tokens * K, "block_m": block_m}
+        for tiles in TILES:
+            try:
+                up = bench(partial(moe.grouped_gemm, h, gate_up, *layout, a_row_div=K,
+                                   tiles=tiles, **common))  # fmt: skip
+                dn = bench(partial(moe.grouped_gemm, act, down, *layout, a_row_div=1,
+                                   scale=weights.flatten(), tiles=tiles, **common))  # fmt: skip
+            except Exception as exc:  # a tiling that does not compile is a result too
+                print(f"  tiles {tiles}: {type(exc).__name__} {str(exc)[:80]}")
+                continue
+            print(f"  tiles {tiles or 'default'}: gate_up {up:.1f} us, down {dn:.1f} us, "
+                  f"{gb / (up + dn):.0f} GB/s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
