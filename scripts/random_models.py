@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     PretrainedConfig,
@@ -30,6 +32,7 @@ from transformers import (
 CLASSES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "qwen3-moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
 }
 QWEN3 = {"vocab_size": 151936, "head_dim": 128, "rope_theta": 1000000.0,
          "bos_token_id": 151643, "eos_token_id": 151645}  # fmt: skip
@@ -79,6 +82,26 @@ SHAPES = {
         "num_experts_per_tok": 8,
         "moe_intermediate_size": 768,
         "norm_topk_prob": True,
+    },
+    # Gemma 3 12B's text model, with Qwen3's vocabulary (its tokenizer is the one we
+    # carry; Gemma's 262,208 would add 0.4B parameters of embedding).
+    "gemma3-12b-shape": {
+        "family": "gemma3",
+        "vocab_size": 151936,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "hidden_size": 3840,
+        "intermediate_size": 15360,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 1024,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        },
     },
 }
 

@@ -1,4 +1,5 @@
-"""The turbo backend on the newer families in bfloat16 on a GPU: Qwen3, Qwen3-MoE, Mixtral.
+"""The turbo backend on the newer families in bfloat16 on a GPU: Qwen3, Qwen3-MoE, Mixtral,
+Gemma 3.
 
 Per family: logits at every position of 8 prompts (longer than the sliding window where
 there is one) against transformers in float32 on the same bf16 weights, CUDA graph
@@ -26,6 +27,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     MixtralConfig,
     MixtralForCausalLM,
     PretrainedConfig,
@@ -76,6 +79,15 @@ FAMILIES: dict[str, tuple[type[PreTrainedModel], PretrainedConfig]] = {
             num_experts_per_tok=4,
             moe_intermediate_size=256,
             norm_topk_prob=True,
+        ),
+    ),
+    "gemma3": (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig(
+            **WIDTHS,
+            intermediate_size=1408,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"] * 2,
         ),
     ),
     "mixtral": (

@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -114,6 +116,24 @@ def test_mixtral_has_experts_everywhere_normalized_and_windowed() -> None:
     assert c.windows == (32, 32)
 
 
+def test_gemma3_local_and_global_layers() -> None:
+    raw = Gemma3TextConfig(num_hidden_layers=7, sliding_window=512).to_dict()
+    c = TurboConfig.from_dict(raw | {"architectures": ["Gemma3ForCausalLM"]})
+    assert c.windows == (512,) * 5 + (0, 512)  # every sixth layer global
+    assert c.activation == "gelu_tanh" and c.qk_norm and c.norm_plus_one and c.sandwich_norms
+    assert c.attn_scale == 256**-0.5 and c.embed_scale == 2304**0.5
+    # A config.json without layer_types (as first published): the same pattern.
+    del raw["layer_types"]
+    c = TurboConfig.from_dict(raw | {"architectures": ["Gemma3ForCausalLM"]})
+    assert c.windows == (512,) * 5 + (0, 512)
+
+
+def test_softcapping_is_refused_by_name() -> None:
+    raw = Gemma2Config(num_hidden_layers=2).to_dict() | {"architectures": ["Gemma3ForCausalLM"]}
+    with pytest.raises(UnsupportedModel, match=r"attn_logit_softcapping 50\.0 is not implemented"):
+        TurboConfig.from_dict(raw)
+
+
 def test_more_experts_per_token_than_experts_is_refused() -> None:
     raw = MixtralConfig(num_hidden_layers=1, num_local_experts=2, num_experts_per_tok=3)
     with pytest.raises(UnsupportedModel, match="3 experts per token of 2 experts"):
@@ -134,7 +154,7 @@ def test_static_rope_scalings_are_accepted_in_both_spellings() -> None:
     ("change", "message"),
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "architecture GPT2LMHeadModel is not one of"),
-        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not silu"),
+        ({"hidden_act": "gelu"}, "activation 'gelu' is not one of silu, gelu_pytorch_tanh"),
         ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope type 'dynamic'"),
         ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "partial"),
         ({"num_key_value_heads": 3}, "do not split evenly over 3 KV heads"),

@@ -1,5 +1,7 @@
 """The turbo decoder on the newer families against transformers: Qwen3 (an RMSNorm over
-each q and k head), and the mixtures of experts of Qwen3-MoE and Mixtral.
+each q and k head), the mixtures of experts of Qwen3-MoE and Mixtral, and Gemma 3 (norms
+by 1 + weight around attention and MLP, GELU, scaled embedding, local layers with their
+own window and rotary base).
 
 Tiny random-weight models in float32: the same logits at every position of packed
 prompts, and the same greedy tokens through chunked prefill and decode steps, with
@@ -16,6 +18,8 @@ from typing import Any
 import pytest
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     MixtralConfig,
     MixtralForCausalLM,
     PretrainedConfig,
@@ -50,7 +54,12 @@ WINDOW = 9
 
 def build(tmp_path: Path, model_class: type[PreTrainedModel], config: PretrainedConfig) -> Path:
     torch.manual_seed(3)
-    model_class(config).save_pretrained(tmp_path)
+    model = model_class(config)
+    with torch.no_grad():  # norms start at 1 (Gemma's at 0): make each one count
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.2)
+    model.save_pretrained(tmp_path)
     return tmp_path
 
 
@@ -82,6 +91,20 @@ def mixtral(**overrides: Any) -> MixtralConfig:
     return MixtralConfig(**{**fields, **overrides})
 
 
+def gemma3(**overrides: Any) -> Gemma3TextConfig:
+    fields = {
+        **TINY_SHAPE,
+        "num_hidden_layers": 3,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 24,  # not head_dim: its own attention scale
+        "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "initializer_range": 0.08,
+        "tie_word_embeddings": True,
+    }
+    return Gemma3TextConfig(**{**fields, **overrides})
+
+
 CASES: dict[str, tuple[type[PreTrainedModel], PretrainedConfig]] = {
     "qwen3": (Qwen3ForCausalLM, qwen3()),
     # Layer 1 on windowed (from max_window_layers), layer 0 full.
@@ -94,6 +117,7 @@ CASES: dict[str, tuple[type[PreTrainedModel], PretrainedConfig]] = {
     # Raw top-k probabilities, experts in every other layer.
     "qwen3-moe-raw": (Qwen3MoeForCausalLM, qwen3_moe(norm_topk_prob=False, decoder_sparse_step=2)),
     "mixtral-window": (MixtralForCausalLM, mixtral(sliding_window=WINDOW)),
+    "gemma3": (Gemma3ForCausalLM, gemma3()),
 }
 
 
@@ -124,7 +148,11 @@ def reference(model_dir: Path, case: str) -> PreTrainedModel:
 
 def test_the_config_reads_as_built(case: str, turbo: TurboBackend) -> None:
     c = turbo.config
-    assert c.qk_norm == case.startswith("qwen3")
+    assert c.qk_norm == case.startswith(("qwen3", "gemma3"))
+    assert c.sandwich_norms == c.norm_plus_one == (case == "gemma3")
+    if case == "gemma3":
+        assert c.windows == (WINDOW, 0, WINDOW) and c.activation == "gelu_tanh"
+        assert c.attn_scale == 24**-0.5 and c.embed_scale == 64**0.5
     if case == "qwen3-window":
         assert c.windows == (0, WINDOW)
     if case == "mixtral-window":

@@ -169,13 +169,17 @@ def test_rms_norm_adds_residual_in_place(dtype: torch.dtype, rows: int, cols: in
     assert rel_err(out, rms_norm_ref(summed, w, 1e-5)) < 2 * TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("rows", "width"), [(1, 128), (5, 1536), (17, 3000)])
-def test_silu_and_mul(dtype: torch.dtype, rows: int, width: int) -> None:
+def test_gated_activation(dtype: torch.dtype, rows: int, width: int, activation: str) -> None:
     x = torch.randn(rows, 2 * width, device=DEVICE).to(dtype)
     gate, up = x.float().chunk(2, dim=-1)
-    ref = torch.nn.functional.silu(gate) * up
-    assert rel_err(kernels.silu_and_mul(x), ref) < TOLERANCE[dtype]
+    if activation == "silu":
+        act = torch.nn.functional.silu(gate)
+    else:  # transformers' gelu_pytorch_tanh (Gemma)
+        act = torch.nn.functional.gelu(gate, approximate="tanh")
+    assert rel_err(kernels.silu_and_mul(x, activation), act * up) < TOLERANCE[dtype]
 
 
 def check_gemv(

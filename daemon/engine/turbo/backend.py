@@ -27,7 +27,7 @@ from lmd.engine.turbo import kernels
 from lmd.engine.turbo.config import TurboConfig, UnsupportedModel
 from lmd.engine.turbo.graphs import DecodeGraphs
 from lmd.engine.turbo.model import StepInputs, TurboModel
-from lmd.engine.turbo.rope import rope_table
+from lmd.engine.turbo.rope import layer_rope_tables
 from lmd.engine.turbo.weights import eos_token_ids, load_weights
 
 log = logging.getLogger(__name__)
@@ -64,8 +64,8 @@ class TurboBackend(Backend):
             weights = load_weights(model_dir, self.config, self._device, dtype)
         except UnsupportedModel as exc:
             raise BackendError(f"backend turbo cannot load {model_dir}: {exc}") from None
-        rope = rope_table(model_dir, self.config.max_position_embeddings, self._device)
-        self.model = TurboModel(self.config, weights, rope)
+        ropes = layer_rope_tables(model_dir, self.config.max_position_embeddings, self._device)
+        self.model = TurboModel(self.config, weights, ropes)
         self._eos = eos_token_ids(model_dir)
         self.use_cuda_graphs = cuda_graphs and self._device.type == "cuda"
         self.graphs: DecodeGraphs | None = None

@@ -1,10 +1,13 @@
 """What the turbo backend reads from a model's config.json, checked once at load.
 
 The turbo model (`model.py`) implements one decoder: RMSNorm, rotary attention with
-grouped KV heads, a SiLU-gated MLP or a mixture of SiLU-gated experts. The Llama family
-fits it with a few switches (biases, sliding windows, tied embeddings, Qwen3's RMSNorm of
-each q and k head, experts in Mixtral and Qwen3-MoE); everything else is refused here
-with one line that says why, so `auto` can fall back to the torch backend.
+grouped KV heads, a gated MLP or a mixture of gated experts. The Llama family fits it
+with a few switches (biases, sliding windows, tied embeddings, Qwen3's RMSNorm of each q
+and k head, experts in Mixtral and Qwen3-MoE), and so does Gemma 3 (norms scaling by
+1 + weight, a norm after attention and after the MLP too, a scaled embedding, GELU,
+its own attention scale, local and global layers with rotary tables of their own);
+everything else is refused here with one line that says why, so `auto` can fall back
+to the torch backend.
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "Gemma3ForCausalLM",
 )
+# The gated MLP's activation, by the config's name for it.
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # Architectures whose layers may hold experts instead of the dense MLP.
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 # Rotary variants whose frequencies do not depend on the sequence length.
@@ -97,6 +103,14 @@ class TurboConfig:
     # Per layer: attend to the last `window` keys only (key j visible from query p iff
     # p - j < window), or 0 for full attention.
     windows: tuple[int, ...]
+    activation: str = "silu"  # of the gate: "silu" or "gelu_tanh" (Gemma)
+    # Gemma 3: every RMSNorm scales by 1 + weight (folded into the weights at load), the
+    # attention's and the MLP's outputs are normalized before the residual add, the
+    # embedding is scaled, and the attention by query_pre_attn_scalar ** -0.5.
+    norm_plus_one: bool = False
+    sandwich_norms: bool = False
+    embed_scale: float = 1.0
+    query_pre_attn_scalar: float = 0.0  # 0: head_dim
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -108,6 +122,10 @@ class TurboConfig:
             raise UnsupportedModel(f"head_dim {self.head_dim} must be even and at most 256")
         if len(self.windows) != self.num_layers:
             raise ValueError("windows needs one entry per layer")
+
+    @property
+    def attn_scale(self) -> float:
+        return float((self.query_pre_attn_scalar or self.head_dim) ** -0.5)
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -127,18 +145,26 @@ class TurboConfig:
             raise UnsupportedModel(
                 f"architecture {arch} is not one of {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModel(f"hidden_act {act!r} is not silu")
-        rope = rope_parameters(raw)
-        rope_type = str(rope.get("rope_type", rope.get("type", "default")))
-        if rope_type not in STATIC_ROPE_TYPES:
-            raise UnsupportedModel(
-                f"rope type {rope_type!r} is not one of {', '.join(STATIC_ROPE_TYPES)}"
+        gemma = arch == "Gemma3ForCausalLM"
+        act = str(raw.get("hidden_activation" if gemma else "hidden_act") or "silu")
+        if act not in ACTIVATIONS:
+            raise UnsupportedModel(f"activation {act!r} is not one of {', '.join(ACTIVATIONS)}")
+        for rope in rope_variants(raw):
+            rope_type = str(rope.get("rope_type", rope.get("type", "default")))
+            if rope_type not in STATIC_ROPE_TYPES:
+                raise UnsupportedModel(
+                    f"rope type {rope_type!r} is not one of {', '.join(STATIC_ROPE_TYPES)}"
+                )
+            partial = float(
+                rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
             )
-        partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
-        if partial != 1.0:
-            raise UnsupportedModel(f"partial_rotary_factor {partial} is not 1")
+            if partial != 1.0:
+                raise UnsupportedModel(f"partial_rotary_factor {partial} is not 1")
+        for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if raw.get(cap):
+                raise UnsupportedModel(f"{cap} {raw[cap]} is not implemented")
+        if raw.get("use_bidirectional_attention"):
+            raise UnsupportedModel("bidirectional attention is not causal decoding")
         if int(raw.get("pretraining_tp", 1)) != 1:
             raise UnsupportedModel("pretraining_tp > 1 splits the projections differently")
         num_heads = int(raw["num_attention_heads"])
@@ -163,9 +189,14 @@ class TurboConfig:
             qkv_bias=qwen2 or attention_bias,
             o_bias=not qwen2 and attention_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=qwen3,
+            qk_norm=qwen3 or gemma,
             moe=MoeConfig.from_dict(raw, arch, num_layers),
             windows=layer_windows(raw, arch, num_layers),
+            activation=ACTIVATIONS[act],
+            norm_plus_one=gemma,
+            sandwich_norms=gemma,
+            embed_scale=hidden**0.5 if gemma else 1.0,
+            query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar") or 0) if gemma else 0.0,
         )
 
     @classmethod
@@ -187,15 +218,29 @@ def rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
     return dict(params) if isinstance(params, dict) else {}
 
 
+def rope_variants(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rotary settings of each kind of layer: Gemma 3 nests one per layer type
+    (`{"sliding_attention": {...}, "full_attention": {...}}`), the others have one."""
+    params = rope_parameters(raw)
+    nested = [v for v in params.values() if isinstance(v, dict)]
+    return nested if nested and len(nested) == len(params) else [params]
+
+
 def layer_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int, ...]:
     """Sliding windows per layer, as transformers applies them.
 
     Mistral, Mixtral: `sliding_window` on every layer (null = none). Qwen3-MoE: the same,
     only with `use_sliding_window`. Qwen2, Qwen3: only on layers whose `layer_types`
     entry is "sliding_attention" (by default from layer `max_window_layers` on), and only
-    with `use_sliding_window`. Llama: none.
+    with `use_sliding_window`. Gemma 3: on its "sliding_attention" layers (by default all
+    but every `sliding_window_pattern`-th). Llama: none.
     """
     window = int(raw.get("sliding_window") or 0)
+    if arch == "Gemma3ForCausalLM":
+        pattern = int(raw.get("sliding_window_pattern") or 6)
+        default = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                   for i in range(num_layers)]  # fmt: skip
+        return windows_of(raw.get("layer_types") or default, window, num_layers)
     use_window = window > 0 and bool(raw.get("use_sliding_window", False))
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return (window,) * num_layers
@@ -207,6 +252,11 @@ def layer_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int,
     if types is None:
         first = int(raw.get("max_window_layers", 28))
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    return windows_of(types, window, num_layers)
+
+
+def windows_of(types: list[str], window: int, num_layers: int) -> tuple[int, ...]:
+    """`window` on the "sliding_attention" layers of `types`, 0 on the others."""
     if len(types) != num_layers:
         raise UnsupportedModel(f"layer_types has {len(types)} entries for {num_layers} layers")
     return tuple(window if t == "sliding_attention" else 0 for t in types)

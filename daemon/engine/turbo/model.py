@@ -2,7 +2,7 @@
 
 One step runs the packed batch of T new tokens (ForwardBatch) through every layer:
 
-    residual = embed(ids)                                # [T, hidden]
+    residual = embed(ids) (* sqrt(hidden) for Gemma)     # [T, hidden]
     per layer:
         h = rms_norm(residual)  (layer 0)  |  rms_norm(out, residual += out)
         qkv = h @ Wqkv (+ b)                             # [T, (H + 2 Hkv) D]
@@ -10,8 +10,10 @@ One step runs the packed batch of T new tokens (ForwardBatch) through every laye
         into the pool (one kernel)
         attn = decode or prefill paged attention         # [T, H, D]
         out = attn @ Wo
+        (Gemma: out = rms_norm(out) first)
         h = rms_norm(out, residual += out)
         out = silu(h @ Wgate) * (h @ Wup) @ Wdown        # or k experts' (kernels/moe.py)
+        (Gemma: gelu for silu, then out = rms_norm(out))
     logits = rms_norm(rows of out, residual += out) @ Wlm   # only the sampled rows
 
 Matrix products go to cuBLAS through torch; the rest are our Triton kernels.
@@ -85,11 +87,13 @@ class StepInputs:
 
 
 class TurboModel:
-    def __init__(self, config: TurboConfig, weights: ModelWeights, rope: Tensor) -> None:
+    def __init__(self, config: TurboConfig, weights: ModelWeights, ropes: list[Tensor]) -> None:
         self.config = config
         self.weights = weights
-        self.rope = rope  # [max_positions, D] float32, cos | sin
-        self.scale = config.head_dim**-0.5
+        self.ropes = ropes  # per layer: [max_positions, D] float32, cos | sin
+        self.scale = config.attn_scale
+        # Gemma scales the embedding by sqrt(hidden) rounded to the weights' dtype.
+        self.embed_scale = torch.tensor(config.embed_scale, dtype=weights.embed.dtype).item()
         self.float_logits = mm_has_float_output(weights.embed)
         # Decode steps of up to 16 rows take the skinny-GEMM kernel (kernels/gemv.py),
         # faster than cuBLAS at those shapes in half precision (float32 keeps cuBLAS: the
@@ -105,6 +109,8 @@ class TurboModel:
         c, w = self.config, self.weights
         num_tokens = step.input_ids.shape[0]
         residual = F.embedding(step.input_ids, w.embed)  # [T, hidden]
+        if self.embed_scale != 1.0:
+            residual = residual * self.embed_scale
         hidden: Tensor | None = None
         for i, layer in enumerate(w.layers):
             if hidden is None:
@@ -116,7 +122,7 @@ class TurboModel:
                 qkv,
                 positions=step.positions,
                 slot_mapping=step.slot_mapping,
-                rope=self.rope,
+                rope=self.ropes[i],
                 kv=kv,
                 layer=i,
                 num_heads=c.num_heads,
@@ -127,8 +133,12 @@ class TurboModel:
             q = qkv.view(num_tokens, -1, c.head_dim)[:, : c.num_heads]  # [T, H, D], strided
             attn = self._attention(q, kv, i, step)  # [T, H, D]
             hidden = self._linear(attn.view(num_tokens, -1), layer.o, layer.o_bias)
+            if layer.attn_out_norm is not None:
+                hidden = kernels.rms_norm(hidden, layer.attn_out_norm, c.rms_norm_eps)
             h = kernels.rms_norm(hidden, layer.post_norm, c.rms_norm_eps, residual)
             hidden = self._mlp(h, layer)
+            if layer.mlp_out_norm is not None:
+                hidden = kernels.rms_norm(hidden, layer.mlp_out_norm, c.rms_norm_eps)
         if hidden is None:
             raise ValueError("a model without layers")
         if step.logits_indices is not None:
@@ -163,7 +173,8 @@ class TurboModel:
         if layer.gate_up is None or layer.down is None:
             raise ValueError("a dense layer without its MLP weights")
         gate_up = self._linear(h, layer.gate_up, layer.gate_up_bias)  # [T, 2I]
-        return self._linear(kernels.silu_and_mul(gate_up), layer.down, layer.down_bias)
+        act = kernels.silu_and_mul(gate_up, self.config.activation)
+        return self._linear(act, layer.down, layer.down_bias)
 
     def _linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         if self.skinny and x.shape[0] <= kernels.GEMV_MAX_ROWS:

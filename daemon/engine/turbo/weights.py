@@ -44,12 +44,14 @@ class LayerWeights:
     k_norm: Tensor | None  # [D], of each k head
     o: Tensor  # [hidden, H * D]
     o_bias: Tensor | None  # [hidden]
-    post_norm: Tensor  # [hidden]
+    attn_out_norm: Tensor | None  # [hidden], Gemma's norm of the attention's output
+    post_norm: Tensor  # [hidden], before the MLP
     # The dense MLP, or (a layer of experts) None and `experts`.
     gate_up: Tensor | None  # [2 I, hidden], rows gate | up
     gate_up_bias: Tensor | None  # [2 I]
     down: Tensor | None  # [hidden, I]
     down_bias: Tensor | None  # [hidden]
+    mlp_out_norm: Tensor | None  # [hidden], Gemma's norm of the MLP's output
     experts: ExpertWeights | None
 
 
@@ -112,29 +114,51 @@ def load_weights(
         def cat(names: list[str]) -> Tensor:
             return torch.cat([get(n) for n in names])
 
+        def norm(name: str) -> Tensor:
+            """An RMSNorm's weight; Gemma's scale by 1 + weight, added here in float32."""
+            if not config.norm_plus_one:
+                return get(name)
+            return (reader.get(name, torch.float32, device) + 1.0).to(dtype)
+
+        sandwich = config.sandwich_norms
+
         layers = []
         for i in range(config.num_layers):
-            attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+            layer = f"model.layers.{i}"
+            attn, mlp = f"{layer}.self_attn", f"{layer}.mlp"
             qkv = [f"{attn}.{p}_proj" for p in "qkv"]
             gate_up = [f"{mlp}.gate_proj", f"{mlp}.up_proj"]
             sparse = config.moe is not None and config.moe.sparse_layers[i]
             dense = not sparse
             layers.append(
                 LayerWeights(
-                    input_norm=get(f"model.layers.{i}.input_layernorm.weight"),
+                    input_norm=norm(f"{layer}.input_layernorm.weight"),
                     qkv=cat([f"{p}.weight" for p in qkv]),
                     qkv_bias=cat([f"{p}.bias" for p in qkv]) if config.qkv_bias else None,
-                    q_norm=get(f"{attn}.q_norm.weight") if config.qk_norm else None,
-                    k_norm=get(f"{attn}.k_norm.weight") if config.qk_norm else None,
+                    q_norm=norm(f"{attn}.q_norm.weight") if config.qk_norm else None,
+                    k_norm=norm(f"{attn}.k_norm.weight") if config.qk_norm else None,
                     o=get(f"{attn}.o_proj.weight"),
                     o_bias=get(f"{attn}.o_proj.bias") if config.o_bias else None,
-                    post_norm=get(f"model.layers.{i}.post_attention_layernorm.weight"),
+                    # Gemma names the norm after attention "post_attention" and the one
+                    # before the MLP "pre_feedforward"; the others have only the latter,
+                    # under the former's name.
+                    attn_out_norm=(
+                        norm(f"{layer}.post_attention_layernorm.weight") if sandwich else None
+                    ),
+                    post_norm=norm(
+                        f"{layer}.pre_feedforward_layernorm.weight"
+                        if sandwich
+                        else f"{layer}.post_attention_layernorm.weight"
+                    ),
                     gate_up=cat([f"{p}.weight" for p in gate_up]) if dense else None,
                     gate_up_bias=(
                         cat([f"{p}.bias" for p in gate_up]) if dense and config.mlp_bias else None
                     ),
                     down=get(f"{mlp}.down_proj.weight") if dense else None,
                     down_bias=get(f"{mlp}.down_proj.bias") if dense and config.mlp_bias else None,
+                    mlp_out_norm=(
+                        norm(f"{layer}.post_feedforward_layernorm.weight") if sandwich else None
+                    ),
                     experts=load_experts(reader, config, i, dtype, device) if sparse else None,
                 )
             )
@@ -143,7 +167,7 @@ def load_weights(
         # if the file also holds an lm_head tensor.
         lm_head = embed if config.tie_word_embeddings else get("lm_head.weight")
         weights = ModelWeights(
-            embed=embed, layers=layers, norm=get("model.norm.weight"), lm_head=lm_head
+            embed=embed, layers=layers, norm=norm("model.norm.weight"), lm_head=lm_head
         )
     check_shapes(weights, config)
     return weights
@@ -217,6 +241,8 @@ def check_shapes(weights: ModelWeights, config: TurboConfig) -> None:
         "o": (c.hidden_size, c.num_heads * c.head_dim),
         "q_norm": (c.head_dim,),
         "k_norm": (c.head_dim,),
+        "attn_out_norm": (c.hidden_size,),
+        "mlp_out_norm": (c.hidden_size,),
         "gate_up": (2 * c.intermediate_size, c.hidden_size),
         "down": (c.hidden_size, c.intermediate_size),
     }
@@ -229,8 +255,7 @@ def check_shapes(weights: ModelWeights, config: TurboConfig) -> None:
         }
     for n, layer in enumerate(weights.layers):
         tensors: dict[str, Tensor | None] = {
-            name: getattr(layer, name)
-            for name in ("qkv", "o", "q_norm", "k_norm", "gate_up", "down")
+            name: getattr(layer, name) for name in per_layer if hasattr(layer, name)
         }
         if layer.experts is not None:
             x = layer.experts
