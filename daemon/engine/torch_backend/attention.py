@@ -72,6 +72,16 @@ class PagedMetadata:
     prefills: list[PrefillSeq]
     masks: dict[tuple[int, int | None], Tensor] = field(default_factory=dict)
     num_layers_run: int = 0  # counts attention calls, to catch models that bypass us
+    # A CUDA-graph decode step's static inputs (turbo's StepInputs; graphs.py), or None.
+    graph_step: Any = None
+
+    @classmethod
+    def for_graph(cls, step: Any, kv: Tensor) -> PagedMetadata:
+        """A decode step of fixed shape: every row one new token, padding rows with slot
+        -1 and context 0 (they write and read nothing)."""
+        return cls(
+            kv, step.slot_mapping, step.slot_mapping, step.positions, [], [], graph_step=step
+        )
 
     @property
     def is_one_decode_group(self) -> bool:
@@ -225,6 +235,8 @@ def paged_attention(
     q = query[0].transpose(0, 1)  # [T, H, D]
     k = key[0].transpose(0, 1)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)  # [T, Hkv, D]
+    if meta.graph_step is not None:
+        return _graph_decode(meta, q, k, v, layer, window, scaling, softcap)[None], None
     kv[:, layer, 0][meta.slot_blocks, meta.slot_offsets] = k
     kv[:, layer, 1][meta.slot_blocks, meta.slot_offsets] = v
 
@@ -265,6 +277,37 @@ def paged_attention(
             )
         out[seq.start : seq.end] = o[0].transpose(0, 1)
     return out[None], None
+
+
+def _graph_decode(  # noqa: PLR0917
+    meta: PagedMetadata,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layer: int,
+    window: int | None,
+    scaling: float | None,
+    softcap: float | None,
+) -> Tensor:
+    """A CUDA-graph decode step's attention through turbo's Triton kernels, whose shapes
+    do not depend on the contexts (graphs.py): K/V written (padding rows skipped), then
+    paged decode attention. q: [T, H, D], k/v: [T, Hkv, D] -> [T, H, D]."""
+    from lmd.engine.turbo import kernels
+
+    if softcap is not None:
+        raise RuntimeError("logit soft-capping has no CUDA-graph decode path")
+    step = meta.graph_step
+    kernels.cache_write(k, v, step.slot_mapping, meta.kv, layer)
+    return kernels.decode_attention(
+        q,
+        meta.kv,
+        layer=layer,
+        block_tables=step.block_tables,
+        context_lens=step.context_lens,
+        scale=q.shape[-1] ** -0.5 if scaling is None else scaling,
+        window=window or 0,
+        num_splits=step.num_splits,
+    )
 
 
 def _decode(

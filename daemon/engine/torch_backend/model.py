@@ -5,7 +5,8 @@ and switched to our paged attention (`attention.py`) through transformers' atten
 interface. A step runs the packed batch as one sequence of T tokens with explicit
 position ids, so there is no padding, no HF KV cache object (use_cache=False) and no
 mask tensor (transformers makes none for an implementation without a mask function);
-rotary embeddings come from the position ids.
+rotary embeddings come from the position ids. On CUDA, pure decode steps replay CUDA
+graphs where the model allows them (graphs.py); prefill and mixed steps run eagerly.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from lmd.engine.torch_backend.attention import (
     paged_attention,
 )
 from lmd.engine.torch_backend.cpu_threads import CpuThreads
+from lmd.engine.torch_backend.graphs import GraphModel, GraphShape, why_not
 from lmd.engine.torch_backend.host_memory import keep_freed_memory
 from lmd.engine.torch_backend.linear import can_pack, pack_linears
 from lmd.engine.torch_backend.logits import float_logits
@@ -35,6 +37,8 @@ from lmd.engine.torch_backend.norm import fuse_rms_norms
 log = logging.getLogger(__name__)
 
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+DEFAULT_MAX_GRAPH_BATCH = 512
+DEFAULT_GRAPH_BUDGET_S = 60.0
 
 
 class TorchBackend(Backend):
@@ -42,7 +46,14 @@ class TorchBackend(Backend):
 
     name: ClassVar[str] = "torch"
 
-    def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        *,
+        cuda_graphs: bool = True,
+    ) -> None:
         self._device = torch.device(device)
         self._dtype = dtype
         # CPU: reuse freed activations; only as many threads as other processes leave cores.
@@ -84,6 +95,13 @@ class TorchBackend(Backend):
         log.info(
             "torch backend: %s from %s on %s (%s)", self._architecture, model_dir, device, dtype
         )
+        self.graphs: Any = None  # turbo's DecodeGraphs, once captured
+        self.use_cuda_graphs = False
+        if cuda_graphs and self._device.type == "cuda":
+            reason = why_not(self._config)
+            self.use_cuda_graphs = reason is None
+            if reason is not None:
+                log.info("torch backend: decode steps run without CUDA graphs: %s", reason)
 
     @property
     def architecture(self) -> str:
@@ -131,7 +149,51 @@ class TorchBackend(Backend):
     def device(self) -> torch.device:
         return self._device
 
+    def capture_graphs(
+        self,
+        kv: Tensor,
+        max_batch_size: int = DEFAULT_MAX_GRAPH_BATCH,
+        budget_s: float = DEFAULT_GRAPH_BUDGET_S,
+    ) -> None:
+        """Capture decode CUDA graphs for batches up to max_batch_size on this pool."""
+        if not self.use_cuda_graphs:
+            return
+        self.check_pool(kv)
+        graphs = self._new_graphs(kv, max_batch_size)
+        graphs.capture(budget_s)
+        self.graphs = graphs
+
+    def probe_graphs(self, kv: Tensor, max_batch_size: int) -> object | None:
+        """The largest decode batch's graph alone, captured on `kv` (memory_profile.py)."""
+        if not self.use_cuda_graphs:
+            return None
+        self.check_pool(kv)
+        graphs = self._new_graphs(kv, max_batch_size)
+        graphs.capture(sizes=[max(graphs.sizes)])
+        probe: object = graphs
+        return probe
+
+    def _new_graphs(self, kv: Tensor, max_batch_size: int) -> Any:
+        from lmd.engine.turbo.graphs import DecodeGraphs
+
+        shape = GraphShape(self._context_len, self.vocab_size, self.num_kv_heads)
+        model = GraphModel(self.model, shape, self.num_layers)
+        return DecodeGraphs(model, kv, max_batch_size, name="torch backend")
+
     def forward(self, batch: ForwardBatch, kv: Tensor) -> Tensor:
+        self.check_step(batch, kv)
+        is_decode = batch.num_tokens == batch.num_seqs > 0
+        if self.use_cuda_graphs and is_decode:
+            if self.graphs is None or self.graphs.kv.data_ptr() != kv.data_ptr():
+                self.capture_graphs(kv)
+            if self.graphs is not None and self.graphs.can_run(batch, kv):
+                with torch.inference_mode():
+                    logits: Tensor = self.graphs.run(batch)
+                    return logits
+        return self.forward_eager(batch, kv)
+
+    def forward_eager(self, batch: ForwardBatch, kv: Tensor) -> Tensor:
+        """The same step without CUDA graphs."""
         self.check_step(batch, kv)
         num_rows = int(batch.logits_indices.shape[0])
         if batch.num_tokens == 0:
@@ -163,7 +225,7 @@ class TorchBackend(Backend):
         head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]
         hook = head.register_forward_pre_hook(lambda _m, args: caught.append(args[0]))
         try:
-            logits = self.forward(batch, kv)
+            logits = self.forward_eager(batch, kv)  # a graph's replay would call no hook
         finally:
             hook.remove()
         if not caught:  # an empty batch runs no model

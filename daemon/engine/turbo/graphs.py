@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ from torch import Tensor
 
 from lmd.engine.backend import ForwardBatch
 from lmd.engine.turbo import kernels
-from lmd.engine.turbo.model import StepInputs, TurboModel
+from lmd.engine.turbo.model import StepInputs
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +50,32 @@ def bucket_sizes(max_batch_size: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_batch_size})
 
 
+class GraphedConfig(Protocol):
+    @property
+    def max_position_embeddings(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+
+
+class GraphedModel(Protocol):
+    """What a graph captures: turbo's TurboModel, or the torch backend's GraphModel."""
+
+    @property
+    def config(self) -> GraphedConfig: ...
+
+    def forward(self, step: StepInputs, kv: Tensor, out: Tensor | None = None) -> Tensor: ...
+
+
 class DecodeGraphs:
-    def __init__(self, model: TurboModel, kv: Tensor, max_batch_size: int) -> None:
+    def __init__(
+        self, model: GraphedModel, kv: Tensor, max_batch_size: int, name: str = "turbo"
+    ) -> None:
         if kv.device.type != "cuda":
             raise ValueError("CUDA graphs need the KV pool on a CUDA device")
         self.model = model
+        self.name = name  # in the log lines
         self.kv = kv
         self.sizes = bucket_sizes(max_batch_size)
         device = kv.device
@@ -126,12 +147,13 @@ class DecodeGraphs:
         self.slot_mapping.fill_(-1)
         self.context_lens.zero_()
         todo = sorted(self.sizes if sizes is None else sizes, reverse=True)
-        log.info("turbo: capturing %d decode CUDA graphs (batch %d..1)", len(todo), todo[0])
+        log.info("%s: capturing %d decode CUDA graphs (batch %d..1)", self.name, len(todo), todo[0])
         with torch.inference_mode():
             for done, size in enumerate(todo, 1):
                 if time.perf_counter() - start > budget_s:
                     log.warning(
-                        "turbo: CUDA graph budget of %.0f s spent; batches %s run eagerly",
+                        "%s: CUDA graph budget of %.0f s spent; batches %s run eagerly",
+                        self.name,
                         budget_s,
                         ", ".join(map(str, todo[done - 1 :])),
                     )
@@ -145,7 +167,8 @@ class DecodeGraphs:
                 self.graphs[size] = graph
                 if done == len(todo) or done % max(1, len(todo) // 4) == 0:
                     log.info(
-                        "turbo: captured %d/%d CUDA graphs (%.1f s)",
+                        "%s: captured %d/%d CUDA graphs (%.1f s)",
+                        self.name,
                         done,
                         len(todo),
                         time.perf_counter() - start,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from lmd.engine.turbo.kernels.activation import silu_and_mul
+from lmd.engine.turbo.kernels.cache_write import cache_write
 from lmd.engine.turbo.kernels.decode_attention import decode_attention, decode_splits
 from lmd.engine.turbo.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from lmd.engine.turbo.kernels.gemv import gemv
@@ -21,6 +22,7 @@ from lmd.engine.turbo.kernels.rotary import rotary_and_cache_write
 
 __all__ = [
     "GEMV_MAX_ROWS",
+    "cache_write",
     "decode_attention",
     "decode_splits",
     "fused_moe",
