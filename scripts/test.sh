@@ -48,4 +48,5 @@ if ! command -v etcd >/dev/null && [[ $EUID == 0 ]] && command -v apt-get >/dev/
         echo "could not install etcd-server"
 fi
 echo "== pytest"
-$bin/python -m pytest -q -ra -m "not slow" "$@"
+# --durations: the slowest tests at the end, to see where the suite's time goes.
+$bin/python -m pytest -q -ra -m "not slow" --durations=30 "$@"
