@@ -230,6 +230,12 @@ class Backend(ABC):
     @abstractmethod
     def device(self) -> torch.device: ...
 
+    @property
+    def kv_window(self) -> int:
+        """The sliding window when every layer has one (the engine frees KV blocks that
+        fall behind it), else 0."""
+        return 0
+
     @abstractmethod
     def forward(self, batch: ForwardBatch, kv: Tensor) -> Tensor:
         """Run one step: write the new tokens' K/V into `kv`, return float32 logits

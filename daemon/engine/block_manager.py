@@ -7,6 +7,11 @@ Lifecycle of a block:
   evictable  --prefix hit-->        used again (its KV is reused, not recomputed)
   evictable  --allocate needs it--> free (hash dropped, least recently freed first)
 
+With a sliding window on every layer (`window` > 0), the blocks of a decoding sequence
+that no later query can see (all their tokens `window` or more positions behind the
+next one) are released as it goes (`release_behind_window`); its block table keeps
+their places, pointing at block 0, which nothing reads there.
+
 Free and evictable blocks both count as free: once every sequence is freed,
 num_free_blocks == num_total_blocks. A block's hash is a chain: blake2b of the previous
 block's hash and this block's token ids, so a hit on block i implies the whole prefix
@@ -46,7 +51,12 @@ class BlockManager:
     """Reference-counted allocator over `num_blocks` KV blocks of `block_size` tokens."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = False,
+        window: int = 0,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -54,6 +64,7 @@ class BlockManager:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window  # every layer's sliding window, or 0
         self._blocks = [Block(i) for i in range(num_blocks)]
         # Lowest id first, so a fresh pool hands out contiguous runs (cheap migration).
         self._free: list[int] = list(range(num_blocks))
@@ -61,6 +72,7 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[bytes, int] = {}  # digest -> block id holding that KV
         self._num_hashed: dict[str, int] = {}  # request id -> leading blocks hashed
+        self._num_released: dict[str, int] = {}  # request id -> leading blocks behind the window
 
     # -- counters ---------------------------------------------------------------
 
@@ -131,11 +143,32 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references; safe to call again (a no-op once freed)."""
         # Tail first: the tail of a sequence is evicted before its shared prefix.
-        for block_id in reversed(seq.block_table):
+        released = self._num_released.pop(seq.request_id, 0)
+        for block_id in reversed(seq.block_table[released:]):
             self._release(block_id)
         seq.block_table = []
         seq.num_cached_tokens = 0
         self._num_hashed.pop(seq.request_id, None)
+
+    def release_behind_window(self, seq: Sequence) -> int:
+        """Release `seq`'s leading blocks no query from its next token on can see; returns
+        how many it released now. Every key j of a block is out of sight once j <= q0 -
+        window for the next query position q0 (= num_cached_tokens). With prefix caching
+        the last hashed block stays (it chains the next block's hash). A no-op without a
+        window."""
+        if not self.window:
+            return 0
+        dead = max(0, (seq.num_cached_tokens - self.window + 1) // self.block_size)
+        if self.enable_prefix_caching:
+            dead = min(dead, self._num_hashed.get(seq.request_id, 0) - 1)
+        done = self._num_released.get(seq.request_id, 0)
+        if dead <= done:
+            return 0
+        for i in range(done, dead):
+            self._release(seq.block_table[i])
+            seq.block_table[i] = 0  # a placeholder: the kernels start at the window
+        self._num_released[seq.request_id] = dead
+        return dead - done
 
     # -- grow -------------------------------------------------------------------------
 

@@ -12,7 +12,8 @@ Life cycle of a request in the decode scheduler:
      admits waiting sequences in order while the batch has a slot and a block.
   3. `postprocess(batch, token_ids)` appends one sampled token per sequence, finishes
      it on a stop or eos token (not before min_new_tokens, eos not with ignore_eos),
-     max_tokens or session_len (finish_reason `length`), and frees finished ones.
+     max_tokens or session_len (finish_reason `length`), and frees finished ones; with
+     a sliding window on every layer, blocks behind it go back to the pool.
   4. `abort(request_id)` frees the request wherever it is.
 A step may also be scheduled before the last step's tokens are known (the engine's
 overlap of host and device work): `schedule_ahead()` gives every running sequence room
@@ -124,12 +125,15 @@ class DecodeScheduler(SequenceQueues):
         # Once per step, not per sequence (this loop runs for every token).
         eos, max_seq_len = self.eos_token_ids, self.max_seq_len
         caching = self.block_manager.enable_prefix_caching
+        windowed = self.block_manager.window > 0
         for seq, token_id in zip(batch.seqs, token_ids, strict=True):
             if seq.is_finished:  # aborted while the step ran
                 continue
             seq.num_cached_tokens = seq.num_tokens
             if caching:
                 self.block_manager.cache_full_blocks(seq)
+            if windowed:  # blocks no later query sees go back to the pool
+                self.block_manager.release_behind_window(seq)
             reason = seq.append_token(token_id, eos_token_ids=eos, max_seq_len=max_seq_len)
             if reason is not None:
                 self.running.remove(seq)

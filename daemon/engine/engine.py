@@ -9,7 +9,8 @@ Life cycle of a request in the engine (hybrid: prefill and decode in one process
      back to the front of the prefill queue to be recomputed.
   3. Every token sampled comes back as a `TokenEvent` with the finish reason, if any.
   4. `abort(request_id)` frees the request's blocks wherever it is.
-The worker that owns an engine calls `step()` from one thread only.
+The worker that owns an engine calls `step()` from one thread only. With a sliding window
+on every layer (`backend.kv_window`), blocks behind it are freed while decoding.
 
 Overlapped decode steps (`EngineConfig.overlap_steps`, on by default on CUDA): a decode
 step is launched (forward and sampling queued on the device, its tokens copied to pinned
@@ -85,10 +86,9 @@ class Engine:
         self.config = config.with_session_len(backend.max_position_embeddings)
         self.pool = pool
         eos = backend.eos_token_ids
+        caching, window = self.config.enable_prefix_caching, backend.kv_window
         self.block_manager = BlockManager(
-            pool.num_blocks,
-            pool.block_size,
-            enable_prefix_caching=self.config.enable_prefix_caching,
+            pool.num_blocks, pool.block_size, enable_prefix_caching=caching, window=window
         )
         self.prefill = PrefillScheduler(self.config, self.block_manager, eos)
         self.decode = DecodeScheduler(self.config, self.block_manager, eos)

@@ -233,3 +233,46 @@ def test_duplicate_computations_keep_one_cached_copy_and_leak_nothing() -> None:
     c = seq("c", [1, 2, 3, 4, 7])
     bm.allocate(c)
     assert c.num_cached_tokens == 4
+
+
+def test_blocks_behind_a_sliding_window_go_back_to_the_pool() -> None:
+    bm = BlockManager(10, BS, window=8)
+    s = seq("a", list(range(21)))
+    bm.allocate(s)  # 6 blocks for 21 tokens
+    s.num_cached_tokens = 20  # the next query is at position 20: it sees keys 13..20
+    # Blocks 0-2 (keys 0..11) are out of every later query's sight; block 3 (12..15) has 13.
+    assert bm.release_behind_window(s) == 3
+    assert s.block_table[:3] == [0, 0, 0] and bm.num_used_blocks == 3
+    assert bm.release_behind_window(s) == 0  # nothing more until the query moves on
+    s.num_cached_tokens = 24
+    assert bm.release_behind_window(s) == 1
+    bm.free(s)  # only what it still holds: nothing freed twice
+    assert bm.num_free_blocks == bm.num_total_blocks
+
+
+def test_without_a_window_nothing_is_released() -> None:
+    bm = BlockManager(10, BS)
+    s = seq("a", list(range(21)))
+    bm.allocate(s)
+    s.num_cached_tokens = 20
+    assert bm.release_behind_window(s) == 0 and bm.num_used_blocks == 6
+
+
+def test_with_prefix_caching_the_last_hashed_block_stays_for_the_chain() -> None:
+    bm = BlockManager(10, BS, enable_prefix_caching=True, window=4)
+    s = seq("a", list(range(21)))
+    bm.allocate(s)
+    s.num_cached_tokens = 12
+    bm.cache_full_blocks(s)  # blocks 0-2 hashed
+    # Keys 0..8 are out of sight (blocks 0, 1 whole), but block 2 chains block 3's hash.
+    assert bm.release_behind_window(s) == 2
+    s.num_cached_tokens = 20
+    bm.cache_full_blocks(s)  # block 3 and 4 hashed on block 2's digest: still held
+    assert bm.release_behind_window(s) == 2  # blocks 2, 3; block 4 chains what comes next
+    twin = seq("b", list(range(21)))
+    assert bm.can_allocate(twin)
+    bm.allocate(twin)  # the released blocks are still cached: a full prefix hit
+    assert twin.num_cached_tokens == 20
+    bm.free(s)
+    bm.free(twin)
+    assert bm.num_free_blocks == bm.num_total_blocks

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from transformers import PreTrainedModel
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from lmd.engine.config import EngineConfig
 from lmd.engine.engine import Engine
@@ -165,3 +166,33 @@ def test_token_ids_outside_the_vocabulary_fail_that_request_alone(model_dir: Pat
         tokens += [e.token_id for e in engine.step()]
     assert len(tokens) == GREEDY.max_tokens  # the good request, untouched
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+
+
+def test_a_sliding_window_model_frees_blocks_behind_it_and_keeps_its_tokens(
+    tmp_path: Path,
+) -> None:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from tests.models import TINY_SHAPE
+
+    torch.manual_seed(4)
+    MistralForCausalLM(MistralConfig(**TINY_SHAPE, sliding_window=12)).save_pretrained(tmp_path)
+    engine = make_engine(tmp_path, block_size=4)
+    assert engine.block_manager.window == 12
+    prompts = random_prompts([5, 30], engine.backend.vocab_size, seed=8)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add(Sequence(f"r{i}", prompt, params))
+    out: dict[str, list[int]] = {"r0": [], "r1": []}
+    most_used = 0
+    while engine.has_work:
+        for event in engine.step():
+            out[event.request_id].append(event.token_id)
+        most_used = max(most_used, engine.block_manager.num_used_blocks)
+    # Each sequence holds its window's blocks plus the one being filled, never its whole
+    # context (70 tokens: 18 blocks each).
+    assert most_used <= 2 * (12 // 4 + 2)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    for i, prompt in enumerate(prompts):
+        assert out[f"r{i}"] == hf_greedy(ref, prompt, 40)

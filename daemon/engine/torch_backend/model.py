@@ -142,6 +142,16 @@ class TorchBackend(Backend):
         return self._context_len
 
     @property
+    def kv_window(self) -> int:
+        """Every layer windowed: Mistral's and Mixtral's `sliding_window`, or a
+        `layer_types` of sliding layers only."""
+        window = int(getattr(self._config, "sliding_window", None) or 0)
+        types = getattr(self._config, "layer_types", None)
+        if types:
+            return window if all(t == "sliding_attention" for t in types) else 0
+        return window if self._config.model_type in ("mistral", "mixtral") else 0
+
+    @property
     def dtype(self) -> torch.dtype:
         return self._dtype
 

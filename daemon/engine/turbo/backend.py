@@ -115,6 +115,11 @@ class TurboBackend(Backend):
         return self.config.max_position_embeddings
 
     @property
+    def kv_window(self) -> int:
+        windows = self.config.windows
+        return min(windows) if windows and all(windows) else 0
+
+    @property
     def dtype(self) -> torch.dtype:
         return self._dtype
 
