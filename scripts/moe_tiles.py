@@ -21,7 +21,8 @@ from lmd.engine.turbo.kernels import moe
 
 E, K, HIDDEN, INTER = 128, 8, 2048, 768
 TILES = [None, (32, 128, 4, 3), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 3),
-         (32, 256, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3), (16, 256, 4, 4)]  # fmt: skip
+         (32, 256, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3), (16, 256, 4, 4),
+         (128, 64, 8, 3), (256, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)]  # fmt: skip
 
 
 def bench(fn: Callable[[], object]) -> float:
@@ -32,6 +33,9 @@ def bench(fn: Callable[[], object]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", default="1,8,64,256,4096")
+    parser.add_argument(
+        "--block-m", type=int, default=0, help="rows per block (default: moe.block_rows)"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -43,7 +47,7 @@ def main() -> None:
         h = torch.randn(tokens, HIDDEN, device=dev, dtype=torch.bfloat16)
         weights, experts = moe.route(h, router, K, True, float_out=True)
         gb = int(torch.unique(experts).numel()) * expert_bytes / 1e3  # in kB: GB/s from us
-        block_m = moe.block_rows(tokens * K, E)
+        block_m = args.block_m or moe.block_rows(tokens * K, E)
         layout = moe.align(experts, E, block_m)
         act = torch.randn(tokens * K, INTER, device=dev, dtype=torch.bfloat16)
         whole = bench(partial(moe.fused_moe, h, router, gate_up, down, top_k=K,

@@ -71,7 +71,7 @@ def test_align_places_every_pair_once_in_blocks_of_one_expert(
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("num_tokens", "num_experts", "top_k", "norm"),
-    [(1, 8, 2, True), (5, 16, 4, False), (37, 4, 2, True), (130, 8, 2, False)],
+    [(1, 8, 2, True), (5, 16, 4, False), (37, 4, 2, True), (130, 8, 2, False), (300, 4, 2, True)],
 )
 def test_fused_moe_equals_the_loop_over_experts(
     dtype: torch.dtype, num_tokens: int, num_experts: int, top_k: int, norm: bool
@@ -104,5 +104,6 @@ def test_fused_moe_of_no_tokens_is_empty() -> None:
 
 def test_block_rows_grow_with_the_rows_per_expert() -> None:
     assert moe.block_rows(8, 128) == 16  # a decode step: a few rows per expert
-    assert moe.block_rows(64 * 8, 8) == 64  # a prefill: many
+    assert moe.block_rows(64 * 8, 8) == 64  # a short prefill: many
+    assert moe.block_rows(4096 * 8, 128) == 128  # a prefill chunk of Qwen3-30B-A3B
     assert moe.block_rows(3 * 128, 8) == 32

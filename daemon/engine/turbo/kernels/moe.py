@@ -260,9 +260,14 @@ def grouped_gemm(
         raise ValueError(f"grouped_gemm: a {tuple(a.shape)} against weights {tuple(weight.shape)}")
     out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
     # The fastest at Qwen3-30B-A3B's shapes on an H200 (scripts/moe_tiles.py): 64 x 128
-    # for decode's few rows per expert (~4 TB/s), 128 x 64 for a prefill's 64-row blocks
-    # (1.4x the former there).
-    default = (128, 64, 4, 3) if block_m >= 64 else (64 if n >= 1024 else 32, 128, 4, 3)
+    # for decode's few rows per expert (~4 TB/s), 128 x 64 for 64-row blocks, 256 x 64
+    # on 8 warps for a prefill's 128-row blocks (1.2x 64-row blocks at 4-8k tokens).
+    if block_m >= 128:
+        default = (min(256, triton.next_power_of_2(n)), 64, 8, 3)
+    elif block_m >= 64:
+        default = (128, 64, 4, 3)
+    else:
+        default = (64 if n >= 1024 else 32, 128, 4, 3)
     block_n, block_k, num_warps, num_stages = tiles or default
     grid = (block_expert.shape[0], triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
@@ -293,10 +298,12 @@ def grouped_gemm(
 
 def block_rows(num_pairs: int, num_experts: int) -> int:
     """BLOCK_M for this many pairs: the rows an expert gets on average, at least 16
-    (tl.dot's least) and at most 64; a decode step's few rows per expert waste less
+    (tl.dot's least) and at most 128; a decode step's few rows per expert waste less
     padding with small blocks, a prefill's many use the tensor cores better with big."""
     per_expert = num_pairs / num_experts
-    return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+    if per_expert <= 48:
+        return 16 if per_expert <= 16 else 32
+    return 64 if per_expert <= 128 else 128
 
 
 def fused_moe(
