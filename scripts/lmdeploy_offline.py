@@ -8,7 +8,8 @@ turbo issue's offline targets compare with, run in the same device call as lmd.
 largest batch))`, its other settings default. Each batch's prompts are the same random
 token ids lmd's bench uses (`lmd.bench.offline.random_prompts`), given to LMDeploy as ids
 (its AsyncEngine takes `input_ids` in place of messages); greedy, ignore_eos. Time: all
-requests submitted at once until the last finishes, prefill included. One JSON line per
+requests submitted at once until the last finishes, prefill included, after a warm-up
+at the batch's size (other prompts, 2 tokens), as lmd's script. One JSON line per
 batch. Needs LMDeploy on PYTHONPATH (../shared/scripts/lmdeploy-anchor.sh).
 """
 
@@ -58,6 +59,8 @@ def main() -> None:
     )
     generate(pipe, random_prompts(1, args.input_len, args.vocab, 1), 4)  # warm-up
     for batch in batches:
+        # The warm-up of scripts/families_bench.py: this batch's shapes, other prompts.
+        generate(pipe, random_prompts(batch, args.input_len, args.vocab, 3), 2)
         prompts = random_prompts(batch, args.input_len, args.vocab, 0)
         start = time.perf_counter()
         made = generate(pipe, prompts, args.output_len)
