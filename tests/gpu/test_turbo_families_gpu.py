@@ -41,9 +41,9 @@ from transformers import (
 
 from lmd.engine.backends import select_backend
 from lmd.engine.turbo.backend import TurboBackend
-from tests.gpu.test_turbo_backend_gpu import PROMPT_LENGTHS, reference
+from tests.gpu.test_turbo_backend_gpu import PROMPT_LENGTHS, bf16_against_float32
 from tests.models import random_prompts
-from tests.unit.test_turbo_model import all_logits, greedy, new_pool
+from tests.unit.test_turbo_model import greedy, new_pool
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -111,23 +111,8 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 def test_bf16_logits_agree_with_float32_transformers(family: Path) -> None:
     turbo = TurboBackend(family, CUDA, BF16)
     prompts = random_prompts(PROMPT_LENGTHS, turbo.vocab_size, seed=31)
-    ours = torch.cat(all_logits(turbo, prompts, new_pool(turbo, 512, 16)))
-    refs = {}
-    for dtype in (torch.float32, BF16):
-        model = reference(family, dtype)
-        with torch.inference_mode():
-            refs[dtype] = torch.cat(
-                [model(torch.tensor([p], device=CUDA)).logits[0].float() for p in prompts]
-            )
-        del model
-    ref = refs[torch.float32]
-
-    def measure(logits: torch.Tensor) -> tuple[float, float]:
-        rel = float((logits - ref).norm() / ref.norm())
-        return rel, float(logits.argmax(-1).eq(ref.argmax(-1)).float().mean())
-
-    (rel, top1), (hf_rel, hf_top1) = measure(ours), measure(refs[BF16])
-    print(f"\n{family.name}: bf16 vs float32 over {ref.shape[0]} positions: turbo rel "
+    rel, top1, hf_rel, hf_top1 = bf16_against_float32(turbo, family, prompts)
+    print(f"\n{family.name}: bf16 vs float32 over {sum(PROMPT_LENGTHS)} positions: turbo rel "
           f"{rel:.2e} top-1 {top1:.4f}; transformers bf16 rel {hf_rel:.2e} "
           f"top-1 {hf_top1:.4f}")  # fmt: skip
     assert rel < max(2e-2, 1.5 * hf_rel)

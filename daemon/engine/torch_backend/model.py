@@ -19,8 +19,9 @@ import torch
 from torch import Tensor
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from lmd.engine.backend import Backend, BackendError, ForwardBatch
+from lmd.engine.backend import BackendError, ForwardBatch
 from lmd.engine.config import context_len, read_hf_config
+from lmd.engine.graphed import GraphedDecode
 from lmd.engine.torch_backend.attention import (
     ATTENTION_NAME,
     METADATA_KWARG,
@@ -37,11 +38,9 @@ from lmd.engine.torch_backend.norm import fuse_rms_norms
 log = logging.getLogger(__name__)
 
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
-DEFAULT_MAX_GRAPH_BATCH = 512
-DEFAULT_GRAPH_BUDGET_S = 60.0
 
 
-class TorchBackend(Backend):
+class TorchBackend(GraphedDecode):
     """A Hugging Face causal LM on CPU or CUDA with paged attention."""
 
     name: ClassVar[str] = "torch"
@@ -159,31 +158,7 @@ class TorchBackend(Backend):
     def device(self) -> torch.device:
         return self._device
 
-    def capture_graphs(
-        self,
-        kv: Tensor,
-        max_batch_size: int = DEFAULT_MAX_GRAPH_BATCH,
-        budget_s: float = DEFAULT_GRAPH_BUDGET_S,
-    ) -> None:
-        """Capture decode CUDA graphs for batches up to max_batch_size on this pool."""
-        if not self.use_cuda_graphs:
-            return
-        self.check_pool(kv)
-        graphs = self._new_graphs(kv, max_batch_size)
-        graphs.capture(budget_s)
-        self.graphs = graphs
-
-    def probe_graphs(self, kv: Tensor, max_batch_size: int) -> object | None:
-        """The largest decode batch's graph alone, captured on `kv` (memory_profile.py)."""
-        if not self.use_cuda_graphs:
-            return None
-        self.check_pool(kv)
-        graphs = self._new_graphs(kv, max_batch_size)
-        graphs.capture(sizes=[max(graphs.sizes)])
-        probe: object = graphs
-        return probe
-
-    def _new_graphs(self, kv: Tensor, max_batch_size: int) -> Any:
+    def new_graphs(self, kv: Tensor, max_batch_size: int) -> Any:
         from lmd.engine.turbo.graphs import DecodeGraphs
 
         shape = GraphShape(self._context_len, self.vocab_size, self.num_kv_heads)
@@ -192,19 +167,15 @@ class TorchBackend(Backend):
 
     def forward(self, batch: ForwardBatch, kv: Tensor) -> Tensor:
         self.check_step(batch, kv)
-        is_decode = batch.num_tokens == batch.num_seqs > 0
-        if self.use_cuda_graphs and is_decode:
-            if self.graphs is None or self.graphs.kv.data_ptr() != kv.data_ptr():
-                self.capture_graphs(kv)
-            if self.graphs is not None and self.graphs.can_run(batch, kv):
-                with torch.inference_mode():
-                    logits: Tensor = self.graphs.run(batch)
-                    return logits
-        return self.forward_eager(batch, kv)
+        logits = self.replay(batch, kv)
+        return self._forward_eager(batch, kv) if logits is None else logits
 
     def forward_eager(self, batch: ForwardBatch, kv: Tensor) -> Tensor:
         """The same step without CUDA graphs."""
         self.check_step(batch, kv)
+        return self._forward_eager(batch, kv)
+
+    def _forward_eager(self, batch: ForwardBatch, kv: Tensor) -> Tensor:
         num_rows = int(batch.logits_indices.shape[0])
         if batch.num_tokens == 0:
             return torch.empty(num_rows, self.vocab_size, device=self._device)

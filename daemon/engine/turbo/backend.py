@@ -22,7 +22,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from lmd.engine.backend import Backend, BackendError, ForwardBatch
+from lmd.engine.backend import BackendError, ForwardBatch
+from lmd.engine.graphed import GraphedDecode
 from lmd.engine.turbo import kernels
 from lmd.engine.turbo.config import TurboConfig, UnsupportedModel
 from lmd.engine.turbo.graphs import DecodeGraphs
@@ -32,11 +33,8 @@ from lmd.engine.turbo.weights import eos_token_ids, load_weights
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_GRAPH_BATCH = 512
-DEFAULT_GRAPH_BUDGET_S = 60.0
 
-
-class TurboBackend(Backend):
+class TurboBackend(GraphedDecode):
     name: ClassVar[str] = "turbo"
 
     def __init__(
@@ -129,42 +127,16 @@ class TurboBackend(Backend):
 
     # Stepping --------------------------------------------------------------------------
 
-    def capture_graphs(
-        self,
-        kv: Tensor,
-        max_batch_size: int = DEFAULT_MAX_GRAPH_BATCH,
-        budget_s: float = DEFAULT_GRAPH_BUDGET_S,
-    ) -> None:
-        """Capture decode CUDA graphs for batches up to max_batch_size on this pool."""
-        if not self.use_cuda_graphs:
-            return
-        self.check_pool(kv)
-        graphs = DecodeGraphs(self.model, kv, max_batch_size)
-        graphs.capture(budget_s)
-        self.graphs = graphs
-
-    def probe_graphs(self, kv: Tensor, max_batch_size: int) -> object | None:
-        """The largest decode batch's graph alone, captured on `kv` (memory_profile.py)."""
-        if not self.use_cuda_graphs:
-            return None
-        self.check_pool(kv)
-        graphs = DecodeGraphs(self.model, kv, max_batch_size)
-        graphs.capture(sizes=[max(graphs.sizes)])
-        return graphs
+    def new_graphs(self, kv: Tensor, max_batch_size: int) -> DecodeGraphs:
+        return DecodeGraphs(self.model, kv, max_batch_size)
 
     def forward(self, batch: ForwardBatch, kv: Tensor) -> Tensor:
         self.check_step(batch, kv)
         num_rows = int(batch.logits_indices.shape[0])
         if batch.num_tokens == 0:
             return torch.empty(num_rows, self.vocab_size, device=self._device)
-        is_decode = batch.num_tokens == batch.num_seqs
-        if self.use_cuda_graphs and is_decode:
-            if self.graphs is None or self.graphs.kv.data_ptr() != kv.data_ptr():
-                self.capture_graphs(kv)
-            if self.graphs is not None and self.graphs.can_run(batch, kv):
-                with torch.inference_mode():
-                    return self.graphs.run(batch)
-        return self.forward_eager(batch, kv)
+        logits = self.replay(batch, kv)
+        return self.forward_eager(batch, kv) if logits is None else logits
 
     def forward_eager(self, batch: ForwardBatch, kv: Tensor) -> Tensor:
         """The same step without CUDA graphs."""
