@@ -9,6 +9,7 @@ constructor and implements `new_graphs(kv, max_batch_size)`; its `forward` asks
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import Any
 
 import torch
@@ -24,9 +25,9 @@ class GraphedDecode(Backend):
     use_cuda_graphs: bool
     graphs: Any  # turbo.graphs.DecodeGraphs once captured, else None
 
+    @abstractmethod
     def new_graphs(self, kv: Tensor, max_batch_size: int) -> Any:
         """Uncaptured DecodeGraphs of this backend's model on `kv`."""
-        raise NotImplementedError
 
     def capture_graphs(
         self,

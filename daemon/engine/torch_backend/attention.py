@@ -78,7 +78,8 @@ class PagedMetadata:
     @classmethod
     def for_graph(cls, step: Any, kv: Tensor) -> PagedMetadata:
         """A decode step of fixed shape: every row one new token, padding rows with slot
-        -1 and context 0 (they write and read nothing)."""
+        -1 and context 0 (they write and read nothing). slot_blocks and slot_offsets go
+        unused (`_graph_decode` writes through the slot mapping itself)."""
         return cls(
             kv, step.slot_mapping, step.slot_mapping, step.positions, [], [], graph_step=step
         )

@@ -22,6 +22,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lmd.engine.torch_backend.attention import METADATA_KWARG, PagedMetadata
+from lmd.engine.turbo.support import triton_import_error
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +66,4 @@ def why_not(config: Any) -> str | None:
         return "its experts are chosen with a host sync (nonzero) in transformers"
     if getattr(config, "attn_logit_softcapping", None):
         return "logit soft-capping has no Triton decode attention"
-    try:
-        import triton  # noqa: F401
-    except Exception as exc:  # a broken install raises more than ImportError
-        return f"triton does not import ({type(exc).__name__})"
-    return None
+    return triton_import_error()

@@ -9,6 +9,7 @@ Gemma 3's local and global layers have tables of their own (`layer_rope_tables`)
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -19,6 +20,10 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 def rope_table(model_dir: Path, max_positions: int, device: torch.device) -> Tensor:
     """[max_positions, D] float32 on `device`: cos of the D/2 angles | their sin."""
     config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    return llama_table(config, max_positions, device)
+
+
+def llama_table(config: Any, max_positions: int, device: torch.device) -> Tensor:
     # Qwen2's, Qwen3's and Mistral's rotary modules are copies of Llama's.
     rotary = LlamaRotaryEmbedding(config=config)
     return table_of(rotary.inv_freq, float(rotary.attention_scaling), max_positions, device)
@@ -30,7 +35,7 @@ def layer_rope_tables(model_dir: Path, max_positions: int, device: torch.device)
     config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     config = getattr(config, "text_config", None) or config
     if config.model_type != "gemma3_text":
-        return [rope_table(model_dir, max_positions, device)] * config.num_hidden_layers
+        return [llama_table(config, max_positions, device)] * config.num_hidden_layers
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
 
     rotary = Gemma3RotaryEmbedding(config=config)

@@ -3,9 +3,9 @@
 Per layer, q/k/v become one [(H + 2 Hkv) * D, hidden] matrix and gate/up one
 [2 I, hidden] matrix, so each runs as one GEMM; a layer of experts stacks them, gate/up
 as [E, 2 I, hidden] and down as [E, hidden, I] (one grouped GEMM each, kernels/moe.py);
-everything else keeps its Hugging Face shape.
-Names are transformers' (`model.layers.{i}.self_attn.q_proj.weight`, ...), which
-is also what lmd's GGUF conversion writes. Tensors the decoder does not use (e.g. old
+everything else keeps its Hugging Face shape. Names are transformers'
+(`model.layers.{i}.self_attn.q_proj.weight`, ...), which is also what lmd's GGUF
+conversion writes. Tensors the decoder does not use (e.g. old
 `rotary_emb.inv_freq` buffers) are ignored; a missing one is an error that names it.
 """
 
@@ -32,7 +32,7 @@ class ExpertWeights:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.router, self.gate_up, self.down))
+        return sum(t.nbytes for t in (self.router, self.gate_up, self.down))
 
 
 @dataclass(slots=True)
@@ -40,7 +40,7 @@ class LayerWeights:
     input_norm: Tensor  # [hidden]
     qkv: Tensor  # [(H + 2 Hkv) * D, hidden], rows q | k | v
     qkv_bias: Tensor | None  # [(H + 2 Hkv) * D]
-    q_norm: Tensor | None  # [D], Qwen3's RMSNorm of each q head
+    q_norm: Tensor | None  # [D], the RMSNorm of each q head (Qwen3, Gemma 3)
     k_norm: Tensor | None  # [D], of each k head
     o: Tensor  # [hidden, H * D]
     o_bias: Tensor | None  # [hidden]
@@ -194,34 +194,32 @@ def load_experts(
     moe = config.moe
     if moe is None:
         raise ValueError("a dense model has no experts")
-    block, router, (gate, up, down) = EXPERT_NAMES[config.architecture]
+    block, router_name, (gate, up, down) = EXPERT_NAMES[config.architecture]
     prefix = f"model.layers.{layer}.{block}"
+    router = reader.get(f"{prefix}.{router_name}.weight", dtype, device)
     if f"{prefix}.experts.gate_up_proj" in reader:
         return ExpertWeights(
-            router=reader.get(f"{prefix}.{router}.weight", dtype, device),
+            router=router,
             gate_up=reader.get(f"{prefix}.experts.gate_up_proj", dtype, device),
             down=reader.get(f"{prefix}.experts.down_proj", dtype, device),
         )
     e, i, hidden = moe.num_experts, moe.intermediate_size, config.hidden_size
+
+    def part(name: str, shape: tuple[int, int]) -> Tensor:
+        tensor = reader.get(name, dtype, device)
+        if tuple(tensor.shape) != shape:
+            raise UnsupportedModel(f"{name} is {tuple(tensor.shape)}, not {shape}")
+        return tensor
+
     # Filled in place: a torch.stack of the experts would hold the layer twice.
     gate_up = torch.empty(e, 2 * i, hidden, dtype=dtype, device=device)
     down_all = torch.empty(e, hidden, i, dtype=dtype, device=device)
     for j in range(e):
         expert = f"{prefix}.experts.{j}"
-        for rows, name in ((slice(0, i), gate), (slice(i, 2 * i), up)):
-            part = reader.get(f"{expert}.{name}.weight", dtype, device)
-            if tuple(part.shape) != (i, hidden):
-                raise UnsupportedModel(f"{expert}.{name} is {tuple(part.shape)}, not {(i, hidden)}")
-            gate_up[j, rows] = part
-        part = reader.get(f"{expert}.{down}.weight", dtype, device)
-        if tuple(part.shape) != (hidden, i):
-            raise UnsupportedModel(f"{expert}.{down} is {tuple(part.shape)}, not {(hidden, i)}")
-        down_all[j] = part
-    return ExpertWeights(
-        router=reader.get(f"{prefix}.{router}.weight", dtype, device),
-        gate_up=gate_up,
-        down=down_all,
-    )
+        gate_up[j, :i] = part(f"{expert}.{gate}.weight", (i, hidden))
+        gate_up[j, i:] = part(f"{expert}.{up}.weight", (i, hidden))
+        down_all[j] = part(f"{expert}.{down}.weight", (hidden, i))
+    return ExpertWeights(router=router, gate_up=gate_up, down=down_all)
 
 
 def check_shapes(weights: ModelWeights, config: TurboConfig) -> None:

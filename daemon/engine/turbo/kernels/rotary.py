@@ -2,10 +2,10 @@
 
 One program per token: q is rotated in place inside the fused qkv projection output
 (attention reads it from there), k is rotated and stored with v into the token's slot of
-this layer in the block-major pool. With per-head norm weights (Qwen3), each q and k
-head is first RMS-normalized over head_dim and scaled by its weight.
-Rotation is transformers' "rotate half" form: for a
-head x = [x1, x2] (halves of head_dim) and frequency i,
+this layer in the block-major pool. With per-head norm weights (Qwen3, Gemma 3), each
+q and k head is first RMS-normalized over head_dim and scaled by its weight. Rotation
+is transformers' "rotate half" form: for a head x = [x1, x2] (halves of head_dim) and
+frequency i,
     out1 = x1 * cos - x2 * sin,   out2 = x2 * cos + x1 * sin.
 """
 
