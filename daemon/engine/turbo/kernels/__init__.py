@@ -15,6 +15,7 @@ from lmd.engine.turbo.kernels.cache_write import cache_write
 from lmd.engine.turbo.kernels.decode_attention import decode_attention, decode_splits
 from lmd.engine.turbo.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from lmd.engine.turbo.kernels.gemv import gemv
+from lmd.engine.turbo.kernels.kv_quant import scales_of
 from lmd.engine.turbo.kernels.moe import fused_moe
 from lmd.engine.turbo.kernels.norm import rms_norm
 from lmd.engine.turbo.kernels.prefill_attention import prefill_attention
@@ -31,6 +32,7 @@ __all__ = [
     "prefill_attention",
     "rms_norm",
     "rotary_and_cache_write",
+    "scales_of",
     "silu_and_mul",
 ]
 

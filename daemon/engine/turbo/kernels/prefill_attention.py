@@ -5,7 +5,9 @@ context_lens[b] - seq_len .. context_lens[b] - 1; their K/V is already in the po
 (written by the rotary kernel), after any cached prefix. So one kernel covers a whole
 prompt, a later chunk of it, and a prompt after a prefix-cache hit: it reads every key
 from the pool. Grid (query tiles, B, H); key j is visible from the query at position p
-iff j <= p (and p - j < window with a sliding window).
+iff j <= p (and p - j < window with a sliding window). A quantized pool (kv_quant.py) is
+dequantized in registers as in decode_attention.py: K's scale on the key's score, V's on
+the key's probability, both dots in q's dtype.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lmd.engine.turbo.kernels.common import LOG2E, dot_precision
+from lmd.engine.turbo.kernels import kv_quant
+from lmd.engine.turbo.kernels.common import LOG2E, dot_precision, pool_scales
 
 
 @triton.jit
-def _prefill_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
+def _prefill_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arguments, one body
     q_ptr,
     kv_ptr,
     tables_ptr,
@@ -79,6 +82,10 @@ def _prefill_kernel(  # noqa: PLR0917  # Triton kernels take positional argument
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     layer_ptr = kv_ptr + layer * stride_kv_layer + (head // GROUP) * stride_kv_head
+    QUANTIZED: tl.constexpr = kv_ptr.dtype.element_ty.primitive_bitwidth == 8
+    if QUANTIZED:
+        scale_ptr = pool_scales(kv_ptr, stride_kv_block, HEAD_DIM)
+        scale_ptr += layer * (stride_kv_layer // HEAD_DIM) + head // GROUP
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < hi
@@ -86,9 +93,17 @@ def _prefill_kernel(  # noqa: PLR0917  # Triton kernels take positional argument
         krows = block.to(tl.int64) * stride_kv_block + (n % block_size) * stride_kv_slot
         kvmask = nmask[:, None] & dmask[None, :]
         k = tl.load(layer_ptr + krows[:, None] + d[None, :], mask=kvmask, other=0.0)
-        scores = (
-            tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        )  # [BLOCK_M, BLOCK_N]
+        if not QUANTIZED:
+            scores = (
+                tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+            )  # [BLOCK_M, BLOCK_N]
+        else:
+            srows = block.to(tl.int64) * (stride_kv_block // 2) + (n % block_size) * (
+                stride_kv_slot // HEAD_DIM
+            )
+            k_scale = tl.load(scale_ptr + srows, mask=nmask, other=0.0).to(tl.float32)
+            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+            scores = scores * (k_scale * scale_log2)[None, :]
         visible = nmask[None, :] & (n[None, :] <= pos[:, None])
         if window > 0:
             visible = visible & (pos[:, None] - n[None, :] < window)
@@ -100,7 +115,14 @@ def _prefill_kernel(  # noqa: PLR0917  # Triton kernels take positional argument
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(layer_ptr + stride_kv_kv + krows[:, None] + d[None, :], mask=kvmask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if not QUANTIZED:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        else:
+            v_scale = tl.load(
+                scale_ptr + stride_kv_kv // HEAD_DIM + srows, mask=nmask, other=0.0
+            ).to(tl.float32)
+            pv = (p * v_scale[None, :]).to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(pv, v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -120,6 +142,7 @@ def prefill_attention(
     scale: float,
     window: int = 0,
     tiles: tuple[int, int, int] | None = None,
+    kv_scales: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of T new tokens of B sequences over their paged contexts.
 
@@ -128,19 +151,27 @@ def prefill_attention(
     [B + 1] int32 and context_lens: [B] int32, both on q's device; max_seq_len: the
     longest seq_len (host int, sizes the grid). Returns [T, H, D] in q's dtype.
     tiles: (queries per program, keys per step, warps), to try others than the default.
+    kv_scales: None, or with kv int8 | float8_e4m3fn the scales view [N, L, 2, S, Hkv]
+    float16 of the same quantized pool (kv_quant.pool_views).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, _, block_size, num_kv_heads, kv_dim = kv.shape
     if kv_dim != head_dim or num_heads % num_kv_heads or q.stride(2) != 1:
         raise ValueError(f"q {tuple(q.shape)} does not fit the KV pool {tuple(kv.shape)}")
+    if kv_scales is not None:  # the kernel finds them through kv (common.pool_scales)
+        kv_quant.check_scales(kv, kv_scales)
+    elif kv.dtype in kv_quant.CODE_DTYPES:
+        raise kv_quant.missing_scales(kv)
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     num_seqs = context_lens.shape[0]
     if num_tokens == 0:
         return out
     block_d = max(16, triton.next_power_of_2(head_dim))
+    # One-byte codes take wider key tiles (H100, Llama-3-8B heads: 64 x 64 beat 64 x 32).
+    wide_n = 128 if kv_scales is not None else 64
     block_m, block_n, num_warps = tiles or (
         64 if block_d <= 128 else 32,
-        64 if block_d <= 64 else 32,
+        64 if block_d <= wide_n else 32,
         4,
     )
     grid = (triton.cdiv(max_seq_len, block_m), num_seqs, num_heads)

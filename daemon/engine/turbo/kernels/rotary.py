@@ -7,6 +7,9 @@ q and k head is first RMS-normalized over head_dim and scaled by its weight. Rot
 is transformers' "rotate half" form: for a head x = [x1, x2] (halves of head_dim) and
 frequency i,
     out1 = x1 * cos - x2 * sin,   out2 = x2 * cos + x1 * sin.
+Into a quantized pool (kv_quant.py) each k and v head is quantized from float32 as it
+is stored: its float16 scale, then its int8 or e4m3 codes, both rounded half to even as
+torch rounds them (kv_quant.quantize_heads is the reference).
 """
 
 from __future__ import annotations
@@ -14,6 +17,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from lmd.engine.turbo.kernels import kv_quant
+from lmd.engine.turbo.kernels.common import pool_scales
+
+SCALE_MIN = tl.constexpr(kv_quant.SCALE_MIN)
 
 
 @triton.jit
@@ -29,6 +37,55 @@ def _head_norm(x1, x2, w_ptr, i, im, eps, HEAD_DIM: tl.constexpr, HALF: tl.const
     w1 = tl.load(w_ptr + i, mask=im, other=0.0).to(tl.float32)[None, :]
     w2 = tl.load(w_ptr + HALF + i, mask=im, other=0.0).to(tl.float32)[None, :]
     return x1 * inv * w1, x2 * inv * w2
+
+
+@triton.jit
+def _round_half_even(a):
+    """a >= 0 rounded to an integer, ties to even (a - floor(a) is exact for a >= 0)."""
+    r = tl.floor(a)
+    frac = a - r
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where((frac > 0.5) | ((frac == 0.5) & odd), r + 1.0, r)
+
+
+@triton.jit
+def _pow2(e):
+    """2^e as float32 for an int32 e in the normal range, built from its exponent bits."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _codes(x, scale, CODE: tl.constexpr):
+    """x / scale as int8 or float8e4nv codes (CODE), rounded to nearest even.
+
+    e4m3 is rounded on its grid in float32 (3 mantissa bits from 2^-6 on, steps of 2^-9
+    below) and then cast, exactly: the cast of an inexact value rounds differently in
+    Triton's interpreter than on a GPU.
+    """
+    y = tl.div_rn(x, scale)
+    sign = y.to(tl.int32, bitcast=True) & -0x80000000  # its bit, so -0.0 stays -0.0
+    a = tl.abs(y)
+    if CODE.is_int8():
+        r = tl.minimum(_round_half_even(a), 127.0)
+    else:
+        a = tl.minimum(a, 448.0)
+        e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+        r = _round_half_even(a * _pow2(3 - e)) * _pow2(e - 3)
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True).to(CODE)
+
+
+@triton.jit
+def _store_quantized(dst, scale_dst, x1, x2, mask, scale_mask, HALF: tl.constexpr):  # noqa: PLR0917
+    """Quantize heads (rows of halves x1 | x2, float32) into codes at dst and one float16
+    scale per head at scale_dst."""
+    CODE: tl.constexpr = dst.dtype.element_ty
+    QMAX: tl.constexpr = 127.0 if CODE.is_int8() else 448.0
+    amax = tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1))
+    scale = tl.maximum(tl.div_rn(amax, QMAX), SCALE_MIN).to(tl.float16)
+    s = scale.to(tl.float32)[:, None]
+    tl.store(dst, _codes(x1, s, CODE), mask=mask)
+    tl.store(dst + HALF, _codes(x2, s, CODE), mask=mask)
+    tl.store(scale_dst, scale, mask=scale_mask)
 
 
 @triton.jit
@@ -94,12 +151,29 @@ def _rotary_cache_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
         k1, k2 = _head_norm(k1, k2, k_norm_ptr, i, im, eps, HEAD_DIM, HALF)
     o1, o2 = _rotate(k1, k2, cos, sin)
     k_dst = dst + kh[:, None] * stride_kv_head + i[None, :]
-    tl.store(k_dst, o1.to(kv_ptr.dtype.element_ty), mask=kmask)
-    tl.store(k_dst + HALF, o2.to(kv_ptr.dtype.element_ty), mask=kmask)
-    v_src = k1_ptr + NUM_KV_HEADS * HEAD_DIM
-    v_dst = k_dst + stride_kv_kv
-    tl.store(v_dst, tl.load(v_src, mask=kmask), mask=kmask)
-    tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=kmask), mask=kmask)
+    if kv_ptr.dtype.element_ty.primitive_bitwidth != 8:
+        tl.store(k_dst, o1.to(kv_ptr.dtype.element_ty), mask=kmask)
+        tl.store(k_dst + HALF, o2.to(kv_ptr.dtype.element_ty), mask=kmask)
+        v_src = k1_ptr + NUM_KV_HEADS * HEAD_DIM
+        v_dst = k_dst + stride_kv_kv
+        tl.store(v_dst, tl.load(v_src, mask=kmask), mask=kmask)
+        tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=kmask), mask=kmask)
+    else:
+        # Into a quantized pool (kv_quant.py): codes, and each head's scale.
+        scale_dst = (
+            pool_scales(kv_ptr, stride_kv_block, HEAD_DIM)
+            + block * (stride_kv_block // 2)
+            + layer * (stride_kv_layer // HEAD_DIM)
+            + offset * (stride_kv_slot // HEAD_DIM)
+            + kh
+        )
+        smask = (kh < NUM_KV_HEADS) & ((kh * 0 + slot) >= 0)
+        v_src = k1_ptr + NUM_KV_HEADS * HEAD_DIM
+        v_dst = k_dst + stride_kv_kv
+        v1 = tl.load(v_src, mask=kmask, other=0.0).to(tl.float32)
+        v2 = tl.load(v_src + HALF, mask=kmask, other=0.0).to(tl.float32)
+        _store_quantized(k_dst, scale_dst, o1, o2, kmask, smask, HALF)
+        _store_quantized(v_dst, scale_dst + stride_kv_kv // HEAD_DIM, v1, v2, kmask, smask, HALF)
 
 
 def rotary_and_cache_write(
@@ -114,6 +188,7 @@ def rotary_and_cache_write(
     q_norm: Tensor | None = None,
     k_norm: Tensor | None = None,
     eps: float = 1e-6,
+    kv_scales: Tensor | None = None,
 ) -> None:
     """Rotate q in place and store rotated k and v into the pool.
 
@@ -122,7 +197,9 @@ def rotary_and_cache_write(
     skip); rope: [max_positions, D] float32, cos of the D/2 frequencies | their sin;
     kv: [N, L, 2, S, Hkv, D] (the pool; written at `layer`); q_norm, k_norm: [D] each
     or both None, the weights of an RMSNorm (epsilon `eps`) over each head before
-    rotation.
+    rotation. kv_scales: None, or with kv int8 | float8_e4m3fn the scales view
+    [N, L, 2, S, Hkv] float16 of the same quantized pool (kv_quant.pool_views): k and v
+    are quantized per head as they are stored.
     """
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm come together")
@@ -132,6 +209,10 @@ def rotary_and_cache_write(
         raise ValueError(f"qkv {tuple(qkv.shape)} does not hold {num_heads} q heads + k + v")
     if kv.stride(5) != 1 or kv.stride(4) != head_dim or rope.stride(1) != 1:
         raise ValueError("the KV pool and the rope table need contiguous heads")
+    if kv_scales is not None:  # the kernel finds them through kv (common.pool_scales)
+        kv_quant.check_scales(kv, kv_scales)
+    elif kv.dtype in kv_quant.CODE_DTYPES:
+        raise kv_quant.missing_scales(kv)
     if num_tokens == 0:
         return
     _rotary_cache_kernel[(num_tokens,)](

@@ -1,0 +1,383 @@
+"""4-bit weights, 16-bit activations: y = x @ W^T (+ b) with W stored as 4-bit integers.
+
+    W[n, k] = (q[n, k] - z[k // G, n]) * s[k // G, n]     q, z in 0..15; G = group_size
+
+The layout (W4A16Weight in quant/w4a16.py holds it), K in blocks of 128:
+
+    qweight: [K / 8, N] int32   word (16 b + r, n) holds q[n, 128 b + 16 j + r] in bits
+                                4 j .. 4 j + 3 (r < 16, j < 8)
+    scales:  [K / G, N]         the activations' dtype
+    zeros:   [K / G, N] uint8
+
+so that nibble j of a block's 16 words [16, BLOCK_N] is the weight slice of the 16
+consecutive inputs 128 b + 16 j ...: the unpacking is elementwise (a shift and a mask,
+no shuffle between threads), each slice meets a contiguous [BLOCK_M, 16] slice of x in
+its own tl.dot, and the loads feed the dots the way Triton pipelines. (Packed along K in
+plain order, k = 8 r + j as GPTQ does, the 8 nibbles of a word would have to be
+interleaved back into K order, a shuffle through shared memory per tile: 4x slower.)
+
+A program owns BLOCK_M rows of x and BLOCK_N output columns and walks its share of K,
+BLOCK_K (a multiple of 128) at a time. The integers become floats without a conversion
+instruction: a nibble OR'ed into the bits of 1024.0 (fp16; 128.0 for bf16, 2^23 for
+float32) is the float 1024 + q, and subtracting 1024 + z leaves q - z exactly. Then:
+
+- decode (tiles of up to 32 rows; one 16-row tile for M <= 16): tl.dot(x, q - z) is
+  exact in float32, and is scaled once per group, `acc += dot * s`. When one program
+  per BLOCK_N columns leaves the GPU short of programs, K is split over SPLIT_K
+  programs that write float32 partial sums, and a second launch adds them in a fixed
+  order (deterministic) with the bias.
+- prefill (64-row tiles; 128 with `swap_ab`, which computes y^T = W x^T so that the
+  weights are tl.dot's first operand): (q - z) * s rounded once to the activations'
+  dtype, then tl.dot(x, w, acc); programs walk M fastest, so the row tiles that share
+  a weight tile run back to back and the tile is read from memory about once.
+- from DENSE_ROWS rows, neither: a slab of W at a time is dequantized to x's dtype
+  (at most SLAB_BYTES) and cuBLAS multiplies. Past a few hundred rows the product is
+  bound by the tensor cores, and these tiles, which dequantize every weight once per
+  row tile and do not overlap that with the dots, ran at a third of cuBLAS.
+
+Nothing synchronizes with the host and every buffer comes from torch's allocator, so
+a decode step is captured in a CUDA graph as any other.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+PACK_K = 128  # inputs per block of the layout
+SKINNY_ROWS = 16  # up to this many rows of x: the decode tiling
+DENSE_ROWS = 128  # from this many rows: dequantize slabs of W and let cuBLAS multiply
+SLAB_BYTES = 64 << 20  # the most a dequantized slab of W takes
+
+
+class Tiles(NamedTuple):
+    """A tiling: rows, columns and K (a multiple of 128) of one program's tile, K splits
+    (0: as many as fill the GPU twice over), warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+    swap_ab: bool = False  # y^T = W x^T: the weights as tl.dot's first operand
+
+
+@triton.jit
+def _biased(q, DTYPE: tl.constexpr):
+    """Integers 0..15 (int32) -> the float (magic + q) in DTYPE, by bits alone."""
+    if tl.float16 == DTYPE:
+        return (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # 1024 + q
+    elif tl.bfloat16 == DTYPE:
+        return (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 128 + q
+    else:
+        return (q | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q
+
+
+@triton.jit
+def _dot(x, w, acc, SWAP_AB: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + x @ w, or with SWAP_AB its transpose acc + w^T @ x^T."""
+    if SWAP_AB:
+        return tl.dot(tl.trans(w), tl.trans(x), acc, input_precision=PRECISION)
+    else:
+        return tl.dot(x, w, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _per_col(v, SWAP_AB: tl.constexpr):
+    """A [BLOCK_N] vector against the accumulator: a row, or a column when swapped."""
+    if SWAP_AB:
+        return v[:, None]
+    else:
+        return v[None, :]
+
+
+@triton.jit
+def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    b_ptr,
+    y_ptr,
+    m,
+    n,
+    k,
+    k_per_split,
+    stride_x,
+    GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SCALE_AFTER_DOT: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    dtype = x_ptr.dtype.element_ty
+    num_m = tl.cdiv(m, BLOCK_M)
+    rows = (tl.program_id(0) % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (tl.program_id(0) // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < m
+    col_ok = cols < n
+    split = tl.program_id(1)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k, k_start + k_per_split)
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x + tl.arange(0, 16)[None, :]
+    word_rows = tl.arange(0, 16)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    part = acc  # one group's dots (decode)
+    s = tl.zeros((BLOCK_N,), dtype=dtype)
+    z = tl.zeros((BLOCK_N,), dtype=dtype)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        for b in tl.static_range(BLOCK_K // 128):
+            kb = k0 + 128 * b
+            words = tl.load(
+                q_ptr + (kb // 8 + word_rows)[:, None].to(tl.int64) * n + cols[None, :],
+                mask=col_ok[None, :],
+                other=0,
+            )  # [16, BLOCK_N] int32: nibble j = inputs kb + 16 j ... kb + 16 j + 15
+            for j in tl.static_range(8):
+                if (16 * j) % GROUP == 0:  # a group starts: its scales and zero points
+                    group = ((kb + 16 * j) // GROUP) * n
+                    s = tl.load(s_ptr + group + cols, mask=col_ok, other=0.0).to(dtype)
+                    zq = tl.load(z_ptr + group + cols, mask=col_ok, other=0).to(tl.int32)
+                    z = _biased(zq, dtype)
+                w = _biased((words >> (4 * j)) & 0xF, dtype) - z[None, :]  # [16, BLOCK_N]
+                x = tl.load(x_rows + kb + 16 * j, mask=row_ok[:, None], other=0.0)  # [BM, 16]
+                if SCALE_AFTER_DOT:
+                    part = _dot(x, w, part, SWAP_AB, PRECISION)
+                    if j == 7 or (16 * (j + 1)) % GROUP == 0:  # the group's (or block's) end
+                        acc += part * _per_col(s.to(tl.float32), SWAP_AB)
+                        part = tl.zeros_like(part)
+                else:
+                    acc = _dot(x, w * s[None, :], acc, SWAP_AB, PRECISION)
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + split.to(tl.int64) * m * n  # split > 0 only for float32 partial sums
+    tl.store(
+        out + rows[:, None].to(tl.int64) * n + cols[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
+@triton.jit
+def _sum_splits_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
+    p_ptr,
+    b_ptr,
+    y_ptr,
+    size,
+    n,
+    num_splits,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """y = sum over splits of p[split] (+ b), in split order. p: [S, M, N] float32."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < size
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in range(num_splits):
+        acc += tl.load(p_ptr + split * size + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _dequant_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    w_ptr,
+    n,
+    n0,
+    width,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """w[k, c] = W[n0 + c, k] for c < width: one block of 128 inputs, BLOCK_N columns.
+    w: [K, width] in its dtype."""
+    kb = tl.program_id(0) * 128
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = offs < width
+    cols = n0 + offs
+    r = tl.arange(0, 16)
+    words = tl.load(
+        q_ptr + (kb // 8 + r)[:, None].to(tl.int64) * n + cols[None, :], mask=ok[None, :]
+    )
+    for j in tl.static_range(8):
+        group = ((kb + 16 * j) // GROUP) * n
+        s = tl.load(s_ptr + group + cols, mask=ok).to(tl.float32)
+        z = tl.load(z_ptr + group + cols, mask=ok).to(tl.float32)
+        w = (((words >> (4 * j)) & 0xF).to(tl.float32) - z[None, :]) * s[None, :]  # [16, BN]
+        out = w_ptr + (kb + 16 * j + r)[:, None].to(tl.int64) * width + offs[None, :]
+        tl.store(out, w.to(w_ptr.dtype.element_ty), mask=ok[None, :])
+
+
+def dequantize_slab(
+    qweight: Tensor, scales: Tensor, zeros: Tensor, group_size: int, *, n0: int, width: int
+) -> Tensor:
+    """Output columns n0 .. n0 + width of W, transposed: [K, width] in scales' dtype."""
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    w = torch.empty(k, width, dtype=scales.dtype, device=qweight.device)
+    block_n = 64
+    grid = (k // PACK_K, triton.cdiv(width, block_n))
+    _dequant_kernel[grid](
+        qweight, scales, zeros, w, n, n0, width, GROUP=group_size, BLOCK_N=block_n
+    )
+    return w
+
+
+def default_tiles(m: int) -> Tiles:
+    """The tiling for m rows of x: the fastest of scripts/w4a16_tiles.py on an H100 at
+    Llama-3-8B's shapes in bf16 (docstring of w4a16_matmul). Decode: 16 x 64 tiles, K
+    split up to 4 ways; up to 127 rows: 32- or 64-row tiles x 128 columns (64 columns
+    and 256 columns were slower, swapping the operands too). From DENSE_ROWS rows the
+    launcher goes to cuBLAS instead; this 128 x 128 tiling (operands swapped, the best
+    of the fused ones there) is for `dense_rows` set higher."""
+    if m <= SKINNY_ROWS:
+        return Tiles(16, 64, 128, 0, 4, 3)
+    if m <= 32:
+        return Tiles(32, 128, 128, 0, 4, 3)
+    if m < DENSE_ROWS:
+        return Tiles(64, 128, 128, 0, 4, 3)
+    return Tiles(128, 128, 128, 1, 8, 3, swap_ab=True)
+
+
+def _splits(tiles: Tiles, m: int, n: int, k: int, *, block_k: int, num_sms: int) -> int:
+    """tiles.split_k, or for 0 as many splits of K (each at least one BLOCK_K) as bring
+    the programs to 8x the multiprocessors for decode tiles (a power of two, at most
+    4), 2x for larger ones (at most 16)."""
+    if tiles.split_k:
+        return tiles.split_k
+    programs = int(triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n))
+    if tiles.block_m <= SKINNY_ROWS:
+        wanted = int(triton.next_power_of_2(triton.cdiv(8 * num_sms, programs)))
+        return max(1, min(wanted, 4, k // block_k))
+    return max(1, min(2 * num_sms // programs, k // block_k, 16))
+
+
+def w4a16_matmul(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds them
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    zeros: Tensor,
+    group_size: int,
+    bias: Tensor | None = None,
+    *,
+    tiles: Tiles | None = None,
+    dense_rows: int = DENSE_ROWS,
+) -> Tensor:
+    """x: [M, K] (float16, bfloat16; float32 for the interpreter's tests), qweight:
+    [K / 8, N] int32, scales: [K / G, N], zeros: [K / G, N] uint8, bias: [N] -> [M, N]
+    in x's dtype (layout in the module's docstring).
+
+    K is a multiple of 128 and of G, G of 16. `tiles` overrides default_tiles (and the
+    cuBLAS route); scripts/w4a16_tiles.py sweeps them. Measured on an H100 in bf16 at
+    Llama-3-8B's (N, K) = qkv (6144, 4096), o (4096, 4096), gate|up (28672, 4096), down
+    (4096, 14336), weights read from memory: M = 1 takes 14, 11, 43, 27 us (1.1-1.45
+    TB/s of packed weights; 16-bit cuBLAS 22, 17, 103, 47), so the 32 layers' linears
+    of a decode step take 3.0 ms (6.0 in 16 bits); M = 64: 26, 19, 88, 46 us (cuBLAS 22,
+    16, 93, 50); M = 512 (cuBLAS route): 0.45-0.67x of cuBLAS on 16-bit weights."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    groups = k // group_size if group_size > 0 else 0
+    if (
+        group_size <= 0
+        or qweight.shape[0] * 8 != k
+        or k % PACK_K
+        or group_size % 16
+        or k % group_size
+        or scales.shape != (groups, n)
+        or zeros.shape != (groups, n)
+        or x.stride(1) != 1
+    ):
+        raise ValueError(
+            f"w4a16_matmul: x {tuple(x.shape)} against qweight {tuple(qweight.shape)}, "
+            f"scales {tuple(scales.shape)}, zeros {tuple(zeros.shape)}, group {group_size}"
+        )
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+    if tiles is None and m >= dense_rows:
+        return _dense_matmul(x, qweight, scales, zeros, group_size, bias, y)
+    tiles = tiles or default_tiles(m)
+    block_k = tiles.block_k
+    if block_k % PACK_K:
+        raise ValueError(f"w4a16_matmul: BLOCK_K {block_k} is not a multiple of {PACK_K}")
+    splits = _splits(tiles, m, n, k, block_k=block_k, num_sms=num_sms)
+    k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    split = triton.cdiv(k, k_per_split)  # no empty splits
+    out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n), split)
+    _w4a16_kernel[grid](
+        x,
+        qweight,
+        scales,
+        zeros,
+        bias if bias is not None else scales,
+        out,
+        m,
+        n,
+        k,
+        k_per_split,
+        x.stride(0),
+        GROUP=group_size,
+        HAS_BIAS=bias is not None and split == 1,
+        SCALE_AFTER_DOT=tiles.block_m <= 32,
+        SWAP_AB=tiles.swap_ab,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32: no TF32 rounding
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=block_k,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    if split > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
+            out,
+            bias if bias is not None else scales,
+            y,
+            m * n,
+            n,
+            split,
+            HAS_BIAS=bias is not None,
+            BLOCK=block,
+        )
+    return y
+
+
+def _dense_matmul(  # noqa: PLR0917
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    zeros: Tensor,
+    group_size: int,
+    bias: Tensor | None,
+    y: Tensor,
+) -> Tensor:
+    """y = x @ W^T (+ bias) a slab of W's rows at a time: dequantized to x's dtype (at
+    most SLAB_BYTES), then cuBLAS writes y's columns of the slab."""
+    k, n = x.shape[1], qweight.shape[1]
+    width = max(64, min(n, SLAB_BYTES // (2 * k)) // 64 * 64)
+    for n0 in range(0, n, width):
+        cols = min(width, n - n0)
+        slab = dequantize_slab(qweight, scales, zeros, group_size, n0=n0, width=cols)  # [K, cols]
+        out = y[:, n0 : n0 + cols]
+        if bias is None:
+            torch.mm(x, slab, out=out)
+        else:
+            torch.addmm(bias[n0 : n0 + cols], x, slab, out=out)
+    return y

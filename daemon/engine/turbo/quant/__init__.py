@@ -1,0 +1,10 @@
+"""Quantized linear weights for the turbo decoder.
+
+`scheme` decides how a model's linear layers run (16-bit, W4A16 or FP8) from
+`--quantization` or the checkpoint's quantization_config; `load` reads one fused linear
+(q|k|v, gate|up, o, down) in that form; `w4a16` and `fp8` hold the weights and run their
+GEMMs (kernels/w4a16.py, kernels/fp8.py). The embedding, the output head, norms and MoE
+experts stay 16-bit.
+"""
+
+from __future__ import annotations

@@ -1,0 +1,300 @@
+"""4-bit linear weights with 16-bit activations (W4A16): quantized at load, or read from
+an AutoAWQ or AutoGPTQ / GPTQModel checkpoint.
+
+A weight W [N, K] is held in groups of G consecutive inputs (G = group_size, 128 by
+default), each with a scale and an integer zero point per output channel:
+
+    W[n, k] = (q[n, k] - zeros[k // G, n]) * scales[k // G, n]       q, zeros in 0..15
+
+    qweight: [K / 8, N] int32   K in blocks of 128: word (16 b + r, n) holds
+                                q[n, 128 b + 16 j + r] in bits 4 j .. 4 j + 3
+    scales:  [K / G, N]         the activations' dtype (float16 or bfloat16)
+    zeros:   [K / G, N] uint8
+
+K is a multiple of 128 and of G; G is a multiple of 16. Packed along K, the GEMM reads
+4 N contiguous bytes per row of words; the order inside a block of 128 makes each
+nibble of 16 words one contiguous slice of K (kernels/w4a16.py says why). AWQ's words
+(packed along N in its own nibble order) and GPTQ's (along K in plain order) are
+repacked once at load. `matmul` runs kernels/w4a16.py; everything else is plain torch
+on any device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+PACK_K = 128  # inputs per block of the layout
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's word: nibble i holds column 8 c + AWQ_ORDER[i]
+NATURAL_ORDER = tuple(range(8))  # GPTQ's qzeros: nibble i holds column 8 c + i
+_QUANTIZE_ELEMENTS = 1 << 22  # weights quantized at a time (bounds the float32 copies)
+
+
+def pack(q: Tensor) -> Tensor:
+    """q: [K, N] integers 0..15 -> our qweight [K / 8, N] int32 (K a multiple of 128):
+    input 128 b + 16 j + r in bits 4 j of word row 16 b + r."""
+    k, n = q.shape
+    shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int32)
+    fields = q.reshape(k // 128, 8, 16, n).to(torch.int32) << shifts[None, :, None, None]
+    words = fields.sum(dim=1, dtype=torch.int32)  # disjoint bits: the sum is the OR
+    return words.view(k // 8, n)
+
+
+def unpack(qweight: Tensor) -> Tensor:
+    """Our qweight [K / 8, N] int32 -> q [K, N] uint8 (pack's inverse)."""
+    rows, n = qweight.shape
+    shifts = torch.arange(0, 32, 4, device=qweight.device, dtype=torch.int32)
+    words = qweight.view(rows // 16, 1, 16, n)
+    return ((words >> shifts[None, :, None, None]) & 0xF).to(torch.uint8).view(rows * 8, n)
+
+
+def unpack_gptq(qweight: Tensor) -> Tensor:
+    """GPTQ's qweight [K / 8, N] int32 (input 8 r + j in bits 4 j of row r) -> [K, N] uint8."""
+    rows, n = qweight.shape
+    shifts = torch.arange(0, 32, 4, device=qweight.device, dtype=torch.int32)
+    return ((qweight[:, None, :] >> shifts[None, :, None]) & 0xF).to(torch.uint8).view(rows * 8, n)
+
+
+def unpack_along_n(packed: Tensor, order: tuple[int, ...]) -> Tensor:
+    """[R, N / 8] int32, nibble i of word c holding column 8 c + order[i] -> [R, N] uint8."""
+    rows, words = packed.shape
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    nibbles = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [R, N / 8, 8]: nibble i
+    inverse = [order.index(col) for col in range(8)]  # the nibble holding column 8 c + col
+    return nibbles[:, :, inverse].to(torch.uint8).reshape(rows, words * 8)
+
+
+@dataclass(slots=True)
+class W4A16Weight:
+    """qweight [K / 8, N] int32, scales [K / G, N] in the activations' dtype, zeros
+    [K / G, N] uint8, group_size G; see the module."""
+
+    qweight: Tensor
+    scales: Tensor
+    zeros: Tensor
+    group_size: int = 128
+
+    def __post_init__(self) -> None:
+        if self.qweight.dtype != torch.int32 or self.qweight.dim() != 2:
+            raise ValueError(
+                f"W4A16 qweight is a [K/8, N] int32 matrix, not {self.qweight.dtype} "
+                f"of shape {tuple(self.qweight.shape)}"
+            )
+        n, k = self.shape
+        g = self.group_size
+        if g <= 0 or g % 16 or k % g or k % PACK_K:
+            raise ValueError(
+                f"W4A16 weight [{n}, {k}]: K must be a multiple of {PACK_K} and of the group "
+                f"size {g}, itself a multiple of 16"
+            )
+        for name, tensor in (("scales", self.scales), ("zeros", self.zeros)):
+            if tuple(tensor.shape) != (k // g, n):
+                raise ValueError(
+                    f"W4A16 {name} for weight [{n}, {k}] in groups of {g} is "
+                    f"[{k // g}, {n}], not {list(tensor.shape)}"
+                )
+        if self.zeros.dtype != torch.uint8:
+            raise ValueError(f"W4A16 zeros are uint8, not {self.zeros.dtype}")
+        if not self.scales.is_floating_point():
+            raise ValueError(f"W4A16 scales are floats, not {self.scales.dtype}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K): output features, input features of the dense weight."""
+        rows, n = self.qweight.shape
+        return (n, rows * 8)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the device: packed weights, scales and zero points."""
+        return self.qweight.nbytes + self.scales.nbytes + self.zeros.nbytes
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' (and output's) dtype: the scales'."""
+        return self.scales.dtype
+
+    def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x: [..., K] in `dtype` -> x @ W^T (+ bias): [..., N] in `dtype`.
+
+        The Triton kernel on a GPU, and on CPU under Triton's interpreter (tests); on CPU
+        without it, dequantize() and F.linear (slow: a reference, not a serving path)."""
+        from lmd.engine.turbo.kernels import interpreting  # triton, imported on first use
+
+        n, k = self.shape
+        if x.shape[-1] != k or x.dtype != self.dtype:
+            raise ValueError(
+                f"W4A16 matmul of [N={n}, K={k}] in {self.dtype} got x {tuple(x.shape)} "
+                f"in {x.dtype}"
+            )
+        if not x.is_cuda and not interpreting():
+            return F.linear(x, self.dequantize().to(x.dtype), bias)
+        from lmd.engine.turbo.kernels.w4a16 import w4a16_matmul
+
+        rows = x.reshape(-1, k)
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        y = w4a16_matmul(rows, self.qweight, self.scales, self.zeros, self.group_size, bias)
+        return y.view(*x.shape[:-1], n)
+
+    def dequantize(self) -> Tensor:
+        """W as float32 [N, K]: (q - zero) * scale, the reference the kernel is held to."""
+        q = unpack(self.qweight).float()  # [K, N]
+        zeros = self.zeros.float().repeat_interleave(self.group_size, dim=0)
+        scales = self.scales.float().repeat_interleave(self.group_size, dim=0)
+        return ((q - zeros) * scales).t().contiguous()
+
+    @classmethod
+    def quantize(cls, weight: Tensor, group_size: int = 128) -> W4A16Weight:
+        """A [N, K] half or float weight -> W4A16 on its device, scales in its dtype.
+
+        Round to nearest, asymmetric, as AutoAWQ's zero_point=True: per group the range
+        [min, max] (widened to hold 0, so that the zero point is an integer in 0..15 and
+        every weight is within half a step) is cut in 15 steps; the scale is rounded up
+        to the dtype so that max still lands on 15. Rows go a few at a time, so that a
+        14336 x 4096 matrix needs no whole float32 copy."""
+        if weight.dim() != 2 or not weight.is_floating_point():
+            raise ValueError(f"quantize takes a [N, K] float matrix, not {tuple(weight.shape)}")
+        n, k = weight.shape
+        if group_size <= 0 or group_size % 16 or k % group_size or k % PACK_K:
+            raise ValueError(
+                f"quantize: weight {tuple(weight.shape)} has K = {k}, not a multiple of "
+                f"{PACK_K} and of the group size {group_size} (itself a multiple of 16)"
+            )
+        groups = k // group_size
+        device, dtype = weight.device, weight.dtype
+        qweight = torch.empty(k // 8, n, dtype=torch.int32, device=device)
+        scales = torch.empty(groups, n, dtype=dtype, device=device)
+        zeros = torch.empty(groups, n, dtype=torch.uint8, device=device)
+        step = max(1, _QUANTIZE_ELEMENTS // k)
+        for r0 in range(0, n, step):
+            w = weight[r0 : r0 + step].to(torch.float32, copy=True)  # never the caller's
+            w = w.reshape(-1, groups, group_size)  # [r, groups, G]
+            lo = w.amin(dim=2).clamp_(max=0.0)
+            hi = w.amax(dim=2).clamp_(min=0.0)
+            scale = _round_up((hi - lo) / 15, dtype)  # [r, groups] in dtype
+            s = scale.float()
+            zero = torch.round(-lo / s).clamp_(0, 15)
+            q = w.div_(s[:, :, None]).round_().add_(zero[:, :, None]).clamp_(0, 15)
+            qweight[:, r0 : r0 + step] = pack(q.view(-1, k).t().to(torch.uint8))
+            scales[:, r0 : r0 + step] = scale.t()
+            zeros[:, r0 : r0 + step] = zero.t().to(torch.uint8)
+        return cls(qweight, scales, zeros, group_size)
+
+    @classmethod
+    def from_awq(
+        cls, qweight: Tensor, qzeros: Tensor, scales: Tensor, group_size: int, dtype: torch.dtype
+    ) -> W4A16Weight:
+        """AutoAWQ's GEMM packing of one Linear: qweight [K, N / 8] and qzeros [K / G, N / 8]
+        int32 packed along N in AWQ_ORDER, scales [K / G, N] -> ours, repacked along K."""
+        _check_words("AWQ qweight", qweight)
+        k, words = qweight.shape
+        n = words * 8
+        _check_words("AWQ qzeros", qzeros)
+        _check("AWQ qzeros", qzeros, (k // group_size, words), k, n, group_size)
+        _check("AWQ scales", scales, (k // group_size, n), k, n, group_size)
+        q = unpack_along_n(qweight, AWQ_ORDER)  # [K, N]
+        zeros = unpack_along_n(qzeros, AWQ_ORDER)
+        return cls(pack(q), scales.to(dtype).contiguous(), zeros, group_size)
+
+    @classmethod
+    def from_gptq(  # noqa: PLR0917  # the checkpoint's tensors, in its order
+        cls,
+        qweight: Tensor,
+        qzeros: Tensor | None,
+        scales: Tensor,
+        g_idx: Tensor | None,
+        group_size: int,
+        dtype: torch.dtype,
+        sym: bool,
+        *,
+        zeros_minus_one: bool = True,
+    ) -> W4A16Weight:
+        """AutoGPTQ / GPTQModel's tensors of one Linear: qweight [K / 8, N] int32 packed
+        along K in plain order (repacked), qzeros [K / G, N / 8] int32 packed along N, scales
+        [K / G, N], g_idx [K] or None.
+
+        `sym`: every zero point is 8 and qzeros is not read (as vLLM's uint4b8).
+        `zeros_minus_one`: the "gptq" (v1) checkpoint format stores each zero point less
+        one; GPTQModel's "gptq_v2" stores them as they are. A v1 zero of 0 was stored as
+        -1 and reads back as nibble 15: it is taken as 0. Act-order checkpoints (desc_act:
+        g_idx other than k // G) are refused."""
+        _check_words("GPTQ qweight", qweight)
+        rows, n = qweight.shape
+        k = rows * 8
+        _check("GPTQ scales", scales, (k // group_size, n), k, n, group_size)
+        if g_idx is not None:
+            in_order = torch.arange(k, device=g_idx.device) // group_size
+            if tuple(g_idx.shape) != (k,) or not torch.equal(g_idx.long(), in_order):
+                raise ValueError(
+                    f"act-order (desc_act) GPTQ checkpoints are not supported: g_idx "
+                    f"{tuple(g_idx.shape)} is not k // {group_size} for K = {k}"
+                )
+        if sym:
+            zeros = torch.full((k // group_size, n), 8, dtype=torch.uint8, device=qweight.device)
+        elif qzeros is None:
+            raise ValueError("an asymmetric GPTQ checkpoint needs its qzeros")
+        else:
+            _check_words("GPTQ qzeros", qzeros)
+            _check("GPTQ qzeros", qzeros, (k // group_size, n // 8), k, n, group_size)
+            zeros = unpack_along_n(qzeros, NATURAL_ORDER)
+            if zeros_minus_one:
+                zeros = (zeros + 1) & 0xF
+        q = pack(unpack_gptq(qweight))
+        return cls(q, scales.to(dtype).contiguous(), zeros, group_size)
+
+    @staticmethod
+    def cat(parts: list[W4A16Weight]) -> W4A16Weight:
+        """The parts stacked along N (q|k|v, gate|up): same K, group size, dtype, device."""
+        if not parts:
+            raise ValueError("W4A16Weight.cat needs at least one part")
+        first = parts[0]
+        key = (first.shape[1], first.group_size, first.dtype, first.device)
+        for part in parts[1:]:
+            other = (part.shape[1], part.group_size, part.dtype, part.device)
+            if other != key:
+                raise ValueError(
+                    f"W4A16Weight.cat: parts differ in K, group size, dtype or device "
+                    f"({other} vs {key})"
+                )
+        return W4A16Weight(
+            torch.cat([p.qweight for p in parts], dim=1),
+            torch.cat([p.scales for p in parts], dim=1),
+            torch.cat([p.zeros for p in parts], dim=1),
+            first.group_size,
+        )
+
+
+def _round_up(values: Tensor, dtype: torch.dtype) -> Tensor:
+    """float32 -> dtype, rounded up (a scale never smaller than asked), at least the
+    dtype's smallest normal (an all-zero group still gets a positive scale)."""
+    tiny = torch.finfo(dtype).tiny
+    rounded = values.clamp(min=tiny).to(dtype)
+    up = torch.nextafter(rounded, torch.full_like(rounded, float("inf")))
+    return torch.where(rounded.float() < values, up, rounded)
+
+
+def _check(  # noqa: PLR0917
+    name: str, tensor: Tensor, expected: tuple[int, int], k: int, n: int, group: int
+) -> None:
+    """One line naming the tensor when its shape is not the one K, N and G ask for."""
+    if group <= 0 or k % group or k % PACK_K or n % 8 or tuple(tensor.shape) != expected:
+        raise ValueError(
+            f"{name} is {list(tensor.shape)}, but weight [N={n}, K={k}] in groups of {group} "
+            f"needs {list(expected)} (K a multiple of {PACK_K} and of the group, N of 8)"
+        )
+
+
+def _check_words(name: str, tensor: Tensor) -> None:
+    if tensor.dtype != torch.int32 or tensor.dim() != 2:
+        raise ValueError(
+            f"{name} is a 2-D int32 tensor of packed nibbles, not {tensor.dtype} "
+            f"of shape {list(tensor.shape)}"
+        )

@@ -1,0 +1,241 @@
+"""W4A16 weights (quant/w4a16.py) and their GEMM (kernels/w4a16.py).
+
+The kernel is held to `dequantize()` + a float32 product on fresh random inputs: through
+Triton's interpreter on CPU (float32, float16), compiled with CUDA. Tolerance: TOLERANCE
+of test_turbo_kernels, a relative error (Frobenius) of 1e-5 in float32 (summation order
+only), 2e-3 in float16 and 1.6e-2 in bfloat16: the decode tiling's products are exact
+and only the output is rounded once to the dtype (2^-11, 2^-8 relative); the prefill
+tiling also rounds each (q - z) * s to the dtype once before tl.dot; measured errors sit
+near 3e-4 in float16, an order under the bound.
+
+`quantize` must keep every weight within half a step of its group (and reproduce weights
+that sit exactly on the grid); the checkpoint readers are fed tensors packed here from
+known integers the way AutoAWQ (`WQLinear_GEMM.from_linear`, nibble order 0 2 4 6 1 3 5
+7 along N) and AutoGPTQ (`QuantLinear.pack`: qweight along K, qzeros along N in plain
+order, zero points less one in uint32 arithmetic) write them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# First: without CUDA this switches Triton to its interpreter before turbo is imported.
+from tests.unit.test_turbo_kernels import DEVICE, DTYPES, TOLERANCE, rel_err
+
+pytest.importorskip("triton")
+
+from lmd.engine.turbo import kernels
+from lmd.engine.turbo.kernels.w4a16 import Tiles, w4a16_matmul
+from lmd.engine.turbo.quant.w4a16 import W4A16Weight
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def random_weight(n: int, k: int, group: int, dtype: torch.dtype) -> W4A16Weight:
+    return W4A16Weight.quantize(torch.randn(n, k, device=DEVICE).to(dtype), group)
+
+
+def known_ints(n: int, k: int, group: int) -> tuple[Tensor, Tensor, Tensor]:
+    """q [K, N] and zeros [K / G, N] in 0..15 (every value present), scales [K / G, N]
+    of powers of two (exact in any dtype)."""
+    q = torch.randint(0, 16, (k, n), device=DEVICE)
+    q[:16, 0] = torch.arange(16)
+    zeros = torch.randint(0, 16, (k // group, n), device=DEVICE)
+    scales = 2.0 ** torch.randint(-8, 0, (k // group, n), device=DEVICE).float()
+    return q, zeros, scales
+
+
+def expected_dense(q: Tensor, zeros: Tensor, scales: Tensor, group: int) -> Tensor:
+    """(q - z) * s as [N, K] float32."""
+    z = zeros.repeat_interleave(group, 0).float()
+    s = scales.repeat_interleave(group, 0).float()
+    return ((q.float() - z) * s).t()
+
+
+def pack_words(values: Tensor, dim: int, order: list[int]) -> Tensor:
+    """Pack 8 consecutive entries along `dim` into an int32, entry order[i] in bits 4 i,
+    in uint32 arithmetic (values may be negative, as AutoGPTQ's zeros less one)."""
+    moved = values.movedim(dim, -1).long()
+    shape = (*moved.shape[:-1], moved.shape[-1] // 8, 8)
+    grouped = moved.reshape(shape)
+    words = torch.zeros(shape[:-1], dtype=torch.long, device=values.device)
+    for i, entry in enumerate(order):
+        words |= ((grouped[..., entry] & 0xFFFFFFFF) << (4 * i)) & 0xFFFFFFFF
+    signed = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return signed.movedim(-1, dim).contiguous()
+
+
+# The kernel ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 16, 33, 64])
+@pytest.mark.parametrize(("n", "k", "group"), [(48, 256, 128), (256, 384, 64)])
+def test_kernel_matches_dequantized_product(
+    n: int, k: int, group: int, rows: int, dtype: torch.dtype
+) -> None:
+    weight = random_weight(n, k, group, dtype)
+    x = torch.randn(rows, k, device=DEVICE).to(dtype)
+    bias = torch.randn(n, device=DEVICE).to(dtype) if rows % 2 else None
+    y = w4a16_matmul(x, weight.qweight, weight.scales, weight.zeros, group, bias)
+    ref = x.float() @ weight.dequantize().t() + (bias.float() if bias is not None else 0)
+    assert y.dtype == dtype and y.shape == (rows, n)
+    assert rel_err(y, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        Tiles(16, 32, 128, 3, 4, 2),  # K split three ways, partial sums added after
+        Tiles(16, 64, 128, 0, 4, 2, swap_ab=True),
+        Tiles(64, 32, 256, 1, 4, 2),  # two blocks of the layout per step
+        Tiles(32, 64, 128, 2, 4, 2, swap_ab=True),
+        None,  # dequantize + cuBLAS (dense_rows=1)
+    ],
+    ids=["split-k", "swap-ab", "block-k-256", "split-swap", "dense"],
+)
+def test_kernel_tilings(tiles: Tiles | None) -> None:
+    dtype = DTYPES[-1]
+    weight = random_weight(72, 512, 64, dtype)
+    x = torch.randn(9, 512, device=DEVICE).to(dtype)
+    bias = torch.randn(72, device=DEVICE).to(dtype)
+    y = w4a16_matmul(
+        x, weight.qweight, weight.scales, weight.zeros, 64, bias, tiles=tiles, dense_rows=1
+    )
+    ref = x.float() @ weight.dequantize().t() + bias.float()
+    assert rel_err(y, ref) < TOLERANCE[dtype]
+
+
+def test_kernel_refuses_shapes_it_cannot_take() -> None:
+    weight = random_weight(16, 256, 128, torch.float32)
+    with pytest.raises(ValueError, match=r"x \(2, 128\) against qweight \(32, 16\)"):
+        w4a16_matmul(torch.zeros(2, 128, device=DEVICE), *weight_tensors(weight), 128)
+    with pytest.raises(ValueError, match="BLOCK_K 64"):
+        x = torch.zeros(2, 256, device=DEVICE)
+        w4a16_matmul(x, *weight_tensors(weight), 128, tiles=Tiles(16, 16, 64, 1, 4, 1))
+
+
+def weight_tensors(weight: W4A16Weight) -> tuple[Tensor, Tensor, Tensor]:
+    return weight.qweight, weight.scales, weight.zeros
+
+
+# The weight ------------------------------------------------------------------------
+
+
+def test_matmul_takes_leading_dims_and_falls_back_without_triton(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dtype = DTYPES[-1]
+    weight = random_weight(40, 256, 128, dtype)
+    assert weight.shape == (40, 256) and weight.dtype == dtype
+    assert weight.device.type == DEVICE.type
+    assert weight.nbytes == 32 * 40 * 4 + 2 * 40 * (dtype.itemsize + 1)
+    x = torch.randn(2, 3, 256, device=DEVICE).to(dtype)
+    bias = torch.randn(40, device=DEVICE).to(dtype)
+    ref = F.linear(x.float(), weight.dequantize(), bias.float())
+    y = weight.matmul(x, bias)
+    assert y.shape == (2, 3, 40) and rel_err(y, ref) < TOLERANCE[dtype]
+    if not x.is_cuda:  # CPU without the interpreter: dequantize + F.linear
+        monkeypatch.setattr(kernels, "interpreting", lambda: False)
+        assert rel_err(weight.matmul(x, bias), ref) < TOLERANCE[dtype]
+    with pytest.raises(ValueError, match="got x"):
+        weight.matmul(x.float() if dtype != torch.float32 else x.half(), bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_quantize_is_within_half_a_step(dtype: torch.dtype) -> None:
+    w = torch.randn(24, 512, device=DEVICE) * torch.rand(24, 1, device=DEVICE) * 3
+    w[0, :128] = w[0, :128].abs() + 1  # a group of positive weights only
+    w[1, 128:256] = 0.0  # an all-zero group
+    w[2, 256:320] = -0.25  # a constant group
+    w = w.to(dtype)
+    weight = W4A16Weight.quantize(w, 64)
+    assert weight.scales.dtype == dtype and weight.scales.device == w.device
+    assert int(weight.zeros.max()) <= 15
+    step = weight.scales.float().repeat_interleave(64, 0).t()  # [N, K]
+    error = (w.float() - weight.dequantize()).abs()
+    assert bool((error <= step / 2 * (1 + 1e-6) + 1e-12).all())
+    assert bool((weight.dequantize()[1, 128:256] == 0).all())
+
+
+def test_quantize_keeps_weights_on_the_grid_exactly() -> None:
+    """Weights (q - z) * s with 0 and 15 in every group come back bit for bit, each
+    group with its own zero point, across group boundaries."""
+    n, k, group = 16, 256, 32
+    q, zeros, scales = known_ints(n, k, group)
+    q.view(k // group, group, n)[:, 0, :] = 0  # each group spans the whole range
+    q.view(k // group, group, n)[:, 1, :] = 15
+    dense = expected_dense(q, zeros, scales, group)
+    weight = W4A16Weight.quantize(dense.to(torch.bfloat16), group)
+    assert torch.equal(weight.dequantize(), dense)
+    assert torch.equal(weight.zeros.long(), zeros)
+
+
+def test_quantize_refuses_what_the_layout_cannot_hold() -> None:
+    with pytest.raises(ValueError, match=r"\(8, 192\)"):
+        W4A16Weight.quantize(torch.zeros(8, 192), 128)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        W4A16Weight.quantize(torch.zeros(8, 192), 64)
+    with pytest.raises(ValueError, match="zeros"):
+        W4A16Weight(torch.zeros(16, 8, dtype=torch.int32), torch.zeros(1, 8), torch.zeros(2, 8))
+
+
+@pytest.mark.parametrize("group", [128, 64])
+def test_from_awq(group: int) -> None:
+    n, k = 24, 256
+    q, zeros, scales = known_ints(n, k, group)
+    qweight = pack_words(q, 1, AWQ_ORDER)  # [K, N / 8]
+    qzeros = pack_words(zeros, 1, AWQ_ORDER)  # [K / G, N / 8]
+    assert qweight.shape == (k, n // 8) and qzeros.shape == (k // group, n // 8)
+    weight = W4A16Weight.from_awq(qweight, qzeros, scales.half(), group, torch.bfloat16)
+    assert weight.dtype == torch.bfloat16 and weight.shape == (n, k)
+    assert torch.equal(weight.dequantize(), expected_dense(q, zeros, scales, group))
+    with pytest.raises(ValueError, match=rf"AWQ scales is \[{k // group}, 8\]"):
+        W4A16Weight.from_awq(qweight, qzeros, scales[:, :8].half(), group, torch.float16)
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2", "sym"])
+def test_from_gptq(fmt: str) -> None:
+    n, k, group = 16, 384, 128
+    q, zeros, scales = known_ints(n, k, group)
+    zeros.clamp_(min=1)  # v1 writes a zero of 0 as -1, which spills into the nibbles above,
+    zeros[0, 7] = 0  # except in a word's last: nibble 15 there
+    if fmt == "sym":
+        zeros.fill_(8)
+    stored = zeros - 1 if fmt == "gptq" else zeros
+    qweight = pack_words(q, 0, list(range(8)))  # [K / 8, N]
+    qzeros = pack_words(stored, 1, list(range(8)))  # [K / G, N / 8]
+    g_idx = torch.arange(k, device=DEVICE, dtype=torch.int32) // group
+    weight = W4A16Weight.from_gptq(
+        qweight,
+        None if fmt == "sym" else qzeros,
+        scales.half(),
+        g_idx,
+        group,
+        torch.float16,
+        fmt == "sym",
+        zeros_minus_one=fmt == "gptq",
+    )
+    assert torch.equal(weight.dequantize(), expected_dense(q, zeros, scales, group))
+    shuffled = g_idx[torch.randperm(k, device=DEVICE)]
+    with pytest.raises(ValueError, match="act-order"):
+        W4A16Weight.from_gptq(qweight, qzeros, scales, shuffled, group, torch.float16, False)
+    with pytest.raises(ValueError, match=r"GPTQ qzeros is \[3, 1\]"):
+        W4A16Weight.from_gptq(qweight, qzeros[:, :1], scales, None, group, torch.half, False)
+
+
+def test_cat_stacks_output_channels() -> None:
+    dtype = DTYPES[-1]
+    parts = [random_weight(n, 256, 64, dtype) for n in (32, 8, 8)]
+    fused = W4A16Weight.cat(parts)
+    assert fused.shape == (48, 256)
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    x = torch.randn(3, 256, device=DEVICE).to(dtype)
+    assert rel_err(fused.matmul(x), x.float() @ fused.dequantize().t()) < TOLERANCE[dtype]
+    with pytest.raises(ValueError, match="differ"):
+        W4A16Weight.cat([parts[0], random_weight(8, 128, 64, dtype)])
+    with pytest.raises(ValueError, match="at least one"):
+        W4A16Weight.cat([])
