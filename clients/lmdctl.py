@@ -49,6 +49,7 @@ def workers_table(workers: list[dict[str, Any]]) -> str:
                 human_bytes(w["rss_bytes"]),
                 w["backend"] or "-",
                 w["device"] or "-",
+                quantized(w),
                 f"{kv['free_blocks']}/{kv['total_blocks']}" if kv else "-",
                 str(w.get("num_dropped", 0)),
             ]
@@ -62,10 +63,19 @@ def workers_table(workers: list[dict[str, Any]]) -> str:
         "RSS",
         "BACKEND",
         "DEVICE",
+        "QUANT",
         "KV FREE",
         "DROPPED",
     ]
     return table(rows, header)
+
+
+def quantized(worker: dict[str, Any]) -> str:
+    """What an engine runs quantized: "w4a16 (awq, group 128) kv int8", or "-"."""
+    parts = [worker.get("quantization") or ""]
+    if worker.get("kv_cache_dtype") not in (None, "auto"):
+        parts.append(f"kv {worker['kv_cache_dtype']}")
+    return " ".join(p for p in parts if p) or "-"
 
 
 def status_text(s: dict[str, Any]) -> str:

@@ -43,6 +43,7 @@ from lmd.config_loader import (
     default_values,
     parse_value,
 )
+from lmd.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from lmd.protocol.roles import Role
 
 log = logging.getLogger("lmd")
@@ -104,6 +105,11 @@ HELP = {
     "hold together (weights, activations, CUDA graphs, KV cache)",
     "enable_prefix_caching": "reuse the KV blocks of a prompt prefix seen before "
     "(/v1/chat/interactive needs it)",
+    "quantization": "quantize the weights' linear layers at load (backend turbo, CUDA): "
+    "w4a16 (4-bit, groups of 128) or fp8 (e4m3, Hopper); default: as the checkpoint has them "
+    "(AWQ, GPTQ and FP8 checkpoints need no flag)",
+    "kv_cache_dtype": "KV cache element type: auto (--dtype), int8 or fp8, each with a "
+    "scale per token and head (backend turbo, CUDA)",
     "cluster": "join the cluster whose membership lives in this etcd (etcd://HOST:PORT)",
     "node_name": "this node's name in the cluster (default: the host name)",
     "roles": "the roles this cluster node runs: api,tokenizer,prefill,decode (default: all)",
@@ -121,6 +127,8 @@ CHOICES = {
     "decode_backend": BACKENDS,
     "log_level": LOG_LEVELS,
     "migration_transport": MIGRATION_TRANSPORTS,
+    "quantization": QUANTIZATIONS,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
 }
 
 

@@ -120,6 +120,8 @@ class ServeConfig:
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     # On by default (as LMDeploy and vLLM): interactive sessions reuse their KV through it.
     enable_prefix_caching: bool = True
+    quantization: str | None = None  # weights quantized at load: fp8 | w4a16; None = as stored
+    kv_cache_dtype: str = "auto"  # KV pool: auto (dtype) | int8 | fp8
     # Cluster mode (docs/cluster.md): nodes find each other through etcd; None = one host.
     cluster: str | None = None  # etcd://HOST:PORT
     node_name: str | None = None  # this node's name in the cluster; default: the host name
@@ -265,6 +267,8 @@ class ServeConfig:
             session_len=self.session_len,
             cache_max_entry_count=self.cache_max_entry_count,
             enable_prefix_caching=self.enable_prefix_caching,
+            quantization=self.quantization,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
 
     def role_device(self, role: Role, resolved: str) -> str:

@@ -70,6 +70,8 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
+    quantization: str | None  # the weights': fp8, w4a16, or a checkpoint's (awq, gptq, ...)
+    kv_cache_dtype: Literal["auto", "int8", "fp8"]
 
 
 class ModelList(BaseModel):

@@ -71,6 +71,7 @@ from lmd.api.interactive import (
     prefix_caching_off,
 )
 from lmd.api.metrics import CLIENT_GONE, CONTENT_TYPE, ApiMetrics
+from lmd.api.models import model_card
 from lmd.api.openai_responses import Framing
 from lmd.api.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest, unknown_model
 from lmd.api.parsers.choice import ReplyChoice
@@ -262,8 +263,7 @@ class ApiWorker(Worker):
         return app
 
     def _model_card(self) -> dict[str, Any]:
-        name = self.config.served_model_name
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "lmd"}
+        return model_card(self.config, self.created)
 
     def _count_rejected(self, path: str, status: int) -> None:
         endpoint = path.removeprefix("/v1/").replace("/", "_")

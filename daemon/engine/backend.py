@@ -26,6 +26,8 @@ import torch
 from numpy.typing import NDArray
 from torch import Tensor
 
+from lmd.engine.kv_layout import QUANT_KV_DTYPES, bytes_per_block
+
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -187,8 +189,19 @@ class Backend(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
-        """Load the model in `model_dir` onto `device` in `dtype`."""
+    def __init__(
+        self,
+        model_dir: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        *,
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
+        """Load the model in `model_dir` onto `device` in `dtype`, its linear weights
+        quantized at load with `quantization` (None: as the checkpoint has them), for a
+        KV pool in `kv_cache_dtype` (engine/config.py); a backend that cannot run either
+        raises BackendError saying so (`refuse_quantization`)."""
 
     @property
     @abstractmethod
@@ -231,6 +244,18 @@ class Backend(ABC):
     def device(self) -> torch.device: ...
 
     @property
+    def kv_cache_dtype(self) -> str:
+        """The KV pool's element type this backend reads and writes: "auto" (`dtype`),
+        "int8" or "fp8" (a quantized pool, kv_pool.py)."""
+        return "auto"
+
+    @property
+    def quantization(self) -> str | None:
+        """What of the weights runs quantized, as status and /v1/models show it (e.g.
+        "w4a16 (awq, group 128)"); None when nothing does."""
+        return None
+
+    @property
     def kv_window(self) -> int:
         """The sliding window when every layer has one (the engine frees KV blocks that
         fall behind it), else 0."""
@@ -260,16 +285,22 @@ class Backend(ABC):
 
     def check_pool(self, kv: Tensor) -> None:
         """ValueError unless `kv` is a pool this model can read and write: its shape,
-        dtype and device type, one contiguous tensor."""
+        dtype and device type, one contiguous tensor (a quantized pool's values: each
+        block contiguous, its scales after them)."""
         expected = self.kv_cache_shape(kv.shape[0], kv.shape[3])
-        if tuple(kv.shape) != expected or kv.dtype != self.dtype:
+        kind = self.kv_cache_dtype
+        dtype = self.dtype if kind == "auto" else QUANT_KV_DTYPES[kind]
+        if tuple(kv.shape) != expected or kv.dtype != dtype:
             raise ValueError(
-                f"KV pool is {tuple(kv.shape)} {kv.dtype}, this model needs {expected} {self.dtype}"
+                f"KV pool is {tuple(kv.shape)} {kv.dtype}, this model needs {expected} {dtype}"
             )
         if kv.device.type != self.device.type:
             raise ValueError(f"KV pool is on {kv.device}, the model on {self.device}")
-        if not kv.is_contiguous():
-            raise ValueError("the KV pool must be one contiguous tensor")
+        _, layers, _, slots, heads, dim = expected
+        block = bytes_per_block(layers, heads, dim, slots, self.dtype, kv_cache_dtype=kind)
+        if kv[0].is_contiguous() and kv.stride(0) * kv.element_size() == block:
+            return
+        raise ValueError("the KV pool must be one block-major allocation")
 
     def check_step(self, batch: ForwardBatch, kv: Tensor) -> None:
         """ValueError for a pool this model cannot use (check_pool) or a step that would
@@ -303,6 +334,22 @@ class Backend(ABC):
         default (no graphs)."""
         del kv, max_batch_size
         return None
+
+
+def refuse_quantization(
+    backend: str, quantization: str | None, kv_cache_dtype: str, *, kv: bool = False
+) -> None:
+    """BackendError for what a backend without quantized kernels was asked to run;
+    `kv`: it never reads the pool, so any KV dtype will do."""
+    if quantization is not None:
+        raise BackendError(
+            f"backend {backend} cannot quantize weights ({quantization}); use backend turbo"
+        )
+    if kv_cache_dtype != "auto" and not kv:
+        raise BackendError(
+            f"backend {backend} has no {kv_cache_dtype} KV cache; use backend turbo or "
+            "kv_cache_dtype auto"
+        )
 
 
 def parse_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from lmd.engine.backend import Backend, BackendError
+from lmd.engine.config import checkpoint_quant_method
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +25,8 @@ def select_backend(
     architecture: str,
     device: torch.device | str,
     model_dir: Path | None = None,
+    *,
+    quantized: str | None = None,
 ) -> type[Backend]:
     """The backend class for `name` ("auto", "torch", "turbo" or "fake") on `device`.
 
@@ -33,6 +36,9 @@ def select_backend(
     takes turbo where it can run and torch otherwise, with a log line that says which
     and why. With `model_dir`, its config.json
     is checked too (turbo refuses, e.g., rotary types that depend on the length).
+    Quantized weights or KV (`quantized` names what was asked; a checkpoint's
+    quantization_config counts too) run on turbo only: `auto` then refuses rather than
+    fall back.
     """
     if name not in BACKEND_NAMES:
         raise BackendError(f"backend {name!r} is not one of {', '.join(BACKEND_NAMES)}")
@@ -54,6 +60,10 @@ def select_backend(
             return TurboBackend
         if name == "turbo":
             raise BackendError(f"backend turbo cannot run here: {reason}; use torch or auto")
+        method = checkpoint_quant_method(model_dir) if model_dir is not None else None
+        quantized = quantized or (method and f"a {method} checkpoint")
+        if quantized is not None:
+            raise BackendError(f"{quantized} runs on backend turbo only, which cannot: {reason}")
         log.warning("backend auto: using torch for %s because %s", architecture, reason)
     from lmd.engine.torch_backend import TorchBackend
 

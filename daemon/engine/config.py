@@ -17,6 +17,12 @@ from typing import Any
 # A config.json that names no max_position_embeddings: the length Llama's config assumes
 # and vLLM falls back to.
 DEFAULT_CONTEXT_LEN = 2048
+# Weights quantized at load (--quantization); a checkpoint's own quantization (AWQ, GPTQ,
+# FP8) is read from its config.json and needs no flag.
+QUANTIZATIONS = ("fp8", "w4a16")
+# KV pool element types (--kv-cache-dtype): auto = the model's dtype; int8 and fp8 (e4m3)
+# with a float16 scale per token and head (LMDeploy's quant_policy=8 is int8).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
@@ -29,6 +35,17 @@ def architecture(model_dir: Path) -> str:
     """The model class config.json names (`architectures[0]`), or "unknown"."""
     archs = read_hf_config(model_dir).get("architectures") or ["unknown"]
     return str(archs[0])
+
+
+def checkpoint_quant_method(model_dir: Path) -> str | None:
+    """The quant_method of a checkpoint's quantization_config ("awq", "gptq", "fp8", ...),
+    None when its config.json has none (or there is no config.json: a GGUF file)."""
+    path = Path(model_dir) / "config.json"
+    packed = read_hf_config(model_dir).get("quantization_config") if path.is_file() else None
+    if not packed:
+        return None
+    method = packed.get("quant_method") if isinstance(packed, dict) else None
+    return str(method or "unknown")
 
 
 def text_config(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -69,6 +86,8 @@ class EngineConfig:
     overlap_steps: launch each decode step before reading back the previous one's tokens,
     so the host prepares step N+1 while the device runs step N (engine.py); None = where
     the model runs on CUDA (on a CPU there is no device to overlap with).
+    quantization: weights quantized at load (QUANTIZATIONS), None = as the checkpoint is.
+    kv_cache_dtype: the KV pool's element type (KV_CACHE_DTYPES).
     """
 
     block_size: int = 64
@@ -78,6 +97,8 @@ class EngineConfig:
     cache_max_entry_count: float | int = 0.8
     enable_prefix_caching: bool = False
     overlap_steps: bool | None = None
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, minimum=1)
@@ -94,6 +115,24 @@ class EngineConfig:
             raise ValueError(
                 f"overlap_steps must be true, false or None, got {self.overlap_steps!r}"
             )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)} or unset, "
+                f"got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
+
+    @property
+    def quantized(self) -> str | None:
+        """What of these settings needs quantized kernels, as flags name it; None = nothing."""
+        asked = [f"--quantization {self.quantization}"] if self.quantization else []
+        if self.kv_cache_dtype != "auto":
+            asked.append(f"--kv-cache-dtype {self.kv_cache_dtype}")
+        return " and ".join(asked) or None
 
     @property
     def cache_is_block_count(self) -> bool:

@@ -50,7 +50,7 @@ from lmd.engine.block_manager import BlockManager
 from lmd.engine.config import EngineConfig, architecture
 from lmd.engine.decode_scheduler import DecodeBatch, DecodeScheduler
 from lmd.engine.inflight import InFlight
-from lmd.engine.kv_pool import KVPool, PoolBuffer, bytes_per_block, size_pool
+from lmd.engine.kv_pool import KVPool, PoolBuffer, block_bytes_of, size_pool
 from lmd.engine.memory_plan import Budget, StepOutOfMemory, describe
 from lmd.engine.memory_profile import cap_allocator, size_in_budget
 from lmd.engine.prefill_scheduler import PrefillBatch, PrefillScheduler
@@ -133,27 +133,23 @@ class Engine:
         if planned is not None:
             cap_allocator(planned, dev)
         arch = architecture(model_dir)
-        kind = select_backend(backend, arch, dev, model_dir)
-        model = kind(model_dir, dev, parse_dtype(dtype, dev))
-        per_block = bytes_per_block(
-            model.num_layers, model.num_kv_heads, model.head_dim, config.block_size, model.dtype
+        kind = select_backend(backend, arch, dev, model_dir, quantized=config.quantized)
+        model = kind(
+            model_dir,
+            dev,
+            parse_dtype(dtype, dev),
+            quantization=config.quantization,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
+        per_block = block_bytes_of(model, config.block_size)
         memory: dict[str, Any] | None = None
         if planned is not None:
             resolved = config.with_session_len(model.max_position_embeddings)
             num_blocks, memory = size_in_budget(model, resolved, role, planned, per_block)
         else:
             num_blocks = size_pool(model, config, cpu_engines, cpu_free)
-        pool = KVPool(
-            num_blocks,
-            num_layers=model.num_layers,
-            num_kv_heads=model.num_kv_heads,
-            head_dim=model.head_dim,
-            block_size=config.block_size,
-            dtype=model.dtype,
-            device=dev,
-            buffer=None if pool_buffer is None else pool_buffer(num_blocks * per_block),
-        )
+        buffer = None if pool_buffer is None else pool_buffer(num_blocks * per_block)
+        pool = KVPool.for_backend(model, num_blocks, config.block_size, buffer)
         log.info(
             "KV pool: %d blocks of %d tokens (%.1f MiB)",
             num_blocks,

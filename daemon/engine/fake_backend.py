@@ -22,14 +22,25 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from lmd.engine.backend import Backend, ForwardBatch
+from lmd.engine.backend import Backend, ForwardBatch, refuse_quantization
 from lmd.engine.config import context_len, read_hf_config
 
 
 class FakeBackend(Backend):
     name: ClassVar[str] = "fake"
 
-    def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        *,
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
+        # It reads no KV, so a quantized pool is as good as any (tests of its migration).
+        refuse_quantization(self.name, quantization, kv_cache_dtype, kv=True)
+        self._kv_cache_dtype = kv_cache_dtype
         config: dict[str, Any] = read_hf_config(model_dir)
         config = config.get("text_config", config)
         self._config = config
@@ -44,6 +55,10 @@ class FakeBackend(Backend):
     def architecture(self) -> str:
         archs = self._config.get("architectures") or ["unknown"]
         return str(archs[0])
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self._kv_cache_dtype
 
     @property
     def num_layers(self) -> int:

@@ -4,6 +4,12 @@ Layout (docs/architecture.md §5): kv: [num_blocks, num_layers, 2 (k, v), block_
 num_kv_heads, head_dim]. One block of every layer is one contiguous byte range, so a
 migration copies whole blocks, and consecutive block ids merge into one range.
 
+A quantized pool (`kv_cache_dtype` int8 or fp8) keeps that: each block holds its values,
+one byte each, laid out [L, 2, S, Hkv, D], then their scales, float16 [L, 2, S, Hkv] (one
+per token and head; value = code * scale). `kv` is then a strided view of the values
+(block stride = the block's bytes) and `kv_scales` one of the scales, over the same
+memory, so a block still migrates as one byte range, at (D + 2) / 2D of a 16-bit block.
+
 Size: `cache_max_entry_count` of the free memory (LMDeploy's rule). On a GPU that is the
 device's free memory after the weights. On CPU there is none to ask for: an engine's
 "free memory" is its even share of half the available RAM, and never more than what the
@@ -22,6 +28,8 @@ from typing import TYPE_CHECKING
 import psutil
 import torch
 
+from lmd.engine.kv_layout import bytes_per_block, quantized_views
+
 if TYPE_CHECKING:
     from lmd.engine.backend import Backend
     from lmd.engine.config import EngineConfig
@@ -33,19 +41,17 @@ CPU_KV_CAP_BYTES = 4 << 30
 PoolBuffer = torch.Tensor | bytearray | memoryview | mmap.mmap
 
 
-def bytes_per_block(
-    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
-) -> int:
-    """Bytes of one block: k and v of `block_size` tokens for every layer."""
-    for name, value in (
-        ("num_layers", num_layers),
-        ("num_kv_heads", num_kv_heads),
-        ("head_dim", head_dim),
-        ("block_size", block_size),
-    ):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+def block_bytes_of(backend: Backend, block_size: int) -> int:
+    """Bytes of one block of the pool `backend` reads (its layers, heads, KV dtype)."""
+    b = backend
+    return bytes_per_block(
+        b.num_layers,
+        b.num_kv_heads,
+        b.head_dim,
+        block_size,
+        b.dtype,
+        kv_cache_dtype=b.kv_cache_dtype,
+    )
 
 
 def num_blocks_for(
@@ -118,13 +124,7 @@ def size_pool(
     On CPU, "free memory" is `cpu_free` (the engine worker's claim, cpu_kv_free over the
     pools its daemon holds), else an even share of the available RAM between `cpu_engines`.
     """
-    per_block = bytes_per_block(
-        backend.num_layers,
-        backend.num_kv_heads,
-        backend.head_dim,
-        config.block_size,
-        backend.dtype,
-    )
+    per_block = block_bytes_of(backend, config.block_size)
     if backend.device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(backend.device)
     elif cpu_free is not None:
@@ -140,7 +140,9 @@ class KVPool:
     Pass `buffer` (a flat tensor, or a writable bytearray/memoryview/mmap such as a
     shared-memory mapping) to view existing memory instead of allocating; the pool then
     keeps its contents as they are. A pool it allocates itself starts zeroed, so that
-    unused slots never hold NaNs an attention kernel could pick up.
+    unused slots never hold NaNs an attention kernel could pick up. `kv_cache_dtype`
+    int8 or fp8 makes a quantized pool (module docstring): `kv` holds the codes,
+    `kv_scales` their scales; None for a pool in `dtype`.
     """
 
     def __init__(
@@ -154,24 +156,51 @@ class KVPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         buffer: PoolBuffer | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self.block_nbytes = bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype)
-        shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.block_nbytes = bytes_per_block(
+            num_layers, num_kv_heads, head_dim, block_size, dtype, kv_cache_dtype=kv_cache_dtype
+        )
+        nbytes = self.nbytes_for(num_blocks)
         if buffer is None:
-            # kv: [N, L, 2, S, Hkv, D]
-            self.kv = torch.zeros(shape, dtype=dtype, device=device or "cpu")
+            raw = torch.zeros(nbytes, dtype=torch.uint8, device=device or "cpu")
         else:
             raw = _as_bytes(buffer, device)
-            if raw.numel() < self.nbytes_for(num_blocks):
+            if raw.numel() < nbytes:
                 raise ValueError(
-                    f"buffer holds {raw.numel()} bytes but {num_blocks} blocks need "
-                    f"{self.nbytes_for(num_blocks)}"
+                    f"buffer holds {raw.numel()} bytes but {num_blocks} blocks need {nbytes}"
                 )
             if raw.data_ptr() % dtype.itemsize:
                 raise ValueError(f"buffer is not aligned to {dtype.itemsize} bytes for {dtype}")
-            self.kv = raw[: self.nbytes_for(num_blocks)].view(dtype).view(shape)
+        self._raw = raw[:nbytes]  # [N * block_nbytes] uint8: what migrations copy
+        self.kv_scales: torch.Tensor | None = None
+        if kv_cache_dtype == "auto":
+            # kv: [N, L, 2, S, Hkv, D]
+            shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+            self.kv = self._raw.view(dtype).view(shape)
+        else:
+            layout = (num_layers, block_size, num_kv_heads, head_dim)
+            self.kv, self.kv_scales = quantized_views(raw, num_blocks, layout, kv_cache_dtype)
+
+    @classmethod
+    def for_backend(
+        cls, backend: Backend, num_blocks: int, block_size: int, buffer: PoolBuffer | None = None
+    ) -> KVPool:
+        """The pool `backend` reads and writes, of `num_blocks` blocks."""
+        return cls(
+            num_blocks,
+            num_layers=backend.num_layers,
+            num_kv_heads=backend.num_kv_heads,
+            head_dim=backend.head_dim,
+            block_size=block_size,
+            dtype=backend.dtype,
+            device=backend.device,
+            buffer=buffer,
+            kv_cache_dtype=backend.kv_cache_dtype,
+        )
 
     def nbytes_for(self, num_blocks: int) -> int:
         return num_blocks * self.block_nbytes
@@ -203,7 +232,7 @@ class KVPool:
     @property
     def data_ptr(self) -> int:
         """Address of block 0: what a transport registers with its peer."""
-        return self.kv.data_ptr()
+        return self._raw.data_ptr()
 
     def block_offset(self, block_id: int) -> int:
         """Byte offset of `block_id` from the start of the pool."""
@@ -237,7 +266,7 @@ class KVPool:
 
     def as_bytes(self) -> torch.Tensor:
         """The whole pool as a flat uint8 view (same memory). # [N * block_nbytes]"""
-        return self.kv.view(-1).view(torch.uint8)
+        return self._raw
 
     def _check_block(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:

@@ -10,6 +10,7 @@ an estimate that is low costs that engine some KV blocks, never another engine's
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from lmd.engine.config import EngineConfig, context_len, text_config
-from lmd.engine.kv_pool import bytes_per_block
+from lmd.engine.kv_layout import bytes_per_block
 from lmd.engine.memory_plan import EngineNeeds
 from lmd.protocol.roles import Role
 
@@ -26,13 +27,29 @@ from lmd.protocol.roles import Role
 RESERVE_SLACK_BYTES = 512 << 20
 # A prefill engine wants KV for this many steps of prompts (migrating, being computed).
 PREFILL_KV_STEPS = 4
-# Bytes of the checkpoint's tensors that are not floating point (they load as they are).
-_INT_ITEMSIZE = {"I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+# Bytes of the checkpoint's tensors that load as they are: integers (AWQ and GPTQ pack
+# 4-bit weights in int32) and FP8 weights; the others load as the model's dtype.
+_KEPT_ITEMSIZE = {
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
+# Bytes per weight of a linear layer quantized at load (--quantization): 4 bits + a scale
+# and a zero per group of 128 (W4A16); 1 byte + a float32 scale per row (FP8, rounded up).
+_QUANTIZED_ITEMSIZE = {"w4a16": 0.5 + 4 / 128, "fp8": 1.0}
+# The layers' linear weights, which --quantization quantizes (not experts, norms, embedding).
+_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
 
 
-def weight_bytes(model_dir: Path, dtype: torch.dtype) -> int:
-    """Bytes of the model's weights once loaded as `dtype`: every tensor of its
-    safetensors files (read from their headers), else the size of its weight files."""
+def weight_bytes(model_dir: Path, dtype: torch.dtype, quantization: str | None = None) -> int:
+    """Bytes of the model's weights once loaded as `dtype` (linear layers quantized at load
+    with `quantization`): every tensor of its safetensors files (read from their headers),
+    else the size of its weight files."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         other = [*Path(model_dir).glob("*.bin"), *Path(model_dir).glob("*.pt")]
@@ -43,18 +60,23 @@ def weight_bytes(model_dir: Path, dtype: torch.dtype) -> int:
             for name in f.keys():  # noqa: SIM118 (a safetensors handle is no dict)
                 tensor = f.get_slice(name)
                 kind = tensor.get_dtype()
-                itemsize = _INT_ITEMSIZE.get(kind, dtype.itemsize)  # floats load as dtype
-                total += math.prod(tensor.get_shape()) * itemsize
+                itemsize: float = _KEPT_ITEMSIZE.get(kind, dtype.itemsize)  # floats: as dtype
+                if quantization is not None and _LINEAR.fullmatch(name):
+                    itemsize = _QUANTIZED_ITEMSIZE[quantization]
+                total += math.ceil(math.prod(tensor.get_shape()) * itemsize)
     return total
 
 
-def kv_bytes_per_token(hf_config: Mapping[str, Any], dtype: torch.dtype) -> int:
+def kv_bytes_per_token(
+    hf_config: Mapping[str, Any], dtype: torch.dtype, kv_cache_dtype: str = "auto"
+) -> int:
     """K and V of one token in every layer: a pool block of one token."""
     c = text_config(hf_config)
     heads = int(c["num_attention_heads"])
     kv_heads = int(c.get("num_key_value_heads") or heads)
     head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // heads)
-    return bytes_per_block(int(c["num_hidden_layers"]), kv_heads, head_dim, 1, dtype)
+    layers = int(c["num_hidden_layers"])
+    return bytes_per_block(layers, kv_heads, head_dim, 1, dtype, kv_cache_dtype=kv_cache_dtype)
 
 
 def reserve_estimate(
@@ -96,7 +118,7 @@ def engine_needs(
     if role == Role.PREFILL:
         session = config.session_len or context_len(hf_config)
         tokens = max(PREFILL_KV_STEPS * config.max_prefill_token_num, session)
-        wanted = tokens * kv_bytes_per_token(hf_config, dtype)
+        wanted = tokens * kv_bytes_per_token(hf_config, dtype, config.kv_cache_dtype)
     return EngineNeeds(
         name=name,
         role=role,

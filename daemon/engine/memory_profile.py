@@ -27,6 +27,7 @@ import torch
 
 from lmd.engine.backend import Backend, ForwardBatch
 from lmd.engine.config import EngineConfig
+from lmd.engine.kv_pool import KVPool
 from lmd.engine.memory_plan import Budget, GiB, MemoryPlanError
 from lmd.engine.sampler import Sampler
 from lmd.engine.sequence import MAX_LOGPROBS, SamplingParams, Sequence
@@ -109,8 +110,7 @@ def profile(backend: Backend, config: EngineConfig, role: Role) -> StepMemory:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_reserved(device)
-    shape = backend.kv_cache_shape(num_blocks, config.block_size)
-    scratch = torch.zeros(shape, dtype=backend.dtype, device=device)  # [N, L, 2, S, Hkv, D]
+    scratch = KVPool.for_backend(backend, num_blocks, config.block_size).kv  # [N, L, 2, S, Hkv, D]
     with_scratch = torch.cuda.memory_reserved(device)
     run_steps(backend, scratch, batches)
     torch.cuda.synchronize(device)

@@ -46,7 +46,7 @@ def claim_gpu_budget(
     _free, total = torch.cuda.mem_get_info(device)
     dtype = parse_dtype(config.dtype, device)
     hf_config = read_hf_config(model_dir)
-    weights = weight_bytes(model_dir, dtype)
+    weights = weight_bytes(model_dir, dtype, engine_config.quantization)
     utilization = config.gpu_memory_utilization
     planned = dict(spec.device_engines)
     ledger = PoolLedger(config.runtime_dir, scope=gpu)

@@ -162,6 +162,8 @@ class EngineWorker(Worker):
             "backend": b.name,
             "device": str(b.device),
             "dtype": str(b.dtype)[6:],
+            "quantization": b.quantization,
+            "kv_cache_dtype": b.kv_cache_dtype,
         }
         if isinstance(self.engine, Engine) and self.engine.memory is not None:
             info["memory"] = self.engine.memory

@@ -96,8 +96,7 @@ class PoolMemory:
     def attach(self, pool: KVPool) -> None:
         if self.region is not None:
             return
-        kv = pool.kv
-        self.region = self.transport.register(kv.data_ptr(), kv.nbytes, str(kv.device))
+        self.region = self.transport.register(pool.data_ptr, pool.nbytes, str(pool.device))
 
     @property
     def descriptor(self) -> bytes:

@@ -22,6 +22,8 @@ from lmd.tokenizer.text.chat_template import LmdeployChatTemplate
 
 ChatTemplateConfig = LmdeployChatTemplate
 OUTPUT_MODES = ("all", "generation")  # output_logits / output_last_hidden_state
+# LMDeploy's quant_policy -> the KV cache dtype (its 4, int4 KV, lmd does not have).
+KV_POLICIES = {0: "auto", 8: "int8"}
 
 
 @dataclass(slots=True, kw_only=True)
@@ -112,6 +114,9 @@ class _EngineSettings(ABC):
     cache_max_entry_count: float | int = 0.8
     enable_prefix_caching: bool = False
     device_type: str | None = None
+    quant_policy: int = 0  # LMDeploy's KV cache quantization: 0 none, 8 int8
+    kv_cache_dtype: str | None = None  # lmd's name for it (auto, int8, fp8); wins if set
+    quantization: str | None = None  # lmd's: weights quantized at load, fp8 or w4a16
 
     backend: ClassVar[str]
     DEFAULT_MAX_BATCH_SIZE: ClassVar[int] = 128
@@ -124,6 +129,11 @@ class _EngineSettings(ABC):
             not isinstance(device, str) or device.split(":")[0] not in ("cuda", "cpu")
         ):
             raise ValueError(f"device_type must be 'cuda', 'cuda:N', 'cpu' or None, got {device!r}")
+        if self.quant_policy not in KV_POLICIES:
+            raise ValueError(
+                f"quant_policy must be 0 (no KV quantization) or 8 (int8 KV), got "
+                f"{self.quant_policy!r}; lmd has no 4-bit KV cache"
+            )
         self.engine_config()  # EngineConfig's checks, raised here
 
     @abstractmethod
@@ -141,6 +151,8 @@ class _EngineSettings(ABC):
             session_len=self.session_len,
             cache_max_entry_count=self.cache_max_entry_count,
             enable_prefix_caching=self.enable_prefix_caching,
+            quantization=self.quantization,
+            kv_cache_dtype=self.kv_cache_dtype or KV_POLICIES[self.quant_policy],
         )
 
 

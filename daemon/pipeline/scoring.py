@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lmd.engine.backend import Backend, ForwardBatch
+from lmd.engine.kv_pool import KVPool
 
 LOGITS_BYTES = 256 * 2**20
 
@@ -86,10 +87,10 @@ def _run_group(
         n = -(-len(seqs[i]) // block_size)
         tables.append(list(range(num_blocks, num_blocks + n)))
         num_blocks += n
-    shape = backend.kv_cache_shape(num_blocks, block_size)
-    # Zeros, not empty: decode attention reads whole blocks, the unwritten tail of the
-    # last one too (masked out, but a NaN there would still poison the softmax).
-    kv = torch.zeros(shape, dtype=backend.dtype, device=backend.device)
+    # Zeroed (as a pool starts), not empty: decode attention reads whole blocks, the
+    # unwritten tail of the last one too (masked out, but a NaN there would still poison
+    # the softmax).
+    kv = KVPool.for_backend(backend, num_blocks, block_size).kv
     done = [0] * len(group)
     while any(d < len(seqs[i]) for d, i in zip(done, group, strict=True)):
         room = rows

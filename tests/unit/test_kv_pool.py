@@ -7,11 +7,11 @@ import mmap
 import pytest
 import torch
 
+from lmd.engine.kv_layout import bytes_per_block
 from lmd.engine.kv_pool import (
     CPU_KV_CAP_BYTES,
     KVPool,
     PoolBuffer,
-    bytes_per_block,
     cpu_free_bytes,
     cpu_kv_free,
     num_blocks_for,

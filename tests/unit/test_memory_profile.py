@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lmd.engine.config import EngineConfig, read_hf_config
-from lmd.engine.kv_pool import bytes_per_block
+from lmd.engine.kv_layout import bytes_per_block
 from lmd.engine.memory_needs import (
     engine_needs,
     kv_bytes_per_token,

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch import Tensor
 from transformers import AutoConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -34,9 +35,11 @@ def test_fused_tensors_are_the_checkpoint_in_order(llama_dir: Path) -> None:
     for i, layer in enumerate(weights.layers):
         hf = ref.model.layers[i]
         attn, mlp = hf.self_attn, hf.mlp
+        assert isinstance(layer.qkv, Tensor) and isinstance(layer.o, Tensor)
         qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
         assert torch.equal(layer.qkv, qkv)
-        assert layer.gate_up is not None and layer.down is not None and layer.experts is None
+        assert isinstance(layer.gate_up, Tensor) and isinstance(layer.down, Tensor)
+        assert layer.experts is None
         assert torch.equal(layer.gate_up, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
         assert torch.equal(layer.o, attn.o_proj.weight)
         assert torch.equal(layer.down, mlp.down_proj.weight)

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from lmd.engine.backend import BackendError, ForwardBatch
-from lmd.engine.config import context_len, read_hf_config
+from lmd.engine.backend import BackendError, ForwardBatch, refuse_quantization
+from lmd.engine.config import checkpoint_quant_method, context_len, read_hf_config
 from lmd.engine.graphed import GraphedDecode
 from lmd.engine.torch_backend.attention import (
     ATTENTION_NAME,
@@ -51,8 +51,15 @@ class TorchBackend(GraphedDecode):
         device: torch.device,
         dtype: torch.dtype,
         *,
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
         cuda_graphs: bool = True,
     ) -> None:
+        refuse_quantization(self.name, quantization, kv_cache_dtype)
+        if (method := checkpoint_quant_method(model_dir)) is not None:
+            raise BackendError(
+                f"backend torch does not load {method} checkpoints ({model_dir}); use turbo"
+            )
         self._device = torch.device(device)
         self._dtype = dtype
         # CPU: reuse freed activations; only as many threads as other processes leave cores.

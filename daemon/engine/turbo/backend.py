@@ -23,11 +23,14 @@ import torch
 from torch import Tensor
 
 from lmd.engine.backend import BackendError, ForwardBatch
+from lmd.engine.config import read_hf_config
 from lmd.engine.graphed import GraphedDecode
 from lmd.engine.turbo import kernels
 from lmd.engine.turbo.config import TurboConfig, UnsupportedModel
 from lmd.engine.turbo.graphs import DecodeGraphs
 from lmd.engine.turbo.model import StepInputs, TurboModel
+from lmd.engine.turbo.quant.fp8 import fp8_supported
+from lmd.engine.turbo.quant.scheme import read_scheme
 from lmd.engine.turbo.rope import layer_rope_tables
 from lmd.engine.turbo.weights import eos_token_ids, load_weights
 
@@ -43,6 +46,8 @@ class TurboBackend(GraphedDecode):
         device: torch.device,
         dtype: torch.dtype,
         *,
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
         cuda_graphs: bool = True,
     ) -> None:
         self._device = torch.device(device)
@@ -55,11 +60,20 @@ class TurboBackend(GraphedDecode):
             raise BackendError(f"backend turbo runs bfloat16, float16 or float32, not {dtype}")
         try:
             self.config = TurboConfig.load(model_dir)
+            self.scheme = read_scheme(read_hf_config(model_dir), quantization)
         except UnsupportedModel as exc:
             raise BackendError(f"backend turbo cannot serve {model_dir}: {exc}") from None
+        self._kv_cache_dtype = kv_cache_dtype
+        fp8 = []
+        if self.scheme is not None and self.scheme.method == "fp8":
+            fp8.append(f"weights {self.scheme.describe()}")
+        if kv_cache_dtype == "fp8" and not kernels.interpreting():
+            fp8.append("an fp8 KV cache")
+        if fp8 and (reason := fp8_supported(self._device)) is not None:
+            raise BackendError(f"backend turbo cannot run {' and '.join(fp8)}: {reason}")
         start = time.perf_counter()
         try:
-            weights = load_weights(model_dir, self.config, self._device, dtype)
+            weights = load_weights(model_dir, self.config, self._device, dtype, self.scheme)
         except UnsupportedModel as exc:
             raise BackendError(f"backend turbo cannot load {model_dir}: {exc}") from None
         ropes = layer_rope_tables(model_dir, self.config.max_position_embeddings, self._device)
@@ -73,11 +87,13 @@ class TurboBackend(GraphedDecode):
             else 4
         )
         log.info(
-            "turbo backend: %s from %s on %s (%s), %.2f GiB of weights in %.1f s",
+            "turbo backend: %s from %s on %s (%s%s%s), %.2f GiB of weights in %.1f s",
             self.config.architecture,
             model_dir,
             self._device,
             dtype,
+            f", weights {self.quantization}" if self.scheme else "",
+            f", KV {kv_cache_dtype}" if kv_cache_dtype != "auto" else "",
             weights.nbytes / 2**30,
             time.perf_counter() - start,
         )
@@ -111,6 +127,14 @@ class TurboBackend(GraphedDecode):
     @property
     def max_position_embeddings(self) -> int:
         return self.config.max_position_embeddings
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self._kv_cache_dtype
+
+    @property
+    def quantization(self) -> str | None:
+        return None if self.scheme is None else self.scheme.describe()
 
     @property
     def kv_window(self) -> int:

@@ -16,7 +16,10 @@ One step runs the packed batch of T new tokens (ForwardBatch) through every laye
         (Gemma: gelu for silu, then out = rms_norm(out))
     logits = rms_norm(rows of out, residual += out) @ Wlm   # only the sampled rows
 
-Matrix products go to cuBLAS through torch; the rest are our Triton kernels.
+Matrix products go to cuBLAS through torch (small decode batches to kernels/gemv.py;
+quantized weights to their own GEMMs, quant/); the rest are our Triton kernels. A
+quantized KV pool (int8 or e4m3 codes + a float16 scale per token and head) is written
+and read by the same kernels, given its scales.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch import Tensor
 from lmd.engine.backend import ForwardBatch, mm_has_float_output
 from lmd.engine.turbo import kernels
 from lmd.engine.turbo.config import TurboConfig
+from lmd.engine.turbo.quant.load import Linear
 from lmd.engine.turbo.weights import LayerWeights, ModelWeights
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -103,11 +107,14 @@ class TurboModel:
     def forward(self, step: StepInputs, kv: Tensor, out: Tensor | None = None) -> Tensor:
         """Logits [R, V] float32 of the step's sampled rows, written into `out` if given.
 
-        Writes the new tokens' K/V into kv: [N, L, 2, S, Hkv, D]. Makes no host sync and
+        Writes the new tokens' K/V into kv: [N, L, 2, S, Hkv, D] (16-bit, or int8/e4m3
+        codes with their scales after each block's: kv_pool.py). Makes no host sync and
         allocates only from torch's caching allocator, so it can be captured in a graph.
         """
         c, w = self.config, self.weights
         num_tokens = step.input_ids.shape[0]
+        # A quantized pool's scales (kv_pool.py), a view of the same memory.
+        scales = kernels.scales_of(kv) if kv.element_size() == 1 else None
         residual = F.embedding(step.input_ids, w.embed)  # [T, hidden]
         if self.embed_scale != 1.0:
             residual = residual * self.embed_scale
@@ -129,9 +136,10 @@ class TurboModel:
                 q_norm=layer.q_norm,
                 k_norm=layer.k_norm,
                 eps=c.rms_norm_eps,
+                kv_scales=scales,
             )
             q = qkv.view(num_tokens, -1, c.head_dim)[:, : c.num_heads]  # [T, H, D], strided
-            attn = self._attention(q, kv, i, step)  # [T, H, D]
+            attn = self._attention(q, kv, scales, i, step)  # [T, H, D]
             hidden = self._linear(attn.view(num_tokens, -1), layer.o, layer.o_bias)
             if layer.attn_out_norm is not None:
                 hidden = kernels.rms_norm(hidden, layer.attn_out_norm, c.rms_norm_eps)
@@ -176,12 +184,16 @@ class TurboModel:
         act = kernels.silu_and_mul(gate_up, self.config.activation)
         return self._linear(act, layer.down, layer.down_bias)
 
-    def _linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def _linear(self, x: Tensor, weight: Linear, bias: Tensor | None) -> Tensor:
+        if not isinstance(weight, Tensor):  # quantized: its own GEMMs (quant/)
+            return weight.matmul(x, bias)
         if self.skinny and x.shape[0] <= kernels.GEMV_MAX_ROWS:
             return kernels.gemv(x, weight, bias)
         return F.linear(x, weight, bias)
 
-    def _attention(self, q: Tensor, kv: Tensor, layer: int, step: StepInputs) -> Tensor:
+    def _attention(
+        self, q: Tensor, kv: Tensor, scales: Tensor | None, layer: int, step: StepInputs
+    ) -> Tensor:
         window = self.config.windows[layer]
         if step.is_decode:
             return kernels.decode_attention(
@@ -193,6 +205,7 @@ class TurboModel:
                 scale=self.scale,
                 window=window,
                 num_splits=step.num_splits,
+                kv_scales=scales,
             )
         if step.cu_seqlens is None:
             raise ValueError("a step with several new tokens per sequence needs cu_seqlens")
@@ -206,4 +219,5 @@ class TurboModel:
             max_seq_len=step.max_seq_len,
             scale=self.scale,
             window=window,
+            kv_scales=scales,
         )

@@ -3,7 +3,8 @@
 Per layer, q/k/v become one [(H + 2 Hkv) * D, hidden] matrix and gate/up one
 [2 I, hidden] matrix, so each runs as one GEMM; a layer of experts stacks them, gate/up
 as [E, 2 I, hidden] and down as [E, hidden, I] (one grouped GEMM each, kernels/moe.py);
-everything else keeps its Hugging Face shape. Names are transformers'
+everything else keeps its Hugging Face shape. With a quantization scheme (quant/), the
+layers' linears are W4A16 or FP8 weights of those same [N, K] shapes. Names are transformers'
 (`model.layers.{i}.self_attn.q_proj.weight`, ...), which is also what lmd's GGUF
 conversion writes. Tensors the decoder does not use (e.g. old
 `rotary_emb.inv_freq` buffers) are ignored; a missing one is an error that names it.
@@ -22,6 +23,8 @@ from safetensors import safe_open
 from torch import Tensor
 
 from lmd.engine.turbo.config import TurboConfig, UnsupportedModel
+from lmd.engine.turbo.quant.load import Linear, load_linear
+from lmd.engine.turbo.quant.scheme import QuantScheme
 
 
 @dataclass(slots=True)
@@ -38,18 +41,18 @@ class ExpertWeights:
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: Tensor  # [hidden]
-    qkv: Tensor  # [(H + 2 Hkv) * D, hidden], rows q | k | v
+    qkv: Linear  # [(H + 2 Hkv) * D, hidden], rows q | k | v (16-bit or quantized)
     qkv_bias: Tensor | None  # [(H + 2 Hkv) * D]
     q_norm: Tensor | None  # [D], the RMSNorm of each q head (Qwen3, Gemma 3)
     k_norm: Tensor | None  # [D], of each k head
-    o: Tensor  # [hidden, H * D]
+    o: Linear  # [hidden, H * D]
     o_bias: Tensor | None  # [hidden]
     attn_out_norm: Tensor | None  # [hidden], Gemma's norm of the attention's output
     post_norm: Tensor  # [hidden], before the MLP
     # The dense MLP, or (a layer of experts) None and `experts`.
-    gate_up: Tensor | None  # [2 I, hidden], rows gate | up
+    gate_up: Linear | None  # [2 I, hidden], rows gate | up
     gate_up_bias: Tensor | None  # [2 I]
-    down: Tensor | None  # [hidden, I]
+    down: Linear | None  # [hidden, I]
     down_bias: Tensor | None  # [hidden]
     mlp_out_norm: Tensor | None  # [hidden], Gemma's norm of the MLP's output
     experts: ExpertWeights | None
@@ -64,14 +67,14 @@ class ModelWeights:
 
     @property
     def nbytes(self) -> int:
-        tensors: list[Tensor | None] = [self.embed, self.norm]
+        tensors: list[Linear | None] = [self.embed, self.norm]
         if self.lm_head is not self.embed:
             tensors.append(self.lm_head)
         experts = 0
         for layer in self.layers:
             tensors.extend(getattr(layer, n) for n in LayerWeights.__slots__ if n != "experts")
             experts += layer.experts.nbytes if layer.experts is not None else 0
-        return experts + sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return experts + sum(t.nbytes for t in tensors if t is not None)
 
 
 class CheckpointReader:
@@ -93,20 +96,31 @@ class CheckpointReader:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
-    def get(self, name: str, dtype: torch.dtype, device: torch.device) -> Tensor:
+    def get(self, name: str, dtype: torch.dtype | None, device: torch.device) -> Tensor:
+        """The tensor `name` on `device`, in `dtype` (None: as stored)."""
         handle = self._where.get(name)
         if handle is None:
             raise UnsupportedModel(f"{self.model_dir} has no tensor {name}")
         tensor: Tensor = handle.get_tensor(name)
-        return tensor.to(device=device, dtype=dtype)
+        return tensor.to(device=device, dtype=dtype or tensor.dtype)
 
 
 def load_weights(
-    model_dir: Path, config: TurboConfig, device: torch.device, dtype: torch.dtype
+    model_dir: Path,
+    config: TurboConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    scheme: QuantScheme | None = None,
 ) -> ModelWeights:
-    """Read the checkpoint in `model_dir` into fused tensors on `device` in `dtype`."""
+    """Read the checkpoint in `model_dir` into fused tensors on `device` in `dtype`, the
+    layers' linears as `scheme` has them (quant/load.py)."""
+    if scheme is not None and scheme.source != "load" and config.moe is not None:
+        raise UnsupportedModel(f"turbo reads no quantized experts ({scheme.describe()})")
     with ExitStack() as stack:
         reader = CheckpointReader(model_dir, device, stack)
+
+        def linear(prefixes: list[str]) -> Linear:
+            return load_linear(reader, prefixes, scheme, dtype, device)
 
         def get(name: str) -> Tensor:
             return reader.get(name, dtype, device)
@@ -133,11 +147,11 @@ def load_weights(
             layers.append(
                 LayerWeights(
                     input_norm=norm(f"{layer}.input_layernorm.weight"),
-                    qkv=cat([f"{p}.weight" for p in qkv]),
+                    qkv=linear(qkv),
                     qkv_bias=cat([f"{p}.bias" for p in qkv]) if config.qkv_bias else None,
                     q_norm=norm(f"{attn}.q_norm.weight") if config.qk_norm else None,
                     k_norm=norm(f"{attn}.k_norm.weight") if config.qk_norm else None,
-                    o=get(f"{attn}.o_proj.weight"),
+                    o=linear([f"{attn}.o_proj"]),
                     o_bias=get(f"{attn}.o_proj.bias") if config.o_bias else None,
                     # Gemma names the norm after attention "post_attention" and the one
                     # before the MLP "pre_feedforward"; the others have only the latter,
@@ -150,11 +164,11 @@ def load_weights(
                         if sandwich
                         else f"{layer}.post_attention_layernorm.weight"
                     ),
-                    gate_up=cat([f"{p}.weight" for p in gate_up]) if dense else None,
+                    gate_up=linear(gate_up) if dense else None,
                     gate_up_bias=(
                         cat([f"{p}.bias" for p in gate_up]) if dense and config.mlp_bias else None
                     ),
-                    down=get(f"{mlp}.down_proj.weight") if dense else None,
+                    down=linear([f"{mlp}.down_proj"]) if dense else None,
                     down_bias=get(f"{mlp}.down_proj.bias") if dense and config.mlp_bias else None,
                     mlp_out_norm=(
                         norm(f"{layer}.post_feedforward_layernorm.weight") if sandwich else None
@@ -252,7 +266,7 @@ def check_shapes(weights: ModelWeights, config: TurboConfig) -> None:
             "experts_down": (e, c.hidden_size, i),
         }
     for n, layer in enumerate(weights.layers):
-        tensors: dict[str, Tensor | None] = {
+        tensors: dict[str, Linear | None] = {
             name: getattr(layer, name) for name in per_layer if hasattr(layer, name)
         }
         if layer.experts is not None:
