@@ -2,7 +2,8 @@
 against the HBM floor (docs/benchmarks.md, "turbo for Qwen3 and mixtures of experts").
 
     python3 scripts/families_bench.py MODEL_DIR [--batches 1,64,512] [--input-len 512]
-        [--output-len 256] [--backend turbo]
+        [--output-len 256] [--backend turbo] [--quantization w4a16|fp8]
+        [--kv-cache-dtype int8|fp8]
 
 One Engine for every batch (max_batch_size = the largest), the prompts and the timing of
 `lmd-bench offline` (random ids, greedy, ignore_eos, prefill included), after a warm-up
@@ -27,6 +28,7 @@ import torch
 from lmd.bench.offline import random_prompts, time_engine
 from lmd.engine.config import EngineConfig
 from lmd.engine.engine import Engine
+from lmd.engine.kv_pool import block_bytes_of
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -56,7 +58,7 @@ def step_bytes(engine: Engine, context: int) -> int:
             unused = 1 - c.moe.top_k / c.moe.num_experts
             experts = layer.experts.gate_up.nbytes + layer.experts.down.nbytes
             total -= int(experts * unused)
-    kv = c.num_layers * 2 * c.num_kv_heads * c.head_dim * w.embed.element_size() * context
+    kv = block_bytes_of(engine.backend, 1) * context  # a one-token block: its K, V (scales)
     return total + kv
 
 
@@ -67,9 +69,15 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--backend", default="turbo")
+    parser.add_argument("--quantization", default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    config = EngineConfig(max_batch_size=max(batches))
+    config = EngineConfig(
+        max_batch_size=max(batches),
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     engine = Engine.build(args.model, config, device="cuda", dtype="bfloat16", backend=args.backend)
     vocab = engine.backend.vocab_size
     time_engine(engine, random_prompts(1, args.input_len, vocab, 1), 4)  # warm-up
@@ -81,6 +89,9 @@ def main() -> None:
         seconds, tokens = time_engine(engine, prompts, args.output_len)
         rate = round(tokens / seconds, 1)
         print(json.dumps({"model": args.model.name, "backend": engine.backend.name,
+                          "quantization": engine.backend.quantization,
+                          "kv_cache_dtype": engine.backend.kv_cache_dtype,
+                          "num_blocks": engine.pool.num_blocks,
                           "batch": batch, "seconds": round(seconds, 3),
                           "output_tokens_per_s": rate}), flush=True)  # fmt: skip
     one = random_prompts(1, args.input_len, vocab, 2)
@@ -95,7 +106,8 @@ def main() -> None:
     needed = step_bytes(engine, args.input_len)
     bandwidth = copy_bandwidth(device)
     floor = needed / bandwidth
-    print(json.dumps({"model": args.model.name, "batch1_step_ms": round(step * 1e3, 3),
+    print(json.dumps({"model": args.model.name, "quantization": engine.backend.quantization,
+                      "batch1_step_ms": round(step * 1e3, 3),
                       "step_bytes_gb": round(needed / 1e9, 2),
                       "copy_bandwidth_tb_s": round(bandwidth / 1e12, 2),
                       "floor_ms": round(floor * 1e3, 3),

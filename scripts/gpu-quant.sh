@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Quantization on a GPU machine (the device tool): tests, kernel timings, the quality
+# figures on SmolLM2's real weights, and lmd's offline engine per setting.
+#   scripts/gpu-quant.sh tests [FILES...]
+#       tests/gpu's quantization tests and the quantized kernels' unit tests compiled (or
+#       FILES). Copies .gpu-assets/smol-part-aa to /tmp when carried (the first half of
+#       SmolLM2's GGUF, for `quality`).
+#   scripts/gpu-quant.sh kernels
+#       the kernel timings (w4a16_tiles, fp8_bench, kv_quant_bench).
+#   scripts/gpu-quant.sh quality
+#       joins /tmp/smol-part-aa and .gpu-assets/smol-part-ab (carry that one: 98 MB do
+#       not fit one call) and runs scripts/quant_quality.py on it.
+#   scripts/gpu-quant.sh bench SHAPE BATCHES [FLAGS...]
+#       scripts/families_bench.py on a random_models.py shape, FLAGS e.g.
+#       --quantization w4a16 or --kv-cache-dtype int8.
+# Carry .whl (device-wheels.sh gguf accelerate). Results in $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/gpu-env.sh
+what=$1
+case $what in
+tests)  # tests [PYTEST FILES...]: default the quantization tests, compiled
+  [[ -f .gpu-assets/smol-part-aa ]] && cp .gpu-assets/smol-part-aa /tmp/
+  shift
+  files=("$@")
+  ((${#files[@]})) || files=(tests/gpu/test_w4a16_gpu.py tests/gpu/test_fp8_gpu.py
+    tests/gpu/test_kv_quant_gpu.py tests/unit/test_turbo_quant.py tests/unit/test_turbo_w4a16.py
+    tests/unit/test_turbo_fp8.py tests/unit/test_turbo_kv_quant.py)
+  timeout 300 python3 -m pytest -q -ra -p no:cacheprovider --timeout 200 "${files[@]}" 2>&1 \
+    | grep -v "^Writing\|^Loading" | tee -a "$out/quant-tests.txt" | tail -15
+  ;;
+kernels)  # the kernel timings
+  for script in w4a16_tiles fp8_bench kv_quant_bench; do
+    timeout 60 python3 "scripts/$script.py" 2>&1 | tee "$out/$script.txt" | tail -40
+  done
+  ;;
+quality)
+  cat /tmp/smol-part-aa .gpu-assets/smol-part-ab >/tmp/smollm2.gguf || exit 1
+  md5sum /tmp/smollm2.gguf
+  timeout 500 python3 scripts/quant_quality.py /tmp/smollm2.gguf 2>"$out/quality-stderr.txt" \
+    | tee "$out/quality.jsonl"
+  tail -5 "$out/quality-stderr.txt"
+  ;;
+bench)
+  python3 setup.py -q build_ext --inplace 2>&1 | tail -3  # lmd-bench imports lmd._native
+  shape=$2 batches=$3
+  shift 3
+  model=/tmp/$shape
+  if [[ ! -f $model/config.json ]]; then
+    python3 scripts/random_models.py "$shape" --out-dir /tmp 2>&1 | grep -v "^Writing" | tail -2
+  fi
+  timeout 560 python3 scripts/families_bench.py "$model" --batches "$batches" "$@" \
+    2>>"$out/bench-stderr.txt" | tee -a "$out/quant-bench.jsonl"
+  grep -E "Error|error" "$out/bench-stderr.txt" | tail -5
+  ;;
+esac
