@@ -4,11 +4,10 @@ Layout (docs/architecture.md §5): kv: [num_blocks, num_layers, 2 (k, v), block_
 num_kv_heads, head_dim]. One block of every layer is one contiguous byte range, so a
 migration copies whole blocks, and consecutive block ids merge into one range.
 
-A quantized pool (`kv_cache_dtype` int8 or fp8) keeps that: each block holds its values,
-one byte each, laid out [L, 2, S, Hkv, D], then their scales, float16 [L, 2, S, Hkv] (one
-per token and head; value = code * scale). `kv` is then a strided view of the values
-(block stride = the block's bytes) and `kv_scales` one of the scales, over the same
-memory, so a block still migrates as one byte range, at (D + 2) / 2D of a 16-bit block.
+A quantized pool (`kv_cache_dtype` int8 or fp8, kv_layout.py) keeps that: `kv` is a
+strided view of each block's codes (block stride = the block's bytes) and `kv_scales` one
+of their scales after them, over the same memory, so a block still migrates as one byte
+range, at (D + 2) / 2D of a 16-bit block.
 
 Size: `cache_max_entry_count` of the free memory (LMDeploy's rule). On a GPU that is the
 device's free memory after the weights. On CPU there is none to ask for: an engine's

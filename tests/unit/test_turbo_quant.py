@@ -42,12 +42,13 @@ DTYPE = torch.float16 if ON_CUDA else torch.float32
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Every linear's K a multiple of the 128-weight groups: hidden 128, MLP 256.
+    # (tests/unit/test_turbo_quant_checkpoints.py writes quantized checkpoints of it.)
     return save_tiny_llama(
         tmp_path_factory.mktemp("quant-llama"),
         hidden_size=128,
         intermediate_size=256,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=4,  # k and v 128 rows: FP8 checkpoints' 128-row blocks fuse whole
         initializer_range=0.05,
     )
 

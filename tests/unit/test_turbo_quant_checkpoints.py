@@ -20,9 +20,10 @@ from lmd.engine.turbo.backend import TurboBackend
 from lmd.engine.turbo.config import TurboConfig
 from lmd.engine.turbo.quant.scheme import read_scheme
 from lmd.engine.turbo.weights import load_weights
-from tests.models import random_prompts, save_tiny_llama
+from tests.models import random_prompts
 from tests.unit.test_turbo_model import all_logits, assert_logits_match, reference_logits
 from tests.unit.test_turbo_quant import dequantized_reference, pool
+from tests.unit.test_turbo_quant import llama_dir  # noqa: F401  (a fixture: the 16-bit model)
 from tests.unit.test_turbo_w4a16 import expected_dense, known_ints, pack_words
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -70,18 +71,6 @@ def write_checkpoint(
     return dense
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llama(
-        tmp_path_factory.mktemp("base"),
-        hidden_size=128,
-        intermediate_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=4,  # k and v 128 rows: FP8's 128-row blocks fuse whole
-        initializer_range=0.05,
-    )
-
-
 FORMATS: dict[str, dict[str, object]] = {
     "awq": {
         "quant_method": "awq",
@@ -103,10 +92,12 @@ FORMATS: dict[str, dict[str, object]] = {
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_each_fused_linear_is_what_the_checkpoint_means(
-    base: Path, tmp_path: Path, fmt: str
+    llama_dir: Path,  # noqa: F811  (the fixture)
+    tmp_path: Path,
+    fmt: str,
 ) -> None:
     model = tmp_path / fmt
-    dense = write_checkpoint(base, model, FORMATS[fmt], fmt)
+    dense = write_checkpoint(llama_dir, model, FORMATS[fmt], fmt)
     config = TurboConfig.load(model)
     scheme = read_scheme(json.loads((model / "config.json").read_text()), None)
     assert scheme is not None and scheme.source == ("checkpoint" if fmt == "fp8" else fmt)
@@ -125,13 +116,16 @@ def test_each_fused_linear_is_what_the_checkpoint_means(
             assert torch.equal(got, expected), f"layer {i} {name}"
 
 
-def test_an_awq_model_computes_its_dequantized_weights(base: Path, tmp_path: Path) -> None:
+def test_an_awq_model_computes_its_dequantized_weights(
+    llama_dir: Path,  # noqa: F811  (the fixture)
+    tmp_path: Path,
+) -> None:
     model = tmp_path / "awq"
-    write_checkpoint(base, model, FORMATS["awq"], "awq")
+    write_checkpoint(llama_dir, model, FORMATS["awq"], "awq")
     dtype = torch.float16 if ON_CUDA else torch.float32
     turbo = TurboBackend(model, DEVICE, dtype)
     assert turbo.quantization == "w4a16 (awq, group 128)"
-    ref = dequantized_reference(model, turbo, base=base)
+    ref = dequantized_reference(model, turbo, base=llama_dir)
     prompts = random_prompts([6, 21], turbo.vocab_size, seed=2)
     assert_logits_match(
         all_logits(turbo, prompts, pool(turbo)),

@@ -3,7 +3,8 @@
 CUDA only (docs/architecture.md §5). Modules: `config` (what config.json must say), `weights`
 (checkpoint -> fused tensors), `rope` (rotary table), `model` (the decoder as plain
 functions), `kernels/` (Triton), `graphs` (decode CUDA graphs), `backend`
-(`TurboBackend`, the `Backend` the engine drives), `support` (can it run here?).
+(`TurboBackend`, the `Backend` the engine drives), `support` (can it run here?),
+`quant/` (quantized linear weights: W4A16, FP8).
 `support` and `config` import neither triton nor a GPU, so selection works anywhere.
 """
 

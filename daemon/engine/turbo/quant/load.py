@@ -41,25 +41,16 @@ def load_linear(
     [N, K] tensor in `dtype` without a scheme, else the scheme's weight of that shape.
     UnsupportedModel names the layer when its tensors do not fit the scheme."""
     try:
-        return _load(reader, prefixes, scheme, dtype, device)
+        packed = any(_packed(reader, p) for p in prefixes)
+        if scheme is None or scheme.source == "load" or not packed:
+            dense = _dense(reader, prefixes, dtype, device)
+            return dense if scheme is None else quantize(dense, scheme, dtype)
+        parts = [_part(reader, p, scheme, dtype, device) for p in prefixes]
+        if scheme.method == "w4a16":
+            return W4A16Weight.cat([p for p in parts if isinstance(p, W4A16Weight)])
+        return Fp8Weight.cat([p for p in parts if isinstance(p, Fp8Weight)])
     except ValueError as exc:  # the weights' own checks: shapes, dtypes, group sizes
         raise UnsupportedModel(f"{', '.join(prefixes)}: {exc}") from None
-
-
-def _load(
-    reader: Reader,
-    prefixes: list[str],
-    scheme: QuantScheme | None,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> Linear:
-    if scheme is None or scheme.source == "load" or not any(_packed(reader, p) for p in prefixes):
-        dense = _dense(reader, prefixes, dtype, device)
-        return dense if scheme is None else quantize(dense, scheme, dtype)
-    parts = [_part(reader, p, scheme, dtype, device) for p in prefixes]
-    if scheme.method == "w4a16":
-        return W4A16Weight.cat([p for p in parts if isinstance(p, W4A16Weight)])
-    return Fp8Weight.cat([p for p in parts if isinstance(p, Fp8Weight)])
 
 
 def quantize(dense: Tensor, scheme: QuantScheme, dtype: torch.dtype) -> W4A16Weight | Fp8Weight:
