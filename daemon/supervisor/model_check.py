@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lmd.config import ServeConfig
+from lmd.config import ConfigError, ServeConfig
 from lmd.engine.model_source import ModelSourceError, default_gguf_path, resolve_model
 from lmd.protocol.roles import Role
 from lmd.roles import role_counts
@@ -53,3 +53,22 @@ def check_gguf_header(path: Path) -> None:
             f"model {path} is not a GGUF file (it does not start with {GGUF_MAGIC.decode()!r}): "
             "give a .gguf model file or a Hugging Face model directory"
         )
+
+
+def check_quantization(config: ServeConfig, device: str) -> None:
+    """ConfigError (one line) when quantized weights or KV are asked of engines that
+    cannot run them: backend turbo on CUDA only (engine/backends.py). Each such engine
+    would fail at start and be restarted until the daemon gave up. `device` is the
+    daemon's, auto resolved."""
+    asked = config.engine.quantized
+    if asked is None:
+        return
+    for role in sorted(LOADS_MODEL.intersection(role_counts(config)) - {Role.TOKENIZER}):
+        backend = config.prefill_backend if role == Role.PREFILL else config.decode_backend
+        where = config.role_device(role, device)
+        if where == "cpu" or backend in ("torch", "fake"):
+            key = "quantization" if config.quantization else "kv_cache_dtype"
+            raise ConfigError(
+                f"{key}: {asked} runs on backend turbo on CUDA only, and the {role} "
+                f"engines would run backend {backend} on {where}"
+            )

@@ -151,3 +151,23 @@ def test_sigstop_worker_misses_heartbeats_and_is_replaced(daemon: Daemon) -> Non
     )
     assert not alive(old["pid"])
     assert "sent no heartbeat" in daemon.log()
+
+
+def test_quantization_on_engines_that_cannot_run_it_exits_2_at_once(tmp_path: Path) -> None:
+    """The engines would fail at start (turbo only, CUDA only) and be restarted until the
+    daemon gave up: lmdd says so first, spawning nothing."""
+    runtime = tmp_path / "rt"
+    out = subprocess.run(
+        [sys.executable, "-m", "lmd", "serve", "--device", "cpu", "--quantization", "w4a16",
+         "--runtime-dir", str(runtime)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr == (
+        "lmdd: quantization: --quantization w4a16 runs on backend turbo on CUDA only, and the "
+        "decode engines would run backend auto on cpu\n"
+    )
+    assert not list(runtime.glob("*.ipc"))

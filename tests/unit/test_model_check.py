@@ -73,3 +73,19 @@ def test_a_node_that_runs_only_the_api_loads_no_model(tmp_path: Path) -> None:
     check_daemon_model(node("api"))  # no error: the api loads no model
     with pytest.raises(ModelSourceError, match="is not a supported file"):
         check_daemon_model(node("api", "tokenizer"))
+
+
+def test_quantization_is_checked_against_the_engines_devices_and_backends(
+    tmp_path: Path,
+) -> None:
+    from lmd.config import ConfigError, ServeConfig
+    from lmd.supervisor.model_check import check_quantization
+
+    check_quantization(ServeConfig(runtime_dir=tmp_path), "cpu")  # nothing asked
+    kv = ServeConfig(runtime_dir=tmp_path, mode="hybrid", kv_cache_dtype="int8")
+    check_quantization(kv, "cuda")
+    with pytest.raises(ConfigError, match=r"^kv_cache_dtype: --kv-cache-dtype int8 runs on"):
+        check_quantization(kv, "cpu")
+    torch_decode = ServeConfig(runtime_dir=tmp_path, quantization="fp8", decode_backend="torch")
+    with pytest.raises(ConfigError, match="the decode engines would run backend torch on cuda"):
+        check_quantization(torch_decode, "cuda")
