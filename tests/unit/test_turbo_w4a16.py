@@ -145,6 +145,11 @@ def test_matmul_takes_leading_dims_and_falls_back_without_triton(
         weight.matmul(x.float() if dtype != torch.float32 else x.half(), bias)
 
 
+def weight_steps(weight: W4A16Weight) -> Tensor:
+    """Each weight's quantization step (its group's scale) as [N, packed K] float32."""
+    return weight.scales.float().repeat_interleave(weight.group_size, dim=0).t()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_quantize_is_within_half_a_step(dtype: torch.dtype) -> None:
     w = torch.randn(24, 512, device=DEVICE) * torch.rand(24, 1, device=DEVICE) * 3
@@ -174,11 +179,27 @@ def test_quantize_keeps_weights_on_the_grid_exactly() -> None:
     assert torch.equal(weight.zeros.long(), zeros)
 
 
+@pytest.mark.parametrize("group", [128, 64])
+def test_a_k_off_the_layout_is_padded_with_zero_columns(group: int) -> None:
+    """SmolLM2's 576 inputs: packed as 640, the zero columns meet zero inputs."""
+    torch.manual_seed(0)
+    dense = torch.randn(48, 576, device=DEVICE)
+    weight = W4A16Weight.quantize(dense, group)
+    assert weight.shape == (48, 576) and weight.packed_shape == (48, 640)
+    assert weight.in_features == 576
+    got = weight.dequantize()
+    assert got.shape == (48, 576)
+    assert bool((got - dense).abs().le(weight_steps(weight)[:, :576] / 2 + 1e-6).all())
+    x = torch.randn(3, 576, device=DEVICE)
+    ref = x @ got.t()
+    assert float((weight.matmul(x) - ref).norm() / ref.norm()) < 1e-5
+    both = W4A16Weight.cat([weight, weight])
+    assert both.shape == (96, 576) and torch.equal(both.dequantize()[48:], got)
+
+
 def test_quantize_refuses_what_the_layout_cannot_hold() -> None:
-    with pytest.raises(ValueError, match=r"\(8, 192\)"):
-        W4A16Weight.quantize(torch.zeros(8, 192), 128)
-    with pytest.raises(ValueError, match="multiple of 128"):
-        W4A16Weight.quantize(torch.zeros(8, 192), 64)
+    with pytest.raises(ValueError, match="group size 48"):
+        W4A16Weight.quantize(torch.zeros(8, 192), 48)
     with pytest.raises(ValueError, match="zeros"):
         W4A16Weight(torch.zeros(16, 8, dtype=torch.int32), torch.zeros(1, 8), torch.zeros(2, 8))
 

@@ -70,12 +70,16 @@ def unpack_along_n(packed: Tensor, order: tuple[int, ...]) -> Tensor:
 @dataclass(slots=True)
 class W4A16Weight:
     """qweight [K / 8, N] int32, scales [K / G, N] in the activations' dtype, zeros
-    [K / G, N] uint8, group_size G; see the module."""
+    [K / G, N] uint8, group_size G; see the module. `in_features`: the dense weight's K
+    when it is less than the packed K (a weight quantized at load with zero columns
+    added up to a multiple of 128: the inputs are padded with zeros to match); None =
+    the packed K."""
 
     qweight: Tensor
     scales: Tensor
     zeros: Tensor
     group_size: int = 128
+    in_features: int | None = None
 
     def __post_init__(self) -> None:
         if self.qweight.dtype != torch.int32 or self.qweight.dim() != 2:
@@ -83,8 +87,10 @@ class W4A16Weight:
                 f"W4A16 qweight is a [K/8, N] int32 matrix, not {self.qweight.dtype} "
                 f"of shape {tuple(self.qweight.shape)}"
             )
-        n, k = self.shape
+        n, k = self.packed_shape
         g = self.group_size
+        if self.in_features is not None and not 0 < self.in_features <= k:
+            raise ValueError(f"W4A16 in_features {self.in_features} is not in 1..{k}")
         if g <= 0 or g % 16 or k % g or k % PACK_K:
             raise ValueError(
                 f"W4A16 weight [{n}, {k}]: K must be a multiple of {PACK_K} and of the group "
@@ -104,6 +110,12 @@ class W4A16Weight:
     @property
     def shape(self) -> tuple[int, int]:
         """(N, K): output features, input features of the dense weight."""
+        n, k = self.packed_shape
+        return (n, self.in_features or k)
+
+    @property
+    def packed_shape(self) -> tuple[int, int]:
+        """(N, K) as packed: K a multiple of 128."""
         rows, n = self.qweight.shape
         return (n, rows * 8)
 
@@ -141,6 +153,9 @@ class W4A16Weight:
         rows = x.reshape(-1, k)
         if rows.stride(1) != 1:
             rows = rows.contiguous()
+        padded = self.packed_shape[1] - k
+        if padded:  # the zero columns added at load meet zero inputs
+            rows = F.pad(rows, (0, padded))
         y = w4a16_matmul(rows, self.qweight, self.scales, self.zeros, self.group_size, bias)
         return y.view(*x.shape[:-1], n)
 
@@ -149,7 +164,7 @@ class W4A16Weight:
         q = unpack(self.qweight).float()  # [K, N]
         zeros = self.zeros.float().repeat_interleave(self.group_size, dim=0)
         scales = self.scales.float().repeat_interleave(self.group_size, dim=0)
-        return ((q - zeros) * scales).t().contiguous()
+        return ((q - zeros) * scales).t()[:, : self.shape[1]].contiguous()
 
     @classmethod
     def quantize(cls, weight: Tensor, group_size: int = 128) -> W4A16Weight:
@@ -159,15 +174,22 @@ class W4A16Weight:
         [min, max] (widened to hold 0, so that the zero point is an integer in 0..15 and
         every weight is within half a step) is cut in 15 steps; the scale is rounded up
         to the dtype so that max still lands on 15. Rows go a few at a time, so that a
-        14336 x 4096 matrix needs no whole float32 copy."""
+        14336 x 4096 matrix needs no whole float32 copy. A K that is not a multiple of
+        128 and of the group gets zero columns up to one (`in_features` keeps the real K):
+        the last group then holds zeros too (they widen its range to 0, which it holds
+        anyway)."""
         if weight.dim() != 2 or not weight.is_floating_point():
             raise ValueError(f"quantize takes a [N, K] float matrix, not {tuple(weight.shape)}")
-        n, k = weight.shape
-        if group_size <= 0 or group_size % 16 or k % group_size or k % PACK_K:
+        if group_size <= 0 or group_size % 16 or (PACK_K % group_size and group_size % PACK_K):
             raise ValueError(
-                f"quantize: weight {tuple(weight.shape)} has K = {k}, not a multiple of "
-                f"{PACK_K} and of the group size {group_size} (itself a multiple of 16)"
+                f"quantize: the group size {group_size} is not a multiple of 16 that divides "
+                f"or is a multiple of {PACK_K}"
             )
+        in_features = weight.shape[1]
+        unit = max(PACK_K, group_size)
+        if in_features % unit:
+            weight = F.pad(weight, (0, unit - in_features % unit))
+        n, k = weight.shape
         groups = k // group_size
         device, dtype = weight.device, weight.dtype
         qweight = torch.empty(k // 8, n, dtype=torch.int32, device=device)
@@ -186,7 +208,7 @@ class W4A16Weight:
             qweight[:, r0 : r0 + step] = pack(q.view(-1, k).t().to(torch.uint8))
             scales[:, r0 : r0 + step] = scale.t()
             zeros[:, r0 : r0 + step] = zero.t().to(torch.uint8)
-        return cls(qweight, scales, zeros, group_size)
+        return cls(qweight, scales, zeros, group_size, None if k == in_features else in_features)
 
     @classmethod
     def from_awq(
@@ -269,6 +291,7 @@ class W4A16Weight:
             torch.cat([p.scales for p in parts], dim=1),
             torch.cat([p.zeros for p in parts], dim=1),
             first.group_size,
+            first.in_features,
         )
 
 
