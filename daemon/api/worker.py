@@ -114,7 +114,8 @@ class ApiWorker(Worker):
             sock = bind_tcp(self.config.host, self.config.port, reuse_port=shared)
         except BindError as exc:
             raise WorkerStartError(str(exc)) from None
-        self.created = int(time.time())
+        # Read once (its quantization from config.json): no served key it shows is live.
+        self.model_card = model_card(self.config, created=int(time.time()))
         limits = connection_limits(self.config)
         self.server = EmbeddedServer(self.build_app(), sock, self.config.log_level, limits)
         await self.server.start()
@@ -209,7 +210,7 @@ class ApiWorker(Worker):
             """The served model, once the daemon can answer a completion (else 503)."""
             if (err := self.unavailable()) is not None:
                 return error_response(err)
-            return JSONResponse({"object": "list", "data": [self._model_card()]})
+            return JSONResponse({"object": "list", "data": [self.model_card]})
 
         @app.get("/v1/models/{model:path}", responses=answers(ModelCard, 401, 404, 503))
         async def model(model: str) -> JSONResponse:
@@ -217,7 +218,7 @@ class ApiWorker(Worker):
                 return error_response(unknown_model(model, self.config.served_model_name))
             if (err := self.unavailable()) is not None:
                 return error_response(err)
-            return JSONResponse(self._model_card())
+            return JSONResponse(self.model_card)
 
         @app.post(
             "/v1/chat/completions",
@@ -261,9 +262,6 @@ class ApiWorker(Worker):
         )
         app.add_middleware(RequestGuard, limits=self.limits, on_reject=self._count_rejected)
         return app
-
-    def _model_card(self) -> dict[str, Any]:
-        return model_card(self.config, self.created)
 
     def _count_rejected(self, path: str, status: int) -> None:
         endpoint = path.removeprefix("/v1/").replace("/", "_")
