@@ -1,5 +1,6 @@
 # Sourced by the GPU scripts (gpu-check.sh, gpu-turbo.sh) on the device machine: install
-# the carried wheels (.whl, from ../shared/scripts/device-wheels.sh), point PYTHONPATH at
+# the carried wheels (.whl, from `../shared/scripts/device-wheels.sh setproctitle gguf
+# accelerate`; a run stops at once if one lmdd needs is missing), point PYTHONPATH at
 # the import packages (daemon/ is lmd, clients/ is lmd_client), create $out and record
 # the machine in $out/env.txt. Expects to run from the repository root.
 out=${OUT:-gpu-out}
@@ -9,6 +10,15 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site .whl/*.whl || exit 1
 mkdir -p /tmp/pkgs && ln -sfn "$PWD/daemon" /tmp/pkgs/lmd && ln -sfn "$PWD/clients" /tmp/pkgs/lmd_client
 export PYTHONPATH=/tmp/pkgs:/tmp/site:$PWD
+# What lmdd imports that the machine's image lacks: missing, a daemon would never come up
+# and a serving script would wait out its timeout.
+missing=$(python3 -c '
+import importlib.util as u
+print(" ".join(m for m in ("zmq", "orjson", "fastapi", "uvicorn", "setproctitle") if not u.find_spec(m)))')
+if [[ -n $missing ]]; then
+  echo "gpu-env.sh: not installed here: $missing (carry .whl with them: device-wheels.sh)" >&2
+  exit 1
+fi
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
   python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'

@@ -13,7 +13,7 @@
 #   scripts/gpu-quant.sh bench SHAPE BATCHES [FLAGS...]
 #       scripts/families_bench.py on a random_models.py shape, FLAGS e.g.
 #       --quantization w4a16 or --kv-cache-dtype int8.
-# Carry .whl (device-wheels.sh gguf accelerate). Results in $OUT.
+# Carry .whl (device-wheels.sh setproctitle gguf accelerate). Results in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu-env.sh

@@ -93,13 +93,29 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_side(args: argparse.Namespace) -> dict[str, Any]:
-    """One side in this process: a warm-up, then --iterations timed runs (the median)."""
+    """One side in this process: a warm-up, then --iterations timed runs (the median).
+    Also where the time went: the engine's steps (their sum and median) and the garbage
+    collector's passes, so that a gap can be told apart as slower steps or time between."""
+    import gc
+
     from lmd.bench.offline import random_prompts
+    from lmd.engine.engine import Engine
+
+    step_s: list[float] = []
+    step = Engine.step
+
+    def timed_step(self: Engine) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return step(self)
+        finally:
+            step_s.append(time.perf_counter() - t0)
+
+    Engine.step = timed_step  # type: ignore[method-assign]
 
     if args.side == "offline":
         from lmd.bench.offline import time_engine
         from lmd.engine.config import EngineConfig
-        from lmd.engine.engine import Engine
         from lmd.engine.model_source import resolve_model
 
         # What `lmd-bench offline` builds for these flags (lmd/bench/offline.py, run).
@@ -116,6 +132,8 @@ def run_side(args: argparse.Namespace) -> dict[str, Any]:
         backend = engine.backend
         prompts = random_prompts(args.batch, args.input_len, backend.vocab_size, 0)
         time_engine(engine, prompts[:1], 4)  # warm-up
+        step_s.clear()
+        gc_before = [g["collections"] for g in gc.get_stats()]
         seconds = [time_engine(engine, prompts, args.output_len)[0] for _ in range(args.iterations)]
         text = False
     else:
@@ -123,6 +141,8 @@ def run_side(args: argparse.Namespace) -> dict[str, Any]:
         backend = pipe.backend
         prompts = random_prompts(args.batch, args.input_len, backend.vocab_size, 0)
         time_pipeline(pipe, prompts[:1], 4)  # warm-up
+        step_s.clear()
+        gc_before = [g["collections"] for g in gc.get_stats()]
         seconds = [time_pipeline(pipe, prompts, args.output_len) for _ in range(args.iterations)]
         text = pipe.tokenizer is not None  # it detokenized as it ran
         pipe.close()
@@ -134,6 +154,13 @@ def run_side(args: argparse.Namespace) -> dict[str, Any]:
         "text": text,
         "seconds": [round(t, 4) for t in seconds],
         "output_tokens_per_s": round(args.batch * args.output_len / median, 1),
+        "steps": len(step_s),
+        "step_s_sum": round(sum(step_s), 4),
+        "step_ms_median": round(1e3 * statistics.median(step_s), 4),
+        "outside_steps_s": round(sum(seconds) - sum(step_s), 4),
+        "gc_collections": [
+            g["collections"] - b for g, b in zip(gc.get_stats(), gc_before, strict=True)
+        ],
     }
 
 

@@ -19,7 +19,7 @@ from lmd.engine.sequence import Sequence
 from lmd.pipeline import scoring
 from lmd.pipeline.config import GenerationConfig
 from lmd.pipeline.engine_thread import EngineThread, Item
-from lmd.pipeline.outputs import RequestOutput
+from lmd.pipeline.outputs import RequestOutput, make_texts
 from lmd.pipeline.prompts import Prompter, Tokenized
 
 _request_ids = itertools.count()
@@ -59,6 +59,7 @@ class Call:
             if out.feed(events):  # a stop string ended it: the engine stops too
                 engine.abort([request_id])
             changed.append(out)
+        make_texts(changed)
         return changed
 
     def abort(self, engine: EngineThread) -> None:

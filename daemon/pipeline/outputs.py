@@ -20,7 +20,7 @@ import torch
 from lmd.engine.engine import TokenEvent
 from lmd.engine.sampler import TokenLogprobs
 from lmd.pipeline.config import GenerationConfig
-from lmd.pipeline.prompts import WholeText
+from lmd.pipeline.prompts import WholeText, whole_texts
 from lmd.tokenizer.text.stream import TextStream
 
 
@@ -67,6 +67,7 @@ class RequestOutput:
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] | None = None if gen.logprobs is None else []
         self.text: list[str] = []
+        self.text_due = False  # ended with a whole_text not made yet (make_texts makes it)
         self.finish_reason: str | None = None
         self.logits: torch.Tensor | None = None
         self.last_hidden_state: torch.Tensor | None = None
@@ -107,8 +108,7 @@ class RequestOutput:
         if reason is None:
             return
         self.finish_reason = str(reason)
-        if self.whole_text is not None:
-            self.text.append(self.whole_text(self.token_ids))
+        self.text_due = self.whole_text is not None
 
     def abort(self) -> None:
         """Cut off before it finished (the caller stopped reading, or the pipeline closed)."""
@@ -150,6 +150,15 @@ class RequestOutput:
             last_hidden_state=self.last_hidden_state if self.finished else None,
             index=self.index,
         )
+
+
+def make_texts(outputs: list[RequestOutput]) -> None:
+    """The whole texts of the outputs that ended since the last call, in one batch."""
+    due = [out for out in outputs if out.text_due]
+    jobs = [(out.whole_text, out.token_ids) for out in due if out.whole_text is not None]
+    for out, text in zip(due, whole_texts(jobs), strict=True):
+        out.text.append(text)
+        out.text_due = False
 
 
 def _logprob_dict(logprobs: TokenLogprobs | None) -> dict[int, float]:

@@ -81,24 +81,48 @@ def _describe(value: object) -> str:
 class WholeText:
     """The text of a request's whole output at once, as feeding its ids one by one to a
     Detokenizer gives it. Its contract says what that is: decode(context + ids) minus
-    decode(context), the context being the prompt's last tokens; two decodes in Rust
-    instead of Python per token (a third of the pipeline's time over the engine's on the
-    SmolLM2 shape, docs/benchmarks.md). Where the context's text is not a prefix of the
-    whole (the prompt ends inside a character), the Detokenizer itself."""
+    decode(context), the context being the prompt's last tokens: decodes in Rust instead
+    of Python per token (`whole_texts` does those of several requests in one batch).
+    Where the context's text is not a prefix of the whole (the prompt ends inside a
+    character), the Detokenizer itself."""
 
     decoder: CachedDecoder
     prompt_ids: list[int]
     skip_special: bool
 
     def __call__(self, token_ids: list[int]) -> str:
-        context = self.prompt_ids[-NUM_CONTEXT_TOKENS:]
-        skip = self.skip_special
-        head = self.decoder.decode(context, skip_special_tokens=skip) if context else ""
-        whole = self.decoder.decode(context + token_ids, skip_special_tokens=skip)
+        return whole_texts([(self, token_ids)])[0]
+
+    def finish(self, head: str, whole: str, token_ids: list[int]) -> str:
+        """The text from decode(context) and decode(context + token_ids)."""
         if whole.startswith(head) and not head.endswith(REPLACEMENT_CHAR):
             return whole[len(head) :]
-        detok = Detokenizer(self.decoder, skip_special_tokens=skip, prompt_ids=self.prompt_ids)
+        detok = Detokenizer(
+            self.decoder, skip_special_tokens=self.skip_special, prompt_ids=self.prompt_ids
+        )
         return detok.feed(token_ids) + detok.finish()
+
+
+def whole_texts(jobs: SequenceOf[tuple[WholeText, list[int]]]) -> list[str]:
+    """The whole texts of several finished requests: their decodes as one batch per
+    decoder and skip_special_tokens (the tokenizer spreads a batch over the cores; a call's
+    requests often end in the same step, after the engine's last)."""
+    texts = [""] * len(jobs)
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for i, (text, _) in enumerate(jobs):
+        groups.setdefault((id(text.decoder), text.skip_special), []).append(i)
+    for (_, skip), members in groups.items():
+        decoder = jobs[members[0]][0].decoder
+        batch: list[list[int]] = []
+        for i in members:
+            text, ids = jobs[i]
+            context = text.prompt_ids[-NUM_CONTEXT_TOKENS:]
+            batch += [context, context + ids]
+        decoded = decoder.decode_batch(batch, skip_special_tokens=skip)
+        for k, i in enumerate(members):
+            text, ids = jobs[i]
+            texts[i] = text.finish(decoded[2 * k], decoded[2 * k + 1], ids)
+    return texts
 
 
 class Prompter:

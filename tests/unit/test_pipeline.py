@@ -15,7 +15,7 @@ import pytest
 
 import lmd
 from lmd import GenerationConfig, Pipeline, PytorchEngineConfig, Response, Session, pipeline
-from lmd.pipeline.prompts import Tokenized, WholeText
+from lmd.pipeline.prompts import Tokenized, WholeText, whole_texts
 from lmd.tokenizer.text.stream import TextStream
 from tests.models import QUESTIONS
 
@@ -211,6 +211,21 @@ def test_text_made_at_the_end_is_the_streamed_text(pipe: Pipeline) -> None:
             reasons = [None] * (len(ids) - 1) + ["length"]
             streamed = "".join(stream.feed(t, r).text for t, r in zip(ids, reasons, strict=True))
             assert whole(ids) == streamed
+
+
+def test_whole_texts_in_one_batch_are_each_ones_alone(pipe: Pipeline) -> None:
+    """Requests that end in the same step are decoded in one batch (per decoder and
+    skip_special_tokens): each text is the one it would get alone."""
+    rng = random.Random(2)
+    vocab = pipe.backend.vocab_size
+    jobs = []
+    for i in range(12):
+        prompt = Tokenized([rng.randrange(vocab) for _ in range(rng.randrange(0, 6))], chat=False)
+        whole = pipe.prompter.text(prompt, [], skip_special=i % 2 == 0, incremental=False)
+        assert isinstance(whole, WholeText)
+        jobs.append((whole, [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]))
+    assert whole_texts(jobs) == [whole(ids) for whole, ids in jobs]
+    assert whole_texts([]) == []
 
 
 def test_whole_text_is_the_detokenizers_on_qwen3s_vocabulary() -> None:
