@@ -89,6 +89,8 @@ def status_text(s: dict[str, Any]) -> str:
     text = head + "\n" + workers_table(s["workers"])
     if any(w.get("memory") for w in s["workers"]):
         text += "\n\n" + memory_table(s["workers"])
+    if any(w.get("ranks") for w in s["workers"]):
+        text += "\n\n" + ranks_table(s["workers"])
     if "cluster" in s:
         text += "\n\n" + cluster_text(s["cluster"])
     return text
@@ -106,6 +108,16 @@ def memory_table(workers: list[dict[str, Any]]) -> str:
     ]
     header = ["WORKER", "GPU", "GPU TOTAL", "BUDGET", "WEIGHTS", "ACTIVATIONS", "GRAPHS"]
     return "memory plan:\n" + table(rows, [*header, "KV", "KV BLOCKS"])
+
+
+def ranks_table(workers: list[dict[str, Any]]) -> str:
+    """The processes of each tensor-parallel engine worker (rank 0 is the worker)."""
+    rows = [
+        [w["name"], f"{r['rank']}/{w['tp']}", str(r["pid"]), r["device"]]
+        for w in workers
+        for r in w.get("ranks") or ()
+    ]
+    return "tensor-parallel ranks:\n" + table(rows, ["WORKER", "RANK", "PID", "DEVICE"])
 
 
 def cluster_text(c: dict[str, Any]) -> str:

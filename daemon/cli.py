@@ -284,7 +284,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from lmd.spawn import process_title
     from lmd.supervisor.control import build_control_app
-    from lmd.supervisor.model_check import check_quantization
+    from lmd.supervisor.model_check import check_engines
     from lmd.supervisor.sd_notify import Notifier
     from lmd.supervisor.supervisor import Supervisor
 
@@ -294,7 +294,7 @@ def serve(args: argparse.Namespace) -> int:
     device = resolve_device(config.device)
     try:
         config.role_device(Role.PREFILL, device)  # prefill and decode devices must pair up
-        check_quantization(config, device)
+        check_engines(config, device)
     except ConfigError as exc:
         print(f"lmdd: {exc}", file=sys.stderr)
         return 2

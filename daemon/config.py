@@ -15,6 +15,7 @@ from typing import Any
 
 from lmd.engine.config import EngineConfig
 from lmd.engine.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION
+from lmd.engine.parallel import MAX_TP
 from lmd.names import NODE_NAME
 from lmd.protocol.roles import CLUSTER_ROLES, Role
 
@@ -93,6 +94,11 @@ class ServeConfig:
     decode_backend: str = "auto"
     prefill_workers: int = 1
     decode_workers: int = 1
+    # Tensor parallelism: each engine worker as a group of this many processes, one per
+    # GPU (engine/parallel.py); prefill_tp and decode_tp (disaggregated) override it.
+    tp: int = 1
+    prefill_tp: int | None = None  # None = tp
+    decode_tp: int | None = None  # None = tp
     tokenizer_workers: int = 1  # requests spread over them (api/worker.py: tokenizer_for)
     api_workers: int = 1  # HTTP processes on one port (SO_REUSEPORT; api/worker.py)
     migration_timeout: float = 120.0  # seconds a reservation or a KV copy may take
@@ -150,6 +156,7 @@ class ServeConfig:
         for key in ("prefill_workers", "decode_workers", "tokenizer_workers", "api_workers"):
             value = getattr(self, key)
             _check(1 <= value <= 64, key, f"{value} is out of range (1-64)")
+        self._check_tp()
         for key in (
             "drain_timeout",
             "migration_timeout",
@@ -208,6 +215,38 @@ class ServeConfig:
             "log_level",
             f"{self.log_level!r} is not one of {', '.join(LOG_LEVELS)}",
         )
+
+    def _check_tp(self) -> None:
+        for key in ("tp", "prefill_tp", "decode_tp"):
+            value = getattr(self, key)
+            _check(
+                value is None or 1 <= value <= MAX_TP,
+                key,
+                f"{value} is out of range (1-{MAX_TP}: one process per GPU)",
+            )
+        if self.mode == "hybrid":
+            for key in ("prefill_tp", "decode_tp"):
+                _check(
+                    getattr(self, key) is None,
+                    key,
+                    "applies to disaggregated mode; a hybrid engine's group is tp",
+                )
+        for role in (Role.PREFILL, Role.DECODE) if self.mode != "hybrid" else (Role.HYBRID,):
+            backend = self.prefill_backend if role == Role.PREFILL else self.decode_backend
+            size = self.tp_of(role)
+            _check(
+                size == 1 or backend not in ("fake", "fixed"),
+                "tp" if role == Role.HYBRID else f"{role}_tp",
+                f"{size} needs a model: backend {backend} runs no tensor parallelism",
+            )
+
+    def tp_of(self, role: Role) -> int:
+        """The tensor-parallel size of an engine role's workers (1 for the other roles)."""
+        if role == Role.PREFILL and self.prefill_tp is not None:
+            return self.prefill_tp
+        if role == Role.DECODE and self.decode_tp is not None:
+            return self.decode_tp
+        return self.tp if role.is_engine else 1
 
     def _check_cluster(self) -> None:
         object.__setattr__(self, "roles", tuple(self.roles))  # a list from TOML

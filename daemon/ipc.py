@@ -58,6 +58,18 @@ class Endpoints:
     def inbox(self, worker_name: str) -> str:
         return f"ipc://{self.runtime_dir}/{worker_name}.ipc"
 
+    def rank_ops(self, worker_name: str, rank: int) -> str:
+        """Where a tensor-parallel group's rank `rank` takes its ops (rank 0 binds it)."""
+        return f"ipc://{self.runtime_dir}/{worker_name}.r{rank}.ipc"
+
+    def rank_replies(self, worker_name: str) -> str:
+        """Where the ranks of `worker_name`'s group answer (rank 0 binds it)."""
+        return f"ipc://{self.runtime_dir}/{worker_name}.ranks.ipc"
+
+    def rendezvous(self, worker_name: str) -> Path:
+        """The file a tensor-parallel group meets at (torch.distributed's file store)."""
+        return self.runtime_dir / f"{worker_name}.tp"
+
     def ipc_files(self) -> list[Path]:
         """Every socket file a daemon may leave behind (for stale cleanup)."""
         return sorted(self.runtime_dir.glob("*.ipc"))

@@ -36,6 +36,7 @@ class WorkerSpec:
     # (name, role): the memory plan shares the device between them (engine/memory_plan.py).
     # One that `lmdctl scale` adds is not among them: it takes what they leave.
     device_engines: tuple[tuple[str, str], ...] = ()
+    tp: int = 1  # engine roles: processes in its tensor-parallel group (rank 0 is this one)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))  # a str from the dict form
@@ -88,7 +89,19 @@ def worker_spec(
         backend=backend if role.is_engine else None,
         device=own,
         device_engines=() if own is None else engines_on_gpu(config, device, own),
+        tp=config.tp_of(role),
     )
+
+
+def rank_devices(device: str, size: int) -> list[str]:
+    """The device of each rank of a group whose rank 0 is on `device`: cpu for all of
+    them on CPU; on CUDA one GPU each, counting up from rank 0's (cuda:2 -> cuda:2,
+    cuda:3)."""
+    gpu = gpu_name(device)
+    if gpu is None:
+        return [device] * size
+    first = int(gpu.split(":")[1])
+    return [f"cuda:{first + rank}" for rank in range(size)]
 
 
 def gpu_name(device: str) -> str | None:

@@ -8,7 +8,6 @@ FastAPI, the engine roles alone need torch.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import sys
@@ -18,11 +17,10 @@ import uvloop
 from setproctitle import setproctitle
 
 from lmd.config import ServeConfig
+from lmd.parent import die_with_parent
 from lmd.protocol.roles import Role
 from lmd.roles import WorkerSpec
 from lmd.worker import Worker, configure_logging
-
-PR_SET_PDEATHSIG = 1
 
 
 def worker_class(role: Role) -> type[Worker]:
@@ -52,19 +50,11 @@ def process_title(name: str) -> str:
     return f"lmd: {name}"
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
-        os._exit(1)
-
-
 def worker_main(spec_dict: dict[str, Any]) -> None:
     """Entry point of a spawned worker process."""
     setproctitle(process_title(spec_dict["name"]))  # first: ps and top show it from here on
     spec = WorkerSpec(**spec_dict)
-    _die_with_parent(spec.supervisor_pid)
+    die_with_parent(spec.supervisor_pid)
     os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the supervisor only; it drains us
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = ServeConfig.from_dict(spec.config)

@@ -19,6 +19,7 @@ Messages that do not fit (unknown request, wrong sender) are logged, counted, dr
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -49,7 +50,9 @@ class DecodeWorker(EngineWorker):
             timeout_s=self.config.migration_timeout,
             vocab_size=engine.backend.vocab_size,
         )
-        self.descriptor = self.memory.descriptor
+        self.descriptors = [self.memory.descriptor]  # every rank's pool, rank 0 first
+        if self.ranks is not None:
+            self.descriptors += await asyncio.to_thread(self.ranks.descriptors)
         self.num_migrated = 0
         self.num_refused = 0
 
@@ -179,7 +182,8 @@ class DecodeWorker(EngineWorker):
                 pool.block_nbytes,
                 pool.num_blocks,
                 seq.num_cached_tokens // pool.block_size,
-                self.descriptor,
+                [len(d) for d in self.descriptors] if self.ranks is not None else [],
+                b"".join(self.descriptors),
                 protocol.pack_ids(seq.block_table),
             )
             self.push(res.prefill, reserved)

@@ -27,6 +27,7 @@ from numpy.typing import NDArray
 from torch import Tensor
 
 from lmd.engine.kv_layout import QUANT_KV_DTYPES, bytes_per_block
+from lmd.engine.parallel import SINGLE, TensorParallel
 
 DTYPES = {
     "float32": torch.float32,
@@ -197,11 +198,14 @@ class Backend(ABC):
         *,
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
+        tp: TensorParallel = SINGLE,
     ) -> None:
         """Load the model in `model_dir` onto `device` in `dtype`, its linear weights
         quantized at load with `quantization` (None: as the checkpoint has them), for a
         KV pool in `kv_cache_dtype` (engine/config.py); a backend that cannot run either
-        raises BackendError saying so (`refuse_quantization`)."""
+        raises BackendError saying so (`refuse_quantization`). With `tp` of size N > 1
+        it loads rank tp.rank's shard (parallel.py): its properties then say what this
+        rank holds (num_kv_heads: its heads) but `vocab_size`, whose logits it gathers."""
 
     @property
     @abstractmethod
@@ -254,6 +258,11 @@ class Backend(ABC):
         """What of the weights runs quantized, as status and /v1/models show it (e.g.
         "w4a16 (awq, group 128)"); None when nothing does."""
         return None
+
+    @property
+    def tp(self) -> TensorParallel:
+        """This rank's place in its tensor-parallel group (SINGLE: the whole model)."""
+        return SINGLE
 
     @property
     def kv_window(self) -> int:
@@ -323,6 +332,11 @@ class Backend(ABC):
         if context.size and -(-int(context.max()) // block_size) > tables.shape[1]:
             raise ValueError("a block table is shorter than its sequence's context")
 
+    def adopt_pool(self, kv: Tensor) -> None:
+        """`kv` is the engine's own pool (not a scratch one): a tensor-parallel group's
+        other ranks make theirs (group_backend.py); nothing by default."""
+        del kv
+
     def capture_graphs(self, kv: Tensor, max_batch_size: int) -> None:
         """Prepare decode steps of up to `max_batch_size` sequences on this pool ahead of
         time (turbo: CUDA graphs); nothing by default."""
@@ -334,6 +348,14 @@ class Backend(ABC):
         default (no graphs)."""
         del kv, max_batch_size
         return None
+
+
+def refuse_parallel(backend: str, tp: TensorParallel) -> None:
+    """BackendError for a backend that runs only whole models asked for a shard."""
+    if tp.enabled:
+        raise BackendError(
+            f"backend {backend} has no tensor parallelism; use backend torch or turbo"
+        )
 
 
 def refuse_quantization(

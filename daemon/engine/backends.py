@@ -12,8 +12,10 @@ from pathlib import Path
 
 import torch
 
-from lmd.engine.backend import Backend, BackendError
-from lmd.engine.config import checkpoint_quant_method
+from lmd.engine.backend import Backend, BackendError, parse_dtype
+from lmd.engine.config import EngineConfig, architecture, checkpoint_quant_method
+from lmd.engine.group_backend import GroupBackend, OpLink
+from lmd.engine.parallel import SINGLE, TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -68,3 +70,31 @@ def select_backend(
     from lmd.engine.torch_backend import TorchBackend
 
     return TorchBackend
+
+
+def load_backend(
+    name: str,
+    model_dir: Path,
+    device: torch.device,
+    dtype: str,
+    config: EngineConfig,
+    *,
+    tp: TensorParallel = SINGLE,
+    ranks: OpLink | None = None,
+) -> Backend:
+    """The backend `select_backend` picks, loaded from `model_dir` onto `device` in `dtype`
+    ("auto": parse_dtype's) with `config`'s quantization: rank tp.rank's shard of a
+    tensor-parallel group, and, for rank 0 (`ranks`: the other ranks' op channel), behind
+    a GroupBackend that has them run every call too (group_backend.py)."""
+    kind = select_backend(
+        name, architecture(model_dir), device, model_dir, quantized=config.quantized
+    )
+    model = kind(
+        model_dir,
+        device,
+        parse_dtype(dtype, device),
+        quantization=config.quantization,
+        kv_cache_dtype=config.kv_cache_dtype,
+        tp=tp,
+    )
+    return model if ranks is None else GroupBackend(model, ranks)

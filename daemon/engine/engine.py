@@ -44,15 +44,17 @@ from typing import Any
 
 import torch
 
-from lmd.engine.backend import Backend, ForwardBatch, parse_dtype
-from lmd.engine.backends import select_backend
+from lmd.engine.backend import Backend, ForwardBatch
+from lmd.engine.backends import load_backend
 from lmd.engine.block_manager import BlockManager
-from lmd.engine.config import EngineConfig, architecture
+from lmd.engine.config import EngineConfig
 from lmd.engine.decode_scheduler import DecodeBatch, DecodeScheduler
+from lmd.engine.group_backend import OpLink
 from lmd.engine.inflight import InFlight
 from lmd.engine.kv_pool import KVPool, PoolBuffer, block_bytes_of, size_pool
 from lmd.engine.memory_plan import Budget, StepOutOfMemory, describe
 from lmd.engine.memory_profile import cap_allocator, size_in_budget
+from lmd.engine.parallel import SINGLE, TensorParallel
 from lmd.engine.prefill_scheduler import PrefillBatch, PrefillScheduler
 from lmd.engine.sampler import Sampler, TokenLogprobs
 from lmd.engine.sequence import FinishReason, Sequence, check_token_ids
@@ -117,6 +119,8 @@ class Engine:
         cpu_engines: int = 1,
         cpu_free: int | None = None,
         budget: Budget | None = None,
+        tp: TensorParallel = SINGLE,
+        ranks: OpLink | None = None,
     ) -> Engine:
         """Load the model, size and allocate the KV pool.
 
@@ -124,7 +128,8 @@ class Engine:
         transport's shared region); otherwise the pool allocates its own. On CUDA, the
         pool is sized inside `budget`, the engine's part of the device (memory_profile.py).
         On CPU, `cpu_free` is the bytes this engine may treat as free (kv_pool.cpu_kv_free);
-        None: an even share of `cpu_engines` of the available RAM."""
+        None: an even share of `cpu_engines` of the available RAM. With `tp`: rank 0 of a
+        tensor-parallel group, its other `ranks` (backends.load_backend)."""
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is not None:
             # Kernels (Triton's included) and graph captures use the current device.
@@ -132,15 +137,7 @@ class Engine:
         planned = budget if dev.type == "cuda" else None
         if planned is not None:
             cap_allocator(planned, dev)
-        arch = architecture(model_dir)
-        kind = select_backend(backend, arch, dev, model_dir, quantized=config.quantized)
-        model = kind(
-            model_dir,
-            dev,
-            parse_dtype(dtype, dev),
-            quantization=config.quantization,
-            kv_cache_dtype=config.kv_cache_dtype,
-        )
+        model = load_backend(backend, model_dir, dev, dtype, config, tp=tp, ranks=ranks)
         per_block = block_bytes_of(model, config.block_size)
         memory: dict[str, Any] | None = None
         if planned is not None:
@@ -150,6 +147,7 @@ class Engine:
             num_blocks = size_pool(model, config, cpu_engines, cpu_free)
         buffer = None if pool_buffer is None else pool_buffer(num_blocks * per_block)
         pool = KVPool.for_backend(model, num_blocks, config.block_size, buffer)
+        model.adopt_pool(pool.kv)
         log.info(
             "KV pool: %d blocks of %d tokens (%.1f MiB)",
             num_blocks,

@@ -22,8 +22,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from lmd.engine.backend import Backend, ForwardBatch, refuse_quantization
+from lmd.engine.backend import Backend, ForwardBatch, refuse_parallel, refuse_quantization
 from lmd.engine.config import context_len, read_hf_config
+from lmd.engine.parallel import SINGLE, TensorParallel
 
 
 class FakeBackend(Backend):
@@ -37,7 +38,9 @@ class FakeBackend(Backend):
         *,
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
+        tp: TensorParallel = SINGLE,
     ) -> None:
+        refuse_parallel(self.name, tp)
         # It reads no KV, so a quantized pool is as good as any (tests of its migration).
         refuse_quantization(self.name, quantization, kv_cache_dtype, kv=True)
         self._kv_cache_dtype = kv_cache_dtype

@@ -28,6 +28,11 @@ from typing import TypeVar
 
 import psutil
 
+from lmd.config import ServeConfig
+from lmd.engine.config import EngineConfig
+from lmd.engine.kv_pool import CPU_KV_CAP_BYTES, cpu_kv_free
+from lmd.roles import num_engine_workers
+
 log = logging.getLogger(__name__)
 
 LEDGER_DIR = "kv-pools"
@@ -100,3 +105,27 @@ class PoolLedger:
             yield
         finally:
             os.close(fd)  # releases the lock
+
+
+def claim_cpu_pool(
+    ledger: PoolLedger, name: str, config: ServeConfig, engine: EngineConfig
+) -> tuple[int, str]:
+    """The bytes engine worker `name`'s CPU pool may treat as free: its share of the
+    daemon's cap, less what its other engines' pools hold (an engine added by lmdctl
+    scale); and, when that is less than its share, why (for a start-up error)."""
+    engines = num_engine_workers(config)
+    available = psutil.virtual_memory().available
+    entries = engine.cache_max_entry_count
+    free = ledger.claim(
+        name,
+        lambda taken: cpu_kv_free(available, engines, taken),
+        None if isinstance(entries, int) else entries,
+    )
+    if free >= cpu_kv_free(available, engines):
+        return free, ""
+    log.warning("%s: KV pool limited to %.2f GiB by the CPU cap", name, free / 2**30)
+    note = (
+        f" (the other engines' KV pools leave {free / 2**30:.2f} GiB of the "
+        f"{CPU_KV_CAP_BYTES / 2**30:.0f} GiB CPU cap; scale one down first)"
+    )
+    return free, note

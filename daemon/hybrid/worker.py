@@ -37,27 +37,20 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import psutil
-
 from lmd import protocol
-from lmd.engine.backend import BackendError
 from lmd.engine.config import EngineConfig
 from lmd.engine.engine import Engine, TokenEvent
-from lmd.engine.fixed_engine import FixedTokenEngine, FixedTokens
-from lmd.engine.grammar import Grammars, Guide, check_guided
-from lmd.engine.kv_pool import CPU_KV_CAP_BYTES, cpu_kv_free
-from lmd.engine.memory_plan import Budget, MemoryPlanError, StepOutOfMemory, describe
-from lmd.engine.model_source import ModelSourceError, resolve_model
+from lmd.engine.fixed_engine import FixedTokenEngine
+from lmd.engine.grammar import Guide, check_guided
+from lmd.engine.group_backend import GroupBackend
+from lmd.engine.memory_plan import StepOutOfMemory, describe
 from lmd.engine.sequence import SamplingParams, Sequence
 from lmd.hybrid.clients import Clients
-from lmd.hybrid.gpu_budget import claim_gpu_budget
-from lmd.hybrid.pool_ledger import PoolLedger
-from lmd.migration.base import PoolMemory
-from lmd.migration.transports import pool_memory
+from lmd.hybrid.loading import load
+from lmd.hybrid.rank_group import RankError, RankGroup
 from lmd.protocol import Message, Role
-from lmd.roles import num_engine_workers
 from lmd.stage_times import StageClock
-from lmd.worker import Worker, WorkerStartError
+from lmd.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -67,52 +60,10 @@ class EngineWorker(Worker):
     engine: Engine | FixedTokenEngine  # the disaggregated roles run an Engine
 
     async def start(self) -> None:
-        device = self.spec.device or "cpu"
-        self.memory: PoolMemory | None = None
-        self.grammars: Grammars | None = None  # structured output (the fixed engine has none)
         self._compiling: dict[str, list[Message]] = {}  # a request's messages held meanwhile
-        self.ledger: PoolLedger | None = None  # CPU pools: their share of the daemon's cap
-        self.budget: Budget | None = None  # on a GPU: its part of the device's memory plan
-        self._cap_note = ""  # why a CPU pool got less than its share, for a start-up error
-        try:
-            model = resolve_model(self.config.model)
-            if self.role != Role.HYBRID:
-                self.memory = pool_memory(device, self.config.migration_transport)
-            if self.spec.backend == "fixed":  # hybrid only (config.py)
-                self.engine = FixedTokenEngine(FixedTokens(model.path), self.engine_config())
-            else:
-                cpu_free = None
-                if device == "cpu":
-                    self.ledger = PoolLedger(self.config.runtime_dir)
-                    cpu_free = self._claim_cpu_pool(self.ledger)
-                else:
-                    self.budget, self.ledger = await asyncio.to_thread(
-                        claim_gpu_budget, self.spec, self.config, self.engine_config(), model.path
-                    )
-                engine = await asyncio.to_thread(
-                    Engine.build,
-                    model.path,
-                    self.engine_config(),
-                    device=device,
-                    dtype=self.config.dtype,
-                    backend=self.spec.backend or "auto",
-                    role=self.role,
-                    pool_buffer=None if self.memory is None else self.memory.buffer,
-                    cpu_engines=num_engine_workers(self.config),
-                    cpu_free=cpu_free,
-                    budget=self.budget,
-                )
-                if self.memory is not None:
-                    self.memory.attach(engine.pool)
-                if self.ledger is not None and self.budget is None:  # for engines added later
-                    self.ledger.record(self.spec.name, engine.pool.nbytes)
-                self.engine = engine
-                vocab, eos = engine.backend.vocab_size, engine.backend.eos_token_ids
-                self.grammars = Grammars(model.path, vocab, eos)
-        except MemoryPlanError as exc:  # the same on every restart: do not retry
-            raise WorkerStartError(str(exc), permanent=True) from None
-        except (ModelSourceError, BackendError, ValueError, OSError, RuntimeError) as exc:
-            raise WorkerStartError(f"{exc}{self._cap_note}") from None
+        self.loaded = loaded = await load(self.spec, self.config, self.role)  # loading.py
+        self.engine, self.memory, self.ranks = loaded.engine, loaded.memory, loaded.ranks
+        self.grammars = loaded.grammars  # structured output (the fixed engine has none)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.spec.name}-step")
         self._reply_to: dict[str, str] = {}  # request id -> receiving worker
         self.clients = Clients()  # the receivers' processes, to drop requests of dead ones
@@ -122,44 +73,35 @@ class EngineWorker(Worker):
         self._step_span = (0.0, 0.0)  # the last step's start and end, time.time()
         self._wake = asyncio.Event()
         self._loop_task = self.watch(self._step_loop(), "the engine step loop")
+        if self.ranks is not None:
+            self.watch(self._watch_group(self.ranks), "the tensor-parallel group")
+
+    async def _watch_group(self, ranks: RankGroup) -> None:
+        """Ends (and so ends the worker: its ranks die with it) when a rank is gone;
+        the requests fail first, saying which rank."""
+        broke, loop = asyncio.Event(), asyncio.get_running_loop()
+
+        def on_death(_reason: str) -> None:  # in the group's reader thread
+            loop.call_soon_threadsafe(broke.set)
+
+        ranks.on_death = on_death
+        if ranks.dead is None:
+            await broke.wait()
+        self.fail_all(f"the engine failed: {ranks.dead}")
+        raise RankError(str(ranks.dead))
 
     def engine_config(self) -> EngineConfig:
         return self.config.engine_on(self.spec.device)
 
-    def _claim_cpu_pool(self, ledger: PoolLedger) -> int:
-        """The bytes a CPU pool may treat as free: this engine's share of the daemon's cap,
-        less what its other engines' pools hold (an engine added by lmdctl scale)."""
-        engines = num_engine_workers(self.config)
-        available = psutil.virtual_memory().available
-        entries = self.engine_config().cache_max_entry_count
-        free = ledger.claim(
-            self.spec.name,
-            lambda taken: cpu_kv_free(available, engines, taken),
-            None if isinstance(entries, int) else entries,
-        )
-        share = cpu_kv_free(available, engines)
-        if free < share:
-            self._cap_note = (
-                f" (the other engines' KV pools leave {free / 2**30:.2f} GiB of the "
-                f"{CPU_KV_CAP_BYTES / 2**30:.0f} GiB CPU cap; scale one down first)"
-            )
-            log.warning(
-                "%s: KV pool limited to %.2f GiB by the CPU cap", self.spec.name, free / 2**30
-            )
-        return free
-
     async def stop(self) -> None:
         self._loop_task.cancel()
         self._executor.shutdown(wait=True, cancel_futures=True)
-        if self.memory is not None:
-            self.memory.close()
-        if self.ledger is not None:
-            self.ledger.remove(self.spec.name)
+        await self.loaded.close()
 
     def info(self) -> dict[str, Any]:
         b = self.engine.backend
         info: dict[str, Any] = {
-            "backend": b.name,
+            "backend": b.local.name if isinstance(b, GroupBackend) else b.name,
             "device": str(b.device),
             "dtype": str(b.dtype)[6:],
             "quantization": b.quantization,
@@ -169,6 +111,10 @@ class EngineWorker(Worker):
             info["memory"] = self.engine.memory
         if self.memory is not None:
             info["transport"] = self.memory.transport.name
+        if self.ranks is not None:
+            info["tp"] = self.spec.tp
+            info["ranks"] = [{"rank": 0, "pid": os.getpid(), "device": str(b.device)}]
+            info["ranks"] += self.ranks.ranks()
         return info
 
     def stats(self) -> dict[str, Any]:
@@ -250,7 +196,8 @@ class EngineWorker(Worker):
                 continue
             except Exception:
                 log.exception("engine step failed; failing %d requests", self.inflight())
-                self.fail_all("the engine failed")
+                broken = self.ranks.wait_dead(1.0) if self.ranks is not None else None
+                self.fail_all("the engine failed" + (f": {broken}" if broken else ""))
                 os._exit(1)  # the engine's state is unknown: let the supervisor restart us
             self._step_span = (began, time.time())
             self.stages.observe("step", self._step_span[1] - began)

@@ -14,21 +14,30 @@ Life cycle of an outgoing request (docs/architecture.md §1, steps 3-4):
      sends Migrated (or Release) and frees the source blocks.
 A peer pool is opened once per decode worker and descriptor; a decode worker that
 restarts sends a new descriptor and the old mapping is closed (`close_peer`).
+
+Tensor parallelism (shards.py): this worker may be rank 0 of a prefill group and the
+decode worker a group of another size. Rank 0 copies its heads of the blocks into each
+decode rank that holds some of them; with `ranks` (its group) it sends the same
+reservation to its other ranks as one copy op, and the request's ticket is done when
+every rank's copies are (`GroupTicket`).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from lmd import protocol
 from lmd.engine.engine import TokenEvent
 from lmd.engine.kv_pool import KVPool
 from lmd.engine.sequence import Sequence
 from lmd.migration.base import MigrationTransport, TicketLike
-from lmd.migration.native import block_copies
 from lmd.migration.receiver import MigrationError
+from lmd.migration.shards import WHOLE, BlockLayout, Shard, shard_copies
+from lmd.migration.tickets import DoneTicket, GroupTicket, RemoteCopies
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +55,8 @@ class Outgoing:
     reserve_sent: bool = False
     dst_block_ids: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0
-    peer: Any = None  # the decode pool, opened
+    peers: dict[int, Any] = field(default_factory=dict)  # decode rank -> its pool, opened
+    dst_descriptors: list[bytes] = field(default_factory=list)  # every decode rank's
     first: TokenEvent | None = None  # the first sampled token, sent on in Migrated
     prefilled: bool = False  # the prompt is computed; its blocks wait for the copy
     ticket: TicketLike | None = None
@@ -66,20 +76,39 @@ class _Peer:
     region: Any
 
 
+class RankCopies(Protocol):
+    """This worker's tensor-parallel group (hybrid/rank_group.py), for copy ops."""
+
+    def send(self, header: dict[str, Any], frames: list[bytes]) -> None: ...
+
+    def expect_copy(self, op_id: int, done: Callable[[list[dict[str, Any]]], None]) -> None: ...
+
+
 class Sender:
-    def __init__(self, transport: MigrationTransport, region: Any, pool: KVPool) -> None:
+    def __init__(
+        self,
+        transport: MigrationTransport,
+        region: Any,
+        pool: KVPool,
+        shard: Shard = WHOLE,
+        ranks: RankCopies | None = None,
+    ) -> None:
         self.transport = transport
         self.region = region  # the local pool's region
         self.pool = pool
+        self.shard = shard  # this process's place in its group (rank 0)
+        self.ranks = ranks  # the group's other ranks, when there are some
+        self.layout = BlockLayout.of(pool, shard.size)
         self.wait_stream: int | None = None  # CUDA: the stream that wrote the KV
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[tuple[str, int], _Peer] = {}  # (decode worker, its rank) -> pool
+        self._op_ids = itertools.count()
         self.num_bytes = 0  # copied, since start
         self.num_copies = 0
 
     @property
     def peers(self) -> list[str]:
         """Decode workers whose pool is open."""
-        return list(self._peers)
+        return list(dict.fromkeys(decode for decode, _ in self._peers))
 
     def accept(self, out: Outgoing, msg: protocol.Reserved) -> None:
         """Check decode's reservation for `out`; raises MigrationError saying what is wrong."""
@@ -90,10 +119,15 @@ class Sender:
             raise MigrationError(
                 f"{where}: transport {msg.transport!r}, this worker uses {self.transport.name!r}"
             )
-        if msg.block_nbytes != self.pool.block_nbytes:
+        descriptors = msg.descriptors
+        size = len(descriptors)
+        if not self.layout.splits_over(size):
+            raise MigrationError(f"{where}: {self.layout.num_heads} KV heads over {size} ranks")
+        if msg.block_nbytes != self.layout.nbytes(size):
             raise MigrationError(
-                f"{where}: {msg.block_nbytes} bytes per block, this pool has "
-                f"{self.pool.block_nbytes} (model, dtype and block_size must match)"
+                f"{where}: {msg.block_nbytes} bytes per block, this pool's make "
+                f"{self.layout.nbytes(size)} per rank of {size} (model, dtype and block_size "
+                "must match)"
             )
         ids = msg.dst_block_ids
         expected = self.pool_blocks_for(out.seq)
@@ -108,43 +142,72 @@ class Sender:
             raise MigrationError(f"{where}: block id {bad} outside 0..{msg.num_blocks - 1}")
         if len(set(ids)) != len(ids):
             raise MigrationError(f"{where}: a block id appears twice")
-        peer = self._open(msg.decode, msg.descriptor)
-        if peer.size < msg.num_blocks * msg.block_nbytes:
-            raise MigrationError(
-                f"{where}: the pool is {peer.size} bytes, not {msg.num_blocks} blocks"
-            )
+        peers = {}
+        for rank, descriptor in enumerate(descriptors):
+            if not shard_copies(self.layout, [0], [0], self.shard, Shard(rank, size)):
+                continue  # that decode rank holds none of this rank's heads
+            peer = self._open(msg.decode, rank, descriptor)
+            if peer.size < msg.num_blocks * msg.block_nbytes:
+                raise MigrationError(
+                    f"{where}: rank {rank}'s pool is {peer.size} bytes, not {msg.num_blocks} blocks"
+                )
+            peers[rank] = peer
         out.dst_block_ids = ids
         out.num_cached_blocks = msg.num_cached_blocks
-        out.peer = peer
+        out.peers = peers
+        out.dst_descriptors = descriptors
 
     def pool_blocks_for(self, seq: Sequence) -> int:
         """Blocks a prompt's KV fills (the first sampled token has none yet)."""
         return -(-seq.num_prompt_tokens // self.pool.block_size)
 
     def submit(self, out: Outgoing, now: float) -> None:
-        """Start copying `out`'s prompt blocks into the reserved ones."""
+        """Start copying `out`'s prompt blocks into the reserved ones (this rank's heads
+        here, the other ranks' through their copy op)."""
         skip = out.num_cached_blocks
         src = out.seq.block_table[skip : self.pool_blocks_for(out.seq)]
         dst = out.dst_block_ids[skip:]
-        copies = block_copies(src, dst, self.pool.block_nbytes)
         out.copy_started = now
-        if not copies:  # decode caches the whole prompt already
-            out.ticket = _DoneTicket()
+        if not src:  # decode caches the whole prompt already
+            out.ticket = DoneTicket()
             return
-        out.ticket = self.transport.submit(self.region, out.peer, copies, self.wait_stream)
-        self.num_copies += len(copies)
+        size = len(out.dst_descriptors)
+        tickets = []
+        for rank, peer in out.peers.items():
+            copies = shard_copies(self.layout, src, dst, self.shard, Shard(rank, size))
+            tickets.append(self.transport.submit(self.region, peer, copies, self.wait_stream))
+            self.num_copies += len(copies)
+        remote = None if self.ranks is None else self._copy_on_ranks(out, src, dst)
+        out.ticket = GroupTicket(tickets, remote)
+
+    def _copy_on_ranks(self, out: Outgoing, src: list[int], dst: list[int]) -> RemoteCopies:
+        """The other ranks' copies of `out`, as one op to each."""
+        assert self.ranks is not None
+        remote = RemoteCopies(out.decode)
+        op_id = next(self._op_ids)
+        self.ranks.expect_copy(op_id, remote.done)
+        header = {
+            "op": "copy",
+            "id": op_id,
+            "decode": out.decode,
+            "src": src,
+            "dst": dst,
+            "num_blocks": max(dst) + 1,
+            "sizes": [len(d) for d in out.dst_descriptors],
+        }
+        self.ranks.send(header, [b"".join(out.dst_descriptors)])
+        return remote
 
     def close_peer(self, decode: str) -> None:
-        peer = self._peers.pop(decode, None)
-        if peer is not None:
-            peer.region.close()
+        for key in [k for k in self._peers if k[0] == decode]:
+            self._peers.pop(key).region.close()
 
     def close(self) -> None:
-        for name in list(self._peers):
+        for name in self.peers:
             self.close_peer(name)
 
-    def _open(self, decode: str, descriptor: bytes) -> Any:
-        peer = self._peers.get(decode)
+    def _open(self, decode: str, rank: int, descriptor: bytes) -> Any:
+        peer = self._peers.get((decode, rank))
         if peer is not None and peer.descriptor == descriptor:
             return peer.region
         if peer is not None:  # decode restarted: a new pool
@@ -154,15 +217,5 @@ class Sender:
             region = self.transport.open(descriptor)
         except (ValueError, RuntimeError) as exc:
             raise MigrationError(f"cannot open {decode}'s KV pool: {exc}") from None
-        self._peers[decode] = _Peer(descriptor, region)
+        self._peers[(decode, rank)] = _Peer(descriptor, region)
         return region
-
-
-class _DoneTicket:
-    nbytes = 0
-
-    def poll(self) -> bool:
-        return True
-
-    def wait(self, timeout_s: float | None = None) -> bool:
-        return True

@@ -40,6 +40,7 @@ from lmd.engine.engine import Engine, TokenEvent
 from lmd.hybrid.worker import EngineWorker, logprobs_dict
 from lmd.migration.receiver import MigrationError
 from lmd.migration.sender import Outgoing, Sender
+from lmd.migration.shards import Shard
 from lmd.migration.stats import MigrationStats
 from lmd.protocol import Message, Role
 
@@ -58,7 +59,13 @@ class PrefillWorker(EngineWorker):
     async def start(self) -> None:
         await super().start()
         assert self.memory is not None
-        self.sender = Sender(self.memory.transport, self.memory.region, self.engine.pool)
+        self.sender = Sender(
+            self.memory.transport,
+            self.memory.region,
+            self.engine.pool,
+            Shard(0, self.spec.tp),  # rank 0 of its group; the other ranks copy their heads
+            self.ranks,
+        )
         if self.engine.pool.device.type == "cuda":
             import torch
 

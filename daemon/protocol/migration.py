@@ -11,6 +11,8 @@ from typing import Any, ClassVar
 from lmd.protocol.kinds import MsgType, check_ids, check_name
 from lmd.wire import ProtocolError, unpack_ids
 
+MAX_RANKS = 8  # the largest tensor-parallel group (engine.parallel.MAX_TP)
+
 
 @dataclass(frozen=True, slots=True)
 class Reserve:
@@ -45,7 +47,10 @@ class Reserved:
     `block_ids[i]` receives the prompt's i-th block. The first `num_cached_blocks` of
     them already hold that KV (decode's prefix cache): prefill does not copy those.
     `descriptor` opens decode's KV pool with the migration transport; prefill checks
-    `block_nbytes` against its own pool and every id against the pool's size.
+    `block_nbytes` against its own pool and every id against the pool's size. A decode
+    worker that is a tensor-parallel group of N sends every rank's descriptor, one after
+    the other in `descriptor`, their lengths in `rank_descriptors` (rank 0 first; []
+    for a decode worker of one process), and a rank's `block_nbytes` (its heads' share).
     """
 
     TYPE: ClassVar[MsgType] = MsgType.RESERVED
@@ -56,6 +61,7 @@ class Reserved:
     block_nbytes: int
     num_blocks: int  # blocks in decode's pool
     num_cached_blocks: int
+    rank_descriptors: list[int]  # each decode rank's descriptor length; [] = one process
     descriptor: bytes
     block_ids: bytes  # int32 little-endian
 
@@ -64,10 +70,26 @@ class Reserved:
         check_ids("Reserved", "block_ids", self.block_ids)
         if not self.descriptor:
             raise ProtocolError("Reserved.descriptor is empty")
+        sizes = self.rank_descriptors
+        if sizes and (
+            len(sizes) > MAX_RANKS or min(sizes) < 1 or sum(sizes) != len(self.descriptor)
+        ):
+            raise ProtocolError("Reserved.rank_descriptors do not split its descriptor")
 
     @property
     def dst_block_ids(self) -> list[int]:
         return unpack_ids(self.block_ids)
+
+    @property
+    def descriptors(self) -> list[bytes]:
+        """Each decode rank's pool descriptor, rank 0 first (one for a single process)."""
+        if not self.rank_descriptors:
+            return [self.descriptor]
+        out, at = [], 0
+        for size in self.rank_descriptors:
+            out.append(self.descriptor[at : at + size])
+            at += size
+        return out
 
 
 @dataclass(frozen=True, slots=True)

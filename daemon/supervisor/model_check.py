@@ -10,9 +10,12 @@ without its expensive part: a GGUF is not converted here, only its header is rea
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from lmd.config import ConfigError, ServeConfig
+from lmd.engine.config import read_hf_config, text_config
 from lmd.engine.model_source import ModelSourceError, default_gguf_path, resolve_model
+from lmd.engine.parallel import MAX_TP
 from lmd.protocol.roles import Role
 from lmd.roles import role_counts
 
@@ -55,6 +58,13 @@ def check_gguf_header(path: Path) -> None:
         )
 
 
+def check_engines(config: ServeConfig, device: str) -> None:
+    """ConfigError for what the engines could not run (check_quantization,
+    check_tensor_parallel): each would fail at start, be restarted and fail again."""
+    check_quantization(config, device)
+    check_tensor_parallel(config)
+
+
 def check_quantization(config: ServeConfig, device: str) -> None:
     """ConfigError (one line) when quantized weights or KV are asked of engines that
     cannot run them: backend turbo on CUDA only (engine/backends.py). Each such engine
@@ -72,3 +82,48 @@ def check_quantization(config: ServeConfig, device: str) -> None:
                 f"{key}: {asked} runs on backend turbo on CUDA only, and the {role} "
                 f"engines would run backend {backend} on {where}"
             )
+
+
+def check_tensor_parallel(config: ServeConfig) -> None:
+    """ConfigError (one line) when an engine role's tensor-parallel size does not divide
+    the model's attention heads and KV heads: each rank holds whole heads
+    (engine/parallel.py), so every rank would refuse its shard at start."""
+    sizes = {
+        (role, config.tp_of(role))
+        for role in LOADS_MODEL.intersection(role_counts(config)) - {Role.TOKENIZER}
+    }
+    sizes = {(role, size) for role, size in sizes if size > 1}
+    if not sizes:
+        return
+    heads, kv_heads = model_heads(config.model)
+    for role, size in sorted(sizes):
+        if heads % size or kv_heads % size:
+            fits = [n for n in range(2, MAX_TP + 1) if heads % n == 0 and kv_heads % n == 0]
+            key = "tp" if role == Role.HYBRID or config.tp_of(role) == config.tp else f"{role}_tp"
+            hint = f"use {' or '.join(map(str, fits))}" if fits else "it runs on one process only"
+            raise ConfigError(
+                f"{key}: {size} ranks cannot split the model's {heads} attention heads and "
+                f"{kv_heads} KV heads (each rank holds whole heads); {hint}"
+            )
+
+
+def model_heads(model: str | None) -> tuple[int, int]:
+    """(attention heads, KV heads) of a model directory's config.json, or of a GGUF's
+    header (the embedded default when `model` is None)."""
+    path = default_gguf_path() if model is None else Path(model).expanduser().absolute()
+    if path.is_file():
+        import gguf
+
+        reader = gguf.GGUFReader(str(path))
+
+        def value(key: str) -> Any:
+            field = reader.fields[key]
+            return field.parts[field.data[0]]
+
+        arch = bytes(value("general.architecture")).decode()
+        heads = int(value(f"{arch}.attention.head_count")[0])
+        kv_key = f"{arch}.attention.head_count_kv"
+        return heads, int(value(kv_key)[0]) if kv_key in reader.fields else heads
+    raw = text_config(read_hf_config(path))
+    heads = int(raw["num_attention_heads"])
+    return heads, int(raw.get("num_key_value_heads") or heads)

@@ -9,17 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import zmq
 from transformers import AutoTokenizer
 
 from lmd import protocol
 from tests.integration.daemon import Daemon, served, wait_until
+from tests.integration.engine_client import Client
 from tests.models import hf_greedy, load_reference, random_prompts, save_tiny_llama
-
-# The test stands in for the daemon's tokenizer: an engine answers only workers of its
-# cluster, so the test binds tokenizer-0's inbox, which takes the socket file over
-# (libzmq replaces it); the daemon's own tokenizer gets nothing from the engine.
-CLIENT = "tokenizer-0"
 
 
 @pytest.fixture(scope="module")
@@ -45,48 +40,6 @@ def hybrid(model_dir: Path) -> Iterator[Daemon]:
             "5",
         )
     )
-
-
-class Client:
-    """Sends Generate/Abort to hybrid-0 and collects what comes back on its own inbox."""
-
-    def __init__(self, daemon: Daemon) -> None:
-        self.ctx = zmq.Context()
-        self.inbox = self.ctx.socket(zmq.PULL)
-        self.inbox.bind(f"ipc://{daemon.runtime_dir}/{CLIENT}.ipc")
-        self.engine = self.ctx.socket(zmq.PUSH)
-        self.engine.connect(f"ipc://{daemon.runtime_dir}/hybrid-0.ipc")
-
-    def generate(self, request_id: str, prompt: list[int], **sampling: object) -> None:
-        msg = protocol.Generate(request_id, CLIENT, sampling, protocol.pack_ids(prompt))
-        self.engine.send_multipart(protocol.encode(msg))
-
-    def abort(self, request_id: str) -> None:
-        self.engine.send_multipart(protocol.encode(protocol.Abort(request_id)))
-
-    def recv(self, timeout_ms: int = 20_000) -> protocol.Message:
-        if not self.inbox.poll(timeout_ms):
-            raise AssertionError("no message from the engine")
-        return protocol.decode(self.inbox.recv_multipart())
-
-    def collect(self, request_ids: set[str]) -> dict[str, list[int]]:
-        """Tokens of each request until all of them finished."""
-        out: dict[str, list[int]] = {r: [] for r in request_ids}
-        open_ids = set(request_ids)
-        while open_ids:
-            msg = self.recv()
-            assert isinstance(msg, protocol.Tokens), msg
-            ids = protocol.unpack_ids(msg.token_ids)
-            for rid, tok, reason in zip(msg.request_ids, ids, msg.finish_reasons, strict=True):
-                out[rid].append(tok)
-                if reason is not None:
-                    open_ids.discard(rid)
-        return out
-
-    def close(self) -> None:
-        self.inbox.close(0)
-        self.engine.close(0)
-        self.ctx.term()
 
 
 def kv_idle(daemon: Daemon) -> bool:

@@ -290,7 +290,7 @@ def test_hostile_migration_messages_are_dropped_and_counted(fake_engines: Daemon
         # Block ids far outside decode's pool, for a request prefill never sent.
         bad_ids = protocol.pack_ids([10**6, -3])
         hostile_to_prefill: list[protocol.Message] = [
-            protocol.Reserved("ghost", "decode-0", "host", 1, 1, 0, b"junk", bad_ids),
+            protocol.Reserved("ghost", "decode-0", "host", 1, 1, 0, [], b"junk", bad_ids),
             protocol.RequestError("ghost", "overloaded", "no"),
         ]
         for msg in hostile_to_decode:

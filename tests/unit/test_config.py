@@ -124,3 +124,34 @@ def test_a_cluster_node_names_itself_and_its_workers() -> None:
     assert unnamed.node and all(ch.isalnum() or ch == "_" for ch in unnamed.node)
     names = [s.name for s in plan_workers(unnamed, "cpu", 1)]
     assert names == [f"{r}-0@{unnamed.node}" for r in ("tokenizer", "prefill", "decode", "api")]
+
+
+def test_tensor_parallel_sizes_per_role() -> None:
+    from lmd.protocol.roles import Role
+    from lmd.roles import plan_workers, rank_devices
+
+    c = ServeConfig(Path("/r"), tp=2, decode_tp=4)
+    assert [c.tp_of(r) for r in (Role.PREFILL, Role.DECODE, Role.TOKENIZER)] == [2, 4, 1]
+    assert ServeConfig(Path("/r"), mode="hybrid", tp=2).tp_of(Role.HYBRID) == 2
+    specs = {s.name: s.tp for s in plan_workers(c, "cuda", 1)}
+    assert specs == {"tokenizer-0": 1, "prefill-0": 2, "decode-0": 4, "api-0": 1}
+    assert rank_devices("cuda:2", 2) == ["cuda:2", "cuda:3"]
+    assert rank_devices("cuda", 2) == ["cuda:0", "cuda:1"]
+    assert rank_devices("cpu", 2) == ["cpu", "cpu"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tp": 0}, "tp: 0 is out of range"),
+        ({"decode_tp": 9}, "decode_tp: 9 is out of range"),
+        ({"mode": "hybrid", "prefill_tp": 2}, "prefill_tp: applies to disaggregated mode"),
+        ({"tp": 2, "decode_backend": "fake"}, "decode_tp: 2 needs a model"),
+        ({"mode": "hybrid", "tp": 2, "decode_backend": "fixed"}, "tp: 2 needs a model"),
+    ],
+)
+def test_tensor_parallel_sizes_that_cannot_run_are_refused(
+    kwargs: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ServeConfig(Path("/r"), **kwargs)

@@ -103,7 +103,7 @@ def test_quantized_blocks_migrate_byte_exact_at_their_own_size() -> None:
     src.num_cached_tokens = len(prompt)
     out = Outgoing("r", "tokenizer-0", "decode-0", src, {}, 0.0)
     reserved = protocol.Reserved(
-        "r", "decode-0", "fake", dec.block_nbytes, dec.num_blocks, 0,
+        "r", "decode-0", "fake", dec.block_nbytes, dec.num_blocks, 0, [],
         dec_region.descriptor(), protocol.pack_ids(granted.seq.block_table),
     )  # fmt: skip
     sender.accept(out, reserved)
@@ -132,7 +132,7 @@ def test_a_pool_of_another_block_size_in_bytes_is_refused() -> None:
     BlockManager(4, S).allocate(seq)
     out = Outgoing("r", "tokenizer-0", "decode-0", seq, {}, 0.0)
     reserved = protocol.Reserved(
-        "r", "decode-0", "fake", int8_pool.block_nbytes, 4, 0,
+        "r", "decode-0", "fake", int8_pool.block_nbytes, 4, 0, [],
         region.descriptor(), protocol.pack_ids([0]),
     )  # fmt: skip
     with pytest.raises(Exception, match="bytes"):

@@ -46,6 +46,7 @@ def reserved_msg(receiver_side: Side, seq: Sequence, **overrides: object) -> pro
         "block_nbytes": receiver_side.pool.block_nbytes,
         "num_blocks": receiver_side.pool.num_blocks,
         "num_cached_blocks": seq.num_cached_tokens // BLOCK,
+        "rank_descriptors": [],
         "descriptor": receiver_side.region.descriptor(),
         "block_ids": protocol.pack_ids(seq.block_table),
     }

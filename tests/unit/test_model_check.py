@@ -89,3 +89,24 @@ def test_quantization_is_checked_against_the_engines_devices_and_backends(
     torch_decode = ServeConfig(runtime_dir=tmp_path, quantization="fp8", decode_backend="torch")
     with pytest.raises(ConfigError, match="the decode engines would run backend torch on cuda"):
         check_quantization(torch_decode, "cuda")
+
+
+def test_a_tensor_parallel_size_must_split_the_heads(tmp_path: Path, smollm2_dir: Path) -> None:
+    """Each rank holds whole heads: a size that does not divide them would make every
+    rank refuse its shard at start, restarts until the daemon gave up; lmdd exits first.
+    The embedded GGUF's heads are read from its header (9 heads over 3 KV heads)."""
+    from lmd.config import ConfigError, ServeConfig
+    from lmd.supervisor.model_check import check_tensor_parallel, model_heads
+    from tests.models import save_tiny_llama
+
+    tiny = save_tiny_llama(tmp_path / "tiny")  # 4 heads over 2 KV heads
+    check_tensor_parallel(ServeConfig(runtime_dir=tmp_path, model=str(tiny), tp=2))
+    with pytest.raises(
+        ConfigError,
+        match=r"^decode_tp: 4 ranks cannot split .* 4 attention heads and 2 KV heads .* use 2$",
+    ):
+        check_tensor_parallel(ServeConfig(runtime_dir=tmp_path, model=str(tiny), decode_tp=4))
+    assert model_heads(None) == (9, 3)
+    assert model_heads(str(smollm2_dir)) == (9, 3)
+    with pytest.raises(ConfigError, match=r"^tp: 2 ranks .* use 3$"):
+        check_tensor_parallel(ServeConfig(runtime_dir=tmp_path, mode="hybrid", tp=2))

@@ -72,7 +72,9 @@ MESSAGES: list[protocol.Message] = [
         "r2", "tokenizer-0", {"seed": 3}, protocol.pack_ids([5, 6]), decode="decode-1"
     ),
     protocol.Reserve("r2", "prefill-0", "tokenizer-0", {"seed": 3}, protocol.pack_ids([5, 6])),
-    protocol.Reserved("r2", "decode-1", "host", 4096, 64, 1, b"desc", protocol.pack_ids([3, 9])),
+    protocol.Reserved(
+        "r2", "decode-1", "host", 4096, 64, 1, [2, 2], b"desc", protocol.pack_ids([3, 9])
+    ),
     protocol.Migrated("r2", "prefill-0", 17, {"logprob": -0.1, "top": []}, 64),
     protocol.Release("r2", "prefill-0"),
 ]

@@ -21,6 +21,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from lmd.engine.parallel import SINGLE, TensorParallel
 from lmd.engine.torch_backend.attention import METADATA_KWARG, PagedMetadata
 from lmd.engine.turbo.support import triton_import_error
 
@@ -37,10 +38,13 @@ class GraphShape:
 class GraphModel:
     """The transformers model as DecodeGraphs drives it: forward(step, kv, out)."""
 
-    def __init__(self, model: nn.Module, shape: GraphShape, num_layers: int) -> None:
+    def __init__(
+        self, model: nn.Module, shape: GraphShape, num_layers: int, tp: TensorParallel = SINGLE
+    ) -> None:
         self.model = model
         self.config = shape
         self.num_layers = num_layers
+        self.tp = tp  # a rank of a group gathers every rank's vocabulary rows
 
     def forward(self, step: Any, kv: Tensor, out: Tensor | None = None) -> Tensor:
         """Logits [B, V] float32 of a decode step (turbo's StepInputs, static buffers)."""
@@ -56,8 +60,8 @@ class GraphModel:
                 f"{type(self.model).__name__} ran {meta.num_layers_run} of {self.num_layers} "
                 "attention layers through the paged attention"
             )
-        logits: Tensor = result.logits[0]  # [B, V]
-        return logits.float() if out is None else out.copy_(logits)
+        logits = self.tp.gather_columns(result.logits[0].float(), self.config.vocab_size)  # [B, V]
+        return logits if out is None else out.copy_(logits)
 
 
 def why_not(config: Any) -> str | None:

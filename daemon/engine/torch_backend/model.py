@@ -22,6 +22,7 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, P
 from lmd.engine.backend import BackendError, ForwardBatch, refuse_quantization
 from lmd.engine.config import checkpoint_quant_method, context_len, read_hf_config
 from lmd.engine.graphed import GraphedDecode
+from lmd.engine.parallel import SINGLE, ParallelError, TensorParallel
 from lmd.engine.torch_backend.attention import (
     ATTENTION_NAME,
     METADATA_KWARG,
@@ -34,6 +35,7 @@ from lmd.engine.torch_backend.host_memory import keep_freed_memory
 from lmd.engine.torch_backend.linear import can_pack, pack_linears
 from lmd.engine.torch_backend.logits import float_logits
 from lmd.engine.torch_backend.norm import fuse_rms_norms
+from lmd.engine.torch_backend.parallel import split_model
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +55,11 @@ class TorchBackend(GraphedDecode):
         *,
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
+        tp: TensorParallel = SINGLE,
         cuda_graphs: bool = True,
     ) -> None:
         refuse_quantization(self.name, quantization, kv_cache_dtype)
+        self._tp = tp
         if (method := checkpoint_quant_method(model_dir)) is not None:
             raise BackendError(
                 f"backend torch does not load {method} checkpoints ({model_dir}); use turbo"
@@ -90,6 +94,11 @@ class TorchBackend(GraphedDecode):
                 f"{type(model).__name__} does not route attention through transformers' "
                 "attention interface, so the torch backend cannot page its KV cache"
             )
+        if tp.enabled:  # split on the host, before the shard goes to the device
+            try:
+                split_model(model, tp)
+            except ParallelError as exc:
+                raise BackendError(f"tensor parallelism {tp.size}: {exc}") from None
         # PreTrainedModel.to is wrapped by a decorator whose typing mypy misreads.
         model = model.to(self._device)  # type: ignore[arg-type]
         self.model: PreTrainedModel = model.eval().requires_grad_(False)
@@ -99,7 +108,12 @@ class TorchBackend(GraphedDecode):
         float_logits(self.model)  # half precision on CUDA: see logits.py
         self._architecture = type(model).__name__
         log.info(
-            "torch backend: %s from %s on %s (%s)", self._architecture, model_dir, device, dtype
+            "torch backend: %s from %s on %s (%s)%s",
+            self._architecture,
+            model_dir,
+            device,
+            dtype,
+            f", rank {tp.rank} of {tp.size}" if tp.enabled else "",
         )
         self.graphs: Any = None  # turbo's DecodeGraphs, once captured
         self.use_cuda_graphs = False
@@ -119,8 +133,14 @@ class TorchBackend(GraphedDecode):
 
     @property
     def num_kv_heads(self) -> int:
+        """This rank's KV heads (all of them without tensor parallelism)."""
         heads = getattr(self._config, "num_key_value_heads", None)
-        return int(heads if heads is not None else self._config.num_attention_heads)
+        total = int(heads if heads is not None else self._config.num_attention_heads)
+        return total // self._tp.size
+
+    @property
+    def tp(self) -> TensorParallel:
+        return self._tp
 
     @property
     def head_dim(self) -> int:
@@ -169,7 +189,7 @@ class TorchBackend(GraphedDecode):
         from lmd.engine.turbo.graphs import DecodeGraphs
 
         shape = GraphShape(self._context_len, self.vocab_size, self.num_kv_heads)
-        model = GraphModel(self.model, shape, self.num_layers)
+        model = GraphModel(self.model, shape, self.num_layers, self._tp)
         return DecodeGraphs(model, kv, max_batch_size, name="torch backend")
 
     def forward(self, batch: ForwardBatch, kv: Tensor) -> Tensor:
@@ -203,8 +223,8 @@ class TorchBackend(GraphedDecode):
                 f"{self._architecture} ran {meta.num_layers_run} of {self.num_layers} "
                 "attention layers through the paged attention: its KV cache would be wrong"
             )
-        logits: Tensor = out.logits[0]  # [R, V]
-        return logits.float()
+        logits: Tensor = out.logits[0]  # [R, V] (a rank of a group: [R, its vocabulary rows])
+        return self._tp.gather_columns(logits.float(), self.vocab_size)
 
     def forward_hidden(self, batch: ForwardBatch, kv: Tensor) -> tuple[Tensor, Tensor]:
         # The output embedding's input, caught on its way in: one pass, whatever the model
