@@ -13,6 +13,7 @@ Which class runs a role is spawn.py's: the entry point of a worker process.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -37,11 +38,26 @@ class WorkerSpec:
     # One that `lmdctl scale` adds is not among them: it takes what they leave.
     device_engines: tuple[tuple[str, str], ...] = ()
     tp: int = 1  # engine roles: processes in its tensor-parallel group (rank 0 is this one)
+    # A group's ranks 1..tp-1: the engine ranks on each one's GPU, as device_engines.
+    rank_engines: tuple[tuple[tuple[str, str], ...], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))  # a str from the dict form
-        pairs = tuple((str(n), str(r)) for n, r in self.device_engines)  # lists from the dict
-        object.__setattr__(self, "device_engines", pairs)
+        object.__setattr__(self, "device_engines", _pairs(self.device_engines))  # lists
+        object.__setattr__(self, "rank_engines", tuple(map(_pairs, self.rank_engines)))
+
+    def rank(self, rank: int) -> WorkerSpec:
+        """Rank `rank` of this worker's group as the memory plan of its GPU sees it: its
+        name there (rank_name), its device, the engines on that device."""
+        if rank == 0:
+            return self
+        assert self.device is not None
+        return dataclasses.replace(
+            self,
+            name=rank_name(self.name, rank),
+            device=rank_devices(self.device, self.tp)[rank],
+            device_engines=self.rank_engines[rank - 1] if self.rank_engines else (),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -90,7 +106,22 @@ def worker_spec(
         device=own,
         device_engines=() if own is None else engines_on_gpu(config, device, own),
         tp=config.tp_of(role),
+        rank_engines=()
+        if own is None
+        else tuple(
+            engines_on_gpu(config, device, gpu) for gpu in rank_devices(own, config.tp_of(role))[1:]
+        ),
     )
+
+
+def _pairs(pairs: Any) -> tuple[tuple[str, str], ...]:
+    return tuple((str(n), str(r)) for n, r in pairs)
+
+
+def rank_name(worker: str, rank: int) -> str:
+    """What a rank of a tensor-parallel group is called in its GPU's memory plan and
+    ledger: the worker's name for rank 0, `<worker>.r<rank>` for the others."""
+    return worker if rank == 0 else f"{worker}.r{rank}"
 
 
 def rank_devices(device: str, size: int) -> list[str]:
@@ -114,15 +145,19 @@ def gpu_name(device: str) -> str | None:
 
 def engines_on_gpu(config: ServeConfig, device: str, gpu: str) -> tuple[tuple[str, str], ...]:
     """The configured engine workers whose device is the GPU `gpu` ((name, role) pairs);
-    `device` is the daemon's, auto resolved."""
+    `device` is the daemon's, auto resolved. A tensor-parallel group has a rank on each
+    of its GPUs, by rank_name."""
     target = gpu_name(gpu)
     if target is None:
         return ()
     counts = role_counts(config)
     return tuple(
-        (worker_name(role, i, config.node), str(role))
+        (rank_name(worker_name(role, i, config.node), rank), str(role))
         for role in ENGINE_ROLES
-        if gpu_name(config.role_device(role, device)) == target
+        for rank, rank_device in enumerate(
+            rank_devices(config.role_device(role, device), config.tp_of(role))
+        )
+        if gpu_name(rank_device) == target
         for i in range(counts.get(role, 0))
     )
 

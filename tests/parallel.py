@@ -1,4 +1,5 @@
-"""Tensor-parallel groups for tests: N processes joined over gloo on the CPU.
+"""Tensor-parallel groups for tests: N processes joined over gloo on the CPU, or over
+NCCL with rank r on cuda:r.
 
 `run_group(size, fn, *args)` spawns `size` processes, each joining one group
 (engine/parallel.py) and calling `fn(tp, *args)`; it returns every rank's result, in rank
@@ -25,6 +26,7 @@ def _rank(  # noqa: PLR0917  (multiprocessing passes them positionally)
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     results: Any,
+    cuda: bool,
 ) -> None:
     import torch
 
@@ -32,22 +34,26 @@ def _rank(  # noqa: PLR0917  (multiprocessing passes them positionally)
 
     try:
         torch.set_num_threads(1)
-        tp = join_group(rank, size, Path(rendezvous), torch.device("cpu"), GROUP_TIMEOUT_S)
+        device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(device)
+        tp = join_group(rank, size, Path(rendezvous), device, GROUP_TIMEOUT_S)
         results.put((rank, True, fn(tp, *args)))
         leave_group()
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_group(size: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
-    """Every rank's `fn(tp, *args)`, rank 0 first; a rank that raised fails the call
-    with its traceback."""
+def run_group(size: int, fn: Callable[..., Any], *args: Any, cuda: bool = False) -> list[Any]:
+    """Every rank's `fn(tp, *args)`, rank 0 first (with `cuda`: rank r on cuda:r, which
+    `fn` finds as torch.cuda.current_device()); a rank that raised fails the call with
+    its traceback."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         rendezvous = str(Path(tmp) / "rendezvous")
         procs = [
-            ctx.Process(target=_rank, args=(r, size, rendezvous, fn, args, results))
+            ctx.Process(target=_rank, args=(r, size, rendezvous, fn, args, results, cuda))
             for r in range(size)
         ]
         for proc in procs:

@@ -9,6 +9,7 @@ constructor and implements `new_graphs(kv, max_batch_size)`; its `forward` asks
 
 from __future__ import annotations
 
+import math
 from abc import abstractmethod
 from typing import Any
 
@@ -35,12 +36,16 @@ class GraphedDecode(Backend):
         max_batch_size: int = DEFAULT_MAX_GRAPH_BATCH,
         budget_s: float = DEFAULT_GRAPH_BUDGET_S,
     ) -> None:
-        """Capture decode CUDA graphs for batches up to max_batch_size on this pool."""
+        """Capture decode CUDA graphs for batches up to max_batch_size on this pool. A
+        rank of a tensor-parallel group captures every bucket, whatever the time: a
+        budget that ran out on one rank and not on another would leave one rank's warm-up
+        collectives waiting for ranks that stopped (each bucket's collectives are
+        captured too, so every rank replays the same graphs)."""
         if not self.use_cuda_graphs:
             return
         self.check_pool(kv)
         graphs = self.new_graphs(kv, max_batch_size)
-        graphs.capture(budget_s)
+        graphs.capture(math.inf if self.tp.enabled else budget_s)
         self.graphs = graphs
 
     def probe_graphs(self, kv: Tensor, max_batch_size: int) -> object | None:

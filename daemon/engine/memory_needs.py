@@ -80,11 +80,17 @@ def kv_bytes_per_token(
 
 
 def reserve_estimate(
-    hf_config: Mapping[str, Any], role: Role, config: EngineConfig, dtype: torch.dtype
+    hf_config: Mapping[str, Any],
+    role: Role,
+    config: EngineConfig,
+    dtype: torch.dtype,
+    tp: int = 1,
 ) -> int:
     """The activation memory of the engine's largest steps: a prefill step of
     max_prefill_token_num tokens, float32 logits and sampler temporaries for up to
-    max_batch_size rows, and (roles that decode) the CUDA graphs' pool and logits buffer."""
+    max_batch_size rows, and (roles that decode) the CUDA graphs' pool and logits buffer.
+    A rank of a tensor-parallel group of `tp` holds 1/tp of the heads and of the MLP's
+    width, and the whole (gathered) logits."""
     c = text_config(hf_config)
     hidden = int(c["hidden_size"])
     heads = int(c["num_attention_heads"])
@@ -95,7 +101,8 @@ def reserve_estimate(
         inter = max(inter, int(c["moe_intermediate_size"]) * int(c.get("num_experts_per_tok", 2)))
     vocab = int(c["vocab_size"])
     # hidden, residual, normed, q|k|v, attention out, gate|up and the activation
-    per_token = dtype.itemsize * (3 * hidden + (heads + 2 * kv_heads) * head_dim + 3 * inter)
+    split = ((heads + 2 * kv_heads) * head_dim + 3 * inter) // tp
+    per_token = dtype.itemsize * (3 * hidden + split)
     rows = min(config.max_batch_size, config.max_prefill_token_num)
     logits = rows * vocab * 4
     reserve = config.max_prefill_token_num * per_token + 3 * logits + RESERVE_SLACK_BYTES
@@ -112,17 +119,20 @@ def engine_needs(
     weights: int,
     config: EngineConfig,
     dtype: torch.dtype,
+    tp: int = 1,
 ) -> EngineNeeds:
-    """The plan's inputs for one engine of a model whose weights take `weights` bytes."""
+    """The plan's inputs for one engine of a model whose weights take `weights` bytes; for
+    a rank of a tensor-parallel group of `tp`, its shard's (1/tp of the weights and of the
+    KV: the norms it keeps whole are a rounding error)."""
     wanted = None
     if role == Role.PREFILL:
         session = config.session_len or context_len(hf_config)
         tokens = max(PREFILL_KV_STEPS * config.max_prefill_token_num, session)
-        wanted = tokens * kv_bytes_per_token(hf_config, dtype, config.kv_cache_dtype)
+        wanted = tokens * kv_bytes_per_token(hf_config, dtype, config.kv_cache_dtype) // tp
     return EngineNeeds(
         name=name,
         role=role,
-        weight_bytes=weights,
-        reserve_bytes=reserve_estimate(hf_config, role, config, dtype),
+        weight_bytes=weights // tp,
+        reserve_bytes=reserve_estimate(hf_config, role, config, dtype, tp),
         kv_wanted=wanted,
     )

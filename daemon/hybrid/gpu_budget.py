@@ -51,9 +51,10 @@ def claim_gpu_budget(
     planned = dict(spec.device_engines)
     ledger = PoolLedger(config.runtime_dir, scope=gpu)
 
-    def needs(name: str, role: Role) -> EngineNeeds:
+    def needs(name: str, role: Role) -> EngineNeeds:  # a rank's, in a group
+        tp = config.tp_of(role)
         return engine_needs(
-            name, role, hf_config, weights=weights, config=engine_config, dtype=dtype
+            name, role, hf_config, weights=weights, config=engine_config, dtype=dtype, tp=tp
         )
 
     def decide(taken: dict[str, int]) -> tuple[Budget, int]:

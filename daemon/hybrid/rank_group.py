@@ -64,35 +64,14 @@ class RankError(RuntimeError):
 
 class RankGroup:
     def __init__(
-        self,
-        spec: WorkerSpec,
-        config: ServeConfig,
-        model_dir: Path,
-        devices: Sequence[str],
-        transport: str | None,
+        self, spec: WorkerSpec, config: ServeConfig, model_dir: Path, transport: str | None
     ) -> None:
         self.worker = spec.name
-        self.size = len(devices)
+        self.size = spec.tp
         self.endpoints = Endpoints(config.runtime_dir)
         self.timeout_s = config.startup_timeout
         self.specs = [
-            RankSpec(
-                worker=spec.name,
-                role=str(spec.role),
-                rank=rank,
-                size=self.size,
-                device=devices[rank],
-                model_dir=str(model_dir),
-                backend=spec.backend or "auto",
-                dtype=config.dtype,
-                quantization=config.quantization,
-                kv_cache_dtype=config.kv_cache_dtype,
-                transport=transport,
-                runtime_dir=str(config.runtime_dir),
-                leader_pid=0,  # set in start()
-                log_level=config.log_level,
-                join_timeout_s=config.startup_timeout,
-            )
+            RankSpec(spec.to_dict(), rank, str(model_dir), transport)
             for rank in range(1, self.size)
         ]
         self.on_death: Callable[[str], None] | None = None
@@ -124,7 +103,7 @@ class RankGroup:
         replies.setsockopt(zmq.MAXMSGSIZE, MAX_OP_BYTES)
         replies.bind(self.endpoints.rank_replies(self.worker))
         for spec in self.specs:
-            spec_dict = {**spec.to_dict(), "leader_pid": os.getpid()}
+            spec_dict = {**spec.to_dict(), "leader_pid": os.getpid()}  # spawned from here
             proc = _SPAWN.Process(target=rank_main, args=(spec_dict,), name=spec.name)
             proc.start()
             self._procs.append(proc)
@@ -283,7 +262,7 @@ async def start_group(
             f"tp {spec.tp} from {device} needs {devices[0]}..{devices[-1]}; this host has "
             f"{_num_gpus()} GPUs"
         )
-    group = RankGroup(spec, config, model_dir, devices, transport)
+    group = RankGroup(spec, config, model_dir, transport)
     group.start()
     joined: concurrent.futures.Future[TensorParallel] = concurrent.futures.Future()
 

@@ -30,13 +30,16 @@ import zmq
 from setproctitle import setproctitle
 
 from lmd.engine.backends import load_backend
-from lmd.engine.config import EngineConfig
 from lmd.engine.group_backend import RankRunner, decode_op, encode_op
+from lmd.engine.memory_profile import cap_allocator
 from lmd.engine.parallel import join_group, leave_group
+from lmd.hybrid.gpu_budget import claim_gpu_budget
+from lmd.hybrid.pool_ledger import PoolLedger
 from lmd.migration.base import PoolMemory
 from lmd.migration.shards import BlockLayout, Shard
 from lmd.migration.transports import pool_memory
 from lmd.parent import die_with_parent
+from lmd.protocol.roles import Role
 from lmd.rank.copies import Copier
 from lmd.rank.spec import RankSpec
 from lmd.worker import configure_logging
@@ -54,7 +57,7 @@ def rank_main(spec_dict: dict[str, Any]) -> None:
     setproctitle(f"lmd: {spec.name}")
     die_with_parent(spec.leader_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 stops it
-    configure_logging(spec.log_level, spec.name)
+    configure_logging(spec.config.log_level, spec.name)
     sys.exit(RankProcess(spec).run())
 
 
@@ -63,16 +66,17 @@ class RankProcess:
         self.spec = spec
         self.memory: PoolMemory | None = None
         self.copier: Copier | None = None
+        self.ledger: PoolLedger | None = None  # on a GPU: its budget in the device's plan
 
     def run(self) -> int:
         spec = self.spec
         ctx = zmq.Context()
         ops = ctx.socket(zmq.PULL)
         ops.setsockopt(zmq.MAXMSGSIZE, MAX_OP_BYTES)
-        ops.connect(spec.endpoints.rank_ops(spec.worker, spec.rank))
+        ops.connect(spec.endpoints.rank_ops(spec.group.name, spec.rank))
         self.replies = ctx.socket(zmq.PUSH)
         self.replies.setsockopt(zmq.LINGER, 1000)
-        self.replies.connect(spec.endpoints.rank_replies(spec.worker))
+        self.replies.connect(spec.endpoints.rank_replies(spec.group.name))
         try:
             runner = self._build()
         except Exception as exc:
@@ -91,24 +95,32 @@ class RankProcess:
                 self.copier.close()
             if self.memory is not None:
                 self.memory.close()
+            if self.ledger is not None:
+                self.ledger.remove(spec.own.name)
             leave_group()
         ctx.destroy(linger=1000)
         return 0
 
     def _build(self) -> RankRunner:
-        spec = self.spec
+        spec, config = self.spec, self.spec.config
         device = torch.device(spec.device)
-        if device.type == "cuda":
+        engine_config = config.engine_on(spec.device)
+        if device.type == "cuda":  # its part of its GPU's plan, as every engine there
             torch.cuda.set_device(device)
+            budget, self.ledger = claim_gpu_budget(
+                spec.own, config, engine_config, Path(spec.model_dir)
+            )
+            cap_allocator(budget, device)
         tp = join_group(
             spec.rank,
-            spec.size,
-            spec.endpoints.rendezvous(spec.worker),
+            spec.group.tp,
+            spec.endpoints.rendezvous(spec.group.name),
             device,
-            spec.join_timeout_s,
+            config.startup_timeout,
         )
-        asked = EngineConfig(quantization=spec.quantization, kv_cache_dtype=spec.kv_cache_dtype)
-        backend = load_backend(spec.backend, Path(spec.model_dir), device, spec.dtype, asked, tp=tp)
+        name = spec.group.backend or "auto"
+        model_dir = Path(spec.model_dir)
+        backend = load_backend(name, model_dir, device, config.dtype, engine_config, tp=tp)
         if spec.transport is None:
             return RankRunner(backend)
         memory = self.memory = pool_memory(spec.device, spec.transport)
@@ -116,12 +128,12 @@ class RankProcess:
         def engine_pool(pool: Any) -> None:
             memory.attach(pool)
             self._reply({"op": "pool"}, [memory.descriptor])
-            if spec.role == "prefill":
+            if spec.group.role == Role.PREFILL:
                 stream = (
                     torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
                 )
-                layout = BlockLayout.of(pool, spec.size)
-                shard = Shard(spec.rank, spec.size)
+                layout = BlockLayout.of(pool, spec.group.tp)
+                shard = Shard(spec.rank, spec.group.tp)
                 self.copier = Copier(memory.transport, memory.region, layout, shard, stream)
 
         return RankRunner(backend, memory.buffer, engine_pool)

@@ -3,40 +3,51 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from pathlib import Path
+from functools import cached_property
 from typing import Any
 
+from lmd.config import ServeConfig
 from lmd.ipc import Endpoints
+from lmd.roles import WorkerSpec
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class RankSpec:
-    """Rank `rank` (>= 1) of engine worker `worker`'s group of `size`."""
+    """Rank `rank` (>= 1) of the group of engine worker `worker` (rank 0)."""
 
-    worker: str  # the engine worker, rank 0: e.g. "decode-0"
-    role: str
+    worker: dict[str, Any]  # rank 0's WorkerSpec, as a dict
     rank: int
-    size: int
-    device: str
-    model_dir: str  # resolved (model_source.resolve_model)
-    backend: str  # as configured; the rank picks as rank 0 does (backends.select_backend)
-    dtype: str
-    quantization: str | None
-    kv_cache_dtype: str
+    model_dir: str  # resolved by rank 0 (model_source.resolve_model)
     transport: str | None  # its pool's migration transport; None: hybrid (no migration)
-    runtime_dir: str
-    leader_pid: int
-    log_level: str
-    join_timeout_s: float  # for the group's rendezvous and every collective after
+    leader_pid: int = 0  # rank 0's process, which it dies with
+
+    @cached_property
+    def group(self) -> WorkerSpec:
+        """Rank 0's spec: the group's name, role, size, backend."""
+        return WorkerSpec(**self.worker)
+
+    @cached_property
+    def own(self) -> WorkerSpec:
+        """This rank as its GPU's memory plan sees it (WorkerSpec.rank): name, device."""
+        return self.group.rank(self.rank)
+
+    @cached_property
+    def config(self) -> ServeConfig:
+        return ServeConfig.from_dict(self.group.config)
 
     @property
     def name(self) -> str:
         """As logs and ps show it."""
-        return f"{self.worker} rank {self.rank}"
+        return f"{self.group.name} rank {self.rank}"
+
+    @property
+    def device(self) -> str:
+        assert self.own.device is not None  # an engine's
+        return self.own.device
 
     @property
     def endpoints(self) -> Endpoints:
-        return Endpoints(Path(self.runtime_dir))
+        return Endpoints(self.config.runtime_dir)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

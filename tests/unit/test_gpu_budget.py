@@ -87,3 +87,32 @@ def test_an_added_engine_gets_what_the_others_leave(tmp_path: Path, model: Path)
     assert added.budget_bytes == int(0.9 * TOTAL) - decode.budget_bytes
     assert added.budget_bytes == pytest.approx(prefill.budget_bytes, abs=1)
     assert not added.alone
+
+
+@pytest.mark.usefixtures("fake_gpu")
+def test_a_tensor_parallel_group_has_a_part_on_each_of_its_gpus(
+    tmp_path: Path, model: Path
+) -> None:
+    """prefill on cuda:0-1 and decode on cuda:2-3 as groups of 2: each GPU plans for the
+    one rank it holds, whose needs are a rank's (half the weights), and each rank claims
+    its part in its own GPU's ledger."""
+    config = ServeConfig(
+        tmp_path, model=str(model), prefill_device="cuda:0", decode_device="cuda:2", tp=2
+    )
+    specs = engines(config)
+    prefill, decode = specs["prefill-0"], specs["decode-0"]
+    assert prefill.device_engines == (("prefill-0", "prefill"),)
+    assert prefill.rank_engines == ((("prefill-0.r1", "prefill"),),)
+    rank1 = decode.rank(1)
+    assert (rank1.name, rank1.device) == ("decode-0.r1", "cuda:3")
+    assert rank1.device_engines == (("decode-0.r1", "decode"),)
+    assert WorkerSpec(**decode.to_dict()) == decode  # the rank engines survive the dict form
+    cfg = config.engine_on("cuda")
+    alone = ServeConfig(tmp_path / "alone", model=str(model), decode_device="cuda:2")
+    whole, _ = claim_gpu_budget(worker_spec(alone, Role.DECODE, 0, "cuda", 1), alone, cfg, model)
+    ranks = [claim_gpu_budget(decode.rank(r), config, cfg, model)[0] for r in (0, 1)]
+    assert [b.device for b in ranks] == ["cuda:2", "cuda:3"]
+    assert all(b.weight_bytes == whole.weight_bytes // 2 for b in ranks)
+    assert all(b.reserve_bytes < whole.reserve_bytes for b in ranks)
+    # both GPUs hold one engine each: alone on its device
+    assert all(b.alone for b in ranks)

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Tensor parallelism (issue 23) on a machine of two or more GPUs (the device tool's
+# nvidia-h100-x2 / nvidia-h200-x2; ask `status` first):
+#   scripts/gpu-tp.sh tests
+#       tests/gpu/test_tensor_parallel_gpu.py (TP 2 = TP 1 in float32: turbo eager, turbo
+#       with CUDA graphs, torch; bf16 TP 2 against transformers float32) and the CPU TP
+#       tests compiled on the GPU (test_turbo_parallel.py).
+#   scripts/gpu-tp.sh step SHAPE [BATCHES]
+#       scripts/tp_step.py: the decode step (CUDA graphs) on TP 1 and TP 2, batch 1 and
+#       64 by default, SHAPE a scripts/random_models.py shape (llama3-8b-shape).
+#   scripts/gpu-tp.sh serve SHAPE TP [FLAGS...]
+#       lmdd serve --mode hybrid --tp TP on the shape, then lmd-bench serve at $RUNS
+#       (gpu-env.sh serve_runs: 512 in / 256 out, ignore_eos).
+# Carry .whl and .gpu-assets. Results in $OUT (tp-tests.txt, tp-step.jsonl, tp-serve-*).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/gpu-env.sh
+what=$1
+nvidia-smi topo -m >"$out/topology.txt" 2>&1
+if [[ $what == tests ]]; then
+  timeout 560 python3 -m pytest -q -ra -p no:cacheprovider --timeout 500 -s \
+    tests/gpu/test_tensor_parallel_gpu.py tests/unit/test_torch_parallel.py 2>&1 \
+    | grep -v "^Writing\|^Loading" | tee "$out/tp-tests.txt" | tail -25
+  exit 0
+fi
+python3 setup.py -q build_ext --inplace 2>&1 | tail -3  # lmdd imports lmd._native
+shape=$2
+model=/tmp/$shape
+[[ -f $model/config.json ]] || python3 scripts/random_models.py "$shape" --vocab 49152 \
+  --tokenizer .gpu-assets/smollm2-tokenizer 2>&1 | grep -v "^Writing\|^Loading" | tail -3
+if [[ $what == step ]]; then
+  timeout 560 python3 scripts/tp_step.py "$model" --tp 1,2 --batches "${3:-1,64}" \
+    2>"$out/tp-step-stderr.txt" | tee -a "$out/tp-step.jsonl"
+  grep -E "Error|error" "$out/tp-step-stderr.txt" | tail -5
+  exit 0
+fi
+tp=$3
+shift 3
+rt=/tmp/lmd-tp$tp port=24000
+python3 -m lmd serve "$model" --mode hybrid --tp "$tp" --runtime-dir "$rt" --port $port "$@" \
+  >"$out/tp-serve-$tp-daemon.log" 2>&1 &
+for _ in $(seq 600); do curl -sf localhost:$port/health >/dev/null && break; sleep 0.5; done
+serve_runs $port "tp$tp-$shape" "$out" | tee "$out/tp-serve-$tp.txt"
+python3 -m lmd_client.lmdctl --socket "$rt/control.sock" status >>"$out/tp-serve-$tp.txt"
+python3 -m lmd_client.lmdctl --socket "$rt/control.sock" shutdown >/dev/null
+wait
