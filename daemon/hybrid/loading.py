@@ -106,7 +106,8 @@ async def _load(spec: WorkerSpec, config: ServeConfig, role: Role, partial: _Par
         budget, ledger = await asyncio.to_thread(
             claim_gpu_budget, spec, config, engine_config, model.path
         )
-    engine = await asyncio.to_thread(
+    build = asyncio.to_thread if ranks is None else ranks.beside  # a rank may die meanwhile
+    engine = await build(
         Engine.build,
         model.path,
         engine_config,

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import zmq
@@ -47,6 +47,7 @@ from lmd.roles import WorkerSpec, rank_devices
 log = logging.getLogger(__name__)
 
 _SPAWN = multiprocessing.get_context("spawn")
+T = TypeVar("T")
 READ_POLL_MS = 100  # the reader's pace when nothing comes: how soon a death is seen
 STOP_WAIT_S = 5.0
 
@@ -223,6 +224,26 @@ class RankGroup:
                 self._changed.wait(0.05)
         return self.dead
 
+    async def beside(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` in a thread of its own while watching the group: a rank
+        that fails or dies meanwhile is a RankError at once, not a wait in a collective
+        (NCCL's waits on a dead peer end only at the group's timeout). A daemon thread: one
+        left waiting there does not hold the process's exit."""
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                done.set_result(fn(*args, **kwargs))
+            except BaseException as exc:
+                done.set_exception(exc)
+
+        threading.Thread(target=run, name=f"{self.worker}-beside", daemon=True).start()
+        while not done.done():
+            if self.dead is not None:
+                raise RankError(self.dead)
+            await asyncio.sleep(0.05)
+        return done.result()
+
     # Stopping -----------------------------------------------------------------------------
 
     def stop(self) -> None:
@@ -264,23 +285,12 @@ async def start_group(
         )
     group = RankGroup(spec, config, model_dir, transport)
     group.start()
-    joined: concurrent.futures.Future[TensorParallel] = concurrent.futures.Future()
-
-    def join() -> None:  # a daemon thread: a join that never returns does not hold the exit
-        try:
-            joined.set_result(
-                join_group(0, spec.tp, group.rendezvous, torch.device(device), group.timeout_s)
-            )
-        except BaseException as exc:
-            joined.set_exception(exc)
-
-    threading.Thread(target=join, name=f"{spec.name}-join", daemon=True).start()
     try:
-        while not joined.done():
-            if group.dead is not None:
-                raise RankError(group.dead)
-            await asyncio.sleep(0.05)
-        return group, joined.result()
+        rendezvous = group.rendezvous
+        tp = await group.beside(
+            join_group, 0, spec.tp, rendezvous, torch.device(device), group.timeout_s
+        )
+        return group, tp
     except BaseException:
         await asyncio.to_thread(group.stop)
         raise

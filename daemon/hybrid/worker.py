@@ -47,12 +47,14 @@ from lmd.engine.memory_plan import StepOutOfMemory, describe
 from lmd.engine.sequence import SamplingParams, Sequence
 from lmd.hybrid.clients import Clients
 from lmd.hybrid.loading import load
-from lmd.hybrid.rank_group import RankError, RankGroup
+from lmd.hybrid.rank_group import RankGroup
 from lmd.protocol import Message, Role
 from lmd.stage_times import StageClock
 from lmd.worker import Worker
 
 log = logging.getLogger(__name__)
+
+FAIL_FLUSH_S = 0.2  # a failing worker's last wait, for its errors to leave
 
 
 class EngineWorker(Worker):
@@ -77,8 +79,10 @@ class EngineWorker(Worker):
             self.watch(self._watch_group(self.ranks), "the tensor-parallel group")
 
     async def _watch_group(self, ranks: RankGroup) -> None:
-        """Ends (and so ends the worker: its ranks die with it) when a rank is gone;
-        the requests fail first, saying which rank."""
+        """When a rank is gone: fail the requests, saying which rank, and exit at once
+        (the other ranks die with this process; the supervisor restarts the worker and
+        it starts a new group). As a failed step, not a clean stop: the step thread may
+        be waiting in a collective that will never complete."""
         broke, loop = asyncio.Event(), asyncio.get_running_loop()
 
         def on_death(_reason: str) -> None:  # in the group's reader thread
@@ -87,8 +91,10 @@ class EngineWorker(Worker):
         ranks.on_death = on_death
         if ranks.dead is None:
             await broke.wait()
+        log.error("%s: %s; failing %d requests", self.spec.name, ranks.dead, self.inflight())
         self.fail_all(f"the engine failed: {ranks.dead}")
-        raise RankError(str(ranks.dead))
+        await asyncio.sleep(FAIL_FLUSH_S)  # the errors out of the peers' backlogs
+        os._exit(1)
 
     def engine_config(self) -> EngineConfig:
         return self.config.engine_on(self.spec.device)

@@ -1,7 +1,8 @@
 """The turbo backend: our own Llama-family decoder with Triton kernels and CUDA graphs.
 
 CUDA only (docs/architecture.md §5). Modules: `config` (what config.json must say), `weights`
-(checkpoint -> fused tensors), `rope` (rotary table), `model` (the decoder as plain
+(checkpoint -> fused tensors), `checkpoint` (the safetensors by name, or a tensor-parallel
+rank's part of each), `rope` (rotary table), `model` (the decoder as plain
 functions), `kernels/` (Triton), `graphs` (decode CUDA graphs), `backend`
 (`TurboBackend`, the `Backend` the engine drives), `support` (can it run here?),
 `quant/` (quantized linear weights: W4A16, FP8).

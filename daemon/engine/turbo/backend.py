@@ -5,7 +5,10 @@ token per sequence, every row sampled) replays a CUDA graph; graphs are captured
 KV pool the first time a decode step runs on it, or up front with `capture_graphs`
 (which the engine should call once the pool exists, so that capture is start-up time).
 Prefill chunks and mixed batches run eagerly. The pool layout and dtype are the torch
-backend's, so either backend can continue what the other started.
+backend's, so either backend can continue what the other started. With `tp` (a rank of
+a tensor-parallel group, engine/parallel.py) it loads and runs that rank's shard: its
+config (`config`) has the rank's heads and widths, its pool the rank's KV heads, and
+every rank's forward returns the whole vocabulary's logits.
 
 Importing this module imports triton: `backends.select_backend` checks that it can first. On
 CPU the backend builds only with Triton's interpreter switched on (TRITON_INTERPRET=1):
@@ -25,6 +28,7 @@ from torch import Tensor
 from lmd.engine.backend import BackendError, ForwardBatch
 from lmd.engine.config import read_hf_config
 from lmd.engine.graphed import GraphedDecode
+from lmd.engine.parallel import SINGLE, ParallelError, TensorParallel
 from lmd.engine.turbo import kernels
 from lmd.engine.turbo.config import TurboConfig, UnsupportedModel
 from lmd.engine.turbo.graphs import DecodeGraphs
@@ -48,8 +52,10 @@ class TurboBackend(GraphedDecode):
         *,
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
+        tp: TensorParallel = SINGLE,
         cuda_graphs: bool = True,
     ) -> None:
+        self._tp = tp
         self._device = torch.device(device)
         self._dtype = dtype
         if self._device.type != "cuda" and not (
@@ -59,10 +65,16 @@ class TurboBackend(GraphedDecode):
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise BackendError(f"backend turbo runs bfloat16, float16 or float32, not {dtype}")
         try:
-            self.config = TurboConfig.load(model_dir)
+            whole = TurboConfig.load(model_dir)
             self.scheme = read_scheme(read_hf_config(model_dir), quantization)
         except UnsupportedModel as exc:
             raise BackendError(f"backend turbo cannot serve {model_dir}: {exc}") from None
+        try:
+            self.config = whole.for_rank(tp)  # this rank's heads and widths
+        except ParallelError as exc:
+            raise BackendError(
+                f"backend turbo cannot split {model_dir} over {tp.size} ranks: {exc}"
+            ) from None
         self._kv_cache_dtype = kv_cache_dtype
         fp8 = []
         if self.scheme is not None and self.scheme.method == "fp8":
@@ -73,11 +85,11 @@ class TurboBackend(GraphedDecode):
             raise BackendError(f"backend turbo cannot run {' and '.join(fp8)}: {reason}")
         start = time.perf_counter()
         try:
-            weights = load_weights(model_dir, self.config, self._device, dtype, self.scheme)
+            weights = load_weights(model_dir, whole, self._device, dtype, self.scheme, tp=tp)
         except UnsupportedModel as exc:
             raise BackendError(f"backend turbo cannot load {model_dir}: {exc}") from None
         ropes = layer_rope_tables(model_dir, self.config.max_position_embeddings, self._device)
-        self.model = TurboModel(self.config, weights, ropes)
+        self.model = TurboModel(self.config, weights, ropes, tp)
         self._eos = eos_token_ids(model_dir)
         self.use_cuda_graphs = cuda_graphs and self._device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
@@ -87,13 +99,14 @@ class TurboBackend(GraphedDecode):
             else 4
         )
         log.info(
-            "turbo backend: %s from %s on %s (%s%s%s), %.2f GiB of weights in %.1f s",
+            "turbo backend: %s from %s on %s (%s%s%s%s), %.2f GiB of weights in %.1f s",
             self.config.architecture,
             model_dir,
             self._device,
             dtype,
             f", weights {self.quantization}" if self.scheme else "",
             f", KV {kv_cache_dtype}" if kv_cache_dtype != "auto" else "",
+            f", rank {tp.rank} of {tp.size}" if tp.enabled else "",
             weights.nbytes / 2**30,
             time.perf_counter() - start,
         )
@@ -110,7 +123,12 @@ class TurboBackend(GraphedDecode):
 
     @property
     def num_kv_heads(self) -> int:
+        """This rank's KV heads (all of them without tensor parallelism)."""
         return self.config.num_kv_heads
+
+    @property
+    def tp(self) -> TensorParallel:
+        return self._tp
 
     @property
     def head_dim(self) -> int:

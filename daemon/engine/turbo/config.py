@@ -13,11 +13,14 @@ to the torch backend.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmd.engine.config import context_len
+
+if TYPE_CHECKING:  # parallel.py imports torch.distributed; selection needs none of it
+    from lmd.engine.parallel import TensorParallel
 
 # Model classes whose checkpoints load unchanged into the turbo decoder.
 SUPPORTED_ARCHITECTURES = (
@@ -135,6 +138,29 @@ class TurboConfig:
     def qkv_size(self) -> int:
         """Width of the fused q|k|v projection's output."""
         return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    def for_rank(self, tp: TensorParallel) -> TurboConfig:
+        """Rank tp.rank's share of the model (engine/parallel.py): its q and KV heads,
+        its part of the MLP's and of each expert's width; the vocabulary stays whole (the
+        ranks gather their logits). ParallelError names what does not divide."""
+        if not tp.enabled:
+            return self
+
+        def share(n: int, what: str) -> int:
+            tp.part(n, what)  # ParallelError unless tp.size divides n
+            return n // tp.size
+
+        # A head is never split: each rank's q heads keep their KV head (H / Hkv each).
+        heads = share(self.num_heads, "attention heads")
+        kv_heads = share(self.num_kv_heads, "KV heads")
+        width = share(self.intermediate_size, "intermediate_size")
+        moe = self.moe
+        if moe is not None:
+            expert_width = share(moe.intermediate_size, "the experts' intermediate_size")
+            moe = replace(moe, intermediate_size=expert_width)
+        return replace(
+            self, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=width, moe=moe
+        )
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> TurboConfig:

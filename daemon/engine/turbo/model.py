@@ -16,6 +16,14 @@ One step runs the packed batch of T new tokens (ForwardBatch) through every laye
         (Gemma: gelu for silu, then out = rms_norm(out))
     logits = rms_norm(rows of out, residual += out) @ Wlm   # only the sampled rows
 
+A rank of a tensor-parallel group (engine/parallel.py) runs the same step on its shard
+(weights.py): its own heads and KV heads (the pool holds only those), its part of the
+MLP's width, its vocabulary rows. Three places then meet the other ranks: the embedding
+(ids of other ranks' rows look up zeros; the rows are summed), after o and after the
+MLP (partial sums over the heads or the width, summed before the norm and the residual
+add, so Gemma's norms of those outputs see the whole), and the logits (every rank's
+vocabulary columns gathered). The collectives are NCCL's on CUDA, which graphs capture.
+
 Matrix products go to cuBLAS through torch (small decode batches to kernels/gemv.py;
 quantized weights to their own GEMMs, quant/); the rest are our Triton kernels. A
 quantized KV pool (int8 or e4m3 codes + a float16 scale per token and head) is written
@@ -31,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lmd.engine.backend import ForwardBatch, mm_has_float_output
+from lmd.engine.parallel import SINGLE, TensorParallel
 from lmd.engine.turbo import kernels
 from lmd.engine.turbo.config import TurboConfig
 from lmd.engine.turbo.quant.load import Linear
@@ -91,9 +100,18 @@ class StepInputs:
 
 
 class TurboModel:
-    def __init__(self, config: TurboConfig, weights: ModelWeights, ropes: list[Tensor]) -> None:
-        self.config = config
+    def __init__(
+        self,
+        config: TurboConfig,
+        weights: ModelWeights,
+        ropes: list[Tensor],
+        tp: TensorParallel = SINGLE,
+    ) -> None:
+        self.config = config  # rank tp.rank's (TurboConfig.for_rank)
         self.weights = weights
+        self.tp = tp
+        vocab = tp.vocab_part(config.vocab_size)  # the token ids whose rows this rank has
+        self.vocab_start, self.vocab_end = vocab.start, vocab.stop
         self.ropes = ropes  # per layer: [max_positions, D] float32, cos | sin
         self.scale = config.attn_scale
         # Gemma scales the embedding by sqrt(hidden) rounded to the weights' dtype.
@@ -115,7 +133,7 @@ class TurboModel:
         num_tokens = step.input_ids.shape[0]
         # A quantized pool's scales (kv_pool.py), a view of the same memory.
         scales = kernels.scales_of(kv) if kv.element_size() == 1 else None
-        residual = F.embedding(step.input_ids, w.embed)  # [T, hidden]
+        residual = self._embed(step.input_ids)  # [T, hidden]
         if self.embed_scale != 1.0:
             residual = residual * self.embed_scale
         hidden: Tensor | None = None
@@ -141,10 +159,11 @@ class TurboModel:
             q = qkv.view(num_tokens, -1, c.head_dim)[:, : c.num_heads]  # [T, H, D], strided
             attn = self._attention(q, kv, scales, i, step)  # [T, H, D]
             hidden = self._linear(attn.view(num_tokens, -1), layer.o, layer.o_bias)
+            self.tp.all_reduce(hidden)  # [T, hidden]: the sum over every rank's heads
             if layer.attn_out_norm is not None:
                 hidden = kernels.rms_norm(hidden, layer.attn_out_norm, c.rms_norm_eps)
             h = kernels.rms_norm(hidden, layer.post_norm, c.rms_norm_eps, residual)
-            hidden = self._mlp(h, layer)
+            hidden = self.tp.all_reduce(self._mlp(h, layer))  # summed over the width's parts
             if layer.mlp_out_norm is not None:
                 hidden = kernels.rms_norm(hidden, layer.mlp_out_norm, c.rms_norm_eps)
         if hidden is None:
@@ -161,9 +180,21 @@ class TurboModel:
             logits = torch.mm(h, w.lm_head.t(), out_dtype=torch.float32)  # [R, V]
         else:
             logits = F.linear(h, w.lm_head).float()
+        # [R, this rank's vocabulary rows] -> [R, V]
+        logits = self.tp.gather_columns(logits, c.vocab_size)
         if out is None:
             return logits
         return out.copy_(logits)
+
+    def _embed(self, ids: Tensor) -> Tensor:
+        """The embedding's rows of `ids` [T] -> [T, hidden]. A rank of a group looks up
+        its own vocabulary rows, zeros for the others' ids, and sums over the group."""
+        if not self.tp.enabled:
+            return F.embedding(ids, self.weights.embed)
+        mine = (ids >= self.vocab_start) & (ids < self.vocab_end)  # [T]
+        rows = F.embedding(torch.where(mine, ids - self.vocab_start, 0), self.weights.embed)
+        rows *= mine.unsqueeze(-1).to(rows.dtype)
+        return self.tp.all_reduce(rows)
 
     def _mlp(self, h: Tensor, layer: LayerWeights) -> Tensor:
         """The layer's gated MLP, or its experts: [T, hidden] -> [T, hidden]."""

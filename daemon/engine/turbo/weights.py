@@ -8,6 +8,11 @@ layers' linears are W4A16 or FP8 weights of those same [N, K] shapes. Names are 
 (`model.layers.{i}.self_attn.q_proj.weight`, ...), which is also what lmd's GGUF
 conversion writes. Tensors the decoder does not use (e.g. old
 `rotary_emb.inv_freq` buffers) are ignored; a missing one is an error that names it.
+
+A rank of a tensor-parallel group (engine/parallel.py) loads its shard, read part by
+part from the files (checkpoint.py): the shapes below are then the rank's (its H and
+Hkv heads, its part of I, its vocabulary rows, config.for_rank), and the biases of o and
+down, added to the group's sum, are rank 0's alone.
 """
 
 from __future__ import annotations
@@ -16,12 +21,12 @@ import json
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import Tensor
 
+from lmd.engine.parallel import SINGLE, TensorParallel
+from lmd.engine.turbo.checkpoint import CheckpointReader, Shard
 from lmd.engine.turbo.config import TurboConfig, UnsupportedModel
 from lmd.engine.turbo.quant.load import Linear, load_linear
 from lmd.engine.turbo.quant.scheme import QuantScheme
@@ -46,24 +51,24 @@ class LayerWeights:
     q_norm: Tensor | None  # [D], the RMSNorm of each q head (Qwen3, Gemma 3)
     k_norm: Tensor | None  # [D], of each k head
     o: Linear  # [hidden, H * D]
-    o_bias: Tensor | None  # [hidden]
+    o_bias: Tensor | None  # [hidden]; None on ranks > 0 (rank 0 adds it to the sum)
     attn_out_norm: Tensor | None  # [hidden], Gemma's norm of the attention's output
     post_norm: Tensor  # [hidden], before the MLP
     # The dense MLP, or (a layer of experts) None and `experts`.
     gate_up: Linear | None  # [2 I, hidden], rows gate | up
     gate_up_bias: Tensor | None  # [2 I]
     down: Linear | None  # [hidden, I]
-    down_bias: Tensor | None  # [hidden]
+    down_bias: Tensor | None  # [hidden]; as o_bias
     mlp_out_norm: Tensor | None  # [hidden], Gemma's norm of the MLP's output
     experts: ExpertWeights | None
 
 
 @dataclass(slots=True)
 class ModelWeights:
-    embed: Tensor  # [V, hidden]
+    embed: Tensor  # [V, hidden]; a rank's vocabulary rows (one zero row if it has none)
     layers: list[LayerWeights]
     norm: Tensor  # [hidden]
-    lm_head: Tensor  # [V, hidden]; the embedding itself when tied
+    lm_head: Tensor  # [V, hidden], rows as embed's; the embedding itself when tied
 
     @property
     def nbytes(self) -> int:
@@ -77,47 +82,30 @@ class ModelWeights:
         return experts + sum(t.nbytes for t in tensors if t is not None)
 
 
-class CheckpointReader:
-    """Tensors by name over every *.safetensors file of a directory (sharded or not)."""
-
-    def __init__(self, model_dir: Path, device: torch.device, stack: ExitStack) -> None:
-        files = sorted(model_dir.glob("*.safetensors"))
-        if not files:
-            raise UnsupportedModel(f"{model_dir} has no *.safetensors weights")
-        # Load straight onto the GPU where there is one (no second host copy).
-        where = str(device) if device.type == "cuda" else "cpu"
-        self._where: dict[str, Any] = {}
-        for path in files:
-            handle = stack.enter_context(safe_open(str(path), framework="pt", device=where))
-            for name in handle.keys():  # noqa: SIM118  # a safetensors handle, not a dict
-                self._where[name] = handle
-        self.model_dir = model_dir
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._where
-
-    def get(self, name: str, dtype: torch.dtype | None, device: torch.device) -> Tensor:
-        """The tensor `name` on `device`, in `dtype` (None: as stored)."""
-        handle = self._where.get(name)
-        if handle is None:
-            raise UnsupportedModel(f"{self.model_dir} has no tensor {name}")
-        tensor: Tensor = handle.get_tensor(name)
-        return tensor.to(device=device, dtype=dtype or tensor.dtype)
-
-
 def load_weights(
     model_dir: Path,
     config: TurboConfig,
     device: torch.device,
     dtype: torch.dtype,
     scheme: QuantScheme | None = None,
+    *,
+    tp: TensorParallel = SINGLE,
 ) -> ModelWeights:
-    """Read the checkpoint in `model_dir` into fused tensors on `device` in `dtype`, the
-    layers' linears as `scheme` has them (quant/load.py)."""
+    """Read the checkpoint in `model_dir` (of the whole model's `config`) into fused
+    tensors on `device` in `dtype`, the layers' linears as `scheme` has them
+    (quant/load.py); rank tp.rank's shard of them with a group (ParallelError when
+    `config` does not split: see TurboConfig.for_rank)."""
     if scheme is not None and scheme.source != "load" and config.moe is not None:
         raise UnsupportedModel(f"turbo reads no quantized experts ({scheme.describe()})")
+    if scheme is not None and scheme.source != "load" and tp.enabled:
+        raise UnsupportedModel(
+            f"tensor parallelism splits 16-bit checkpoints only, not {scheme.describe()} ones"
+        )
+    rank = config.for_rank(tp)
+    # A row-parallel layer's bias (o, down) is added once, by rank 0, to the group's sum.
+    row_bias = tp.rank == 0
     with ExitStack() as stack:
-        reader = CheckpointReader(model_dir, device, stack)
+        reader = CheckpointReader(model_dir, device, stack, Shard(config, tp))
 
         def linear(prefixes: list[str]) -> Linear:
             return load_linear(reader, prefixes, scheme, dtype, device)
@@ -152,7 +140,7 @@ def load_weights(
                     q_norm=norm(f"{attn}.q_norm.weight") if config.qk_norm else None,
                     k_norm=norm(f"{attn}.k_norm.weight") if config.qk_norm else None,
                     o=linear([f"{attn}.o_proj"]),
-                    o_bias=get(f"{attn}.o_proj.bias") if config.o_bias else None,
+                    o_bias=get(f"{attn}.o_proj.bias") if config.o_bias and row_bias else None,
                     # Gemma names the norm after attention "post_attention" and the one
                     # before the MLP "pre_feedforward"; the others have only the latter,
                     # under the former's name.
@@ -169,21 +157,29 @@ def load_weights(
                         cat([f"{p}.bias" for p in gate_up]) if dense and config.mlp_bias else None
                     ),
                     down=linear([f"{mlp}.down_proj"]) if dense else None,
-                    down_bias=get(f"{mlp}.down_proj.bias") if dense and config.mlp_bias else None,
+                    down_bias=(
+                        get(f"{mlp}.down_proj.bias")
+                        if dense and config.mlp_bias and row_bias
+                        else None
+                    ),
                     mlp_out_norm=(
                         norm(f"{layer}.post_feedforward_layernorm.weight") if sandwich else None
                     ),
-                    experts=load_experts(reader, config, i, dtype, device) if sparse else None,
+                    experts=load_experts(reader, rank, i, dtype, device) if sparse else None,
                 )
             )
-        embed = get("model.embed_tokens.weight")
+        embed = get("model.embed_tokens.weight")  # [V, hidden] (a rank's rows)
+        if embed.shape[0] == 0:  # a last rank left no rows: one zero row to look up
+            embed = torch.zeros(1, config.hidden_size, dtype=dtype, device=device)
         # transformers ties the head to the embedding whenever the config says so, even
         # if the file also holds an lm_head tensor.
         lm_head = embed if config.tie_word_embeddings else get("lm_head.weight")
+        if lm_head.shape[0] == 0:
+            lm_head = torch.zeros_like(embed)
         weights = ModelWeights(
             embed=embed, layers=layers, norm=norm("model.norm.weight"), lm_head=lm_head
         )
-    check_shapes(weights, config)
+    check_shapes(weights, rank, tp)
     return weights
 
 
@@ -204,7 +200,8 @@ def load_experts(
 ) -> ExpertWeights:
     """Layer `layer`'s router and experts, stacked: per-expert tensors as published
     (`experts.{j}.gate_proj.weight`), or the stacked form transformers 5 keeps in memory
-    (`experts.gate_up_proj`, `experts.down_proj`) when a checkpoint has that."""
+    (`experts.gate_up_proj`, `experts.down_proj`) when a checkpoint has that. `config`
+    is the rank's (its part of each expert's width), as `reader` reads them."""
     moe = config.moe
     if moe is None:
         raise ValueError("a dense model has no experts")
@@ -236,12 +233,15 @@ def load_experts(
     return ExpertWeights(router=router, gate_up=gate_up, down=down_all)
 
 
-def check_shapes(weights: ModelWeights, config: TurboConfig) -> None:
-    """Refuse a checkpoint whose tensors do not match its config (one line, the first)."""
+def check_shapes(weights: ModelWeights, config: TurboConfig, tp: TensorParallel = SINGLE) -> None:
+    """Refuse a checkpoint whose tensors do not match its config (one line, the first);
+    `config` is rank tp.rank's (TurboConfig.for_rank)."""
     c = config
+    vocab = tp.vocab_part(c.vocab_size)
+    vocab_rows = max(1, vocab.stop - vocab.start)  # a rank without rows has a zero row
     expected: dict[str, tuple[int, ...]] = {
-        "embed": (c.vocab_size, c.hidden_size),
-        "lm_head": (c.vocab_size, c.hidden_size),
+        "embed": (vocab_rows, c.hidden_size),
+        "lm_head": (vocab_rows, c.hidden_size),
         "norm": (c.hidden_size,),
     }
     for name, shape in expected.items():

@@ -1,0 +1,149 @@
+"""A checkpoint's tensors by name: whole, or a tensor-parallel rank's part of each.
+
+`CheckpointReader` reads every *.safetensors file of a model directory. Given a `Shard`
+(a rank of a group, engine/parallel.py) it reads that rank's rows or columns of each
+tensor straight from the file (`get_slice`), never the whole tensor, so the loaders
+(weights.py, quant/load.py) need not know about the split. The split is Megatron's, as
+the torch backend makes it (torch_backend/parallel.py), by tensor name:
+
+- q, k, v (weights and biases): this rank's heads' rows (q heads, KV heads, x head_dim);
+- o: those heads' input columns; its bias is whole (rank 0 adds it to the group's sum);
+- gate, up (dense or each expert's; Mixtral's w1, w3): this rank's part of the width's
+  rows; down (w2): the same input columns, its bias whole like o's;
+- experts stacked as transformers 5 keeps them: gate_up_proj [E, 2I, hidden] this
+  rank's part of each half, down_proj [E, hidden, I] its columns;
+- embedding and output head: this rank's vocabulary rows (TensorParallel.vocab_part);
+- everything else whole: norms (q_norm, k_norm are over one head's dim), routers.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from lmd.engine.parallel import TensorParallel
+from lmd.engine.turbo.config import TurboConfig, UnsupportedModel
+
+# Projections split by output rows (column-parallel) and by input columns (row-parallel),
+# by the name of their module, and in units of what.
+HEADS, KV, WIDTH = "attention heads", "KV heads", "intermediate_size"
+ROWS = {
+    "q_proj": HEADS,
+    "k_proj": KV,
+    "v_proj": KV,
+    "gate_proj": WIDTH,
+    "up_proj": WIDTH,
+    "w1": WIDTH,  # Mixtral's gate
+    "w3": WIDTH,  # and up
+}
+COLUMNS = {"o_proj": HEADS, "down_proj": WIDTH, "w2": WIDTH}
+VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """A rank's part of a tensor: the slices `parts` of dimension `dim` (concatenated
+    along it), which the whole model has `full` long."""
+
+    dim: int
+    parts: tuple[slice, ...]
+    full: int
+
+    def index(self, part: slice) -> tuple[slice, ...]:
+        """The index of one part, e.g. [:, a:b] for dim 1."""
+        return (slice(None),) * self.dim + (part,)
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Rank tp.rank's view of the checkpoint of `config` (the whole model's)."""
+
+    config: TurboConfig
+    tp: TensorParallel
+
+    def split(self, name: str) -> Split | None:
+        """How this rank reads tensor `name`; None: whole (or no group)."""
+        if not self.tp.enabled:
+            return None
+        c = self.config
+        if name in VOCAB:
+            return Split(0, (self.tp.vocab_part(c.vocab_size),), c.vocab_size)
+        *path, module, param = name.split(".")
+        moe = c.moe if "experts" in path or module == "experts" else None
+        width = c.intermediate_size if moe is None else moe.intermediate_size
+        if module == "experts" and param in ("gate_up_proj", "down_proj"):
+            # Stacked experts: gate_up_proj [E, 2I, hidden] (each half), down_proj [E, hidden, I].
+            part = self.tp.part(width, "the experts' intermediate_size")
+            if param == "down_proj":
+                return Split(2, (part,), width)
+            upper = slice(width + part.start, width + part.stop)
+            return Split(1, (part, upper), 2 * width)
+        # What the projection splits: (units, rows or columns per unit).
+        units = {
+            HEADS: (c.num_heads, c.head_dim),
+            KV: (c.num_kv_heads, c.head_dim),
+            WIDTH: (width, 1),
+        }
+        if module in ROWS and param in ("weight", "bias"):
+            dim, unit = 0, ROWS[module]
+        elif module in COLUMNS and param == "weight":  # a bias of o or down stays whole
+            dim, unit = 1, COLUMNS[module]
+        else:
+            return None
+        count, size = units[unit]
+        part = self.tp.part(count, unit)
+        return Split(dim, (slice(part.start * size, part.stop * size),), count * size)
+
+
+class CheckpointReader:
+    """Tensors by name over every *.safetensors file of a directory (sharded or not),
+    each whole or, with `shard`, that rank's part of it."""
+
+    def __init__(
+        self, model_dir: Path, device: torch.device, stack: ExitStack, shard: Shard | None = None
+    ) -> None:
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise UnsupportedModel(f"{model_dir} has no *.safetensors weights")
+        # Load straight onto the GPU where there is one (no second host copy).
+        where = str(device) if device.type == "cuda" else "cpu"
+        self._where: dict[str, Any] = {}
+        for path in files:
+            handle = stack.enter_context(safe_open(str(path), framework="pt", device=where))
+            for name in handle.keys():  # noqa: SIM118  # a safetensors handle, not a dict
+                self._where[name] = handle
+        self.model_dir = model_dir
+        self.shard = shard
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str, dtype: torch.dtype | None, device: torch.device) -> Tensor:
+        """The tensor `name` (this rank's part of it) on `device`, in `dtype` (None: as
+        stored)."""
+        handle = self._where.get(name)
+        if handle is None:
+            raise UnsupportedModel(f"{self.model_dir} has no tensor {name}")
+        split = None if self.shard is None else self.shard.split(name)
+        tensor: Tensor = handle.get_tensor(name) if split is None else _read(handle, name, split)
+        return tensor.to(device=device, dtype=dtype or tensor.dtype)
+
+
+def _read(handle: Any, name: str, split: Split) -> Tensor:
+    """The parts `split` names of a tensor, read alone; the whole tensor's length along
+    the split is checked first (a part of a wrong tensor could look right)."""
+    view = handle.get_slice(name)
+    shape = tuple(view.get_shape())
+    if len(shape) <= split.dim or shape[split.dim] != split.full:
+        raise UnsupportedModel(
+            f"{name} is {shape}, the config says {split.full} along dimension {split.dim}"
+        )
+    parts = [view[split.index(part)] for part in split.parts]
+    tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=split.dim)
+    return tensor.contiguous()
