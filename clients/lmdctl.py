@@ -112,12 +112,16 @@ def memory_table(workers: list[dict[str, Any]]) -> str:
 
 def ranks_table(workers: list[dict[str, Any]]) -> str:
     """The processes of each tensor-parallel engine worker (rank 0 is the worker)."""
-    rows = [
-        [w["name"], f"{r['rank']}/{w['tp']}", str(r["pid"]), r["device"]]
-        for w in workers
-        for r in w.get("ranks") or ()
-    ]
-    return "tensor-parallel ranks:\n" + table(rows, ["WORKER", "RANK", "PID", "DEVICE"])
+    rows = []
+    for w in workers:
+        # rank 0 is the worker itself; the others' memory comes with its heartbeats
+        rss = [w.get("rss_bytes"), *(w.get("rank_rss_bytes") or ())]
+        for r in w.get("ranks") or ():
+            held = rss[r["rank"]] if r["rank"] < len(rss) else None
+            rank = f"{r['rank']}/{w['tp']}"
+            rows.append([w["name"], rank, str(r["pid"]), r["device"], human_bytes(held)])
+    header = ["WORKER", "RANK", "PID", "DEVICE", "RSS"]
+    return "tensor-parallel ranks:\n" + table(rows, header)
 
 
 def cluster_text(c: dict[str, Any]) -> str:

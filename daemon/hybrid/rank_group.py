@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import psutil
 import torch
 import zmq
 
@@ -118,6 +119,16 @@ class RankGroup:
             for spec, proc in zip(self.specs, self._procs, strict=True)
         ]
 
+    def rss(self) -> list[int]:
+        """Ranks 1..N-1's resident memory in bytes (0 for one that is gone)."""
+        out = []
+        for proc in self._procs:
+            try:
+                out.append(psutil.Process(proc.pid).memory_info().rss)
+            except (psutil.Error, ValueError):
+                out.append(0)
+        return out
+
     # Ops --------------------------------------------------------------------------------
 
     def send(self, header: dict[str, Any], frames: Sequence[bytes] = ()) -> None:
@@ -168,8 +179,11 @@ class RankGroup:
         assert self._replies is not None
         while not self._stopping:
             if self._replies.poll(READ_POLL_MS):
-                header, frames = decode_op(self._replies.recv_multipart())
-                self._on_reply(header, frames)
+                try:
+                    header, frames = decode_op(self._replies.recv_multipart())
+                    self._on_reply(header, frames)
+                except (ValueError, KeyError, TypeError, IndexError) as exc:  # not a rank's
+                    log.warning("%s: dropped a reply that is not a rank's: %r", self.worker, exc)
             self._check_processes()
 
     def _on_reply(self, header: dict[str, Any], frames: Sequence[bytes]) -> None:

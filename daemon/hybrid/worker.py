@@ -124,7 +124,10 @@ class EngineWorker(Worker):
         return info
 
     def stats(self) -> dict[str, Any]:
-        return {**self.engine.stats(), "num_steps": self.engine.num_steps}
+        stats = {**self.engine.stats(), "num_steps": self.engine.num_steps}
+        if self.ranks is not None:  # ranks 1..N-1's memory (status lists them)
+            stats["rank_rss_bytes"] = self.ranks.rss()
+        return stats
 
     def inflight(self) -> int:
         return len(self._reply_to)

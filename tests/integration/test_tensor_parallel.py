@@ -95,6 +95,8 @@ def test_status_lists_every_rank(hybrid: Daemon) -> None:
     ranks = engine["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["pid"] == engine["pid"]
     assert all(r["device"] == "cpu" and alive(r["pid"]) for r in ranks)
+    rss = wait_until(lambda: hybrid.worker("hybrid-0").get("rank_rss_bytes"), 10, "rank RSS")
+    assert len(rss) == 1 and rss[0] > 50 << 20  # a process holding its shard
     text = lmdctl(hybrid, "status").stdout
     assert "tensor-parallel ranks:" in text
     assert f"hybrid-0  1/2   {ranks[1]['pid']}" in text
