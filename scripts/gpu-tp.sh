@@ -10,7 +10,8 @@
 #       64 by default, SHAPE a scripts/random_models.py shape (llama3-8b-shape).
 #   scripts/gpu-tp.sh serve SHAPE TP [FLAGS...]
 #       lmdd serve --mode hybrid --tp TP on the shape, then lmd-bench serve at $RUNS
-#       (gpu-env.sh serve_runs: 512 in / 256 out, ignore_eos).
+#       (gpu-env.sh serve_runs: 512 in / 256 out, ignore_eos). llama3-70b-shape (141 GB,
+#       written streamed into /dev/shm) needs two H200s: kind nvidia-h200-x2.
 # Carry .whl and .gpu-assets. Results in $OUT (tp-tests.txt, tp-step.jsonl, tp-serve-*).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,9 +26,12 @@ if [[ $what == tests ]]; then
 fi
 python3 setup.py -q build_ext --inplace 2>&1 | tail -3  # lmdd imports lmd._native
 shape=$2
-model=/tmp/$shape
+dir=/tmp
+[[ $shape == llama3-70b* ]] && dir=/dev/shm  # 141 GB: more than the disk (written streamed)
+model=$dir/$shape
 [[ -f $model/config.json ]] || python3 scripts/random_models.py "$shape" --vocab 49152 \
-  --tokenizer .gpu-assets/smollm2-tokenizer 2>&1 | grep -v "^Writing\|^Loading" | tail -3
+  --tokenizer .gpu-assets/smollm2-tokenizer --out-dir "$dir" 2>&1 |
+  grep -v "^Writing\|^Loading" | tail -3
 if [[ $what == step ]]; then
   timeout 560 python3 scripts/tp_step.py "$model" --tp 1,2 --batches "${3:-1,64}" \
     2>"$out/tp-step-stderr.txt" | tee -a "$out/tp-step.jsonl"

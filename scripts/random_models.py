@@ -2,20 +2,26 @@
 
     python3 scripts/random_models.py smollm2-shape [llama3-8b-shape qwen3-8b-shape
         qwen3-30b-a3b-shape ...] [--vocab N] [--tokenizer DIR] [--out-dir /tmp]
+        [--streamed] [--device cuda]
 
 Each lands in OUT_DIR/NAME. `--vocab` cuts the vocabulary (to match a carried
 tokenizer, whose files `--tokenizer` copies in). Weights are drawn in bf16 on the GPU
 (a 30B model never exists in float32), Qwen3's vocabulary (151,936) pairs with the
-tokenizer in ../shared/assets/tokenizers/qwen3.
+tokenizer in ../shared/assets/tokenizers/qwen3. A model larger than one GPU (the 70B
+shape, 141 GB; `--streamed` for any) is never built whole: its tensors' names and shapes
+come from the model class on the meta device, each is drawn alone and written into
+safetensors shards of about 4 GB, with transformers' index file.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -83,6 +89,19 @@ SHAPES = {
         "moe_intermediate_size": 768,
         "norm_topk_prob": True,
     },
+    # Llama-3-70B: ~141 GB of bf16 weights, two H200s (tensor parallelism, issue 23).
+    "llama3-70b-shape": {
+        "streamed": True,
+        "vocab_size": 128256,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "rope_theta": 500000.0,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
     # Gemma 3 12B's text model, with Qwen3's vocabulary (its tokenizer is the one we
     # carry; Gemma's 262,208 would add 0.4B parameters of embedding).
     "gemma3-12b-shape": {
@@ -106,31 +125,90 @@ SHAPES = {
 }
 
 
+SHARD_BYTES = 4 << 30
+
+
+def write_streamed(
+    config: PretrainedConfig, model_class: type[PreTrainedModel], path: Path, device: str
+) -> None:
+    """The model's random weights written tensor by tensor (see the module doc): normal
+    with the config's initializer_range for matrices, ones for norms, zeros for biases."""
+    with torch.device("meta"):
+        model = model_class(config)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    std = float(getattr(config, "initializer_range", 0.02))
+    path.mkdir(parents=True, exist_ok=True)
+    shard: dict[str, torch.Tensor] = {}
+    index: dict[str, str] = {}
+    files: list[list[str]] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal shard, size
+        if shard:
+            files.append(list(shard))
+            save_file(
+                {k: v.contiguous() for k, v in shard.items()}, str(path / f"part-{len(files)}")
+            )
+        shard, size = {}, 0
+
+    for name, param in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        if param.ndim >= 2:
+            tensor = torch.randn(param.shape, device=device, dtype=torch.bfloat16) * std
+        elif name.endswith("bias"):
+            tensor = torch.zeros(param.shape, device=device, dtype=torch.bfloat16)
+        else:
+            tensor = torch.ones(param.shape, device=device, dtype=torch.bfloat16)
+        shard[name] = tensor.cpu()
+        size += tensor.nbytes
+        if size >= SHARD_BYTES:
+            flush()
+    flush()
+    total = len(files)
+    for i, names in enumerate(files, 1):
+        final = f"model-{i:05d}-of-{total:05d}.safetensors"
+        (path / f"part-{i}").rename(path / final)
+        index.update(dict.fromkeys(names, final))
+    weight_map = {"metadata": {}, "weight_map": index}
+    (path / "model.safetensors.index.json").write_text(json.dumps(weight_map, indent=1))
+    config.save_pretrained(path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("names", nargs="+", choices=sorted(SHAPES))
     parser.add_argument("--vocab", type=int, default=None)
     parser.add_argument("--tokenizer", type=Path, default=None)
     parser.add_argument("--out-dir", type=Path, default=Path("/tmp"))
+    parser.add_argument("--streamed", action="store_true")
+    parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     for name in args.names:
         fields = dict(SHAPES[name])
+        streamed = bool(fields.pop("streamed", False)) or args.streamed
         config_class, model_class = CLASSES.get(
             str(fields.pop("family", "")), (LlamaConfig, LlamaForCausalLM)
         )
         if args.vocab:
             fields.update(vocab_size=args.vocab, bos_token_id=1, eos_token_id=2)
-        with torch.device("cuda"):
-            model = model_class(config_class(max_position_embeddings=8192, **fields))
+        config = config_class(max_position_embeddings=8192, **fields)
         path = args.out_dir / name
-        model.save_pretrained(path)
+        if streamed:
+            write_streamed(config, model_class, path, args.device)
+        else:
+            with torch.device(args.device):
+                model = model_class(config)
+            model.save_pretrained(path)
+            del model
         if args.tokenizer is not None:
             for f in args.tokenizer.iterdir():
                 shutil.copy(f, path / f.name)
-        del model
-        torch.cuda.empty_cache()
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
