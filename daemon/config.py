@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmd.engine.config import EngineConfig
+from lmd.engine.config import MAX_TP, EngineConfig
 from lmd.engine.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION
-from lmd.engine.parallel import MAX_TP
 from lmd.names import NODE_NAME
 from lmd.protocol.roles import CLUSTER_ROLES, Role
 

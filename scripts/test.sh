@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install everything (scripts/setup.sh --dev), then lint, type-check and run the tests.
-# Extra arguments go to pytest, e.g. scripts/test.sh -k lifecycle.
+# Extra arguments go to pytest (one process), e.g. scripts/test.sh -k lifecycle; without
+# any, the suite runs on two processes (below).
 # GPU tests (tests/gpu) skip themselves without CUDA.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,5 +49,15 @@ if ! command -v etcd >/dev/null && [[ $EUID == 0 ]] && command -v apt-get >/dev/
         echo "could not install etcd-server"
 fi
 echo "== pytest"
-# --durations: the slowest tests at the end, to see where the suite's time goes.
-$bin/python -m pytest -q -ra -m "not slow" --durations=30 "$@"
+# Two processes (pytest-xdist), a test file at a time on each (--dist loadfile: a module's
+# daemon fixture serves its tests in one process); --durations: the slowest tests at the
+# end, to see where the suite's time goes. Schemathesis runs apart, in one process: its
+# tests are generated from the OpenAPI document at collection, and under xdist the
+# workers' collections parted (1 of 7 operations was exercised).
+# Extra arguments (a file, -k ...) run as given, in one process.
+if (($#)); then
+  exec $bin/python -m pytest -q -ra -m "not slow" --durations=30 "$@"
+fi
+SCHEMA=tests/integration/test_schemathesis.py
+$bin/python -m pytest -q -ra -m "not slow" -n 2 --dist loadfile --durations=30 --ignore "$SCHEMA"
+$bin/python -m pytest -q -ra -m "not slow" -p no:xdist "$SCHEMA"

@@ -23,6 +23,8 @@ QUANTIZATIONS = ("fp8", "w4a16")
 # KV pool element types (--kv-cache-dtype): auto = the model's dtype; int8 and fp8 (e4m3)
 # with a float16 scale per token and head (LMDeploy's quant_policy=8 is int8).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+# Most ranks a tensor-parallel group may have (one per GPU of a host; engine/parallel.py).
+MAX_TP = 8
 
 
 def read_hf_config(model_dir: Path) -> dict[str, Any]:

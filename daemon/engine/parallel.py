@@ -25,8 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-# Most ranks a group may have (one per GPU of a host).
-MAX_TP = 8
+from lmd.engine.config import MAX_TP
 
 
 class ParallelError(ValueError):

@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from lmd.config import ConfigError, ServeConfig
-from lmd.engine.config import read_hf_config, text_config
+from lmd.engine.config import MAX_TP, read_hf_config, text_config
 from lmd.engine.model_source import ModelSourceError, default_gguf_path, resolve_model
-from lmd.engine.parallel import MAX_TP
 from lmd.protocol.roles import Role
 from lmd.roles import role_counts
 

@@ -9,8 +9,12 @@ live in folders named otherwise: daemon/ is `lmd`, clients/ is `lmd_client`.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).parents[2]
 PACKAGES = {"lmd": ROOT / "daemon", "lmd_client": ROOT / "clients"}
@@ -137,3 +141,14 @@ def test_no_source_file_over_400_lines() -> None:
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+@pytest.mark.parametrize(
+    "module", ["lmd.config", "lmd.supervisor.supervisor", "lmd.api.worker", "lmd_client.lmdctl"]
+)
+def test_processes_without_a_model_import_no_torch(module: str) -> None:
+    """The supervisor, the api and lmdctl never load torch (~2 s and ~300 MB a process;
+    a config constant once pulled it into every one of them)."""
+    code = f"import sys, {module}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
