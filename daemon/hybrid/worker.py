@@ -207,6 +207,7 @@ class EngineWorker(Worker):
                 log.exception("engine step failed; failing %d requests", self.inflight())
                 broken = self.ranks.wait_dead(1.0) if self.ranks is not None else None
                 self.fail_all("the engine failed" + (f": {broken}" if broken else ""))
+                await asyncio.sleep(FAIL_FLUSH_S)  # the errors out of the peers' backlogs
                 os._exit(1)  # the engine's state is unknown: let the supervisor restart us
             self._step_span = (began, time.time())
             self.stages.observe("step", self._step_span[1] - began)
