@@ -4,7 +4,8 @@ processes joined over gloo, a tiny random Llama over SmolLM2's tokenizer.
 - hybrid, --tp 2: greedy tokens equal transformers' (the whole model, float32); status
   lists the ranks;
 - a rank killed with SIGKILL: its requests end with an error naming it, the group comes
-  back (new processes for every rank, none left over) and serves the same tokens;
+  back (new processes for every rank, none left over) and serves the same tokens; rank 0
+  killed takes its ranks with it;
 - disaggregated, prefill --prefill-tp 2 -> decode --decode-tp 1 and 1 -> 2: the prompt's
   KV migrates between groups of different sizes, each rank moving its heads; the tokens
   still equal transformers' and no KV block stays held.
@@ -130,6 +131,22 @@ def test_a_killed_rank_brings_its_group_back(hybrid: Daemon, reference: list[lis
     assert not set(new) & set(old) and all(alive(p) for p in new)
     wait_until(lambda: not any(alive(p) for p in old), 10, "the old group gone")
     assert greedy(hybrid) == reference
+
+
+def test_rank_0_killed_takes_its_ranks_with_it(hybrid: Daemon) -> None:
+    """Rank 0 is the worker: SIGKILLed, its ranks die with it (PR_SET_PDEATHSIG) and the
+    supervisor's restart brings a whole new group."""
+    old = rank_pids(hybrid, "hybrid-0")
+    restarts = hybrid.worker("hybrid-0")["restarts"]
+    os.kill(old[0], signal.SIGKILL)
+    wait_until(lambda: not any(alive(p) for p in old), 10, "rank 1 gone with rank 0")
+
+    def back() -> bool:
+        w = hybrid.worker("hybrid-0")
+        return w["state"] == "running" and w["restarts"] == restarts + 1 and "ranks" in w
+
+    wait_until(back, 90, "the group restarted")
+    assert not set(rank_pids(hybrid, "hybrid-0")) & set(old)
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
