@@ -97,14 +97,20 @@ def status_text(s: dict[str, Any]) -> str:
 
 
 def memory_table(workers: list[dict[str, Any]]) -> str:
-    """Each GPU engine's part of its device's memory plan."""
+    """Each GPU engine's part of its device's memory plan; a tensor-parallel worker's
+    ranks 1..N-1 on their own GPUs below it (their budgets and weights their own; the
+    activations, graphs and KV as rank 0's, whose steps they replay on their shards)."""
     keys = ["budget", "weight", "activation", "graph", "kv"]
     rows = [
-        [w["name"], m["device"], human_bytes(m["device_total_bytes"])]
+        [name, m["device"], human_bytes(m["device_total_bytes"])]
         + [human_bytes(m[f"{k}_bytes"]) for k in keys]
         + [str(m["kv_blocks"])]
         for w in workers
-        if (m := w.get("memory"))
+        if w.get("memory")
+        for name, m in [
+            (w["name"], w["memory"]),
+            *((f"{w['name']}/r{r}", rm) for r, rm in enumerate(w.get("rank_memory", ()), 1)),
+        ]
     ]
     header = ["WORKER", "GPU", "GPU TOTAL", "BUDGET", "WEIGHTS", "ACTIVATIONS", "GRAPHS"]
     return "memory plan:\n" + table(rows, [*header, "KV", "KV BLOCKS"])

@@ -8,6 +8,7 @@ FastAPI, the engine roles alone need torch.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -61,4 +62,11 @@ def worker_main(spec_dict: dict[str, Any]) -> None:
     configure_logging(config.log_level, spec.name)
     worker = worker_class(spec.role)(spec, config)
     code: int = uvloop.run(worker.run())
+    if spec.tp > 1:
+        # Rank 0 of a group, its ranks stopped or dead: NCCL's teardown at interpreter exit
+        # waits on them (seen on two H200s: 5 s and a SIGKILL at a clean stop, minutes or
+        # a SIGABRT after a failed start), so skip it; the OS frees the rest (pools are
+        # memfds, ledger entries name a pid).
+        logging.shutdown()
+        os._exit(code)
     sys.exit(code)

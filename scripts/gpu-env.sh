@@ -1,6 +1,6 @@
 # Sourced by the GPU scripts (gpu-check.sh, gpu-turbo.sh) on the device machine: install
-# the carried wheels (.whl, from `../shared/scripts/device-wheels.sh setproctitle gguf
-# accelerate`; a run stops at once if one lmdd needs is missing), point PYTHONPATH at
+# the carried wheels (.whl, from `../shared/scripts/device-wheels.sh setproctitle
+# fastapi-offline gguf accelerate`; a run stops at once if one lmdd needs is missing), point PYTHONPATH at
 # the import packages (daemon/ is lmd, clients/ is lmd_client), create $out and record
 # the machine in $out/env.txt. Expects to run from the repository root.
 out=${OUT:-gpu-out}
@@ -14,7 +14,7 @@ export PYTHONPATH=/tmp/pkgs:/tmp/site:$PWD
 # and a serving script would wait out its timeout.
 missing=$(python3 -c '
 import importlib.util as u
-print(" ".join(m for m in ("zmq", "orjson", "fastapi", "uvicorn", "setproctitle") if not u.find_spec(m)))')
+print(" ".join(m for m in ("zmq", "orjson", "fastapi", "fastapi_offline", "uvicorn", "setproctitle") if not u.find_spec(m)))')
 if [[ -n $missing ]]; then
   echo "gpu-env.sh: not installed here: $missing (carry .whl with them: device-wheels.sh)" >&2
   exit 1

@@ -19,7 +19,7 @@ source scripts/gpu-env.sh
 what=$1
 nvidia-smi topo -m >"$out/topology.txt" 2>&1
 if [[ $what == tests ]]; then
-  timeout 560 python3 -m pytest -q -ra -p no:cacheprovider --timeout 500 -s \
+  timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest -q -ra -p no:cacheprovider --timeout 500 -s \
     tests/gpu/test_tensor_parallel_gpu.py tests/unit/test_torch_parallel.py 2>&1 \
     | grep -v "^Writing\|^Loading" | tee "$out/tp-tests.txt" | tail -25
   exit 0
@@ -27,7 +27,11 @@ fi
 python3 setup.py -q build_ext --inplace 2>&1 | tail -3  # lmdd imports lmd._native
 shape=$2
 dir=/tmp
-[[ $shape == llama3-70b* ]] && dir=/dev/shm  # 141 GB: more than the disk (written streamed)
+if [[ $shape == llama3-70b* ]]; then  # 138 GB: more than the disk (written streamed)
+  dir=/dev/shm  # tmpfs, half the RAM by default: grown to hold it
+  (($(df -BG --output=size /dev/shm | tail -1 | tr -dc 0-9) < 170)) && mount -o remount,size=170G /dev/shm
+  df -h /dev/shm | tail -1
+fi
 model=$dir/$shape
 [[ -f $model/config.json ]] || python3 scripts/random_models.py "$shape" --vocab 49152 \
   --tokenizer .gpu-assets/smollm2-tokenizer --out-dir "$dir" 2>&1 |
@@ -43,7 +47,13 @@ shift 3
 rt=/tmp/lmd-tp$tp port=24000
 python3 -m lmd serve "$model" --mode hybrid --tp "$tp" --runtime-dir "$rt" --port $port "$@" \
   >"$out/tp-serve-$tp-daemon.log" 2>&1 &
-for _ in $(seq 600); do curl -sf localhost:$port/health >/dev/null && break; sleep 0.5; done
+daemon=$!
+for _ in $(seq 1800); do  # up to 15 min: a 70B group loads 69 GB a rank
+  curl -sf localhost:$port/health >/dev/null && break
+  kill -0 $daemon 2>/dev/null || { tail -20 "$out/tp-serve-$tp-daemon.log"; exit 1; }
+  sleep 0.5
+done
+echo "ready after $SECONDS s"
 serve_runs $port "tp$tp-$shape" "$out" | tee "$out/tp-serve-$tp.txt"
 python3 -m lmd_client.lmdctl --socket "$rt/control.sock" status >>"$out/tp-serve-$tp.txt"
 python3 -m lmd_client.lmdctl --socket "$rt/control.sock" shutdown >/dev/null

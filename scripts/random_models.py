@@ -172,6 +172,7 @@ def write_streamed(
         (path / f"part-{i}").rename(path / final)
         index.update(dict.fromkeys(names, final))
     weight_map = {"metadata": {}, "weight_map": index}
+    config.architectures = [model_class.__name__]  # save_pretrained of a model sets it
     (path / "model.safetensors.index.json").write_text(json.dumps(weight_map, indent=1))
     config.save_pretrained(path)
 

@@ -112,6 +112,8 @@ def join_group(
     does not come within `timeout_s` fails every other's join, and so does any later
     collective that waits on a rank longer (a rank that died fails it at once)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if str(device) == "cuda":  # NCCL's device_id needs an index
+        device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group(
         backend,
         init_method=f"file://{rendezvous}",

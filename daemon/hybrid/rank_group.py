@@ -119,6 +119,15 @@ class RankGroup:
             for spec, proc in zip(self.specs, self._procs, strict=True)
         ]
 
+    def memory(self) -> list[dict[str, Any]]:
+        """Ranks 1..N-1's part of their GPUs' memory plans (each its budget and the
+        weights it loaded; none on CPU), as their `ready` said."""
+        return [
+            self._ready[s.rank]["memory"]
+            for s in self.specs
+            if "memory" in self._ready.get(s.rank, {})
+        ]
+
     def rss(self) -> list[int]:
         """Ranks 1..N-1's resident memory in bytes (0 for one that is gone)."""
         out = []

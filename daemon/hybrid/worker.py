@@ -115,6 +115,10 @@ class EngineWorker(Worker):
         }
         if isinstance(self.engine, Engine) and self.engine.memory is not None:
             info["memory"] = self.engine.memory
+            if self.ranks is not None:  # every rank's GPU: the plan spans the group's
+                info["rank_memory"] = [
+                    {**self.engine.memory, **rank} for rank in self.ranks.memory()
+                ]
         if self.memory is not None:
             info["transport"] = self.memory.transport.name
         if self.ranks is not None:

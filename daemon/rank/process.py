@@ -67,6 +67,7 @@ class RankProcess:
         self.memory: PoolMemory | None = None
         self.copier: Copier | None = None
         self.ledger: PoolLedger | None = None  # on a GPU: its budget in the device's plan
+        self.plan: dict[str, Any] = {}  # that budget and the weights it loaded (status)
 
     def run(self) -> int:
         spec = self.spec
@@ -83,7 +84,7 @@ class RankProcess:
             log.exception("%s cannot start", spec.name)
             self._reply({"op": "failed", "error": _one_line(exc)})
             return 1
-        self._reply({"op": "ready", "pid": os.getpid(), "device": spec.device})
+        self._reply({"op": "ready", "pid": os.getpid(), "device": spec.device, **self.plan})
         try:
             self._serve(ops, runner)
         except Exception as exc:
@@ -121,6 +122,9 @@ class RankProcess:
         name = spec.group.backend or "auto"
         model_dir = Path(spec.model_dir)
         backend = load_backend(name, model_dir, device, config.dtype, engine_config, tp=tp)
+        if device.type == "cuda":
+            weights = torch.cuda.memory_allocated(device)
+            self.plan = {"memory": {**budget.to_dict(), "weight_bytes": weights}}
         if spec.transport is None:
             return RankRunner(backend)
         memory = self.memory = pool_memory(spec.device, spec.transport)

@@ -5,7 +5,9 @@ whole model in one process.
   one process's, for turbo eager and with CUDA graphs (which capture the all-reduces) and
   for the torch backend; every decode step's logits within 1e-4 (relative);
 - bf16: turbo TP 2's logits at every position of 8 prompts against transformers in
-  float32, with the single-GPU test's bounds (relative error < 2e-2, top-1 >= 0.99).
+  float32, no worse than transformers' own bf16 (the families' bounds: top-1 within half
+  a point of it, relative error within 1.5x or 2e-2). On a random model with 8 heads of
+  64 the single-GPU test's 0.99 top-1 is out of reach of bf16 itself: TP 2 gave 0.9749.
 Skipped with fewer than two GPUs.
 """
 
@@ -26,7 +28,7 @@ from lmd.engine.backend import Backend
 from lmd.engine.parallel import SINGLE, TensorParallel
 from lmd.engine.torch_backend import TorchBackend
 from lmd.engine.turbo.backend import TurboBackend
-from tests.gpu.test_turbo_backend_gpu import PROMPT_LENGTHS, reference, save_bf16
+from tests.gpu.test_turbo_backend_gpu import PROMPT_LENGTHS, against_float32, save_bf16
 from tests.models import GPU_LLAMA, random_prompts
 from tests.parallel import run_group
 from tests.unit.test_turbo_model import all_logits, greedy, new_pool
@@ -80,17 +82,11 @@ def test_two_ranks_give_one_process_tokens_in_float32(
 def test_two_ranks_in_bf16_agree_with_float32_transformers(model_dir: Path) -> None:
     logits = torch.from_numpy(run_group(2, _every_position, str(model_dir), cuda=True)[0])
     prompts = random_prompts(PROMPT_LENGTHS, logits.shape[1], seed=21)
-    model = reference(model_dir, torch.float32)
-    with torch.inference_mode():
-        ref = torch.cat(
-            [model(torch.tensor([p], device="cuda")).logits[0].float() for p in prompts]
-        )
-    ref = ref.cpu()
-    rel = float((logits - ref).norm() / ref.norm())
-    top1 = float(logits.argmax(-1).eq(ref.argmax(-1)).float().mean())
+    rel, top1, hf_rel, hf_top1 = against_float32(logits, model_dir, prompts)
     print(
         f"\nbf16 turbo TP 2 vs float32 over {sum(PROMPT_LENGTHS)} positions: "
-        f"rel {rel:.2e} top-1 {top1:.4f}"
+        f"rel {rel:.2e} top-1 {top1:.4f}; transformers bf16 rel {hf_rel:.2e} "
+        f"top-1 {hf_top1:.4f}"
     )
-    assert rel < 2e-2
-    assert top1 >= 0.99
+    assert rel < max(2e-2, 1.5 * hf_rel)  # the families' bound (test_turbo_families_gpu)
+    assert top1 >= min(0.99, hf_top1 - 0.005)

@@ -72,6 +72,15 @@ def bf16_against_float32(
     ones, against transformers in float32 on the same weights: (turbo's relative error,
     its top-1 agreement, transformers' bf16 relative error, its top-1 agreement)."""
     ours = torch.cat(all_logits(turbo, prompts, new_pool(turbo, 512, 16)))
+    return against_float32(ours, model_dir, prompts)
+
+
+def against_float32(
+    ours: torch.Tensor, model_dir: Path, prompts: list[list[int]]
+) -> tuple[float, float, float, float]:
+    """bf16_against_float32 for logits computed elsewhere (`ours`: every position of
+    `prompts`, concatenated)."""
+    ours = ours.to(CUDA)
     refs = {}
     for dtype in (torch.float32, BF16):
         model = reference(model_dir, dtype)

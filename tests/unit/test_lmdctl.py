@@ -92,3 +92,26 @@ def test_status_shows_each_gpu_engines_part_of_the_memory_plan() -> None:
         "3840",
     ]  # fmt: skip
     assert len(lines) == 3  # a worker without a GPU plan has no row
+
+
+def test_a_tensor_parallel_workers_ranks_have_rows_for_their_gpus() -> None:
+    """Rank 1's budget and weights are its own; the rest replays rank 0's steps."""
+    gib = 1 << 30
+    memory = {
+        "device": "cuda:0",
+        "device_total_bytes": 140 * gib,
+        "budget_bytes": 120 * gib,
+        "weight_bytes": 65 * gib,
+        "activation_bytes": 2 * gib,
+        "graph_bytes": gib // 2,
+        "kv_bytes": 50 * gib,
+        "kv_blocks": 6400,
+    }
+    rank = {**memory, "device": "cuda:1", "budget_bytes": 119 * gib, "weight_bytes": 64 * gib}
+    worker = {"name": "hybrid-0", "memory": memory, "rank_memory": [rank]}
+    lines = memory_table([worker]).splitlines()
+    assert lines[2].split()[:2] == ["hybrid-0", "cuda:0"]
+    assert lines[3].split() == [
+        "hybrid-0/r1", "cuda:1", "140.0GiB", "119.0GiB", "64.0GiB", "2.0GiB", "512.0MiB",
+        "50.0GiB", "6400",
+    ]  # fmt: skip

@@ -147,8 +147,11 @@ def split_model(model: PreTrainedModel, tp: TensorParallel) -> None:
         for pattern, style in patterns
         if pattern.match(name)
     }
+    embed = base.get_input_embeddings()
     for name, style in sorted(targets, key=lambda t: -t[0].count(".")):
         module = base.get_submodule(name)
+        if module is embed:
+            continue  # split below, whatever style the plan names (embedding_rowwise)
         if style in COLWISE and isinstance(module, nn.Linear):
             _keep_rows(module, tp, f"{name} (out features)")
         elif style in ROWWISE and isinstance(module, nn.Linear):
@@ -164,7 +167,6 @@ def split_model(model: PreTrainedModel, tp: TensorParallel) -> None:
                 f"{arch}: {name} ({style}, {type(module).__name__}) cannot be split for "
                 "tensor parallelism by the torch backend"
             )
-    embed = base.get_input_embeddings()
     if not isinstance(embed, nn.Embedding):
         raise ParallelError(f"{arch}: its embedding is not an nn.Embedding")
     head: Any = model.get_output_embeddings()  # type: ignore[no-untyped-call]
