@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Tensor parallelism (issue 23) on a machine of two or more GPUs (the device tool's
 # nvidia-h100-x2 / nvidia-h200-x2; ask `status` first):
-#   scripts/gpu-tp.sh tests
+#   scripts/gpu-tp.sh tests [PYTEST ARGS]
 #       tests/gpu/test_tensor_parallel_gpu.py (TP 2 = TP 1 in float32: turbo eager, turbo
-#       with CUDA graphs, torch; bf16 TP 2 against transformers float32) and the CPU TP
-#       tests compiled on the GPU (test_turbo_parallel.py).
+#       with CUDA graphs, torch; bf16 TP 2 against transformers float32) and the torch
+#       backend's CPU TP test on that machine's transformers (test_torch_parallel.py).
 #   scripts/gpu-tp.sh step SHAPE [BATCHES]
 #       scripts/tp_step.py: the decode step (CUDA graphs) on TP 1 and TP 2, batch 1 and
 #       64 by default, SHAPE a scripts/random_models.py shape (llama3-8b-shape).
@@ -20,7 +20,7 @@ what=$1
 nvidia-smi topo -m >"$out/topology.txt" 2>&1
 if [[ $what == tests ]]; then
   timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest -q -ra -p no:cacheprovider --timeout 500 -s \
-    tests/gpu/test_tensor_parallel_gpu.py tests/unit/test_torch_parallel.py 2>&1 \
+    tests/gpu/test_tensor_parallel_gpu.py tests/unit/test_torch_parallel.py "${@:2}" 2>&1 \
     | grep -v "^Writing\|^Loading" | tee "$out/tp-tests.txt" | tail -25
   exit 0
 fi

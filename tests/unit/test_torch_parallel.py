@@ -79,3 +79,20 @@ def test_a_rank_takes_its_share_or_says_why() -> None:
         tp.part(3, "kv heads")
     with pytest.raises(ValueError, match="not a tensor-parallel rank"):
         TensorParallel(2, 2)
+
+
+def test_ranks_that_cannot_each_hold_the_checkpoint_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers loads the whole checkpoint in every rank: N copies must fit the host."""
+    import psutil
+
+    from lmd.engine.torch_backend.parallel import check_host_memory
+
+    model = save_tiny_llama(tmp_path / "model")
+    weights = (model / "model.safetensors").stat().st_size
+    memory = psutil.virtual_memory()._replace(available=weights * 2 - 1)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory)
+    check_host_memory(model, TensorParallel(0, 1))
+    with pytest.raises(ParallelError, match=r"its 2 ranks each load the whole checkpoint"):
+        check_host_memory(model, TensorParallel(0, 2))

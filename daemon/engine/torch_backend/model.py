@@ -35,7 +35,7 @@ from lmd.engine.torch_backend.host_memory import keep_freed_memory
 from lmd.engine.torch_backend.linear import can_pack, pack_linears
 from lmd.engine.torch_backend.logits import float_logits
 from lmd.engine.torch_backend.norm import fuse_rms_norms
-from lmd.engine.torch_backend.parallel import split_model
+from lmd.engine.torch_backend.parallel import check_host_memory, split_model
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,11 @@ class TorchBackend(GraphedDecode):
                 "serves attention-only models"
             )
         AttentionInterface.register(ATTENTION_NAME, paged_attention)
+        if tp.enabled:
+            try:
+                check_host_memory(model_dir, tp)
+            except ParallelError as exc:
+                raise BackendError(f"tensor parallelism {tp.size}: {exc}") from None
         model = AutoModelForCausalLM.from_pretrained(
             str(model_dir),
             dtype=dtype,

@@ -22,8 +22,10 @@ Anything else in a plan (sequence parallel, expert parallel) is refused with its
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any, cast
 
+import psutil
 import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
@@ -219,3 +221,21 @@ def _split_experts(
         module.intermediate_dim = part.stop - part.start
     for name in (f"{layer}.gate_up_proj", f"{layer}.down_proj"):
         params.pop(name, None)
+
+
+def check_host_memory(model_dir: Path, tp: TensorParallel) -> None:
+    """ParallelError when the group's ranks cannot each hold the whole checkpoint in host
+    memory at once: transformers loads all of it in every rank, which then keeps its
+    part (two ranks of a 138 GB model on a 256 GiB host were killed by the kernel's
+    OOM killer, again at every restart). turbo's ranks read only their part."""
+    weights = sum(
+        f.stat().st_size for f in model_dir.iterdir() if f.suffix in (".safetensors", ".bin")
+    )
+    available = psutil.virtual_memory().available
+    if weights * tp.size > available:
+        raise ParallelError(
+            f"its {tp.size} ranks each load the whole checkpoint ({weights / 2**30:.1f} GiB) "
+            f"into host memory, {weights * tp.size / 2**30:.1f} GiB in all, and the host has "
+            f"{available / 2**30:.1f} GiB available; use backend turbo, whose ranks read "
+            "only their part"
+        )
