@@ -7,6 +7,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -132,9 +133,17 @@ def test_a_decode_worker_added_on_cpu_takes_requests_and_the_pools_stay_in_the_c
             got: int = d.worker(name).get("migration", {}).get("received", 0)
             return got
 
+        def idle() -> bool:  # as published: a heartbeat's figure lags (routing.py)
+            return all(d.worker(n).get("running") == 0 for n in before)
+
         before = {n: received(n) for n in ("decode-0", "decode-1")}
         with httpx.Client(base_url=d.url, timeout=60) as http:
             for i in range(8):  # one at a time: every pool idle between them
+                # Idle in what the router sees, too: a heartbeat from the request before
+                # can still say running 1 (then the other worker took every request: a
+                # CI run saw decode-0 1, decode-1 7).
+                wait_until(idle, 10, "both decode workers idle")
+                time.sleep(0.6)  # the supervisor's view of that heartbeat reaches the router
                 body = {"model": MODEL, "prompt": f"one {i}", "max_tokens": 4, "ignore_eos": True}
                 r = http.post("/v1/completions", json=body)
                 assert r.status_code == 200, r.text
