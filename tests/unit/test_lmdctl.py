@@ -66,19 +66,21 @@ def test_a_closed_stdout_exits_141_without_a_traceback() -> None:
     assert out.returncode == EXIT_BROKEN_PIPE == 141
 
 
+GIB = 1 << 30
+MEMORY = {  # a GPU engine's part of its device's plan, as status carries it
+    "device": "cuda:0",
+    "device_total_bytes": 80 * GIB,
+    "budget_bytes": 50 * GIB,
+    "weight_bytes": 15 * GIB,
+    "activation_bytes": 2 * GIB,
+    "graph_bytes": GIB // 2,
+    "kv_bytes": 30 * GIB,
+    "kv_blocks": 3840,
+}
+
+
 def test_status_shows_each_gpu_engines_part_of_the_memory_plan() -> None:
-    gib = 1 << 30
-    memory = {
-        "device": "cuda:0",
-        "device_total_bytes": 80 * gib,
-        "budget_bytes": 50 * gib,
-        "weight_bytes": 15 * gib,
-        "activation_bytes": 2 * gib,
-        "graph_bytes": gib // 2,
-        "kv_bytes": 30 * gib,
-        "kv_blocks": 3840,
-    }
-    worker = {"name": "decode-0", "role": "decode", "state": "running", "memory": memory}
+    worker = {"name": "decode-0", "role": "decode", "state": "running", "memory": MEMORY}
     cpu = {"name": "api-0", "role": "api", "state": "running"}
     text = memory_table([worker, cpu])
     lines = text.splitlines()
@@ -96,22 +98,11 @@ def test_status_shows_each_gpu_engines_part_of_the_memory_plan() -> None:
 
 def test_a_tensor_parallel_workers_ranks_have_rows_for_their_gpus() -> None:
     """Rank 1's budget and weights are its own; the rest replays rank 0's steps."""
-    gib = 1 << 30
-    memory = {
-        "device": "cuda:0",
-        "device_total_bytes": 140 * gib,
-        "budget_bytes": 120 * gib,
-        "weight_bytes": 65 * gib,
-        "activation_bytes": 2 * gib,
-        "graph_bytes": gib // 2,
-        "kv_bytes": 50 * gib,
-        "kv_blocks": 6400,
-    }
-    rank = {**memory, "device": "cuda:1", "budget_bytes": 119 * gib, "weight_bytes": 64 * gib}
-    worker = {"name": "hybrid-0", "memory": memory, "rank_memory": [rank]}
+    rank = {**MEMORY, "device": "cuda:1", "budget_bytes": 49 * GIB, "weight_bytes": 14 * GIB}
+    worker = {"name": "hybrid-0", "memory": MEMORY, "rank_memory": [rank]}
     lines = memory_table([worker]).splitlines()
     assert lines[2].split()[:2] == ["hybrid-0", "cuda:0"]
     assert lines[3].split() == [
-        "hybrid-0/r1", "cuda:1", "140.0GiB", "119.0GiB", "64.0GiB", "2.0GiB", "512.0MiB",
-        "50.0GiB", "6400",
+        "hybrid-0/r1", "cuda:1", "80.0GiB", "49.0GiB", "14.0GiB", "2.0GiB", "512.0MiB",
+        "30.0GiB", "3840",
     ]  # fmt: skip
