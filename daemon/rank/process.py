@@ -58,7 +58,13 @@ def rank_main(spec_dict: dict[str, Any]) -> None:
     die_with_parent(spec.leader_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 stops it
     configure_logging(spec.config.log_level, spec.name)
-    sys.exit(RankProcess(spec).run())
+    code = RankProcess(spec).run()
+    if spec.device != "cpu":
+        # NCCL's teardown (destroy_process_group, or the interpreter's exit) can wait on a
+        # rank that is gone or stopping too (spawn.worker_main): leave without it.
+        logging.shutdown()
+        os._exit(code)
+    sys.exit(code)
 
 
 class RankProcess:
@@ -98,7 +104,8 @@ class RankProcess:
                 self.memory.close()
             if self.ledger is not None:
                 self.ledger.remove(spec.own.name)
-            leave_group()
+            if spec.device == "cpu":  # gloo; NCCL's is skipped (rank_main)
+                leave_group()
         ctx.destroy(linger=1000)
         return 0
 
