@@ -12,6 +12,11 @@
 #       lmdd serve --mode hybrid --tp TP on the shape, then lmd-bench serve at $RUNS
 #       (gpu-env.sh serve_runs: 512 in / 256 out, ignore_eos). llama3-70b-shape (141 GB,
 #       written streamed into /dev/shm) needs two H200s: kind nvidia-h200-x2.
+#   scripts/gpu-tp.sh prepare SHAPE
+#       only write the shape's random checkpoint.
+#   scripts/gpu-tp.sh big
+#       one device call of ~9 minutes: the 70B shape written in the background while the
+#       8B shape serves on TP 2 ($OUT/8b), then the 70B served on TP 2 with turbo.
 # Carry .whl and .gpu-assets. Results in $OUT (tp-tests.txt, tp-step.jsonl, tp-serve-*).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +27,19 @@ if [[ $what == tests ]]; then
   timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest -q -ra -p no:cacheprovider --timeout 500 -s \
     tests/gpu/test_tensor_parallel_gpu.py tests/unit/test_torch_parallel.py "${@:2}" 2>&1 \
     | grep -v "^Writing\|^Loading" | tee "$out/tp-tests.txt" | tail -25
+  exit 0
+fi
+if [[ $what == big ]]; then
+  "$0" prepare llama3-70b-shape >"$out/write70.log" 2>&1 &
+  writer=$!
+  RUNS=32:128 timeout 200 "$0" serve llama3-8b-shape 2
+  pkill -f "[l]md serve"
+  mkdir -p "$out/8b" && mv "$out"/tp-serve* "$out"/serve-c* "$out/8b/"
+  wait $writer
+  echo "70B written after $SECONDS s"
+  RUNS=${RUNS_70B:-16:64 64:128} timeout 380 "$0" serve llama3-70b-shape 2 \
+    --decode-backend turbo --startup-timeout 900
+  pkill -f "[l]md serve"
   exit 0
 fi
 python3 setup.py -q build_ext --inplace 2>&1 | tail -3  # lmdd imports lmd._native
@@ -36,6 +54,7 @@ model=$dir/$shape
 [[ -f $model/config.json ]] || python3 scripts/random_models.py "$shape" --vocab 49152 \
   --tokenizer .gpu-assets/smollm2-tokenizer --out-dir "$dir" 2>&1 |
   grep -v "^Writing\|^Loading" | tail -3
+[[ $what == prepare ]] && exit 0
 if [[ $what == step ]]; then
   timeout 560 python3 scripts/tp_step.py "$model" --tp 1,2 --batches "${3:-1,64}" \
     2>"$out/tp-step-stderr.txt" | tee -a "$out/tp-step.jsonl"
