@@ -175,7 +175,14 @@ def test_kv_migrates_between_groups_of_different_sizes(
 
     wait_until(migrated, 10, "every prompt's KV migrated")
     wait_until(lambda: pools_free(daemon, "prefill-0", "decode-0"), 10, "every block free")
-    ranks = [p for name in ("prefill-0", "decode-0") for p in rank_pids_or_none(daemon, name)]
+    decodes = ["decode-0"]
+    if decode_tp == 2:  # a decode worker added by scale is a group of its own
+        lmdctl(daemon, "scale", "decode", "2")
+        wait_until(lambda: daemon.worker("decode-1").get("ranks"), 60, "decode-1's group up")
+        assert greedy(daemon, "prefill-0", decode="decode-1") == reference
+        wait_until(lambda: pools_free(daemon, "decode-1"), 10, "decode-1's blocks free")
+        decodes.append("decode-1")
+    ranks = [p for name in ("prefill-0", *decodes) for p in rank_pids_or_none(daemon, name)]
     daemon.close()
     wait_until(lambda: not any(alive(p) for p in ranks), 10, "every rank gone with the daemon")
 
