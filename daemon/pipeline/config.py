@@ -123,7 +123,10 @@ class _EngineSettings(ABC):
 
     def __post_init__(self) -> None:
         if self.tp != 1:
-            raise ValueError(f"tp must be 1: lmd has no tensor parallelism yet, got {self.tp!r}")
+            raise ValueError(
+                f"tp must be 1: the in-process pipeline runs on one device; tensor "
+                f"parallelism runs in the daemon (lmdd serve --tp N), got {self.tp!r}"
+            )
         device = self.device_type
         if device is not None and (
             not isinstance(device, str) or device.split(":")[0] not in ("cuda", "cpu")
