@@ -146,6 +146,8 @@ class RankGroup:
             self.wait_ready()
         if self.dead is not None:
             raise RankError(self.dead)
+        if self._stopping:  # a pool dropped after stop() (a pipeline's, collected later)
+            raise RankError(f"the group of {self.worker} is stopped")
         message = encode_op(header, frames)
         for spec, sock in zip(self.specs, self._ops, strict=True):
             try:

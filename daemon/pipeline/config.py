@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
-from lmd.engine.config import EngineConfig
+from lmd.engine.config import MAX_TP, EngineConfig
 from lmd.engine.sequence import SamplingParams
 from lmd.tokenizer.text.chat_template import LmdeployChatTemplate
 
@@ -122,11 +122,8 @@ class _EngineSettings(ABC):
     DEFAULT_MAX_BATCH_SIZE: ClassVar[int] = 128
 
     def __post_init__(self) -> None:
-        if self.tp != 1:
-            raise ValueError(
-                f"tp must be 1: the in-process pipeline runs on one device; tensor "
-                f"parallelism runs in the daemon (lmdd serve --tp N), got {self.tp!r}"
-            )
+        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or not 1 <= self.tp <= MAX_TP:
+            raise ValueError(f"tp must be an integer from 1 to {MAX_TP}, got {self.tp!r}")
         device = self.device_type
         if device is not None and (
             not isinstance(device, str) or device.split(":")[0] not in ("cuda", "cpu")

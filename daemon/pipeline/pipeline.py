@@ -42,6 +42,7 @@ from lmd.pipeline.config import (
     TurbomindEngineConfig,
 )
 from lmd.pipeline.engine_thread import EngineThread, Item
+from lmd.pipeline.group import PipelineGroup
 from lmd.pipeline.outputs import RequestOutput, Response
 from lmd.pipeline.prompts import Prompter, Tokenized, as_list
 from lmd.pipeline.session import Session
@@ -93,19 +94,24 @@ class Pipeline:
             backend = "torch"  # what auto picks on a CPU, without its warning
         model = resolve_model(model_path)
         self.prompter = Prompter(model.path, chat_template_config)
-        engine = Engine.build(
-            model.path,
-            settings.engine_config(),
-            device=device,
-            dtype=settings.dtype,
-            backend=backend,
-        )
+        self._group: PipelineGroup | None = None
+        if settings.tp > 1:  # ranks 1..N-1 in processes of their own (group.py)
+            self._group = PipelineGroup(model.path, settings, device, backend)
+            engine = self._group.engine
+        else:
+            engine = Engine.build(
+                model.path,
+                settings.engine_config(),
+                device=device,
+                dtype=settings.dtype,
+                backend=backend,
+            )
         self.prompter.vocab_size = engine.backend.vocab_size
         self.model_name = model.name
         self.session_len = int(engine.config.session_len or 0)  # resolved by the engine
         self._engine = EngineThread(engine)
         # An unclosed pipeline is closed when it is collected (or at exit).
-        self._finalizer = weakref.finalize(self, _close, self._engine)
+        self._finalizer = weakref.finalize(self, _close, self._engine, self._group)
 
     # Life cycle --------------------------------------------------------------------------
 
@@ -120,8 +126,11 @@ class Pipeline:
         self.close()
 
     def stats(self) -> dict[str, Any]:
-        """The engine's KV blocks (total, free), running and waiting requests."""
+        """The engine's KV blocks (total, free), running and waiting requests; with tp >
+        1, `ranks`: the other ranks' processes (rank, pid, device)."""
         stats: dict[str, Any] = self._engine.call(lambda engine: engine.stats()).result()
+        if self._group is not None:
+            stats["ranks"] = self._group.ranks()
         return stats
 
     @property
@@ -325,8 +334,10 @@ def _has_hidden(backend: Backend) -> bool:
     return type(backend).forward_hidden is not Backend.forward_hidden
 
 
-def _close(engine: EngineThread) -> None:
+def _close(engine: EngineThread, group: PipelineGroup | None) -> None:
     engine.close()
+    if group is not None:
+        group.close()
     gc.collect()  # the model and pool may sit in reference cycles (transformers modules)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

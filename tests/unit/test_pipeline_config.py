@@ -76,7 +76,8 @@ def test_bad_generation_config_values(kwargs: dict[str, Any], message: str) -> N
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"tp": 2}, "tp must be 1"),
+        ({"tp": 0}, "tp must be an integer from 1 to 8"),
+        ({"tp": 2.0}, "tp must be an integer from 1 to 8"),
         ({"device_type": "tpu"}, "device_type must be 'cuda', 'cuda:N', 'cpu' or None"),
         ({"block_size": 0}, "block_size must be an integer >= 1"),
         ({"cache_max_entry_count": 1.5}, "cache_max_entry_count as a fraction"),
