@@ -22,6 +22,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Coroutine
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from lmd.pipeline.config import EngineSettings
 
 T = TypeVar("T")
+SERVE_KEYS = frozenset(f.name for f in fields(ServeConfig))
 
 
 class PipelineGroup:
@@ -55,14 +57,8 @@ class PipelineGroup:
             dtype=settings.dtype,
             decode_backend=backend,
             tp=settings.tp,
-            block_size=engine.block_size,
-            max_batch_size=engine.max_batch_size,
-            max_prefill_token_num=engine.max_prefill_token_num,
-            session_len=engine.session_len,
-            cache_max_entry_count=engine.cache_max_entry_count,
-            enable_prefix_caching=engine.enable_prefix_caching,
-            quantization=engine.quantization,
-            kv_cache_dtype=engine.kv_cache_dtype,
+            # The engine settings: the daemon's keys have their names (ServeConfig.engine_on).
+            **{f.name: getattr(engine, f.name) for f in fields(engine) if f.name in SERVE_KEYS},
         )
         self.runtime_dir = config.runtime_dir
         self.loaded: Loaded | None = None
