@@ -8,7 +8,6 @@ FastAPI, the engine roles alone need torch.
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import sys
@@ -18,7 +17,7 @@ import uvloop
 from setproctitle import setproctitle
 
 from lmd.config import ServeConfig
-from lmd.parent import die_with_parent
+from lmd.parent import die_with_parent, exit_without_teardown
 from lmd.protocol.roles import Role
 from lmd.roles import WorkerSpec
 from lmd.worker import Worker, configure_logging
@@ -62,11 +61,6 @@ def worker_main(spec_dict: dict[str, Any]) -> None:
     configure_logging(config.log_level, spec.name)
     worker = worker_class(spec.role)(spec, config)
     code: int = uvloop.run(worker.run())
-    if spec.tp > 1:
-        # Rank 0 of a group, its ranks stopped or dead: NCCL's teardown at interpreter exit
-        # waits on them (seen on two H200s: 5 s and a SIGKILL at a clean stop, minutes or
-        # a SIGABRT after a failed start), so skip it; the OS frees the rest (pools are
-        # memfds, ledger entries name a pid).
-        logging.shutdown()
-        os._exit(code)
+    if spec.tp > 1:  # rank 0 of a group
+        exit_without_teardown(code)
     sys.exit(code)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +31,13 @@ from setproctitle import setproctitle
 from lmd.engine.backends import load_backend
 from lmd.engine.group_backend import RankRunner, decode_op, encode_op
 from lmd.engine.memory_profile import cap_allocator
-from lmd.engine.parallel import join_group, leave_group
+from lmd.engine.parallel import join_group
 from lmd.hybrid.gpu_budget import claim_gpu_budget
 from lmd.hybrid.pool_ledger import PoolLedger
 from lmd.migration.base import PoolMemory
 from lmd.migration.shards import BlockLayout, Shard
 from lmd.migration.transports import pool_memory
-from lmd.parent import die_with_parent
+from lmd.parent import die_with_parent, exit_without_teardown
 from lmd.protocol.roles import Role
 from lmd.rank.copies import Copier
 from lmd.rank.spec import RankSpec
@@ -58,13 +57,7 @@ def rank_main(spec_dict: dict[str, Any]) -> None:
     die_with_parent(spec.leader_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 stops it
     configure_logging(spec.config.log_level, spec.name)
-    code = RankProcess(spec).run()
-    if spec.device != "cpu":
-        # NCCL's teardown (destroy_process_group, or the interpreter's exit) can wait on a
-        # rank that is gone or stopping too (spawn.worker_main): leave without it.
-        logging.shutdown()
-        os._exit(code)
-    sys.exit(code)
+    exit_without_teardown(RankProcess(spec).run())
 
 
 class RankProcess:
@@ -104,8 +97,6 @@ class RankProcess:
                 self.memory.close()
             if self.ledger is not None:
                 self.ledger.remove(spec.own.name)
-            if spec.device == "cpu":  # gloo; NCCL's is skipped (rank_main)
-                leave_group()
         ctx.destroy(linger=1000)
         return 0
 

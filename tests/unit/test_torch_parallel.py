@@ -87,12 +87,13 @@ def test_ranks_that_cannot_each_hold_the_checkpoint_are_refused(
     """transformers loads the whole checkpoint in every rank: N copies must fit the host."""
     import psutil
 
+    from lmd.engine.memory_needs import weight_bytes
     from lmd.engine.torch_backend.parallel import check_host_memory
 
     model = save_tiny_llama(tmp_path / "model")
-    weights = (model / "model.safetensors").stat().st_size
+    weights = weight_bytes(model, torch.float32)
     memory = psutil.virtual_memory()._replace(available=weights * 2 - 1)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: memory)
-    check_host_memory(model, TensorParallel(0, 1))
+    check_host_memory(model, TensorParallel(0, 1), torch.float32)
     with pytest.raises(ParallelError, match=r"its 2 ranks each load the whole checkpoint"):
-        check_host_memory(model, TensorParallel(0, 2))
+        check_host_memory(model, TensorParallel(0, 2), torch.float32)

@@ -84,7 +84,7 @@ class TorchBackend(GraphedDecode):
         AttentionInterface.register(ATTENTION_NAME, paged_attention)
         if tp.enabled:
             try:
-                check_host_memory(model_dir, tp)
+                check_host_memory(model_dir, tp, dtype)
             except ParallelError as exc:
                 raise BackendError(f"tensor parallelism {tp.size}: {exc}") from None
         model = AutoModelForCausalLM.from_pretrained(

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from lmd.engine.memory_needs import weight_bytes
 from lmd.engine.parallel import ParallelError, TensorParallel
 
 COLWISE = {"colwise", "colwise_rep", "local_colwise"}
@@ -223,14 +224,12 @@ def _split_experts(
         params.pop(name, None)
 
 
-def check_host_memory(model_dir: Path, tp: TensorParallel) -> None:
-    """ParallelError when the group's ranks cannot each hold the whole checkpoint in host
-    memory at once: transformers loads all of it in every rank, which then keeps its
-    part (two ranks of a 138 GB model on a 256 GiB host were killed by the kernel's
+def check_host_memory(model_dir: Path, tp: TensorParallel, dtype: torch.dtype) -> None:
+    """ParallelError when the group's ranks cannot each hold the whole model (as `dtype`)
+    in host memory at once: transformers loads all of it in every rank, which then keeps
+    its part (two ranks of a 138 GB model on a 256 GiB host were killed by the kernel's
     OOM killer, again at every restart). turbo's ranks read only their part."""
-    weights = sum(
-        f.stat().st_size for f in model_dir.iterdir() if f.suffix in (".safetensors", ".bin")
-    )
+    weights = weight_bytes(model_dir, dtype)
     available = psutil.virtual_memory().available
     if weights * tp.size > available:
         raise ParallelError(
