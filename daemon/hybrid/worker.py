@@ -49,6 +49,7 @@ from lmd.hybrid.clients import Clients
 from lmd.hybrid.loading import load
 from lmd.hybrid.rank_group import RankGroup
 from lmd.protocol import Message, Role
+from lmd.roles import gpu_name
 from lmd.stage_times import StageClock
 from lmd.worker import Worker
 
@@ -123,7 +124,8 @@ class EngineWorker(Worker):
             info["transport"] = self.memory.transport.name
         if self.ranks is not None:
             info["tp"] = self.spec.tp
-            info["ranks"] = [{"rank": 0, "pid": os.getpid(), "device": str(b.device)}]
+            rank0 = gpu_name(str(b.device)) or str(b.device)  # cuda:0, as ranks name theirs
+            info["ranks"] = [{"rank": 0, "pid": os.getpid(), "device": rank0}]
             info["ranks"] += self.ranks.ranks()
         return info
 
