@@ -64,6 +64,29 @@ def make_pool(
     return kv, scales, 2 * kv_heads * (head_dim + 2)
 
 
+# (keys per tile, warps, stages) tried by --sweep
+SWEEP = [(bn, w, s) for bn in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3, 4)]
+
+
+def sweep(call: Callable[..., object], iters: int, nbytes: int, base: float) -> None:
+    """Graph time of every tiling in SWEEP, fastest first, the same call otherwise."""
+    rows = []
+    ref = call().float()  # type: ignore[attr-defined]
+    for tiles in SWEEP:
+        try:
+            err = float((call(tiles=tiles).float() - ref).norm() / ref.norm())  # type: ignore[attr-defined]
+            if err > 1e-2:
+                print(f"      tiles {tiles}: WRONG, rel err {err:.1e}")
+                continue
+            us = time_us(partial(call, tiles=tiles), iters, graphed=True)
+        except Exception as exc:  # a tiling that does not compile is a result too
+            print(f"      tiles {tiles}: {type(exc).__name__} {str(exc)[:80]}")
+            continue
+        rows.append((us, tiles))
+    for us, tiles in sorted(rows)[:6]:
+        print(f"      tiles {tiles}: {us:9.1f} us {nbytes / us / 1e3:7.0f} GB/s {base / us:6.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", default="1,64,256")
@@ -74,6 +97,9 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--kinds", default="bf16,int8,fp8")
+    parser.add_argument(
+        "--sweep", action="store_true", help="also every tiling of SWEEP (graph times)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kv_quant_bench needs a CUDA device")
@@ -106,6 +132,8 @@ def main() -> None:
             gbs = batch * args.context * token_bytes / graph / 1e3
             print(f"{batch:>5} {kind:>5} {splits:>6} {eager:>9.1f} {graph:>9.1f} "
                   f"{gbs:>7.0f} {base / graph:>7.2f}x")  # fmt: skip
+            if args.sweep:
+                sweep(call, args.iters, batch * args.context * token_bytes, base)
             del kv, scales
 
 

@@ -190,6 +190,7 @@ def decode_attention(
     window: int = 0,
     num_splits: int = 1,
     kv_scales: Tensor | None = None,
+    tiles: tuple[int, int, int] | None = None,
 ) -> Tensor:
     """Attention of one new token per sequence over its paged context.
 
@@ -198,7 +199,8 @@ def decode_attention(
     sequence in the pool including the new one (0 = a padding row: output zeros).
     Returns [B, H, D] in q's dtype. num_splits: a power of two (see decode_splits).
     kv_scales: None, or with kv int8 | float8_e4m3fn the scales view [N, L, 2, S, Hkv]
-    float16 of the same quantized pool (kv_quant.pool_views).
+    float16 of the same quantized pool (kv_quant.pool_views). tiles: (keys per tile,
+    warps, stages) instead of the defaults (scripts/kv_quant_bench.py --sweep).
     """
     num_seqs, num_heads, head_dim = q.shape
     _, _, _, block_size, num_kv_heads, kv_dim = kv.shape
@@ -215,6 +217,9 @@ def decode_attention(
     if num_seqs == 0:
         return out
     block_d = max(16, triton.next_power_of_2(head_dim))
+    # Codes go through a conversion before each dot: half the warps, twice the programs
+    # per SM, hide it better (H100, Llama-3-8B heads, 1k context: up to 30%).
+    block_n, num_warps, num_stages = tiles or (BLOCK_N, 4 if kv_scales is None else 2, 2)
     if num_splits > 1:
         part_out = torch.empty(
             num_seqs * num_heads * num_splits, block_d, dtype=torch.float32, device=q.device
@@ -247,12 +252,10 @@ def decode_attention(
         NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype),
-        # Codes go through a conversion before each dot: half the warps, twice the
-        # programs per SM, hide it better (H100, Llama-3-8B heads, 1k context: up to 30%).
-        num_warps=4 if kv_scales is None else 2,
-        num_stages=2,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](
