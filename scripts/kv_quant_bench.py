@@ -1,7 +1,8 @@
 """Decode attention over a bf16, an int8 and an fp8 (e4m3) KV pool (kernels/kv_quant.py)
 at Llama-3-8B's heads: time per call and the KV bytes it reads per second.
 
-    python3 scripts/kv_quant_bench.py [--batches 1,64,256] [--context 1024]
+    python3 scripts/kv_quant_bench.py [--batches 1,64,256] [--context 1024] [--orders]
+                                      [--sweep]
 
 CUDA only. Each sequence holds `context` tokens in shuffled blocks of one layer; q is
 bf16. "eager" is the mean of `--iters` back-to-back launches between two CUDA events
@@ -98,6 +99,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--kinds", default="bf16,int8,fp8")
     parser.add_argument(
+        "--orders", action="store_true", help="also the grid with KV heads first (graph)"
+    )
+    parser.add_argument(
         "--sweep", action="store_true", help="also every tiling of SWEEP (graph times)"
     )
     args = parser.parse_args()
@@ -132,6 +136,11 @@ def main() -> None:
             gbs = batch * args.context * token_bytes / graph / 1e3
             print(f"{batch:>5} {kind:>5} {splits:>6} {eager:>9.1f} {graph:>9.1f} "
                   f"{gbs:>7.0f} {base / graph:>7.2f}x")  # fmt: skip
+            if args.orders:  # a sequence's KV heads side by side
+                heads = time_us(partial(call, heads_first=True), args.iters, graphed=True)
+                gbs = batch * args.context * token_bytes / heads / 1e3
+                print(f"{'':>5} {'':>5} {'heads first':>16} {heads:>9.1f} "
+                      f"{gbs:>7.0f} {base / heads:>7.2f}x")  # fmt: skip
             if args.sweep:
                 sweep(call, args.iters, batch * args.context * token_bytes, base)
             del kv, scales

@@ -12,6 +12,7 @@ import os
 import random
 import sys
 from dataclasses import dataclass
+from functools import partial
 
 import pytest
 import torch
@@ -43,6 +44,7 @@ if not ON_CUDA:
 pytest.importorskip("triton")
 
 from lmd.engine.turbo import kernels  # noqa: E402
+from lmd.engine.turbo.kernels import kv_quant  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 DTYPES = [torch.float16, torch.bfloat16] if ON_CUDA else [torch.float32, torch.float16]
@@ -323,6 +325,38 @@ def check_decode(case: DecodeCase, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("case", DECODE_CASES)
 def test_decode_attention(case: DecodeCase, dtype: torch.dtype) -> None:
     check_decode(case, dtype)
+
+
+@pytest.mark.parametrize("kind", ["float16", "int8"])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_attention_in_either_grid_order(kind: str, splits: int) -> None:
+    """A sequence's KV heads launched side by side (heads_first) compute what the
+    default order does, to the bit: the same programs, numbered otherwise."""
+    contexts = [130, 7, 0, 64]
+    shape = Attention(9, 3, 64, 16)
+    num_blocks = sum(-(-c // 16) for c in contexts) + 3
+    scales = None
+    if kind == "int8":
+        _, kv, scales = kv_quant.quantized_pool(num_blocks, 2, 16, 3, 64, "int8", DEVICE)
+        codes, s = kv_quant.quantize_heads(torch.randn(kv.shape, device=DEVICE), "int8")
+        kv.copy_(codes)
+        scales.copy_(s)
+    else:
+        kv = shape.pool(num_blocks, 2, torch.float16)
+    _, tables = random_tables(contexts, 16, num_blocks, seed=5)
+    q = torch.randn(len(contexts), 9, 64, device=DEVICE).to(torch.float16)
+    call = partial(
+        kernels.decode_attention,
+        q,
+        kv,
+        layer=1,
+        block_tables=tables,
+        context_lens=torch.tensor(contexts, dtype=torch.int32, device=DEVICE),
+        scale=0.125,
+        num_splits=splits,
+        kv_scales=scales,
+    )
+    assert torch.equal(call(heads_first=True), call())
 
 
 @dataclass(frozen=True)

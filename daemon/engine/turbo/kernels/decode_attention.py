@@ -62,9 +62,16 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,  # grid (Hkv, B, splits) instead of (B, Hkv, splits)
 ):
-    seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
+    if HEADS_FIRST:
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1).to(tl.int64)
+        num_kv_heads = tl.num_programs(0)
+    else:
+        seq = tl.program_id(0).to(tl.int64)
+        kv_head = tl.program_id(1)
+        num_kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
     context = tl.load(context_lens_ptr + seq)
     # The query is the last token (position context - 1): every key before it is visible,
@@ -136,7 +143,7 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=omask)
     else:
         # part_out: [B, H, NUM_SPLITS, BLOCK_D] float32, part_lse: [B, H, NUM_SPLITS].
-        row = (seq * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
+        row = (seq * (num_kv_heads * GROUP) + heads) * NUM_SPLITS + split
         tl.store(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], out, mask=omask)
         lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=gmask)
@@ -191,6 +198,7 @@ def decode_attention(
     num_splits: int = 1,
     kv_scales: Tensor | None = None,
     tiles: tuple[int, int, int] | None = None,
+    heads_first: bool = False,
 ) -> Tensor:
     """Attention of one new token per sequence over its paged context.
 
@@ -201,6 +209,9 @@ def decode_attention(
     kv_scales: None, or with kv int8 | float8_e4m3fn the scales view [N, L, 2, S, Hkv]
     float16 of the same quantized pool (kv_quant.pool_views). tiles: (keys per tile,
     warps, stages) instead of the defaults (scripts/kv_quant_bench.py --sweep).
+    heads_first: launch a sequence's KV heads side by side (grid (Hkv, B, splits)): they
+    read the same slots, a key's heads being adjacent in the pool; not yet measured
+    against the default order (docs/benchmarks.md, quantization: `--orders`).
     """
     num_seqs, num_heads, head_dim = q.shape
     _, _, _, block_size, num_kv_heads, kv_dim = kv.shape
@@ -229,7 +240,8 @@ def decode_attention(
         )
     else:
         part_out = part_lse = out  # unused
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+    grid = (num_kv_heads, num_seqs) if heads_first else (num_seqs, num_kv_heads)
+    _decode_kernel[(*grid, num_splits)](
         q,
         kv,
         block_tables,
@@ -254,6 +266,7 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype),
+        HEADS_FIRST=heads_first,
         num_warps=num_warps,
         num_stages=num_stages,
     )
