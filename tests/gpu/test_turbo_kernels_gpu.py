@@ -22,6 +22,7 @@ from tests.unit.test_turbo_kernels import (
     check_decode,
     check_gemv,
     check_prefill,
+    check_vector_gemv,
     rel_err,
     rms_norm_ref,
 )
@@ -91,3 +92,22 @@ def test_silu_and_mul_at_serving_shapes(rows: int, width: int, dtype: torch.dtyp
 def test_gemv_at_decode_shapes(rows: int, n: int, k: int, dtype: torch.dtype) -> None:
     """Llama-3-8B's and SmolLM2's projections and lm_head at decode batches."""
     check_gemv(rows, n, k, dtype, bias=n == 960, out_float=n == 49152)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize(
+    ("n", "k", "prologue", "out_float"),
+    [
+        (6144, 4096, "norm", False),  # Llama-3-8B qkv after the input norm (layer 0)
+        (3072, 4096, "norm residual", False),  # qkv of one rank of two
+        (28672, 4096, "norm residual", False),  # gate|up
+        (4096, 14336, "silu", False),  # down
+        (4096, 7168, "gelu_tanh", False),  # down of one rank of two (Gemma's activation)
+        (128256, 4096, "norm residual", True),  # lm_head, float32 logits
+        (960, 576, "bias", False),  # SmolLM2 / Qwen2 qkv with a bias
+    ],
+)
+def test_vector_gemv_at_batch_one_shapes(
+    n: int, k: int, prologue: str, out_float: bool, dtype: torch.dtype
+) -> None:
+    check_vector_gemv(n, k, dtype, prologue, out_float)

@@ -20,9 +20,11 @@ from lmd.engine.turbo.kernels.moe import fused_moe
 from lmd.engine.turbo.kernels.norm import rms_norm
 from lmd.engine.turbo.kernels.prefill_attention import prefill_attention
 from lmd.engine.turbo.kernels.rotary import rotary_and_cache_write
+from lmd.engine.turbo.kernels.vector_gemv import Norm, vector_gemv
 
 __all__ = [
     "GEMV_MAX_ROWS",
+    "Norm",
     "cache_write",
     "decode_attention",
     "decode_splits",
@@ -34,6 +36,7 @@ __all__ = [
     "rotary_and_cache_write",
     "scales_of",
     "silu_and_mul",
+    "vector_gemv",
 ]
 
 

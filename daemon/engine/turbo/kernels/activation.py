@@ -18,21 +18,33 @@ def _silu_and_mul_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + width + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + width + cols, mask=mask, other=0.0)
+    y = gated(gate, up, GELU)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def gated(gate, up, GELU: tl.constexpr):
+    """act(gate) * up in float32 (kernels/vector_gemv.py also applies it to its input)."""
+    gate = gate.to(tl.float32)
     if GELU:  # 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2 / pi) (x + 0.044715 x^3)
         inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        y = gate * tl.sigmoid(2.0 * inner) * up
+        act = gate * tl.sigmoid(2.0 * inner)
     else:
-        y = gate * tl.sigmoid(gate) * up
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+        act = gate * tl.sigmoid(gate)
+    return act * up.to(tl.float32)
+
+
+def check_activation(activation: str) -> None:
+    if activation not in ("silu", "gelu_tanh"):
+        raise ValueError(f"activation {activation!r} is not silu or gelu_tanh")
 
 
 def silu_and_mul(x: Tensor, activation: str = "silu") -> Tensor:
     """x: [T, 2I] (gate | up, the fused projection's output) -> [T, I];
     `activation`: "silu" or "gelu_tanh"."""
-    if activation not in ("silu", "gelu_tanh"):
-        raise ValueError(f"activation {activation!r} is not silu or gelu_tanh")
+    check_activation(activation)
     num_rows, double = x.shape
     if double % 2 or x.stride(1) != 1:
         raise ValueError("silu_and_mul needs [T, 2I] with unit-stride rows")

@@ -1,0 +1,161 @@
+"""One row times a matrix, y = x @ W^T (+ b), with the kernel that makes x folded in:
+a batch-1 decode step's products, without tl.dot.
+
+kernels/gemv.py pads x to tl.dot's 16 rows; work done on x inside its loop then runs
+on 16 rows in every program and moves into the dot's operand layout every slice, which
+made an RMSNorm or activation folded into it 2.5-5x slower than the two kernels it
+replaced (docs/benchmarks.md). Here x is one vector: each program owns BLOCK_N output
+columns, streams their weight rows [BLOCK_N, K] in BLOCK_K slices (contiguous along K),
+multiplies them by the slice of x in float32 and sums along K once at the end. What
+makes x happens on BLOCK_K elements a slice:
+- `Norm`: x = RMSNorm(hidden + residual), the row's squares summed as it streams, the
+  accumulator scaled by 1/rms at the end; the normalized values rounded to the weights'
+  dtype before that scale (kernels.rms_norm rounds after it: the same size of error).
+  Program 0 writes the summed stream after its loop.
+- `activation`: x = act(gate) * up from the gate|up product, rounded as
+  kernels/activation.py rounds it (the same values).
+
+Not yet used by the model: scripts/gemv_bench.py times it against gemv + the separate
+kernels on a GPU first (docs/benchmarks.md, "The norms and the activation ...").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from lmd.engine.turbo.kernels.activation import check_activation, gated
+
+ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class Norm:
+    """x = RMSNorm(hidden + residual) with this weight; `summed` (hidden's shape)
+    receives hidden + residual. Without a residual, x = RMSNorm(hidden)."""
+
+    weight: Tensor  # [K]
+    eps: float
+    residual: Tensor | None = None  # [1, K]
+    summed: Tensor | None = None  # [1, K], written when residual is given
+
+
+@triton.jit
+def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    res_ptr,
+    summed_ptr,
+    norm_ptr,
+    eps,
+    n,
+    k,
+    stride_w,
+    HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    ACT: tl.constexpr,  # 0: x as given; 1: silu(gate) * up; 2: gelu_tanh(gate) * up
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = W rows
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < k
+        x = tl.load(x_ptr + ks, mask=kmask, other=0.0)  # [BLOCK_K]
+        if ACT != 0:  # x holds gate | up: the up half starts k columns on
+            up = tl.load(x_ptr + k + ks, mask=kmask, other=0.0)
+            x = gated(x, up, ACT == 2).to(w_ptr.dtype.element_ty)
+        x = x.to(tl.float32)
+        if NORM:
+            if HAS_RESIDUAL:
+                res = tl.load(res_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+                x = (x + res).to(res_ptr.dtype.element_ty).to(tl.float32)
+            squares += x * x
+            scale = tl.load(norm_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+            x = (x * scale).to(w_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(
+            w_ptr + cols[:, None].to(tl.int64) * stride_w + ks[None, :],
+            mask=(cols[:, None] < n) & kmask[None, :],
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_K]
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, axis=1)  # [BLOCK_N]
+    if NORM:
+        y *= tl.rsqrt(tl.sum(squares, axis=0) / k + eps)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
+    tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=cols < n)
+    # The summed stream, once, after the weights. Two ifs: the first is decided when the
+    # kernel compiles, the second at run time.
+    if NORM and HAS_RESIDUAL:  # noqa: SIM102
+        if pid == 0:
+            for k0 in range(0, k, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                kmask = ks < k
+                x = tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+                res = tl.load(res_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+                summed = (x + res).to(summed_ptr.dtype.element_ty)
+                tl.store(summed_ptr + ks, summed, mask=kmask)
+
+
+def vector_gemv(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    norm: Norm | None = None,
+    activation: str | None = None,
+    out_dtype: torch.dtype | None = None,
+    tiles: tuple[int, int, int, int] = (16, 256, 4, 3),
+) -> Tensor:
+    """x: [1, K] (with `activation`: [1, 2K], gate | up), weight: [N, K], bias: [N]
+    -> [1, N] in `out_dtype` (default: x's), from a float32 accumulator. `norm` and
+    `activation` make the product's input first (the module docstring). tiles:
+    (BLOCK_N, BLOCK_K, warps, stages)."""
+    n, k = weight.shape
+    if activation is not None:
+        check_activation(activation)
+    width = 2 * k if activation is not None else k
+    if x.shape != (1, width) or not x.is_contiguous() or weight.stride(1) != 1:
+        raise ValueError(f"vector_gemv takes one contiguous row of {width}, got {tuple(x.shape)}")
+    if norm is not None and (norm.weight.shape != (k,) or activation is not None):
+        raise ValueError("vector_gemv's norm needs a weight of K and no activation")
+    residual = norm.residual if norm is not None else None
+    if residual is not None and (
+        norm is None or norm.summed is None or residual.shape != x.shape or residual is norm.summed
+    ):
+        raise ValueError("vector_gemv's residual needs a separate `summed` of x's shape")
+    y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
+    block_n, block_k, num_warps, num_stages = tiles
+    _vector_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        residual if residual is not None else x,
+        norm.summed if norm is not None and norm.summed is not None else x,
+        norm.weight if norm is not None else weight,
+        norm.eps if norm is not None else 0.0,
+        n,
+        k,
+        weight.stride(0),
+        HAS_BIAS=bias is not None,
+        NORM=norm is not None,
+        HAS_RESIDUAL=residual is not None,
+        ACT=ACTIVATIONS[activation],
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return y
