@@ -3,7 +3,7 @@ against the HBM floor (docs/benchmarks.md, "turbo for Qwen3 and mixtures of expe
 
     python3 scripts/families_bench.py MODEL_DIR [--batches 1,64,512] [--input-len 512]
         [--output-len 256] [--backend turbo] [--quantization w4a16|fp8]
-        [--kv-cache-dtype int8|fp8]
+        [--kv-cache-dtype int8|fp8] [--fused-batch1]
 
 One Engine for every batch (max_batch_size = the largest), the prompts and the timing of
 `lmd-bench offline` (random ids, greedy, ignore_eos, prefill included), after a warm-up
@@ -71,6 +71,11 @@ def main() -> None:
     parser.add_argument("--backend", default="turbo")
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument(
+        "--fused-batch1",
+        action="store_true",
+        help="the batch-1 step again with TurboModel.fused_batch1; the floor line takes it",
+    )
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     config = EngineConfig(
@@ -98,6 +103,16 @@ def main() -> None:
     runs = [(time_engine(engine, one, args.output_len)[0], time_engine(engine, one, 1)[0])
             for _ in range(3)]  # fmt: skip
     step = min(full - first for full, first in runs) / (args.output_len - 1)
+    if args.fused_batch1:  # the same again with the one-row kernels fused in
+        model = engine.backend.model  # type: ignore[attr-defined]  # turbo's
+        model.fused_batch1 = True
+        engine.backend.capture_graphs(engine.pool.kv, max(batches))
+        runs = [(time_engine(engine, one, args.output_len)[0], time_engine(engine, one, 1)[0])
+                for _ in range(3)]  # fmt: skip
+        fused = min(full - first for full, first in runs) / (args.output_len - 1)
+        print(json.dumps({"model": args.model.name, "batch1_step_ms": round(step * 1e3, 3),
+                          "fused_batch1_step_ms": round(fused * 1e3, 3)}), flush=True)  # fmt: skip
+        step = fused
     if engine.backend.name != "turbo":  # the floor's bytes are counted on turbo's weights
         print(json.dumps({"model": args.model.name, "backend": engine.backend.name,
                           "batch1_step_ms": round(step * 1e3, 3)}), flush=True)  # fmt: skip

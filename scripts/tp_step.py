@@ -2,6 +2,7 @@
 at batch 1 <= 0.65x of TP 1's"), on turbo with CUDA graphs, random bf16 weights.
 
     python3 scripts/tp_step.py MODEL_DIR --tp 1,2 --batches 1,64 [--context 512]
+        [--fused-batch1]
 
 For each size N, N processes (rank r on cuda:r, NCCL) load their shards, prefill B
 prompts of --context tokens, capture the decode graphs, then run 8 warm-up and --steps
@@ -52,26 +53,33 @@ def rank_main(rank: int, size: int, rendezvous: str, args: argparse.Namespace) -
                 BLOCK,
             )
             backend.forward(step, pool.kv)
-        times = []
-        for n in range(8 + args.steps):
-            step = ForwardBatch.pack([[5]] * batch, [args.context + n] * batch, tables, BLOCK)
-            torch.cuda.synchronize()
-            began = time.perf_counter()
-            backend.forward(step, pool.kv)
-            torch.cuda.synchronize()
-            if n >= 8:
-                times.append(time.perf_counter() - began)
-        if rank == 0:
-            line: dict[str, Any] = {
-                "model": Path(args.model).name,
-                "tp": size,
-                "batch": batch,
-                "context": args.context,
-                "step_ms": round(1e3 * statistics.median(times), 3),
-                "step_ms_p90": round(1e3 * sorted(times)[int(0.9 * len(times))], 3),
-                "device": torch.cuda.get_device_name(device),
-            }
-            print(json.dumps(line), flush=True)
+        fused = [False, True] if args.fused_batch1 and batch == 1 else [False]
+        for variant in fused:  # the same steps again with the one-row kernels fused in
+            if variant:
+                backend.model.fused_batch1 = True
+                backend.capture_graphs(pool.kv, max(batches))
+            times = []
+            for n in range(8 + args.steps):
+                lens = [args.context + n] * batch
+                step = ForwardBatch.pack([[5]] * batch, lens, tables, BLOCK)
+                torch.cuda.synchronize()
+                began = time.perf_counter()
+                backend.forward(step, pool.kv)
+                torch.cuda.synchronize()
+                if n >= 8:
+                    times.append(time.perf_counter() - began)
+            if rank == 0:
+                line: dict[str, Any] = {
+                    "model": Path(args.model).name,
+                    "tp": size,
+                    "batch": batch,
+                    "context": args.context,
+                    "fused_batch1": variant,
+                    "step_ms": round(1e3 * statistics.median(times), 3),
+                    "step_ms_p90": round(1e3 * sorted(times)[int(0.9 * len(times))], 3),
+                    "device": torch.cuda.get_device_name(device),
+                }
+                print(json.dumps(line), flush=True)
     leave_group()
 
 
@@ -82,6 +90,11 @@ def main() -> None:
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument(
+        "--fused-batch1",
+        action="store_true",
+        help="batch 1 again with TurboModel.fused_batch1 (kernels/vector_gemv.py)",
+    )
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     for size in (int(s) for s in args.tp.split(",")):

@@ -194,6 +194,23 @@ def test_greedy_equals_transformers_generate(
         assert tokens == hf_greedy(llama_ref, prompt, 24)
 
 
+def test_one_row_steps_with_the_norms_and_activation_fused_in(llama_dir: Path) -> None:
+    """Steps of one row through kernels/vector_gemv.py (fused_batch1: the RMSNorms and
+    the gated activation made in the products' launches, as CUDA would run them in half
+    precision) against the separate kernels: per-step logits at float16 rounding, same
+    greedy tokens. A one-token prompt makes its prefill a one-row step too."""
+    plain = TurboBackend(llama_dir, DEVICE, torch.float16, cuda_graphs=False)
+    fused = TurboBackend(llama_dir, DEVICE, torch.float16, cuda_graphs=False)
+    fused.model.skinny = fused.model.fused_batch1 = True
+    for prompt in random_prompts([1, 13], plain.vocab_size, seed=14):
+        plain_logits: list[Tensor] = []
+        fused_logits: list[Tensor] = []
+        tokens = greedy(plain, [prompt], 8, logits=plain_logits)
+        forced = greedy(fused, [prompt], 8, force=tokens, logits=fused_logits)
+        assert_logits_match(fused_logits, plain_logits, 5e-3)
+        assert forced == tokens
+
+
 def test_packed_batch_equals_each_sequence_alone(turbo: TurboBackend) -> None:
     # A fresh prompt, a chunk after a prefix, decode steps after short and long contexts.
     seqs = random_prompts([9, 14, 3, 11, 31], turbo.vocab_size, seed=13)

@@ -121,6 +121,11 @@ class TurboModel:
         # faster than cuBLAS at those shapes in half precision (float32 keeps cuBLAS: the
         # kernel's tl.dot would round it to TF32); CPU (the interpreter tests) keeps F.linear.
         self.skinny = weights.embed.is_cuda and weights.embed.dtype in HALF_DTYPES
+        # One-row steps through kernels/vector_gemv.py, the norms and the activation made
+        # in the products' launches (3 kernels fewer a layer). Off until it is measured
+        # faster on a GPU (scripts/gemv_bench.py, tp_step.py --fused-batch1); the tests
+        # turn it on.
+        self.fused_batch1 = False
 
     def forward(self, step: StepInputs, kv: Tensor, out: Tensor | None = None) -> Tensor:
         """Logits [R, V] float32 of the step's sampled rows, written into `out` if given.
@@ -138,11 +143,10 @@ class TurboModel:
             residual = residual * self.embed_scale
         hidden: Tensor | None = None
         for i, layer in enumerate(w.layers):
-            if hidden is None:
-                h = kernels.rms_norm(residual, layer.input_norm, c.rms_norm_eps)
-            else:
-                h = kernels.rms_norm(hidden, layer.input_norm, c.rms_norm_eps, residual)
-            qkv = self._linear(h, layer.qkv, layer.qkv_bias)  # [T, (H + 2 Hkv) D]
+            # [T, (H + 2 Hkv) D]; residual += hidden first (but in layer 0)
+            qkv, residual = self._norm_linear(
+                hidden, residual, layer.input_norm, layer.qkv, layer.qkv_bias
+            )
             kernels.rotary_and_cache_write(
                 qkv,
                 positions=step.positions,
@@ -162,8 +166,8 @@ class TurboModel:
             self.tp.all_reduce(hidden)  # [T, hidden]: the sum over every rank's heads
             if layer.attn_out_norm is not None:
                 hidden = kernels.rms_norm(hidden, layer.attn_out_norm, c.rms_norm_eps)
-            h = kernels.rms_norm(hidden, layer.post_norm, c.rms_norm_eps, residual)
-            hidden = self.tp.all_reduce(self._mlp(h, layer))  # summed over the width's parts
+            hidden, residual = self._mlp(hidden, residual, layer)
+            self.tp.all_reduce(hidden)  # summed over the width's parts
             if layer.mlp_out_norm is not None:
                 hidden = kernels.rms_norm(hidden, layer.mlp_out_norm, c.rms_norm_eps)
         if hidden is None:
@@ -171,6 +175,10 @@ class TurboModel:
         if step.logits_indices is not None:
             hidden = hidden[step.logits_indices]
             residual = residual[step.logits_indices]
+        if self._vector(hidden):  # [1, V]
+            norm = kernels.Norm(w.norm, c.rms_norm_eps, residual, torch.empty_like(residual))
+            logits = kernels.vector_gemv(hidden, w.lm_head, norm=norm, out_dtype=torch.float32)
+            return self._gathered(logits, out)
         h = kernels.rms_norm(hidden, w.norm, c.rms_norm_eps, residual)
         if self.skinny and h.shape[0] <= kernels.GEMV_MAX_ROWS:
             logits = kernels.gemv(h, w.lm_head, out_dtype=torch.float32)  # [R, V]
@@ -180,8 +188,11 @@ class TurboModel:
             logits = torch.mm(h, w.lm_head.t(), out_dtype=torch.float32)  # [R, V]
         else:
             logits = F.linear(h, w.lm_head).float()
-        # [R, this rank's vocabulary rows] -> [R, V]
-        logits = self.tp.gather_columns(logits, c.vocab_size)
+        return self._gathered(logits, out)
+
+    def _gathered(self, logits: Tensor, out: Tensor | None) -> Tensor:
+        """[R, this rank's vocabulary rows] -> [R, V], into `out` if given."""
+        logits = self.tp.gather_columns(logits, self.config.vocab_size)
         if out is None:
             return logits
         return out.copy_(logits)
@@ -196,11 +207,13 @@ class TurboModel:
         rows *= mine.unsqueeze(-1).to(rows.dtype)
         return self.tp.all_reduce(rows)
 
-    def _mlp(self, h: Tensor, layer: LayerWeights) -> Tensor:
-        """The layer's gated MLP, or its experts: [T, hidden] -> [T, hidden]."""
+    def _mlp(self, hidden: Tensor, residual: Tensor, layer: LayerWeights) -> tuple[Tensor, Tensor]:
+        """The layer's gated MLP, or its experts, on RMSNorm(residual += hidden):
+        [T, hidden] -> ([T, hidden], the residual stream after the add)."""
         if layer.experts is not None and self.config.moe is not None:
+            h = kernels.rms_norm(hidden, layer.post_norm, self.config.rms_norm_eps, residual)
             x, moe = layer.experts, self.config.moe
-            return kernels.fused_moe(
+            out = kernels.fused_moe(
                 h,
                 x.router,
                 x.gate_up,
@@ -209,11 +222,42 @@ class TurboModel:
                 normalize=moe.normalize_top_k,
                 float_out=self.float_logits,
             )
+            return out, residual
         if layer.gate_up is None or layer.down is None:
             raise ValueError("a dense layer without its MLP weights")
-        gate_up = self._linear(h, layer.gate_up, layer.gate_up_bias)  # [T, 2I]
-        act = kernels.silu_and_mul(gate_up, self.config.activation)
-        return self._linear(act, layer.down, layer.down_bias)
+        gate_up, residual = self._norm_linear(  # [T, 2I]
+            hidden, residual, layer.post_norm, layer.gate_up, layer.gate_up_bias
+        )
+        activation = self.config.activation
+        if self._vector(gate_up) and isinstance(layer.down, Tensor):
+            down = kernels.vector_gemv(gate_up, layer.down, layer.down_bias, activation=activation)
+            return down, residual
+        act = kernels.silu_and_mul(gate_up, activation)
+        return self._linear(act, layer.down, layer.down_bias), residual
+
+    def _norm_linear(
+        self,
+        hidden: Tensor | None,
+        residual: Tensor,
+        norm: Tensor,
+        weight: Linear,
+        bias: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
+        """RMSNorm(residual += hidden) @ weight (RMSNorm(residual) with no hidden yet),
+        and the residual stream after the add: a new tensor when vector_gemv does both
+        in one launch, else `residual`, added to in place."""
+        eps = self.config.rms_norm_eps
+        x, res = (residual, None) if hidden is None else (hidden, residual)
+        if self._vector(x) and isinstance(weight, Tensor):
+            summed = torch.empty_like(residual) if res is not None else None
+            y = kernels.vector_gemv(x, weight, bias, norm=kernels.Norm(norm, eps, res, summed))
+            return y, summed if summed is not None else residual
+        h = kernels.rms_norm(x, norm, eps, res)
+        return self._linear(h, weight, bias), residual
+
+    def _vector(self, x: Tensor) -> bool:
+        """Whether this step's products take kernels/vector_gemv.py (see fused_batch1)."""
+        return self.fused_batch1 and self.skinny and x.shape[0] == 1 and x.is_contiguous()
 
     def _linear(self, x: Tensor, weight: Linear, bias: Tensor | None) -> Tensor:
         if not isinstance(weight, Tensor):  # quantized: its own GEMMs (quant/)
