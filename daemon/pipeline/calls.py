@@ -3,14 +3,16 @@
 A call is built in the caller's thread (prompts tokenized, lengths checked, every
 argument checked before anything reaches the engine), its sequences go to the engine
 thread together, and the tokens that come back are fed to each request's RequestOutput
-by `take`, in the caller's thread. The sync and async forms of the pipeline differ only
-in how they wait for the next item.
+by `take`, in the caller's thread. A call that nobody reads before its requests end gets
+only their last tokens (Delivery.ENDS) and takes the ids from each request's Sequence.
+The sync and async forms of the pipeline differ only in how they wait for the next item.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as SequenceOf
+from functools import cached_property
 
 from torch import Tensor
 
@@ -18,7 +20,7 @@ from lmd.engine.engine import Engine, TokenEvent
 from lmd.engine.sequence import Sequence
 from lmd.pipeline import scoring
 from lmd.pipeline.config import GenerationConfig
-from lmd.pipeline.engine_thread import EngineThread, Item
+from lmd.pipeline.engine_thread import Delivery, EngineThread, Item
 from lmd.pipeline.outputs import RequestOutput, make_texts
 from lmd.pipeline.prompts import Prompter, Tokenized
 
@@ -33,12 +35,18 @@ class Call:
         self.seqs = seqs
         self.streamed = streamed  # read as it comes (stream_infer), not only at the end
         self._by_id = {out.request_id: out for out in outputs}
+        self._seqs = {seq.request_id: seq for seq in seqs}
 
-    @property
-    def holds(self) -> bool:
-        """Nothing reads the text before each request ends (no stream, no stop string):
-        the engine thread may deliver the tokens in fewer, larger lists."""
-        return not self.streamed and all(out.stream is None for out in self.outputs)
+    @cached_property
+    def delivery(self) -> Delivery:
+        """Every step's tokens where something reads them as they come (a stream, a stop
+        string); else none before a request ends: with logprobs every token's event
+        (held), without only the last, whose Sequence holds the ids."""
+        if self.streamed or any(out.stream is not None for out in self.outputs):
+            return Delivery.STEPS
+        if any(out.logprobs is not None for out in self.outputs):
+            return Delivery.HELD
+        return Delivery.ENDS
 
     @property
     def done(self) -> bool:
@@ -50,6 +58,10 @@ class Call:
         if isinstance(item, BaseException):
             self.abort(engine)
             raise item
+        if self.delivery is Delivery.ENDS:
+            changed = [self._end(event) for event in item]
+            make_texts(changed)
+            return changed
         by_output: dict[str, list[TokenEvent]] = {}
         for event in item:
             by_output.setdefault(event.request_id, []).append(event)
@@ -61,6 +73,14 @@ class Call:
             changed.append(out)
         make_texts(changed)
         return changed
+
+    def _end(self, last: TokenEvent) -> RequestOutput:
+        """A request's last token (Delivery.ENDS): its ids are its Sequence's, which the
+        engine thread no longer touches (a finished Sequence takes no token)."""
+        out = self._by_id[last.request_id]
+        ids = self._seqs[last.request_id].output_token_ids[: last.position + 1]
+        out.end(ids, last.finish_reason)
+        return out
 
     def abort(self, engine: EngineThread) -> None:
         """Cut off every request that has not finished (the caller stopped reading)."""

@@ -103,6 +103,12 @@ class RequestOutput:
             cut = update.stopped_by_string and reason is None
         return cut
 
+    def end(self, token_ids: list[int], reason: str | None) -> None:
+        """Every token at once, when the request ended (a call delivered at its ends)."""
+        if not self.finished:
+            self.token_ids = token_ids
+            self._finish(reason)
+
     def _finish(self, reason: str | None) -> None:
         """The engine's finish reason (None: not yet); the whole text once it ends."""
         if reason is None:

@@ -271,7 +271,7 @@ class Pipeline:
     def _stream(self, call: Call) -> Iterator[RequestOutput]:
         """The call's outputs as they change, waiting in this thread."""
         items: queue.SimpleQueue[Item] = queue.SimpleQueue()
-        self._engine.add(call.seqs, items.put, hold=call.holds)
+        self._engine.add(call.seqs, items.put, delivery=call.delivery)
         try:
             while not call.done:
                 for out in call.take(items.get(), self._engine):
@@ -290,7 +290,7 @@ class Pipeline:
         def sink(item: Item) -> None:  # in the engine thread
             loop.call_soon_threadsafe(items.put_nowait, item)
 
-        self._engine.add(call.seqs, sink, hold=call.holds)
+        self._engine.add(call.seqs, sink, delivery=call.delivery)
         try:
             while not call.done:
                 for out in call.take(await items.get(), self._engine):

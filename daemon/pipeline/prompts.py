@@ -10,6 +10,7 @@ renders it; token ids go to the engine unchanged. A model directory without a to
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
@@ -68,6 +69,14 @@ def _is_prompt(value: object) -> bool:
         return False
     if all(isinstance(m, Mapping) for m in value):
         return True
+    return _is_ids(value)
+
+
+def _is_ids(value: list[Any]) -> bool:
+    """Ints, not bools. A prompt runs to thousands of ids: one pass over their types in C
+    first (the whole check in Python cost ~1% of a SmolLM2 batch on a GPU)."""
+    if set(map(type, value)) == {int}:
+        return True
     return all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
@@ -83,19 +92,31 @@ class WholeText:
     Detokenizer gives it. Its contract says what that is: decode(context + ids) minus
     decode(context), the context being the prompt's last tokens: decodes in Rust instead
     of Python per token (`whole_texts` does those of several requests in one batch).
-    Where the context's text is not a prefix of the whole (the prompt ends inside a
-    character), the Detokenizer itself."""
+    Where the prompt ends inside a character the Detokenizer starts without context, and
+    the text is decode(ids) (one more decode); where that is not known to be its text, or
+    the context's text is not a prefix of the whole, the Detokenizer itself.
+    byte_level: the decoder is ByteLevel alone (GPT-2, Llama 3, Qwen, SmolLM), which
+    decodes the bytes of all the tokens joined, so decode(ids) is the Detokenizer's text
+    even where bytes are invalid (U+FFFD)."""
 
     decoder: CachedDecoder
     prompt_ids: list[int]
     skip_special: bool
+    byte_level: bool = False
 
     def __call__(self, token_ids: list[int]) -> str:
         return whole_texts([(self, token_ids)])[0]
 
-    def finish(self, head: str, whole: str, token_ids: list[int]) -> str:
-        """The text from decode(context) and decode(context + token_ids)."""
-        if whole.startswith(head) and not head.endswith(REPLACEMENT_CHAR):
+    def finish(self, head: str, whole: str, token_ids: list[int], alone: str | None) -> str:
+        """The text from decode(context), decode(context + token_ids) and, where the
+        context ends inside a character, decode(token_ids) (`alone`)."""
+        if head.endswith(REPLACEMENT_CHAR):
+            # Without U+FFFD, decode(ids) is the Detokenizer's text by its contract; with
+            # one, a ByteFallback decoder's differs. The Detokenizer in Python costs up to
+            # ~15 us a token on random ids (the test models' output).
+            if alone is not None and (self.byte_level or REPLACEMENT_CHAR not in alone):
+                return alone
+        elif whole.startswith(head):
             return whole[len(head) :]
         detok = Detokenizer(
             self.decoder, skip_special_tokens=self.skip_special, prompt_ids=self.prompt_ids
@@ -119,9 +140,19 @@ def whole_texts(jobs: SequenceOf[tuple[WholeText, list[int]]]) -> list[str]:
             context = text.prompt_ids[-NUM_CONTEXT_TOKENS:]
             batch += [context, context + ids]
         decoded = decoder.decode_batch(batch, skip_special_tokens=skip)
+        heads, wholes = decoded[::2], decoded[1::2]
+        # decode(ids) where the context ends inside a character (WholeText.finish)
+        alone: list[str | None] = [None] * len(members)
+        split = [k for k, head in enumerate(heads) if head.endswith(REPLACEMENT_CHAR)]
+        if split:
+            ids_alone = [jobs[members[k]][1] for k in split]
+            for k, text_alone in zip(
+                split, decoder.decode_batch(ids_alone, skip_special_tokens=skip), strict=True
+            ):
+                alone[k] = text_alone
         for k, i in enumerate(members):
             text, ids = jobs[i]
-            texts[i] = text.finish(decoded[2 * k], decoded[2 * k + 1], ids)
+            texts[i] = text.finish(heads[k], wholes[k], ids, alone[k])
     return texts
 
 
@@ -138,6 +169,7 @@ class Prompter:
         self.vocab_size = vocab_size
         self.tokenizer: Any = None
         self.decoder: CachedDecoder | None = None
+        self.byte_level = False  # the decoder is ByteLevel alone (WholeText)
         self.template: ChatTemplate | None = chat_template
         if any((model_dir / name).exists() for name in TOKENIZER_FILES):
             from transformers import AutoTokenizer
@@ -145,6 +177,7 @@ class Prompter:
             self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
             # decode without clean-up; a token's own text is looked up, not decoded again
             self.decoder = CachedDecoder(self.tokenizer.backend_tokenizer)
+            self.byte_level = _is_byte_level(self.tokenizer.backend_tokenizer.decoder)
             if self.template is None and self.tokenizer.chat_template:
                 self.template = HfChatTemplate(self.tokenizer)
 
@@ -168,7 +201,7 @@ class Prompter:
         if all(isinstance(m, Mapping) for m in prompt):
             chat = parse_messages(cast(list[dict[str, Any]], prompt))
             return Tokenized(self.encode(self.render(chat)), chat=True)
-        return Tokenized(self._checked([int(t) for t in cast(list[int], prompt)]), chat=False)
+        return Tokenized(self._checked(list(map(int, cast(list[int], prompt)))), chat=False)
 
     def render(self, messages: SequenceOf[ChatMessage]) -> str:
         return self.need_template().render(messages)
@@ -201,7 +234,7 @@ class Prompter:
                 raise ValueError("stop_words need a tokenizer, and this model has none")
             return None
         if not incremental and not stops:
-            return WholeText(self.decoder, tokenized.token_ids, skip_special)
+            return WholeText(self.decoder, tokenized.token_ids, skip_special, self.byte_level)
         return TextStream(
             self.decoder,
             prompt_ids=tokenized.token_ids,
@@ -210,6 +243,8 @@ class Prompter:
         )
 
     def _checked(self, ids: list[int]) -> list[int]:
+        if not ids or (min(ids) >= 0 and max(ids) < self.vocab_size):  # in C, per token
+            return ids
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(
@@ -223,3 +258,8 @@ class Prompter:
                 f"this model has no tokenizer, so {what} cannot be used: give token ids"
             )
         return self.tokenizer
+
+
+def _is_byte_level(decoder: Any) -> bool:
+    """A tokenizers decoder that is ByteLevel and nothing else (no Sequence around it)."""
+    return decoder is not None and json.loads(decoder.__getstate__()).get("type") == "ByteLevel"

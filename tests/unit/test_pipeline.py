@@ -15,6 +15,7 @@ import pytest
 
 import lmd
 from lmd import GenerationConfig, Pipeline, PytorchEngineConfig, Response, Session, pipeline
+from lmd.pipeline.engine_thread import Delivery
 from lmd.pipeline.prompts import Tokenized, WholeText, whole_texts
 from lmd.tokenizer.text.stream import TextStream
 from tests.models import QUESTIONS
@@ -87,6 +88,30 @@ def test_a_stream_adds_up_to_the_whole_response(pipe: Pipeline) -> None:
         assert [t for d in mine for t in d.token_ids] == r.token_ids
         assert [d.finish_reason for d in mine if d.finish_reason] == [r.finish_reason]
         assert mine[-1].finish_reason and mine[-1].generate_token_len == r.generate_token_len
+
+
+def test_a_call_read_at_its_end_equals_its_stream(pipe: Pipeline) -> None:
+    """A blocking call that nothing reads before its requests end gets only their last
+    tokens from the engine thread and takes the ids from their Sequences: the same
+    tokens, text and finish as a stream of the same prompts, or a call with logprobs."""
+    prompts = [QUESTION, "Write a haiku about the sea.", [42] * 3]
+    gen = GenerationConfig(max_new_tokens=12)
+    logprobs = GenerationConfig(max_new_tokens=12, logprobs=1)
+    assert pipe._call(prompts, gen, False, streamed=False)[0].delivery is Delivery.ENDS
+    assert pipe._call(prompts, logprobs, False, streamed=False)[0].delivery is Delivery.HELD
+    whole = pipe(prompts, gen_config=gen, do_preprocess=False)
+    held = pipe(prompts, gen_config=logprobs, do_preprocess=False)
+    deltas = list(pipe.stream_infer(prompts, gen_config=gen, do_preprocess=False))
+    awaited = asyncio.run(pipe.async_infer(prompts, gen_config=gen, do_preprocess=False))
+    assert isinstance(whole, list) and isinstance(held, list) and whole == awaited
+    for r, h in zip(whole, held, strict=True):
+        mine = [d for d in deltas if d.index == r.index]
+        assert [t for d in mine for t in d.token_ids] == r.token_ids == h.token_ids
+        assert "".join(d.text for d in mine) == r.text == h.text
+        assert mine[-1].finish_reason == r.finish_reason == h.finish_reason
+        assert r.generate_token_len == len(r.token_ids) > 0
+    assert {r.finish_reason for r in whole} == {"stop", "length"}  # both ends taken
+    assert idle(pipe)
 
 
 def test_leaving_a_stream_early_cuts_the_requests_off(pipe: Pipeline) -> None:
@@ -196,6 +221,18 @@ def test_close_frees_the_engine_and_refuses_calls(smollm2_dir: Path) -> None:
     pipe.close()  # again: nothing happens
 
 
+def assert_whole_text_is_streamed(pipe: Pipeline, prompt: Tokenized, ids: list[int]) -> None:
+    """The text infer() makes at the end = stream_infer's, token by token, both ways of
+    treating special tokens."""
+    for skip in (True, False):
+        whole = pipe.prompter.text(prompt, [], skip_special=skip, incremental=False)
+        stream = pipe.prompter.text(prompt, [], skip_special=skip, incremental=True)
+        assert isinstance(whole, WholeText) and isinstance(stream, TextStream)
+        reasons = [None] * (len(ids) - 1) + ["length"]
+        streamed = "".join(stream.feed(t, r).text for t, r in zip(ids, reasons, strict=True))
+        assert whole(ids) == streamed
+
+
 def test_text_made_at_the_end_is_the_streamed_text(pipe: Pipeline) -> None:
     """infer() decodes an output once at its end; stream_infer token by token (as the
     daemon does): the same text, for random ids too (split characters, special tokens)."""
@@ -204,13 +241,24 @@ def test_text_made_at_the_end_is_the_streamed_text(pipe: Pipeline) -> None:
     for _ in range(20):
         prompt = Tokenized([rng.randrange(vocab) for _ in range(5)], chat=False)
         ids = [rng.randrange(vocab) for _ in range(40)]
-        for skip in (True, False):
-            whole = pipe.prompter.text(prompt, [], skip_special=skip, incremental=False)
-            stream = pipe.prompter.text(prompt, [], skip_special=skip, incremental=True)
-            assert isinstance(whole, WholeText) and isinstance(stream, TextStream)
-            reasons = [None] * (len(ids) - 1) + ["length"]
-            streamed = "".join(stream.feed(t, r).text for t, r in zip(ids, reasons, strict=True))
-            assert whole(ids) == streamed
+        assert_whole_text_is_streamed(pipe, prompt, ids)
+
+
+def test_whole_text_after_a_prompt_that_ends_inside_a_character(pipe: Pipeline) -> None:
+    """The Detokenizer starts without context there, and the text made at the end is the
+    output's own decode, U+FFFD (invalid bytes) and all on SmolLM2's ByteLevel decoder:
+    the streamed text, as the daemon makes it."""
+    rng = random.Random(3)
+    vocab = pipe.backend.vocab_size
+    assert pipe.prompter.byte_level
+    cases = 0
+    while cases < 20:
+        prompt = Tokenized([rng.randrange(300) for _ in range(5)], chat=False)  # bytes
+        if not pipe.prompter.decode(prompt.token_ids).endswith("\ufffd"):
+            continue
+        cases += 1
+        ids = [rng.randrange(rng.choice((300, vocab))) for _ in range(40)]
+        assert_whole_text_is_streamed(pipe, prompt, ids)
 
 
 def test_whole_texts_in_one_batch_are_each_ones_alone(pipe: Pipeline) -> None:
@@ -248,4 +296,5 @@ def test_whole_text_is_the_detokenizers_on_qwen3s_vocabulary() -> None:
         for skip in (True, False):
             detok = Detokenizer(decoder, skip_special_tokens=skip, prompt_ids=prompt)
             streamed = "".join(detok.feed([t]) for t in ids) + detok.finish()
-            assert WholeText(decoder, prompt, skip)(ids) == streamed
+            for byte_level in (False, True):  # Qwen3's decoder is ByteLevel alone
+                assert WholeText(decoder, prompt, skip, byte_level)(ids) == streamed

@@ -57,6 +57,8 @@ def test_cuda_without_a_gpu(model_dir: Path) -> None:
         ([], "got an empty list"),
         ([1.5, 2.5], "prompts\\[0\\] must be a string"),
         ([OK, 3], "prompts\\[1\\] must be a string"),
+        ([OK, [5, True]], "prompts\\[1\\] must be a string"),
+        ([OK, [-1, 5]], "prompts\\[1\\]: token id -1 is outside this model's vocabulary"),
         (
             [OK, [600]],
             "prompts\\[1\\]: token id 600 is outside this model's vocabulary",

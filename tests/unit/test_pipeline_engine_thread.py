@@ -1,6 +1,6 @@
 """The pipeline's engine thread on a real Engine with the fake backend: tokens go to
-their call's sink (each step, or held until a request ends), aborts free the blocks,
-calls run between steps, and close fails whatever waits."""
+their call's sink (each step, held until a request ends, or only each request's last),
+aborts free the blocks, calls run between steps, and close fails whatever waits."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from lmd.engine.config import EngineConfig
 from lmd.engine.engine import Engine, TokenEvent
 from lmd.engine.sequence import SamplingParams, Sequence
-from lmd.pipeline.engine_thread import HOLD_EVENTS, EngineThread, Item
+from lmd.pipeline.engine_thread import HOLD_EVENTS, Delivery, EngineThread, Item
 from tests.models import save_tiny_llama
 
 
@@ -59,29 +59,54 @@ def test_each_step_goes_to_its_call(thread: EngineThread) -> None:
 
 def test_a_held_call_gets_its_tokens_when_a_request_ends(thread: EngineThread) -> None:
     held: queue.SimpleQueue[Item] = queue.SimpleQueue()
-    thread.add(seqs("h", [4, 9]), held.put, hold=True)
+    thread.add(seqs("h", [4, 9]), held.put, delivery=Delivery.HELD)
     got = drain(held, 13)
     assert [len(batch) for batch in got] == [8, 5]  # at h-0's end, then at h-1's
     assert [e.position for e in got[1] if e.request_id == "h-1"] == [4, 5, 6, 7, 8]
-    assert thread.call(lambda engine: thread._held).result() == {}  # nothing kept
+    assert thread.call(lambda engine: thread._calls).result() == {}  # nothing kept
+
+
+def test_a_call_delivered_at_its_ends_gets_each_last_token_and_the_ids_stay(
+    thread: EngineThread,
+) -> None:
+    """Delivery.ENDS: one event per request, when it ends; its Sequence holds every id,
+    the same as a call given every step's tokens."""
+    ends: queue.SimpleQueue[Item] = queue.SimpleQueue()
+    steps: queue.SimpleQueue[Item] = queue.SimpleQueue()
+    quiet, loud = seqs("e", [4, 9]), seqs("s", [4, 9])
+    thread.add(quiet, ends.put, delivery=Delivery.ENDS)
+    thread.add(loud, steps.put)
+    got = drain(ends, 2)
+    assert [[(e.request_id, e.position, e.finish_reason) for e in b] for b in got] == [
+        [("e-0", 3, "length")],
+        [("e-1", 8, "length")],
+    ]
+    every = [e.token_id for batch in drain(steps, 13) for e in batch if e.request_id == "s-1"]
+    # The fake backend's next token follows from the last one: same prompt, same tokens.
+    assert quiet[1].output_token_ids == every
+    assert thread.call(lambda engine: thread._calls).result() == {}
 
 
 def test_a_held_call_is_sent_every_hold_events_tokens(thread: EngineThread) -> None:
     held: queue.SimpleQueue[Item] = queue.SimpleQueue()
     steps = HOLD_EVENTS // 16 + 3
-    thread.add(seqs("h", [steps] * 16), held.put, hold=True)
+    thread.add(seqs("h", [steps] * 16), held.put, delivery=Delivery.HELD)
     got = drain(held, 16 * steps)
     assert [len(batch) for batch in got] == [HOLD_EVENTS, 16 * steps - HOLD_EVENTS]
 
 
 def test_abort_frees_the_blocks_and_the_call(thread: EngineThread) -> None:
     held: queue.SimpleQueue[Item] = queue.SimpleQueue()
-    thread.add(seqs("x", [10_000, 10_000]), held.put, hold=True)
-    thread.abort(["x-0", "x-1"])
+    thread.add(seqs("x", [10_000, 10_000]), held.put, delivery=Delivery.HELD)
+    thread.add(seqs("y", [10_000]), held.put, delivery=Delivery.ENDS)
+    thread.abort(["x-0", "x-1", "y-0"])
     stats = thread.call(lambda engine: engine.stats()).result()
     assert stats["running"] == stats["waiting"] == 0
     assert stats["kv"]["free_blocks"] == stats["kv"]["total_blocks"]
-    assert thread.call(lambda engine: thread._held).result() == {}
+    assert thread.call(lambda engine: (thread._calls, thread._num_every_token)).result() == (
+        {},
+        0,
+    )
 
 
 def test_close_fails_what_waits_and_refuses_more(thread: EngineThread) -> None:
