@@ -14,15 +14,14 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from lmd.engine.turbo import kernels
+from tests.unit.test_turbo_gemv import check_gemv, check_vector_gemv
 from tests.unit.test_turbo_kernels import (
     TOLERANCE,
     Attention,
     DecodeCase,
     PrefillCase,
     check_decode,
-    check_gemv,
     check_prefill,
-    check_vector_gemv,
     rel_err,
     rms_norm_ref,
 )

@@ -1,0 +1,109 @@
+"""The skinny products (kernels/gemv.py: up to 16 rows through tl.dot; kernels/
+vector_gemv.py: one row, its input made in the same launch) against float32 references.
+
+As tests/unit/test_turbo_kernels.py: Triton's interpreter on CPU tensors without CUDA,
+compiled on a GPU; skipped where triton is not installed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+# First: without CUDA this switches Triton to its interpreter before turbo is imported.
+from tests.unit.test_turbo_kernels import DEVICE, DTYPES, TOLERANCE, rel_err, rms_norm_ref
+
+MAX_ROWS = 16  # (keeps the import below after the one above)
+
+from lmd.engine.turbo import kernels  # noqa: E402
+
+
+def check_gemv(
+    rows: int, n: int, k: int, dtype: torch.dtype, *, bias: bool, out_float: bool
+) -> None:
+    x = torch.randn(rows, k, device=DEVICE).to(dtype)
+    w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
+    b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
+    ref = x.float() @ w.float().t() + (b.float() if b is not None else 0)
+    out_dtype = torch.float32 if out_float else None
+    y = kernels.gemv(x, w, b, out_dtype=out_dtype)
+    assert y.dtype == (torch.float32 if out_float else dtype) and y.shape == (rows, n)
+    assert rel_err(y, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "extras"),
+    [(1, 40, 64, ""), (3, 70, 200, "bias"), (16, 33, 2100, "float32 out")],
+)
+def test_gemv(rows: int, n: int, k: int, extras: str, dtype: torch.dtype) -> None:
+    check_gemv(rows, n, k, dtype, bias="bias" in extras, out_float="float32" in extras)
+
+
+def test_gemv_refuses_what_it_cannot_take() -> None:
+    with pytest.raises(ValueError, match=f"up to {MAX_ROWS}"):
+        kernels.gemv(torch.zeros(17, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE))
+
+
+def check_vector_gemv(n: int, k: int, dtype: torch.dtype, prologue: str, out_float: bool) -> None:
+    """One row times W^T, its input made in the same launch (RMSNorm of the residual
+    stream, or the gated activation), against float32 references; the summed stream
+    equal to what kernels.rms_norm leaves."""
+    w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
+    b = torch.randn(n, device=DEVICE).to(dtype) if prologue == "bias" else None
+    out_dtype = torch.float32 if out_float else None
+    x = torch.randn(1, 2 * k if prologue in ("silu", "gelu_tanh") else k, device=DEVICE)
+    x = x.to(dtype)
+    norm = None
+    if prologue in ("silu", "gelu_tanh"):
+        y = kernels.vector_gemv(x, w, activation=prologue)
+        ref = kernels.silu_and_mul(x, prologue).float() @ w.float().t()
+    elif prologue.startswith("norm"):
+        weight = (1 + 0.1 * torch.randn(k, device=DEVICE)).to(dtype)
+        residual = torch.randn(1, k, device=DEVICE).to(dtype) if "residual" in prologue else None
+        summed = torch.empty(1, k, device=DEVICE, dtype=dtype) if residual is not None else None
+        norm = kernels.Norm(weight, 1e-6, residual, summed)
+        y = kernels.vector_gemv(x, w, norm=norm, out_dtype=out_dtype)
+        stream = x.float() + (residual.float() if residual is not None else 0)
+        ref = rms_norm_ref(stream, weight, 1e-6) @ w.float().t()
+        if residual is not None and summed is not None:
+            expected = residual.clone()
+            kernels.rms_norm(x, weight, 1e-6, expected)  # leaves the sum in `expected`
+            assert torch.equal(summed, expected)
+    else:
+        y = kernels.vector_gemv(x, w, b, out_dtype=out_dtype)
+        ref = x.float() @ w.float().t() + (b.float() if b is not None else 0)
+    assert y.shape == (1, n) and y.dtype == (torch.float32 if out_float else dtype)
+    assert rel_err(y, ref) < 2 * TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("n", "k", "prologue", "out_float"),
+    [
+        (40, 64, "", False),
+        (33, 300, "bias", True),
+        (70, 200, "norm", False),
+        (17, 600, "norm residual", True),
+        (40, 96, "silu", False),
+        (24, 520, "gelu_tanh", False),
+    ],
+)
+def test_vector_gemv(n: int, k: int, prologue: str, out_float: bool, dtype: torch.dtype) -> None:
+    check_vector_gemv(n, k, dtype, prologue, out_float)
+
+
+def test_vector_gemv_refuses_what_it_cannot_take() -> None:
+    w = torch.zeros(4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="one contiguous row"):
+        kernels.vector_gemv(torch.zeros(2, 8, device=DEVICE), w)
+    with pytest.raises(ValueError, match="one contiguous row of 16"):
+        kernels.vector_gemv(torch.zeros(1, 8, device=DEVICE), w, activation="silu")
+    with pytest.raises(ValueError, match="silu or gelu_tanh"):
+        kernels.vector_gemv(torch.zeros(1, 16, device=DEVICE), w, activation="relu")
+    x = torch.zeros(1, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="separate `summed`"):
+        kernels.vector_gemv(x, w, norm=kernels.Norm(torch.ones(8, device=DEVICE), 1e-6, x))
+    with pytest.raises(ValueError, match="weight of K"):
+        kernels.vector_gemv(x, w, norm=kernels.Norm(torch.ones(4, device=DEVICE), 1e-6))
