@@ -169,7 +169,9 @@ def inject(daemon: Daemon, name: str, sig: signal.Signals, max_tokens: int = MAX
     health: Counter[int] = Counter()
 
     async def run() -> float:
-        limits = httpx.Limits(max_connections=IN_FLIGHT)
+        # A connection for every request: the late ones go out at once, not when streams
+        # in flight end (their time would count the streams' time).
+        limits = httpx.Limits(max_connections=IN_FLIGHT + LATE)
         async with httpx.AsyncClient(base_url=daemon.url, timeout=120, limits=limits) as http:
             started = [asyncio.Event() for _ in streams]
             tasks = [
