@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
-# First: without CUDA this switches Triton to its interpreter before turbo is imported.
+# First: without CUDA this switches Triton to its interpreter before turbo is imported
+# (and skips this module where triton is not installed, as the next line says).
 from tests.unit.test_turbo_kernels import DEVICE, DTYPES, TOLERANCE, rel_err, rms_norm_ref
 
-MAX_ROWS = 16  # (keeps the import below after the one above)
+pytest.importorskip("triton")
 
-from lmd.engine.turbo import kernels  # noqa: E402
+from lmd.engine.turbo import kernels
 
 
 def check_gemv(
@@ -42,7 +42,7 @@ def test_gemv(rows: int, n: int, k: int, extras: str, dtype: torch.dtype) -> Non
 
 
 def test_gemv_refuses_what_it_cannot_take() -> None:
-    with pytest.raises(ValueError, match=f"up to {MAX_ROWS}"):
+    with pytest.raises(ValueError, match=f"up to {kernels.GEMV_MAX_ROWS}"):
         kernels.gemv(torch.zeros(17, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE))
 
 
@@ -62,7 +62,8 @@ def check_vector_gemv(n: int, k: int, dtype: torch.dtype, prologue: str, out_flo
     elif prologue.startswith("norm"):
         weight = (1 + 0.1 * torch.randn(k, device=DEVICE)).to(dtype)
         residual = torch.randn(1, k, device=DEVICE).to(dtype) if "residual" in prologue else None
-        summed = torch.empty(1, k, device=DEVICE, dtype=dtype) if residual is not None else None
+        summing = residual is not None and "unsummed" not in prologue  # lm_head's: no sum
+        summed = torch.empty(1, k, device=DEVICE, dtype=dtype) if summing else None
         norm = kernels.Norm(weight, 1e-6, residual, summed)
         y = kernels.vector_gemv(x, w, norm=norm, out_dtype=out_dtype)
         stream = x.float() + (residual.float() if residual is not None else 0)
@@ -86,6 +87,7 @@ def check_vector_gemv(n: int, k: int, dtype: torch.dtype, prologue: str, out_flo
         (33, 300, "bias", True),
         (70, 200, "norm", False),
         (17, 600, "norm residual", True),
+        (17, 600, "norm residual unsummed", True),
         (40, 96, "silu", False),
         (24, 520, "gelu_tanh", False),
     ],
@@ -104,6 +106,6 @@ def test_vector_gemv_refuses_what_it_cannot_take() -> None:
         kernels.vector_gemv(torch.zeros(1, 16, device=DEVICE), w, activation="relu")
     x = torch.zeros(1, 8, device=DEVICE)
     with pytest.raises(ValueError, match="separate `summed`"):
-        kernels.vector_gemv(x, w, norm=kernels.Norm(torch.ones(8, device=DEVICE), 1e-6, x))
+        kernels.vector_gemv(x, w, norm=kernels.Norm(torch.ones(8, device=DEVICE), 1e-6, x, x))
     with pytest.raises(ValueError, match="weight of K"):
         kernels.vector_gemv(x, w, norm=kernels.Norm(torch.ones(4, device=DEVICE), 1e-6))

@@ -176,7 +176,7 @@ class TurboModel:
             hidden = hidden[step.logits_indices]
             residual = residual[step.logits_indices]
         if self._vector(hidden):  # [1, V]
-            norm = kernels.Norm(w.norm, c.rms_norm_eps, residual, torch.empty_like(residual))
+            norm = kernels.Norm(w.norm, c.rms_norm_eps, residual)  # no stream after it
             logits = kernels.vector_gemv(hidden, w.lm_head, norm=norm, out_dtype=torch.float32)
             return self._gathered(logits, out)
         h = kernels.rms_norm(hidden, w.norm, c.rms_norm_eps, residual)

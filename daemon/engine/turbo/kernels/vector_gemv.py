@@ -11,7 +11,7 @@ makes x happens on BLOCK_K elements a slice:
 - `Norm`: x = RMSNorm(hidden + residual), the row's squares summed as it streams, the
   accumulator scaled by 1/rms at the end; the normalized values rounded to the weights'
   dtype before that scale (kernels.rms_norm rounds after it: the same size of error).
-  Program 0 writes the summed stream after its loop.
+  Program 0 writes the summed stream after its loop, when asked (`Norm.summed`).
 - `activation`: x = act(gate) * up from the gate|up product, rounded as
   kernels/activation.py rounds it (the same values).
 
@@ -35,13 +35,13 @@ ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2}
 
 @dataclass(frozen=True, slots=True)
 class Norm:
-    """x = RMSNorm(hidden + residual) with this weight; `summed` (hidden's shape)
-    receives hidden + residual. Without a residual, x = RMSNorm(hidden)."""
+    """x = RMSNorm(hidden + residual) with this weight; `summed` (hidden's shape, not the
+    residual), if given, receives hidden + residual. Without a residual, RMSNorm(hidden)."""
 
     weight: Tensor  # [K]
     eps: float
     residual: Tensor | None = None  # [1, K]
-    summed: Tensor | None = None  # [1, K], written when residual is given
+    summed: Tensor | None = None  # [1, K]: the stream after the add, for the next layer
 
 
 @triton.jit
@@ -60,6 +60,7 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
     HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    HAS_SUMMED: tl.constexpr,
     ACT: tl.constexpr,  # 0: x as given; 1: silu(gate) * up; 2: gelu_tanh(gate) * up
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -97,7 +98,7 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
     tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=cols < n)
     # The summed stream, once, after the weights. Two ifs: the first is decided when the
     # kernel compiles, the second at run time.
-    if NORM and HAS_RESIDUAL:  # noqa: SIM102
+    if HAS_SUMMED:  # noqa: SIM102
         if pid == 0:
             for k0 in range(0, k, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
@@ -128,13 +129,10 @@ def vector_gemv(
     width = 2 * k if activation is not None else k
     if x.shape != (1, width) or not x.is_contiguous() or weight.stride(1) != 1:
         raise ValueError(f"vector_gemv takes one contiguous row of {width}, got {tuple(x.shape)}")
-    if norm is not None and (norm.weight.shape != (k,) or activation is not None):
-        raise ValueError("vector_gemv's norm needs a weight of K and no activation")
-    residual = norm.residual if norm is not None else None
-    if residual is not None and (
-        norm is None or norm.summed is None or residual.shape != x.shape or residual is norm.summed
-    ):
-        raise ValueError("vector_gemv's residual needs a separate `summed` of x's shape")
+    residual = summed = None
+    if norm is not None:
+        _check(norm, x, k, activation)
+        residual, summed = norm.residual, norm.summed
     y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     block_n, block_k, num_warps, num_stages = tiles
     _vector_gemv_kernel[(triton.cdiv(n, block_n),)](
@@ -143,7 +141,7 @@ def vector_gemv(
         bias if bias is not None else weight,
         y,
         residual if residual is not None else x,
-        norm.summed if norm is not None and norm.summed is not None else x,
+        summed if summed is not None else x,
         norm.weight if norm is not None else weight,
         norm.eps if norm is not None else 0.0,
         n,
@@ -152,6 +150,7 @@ def vector_gemv(
         HAS_BIAS=bias is not None,
         NORM=norm is not None,
         HAS_RESIDUAL=residual is not None,
+        HAS_SUMMED=summed is not None,
         ACT=ACTIVATIONS[activation],
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -159,3 +158,13 @@ def vector_gemv(
         num_stages=num_stages,
     )
     return y
+
+
+def _check(norm: Norm, x: Tensor, k: int, activation: str | None) -> None:
+    if norm.weight.shape != (k,) or activation is not None:
+        raise ValueError("vector_gemv's norm needs a weight of K and no activation")
+    for t in (norm.residual, norm.summed):
+        if t is not None and (t.shape != x.shape or not t.is_contiguous()):
+            raise ValueError("vector_gemv's residual and summed are contiguous rows of x's shape")
+    if norm.summed is not None and (norm.residual is None or norm.summed is norm.residual):
+        raise ValueError("vector_gemv's summed is a separate `summed` tensor beside a residual")
