@@ -10,12 +10,13 @@ renders it; token ids go to the engine unchanged. A model directory without a to
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
+
+from tokenizers.decoders import ByteLevel
 
 from lmd.tokenizer.text.chat_template import (
     ChatMessage,
@@ -177,7 +178,8 @@ class Prompter:
             self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
             # decode without clean-up; a token's own text is looked up, not decoded again
             self.decoder = CachedDecoder(self.tokenizer.backend_tokenizer)
-            self.byte_level = _is_byte_level(self.tokenizer.backend_tokenizer.decoder)
+            # ByteLevel alone: a Sequence around it is another class
+            self.byte_level = isinstance(self.tokenizer.backend_tokenizer.decoder, ByteLevel)
             if self.template is None and self.tokenizer.chat_template:
                 self.template = HfChatTemplate(self.tokenizer)
 
@@ -258,8 +260,3 @@ class Prompter:
                 f"this model has no tokenizer, so {what} cannot be used: give token ids"
             )
         return self.tokenizer
-
-
-def _is_byte_level(decoder: Any) -> bool:
-    """A tokenizers decoder that is ByteLevel and nothing else (no Sequence around it)."""
-    return decoder is not None and json.loads(decoder.__getstate__()).get("type") == "ByteLevel"
