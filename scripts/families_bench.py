@@ -62,6 +62,15 @@ def step_bytes(engine: Engine, context: int) -> int:
     return total + kv
 
 
+def batch1_step(engine: Engine, input_len: int, output_len: int) -> float:
+    """Seconds a batch-1 decode step takes: (output_len tokens - 1 token) / (output_len -
+    1), the best of 3 (the prompt's prefill cancels)."""
+    one = random_prompts(1, input_len, engine.backend.vocab_size, 2)
+    runs = [(time_engine(engine, one, output_len)[0], time_engine(engine, one, 1)[0])
+            for _ in range(3)]  # fmt: skip
+    return min(full - first for full, first in runs) / (output_len - 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("model", type=Path)
@@ -99,17 +108,12 @@ def main() -> None:
                           "num_blocks": engine.pool.num_blocks,
                           "batch": batch, "seconds": round(seconds, 3),
                           "output_tokens_per_s": rate}), flush=True)  # fmt: skip
-    one = random_prompts(1, args.input_len, vocab, 2)
-    runs = [(time_engine(engine, one, args.output_len)[0], time_engine(engine, one, 1)[0])
-            for _ in range(3)]  # fmt: skip
-    step = min(full - first for full, first in runs) / (args.output_len - 1)
+    step = batch1_step(engine, args.input_len, args.output_len)
     if args.fused_batch1:  # the same again with the one-row kernels fused in
         model = engine.backend.model  # type: ignore[attr-defined]  # turbo's
         model.fused_batch1 = True
         engine.backend.capture_graphs(engine.pool.kv, max(batches))
-        runs = [(time_engine(engine, one, args.output_len)[0], time_engine(engine, one, 1)[0])
-                for _ in range(3)]  # fmt: skip
-        fused = min(full - first for full, first in runs) / (args.output_len - 1)
+        fused = batch1_step(engine, args.input_len, args.output_len)
         print(json.dumps({"model": args.model.name, "batch1_step_ms": round(step * 1e3, 3),
                           "fused_batch1_step_ms": round(fused * 1e3, 3)}), flush=True)  # fmt: skip
         step = fused
