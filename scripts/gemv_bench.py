@@ -1,8 +1,8 @@
 """A batch-1 decode step's products with their input made in the same launch
-(kernels/vector_gemv.py: RMSNorm of the residual stream before qkv, gate_up and lm_head;
-the gated activation before down) against what the model runs today (kernels.rms_norm or
-silu_and_mul, then kernels.gemv), at Llama-3-8B's and Qwen3-8B's shapes, whole and as
-one rank of two (tensor parallelism). CUDA only.
+(kernels/vector_gemv.py: RMSNorm of the residual stream before qkv, gate_up and lm_head)
+against what the model runs without it (kernels.rms_norm, then kernels.gemv), at
+Llama-3-8B's and Qwen3-8B's shapes, whole and as one rank of two (tensor parallelism).
+CUDA only.
 
     python3 scripts/gemv_bench.py [--dtype bf16] [--shapes llama,llama-tp2,qwen3]
 
@@ -22,15 +22,12 @@ import torch
 from lmd.engine.turbo import kernels
 from scripts.w4a16_tiles import L2_BYTES, rel_err, time_us
 
-# name -> [(N, K, prologue)]: qkv, gate|up and lm_head after a norm; down after the gate.
+# name -> [(N, K)]: qkv, gate|up and lm_head, each after a norm.
 SHAPES = {
-    "llama": [(6144, 4096, "norm"), (28672, 4096, "norm"), (4096, 14336, "silu"),
-              (128256, 4096, "norm")],
-    "llama-tp2": [(3072, 4096, "norm"), (14336, 4096, "norm"), (4096, 7168, "silu"),
-                  (64128, 4096, "norm")],
-    "qwen3": [(6144, 4096, "norm"), (24576, 4096, "norm"), (4096, 12288, "silu"),
-              (151936, 4096, "norm")],
-}  # fmt: skip
+    "llama": [(6144, 4096), (28672, 4096), (128256, 4096)],
+    "llama-tp2": [(3072, 4096), (14336, 4096), (64128, 4096)],
+    "qwen3": [(6144, 4096), (24576, 4096), (151936, 4096)],
+}
 TILES = [  # BLOCK_N, BLOCK_K, warps, stages
     (16, 256, 4, 3), (16, 512, 4, 3), (8, 512, 4, 3), (32, 256, 4, 3), (32, 128, 4, 4),
     (16, 256, 8, 3), (8, 1024, 4, 2), (16, 128, 4, 4), (4, 1024, 4, 3),
@@ -46,15 +43,15 @@ def main() -> None:
     print(torch.cuda.get_device_name(0))
     for name in args.shapes.split(","):
         total_sep = total_best = 0.0
-        for n, k, prologue in SHAPES[name]:
-            sep, best = bench(n, k, prologue, dtype)
+        for n, k in SHAPES[name]:
+            sep, best = bench(n, k, dtype)
             total_sep += sep
             total_best += best
-        print(f"{name}: a layer's three + lm_head: separate {total_sep:.1f} us, "
+        print(f"{name}: a layer's two + lm_head: separate {total_sep:.1f} us, "
               f"fused best {total_best:.1f} us")  # fmt: skip
 
 
-def bench(n: int, k: int, prologue: str, dtype: torch.dtype) -> tuple[float, float]:
+def bench(n: int, k: int, dtype: torch.dtype) -> tuple[float, float]:
     """Prints one block of rows; returns (separate kernels' us, best fused us)."""
     dense = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
     weights = [dense] + [dense.clone() for _ in range(max(0, L2_BYTES // dense.nbytes - 1))]
@@ -62,14 +59,11 @@ def bench(n: int, k: int, prologue: str, dtype: torch.dtype) -> tuple[float, flo
     hidden = torch.randn(1, k, device="cuda").to(dtype)
     residual = torch.randn(1, k, device="cuda").to(dtype)
     weight = (1 + 0.1 * torch.randn(k, device="cuda")).to(dtype)
-    gate_up = torch.randn(1, 2 * k, device="cuda").to(dtype)
     stream = residual.clone()  # the separate kernels add into it in place
     summed = torch.empty_like(residual)
     norm = kernels.Norm(weight, 1e-5, residual, summed)
 
     def separate(w: torch.Tensor) -> torch.Tensor:
-        if prologue == "silu":
-            return kernels.gemv(kernels.silu_and_mul(gate_up), w)
         x = kernels.rms_norm(hidden, weight, 1e-5, stream)
         return kernels.gemv(x, w, out_dtype=out_dtype)
 
@@ -78,12 +72,9 @@ def bench(n: int, k: int, prologue: str, dtype: torch.dtype) -> tuple[float, flo
     gemv_us = time_us([partial(kernels.gemv, hidden, w) for w in weights])
     vec_us = time_us([partial(kernels.vector_gemv, hidden, w) for w in weights])
     gb = dense.nbytes / 1e3
-    print(f"N={n} K={k} {prologue}: separate {sep_us:.1f} us; plain gemv {gemv_us:.1f} us "
+    print(f"N={n} K={k}: separate {sep_us:.1f} us; plain gemv {gemv_us:.1f} us "
           f"({gb / gemv_us:.0f} GB/s), plain vector_gemv {vec_us:.1f} us")  # fmt: skip
-    if prologue == "silu":
-        fused = partial(kernels.vector_gemv, gate_up, activation="silu")
-    else:
-        fused = partial(kernels.vector_gemv, hidden, norm=norm, out_dtype=out_dtype)
+    fused = partial(kernels.vector_gemv, hidden, norm=norm, out_dtype=out_dtype)
     rows = []
     for tiles in TILES:
         try:

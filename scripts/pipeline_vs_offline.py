@@ -144,7 +144,7 @@ def run_sides(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     if args.threads:  # before the engine is built: its CPU thread cap is the count then
         torch.set_num_threads(args.threads)
-    step_s: list[float] = []
+    spans: list[tuple[float, float]] = []  # each step's start and end
     step = Engine.step
 
     def timed_step(self: Engine) -> Any:
@@ -152,7 +152,7 @@ def run_sides(args: argparse.Namespace) -> list[dict[str, Any]]:
         try:
             return step(self)
         finally:
-            step_s.append(time.perf_counter() - t0)
+            spans.append((t0, time.perf_counter()))
 
     Engine.step = timed_step  # type: ignore[method-assign]
     names = SIDES if args.side == "both" else (args.side,)
@@ -161,15 +161,22 @@ def run_sides(args: argparse.Namespace) -> list[dict[str, Any]]:
     prompts = random_prompts(args.batch, args.input_len, vocab, 0)
     for side in sides.values():
         side.time(prompts[:1], 4)  # warm-up
-    runs = {name: {"seconds": [], "steps": [], "gc": [0, 0, 0]} for name in names}
+    runs: dict[str, dict[str, Any]] = {
+        name: {"seconds": [], "steps": [], "gc": [0, 0, 0], "before": 0.0, "after": 0.0}
+        for name in names
+    }
     for i in range(args.iterations):
         for name in names if i % 2 == 0 else names[::-1]:
-            step_s.clear()
+            spans.clear()
             gc_before = [g["collections"] for g in gc.get_stats()]
+            start = time.perf_counter()
             seconds = sides[name].time(prompts, args.output_len)
+            end = time.perf_counter()
             run = runs[name]
             run["seconds"].append(seconds)
-            run["steps"] += step_s
+            run["steps"] += [t1 - t0 for t0, t1 in spans]
+            run["before"] += spans[0][0] - start  # the call's work before its first step
+            run["after"] += end - spans[-1][1]  # and after its last
             after = [g["collections"] for g in gc.get_stats()]
             run["gc"] = [n + a - b for n, a, b in zip(run["gc"], after, gc_before, strict=True)]
     out = []
@@ -190,7 +197,10 @@ def run_sides(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "steps": len(steps),
                 "step_s_sum": round(sum(steps), 4),
                 "step_ms_median": round(1e3 * statistics.median(steps), 4),
+                "step_ms_slowest": [round(1e3 * s, 2) for s in sorted(steps)[-5:]],
                 "outside_steps_s": round(sum(seconds) - sum(steps), 4),
+                "before_first_step_s": round(run["before"], 4),
+                "after_last_step_s": round(run["after"], 4),
                 "gc_collections": run["gc"],
             }
         )

@@ -53,10 +53,10 @@ def rank_main(rank: int, size: int, rendezvous: str, args: argparse.Namespace) -
                 BLOCK,
             )
             backend.forward(step, pool.kv)
-        fused = [False, True] if args.fused_batch1 and batch == 1 else [False]
-        for variant in fused:  # the same steps again with the one-row kernels fused in
-            if variant:
-                backend.model.fused_batch1 = True
+        fused = [True, False] if args.separate_batch1 and batch == 1 else [True]
+        for variant in fused:  # the same steps again with the norms in kernels of their own
+            if not variant:
+                backend.model.fused_batch1 = False
                 backend.capture_graphs(pool.kv, max(batches))
             times = []
             for n in range(8 + args.steps):
@@ -91,9 +91,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument(
-        "--fused-batch1",
+        "--separate-batch1",
         action="store_true",
-        help="batch 1 again with TurboModel.fused_batch1 (kernels/vector_gemv.py)",
+        help="batch 1 again with TurboModel.fused_batch1 off (the norms' own kernels)",
     )
     args = parser.parse_args()
     ctx = mp.get_context("spawn")

@@ -100,8 +100,6 @@ def test_gemv_at_decode_shapes(rows: int, n: int, k: int, dtype: torch.dtype) ->
         (6144, 4096, "norm", False),  # Llama-3-8B qkv after the input norm (layer 0)
         (3072, 4096, "norm residual", False),  # qkv of one rank of two
         (28672, 4096, "norm residual", False),  # gate|up
-        (4096, 14336, "silu", False),  # down
-        (4096, 7168, "gelu_tanh", False),  # down of one rank of two (Gemma's activation)
         (128256, 4096, "norm residual", True),  # lm_head, float32 logits
         (960, 576, "bias", False),  # SmolLM2 / Qwen2 qkv with a bias
     ],

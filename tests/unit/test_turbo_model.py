@@ -194,11 +194,11 @@ def test_greedy_equals_transformers_generate(
         assert tokens == hf_greedy(llama_ref, prompt, 24)
 
 
-def test_one_row_steps_with_the_norms_and_activation_fused_in(llama_dir: Path) -> None:
-    """Steps of one row through kernels/vector_gemv.py (fused_batch1: the RMSNorms and
-    the gated activation made in the products' launches, as CUDA would run them in half
-    precision) against the separate kernels: per-step logits at float16 rounding, same
-    greedy tokens. A one-token prompt makes its prefill a one-row step too."""
+def test_one_row_steps_with_the_norms_fused_in(llama_dir: Path) -> None:
+    """Steps of one row through kernels/vector_gemv.py (fused_batch1: the RMSNorms made
+    in the products' launches, as CUDA would run them in half precision) against the
+    separate kernels: per-step logits at float16 rounding, same greedy tokens. A
+    one-token prompt makes its prefill a one-row step too."""
     plain = TurboBackend(llama_dir, DEVICE, torch.float16, cuda_graphs=False)
     fused = TurboBackend(llama_dir, DEVICE, torch.float16, cuda_graphs=False)
     fused.model.skinny = fused.model.fused_batch1 = True

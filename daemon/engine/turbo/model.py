@@ -121,11 +121,10 @@ class TurboModel:
         # faster than cuBLAS at those shapes in half precision (float32 keeps cuBLAS: the
         # kernel's tl.dot would round it to TF32); CPU (the interpreter tests) keeps F.linear.
         self.skinny = weights.embed.is_cuda and weights.embed.dtype in HALF_DTYPES
-        # One-row steps through kernels/vector_gemv.py, the norms and the activation made
-        # in the products' launches (3 kernels fewer a layer). Off until it is measured
-        # faster on a GPU (scripts/gemv_bench.py, tp_step.py --fused-batch1); the tests
-        # turn it on.
-        self.fused_batch1 = False
+        # One-row steps through kernels/vector_gemv.py, the norms made in the products'
+        # launches (2 kernels fewer a layer): Qwen3-8B's batch-1 step 5.98 -> 5.94 ms on
+        # an H100 (docs/benchmarks.md; scripts/families_bench.py --separate-batch1).
+        self.fused_batch1 = True
 
     def forward(self, step: StepInputs, kv: Tensor, out: Tensor | None = None) -> Tensor:
         """Logits [R, V] float32 of the step's sampled rows, written into `out` if given.
@@ -228,11 +227,7 @@ class TurboModel:
         gate_up, residual = self._norm_linear(  # [T, 2I]
             hidden, residual, layer.post_norm, layer.gate_up, layer.gate_up_bias
         )
-        activation = self.config.activation
-        if self._vector(gate_up) and isinstance(layer.down, Tensor):
-            down = kernels.vector_gemv(gate_up, layer.down, layer.down_bias, activation=activation)
-            return down, residual
-        act = kernels.silu_and_mul(gate_up, activation)
+        act = kernels.silu_and_mul(gate_up, self.config.activation)
         return self._linear(act, layer.down, layer.down_bias), residual
 
     def _norm_linear(

@@ -198,7 +198,7 @@ def decode_attention(
     num_splits: int = 1,
     kv_scales: Tensor | None = None,
     tiles: tuple[int, int, int] | None = None,
-    heads_first: bool = False,
+    heads_first: bool = True,
 ) -> Tensor:
     """Attention of one new token per sequence over its paged context.
 
@@ -209,9 +209,10 @@ def decode_attention(
     kv_scales: None, or with kv int8 | float8_e4m3fn the scales view [N, L, 2, S, Hkv]
     float16 of the same quantized pool (kv_quant.pool_views). tiles: (keys per tile,
     warps, stages) instead of the defaults (scripts/kv_quant_bench.py --sweep).
-    heads_first: launch a sequence's KV heads side by side (grid (Hkv, B, splits)): they
-    read the same slots, a key's heads being adjacent in the pool; not yet measured
-    against the default order (docs/benchmarks.md, quantization: `--orders`).
+    heads_first: launch a sequence's KV heads side by side (grid (Hkv, B, splits)),
+    reading the same slots, a key's heads being adjacent in the pool: 1.02x (bf16) and
+    1.05-1.07x (int8) over (B, Hkv, splits) on an H100 (docs/benchmarks.md,
+    quantization: `kv_quant_bench.py --orders`); False: that order.
     """
     num_seqs, num_heads, head_dim = q.shape
     _, _, _, block_size, num_kv_heads, kv_dim = kv.shape

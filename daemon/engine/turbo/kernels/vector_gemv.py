@@ -1,22 +1,20 @@
-"""One row times a matrix, y = x @ W^T (+ b), with the kernel that makes x folded in:
-a batch-1 decode step's products, without tl.dot.
+"""One row times a matrix, y = x @ W^T (+ b), with the RMSNorm that makes x folded in:
+a batch-1 decode step's products after a norm (qkv, gate|up, lm_head), without tl.dot.
 
 kernels/gemv.py pads x to tl.dot's 16 rows; work done on x inside its loop then runs
 on 16 rows in every program and moves into the dot's operand layout every slice, which
 made an RMSNorm or activation folded into it 2.5-5x slower than the two kernels it
 replaced (docs/benchmarks.md). Here x is one vector: each program owns BLOCK_N output
 columns, streams their weight rows [BLOCK_N, K] in BLOCK_K slices (contiguous along K),
-multiplies them by the slice of x in float32 and sums along K once at the end. What
-makes x happens on BLOCK_K elements a slice:
-- `Norm`: x = RMSNorm(hidden + residual), the row's squares summed as it streams, the
-  accumulator scaled by 1/rms at the end; the normalized values rounded to the weights'
-  dtype before that scale (kernels.rms_norm rounds after it: the same size of error).
-  Program 0 writes the summed stream after its loop, when asked (`Norm.summed`).
-- `activation`: x = act(gate) * up from the gate|up product, rounded as
-  kernels/activation.py rounds it (the same values).
+multiplies them by the slice of x in float32 and sums along K once at the end. With a
+`Norm`, x = RMSNorm(hidden + residual) is made on BLOCK_K elements a slice: the row's
+squares summed as it streams, the accumulator scaled by 1/rms at the end; the
+normalized values rounded to the weights' dtype before that scale (kernels.rms_norm
+rounds after it: the same size of error). Program 0 writes the summed stream after its
+loop, when asked (`Norm.summed`).
 
-Not yet used by the model: scripts/gemv_bench.py times it against gemv + the separate
-kernels on a GPU first (docs/benchmarks.md, "The norms and the activation ...").
+The gated activation folded into down the same way measured no faster than
+silu_and_mul + gemv (0.97-1.00x, H100), so it is not here (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -27,10 +25,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-
-from lmd.engine.turbo.kernels.activation import check_activation, gated
-
-ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +55,6 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_SUMMED: tl.constexpr,
-    ACT: tl.constexpr,  # 0: x as given; 1: silu(gate) * up; 2: gelu_tanh(gate) * up
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -73,9 +66,6 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < k
         x = tl.load(x_ptr + ks, mask=kmask, other=0.0)  # [BLOCK_K]
-        if ACT != 0:  # x holds gate | up: the up half starts k columns on
-            up = tl.load(x_ptr + k + ks, mask=kmask, other=0.0)
-            x = gated(x, up, ACT == 2).to(w_ptr.dtype.element_ty)
         x = x.to(tl.float32)
         if NORM:
             if HAS_RESIDUAL:
@@ -115,26 +105,21 @@ def vector_gemv(
     bias: Tensor | None = None,
     *,
     norm: Norm | None = None,
-    activation: str | None = None,
     out_dtype: torch.dtype | None = None,
-    tiles: tuple[int, int, int, int] = (16, 256, 4, 3),
+    tiles: tuple[int, int, int, int] | None = None,
 ) -> Tensor:
-    """x: [1, K] (with `activation`: [1, 2K], gate | up), weight: [N, K], bias: [N]
-    -> [1, N] in `out_dtype` (default: x's), from a float32 accumulator. `norm` and
-    `activation` make the product's input first (the module docstring). tiles:
-    (BLOCK_N, BLOCK_K, warps, stages)."""
+    """x: [1, K], weight: [N, K], bias: [N] -> [1, N] in `out_dtype` (default: x's),
+    from a float32 accumulator. `norm` makes the product's input first (the module
+    docstring). tiles: (BLOCK_N, BLOCK_K, warps, stages) instead of default_tiles'."""
     n, k = weight.shape
-    if activation is not None:
-        check_activation(activation)
-    width = 2 * k if activation is not None else k
-    if x.shape != (1, width) or not x.is_contiguous() or weight.stride(1) != 1:
-        raise ValueError(f"vector_gemv takes one contiguous row of {width}, got {tuple(x.shape)}")
+    if x.shape != (1, k) or not x.is_contiguous() or weight.stride(1) != 1:
+        raise ValueError(f"vector_gemv takes one contiguous row of {k}, got {tuple(x.shape)}")
     residual = summed = None
     if norm is not None:
-        _check(norm, x, k, activation)
+        _check(norm, x, k)
         residual, summed = norm.residual, norm.summed
     y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
-    block_n, block_k, num_warps, num_stages = tiles
+    block_n, block_k, num_warps, num_stages = tiles or default_tiles(n, k)
     _vector_gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
@@ -151,7 +136,6 @@ def vector_gemv(
         NORM=norm is not None,
         HAS_RESIDUAL=residual is not None,
         HAS_SUMMED=summed is not None,
-        ACT=ACTIVATIONS[activation],
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=num_warps,
@@ -160,9 +144,17 @@ def vector_gemv(
     return y
 
 
-def _check(norm: Norm, x: Tensor, k: int, activation: str | None) -> None:
-    if norm.weight.shape != (k,) or activation is not None:
-        raise ValueError("vector_gemv's norm needs a weight of K and no activation")
+def default_tiles(n: int, k: int) -> tuple[int, int, int, int]:
+    """The fastest of scripts/gemv_bench.py's tilings at Llama-3-8B's and Qwen3-8B's
+    shapes, whole and one rank of two (H100, bf16): 4 rows x 1024 of K for the layers'
+    products, 16 x 512 for a vocabulary's (more programs than SMs either way)."""
+    block_k = min(1024 if n < 50000 else 512, triton.next_power_of_2(k))
+    return (4 if n < 50000 else 16), block_k, 4, 3
+
+
+def _check(norm: Norm, x: Tensor, k: int) -> None:
+    if norm.weight.shape != (k,):
+        raise ValueError("vector_gemv's norm needs a weight of K")
     for t in (norm.residual, norm.summed):
         if t is not None and (t.shape != x.shape or not t.is_contiguous()):
             raise ValueError("vector_gemv's residual and summed are contiguous rows of x's shape")
