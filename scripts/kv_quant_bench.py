@@ -2,7 +2,7 @@
 at Llama-3-8B's heads: time per call and the KV bytes it reads per second.
 
     python3 scripts/kv_quant_bench.py [--batches 1,64,256] [--context 1024] [--orders]
-                                      [--sweep]
+                                      [--splits 2,4,8] [--sweep]
 
 CUDA only. Each sequence holds `context` tokens in shuffled blocks of one layer; q is
 bf16. "eager" is the mean of `--iters` back-to-back launches between two CUDA events
@@ -104,6 +104,7 @@ def main() -> None:
     parser.add_argument(
         "--sweep", action="store_true", help="also every tiling of SWEEP (graph times)"
     )
+    parser.add_argument("--splits", default="", help="also these split counts, e.g. 2,4,8")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kv_quant_bench needs a CUDA device")
@@ -136,6 +137,11 @@ def main() -> None:
             gbs = batch * args.context * token_bytes / graph / 1e3
             print(f"{batch:>5} {kind:>5} {splits:>6} {eager:>9.1f} {graph:>9.1f} "
                   f"{gbs:>7.0f} {base / graph:>7.2f}x")  # fmt: skip
+            for more in (int(x) for x in args.splits.split(",") if x):
+                split_us = time_us(partial(call, num_splits=more), args.iters, graphed=True)
+                gbs = batch * args.context * token_bytes / split_us / 1e3
+                print(f"{'':>5} {'':>5} {more:>6} {'':>9} {split_us:>9.1f} "
+                      f"{gbs:>7.0f} {base / split_us:>7.2f}x")  # fmt: skip
             if args.orders:  # sequences first, a sequence's KV heads far apart
                 seqs = time_us(partial(call, heads_first=False), args.iters, graphed=True)
                 gbs = batch * args.context * token_bytes / seqs / 1e3
