@@ -255,6 +255,7 @@ DECODE_CASES = [
     DecodeCase(Attention(8, 1, 128, 16), [100, 1, 257], splits=2),
     DecodeCase(Attention(32, 8, 128, 64), [513, 2048], splits=16),
     DecodeCase(Attention(8, 2, 64, 16), [300, 40, 1], window=48, splits=4),
+    DecodeCase(Attention(8, 2, 64, 64), [300, 70, 129], window=100, splits=2),  # tile-aligned
     DecodeCase(Attention(6, 2, 96, 8), [77, 0], splits=2),  # padding row: zeros out
 ]
 

@@ -6,9 +6,12 @@ make one small matrix product with it) over one split of the context. Splits let
 long sequences fill the GPU; a second kernel merges the splits' partial outputs by their
 log-sum-exp. With one split the first kernel writes the output itself.
 
-Tokens are gathered through the block table one key at a time (block
-`block_tables[b, j // S]`, offset `j % S`), so any block size works; the rows of one
-key are head_dim contiguous elements of the block-major pool.
+Tokens are gathered through the block table (key j: block `block_tables[b, j // S]`,
+offset `j % S`), so any block size works; the rows of one key are head_dim contiguous
+elements of the block-major pool. Where BLOCK_N divides the block size, tiles start on
+multiples of BLOCK_N and each lies in one block: one table entry a tile, its rows one
+slot stride apart (the per-key table lookups and index arithmetic were most of the
+int8 kernel's instructions; docs/benchmarks.md).
 
 A quantized pool (kv_quant.py: int8 or e4m3 codes, a float16 scale per key and head)
 is dequantized in registers, keeping both dots in q's dtype (codes convert exactly):
@@ -63,6 +66,7 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HEADS_FIRST: tl.constexpr,  # grid (Hkv, B, splits) instead of (B, Hkv, splits)
+    IN_BLOCK: tl.constexpr,  # BLOCK_N divides block_size: a tile lies in one block
 ):
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -77,8 +81,11 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
     # The query is the last token (position context - 1): every key before it is visible,
     # or with a window the last `window` keys.
     first = tl.where(window > 0, tl.maximum(context - window, 0), 0)
-    per_split = tl.cdiv(tl.cdiv(context - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = first + split * per_split
+    # Tiles from a multiple of BLOCK_N where each can lie in one block: one block-table
+    # entry a tile, the tile's rows one stride apart (the keys before `first` masked).
+    lo = first // BLOCK_N * BLOCK_N if IN_BLOCK else first
+    per_split = tl.cdiv(tl.cdiv(context - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
     end = tl.minimum(start + per_split, context)
 
     g = tl.arange(0, BLOCK_G)
@@ -102,9 +109,15 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
         scale_ptr += layer * (stride_kv_layer // HEAD_DIM) + kv_head
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < end
-        block = tl.load(tables_ptr + seq * stride_tables + n // block_size, mask=nmask, other=0)
-        rows = block.to(tl.int64) * stride_kv_block + (n % block_size) * stride_kv_slot
+        nmask = (n >= first) & (n < end)
+        if IN_BLOCK:
+            block = tl.load(tables_ptr + seq * stride_tables + n0 // block_size).to(tl.int64)
+            slot = n0 % block_size + tl.arange(0, BLOCK_N)
+        else:
+            block = tl.load(tables_ptr + seq * stride_tables + n // block_size, mask=nmask, other=0)
+            block = block.to(tl.int64)
+            slot = n % block_size
+        rows = block * stride_kv_block + slot * stride_kv_slot
         kvmask = nmask[:, None] & dmask[None, :]
         k = tl.load(layer_ptr + rows[:, None] + d[None, :], mask=kvmask, other=0.0)
         if not QUANTIZED:
@@ -112,9 +125,7 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
                 tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
             )  # [BLOCK_G, BLOCK_N]
         else:
-            srows = block.to(tl.int64) * (stride_kv_block // 2) + (n % block_size) * (
-                stride_kv_slot // HEAD_DIM
-            )
+            srows = block * (stride_kv_block // 2) + slot * (stride_kv_slot // HEAD_DIM)
             k_scale = tl.load(scale_ptr + srows, mask=nmask, other=0.0).to(tl.float32)
             scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
             scores = scores * (k_scale * scale_log2)[None, :]
@@ -268,6 +279,7 @@ def decode_attention(
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype),
         HEADS_FIRST=heads_first,
+        IN_BLOCK=block_size % block_n == 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )
