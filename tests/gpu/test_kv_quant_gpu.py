@@ -77,12 +77,10 @@ def test_rotary_write_at_llama3_shape(kind: str, dtype: torch.dtype, qk_norm: bo
     blocks, offsets = slots[real] // S, slots[real] % S
     codes, ref_scales = kv_quant.quantize_heads(plain[blocks, layer, :, offsets], kind)
     got, got_scales = kv[blocks, layer, :, offsets], scales[blocks, layer, :, offsets]
-    if not qk_norm:
-        assert torch.equal(got.view(torch.uint8), codes.view(torch.uint8))
-        assert torch.equal(got_scales, ref_scales)
-        return
-    # Compiled apart, the two kernels may sum a head's squares (its RMS) in different
-    # orders: k differs by float32 ulps, and a rare scale or code moves by one step.
+    # Compiled apart, the two kernels may contract the rotation's products into FMAs
+    # differently, and sum a head's squares (its RMS) in other orders: k differs by
+    # float32 ulps, and a rare scale or code moves by one step (seen without the norms
+    # too: one float16 scale in a run, its codes unchanged).
     assert ((got_scales.float() - ref_scales.float()).abs() <= ref_scales.float() / 1024).all()
     assert (got.view(torch.uint8) != codes.view(torch.uint8)).float().mean() < 1e-3
     deq, ref = (
