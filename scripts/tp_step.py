@@ -2,12 +2,15 @@
 at batch 1 <= 0.65x of TP 1's"), on turbo with CUDA graphs, random bf16 weights.
 
     python3 scripts/tp_step.py MODEL_DIR --tp 1,2 --batches 1,64 [--context 512]
-        [--fused-batch1]
+        [--separate-batch1] [--kernels 12]
 
 For each size N, N processes (rank r on cuda:r, NCCL) load their shards, prefill B
 prompts of --context tokens, capture the decode graphs, then run 8 warm-up and --steps
 timed decode steps of B sequences; rank 0 prints one JSON line per (N, B) with the median
-step in ms. The same prompts and steps on every size.
+step in ms. The same prompts and steps on every size. --kernels K: then 10 more steps
+under torch.profiler (CUDA activity: the graphs' kernels one by one), and rank 0 prints
+the K kernels that take most of a step (us a step, launches a step) and what they and
+the rest sum to, against the step's median: where a batch-1 step's time goes.
 """
 
 from __future__ import annotations
@@ -55,19 +58,24 @@ def rank_main(rank: int, size: int, rendezvous: str, args: argparse.Namespace) -
             backend.forward(step, pool.kv)
         fused = [True, False] if args.separate_batch1 and batch == 1 else [True]
         for variant in fused:  # the same steps again with the norms in kernels of their own
-            if not variant:
-                backend.model.fused_batch1 = False
+            if backend.model.fused_batch1 != variant:
+                backend.model.fused_batch1 = variant
                 backend.capture_graphs(pool.kv, max(batches))
+
+            def decode(n: int) -> None:  # a step at context + n (the profiled: slots again)
+                lens = [args.context + n] * batch  # noqa: B023  # called in this iteration
+                step = ForwardBatch.pack([[5]] * batch, lens, tables, BLOCK)  # noqa: B023
+                backend.forward(step, pool.kv)
+
             times = []
             for n in range(8 + args.steps):
-                lens = [args.context + n] * batch
-                step = ForwardBatch.pack([[5]] * batch, lens, tables, BLOCK)
                 torch.cuda.synchronize()
                 began = time.perf_counter()
-                backend.forward(step, pool.kv)
+                decode(n)
                 torch.cuda.synchronize()
                 if n >= 8:
                     times.append(time.perf_counter() - began)
+            kernels = kernel_table(decode, 10) if args.kernels else []
             if rank == 0:
                 line: dict[str, Any] = {
                     "model": Path(args.model).name,
@@ -80,7 +88,39 @@ def rank_main(rank: int, size: int, rendezvous: str, args: argparse.Namespace) -
                     "device": torch.cuda.get_device_name(device),
                 }
                 print(json.dumps(line), flush=True)
+                print_kernels(kernels, args.kernels, line["step_ms"])
     leave_group()
+
+
+def kernel_table(decode: Any, steps: int) -> list[tuple[str, float, float]]:
+    """(kernel name, us a step, launches a step) over `steps` decode steps, most first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for n in range(steps):
+            decode(n)
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", 0)
+        if us > 0:
+            rows.append((event.key, us / steps, event.count / steps))
+    return sorted(rows, key=lambda row: -row[1])
+
+
+def print_kernels(rows: list[tuple[str, float, float]], top: int, step_ms: float) -> None:
+    if not rows:
+        return
+    total = sum(us for _, us, _ in rows)
+    for name, us, count in rows[:top]:
+        print(f"  {us:9.1f} us  x{count:5.1f}  {name[:90]}")
+    rest = sum(us for _, us, _ in rows[top:])
+    launches = sum(count for _, _, count in rows)
+    print(f"  {rest:9.1f} us  the other {max(0, len(rows) - top)} kernels")
+    gap = step_ms - total / 1e3
+    print(f"  kernels {total / 1e3:.3f} ms a step ({launches:.0f} launches), step "
+          f"{step_ms:.3f} ms: {gap:.3f} ms between kernels", flush=True)  # fmt: skip
 
 
 def main() -> None:
@@ -90,6 +130,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--kernels", type=int, default=0, help="print the K costliest kernels")
     parser.add_argument(
         "--separate-batch1",
         action="store_true",
