@@ -122,8 +122,9 @@ class TurboModel:
         # kernel's tl.dot would round it to TF32); CPU (the interpreter tests) keeps F.linear.
         self.skinny = weights.embed.is_cuda and weights.embed.dtype in HALF_DTYPES
         # One-row steps through kernels/vector_gemv.py, the norms made in the products'
-        # launches (2 kernels fewer a layer): Qwen3-8B's batch-1 step 5.98 -> 5.94 ms on
-        # an H100 (docs/benchmarks.md; scripts/families_bench.py --separate-batch1).
+        # launches (2 kernels fewer a layer): ~0.15 ms of Qwen3-8B's kernels on an H100,
+        # a batch-1 step 5.98 -> 5.94 ms in one A/B and equal within its noise in another
+        # (docs/benchmarks.md; scripts/families_bench.py --separate-batch1).
         self.fused_batch1 = True
 
     def forward(self, step: StepInputs, kv: Tensor, out: Tensor | None = None) -> Tensor:

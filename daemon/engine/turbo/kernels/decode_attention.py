@@ -222,8 +222,8 @@ def decode_attention(
     warps, stages) instead of the defaults (scripts/kv_quant_bench.py --sweep).
     heads_first: launch a sequence's KV heads side by side (grid (Hkv, B, splits)),
     reading the same slots, a key's heads being adjacent in the pool: 1.02x (bf16) and
-    1.05-1.07x (int8) over (B, Hkv, splits) on an H100 (docs/benchmarks.md,
-    quantization: `kv_quant_bench.py --orders`); False: that order.
+    1.09x (int8) over (B, Hkv, splits) at batch 256 on an H100, equal at 64
+    (docs/benchmarks.md, quantization: `kv_quant_bench.py --orders`); False: that order.
     """
     num_seqs, num_heads, head_dim = q.shape
     _, _, _, block_size, num_kv_heads, kv_dim = kv.shape
