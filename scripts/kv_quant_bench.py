@@ -69,6 +69,12 @@ def make_pool(
 SWEEP = [(bn, w, s) for bn in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3, 4)]
 
 
+def variant(label: str, call: Callable[..., object], iters: int, nbytes: int, base: float) -> None:
+    """One more row: `call`'s graph time, GB/s and speedup, under the first kind's row."""
+    us = time_us(call, iters, graphed=True)
+    print(f"{label:>28} {us:>9.1f} {nbytes / us / 1e3:>7.0f} {base / us:>7.2f}x")
+
+
 def sweep(call: Callable[..., object], iters: int, nbytes: int, base: float) -> None:
     """Graph time of every tiling in SWEEP, fastest first, the same call otherwise."""
     rows = []
@@ -131,24 +137,19 @@ def main() -> None:
                 context_lens=lens, scale=args.head_dim**-0.5, num_splits=splits,
                 kv_scales=scales,
             )  # fmt: skip
+            nbytes = batch * args.context * token_bytes
             eager = time_us(call, args.iters, graphed=False)
             graph = time_us(call, args.iters, graphed=True)
             base = base or graph
-            gbs = batch * args.context * token_bytes / graph / 1e3
             print(f"{batch:>5} {kind:>5} {splits:>6} {eager:>9.1f} {graph:>9.1f} "
-                  f"{gbs:>7.0f} {base / graph:>7.2f}x")  # fmt: skip
+                  f"{nbytes / graph / 1e3:>7.0f} {base / graph:>7.2f}x")  # fmt: skip
             for more in (int(x) for x in args.splits.split(",") if x):
-                split_us = time_us(partial(call, num_splits=more), args.iters, graphed=True)
-                gbs = batch * args.context * token_bytes / split_us / 1e3
-                print(f"{'':>5} {'':>5} {more:>6} {'':>9} {split_us:>9.1f} "
-                      f"{gbs:>7.0f} {base / split_us:>7.2f}x")  # fmt: skip
+                row = f"{more:>6}{'':>10}"
+                variant(row, partial(call, num_splits=more), args.iters, nbytes, base)
             if args.orders:  # sequences first, a sequence's KV heads far apart
-                seqs = time_us(partial(call, heads_first=False), args.iters, graphed=True)
-                gbs = batch * args.context * token_bytes / seqs / 1e3
-                print(f"{'':>5} {'':>5} {'seqs first':>16} {seqs:>9.1f} "
-                      f"{gbs:>7.0f} {base / seqs:>7.2f}x")  # fmt: skip
+                variant("seqs first", partial(call, heads_first=False), args.iters, nbytes, base)
             if args.sweep:
-                sweep(call, args.iters, batch * args.context * token_bytes, base)
+                sweep(call, args.iters, nbytes, base)
             del kv, scales
 
 

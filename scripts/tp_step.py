@@ -21,6 +21,8 @@ import multiprocessing as mp
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -56,17 +58,12 @@ def rank_main(rank: int, size: int, rendezvous: str, args: argparse.Namespace) -
                 BLOCK,
             )
             backend.forward(step, pool.kv)
+        decode = partial(decode_step, backend, pool, tables, args.context)
         fused = [True, False] if args.separate_batch1 and batch == 1 else [True]
         for variant in fused:  # the same steps again with the norms in kernels of their own
             if backend.model.fused_batch1 != variant:
                 backend.model.fused_batch1 = variant
                 backend.capture_graphs(pool.kv, max(batches))
-
-            def decode(n: int) -> None:  # a step at context + n (the profiled: slots again)
-                lens = [args.context + n] * batch  # noqa: B023  # called in this iteration
-                step = ForwardBatch.pack([[5]] * batch, lens, tables, BLOCK)  # noqa: B023
-                backend.forward(step, pool.kv)
-
             times = []
             for n in range(8 + args.steps):
                 torch.cuda.synchronize()
@@ -92,7 +89,16 @@ def rank_main(rank: int, size: int, rendezvous: str, args: argparse.Namespace) -
     leave_group()
 
 
-def kernel_table(decode: Any, steps: int) -> list[tuple[str, float, float]]:
+def decode_step(
+    backend: TurboBackend, pool: KVPool, tables: list[list[int]], context: int, n: int
+) -> None:
+    """One decode step of every sequence of `tables` at context + n (the profiled steps
+    write their slots again)."""
+    step = ForwardBatch.pack([[5]] * len(tables), [context + n] * len(tables), tables, BLOCK)
+    backend.forward(step, pool.kv)
+
+
+def kernel_table(decode: Callable[[int], None], steps: int) -> list[tuple[str, float, float]]:
     """(kernel name, us a step, launches a step) over `steps` decode steps, most first."""
     from torch.profiler import ProfilerActivity, profile
 

@@ -292,9 +292,7 @@ def check_token_ids(seq: Sequence, vocab_size: int) -> None:
         ("logit_bias token id", [t for t, _ in seq.sampling.logit_bias]),
         ("bad_words token id", [t for w in seq.sampling.bad_words for t in w]),
     ):
-        if not ids or (min(ids) >= 0 and max(ids) < vocab_size):  # in C, per token
-            continue
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        bad = first_outside(ids, vocab_size)
         if bad is not None:
             raise ValueError(
                 f"request {seq.request_id}: {what} {bad} is outside this model's "
@@ -321,6 +319,14 @@ def _number(name: str, value: object) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value}")
     return float(value)
+
+
+def first_outside(ids: SequenceOf[int], vocab_size: int) -> int | None:
+    """The first of `ids` outside the vocabulary [0, vocab_size), or None. The common
+    case, none, is decided by min and max in C (a prompt runs to thousands of ids)."""
+    if not ids or (min(ids) >= 0 and max(ids) < vocab_size):
+        return None
+    return next((t for t in ids if not 0 <= t < vocab_size), None)
 
 
 def are_ints(values: Collection[object]) -> bool:

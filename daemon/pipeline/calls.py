@@ -17,7 +17,7 @@ from functools import cached_property
 from torch import Tensor
 
 from lmd.engine.engine import Engine, TokenEvent
-from lmd.engine.sequence import Sequence
+from lmd.engine.sequence import Sequence, are_ints, first_outside
 from lmd.pipeline import scoring
 from lmd.pipeline.config import GenerationConfig
 from lmd.pipeline.engine_thread import Delivery, EngineThread, Item
@@ -159,7 +159,7 @@ def perplexity_inputs(input_ids: object, vocab_size: int, session_len: int) -> l
                 f"input_ids[{i}] has {len(seq)} tokens: a perplexity needs 2 to "
                 f"session_len ({session_len})"
             )
-        bad = next((t for t in seq if not 0 <= t < vocab_size), None)
+        bad = first_outside(seq, vocab_size)
         if bad is not None:
             raise ValueError(
                 f"input_ids[{i}]: token id {bad} is outside the vocabulary (0-{vocab_size - 1})"
@@ -169,8 +169,4 @@ def perplexity_inputs(input_ids: object, vocab_size: int, session_len: int) -> l
 
 
 def _is_ids(value: object) -> bool:
-    return (
-        isinstance(value, list | tuple)
-        and bool(value)
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-    )
+    return isinstance(value, list | tuple) and bool(value) and are_ints(value)

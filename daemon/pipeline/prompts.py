@@ -18,7 +18,7 @@ from typing import Any, cast
 
 from tokenizers.decoders import ByteLevel
 
-from lmd.engine.sequence import are_ints
+from lmd.engine.sequence import are_ints, first_outside
 from lmd.tokenizer.text.chat_template import (
     ChatMessage,
     ChatTemplate,
@@ -240,9 +240,7 @@ class Prompter:
         )
 
     def _checked(self, ids: list[int]) -> list[int]:
-        if not ids or (min(ids) >= 0 and max(ids) < self.vocab_size):  # in C, per token
-            return ids
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        bad = first_outside(ids, self.vocab_size)
         if bad is not None:
             raise ValueError(
                 f"token id {bad} is outside this model's vocabulary (0-{self.vocab_size - 1})"

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, cast
 
 from lmd import protocol
+from lmd.engine.sequence import first_outside
 from lmd.tokenizer.text.chat_template import ChatTemplate, parse_messages
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ class Prompts:
 
     def checked(self, ids: list[int], what: str = "token id") -> list[int]:
         """`ids` if every one is in the vocabulary; else ValueError naming the first."""
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        bad = first_outside(ids, self.vocab_size)
         if bad is not None:
             raise ValueError(f"{what} {bad} is outside the vocabulary (0-{self.vocab_size - 1})")
         return ids

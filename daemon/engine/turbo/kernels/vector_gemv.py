@@ -148,8 +148,8 @@ def default_tiles(n: int, k: int) -> tuple[int, int, int, int]:
     """The fastest of scripts/gemv_bench.py's tilings at Llama-3-8B's and Qwen3-8B's
     shapes, whole and one rank of two (H100, bf16): 4 rows x 1024 of K for the layers'
     products, 16 x 512 for a vocabulary's (more programs than SMs either way)."""
-    block_k = min(1024 if n < 50000 else 512, triton.next_power_of_2(k))
-    return (4 if n < 50000 else 16), block_k, 4, 3
+    block_n, block_k = (16, 512) if n >= 50000 else (4, 1024)
+    return block_n, min(block_k, triton.next_power_of_2(k)), 4, 3
 
 
 def _check(norm: Norm, x: Tensor, k: int) -> None:
