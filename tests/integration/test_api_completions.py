@@ -137,7 +137,11 @@ async def test_disconnect_while_waiting_non_stream_aborts(stack: Stack) -> None:
     task = asyncio.create_task(
         stack.http.post("/v1/chat/completions", json=chat_body("slow", max_tokens=1000))
     )
-    await wait_for(lambda: stack.worker.inflight() == 1, "request admitted")
+    # admitted by the api and received by the tokenizer (the api counts it in flight
+    # before its TextRequest has crossed the socket)
+    await wait_for(
+        lambda: stack.worker.inflight() == 1 and stack.tokenizer.requests, "request admitted"
+    )
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
