@@ -26,6 +26,10 @@ float32) is the float 1024 + q, and subtracting 1024 + z leaves q - z exactly. T
   per BLOCK_N columns leaves the GPU short of programs, K is split over SPLIT_K
   programs that write float32 partial sums, and a second launch adds them in a fixed
   order (deterministic) with the bias.
+- a few rows (`Tiles.dot` False; up to GEMV_ROWS rows by default): no tl.dot. Each
+  nibble becomes a float32 by bits (OR'ed into 2^23, less 2^23 + z: q - z exactly),
+  meets its inputs in float32 FMAs on the tile's own layout (no move into a dot
+  operand's), summed along K once per group, then scaled; K split as for decode.
 - prefill (64-row tiles; 128 with `swap_ab`, which computes y^T = W x^T so that the
   weights are tl.dot's first operand): (q - z) * s rounded once to the activations'
   dtype, then tl.dot(x, w, acc); programs walk M fastest, so the row tiles that share
@@ -50,6 +54,7 @@ from torch import Tensor
 
 PACK_K = 128  # inputs per block of the layout
 SKINNY_ROWS = 16  # up to this many rows of x: the decode tiling
+GEMV_ROWS = 0  # up to this many rows: the rows kernel (not tl.dot); 0 until measured faster
 DENSE_ROWS = 128  # from this many rows: dequantize slabs of W and let cuBLAS multiply
 SLAB_BYTES = 64 << 20  # the most a dequantized slab of W takes
 
@@ -65,6 +70,7 @@ class Tiles(NamedTuple):
     num_warps: int
     num_stages: int
     swap_ab: bool = False  # y^T = W x^T: the weights as tl.dot's first operand
+    dot: bool = True  # False: the rows kernel (block_k 128, no tl.dot; few rows)
 
 
 @triton.jit
@@ -172,6 +178,69 @@ def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
 
 
 @triton.jit
+def _w4a16_rows_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    b_ptr,
+    y_ptr,
+    m,
+    n,
+    k,
+    k_per_split,
+    stride_x,
+    GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The rows kernel (module docstring): BLOCK_M rows, BLOCK_N columns, a block of
+    128 inputs a step; products [BLOCK_M, 16, BLOCK_N] summed over the 16 once a group."""
+    num_m = tl.cdiv(m, BLOCK_M)
+    rows = (tl.program_id(0) % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (tl.program_id(0) // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < m
+    col_ok = cols < n
+    split = tl.program_id(1)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k, k_start + k_per_split)
+    r = tl.arange(0, 16)
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x + r[None, :]  # [BM, 16]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    part = tl.zeros((BLOCK_M, 16, BLOCK_N), dtype=tl.float32)  # one group's products
+    s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    zf = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for kb in range(k_start, k_end, 128):
+        words = tl.load(
+            q_ptr + (kb // 8 + r)[:, None].to(tl.int64) * n + cols[None, :],
+            mask=col_ok[None, :],
+            other=0,
+        )  # [16, BLOCK_N] int32: nibble j = inputs kb + 16 j ... kb + 16 j + 15
+        for j in tl.static_range(8):
+            if (16 * j) % GROUP == 0:  # a group starts: its scales and zero points
+                group = ((kb + 16 * j) // GROUP) * n
+                s = tl.load(s_ptr + group + cols, mask=col_ok, other=0.0).to(tl.float32)
+                zq = tl.load(z_ptr + group + cols, mask=col_ok, other=0).to(tl.float32)
+                zf = zq + 8388608.0  # 2^23 + z
+            biased = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+            w = biased - zf[None, :]  # q - z, exact: [16, BLOCK_N]
+            x = tl.load(x_rows + kb + 16 * j, mask=row_ok[:, None], other=0.0)  # [BM, 16]
+            part += x.to(tl.float32)[:, :, None] * w[None, :, :]
+            if j == 7 or (16 * (j + 1)) % GROUP == 0:  # the group's (or block's) end
+                acc += tl.sum(part, axis=1) * s[None, :]
+                part = tl.zeros_like(part)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + split.to(tl.int64) * m * n  # split > 0 only for float32 partial sums
+    tl.store(
+        out + rows[:, None].to(tl.int64) * n + cols[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
+@triton.jit
 def _sum_splits_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     p_ptr,
     b_ptr,
@@ -245,6 +314,8 @@ def default_tiles(m: int) -> Tiles:
     and 256 columns were slower, swapping the operands too). From DENSE_ROWS rows the
     launcher goes to cuBLAS instead; this 128 x 128 tiling (operands swapped, the best
     of the fused ones there) is for `dense_rows` set higher."""
+    if m <= GEMV_ROWS:
+        return rows_tiles(m)
     if m <= SKINNY_ROWS:
         return Tiles(16, 64, 128, 0, 4, 3)
     if m <= 32:
@@ -254,13 +325,22 @@ def default_tiles(m: int) -> Tiles:
     return Tiles(128, 128, 128, 1, 8, 3, swap_ab=True)
 
 
+def rows_tiles(m: int, block_n: int = 512, num_warps: int = 4, num_stages: int = 2) -> Tiles:
+    """The rows kernel's tiling for m rows: up to 4 rows a program, block_n / rows
+    columns (a program's products stay block_n x 16 floats whatever its rows)."""
+    block_m = min(4, int(triton.next_power_of_2(m)))
+    return Tiles(block_m, max(16, block_n // block_m), 128, 0, num_warps, num_stages, dot=False)
+
+
 def _splits(tiles: Tiles, m: int, n: int, k: int, *, block_k: int, num_sms: int) -> int:
     """tiles.split_k, or for 0 as many splits of K (each at least one BLOCK_K) as bring
     the programs to 8x the multiprocessors for decode tiles (a power of two, at most
-    4), 2x for larger ones (at most 16)."""
+    4), 4x for the rows kernel (any number), 2x for larger ones (at most 16)."""
     if tiles.split_k:
         return tiles.split_k
     programs = int(triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n))
+    if not tiles.dot:
+        return max(1, min(int(triton.cdiv(4 * num_sms, programs)), k // block_k))
     if tiles.block_m <= SKINNY_ROWS:
         wanted = int(triton.next_power_of_2(triton.cdiv(8 * num_sms, programs)))
         return max(1, min(wanted, 4, k // block_k))
@@ -321,29 +401,28 @@ def w4a16_matmul(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds
     split = triton.cdiv(k, k_per_split)  # no empty splits
     out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n), split)
-    _w4a16_kernel[grid](
-        x,
-        qweight,
-        scales,
-        zeros,
-        bias if bias is not None else scales,
-        out,
-        m,
-        n,
-        k,
-        k_per_split,
-        x.stride(0),
-        GROUP=group_size,
-        HAS_BIAS=bias is not None and split == 1,
-        SCALE_AFTER_DOT=tiles.block_m <= 32,
-        SWAP_AB=tiles.swap_ab,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32: no TF32 rounding
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        BLOCK_K=block_k,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-    )
+    args = (x, qweight, scales, zeros, bias if bias is not None else scales, out)
+    args += (m, n, k, k_per_split, x.stride(0))
+    has_bias = bias is not None and split == 1
+    launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
+    if not tiles.dot:
+        _w4a16_rows_kernel[grid](
+            *args, GROUP=group_size, HAS_BIAS=has_bias, BLOCK_M=tiles.block_m,
+            BLOCK_N=tiles.block_n, **launch,
+        )  # fmt: skip
+    else:
+        _w4a16_kernel[grid](
+            *args,
+            GROUP=group_size,
+            HAS_BIAS=has_bias,
+            SCALE_AFTER_DOT=tiles.block_m <= 32,
+            SWAP_AB=tiles.swap_ab,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32: no TF32
+            BLOCK_M=tiles.block_m,
+            BLOCK_N=tiles.block_n,
+            BLOCK_K=block_k,
+            **launch,
+        )
     if split > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
