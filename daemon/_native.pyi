@@ -119,3 +119,18 @@ class CudaIpcTransport(Transport):
     def __init__(self, device: str, *, copy_kernel: bool = True) -> None: ...
     @property
     def device(self) -> str: ...
+
+def panel_gemm_supported() -> bool: ...
+def panel_gemm(
+    x: int,
+    rows: int,
+    k: int,
+    x_stride: int,
+    panels: int,
+    n: int,
+    y: int,
+    y_stride: int,
+    bias: int,
+    threads: int,
+    /,
+) -> None: ...

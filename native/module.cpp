@@ -2,8 +2,12 @@
 // own file; this one only binds them.
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
+#include <stdexcept>
+
 #include "bindings.h"
 #include "cuda_driver.h"
+#include "panel_gemm.h"
 
 namespace py = pybind11;
 
@@ -29,6 +33,28 @@ PYBIND11_MODULE(_native, m) {
       },
       "Load the CUDA driver at run time and count devices.\n\n"
       "Returns {'available': bool, 'devices': int, 'reason': str}; never raises.");
+
+  m.def("panel_gemm_supported", &lmd::panel_gemm_supported,
+        "Does this CPU run panel_gemm (AVX2 and FMA)?");
+  m.def(
+      "panel_gemm",
+      [](std::uintptr_t x, std::int64_t rows, std::int64_t k, std::int64_t x_stride,
+         std::uintptr_t panels, std::int64_t n, std::uintptr_t y, std::int64_t y_stride,
+         std::uintptr_t bias, int threads) {
+        if (!lmd::panel_gemm_supported()) throw std::runtime_error("panel_gemm needs AVX2 and FMA");
+        if (rows < 0 || k < 1 || n < 1 || x_stride < k || y_stride < n || !x || !panels || !y) {
+          throw std::invalid_argument("panel_gemm: bad shapes, strides or pointers");
+        }
+        lmd::PanelGemm args{reinterpret_cast<const float*>(x),      rows, k, x_stride,
+                            reinterpret_cast<const float*>(panels), n,
+                            reinterpret_cast<float*>(y),            y_stride,
+                            reinterpret_cast<const float*>(bias)};
+        py::gil_scoped_release release;
+        lmd::panel_gemm(args, threads);
+      },
+      "y = x W^T (+ b) in float32 for a few rows (native/panel_gemm.h), on addresses:\n"
+      "x [rows, k] (row stride x_stride), panels [ceil(n/8), k, 8], y [rows, n] (row\n"
+      "stride y_stride), bias [n] or 0; `threads` of the loaded libgomp's team.");
 
   lmd::bind_transport(m);
 }

@@ -16,8 +16,12 @@ hold the engine: a restart would fail the same way); a group already started is 
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lmd.config import ServeConfig
 from lmd.engine.backend import BackendError
@@ -59,10 +63,14 @@ class Loaded:
             self.ledger.remove(self.name)
 
 
-async def load(spec: WorkerSpec, config: ServeConfig, role: Role) -> Loaded:
+async def load(
+    spec: WorkerSpec, config: ServeConfig, role: Role, thread: Executor | None = None
+) -> Loaded:
+    """The worker's engine, built on `thread` (the thread that will step it: see
+    step_thread.py), or a thread of asyncio's without one."""
     partial = _Partial()
     try:
-        return await _load(spec, config, role, partial)
+        return await _load(spec, config, role, partial, thread)
     except (MemoryPlanError, ModelSourceError, BackendError, ValueError, OSError) as exc:
         await partial.stop()
         permanent = isinstance(exc, MemoryPlanError)  # the same on every restart
@@ -84,7 +92,9 @@ class _Partial:
             await asyncio.to_thread(self.ranks.stop)
 
 
-async def _load(spec: WorkerSpec, config: ServeConfig, role: Role, partial: _Partial) -> Loaded:
+async def _load(
+    spec: WorkerSpec, config: ServeConfig, role: Role, partial: _Partial, thread: Executor | None
+) -> Loaded:
     device = spec.device or "cpu"
     engine_config = config.engine_on(spec.device)
     model = resolve_model(config.model)
@@ -95,7 +105,7 @@ async def _load(spec: WorkerSpec, config: ServeConfig, role: Role, partial: _Par
         return Loaded(fixed, model.path, memory, name=spec.name)
     tp, ranks = SINGLE, None
     if spec.tp > 1:
-        ranks, tp = await start_group(spec, config, model.path, device, transport)
+        ranks, tp = await start_group(spec, config, model.path, device, transport, thread=thread)
         partial.ranks = ranks
     cpu_free, budget = None, None
     if device == "cpu":  # a group's pools share the engine's part
@@ -106,7 +116,12 @@ async def _load(spec: WorkerSpec, config: ServeConfig, role: Role, partial: _Par
         budget, ledger = await asyncio.to_thread(
             claim_gpu_budget, spec, config, engine_config, model.path
         )
-    build = asyncio.to_thread if ranks is None else ranks.beside  # a rank may die meanwhile
+    loop = asyncio.get_running_loop()
+
+    def on_thread(fn: Callable[..., Engine], *args: Any, **kwargs: Any) -> Awaitable[Engine]:
+        return loop.run_in_executor(thread, functools.partial(fn, *args, **kwargs))
+
+    build = on_thread if ranks is None else ranks.beside  # a rank may die meanwhile
     engine = await build(
         Engine.build,
         model.path,

@@ -66,9 +66,16 @@ class RankError(RuntimeError):
 
 class RankGroup:
     def __init__(
-        self, spec: WorkerSpec, config: ServeConfig, model_dir: Path, transport: str | None
+        self,
+        spec: WorkerSpec,
+        config: ServeConfig,
+        model_dir: Path,
+        transport: str | None,
+        *,
+        thread: concurrent.futures.Executor | None = None,
     ) -> None:
         self.worker = spec.name
+        self.thread = thread  # where beside() runs its calls: the engine's step thread
         self.size = spec.tp
         self.endpoints = Endpoints(config.runtime_dir)
         self.timeout_s = config.startup_timeout
@@ -250,19 +257,24 @@ class RankGroup:
         return self.dead
 
     async def beside(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """`fn(*args, **kwargs)` in a thread of its own while watching the group: a rank
-        that fails or dies meanwhile is a RankError at once, not a wait in a collective
-        (NCCL's waits on a dead peer end only at the group's timeout). A daemon thread: one
-        left waiting there does not hold the process's exit."""
-        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        """`fn(*args, **kwargs)` on the group's thread (the engine's step thread), or a
+        thread of its own, while watching the group: a rank that fails or dies meanwhile
+        is a RankError at once, not a wait in a collective (NCCL's waits on a dead peer
+        end only at the group's timeout). A daemon thread either way: one left waiting
+        there does not hold the process's exit."""
+        done: concurrent.futures.Future[T]
+        if self.thread is not None:
+            done = self.thread.submit(fn, *args, **kwargs)
+        else:
+            done = concurrent.futures.Future()
 
-        def run() -> None:
-            try:
-                done.set_result(fn(*args, **kwargs))
-            except BaseException as exc:
-                done.set_exception(exc)
+            def run() -> None:
+                try:
+                    done.set_result(fn(*args, **kwargs))
+                except BaseException as exc:
+                    done.set_exception(exc)
 
-        threading.Thread(target=run, name=f"{self.worker}-beside", daemon=True).start()
+            threading.Thread(target=run, name=f"{self.worker}-beside", daemon=True).start()
         while not done.done():
             if self.dead is not None:
                 raise RankError(self.dead)
@@ -297,7 +309,13 @@ def _remove(endpoint: str) -> None:
 
 
 async def start_group(
-    spec: WorkerSpec, config: ServeConfig, model_dir: Path, device: str, transport: str | None
+    spec: WorkerSpec,
+    config: ServeConfig,
+    model_dir: Path,
+    device: str,
+    transport: str | None,
+    *,
+    thread: concurrent.futures.Executor | None = None,
 ) -> tuple[RankGroup, TensorParallel]:
     """Ranks 1..N-1 of `spec`'s group started, and this process joined as rank 0; a
     rank that fails or dies first is a RankError naming it (the group is stopped)."""
@@ -308,7 +326,7 @@ async def start_group(
             f"tp {spec.tp} from {device} needs {devices[0]}..{devices[-1]}; this host has "
             f"{_num_gpus()} GPUs"
         )
-    group = RankGroup(spec, config, model_dir, transport)
+    group = RankGroup(spec, config, model_dir, transport, thread=thread)
     group.start()
     try:
         rendezvous = group.rendezvous

@@ -34,7 +34,6 @@ import logging
 import os
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from lmd import protocol
@@ -48,6 +47,7 @@ from lmd.engine.sequence import SamplingParams, Sequence
 from lmd.hybrid.clients import Clients
 from lmd.hybrid.loading import load
 from lmd.hybrid.rank_group import RankGroup
+from lmd.hybrid.step_thread import StepThread
 from lmd.protocol import Message, Role
 from lmd.roles import gpu_name
 from lmd.stage_times import StageClock
@@ -64,10 +64,11 @@ class EngineWorker(Worker):
 
     async def start(self) -> None:
         self._compiling: dict[str, list[Message]] = {}  # a request's messages held meanwhile
-        self.loaded = loaded = await load(self.spec, self.config, self.role)  # loading.py
+        # Every torch call of the engine, its build included, on one thread (step_thread.py).
+        self._executor = StepThread(f"{self.spec.name}-step")
+        self.loaded = loaded = await load(self.spec, self.config, self.role, self._executor)
         self.engine, self.memory, self.ranks = loaded.engine, loaded.memory, loaded.ranks
         self.grammars = loaded.grammars  # structured output (the fixed engine has none)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.spec.name}-step")
         self._reply_to: dict[str, str] = {}  # request id -> receiving worker
         self.clients = Clients()  # the receivers' processes, to drop requests of dead ones
         self._new_workers: dict[str, int] | None = None  # from ClusterState, for between steps

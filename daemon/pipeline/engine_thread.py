@@ -22,7 +22,9 @@ Life cycle of a request in the engine thread:
      ends and the pipeline is unusable (a new one starts a fresh engine). `close()`
      fails what is left the same way, ends the thread and drops the engine.
 The engine's state only ever changes in this thread, between steps; the thread never
-waits on a caller (a sink only queues).
+waits on a caller (a sink only queues). Given a function that builds the engine, the
+thread builds it first: its torch work then all runs on one thread (on a CPU, a second
+thread's OpenMP pool made every decode step ~1.7x slower: hybrid/step_thread.py).
 """
 
 from __future__ import annotations
@@ -61,16 +63,21 @@ class Delivery(enum.Enum):
 
 
 class EngineThread:
-    def __init__(self, engine: Engine) -> None:
-        self.engine: Engine | None = engine
+    def __init__(self, engine: Engine | Callable[[], Engine]) -> None:
+        """`engine`, or a function that builds it in the thread (its error raised here)."""
+        self.engine: Engine | None = None
         self._cond = threading.Condition()
         self._inbox: list[Op] = []
         self._calls: dict[str, _Call] = {}  # request id -> its call
         self._num_every_token = 0  # requests running whose call wants every token
         self._closing = False
         self._error: str | None = None  # why the thread ended early
-        self._thread = threading.Thread(target=self._run, name="lmd-pipeline-engine", daemon=True)
+        built: Future[Engine] = Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(engine, built), name="lmd-pipeline-engine", daemon=True
+        )
         self._thread.start()
+        self.engine = built.result()
 
     # From any thread ---------------------------------------------------------------------
 
@@ -148,9 +155,13 @@ class EngineThread:
 
     # In the engine thread ----------------------------------------------------------------
 
-    def _run(self) -> None:
-        engine = self.engine
-        assert engine is not None
+    def _run(self, make: Engine | Callable[[], Engine], built: Future[Engine]) -> None:
+        try:
+            engine = make if isinstance(make, Engine) else make()
+        except BaseException as exc:
+            built.set_exception(exc)
+            return
+        built.set_result(engine)
         reason = "the pipeline was closed"
         while True:
             # A look without the lock first: between two steps of a running batch nothing

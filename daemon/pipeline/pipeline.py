@@ -18,6 +18,7 @@ model and the pool (GPU memory included).
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import queue
@@ -97,19 +98,23 @@ class Pipeline:
         self._group: PipelineGroup | None = None
         if settings.tp > 1:  # ranks 1..N-1 in processes of their own (group.py)
             self._group = PipelineGroup(model.path, settings, device, backend)
-            engine = self._group.engine
-        else:
-            engine = Engine.build(
-                model.path,
-                settings.engine_config(),
-                device=device,
-                dtype=settings.dtype,
-                backend=backend,
+            self._engine = EngineThread(self._group.engine)
+        else:  # built in the thread that will step it (engine_thread.py)
+            self._engine = EngineThread(
+                functools.partial(
+                    Engine.build,
+                    model.path,
+                    settings.engine_config(),
+                    device=device,
+                    dtype=settings.dtype,
+                    backend=backend,
+                )
             )
+        engine = self._engine.engine
+        assert engine is not None
         self.prompter.vocab_size = engine.backend.vocab_size
         self.model_name = model.name
         self.session_len = int(engine.config.session_len or 0)  # resolved by the engine
-        self._engine = EngineThread(engine)
         # An unclosed pipeline is closed when it is collected (or at exit).
         self._finalizer = weakref.finalize(self, _close, self._engine, self._group)
 

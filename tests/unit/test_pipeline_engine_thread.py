@@ -5,6 +5,7 @@ aborts free the blocks, calls run between steps, and close fails whatever waits.
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -120,3 +121,26 @@ def test_close_fails_what_waits_and_refuses_more(thread: EngineThread) -> None:
     assert thread.engine is None
     with pytest.raises(RuntimeError, match="the pipeline is closed"):
         thread.call(lambda engine: engine.stats())
+
+
+def test_an_engine_built_by_the_thread_is_built_on_it(model_dir: Path) -> None:
+    """Given a builder, the thread builds the engine itself (its torch work on one thread)
+    and a build that fails raises in the constructor."""
+    built_on: list[threading.Thread] = []
+
+    def build() -> Engine:
+        built_on.append(threading.current_thread())
+        return Engine.build(model_dir, EngineConfig(block_size=4, max_batch_size=4), backend="fake")
+
+    t = EngineThread(build)
+    try:
+        assert t.engine is not None and built_on == [t._thread]
+        assert t.call(lambda engine: threading.current_thread()).result(timeout=30) is t._thread
+    finally:
+        t.close()
+
+    def fails() -> Engine:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        EngineThread(fails)

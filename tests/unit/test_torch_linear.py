@@ -12,9 +12,11 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from lmd.engine.backend import ForwardBatch
 from lmd.engine.torch_backend import TorchBackend
 from lmd.engine.torch_backend.linear import (
+    PANEL_ROWS,
     FusedLinear,
     FusedPart,
     PackedLinear,
+    PackedWeight,
     can_pack,
     pack_linears,
 )
@@ -41,6 +43,41 @@ def test_packed_linear_matches_nn_linear(bias: bool) -> None:
     for inp in (x, x[0], strided):
         torch.testing.assert_close(packed(inp), stock(inp), rtol=1e-5, atol=1e-5)
     assert packed(x[:, :0]).shape == (1, 0, 80)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_both_forms_of_a_packed_weight_compute_the_linear(threads: int) -> None:
+    """Every row count from 1 past PANEL_ROWS (panel_gemm up to it, oneDNN after), outputs
+    off the panels' 8, a bias, on one thread and on two."""
+    stock = linear(70, 43, bias=True, seed=3)
+    weight = PackedWeight(stock.weight)
+    if lmd_native_supported():
+        assert weight.panels is not None and weight.panels.shape == (6, 70, 8)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in range(1, PANEL_ROWS + 2):
+            x = torch.randn(rows, 70)
+            expected = torch.nn.functional.linear(
+                x.double(), stock.weight.double(), stock.bias.double()
+            )
+            torch.testing.assert_close(
+                weight.linear(x, stock.bias), expected.float(), rtol=1e-5, atol=1e-5
+            )
+            torch.testing.assert_close(
+                weight.linear(x, None),
+                (expected - stock.bias.double()).float(),
+                rtol=1e-5,
+                atol=1e-5,
+            )
+    finally:
+        torch.set_num_threads(before)
+
+
+def lmd_native_supported() -> bool:
+    from lmd import _native
+
+    return bool(_native.panel_gemm_supported())
 
 
 @pytest.mark.parametrize("bias", [False, True])

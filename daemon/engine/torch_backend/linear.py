@@ -1,11 +1,15 @@
-"""fp32 linear layers through oneDNN with weights packed once, for the torch backend on CPU.
+"""fp32 linear layers with weights packed once, for the torch backend on CPU.
 
 torch runs an fp32 `nn.Linear` on CPU as an MKL sgemm. On the AMD EPYC dev machine MKL
 takes a slow path: a decode step of SmolLM2-135M at batch 8 streams its weights far below
 the machine's memory bandwidth, the lm_head [8, 576] @ [576, 49152] taking the largest
 share. oneDNN with the weight reordered once into its blocked layout streams the same
 weights several times faster and runs prefill GEMMs about twice as fast (docs/benchmarks.md,
-'CPU, second pass: oneDNN linears, block copies, malloc, threads').
+'CPU, second pass: oneDNN linears, block copies, malloc, threads'). At decode sizes (up to
+PANEL_ROWS rows) lmd._native's panel_gemm (native/panel_gemm.h: AVX2, W in panels of 8
+outputs, on torch's own OpenMP threads) is 1.3-1.6x faster again at 8 rows, so a
+`PackedWeight` keeps both forms, where the CPU has AVX2 and FMA: the weight's memory twice
+('CPU, third pass' in docs/benchmarks.md).
 
 `pack_linears(model)` swaps the `nn.Linear` leaves of a model; the modules' own forwards
 (transformers' attention, MLP, lm_head) call them exactly as they called the Linears:
@@ -43,16 +47,50 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-def _pack(weight: Tensor) -> Tensor:
-    """[out, in] -> an opaque oneDNN tensor in its blocked layout (a copy)."""
-    packed: Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-    return packed
+PANEL_ROWS = 16  # up to this many rows: panel_gemm; more (prefill): oneDNN
 
 
-def _linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
-    """x: [..., in] -> [..., out]"""
-    y: Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return y
+def _panel_gemm_supported() -> bool:
+    try:
+        from lmd import _native
+    except ImportError:  # a source tree without the built extension
+        return False
+    return bool(_native.panel_gemm_supported())
+
+
+class PackedWeight:
+    """A Linear's weight [out, in] in oneDNN's blocked layout, and in panel_gemm's
+    [ceil(out / 8), in, 8] (outputs past `out` zero) where the CPU runs it."""
+
+    def __init__(self, weight: Tensor) -> None:
+        weight = weight.detach()
+        self.out_features, self.in_features = weight.shape
+        self.onednn: Tensor = torch.ops.mkldnn._reorder_linear_weight(weight)  # opaque
+        self.panels: Tensor | None = None
+        if _panel_gemm_supported():
+            num = -(-self.out_features // 8)
+            padded = weight.new_zeros(num * 8, self.in_features)
+            padded[: self.out_features] = weight
+            self.panels = padded.view(num, 8, self.in_features).transpose(1, 2).contiguous()
+
+    def linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        """x: [..., in] -> [..., out]"""
+        rows = x.numel() // self.in_features if self.in_features else 0
+        if self.panels is None or not 0 < rows <= PANEL_ROWS or x.dtype != torch.float32:
+            y: Tensor = torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
+            return y
+        from lmd import _native
+
+        flat = x.reshape(rows, self.in_features)
+        if flat.stride(1) != 1 or flat.stride(0) < self.in_features:
+            flat = flat.contiguous()
+        out = torch.empty(rows, self.out_features, dtype=x.dtype)
+        _native.panel_gemm(
+            flat.data_ptr(), rows, self.in_features, flat.stride(0), self.panels.data_ptr(),
+            self.out_features, out.data_ptr(), self.out_features,
+            0 if bias is None else bias.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 class PackedLinear(nn.Module):
@@ -63,11 +101,11 @@ class PackedLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         # Plain attributes, not Parameters: nothing trains or saves them.
-        self.packed_weight = _pack(linear.weight)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.packed_weight = PackedWeight(linear.weight)
+        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
 
     def forward(self, x: Tensor) -> Tensor:
-        return _linear(x, self.packed_weight, self.bias)
+        return self.packed_weight.linear(x, self.bias)
 
     def extra_repr(self) -> str:
         bias = self.bias is not None
@@ -83,7 +121,7 @@ class FusedLinear:
 
     def __init__(self, linears: list[nn.Linear]) -> None:
         self.out_features = [lin.out_features for lin in linears]
-        self.packed_weight = _pack(torch.cat([lin.weight.detach() for lin in linears]))
+        self.packed_weight = PackedWeight(torch.cat([lin.weight.detach() for lin in linears]))
         biases = [lin.bias.detach() for lin in linears if lin.bias is not None]
         self.bias = torch.cat(biases) if biases else None  # all or none have one
         self._input: Tensor | None = None
@@ -98,7 +136,7 @@ class FusedLinear:
     def output(self, index: int, x: Tensor) -> Tensor:
         """Part `index` of the fused GEMM on x: [..., in] -> [..., out_features[index]]."""
         if x is not self._input or index in self._taken:
-            y = _linear(x, self.packed_weight, self.bias)  # [..., sum(out_features)]
+            y = self.packed_weight.linear(x, self.bias)  # [..., sum(out_features)]
             self._slices = tuple(y.split_with_sizes(self.out_features, -1))  # views of y
             self._input = x
             self._taken = set()
@@ -166,5 +204,10 @@ def pack_linears(model: nn.Module) -> tuple[int, int]:
     ]
     for name, linear in alone:
         model.set_submodule(name, PackedLinear(linear))
-    log.info("oneDNN linears: %d fused into groups, %d packed alone", num_fused, len(alone))
+    log.info(
+        "packed linears (oneDNN%s): %d fused into groups, %d alone",
+        f", panel_gemm up to {PANEL_ROWS} rows" if _panel_gemm_supported() else "",
+        num_fused,
+        len(alone),
+    )
     return num_fused, len(alone)

@@ -401,8 +401,8 @@ def w4a16_matmul(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds
     split = triton.cdiv(k, k_per_split)  # no empty splits
     out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n), split)
-    args = (x, qweight, scales, zeros, bias if bias is not None else scales, out)
-    args += (m, n, k, k_per_split, x.stride(0))
+    args = (x, qweight, scales, zeros, bias if bias is not None else scales, out,
+            m, n, k, k_per_split, x.stride(0))  # fmt: skip
     has_bias = bias is not None and split == 1
     launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
     if not tiles.dot:

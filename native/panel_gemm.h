@@ -1,0 +1,37 @@
+// Decode-sized float32 products on x86 CPUs with AVX2 and FMA: y = x W^T (+ b) for a
+// few rows of x, the torch backend's linears at decode (daemon/engine/torch_backend/
+// linear.py). W is stored in panels of 8 outputs, [ceil(N / 8)][K][8], so that a panel
+// streams through the cache in one pass while 8 rows of x meet it: per input k, one
+// 32-byte load of the panel and 8 FMAs, one per row, into 8 accumulators held in
+// registers. On the 2-core dev machine this streams weights at its memory bandwidth
+// where oneDNN's blocked GEMM, at 8 rows, ran 1.5-2.5x slower (docs/benchmarks.md).
+//
+// Threads: the panels are split over the OpenMP team of the libgomp the process has
+// already loaded (torch's), so the product runs on torch's own intra-op threads, not on
+// threads of ours that would compete with them for the cores; with no libgomp loaded,
+// on the calling thread alone.
+#pragma once
+
+#include <cstdint>
+
+namespace lmd {
+
+// Does this CPU run panel_gemm (AVX2 and FMA)?
+bool panel_gemm_supported();
+
+struct PanelGemm {
+  const float* x;       // [rows, k], rows x_stride floats apart
+  std::int64_t rows;
+  std::int64_t k;
+  std::int64_t x_stride;
+  const float* panels;  // [ceil(n / 8), k, 8], outputs past n zero
+  std::int64_t n;
+  float* y;             // [rows, n], rows y_stride floats apart
+  std::int64_t y_stride;
+  const float* bias;    // [n] or nullptr
+};
+
+// Computes the product on `threads` threads (see above). Requires panel_gemm_supported().
+void panel_gemm(const PanelGemm& args, int threads);
+
+}  // namespace lmd
