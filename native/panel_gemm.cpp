@@ -2,8 +2,12 @@
 
 #include <dlfcn.h>
 #include <immintrin.h>  // its intrinsics compile inside the AVX2 region below
+#include <link.h>
 
 #include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
 
 namespace lmd {
 namespace {
@@ -17,17 +21,43 @@ struct Gomp {
   int (*num_threads)();
 };
 
-// The libgomp already loaded (RTLD_NOLOAD: never a second OpenMP runtime), or none.
+// Paths of the loaded objects whose file name contains `part` (dl_iterate_phdr).
+std::vector<std::string> loaded_named(const char* part) {
+  std::vector<std::string> found;
+  struct Search {
+    const char* part;
+    std::vector<std::string>* found;
+  } search{part, &found};
+  dl_iterate_phdr(
+      [](dl_phdr_info* info, std::size_t, void* data) {
+        auto* s = static_cast<Search*>(data);
+        if (info->dlpi_name != nullptr && std::strstr(info->dlpi_name, s->part) != nullptr) {
+          s->found->emplace_back(info->dlpi_name);
+        }
+        return 0;
+      },
+      &search);
+  return found;
+}
+
+// The OpenMP runtime already loaded (RTLD_NOLOAD: never a second runtime), or none:
+// libgomp first (torch's wheels, under whatever name a wheel gives its copy), then
+// Intel's and LLVM's, which export the same GOMP_ entry points.
 Gomp find_gomp() {
-  void* lib = dlopen("libgomp.so.1", RTLD_LAZY | RTLD_NOLOAD);
-  if (lib == nullptr) return {};
-  Gomp gomp{};
-  gomp.parallel = reinterpret_cast<decltype(gomp.parallel)>(dlsym(lib, "GOMP_parallel"));
-  gomp.thread_num = reinterpret_cast<decltype(gomp.thread_num)>(dlsym(lib, "omp_get_thread_num"));
-  gomp.num_threads =
-      reinterpret_cast<decltype(gomp.num_threads)>(dlsym(lib, "omp_get_num_threads"));
-  if (!gomp.parallel || !gomp.thread_num || !gomp.num_threads) return {};
-  return gomp;
+  for (const char* part : {"libgomp", "libiomp5", "libomp"}) {
+    for (const std::string& path : loaded_named(part)) {
+      void* lib = dlopen(path.c_str(), RTLD_LAZY | RTLD_NOLOAD);
+      if (lib == nullptr) continue;
+      Gomp gomp{};
+      gomp.parallel = reinterpret_cast<decltype(gomp.parallel)>(dlsym(lib, "GOMP_parallel"));
+      gomp.thread_num =
+          reinterpret_cast<decltype(gomp.thread_num)>(dlsym(lib, "omp_get_thread_num"));
+      gomp.num_threads =
+          reinterpret_cast<decltype(gomp.num_threads)>(dlsym(lib, "omp_get_num_threads"));
+      if (gomp.parallel && gomp.thread_num && gomp.num_threads) return gomp;
+    }
+  }
+  return {};
 }
 
 #pragma GCC push_options

@@ -6,10 +6,10 @@
 // registers. On the 2-core dev machine this streams weights at its memory bandwidth
 // where oneDNN's blocked GEMM, at 8 rows, ran 1.5-2.5x slower (docs/benchmarks.md).
 //
-// Threads: the panels are split over the OpenMP team of the libgomp the process has
-// already loaded (torch's), so the product runs on torch's own intra-op threads, not on
-// threads of ours that would compete with them for the cores; with no libgomp loaded,
-// on the calling thread alone.
+// Threads: the panels are split over the OpenMP team of the runtime the process has
+// already loaded (torch's libgomp), so the product runs on torch's own intra-op threads,
+// not on threads of ours that would compete with them for the cores; with no OpenMP
+// runtime loaded, on the calling thread alone.
 #pragma once
 
 #include <cstdint>
