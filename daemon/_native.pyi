@@ -134,3 +134,23 @@ def panel_gemm(
     threads: int,
     /,
 ) -> None: ...
+def paged_decode_attention(
+    q: int,
+    rows: int,
+    heads_kv: int,
+    groups: int,
+    dim: int,
+    kv: int,
+    num_blocks: int,
+    num_layers: int,
+    block_size: int,
+    layer: int,
+    tables: int,
+    table_width: int,
+    positions: int,
+    window: int,
+    scale: float,
+    out: int,
+    threads: int,
+    /,
+) -> None: ...

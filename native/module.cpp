@@ -7,6 +7,7 @@
 
 #include "bindings.h"
 #include "cuda_driver.h"
+#include "paged_attention.h"
 #include "panel_gemm.h"
 
 namespace py = pybind11;
@@ -55,6 +56,41 @@ PYBIND11_MODULE(_native, m) {
       "y = x W^T (+ b) in float32 for a few rows (native/panel_gemm.h), on addresses:\n"
       "x [rows, k] (row stride x_stride), panels [ceil(n/8), k, 8], y [rows, n] (row\n"
       "stride y_stride), bias [n] or 0; `threads` of the loaded libgomp's team.");
+
+  m.def(
+      "paged_decode_attention",
+      [](std::uintptr_t q, std::int64_t rows, std::int64_t heads_kv, std::int64_t groups,
+         std::int64_t dim, std::uintptr_t kv, std::int64_t num_blocks, std::int64_t num_layers,
+         std::int64_t block_size, std::int64_t layer, std::uintptr_t tables,
+         std::int64_t table_width, std::uintptr_t positions, std::int64_t window, float scale,
+         std::uintptr_t out, int threads) {
+        if (!lmd::panel_gemm_supported()) {
+          throw std::runtime_error("paged_decode_attention needs AVX2 and FMA");
+        }
+        lmd::PagedDecode args{reinterpret_cast<const float*>(q),
+                              rows,
+                              heads_kv,
+                              groups,
+                              dim,
+                              reinterpret_cast<const float*>(kv),
+                              num_blocks,
+                              num_layers,
+                              block_size,
+                              layer,
+                              reinterpret_cast<const std::int64_t*>(tables),
+                              table_width,
+                              reinterpret_cast<const std::int64_t*>(positions),
+                              window,
+                              scale,
+                              reinterpret_cast<float*>(out)};
+        lmd::check_paged_decode(args);
+        py::gil_scoped_release release;
+        lmd::paged_decode_attention(args, threads);
+      },
+      "Decode attention over the paged KV pool in place (native/paged_attention.h), on\n"
+      "addresses: q and out [rows, heads_kv, groups, dim], the pool [num_blocks,\n"
+      "num_layers, 2, block_size, heads_kv, dim], tables [rows, table_width] and\n"
+      "positions [rows] int64; window 0 for none. float32, contiguous.");
 
   lmd::bind_transport(m);
 }

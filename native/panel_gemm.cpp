@@ -1,64 +1,13 @@
 #include "panel_gemm.h"
 
-#include <dlfcn.h>
 #include <immintrin.h>  // its intrinsics compile inside the AVX2 region below
-#include <link.h>
 
 #include <algorithm>
-#include <cstring>
-#include <string>
-#include <vector>
+
+#include "omp_team.h"
 
 namespace lmd {
 namespace {
-
-// libgomp's entry points, as `#pragma omp parallel` compiles to them (its ABI since GCC
-// 4.9): GOMP_parallel runs fn(data) on a team of num_threads threads, the caller one of
-// them, and returns when all have.
-struct Gomp {
-  void (*parallel)(void (*fn)(void*), void* data, unsigned num_threads, unsigned flags);
-  int (*thread_num)();
-  int (*num_threads)();
-};
-
-// Paths of the loaded objects whose file name contains `part` (dl_iterate_phdr).
-std::vector<std::string> loaded_named(const char* part) {
-  std::vector<std::string> found;
-  struct Search {
-    const char* part;
-    std::vector<std::string>* found;
-  } search{part, &found};
-  dl_iterate_phdr(
-      [](dl_phdr_info* info, std::size_t, void* data) {
-        auto* s = static_cast<Search*>(data);
-        if (info->dlpi_name != nullptr && std::strstr(info->dlpi_name, s->part) != nullptr) {
-          s->found->emplace_back(info->dlpi_name);
-        }
-        return 0;
-      },
-      &search);
-  return found;
-}
-
-// The OpenMP runtime already loaded (RTLD_NOLOAD: never a second runtime), or none:
-// libgomp first (torch's wheels, under whatever name a wheel gives its copy), then
-// Intel's and LLVM's, which export the same GOMP_ entry points.
-Gomp find_gomp() {
-  for (const char* part : {"libgomp", "libiomp5", "libomp"}) {
-    for (const std::string& path : loaded_named(part)) {
-      void* lib = dlopen(path.c_str(), RTLD_LAZY | RTLD_NOLOAD);
-      if (lib == nullptr) continue;
-      Gomp gomp{};
-      gomp.parallel = reinterpret_cast<decltype(gomp.parallel)>(dlsym(lib, "GOMP_parallel"));
-      gomp.thread_num =
-          reinterpret_cast<decltype(gomp.thread_num)>(dlsym(lib, "omp_get_thread_num"));
-      gomp.num_threads =
-          reinterpret_cast<decltype(gomp.num_threads)>(dlsym(lib, "omp_get_num_threads"));
-      if (gomp.parallel && gomp.thread_num && gomp.num_threads) return gomp;
-    }
-  }
-  return {};
-}
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
@@ -116,19 +65,6 @@ void panels_range(const PanelGemm& a, std::int64_t first, std::int64_t last) {
 
 #pragma GCC pop_options
 
-struct Team {
-  const PanelGemm* args;
-  const Gomp* gomp;
-};
-
-void run_share(void* data) {
-  const Team& team = *static_cast<const Team*>(data);
-  const std::int64_t panels = (team.args->n + 7) / 8;
-  const std::int64_t t = team.gomp->thread_num();
-  const std::int64_t size = team.gomp->num_threads();
-  panels_range(*team.args, panels * t / size, panels * (t + 1) / size);
-}
-
 }  // namespace
 
 bool panel_gemm_supported() {
@@ -136,15 +72,8 @@ bool panel_gemm_supported() {
 }
 
 void panel_gemm(const PanelGemm& args, int threads) {
-  static const Gomp gomp = find_gomp();
-  const std::int64_t panels = (args.n + 7) / 8;
-  if (gomp.parallel == nullptr || threads <= 1 || panels < 2) {
-    panels_range(args, 0, panels);
-    return;
-  }
-  Team team{&args, &gomp};
-  gomp.parallel(run_share, &team, static_cast<unsigned>(std::min<std::int64_t>(threads, panels)),
-                0);
+  for_shares((args.n + 7) / 8, threads,
+             [&args](std::int64_t first, std::int64_t last) { panels_range(args, first, last); });
 }
 
 }  // namespace lmd

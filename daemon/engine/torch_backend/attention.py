@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmd.engine.backend import ForwardBatch
+from lmd.engine.torch_backend import native_cpu
 
 ATTENTION_NAME = "lmd_paged"
 METADATA_KWARG = "lmd_paged"
@@ -323,9 +324,21 @@ def _decode(
 ) -> Tensor:
     """Attention of one decode group; q: [Bd, Hkv, G, D] (any strides) -> [Bd, Hkv, G, D].
 
-    Query heads grouped by kv head attend to [Bd, Hkv, K, D]: one SDPA call for the group.
+    fp32 on a CPU with lmd._native's kernels: over the pool in place (native/
+    paged_attention.h; the copies and SDPA below took ~15 ms of a ~77 ms SmolLM2 step at
+    batch 8, docs/benchmarks.md 'CPU, third pass'). Otherwise query heads grouped by kv
+    head attend to copies of the context [Bd, Hkv, K, D]: one SDPA call for the group.
     """
     kv = meta.kv  # [N, L, 2, S, Hkv, D]
+    if (
+        softcap is None
+        and kv.device.type == "cpu"
+        and kv.dtype == torch.float32
+        and q.dtype == torch.float32
+        and kv.is_contiguous()
+        and native_cpu.supported()
+    ):
+        return _native_decode(kv, dec, q, layer, window=window, scaling=scaling)
     bd, num_kv_heads, _, head_dim = q.shape
     k_ctx = _context(kv, layer, 0, dec.block_ids).view(num_kv_heads, bd, -1, head_dim)
     v_ctx = _context(kv, layer, 1, dec.block_ids).view(num_kv_heads, bd, -1, head_dim)
@@ -338,6 +351,25 @@ def _decode(
         scale=scaling,
         softcap=softcap,
     )
+
+
+def _native_decode(
+    kv: Tensor, dec: DecodeRows, q: Tensor, layer: int, *, window: int | None, scaling: float | None
+) -> Tensor:
+    """_decode through lmd._native.paged_decode_attention; q: [Bd, Hkv, G, D]."""
+    from lmd import _native
+
+    bd, num_kv_heads, groups, head_dim = q.shape
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    tables, positions = dec.block_ids, dec.positions.contiguous()  # int64: [Bd * nb], [Bd]
+    _native.paged_decode_attention(
+        q.data_ptr(), bd, num_kv_heads, groups, head_dim,
+        kv.data_ptr(), kv.shape[0], kv.shape[1], kv.shape[3], layer,
+        tables.data_ptr(), dec.num_blocks, positions.data_ptr(), window or 0,
+        head_dim**-0.5 if scaling is None else scaling, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
 
 
 def _context(kv: Tensor, layer: int, k_or_v: int, block_ids: Tensor) -> Tensor:

@@ -30,6 +30,8 @@ import logging
 import torch
 from torch import Tensor, nn
 
+from lmd.engine.torch_backend import native_cpu
+
 log = logging.getLogger(__name__)
 
 # Children of one module that transformers' models call one after the other on the same
@@ -50,14 +52,6 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 PANEL_ROWS = 16  # up to this many rows: panel_gemm; more (prefill): oneDNN
 
 
-def _panel_gemm_supported() -> bool:
-    try:
-        from lmd import _native
-    except ImportError:  # a source tree without the built extension
-        return False
-    return bool(_native.panel_gemm_supported())
-
-
 class PackedWeight:
     """A Linear's weight [out, in] in oneDNN's blocked layout, and in panel_gemm's
     [ceil(out / 8), in, 8] (outputs past `out` zero) where the CPU runs it."""
@@ -67,7 +61,7 @@ class PackedWeight:
         self.out_features, self.in_features = weight.shape
         self.onednn: Tensor = torch.ops.mkldnn._reorder_linear_weight(weight)  # opaque
         self.panels: Tensor | None = None
-        if _panel_gemm_supported():
+        if native_cpu.supported():
             num = -(-self.out_features // 8)
             padded = weight.new_zeros(num * 8, self.in_features)
             padded[: self.out_features] = weight
@@ -206,7 +200,7 @@ def pack_linears(model: nn.Module) -> tuple[int, int]:
         model.set_submodule(name, PackedLinear(linear))
     log.info(
         "packed linears (oneDNN%s): %d fused into groups, %d alone",
-        f", panel_gemm up to {PANEL_ROWS} rows" if _panel_gemm_supported() else "",
+        f", panel_gemm up to {PANEL_ROWS} rows" if native_cpu.supported() else "",
         num_fused,
         len(alone),
     )
