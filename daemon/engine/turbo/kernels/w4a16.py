@@ -103,6 +103,48 @@ def _per_col(v, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
+def _tile(m, n, k, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # noqa: PLR0917
+    """This program's rows and columns (programs walk M fastest) and its K range."""
+    num_m = tl.cdiv(m, BLOCK_M)
+    rows = (tl.program_id(0) % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (tl.program_id(0) // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = tl.program_id(1) * k_per_split
+    return rows, cols, k_start, tl.minimum(k, k_start + k_per_split)
+
+
+@triton.jit
+def _store(acc, b_ptr, y_ptr, rows, cols, m, n, HAS_BIAS: tl.constexpr):  # noqa: PLR0917
+    """acc [BLOCK_M, BLOCK_N] (+ bias) into y, or into split's float32 partial sums."""
+    col_ok = cols < n
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + tl.program_id(1).to(tl.int64) * m * n  # split > 0: partial sums
+    tl.store(
+        out + rows[:, None].to(tl.int64) * n + cols[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=(rows < m)[:, None] & col_ok[None, :],
+    )
+
+
+@triton.jit
+def _load_words(q_ptr, kb, n, cols, col_ok):
+    """The layout's block at input kb, [16, BLOCK_N] int32: nibble j of a word holds
+    inputs kb + 16 j ... kb + 16 j + 15."""
+    word_rows = kb // 8 + tl.arange(0, 16)
+    return tl.load(
+        q_ptr + word_rows[:, None].to(tl.int64) * n + cols[None, :], mask=col_ok[None, :], other=0
+    )
+
+
+@triton.jit
+def _load_group(s_ptr, z_ptr, k0, n, cols, col_ok, GROUP: tl.constexpr):  # noqa: PLR0917
+    """Scales and zero points (as stored) of the group that holds input k0: [BLOCK_N]."""
+    group = (k0 // GROUP) * n
+    s = tl.load(s_ptr + group + cols, mask=col_ok, other=0.0)
+    return s, tl.load(z_ptr + group + cols, mask=col_ok, other=0)
+
+
+@triton.jit
 def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     x_ptr,
     q_ptr,
@@ -123,18 +165,36 @@ def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DOT: tl.constexpr,
 ):
-    dtype = x_ptr.dtype.element_ty
-    num_m = tl.cdiv(m, BLOCK_M)
-    rows = (tl.program_id(0) % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (tl.program_id(0) // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """DOT: the tl.dot tilings; else the rows kernel (module docstring): products
+    [BLOCK_M, 16, BLOCK_N] in float32, summed over the 16 once a group, 128 inputs a step."""
+    rows, cols, k_start, k_end = _tile(m, n, k, k_per_split, BLOCK_M, BLOCK_N)
     row_ok = rows < m
     col_ok = cols < n
-    split = tl.program_id(1)
-    k_start = split * k_per_split
-    k_end = tl.minimum(k, k_start + k_per_split)
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x + tl.arange(0, 16)[None, :]
-    word_rows = tl.arange(0, 16)
+    if not DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        part3 = tl.zeros((BLOCK_M, 16, BLOCK_N), dtype=tl.float32)  # one group's products
+        sf = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        zf = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for kb in range(k_start, k_end, 128):
+            words = _load_words(q_ptr, kb, n, cols, col_ok)
+            for j in tl.static_range(8):
+                if (16 * j) % GROUP == 0:  # a group starts: its scales and zero points
+                    sq, zq = _load_group(s_ptr, z_ptr, kb + 16 * j, n, cols, col_ok, GROUP)
+                    sf = sq.to(tl.float32)
+                    zf = zq.to(tl.float32) + 8388608.0  # 2^23 + z
+                biased = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+                w = biased - zf[None, :]  # q - z, exact: [16, BLOCK_N]
+                x = tl.load(x_rows + kb + 16 * j, mask=row_ok[:, None], other=0.0)  # [BM, 16]
+                part3 += x.to(tl.float32)[:, :, None] * w[None, :, :]
+                if j == 7 or (16 * (j + 1)) % GROUP == 0:  # the group's (or block's) end
+                    acc += tl.sum(part3, axis=1) * sf[None, :]
+                    part3 = tl.zeros_like(part3)
+        _store(acc, b_ptr, y_ptr, rows, cols, m, n, HAS_BIAS)
+        return
+    dtype = x_ptr.dtype.element_ty
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -145,17 +205,12 @@ def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     for k0 in range(k_start, k_end, BLOCK_K):
         for b in tl.static_range(BLOCK_K // 128):
             kb = k0 + 128 * b
-            words = tl.load(
-                q_ptr + (kb // 8 + word_rows)[:, None].to(tl.int64) * n + cols[None, :],
-                mask=col_ok[None, :],
-                other=0,
-            )  # [16, BLOCK_N] int32: nibble j = inputs kb + 16 j ... kb + 16 j + 15
+            words = _load_words(q_ptr, kb, n, cols, col_ok)
             for j in tl.static_range(8):
                 if (16 * j) % GROUP == 0:  # a group starts: its scales and zero points
-                    group = ((kb + 16 * j) // GROUP) * n
-                    s = tl.load(s_ptr + group + cols, mask=col_ok, other=0.0).to(dtype)
-                    zq = tl.load(z_ptr + group + cols, mask=col_ok, other=0).to(tl.int32)
-                    z = _biased(zq, dtype)
+                    sq, zq = _load_group(s_ptr, z_ptr, kb + 16 * j, n, cols, col_ok, GROUP)
+                    s = sq.to(dtype)
+                    z = _biased(zq.to(tl.int32), dtype)
                 w = _biased((words >> (4 * j)) & 0xF, dtype) - z[None, :]  # [16, BLOCK_N]
                 x = tl.load(x_rows + kb + 16 * j, mask=row_ok[:, None], other=0.0)  # [BM, 16]
                 if SCALE_AFTER_DOT:
@@ -167,77 +222,7 @@ def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
                     acc = _dot(x, w * s[None, :], acc, SWAP_AB, PRECISION)
     if SWAP_AB:
         acc = tl.trans(acc)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = y_ptr + split.to(tl.int64) * m * n  # split > 0 only for float32 partial sums
-    tl.store(
-        out + rows[:, None].to(tl.int64) * n + cols[None, :],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & col_ok[None, :],
-    )
-
-
-@triton.jit
-def _w4a16_rows_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
-    x_ptr,
-    q_ptr,
-    s_ptr,
-    z_ptr,
-    b_ptr,
-    y_ptr,
-    m,
-    n,
-    k,
-    k_per_split,
-    stride_x,
-    GROUP: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """The rows kernel (module docstring): BLOCK_M rows, BLOCK_N columns, a block of
-    128 inputs a step; products [BLOCK_M, 16, BLOCK_N] summed over the 16 once a group."""
-    num_m = tl.cdiv(m, BLOCK_M)
-    rows = (tl.program_id(0) % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (tl.program_id(0) // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < m
-    col_ok = cols < n
-    split = tl.program_id(1)
-    k_start = split * k_per_split
-    k_end = tl.minimum(k, k_start + k_per_split)
-    r = tl.arange(0, 16)
-    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x + r[None, :]  # [BM, 16]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    part = tl.zeros((BLOCK_M, 16, BLOCK_N), dtype=tl.float32)  # one group's products
-    s = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    zf = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for kb in range(k_start, k_end, 128):
-        words = tl.load(
-            q_ptr + (kb // 8 + r)[:, None].to(tl.int64) * n + cols[None, :],
-            mask=col_ok[None, :],
-            other=0,
-        )  # [16, BLOCK_N] int32: nibble j = inputs kb + 16 j ... kb + 16 j + 15
-        for j in tl.static_range(8):
-            if (16 * j) % GROUP == 0:  # a group starts: its scales and zero points
-                group = ((kb + 16 * j) // GROUP) * n
-                s = tl.load(s_ptr + group + cols, mask=col_ok, other=0.0).to(tl.float32)
-                zq = tl.load(z_ptr + group + cols, mask=col_ok, other=0).to(tl.float32)
-                zf = zq + 8388608.0  # 2^23 + z
-            biased = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-            w = biased - zf[None, :]  # q - z, exact: [16, BLOCK_N]
-            x = tl.load(x_rows + kb + 16 * j, mask=row_ok[:, None], other=0.0)  # [BM, 16]
-            part += x.to(tl.float32)[:, :, None] * w[None, :, :]
-            if j == 7 or (16 * (j + 1)) % GROUP == 0:  # the group's (or block's) end
-                acc += tl.sum(part, axis=1) * s[None, :]
-                part = tl.zeros_like(part)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = y_ptr + split.to(tl.int64) * m * n  # split > 0 only for float32 partial sums
-    tl.store(
-        out + rows[:, None].to(tl.int64) * n + cols[None, :],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & col_ok[None, :],
-    )
+    _store(acc, b_ptr, y_ptr, rows, cols, m, n, HAS_BIAS)
 
 
 @triton.jit
@@ -405,24 +390,19 @@ def w4a16_matmul(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds
             m, n, k, k_per_split, x.stride(0))  # fmt: skip
     has_bias = bias is not None and split == 1
     launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
-    if not tiles.dot:
-        _w4a16_rows_kernel[grid](
-            *args, GROUP=group_size, HAS_BIAS=has_bias, BLOCK_M=tiles.block_m,
-            BLOCK_N=tiles.block_n, **launch,
-        )  # fmt: skip
-    else:
-        _w4a16_kernel[grid](
-            *args,
-            GROUP=group_size,
-            HAS_BIAS=has_bias,
-            SCALE_AFTER_DOT=tiles.block_m <= 32,
-            SWAP_AB=tiles.swap_ab,
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32: no TF32
-            BLOCK_M=tiles.block_m,
-            BLOCK_N=tiles.block_n,
-            BLOCK_K=block_k,
-            **launch,
-        )
+    _w4a16_kernel[grid](
+        *args,
+        GROUP=group_size,
+        HAS_BIAS=has_bias,
+        SCALE_AFTER_DOT=tiles.block_m <= 32,
+        SWAP_AB=tiles.swap_ab,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32: no TF32
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=block_k,
+        DOT=tiles.dot,
+        **launch,
+    )
     if split > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
