@@ -10,7 +10,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from lmd.engine.backend import ForwardBatch
-from lmd.engine.torch_backend import TorchBackend
+from lmd.engine.torch_backend import TorchBackend, native_cpu
 from lmd.engine.torch_backend.linear import (
     PANEL_ROWS,
     FusedLinear,
@@ -51,7 +51,7 @@ def test_both_forms_of_a_packed_weight_compute_the_linear(threads: int) -> None:
     off the panels' 8, a bias, on one thread and on two."""
     stock = linear(70, 43, bias=True, seed=3)
     weight = PackedWeight(stock.weight)
-    if lmd_native_supported():
+    if native_cpu.supported():
         assert weight.panels is not None and weight.panels.shape == (6, 70, 8)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -72,12 +72,6 @@ def test_both_forms_of_a_packed_weight_compute_the_linear(threads: int) -> None:
             )
     finally:
         torch.set_num_threads(before)
-
-
-def lmd_native_supported() -> bool:
-    from lmd import _native
-
-    return bool(_native.panel_gemm_supported())
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -357,13 +357,13 @@ def _native_decode(
     kv: Tensor, dec: DecodeRows, q: Tensor, layer: int, *, window: int | None, scaling: float | None
 ) -> Tensor:
     """_decode through lmd._native.paged_decode_attention; q: [Bd, Hkv, G, D]."""
-    from lmd import _native
+    from lmd._native import paged_decode_attention
 
     bd, num_kv_heads, groups, head_dim = q.shape
     q = q.contiguous()
     out = torch.empty_like(q)
     tables, positions = dec.block_ids, dec.positions.contiguous()  # int64: [Bd * nb], [Bd]
-    _native.paged_decode_attention(
+    paged_decode_attention(
         q.data_ptr(), bd, num_kv_heads, groups, head_dim,
         kv.data_ptr(), kv.shape[0], kv.shape[1], kv.shape[3], layer,
         tables.data_ptr(), dec.num_blocks, positions.data_ptr(), window or 0,

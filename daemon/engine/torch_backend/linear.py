@@ -73,13 +73,13 @@ class PackedWeight:
         if self.panels is None or not 0 < rows <= PANEL_ROWS or x.dtype != torch.float32:
             y: Tensor = torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
             return y
-        from lmd import _native
+        from lmd._native import panel_gemm
 
         flat = x.reshape(rows, self.in_features)
         if flat.stride(1) != 1 or flat.stride(0) < self.in_features:
             flat = flat.contiguous()
         out = torch.empty(rows, self.out_features, dtype=x.dtype)
-        _native.panel_gemm(
+        panel_gemm(
             flat.data_ptr(), rows, self.in_features, flat.stride(0), self.panels.data_ptr(),
             self.out_features, out.data_ptr(), self.out_features,
             0 if bias is None else bias.data_ptr(), torch.get_num_threads(),

@@ -10,7 +10,7 @@ import functools
 @functools.cache
 def supported() -> bool:
     try:
-        from lmd import _native
+        from lmd._native import panel_gemm_supported
     except ImportError:  # a source tree without the built extension
         return False
-    return bool(_native.panel_gemm_supported())
+    return bool(panel_gemm_supported())

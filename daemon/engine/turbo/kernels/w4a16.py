@@ -35,7 +35,7 @@ float32) is the float 1024 + q, and subtracting 1024 + z leaves q - z exactly. T
   dtype, then tl.dot(x, w, acc); programs walk M fastest, so the row tiles that share
   a weight tile run back to back and the tile is read from memory about once.
 - from DENSE_ROWS rows, neither: a slab of W at a time is dequantized to x's dtype
-  (at most SLAB_BYTES) and cuBLAS multiplies. Past a few hundred rows the product is
+  (at most w4a16_dense.SLAB_BYTES) and cuBLAS multiplies. Past a few hundred rows the product is
   bound by the tensor cores, and these tiles, which dequantize every weight once per
   row tile and do not overlap that with the dots, ran at a third of cuBLAS.
 
@@ -52,11 +52,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-PACK_K = 128  # inputs per block of the layout
+from lmd.engine.turbo.kernels.w4a16_dense import PACK_K, dense_matmul
+
 SKINNY_ROWS = 16  # up to this many rows of x: the decode tiling
 GEMV_ROWS = 0  # up to this many rows: the rows kernel (not tl.dot); 0 until measured faster
 DENSE_ROWS = 128  # from this many rows: dequantize slabs of W and let cuBLAS multiply
-SLAB_BYTES = 64 << 20  # the most a dequantized slab of W takes
 
 
 class Tiles(NamedTuple):
@@ -247,51 +247,6 @@ def _sum_splits_kernel(  # noqa: PLR0917  # Triton kernels take positional argum
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
-def _dequant_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
-    q_ptr,
-    s_ptr,
-    z_ptr,
-    w_ptr,
-    n,
-    n0,
-    width,
-    GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """w[k, c] = W[n0 + c, k] for c < width: one block of 128 inputs, BLOCK_N columns.
-    w: [K, width] in its dtype."""
-    kb = tl.program_id(0) * 128
-    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = offs < width
-    cols = n0 + offs
-    r = tl.arange(0, 16)
-    words = tl.load(
-        q_ptr + (kb // 8 + r)[:, None].to(tl.int64) * n + cols[None, :], mask=ok[None, :]
-    )
-    for j in tl.static_range(8):
-        group = ((kb + 16 * j) // GROUP) * n
-        s = tl.load(s_ptr + group + cols, mask=ok).to(tl.float32)
-        z = tl.load(z_ptr + group + cols, mask=ok).to(tl.float32)
-        w = (((words >> (4 * j)) & 0xF).to(tl.float32) - z[None, :]) * s[None, :]  # [16, BN]
-        out = w_ptr + (kb + 16 * j + r)[:, None].to(tl.int64) * width + offs[None, :]
-        tl.store(out, w.to(w_ptr.dtype.element_ty), mask=ok[None, :])
-
-
-def dequantize_slab(
-    qweight: Tensor, scales: Tensor, zeros: Tensor, group_size: int, *, n0: int, width: int
-) -> Tensor:
-    """Output columns n0 .. n0 + width of W, transposed: [K, width] in scales' dtype."""
-    k, n = qweight.shape[0] * 8, qweight.shape[1]
-    w = torch.empty(k, width, dtype=scales.dtype, device=qweight.device)
-    block_n = 64
-    grid = (k // PACK_K, triton.cdiv(width, block_n))
-    _dequant_kernel[grid](
-        qweight, scales, zeros, w, n, n0, width, GROUP=group_size, BLOCK_N=block_n
-    )
-    return w
-
-
 def default_tiles(m: int) -> Tiles:
     """The tiling for m rows of x: the fastest of scripts/w4a16_tiles.py on an H100 at
     Llama-3-8B's shapes in bf16 (docstring of w4a16_matmul). Decode: 16 x 64 tiles, K
@@ -376,7 +331,7 @@ def w4a16_matmul(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds
         return y
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
     if tiles is None and m >= dense_rows:
-        return _dense_matmul(x, qweight, scales, zeros, group_size, bias, y)
+        return dense_matmul(x, qweight, scales, zeros, group_size, bias, y)
     tiles = tiles or default_tiles(m)
     block_k = tiles.block_k
     if block_k % PACK_K:
@@ -415,28 +370,4 @@ def w4a16_matmul(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds
             HAS_BIAS=bias is not None,
             BLOCK=block,
         )
-    return y
-
-
-def _dense_matmul(  # noqa: PLR0917
-    x: Tensor,
-    qweight: Tensor,
-    scales: Tensor,
-    zeros: Tensor,
-    group_size: int,
-    bias: Tensor | None,
-    y: Tensor,
-) -> Tensor:
-    """y = x @ W^T (+ bias) a slab of W's rows at a time: dequantized to x's dtype (at
-    most SLAB_BYTES), then cuBLAS writes y's columns of the slab."""
-    k, n = x.shape[1], qweight.shape[1]
-    width = max(64, min(n, SLAB_BYTES // (2 * k)) // 64 * 64)
-    for n0 in range(0, n, width):
-        cols = min(width, n - n0)
-        slab = dequantize_slab(qweight, scales, zeros, group_size, n0=n0, width=cols)  # [K, cols]
-        out = y[:, n0 : n0 + cols]
-        if bias is None:
-            torch.mm(x, slab, out=out)
-        else:
-            torch.addmm(bias[n0 : n0 + cols], x, slab, out=out)
     return y
