@@ -7,6 +7,7 @@
 
 #include "bindings.h"
 #include "cuda_driver.h"
+#include "omp_team.h"
 #include "paged_attention.h"
 #include "panel_gemm.h"
 
@@ -35,14 +36,14 @@ PYBIND11_MODULE(_native, m) {
       "Load the CUDA driver at run time and count devices.\n\n"
       "Returns {'available': bool, 'devices': int, 'reason': str}; never raises.");
 
-  m.def("panel_gemm_supported", &lmd::panel_gemm_supported,
-        "Does this CPU run panel_gemm (AVX2 and FMA)?");
+  m.def("cpu_kernels_supported", &lmd::cpu_kernels_supported,
+        "Does this CPU run panel_gemm and paged_decode_attention (AVX2 and FMA)?");
   m.def(
       "panel_gemm",
       [](std::uintptr_t x, std::int64_t rows, std::int64_t k, std::int64_t x_stride,
          std::uintptr_t panels, std::int64_t n, std::uintptr_t y, std::int64_t y_stride,
          std::uintptr_t bias, int threads) {
-        if (!lmd::panel_gemm_supported()) throw std::runtime_error("panel_gemm needs AVX2 and FMA");
+        if (!lmd::cpu_kernels_supported()) throw std::runtime_error("panel_gemm needs AVX2 and FMA");
         if (rows < 0 || k < 1 || n < 1 || x_stride < k || y_stride < n || !x || !panels || !y) {
           throw std::invalid_argument("panel_gemm: bad shapes, strides or pointers");
         }
@@ -64,7 +65,7 @@ PYBIND11_MODULE(_native, m) {
          std::int64_t block_size, std::int64_t layer, std::uintptr_t tables,
          std::int64_t table_width, std::uintptr_t positions, std::int64_t window, float scale,
          std::uintptr_t out, int threads) {
-        if (!lmd::panel_gemm_supported()) {
+        if (!lmd::cpu_kernels_supported()) {
           throw std::runtime_error("paged_decode_attention needs AVX2 and FMA");
         }
         lmd::PagedDecode args{reinterpret_cast<const float*>(q),

@@ -75,6 +75,10 @@ void run_share(void* data) {
 
 }  // namespace
 
+bool cpu_kernels_supported() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
 void for_shares(std::int64_t count, int threads,
                 const std::function<void(std::int64_t, std::int64_t)>& body) {
   static const Gomp gomp = find_gomp();

@@ -1,5 +1,6 @@
-// Work split over the OpenMP team of the runtime the process has already loaded
-// (torch's libgomp), so native CPU kernels run on torch's own intra-op threads rather
+// What lmd._native's CPU kernels (panel_gemm.h, paged_attention.h) share: the check that
+// this CPU runs them, and work split over the OpenMP team of the runtime the process has
+// already loaded (torch's libgomp), so they run on torch's own intra-op threads rather
 // than on threads of ours that would compete with them for the cores.
 #pragma once
 
@@ -7,6 +8,9 @@
 #include <functional>
 
 namespace lmd {
+
+// Does this CPU run the kernels (AVX2 and FMA)?
+bool cpu_kernels_supported();
 
 // Calls body(first, last) for contiguous shares of [0, count), one share per thread of
 // a team of `threads` (the calling thread one of them); with no OpenMP runtime loaded,

@@ -82,36 +82,47 @@ float softmax_numerators(float* s, std::int64_t n) {
   return sum;
 }
 
+// A share's scratch: one row of scores per query head of a group, and their sums.
+struct Scratch {
+  std::vector<float> scores;
+  std::vector<float> sums;
+};
+
 // One (row, kv head): its group's query heads over the row's visible keys.
-void attend_one(const PagedDecode& a, std::int64_t row, std::int64_t head,
-                std::vector<float>& scores) {
+void attend_one(const PagedDecode& a, std::int64_t row, std::int64_t head, Scratch& scratch) {
   const std::int64_t pos = a.positions[row];
   const std::int64_t lo = a.window > 0 ? std::max<std::int64_t>(0, pos - a.window + 1) : 0;
   const std::int64_t n = pos - lo + 1, dim = a.dim, groups = a.groups;
-  const std::int64_t token_stride = a.heads_kv * dim;           // one slot of a block
-  const std::int64_t half = a.block_size * token_stride;         // K or V of one layer
-  const std::int64_t block_stride = a.num_layers * 2 * half;     // one block of the pool
+  const std::int64_t token_stride = a.heads_kv * dim;        // one slot of a block
+  const std::int64_t half = a.block_size * token_stride;      // K or V of one layer
+  const std::int64_t block_stride = a.num_layers * 2 * half;  // one block of the pool
   const std::int64_t* table = a.tables + row * a.table_width;
+  // Key j of this head; its value lies `half` further.
+  auto key = [&](std::int64_t j) {
+    return a.kv + table[j / a.block_size] * block_stride + a.layer * 2 * half +
+           (j % a.block_size) * token_stride + head * dim;
+  };
   const float* q = a.q + (row * a.heads_kv + head) * groups * dim;
-  scores.resize(static_cast<std::size_t>(groups * n));
+  scratch.scores.resize(static_cast<std::size_t>(groups * n));
+  scratch.sums.resize(static_cast<std::size_t>(groups));
+  float* scores = scratch.scores.data();
   for (std::int64_t j = lo; j <= pos; j++) {
-    const float* k = a.kv + table[j / a.block_size] * block_stride + a.layer * 2 * half +
-                     (j % a.block_size) * token_stride + head * dim;
+    const float* k = key(j);
     for (std::int64_t g = 0; g < groups; g++) {
       scores[g * n + (j - lo)] = dot(q + g * dim, k, dim) * a.scale;
     }
   }
+  for (std::int64_t g = 0; g < groups; g++) {
+    scratch.sums[g] = softmax_numerators(scores + g * n, n);
+  }
   float* out = a.out + (row * a.heads_kv + head) * groups * dim;
   std::fill(out, out + groups * dim, 0.0f);
-  std::vector<float> sums(static_cast<std::size_t>(groups));
-  for (std::int64_t g = 0; g < groups; g++) sums[g] = softmax_numerators(&scores[g * n], n);
   for (std::int64_t j = lo; j <= pos; j++) {
-    const float* v = a.kv + table[j / a.block_size] * block_stride + a.layer * 2 * half +
-                     half + (j % a.block_size) * token_stride + head * dim;
+    const float* v = key(j) + half;
     for (std::int64_t g = 0; g < groups; g++) axpy(scores[g * n + (j - lo)], v, out + g * dim, dim);
   }
   for (std::int64_t g = 0; g < groups; g++) {
-    const float inv = 1.0f / sums[g];
+    const float inv = 1.0f / scratch.sums[g];
     for (std::int64_t i = 0; i < dim; i++) out[g * dim + i] *= inv;
   }
 }
@@ -146,9 +157,9 @@ void check_paged_decode(const PagedDecode& a) {
 
 void paged_decode_attention(const PagedDecode& a, int threads) {
   for_shares(a.rows * a.heads_kv, threads, [&a](std::int64_t first, std::int64_t last) {
-    std::vector<float> scores;
+    Scratch scratch;
     for (std::int64_t task = first; task < last; task++) {
-      attend_one(a, task / a.heads_kv, task % a.heads_kv, scores);
+      attend_one(a, task / a.heads_kv, task % a.heads_kv, scratch);
     }
   });
 }

@@ -3,7 +3,7 @@
 // padded batch first (the torch backend's SDPA path copies every context block of every
 // layer, then runs CPU flash attention, slow for the 1-8 query rows of a kv head). Two
 // passes per (sequence, kv head): scores for each key and query head of the group, their
-// softmax (AVX2 exp), then the values weighted. float32; AVX2 and FMA (panel_gemm.h's
+// softmax (AVX2 exp), then the values weighted. float32; AVX2 and FMA (omp_team.h's
 // check); the (sequence, kv head) pairs are split over torch's OpenMP team (omp_team.h).
 #pragma once
 

@@ -67,10 +67,6 @@ void panels_range(const PanelGemm& a, std::int64_t first, std::int64_t last) {
 
 }  // namespace
 
-bool panel_gemm_supported() {
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-
 void panel_gemm(const PanelGemm& args, int threads) {
   for_shares((args.n + 7) / 8, threads,
              [&args](std::int64_t first, std::int64_t last) { panels_range(args, first, last); });

@@ -16,9 +16,6 @@
 
 namespace lmd {
 
-// Does this CPU run panel_gemm (AVX2 and FMA)?
-bool panel_gemm_supported();
-
 struct PanelGemm {
   const float* x;       // [rows, k], rows x_stride floats apart
   std::int64_t rows;
@@ -31,7 +28,7 @@ struct PanelGemm {
   const float* bias;    // [n] or nullptr
 };
 
-// Computes the product on `threads` threads (see above). Requires panel_gemm_supported().
+// Computes the product on `threads` threads (see above). Requires cpu_kernels_supported() (omp_team.h).
 void panel_gemm(const PanelGemm& args, int threads);
 
 }  // namespace lmd

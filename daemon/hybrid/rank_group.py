@@ -40,6 +40,7 @@ import zmq
 from lmd.config import ServeConfig
 from lmd.engine.group_backend import decode_op, encode_op
 from lmd.engine.parallel import TensorParallel, join_group
+from lmd.hybrid.step_thread import StepThread
 from lmd.ipc import Endpoints
 from lmd.rank.process import MAX_OP_BYTES, rank_main
 from lmd.rank.spec import RankSpec
@@ -75,7 +76,8 @@ class RankGroup:
         thread: concurrent.futures.Executor | None = None,
     ) -> None:
         self.worker = spec.name
-        self.thread = thread  # where beside() runs its calls: the engine's step thread
+        # Where beside() runs its calls: the engine's step thread, else one of the group's.
+        self.thread = thread or StepThread(f"{spec.name}-beside")
         self.size = spec.tp
         self.endpoints = Endpoints(config.runtime_dir)
         self.timeout_s = config.startup_timeout
@@ -257,24 +259,12 @@ class RankGroup:
         return self.dead
 
     async def beside(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """`fn(*args, **kwargs)` on the group's thread (the engine's step thread), or a
-        thread of its own, while watching the group: a rank that fails or dies meanwhile
-        is a RankError at once, not a wait in a collective (NCCL's waits on a dead peer
-        end only at the group's timeout). A daemon thread either way: one left waiting
-        there does not hold the process's exit."""
-        done: concurrent.futures.Future[T]
-        if self.thread is not None:
-            done = self.thread.submit(fn, *args, **kwargs)
-        else:
-            done = concurrent.futures.Future()
-
-            def run() -> None:
-                try:
-                    done.set_result(fn(*args, **kwargs))
-                except BaseException as exc:
-                    done.set_exception(exc)
-
-            threading.Thread(target=run, name=f"{self.worker}-beside", daemon=True).start()
+        """`fn(*args, **kwargs)` on the group's thread (the engine's step thread) while
+        watching the group: a rank that fails or dies meanwhile is a RankError at once,
+        not a wait in a collective (NCCL's waits on a dead peer end only at the group's
+        timeout). A daemon thread (step_thread.py): one left waiting there does not hold
+        the process's exit."""
+        done = self.thread.submit(fn, *args, **kwargs)
         while not done.done():
             if self.dead is not None:
                 raise RankError(self.dead)

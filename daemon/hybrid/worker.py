@@ -65,8 +65,8 @@ class EngineWorker(Worker):
     async def start(self) -> None:
         self._compiling: dict[str, list[Message]] = {}  # a request's messages held meanwhile
         # Every torch call of the engine, its build included, on one thread (step_thread.py).
-        self._executor = StepThread(f"{self.spec.name}-step")
-        self.loaded = loaded = await load(self.spec, self.config, self.role, self._executor)
+        self._step_thread = StepThread(f"{self.spec.name}-step")
+        self.loaded = loaded = await load(self.spec, self.config, self.role, self._step_thread)
         self.engine, self.memory, self.ranks = loaded.engine, loaded.memory, loaded.ranks
         self.grammars = loaded.grammars  # structured output (the fixed engine has none)
         self._reply_to: dict[str, str] = {}  # request id -> receiving worker
@@ -103,7 +103,7 @@ class EngineWorker(Worker):
 
     async def stop(self) -> None:
         self._loop_task.cancel()
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._step_thread.shutdown(wait=True, cancel_futures=True)
         await self.loaded.close()
 
     def info(self) -> dict[str, Any]:
@@ -206,7 +206,7 @@ class EngineWorker(Worker):
                 continue
             began = time.time()
             try:
-                events = await loop.run_in_executor(self._executor, self.engine.step)
+                events = await loop.run_in_executor(self._step_thread, self.engine.step)
             except StepOutOfMemory as exc:
                 self.on_out_of_memory(exc)
                 continue

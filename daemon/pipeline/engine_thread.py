@@ -22,9 +22,9 @@ Life cycle of a request in the engine thread:
      ends and the pipeline is unusable (a new one starts a fresh engine). `close()`
      fails what is left the same way, ends the thread and drops the engine.
 The engine's state only ever changes in this thread, between steps; the thread never
-waits on a caller (a sink only queues). Given a function that builds the engine, the
-thread builds it first: its torch work then all runs on one thread (on a CPU, a second
-thread's OpenMP pool made every decode step ~1.7x slower: hybrid/step_thread.py).
+waits on a caller (a sink only queues). The thread builds the engine first, so that its
+torch work all runs on one thread (on a CPU, a second thread's OpenMP pool made every
+decode step ~1.7x slower: hybrid/step_thread.py).
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ class Delivery(enum.Enum):
 
 
 class EngineThread:
-    def __init__(self, engine: Engine | Callable[[], Engine]) -> None:
-        """`engine`, or a function that builds it in the thread (its error raised here)."""
+    def __init__(self, build: Callable[[], Engine]) -> None:
+        """The engine `build` makes, in the thread (its error raised here)."""
         self.engine: Engine | None = None
         self._cond = threading.Condition()
         self._inbox: list[Op] = []
@@ -74,7 +74,7 @@ class EngineThread:
         self._error: str | None = None  # why the thread ended early
         built: Future[Engine] = Future()
         self._thread = threading.Thread(
-            target=self._run, args=(engine, built), name="lmd-pipeline-engine", daemon=True
+            target=self._run, args=(build, built), name="lmd-pipeline-engine", daemon=True
         )
         self._thread.start()
         self.engine = built.result()
@@ -155,9 +155,9 @@ class EngineThread:
 
     # In the engine thread ----------------------------------------------------------------
 
-    def _run(self, make: Engine | Callable[[], Engine], built: Future[Engine]) -> None:
+    def _run(self, build: Callable[[], Engine], built: Future[Engine]) -> None:
         try:
-            engine = make if isinstance(make, Engine) else make()
+            engine = build()
         except BaseException as exc:
             built.set_exception(exc)
             return

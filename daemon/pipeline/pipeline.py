@@ -98,7 +98,8 @@ class Pipeline:
         self._group: PipelineGroup | None = None
         if settings.tp > 1:  # ranks 1..N-1 in processes of their own (group.py)
             self._group = PipelineGroup(model.path, settings, device, backend)
-            self._engine = EngineThread(self._group.engine)
+            group = self._group
+            self._engine = EngineThread(lambda: group.engine)
         else:  # built in the thread that will step it (engine_thread.py)
             self._engine = EngineThread(
                 functools.partial(

@@ -26,7 +26,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def thread(model_dir: Path) -> Iterator[EngineThread]:
     config = EngineConfig(block_size=4, max_batch_size=16, cache_max_entry_count=512)
-    t = EngineThread(Engine.build(model_dir, config, backend="fake"))
+    t = EngineThread(lambda: Engine.build(model_dir, config, backend="fake"))
     yield t
     t.close()
 
@@ -124,8 +124,8 @@ def test_close_fails_what_waits_and_refuses_more(thread: EngineThread) -> None:
 
 
 def test_an_engine_built_by_the_thread_is_built_on_it(model_dir: Path) -> None:
-    """Given a builder, the thread builds the engine itself (its torch work on one thread)
-    and a build that fails raises in the constructor."""
+    """The thread builds the engine itself (its torch work on one thread), and a build
+    that fails raises in the constructor."""
     built_on: list[threading.Thread] = []
 
     def build() -> Engine:

@@ -62,6 +62,9 @@ class PackedWeight:
         self.onednn: Tensor = torch.ops.mkldnn._reorder_linear_weight(weight)  # opaque
         self.panels: Tensor | None = None
         if native_cpu.supported():
+            from lmd._native import panel_gemm  # resolved once, not per call
+
+            self._panel_gemm = panel_gemm
             num = -(-self.out_features // 8)
             padded = weight.new_zeros(num * 8, self.in_features)
             padded[: self.out_features] = weight
@@ -73,13 +76,11 @@ class PackedWeight:
         if self.panels is None or not 0 < rows <= PANEL_ROWS or x.dtype != torch.float32:
             y: Tensor = torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
             return y
-        from lmd._native import panel_gemm
-
         flat = x.reshape(rows, self.in_features)
         if flat.stride(1) != 1 or flat.stride(0) < self.in_features:
             flat = flat.contiguous()
         out = torch.empty(rows, self.out_features, dtype=x.dtype)
-        panel_gemm(
+        self._panel_gemm(
             flat.data_ptr(), rows, self.in_features, flat.stride(0), self.panels.data_ptr(),
             self.out_features, out.data_ptr(), self.out_features,
             0 if bias is None else bias.data_ptr(), torch.get_num_threads(),

@@ -10,7 +10,7 @@ import functools
 @functools.cache
 def supported() -> bool:
     try:
-        from lmd._native import panel_gemm_supported
+        from lmd._native import cpu_kernels_supported
     except ImportError:  # a source tree without the built extension
         return False
-    return bool(panel_gemm_supported())
+    return bool(cpu_kernels_supported())

@@ -192,36 +192,35 @@ def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
                 if j == 7 or (16 * (j + 1)) % GROUP == 0:  # the group's (or block's) end
                     acc += tl.sum(part3, axis=1) * sf[None, :]
                     part3 = tl.zeros_like(part3)
-        _store(acc, b_ptr, y_ptr, rows, cols, m, n, HAS_BIAS)
-        return
-    dtype = x_ptr.dtype.element_ty
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    part = acc  # one group's dots (decode)
-    s = tl.zeros((BLOCK_N,), dtype=dtype)
-    z = tl.zeros((BLOCK_N,), dtype=dtype)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        for b in tl.static_range(BLOCK_K // 128):
-            kb = k0 + 128 * b
-            words = _load_words(q_ptr, kb, n, cols, col_ok)
-            for j in tl.static_range(8):
-                if (16 * j) % GROUP == 0:  # a group starts: its scales and zero points
-                    sq, zq = _load_group(s_ptr, z_ptr, kb + 16 * j, n, cols, col_ok, GROUP)
-                    s = sq.to(dtype)
-                    z = _biased(zq.to(tl.int32), dtype)
-                w = _biased((words >> (4 * j)) & 0xF, dtype) - z[None, :]  # [16, BLOCK_N]
-                x = tl.load(x_rows + kb + 16 * j, mask=row_ok[:, None], other=0.0)  # [BM, 16]
-                if SCALE_AFTER_DOT:
-                    part = _dot(x, w, part, SWAP_AB, PRECISION)
-                    if j == 7 or (16 * (j + 1)) % GROUP == 0:  # the group's (or block's) end
-                        acc += part * _per_col(s.to(tl.float32), SWAP_AB)
-                        part = tl.zeros_like(part)
-                else:
-                    acc = _dot(x, w * s[None, :], acc, SWAP_AB, PRECISION)
-    if SWAP_AB:
-        acc = tl.trans(acc)
+    else:  # the tl.dot tilings
+        dtype = x_ptr.dtype.element_ty
+        if SWAP_AB:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        part = acc  # one group's dots (decode)
+        s = tl.zeros((BLOCK_N,), dtype=dtype)
+        z = tl.zeros((BLOCK_N,), dtype=dtype)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            for b in tl.static_range(BLOCK_K // 128):
+                kb = k0 + 128 * b
+                words = _load_words(q_ptr, kb, n, cols, col_ok)
+                for j in tl.static_range(8):
+                    if (16 * j) % GROUP == 0:  # a group starts: its scales and zero points
+                        sq, zq = _load_group(s_ptr, z_ptr, kb + 16 * j, n, cols, col_ok, GROUP)
+                        s = sq.to(dtype)
+                        z = _biased(zq.to(tl.int32), dtype)
+                    w = _biased((words >> (4 * j)) & 0xF, dtype) - z[None, :]  # [16, BLOCK_N]
+                    x = tl.load(x_rows + kb + 16 * j, mask=row_ok[:, None], other=0.0)  # [BM, 16]
+                    if SCALE_AFTER_DOT:
+                        part = _dot(x, w, part, SWAP_AB, PRECISION)
+                        if j == 7 or (16 * (j + 1)) % GROUP == 0:  # the group's (or block's) end
+                            acc += part * _per_col(s.to(tl.float32), SWAP_AB)
+                            part = tl.zeros_like(part)
+                    else:
+                        acc = _dot(x, w * s[None, :], acc, SWAP_AB, PRECISION)
+        if SWAP_AB:
+            acc = tl.trans(acc)
     _store(acc, b_ptr, y_ptr, rows, cols, m, n, HAS_BIAS)
 
 
