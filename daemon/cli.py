@@ -97,6 +97,8 @@ HELP = {
     "max_batch_size": "most sequences an engine runs in one batch (default: 256 on CUDA, "
     "128 on CPU)",
     "max_prefill_token_num": "most prompt tokens in one prefill step",
+    "mixed_steps": "hybrid mode: run prompt chunks and the decode batch in one forward "
+    "while both have work (off: a prefill step pauses every decoding sequence)",
     "session_len": "prompt + output token cap (default: the model's context length)",
     "cache_max_entry_count": "KV cache size: a fraction (0, 1] of the free device memory "
     "after the weights (of the engine's share of the GPU when engines share one), or an "

@@ -59,6 +59,12 @@ def add_parser(sub: Any) -> None:
         default="auto",
         help="decode steps launched before the last one is read back (auto: on CUDA)",
     )
+    p.add_argument(
+        "--mixed-steps",
+        choices=("on", "off"),
+        default="on",
+        help="prompt chunks and decode rows in one forward while both have work",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-hf", action="store_true", help="also time transformers generate")
     p.add_argument(
@@ -127,6 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_prefill_token_num=args.max_prefill_token_num,
         cache_max_entry_count=args.cache_max_entry_count,
         overlap_steps={"auto": None, "on": True, "off": False}[args.overlap],
+        mixed_steps=args.mixed_steps == "on",
     )
     engine = Engine.build(
         model.path, config, device=args.device, dtype=args.dtype, backend=args.backend

@@ -6,7 +6,10 @@ Life cycle of a request in the engine (hybrid: prefill and decode in one process
      room (chunks of several prompts packed up to max_prefill_token_num); a prompt whose
      last chunk ran samples its first token and joins the decode batch. Otherwise it runs
      one decode step over the running batch; sequences preempted for lack of blocks go
-     back to the front of the prefill queue to be recomputed.
+     back to the front of the prefill queue to be recomputed. With prompts waiting while
+     sequences decode (EngineConfig.mixed_steps), one forward runs both: the decode rows,
+     then prompt chunks in what is left of max_prefill_token_num. A decode step reads
+     every weight for a few rows, so the chunks cost little more than compute.
   3. Every token sampled comes back as a `TokenEvent` with the finish reason, if any.
   4. `abort(request_id)` frees the request's blocks wherever it is.
 The worker that owns an engine calls `step()` from one thread only. With a sliding window
@@ -100,10 +103,14 @@ class Engine:
         overlap = self.config.overlap_steps
         self.overlap = backend.device.type == "cuda" if overlap is None else overlap
         self.num_ahead_steps = 0  # decode steps launched before the last one was read
+        self.num_mixed_steps = 0  # forwards that ran decode rows and prompt chunks
         self._inflight: InFlight | None = None
         self._free_later: list[Sequence] = []  # finished while a step was in flight
         self.memory: dict[str, Any] | None = None  # the memory plan's part (CUDA), bytes
         self._stepping: list[Sequence] = []  # the sequences of the step being run
+        # Prompt chunks and decode rows in one forward (hybrid only: a prefill role has no
+        # decode rows, a decode role no prompts).
+        self.mixed_steps = self.config.mixed_steps and self.role == Role.HYBRID
 
     @classmethod
     def build(
@@ -274,30 +281,52 @@ class Engine:
         free_slots = self._free_slots
         if self.role == Role.PREFILL:  # nothing decodes here: the batch is prefill's own
             free_slots = self.config.max_batch_size - self.prefill.num_running
-        if self.prefill.num_waiting or self.prefill.num_running:
+        prompts = self.prefill.num_waiting or self.prefill.num_running
+        if prompts and self.mixed_steps and self.decode.num_seqs:
+            return self._step_mixed(max(0, free_slots))
+        if prompts:
             batch = self.prefill.schedule(max_new_seqs=max(0, free_slots))
             if not batch.is_empty:
                 return self._run_prefill(batch)
-        dec = self.decode.schedule()
-        for seq in dec.preempted:
-            self.prefill.add(seq, front=True)
+        dec = self._schedule_decode()
         if dec.is_empty:
             return []
         return self._run_decode(dec)
 
-    def _run_prefill(self, batch: PrefillBatch) -> list[TokenEvent]:
-        chunks = batch.chunks
-        self._stepping = [c.seq for c in chunks]
+    def _schedule_decode(self) -> DecodeBatch:
+        dec = self.decode.schedule()
+        for seq in dec.preempted:
+            self.prefill.add(seq, front=True)
+        return dec
+
+    def _step_mixed(self, free_slots: int) -> list[TokenEvent]:
+        """Prompts to prefill while sequences decode (hybrid, EngineConfig.mixed_steps): the
+        decode rows first, then prompt chunks in what max_prefill_token_num leaves, in one
+        forward. Decode steps read every weight for a few rows; the chunks ride along."""
+        dec = self._schedule_decode()
+        budget = self.config.max_prefill_token_num - len(dec.seqs)
+        batch = self.prefill.schedule(max_new_seqs=free_slots, budget=budget)
+        if batch.is_empty:
+            return self._run_decode(dec) if not dec.is_empty else []
+        return self._run_prefill(batch, dec)
+
+    def _run_prefill(self, batch: PrefillBatch, dec: DecodeBatch | None = None) -> list[TokenEvent]:
+        """A prefill step; with `dec`, its decode rows run first in the same forward."""
+        seqs, chunks = dec.seqs if dec is not None else [], batch.chunks
+        self._stepping = [*seqs, *(c.seq for c in chunks)]
         forward = ForwardBatch.pack(
-            [c.token_ids for c in chunks],
-            [c.start for c in chunks],
-            [c.seq.block_table for c in chunks],
+            [*([s.last_token_id] for s in seqs), *(c.token_ids for c in chunks)],
+            [*(s.num_tokens - 1 for s in seqs), *(c.start for c in chunks)],
+            [*(s.block_table for s in seqs), *(c.seq.block_table for c in chunks)],
             self.pool.block_size,
-            sample=[c.is_last for c in chunks],
+            sample=[*(True for _ in seqs), *(c.is_last for c in chunks)],
         )
-        to_sample = batch.seqs_to_sample
+        to_sample = [*seqs, *batch.seqs_to_sample]
         token_ids, logprobs = self._sample(forward, to_sample)
-        for seq in self.prefill.postprocess(batch, token_ids):
+        if dec is not None:
+            self.num_mixed_steps += 1
+            self.decode.postprocess(dec, token_ids[: len(seqs)])
+        for seq in self.prefill.postprocess(batch, token_ids[len(seqs) :]):
             if seq.is_finished:
                 continue
             if self.role == Role.PREFILL:

@@ -84,16 +84,18 @@ class PrefillScheduler(SequenceQueues):
         seqs = [*list(self.waiting), *list(self.running)]
         return sum(s.num_tokens - s.num_cached_tokens for s in seqs)
 
-    def schedule(self, max_new_seqs: int | None = None) -> PrefillBatch:
-        """The next step's chunks; admits at most `max_new_seqs` new sequences.
+    def schedule(self, max_new_seqs: int | None = None, budget: int | None = None) -> PrefillBatch:
+        """The next step's chunks, at most `budget` tokens (max_prefill_token_num unless
+        given); admits at most `max_new_seqs` new sequences.
 
         A hybrid engine passes the decode batch's free slots as `max_new_seqs`, so
         prefilled sequences never wait long for a place in decode while holding blocks.
         """
-        budget = self.config.max_prefill_token_num
+        if budget is None:
+            budget = self.config.max_prefill_token_num
         batch = PrefillBatch()
         for seq in self.running:
-            if budget == 0:
+            if budget <= 0:
                 break
             budget -= self._add_chunk(batch, seq, budget)
         admitted = 0

@@ -53,3 +53,24 @@ def test_overlapped_steps_give_the_same_events(tmp_path: Path, backend: str) -> 
     assert overlapped.overlap
     assert run(overlapped, requests, join_at={4: 6}) == plain
     assert overlapped.num_ahead_steps > 20
+
+
+def test_mixed_steps_give_the_tokens_of_separate_steps_on_turbo(tmp_path: Path) -> None:
+    """Prompts joining while others decode run in the decode steps' forward (turbo's
+    prefill path, out of the graphs); in float32 the greedy tokens are those of separate
+    prefill and decode steps (graphed)."""
+    model_dir = save_bf16(tmp_path, vocab_size=4096)
+    prompts = random_prompts([5, 17, 60, 3, 130, 64], 4096, seed=32)
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    requests = [(prompt, greedy) for prompt in prompts]
+    join_at = {i: 4 * i for i in range(len(prompts))}
+
+    def engine(mixed: bool) -> Engine:
+        config = EngineConfig(
+            block_size=16, cache_max_entry_count=512, max_prefill_token_num=48, mixed_steps=mixed
+        )
+        return Engine.build(model_dir, config, device="cuda", dtype="float32", backend="turbo")
+
+    mixed = engine(True)
+    assert run(mixed, requests, join_at=join_at) == run(engine(False), requests, join_at=join_at)
+    assert mixed.num_mixed_steps > 5

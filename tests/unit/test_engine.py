@@ -105,6 +105,39 @@ def test_preemption_under_a_small_pool_keeps_tokens_exact(model_dir: Path, overl
     assert tight.block_manager.num_free_blocks == tight.block_manager.num_total_blocks
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped steps"])
+@pytest.mark.parametrize("blocks", [256, 12], ids=["roomy", "preempting"])
+def test_mixed_steps_give_the_tokens_of_separate_steps(
+    model_dir: Path, blocks: int, overlap: bool
+) -> None:
+    """Prompts that arrive while others decode run in the decode steps' forwards (chunks
+    of what max_prefill_token_num leaves); each request's tokens are unchanged."""
+    prompts = random_prompts([40, 70, 9, 100, 33], seed=8)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    outs = []
+    for mixed in (False, True):
+        engine = make_engine(
+            model_dir,
+            mixed_steps=mixed,
+            max_prefill_token_num=32,
+            cache_max_entry_count=blocks,
+            overlap_steps=overlap,
+        )
+        seqs = [Sequence(f"r{i}", p, params) for i, p in enumerate(prompts)]
+        for seq in seqs:  # one arrives every third step
+            engine.add(seq)
+            for _ in range(3):
+                engine.step()
+        while engine.has_work:
+            engine.step()
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+        assert (engine.num_mixed_steps > 0) == mixed
+        if blocks == 12:
+            assert sum(seq.num_preemptions for seq in seqs) > 0
+        outs.append({seq.request_id: seq.output_token_ids for seq in seqs})
+    assert outs[1] == outs[0] == run(make_engine(model_dir), prompts, params)
+
+
 def test_abort_frees_every_block(model_dir: Path) -> None:
     engine = make_engine(model_dir)
     for i, prompt in enumerate(random_prompts([20, 50, 80], seed=7)):
