@@ -97,8 +97,9 @@ HELP = {
     "max_batch_size": "most sequences an engine runs in one batch (default: 256 on CUDA, "
     "128 on CPU)",
     "max_prefill_token_num": "most prompt tokens in one prefill step",
-    "mixed_steps": "hybrid mode: run prompt chunks and the decode batch in one forward "
-    "while both have work (off: a prefill step pauses every decoding sequence)",
+    "mixed_prefill_tokens": "hybrid mode: prompt tokens a decode step carries in its "
+    "forward while prompts wait (more when many wait: an eighth of them); 0: prompts get "
+    "prefill steps of their own, which pause every decoding sequence",
     "session_len": "prompt + output token cap (default: the model's context length)",
     "cache_max_entry_count": "KV cache size: a fraction (0, 1] of the free device memory "
     "after the weights (of the engine's share of the GPU when engines share one), or an "

@@ -119,7 +119,7 @@ class ServeConfig:
     block_size: int = 64
     max_batch_size: int | None = None  # None: 256 on CUDA (LMDeploy's), 128 on CPU
     max_prefill_token_num: int = 8192
-    mixed_steps: bool = True  # hybrid: prompt chunks ride in the decode steps
+    mixed_prefill_tokens: int = 256  # hybrid: prompt tokens riding in a decode step
     session_len: int | None = None  # prompt + output cap; None = the model's maximum
     cache_max_entry_count: float | int = 0.8  # fraction of free memory, or a block count
     # The part of each GPU's memory the daemon's engines may hold together (as vLLM's).
@@ -303,7 +303,7 @@ class ServeConfig:
             block_size=self.block_size,
             max_batch_size=batch,
             max_prefill_token_num=self.max_prefill_token_num,
-            mixed_steps=self.mixed_steps,
+            mixed_prefill_tokens=self.mixed_prefill_tokens,
             session_len=self.session_len,
             cache_max_entry_count=self.cache_max_entry_count,
             enable_prefix_caching=self.enable_prefix_caching,

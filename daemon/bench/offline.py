@@ -60,10 +60,10 @@ def add_parser(sub: Any) -> None:
         help="decode steps launched before the last one is read back (auto: on CUDA)",
     )
     p.add_argument(
-        "--mixed-steps",
-        choices=("on", "off"),
-        default="on",
-        help="prompt chunks and decode rows in one forward while both have work",
+        "--mixed-prefill-tokens",
+        type=int,
+        default=256,
+        help="prompt tokens a decode step carries while prompts wait (0: prefill steps)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-hf", action="store_true", help="also time transformers generate")
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_prefill_token_num=args.max_prefill_token_num,
         cache_max_entry_count=args.cache_max_entry_count,
         overlap_steps={"auto": None, "on": True, "off": False}[args.overlap],
-        mixed_steps=args.mixed_steps == "on",
+        mixed_prefill_tokens=args.mixed_prefill_tokens,
     )
     engine = Engine.build(
         model.path, config, device=args.device, dtype=args.dtype, backend=args.backend

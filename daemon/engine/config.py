@@ -88,9 +88,9 @@ class EngineConfig:
     overlap_steps: launch each decode step before reading back the previous one's tokens,
     so the host prepares step N+1 while the device runs step N (engine.py); None = where
     the model runs on CUDA (on a CPU there is no device to overlap with).
-    mixed_steps: a hybrid engine runs prompt chunks and the decode batch's rows in one
-    forward while both have work (engine.py), rather than a prefill step that stalls
-    every decoding sequence.
+    mixed_prefill_tokens: while prompts wait, a hybrid engine's decode steps carry this
+    many prompt tokens in their forward (more when many wait; engine.py); 0 = prefill
+    steps of their own, which stall every decoding sequence.
     quantization: weights quantized at load (QUANTIZATIONS), None = as the checkpoint is.
     kv_cache_dtype: the KV pool's element type (KV_CACHE_DTYPES).
     """
@@ -102,7 +102,7 @@ class EngineConfig:
     cache_max_entry_count: float | int = 0.8
     enable_prefix_caching: bool = False
     overlap_steps: bool | None = None
-    mixed_steps: bool = True
+    mixed_prefill_tokens: int = 256
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
 
@@ -121,8 +121,7 @@ class EngineConfig:
             raise ValueError(
                 f"overlap_steps must be true, false or None, got {self.overlap_steps!r}"
             )
-        if not isinstance(self.mixed_steps, bool):
-            raise ValueError(f"mixed_steps must be true or false, got {self.mixed_steps!r}")
+        _check_int("mixed_prefill_tokens", self.mixed_prefill_tokens, minimum=0)
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)} or unset, "

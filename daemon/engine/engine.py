@@ -7,9 +7,8 @@ Life cycle of a request in the engine (hybrid: prefill and decode in one process
      last chunk ran samples its first token and joins the decode batch. Otherwise it runs
      one decode step over the running batch; sequences preempted for lack of blocks go
      back to the front of the prefill queue to be recomputed. With prompts waiting while
-     sequences decode (EngineConfig.mixed_steps), one forward runs both: the decode rows,
-     then prompt chunks in what is left of max_prefill_token_num. A decode step reads
-     every weight for a few rows, so the chunks cost little more than compute.
+     sequences decode (EngineConfig.mixed_prefill_tokens > 0), one forward runs both: the
+     decode rows, then prompt chunks (see _step_mixed).
   3. Every token sampled comes back as a `TokenEvent` with the finish reason, if any.
   4. `abort(request_id)` frees the request's blocks wherever it is.
 The worker that owns an engine calls `step()` from one thread only. With a sliding window
@@ -66,6 +65,9 @@ from lmd.protocol.roles import ENGINE_ROLES, Role
 log = logging.getLogger(__name__)
 
 
+MIX_HORIZON_STEPS = 8  # a mixed step takes at least 1/8 of the queued prompt tokens
+
+
 @dataclass(slots=True)
 class TokenEvent:
     """One sampled token of one request (not frozen: one is built per token, and a
@@ -110,7 +112,7 @@ class Engine:
         self._stepping: list[Sequence] = []  # the sequences of the step being run
         # Prompt chunks and decode rows in one forward (hybrid only: a prefill role has no
         # decode rows, a decode role no prompts).
-        self.mixed_steps = self.config.mixed_steps and self.role == Role.HYBRID
+        self.mixes = self.config.mixed_prefill_tokens > 0 and self.role == Role.HYBRID
 
     @classmethod
     def build(
@@ -282,7 +284,7 @@ class Engine:
         if self.role == Role.PREFILL:  # nothing decodes here: the batch is prefill's own
             free_slots = self.config.max_batch_size - self.prefill.num_running
         prompts = self.prefill.num_waiting or self.prefill.num_running
-        if prompts and self.mixed_steps and self.decode.num_seqs:
+        if prompts and self.mixes and self.decode.num_seqs:
             return self._step_mixed(max(0, free_slots))
         if prompts:
             batch = self.prefill.schedule(max_new_seqs=max(0, free_slots))
@@ -300,11 +302,16 @@ class Engine:
         return dec
 
     def _step_mixed(self, free_slots: int) -> list[TokenEvent]:
-        """Prompts to prefill while sequences decode (hybrid, EngineConfig.mixed_steps): the
-        decode rows first, then prompt chunks in what max_prefill_token_num leaves, in one
-        forward. Decode steps read every weight for a few rows; the chunks ride along."""
+        """Prompts to prefill while sequences decode (hybrid): the decode rows, then prompt
+        chunks, in one forward. A decode step reads every weight for its few rows and
+        leaves the device's compute idle: the chunks use it. They are mixed_prefill_tokens,
+        or an eighth of the prompt tokens queued when more (a burst of prompts is taken in
+        a few steps, not one step that stalls decoding for all of it), within
+        max_prefill_token_num rows."""
         dec = self._schedule_decode()
-        budget = self.config.max_prefill_token_num - len(dec.seqs)
+        queued = self.prefill.num_queued_tokens
+        wanted = max(self.config.mixed_prefill_tokens, -(-queued // MIX_HORIZON_STEPS))
+        budget = min(wanted, self.config.max_prefill_token_num - len(dec.seqs))
         batch = self.prefill.schedule(max_new_seqs=free_slots, budget=budget)
         if batch.is_empty:
             return self._run_decode(dec) if not dec.is_empty else []

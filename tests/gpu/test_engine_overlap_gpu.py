@@ -67,7 +67,10 @@ def test_mixed_steps_give_the_tokens_of_separate_steps_on_turbo(tmp_path: Path) 
 
     def engine(mixed: bool) -> Engine:
         config = EngineConfig(
-            block_size=16, cache_max_entry_count=512, max_prefill_token_num=48, mixed_steps=mixed
+            block_size=16,
+            cache_max_entry_count=512,
+            max_prefill_token_num=48,
+            mixed_prefill_tokens=16 if mixed else 0,
         )
         return Engine.build(model_dir, config, device="cuda", dtype="float32", backend="turbo")
 

@@ -118,7 +118,7 @@ def test_mixed_steps_give_the_tokens_of_separate_steps(
     for mixed in (False, True):
         engine = make_engine(
             model_dir,
-            mixed_steps=mixed,
+            mixed_prefill_tokens=16 if mixed else 0,
             max_prefill_token_num=32,
             cache_max_entry_count=blocks,
             overlap_steps=overlap,
