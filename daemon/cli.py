@@ -99,7 +99,8 @@ HELP = {
     "max_prefill_token_num": "most prompt tokens in one prefill step",
     "mixed_prefill_tokens": "hybrid mode: prompt tokens a decode step carries in its "
     "forward while prompts wait (more when many wait: an eighth of them); 0: prompts get "
-    "prefill steps of their own, which pause every decoding sequence",
+    "prefill steps of their own, which pause every decoding sequence (default: 256 on "
+    "CPU, 0 on CUDA, where such a step runs outside the CUDA graphs)",
     "session_len": "prompt + output token cap (default: the model's context length)",
     "cache_max_entry_count": "KV cache size: a fraction (0, 1] of the free device memory "
     "after the weights (of the engine's share of the GPU when engines share one), or an "

@@ -119,7 +119,8 @@ class ServeConfig:
     block_size: int = 64
     max_batch_size: int | None = None  # None: 256 on CUDA (LMDeploy's), 128 on CPU
     max_prefill_token_num: int = 8192
-    mixed_prefill_tokens: int = 256  # hybrid: prompt tokens riding in a decode step
+    # Hybrid: prompt tokens riding in a decode step; None: 256 on CPU, 0 (off) on CUDA.
+    mixed_prefill_tokens: int | None = None
     session_len: int | None = None  # prompt + output cap; None = the model's maximum
     cache_max_entry_count: float | int = 0.8  # fraction of free memory, or a block count
     # The part of each GPU's memory the daemon's engines may hold together (as vLLM's).

@@ -6,7 +6,7 @@
 #       FILES). Copies .gpu-assets/smol-part-aa to /tmp when carried (the first half of
 #       SmolLM2's GGUF, for `quality`).
 #   scripts/gpu-quant.sh kernels
-#       the kernel timings (w4a16_tiles with --rows-kernel, fp8_bench, kv_quant_bench).
+#       the kernel timings (w4a16_tiles, fp8_bench, kv_quant_bench).
 #   scripts/gpu-quant.sh quality
 #       joins /tmp/smol-part-aa and .gpu-assets/smol-part-ab (carry that one: 98 MB do
 #       not fit one call) and runs scripts/quant_quality.py on it.
@@ -29,10 +29,8 @@ tests)  # tests [PYTEST FILES...]: default the quantization tests, compiled
   timeout 300 python3 -m pytest -q -ra -p no:cacheprovider --timeout 200 "${files[@]}" 2>&1 \
     | grep -v "^Writing\|^Loading" | tee -a "$out/quant-tests.txt" | tail -15
   ;;
-kernels)  # the kernel timings (W4A16 with its rows kernel at 1-4 rows beside the default)
-  timeout 150 python3 scripts/w4a16_tiles.py --m 1,2,4,16,64,512 --rows-kernel 2>&1 |
-    tee "$out/w4a16_tiles.txt" | tail -40
-  for script in fp8_bench kv_quant_bench; do
+kernels)  # the kernel timings
+  for script in w4a16_tiles fp8_bench kv_quant_bench; do
     timeout 60 python3 "scripts/$script.py" 2>&1 | tee "$out/$script.txt" | tail -40
   done
   ;;

@@ -2,17 +2,14 @@
 linear shapes: which tiles to take where. CUDA only.
 
     python3 scripts/w4a16_tiles.py [--m 1,16,64,512] [--tiles 16,64,128,0,4,4 ...]
-                                   [--sweep] [--rows-kernel] [--dtype bf16]
-                                   [--shapes 4096:4096,...]
+                                   [--sweep] [--dtype bf16] [--shapes 4096:4096,...]
 
 Random weights quantized at load (group 128). Each time is the median of a few replays
 of a CUDA graph that runs the product over enough copies of the weights to overflow
 the L2 cache (a decode step reads every weight from memory), timed with CUDA events.
 GB/s counts the packed weights, scales and zeros read once. --tiles takes
-"BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,WARPS,STAGES[,SWAP_AB[,DOT]]" (SPLIT_K 0: automatic;
-DOT 0: the rows kernel); --sweep adds a built-in list per row count, --rows-kernel the
-rows kernel's tilings (up to 4 rows; ROWS). Every tiling is checked against
-dequantize() first.
+"BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,WARPS,STAGES" (SPLIT_K 0: automatic); --sweep adds a
+built-in list per row count. Every tiling is checked against dequantize() first.
 """
 
 from __future__ import annotations
@@ -25,13 +22,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from lmd.engine.turbo.kernels.w4a16 import (
-    DENSE_ROWS,
-    Tiles,
-    default_tiles,
-    rows_tiles,
-    w4a16_matmul,
-)
+from lmd.engine.turbo.kernels.w4a16 import DENSE_ROWS, Tiles, default_tiles, w4a16_matmul
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K): qkv, o, gate|up, down
@@ -39,18 +30,17 @@ L2_BYTES = 256 << 20  # rotate over copies of the weights past this (H100/H200: 
 SKINNY = [(16, 64, 128, 0), (16, 128, 128, 0), (16, 64, 256, 0), (16, 64, 128, 1)]
 MID = [(64, 64, 128, 0), (64, 128, 128, 0), (64, 128, 128, 1), (32, 128, 128, 0)]
 LARGE = [(128, 128, 128, 1), (64, 128, 128, 1), (128, 256, 128, 1), (64, 256, 128, 1)]
-ROWS = [(512, 4, 2), (256, 4, 2), (1024, 8, 2), (512, 8, 2), (256, 2, 2), (512, 4, 1)]
 WARPS_STAGES = {"skinny": [(4, 3), (4, 4)], "mid": [(4, 3), (4, 4)], "large": [(8, 3), (4, 3)]}
 
 
 def parse_tiles(text: str) -> Tiles:
     values = [int(v) for v in text.split(",")]
-    if len(values) not in (6, 7, 8):
+    if len(values) not in (6, 7):
         raise argparse.ArgumentTypeError(
-            "tiles are BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,WARPS,STAGES[,SWAP_AB[,DOT]]"
+            "tiles are BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,WARPS,STAGES[,SWAP_AB]"
         )
-    flags = [*values[6:], 0, 1][:2]  # SWAP_AB 0, DOT 1 unless given
-    return Tiles(*values[:6], swap_ab=bool(flags[0]), dot=bool(flags[1]))
+    bm, bn, bk, split, warps, stages = values[:6]
+    return Tiles(bm, bn, bk, split, warps, stages, swap_ab=len(values) == 7 and bool(values[6]))
 
 
 def name_of(tiles: Tiles) -> str:
@@ -116,15 +106,14 @@ def bench_shape(
         x = torch.randn(m, k, device="cuda").to(dtype)
         ref = x.float() @ reference.t()
         cublas = time_us([partial(F.linear, x, d) for d in denses])
-        rows = [rows_tiles(m, *r) for r in ROWS] if args.rows_kernel and m <= 4 else []
-        tilings = [None, *extra, *rows, *(sweep_for(m) if args.sweep else [])]
+        tilings = [None, *extra, *(sweep_for(m) if args.sweep else [])]
         configs = [(name_of(t) if t else "default", t, 1 << 30) for t in tilings]
         configs[0] = ("default", None, DENSE_ROWS)
         if m > 16:
             configs.append(("dequantize + cuBLAS", None, 1))
         by_cublas = m >= DENSE_ROWS
         default_name = "dequantize + cuBLAS" if by_cublas else name_of(default_tiles(m))
-        timed = []
+        rows = []
         for name, tiles, dense_rows in configs:
             run = partial(w4a16_matmul, x, tiles=tiles, dense_rows=dense_rows)
             try:
@@ -133,12 +122,12 @@ def bench_shape(
             except Exception as exc:  # a tiling that does not compile is a result too
                 print(f"  M={m} {name}: {type(exc).__name__} {str(exc)[:100]}")
                 continue
-            timed.append((us, name, err))
-        timed.sort()
-        default_us = next((us for us, name, _ in timed if name == "default"), float("nan"))
+            rows.append((us, name, err))
+        rows.sort()
+        default_us = next((us for us, name, _ in rows if name == "default"), float("nan"))
         results[m] = (cublas, default_us)
         print(f"N={n} K={k} M={m}: cuBLAS {cublas:.1f} us (default {default_name})")
-        for us, name, err in timed[: args.top]:
+        for us, name, err in rows[: args.top]:
             gbs = weight.nbytes / us / 1e3
             flag = " !! ERROR" if err > 2e-2 else ""
             print(
@@ -153,7 +142,6 @@ def main() -> None:
     parser.add_argument("--m", default="1,16,64,128,512", help="rows of x, comma separated")
     parser.add_argument("--tiles", type=parse_tiles, action="append", default=[])
     parser.add_argument("--sweep", action="store_true", help="add the built-in tilings")
-    parser.add_argument("--rows-kernel", action="store_true", help="add the rows kernel's")
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--shapes", default="", help="N:K pairs, e.g. 4096:4096,6144:4096")
     parser.add_argument("--top", type=int, default=6, help="fastest tilings shown per row")

@@ -62,8 +62,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--mixed-prefill-tokens",
         type=int,
-        default=256,
-        help="prompt tokens a decode step carries while prompts wait (0: prefill steps)",
+        default=None,
+        help="prompt tokens a decode step carries while prompts wait (0: prefill steps; "
+        "default: 256 on CPU, 0 on CUDA)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-hf", action="store_true", help="also time transformers generate")

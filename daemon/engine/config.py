@@ -23,6 +23,7 @@ QUANTIZATIONS = ("fp8", "w4a16")
 # KV pool element types (--kv-cache-dtype): auto = the model's dtype; int8 and fp8 (e4m3)
 # with a float16 scale per token and head (LMDeploy's quant_policy=8 is int8).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+MIXED_PREFILL_TOKENS = 256  # on a CPU, unless set: prompt tokens a decode step carries
 # Most ranks a tensor-parallel group may have (one per GPU of a host; engine/parallel.py).
 MAX_TP = 8
 
@@ -90,7 +91,9 @@ class EngineConfig:
     the model runs on CUDA (on a CPU there is no device to overlap with).
     mixed_prefill_tokens: while prompts wait, a hybrid engine's decode steps carry this
     many prompt tokens in their forward (more when many wait; engine.py); 0 = prefill
-    steps of their own, which stall every decoding sequence.
+    steps of their own, which stall every decoding sequence; None = MIXED_PREFILL_TOKENS
+    on a CPU, 0 on CUDA (there the mixed forward leaves the decode step's CUDA graph and
+    measured slower than it saves: docs/benchmarks.md, "Mixed steps").
     quantization: weights quantized at load (QUANTIZATIONS), None = as the checkpoint is.
     kv_cache_dtype: the KV pool's element type (KV_CACHE_DTYPES).
     """
@@ -102,7 +105,7 @@ class EngineConfig:
     cache_max_entry_count: float | int = 0.8
     enable_prefix_caching: bool = False
     overlap_steps: bool | None = None
-    mixed_prefill_tokens: int = 256
+    mixed_prefill_tokens: int | None = None
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
 
@@ -121,7 +124,8 @@ class EngineConfig:
             raise ValueError(
                 f"overlap_steps must be true, false or None, got {self.overlap_steps!r}"
             )
-        _check_int("mixed_prefill_tokens", self.mixed_prefill_tokens, minimum=0)
+        if self.mixed_prefill_tokens is not None:
+            _check_int("mixed_prefill_tokens", self.mixed_prefill_tokens, minimum=0)
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)} or unset, "

@@ -7,28 +7,14 @@ Life cycle of a request in the engine (hybrid: prefill and decode in one process
      last chunk ran samples its first token and joins the decode batch. Otherwise it runs
      one decode step over the running batch; sequences preempted for lack of blocks go
      back to the front of the prefill queue to be recomputed. With prompts waiting while
-     sequences decode (EngineConfig.mixed_prefill_tokens > 0), one forward runs both: the
-     decode rows, then prompt chunks (see _step_mixed).
+     sequences decode (EngineConfig.mixed_prefill_tokens; on by default on a CPU), one
+     forward runs both: the decode rows, then prompt chunks (see _step_mixed).
   3. Every token sampled comes back as a `TokenEvent` with the finish reason, if any.
   4. `abort(request_id)` frees the request's blocks wherever it is.
 The worker that owns an engine calls `step()` from one thread only. With a sliding window
 on every layer (`backend.kv_window`), blocks behind it are freed while decoding.
 
-Overlapped decode steps (`EngineConfig.overlap_steps`, on by default on CUDA): a decode
-step is launched (forward and sampling queued on the device, its tokens copied to pinned
-host memory behind them) and left in flight; the next `step()` call schedules and
-launches step N+1 first, feeding it step N's tokens straight from the device, and only
-then waits for step N's tokens, appends them and returns their events. The host's work
-for a step (scheduling, packing, sampler set-up, postprocessing) thus runs while the
-device computes the previous one. Step N+1 runs ahead only when it is the same batch
-again (no prompt to prefill, no sequence waiting to join, blocks free for every
-sequence's next token); otherwise the engine reads step N back first and schedules as
-usual. When a row's logits depend on step N's token (a penalty over the output so far,
-a grammar: SamplingParams.needs_history), step N+1's forward is launched, step N read
-back while it runs, and step N+1 sampled after, knowing every token. A sequence that
-finished at step N has one wasted row in step N+1, whose token is dropped. Blocks that
-a step in flight may still write into (a finished or aborted sequence's) are freed only
-once it is done.
+Overlapped decode steps (`EngineConfig.overlap_steps`, on by default on CUDA): inflight.py.
 
 Disaggregated roles run the same engine: a `prefill` engine hands each sequence whose
 prompt completed (and did not finish at its first token) to `take_prefilled()` instead
@@ -40,7 +26,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +34,9 @@ import torch
 from lmd.engine.backend import Backend, ForwardBatch
 from lmd.engine.backends import load_backend
 from lmd.engine.block_manager import BlockManager
-from lmd.engine.config import EngineConfig
+from lmd.engine.config import MIXED_PREFILL_TOKENS, EngineConfig
 from lmd.engine.decode_scheduler import DecodeBatch, DecodeScheduler
+from lmd.engine.events import TokenEvent
 from lmd.engine.group_backend import OpLink
 from lmd.engine.inflight import InFlight
 from lmd.engine.kv_pool import KVPool, PoolBuffer, block_bytes_of, size_pool
@@ -63,23 +49,7 @@ from lmd.engine.sequence import FinishReason, Sequence, check_token_ids
 from lmd.protocol.roles import ENGINE_ROLES, Role
 
 log = logging.getLogger(__name__)
-
-
 MIX_HORIZON_STEPS = 8  # a mixed step takes at least 1/8 of the queued prompt tokens
-
-
-@dataclass(slots=True)
-class TokenEvent:
-    """One sampled token of one request (not frozen: one is built per token, and a
-    frozen dataclass is several times slower to build; docs/benchmarks.md, 'Per-request
-    and per-token CPU in the api and tokenizer')."""
-
-    request_id: str
-    token_id: int
-    logprobs: TokenLogprobs | None
-    finish_reason: FinishReason | None  # set on the request's last token
-    cached_tokens: int = 0  # prompt tokens the prefix cache served at its (last) prefill
-    position: int = 0  # index among the request's output tokens (0: the first)
 
 
 class Engine:
@@ -110,9 +80,11 @@ class Engine:
         self._free_later: list[Sequence] = []  # finished while a step was in flight
         self.memory: dict[str, Any] | None = None  # the memory plan's part (CUDA), bytes
         self._stepping: list[Sequence] = []  # the sequences of the step being run
-        # Prompt chunks and decode rows in one forward (hybrid only: a prefill role has no
-        # decode rows, a decode role no prompts).
-        self.mixes = self.config.mixed_prefill_tokens > 0 and self.role == Role.HYBRID
+        # Prompt chunks in decode steps (hybrid: a prefill role has no decode rows, a decode
+        # role no prompts). Unset: on a CPU only (docs/benchmarks.md, "Mixed steps").
+        mixed, on_cpu = self.config.mixed_prefill_tokens, backend.device.type != "cuda"
+        mixed = (MIXED_PREFILL_TOKENS if on_cpu else 0) if mixed is None else mixed
+        self.mixed_prefill_tokens = mixed if self.role == Role.HYBRID else 0
 
     @classmethod
     def build(
@@ -157,12 +129,8 @@ class Engine:
         buffer = None if pool_buffer is None else pool_buffer(num_blocks * per_block)
         pool = KVPool.for_backend(model, num_blocks, config.block_size, buffer)
         model.adopt_pool(pool.kv)
-        log.info(
-            "KV pool: %d blocks of %d tokens (%.1f MiB)",
-            num_blocks,
-            config.block_size,
-            pool.nbytes / 2**20,
-        )
+        mib = pool.nbytes / 2**20
+        log.info("KV pool: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.block_size, mib)
         if role != Role.PREFILL:  # a prefill engine runs no decode step
             model.capture_graphs(pool.kv, config.max_batch_size)
         engine = cls(model, config, pool, role=role)
@@ -284,7 +252,7 @@ class Engine:
         if self.role == Role.PREFILL:  # nothing decodes here: the batch is prefill's own
             free_slots = self.config.max_batch_size - self.prefill.num_running
         prompts = self.prefill.num_waiting or self.prefill.num_running
-        if prompts and self.mixes and self.decode.num_seqs:
+        if prompts and self.mixed_prefill_tokens and self.decode.num_seqs:
             return self._step_mixed(max(0, free_slots))
         if prompts:
             batch = self.prefill.schedule(max_new_seqs=max(0, free_slots))
@@ -303,19 +271,18 @@ class Engine:
 
     def _step_mixed(self, free_slots: int) -> list[TokenEvent]:
         """Prompts to prefill while sequences decode (hybrid): the decode rows, then prompt
-        chunks, in one forward. A decode step reads every weight for its few rows and
-        leaves the device's compute idle: the chunks use it. They are mixed_prefill_tokens,
-        or an eighth of the prompt tokens queued when more (a burst of prompts is taken in
-        a few steps, not one step that stalls decoding for all of it), within
-        max_prefill_token_num rows."""
+        chunks, in one forward that reads the weights once. The chunks take
+        mixed_prefill_tokens, or an eighth of the prompt tokens queued when more (a burst
+        is taken in a few steps, none stalling decoding for all of it), up to
+        max_prefill_token_num rows with the decode rows."""
         dec = self._schedule_decode()
         queued = self.prefill.num_queued_tokens
-        wanted = max(self.config.mixed_prefill_tokens, -(-queued // MIX_HORIZON_STEPS))
+        wanted = max(self.mixed_prefill_tokens, -(-queued // MIX_HORIZON_STEPS))
         budget = min(wanted, self.config.max_prefill_token_num - len(dec.seqs))
         batch = self.prefill.schedule(max_new_seqs=free_slots, budget=budget)
-        if batch.is_empty:
-            return self._run_decode(dec) if not dec.is_empty else []
-        return self._run_prefill(batch, dec)
+        if not batch.is_empty:
+            return self._run_prefill(batch, dec)
+        return [] if dec.is_empty else self._run_decode(dec)
 
     def _run_prefill(self, batch: PrefillBatch, dec: DecodeBatch | None = None) -> list[TokenEvent]:
         """A prefill step; with `dec`, its decode rows run first in the same forward."""

@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 
 from lmd.engine.config import EngineConfig
-from lmd.engine.engine import TokenEvent
+from lmd.engine.events import TokenEvent
 from lmd.engine.fake_backend import FakeBackend
 from lmd.engine.sequence import FinishReason, Sequence, check_token_ids
 

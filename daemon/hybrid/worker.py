@@ -38,7 +38,8 @@ from typing import Any
 
 from lmd import protocol
 from lmd.engine.config import EngineConfig
-from lmd.engine.engine import Engine, TokenEvent
+from lmd.engine.engine import Engine
+from lmd.engine.events import TokenEvent
 from lmd.engine.fixed_engine import FixedTokenEngine
 from lmd.engine.grammar import Guide, check_guided
 from lmd.engine.group_backend import GroupBackend

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from lmd import protocol
-from lmd.engine.engine import TokenEvent
+from lmd.engine.events import TokenEvent
 from lmd.engine.kv_pool import KVPool
 from lmd.engine.sequence import Sequence
 from lmd.migration.base import MigrationTransport, TicketLike

@@ -16,7 +16,8 @@ from functools import cached_property
 
 from torch import Tensor
 
-from lmd.engine.engine import Engine, TokenEvent
+from lmd.engine.engine import Engine
+from lmd.engine.events import TokenEvent
 from lmd.engine.sequence import Sequence, are_ints, first_outside
 from lmd.pipeline import scoring
 from lmd.pipeline.config import GenerationConfig

@@ -38,7 +38,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TypeVar
 
-from lmd.engine.engine import Engine, TokenEvent
+from lmd.engine.engine import Engine
+from lmd.engine.events import TokenEvent
 from lmd.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)

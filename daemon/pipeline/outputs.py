@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmd.engine.engine import TokenEvent
+from lmd.engine.events import TokenEvent
 from lmd.engine.sampler import TokenLogprobs
 from lmd.pipeline.config import GenerationConfig
 from lmd.pipeline.prompts import WholeText, whole_texts

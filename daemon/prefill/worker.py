@@ -36,7 +36,8 @@ from collections import OrderedDict, defaultdict, deque
 from typing import Any
 
 from lmd import protocol
-from lmd.engine.engine import Engine, TokenEvent
+from lmd.engine.engine import Engine
+from lmd.engine.events import TokenEvent
 from lmd.hybrid.worker import EngineWorker, logprobs_dict
 from lmd.migration.receiver import MigrationError
 from lmd.migration.sender import Outgoing, Sender

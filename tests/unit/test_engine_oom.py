@@ -24,8 +24,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def make_engine(model_dir: Path, overlap: bool) -> Engine:
-    config = EngineConfig(block_size=16, cache_max_entry_count=64, overlap_steps=overlap)
+def make_engine(model_dir: Path, overlap: bool, mixed: int = 0) -> Engine:
+    config = EngineConfig(
+        block_size=16, cache_max_entry_count=64, overlap_steps=overlap, mixed_prefill_tokens=mixed
+    )
     return Engine.build(model_dir, config)
 
 
@@ -97,3 +99,17 @@ def test_a_failed_prefill_step_fails_only_the_prompts_in_it(model_dir: Path) -> 
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
     assert engine.decode.num_running == 0  # x ran to its end
     assert len(reference["x"]) == GREEDY.max_tokens
+
+
+def test_a_failed_mixed_step_fails_the_decoding_rows_in_it_too(model_dir: Path) -> None:
+    engine = make_engine(model_dir, False, mixed=16)
+    engine.add(Sequence("x", [3, 4, 5], GREEDY))
+    engine.step()  # x prefilled and decoding
+    fail_forward_at(engine, {2})  # the step after the next: x's row with y's and z's prompts
+    engine.step()
+    tokens, failed = drive(engine, {"y": [20, 21], "z": [22, 23, 24]})
+    assert sorted(failed) == ["x", "y", "z"]
+    assert tokens["y"] == tokens["z"] == []
+    assert engine.num_mixed_steps == 0  # the one mixed step failed
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+    assert not engine.has_work

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from lmd.engine.config import EngineConfig
-from lmd.engine.engine import Engine, TokenEvent
+from lmd.engine.engine import Engine
+from lmd.engine.events import TokenEvent
 from lmd.engine.sequence import FinishReason, SamplingParams, Sequence
 from tests.models import random_prompts, save_tiny_llama
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from lmd.engine.config import EngineConfig
-from lmd.engine.engine import Engine, TokenEvent
+from lmd.engine.engine import Engine
+from lmd.engine.events import TokenEvent
 from lmd.engine.sequence import SamplingParams, Sequence
 from lmd.pipeline.engine_thread import HOLD_EVENTS, Delivery, EngineThread, Item
 from tests.models import save_tiny_llama

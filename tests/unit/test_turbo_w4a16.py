@@ -28,7 +28,7 @@ from tests.unit.test_turbo_kernels import DEVICE, DTYPES, TOLERANCE, rel_err
 pytest.importorskip("triton")
 
 from lmd.engine.turbo import kernels
-from lmd.engine.turbo.kernels.w4a16 import Tiles, rows_tiles, w4a16_matmul
+from lmd.engine.turbo.kernels.w4a16 import Tiles, w4a16_matmul
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -106,27 +106,6 @@ def test_kernel_tilings(tiles: Tiles | None) -> None:
         x, weight.qweight, weight.scales, weight.zeros, 64, bias, tiles=tiles, dense_rows=1
     )
     ref = x.float() @ weight.dequantize().t() + bias.float()
-    assert rel_err(y, ref) < TOLERANCE[dtype]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "case",  # rows, N, K, group, K splits
-    [(1, 40, 256, 128, 0), (2, 72, 512, 64, 3), (3, 33, 384, 32, 1), (5, 64, 256, 256, 2)],
-)
-def test_rows_kernel_matches_dequantized_product(
-    case: tuple[int, int, int, int, int], dtype: torch.dtype
-) -> None:
-    """The few-rows kernel (no tl.dot): groups of 32 to 256, K split or not, columns
-    and rows off its tile (5 rows: two tiles of 4)."""
-    rows, n, k, group, split = case
-    weight = random_weight(n, k, group, dtype)
-    x = torch.randn(rows, k, device=DEVICE).to(dtype)
-    bias = torch.randn(n, device=DEVICE).to(dtype) if rows % 2 else None
-    tiles = rows_tiles(rows, block_n=64)._replace(split_k=split)
-    y = w4a16_matmul(x, *weight_tensors(weight), group, bias, tiles=tiles)
-    ref = x.float() @ weight.dequantize().t() + (bias.float() if bias is not None else 0)
-    assert y.dtype == dtype and y.shape == (rows, n)
     assert rel_err(y, ref) < TOLERANCE[dtype]
 
 

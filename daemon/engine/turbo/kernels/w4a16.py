@@ -26,10 +26,6 @@ float32) is the float 1024 + q, and subtracting 1024 + z leaves q - z exactly. T
   per BLOCK_N columns leaves the GPU short of programs, K is split over SPLIT_K
   programs that write float32 partial sums, and a second launch adds them in a fixed
   order (deterministic) with the bias.
-- a few rows (`Tiles.dot` False; up to GEMV_ROWS rows by default): no tl.dot. Each
-  nibble becomes a float32 by bits (OR'ed into 2^23, less 2^23 + z: q - z exactly),
-  meets its inputs in float32 FMAs on the tile's own layout (no move into a dot
-  operand's), summed along K once per group, then scaled; K split as for decode.
 - prefill (64-row tiles; 128 with `swap_ab`, which computes y^T = W x^T so that the
   weights are tl.dot's first operand): (q - z) * s rounded once to the activations'
   dtype, then tl.dot(x, w, acc); programs walk M fastest, so the row tiles that share
@@ -55,7 +51,6 @@ from torch import Tensor
 from lmd.engine.turbo.kernels.w4a16_dense import PACK_K, dense_matmul
 
 SKINNY_ROWS = 16  # up to this many rows of x: the decode tiling
-GEMV_ROWS = 0  # up to this many rows: the rows kernel (not tl.dot); 0 until measured faster
 DENSE_ROWS = 128  # from this many rows: dequantize slabs of W and let cuBLAS multiply
 
 
@@ -70,7 +65,6 @@ class Tiles(NamedTuple):
     num_warps: int
     num_stages: int
     swap_ab: bool = False  # y^T = W x^T: the weights as tl.dot's first operand
-    dot: bool = True  # False: the rows kernel (block_k 128, no tl.dot; few rows)
 
 
 @triton.jit
@@ -165,62 +159,39 @@ def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    DOT: tl.constexpr,
 ):
-    """DOT: the tl.dot tilings; else the rows kernel (module docstring): products
-    [BLOCK_M, 16, BLOCK_N] in float32, summed over the 16 once a group, 128 inputs a step."""
     rows, cols, k_start, k_end = _tile(m, n, k, k_per_split, BLOCK_M, BLOCK_N)
     row_ok = rows < m
     col_ok = cols < n
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x + tl.arange(0, 16)[None, :]
-    if not DOT:
+    dtype = x_ptr.dtype.element_ty
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        part3 = tl.zeros((BLOCK_M, 16, BLOCK_N), dtype=tl.float32)  # one group's products
-        sf = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        zf = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for kb in range(k_start, k_end, 128):
+    part = acc  # one group's dots (decode)
+    s = tl.zeros((BLOCK_N,), dtype=dtype)
+    z = tl.zeros((BLOCK_N,), dtype=dtype)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        for b in tl.static_range(BLOCK_K // 128):
+            kb = k0 + 128 * b
             words = _load_words(q_ptr, kb, n, cols, col_ok)
             for j in tl.static_range(8):
                 if (16 * j) % GROUP == 0:  # a group starts: its scales and zero points
                     sq, zq = _load_group(s_ptr, z_ptr, kb + 16 * j, n, cols, col_ok, GROUP)
-                    sf = sq.to(tl.float32)
-                    zf = zq.to(tl.float32) + 8388608.0  # 2^23 + z
-                biased = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-                w = biased - zf[None, :]  # q - z, exact: [16, BLOCK_N]
+                    s = sq.to(dtype)
+                    z = _biased(zq.to(tl.int32), dtype)
+                w = _biased((words >> (4 * j)) & 0xF, dtype) - z[None, :]  # [16, BLOCK_N]
                 x = tl.load(x_rows + kb + 16 * j, mask=row_ok[:, None], other=0.0)  # [BM, 16]
-                part3 += x.to(tl.float32)[:, :, None] * w[None, :, :]
-                if j == 7 or (16 * (j + 1)) % GROUP == 0:  # the group's (or block's) end
-                    acc += tl.sum(part3, axis=1) * sf[None, :]
-                    part3 = tl.zeros_like(part3)
-    else:  # the tl.dot tilings
-        dtype = x_ptr.dtype.element_ty
-        if SWAP_AB:
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        part = acc  # one group's dots (decode)
-        s = tl.zeros((BLOCK_N,), dtype=dtype)
-        z = tl.zeros((BLOCK_N,), dtype=dtype)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            for b in tl.static_range(BLOCK_K // 128):
-                kb = k0 + 128 * b
-                words = _load_words(q_ptr, kb, n, cols, col_ok)
-                for j in tl.static_range(8):
-                    if (16 * j) % GROUP == 0:  # a group starts: its scales and zero points
-                        sq, zq = _load_group(s_ptr, z_ptr, kb + 16 * j, n, cols, col_ok, GROUP)
-                        s = sq.to(dtype)
-                        z = _biased(zq.to(tl.int32), dtype)
-                    w = _biased((words >> (4 * j)) & 0xF, dtype) - z[None, :]  # [16, BLOCK_N]
-                    x = tl.load(x_rows + kb + 16 * j, mask=row_ok[:, None], other=0.0)  # [BM, 16]
-                    if SCALE_AFTER_DOT:
-                        part = _dot(x, w, part, SWAP_AB, PRECISION)
-                        if j == 7 or (16 * (j + 1)) % GROUP == 0:  # the group's (or block's) end
-                            acc += part * _per_col(s.to(tl.float32), SWAP_AB)
-                            part = tl.zeros_like(part)
-                    else:
-                        acc = _dot(x, w * s[None, :], acc, SWAP_AB, PRECISION)
-        if SWAP_AB:
-            acc = tl.trans(acc)
+                if SCALE_AFTER_DOT:
+                    part = _dot(x, w, part, SWAP_AB, PRECISION)
+                    if j == 7 or (16 * (j + 1)) % GROUP == 0:  # the group's (or block's) end
+                        acc += part * _per_col(s.to(tl.float32), SWAP_AB)
+                        part = tl.zeros_like(part)
+                else:
+                    acc = _dot(x, w * s[None, :], acc, SWAP_AB, PRECISION)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     _store(acc, b_ptr, y_ptr, rows, cols, m, n, HAS_BIAS)
 
 
@@ -253,8 +224,6 @@ def default_tiles(m: int) -> Tiles:
     and 256 columns were slower, swapping the operands too). From DENSE_ROWS rows the
     launcher goes to cuBLAS instead; this 128 x 128 tiling (operands swapped, the best
     of the fused ones there) is for `dense_rows` set higher."""
-    if m <= GEMV_ROWS:
-        return rows_tiles(m)
     if m <= SKINNY_ROWS:
         return Tiles(16, 64, 128, 0, 4, 3)
     if m <= 32:
@@ -264,22 +233,13 @@ def default_tiles(m: int) -> Tiles:
     return Tiles(128, 128, 128, 1, 8, 3, swap_ab=True)
 
 
-def rows_tiles(m: int, block_n: int = 512, num_warps: int = 4, num_stages: int = 2) -> Tiles:
-    """The rows kernel's tiling for m rows: up to 4 rows a program, block_n / rows
-    columns (a program's products stay block_n x 16 floats whatever its rows)."""
-    block_m = min(4, int(triton.next_power_of_2(m)))
-    return Tiles(block_m, max(16, block_n // block_m), 128, 0, num_warps, num_stages, dot=False)
-
-
 def _splits(tiles: Tiles, m: int, n: int, k: int, *, block_k: int, num_sms: int) -> int:
     """tiles.split_k, or for 0 as many splits of K (each at least one BLOCK_K) as bring
     the programs to 8x the multiprocessors for decode tiles (a power of two, at most
-    4), 4x for the rows kernel (any number), 2x for larger ones (at most 16)."""
+    4), 2x for larger ones (at most 16)."""
     if tiles.split_k:
         return tiles.split_k
     programs = int(triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n))
-    if not tiles.dot:
-        return max(1, min(int(triton.cdiv(4 * num_sms, programs)), k // block_k))
     if tiles.block_m <= SKINNY_ROWS:
         wanted = int(triton.next_power_of_2(triton.cdiv(8 * num_sms, programs)))
         return max(1, min(wanted, 4, k // block_k))
@@ -354,7 +314,6 @@ def w4a16_matmul(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=block_k,
-        DOT=tiles.dot,
         **launch,
     )
     if split > 1:
