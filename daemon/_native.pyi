@@ -134,6 +134,23 @@ def panel_gemm(
     threads: int,
     /,
 ) -> None: ...
+def panel_gemm_codes(
+    x: int,
+    rows: int,
+    k: int,
+    x_stride: int,
+    codes: int,
+    scales: int,
+    mins: int,
+    bits: int,
+    group: int,
+    n: int,
+    y: int,
+    y_stride: int,
+    bias: int,
+    threads: int,
+    /,
+) -> None: ...
 def paged_decode_attention(
     q: int,
     rows: int,

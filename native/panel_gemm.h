@@ -31,4 +31,30 @@ struct PanelGemm {
 // Computes the product on `threads` threads (see above). Requires cpu_kernels_supported() (omp_team.h).
 void panel_gemm(const PanelGemm& args, int threads);
 
+// The same product with W held as codes: W[o][i] = q * d + m, q an unsigned code of
+// `bits` (4 or 8) bits, d and m float32 per group of `group` inputs and output (a
+// GGUF Q4_1 or Q8_0 weight, re-derived exactly from its float32 form: torch_backend/
+// quantized.py). Each weight becomes its float32 value in registers (q * d is exact, so
+// one FMA gives q * d + m rounded once, as the float32 weight was) and meets x as in
+// panel_gemm, in the same order: the result is bitwise panel_gemm's on the float32 W,
+// from 1/8 (4 bits) or 1/4 (8 bits) of the weight bytes plus the groups' d and m.
+struct PanelGemmCodes {
+  const float* x;       // [rows, k], rows x_stride floats apart
+  std::int64_t rows;
+  std::int64_t k;       // a multiple of group
+  std::int64_t x_stride;
+  const void* codes;    // 4 bits: [ceil(n / 8), k] uint32, output j in bits 4j..4j+3;
+                        // 8 bits: [ceil(n / 8), k, 8] uint8
+  const float* scales;  // d: [ceil(n / 8), k / group, 8]
+  const float* mins;    // m: [ceil(n / 8), k / group, 8]
+  int bits;             // 4 or 8
+  std::int64_t group;
+  std::int64_t n;
+  float* y;             // [rows, n], rows y_stride floats apart
+  std::int64_t y_stride;
+  const float* bias;    // [n] or nullptr
+};
+
+void panel_gemm_codes(const PanelGemmCodes& args, int threads);
+
 }  // namespace lmd

@@ -25,7 +25,8 @@ from transformers import (
 from lmd.engine.backend import BackendError, ForwardBatch
 from lmd.engine.backends import select_backend
 from lmd.engine.model_source import resolve_model
-from lmd.engine.torch_backend import TorchBackend
+from lmd.engine.torch_backend import TorchBackend, native_cpu
+from lmd.engine.torch_backend.linear import FusedPart, PackedLinear
 from tests.models import TINY_SHAPE, hf_greedy, load_reference, random_prompts, save_tiny_llama
 
 BLOCK_SIZE = 4  # small, so that prompts span several blocks and end mid-block
@@ -299,6 +300,15 @@ def test_smollm2_greedy_equals_transformers(smollm2_dir: Path) -> None:
         assert isinstance(ids, list) and all(isinstance(t, int) for t in ids)
         prompts.append([t for t in ids if isinstance(t, int)])
     backend = TorchBackend(model.path, CPU, torch.float32)
+    if native_cpu.supported():  # its GGUF's Q4_1 linears and Q8_0 lm_head decode as codes
+        packed = {
+            name: (module.fused if isinstance(module, FusedPart) else module).packed_weight.codes
+            for name, module in backend.model.named_modules()
+            if isinstance(module, PackedLinear | FusedPart)
+        }
+        assert len(packed) == 1 + 30 * 7  # lm_head, q k v o gate up down of 30 layers
+        assert packed["lm_head"] is not None and packed["lm_head"].bits == 8
+        assert all(c is not None and c.bits == 4 for n, c in packed.items() if n != "lm_head")
     ref = AutoModelForCausalLM.from_pretrained(model.path, local_files_only=True)
     for prompt, tokens in zip(prompts, greedy(backend, prompts, 32, chunk=24), strict=True):
         assert tokens == hf_greedy(ref, prompt, 32)

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from lmd.engine.torch_backend import native_cpu
+from lmd.engine.torch_backend.weight_codes import GROUP, WeightCodes, find_codes
 
 log = logging.getLogger(__name__)
 
@@ -53,38 +54,51 @@ PANEL_ROWS = 16  # up to this many rows: panel_gemm; more (prefill): oneDNN
 
 
 class PackedWeight:
-    """A Linear's weight [out, in] in oneDNN's blocked layout, and in panel_gemm's
-    [ceil(out / 8), in, 8] (outputs past `out` zero) where the CPU runs it."""
+    """A Linear's weight [out, in] in oneDNN's blocked layout, and where the CPU runs
+    them, for panel_gemm: as codes when it is a GGUF's dequantized (weight_codes.py),
+    else in panels [ceil(out / 8), in, 8] (outputs past `out` zero)."""
 
     def __init__(self, weight: Tensor) -> None:
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
         self.onednn: Tensor = torch.ops.mkldnn._reorder_linear_weight(weight)  # opaque
         self.panels: Tensor | None = None
+        self.codes: WeightCodes | None = None
         if native_cpu.supported():
-            from lmd._native import panel_gemm  # resolved once, not per call
+            from lmd._native import panel_gemm, panel_gemm_codes  # resolved once
 
-            self._panel_gemm = panel_gemm
+            self._panel_gemm, self._panel_gemm_codes = panel_gemm, panel_gemm_codes
             num = -(-self.out_features // 8)
             padded = weight.new_zeros(num * 8, self.in_features)
             padded[: self.out_features] = weight
-            self.panels = padded.view(num, 8, self.in_features).transpose(1, 2).contiguous()
+            self.codes = find_codes(padded)
+            if self.codes is None:
+                self.panels = padded.view(num, 8, self.in_features).transpose(1, 2).contiguous()
 
     def linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
         """x: [..., in] -> [..., out]"""
         rows = x.numel() // self.in_features if self.in_features else 0
-        if self.panels is None or not 0 < rows <= PANEL_ROWS or x.dtype != torch.float32:
+        codes, panels = self.codes, self.panels
+        native = panels is not None or codes is not None
+        if not native or not 0 < rows <= PANEL_ROWS or x.dtype != torch.float32:
             y: Tensor = torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
             return y
         flat = x.reshape(rows, self.in_features)
         if flat.stride(1) != 1 or flat.stride(0) < self.in_features:
             flat = flat.contiguous()
         out = torch.empty(rows, self.out_features, dtype=x.dtype)
-        self._panel_gemm(
-            flat.data_ptr(), rows, self.in_features, flat.stride(0), self.panels.data_ptr(),
-            self.out_features, out.data_ptr(), self.out_features,
-            0 if bias is None else bias.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
+        k, n, b = self.in_features, self.out_features, 0 if bias is None else bias.data_ptr()
+        if codes is not None:
+            self._panel_gemm_codes(
+                flat.data_ptr(), rows, k, flat.stride(0), codes.codes.data_ptr(),
+                codes.scales.data_ptr(), codes.mins.data_ptr(), codes.bits, GROUP, n,
+                out.data_ptr(), n, b, torch.get_num_threads(),
+            )  # fmt: skip
+        elif panels is not None:
+            self._panel_gemm(
+                flat.data_ptr(), rows, k, flat.stride(0), panels.data_ptr(), n, out.data_ptr(),
+                n, b, torch.get_num_threads(),
+            )  # fmt: skip
         return out.view(*x.shape[:-1], self.out_features)
 
 

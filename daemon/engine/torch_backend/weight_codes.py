@@ -1,0 +1,86 @@
+"""float32 weights that are exactly codes: a GGUF's Q4_1 or Q8_0 blocks, dequantized.
+
+A GGUF checkpoint (the embedded SmolLM2 is one: Q4_1 linears, a Q8_0 embedding) is
+converted to float32 safetensors at first use (model_source.py), each weight dequantized
+per block of 32 inputs as llama.cpp stores it:
+
+    Q4_1: w = d * q + m, q in 0..15, d and m float16
+    Q8_0: w = d * q, q in -128..127, d float16  (= d * (q + 128) + (-128 d))
+
+Held as float32, a decode step reads 4 bytes a weight; held as the codes, 0.5 or 1 plus
+the blocks' d and m. `find_codes` re-derives the codes from the float32 weight (m the
+block's least value, or -128 d; d from the block's range, rounded to float16) and keeps
+them only if every weight comes back bitwise: then native/panel_gemm.h's
+`panel_gemm_codes`, which rebuilds each weight in registers with one FMA (d * q is exact
+in float32, so the FMA rounds once, as the conversion did), gives bitwise the float32
+product. A weight from anywhere else (a safetensors checkpoint, a random model) fails the
+check at its first block and stays float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+GROUP = 32  # inputs per block in GGUF's Q4_1 and Q8_0
+
+
+@dataclass(frozen=True)
+class WeightCodes:
+    """A weight [n, k] (n a multiple of 8) as panel_gemm_codes takes it."""
+
+    bits: int  # 4 or 8
+    codes: Tensor  # 4: [n / 8, k] int32, output j in bits 4j..4j+3; 8: [n / 8, k, 8] uint8
+    scales: Tensor  # d: [n / 8, k / GROUP, 8] float32
+    mins: Tensor  # m: [n / 8, k / GROUP, 8] float32
+
+
+def find_codes(weight: Tensor) -> WeightCodes | None:
+    """The codes of a float32 `weight` [n, k] (n a multiple of 8) if it is exactly a
+    dequantized Q4_1 (tried first) or Q8_0 weight, else None."""
+    n, k = weight.shape
+    if weight.dtype != torch.float32 or n % 8 or k % GROUP or not k:
+        return None
+    blocks = weight.reshape(n, k // GROUP, GROUP)
+    for bits in (4, 8):
+        found = _exact_codes(blocks, bits)
+        if found is not None:
+            return _panels(bits, *found)
+    return None
+
+
+def _exact_codes(blocks: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor] | None:
+    """(q [n, g, GROUP] in 0..2^bits - 1, d [n, g, 1], m [n, g, 1]) with q * d + m equal
+    to `blocks` bit for bit, or None."""
+    if bits == 4:
+        lo = blocks.amin(-1, keepdim=True)
+        d = ((blocks.amax(-1, keepdim=True) - lo) / 15).half().float()
+    else:
+        d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+        lo = d * -128
+    if not bool(torch.isfinite(d).all()):
+        return None
+    q = ((blocks - lo) / torch.where(d > 0, d, 1.0)).round_().clamp_(0, 2**bits - 1)
+    if not torch.equal(q * d + lo, blocks):  # q * d is exact: one rounding, as an FMA's
+        return None
+    return q, d, lo
+
+
+def _panels(bits: int, q: Tensor, d: Tensor, lo: Tensor) -> WeightCodes:
+    """The panel layout (outputs in eights) of codes q [n, g, GROUP], d and m [n, g, 1]."""
+    n, groups, _ = q.shape
+    per_input = q.reshape(n // 8, 8, groups * GROUP).transpose(1, 2).to(torch.uint8)
+    if bits == 4:  # eight 4-bit codes, one per output, in one 32-bit word per input
+        nibbles = per_input.numpy().astype(np.uint32) << (4 * np.arange(8, dtype=np.uint32))
+        words = np.bitwise_or.reduce(nibbles, axis=-1).view(np.int32)
+        codes = torch.from_numpy(np.ascontiguousarray(words))
+    else:
+        codes = per_input.contiguous()
+
+    def per_group(v: Tensor) -> Tensor:
+        return v.reshape(n // 8, 8, groups).transpose(1, 2).contiguous()
+
+    return WeightCodes(bits, codes, per_group(d), per_group(lo))
