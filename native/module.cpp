@@ -41,55 +41,38 @@ PYBIND11_MODULE(_native, m) {
   m.def(
       "panel_gemm",
       [](std::uintptr_t x, std::int64_t rows, std::int64_t k, std::int64_t x_stride,
-         std::uintptr_t panels, std::int64_t n, std::uintptr_t y, std::int64_t y_stride,
+         std::uintptr_t weights, int bits, std::uintptr_t scales, std::uintptr_t mins,
+         std::int64_t group, std::int64_t n, std::uintptr_t y, std::int64_t y_stride,
          std::uintptr_t bias, int threads) {
         if (!lmd::cpu_kernels_supported()) throw std::runtime_error("panel_gemm needs AVX2 and FMA");
-        if (rows < 0 || k < 1 || n < 1 || x_stride < k || y_stride < n || !x || !panels || !y) {
-          throw std::invalid_argument("panel_gemm: bad shapes, strides or pointers");
+        const bool coded = bits == 4 || bits == 8;
+        if (rows < 0 || k < 1 || n < 1 || x_stride < k || y_stride < n || !x || !weights ||
+            !y || (bits != 32 && !coded) ||
+            (coded && (group < 1 || k % group != 0 || !scales || !mins))) {
+          throw std::invalid_argument("panel_gemm: bad shapes, strides, bits or pointers");
         }
-        lmd::PanelGemm args{reinterpret_cast<const float*>(x),      rows, k, x_stride,
-                            reinterpret_cast<const float*>(panels), n,
-                            reinterpret_cast<float*>(y),            y_stride,
+        lmd::PanelGemm args{reinterpret_cast<const float*>(x),
+                            rows,
+                            k,
+                            x_stride,
+                            reinterpret_cast<const void*>(weights),
+                            bits,
+                            reinterpret_cast<const float*>(scales),
+                            reinterpret_cast<const float*>(mins),
+                            group,
+                            n,
+                            reinterpret_cast<float*>(y),
+                            y_stride,
                             reinterpret_cast<const float*>(bias)};
         py::gil_scoped_release release;
         lmd::panel_gemm(args, threads);
       },
       "y = x W^T (+ b) in float32 for a few rows (native/panel_gemm.h), on addresses:\n"
-      "x [rows, k] (row stride x_stride), panels [ceil(n/8), k, 8], y [rows, n] (row\n"
-      "stride y_stride), bias [n] or 0; `threads` of the loaded libgomp's team.");
-
-  m.def(
-      "panel_gemm_codes",
-      [](std::uintptr_t x, std::int64_t rows, std::int64_t k, std::int64_t x_stride,
-         std::uintptr_t codes, std::uintptr_t scales, std::uintptr_t mins, int bits,
-         std::int64_t group, std::int64_t n, std::uintptr_t y, std::int64_t y_stride,
-         std::uintptr_t bias, int threads) {
-        if (!lmd::cpu_kernels_supported()) {
-          throw std::runtime_error("panel_gemm_codes needs AVX2 and FMA");
-        }
-        if (rows < 0 || k < 1 || n < 1 || group < 1 || k % group != 0 || x_stride < k ||
-            y_stride < n || (bits != 4 && bits != 8) || !x || !codes || !scales || !mins || !y) {
-          throw std::invalid_argument("panel_gemm_codes: bad shapes, strides, bits or pointers");
-        }
-        lmd::PanelGemmCodes args{reinterpret_cast<const float*>(x),
-                                 rows,
-                                 k,
-                                 x_stride,
-                                 reinterpret_cast<const void*>(codes),
-                                 reinterpret_cast<const float*>(scales),
-                                 reinterpret_cast<const float*>(mins),
-                                 bits,
-                                 group,
-                                 n,
-                                 reinterpret_cast<float*>(y),
-                                 y_stride,
-                                 reinterpret_cast<const float*>(bias)};
-        py::gil_scoped_release release;
-        lmd::panel_gemm_codes(args, threads);
-      },
-      "panel_gemm with W as codes (native/panel_gemm.h): codes [ceil(n/8), k] uint32\n"
-      "(bits 4) or [ceil(n/8), k, 8] uint8 (bits 8), scales and mins [ceil(n/8), k/group,\n"
-      "8] float32; W = code * scale + min. Otherwise as panel_gemm.");
+      "x [rows, k] (row stride x_stride), y [rows, n] (row stride y_stride), bias [n] or\n"
+      "0; W by bits: 32, float panels [ceil(n/8), k, 8]; 8, uint8 codes [ceil(n/8), k, 8];\n"
+      "4, uint32 [ceil(n/8), k] of eight 4-bit codes; with codes, scales and mins\n"
+      "[ceil(n/8), k/group, 8] float32 (W = code * scale + min), else 0. `threads` of\n"
+      "the loaded libgomp's team.");
 
   m.def(
       "paged_decode_attention",

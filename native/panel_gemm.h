@@ -6,6 +6,14 @@
 // registers. On the 2-core dev machine this streams weights at its memory bandwidth
 // where oneDNN's blocked GEMM, at 8 rows, ran 1.5-2.5x slower (docs/benchmarks.md).
 //
+// W may also be held as codes: W[o][i] = q * d + m, q an unsigned code of 4 or 8 bits,
+// d and m float32 per group of inputs and output (a GGUF's Q4_1 or Q8_0 weight, its
+// codes re-derived exactly from its float32 form: torch_backend/weight_codes.py). Each
+// weight becomes its float32 value in registers (q * d is exact, so one FMA gives
+// q * d + m rounded once, as the float32 weight was) and meets x in the same order:
+// bitwise the float32 product, from 1/8 or 1/4 of the weight bytes plus the groups'
+// d and m.
+//
 // Threads: the panels are split over the OpenMP team of the runtime the process has
 // already loaded (torch's libgomp), so the product runs on torch's own intra-op threads,
 // not on threads of ours that would compete with them for the cores; with no OpenMP
@@ -19,9 +27,15 @@ namespace lmd {
 struct PanelGemm {
   const float* x;       // [rows, k], rows x_stride floats apart
   std::int64_t rows;
-  std::int64_t k;
+  std::int64_t k;       // with codes, a multiple of group
   std::int64_t x_stride;
-  const float* panels;  // [ceil(n / 8), k, 8], outputs past n zero
+  const void* weights;  // bits 32: float [ceil(n / 8), k, 8], outputs past n zero;
+                        // 8: uint8 codes [ceil(n / 8), k, 8];
+                        // 4: uint32 [ceil(n / 8), k], output j's code in bits 4j..4j+3
+  int bits;             // 32, 8 or 4
+  const float* scales;  // codes: d [ceil(n / 8), k / group, 8]; else unused
+  const float* mins;    // codes: m [ceil(n / 8), k / group, 8]; else unused
+  std::int64_t group;   // codes: inputs per d and m
   std::int64_t n;
   float* y;             // [rows, n], rows y_stride floats apart
   std::int64_t y_stride;
@@ -30,31 +44,5 @@ struct PanelGemm {
 
 // Computes the product on `threads` threads (see above). Requires cpu_kernels_supported() (omp_team.h).
 void panel_gemm(const PanelGemm& args, int threads);
-
-// The same product with W held as codes: W[o][i] = q * d + m, q an unsigned code of
-// `bits` (4 or 8) bits, d and m float32 per group of `group` inputs and output (a
-// GGUF Q4_1 or Q8_0 weight, re-derived exactly from its float32 form: torch_backend/
-// quantized.py). Each weight becomes its float32 value in registers (q * d is exact, so
-// one FMA gives q * d + m rounded once, as the float32 weight was) and meets x as in
-// panel_gemm, in the same order: the result is bitwise panel_gemm's on the float32 W,
-// from 1/8 (4 bits) or 1/4 (8 bits) of the weight bytes plus the groups' d and m.
-struct PanelGemmCodes {
-  const float* x;       // [rows, k], rows x_stride floats apart
-  std::int64_t rows;
-  std::int64_t k;       // a multiple of group
-  std::int64_t x_stride;
-  const void* codes;    // 4 bits: [ceil(n / 8), k] uint32, output j in bits 4j..4j+3;
-                        // 8 bits: [ceil(n / 8), k, 8] uint8
-  const float* scales;  // d: [ceil(n / 8), k / group, 8]
-  const float* mins;    // m: [ceil(n / 8), k / group, 8]
-  int bits;             // 4 or 8
-  std::int64_t group;
-  std::int64_t n;
-  float* y;             // [rows, n], rows y_stride floats apart
-  std::int64_t y_stride;
-  const float* bias;    // [n] or nullptr
-};
-
-void panel_gemm_codes(const PanelGemmCodes& args, int threads);
 
 }  // namespace lmd

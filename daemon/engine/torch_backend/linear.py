@@ -64,41 +64,39 @@ class PackedWeight:
         self.onednn: Tensor = torch.ops.mkldnn._reorder_linear_weight(weight)  # opaque
         self.panels: Tensor | None = None
         self.codes: WeightCodes | None = None
+        # panel_gemm's arguments for W: (weights, bits, scales, mins, group) addresses.
+        self._native: tuple[int, int, int, int, int] | None = None
         if native_cpu.supported():
-            from lmd._native import panel_gemm, panel_gemm_codes  # resolved once
+            from lmd._native import panel_gemm  # resolved once, not per call
 
-            self._panel_gemm, self._panel_gemm_codes = panel_gemm, panel_gemm_codes
+            self._panel_gemm = panel_gemm
             num = -(-self.out_features // 8)
             padded = weight.new_zeros(num * 8, self.in_features)
             padded[: self.out_features] = weight
-            self.codes = find_codes(padded)
-            if self.codes is None:
+            self.codes = c = find_codes(padded)
+            if c is not None:
+                self._native = (c.codes.data_ptr(), c.bits, c.scales.data_ptr(),
+                                c.mins.data_ptr(), GROUP)  # fmt: skip
+            else:
                 self.panels = padded.view(num, 8, self.in_features).transpose(1, 2).contiguous()
+                self._native = (self.panels.data_ptr(), 32, 0, 0, 0)
 
     def linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
         """x: [..., in] -> [..., out]"""
         rows = x.numel() // self.in_features if self.in_features else 0
-        codes, panels = self.codes, self.panels
-        native = panels is not None or codes is not None
-        if not native or not 0 < rows <= PANEL_ROWS or x.dtype != torch.float32:
+        native = self._native
+        if native is None or not 0 < rows <= PANEL_ROWS or x.dtype != torch.float32:
             y: Tensor = torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
             return y
         flat = x.reshape(rows, self.in_features)
         if flat.stride(1) != 1 or flat.stride(0) < self.in_features:
             flat = flat.contiguous()
         out = torch.empty(rows, self.out_features, dtype=x.dtype)
-        k, n, b = self.in_features, self.out_features, 0 if bias is None else bias.data_ptr()
-        if codes is not None:
-            self._panel_gemm_codes(
-                flat.data_ptr(), rows, k, flat.stride(0), codes.codes.data_ptr(),
-                codes.scales.data_ptr(), codes.mins.data_ptr(), codes.bits, GROUP, n,
-                out.data_ptr(), n, b, torch.get_num_threads(),
-            )  # fmt: skip
-        elif panels is not None:
-            self._panel_gemm(
-                flat.data_ptr(), rows, k, flat.stride(0), panels.data_ptr(), n, out.data_ptr(),
-                n, b, torch.get_num_threads(),
-            )  # fmt: skip
+        self._panel_gemm(
+            flat.data_ptr(), rows, self.in_features, flat.stride(0), *native, self.out_features,
+            out.data_ptr(), self.out_features, 0 if bias is None else bias.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
         return out.view(*x.shape[:-1], self.out_features)
 
 
