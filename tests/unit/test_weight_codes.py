@@ -1,5 +1,5 @@
 """float32 weights that are a GGUF's Q4_1 / Q8_0 blocks, held as codes for decode's
-panel_gemm_codes (torch_backend/weight_codes.py, native/panel_gemm.h)."""
+panel_gemm (torch_backend/weight_codes.py, native/panel_gemm.h)."""
 
 from __future__ import annotations
 
