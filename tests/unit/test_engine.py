@@ -138,6 +138,25 @@ def test_mixed_steps_give_the_tokens_of_separate_steps(
     assert outs[1] == outs[0] == run(make_engine(model_dir), prompts, params)
 
 
+def test_prompts_get_prefill_steps_when_decode_rows_fill_a_step(model_dir: Path) -> None:
+    """With more decoding sequences than max_prefill_token_num rows, a mixed step would have
+    no room for prompt tokens: prompts take steps of their own instead of waiting."""
+    prompts = random_prompts([3] * 8, seed=9)
+    engine = make_engine(model_dir, max_prefill_token_num=4, mixed_prefill_tokens=16)
+    seqs = [Sequence(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
+    prefilled_beside_full_decode = 0
+    for seq in seqs:
+        engine.add(seq)
+    while engine.has_work:
+        decoding, queued = engine.decode.num_seqs, engine.prefill.num_queued_tokens
+        engine.step()
+        if decoding >= 4 and engine.prefill.num_queued_tokens < queued:
+            prefilled_beside_full_decode += 1
+    assert prefilled_beside_full_decode > 0
+    outs = {seq.request_id: seq.output_token_ids for seq in seqs}
+    assert outs == run(make_engine(model_dir), prompts)
+
+
 def test_abort_frees_every_block(model_dir: Path) -> None:
     engine = make_engine(model_dir)
     for i, prompt in enumerate(random_prompts([20, 50, 80], seed=7)):

@@ -14,8 +14,9 @@ them only if every weight comes back bitwise: then lmd._native.panel_gemm with b
 or 8 (native/panel_gemm.h), which rebuilds each weight in registers with one FMA (d * q
 is exact in float32, so the FMA rounds once, as the conversion did), gives bitwise the
 float32 product. It pays where the float32 product is bound by its reads (one row: a
-step 20% shorter on two cores; at 8 rows it is bound by FMAs and evens out). A weight from anywhere else (a safetensors checkpoint, a random model) fails the
-check at its first block and stays float32.
+step 20% shorter on two cores; at 8 rows it is bound by FMAs and evens out). A weight
+from anywhere else (a safetensors checkpoint, a random model) fails the check at its
+first block and stays float32.
 """
 
 from __future__ import annotations
