@@ -131,7 +131,10 @@ def test_more_clients_than_descriptors_get_503_and_the_api_recovers(daemon: Daem
         error = json.loads(body)["error"]
         assert (error["type"], error["code"]) == ("overloaded", "too_many_connections")
         refused += 1
-    assert refused >= 44 and held >= 100, (refused, held)
+    # Held: the limit less the descriptors the api has open otherwise, which include the
+    # earlier tests' keep-alive connections until their idle timeout closes them (on a
+    # loaded CI host, 84 held of ~190 was seen).
+    assert refused >= 44 and held >= 64, (refused, held)
     # A keep-alive connection of the daemon's start-up checks or of the tests before may
     # have closed since (its idle timeout), leaving a slot: fill each one that frees with
     # another held client (finitely many: each stays filled).
