@@ -97,48 +97,6 @@ def _per_col(v, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
-def _tile(m, n, k, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # noqa: PLR0917
-    """This program's rows and columns (programs walk M fastest) and its K range."""
-    num_m = tl.cdiv(m, BLOCK_M)
-    rows = (tl.program_id(0) % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (tl.program_id(0) // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_start = tl.program_id(1) * k_per_split
-    return rows, cols, k_start, tl.minimum(k, k_start + k_per_split)
-
-
-@triton.jit
-def _store(acc, b_ptr, y_ptr, rows, cols, m, n, HAS_BIAS: tl.constexpr):  # noqa: PLR0917
-    """acc [BLOCK_M, BLOCK_N] (+ bias) into y, or into split's float32 partial sums."""
-    col_ok = cols < n
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = y_ptr + tl.program_id(1).to(tl.int64) * m * n  # split > 0: partial sums
-    tl.store(
-        out + rows[:, None].to(tl.int64) * n + cols[None, :],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=(rows < m)[:, None] & col_ok[None, :],
-    )
-
-
-@triton.jit
-def _load_words(q_ptr, kb, n, cols, col_ok):
-    """The layout's block at input kb, [16, BLOCK_N] int32: nibble j of a word holds
-    inputs kb + 16 j ... kb + 16 j + 15."""
-    word_rows = kb // 8 + tl.arange(0, 16)
-    return tl.load(
-        q_ptr + word_rows[:, None].to(tl.int64) * n + cols[None, :], mask=col_ok[None, :], other=0
-    )
-
-
-@triton.jit
-def _load_group(s_ptr, z_ptr, k0, n, cols, col_ok, GROUP: tl.constexpr):  # noqa: PLR0917
-    """Scales and zero points (as stored) of the group that holds input k0: [BLOCK_N]."""
-    group = (k0 // GROUP) * n
-    s = tl.load(s_ptr + group + cols, mask=col_ok, other=0.0)
-    return s, tl.load(z_ptr + group + cols, mask=col_ok, other=0)
-
-
-@triton.jit
 def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     x_ptr,
     q_ptr,
@@ -160,11 +118,17 @@ def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    rows, cols, k_start, k_end = _tile(m, n, k, k_per_split, BLOCK_M, BLOCK_N)
+    dtype = x_ptr.dtype.element_ty
+    num_m = tl.cdiv(m, BLOCK_M)
+    rows = (tl.program_id(0) % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (tl.program_id(0) // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < m
     col_ok = cols < n
+    split = tl.program_id(1)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k, k_start + k_per_split)
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x + tl.arange(0, 16)[None, :]
-    dtype = x_ptr.dtype.element_ty
+    word_rows = tl.arange(0, 16)
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -175,12 +139,17 @@ def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     for k0 in range(k_start, k_end, BLOCK_K):
         for b in tl.static_range(BLOCK_K // 128):
             kb = k0 + 128 * b
-            words = _load_words(q_ptr, kb, n, cols, col_ok)
+            words = tl.load(
+                q_ptr + (kb // 8 + word_rows)[:, None].to(tl.int64) * n + cols[None, :],
+                mask=col_ok[None, :],
+                other=0,
+            )  # [16, BLOCK_N] int32: nibble j = inputs kb + 16 j ... kb + 16 j + 15
             for j in tl.static_range(8):
                 if (16 * j) % GROUP == 0:  # a group starts: its scales and zero points
-                    sq, zq = _load_group(s_ptr, z_ptr, kb + 16 * j, n, cols, col_ok, GROUP)
-                    s = sq.to(dtype)
-                    z = _biased(zq.to(tl.int32), dtype)
+                    group = ((kb + 16 * j) // GROUP) * n
+                    s = tl.load(s_ptr + group + cols, mask=col_ok, other=0.0).to(dtype)
+                    zq = tl.load(z_ptr + group + cols, mask=col_ok, other=0).to(tl.int32)
+                    z = _biased(zq, dtype)
                 w = _biased((words >> (4 * j)) & 0xF, dtype) - z[None, :]  # [16, BLOCK_N]
                 x = tl.load(x_rows + kb + 16 * j, mask=row_ok[:, None], other=0.0)  # [BM, 16]
                 if SCALE_AFTER_DOT:
@@ -192,7 +161,14 @@ def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
                     acc = _dot(x, w * s[None, :], acc, SWAP_AB, PRECISION)
     if SWAP_AB:
         acc = tl.trans(acc)
-    _store(acc, b_ptr, y_ptr, rows, cols, m, n, HAS_BIAS)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + split.to(tl.int64) * m * n  # split > 0 only for float32 partial sums
+    tl.store(
+        out + rows[:, None].to(tl.int64) * n + cols[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
 
 
 @triton.jit
@@ -300,21 +276,28 @@ def w4a16_matmul(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds
     split = triton.cdiv(k, k_per_split)  # no empty splits
     out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n), split)
-    args = (x, qweight, scales, zeros, bias if bias is not None else scales, out,
-            m, n, k, k_per_split, x.stride(0))  # fmt: skip
-    has_bias = bias is not None and split == 1
-    launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
     _w4a16_kernel[grid](
-        *args,
+        x,
+        qweight,
+        scales,
+        zeros,
+        bias if bias is not None else scales,
+        out,
+        m,
+        n,
+        k,
+        k_per_split,
+        x.stride(0),
         GROUP=group_size,
-        HAS_BIAS=has_bias,
+        HAS_BIAS=bias is not None and split == 1,
         SCALE_AFTER_DOT=tiles.block_m <= 32,
         SWAP_AB=tiles.swap_ab,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32: no TF32
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32: no TF32 rounding
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=block_k,
-        **launch,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     if split > 1:
         block = 1024
