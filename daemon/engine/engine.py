@@ -253,8 +253,8 @@ class Engine:
             free_slots = self.config.max_batch_size - self.prefill.num_running
         prompts = self.prefill.num_waiting or self.prefill.num_running
         # Mixed while decode leaves room for prompt tokens in a step's rows.
-        rows_left = self.config.max_prefill_token_num - self.decode.num_seqs
-        if prompts and self.mixed_prefill_tokens and self.decode.num_seqs and rows_left > 0:
+        decoding = 0 < self.decode.num_seqs < self.config.max_prefill_token_num
+        if prompts and self.mixed_prefill_tokens and decoding:
             return self._step_mixed(max(0, free_slots))
         if prompts:
             batch = self.prefill.schedule(max_new_seqs=max(0, free_slots))
