@@ -5,7 +5,7 @@
 #       tests/gpu/test_tensor_parallel_gpu.py (TP 2 = TP 1 in float32: turbo eager, turbo
 #       with CUDA graphs, torch; bf16 TP 2 against transformers float32) and the torch
 #       backend's CPU TP test on that machine's transformers (test_torch_parallel.py).
-#   scripts/gpu-tp.sh step SHAPE [BATCHES]
+#   scripts/gpu-tp.sh step SHAPE [BATCHES [TP_STEP FLAGS...]]
 #       scripts/tp_step.py: the decode step (CUDA graphs) on TP 1 and TP 2, batch 1 and
 #       64 by default, SHAPE a scripts/random_models.py shape (llama3-8b-shape).
 #   scripts/gpu-tp.sh serve SHAPE TP [FLAGS...]
@@ -56,7 +56,7 @@ model=$dir/$shape
   grep -v "^Writing\|^Loading" | tail -3
 [[ $what == prepare ]] && exit 0
 if [[ $what == step ]]; then
-  timeout 560 python3 scripts/tp_step.py "$model" --tp 1,2 --batches "${3:-1,64}" \
+  timeout "${STEP_TIMEOUT:-560}" python3 scripts/tp_step.py "$model" --tp 1,2 --batches "${3:-1,64}" "${@:4}" \
     2>"$out/tp-step-stderr.txt" | tee -a "$out/tp-step.jsonl"
   grep -E "Error|error" "$out/tp-step-stderr.txt" | tail -5
   exit 0

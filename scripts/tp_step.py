@@ -2,7 +2,7 @@
 at batch 1 <= 0.65x of TP 1's"), on turbo with CUDA graphs, random bf16 weights.
 
     python3 scripts/tp_step.py MODEL_DIR --tp 1,2 --batches 1,64 [--context 512]
-        [--separate-batch1] [--kernels 12]
+        [--separate-batch1] [--nccl-batch1] [--tiles 8x1024,...] [--kernels 12]
 
 For each size N, N processes (rank r on cuda:r, NCCL) load their shards, prefill B
 prompts of --context tokens, capture the decode graphs, then run 8 warm-up and --steps
@@ -16,6 +16,7 @@ the rest sum to, against the step's median: where a batch-1 step's time goes.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import multiprocessing as mp
 import statistics
@@ -27,11 +28,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import triton
 
 from lmd.engine.backend import ForwardBatch
 from lmd.engine.kv_pool import KVPool
 from lmd.engine.parallel import join_group, leave_group
 from lmd.engine.turbo.backend import TurboBackend
+
+# --tiles replaces the module's default_tiles (looked up at each launch) in the ranks.
+_vector_module = importlib.import_module("lmd.engine.turbo.kernels.vector_gemv")
+_default_tiles = _vector_module.default_tiles
 
 BLOCK = 64
 
@@ -39,12 +46,14 @@ BLOCK = 64
 def rank_main(rank: int, size: int, rendezvous: str, args: argparse.Namespace) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
+    _vector_module.default_tiles = _tiles
     tp = join_group(rank, size, Path(rendezvous), device, 600)
     backend = TurboBackend(Path(args.model), device, torch.bfloat16, tp=tp)
     batches = [int(b) for b in args.batches.split(",")]
     per_seq = -(-(args.context + args.steps + 16) // BLOCK)
     pool = KVPool.for_backend(backend, max(batches) * per_seq + 1, BLOCK)
     backend.capture_graphs(pool.kv, max(batches))
+    exchange = backend.model.exchange  # batch-1 all-reduces over peer memory, if it fits
     gen = torch.Generator().manual_seed(0)
     for batch in batches:
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
@@ -59,20 +68,25 @@ def rank_main(rank: int, size: int, rendezvous: str, args: argparse.Namespace) -
             )
             backend.forward(step, pool.kv)
         decode = partial(decode_step, backend, pool, tables, args.context)
-        fused = [True, False] if args.separate_batch1 and batch == 1 else [True]
-        for variant in fused:  # the same steps again with the norms in kernels of their own
-            if backend.model.fused_batch1 != variant:
-                backend.model.fused_batch1 = variant
+        # (fused_batch1, peer exchange, vector_gemv's layer tiles)
+        variants: list[tuple[bool, Any, tuple[int, int] | None]] = [(True, exchange, None)]
+        if batch == 1 and args.separate_batch1:  # the norms in kernels of their own
+            variants.append((False, exchange, None))
+        if batch == 1 and args.nccl_batch1 and exchange is not None:
+            variants.append((True, None, None))  # NCCL's all-reduces instead of the exchange
+        if batch == 1:
+            variants += [(True, exchange, tiles) for tiles in parse_tiles(args.tiles)]
+        for variant, peers, tiles in variants:
+            setting = (variant, peers, tiles)
+            if (backend.model.fused_batch1, backend.model.exchange, LAYER_TILES[0]) != setting:
+                backend.model.fused_batch1, backend.model.exchange = variant, peers
+                LAYER_TILES[0] = tiles
                 backend.capture_graphs(pool.kv, max(batches))
-            times = []
-            for n in range(8 + args.steps):
-                torch.cuda.synchronize()
-                began = time.perf_counter()
-                decode(n)
-                torch.cuda.synchronize()
-                if n >= 8:
-                    times.append(time.perf_counter() - began)
-            kernels = kernel_table(decode, 10) if args.kernels else []
+            times, back_to_back, kernels = time_steps(decode, args)
+            every = [kernels] * size
+            if size > 1 and args.kernels:
+                every = [None] * size if rank == 0 else []
+                dist.gather_object(kernels, every if rank == 0 else None, dst=0)
             if rank == 0:
                 line: dict[str, Any] = {
                     "model": Path(args.model).name,
@@ -80,13 +94,35 @@ def rank_main(rank: int, size: int, rendezvous: str, args: argparse.Namespace) -
                     "batch": batch,
                     "context": args.context,
                     "fused_batch1": variant,
+                    "all_reduce": "peers" if peers is not None and batch == 1 else "nccl",
                     "step_ms": round(1e3 * statistics.median(times), 3),
                     "step_ms_p90": round(1e3 * sorted(times)[int(0.9 * len(times))], 3),
+                    "step_ms_back_to_back": round(1e3 * back_to_back, 3),
+                    "layer_tiles": tiles,
                     "device": torch.cuda.get_device_name(device),
                 }
                 print(json.dumps(line), flush=True)
-                print_kernels(kernels, args.kernels, line["step_ms"])
+                for r, rows in enumerate(every[: size if args.kernels else 1]):
+                    if size > 1 and rows:
+                        print(f"  rank {r}:")
+                    print_kernels(rows or [], args.kernels, line["step_ms_back_to_back"])
     leave_group()
+
+
+LAYER_TILES: list[tuple[int, int] | None] = [None]  # --tiles: the variant being timed
+
+
+def _tiles(n: int, k: int) -> tuple[int, int, int, int]:
+    """vector_gemv's default tiles, or the timed variant's for the layers' products."""
+    block_n, block_k, warps, stages = _default_tiles(n, k)
+    if LAYER_TILES[0] is not None and n < 50000:
+        block_n, block_k = LAYER_TILES[0]
+    return block_n, min(block_k, triton.next_power_of_2(k)), warps, stages
+
+
+def parse_tiles(text: str) -> list[tuple[int, int]]:
+    """ "8x1024,16x512" -> [(8, 1024), (16, 512)]."""
+    return [(int(a), int(b)) for a, b in (t.split("x") for t in text.split(",") if t)]
 
 
 def decode_step(
@@ -96,6 +132,29 @@ def decode_step(
     write their slots again)."""
     step = ForwardBatch.pack([[5]] * len(tables), [context + n] * len(tables), tables, BLOCK)
     backend.forward(step, pool.kv)
+
+
+def time_steps(
+    decode: Callable[[int], None], args: argparse.Namespace
+) -> tuple[list[float], float, list[tuple[str, float, float]]]:
+    """Each step's time (synchronized before and after it), the time a step of steps
+    enqueued back to back (the engine's overlapped steps hide the host's share of each
+    step the same way: the GPU's time a step), and with --kernels the kernel table."""
+    times = []
+    for n in range(8 + args.steps):
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        decode(n)
+        torch.cuda.synchronize()
+        if n >= 8:
+            times.append(time.perf_counter() - began)
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for n in range(args.steps):
+        decode(n)
+    torch.cuda.synchronize()
+    back_to_back = (time.perf_counter() - began) / args.steps
+    return times, back_to_back, kernel_table(decode, 10) if args.kernels else []
 
 
 def kernel_table(decode: Callable[[int], None], steps: int) -> list[tuple[str, float, float]]:
@@ -137,6 +196,16 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--kernels", type=int, default=0, help="print the K costliest kernels")
+    parser.add_argument(
+        "--tiles",
+        default="",
+        help="batch 1 again with vector_gemv's layer tiles BNxBK (a comma list)",
+    )
+    parser.add_argument(
+        "--nccl-batch1",
+        action="store_true",
+        help="batch 1 again with NCCL's all-reduces instead of the peer exchange",
+    )
     parser.add_argument(
         "--separate-batch1",
         action="store_true",

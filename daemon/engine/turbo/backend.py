@@ -31,6 +31,7 @@ from lmd.engine.graphed import GraphedDecode
 from lmd.engine.parallel import SINGLE, ParallelError, TensorParallel
 from lmd.engine.turbo import kernels
 from lmd.engine.turbo.config import TurboConfig, UnsupportedModel
+from lmd.engine.turbo.exchange import PeerExchange
 from lmd.engine.turbo.graphs import DecodeGraphs
 from lmd.engine.turbo.model import StepInputs, TurboModel
 from lmd.engine.turbo.quant.fp8 import fp8_supported
@@ -90,6 +91,10 @@ class TurboBackend(GraphedDecode):
             raise BackendError(f"backend turbo cannot load {model_dir}: {exc}") from None
         ropes = layer_rope_tables(model_dir, self.config.max_position_embeddings, self._device)
         self.model = TurboModel(self.config, weights, ropes, tp)
+        if self.model.exchange_fits():  # the same on every rank: a collective call
+            width = self.config.hidden_size
+            points = 2 * self.config.num_layers
+            self.model.exchange = PeerExchange.create(points, width, dtype, self._device)
         self._eos = eos_token_ids(model_dir)
         self.use_cuda_graphs = cuda_graphs and self._device.type == "cuda"
         self.graphs: DecodeGraphs | None = None

@@ -22,7 +22,10 @@ MLP's width, its vocabulary rows. Three places then meet the other ranks: the em
 (ids of other ranks' rows look up zeros; the rows are summed), after o and after the
 MLP (partial sums over the heads or the width, summed before the norm and the residual
 add, so Gemma's norms of those outputs see the whole), and the logits (every rank's
-vocabulary columns gathered). The collectives are NCCL's on CUDA, which graphs capture.
+vocabulary columns gathered). The collectives are NCCL's on CUDA, which graphs capture;
+a one-row step of a dense model sums after o and after the MLP through a peer exchange
+instead (turbo/exchange.py: o and down write their rows into every rank's memory, the
+next product waits for them and sums them itself).
 
 Matrix products go to cuBLAS through torch (small decode batches to kernels/gemv.py;
 quantized weights to their own GEMMs, quant/); the rest are our Triton kernels. A
@@ -42,6 +45,7 @@ from lmd.engine.backend import ForwardBatch, mm_has_float_output
 from lmd.engine.parallel import SINGLE, TensorParallel
 from lmd.engine.turbo import kernels
 from lmd.engine.turbo.config import TurboConfig
+from lmd.engine.turbo.exchange import PeerExchange, Point
 from lmd.engine.turbo.quant.load import Linear
 from lmd.engine.turbo.weights import LayerWeights, ModelWeights
 
@@ -126,6 +130,9 @@ class TurboModel:
         # a batch-1 step 5.98 -> 5.94 ms in one A/B and equal within its noise in another
         # (docs/benchmarks.md; scripts/families_bench.py --separate-batch1).
         self.fused_batch1 = True
+        # A group's batch-1 all-reduces over peer memory (turbo/exchange.py), set by the
+        # backend where exchange_fits().
+        self.exchange: PeerExchange | None = None
 
     def forward(self, step: StepInputs, kv: Tensor, out: Tensor | None = None) -> Tensor:
         """Logits [R, V] float32 of the step's sampled rows, written into `out` if given.
@@ -141,11 +148,15 @@ class TurboModel:
         residual = self._embed(step.input_ids)  # [T, hidden]
         if self.embed_scale != 1.0:
             residual = residual * self.embed_scale
+        exchange = self._exchange_for(step)
+        if exchange is not None:
+            exchange.begin_step()
         hidden: Tensor | None = None
+        received: Point | None = None  # hidden is this rank's row there; the input, its sum
         for i, layer in enumerate(w.layers):
             # [T, (H + 2 Hkv) D]; residual += hidden first (but in layer 0)
             qkv, residual = self._norm_linear(
-                hidden, residual, layer.input_norm, layer.qkv, layer.qkv_bias
+                hidden, residual, layer.input_norm, layer.qkv, layer.qkv_bias, received=received
             )
             kernels.rotary_and_cache_write(
                 qkv,
@@ -162,12 +173,16 @@ class TurboModel:
             )
             q = qkv.view(num_tokens, -1, c.head_dim)[:, : c.num_heads]  # [T, H, D], strided
             attn = self._attention(q, kv, scales, i, step)  # [T, H, D]
-            hidden = self._linear(attn.view(num_tokens, -1), layer.o, layer.o_bias)
-            self.tp.all_reduce(hidden)  # [T, hidden]: the sum over every rank's heads
-            if layer.attn_out_norm is not None:
+            # [T, hidden]: the sum over every rank's heads
+            hidden, received = self._row_parallel(
+                attn.view(num_tokens, -1), layer.o, layer.o_bias, exchange, 2 * i
+            )
+            if layer.attn_out_norm is not None:  # (never with an exchange: exchange_fits)
                 hidden = kernels.rms_norm(hidden, layer.attn_out_norm, c.rms_norm_eps)
-            hidden, residual = self._mlp(hidden, residual, layer)
-            self.tp.all_reduce(hidden)  # summed over the width's parts
+            # summed over the width's parts
+            hidden, residual, received = self._mlp(
+                hidden, residual, layer, received=received, exchange=exchange, index=2 * i + 1
+            )
             if layer.mlp_out_norm is not None:
                 hidden = kernels.rms_norm(hidden, layer.mlp_out_norm, c.rms_norm_eps)
         if hidden is None:
@@ -177,8 +192,12 @@ class TurboModel:
             residual = residual[step.logits_indices]
         if self._vector(hidden):  # [1, V]
             norm = kernels.Norm(w.norm, c.rms_norm_eps, residual)  # no stream after it
-            logits = kernels.vector_gemv(hidden, w.lm_head, norm=norm, out_dtype=torch.float32)
+            logits = kernels.vector_gemv(
+                hidden, w.lm_head, norm=norm, out_dtype=torch.float32, received=received
+            )
             return self._gathered(logits, out)
+        if received is not None:
+            raise ValueError("a received sum is taken by vector_gemv only")
         h = kernels.rms_norm(hidden, w.norm, c.rms_norm_eps, residual)
         if self.skinny and h.shape[0] <= kernels.GEMV_MAX_ROWS:
             logits = kernels.gemv(h, w.lm_head, out_dtype=torch.float32)  # [R, V]
@@ -207,9 +226,63 @@ class TurboModel:
         rows *= mine.unsqueeze(-1).to(rows.dtype)
         return self.tp.all_reduce(rows)
 
-    def _mlp(self, hidden: Tensor, residual: Tensor, layer: LayerWeights) -> tuple[Tensor, Tensor]:
-        """The layer's gated MLP, or its experts, on RMSNorm(residual += hidden):
-        [T, hidden] -> ([T, hidden], the residual stream after the add)."""
+    def _exchange_for(self, step: StepInputs) -> PeerExchange | None:
+        """The group's peer exchange when this step's all-reduces take it: a one-row
+        decode step through the fused batch-1 products (turbo/exchange.py)."""
+        one_row = step.input_ids.shape[0] == 1 and step.logits_indices is None
+        if self.exchange is None or not (one_row and self.fused_batch1 and self.skinny):
+            return None
+        return self.exchange
+
+    def exchange_fits(self) -> bool:
+        """Whether a peer exchange can carry this model's batch-1 all-reduces: a group in
+        half precision on CUDA, dense layers of unquantized weights without norms after
+        attention or the MLP (those read the sum itself, not a product of it)."""
+        w = self.weights
+        return (
+            self.tp.enabled
+            and self.skinny
+            and isinstance(w.lm_head, Tensor)
+            and all(
+                layer.experts is None
+                and layer.attn_out_norm is None
+                and layer.mlp_out_norm is None
+                and all(isinstance(x, Tensor) for x in (layer.qkv, layer.o, layer.down))
+                and isinstance(layer.gate_up, Tensor)
+                for layer in w.layers
+            )
+        )
+
+    def _row_parallel(
+        self,
+        x: Tensor,
+        weight: Linear,
+        bias: Tensor | None,
+        exchange: PeerExchange | None,
+        index: int,
+    ) -> tuple[Tensor, Point | None]:
+        """x @ weight^T summed over the group: through NCCL (the sum), or sent to point
+        `index` of the exchange (this rank's row, and the point the next product takes
+        the sum from)."""
+        if exchange is not None and isinstance(weight, Tensor):
+            point = Point(exchange, index)
+            return kernels.gemv(x, weight, bias, send=point), point
+        return self.tp.all_reduce(self._linear(x, weight, bias)), None
+
+    def _mlp(
+        self,
+        hidden: Tensor,
+        residual: Tensor,
+        layer: LayerWeights,
+        *,
+        received: Point | None,
+        exchange: PeerExchange | None,
+        index: int,
+    ) -> tuple[Tensor, Tensor, Point | None]:
+        """The layer's gated MLP, or its experts, on RMSNorm(residual += hidden) (hidden:
+        the sum at `received` if given), summed over the group (through point `index` of
+        the exchange if given): ([T, hidden], the residual stream after the add, the
+        point the output was sent to)."""
         if layer.experts is not None and self.config.moe is not None:
             h = kernels.rms_norm(hidden, layer.post_norm, self.config.rms_norm_eps, residual)
             x, moe = layer.experts, self.config.moe
@@ -222,14 +295,15 @@ class TurboModel:
                 normalize=moe.normalize_top_k,
                 float_out=self.float_logits,
             )
-            return out, residual
+            return self.tp.all_reduce(out), residual, None
         if layer.gate_up is None or layer.down is None:
             raise ValueError("a dense layer without its MLP weights")
         gate_up, residual = self._norm_linear(  # [T, 2I]
-            hidden, residual, layer.post_norm, layer.gate_up, layer.gate_up_bias
+            hidden, residual, layer.post_norm, layer.gate_up, layer.gate_up_bias, received=received
         )
         act = kernels.silu_and_mul(gate_up, self.config.activation)
-        return self._linear(act, layer.down, layer.down_bias), residual
+        out, sent = self._row_parallel(act, layer.down, layer.down_bias, exchange, index)
+        return out, residual, sent
 
     def _norm_linear(
         self,
@@ -238,16 +312,22 @@ class TurboModel:
         norm: Tensor,
         weight: Linear,
         bias: Tensor | None,
+        *,
+        received: Point | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """RMSNorm(residual += hidden) @ weight (RMSNorm(residual) with no hidden yet),
-        and the residual stream after the add: a new tensor when vector_gemv does both
-        in one launch, else `residual`, added to in place."""
+        """RMSNorm(residual += hidden) @ weight (RMSNorm(residual) with no hidden yet;
+        hidden the group's sum at `received` if given), and the residual stream after
+        the add: a new tensor when vector_gemv does both in one launch, else `residual`,
+        added to in place."""
         eps = self.config.rms_norm_eps
         x, res = (residual, None) if hidden is None else (hidden, residual)
         if self._vector(x) and isinstance(weight, Tensor):
             summed = torch.empty_like(residual) if res is not None else None
-            y = kernels.vector_gemv(x, weight, bias, norm=kernels.Norm(norm, eps, res, summed))
+            norm_of = kernels.Norm(norm, eps, res, summed)
+            y = kernels.vector_gemv(x, weight, bias, norm=norm_of, received=received)
             return y, summed if summed is not None else residual
+        if received is not None:
+            raise ValueError("a received sum is taken by vector_gemv only")
         h = kernels.rms_norm(x, norm, eps, res)
         return self._linear(h, weight, bias), residual
 

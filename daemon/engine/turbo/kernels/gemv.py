@@ -6,6 +6,11 @@ larger M and leave part of it unused (docs/benchmarks.md, turbo). Here each prog
 BLOCK_N output columns: it streams their weight rows [BLOCK_N, K] once, in BLOCK_K
 slices pipelined over `num_stages`, against the x rows padded to 16 (tl.dot's least M),
 and accumulates in float32.
+
+With `send` (a tensor-parallel group's batch-1 all-reduce point, turbo/exchange.py),
+the one row goes into that point's slot on every rank instead of a new tensor, and each
+program then adds its column count to the point's flag on every rank (a release after
+its stores: the receiving product waits for it).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from lmd.engine.turbo.exchange import Point
 
 MAX_ROWS = 16
 
@@ -30,7 +37,11 @@ def _gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     stride_x,
     stride_w,
     stride_y,
+    data_ptrs,  # PEERS: [N] int64, every rank's exchange data [P, N, n]
+    flag_ptrs,  # PEERS: [N] int64, every rank's exchange flags [P, N]
+    slot,  # PEERS: this point's row of this rank, p * N + rank (data row, flag)
     HAS_BIAS: tl.constexpr,
+    PEERS: tl.constexpr,  # the group's size when sending, else 0
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -52,11 +63,23 @@ def _gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
         acc = tl.dot(x, w, acc)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        y_ptr + rows[:, None] * stride_y + cols[None, :],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=(rows[:, None] < num_rows) & (cols[None, :] < n),
-    )
+    if PEERS:  # one row: into every rank's slot, then the column count onto its flag
+        y = acc.to(y_ptr.dtype.element_ty)
+        for q in tl.static_range(PEERS):
+            data = tl.load(data_ptrs + q).to(tl.pointer_type(y_ptr.dtype.element_ty))
+            dst = data + slot * n + rows[:, None] * 0 + cols[None, :]  # slot: maybe a constant
+            tl.store(dst, y, mask=(rows[:, None] < 1) & (cols[None, :] < n))
+        count = tl.minimum(n - tl.program_id(0) * BLOCK_N, BLOCK_N).to(tl.int64)
+        tl.debug_barrier()  # every thread's stores before the release (thread 0's)
+        for q in tl.static_range(PEERS):
+            flags = tl.load(flag_ptrs + q).to(tl.pointer_type(tl.int64))
+            tl.atomic_add(flags + slot, count, sem="release", scope="sys")
+    else:
+        tl.store(
+            y_ptr + rows[:, None] * stride_y + cols[None, :],
+            acc.to(y_ptr.dtype.element_ty),
+            mask=(rows[:, None] < num_rows) & (cols[None, :] < n),
+        )
 
 
 def gemv(
@@ -69,9 +92,12 @@ def gemv(
     block_k: int | None = None,
     num_warps: int = 4,
     num_stages: int = 4,
+    send: Point | None = None,
 ) -> Tensor:
     """x: [M, K] (M <= 16), weight: [N, K], bias: [N] -> [M, N] (as F.linear), in
-    `out_dtype` (default: x's) straight from the float32 accumulator.
+    `out_dtype` (default: x's) straight from the float32 accumulator. With `send` (one
+    row, N = the exchange's width, x's dtype), the row goes to that point on every rank
+    (module docstring) and the result is this rank's slot there.
 
     Tiles: the fastest of a sweep on an H100 at Llama-3-8B and SmolLM2 shapes (M = 1, 4):
     BLOCK_N 32 x BLOCK_K 512 for K >= 2048, 16 x 128 for smaller K (more programs for the
@@ -83,7 +109,16 @@ def gemv(
     wide = k >= 2048
     block_n = block_n or (32 if wide else 16)
     block_k = block_k or (512 if wide else 128)
-    y = torch.empty(num_rows, n, dtype=out_dtype or x.dtype, device=x.device)
+    if send is not None:
+        exchange = send.exchange
+        if num_rows != 1 or n != exchange.width or exchange.data.dtype != (out_dtype or x.dtype):
+            raise ValueError("gemv sends one row of the exchange's width and dtype")
+        y = send.local_row
+        slot = send.index * exchange.size + exchange.rank
+        ptrs = (exchange.data_ptrs, exchange.flag_ptrs)
+    else:
+        y = torch.empty(num_rows, n, dtype=out_dtype or x.dtype, device=x.device)
+        slot, ptrs = 0, (weight, weight)
     grid = (triton.cdiv(n, block_n),)
     _gemv_kernel[grid](
         x,
@@ -96,7 +131,10 @@ def gemv(
         x.stride(0),
         weight.stride(0),
         y.stride(0),
+        *ptrs,
+        slot,
         HAS_BIAS=bias is not None,
+        PEERS=send.exchange.size if send is not None else 0,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=num_warps,

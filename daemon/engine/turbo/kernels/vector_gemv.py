@@ -13,6 +13,11 @@ normalized values rounded to the weights' dtype before that scale (kernels.rms_n
 rounds after it: the same size of error). Program 0 writes the summed stream after its
 loop, when asked (`Norm.summed`).
 
+With `received` (a tensor-parallel group's batch-1 all-reduce point, turbo/exchange.py)
+the input is the sum of the group's partial rows at that point: every program first
+waits for the point's flags to reach this step's count, then sums the rows (rank order,
+float32, rounded to their dtype as NCCL's sum is) where it would load x.
+
 The gated activation folded into down the same way measured no faster than
 silu_and_mul + gemv (0.97-1.00x, H100), so it is not here (docs/benchmarks.md).
 """
@@ -25,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from lmd.engine.turbo.exchange import Point
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +46,28 @@ class Norm:
 
 
 @triton.jit
+def _wait(flag_ptr, epoch_ptr, k, PEERS: tl.constexpr):
+    """Until every rank's flag at this point holds this step's count (epoch x K)."""
+    target = tl.load(epoch_ptr) * k
+    for q in tl.static_range(PEERS):  # acquires: the rows are read after them
+        seen = tl.atomic_add(flag_ptr + q, 0, sem="acquire", scope="sys")
+        while seen < target:
+            seen = tl.atomic_add(flag_ptr + q, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def _input(x_ptr, ks, kmask, k, PEERS: tl.constexpr):
+    """x's slice ks in float32: x itself, or the sum of the PEERS rows [PEERS, k] there
+    (rank order, rounded to their dtype)."""
+    if PEERS:
+        x = tl.zeros(ks.shape, dtype=tl.float32)
+        for q in tl.static_range(PEERS):
+            x += tl.load(x_ptr + q * k + ks, mask=kmask, other=0.0).to(tl.float32)
+        return x.to(x_ptr.dtype.element_ty).to(tl.float32)
+    return tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     x_ptr,
     w_ptr,
@@ -48,9 +77,12 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
     summed_ptr,
     norm_ptr,
     eps,
+    flag_ptr,  # PEERS: the point's flags [N] on this rank (x_ptr: its rows [N, k])
+    epoch_ptr,
     n,
     k,
     stride_w,
+    PEERS: tl.constexpr,  # the group's size when x is received, else 0
     HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -62,11 +94,12 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = W rows
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    if PEERS:
+        _wait(flag_ptr, epoch_ptr, k, PEERS)
     for k0 in range(0, k, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < k
-        x = tl.load(x_ptr + ks, mask=kmask, other=0.0)  # [BLOCK_K]
-        x = x.to(tl.float32)
+        x = _input(x_ptr, ks, kmask, k, PEERS)  # [BLOCK_K]
         if NORM:
             if HAS_RESIDUAL:
                 res = tl.load(res_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
@@ -93,7 +126,7 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
             for k0 in range(0, k, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 kmask = ks < k
-                x = tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+                x = _input(x_ptr, ks, kmask, k, PEERS)
                 res = tl.load(res_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
                 summed = (x + res).to(summed_ptr.dtype.element_ty)
                 tl.store(summed_ptr + ks, summed, mask=kmask)
@@ -107,13 +140,23 @@ def vector_gemv(
     norm: Norm | None = None,
     out_dtype: torch.dtype | None = None,
     tiles: tuple[int, int, int, int] | None = None,
+    received: Point | None = None,
 ) -> Tensor:
     """x: [1, K], weight: [N, K], bias: [N] -> [1, N] in `out_dtype` (default: x's),
     from a float32 accumulator. `norm` makes the product's input first (the module
-    docstring). tiles: (BLOCK_N, BLOCK_K, warps, stages) instead of default_tiles'."""
+    docstring). tiles: (BLOCK_N, BLOCK_K, warps, stages) instead of default_tiles'.
+    With `received`, x is this rank's row at that point (gemv's `send` result) and the
+    input is the group's sum there."""
     n, k = weight.shape
     if x.shape != (1, k) or not x.is_contiguous() or weight.stride(1) != 1:
         raise ValueError(f"vector_gemv takes one contiguous row of {k}, got {tuple(x.shape)}")
+    rows, flags, epoch = x, weight, weight
+    if received is not None:
+        exchange = received.exchange
+        if exchange.width != k or exchange.data.dtype != x.dtype:
+            raise ValueError("vector_gemv receives rows of the exchange's width and dtype")
+        rows, flags = exchange.data[received.index], exchange.flags[received.index]
+        epoch = exchange.epoch
     residual = summed = None
     if norm is not None:
         _check(norm, x, k)
@@ -121,7 +164,7 @@ def vector_gemv(
     y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     block_n, block_k, num_warps, num_stages = tiles or default_tiles(n, k)
     _vector_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x,
+        rows,
         weight,
         bias if bias is not None else weight,
         y,
@@ -129,9 +172,12 @@ def vector_gemv(
         summed if summed is not None else x,
         norm.weight if norm is not None else weight,
         norm.eps if norm is not None else 0.0,
+        flags,
+        epoch,
         n,
         k,
         weight.stride(0),
+        PEERS=received.exchange.size if received is not None else 0,
         HAS_BIAS=bias is not None,
         NORM=norm is not None,
         HAS_RESIDUAL=residual is not None,
