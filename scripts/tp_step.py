@@ -37,7 +37,7 @@ from lmd.engine.parallel import join_group, leave_group
 from lmd.engine.turbo.backend import TurboBackend
 
 # --tiles replaces the module's default_tiles (looked up at each launch) in the ranks.
-_vector_module = importlib.import_module("lmd.engine.turbo.kernels.vector_gemv")
+_vector_module: Any = importlib.import_module("lmd.engine.turbo.kernels.vector_gemv")
 _default_tiles = _vector_module.default_tiles
 
 BLOCK = 64
@@ -46,7 +46,6 @@ BLOCK = 64
 def rank_main(rank: int, size: int, rendezvous: str, args: argparse.Namespace) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    _vector_module.default_tiles = _tiles
     tp = join_group(rank, size, Path(rendezvous), device, 600)
     backend = TurboBackend(Path(args.model), device, torch.bfloat16, tp=tp)
     batches = [int(b) for b in args.batches.split(",")]
@@ -54,6 +53,7 @@ def rank_main(rank: int, size: int, rendezvous: str, args: argparse.Namespace) -
     pool = KVPool.for_backend(backend, max(batches) * per_seq + 1, BLOCK)
     backend.capture_graphs(pool.kv, max(batches))
     exchange = backend.model.exchange  # batch-1 all-reduces over peer memory, if it fits
+    captured: tuple[int, int] | None = None  # the layer tiles the graphs were captured with
     gen = torch.Generator().manual_seed(0)
     for batch in batches:
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
@@ -77,16 +77,14 @@ def rank_main(rank: int, size: int, rendezvous: str, args: argparse.Namespace) -
         if batch == 1:
             variants += [(True, exchange, tiles) for tiles in parse_tiles(args.tiles)]
         for variant, peers, tiles in variants:
-            setting = (variant, peers, tiles)
-            if (backend.model.fused_batch1, backend.model.exchange, LAYER_TILES[0]) != setting:
+            now = (backend.model.fused_batch1, backend.model.exchange, captured)
+            if now != (variant, peers, tiles):
                 backend.model.fused_batch1, backend.model.exchange = variant, peers
-                LAYER_TILES[0] = tiles
+                use_layer_tiles(tiles)
+                captured = tiles
                 backend.capture_graphs(pool.kv, max(batches))
             times, back_to_back, kernels = time_steps(decode, args)
-            every = [kernels] * size
-            if size > 1 and args.kernels:
-                every = [None] * size if rank == 0 else []
-                dist.gather_object(kernels, every if rank == 0 else None, dst=0)
+            every = every_rank(kernels, rank, size) if args.kernels else []
             if rank == 0:
                 line: dict[str, Any] = {
                     "model": Path(args.model).name,
@@ -102,22 +100,34 @@ def rank_main(rank: int, size: int, rendezvous: str, args: argparse.Namespace) -
                     "device": torch.cuda.get_device_name(device),
                 }
                 print(json.dumps(line), flush=True)
-                for r, rows in enumerate(every[: size if args.kernels else 1]):
-                    if size > 1 and rows:
+                for r, rows in enumerate(every):
+                    if size > 1:
                         print(f"  rank {r}:")
-                    print_kernels(rows or [], args.kernels, line["step_ms_back_to_back"])
+                    print_kernels(rows, args.kernels, line["step_ms_back_to_back"])
     leave_group()
 
 
-LAYER_TILES: list[tuple[int, int] | None] = [None]  # --tiles: the variant being timed
+def use_layer_tiles(tiles: tuple[int, int] | None) -> None:
+    """vector_gemv's tiles for the layers' products (BLOCK_N, BLOCK_K) from now on in
+    this process, or its own again (None): its module's default_tiles, which each
+    launch looks up, is replaced."""
+
+    def layer_tiles(n: int, k: int) -> tuple[int, int, int, int]:
+        block_n, block_k, warps, stages = _default_tiles(n, k)
+        if tiles is not None and n < 50000:  # the vocabulary's product keeps its own
+            block_n, block_k = tiles
+        return block_n, min(block_k, triton.next_power_of_2(k)), warps, stages
+
+    _vector_module.default_tiles = layer_tiles if tiles is not None else _default_tiles
 
 
-def _tiles(n: int, k: int) -> tuple[int, int, int, int]:
-    """vector_gemv's default tiles, or the timed variant's for the layers' products."""
-    block_n, block_k, warps, stages = _default_tiles(n, k)
-    if LAYER_TILES[0] is not None and n < 50000:
-        block_n, block_k = LAYER_TILES[0]
-    return block_n, min(block_k, triton.next_power_of_2(k)), warps, stages
+def every_rank(rows: list[Any], rank: int, size: int) -> list[Any]:
+    """Every rank's `rows`, in rank order, on rank 0 (elsewhere: [])."""
+    if size == 1:
+        return [rows]
+    every: list[Any] = [None] * size if rank == 0 else []
+    dist.gather_object(rows, every if rank == 0 else None, dst=0)
+    return every
 
 
 def parse_tiles(text: str) -> list[tuple[int, int]]:

@@ -230,28 +230,15 @@ class TurboModel:
         """The group's peer exchange when this step's all-reduces take it: a one-row
         decode step through the fused batch-1 products (turbo/exchange.py)."""
         one_row = step.input_ids.shape[0] == 1 and step.logits_indices is None
-        if self.exchange is None or not (one_row and self.fused_batch1 and self.skinny):
-            return None
-        return self.exchange
+        return self.exchange if one_row and self.fused_batch1 else None
 
     def exchange_fits(self) -> bool:
         """Whether a peer exchange can carry this model's batch-1 all-reduces: a group in
         half precision on CUDA, dense layers of unquantized weights without norms after
         attention or the MLP (those read the sum itself, not a product of it)."""
         w = self.weights
-        return (
-            self.tp.enabled
-            and self.skinny
-            and isinstance(w.lm_head, Tensor)
-            and all(
-                layer.experts is None
-                and layer.attn_out_norm is None
-                and layer.mlp_out_norm is None
-                and all(isinstance(x, Tensor) for x in (layer.qkv, layer.o, layer.down))
-                and isinstance(layer.gate_up, Tensor)
-                for layer in w.layers
-            )
-        )
+        plain = isinstance(w.lm_head, Tensor) and all(map(_plain_dense, w.layers))
+        return self.tp.enabled and self.skinny and plain
 
     def _row_parallel(
         self,
@@ -372,3 +359,10 @@ class TurboModel:
             window=window,
             kv_scales=scales,
         )
+
+
+def _plain_dense(layer: LayerWeights) -> bool:
+    """A dense layer of unquantized weights without norms after attention or the MLP."""
+    linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
+    no_norms = layer.attn_out_norm is None and layer.mlp_out_norm is None
+    return layer.experts is None and no_norms and all(isinstance(x, Tensor) for x in linears)
