@@ -3,7 +3,8 @@ and vector_gemv's `received`, for a group of 2 and of 3 "ranks" that share one d
 (their pointer tables name each other's buffers, as the mapped ones do on CUDA).
 
 Against the same products with the sum made first (rank order, rounded once): equal,
-bit for bit, over two steps (the flags count on; the second step reads its own rows).
+bit for bit, over three steps whose tags wrap (a 16-bit value's tag is the step mod
+2^16: the words of the step before never pass for this step's).
 As tests/unit/test_turbo_kernels.py: Triton's interpreter on CPU tensors without CUDA,
 compiled on a GPU.
 """
@@ -18,21 +19,18 @@ from tests.unit.test_turbo_kernels import DEVICE, DTYPES
 pytest.importorskip("triton")
 
 from lmd.engine.turbo import kernels
-from lmd.engine.turbo.exchange import PeerExchange, Point
+from lmd.engine.turbo.exchange import WORDS, PeerExchange, Point
 
 POINTS = 3
 
 
 def group(size: int, width: int, dtype: torch.dtype) -> list[PeerExchange]:
-    """`size` exchanges in one process, each rank's tables naming every rank's buffers."""
-    data = [torch.full((POINTS, size, width), float("nan"), device=DEVICE).to(dtype)]
-    data += [torch.full_like(data[0], float("nan")) for _ in range(size - 1)]
-    flags = [torch.zeros(POINTS, size, dtype=torch.int64, device=DEVICE) for _ in range(size)]
-
-    def table(ts: list[torch.Tensor]) -> torch.Tensor:
-        return torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=DEVICE)
-
-    return [PeerExchange(r, data[r], flags[r], table(data), table(flags)) for r in range(size)]
+    """`size` exchanges in one process, each rank's table naming every rank's words."""
+    word = WORDS[torch.empty(0, dtype=dtype).element_size()]
+    words = [torch.zeros(POINTS, size, width, dtype=word, device=DEVICE) for _ in range(size)]
+    ptrs = torch.tensor([t.data_ptr() for t in words], dtype=torch.int64, device=DEVICE)
+    rows = [torch.full((POINTS, width), float("nan"), device=DEVICE).to(dtype) for _ in words]
+    return [PeerExchange(r, rows[r], words[r], ptrs) for r in range(size)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -50,7 +48,10 @@ def test_products_all_reduce_through_the_exchange(
     w_out, norm_w = rand(n_out, width) / width**0.5, 1 + 0.1 * rand(width)
     residual = rand(1, width)
     point = POINTS - 1  # every step uses every point, as a model's do: here one
-    for step in range(2):
+    first = 2**16 - 2  # steps 2^16 - 1, 2^16 (tag 0), 2^16 + 1
+    for ex in exchanges:
+        ex.step.fill_(first - 1)
+    for step in range(first, first + 3):
         for ex in exchanges:
             ex.begin_step()
         xs = [rand(1, k_in) for _ in range(size)]
@@ -69,10 +70,11 @@ def test_products_all_reduce_through_the_exchange(
         want = kernels.vector_gemv(
             reduced, w_out, norm=kernels.Norm(norm_w, 1e-6, residual, want_sum)
         )
+        bits = 8 * residual.element_size()
         for ex, row in zip(exchanges, sent, strict=True):
-            assert torch.equal(
-                ex.flags[point], torch.full((size,), (step + 1) * width, device=DEVICE)
-            )
+            tags = (ex.words[point].long() >> bits) & (2**bits - 1)  # the peers' rows
+            peers = [q for q in range(size) if q != ex.rank]
+            assert torch.equal(tags[peers], torch.full_like(tags[peers], step % 2**bits))
             summed = torch.empty_like(residual)
             got = kernels.vector_gemv(
                 row,
@@ -93,5 +95,8 @@ def test_the_exchange_refuses_what_it_cannot_carry() -> None:
         kernels.gemv(torch.zeros(2, 8, device=DEVICE), w, send=Point(ex, 0))
     with pytest.raises(ValueError, match="receives rows"):
         kernels.vector_gemv(torch.zeros(1, 8, device=DEVICE), w[:, :8], received=Point(ex, 0))
-    with pytest.raises(ValueError, match="flags are"):
-        PeerExchange(0, ex.data, ex.flags[:2, :1], ex.data_ptrs, ex.flag_ptrs)
+    with pytest.raises(ValueError, match="twice the rows' width"):
+        PeerExchange(0, ex.rows, ex.words.int(), ex.word_ptrs)
+    with pytest.raises(ValueError, match="whose row is x"):
+        x, square = torch.zeros(1, 16, device=DEVICE), torch.zeros(16, 16, device=DEVICE)
+        kernels.vector_gemv(x, square, received=Point(ex, 0))

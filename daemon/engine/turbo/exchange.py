@@ -3,21 +3,26 @@ peer memory instead of NCCL (issue 23: 64 all-reduces of 8 KiB were ~0.5 ms of a
 3.7 ms TP 2 step on two H200s, each one NCCL kernel of ~7.8 us in the graph).
 
 Every rank maps one buffer of every other rank (PyTorch's symmetric memory over CUDA
-IPC; no NVLink multicast): `data` [P, N, K] (a row per point and rank) and `flags`
-[P, N] int64, P = 2 points a layer (after o, after down). At point p:
+IPC; no NVLink multicast): `words` [P, N, K], a row per point and rank of tagged words
+(kernels/tagged.py: a value and the step's count in one word of twice its width),
+P = 2 points a layer (after o, after down). At point p:
   1. the row-parallel product (o or down, kernels/gemv.py with `send`) writes its
-     partial row into slot [p, its rank] of every rank's `data`; each program, after
-     its columns, adds their count to `flags[p, its rank]` on every rank (a release);
+     partial row into its own `rows[p]` and, tagged with this step, into slot
+     [p, its rank] of every other rank's `words`;
   2. the next product (qkv, gate|up or lm_head, kernels/vector_gemv.py with
-     `received`) waits until every rank's flag at p reaches `epoch * K` (an acquire on
-     its own memory), then sums the N rows in rank order in float32, rounds to the
-     weights' dtype (what NCCL's sum gives) and goes on as with a summed input.
-`epoch` counts the steps that used the exchange (every rank runs the same steps), so
-the flags only grow and nothing is reset. A slot is written again one step later only
-after every rank has read it: a rank reaches point p of step s + 1 only with the other
-ranks' rows of point p - 1 of step s + 1, which each of them made after reading its
-point-p row of step s. A rank that dies mid-step leaves the others waiting in the kernel,
-as NCCL would, until the supervisor restarts the group.
+     `received`) reads each other rank's row at p from its own `words`, polling every
+     slice until each word there carries this step's tag, and sums the N rows in rank
+     order in float32, rounded to the weights' dtype (what NCCL's sum gives), and goes
+     on as with a summed input.
+No flag and no fence: a word is one aligned store, so its tag vouches for its value (as
+NCCL's LL protocol does). `step` counts the steps that used the exchange (every rank
+runs the same steps; a device counter the graphs replay); a word written in step s
+holds tag s mod 2^BITS and every step rewrites every word, so a stale word is always
+one step behind and never passes. A slot is written again one step later only after
+every rank has read it: a rank reaches point p of step s + 1 only with the other ranks'
+rows of point p - 1 of step s + 1, which each of them made after reading its point-p
+row of step s. A rank that dies mid-step leaves the others polling in the kernel, as
+NCCL would wait, until the supervisor restarts the group.
 
 Only one-row steps (decode at batch 1) of dense models in half precision take it;
 everything else keeps NCCL (engine/parallel.py).
@@ -36,39 +41,39 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 
+WORDS = {2: torch.int32, 4: torch.int64}  # a value's bytes -> its tagged word's dtype
+
+
 class PeerExchange:
     """This rank's view of the group's exchange buffers (module docstring)."""
 
-    def __init__(
-        self, rank: int, data: Tensor, flags: Tensor, data_ptrs: Tensor, flag_ptrs: Tensor
-    ) -> None:
-        points, size = data.shape[:2]
-        if flags.shape != (points, size) or flags.dtype != torch.int64:
-            raise ValueError("flags are [points, ranks] int64 beside data [points, ranks, K]")
-        if data_ptrs.shape != (size,) or flag_ptrs.shape != (size,):
-            raise ValueError("one data and one flags address per rank")
+    def __init__(self, rank: int, rows: Tensor, words: Tensor, word_ptrs: Tensor) -> None:
+        points, size, width = words.shape
+        if rows.shape != (points, width) or words.dtype != WORDS.get(rows.element_size()):
+            raise ValueError("words are [points, ranks, K] of twice the rows' width")
+        if word_ptrs.shape != (size,) or not 0 <= rank < size:
+            raise ValueError("one words address per rank")
         self.rank = rank
-        self.data = data  # [P, N, K], this rank's copy
-        self.flags = flags  # [P, N] int64, this rank's copy
-        self.data_ptrs = data_ptrs  # [N] int64: every rank's `data`, mapped here
-        self.flag_ptrs = flag_ptrs  # [N] int64: every rank's `flags`
-        self.epoch = torch.zeros(1, dtype=torch.int64, device=data.device)
+        self.rows = rows  # [P, K]: this rank's own partial rows
+        self.words = words  # [P, N, K]: the other ranks' rows, tagged, as they land here
+        self.word_ptrs = word_ptrs  # [N] int64: every rank's `words`, mapped here
+        self.step = torch.zeros(1, dtype=torch.int64, device=rows.device)
 
     @property
     def size(self) -> int:
-        return self.data.shape[1]
+        return self.words.shape[1]
 
     @property
     def width(self) -> int:
-        return self.data.shape[2]
+        return self.words.shape[2]
 
     @property
     def num_points(self) -> int:
-        return self.data.shape[0]
+        return self.words.shape[0]
 
     def begin_step(self) -> None:
         """Before a step's first point (on the device: a graph replays it)."""
-        self.epoch += 1
+        self.step += 1
 
     @classmethod
     def create(
@@ -86,20 +91,19 @@ class PeerExchange:
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
-            data = symm_mem.empty((num_points, size, width), dtype=dtype, device=device)
-            flags = symm_mem.empty((num_points, size), dtype=torch.int64, device=device)
-            flags.zero_()
-            ptrs = []
-            for t in (data, flags):
-                handle = symm_mem.rendezvous(t, group.group_name)
-                if handle.buffer_ptrs[rank] != t.data_ptr():
-                    raise RuntimeError("a symmetric buffer that does not start its allocation")
-                ptrs.append(torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device))
-            exchange = cls(rank, data, flags, ptrs[0], ptrs[1])
+            word = WORDS[torch.empty(0, dtype=dtype).element_size()]
+            words = symm_mem.empty((num_points, size, width), dtype=word, device=device)
+            words.zero_()  # tag 0: no step's (steps count from 1)
+            handle = symm_mem.rendezvous(words, group.group_name)
+            if handle.buffer_ptrs[rank] != words.data_ptr():
+                raise RuntimeError("a symmetric buffer that does not start its allocation")
+            ptrs = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
+            rows = torch.zeros(num_points, width, dtype=dtype, device=device)
+            exchange = cls(rank, rows, words, ptrs)
         except Exception as exc:  # any failure: NCCL stays, with the reason
             log.warning("rank %d: no peer exchange for batch-1 all-reduces (%s)", rank, exc)
         ready = torch.tensor([exchange is not None], dtype=torch.int32, device=device)
-        dist.all_reduce(ready, op=dist.ReduceOp.MIN)  # also: every flag zeroed before use
+        dist.all_reduce(ready, op=dist.ReduceOp.MIN)  # also: every word zeroed before use
         if not ready.item():
             return None
         return exchange
@@ -120,5 +124,5 @@ class Point:
 
     @property
     def local_row(self) -> Tensor:
-        """[1, K]: where this rank's partial row lands on this rank."""
-        return self.exchange.data[self.index, self.exchange.rank].unsqueeze(0)
+        """[1, K]: this rank's own partial row at this point."""
+        return self.exchange.rows[self.index].unsqueeze(0)

@@ -8,9 +8,9 @@ slices pipelined over `num_stages`, against the x rows padded to 16 (tl.dot's le
 and accumulates in float32.
 
 With `send` (a tensor-parallel group's batch-1 all-reduce point, turbo/exchange.py),
-the one row goes into that point's slot on every rank instead of a new tensor, and each
-program then adds its column count to the point's flag on every rank (a release after
-its stores: the receiving product waits for it).
+the one row goes into this rank's row at that point instead of a new tensor and, tagged
+with the step (kernels/tagged.py), into this rank's slot there on every other rank: plain
+stores, no fence (the receiving product polls the tags).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from lmd.engine.turbo.exchange import Point
+from lmd.engine.turbo.kernels.tagged import tag
 
 MAX_ROWS = 16
 
@@ -37,11 +38,13 @@ def _gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     stride_x,
     stride_w,
     stride_y,
-    data_ptrs,  # PEERS: [N] int64, every rank's exchange data [P, N, n]
-    flag_ptrs,  # PEERS: [N] int64, every rank's exchange flags [P, N]
-    slot,  # PEERS: this point's row of this rank, p * N + rank (data row, flag)
+    word_ptrs,  # PEERS: [N] int64, every rank's exchange words [P, N, n]
+    step_ptr,  # PEERS: the exchange's step count
+    point,  # PEERS: the point's index p (this rank's slot: p * N + RANK)
     HAS_BIAS: tl.constexpr,
     PEERS: tl.constexpr,  # the group's size when sending, else 0
+    RANK: tl.constexpr,
+    BITS: tl.constexpr,  # the row's value width
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -63,23 +66,16 @@ def _gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
         acc = tl.dot(x, w, acc)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
-    if PEERS:  # one row: into every rank's slot, then the column count onto its flag
-        y = acc.to(y_ptr.dtype.element_ty)
+    y = acc.to(y_ptr.dtype.element_ty)
+    mask = (rows[:, None] < num_rows) & (cols[None, :] < n)
+    if PEERS:  # the one row, tagged, into this rank's slot on every other rank first
+        words = tag(y, tl.load(step_ptr), BITS)
         for q in tl.static_range(PEERS):
-            data = tl.load(data_ptrs + q).to(tl.pointer_type(y_ptr.dtype.element_ty))
-            dst = data + slot * n + rows[:, None] * 0 + cols[None, :]  # slot: maybe a constant
-            tl.store(dst, y, mask=(rows[:, None] < 1) & (cols[None, :] < n))
-        count = tl.minimum(n - tl.program_id(0) * BLOCK_N, BLOCK_N).to(tl.int64)
-        tl.debug_barrier()  # every thread's stores before the release (thread 0's)
-        for q in tl.static_range(PEERS):
-            flags = tl.load(flag_ptrs + q).to(tl.pointer_type(tl.int64))
-            tl.atomic_add(flags + slot, count, sem="release", scope="sys")
-    else:
-        tl.store(
-            y_ptr + rows[:, None] * stride_y + cols[None, :],
-            acc.to(y_ptr.dtype.element_ty),
-            mask=(rows[:, None] < num_rows) & (cols[None, :] < n),
-        )
+            if q != RANK:
+                dst = tl.load(word_ptrs + q).to(tl.pointer_type(words.dtype))
+                dst += (point * PEERS + RANK) * n  # point: maybe a constant (when 1)
+                tl.store(dst + rows[:, None] * 0 + cols[None, :], words, mask=mask)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
 
 
 def gemv(
@@ -111,14 +107,13 @@ def gemv(
     block_k = block_k or (512 if wide else 128)
     if send is not None:
         exchange = send.exchange
-        if num_rows != 1 or n != exchange.width or exchange.data.dtype != (out_dtype or x.dtype):
+        if num_rows != 1 or n != exchange.width or exchange.rows.dtype != (out_dtype or x.dtype):
             raise ValueError("gemv sends one row of the exchange's width and dtype")
         y = send.local_row
-        slot = send.index * exchange.size + exchange.rank
-        ptrs = (exchange.data_ptrs, exchange.flag_ptrs)
+        peers = (exchange.word_ptrs, exchange.step, send.index)
     else:
         y = torch.empty(num_rows, n, dtype=out_dtype or x.dtype, device=x.device)
-        slot, ptrs = 0, (weight, weight)
+        peers = (weight, weight, 0)
     grid = (triton.cdiv(n, block_n),)
     _gemv_kernel[grid](
         x,
@@ -131,10 +126,11 @@ def gemv(
         x.stride(0),
         weight.stride(0),
         y.stride(0),
-        *ptrs,
-        slot,
+        *peers,
         HAS_BIAS=bias is not None,
         PEERS=send.exchange.size if send is not None else 0,
+        RANK=send.exchange.rank if send is not None else 0,
+        BITS=8 * y.element_size(),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=num_warps,

@@ -14,9 +14,10 @@ rounds after it: the same size of error). Program 0 writes the summed stream aft
 loop, when asked (`Norm.summed`).
 
 With `received` (a tensor-parallel group's batch-1 all-reduce point, turbo/exchange.py)
-the input is the sum of the group's partial rows at that point: every program first
-waits for the point's flags to reach this step's count, then sums the rows (rank order,
-float32, rounded to their dtype as NCCL's sum is) where it would load x.
+the input is the sum of the group's partial rows at that point: where it would load a
+slice of x, every program sums this rank's row there with the other ranks' tagged words,
+each polled until it carries this step's tag (kernels/tagged.py), in rank order, in
+float32, rounded to their dtype as NCCL's sum is.
 
 The gated activation folded into down the same way measured no faster than
 silu_and_mul + gemv (0.97-1.00x, H100), so it is not here (docs/benchmarks.md).
@@ -32,6 +33,7 @@ import triton.language as tl
 from torch import Tensor
 
 from lmd.engine.turbo.exchange import Point
+from lmd.engine.turbo.kernels.tagged import received_row
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,24 +48,30 @@ class Norm:
 
 
 @triton.jit
-def _wait(flag_ptr, epoch_ptr, k, PEERS: tl.constexpr):
-    """Until every rank's flag at this point holds this step's count (epoch x K)."""
-    target = tl.load(epoch_ptr) * k
-    for q in tl.static_range(PEERS):  # acquires: the rows are read after them
-        seen = tl.atomic_add(flag_ptr + q, 0, sem="acquire", scope="sys")
-        while seen < target:
-            seen = tl.atomic_add(flag_ptr + q, 0, sem="acquire", scope="sys")
-
-
-@triton.jit
-def _input(x_ptr, ks, kmask, k, PEERS: tl.constexpr):
-    """x's slice ks in float32: x itself, or the sum of the PEERS rows [PEERS, k] there
-    (rank order, rounded to their dtype)."""
+def _input(  # noqa: PLR0917  # Triton functions take positional arguments
+    x_ptr,
+    words_ptr,
+    step,
+    ks,
+    kmask,
+    k,
+    PEERS: tl.constexpr,
+    RANK: tl.constexpr,
+    BITS: tl.constexpr,
+):
+    """x's slice ks in float32: x itself, or the group's sum there: x (this rank's row)
+    and the other ranks' rows of tagged words [PEERS, k], in rank order, rounded to x's
+    dtype."""
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
     if PEERS:
         x = tl.zeros(ks.shape, dtype=tl.float32)
         for q in tl.static_range(PEERS):
-            x += tl.load(x_ptr + q * k + ks, mask=kmask, other=0.0).to(tl.float32)
-        return x.to(x_ptr.dtype.element_ty).to(tl.float32)
+            if q == RANK:
+                x += tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+            else:
+                row = received_row(words_ptr + q * k, ks, kmask, step, dtype, BITS)
+                x += row.to(tl.float32)
+        return x.to(dtype).to(tl.float32)
     return tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
 
 
@@ -77,12 +85,14 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
     summed_ptr,
     norm_ptr,
     eps,
-    flag_ptr,  # PEERS: the point's flags [N] on this rank (x_ptr: its rows [N, k])
-    epoch_ptr,
+    words_ptr,  # PEERS: the point's tagged rows [N, k] on this rank (x_ptr: its own)
+    step_ptr,
     n,
     k,
     stride_w,
     PEERS: tl.constexpr,  # the group's size when x is received, else 0
+    RANK: tl.constexpr,
+    BITS: tl.constexpr,  # x's value width
     HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -94,24 +104,26 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = W rows
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    if PEERS:
-        _wait(flag_ptr, epoch_ptr, k, PEERS)
+    step = tl.load(step_ptr) if PEERS else 0
     for k0 in range(0, k, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < k
-        x = _input(x_ptr, ks, kmask, k, PEERS)  # [BLOCK_K]
-        if NORM:
-            if HAS_RESIDUAL:
-                res = tl.load(res_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
-                x = (x + res).to(res_ptr.dtype.element_ty).to(tl.float32)
-            squares += x * x
-            scale = tl.load(norm_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
-            x = (x * scale).to(w_ptr.dtype.element_ty).to(tl.float32)
+        # the weights first: their loads are in flight while x's sum is polled for
         w = tl.load(
             w_ptr + cols[:, None].to(tl.int64) * stride_w + ks[None, :],
             mask=(cols[:, None] < n) & kmask[None, :],
             other=0.0,
         )  # [BLOCK_N, BLOCK_K]
+        if NORM:
+            scale = tl.load(norm_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            res = tl.load(res_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+        x = _input(x_ptr, words_ptr, step, ks, kmask, k, PEERS, RANK, BITS)  # [BLOCK_K]
+        if NORM:
+            if HAS_RESIDUAL:
+                x = (x + res).to(res_ptr.dtype.element_ty).to(tl.float32)
+            squares += x * x
+            x = (x * scale).to(w_ptr.dtype.element_ty).to(tl.float32)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)  # [BLOCK_N]
     if NORM:
@@ -126,7 +138,7 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
             for k0 in range(0, k, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 kmask = ks < k
-                x = _input(x_ptr, ks, kmask, k, PEERS)
+                x = _input(x_ptr, words_ptr, step, ks, kmask, k, PEERS, RANK, BITS)
                 res = tl.load(res_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
                 summed = (x + res).to(summed_ptr.dtype.element_ty)
                 tl.store(summed_ptr + ks, summed, mask=kmask)
@@ -150,13 +162,14 @@ def vector_gemv(
     n, k = weight.shape
     if x.shape != (1, k) or not x.is_contiguous() or weight.stride(1) != 1:
         raise ValueError(f"vector_gemv takes one contiguous row of {k}, got {tuple(x.shape)}")
-    rows, flags, epoch = x, weight, weight
+    words, step = weight, weight
     if received is not None:
         exchange = received.exchange
-        if exchange.width != k or exchange.data.dtype != x.dtype:
+        if exchange.width != k or exchange.rows.dtype != x.dtype:
             raise ValueError("vector_gemv receives rows of the exchange's width and dtype")
-        rows, flags = exchange.data[received.index], exchange.flags[received.index]
-        epoch = exchange.epoch
+        if x.data_ptr() != received.local_row.data_ptr():
+            raise ValueError("vector_gemv receives at a point whose row is x")
+        words, step = exchange.words[received.index], exchange.step
     residual = summed = None
     if norm is not None:
         _check(norm, x, k)
@@ -164,7 +177,7 @@ def vector_gemv(
     y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     block_n, block_k, num_warps, num_stages = tiles or default_tiles(n, k)
     _vector_gemv_kernel[(triton.cdiv(n, block_n),)](
-        rows,
+        x,
         weight,
         bias if bias is not None else weight,
         y,
@@ -172,12 +185,14 @@ def vector_gemv(
         summed if summed is not None else x,
         norm.weight if norm is not None else weight,
         norm.eps if norm is not None else 0.0,
-        flags,
-        epoch,
+        words,
+        step,
         n,
         k,
         weight.stride(0),
         PEERS=received.exchange.size if received is not None else 0,
+        RANK=received.exchange.rank if received is not None else 0,
+        BITS=8 * x.element_size(),
         HAS_BIAS=bias is not None,
         NORM=norm is not None,
         HAS_RESIDUAL=residual is not None,
