@@ -40,11 +40,24 @@ def untag(word, step, dtype: tl.constexpr, BITS: tl.constexpr):
 
 @triton.jit
 def received_row(words_ptr, ks, kmask, step, dtype: tl.constexpr, BITS: tl.constexpr):  # noqa: PLR0917
-    """The values at ks of one row of tagged words, polled until every word there
-    carries this step's tag (volatile loads: each poll reads memory)."""
+    """The values at ks of one row of tagged words, once every word there carries this
+    step's tag (volatile loads: each reads memory). The words keep that tag until every
+    rank has read them (turbo/exchange.py), so a read after the wait sees them still."""
     word = tl.load(words_ptr + ks, mask=kmask, other=0, volatile=True)
     value, now = untag(word, step, dtype, BITS)
-    while tl.min((now | ~kmask).to(tl.int32), axis=0) == 0:
+    if tl.min((now | ~kmask).to(tl.int32), axis=0) == 0:  # not all here yet: wait, reread
+        _wait(words_ptr, ks, kmask, step, dtype, BITS)
         word = tl.load(words_ptr + ks, mask=kmask, other=0, volatile=True)
         value, now = untag(word, step, dtype, BITS)
     return value
+
+
+@triton.jit
+def _wait(words_ptr, ks, kmask, step, dtype: tl.constexpr, BITS: tl.constexpr):  # noqa: PLR0917
+    """Until every word at ks carries this step's tag. Only a scalar is carried round
+    the loop: Triton 3.6 cannot lay out a while loop that carries the words."""
+    ready = 0
+    while ready == 0:
+        word = tl.load(words_ptr + ks, mask=kmask, other=0, volatile=True)
+        _, now = untag(word, step, dtype, BITS)
+        ready = tl.min((now | ~kmask).to(tl.int32), axis=0)
