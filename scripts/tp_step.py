@@ -2,7 +2,8 @@
 at batch 1 <= 0.65x of TP 1's"), on turbo with CUDA graphs, random bf16 weights.
 
     python3 scripts/tp_step.py MODEL_DIR --tp 1,2 --batches 1,64 [--context 512]
-        [--separate-batch1] [--nccl-batch1] [--tiles 8x1024,...] [--kernels 12]
+        [--separate-batch1] [--nccl-batch1] [--tiles 8x1024,...] [--gemv-tiles 16x512,...]
+        [--kernels 12]
 
 For each size N, N processes (rank r on cuda:r, NCCL) load their shards, prefill B
 prompts of --context tokens, capture the decode graphs, then run 8 warm-up and --steps
@@ -24,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
+from itertools import product
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +38,13 @@ from lmd.engine.kv_pool import KVPool
 from lmd.engine.parallel import join_group, leave_group
 from lmd.engine.turbo.backend import TurboBackend
 
-# --tiles replaces the module's default_tiles (looked up at each launch) in the ranks.
+# --tiles and --gemv-tiles replace the modules' default_tiles (looked up at each launch)
+# in the ranks.
 _vector_module: Any = importlib.import_module("lmd.engine.turbo.kernels.vector_gemv")
+_gemv_module: Any = importlib.import_module("lmd.engine.turbo.kernels.gemv")
 _default_tiles = _vector_module.default_tiles
+_gemv_default_tiles = _gemv_module.default_tiles
+Tiles = tuple[int, int] | None  # (BLOCK_N, BLOCK_K), or the kernel's own
 
 BLOCK = 64
 
@@ -53,7 +59,7 @@ def rank_main(rank: int, size: int, rendezvous: str, args: argparse.Namespace) -
     pool = KVPool.for_backend(backend, max(batches) * per_seq + 1, BLOCK)
     backend.capture_graphs(pool.kv, max(batches))
     exchange = backend.model.exchange  # batch-1 all-reduces over peer memory, if it fits
-    captured: tuple[int, int] | None = None  # the layer tiles the graphs were captured with
+    captured: tuple[Tiles, Tiles] = (None, None)  # the tiles the graphs were captured with
     gen = torch.Generator().manual_seed(0)
     for batch in batches:
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
@@ -68,19 +74,20 @@ def rank_main(rank: int, size: int, rendezvous: str, args: argparse.Namespace) -
             )
             backend.forward(step, pool.kv)
         decode = partial(decode_step, backend, pool, tables, args.context)
-        # (fused_batch1, peer exchange, vector_gemv's layer tiles)
-        variants: list[tuple[bool, Any, tuple[int, int] | None]] = [(True, exchange, None)]
+        # (fused_batch1, peer exchange, (vector_gemv's layer tiles, gemv's tiles))
+        variants: list[tuple[bool, Any, tuple[Tiles, Tiles]]] = [(True, exchange, (None, None))]
         if batch == 1 and args.separate_batch1:  # the norms in kernels of their own
-            variants.append((False, exchange, None))
+            variants.append((False, exchange, (None, None)))
         if batch == 1 and args.nccl_batch1 and exchange is not None:
-            variants.append((True, None, None))  # NCCL's all-reduces instead of the exchange
-        if batch == 1:
-            variants += [(True, exchange, tiles) for tiles in parse_tiles(args.tiles)]
+            variants.append((True, None, (None, None)))  # NCCL's all-reduces, not the exchange
+        if batch == 1:  # every pair of the tiles asked for (each kernel's own included)
+            pairs = product([None, *parse_tiles(args.tiles)], [None, *parse_tiles(args.gemv_tiles)])
+            variants += [(True, exchange, pair) for pair in pairs if pair != (None, None)]
         for variant, peers, tiles in variants:
             now = (backend.model.fused_batch1, backend.model.exchange, captured)
             if now != (variant, peers, tiles):
                 backend.model.fused_batch1, backend.model.exchange = variant, peers
-                use_layer_tiles(tiles)
+                use_tiles(*tiles)
                 captured = tiles
                 backend.capture_graphs(pool.kv, max(batches))
             times, back_to_back, kernels = time_steps(decode, args)
@@ -96,7 +103,8 @@ def rank_main(rank: int, size: int, rendezvous: str, args: argparse.Namespace) -
                     "step_ms": round(1e3 * statistics.median(times), 3),
                     "step_ms_p90": round(1e3 * sorted(times)[int(0.9 * len(times))], 3),
                     "step_ms_back_to_back": round(1e3 * back_to_back, 3),
-                    "layer_tiles": tiles,
+                    "layer_tiles": tiles[0],
+                    "gemv_tiles": tiles[1],
                     "device": torch.cuda.get_device_name(device),
                 }
                 print(json.dumps(line), flush=True)
@@ -107,18 +115,22 @@ def rank_main(rank: int, size: int, rendezvous: str, args: argparse.Namespace) -
     leave_group()
 
 
-def use_layer_tiles(tiles: tuple[int, int] | None) -> None:
-    """vector_gemv's tiles for the layers' products (BLOCK_N, BLOCK_K) from now on in
-    this process, or its own again (None): its module's default_tiles, which each
-    launch looks up, is replaced."""
+def use_tiles(layer_tiles: Tiles, gemv_tiles: Tiles) -> None:
+    """From now on in this process: vector_gemv's tiles for the layers' products and
+    gemv's tiles, or each kernel's own (None). The modules' default_tiles, which each
+    launch looks up, are replaced."""
 
-    def layer_tiles(n: int, k: int) -> tuple[int, int, int, int]:
+    def vector_tiles(n: int, k: int) -> tuple[int, int, int, int]:
         block_n, block_k, warps, stages = _default_tiles(n, k)
-        if tiles is not None and n < 50000:  # the vocabulary's product keeps its own
-            block_n, block_k = tiles
+        if layer_tiles is not None and n < 50000:  # the vocabulary's product keeps its own
+            block_n, block_k = layer_tiles
         return block_n, min(block_k, triton.next_power_of_2(k)), warps, stages
 
-    _vector_module.default_tiles = layer_tiles if tiles is not None else _default_tiles
+    def gemv_default(k: int) -> tuple[int, int]:
+        return gemv_tiles or _gemv_default_tiles(k)
+
+    _vector_module.default_tiles = vector_tiles if layer_tiles is not None else _default_tiles
+    _gemv_module.default_tiles = gemv_default if gemv_tiles is not None else _gemv_default_tiles
 
 
 def every_rank(rows: list[Any], rank: int, size: int) -> list[Any]:
@@ -210,6 +222,11 @@ def main() -> None:
         "--tiles",
         default="",
         help="batch 1 again with vector_gemv's layer tiles BNxBK (a comma list)",
+    )
+    parser.add_argument(
+        "--gemv-tiles",
+        default="",
+        help="batch 1 again with gemv's tiles BNxBK (o, down; a comma list; with each --tiles)",
     )
     parser.add_argument(
         "--nccl-batch1",

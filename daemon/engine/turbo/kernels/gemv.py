@@ -93,18 +93,14 @@ def gemv(
     """x: [M, K] (M <= 16), weight: [N, K], bias: [N] -> [M, N] (as F.linear), in
     `out_dtype` (default: x's) straight from the float32 accumulator. With `send` (one
     row, N = the exchange's width, x's dtype), the row goes to that point on every rank
-    (module docstring) and the result is this rank's slot there.
-
-    Tiles: the fastest of a sweep on an H100 at Llama-3-8B and SmolLM2 shapes (M = 1, 4):
-    BLOCK_N 32 x BLOCK_K 512 for K >= 2048, 16 x 128 for smaller K (more programs for the
-    small matrices); docs/benchmarks.md has the sweep."""
+    (module docstring) and the result is this rank's slot there. Tiles: default_tiles'
+    unless given."""
     num_rows, k = x.shape
     n = weight.shape[0]
     if num_rows > MAX_ROWS or weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"gemv takes up to {MAX_ROWS} unit-stride rows of K = weight's K")
-    wide = k >= 2048
-    block_n = block_n or (32 if wide else 16)
-    block_k = block_k or (512 if wide else 128)
+    tile_n, tile_k = default_tiles(k)
+    block_n, block_k = block_n or tile_n, block_k or tile_k
     if send is not None:
         exchange = send.exchange
         if num_rows != 1 or n != exchange.width or exchange.rows.dtype != (out_dtype or x.dtype):
@@ -137,3 +133,10 @@ def gemv(
         num_stages=num_stages,
     )
     return y
+
+
+def default_tiles(k: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K): the fastest of a sweep on an H100 at Llama-3-8B and SmolLM2
+    shapes (M = 1, 4): 32 x 512 for K >= 2048, 16 x 128 for smaller K (more programs for
+    the small matrices); docs/benchmarks.md has the sweep."""
+    return (32, 512) if k >= 2048 else (16, 128)
