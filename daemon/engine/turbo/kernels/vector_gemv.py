@@ -175,7 +175,7 @@ def vector_gemv(
         _check(norm, x, k)
         residual, summed = norm.residual, norm.summed
     y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
-    block_n, block_k, num_warps, num_stages = tiles or default_tiles(n, k)
+    block_n, block_k, num_warps, num_stages = tiles or default_tiles(n, k, received is not None)
     _vector_gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
@@ -205,11 +205,17 @@ def vector_gemv(
     return y
 
 
-def default_tiles(n: int, k: int) -> tuple[int, int, int, int]:
+def default_tiles(n: int, k: int, received: bool = False) -> tuple[int, int, int, int]:
     """The fastest of scripts/gemv_bench.py's tilings at Llama-3-8B's and Qwen3-8B's
     shapes, whole and one rank of two (H100, bf16): 4 rows x 1024 of K for the layers'
-    products, 16 x 512 for a vocabulary's (more programs than SMs either way)."""
-    block_n, block_k = (16, 512) if n >= 50000 else (4, 1024)
+    products, 16 x 512 for a vocabulary's (more programs than SMs either way). A received
+    input (every program reads its own row and the peers' tagged words, three times
+    the bytes of a row at TP 2) takes 8 x 512: half the programs, so half those reads
+    (two H200s: the TP 2 batch-1 step 2.752 -> 2.723 ms; docs/benchmarks.md)."""
+    if n >= 50000:
+        block_n, block_k = 16, 512
+    else:
+        block_n, block_k = (8, 512) if received else (4, 1024)
     return block_n, min(block_k, triton.next_power_of_2(k)), 4, 3
 
 
