@@ -3,7 +3,7 @@ against the HBM floor (docs/benchmarks.md, "turbo for Qwen3 and mixtures of expe
 
     python3 scripts/families_bench.py MODEL_DIR [--batches 1,64,512] [--input-len 512]
         [--output-len 256] [--backend turbo] [--quantization w4a16|fp8]
-        [--kv-cache-dtype int8|fp8] [--separate-batch1]
+        [--kv-cache-dtype int8|fp8] [--separate-batch1] [--pdl]
 
 One Engine for every batch (max_batch_size = the largest), the prompts and the timing of
 `lmd-bench offline` (random ids, greedy, ignore_eos, prefill included), after a warm-up
@@ -29,6 +29,7 @@ from lmd.bench.offline import random_prompts, time_engine
 from lmd.engine.config import EngineConfig
 from lmd.engine.engine import Engine
 from lmd.engine.kv_pool import block_bytes_of
+from lmd.engine.turbo.kernels import pdl
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -85,6 +86,11 @@ def main() -> None:
         action="store_true",
         help="the batch-1 step again with TurboModel.fused_batch1 off (the norms' own kernels)",
     )
+    parser.add_argument(
+        "--pdl",
+        action="store_true",
+        help="the batch-1 step again with the products' programmatic dependent launch",
+    )
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     config = EngineConfig(
@@ -116,6 +122,15 @@ def main() -> None:
         separate = batch1_step(engine, args.input_len, args.output_len)
         line = {"model": args.model.name, "batch1_step_ms": round(step * 1e3, 3),
                 "separate_batch1_step_ms": round(separate * 1e3, 3)}  # fmt: skip
+        print(json.dumps(line), flush=True)
+    if args.pdl:  # the same again, the products launched with PDL (kernels/pdl.py)
+        pdl.ENABLED = True
+        engine.backend.capture_graphs(engine.pool.kv, max(batches))
+        with_pdl = batch1_step(engine, args.input_len, args.output_len)
+        pdl.ENABLED = False
+        engine.backend.capture_graphs(engine.pool.kv, max(batches))
+        line = {"model": args.model.name, "batch1_step_ms": round(step * 1e3, 3),
+                "pdl_batch1_step_ms": round(with_pdl * 1e3, 3)}  # fmt: skip
         print(json.dumps(line), flush=True)
     if engine.backend.name != "turbo":  # the floor's bytes are counted on turbo's weights
         print(json.dumps({"model": args.model.name, "backend": engine.backend.name,

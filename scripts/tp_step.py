@@ -3,7 +3,7 @@ at batch 1 <= 0.65x of TP 1's"), on turbo with CUDA graphs, random bf16 weights.
 
     python3 scripts/tp_step.py MODEL_DIR --tp 1,2 --batches 1,64 [--context 512]
         [--separate-batch1] [--nccl-batch1] [--tiles 8x1024,...] [--gemv-tiles 16x512,...]
-        [--kernels 12]
+        [--pdl] [--variant-tp 2] [--kernels 12]
 
 For each size N, N processes (rank r on cuda:r, NCCL) load their shards, prefill B
 prompts of --context tokens, capture the decode graphs, then run 8 warm-up and --steps
@@ -24,6 +24,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from functools import partial
 from itertools import product
 from pathlib import Path
@@ -37,6 +38,7 @@ from lmd.engine.backend import ForwardBatch
 from lmd.engine.kv_pool import KVPool
 from lmd.engine.parallel import join_group, leave_group
 from lmd.engine.turbo.backend import TurboBackend
+from lmd.engine.turbo.kernels import pdl
 
 # --tiles and --gemv-tiles replace the modules' default_tiles (looked up at each launch)
 # in the ranks.
@@ -59,7 +61,8 @@ def rank_main(rank: int, size: int, rendezvous: str, args: argparse.Namespace) -
     pool = KVPool.for_backend(backend, max(batches) * per_seq + 1, BLOCK)
     backend.capture_graphs(pool.kv, max(batches))
     exchange = backend.model.exchange  # batch-1 all-reduces over peer memory, if it fits
-    captured: tuple[Tiles, Tiles] = (None, None)  # the tiles the graphs were captured with
+    base = Variant(True, exchange, (None, None), pdl=False)
+    now = base  # what the graphs hold
     gen = torch.Generator().manual_seed(0)
     for batch in batches:
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
@@ -74,21 +77,16 @@ def rank_main(rank: int, size: int, rendezvous: str, args: argparse.Namespace) -
             )
             backend.forward(step, pool.kv)
         decode = partial(decode_step, backend, pool, tables, args.context)
-        # (fused_batch1, peer exchange, (vector_gemv's layer tiles, gemv's tiles))
-        variants: list[tuple[bool, Any, tuple[Tiles, Tiles]]] = [(True, exchange, (None, None))]
-        if batch == 1 and args.separate_batch1:  # the norms in kernels of their own
-            variants.append((False, exchange, (None, None)))
-        if batch == 1 and args.nccl_batch1 and exchange is not None:
-            variants.append((True, None, (None, None)))  # NCCL's all-reduces, not the exchange
-        if batch == 1:  # every pair of the tiles asked for (each kernel's own included)
-            pairs = product([None, *parse_tiles(args.tiles)], [None, *parse_tiles(args.gemv_tiles)])
-            variants += [(True, exchange, pair) for pair in pairs if pair != (None, None)]
-        for variant, peers, tiles in variants:
-            now = (backend.model.fused_batch1, backend.model.exchange, captured)
-            if now != (variant, peers, tiles):
-                backend.model.fused_batch1, backend.model.exchange = variant, peers
-                use_tiles(*tiles)
-                captured = tiles
+        variants = [base]
+        if batch == 1 and str(size) in args.variant_tp.split(","):
+            variants += batch1_variants(base, args)
+        for variant in variants:
+            if variant != now:
+                backend.model.fused_batch1 = variant.fused_batch1
+                backend.model.exchange = variant.exchange
+                use_tiles(*variant.tiles)
+                pdl.ENABLED = variant.pdl
+                now = variant
                 backend.capture_graphs(pool.kv, max(batches))
             times, back_to_back, kernels = time_steps(decode, args)
             every = every_rank(kernels, rank, size) if args.kernels else []
@@ -98,13 +96,14 @@ def rank_main(rank: int, size: int, rendezvous: str, args: argparse.Namespace) -
                     "tp": size,
                     "batch": batch,
                     "context": args.context,
-                    "fused_batch1": variant,
-                    "all_reduce": "peers" if peers is not None and batch == 1 else "nccl",
+                    "fused_batch1": variant.fused_batch1,
+                    "all_reduce": "peers" if variant.exchange and batch == 1 else "nccl",
                     "step_ms": round(1e3 * statistics.median(times), 3),
                     "step_ms_p90": round(1e3 * sorted(times)[int(0.9 * len(times))], 3),
                     "step_ms_back_to_back": round(1e3 * back_to_back, 3),
-                    "layer_tiles": tiles[0],
-                    "gemv_tiles": tiles[1],
+                    "layer_tiles": variant.tiles[0],
+                    "gemv_tiles": variant.tiles[1],
+                    "pdl": variant.pdl,
                     "device": torch.cuda.get_device_name(device),
                 }
                 print(json.dumps(line), flush=True)
@@ -113,6 +112,31 @@ def rank_main(rank: int, size: int, rendezvous: str, args: argparse.Namespace) -
                         print(f"  rank {r}:")
                     print_kernels(rows, args.kernels, line["step_ms_back_to_back"])
     leave_group()
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What a timed run's graphs were captured with."""
+
+    fused_batch1: bool
+    exchange: Any  # the peer exchange, or None: NCCL's all-reduces
+    tiles: tuple[Tiles, Tiles]  # vector_gemv's layer tiles, gemv's tiles
+    pdl: bool  # kernels/pdl.py's programmatic dependent launch
+
+
+def batch1_variants(base: Variant, args: argparse.Namespace) -> list[Variant]:
+    """The batch-1 runs asked for beside the base one."""
+    variants = []
+    if args.separate_batch1:  # the norms in kernels of their own
+        variants.append(replace(base, fused_batch1=False))
+    if args.nccl_batch1 and base.exchange is not None:  # NCCL's all-reduces instead
+        variants.append(replace(base, exchange=None))
+    # every pair of the tiles asked for (each kernel's own included), with and without PDL
+    pairs = product([None, *parse_tiles(args.tiles)], [None, *parse_tiles(args.gemv_tiles)])
+    for pdl_on, pair in product([False, True] if args.pdl else [False], pairs):
+        if (pdl_on, pair) != (False, (None, None)):
+            variants.append(replace(base, tiles=pair, pdl=pdl_on))
+    return variants
 
 
 def use_tiles(layer_tiles: Tiles, gemv_tiles: Tiles) -> None:
@@ -227,6 +251,16 @@ def main() -> None:
         "--gemv-tiles",
         default="",
         help="batch 1 again with gemv's tiles BNxBK (o, down; a comma list; with each --tiles)",
+    )
+    parser.add_argument(
+        "--pdl",
+        action="store_true",
+        help="batch 1 again (with each tiling) with the products' programmatic dependent launch",
+    )
+    parser.add_argument(
+        "--variant-tp",
+        default="1,2,4,8",
+        help="the group sizes that run the batch-1 variants (the base run: every size)",
     )
     parser.add_argument(
         "--nccl-batch1",

@@ -100,3 +100,13 @@ def test_vector_gemv_refuses_what_it_cannot_take() -> None:
         kernels.vector_gemv(x, w, norm=kernels.Norm(torch.ones(8, device=DEVICE), 1e-6, x, x))
     with pytest.raises(ValueError, match="weight of K"):
         kernels.vector_gemv(x, w, norm=kernels.Norm(torch.ones(4, device=DEVICE), 1e-6))
+
+
+def test_programmatic_dependent_launch_only_where_enabled_on_cuda(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lmd.engine.turbo.kernels import pdl
+
+    assert pdl.launch_options(torch.device("cpu")) == {}
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert pdl.launch_options(torch.device("cpu")) == {}  # PDL is a CUDA launch's

@@ -21,6 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from lmd.engine.turbo.exchange import Point
+from lmd.engine.turbo.kernels import pdl
 from lmd.engine.turbo.kernels.tagged import tag
 
 MAX_ROWS = 16
@@ -47,8 +48,11 @@ def _gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     BITS: tl.constexpr,  # the row's value width
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = W rows
+    if PDL:  # nothing but the weights is read or written before this
+        pdl.begin(w_ptr, cols, n, k, stride_w, 2 * BLOCK_K)
     rows = tl.arange(0, 16)  # x rows, padded
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
@@ -111,6 +115,7 @@ def gemv(
         y = torch.empty(num_rows, n, dtype=out_dtype or x.dtype, device=x.device)
         peers = (weight, weight, 0)
     grid = (triton.cdiv(n, block_n),)
+    launch = pdl.launch_options(x.device)
     _gemv_kernel[grid](
         x,
         weight,
@@ -129,8 +134,10 @@ def gemv(
         BITS=8 * y.element_size(),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        PDL=bool(launch),
         num_warps=num_warps,
         num_stages=num_stages,
+        **launch,
     )
     return y
 

@@ -33,6 +33,7 @@ import triton.language as tl
 from torch import Tensor
 
 from lmd.engine.turbo.exchange import Point
+from lmd.engine.turbo.kernels import pdl
 from lmd.engine.turbo.kernels.tagged import received_row
 
 
@@ -99,9 +100,12 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
     HAS_SUMMED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = W rows
+    if PDL:  # nothing but the weights is read or written before this
+        pdl.begin(w_ptr, cols, n, k, stride_w, 2 * BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     step = tl.load(step_ptr) if PEERS else 0
@@ -176,6 +180,7 @@ def vector_gemv(
         residual, summed = norm.residual, norm.summed
     y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     block_n, block_k, num_warps, num_stages = tiles or default_tiles(n, k, received is not None)
+    launch = pdl.launch_options(x.device)
     _vector_gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
@@ -199,8 +204,10 @@ def vector_gemv(
         HAS_SUMMED=summed is not None,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        PDL=bool(launch),
         num_warps=num_warps,
         num_stages=num_stages,
+        **launch,
     )
     return y
 
