@@ -1,8 +1,9 @@
-"""The batch-1 products launched with programmatic dependent launch (kernels/pdl.py):
-a chain of them, each reading what the one before wrote, replayed in a CUDA graph,
-equals the same chain launched plainly, bit for bit. A product that read its input
-before the kernel before it had finished would read the previous replay's values.
-Hopper or later; skipped elsewhere and without CUDA.
+"""Kernels launched with programmatic dependent launch (kernels/pdl.py), bit for bit
+against plain launches: a chain of batch-1 products, each reading what the one before
+wrote, replayed in a CUDA graph (a product that read its input before the kernel before
+it had finished would read the previous replay's values); and turbo's decode steps
+(graphs, batch 1 and a bucket of 8) with every PDL kernel, logits equal. Hopper or
+later; skipped elsewhere and without CUDA.
 """
 
 from __future__ import annotations
@@ -16,8 +17,14 @@ if torch.cuda.get_device_capability()[0] < 9:
     pytest.skip("programmatic dependent launch needs sm_90 or later", allow_module_level=True)
 pytest.importorskip("triton")
 
+from pathlib import Path
+
 from lmd.engine.turbo import kernels
+from lmd.engine.turbo.backend import TurboBackend
 from lmd.engine.turbo.kernels import pdl
+from tests.gpu.test_turbo_backend_gpu import save_bf16
+from tests.models import random_prompts
+from tests.unit.test_turbo_model import greedy, new_pool
 
 pytestmark = pytest.mark.gpu
 LAYERS, HIDDEN, WIDE = 6, 4096, 6144
@@ -71,3 +78,30 @@ def test_a_chain_of_pdl_products_in_a_graph_equals_plain_launches() -> None:
     finally:
         pdl.ENABLED = False
     assert torch.equal(eager[0], want[0]) and torch.equal(eager[1], want[1])
+
+
+def decode_logits(model_dir: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
+    backend = TurboBackend(model_dir, torch.device("cuda"), torch.bfloat16)
+    kv = new_pool(backend, 512, 16)
+    backend.capture_graphs(kv, max_batch_size=8)
+    logits: list[torch.Tensor] = []
+    greedy(backend, prompts, 24, kv=kv, logits=logits)
+    return logits
+
+
+@pytest.mark.parametrize("num_prompts", [1, 5])
+def test_decode_steps_with_pdl_give_the_plain_logits(tmp_path: Path, num_prompts: int) -> None:
+    shape = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16}
+    model_dir = save_bf16(
+        tmp_path, vocab_size=4096, num_hidden_layers=4, num_key_value_heads=4, **shape
+    )
+    prompts = random_prompts([37, 5, 130, 64, 9][:num_prompts], 4096, seed=5)
+    plain = decode_logits(model_dir, prompts)
+    try:
+        pdl.ENABLED = True
+        launched = decode_logits(model_dir, prompts)
+    finally:
+        pdl.ENABLED = False
+    assert len(launched) == len(plain) == 24
+    for step, (got, want) in enumerate(zip(launched, plain, strict=True)):
+        assert torch.equal(got, want), step

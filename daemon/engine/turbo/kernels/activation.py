@@ -8,13 +8,24 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lmd.engine.turbo.kernels import pdl
+
 BLOCK = 1024
 
 
 @triton.jit
 def _silu_and_mul_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
-    x_ptr, out_ptr, stride_x, stride_out, width, GELU: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr,
+    out_ptr,
+    stride_x,
+    stride_out,
+    width,
+    GELU: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    if PDL:
+        pdl.wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -53,7 +64,16 @@ def silu_and_mul(x: Tensor, activation: str = "silu") -> Tensor:
     if num_rows == 0:
         return out
     grid = (num_rows, triton.cdiv(width, BLOCK))
+    launch = pdl.launch_options(x.device)
     _silu_and_mul_kernel[grid](
-        x, out, x.stride(0), out.stride(0), width, GELU=activation == "gelu_tanh", BLOCK=BLOCK
+        x,
+        out,
+        x.stride(0),
+        out.stride(0),
+        width,
+        GELU=activation == "gelu_tanh",
+        BLOCK=BLOCK,
+        PDL=bool(launch),
+        **launch,
     )
     return out

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lmd.engine.turbo.kernels import kv_quant
+from lmd.engine.turbo.kernels import kv_quant, pdl
 from lmd.engine.turbo.kernels.common import LOG2E, dot_precision, pool_scales
 
 BLOCK_N = 64  # keys per tile
@@ -67,7 +67,10 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
     DOT_PRECISION: tl.constexpr,
     HEADS_FIRST: tl.constexpr,  # grid (Hkv, B, splits) instead of (B, Hkv, splits)
     IN_BLOCK: tl.constexpr,  # BLOCK_N divides block_size: a tile lies in one block
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    if PDL:
+        pdl.wait()
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
         seq = tl.program_id(1).to(tl.int64)
@@ -171,7 +174,10 @@ def _merge_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        pdl.wait()
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, NUM_SPLITS)
@@ -253,6 +259,7 @@ def decode_attention(
     else:
         part_out = part_lse = out  # unused
     grid = (num_kv_heads, num_seqs) if heads_first else (num_seqs, num_kv_heads)
+    launch = pdl.launch_options(q.device)
     _decode_kernel[(*grid, num_splits)](
         q,
         kv,
@@ -280,8 +287,10 @@ def decode_attention(
         DOT_PRECISION=dot_precision(q.dtype),
         HEADS_FIRST=heads_first,
         IN_BLOCK=block_size % block_n == 0,
+        PDL=bool(launch),
         num_warps=num_warps,
         num_stages=num_stages,
+        **launch,
     )
     if num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](
@@ -294,6 +303,8 @@ def decode_attention(
             HEAD_DIM=head_dim,
             NUM_SPLITS=num_splits,
             BLOCK_D=block_d,
+            PDL=bool(launch),
             num_warps=1,
+            **launch,
         )
     return out

@@ -1,19 +1,21 @@
-"""Programmatic dependent launch (Hopper and later) for the batch-1 products.
+"""Programmatic dependent launch (Hopper and later) for the decode step's kernels.
 
-A batch-1 decode step is ~260 short kernels, each of which streams its weights; between
-two of them the GPU drains the first and ramps the second up, a few microseconds that a
-TP 2 step (each product half as long) feels twice as much. Launched with PDL, a product
-(kernels/gemv.py, kernels/vector_gemv.py with `PDL`) is let onto the SMs while the
-kernel before it still runs: every program first lets the next product launch too
-(`griddepcontrol.launch_dependents`), prefetches the first slices of its weight rows
-into L2 (they never depend on an earlier kernel), and only then waits for the kernel
-before it to finish and its writes to show (`griddepcontrol.wait`); everything the
-program reads or writes besides the weights comes after that wait. A kernel launched
-without PDL after one of these waits for it whole, as always. CUDA graphs keep the
-launches' programmatic edges.
+A batch-1 decode step is ~260 short kernels; between two of them the GPU drains the
+first and ramps the second up, a few microseconds each that a TP 2 step (each product
+half as long) feels twice as much. A kernel launched with PDL is let onto the SMs while
+the kernel before it still runs: every program first lets the next kernel launch too
+(`griddepcontrol.launch_dependents`), and then waits for the kernel before it to
+finish and its writes to show (`griddepcontrol.wait`); everything the program reads or
+writes comes after that wait, but a product's weights (kernels/gemv.py and
+kernels/vector_gemv.py: `begin` prefetches the first slices of its weight rows into L2
+before waiting, as they never depend on an earlier kernel). The other kernels of a
+decode step (rotary and K/V write, decode attention and its merge, the activation)
+only `wait`. A kernel launched without PDL after one of these waits for it whole, as
+always, so every chain of waits reaches back to the last plain launch. CUDA graphs keep
+the launches' programmatic edges.
 
-Off (ENABLED False) until a GPU run shows it faster (scripts/tp_step.py --pdl).
-"""
+Off (ENABLED False) until a GPU run shows it faster (scripts/tp_step.py --pdl,
+scripts/families_bench.py --pdl)."""
 
 from __future__ import annotations
 
@@ -51,4 +53,12 @@ def begin(w_ptr, rows, n, k, stride_w, PREFETCH_K: tl.constexpr):  # noqa: PLR09
         is_pure=False,
         pack=1,
     )
+    gdc_wait()
+
+
+@triton.jit
+def wait():
+    """The first step of a PDL-launched kernel that streams no weights (attention,
+    rotary, the activation): let the next kernel launch, then wait for the one before."""
+    gdc_launch_dependents()
     gdc_wait()
