@@ -2,9 +2,10 @@
 # turbo's newer families on a GPU machine (the device tool): their GPU tests, lmd's
 # offline engine, LMDeploy 0.18's PyTorch engine, on random bf16 weights of a shape.
 #   scripts/gpu-families.sh tests
-#   scripts/gpu-families.sh lmd|lmdeploy SHAPE BATCHES
+#   scripts/gpu-families.sh lmd|lmdeploy SHAPE BATCHES [FLAGS...]
 #       SHAPE: a scripts/random_models.py shape (qwen3-8b-shape, qwen3-30b-a3b-shape);
-#       BATCHES: e.g. 1,64,512. Prompts 512 in / 256 out, greedy, ignore_eos.
+#       BATCHES: e.g. 1,64,512. Prompts 512 in / 256 out, greedy, ignore_eos. FLAGS go
+#       to scripts/families_bench.py (lmd: e.g. --pdl, --quantization fp8).
 # Carry .whl, .gpu-assets (qwen3-tokenizer: a copy of ../shared/assets/tokenizers/qwen3)
 # and, for lmdeploy, .lmdeploy (../shared/scripts/lmdeploy-anchor.sh). Results in $OUT:
 # families-tests.txt, families.jsonl (lmd's lines, then LMDeploy's), *-stderr.txt.
@@ -31,7 +32,7 @@ if [[ ! -f $model/config.json ]]; then
   echo "$shape built in $((SECONDS - start)) s: $(du -sh "$model" | cut -f1)"
 fi
 if [[ $what == lmd ]]; then
-  timeout 560 python3 scripts/families_bench.py "$model" --batches "$batches" \
+  timeout 560 python3 scripts/families_bench.py "$model" --batches "$batches" "${@:4}" \
     2>"$out/lmd-$shape-stderr.txt" | tee -a "$out/families.jsonl"
   tail -3 "$out/lmd-$shape-stderr.txt"
 else
