@@ -2,8 +2,9 @@
 against plain launches: a chain of batch-1 products, each reading what the one before
 wrote, replayed in a CUDA graph (a product that read its input before the kernel before
 it had finished would read the previous replay's values); and turbo's decode steps
-(graphs, batch 1 and a bucket of 8) with every PDL kernel, logits equal. Hopper or
-later; skipped elsewhere and without CUDA.
+(graphs, batch 1 and a bucket of 8) with every PDL kernel, logits equal, on a Llama and
+on each newer family (Qwen3, Qwen3-MoE and Mixtral's expert kernels, Gemma 3). Hopper
+or later; skipped elsewhere and without CUDA.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from lmd.engine.turbo import kernels
 from lmd.engine.turbo.backend import TurboBackend
 from lmd.engine.turbo.kernels import pdl
 from tests.gpu.test_turbo_backend_gpu import save_bf16
+from tests.gpu.test_turbo_families_gpu import FAMILIES
 from tests.models import random_prompts
 from tests.unit.test_turbo_model import greedy, new_pool
 
@@ -89,13 +91,8 @@ def decode_logits(model_dir: Path, prompts: list[list[int]]) -> list[torch.Tenso
     return logits
 
 
-@pytest.mark.parametrize("num_prompts", [1, 5])
-def test_decode_steps_with_pdl_give_the_plain_logits(tmp_path: Path, num_prompts: int) -> None:
-    shape = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16}
-    model_dir = save_bf16(
-        tmp_path, vocab_size=4096, num_hidden_layers=4, num_key_value_heads=4, **shape
-    )
-    prompts = random_prompts([37, 5, 130, 64, 9][:num_prompts], 4096, seed=5)
+def same_logits_with_pdl(model_dir: Path, num_prompts: int) -> None:
+    prompts = random_prompts([37, 5, 130, 64, 9][:num_prompts], 1000, seed=5)
     plain = decode_logits(model_dir, prompts)
     try:
         pdl.ENABLED = True
@@ -105,3 +102,20 @@ def test_decode_steps_with_pdl_give_the_plain_logits(tmp_path: Path, num_prompts
     assert len(launched) == len(plain) == 24
     for step, (got, want) in enumerate(zip(launched, plain, strict=True)):
         assert torch.equal(got, want), step
+
+
+@pytest.mark.parametrize("num_prompts", [1, 5])
+def test_decode_steps_with_pdl_give_the_plain_logits(tmp_path: Path, num_prompts: int) -> None:
+    shape = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16}
+    model_dir = save_bf16(
+        tmp_path, vocab_size=4096, num_hidden_layers=4, num_key_value_heads=4, **shape
+    )
+    same_logits_with_pdl(model_dir, num_prompts)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_decodes_with_pdl_as_without(tmp_path: Path, family: str) -> None:
+    model_class, config = FAMILIES[family]
+    torch.manual_seed(5)
+    model_class(config).to(torch.bfloat16).save_pretrained(tmp_path)  # type: ignore[arg-type]
+    same_logits_with_pdl(tmp_path, 5)

@@ -9,8 +9,9 @@ finish and its writes to show (`griddepcontrol.wait`); everything the program re
 writes comes after that wait, but a product's weights (kernels/gemv.py and
 kernels/vector_gemv.py: `begin` prefetches the first slices of its weight rows into L2
 before waiting, as they never depend on an earlier kernel). The other kernels of a
-decode step (rotary and K/V write, decode attention and its merge, the activation)
-only `wait`. A kernel launched without PDL after one of these waits for it whole, as
+decode step (rotary and K/V write, decode attention and its merge, the activation,
+the experts' top-k, layout and grouped GEMMs, whose weights are known only after the
+wait) only `wait`. A kernel launched without PDL after one of these waits for it whole, as
 always, so every chain of waits reaches back to the last plain launch. CUDA graphs keep
 the launches' programmatic edges.
 
