@@ -1,0 +1,113 @@
+"""Compile turbo's decode kernels for an H100/H200 (sm_90) without a GPU: a check to run
+before a device call, with the device's Triton version where it differs from ours.
+
+    pip install --target /tmp/t36 --no-deps triton==3.6.0     # the GPU machine's, once
+    PYTHONPATH=/tmp/t36 python3 scripts/sm90_compile.py [--ptx DIR]
+
+Each case is a kernel with its constexprs and the types of the arguments that are not
+bf16 pointers or int32 (the default for names ending in _ptr / _ptrs, and for the
+rest); every argument is taken as 16-byte aligned or a multiple of 16, as launches on
+real tensors are specialized. Prints one line per case (OK, or the error's first line)
+and exits 1 if one fails. --ptx DIR writes each case's PTX there.
+
+A kernel that compiles under the interpreter can still fail Triton's GPU passes (3.6
+could not lay out a while loop that carried tensors, kernels/tagged.py), and a failed
+compile costs a device call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import sys
+from pathlib import Path
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+def kernels_of(module: str) -> Any:
+    """A kernels module (the package's names are its functions, not its modules)."""
+    return importlib.import_module(f"lmd.engine.turbo.kernels.{module}")
+
+
+FLOATS = ("eps", "scale")  # float32 scalars
+NOT_ALIGNED = ("eps", "scale", "num_rows", "point", "layer", "window", "num_pairs")
+
+
+def case(
+    kernel: Any, constexprs: dict[str, Any], types: dict[str, str], options: dict[str, Any]
+) -> tuple[str, ASTSource, dict[str, Any]]:
+    """(a label, the source to compile, its options) for one kernel's specialization."""
+    signature, attrs = {}, {}
+    for i, name in enumerate(inspect.signature(kernel.fn).parameters):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        if name in types:
+            signature[name] = types[name]
+        elif name.endswith(("_ptr", "_ptrs")):
+            signature[name] = "*bf16"
+        else:
+            signature[name] = "fp32" if name in FLOATS else "i32"
+        if name not in NOT_ALIGNED:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    label = f"{kernel.fn.__name__} {constexprs}"
+    return label, ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), options
+
+
+def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
+    activation, decode_attention = kernels_of("activation"), kernels_of("decode_attention")
+    gemv, moe, vector_gemv = kernels_of("gemv"), kernels_of("moe"), kernels_of("vector_gemv")
+    out = []
+    flags: dict[str, Any]
+    tagged = {"words_ptr": "*i32", "step_ptr": "*i64"}
+    for pdl in (False, True):
+        run = {"num_warps": 4, "num_stages": 3, "launch_pdl": pdl}
+        for peers, rank, block_n, block_k in ((0, 0, 4, 1024), (2, 1, 8, 512), (3, 2, 16, 64)):
+            flags = {"PEERS": peers, "RANK": rank, "BITS": 16, "HAS_BIAS": False, "NORM": True,
+                     "HAS_RESIDUAL": True, "HAS_SUMMED": True, "BLOCK_N": block_n,
+                     "BLOCK_K": block_k, "PDL": pdl}  # fmt: skip
+            out.append(case(vector_gemv._vector_gemv_kernel, flags, tagged, run))
+        sends = {"word_ptrs": "*i64", "step_ptr": "*i64"}
+        for peers, rank in ((0, 0), (2, 0), (2, 1)):
+            flags = {"HAS_BIAS": False, "PEERS": peers, "RANK": rank, "BITS": 16,
+                     "BLOCK_N": 32, "BLOCK_K": 512, "PDL": pdl}  # fmt: skip
+            out.append(case(gemv._gemv_kernel, flags, sends, run | {"num_stages": 4}))
+        flags = {"GELU": False, "BLOCK": 1024, "PDL": pdl}
+        out.append(case(activation._silu_and_mul_kernel, flags, {}, run))
+        flags = {"NUM_HEADS": 32, "HEAD_DIM": 128, "NUM_SPLITS": 16, "BLOCK_D": 128, "PDL": pdl}
+        out.append(case(decode_attention._merge_kernel, flags, {"part_out_ptr": "*fp32",
+                        "part_lse_ptr": "*fp32"}, run | {"num_warps": 1}))  # fmt: skip
+        flags = {"A_ROW_DIV": 8, "HAS_SCALE": True, "PRECISION": "tf32", "BLOCK_M": 16,
+                 "BLOCK_N": 64, "BLOCK_K": 128, "PDL": pdl}  # fmt: skip
+        ints = {"scale_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}
+        out.append(case(moe._grouped_gemm_kernel, flags, ints, run))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ptx", type=Path, default=None)
+    args = parser.parse_args()
+    print(f"triton {triton.__version__}, target sm_90")
+    failed = 0
+    for n, (label, source, options) in enumerate(cases()):
+        try:
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        except Exception as exc:  # a compile error of any kind: report it, go on
+            failed += 1
+            print(f"FAIL {label}: {str(exc).strip().splitlines()[0][:160]}")
+            continue
+        print(f"OK   {label}")
+        if args.ptx is not None:
+            args.ptx.mkdir(parents=True, exist_ok=True)
+            (args.ptx / f"{n:02d}.ptx").write_text(compiled.asm["ptx"])
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
