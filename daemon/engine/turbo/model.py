@@ -193,7 +193,12 @@ class TurboModel:
         if self._vector(hidden):  # [1, V]
             norm = kernels.Norm(w.norm, c.rms_norm_eps, residual)  # no stream after it
             logits = kernels.vector_gemv(
-                hidden, w.lm_head, norm=norm, out_dtype=torch.float32, received=received
+                hidden,
+                w.lm_head,
+                norm=norm,
+                out_dtype=torch.float32,
+                received=received,
+                sharded=self.tp.enabled,
             )
             return self._gathered(logits, out)
         if received is not None:
@@ -311,7 +316,9 @@ class TurboModel:
         if self._vector(x) and isinstance(weight, Tensor):
             summed = torch.empty_like(residual) if res is not None else None
             norm_of = kernels.Norm(norm, eps, res, summed)
-            y = kernels.vector_gemv(x, weight, bias, norm=norm_of, received=received)
+            y = kernels.vector_gemv(
+                x, weight, bias, norm=norm_of, received=received, sharded=self.tp.enabled
+            )
             return y, summed if summed is not None else residual
         if received is not None:
             raise ValueError("a received sum is taken by vector_gemv only")

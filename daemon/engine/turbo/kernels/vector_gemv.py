@@ -157,12 +157,14 @@ def vector_gemv(
     out_dtype: torch.dtype | None = None,
     tiles: tuple[int, int, int, int] | None = None,
     received: Point | None = None,
+    sharded: bool = False,
 ) -> Tensor:
     """x: [1, K], weight: [N, K], bias: [N] -> [1, N] in `out_dtype` (default: x's),
     from a float32 accumulator. `norm` makes the product's input first (the module
     docstring). tiles: (BLOCK_N, BLOCK_K, warps, stages) instead of default_tiles'.
     With `received`, x is this rank's row at that point (gemv's `send` result) and the
-    input is the group's sum there."""
+    input is the group's sum there. `sharded`: a tensor-parallel rank's product (its
+    tiles, default_tiles)."""
     n, k = weight.shape
     if x.shape != (1, k) or not x.is_contiguous() or weight.stride(1) != 1:
         raise ValueError(f"vector_gemv takes one contiguous row of {k}, got {tuple(x.shape)}")
@@ -179,7 +181,7 @@ def vector_gemv(
         _check(norm, x, k)
         residual, summed = norm.residual, norm.summed
     y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
-    block_n, block_k, num_warps, num_stages = tiles or default_tiles(n, k, received is not None)
+    block_n, block_k, num_warps, num_stages = tiles or default_tiles(n, k, sharded)
     launch = pdl.launch_options(x.device)
     _vector_gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
@@ -212,17 +214,19 @@ def vector_gemv(
     return y
 
 
-def default_tiles(n: int, k: int, received: bool = False) -> tuple[int, int, int, int]:
+def default_tiles(n: int, k: int, sharded: bool = False) -> tuple[int, int, int, int]:
     """The fastest of scripts/gemv_bench.py's tilings at Llama-3-8B's and Qwen3-8B's
     shapes, whole and one rank of two (H100, bf16): 4 rows x 1024 of K for the layers'
-    products, 16 x 512 for a vocabulary's (more programs than SMs either way). A received
-    input (every program reads its own row and the peers' tagged words, three times
-    the bytes of a row at TP 2) takes 8 x 512: half the programs, so half those reads
-    (two H200s: the TP 2 batch-1 step 2.752 -> 2.723 ms; docs/benchmarks.md)."""
+    products, 16 x 512 for a vocabulary's (more programs than SMs either way). A
+    tensor-parallel rank's layer products take 8 x 512: with the peer exchange every
+    program reads its own row and the peers' tagged words, three times a row's bytes at
+    TP 2, and half the programs read half of that (two H200s, Llama-3-8B shape: the TP 2
+    batch-1 step 2.752 -> 2.723 ms; docs/benchmarks.md). Its NCCL path takes the same
+    tiles, so the two sum in the same order (bit-equal logits, a GPU test)."""
     if n >= 50000:
         block_n, block_k = 16, 512
     else:
-        block_n, block_k = (8, 512) if received else (4, 1024)
+        block_n, block_k = (8, 512) if sharded else (4, 1024)
     return block_n, min(block_k, triton.next_power_of_2(k)), 4, 3
 
 
