@@ -21,7 +21,9 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -72,6 +74,19 @@ def batch1_step(engine: Engine, input_len: int, output_len: int) -> float:
     return min(full - first for full, first in runs) / (output_len - 1)
 
 
+def step_with(
+    engine: Engine, switch: Callable[[bool], None], args: argparse.Namespace, max_batch: int
+) -> float:
+    """The batch-1 step with `switch(True)`, then switched back (graphs recaptured each
+    way)."""
+    switch(True)
+    engine.backend.capture_graphs(engine.pool.kv, max_batch)
+    seconds = batch1_step(engine, args.input_len, args.output_len)
+    switch(False)
+    engine.backend.capture_graphs(engine.pool.kv, max_batch)
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("model", type=Path)
@@ -89,7 +104,7 @@ def main() -> None:
     parser.add_argument(
         "--pdl",
         action="store_true",
-        help="the batch-1 step again with the products' programmatic dependent launch",
+        help="the batch-1 step again with its kernels launched with PDL (kernels/pdl.py)",
     )
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -115,23 +130,22 @@ def main() -> None:
                           "batch": batch, "seconds": round(seconds, 3),
                           "output_tokens_per_s": rate}), flush=True)  # fmt: skip
     step = batch1_step(engine, args.input_len, args.output_len)
-    if args.separate_batch1:  # the same again, the norms in kernels of their own
-        model = engine.backend.model  # type: ignore[attr-defined]  # turbo's
-        model.fused_batch1 = False
-        engine.backend.capture_graphs(engine.pool.kv, max(batches))
-        separate = batch1_step(engine, args.input_len, args.output_len)
-        line = {"model": args.model.name, "batch1_step_ms": round(step * 1e3, 3),
-                "separate_batch1_step_ms": round(separate * 1e3, 3)}  # fmt: skip
-        print(json.dumps(line), flush=True)
-    if args.pdl:  # the same again, the products launched with PDL (kernels/pdl.py)
-        pdl.ENABLED = True
-        engine.backend.capture_graphs(engine.pool.kv, max(batches))
-        with_pdl = batch1_step(engine, args.input_len, args.output_len)
-        pdl.ENABLED = False
-        engine.backend.capture_graphs(engine.pool.kv, max(batches))
-        line = {"model": args.model.name, "batch1_step_ms": round(step * 1e3, 3),
-                "pdl_batch1_step_ms": round(with_pdl * 1e3, 3)}  # fmt: skip
-        print(json.dumps(line), flush=True)
+    backend: Any = engine.backend  # turbo's model, for the first
+    switches: dict[str, tuple[bool, Callable[[bool], None]]] = {
+        # the norms in kernels of their own
+        "separate_batch1_step_ms": (
+            args.separate_batch1,
+            lambda on: setattr(backend.model, "fused_batch1", not on),
+        ),
+        # the kernels launched with PDL (kernels/pdl.py)
+        "pdl_batch1_step_ms": (args.pdl, lambda on: setattr(pdl, "ENABLED", on)),
+    }
+    for name, (asked, switch) in switches.items():
+        if asked:
+            again = step_with(engine, switch, args, max(batches))
+            line = {"model": args.model.name, "batch1_step_ms": round(step * 1e3, 3),
+                    name: round(again * 1e3, 3)}  # fmt: skip
+            print(json.dumps(line), flush=True)
     if engine.backend.name != "turbo":  # the floor's bytes are counted on turbo's weights
         print(json.dumps({"model": args.model.name, "backend": engine.backend.name,
                           "batch1_step_ms": round(step * 1e3, 3)}), flush=True)  # fmt: skip

@@ -68,13 +68,13 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
     for pdl in (False, True):
         run = {"num_warps": 4, "num_stages": 3, "launch_pdl": pdl}
         for peers, rank, block_n, block_k in ((0, 0, 4, 1024), (2, 1, 8, 512), (3, 2, 16, 64)):
-            flags = {"PEERS": peers, "RANK": rank, "BITS": 16, "HAS_BIAS": False, "NORM": True,
+            flags = {"PEERS": peers, "RANK": rank, "HAS_BIAS": False, "NORM": True,
                      "HAS_RESIDUAL": True, "HAS_SUMMED": True, "BLOCK_N": block_n,
                      "BLOCK_K": block_k, "PDL": pdl}  # fmt: skip
             out.append(case(vector_gemv._vector_gemv_kernel, flags, tagged, run))
         sends = {"word_ptrs": "*i64", "step_ptr": "*i64"}
         for peers, rank in ((0, 0), (2, 0), (2, 1)):
-            flags = {"HAS_BIAS": False, "PEERS": peers, "RANK": rank, "BITS": 16,
+            flags = {"HAS_BIAS": False, "PEERS": peers, "RANK": rank,
                      "BLOCK_N": 32, "BLOCK_K": 512, "PDL": pdl}  # fmt: skip
             out.append(case(gemv._gemv_kernel, flags, sends, run | {"num_stages": 4}))
         flags = {"GELU": False, "BLOCK": 1024, "PDL": pdl}

@@ -255,7 +255,7 @@ def main() -> None:
     parser.add_argument(
         "--pdl",
         action="store_true",
-        help="batch 1 again (with each tiling) with the products' programmatic dependent launch",
+        help="batch 1 again (with each tiling) with its kernels launched with PDL",
     )
     parser.add_argument(
         "--variant-tp",

@@ -45,7 +45,6 @@ def _gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     HAS_BIAS: tl.constexpr,
     PEERS: tl.constexpr,  # the group's size when sending, else 0
     RANK: tl.constexpr,
-    BITS: tl.constexpr,  # the row's value width
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
@@ -73,7 +72,7 @@ def _gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     y = acc.to(y_ptr.dtype.element_ty)
     mask = (rows[:, None] < num_rows) & (cols[None, :] < n)
     if PEERS:  # the one row, tagged, into this rank's slot on every other rank first
-        words = tag(y, tl.load(step_ptr), BITS)
+        words = tag(y, tl.load(step_ptr))
         for q in tl.static_range(PEERS):
             if q != RANK:
                 dst = tl.load(word_ptrs + q).to(tl.pointer_type(words.dtype))
@@ -131,7 +130,6 @@ def gemv(
         HAS_BIAS=bias is not None,
         PEERS=send.exchange.size if send is not None else 0,
         RANK=send.exchange.rank if send is not None else 0,
-        BITS=8 * y.element_size(),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         PDL=bool(launch),

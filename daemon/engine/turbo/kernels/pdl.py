@@ -20,6 +20,7 @@ scripts/families_bench.py --pdl)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -34,7 +35,13 @@ def launch_options(device: torch.device) -> dict[str, Any]:
     """The launch's keyword arguments: PDL where enabled and the device has it."""
     if not ENABLED or device.type != "cuda":
         return {}
-    return {"launch_pdl": True} if torch.cuda.get_device_capability(device)[0] >= 9 else {}
+    return {"launch_pdl": True} if _has_pdl(device.index) else {}
+
+
+@functools.cache
+def _has_pdl(index: int | None) -> bool:
+    """Hopper or later (asked once a device: launches ask at every eager step)."""
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 @triton.jit

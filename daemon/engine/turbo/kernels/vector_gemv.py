@@ -58,7 +58,6 @@ def _input(  # noqa: PLR0917  # Triton functions take positional arguments
     k,
     PEERS: tl.constexpr,
     RANK: tl.constexpr,
-    BITS: tl.constexpr,
 ):
     """x's slice ks in float32: x itself, or the group's sum there: x (this rank's row)
     and the other ranks' rows of tagged words [PEERS, k], in rank order, rounded to x's
@@ -70,7 +69,7 @@ def _input(  # noqa: PLR0917  # Triton functions take positional arguments
             if q == RANK:
                 x += tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
             else:
-                row = received_row(words_ptr + q * k, ks, kmask, step, dtype, BITS)
+                row = received_row(words_ptr + q * k, ks, kmask, step, dtype)
                 x += row.to(tl.float32)
         return x.to(dtype).to(tl.float32)
     return tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
@@ -93,7 +92,6 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
     stride_w,
     PEERS: tl.constexpr,  # the group's size when x is received, else 0
     RANK: tl.constexpr,
-    BITS: tl.constexpr,  # x's value width
     HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -122,7 +120,7 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
             scale = tl.load(norm_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             res = tl.load(res_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
-        x = _input(x_ptr, words_ptr, step, ks, kmask, k, PEERS, RANK, BITS)  # [BLOCK_K]
+        x = _input(x_ptr, words_ptr, step, ks, kmask, k, PEERS, RANK)  # [BLOCK_K]
         if NORM:
             if HAS_RESIDUAL:
                 x = (x + res).to(res_ptr.dtype.element_ty).to(tl.float32)
@@ -142,7 +140,7 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
             for k0 in range(0, k, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 kmask = ks < k
-                x = _input(x_ptr, words_ptr, step, ks, kmask, k, PEERS, RANK, BITS)
+                x = _input(x_ptr, words_ptr, step, ks, kmask, k, PEERS, RANK)
                 res = tl.load(res_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
                 summed = (x + res).to(summed_ptr.dtype.element_ty)
                 tl.store(summed_ptr + ks, summed, mask=kmask)
@@ -199,7 +197,6 @@ def vector_gemv(
         weight.stride(0),
         PEERS=received.exchange.size if received is not None else 0,
         RANK=received.exchange.rank if received is not None else 0,
-        BITS=8 * x.element_size(),
         HAS_BIAS=bias is not None,
         NORM=norm is not None,
         HAS_RESIDUAL=residual is not None,
