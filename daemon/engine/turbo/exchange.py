@@ -17,8 +17,8 @@ P = 2 points a layer (after o, after down). At point p:
 No flag and no fence: a word is one aligned store, so its tag vouches for its value (as
 NCCL's LL protocol does). `step` counts the steps that used the exchange (every rank
 runs the same steps; a device counter the graphs replay); a word written in step s
-holds tag s mod 2^(its value bits) and every step rewrites every word, so a stale word is always
-one step behind and never passes. A slot is written again one step later only after
+holds tag s mod 2^(the value's bits) and every step rewrites every word, so a stale
+word is always one step behind and never passes. A slot is written again one step later only after
 every rank has read it: a rank reaches point p of step s + 1 only with the other ranks'
 rows of point p - 1 of step s + 1, which each of them made after reading its point-p
 row of step s. A rank that dies mid-step leaves the others polling in the kernel, as
