@@ -3,7 +3,7 @@ against the HBM floor (docs/benchmarks.md, "turbo for Qwen3 and mixtures of expe
 
     python3 scripts/families_bench.py MODEL_DIR [--batches 1,64,512] [--input-len 512]
         [--output-len 256] [--backend turbo] [--quantization w4a16|fp8]
-        [--kv-cache-dtype int8|fp8] [--separate-batch1] [--pdl]
+        [--kv-cache-dtype int8|fp8] [--separate-batch1] [--separate-activation]
 
 One Engine for every batch (max_batch_size = the largest), the prompts and the timing of
 `lmd-bench offline` (random ids, greedy, ignore_eos, prefill included), after a warm-up
@@ -31,7 +31,6 @@ from lmd.bench.offline import random_prompts, time_engine
 from lmd.engine.config import EngineConfig
 from lmd.engine.engine import Engine
 from lmd.engine.kv_pool import block_bytes_of
-from lmd.engine.turbo.kernels import pdl
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -102,9 +101,9 @@ def main() -> None:
         help="the batch-1 step again with TurboModel.fused_batch1 off (the norms' own kernels)",
     )
     parser.add_argument(
-        "--pdl",
+        "--separate-activation",
         action="store_true",
-        help="the batch-1 step again with its kernels launched with PDL (kernels/pdl.py)",
+        help="the batch-1 step again with the MLP's activation in a kernel of its own",
     )
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -137,8 +136,11 @@ def main() -> None:
             args.separate_batch1,
             lambda on: setattr(backend.model, "fused_batch1", not on),
         ),
-        # the kernels launched with PDL (kernels/pdl.py)
-        "pdl_batch1_step_ms": (args.pdl, lambda on: setattr(pdl, "ENABLED", on)),
+        # the activation in a kernel of its own (TurboModel.fused_activation off)
+        "separate_activation_batch1_step_ms": (
+            args.separate_activation,
+            lambda on: setattr(backend.model, "fused_activation", not on),
+        ),
     }
     for name, (asked, switch) in switches.items():
         if asked:

@@ -5,7 +5,7 @@
 #   scripts/gpu-families.sh lmd|lmdeploy SHAPE BATCHES [FLAGS...]
 #       SHAPE: a scripts/random_models.py shape (qwen3-8b-shape, qwen3-30b-a3b-shape);
 #       BATCHES: e.g. 1,64,512. Prompts 512 in / 256 out, greedy, ignore_eos. FLAGS go
-#       to scripts/families_bench.py (lmd: e.g. --pdl, --quantization fp8).
+#       to scripts/families_bench.py (lmd: e.g. --separate-activation, --quantization fp8).
 # Carry .whl, .gpu-assets (qwen3-tokenizer: a copy of ../shared/assets/tokenizers/qwen3)
 # and, for lmdeploy, .lmdeploy (../shared/scripts/lmdeploy-anchor.sh). Results in $OUT:
 # families-tests.txt, families.jsonl (lmd's lines, then LMDeploy's), *-stderr.txt.

@@ -34,8 +34,8 @@ def kernels_of(module: str) -> Any:
     return importlib.import_module(f"lmd.engine.turbo.kernels.{module}")
 
 
-FLOATS = ("eps", "scale")  # float32 scalars
-NOT_ALIGNED = ("eps", "scale", "num_rows", "point", "layer", "window", "num_pairs")
+FLOATS = ("eps", "scale", "scale_log2")  # float32 scalars
+NOT_ALIGNED = ("eps", "scale", "scale_log2", "num_rows", "point", "layer", "window", "num_pairs")
 
 
 def case(
@@ -64,28 +64,30 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
     gemv, moe, vector_gemv = kernels_of("gemv"), kernels_of("moe"), kernels_of("vector_gemv")
     out = []
     flags: dict[str, Any]
-    tagged = {"words_ptr": "*i32", "step_ptr": "*i64"}
-    for pdl in (False, True):
-        run = {"num_warps": 4, "num_stages": 3, "launch_pdl": pdl}
-        for peers, rank, block_n, block_k in ((0, 0, 4, 1024), (2, 1, 8, 512), (3, 2, 16, 64)):
-            flags = {"PEERS": peers, "RANK": rank, "HAS_BIAS": False, "NORM": True,
-                     "HAS_RESIDUAL": True, "HAS_SUMMED": True, "BLOCK_N": block_n,
-                     "BLOCK_K": block_k, "PDL": pdl}  # fmt: skip
-            out.append(case(vector_gemv._vector_gemv_kernel, flags, tagged, run))
-        sends = {"word_ptrs": "*i64", "step_ptr": "*i64"}
-        for peers, rank in ((0, 0), (2, 0), (2, 1)):
-            flags = {"HAS_BIAS": False, "PEERS": peers, "RANK": rank,
-                     "BLOCK_N": 32, "BLOCK_K": 512, "PDL": pdl}  # fmt: skip
-            out.append(case(gemv._gemv_kernel, flags, sends, run | {"num_stages": 4}))
-        flags = {"GELU": False, "BLOCK": 1024, "PDL": pdl}
-        out.append(case(activation._silu_and_mul_kernel, flags, {}, run))
-        flags = {"NUM_HEADS": 32, "HEAD_DIM": 128, "NUM_SPLITS": 16, "BLOCK_D": 128, "PDL": pdl}
-        out.append(case(decode_attention._merge_kernel, flags, {"part_out_ptr": "*fp32",
-                        "part_lse_ptr": "*fp32"}, run | {"num_warps": 1}))  # fmt: skip
-        flags = {"A_ROW_DIV": 8, "HAS_SCALE": True, "PRECISION": "tf32", "BLOCK_M": 16,
-                 "BLOCK_N": 64, "BLOCK_K": 128, "PDL": pdl}  # fmt: skip
-        ints = {"scale_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}
-        out.append(case(moe._grouped_gemm_kernel, flags, ints, run))
+    run = {"num_warps": 4, "num_stages": 3}
+    for block_n, block_k, gated in ((4, 1024, False), (4, 1024, True), (8, 512, True)):
+        flags = {"HAS_BIAS": False, "NORM": True, "HAS_RESIDUAL": True, "HAS_SUMMED": True,
+                 "GATED": gated, "GELU": False, "BLOCK_N": block_n, "BLOCK_K": block_k}  # fmt: skip
+        out.append(case(vector_gemv._vector_gemv_kernel, flags, {}, run))
+    sends = {"word_ptrs": "*i64", "step_ptr": "*i64"}
+    for peers, rank in ((0, 0), (2, 0), (2, 1)):
+        flags = {"HAS_BIAS": False, "PEERS": peers, "RANK": rank, "BLOCK_N": 32, "BLOCK_K": 512}
+        out.append(case(gemv._gemv_kernel, flags, sends, run | {"num_stages": 4}))
+    flags = {"GELU": False, "BLOCK": 1024}
+    out.append(case(activation._silu_and_mul_kernel, flags, {}, run))
+    for kv, warps, splits in (("*bf16", 4, 8), ("*i8", 2, 8), ("*bf16", 4, 1)):
+        flags = {"GROUP": 4, "HEAD_DIM": 128, "NUM_SPLITS": splits, "BLOCK_G": 16,
+                 "BLOCK_D": 128, "BLOCK_N": 64, "DOT_PRECISION": "tf32", "HEADS_FIRST": True,
+                 "IN_BLOCK": True}  # fmt: skip
+        types = {"kv_ptr": kv, "tables_ptr": "*i32", "context_lens_ptr": "*i32",
+                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+                 "counters_ptr": "*i32"}  # fmt: skip
+        options = {"num_warps": warps, "num_stages": 2}
+        out.append(case(decode_attention._decode_kernel, flags, types, options))
+    flags = {"A_ROW_DIV": 8, "HAS_SCALE": True, "PRECISION": "tf32", "BLOCK_M": 16,
+             "BLOCK_N": 64, "BLOCK_K": 128}  # fmt: skip
+    ints = {"scale_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}
+    out.append(case(moe._grouped_gemm_kernel, flags, ints, run))
     return out
 
 

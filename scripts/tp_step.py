@@ -3,7 +3,7 @@ at batch 1 <= 0.65x of TP 1's"), on turbo with CUDA graphs, random bf16 weights.
 
     python3 scripts/tp_step.py MODEL_DIR --tp 1,2 --batches 1,64 [--context 512]
         [--separate-batch1] [--nccl-batch1] [--tiles 8x1024,...] [--gemv-tiles 16x512,...]
-        [--pdl] [--variant-tp 2] [--kernels 12]
+        [--separate-activation] [--variant-tp 2] [--kernels 12]
 
 For each size N, N processes (rank r on cuda:r, NCCL) load their shards, prefill B
 prompts of --context tokens, capture the decode graphs, then run 8 warm-up and --steps
@@ -38,7 +38,6 @@ from lmd.engine.backend import ForwardBatch
 from lmd.engine.kv_pool import KVPool
 from lmd.engine.parallel import join_group, leave_group
 from lmd.engine.turbo.backend import TurboBackend
-from lmd.engine.turbo.kernels import pdl
 
 # --tiles and --gemv-tiles replace the modules' default_tiles (looked up at each launch)
 # in the ranks.
@@ -61,7 +60,7 @@ def rank_main(rank: int, size: int, rendezvous: str, args: argparse.Namespace) -
     pool = KVPool.for_backend(backend, max(batches) * per_seq + 1, BLOCK)
     backend.capture_graphs(pool.kv, max(batches))
     exchange = backend.model.exchange  # batch-1 all-reduces over peer memory, if it fits
-    base = Variant(True, exchange, (None, None), pdl=False)
+    base = Variant(True, True, exchange, (None, None))
     now = base  # what the graphs hold
     gen = torch.Generator().manual_seed(0)
     for batch in batches:
@@ -83,9 +82,9 @@ def rank_main(rank: int, size: int, rendezvous: str, args: argparse.Namespace) -
         for variant in variants:
             if variant != now:
                 backend.model.fused_batch1 = variant.fused_batch1
+                backend.model.fused_activation = variant.fused_activation
                 backend.model.exchange = variant.exchange
                 use_tiles(*variant.tiles)
-                pdl.ENABLED = variant.pdl
                 now = variant
                 backend.capture_graphs(pool.kv, max(batches))
             times, back_to_back, kernels = time_steps(decode, args)
@@ -103,7 +102,7 @@ def rank_main(rank: int, size: int, rendezvous: str, args: argparse.Namespace) -
                     "step_ms_back_to_back": round(1e3 * back_to_back, 3),
                     "layer_tiles": variant.tiles[0],
                     "gemv_tiles": variant.tiles[1],
-                    "pdl": variant.pdl,
+                    "fused_activation": variant.fused_activation,
                     "device": torch.cuda.get_device_name(device),
                 }
                 print(json.dumps(line), flush=True)
@@ -119,9 +118,9 @@ class Variant:
     """What a timed run's graphs were captured with."""
 
     fused_batch1: bool
+    fused_activation: bool  # the MLP's activation in gate|up's launch (TurboModel)
     exchange: Any  # the peer exchange, or None: NCCL's all-reduces
     tiles: tuple[Tiles, Tiles]  # vector_gemv's layer tiles, gemv's tiles
-    pdl: bool  # kernels/pdl.py's programmatic dependent launch
 
 
 def batch1_variants(base: Variant, args: argparse.Namespace) -> list[Variant]:
@@ -129,13 +128,13 @@ def batch1_variants(base: Variant, args: argparse.Namespace) -> list[Variant]:
     variants = []
     if args.separate_batch1:  # the norms in kernels of their own
         variants.append(replace(base, fused_batch1=False))
+    if args.separate_activation:  # the activation in a kernel of its own
+        variants.append(replace(base, fused_activation=False))
     if args.nccl_batch1 and base.exchange is not None:  # NCCL's all-reduces instead
         variants.append(replace(base, exchange=None))
-    # every pair of the tiles asked for (each kernel's own included), with and without PDL
+    # every pair of the tiles asked for (each kernel's own included)
     pairs = product([None, *parse_tiles(args.tiles)], [None, *parse_tiles(args.gemv_tiles)])
-    for pdl_on, pair in product([False, True] if args.pdl else [False], pairs):
-        if (pdl_on, pair) != (False, (None, None)):
-            variants.append(replace(base, tiles=pair, pdl=pdl_on))
+    variants += [replace(base, tiles=pair) for pair in pairs if pair != (None, None)]
     return variants
 
 
@@ -144,8 +143,8 @@ def use_tiles(layer_tiles: Tiles, gemv_tiles: Tiles) -> None:
     gemv's tiles, or each kernel's own (None). The modules' default_tiles, which each
     launch looks up, are replaced."""
 
-    def vector_tiles(n: int, k: int, sharded: bool = False) -> tuple[int, int, int, int]:
-        block_n, block_k, warps, stages = _default_tiles(n, k, sharded)
+    def vector_tiles(n: int, k: int) -> tuple[int, int, int, int]:
+        block_n, block_k, warps, stages = _default_tiles(n, k)
         if layer_tiles is not None and n < 50000:  # the vocabulary's product keeps its own
             block_n, block_k = layer_tiles
         return block_n, min(block_k, triton.next_power_of_2(k)), warps, stages
@@ -253,9 +252,9 @@ def main() -> None:
         help="batch 1 again with gemv's tiles BNxBK (o, down; a comma list; with each --tiles)",
     )
     parser.add_argument(
-        "--pdl",
+        "--separate-activation",
         action="store_true",
-        help="batch 1 again (with each tiling) with its kernels launched with PDL",
+        help="batch 1 again with the MLP's activation in a kernel of its own",
     )
     parser.add_argument(
         "--variant-tp",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 # First: without CUDA this switches Triton to its interpreter before turbo is imported
 # (and skips this module where triton is not installed, as the next line says).
@@ -100,13 +101,30 @@ def test_vector_gemv_refuses_what_it_cannot_take() -> None:
         kernels.vector_gemv(x, w, norm=kernels.Norm(torch.ones(8, device=DEVICE), 1e-6, x, x))
     with pytest.raises(ValueError, match="weight of K"):
         kernels.vector_gemv(x, w, norm=kernels.Norm(torch.ones(4, device=DEVICE), 1e-6))
+    with pytest.raises(ValueError, match=r"gate \| up rows, got 5"):
+        kernels.vector_gemv(x, torch.zeros(5, 8, device=DEVICE), activation="silu")
+    with pytest.raises(ValueError, match="not silu or gelu_tanh"):
+        kernels.vector_gemv(x, w, activation="relu")
 
 
-def test_programmatic_dependent_launch_only_where_enabled_on_cuda(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize(("width", "k", "tiles"), [(35, 200, None), (24, 600, (8, 256, 4, 3))])
+def test_vector_gemv_folds_the_gated_activation(
+    width: int, k: int, tiles: tuple[int, int, int, int] | None, activation: str, dtype: torch.dtype
 ) -> None:
-    from lmd.engine.turbo.kernels import pdl
-
-    assert pdl.launch_options(torch.device("cpu")) == {}
-    monkeypatch.setattr(pdl, "ENABLED", True)
-    assert pdl.launch_options(torch.device("cpu")) == {}  # PDL is a CUDA launch's
+    """gate | up's product with act(gate) * up in its launch: the values of the product
+    and silu_and_mul, bit for bit, and near the float32 reference."""
+    w = (torch.randn(2 * width, k, device=DEVICE) / k**0.5).to(dtype)
+    b = torch.randn(2 * width, device=DEVICE).to(dtype)
+    x, residual = (torch.randn(1, k, device=DEVICE).to(dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(k, device=DEVICE)).to(dtype)
+    norm = kernels.Norm(weight, 1e-6, residual, torch.empty_like(residual))
+    y = kernels.vector_gemv(x, w, b, norm=norm, tiles=tiles, activation=activation)
+    product = kernels.vector_gemv(x, w, b, norm=norm, tiles=tiles)
+    assert y.shape == (1, width) and y.dtype == dtype
+    assert torch.equal(y, kernels.silu_and_mul(product, activation))
+    h = rms_norm_ref(x.float() + residual.float(), weight, 1e-6) @ w.float().t() + b.float()
+    gate, up = h.chunk(2, dim=-1)
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    assert rel_err(y, act * up) < 2 * TOLERANCE[dtype]

@@ -8,8 +8,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lmd.engine.turbo.kernels import pdl
-
 BLOCK = 1024
 
 
@@ -22,10 +20,7 @@ def _silu_and_mul_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
     width,
     GELU: tl.constexpr,
     BLOCK: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
-    if PDL:
-        pdl.wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -37,7 +32,7 @@ def _silu_and_mul_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
 
 @triton.jit
 def gated(gate, up, GELU: tl.constexpr):
-    """act(gate) * up in float32 (kernels/vector_gemv.py also applies it to its input)."""
+    """act(gate) * up in float32 (kernels/vector_gemv.py also applies it to its output)."""
     gate = gate.to(tl.float32)
     if GELU:  # 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2 / pi) (x + 0.044715 x^3)
         inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
@@ -64,7 +59,6 @@ def silu_and_mul(x: Tensor, activation: str = "silu") -> Tensor:
     if num_rows == 0:
         return out
     grid = (num_rows, triton.cdiv(width, BLOCK))
-    launch = pdl.launch_options(x.device)
     _silu_and_mul_kernel[grid](
         x,
         out,
@@ -73,7 +67,5 @@ def silu_and_mul(x: Tensor, activation: str = "silu") -> Tensor:
         width,
         GELU=activation == "gelu_tanh",
         BLOCK=BLOCK,
-        PDL=bool(launch),
-        **launch,
     )
     return out

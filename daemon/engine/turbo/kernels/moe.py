@@ -26,7 +26,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lmd.engine.turbo.kernels import pdl
 from lmd.engine.turbo.kernels.activation import silu_and_mul
 
 
@@ -51,10 +50,7 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
-    if PDL:  # (which expert's weights to prefetch is known only after the wait)
-        pdl.wait()
     expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
     if expert < 0:  # past the last expert's run: nothing to do
         return
@@ -97,10 +93,7 @@ def _top_k_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     NORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    if PDL:
-        pdl.wait()
     token = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + token * num_experts + e, mask=e < num_experts, other=-float("inf"))
@@ -137,12 +130,9 @@ def _align_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     BLOCK_E: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_B: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """One program: count, lay out, place. Phases meet at barriers; what one phase
     wrote is read back volatile (from L2, not a stale L1 line)."""
-    if PDL:
-        pdl.wait()
     e = tl.arange(0, BLOCK_E)
     real_e = e < num_experts
     tl.store(scratch_ptr + e, tl.zeros([BLOCK_E], dtype=tl.int32), mask=real_e)
@@ -195,7 +185,6 @@ def route(
     num_tokens, num_experts = logits.shape
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=h.device)
     experts = torch.empty(num_tokens, top_k, dtype=torch.int32, device=h.device)
-    launch = pdl.launch_options(h.device)
     _top_k_kernel[(num_tokens,)](
         logits,
         weights,
@@ -205,8 +194,6 @@ def route(
         NORMALIZE=normalize,
         BLOCK_E=triton.next_power_of_2(num_experts),
         BLOCK_K=triton.next_power_of_2(top_k),
-        PDL=bool(launch),
-        **launch,
     )
     return weights, experts
 
@@ -230,7 +217,6 @@ def align(experts: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tens
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
     scratch = torch.empty(num_experts, dtype=torch.int32, device=device)
     ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    launch = pdl.launch_options(device)
     _align_kernel[(1,)](
         flat,
         scratch,
@@ -245,9 +231,7 @@ def align(experts: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tens
         BLOCK_E=triton.next_power_of_2(num_experts),
         BLOCK=1024,
         BLOCK_B=max(16, 4096 // triton.next_power_of_2(num_experts)),
-        PDL=bool(launch),
         num_warps=8,
-        **launch,
     )
     return sorted_pairs, block_expert
 
@@ -286,7 +270,6 @@ def grouped_gemm(
         default = (64 if n >= 1024 else 32, 128, 4, 3)
     block_n, block_k, num_warps, num_stages = tiles or default
     grid = (block_expert.shape[0], triton.cdiv(n, block_n))
-    launch = pdl.launch_options(a.device)
     _grouped_gemm_kernel[grid](
         a,
         weight,
@@ -307,10 +290,8 @@ def grouped_gemm(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        PDL=bool(launch),
         num_warps=num_warps,
         num_stages=num_stages,
-        **launch,
     )
     return out
 

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lmd.engine.turbo.kernels import kv_quant, pdl
+from lmd.engine.turbo.kernels import kv_quant
 from lmd.engine.turbo.kernels.common import pool_scales
 
 SCALE_MIN = tl.constexpr(kv_quant.SCALE_MIN)
@@ -114,10 +114,7 @@ def _rotary_cache_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
     BLOCK_KVH: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HAS_QK_NORM: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
-    if PDL:
-        pdl.wait()
     HALF: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token)
@@ -218,7 +215,6 @@ def rotary_and_cache_write(
         raise kv_quant.missing_scales(kv)
     if num_tokens == 0:
         return
-    launch = pdl.launch_options(qkv.device)
     _rotary_cache_kernel[(num_tokens,)](
         qkv,
         positions,
@@ -240,7 +236,5 @@ def rotary_and_cache_write(
         BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         HAS_QK_NORM=q_norm is not None,
-        PDL=bool(launch),
         num_warps=4,
-        **launch,
     )

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# A batch-1 decode step's launches on a GPU machine (the device tool):
+#   scripts/gpu-batch1.sh [SHAPES]
+#       nvidia-h200, ~6 minutes: the GPU tests of the folded activation and of decode
+#       attention, then for each random_models.py shape (default
+#       llama3-8b-shape,qwen3-8b-shape) scripts/families_bench.py --batches 1
+#       --separate-activation: the batch-1 step, and again with the activation in a
+#       kernel of its own, against the HBM floor.
+#   scripts/gpu-batch1.sh tp
+#       nvidia-h200-x2: the peer exchange's GPU tests, then scripts/tp_step.py at batch 1,
+#       TP 1 and TP 2; at TP 2 also without the folded activation, through NCCL, and with
+#       vector_gemv at 8 x 512; every rank's kernel table (issue 23's 0.65x).
+# Carry .whl and .gpu-assets/smollm2-tokenizer. Results in $OUT: batch1-tests.txt,
+# batch1.jsonl (or tp-step.jsonl), batch1-stderr.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [[ ${1:-} == tp ]]; then
+  TESTS_TIMEOUT=200 scripts/gpu-tp.sh tests tests/unit/test_turbo_exchange.py -k exchange
+  STEP_TIMEOUT=${STEP_TIMEOUT:-400} exec scripts/gpu-tp.sh step llama3-8b-shape 1 \
+    --separate-activation --nccl-batch1 --tiles 8x512 --variant-tp 2 --kernels 8
+fi
+source scripts/gpu-env.sh
+timeout 300 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu/test_turbo_batch1_fused_gpu.py \
+  tests/gpu/test_turbo_kernels_gpu.py tests/gpu/test_kv_quant_gpu.py tests/unit/test_turbo_gemv.py \
+  tests/unit/test_turbo_decode_merge.py tests/gpu/test_turbo_backend_gpu.py 2>&1 \
+  | grep -v "^Writing" | tail -12 | tee "$out/batch1-tests.txt"
+python3 setup.py -q build_ext --inplace 2>&1 | tail -3  # lmd-bench imports lmd._native
+IFS=, read -ra shapes <<<"${1:-llama3-8b-shape,qwen3-8b-shape}"
+for shape in "${shapes[@]}"; do
+  [[ -f /tmp/$shape/config.json ]] ||
+    python3 scripts/random_models.py "$shape" --out-dir /tmp 2>&1 | grep -v "^Writing" | tail -2
+  timeout 240 python3 scripts/families_bench.py "/tmp/$shape" --batches 1 --separate-activation \
+    2>>"$out/batch1-stderr.txt" | tee -a "$out/batch1.jsonl"
+  rm -rf "/tmp/$shape"  # 16 GB each: the disk holds one at a time
+done
+grep -E "Error|error" "$out/batch1-stderr.txt" | tail -5

@@ -1,0 +1,59 @@
+"""A batch-1 decode step's MLP activation made in gate|up's launch (kernels/vector_gemv.py,
+TurboModel.fused_activation), bit for bit against the activation's own kernel: turbo's
+decode steps (CUDA graphs) of one sequence, logits equal, on a Llama and on each newer
+family (Gemma 3's tanh GELU among them). Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+pytest.importorskip("triton")
+
+from pathlib import Path
+
+from lmd.engine.turbo.backend import TurboBackend
+from tests.gpu.test_turbo_backend_gpu import save_bf16
+from tests.gpu.test_turbo_families_gpu import FAMILIES
+from tests.models import random_prompts
+from tests.unit.test_turbo_model import greedy, new_pool
+
+pytestmark = pytest.mark.gpu
+STEPS = 24
+
+
+def decode_logits(model_dir: Path, fused: bool) -> list[torch.Tensor]:
+    backend = TurboBackend(model_dir, torch.device("cuda"), torch.bfloat16)
+    backend.model.fused_activation = fused
+    kv = new_pool(backend, 512, 16)
+    backend.capture_graphs(kv, max_batch_size=8)
+    logits: list[torch.Tensor] = []
+    greedy(backend, random_prompts([37], 1000, seed=5), STEPS, kv=kv, logits=logits)
+    return logits
+
+
+def same_logits_fused(model_dir: Path) -> None:
+    fused, separate = decode_logits(model_dir, True), decode_logits(model_dir, False)
+    assert len(fused) == len(separate) == STEPS - 1  # the first token is the prefill's
+    for step, (got, want) in enumerate(zip(fused, separate, strict=True)):
+        assert torch.equal(got, want), step
+
+
+def test_a_llama_decodes_with_the_activation_folded_as_without(tmp_path: Path) -> None:
+    shape = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16}
+    same_logits_fused(
+        save_bf16(tmp_path, vocab_size=4096, num_hidden_layers=4, num_key_value_heads=4, **shape)
+    )
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_decodes_with_the_activation_folded_as_without(
+    tmp_path: Path, family: str
+) -> None:
+    model_class, config = FAMILIES[family]
+    torch.manual_seed(5)
+    model_class(config).to(torch.bfloat16).save_pretrained(tmp_path)  # type: ignore[arg-type]
+    same_logits_fused(tmp_path)
