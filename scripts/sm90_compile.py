@@ -80,10 +80,12 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
                  "BLOCK_D": 128, "BLOCK_N": 64, "DOT_PRECISION": "tf32", "HEADS_FIRST": True,
                  "IN_BLOCK": True}  # fmt: skip
         types = {"kv_ptr": kv, "tables_ptr": "*i32", "context_lens_ptr": "*i32",
-                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-                 "counters_ptr": "*i32"}  # fmt: skip
+                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}  # fmt: skip
         options = {"num_warps": warps, "num_stages": 2}
         out.append(case(decode_attention._decode_kernel, flags, types, options))
+    flags = {"NUM_HEADS": 32, "HEAD_DIM": 128, "NUM_SPLITS": 16, "BLOCK_D": 128}
+    out.append(case(decode_attention._merge_kernel, flags, {"part_out_ptr": "*fp32",
+                    "part_lse_ptr": "*fp32"}, run | {"num_warps": 1}))  # fmt: skip
     flags = {"A_ROW_DIV": 8, "HAS_SCALE": True, "PRECISION": "tf32", "BLOCK_M": 16,
              "BLOCK_N": 64, "BLOCK_K": 128}  # fmt: skip
     ints = {"scale_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}

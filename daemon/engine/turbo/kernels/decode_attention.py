@@ -3,13 +3,8 @@
 Grid (B, Hkv, splits): a program takes the G = H / Hkv query heads that share one KV
 head (GQA: each K/V tile is loaded once for the group, and the group's [G, D] queries
 make one small matrix product with it) over one split of the context. Splits let a few
-long sequences fill the GPU. With one split a program writes the output itself; with
-more, each writes its partial output and log-sum-exp (float32), and the last of a
-(sequence, KV head)'s programs to finish merges them by their log-sum-exp. It knows it
-is last from a counter of that (sequence, KV head) it increments (split_counters: zero
-at rest, reset by the merging program). A separate merge kernel would cost one more
-launch per layer and decode step, ~2-3 us of drain and ramp each in a CUDA graph at
-batch 1, where a step is a few hundred short kernels.
+long sequences fill the GPU; a second kernel merges the splits' partial outputs by their
+log-sum-exp. With one split the first kernel writes the output itself.
 
 Tokens are gathered through the block table (key j: block `block_tables[b, j // S]`,
 offset `j % S`), so any block size works; the rows of one key are head_dim contiguous
@@ -49,7 +44,6 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    counters_ptr,  # int32 [B * Hkv], zero at rest (split_counters)
     stride_q_seq,
     stride_q_head,
     stride_tables,
@@ -160,101 +154,38 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=omask)
     else:
         # part_out: [B, H, NUM_SPLITS, BLOCK_D] float32, part_lse: [B, H, NUM_SPLITS].
-        num_heads = num_kv_heads * GROUP
-        row = (seq * num_heads + heads) * NUM_SPLITS + split
+        row = (seq * (num_kv_heads * GROUP) + heads) * NUM_SPLITS + split
         tl.store(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], out, mask=omask)
         lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=gmask)
-        # Count this split done. The barrier orders every thread's stores above before the
-        # atomic (one thread runs it), whose release publishes them at GPU scope (CUTLASS's
-        # semaphore does the same); its acquire, by the last program, makes the other
-        # programs' stores visible to that program's threads, which wait for its result.
-        tl.debug_barrier()
-        counter = counters_ptr + seq * num_kv_heads + kv_head
-        done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if done == NUM_SPLITS - 1:
-            _merge_splits(
-                part_out_ptr,
-                part_lse_ptr,
-                out_ptr + seq * stride_out_seq,
-                (seq * num_heads + kv_head * GROUP) * NUM_SPLITS,
-                stride_out_head,
-                kv_head * GROUP,
-                GROUP,
-                HEAD_DIM,
-                NUM_SPLITS,
-                BLOCK_D,
-            )
-            tl.store(counter, 0)  # zero at rest again, for the next launch or graph replay
 
 
 @triton.jit
-def _merge_splits(  # noqa: PLR0917  # Triton functions take positional arguments
+def _merge_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     part_out_ptr,
     part_lse_ptr,
-    seq_out_ptr,  # the sequence's output row
-    first_row,  # the first head's first partial row
+    out_ptr,
+    stride_out_seq,
     stride_out_head,
-    first_head,
-    GROUP: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Write the output of GROUP query heads from their NUM_SPLITS partials each: the
-    partial outputs weighted by exp2(lse - the largest lse), over the sum of the weights.
-
-    One head at a time (a [NUM_SPLITS, BLOCK_D] tile; all GROUP heads at once would
-    take NUM_SPLITS times the registers of the attention's accumulator); unrolled, so
-    the heads' loads overlap. Plain loads: they come after the acquire of the atomic
-    that found this program last (see _decode_kernel), which on NVIDIA GPUs also drops
-    the multiprocessor's L1 lines, so no stale copy of another program's partials is
-    read; nothing loads them before it (no speculation past the acquire and branch).
-    """
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
     s = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, BLOCK_D)
-    for g in tl.static_range(GROUP):
-        row = first_row + g * NUM_SPLITS + s  # [NUM_SPLITS]
-        lse = tl.load(part_lse_ptr + row)
-        m = tl.max(lse, axis=0)
-        m = tl.where(m == float("-inf"), 0.0, m)  # an empty sequence (a padding row)
-        w = tl.exp2(lse - m)  # empty splits weigh 0
-        total = tl.sum(w, axis=0)
-        parts = tl.load(part_out_ptr + row[:, None] * BLOCK_D + d[None, :])
-        out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-        dst = seq_out_ptr + (first_head + g) * stride_out_head + d
-        tl.store(dst, out.to(seq_out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
-
-
-# Per device, every counter buffer split_counters has made, the newest (largest) last.
-# An outgrown buffer stays allocated: a CUDA graph captured with it keeps its address.
-_counters: dict[torch.device, list[Tensor]] = {}
-
-
-def split_counters(device: torch.device, count: int) -> Tensor:
-    """A buffer of at least `count` int32 counters on `device`, zero at rest: one per
-    (sequence, KV head), the number of its split programs done (the last resets it).
-
-    The same buffer serves every launch on the device, so a CUDA graph replays with the
-    address it captured: launches on one stream run one after another (the engine
-    decodes on one stream per device), and each leaves the counters zero. A launch that
-    needs more counters gets a new, zeroed, buffer (a power of two); that allocation
-    must not happen inside a graph capture, so it raises there. DecodeGraphs.capture
-    (graphs.py) guarantees it does not: each bucket is captured right after an eager
-    run of the same step (same batch size and splits), which grows the buffer first.
-    """
-    buffers = _counters.setdefault(device, [])
-    if buffers and buffers[-1].numel() >= count:
-        return buffers[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"decode attention needs {count} split counters on {device} during a CUDA graph "
-            "capture; run the same step eagerly before capturing it"
-        )
-    buffers.append(
-        torch.zeros(max(1024, triton.next_power_of_2(count)), dtype=torch.int32, device=device)
-    )
-    return buffers[-1]
+    row = (seq * NUM_HEADS + head) * NUM_SPLITS + s  # [NUM_SPLITS]
+    lse = tl.load(part_lse_ptr + row)
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # an empty sequence (a padding row)
+    w = tl.exp2(lse - m)  # empty splits weigh 0
+    total = tl.sum(w, axis=0)
+    parts = tl.load(part_out_ptr + row[:, None] * BLOCK_D + d[None, :])
+    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    dst = out_ptr + seq * stride_out_seq + head * stride_out_head + d
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
@@ -319,9 +250,8 @@ def decode_attention(
         part_lse = torch.empty(
             num_seqs * num_heads * num_splits, dtype=torch.float32, device=q.device
         )
-        counters = split_counters(q.device, num_seqs * num_kv_heads)
     else:
-        part_out = part_lse = counters = out  # unused
+        part_out = part_lse = out  # unused
     grid = (num_kv_heads, num_seqs) if heads_first else (num_seqs, num_kv_heads)
     _decode_kernel[(*grid, num_splits)](
         q,
@@ -331,7 +261,6 @@ def decode_attention(
         out,
         part_out,
         part_lse,
-        counters,
         q.stride(0),
         q.stride(1),
         block_tables.stride(0),
@@ -354,4 +283,17 @@ def decode_attention(
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if num_splits > 1:
+        _merge_kernel[(num_seqs, num_heads)](
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits,
+            BLOCK_D=block_d,
+            num_warps=1,
+        )
     return out
