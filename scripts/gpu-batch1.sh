@@ -8,8 +8,8 @@
 #       kernel of its own, against the HBM floor.
 #   scripts/gpu-batch1.sh tp
 #       nvidia-h200-x2: the peer exchange's GPU tests, then scripts/tp_step.py at batch 1,
-#       TP 1 and TP 2; at TP 2 also through NCCL and with
-#       vector_gemv at 8 x 512; every rank's kernel table (issue 23's 0.65x).
+#       TP 1 and TP 2; at TP 2 also with the activation in its own kernel and through
+#       NCCL; every rank's kernel table (issue 23's 0.65x).
 # Carry .whl and .gpu-assets/smollm2-tokenizer. Results in $OUT: batch1-tests.txt,
 # batch1.jsonl (or tp-step.jsonl), batch1-stderr.txt.
 set -uo pipefail
@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 if [[ ${1:-} == tp ]]; then
   TESTS_TIMEOUT=150 scripts/gpu-tp.sh tests tests/unit/test_turbo_exchange.py -k exchange
   STEP_TIMEOUT=${STEP_TIMEOUT:-380} exec scripts/gpu-tp.sh step llama3-8b-shape 1 \
-    --nccl-batch1 --tiles 8x512 --variant-tp 2 --kernels 8
+    --separate-activation --nccl-batch1 --variant-tp 2 --kernels 8
 fi
 source scripts/gpu-env.sh
 timeout 300 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu/test_turbo_batch1_fused_gpu.py \
