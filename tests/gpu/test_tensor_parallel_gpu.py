@@ -114,7 +114,7 @@ def test_batch1_steps_through_the_peer_exchange_equal_nccl_ones(model_dir: Path)
     for got, want in zip(peers, nccl, strict=True):
         differ = [
             i
-            for i, (a, b) in enumerate(zip(got["logits"], want["logits"]))
+            for i, (a, b) in enumerate(zip(got["logits"], want["logits"], strict=True))
             if not np.array_equal(a, b)
         ]
         first = differ[0] if differ else None

@@ -39,7 +39,7 @@ def group(size: int, width: int, dtype: torch.dtype) -> list[PeerExchange]:
     [(2, 48, 40, 24, None), (3, 100, 70, 33, None), (2, 48, 40, 24, "silu")],
 )
 def test_products_all_reduce_through_the_exchange(
-    size: int, k_in: int, width: int, n_out: int, activation: str | None, dtype: torch.dtype
+    size: int, k_in: int, width: int, n_out: int, *, activation: str | None, dtype: torch.dtype
 ) -> None:
     gen = torch.Generator(device=DEVICE).manual_seed(0)
 

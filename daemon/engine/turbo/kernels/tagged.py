@@ -51,10 +51,13 @@ def _read(words_ptr, ks, kmask, step, dtype: tl.constexpr):
 def received_row(words_ptr, ks, kmask, step, dtype: tl.constexpr):
     """The values at ks of one row of tagged words, once every word there carries this
     step's tag. The words keep that tag until every rank has read them
-    (turbo/exchange.py), so a read after the wait sees them still."""
-    value, ready = _read(words_ptr, ks, kmask, step, dtype)
-    if ready == 0:  # not all here yet: wait, read again
-        while ready == 0:  # only a scalar carried round: Triton 3.6 cannot lay out more
-            _, ready = _read(words_ptr, ks, kmask, step, dtype)
-        value, ready = _read(words_ptr, ks, kmask, step, dtype)
+    (turbo/exchange.py), so the values are read after the wait, always: Triton may load
+    a tensor once for each layout its users want (one for the tags' check, one for the
+    values), and a value loaded beside the check, not after it, can be the step
+    before's (seen on two H200s: a send whose programs read their peers' words at once
+    summed stale values now and then)."""
+    _, ready = _read(words_ptr, ks, kmask, step, dtype)
+    while ready == 0:  # only a scalar carried round: Triton 3.6 cannot lay out more
+        _, ready = _read(words_ptr, ks, kmask, step, dtype)
+    value, _ = _read(words_ptr, ks, kmask, step, dtype)
     return value
