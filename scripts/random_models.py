@@ -205,9 +205,10 @@ def main() -> None:
                 model = model_class(config)
             model.save_pretrained(path)
             del model
-        if args.tokenizer is not None:
+        if args.tokenizer is not None:  # its files, but not a model's (config.json)
             for f in args.tokenizer.iterdir():
-                shutil.copy(f, path / f.name)
+                if f.name not in ("config.json", "generation_config.json"):
+                    shutil.copy(f, path / f.name)
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
 
