@@ -78,6 +78,23 @@ def idle_and_leak_free(daemon: Daemon, names: list[str]) -> None:
     wait_until(whole, 10, f"all KV blocks free on {', '.join(names)}")
 
 
+def migrations_counted(daemon: Daemon, total: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """prefill-0's and decode-0's status once both count `total` migrations or more. The
+    counts come with the workers' heartbeats, once a second: a read right after the
+    requests (or after idle_and_leak_free, which an earlier heartbeat can satisfy) may
+    not hold the last ones yet."""
+
+    def counted() -> tuple[dict[str, Any], dict[str, Any]] | None:
+        prefill, decode = daemon.worker("prefill-0"), daemon.worker("decode-0")
+        done = min(prefill["migration"]["count"], decode["migration"]["received"]) >= total
+        return (prefill, decode) if done else None
+
+    result: tuple[dict[str, Any], dict[str, Any]] = wait_until(
+        counted, 10, f"{total} migrations counted"
+    )
+    return result
+
+
 @pytest.mark.timeout(600)
 def test_disaggregated_equals_hybrid_token_for_token() -> None:
     results = {}
@@ -89,9 +106,8 @@ def test_disaggregated_equals_hybrid_token_for_token() -> None:
             engines = ["hybrid-0"] if mode == "hybrid" else ["prefill-0", "decode-0"]
             idle_and_leak_free(daemon, engines)
             if mode == "disaggregated":
-                prefill = daemon.worker("prefill-0")["migration"]
-                decode = daemon.worker("decode-0")["migration"]
                 total = 2 * len(PROMPTS)
+                prefill, decode = (w["migration"] for w in migrations_counted(daemon, total))
                 assert prefill["count"] == decode["received"] == total, (prefill, decode)
                 assert prefill["bytes"] > 0 and prefill["failures"] == 0
                 scrape = httpx.get(f"{daemon.url}/metrics").text

@@ -19,6 +19,7 @@ from tests.integration.test_migration import (
     PROMPTS,
     idle_and_leak_free,
     kill_decode_during_migrations,
+    migrations_counted,
     outputs,
 )
 
@@ -38,9 +39,9 @@ def test_nixl_disaggregated_equals_hybrid_token_for_token() -> None:
             results[mode] = outputs(daemon)
             if mode == "disaggregated":
                 idle_and_leak_free(daemon, ["prefill-0", "decode-0"])
-                prefill, decode = daemon.worker("prefill-0"), daemon.worker("decode-0")
-                assert prefill["transport"] == decode["transport"] == "nixl"
                 total = 2 * len(PROMPTS)
+                prefill, decode = migrations_counted(daemon, total)
+                assert prefill["transport"] == decode["transport"] == "nixl"
                 migrated = (prefill["migration"]["count"], decode["migration"]["received"])
                 assert migrated == (total, total)
                 assert prefill["migration"]["bytes"] > 0
