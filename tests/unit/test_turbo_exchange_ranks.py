@@ -51,14 +51,14 @@ def shared(t: torch.Tensor) -> torch.Tensor:
 def run_rank(exchange: PeerExchange, out: torch.Tensor) -> None:
     """A rank's steps: at each point its partial row sent, then the product on the sum."""
     torch.set_num_threads(1)
-    w_in, xs = inputs(exchange.rank)
+    (w_in, xs), w = inputs(exchange.rank), w_out()
     for step in range(STEPS):
         exchange.begin_step()
         for p in range(POINTS):
             point = Point(exchange, p)
             time.sleep(0.05 * exchange.rank)  # rank 0 then waits for rank 1's words
             row = kernels.gemv(xs[step * POINTS + p], w_in[p], send=point)
-            out[step, p] = kernels.vector_gemv(row, w_out(), received=point)[0]
+            out[step, p] = kernels.vector_gemv(row, w, received=point)[0]
 
 
 def test_two_rank_processes_wait_for_each_others_rows() -> None:

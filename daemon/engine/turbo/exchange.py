@@ -18,10 +18,11 @@ No flag and no fence: a word is one aligned store, so its tag vouches for its va
 NCCL's LL protocol does). `step` counts the steps that used the exchange (every rank
 runs the same steps; a device counter the graphs replay); a word written in step s
 holds tag s mod 2^(the value's bits) and every step rewrites every word, so a stale
-word is always one step behind and never passes. A slot is written again one step later only after
-every rank has read it: a rank reaches point p of step s + 1 only with the other ranks'
-rows of point p - 1 of step s + 1, which each of them made after reading its point-p
-row of step s. A rank that dies mid-step leaves the others polling in the kernel, as
+word is always one step behind and never passes (a reader takes the values only after
+the wait, kernels/tagged.py). A slot is written again one step later only after every
+rank has read it: a rank reaches point p of step s + 1 only with the other ranks' rows
+of point p - 1 of step s + 1, which each of them made after reading its point-p row of
+step s. A rank that dies mid-step leaves the others polling in the kernel, as
 NCCL would wait, until the supervisor restarts the group.
 
 Only one-row steps (decode at batch 1) of dense models in half precision take it;

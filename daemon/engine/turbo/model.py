@@ -323,27 +323,27 @@ class TurboModel:
         act(gate) * up (in vector_gemv's launch too, where fused_activation)."""
         eps = self.config.rms_norm_eps
         x, res = (residual, None) if hidden is None else (hidden, residual)
+        folded = None  # the activation vector_gemv made
         if self._vector(x) and isinstance(weight, Tensor):
             summed = torch.empty_like(residual) if res is not None else None
-            norm_of = kernels.Norm(norm, eps, res, summed)
             folded = activation if self.fused_activation else None
             y = kernels.vector_gemv(
                 x,
                 weight,
                 bias,
-                norm=norm_of,
+                norm=kernels.Norm(norm, eps, res, summed),
                 received=received,
                 sharded=self.tp.enabled,
                 activation=folded,
             )
-            if activation is not None and folded is None:
-                y = kernels.silu_and_mul(y, activation)
-            return y, summed if summed is not None else residual
-        if received is not None:
+            residual = summed if summed is not None else residual
+        elif received is not None:
             raise ValueError("a received sum is taken by vector_gemv only")
-        h = kernels.rms_norm(x, norm, eps, res)
-        y = self._linear(h, weight, bias)
-        return (y if activation is None else kernels.silu_and_mul(y, activation)), residual
+        else:
+            y = self._linear(kernels.rms_norm(x, norm, eps, res), weight, bias)
+        if activation is not None and folded is None:
+            y = kernels.silu_and_mul(y, activation)
+        return y, residual
 
     def _vector(self, x: Tensor) -> bool:
         """Whether this step's products take kernels/vector_gemv.py (see fused_batch1)."""
