@@ -2,11 +2,12 @@
 processes on the CPU, Triton's interpreter in each (float16: it has no bfloat16),
 forked after their buffers are put in shared memory (so each rank's pointer table names
 the other's words at the same address). Each rank runs a model's order of products,
-gemv's `send` at a point then vector_gemv's `received` there, for four points and three
-steps across the tag's wrap; rank 1 pauses before each send, so rank 0's product finds
-its words missing, or a step behind, and waits. Each received product equals the one
-on the sum made first, bit for bit. (tests/unit/test_turbo_exchange.py covers the
-kernels on one process, with every peer's words already written.)
+gemv's `send` at a point (which sums the row over the group) then a product on that
+row, for four points and three steps across the tag's wrap; rank 1 pauses before each
+send, so rank 0's send finds its words missing, or a step behind, and waits. Each
+product equals the one on the sum made first, bit for bit.
+(tests/unit/test_turbo_exchange.py covers the kernels on one process, with every peer's
+words already written.)
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def run_rank(exchange: PeerExchange, out: torch.Tensor) -> None:
             point = Point(exchange, p)
             time.sleep(0.05 * exchange.rank)  # rank 0 then waits for rank 1's words
             row = kernels.gemv(xs[step * POINTS + p], w_in[p], send=point)
-            out[step, p] = kernels.vector_gemv(row, w, received=point)[0]
+            out[step, p] = kernels.vector_gemv(row, w)[0]
 
 
 def test_two_rank_processes_wait_for_each_others_rows() -> None:

@@ -5,25 +5,27 @@ peer memory instead of NCCL (issue 23: 64 all-reduces of 8 KiB were ~0.5 ms of a
 Every rank maps one buffer of every other rank (PyTorch's symmetric memory over CUDA
 IPC; no NVLink multicast): `words` [P, N, K], a row per point and rank of tagged words
 (kernels/tagged.py: a value and the step's count in one word of twice its width),
-P = 2 points a layer (after o, after down). At point p:
-  1. the row-parallel product (o or down, kernels/gemv.py with `send`) writes its
-     partial row into its own `rows[p]` and, tagged with this step, into slot
+P = 2 points a layer (after o, after down). At point p the row-parallel product (o or
+down, kernels/gemv.py with `send`) sums its own row over the group: each program
+  1. stores its columns of this rank's partial row, tagged with this step, into slot
      [p, its rank] of every other rank's `words`;
-  2. the next product (qkv, gate|up or lm_head, kernels/vector_gemv.py with
-     `received`) reads each other rank's row at p from its own `words`, polling every
-     slice until each word there carries this step's tag, and sums the N rows in rank
-     order in float32, rounded to the weights' dtype (what NCCL's sum gives), and goes
-     on as with a summed input.
+  2. polls its own `words` until the other ranks' words for its columns carry this
+     step's tag, and writes the sum (the N rows in rank order in float32, rounded to
+     the weights' dtype: what NCCL's sum gives) into this rank's `rows[p]`,
+so the next product (qkv, gate|up or lm_head) reads a plain summed row. Every rank's
+programs of one send wait for each other's: a send takes at most one program a
+multiprocessor, so all of them run at once on every GPU.
 No flag and no fence: a word is one aligned store, so its tag vouches for its value (as
 NCCL's LL protocol does). `step` counts the steps that used the exchange (every rank
 runs the same steps; a device counter the graphs replay); a word written in step s
 holds tag s mod 2^(the value's bits) and every step rewrites every word, so a stale
-word is always one step behind and never passes (a reader takes the values only after
-the wait, kernels/tagged.py). A slot is written again one step later only after every
+word is always one step behind and never passes (a send takes the values only after
+its wait, kernels/tagged.py). A slot is written again one step later only after every
 rank has read it: a rank reaches point p of step s + 1 only with the other ranks' rows
-of point p - 1 of step s + 1, which each of them made after reading its point-p row of
-step s. A rank that dies mid-step leaves the others polling in the kernel, as
-NCCL would wait, until the supervisor restarts the group.
+of point p - 1 of step s + 1, which each of them wrote after its point-p send of step
+s, reads included, had finished. A rank that dies mid-step
+leaves the others polling in the kernel, as NCCL would wait, until the supervisor
+restarts the group.
 
 Only one-row steps (decode at batch 1) of dense models in half precision take it;
 everything else keeps NCCL (engine/parallel.py).
@@ -55,7 +57,7 @@ class PeerExchange:
         if word_ptrs.shape != (size,) or not 0 <= rank < size:
             raise ValueError("one words address per rank")
         self.rank = rank
-        self.rows = rows  # [P, K]: this rank's own partial rows
+        self.rows = rows  # [P, K]: the group's sums, as this rank's sends write them
         self.words = words  # [P, N, K]: the other ranks' rows, tagged, as they land here
         self.word_ptrs = word_ptrs  # [N] int64: every rank's `words`, mapped here
         self.step = torch.zeros(1, dtype=torch.int64, device=rows.device)
@@ -113,8 +115,7 @@ class PeerExchange:
 @dataclass(frozen=True, slots=True)
 class Point:
     """One all-reduce point of a step's exchange: the product that makes this rank's
-    partial row sends it (gemv's `send`), the one that takes the sum receives it
-    (vector_gemv's `received`)."""
+    partial row sums it over the group there (gemv's `send`)."""
 
     exchange: PeerExchange
     index: int  # < exchange.num_points
@@ -125,5 +126,5 @@ class Point:
 
     @property
     def local_row(self) -> Tensor:
-        """[1, K]: this rank's own partial row at this point."""
+        """[1, K]: the group's sum at this point, as this rank's send writes it."""
         return self.exchange.rows[self.index].unsqueeze(0)

@@ -24,8 +24,8 @@ MLP (partial sums over the heads or the width, summed before the norm and the re
 add, so Gemma's norms of those outputs see the whole), and the logits (every rank's
 vocabulary columns gathered). The collectives are NCCL's on CUDA, which graphs capture;
 a one-row step of a dense model sums after o and after the MLP through a peer exchange
-instead (turbo/exchange.py: o and down write their rows into every rank's memory, the
-next product waits for them and sums them itself).
+instead (turbo/exchange.py: o's and down's programs write their columns into every
+rank's memory, wait for the other ranks' and sum them themselves).
 
 Matrix products go to cuBLAS through torch (small decode batches to kernels/gemv.py;
 quantized weights to their own GEMMs, quant/); the rest are our Triton kernels. A
@@ -155,11 +155,10 @@ class TurboModel:
         if exchange is not None:
             exchange.begin_step()
         hidden: Tensor | None = None
-        received: Point | None = None  # hidden is this rank's row there; the input, its sum
         for i, layer in enumerate(w.layers):
             # [T, (H + 2 Hkv) D]; residual += hidden first (but in layer 0)
             qkv, residual = self._norm_linear(
-                hidden, residual, layer.input_norm, layer.qkv, layer.qkv_bias, received=received
+                hidden, residual, layer.input_norm, layer.qkv, layer.qkv_bias
             )
             kernels.rotary_and_cache_write(
                 qkv,
@@ -177,15 +176,13 @@ class TurboModel:
             q = qkv.view(num_tokens, -1, c.head_dim)[:, : c.num_heads]  # [T, H, D], strided
             attn = self._attention(q, kv, scales, i, step)  # [T, H, D]
             # [T, hidden]: the sum over every rank's heads
-            hidden, received = self._row_parallel(
+            hidden = self._row_parallel(
                 attn.view(num_tokens, -1), layer.o, layer.o_bias, exchange, 2 * i
             )
             if layer.attn_out_norm is not None:  # (never with an exchange: exchange_fits)
                 hidden = kernels.rms_norm(hidden, layer.attn_out_norm, c.rms_norm_eps)
             # summed over the width's parts
-            hidden, residual, received = self._mlp(
-                hidden, residual, layer, received=received, exchange=exchange, index=2 * i + 1
-            )
+            hidden, residual = self._mlp(hidden, residual, layer, exchange, 2 * i + 1)
             if layer.mlp_out_norm is not None:
                 hidden = kernels.rms_norm(hidden, layer.mlp_out_norm, c.rms_norm_eps)
         if hidden is None:
@@ -200,12 +197,8 @@ class TurboModel:
                 w.lm_head,
                 norm=norm,
                 out_dtype=torch.float32,
-                received=received,
-                sharded=self.tp.enabled,
             )
             return self._gathered(logits, out)
-        if received is not None:
-            raise ValueError("a received sum is taken by vector_gemv only")
         h = kernels.rms_norm(hidden, w.norm, c.rms_norm_eps, residual)
         if self.skinny and h.shape[0] <= kernels.GEMV_MAX_ROWS:
             logits = kernels.gemv(h, w.lm_head, out_dtype=torch.float32)  # [R, V]
@@ -255,29 +248,24 @@ class TurboModel:
         bias: Tensor | None,
         exchange: PeerExchange | None,
         index: int,
-    ) -> tuple[Tensor, Point | None]:
-        """x @ weight^T summed over the group: through NCCL (the sum), or sent to point
-        `index` of the exchange (this rank's row, and the point the next product takes
-        the sum from)."""
+    ) -> Tensor:
+        """x @ weight^T summed over the group: through NCCL, or through point `index` of
+        the exchange (the product's own programs)."""
         if exchange is not None and isinstance(weight, Tensor):
-            point = Point(exchange, index)
-            return kernels.gemv(x, weight, bias, send=point), point
-        return self.tp.all_reduce(self._linear(x, weight, bias)), None
+            return kernels.gemv(x, weight, bias, send=Point(exchange, index))
+        return self.tp.all_reduce(self._linear(x, weight, bias))
 
     def _mlp(
         self,
         hidden: Tensor,
         residual: Tensor,
         layer: LayerWeights,
-        *,
-        received: Point | None,
         exchange: PeerExchange | None,
         index: int,
-    ) -> tuple[Tensor, Tensor, Point | None]:
-        """The layer's gated MLP, or its experts, on RMSNorm(residual += hidden) (hidden:
-        the sum at `received` if given), summed over the group (through point `index` of
-        the exchange if given): ([T, hidden], the residual stream after the add, the
-        point the output was sent to)."""
+    ) -> tuple[Tensor, Tensor]:
+        """The layer's gated MLP, or its experts, on RMSNorm(residual += hidden), summed
+        over the group (through point `index` of the exchange if given): ([T, hidden],
+        the residual stream after the add)."""
         if layer.experts is not None and self.config.moe is not None:
             h = kernels.rms_norm(hidden, layer.post_norm, self.config.rms_norm_eps, residual)
             x, moe = layer.experts, self.config.moe
@@ -290,7 +278,7 @@ class TurboModel:
                 normalize=moe.normalize_top_k,
                 float_out=self.float_logits,
             )
-            return self.tp.all_reduce(out), residual, None
+            return self.tp.all_reduce(out), residual
         if layer.gate_up is None or layer.down is None:
             raise ValueError("a dense layer without its MLP weights")
         act, residual = self._norm_linear(  # [T, I]
@@ -299,11 +287,9 @@ class TurboModel:
             layer.post_norm,
             layer.gate_up,
             layer.gate_up_bias,
-            received=received,
             activation=self.config.activation,
         )
-        out, sent = self._row_parallel(act, layer.down, layer.down_bias, exchange, index)
-        return out, residual, sent
+        return self._row_parallel(act, layer.down, layer.down_bias, exchange, index), residual
 
     def _norm_linear(
         self,
@@ -313,14 +299,13 @@ class TurboModel:
         weight: Linear,
         bias: Tensor | None,
         *,
-        received: Point | None = None,
         activation: str | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """RMSNorm(residual += hidden) @ weight (RMSNorm(residual) with no hidden yet;
-        hidden the group's sum at `received` if given), and the residual stream after
-        the add: a new tensor when vector_gemv does both in one launch, else `residual`,
-        added to in place. With `activation` the weight is gate | up and the result
-        act(gate) * up (in vector_gemv's launch too, where fused_activation)."""
+        """RMSNorm(residual += hidden) @ weight (RMSNorm(residual) with no hidden yet),
+        and the residual stream after the add: a new tensor when vector_gemv does both
+        in one launch, else `residual`, added to in place. With `activation` the weight
+        is gate | up and the result act(gate) * up (in vector_gemv's launch too, where
+        fused_activation)."""
         eps = self.config.rms_norm_eps
         x, res = (residual, None) if hidden is None else (hidden, residual)
         folded = None  # the activation vector_gemv made
@@ -328,17 +313,9 @@ class TurboModel:
             summed = torch.empty_like(residual) if res is not None else None
             folded = activation if self.fused_activation else None
             y = kernels.vector_gemv(
-                x,
-                weight,
-                bias,
-                norm=kernels.Norm(norm, eps, res, summed),
-                received=received,
-                sharded=self.tp.enabled,
-                activation=folded,
+                x, weight, bias, norm=kernels.Norm(norm, eps, res, summed), activation=folded
             )
             residual = summed if summed is not None else residual
-        elif received is not None:
-            raise ValueError("a received sum is taken by vector_gemv only")
         else:
             y = self._linear(kernels.rms_norm(x, norm, eps, res), weight, bias)
         if activation is not None and folded is None:

@@ -7,10 +7,13 @@ BLOCK_N output columns: it streams their weight rows [BLOCK_N, K] once, in BLOCK
 slices pipelined over `num_stages`, against the x rows padded to 16 (tl.dot's least M),
 and accumulates in float32.
 
-With `send` (a tensor-parallel group's batch-1 all-reduce point, turbo/exchange.py),
-the one row goes into this rank's row at that point instead of a new tensor and, tagged
-with the step (kernels/tagged.py), into this rank's slot there on every other rank: plain
-stores, no fence (the receiving product polls the tags).
+With `send` (a tensor-parallel group's batch-1 all-reduce point, turbo/exchange.py)
+the one row is summed over the group by the programs themselves: each program stores
+its columns of this rank's partial row, tagged with the step (kernels/tagged.py), into
+this rank's slot there on every other rank (plain stores, no fence), then polls its own
+memory until the other ranks' words for the same columns carry this step's tag, and
+writes the sum (rank order, float32, rounded once: what NCCL's sum gives) into this
+rank's row at that point. So the products after it read a plain summed row.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from lmd.engine.turbo.exchange import Point
-from lmd.engine.turbo.kernels.tagged import tag
+from lmd.engine.turbo.kernels.tagged import received_row, tag
 
 MAX_ROWS = 16
 
@@ -67,14 +70,46 @@ def _gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
         acc += tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
     y = acc.to(y_ptr.dtype.element_ty)
     mask = (rows[:, None] < num_rows) & (cols[None, :] < n)
-    if PEERS:  # the one row, tagged, into this rank's slot on every other rank first
-        words = tag(y, tl.load(step_ptr))
-        for q in tl.static_range(PEERS):
-            if q != RANK:
-                dst = tl.load(word_ptrs + q).to(tl.pointer_type(words.dtype))
-                dst += (point * PEERS + RANK) * n  # point: maybe a constant (when 1)
-                tl.store(dst + rows[:, None] * 0 + cols[None, :], words, mask=mask)
-    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
+    if PEERS:
+        _all_reduce(y, rows, cols, mask, y_ptr, n, word_ptrs, step_ptr, point, PEERS, RANK)
+    else:
+        tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
+
+
+@triton.jit
+def _all_reduce(  # noqa: PLR0917  # Triton functions take positional arguments
+    y,
+    rows,
+    cols,
+    mask,
+    y_ptr,
+    n,
+    word_ptrs,
+    step_ptr,
+    point,
+    PEERS: tl.constexpr,
+    RANK: tl.constexpr,
+):
+    """Row 0 of y [16, BLOCK_N] summed over the group into y_ptr (the module docstring):
+    sent first, tagged, into this rank's slot on every other rank; then the others'
+    words here, waited for, added in rank order."""
+    step = tl.load(step_ptr)
+    words = tag(y, step)
+    slots = point * PEERS  # point: maybe a constant (when 1)
+    for q in tl.static_range(PEERS):
+        if q != RANK:
+            dst = tl.load(word_ptrs + q).to(tl.pointer_type(words.dtype)) + (slots + RANK) * n
+            tl.store(dst + rows[:, None] * 0 + cols[None, :], words, mask=mask)
+    here = tl.load(word_ptrs + RANK).to(tl.pointer_type(words.dtype))
+    valid = cols < n
+    total = tl.zeros(cols.shape, dtype=tl.float32)
+    for q in tl.static_range(PEERS):
+        if q == RANK:  # this rank's row: row 0 of y
+            total += tl.sum(tl.where(rows[:, None] == 0, y.to(tl.float32), 0.0), axis=0)
+        else:
+            row = received_row(here + (slots + q) * n, cols, valid, step, y.dtype)
+            total += row.to(tl.float32)
+    tl.store(y_ptr + cols, total.to(y_ptr.dtype.element_ty), mask=valid)
 
 
 def gemv(
@@ -92,8 +127,10 @@ def gemv(
     """x: [M, K] (M <= 16), weight: [N, K], bias: [N] -> [M, N] (as F.linear), in
     `out_dtype` (default: x's) straight from the float32 accumulator. With `send` (one
     row, N = the exchange's width, x's dtype), the row goes to that point on every rank
-    (module docstring) and the result is this rank's slot there. Tiles: default_tiles'
-    unless given."""
+    (module docstring) and the result, the group's sum, is this rank's row there. The
+    programs of every rank wait for each other's: a send takes at most one program a
+    multiprocessor (wider tiles where N needs them), so all of them run at once. Tiles:
+    default_tiles' unless given."""
     num_rows, k = x.shape
     n = weight.shape[0]
     if num_rows > MAX_ROWS or weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
@@ -106,6 +143,10 @@ def gemv(
             raise ValueError("gemv sends one row of the exchange's width and dtype")
         y = send.local_row
         peers = (exchange.word_ptrs, exchange.step, send.index)
+        programs = (
+            torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else n
+        )
+        block_n = max(block_n, triton.next_power_of_2(triton.cdiv(n, programs)))
     else:
         y = torch.empty(num_rows, n, dtype=out_dtype or x.dtype, device=x.device)
         peers = (weight, weight, 0)

@@ -4,8 +4,8 @@ all-reduce moves partial rows between GPUs without fences (turbo/exchange.py).
 A word is twice a value's width: the value's bits low, the step's count (mod 2^bits)
 high. A word is written by one aligned store, so a reader that sees this step's tag in a
 word also sees that word's value; the rows need no flag and the writer no release
-before one. kernels/gemv.py packs (`tag`), kernels/vector_gemv.py polls and unpacks
-(`received_row`).
+before one. kernels/gemv.py packs (`tag`) the rows it sends, and polls and unpacks
+(`received_row`) the ones it receives.
 """
 
 from __future__ import annotations

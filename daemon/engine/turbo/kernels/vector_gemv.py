@@ -13,12 +13,6 @@ normalized values rounded to the weights' dtype before that scale (kernels.rms_n
 rounds after it: the same size of error). Program 0 writes the summed stream after its
 loop, when asked (`Norm.summed`).
 
-With `received` (a tensor-parallel group's batch-1 all-reduce point, turbo/exchange.py)
-the input is the sum of the group's partial rows at that point: where it would load a
-slice of x, every program sums this rank's row there with the other ranks' tagged words,
-each polled until it carries this step's tag (kernels/tagged.py), in rank order, in
-float32, rounded to their dtype as NCCL's sum is.
-
 With `activation` (the MLP's gate|up product, weight [2I, K]) a program owns BLOCK_N / 2
 outputs: it streams the gate rows and the up rows of its outputs, interleaved, and
 writes act(gate) * up ([1, I]) instead of the product, each rounded to x's dtype first
@@ -36,9 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lmd.engine.turbo.exchange import Point
 from lmd.engine.turbo.kernels.activation import check_activation, gated
-from lmd.engine.turbo.kernels.tagged import received_row
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,33 +45,6 @@ class Norm:
 
 
 @triton.jit
-def _input(  # noqa: PLR0917  # Triton functions take positional arguments
-    x_ptr,
-    words_ptr,
-    step,
-    ks,
-    kmask,
-    k,
-    PEERS: tl.constexpr,
-    RANK: tl.constexpr,
-):
-    """x's slice ks in float32: x itself, or the group's sum there: x (this rank's row)
-    and the other ranks' rows of tagged words [PEERS, k], in rank order, rounded to x's
-    dtype."""
-    dtype: tl.constexpr = x_ptr.dtype.element_ty
-    if PEERS:
-        x = tl.zeros(ks.shape, dtype=tl.float32)
-        for q in tl.static_range(PEERS):
-            if q == RANK:
-                x += tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
-            else:
-                row = received_row(words_ptr + q * k, ks, kmask, step, dtype)
-                x += row.to(tl.float32)
-        return x.to(dtype).to(tl.float32)
-    return tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     x_ptr,
     w_ptr,
@@ -89,13 +54,9 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
     summed_ptr,
     norm_ptr,
     eps,
-    words_ptr,  # PEERS: the point's tagged rows [N, k] on this rank (x_ptr: its own)
-    step_ptr,
     n,
     k,
     stride_w,
-    PEERS: tl.constexpr,  # the group's size when x is received, else 0
-    RANK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -116,11 +77,9 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
         valid = cols < n
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    step = tl.load(step_ptr) if PEERS else 0
     for k0 in range(0, k, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < k
-        # the weights first: their loads are in flight while x's sum is polled for
         w = tl.load(
             w_ptr + cols[:, None].to(tl.int64) * stride_w + ks[None, :],
             mask=valid[:, None] & kmask[None, :],
@@ -130,7 +89,7 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
             scale = tl.load(norm_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             res = tl.load(res_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
-        x = _input(x_ptr, words_ptr, step, ks, kmask, k, PEERS, RANK)  # [BLOCK_K]
+        x = tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32)  # [BLOCK_K]
         if NORM:
             if HAS_RESIDUAL:
                 x = (x + res).to(res_ptr.dtype.element_ty).to(tl.float32)
@@ -157,7 +116,7 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
             for k0 in range(0, k, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 kmask = ks < k
-                x = _input(x_ptr, words_ptr, step, ks, kmask, k, PEERS, RANK)
+                x = tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
                 res = tl.load(res_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
                 summed = (x + res).to(summed_ptr.dtype.element_ty)
                 tl.store(summed_ptr + ks, summed, mask=kmask)
@@ -171,16 +130,12 @@ def vector_gemv(
     norm: Norm | None = None,
     out_dtype: torch.dtype | None = None,
     tiles: tuple[int, int, int, int] | None = None,
-    received: Point | None = None,
-    sharded: bool = False,
     activation: str | None = None,
 ) -> Tensor:
     """x: [1, K], weight: [N, K], bias: [N] -> [1, N] in `out_dtype` (default: x's),
     from a float32 accumulator. `norm` makes the product's input first (the module
     docstring). tiles: (BLOCK_N, BLOCK_K, warps, stages) instead of default_tiles'.
-    With `received`, x is this rank's row at that point (gemv's `send` result) and the
-    input is the group's sum there. `sharded`: a tensor-parallel rank's product (its
-    tiles, default_tiles). `activation` ("silu" or "gelu_tanh"): weight is gate | up
+    `activation` ("silu" or "gelu_tanh"): weight is gate | up
     [2I, K] and the result act(gate) * up [1, I] (the module docstring)."""
     n, k = weight.shape
     if x.shape != (1, k) or not x.is_contiguous() or weight.stride(1) != 1:
@@ -189,21 +144,13 @@ def vector_gemv(
         check_activation(activation)
         if n % 2:
             raise ValueError(f"vector_gemv's activation needs gate | up rows, got {n}")
-    words, step = weight, weight
-    if received is not None:
-        exchange = received.exchange
-        if exchange.width != k or exchange.rows.dtype != x.dtype:
-            raise ValueError("vector_gemv receives rows of the exchange's width and dtype")
-        if x.data_ptr() != received.local_row.data_ptr():
-            raise ValueError("vector_gemv receives at a point whose row is x")
-        words, step = exchange.words[received.index], exchange.step
     residual = summed = None
     if norm is not None:
         _check(norm, x, k)
         residual, summed = norm.residual, norm.summed
     width = n if activation is None else n // 2
     y = torch.empty(1, width, dtype=out_dtype or x.dtype, device=x.device)
-    block_n, block_k, num_warps, num_stages = tiles or default_tiles(n, k, sharded)
+    block_n, block_k, num_warps, num_stages = tiles or default_tiles(n, k)
     _vector_gemv_kernel[(triton.cdiv(n, block_n),)](  # gated: BLOCK_N / 2 outputs a program
         x,
         weight,
@@ -213,13 +160,9 @@ def vector_gemv(
         summed if summed is not None else x,
         norm.weight if norm is not None else weight,
         norm.eps if norm is not None else 0.0,
-        words,
-        step,
         n,
         k,
         weight.stride(0),
-        PEERS=received.exchange.size if received is not None else 0,
-        RANK=received.exchange.rank if received is not None else 0,
         HAS_BIAS=bias is not None,
         NORM=norm is not None,
         HAS_RESIDUAL=residual is not None,
@@ -234,19 +177,11 @@ def vector_gemv(
     return y
 
 
-def default_tiles(n: int, k: int, sharded: bool = False) -> tuple[int, int, int, int]:
+def default_tiles(n: int, k: int) -> tuple[int, int, int, int]:
     """The fastest of scripts/gemv_bench.py's tilings at Llama-3-8B's and Qwen3-8B's
     shapes, whole and one rank of two (H100, bf16): 4 rows x 1024 of K for the layers'
-    products, 16 x 512 for a vocabulary's (more programs than SMs either way). A
-    tensor-parallel rank's layer products take 8 x 512: with the peer exchange every
-    program reads its own row and the peers' tagged words, three times a row's bytes at
-    TP 2, and half the programs read half of that (two H200s, Llama-3-8B shape: the TP 2
-    batch-1 step 2.752 -> 2.723 ms; docs/benchmarks.md). Its NCCL path takes the same
-    tiles, so the two sum in the same order (bit-equal logits, a GPU test)."""
-    if n >= 50000:
-        block_n, block_k = 16, 512
-    else:
-        block_n, block_k = (8, 512) if sharded else (4, 1024)
+    products, 16 x 512 for a vocabulary's (more programs than SMs either way)."""
+    block_n, block_k = (16, 512) if n >= 50000 else (4, 1024)
     return block_n, min(block_k, triton.next_power_of_2(k)), 4, 3
 
 
