@@ -54,8 +54,10 @@ def received_row(words_ptr, ks, kmask, step, dtype: tl.constexpr):
     (turbo/exchange.py), so the values are read after the wait, always: Triton may load
     a tensor once for each layout its users want (one for the tags' check, one for the
     values), and a value loaded beside the check, not after it, can be the step
-    before's (the PTX of a send that read its peers' words as soon as it had written
-    its own showed it; the likely cause of its logits leaving NCCL's on two H200s)."""
+    before's (the PTX of gemv's send, which reads its peers' words as soon as it has
+    written its own, showed it; with the values of the first look kept, its TP 2
+    logits left NCCL's on two H200s from the third step, with them read after it they
+    equal NCCL's)."""
     ready = 0
     while ready == 0:  # only a scalar carried round: Triton 3.6 cannot lay out more
         _, ready = _read(words_ptr, ks, kmask, step, dtype)
