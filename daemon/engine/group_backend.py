@@ -68,15 +68,19 @@ def encode_batch(batch: ForwardBatch) -> tuple[dict[str, Any], list[bytes]]:
     return header, frames
 
 
-def decode_batch(header: dict[str, Any], frames: Sequence[bytes]) -> ForwardBatch:
-    """encode_batch's batch again, on a rank (ids that were on rank 0's device: zeros
-    here, for the caller to fill from the broadcast)."""
+def decode_batch(
+    header: dict[str, Any], frames: Sequence[bytes], device: torch.device | None = None
+) -> ForwardBatch:
+    """encode_batch's batch again, on a rank. Ids that were on rank 0's device get room on
+    `device` (default: the host), for the caller to fill from the broadcast: made there,
+    not copied there, as a copy from the host would wait for every step this rank has
+    queued and so end its overlap of host and device work."""
     fields: dict[str, Tensor] = {}
     for (name, dtype, shape), raw in zip(header["arrays"], frames, strict=True):
         array = np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape)
         fields[name] = torch.from_numpy(array.copy())
     if "input_ids" not in fields:
-        fields["input_ids"] = torch.zeros(header["ids_on_device"], dtype=torch.int64)
+        fields["input_ids"] = torch.empty(header["ids_on_device"], dtype=torch.int64, device=device)
     return ForwardBatch(**fields)
 
 
@@ -247,10 +251,9 @@ class RankRunner:
         op = header["op"]
         pool = self.pools.get(header.get("pool", -1))
         if op in ("forward", "forward_eager"):
-            batch = decode_batch(header, frames)
+            batch = decode_batch(header, frames, self.backend.device)
             if header["ids_on_device"]:  # rank 0's sampled tokens, from its device
-                ids = batch.input_ids.to(self.backend.device)
-                batch.input_ids = self.backend.tp.broadcast(ids)
+                batch.input_ids = self.backend.tp.broadcast(batch.input_ids)
             kv = _pool(pool, op).kv
             with torch.inference_mode():
                 if op == "forward":

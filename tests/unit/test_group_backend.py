@@ -62,6 +62,20 @@ def test_a_batch_survives_the_wire() -> None:
     assert header["ids_on_device"] == 0
 
 
+def test_ids_left_on_rank_0s_device_get_room_on_the_ranks_device() -> None:
+    """A step run ahead has its ids on rank 0's device: they travel by a broadcast, into
+    room made on the rank's device (a copy from the host there would wait for every
+    step the rank has queued). "meta" stands for a device here."""
+    batch = ForwardBatch.pack([[0], [0]], [7, 3], [[0], [1]], BLOCK)
+    batch.input_ids = torch.tensor([11, 12], device="meta")
+    header, frames = encode_batch(batch)
+    assert header["ids_on_device"] == 2
+    back = decode_batch(header, frames, torch.device("meta"))
+    assert back.input_ids.device.type == "meta"
+    assert back.input_ids.shape == (2,) and back.input_ids.dtype == torch.int64
+    assert torch.equal(back.positions, batch.positions)
+
+
 def test_a_rank_replaying_the_ops_holds_rank_0s_kv(model: Path) -> None:
     link = Recorder()
     group = GroupBackend(backend(model), link)
