@@ -4,6 +4,7 @@ against the HBM floor (docs/benchmarks.md, "turbo for Qwen3 and mixtures of expe
     python3 scripts/families_bench.py MODEL_DIR [--batches 1,64,512] [--input-len 512]
         [--output-len 256] [--backend turbo] [--quantization w4a16|fp8]
         [--kv-cache-dtype int8|fp8] [--separate-batch1] [--separate-activation]
+        [--separate-experts]
 
 One Engine for every batch (max_batch_size = the largest), the prompts and the timing of
 `lmd-bench offline` (random ids, greedy, ignore_eos, prefill included), after a warm-up
@@ -105,6 +106,11 @@ def main() -> None:
         action="store_true",
         help="the batch-1 step again with the MLP's activation in a kernel of its own",
     )
+    parser.add_argument(
+        "--separate-experts",
+        action="store_true",
+        help="the batch-1 step again with a layer of experts through kernels/moe.py",
+    )
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     config = EngineConfig(
@@ -140,6 +146,11 @@ def main() -> None:
         "separate_activation_batch1_step_ms": (
             args.separate_activation,
             lambda on: setattr(backend.model, "fused_activation", not on),
+        ),
+        # a layer of experts through kernels/moe.py's 8 launches (vector_experts off)
+        "separate_experts_batch1_step_ms": (
+            args.separate_experts,
+            lambda on: setattr(backend.model, "vector_experts", not on),
         ),
     }
     for name, (asked, switch) in switches.items():

@@ -10,6 +10,11 @@
 #       nvidia-h200-x2: the peer exchange's GPU tests, then scripts/tp_step.py at batch 1,
 #       TP 1 and TP 2; at TP 2 also with the activation in its own kernel and through
 #       NCCL; every rank's kernel table (issue 23's 0.65x).
+#   scripts/gpu-batch1.sh experts [LAYERS]
+#       nvidia-h200, ~4 minutes: the GPU tests of a layer of experts at batch 1
+#       (kernels/moe_vector.py), then the batch-1 step of the first LAYERS (default 12)
+#       layers of the Qwen3-30B-A3B shape with it and through kernels/moe.py's path
+#       (families_bench.py --separate-experts).
 # Carry .whl and .gpu-assets/smollm2-tokenizer. Results in $OUT: batch1-tests.txt,
 # batch1.jsonl (or tp-step.jsonl), batch1-stderr.txt.
 set -uo pipefail
@@ -20,6 +25,20 @@ if [[ ${1:-} == tp ]]; then
     --separate-activation --nccl-batch1 --variant-tp 2 --kernels 8
 fi
 source scripts/gpu-env.sh
+if [[ ${1:-} == experts ]]; then
+  { timeout 100 python3 -m pytest -q -ra -p no:cacheprovider tests/unit/test_turbo_moe_vector.py \
+      tests/unit/test_turbo_moe.py 2>&1 | tail -4
+    timeout 120 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu/test_turbo_families_gpu.py \
+      tests/gpu/test_turbo_batch1_fused_gpu.py -k "moe or mixtral" 2>&1 | tail -6
+  } | tee "$out/batch1-tests.txt"
+  python3 setup.py -q build_ext --inplace 2>&1 | tail -3
+  python3 scripts/random_models.py qwen3-30b-a3b-shape --layers "${2:-12}" --out-dir /tmp 2>&1 |
+    grep -v "^Writing" | tail -2
+  timeout 150 python3 scripts/families_bench.py "/tmp/qwen3-30b-a3b-shape-${2:-12}l" --batches 1 \
+    --separate-experts 2>>"$out/batch1-stderr.txt" | tee -a "$out/batch1.jsonl"
+  grep -E "Error|error" "$out/batch1-stderr.txt" | tail -5
+  exit 0
+fi
 timeout 300 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu/test_turbo_batch1_fused_gpu.py \
   tests/gpu/test_turbo_kernels_gpu.py tests/gpu/test_kv_quant_gpu.py tests/unit/test_turbo_gemv.py \
   tests/gpu/test_turbo_backend_gpu.py 2>&1 \

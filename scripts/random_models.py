@@ -1,16 +1,17 @@
 """Random-weight bf16 models of the benchmark shapes (docs/benchmarks.md), for GPU scripts.
 
     python3 scripts/random_models.py smollm2-shape [llama3-8b-shape qwen3-8b-shape
-        qwen3-30b-a3b-shape ...] [--vocab N] [--tokenizer DIR] [--out-dir /tmp]
-        [--streamed] [--device cuda]
+        qwen3-30b-a3b-shape ...] [--vocab N] [--layers N] [--tokenizer DIR]
+        [--out-dir /tmp] [--streamed] [--device cuda]
 
-Each lands in OUT_DIR/NAME. `--vocab` cuts the vocabulary (to match a carried
-tokenizer, whose files `--tokenizer` copies in). Weights are drawn in bf16 on the GPU
-(a 30B model never exists in float32), Qwen3's vocabulary (151,936) pairs with the
-tokenizer in ../shared/assets/tokenizers/qwen3. A model larger than one GPU (the 70B
-shape, 141 GB; `--streamed` for any) is never built whole: its tensors' names and shapes
-come from the model class on the meta device, each is drawn alone and written into
-safetensors shards of about 4 GB, with transformers' index file.
+Each lands in OUT_DIR/NAME (with --layers N: NAME-Nl). `--vocab` cuts the vocabulary (to
+match a carried tokenizer, whose files `--tokenizer` copies in); `--layers` keeps the
+first N layers (a shape's per-layer kernels timed without writing all of it). Weights
+are drawn in bf16 on the GPU (a 30B model never exists in float32), Qwen3's vocabulary
+(151,936) pairs with the tokenizer in ../shared/assets/tokenizers/qwen3. A model larger
+than one GPU (the 70B shape, 141 GB; `--streamed` for any) is never built whole: its
+tensors' names and shapes come from the model class on the meta device, each is drawn
+alone and written into safetensors shards of about 4 GB, with transformers' index file.
 """
 
 from __future__ import annotations
@@ -181,6 +182,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("names", nargs="+", choices=sorted(SHAPES))
     parser.add_argument("--vocab", type=int, default=None)
+    parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--tokenizer", type=Path, default=None)
     parser.add_argument("--out-dir", type=Path, default=Path("/tmp"))
     parser.add_argument("--streamed", action="store_true")
@@ -196,8 +198,11 @@ def main() -> None:
         )
         if args.vocab:
             fields.update(vocab_size=args.vocab, bos_token_id=1, eos_token_id=2)
-        config = config_class(max_position_embeddings=8192, **fields)
         path = args.out_dir / name
+        if args.layers:
+            fields["num_hidden_layers"] = args.layers
+            path = args.out_dir / f"{name}-{args.layers}l"
+        config = config_class(max_position_embeddings=8192, **fields)
         if streamed:
             write_streamed(config, model_class, path, args.device)
         else:

@@ -183,6 +183,33 @@ def test_greedy_equals_transformers_generate(
         assert tokens == hf_greedy(reference, prompt, NEW_TOKENS)
 
 
+@pytest.mark.skipif(
+    DEVICE.type == "cuda", reason="gemv's tl.dot is TF32 in float32 on CUDA (tests/gpu: bf16)"
+)
+def test_one_row_steps_through_the_vector_kernels_equal_transformers(
+    case: str, model_dir: Path, reference: PreTrainedModel
+) -> None:
+    """Decode steps of one sequence as CUDA runs them in half precision (fused_batch1:
+    kernels/vector_gemv.py; a layer of experts in kernels/moe_vector.py), here in float32:
+    transformers' greedy tokens, and per-step logits of the path of many rows (the
+    mixtures of experts: test_turbo_model.py checks the dense path)."""
+    if "moe" not in case and "mixtral" not in case:
+        pytest.skip("no experts: tests/unit/test_turbo_model.py checks the dense layers")
+    fused = TurboBackend(model_dir, DEVICE, torch.float32, cuda_graphs=False)
+    fused.model.skinny = fused.model.fused_batch1 = True
+    assert fused.model.vector_experts
+    plain = TurboBackend(model_dir, DEVICE, torch.float32, cuda_graphs=False)
+    plain.model.vector_experts = False
+    plain.model.skinny = plain.model.fused_batch1 = True
+    prompt = random_prompts([13], fused.vocab_size, seed=24)[0]  # past the window
+    fused_logits: list[torch.Tensor] = []
+    plain_logits: list[torch.Tensor] = []
+    tokens = greedy(fused, [prompt], 10, logits=fused_logits)[0]
+    assert tokens == hf_greedy(reference, prompt, 10), case
+    greedy(plain, [prompt], 10, force=[tokens], logits=plain_logits)
+    assert_logits_match(fused_logits, plain_logits, 1e-4)
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the torch backend's turn needs CUDA time")
 def test_greedy_equals_the_torch_backend(model_dir: Path, turbo: TurboBackend) -> None:
     torch_backend = TorchBackend(model_dir, DEVICE, torch.float32)

@@ -133,6 +133,9 @@ class TurboModel:
         # ... and the MLP's activation made in gate|up's launch (one kernel fewer a
         # layer; scripts/families_bench.py --separate-activation measures it).
         self.fused_activation = True
+        # ... and a layer of experts in 4 launches (kernels/moe_vector.py) instead of 8
+        # (scripts/families_bench.py --separate-experts measures it).
+        self.vector_experts = True
         # A group's batch-1 all-reduces over peer memory (turbo/exchange.py), set by the
         # backend where exchange_fits().
         self.exchange: PeerExchange | None = None
@@ -267,8 +270,20 @@ class TurboModel:
         over the group (through point `index` of the exchange if given): ([T, hidden],
         the residual stream after the add)."""
         if layer.experts is not None and self.config.moe is not None:
-            h = kernels.rms_norm(hidden, layer.post_norm, self.config.rms_norm_eps, residual)
-            x, moe = layer.experts, self.config.moe
+            x, moe, eps = layer.experts, self.config.moe, self.config.rms_norm_eps
+            if self.vector_experts and self._vector(hidden):
+                summed = torch.empty_like(residual)
+                out = kernels.experts_vector(
+                    hidden,
+                    kernels.Norm(layer.post_norm, eps, residual, summed),
+                    x.router,
+                    x.gate_up,
+                    x.down,
+                    top_k=moe.top_k,
+                    normalize=moe.normalize_top_k,
+                )
+                return self.tp.all_reduce(out), summed
+            h = kernels.rms_norm(hidden, layer.post_norm, eps, residual)
             out = kernels.fused_moe(
                 h,
                 x.router,

@@ -17,6 +17,7 @@ from lmd.engine.turbo.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from lmd.engine.turbo.kernels.gemv import gemv
 from lmd.engine.turbo.kernels.kv_quant import scales_of
 from lmd.engine.turbo.kernels.moe import fused_moe
+from lmd.engine.turbo.kernels.moe_vector import experts_vector
 from lmd.engine.turbo.kernels.norm import rms_norm
 from lmd.engine.turbo.kernels.prefill_attention import prefill_attention
 from lmd.engine.turbo.kernels.rotary import rotary_and_cache_write
@@ -28,6 +29,7 @@ __all__ = [
     "cache_write",
     "decode_attention",
     "decode_splits",
+    "experts_vector",
     "fused_moe",
     "gemv",
     "interpreting",

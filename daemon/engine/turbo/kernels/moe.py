@@ -182,9 +182,14 @@ def route(
         logits = torch.mm(h, router.t(), out_dtype=torch.float32)  # [T, E]
     else:
         logits = F.linear(h, router).float()
+    return top_k_of(logits, top_k, normalize)
+
+
+def top_k_of(logits: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Tensor]:
+    """Router logits [T, E] float32 -> route's (weights [T, k], experts [T, k])."""
     num_tokens, num_experts = logits.shape
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=h.device)
-    experts = torch.empty(num_tokens, top_k, dtype=torch.int32, device=h.device)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+    experts = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
     _top_k_kernel[(num_tokens,)](
         logits,
         weights,

@@ -19,6 +19,11 @@ writes act(gate) * up ([1, I]) instead of the product, each rounded to x's dtype
 as kernels/activation.py reads them: the same values as the product and silu_and_mul,
 one launch fewer a layer. (The activation folded into down instead, its input, measured
 no faster than the two kernels: 0.97-1.00x, H100; docs/benchmarks.md.)
+
+With `experts` (a layer of experts at batch 1, kernels/moe_vector.py) the weight is
+[E, N, K] and the launch makes one row for each of the token's chosen experts: a
+second grid axis over the choices, each program reading the id of its choice's expert
+and streaming that expert's rows.
 """
 
 from __future__ import annotations
@@ -53,10 +58,13 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
     res_ptr,
     summed_ptr,
     norm_ptr,
+    experts_ptr,
     eps,
     n,
     k,
     stride_w,
+    stride_e,
+    EXPERTS: tl.constexpr,  # w is [E, N, K]: the expert of choice program_id(1)
     HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -67,6 +75,10 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
     BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    choice = tl.program_id(1)
+    if EXPERTS:  # this choice's expert's weights, its own output row
+        w_ptr += tl.load(experts_ptr + choice).to(tl.int64) * stride_e
+        y_ptr += choice * (n // 2 if GATED else n)
     if GATED:  # W rows gate_0, up_0, gate_1, up_1, ... of this program's outputs
         r = tl.arange(0, BLOCK_N)
         outs = pid * (BLOCK_N // 2) + r // 2
@@ -112,7 +124,7 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
     # The summed stream, once, after the weights. Two ifs: the first is decided when the
     # kernel compiles, the second at run time.
     if HAS_SUMMED:  # noqa: SIM102
-        if pid == 0:
+        if pid == 0 and choice == 0:
             for k0 in range(0, k, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 kmask = ks < k
@@ -131,12 +143,24 @@ def vector_gemv(
     out_dtype: torch.dtype | None = None,
     tiles: tuple[int, int, int, int] | None = None,
     activation: str | None = None,
+    experts: Tensor | None = None,
 ) -> Tensor:
     """x: [1, K], weight: [N, K], bias: [N] -> [1, N] in `out_dtype` (default: x's),
     from a float32 accumulator. `norm` makes the product's input first (the module
     docstring). tiles: (BLOCK_N, BLOCK_K, warps, stages) instead of default_tiles'.
     `activation` ("silu" or "gelu_tanh"): weight is gate | up
-    [2I, K] and the result act(gate) * up [1, I] (the module docstring)."""
+    [2I, K] and the result act(gate) * up [1, I] (the module docstring). `experts`
+    ([C] int32, ids < E): weight is [E, N, K] and the result [C, N] (or [C, I]), row c
+    the product with expert experts[c]'s weights."""
+    if experts is not None:
+        if weight.dim() != 3 or experts.dim() != 1 or experts.dtype != torch.int32:
+            raise ValueError("vector_gemv's experts: int32 ids [C] against weights [E, N, K]")
+        if bias is not None:
+            raise ValueError("vector_gemv's experts take no bias")
+        stride_e, num_rows = weight.stride(0), experts.shape[0]
+        weight = weight[0]  # the shape and row stride of every expert's
+    else:
+        stride_e, num_rows = 0, 1
     n, k = weight.shape
     if x.shape != (1, k) or not x.is_contiguous() or weight.stride(1) != 1:
         raise ValueError(f"vector_gemv takes one contiguous row of {k}, got {tuple(x.shape)}")
@@ -149,9 +173,10 @@ def vector_gemv(
         _check(norm, x, k)
         residual, summed = norm.residual, norm.summed
     width = n if activation is None else n // 2
-    y = torch.empty(1, width, dtype=out_dtype or x.dtype, device=x.device)
+    y = torch.empty(num_rows, width, dtype=out_dtype or x.dtype, device=x.device)
     block_n, block_k, num_warps, num_stages = tiles or default_tiles(n, k)
-    _vector_gemv_kernel[(triton.cdiv(n, block_n),)](  # gated: BLOCK_N / 2 outputs a program
+    grid = (triton.cdiv(n, block_n), num_rows)  # gated: BLOCK_N / 2 outputs a program
+    _vector_gemv_kernel[grid](
         x,
         weight,
         bias if bias is not None else weight,
@@ -159,10 +184,13 @@ def vector_gemv(
         residual if residual is not None else x,
         summed if summed is not None else x,
         norm.weight if norm is not None else weight,
+        experts if experts is not None else weight,
         norm.eps if norm is not None else 0.0,
         n,
         k,
         weight.stride(0),
+        stride_e,
+        EXPERTS=experts is not None,
         HAS_BIAS=bias is not None,
         NORM=norm is not None,
         HAS_RESIDUAL=residual is not None,

@@ -1,0 +1,114 @@
+"""A layer of experts for one token (kernels/moe_vector.py) against a float32 loop over
+its experts, against kernels/moe.py's path, and vector_gemv's `experts` row by row
+against the same product with each expert's weights alone (bit for bit: the same
+kernel, tiles and order). Through Triton's interpreter without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+# First: without CUDA this switches Triton to its interpreter before turbo is imported.
+from tests.unit.test_turbo_kernels import DEVICE, DTYPES, TOLERANCE, rel_err
+
+pytest.importorskip("triton")
+
+from lmd.engine.turbo.kernels import moe, moe_vector, rms_norm
+from lmd.engine.turbo.kernels.vector_gemv import Norm, vector_gemv
+from tests.unit.test_turbo_moe import moe_ref
+
+HIDDEN, INTER = 64, 48  # 2I = 96: not a multiple of the column tiles
+
+
+def layer(
+    dtype: torch.dtype, num_experts: int, seed: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """hidden [1, H], residual [1, H], norm weight [H], router, gate_up, down."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, scale: float = 1.0) -> Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+    return (
+        rand(1, HIDDEN),
+        rand(1, HIDDEN),
+        1 + rand(HIDDEN, scale=0.2),
+        rand(num_experts, HIDDEN),
+        rand(num_experts, 2 * INTER, HIDDEN, scale=1 / 8),
+        rand(num_experts, HIDDEN, INTER, scale=1 / 8),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("num_experts", "top_k", "normalize"), [(8, 2, True), (16, 4, False), (4, 1, True)]
+)
+def test_one_token_through_its_experts_equals_the_loop(
+    dtype: torch.dtype, num_experts: int, top_k: int, normalize: bool
+) -> None:
+    hidden, residual, norm, router, gate_up, down = layer(dtype, num_experts, top_k)
+    summed = torch.empty_like(residual)
+    out = moe_vector.experts_vector(
+        hidden,
+        Norm(norm, 1e-6, residual, summed),
+        router,
+        gate_up,
+        down,
+        top_k=top_k,
+        normalize=normalize,
+    )
+    assert out.shape == (1, HIDDEN) and out.dtype == dtype
+    assert torch.equal(summed, (hidden.float() + residual.float()).to(dtype))
+    h = rms_norm(hidden, norm, 1e-6, residual.clone())
+    ref = moe_ref(h, router, gate_up, down, top_k, normalize)
+    # Rounded where moe.py's path rounds (gate/up, the activation, each expert's share).
+    assert rel_err(out, ref) < 4 * TOLERANCE[dtype]
+    grouped = moe.fused_moe(h, router, gate_up, down, top_k=top_k, normalize=normalize)
+    assert rel_err(out, grouped.float()) < 4 * TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_experts_row_is_the_product_with_that_expert_alone(dtype: torch.dtype) -> None:
+    hidden, residual, norm, _, gate_up, _ = layer(dtype, 6, 9)
+    experts = torch.tensor([4, 0, 5], dtype=torch.int32, device=DEVICE)
+    fold = Norm(norm, 1e-6, residual)
+    rows = vector_gemv(hidden, gate_up, norm=fold, activation="silu", experts=experts)
+    assert rows.shape == (3, INTER)
+    for c, e in enumerate(experts.tolist()):
+        alone = vector_gemv(hidden, gate_up[e], norm=fold, activation="silu")
+        assert torch.equal(rows[c : c + 1], alone), c
+    plain = vector_gemv(hidden, gate_up, experts=experts)  # no norm, no activation
+    for c, e in enumerate(experts.tolist()):
+        assert torch.equal(plain[c : c + 1], vector_gemv(hidden, gate_up[e])), c
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mix_down_sums_the_weighted_experts(dtype: torch.dtype) -> None:
+    *_, down = layer(dtype, 5, 10)
+    gen = torch.Generator().manual_seed(11)
+    act = torch.randn(3, INTER, generator=gen).to(dtype).to(DEVICE)
+    experts = torch.tensor([2, 4, 0], dtype=torch.int32, device=DEVICE)
+    weights = torch.tensor([0.5, 0.3, 0.2], device=DEVICE)
+    out = moe_vector.mix_down(act, down, experts, weights)
+    ref = sum(
+        w * (down[e].float() @ a.float())
+        for w, e, a in zip(weights.tolist(), experts.tolist(), act, strict=True)
+    )
+    assert isinstance(ref, Tensor)
+    assert out.shape == (1, HIDDEN) and rel_err(out[0], ref) < 2 * TOLERANCE[dtype]
+
+
+def test_bad_shapes_are_refused() -> None:
+    hidden, _, _, _, gate_up, down = layer(torch.float32, 4, 12)
+    experts = torch.tensor([1, 2], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="experts"):
+        vector_gemv(hidden, gate_up[0], experts=experts)  # 2-D weights
+    with pytest.raises(ValueError, match="experts"):
+        vector_gemv(hidden, gate_up, experts=experts.long())
+    with pytest.raises(ValueError, match="bias"):
+        vector_gemv(hidden, gate_up, torch.zeros(2 * INTER, device=DEVICE), experts=experts)
+    act = torch.zeros(2, INTER + 1, device=DEVICE)
+    with pytest.raises(ValueError, match="mix_down"):
+        moe_vector.mix_down(act, down, experts, torch.ones(2, device=DEVICE))
