@@ -26,9 +26,9 @@ if [[ ${1:-} == tp ]]; then
 fi
 source scripts/gpu-env.sh
 if [[ ${1:-} == experts ]]; then
-  { timeout 100 python3 -m pytest -q -ra -p no:cacheprovider tests/unit/test_turbo_moe_vector.py \
+  { timeout 80 python3 -m pytest -q -ra -p no:cacheprovider tests/unit/test_turbo_moe_vector.py \
       tests/unit/test_turbo_moe.py 2>&1 | tail -4
-    timeout 120 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu/test_turbo_families_gpu.py \
+    timeout 90 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu/test_turbo_families_gpu.py \
       tests/gpu/test_turbo_batch1_fused_gpu.py -k "moe or mixtral" 2>&1 | tail -6
   } | tee "$out/batch1-tests.txt"
   python3 setup.py -q build_ext --inplace 2>&1 | tail -3
