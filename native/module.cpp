@@ -74,6 +74,10 @@ PYBIND11_MODULE(_native, m) {
       "[ceil(n/8), k/group, 8] float32 (W = code * scale + min), else 0. `threads` of\n"
       "the loaded libgomp's team.");
 
+  m.def("panel_gemm_wide", &lmd::panel_gemm_wide, py::arg("enable") = -1,
+        "Whether panel_gemm takes two panels a 512-bit vector (AVX-512F and DQ; bitwise\n"
+        "the same product): enable 1 or 0 sets it (1 only where supported), -1 leaves it;\n"
+        "returns the setting.");
   m.def(
       "paged_decode_attention",
       [](std::uintptr_t q, std::int64_t rows, std::int64_t heads_kv, std::int64_t groups,

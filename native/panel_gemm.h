@@ -45,4 +45,9 @@ struct PanelGemm {
 // Computes the product on `threads` threads (see above). Requires cpu_kernels_supported() (omp_team.h).
 void panel_gemm(const PanelGemm& args, int threads);
 
+// Whether panel_gemm takes two panels a 512-bit vector (AVX-512F and DQ: on by default
+// where the CPU has them; bitwise the same product): `enable` 1 or 0 sets it (1 only
+// where supported), -1 leaves it; returns the setting.
+bool panel_gemm_wide(int enable);
+
 }  // namespace lmd

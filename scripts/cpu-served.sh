@@ -14,7 +14,7 @@ mkdir -p "$dir"
   --out "$dir/offline-b8.json"
 port=$("$bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 rt=$(mktemp -d)
-"$bin/lmdd" serve --mode "$mode" --port "$port" --runtime-dir "$rt" >"$rt/daemon.log" 2>&1 &
+"$bin/lmdd" serve --mode "$mode" --port "$port" --runtime-dir "$rt" ${LMDD_FLAGS:-} >"$rt/daemon.log" 2>&1 &
 daemon=$!
 trap 'kill $daemon 2>/dev/null; wait $daemon 2>/dev/null; rm -rf "$rt"' EXIT
 for _ in $(seq 600); do curl -sf "localhost:$port/health" >/dev/null && break; sleep 0.5; done

@@ -38,15 +38,17 @@ def reference(
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(
-    ("heads_kv", "groups", "dim", "window"), [(3, 3, 64, None), (2, 1, 40, None), (4, 2, 16, 5)]
+    ("heads_kv", "groups", "dim", "window"),
+    [(3, 3, 64, None), (2, 1, 40, None), (4, 2, 16, 5), (2, 4, 128, None), (1, 2, 12, None)],
 )
 def test_native_decode_equals_the_definition(
     heads_kv: int, groups: int, dim: int, window: int | None, threads: int
 ) -> None:
     torch.manual_seed(heads_kv * dim)
     kv = torch.randn(BLOCKS, LAYERS, 2, BLOCK_SIZE, heads_kv, dim)
-    lengths = [1, 6, 13, 20, 9]  # keys visible: position + 1
-    width = 5  # blocks per table row: 20 keys; shorter rows padded with block 0
+    # Keys visible (position + 1): runs of 8 keys and the rest, 8 apart and within them.
+    lengths = [1, 6, 13, 20, 9, 8, 39]
+    width = 10  # blocks per table row: 40 keys; shorter rows padded with block 0
     tables = torch.zeros(len(lengths), width, dtype=torch.int64)
     for row, n in enumerate(lengths):
         need = -(-n // BLOCK_SIZE)

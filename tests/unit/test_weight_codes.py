@@ -92,3 +92,36 @@ def test_codes_give_the_float32_product_bit_for_bit(
             )
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not native_cpu.supported(), reason="the CPU has no AVX2 and FMA")
+@pytest.mark.parametrize("bits", [4, 8, 32])
+def test_two_panels_a_512_bit_vector_give_the_8_lane_product_bit_for_bit(bits: int) -> None:
+    """panel_gemm with AVX-512 (two panels a vector, on where the CPU has it) against
+    the 8-lane kernel, bitwise: 1 to PANEL_ROWS rows, 43 outputs (6 panels: the last
+    pair cut short) and 75 (10 panels), codes and float32 panels, a bias, two threads."""
+    from lmd._native import panel_gemm_wide
+
+    if not panel_gemm_wide():
+        pytest.skip("this CPU has no AVX-512F and DQ")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for n in (43, 75):
+            w = dequantized(-(-n // 16) * 16, 128, 4 if bits == 32 else bits, seed=n)[:n]
+            if bits == 32:
+                w = w + torch.randn(w.shape) * 1e-3  # not codes: the float32 panels
+            packed = PackedWeight(w)
+            assert (packed.codes is None) == (bits == 32)
+            bias = torch.randn(n)
+            for rows in range(1, PANEL_ROWS + 1):
+                x = torch.randn(rows, 128)
+                wide = packed.linear(x, bias)
+                try:
+                    assert not panel_gemm_wide(0)
+                    narrow = packed.linear(x, bias)
+                finally:
+                    panel_gemm_wide(1)
+                assert torch.equal(wide, narrow), (n, rows)
+    finally:
+        torch.set_num_threads(before)
