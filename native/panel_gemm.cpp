@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "omp_team.h"
 
@@ -13,20 +14,52 @@ namespace {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 
+// body(std::integral_constant<int, R>{}, row0) for each group of R rows of x: 8 at a
+// time, then the rest (R a template argument of the kernels: their accumulators).
+template <typename Body>
+void by_row_groups(std::int64_t rows, Body&& body) {
+  std::int64_t row = 0;
+  for (; row + 8 <= rows; row += 8) body(std::integral_constant<int, 8>{}, row);
+  switch (rows - row) {
+    case 7: body(std::integral_constant<int, 7>{}, row); break;
+    case 6: body(std::integral_constant<int, 6>{}, row); break;
+    case 5: body(std::integral_constant<int, 5>{}, row); break;
+    case 4: body(std::integral_constant<int, 4>{}, row); break;
+    case 3: body(std::integral_constant<int, 3>{}, row); break;
+    case 2: body(std::integral_constant<int, 2>{}, row); break;
+    case 1: body(std::integral_constant<int, 1>{}, row); break;
+    default: break;
+  }
+}
+
+// A panel's operands, for the kernels to hold as locals: read through `a`, GCC reloads
+// the fields and keeps the accumulators in memory every step of the loop.
+struct Operands {
+  std::int64_t k_end, x_stride, group, groups;
+  const float* x;  // the first of the rows
+  const float* w32;  // the panel, by how W is held
+  const std::uint8_t* w8;
+  const std::uint32_t* w4;
+};
+
+template <int BITS>
+Operands operands(const PanelGemm& a, std::int64_t row0, std::int64_t panel) {
+  const std::int64_t group = BITS == 32 ? a.k : a.group;
+  return {a.k,
+          a.x_stride,
+          group,
+          a.k / group,
+          a.x + row0 * a.x_stride,
+          static_cast<const float*>(a.weights) + panel * a.k * 8,
+          static_cast<const std::uint8_t*>(a.weights) + panel * a.k * 8,
+          static_cast<const std::uint32_t*>(a.weights) + panel * a.k};
+}
+
 // R rows of x (R <= 8) against one panel: out[m][j] = x[m] . W[8 p + j] (+ b), the
 // panel's valid outputs (width <= 8) written. BITS: how W is held (panel_gemm.h).
 template <int R, int BITS>
 void panel_rows(const PanelGemm& a, std::int64_t row0, std::int64_t panel) {
-  // Locals, not a's fields: read through the reference, GCC reloads them and keeps the
-  // accumulators in memory every step of the loop.
-  const std::int64_t k_end = a.k;
-  const std::int64_t x_stride = a.x_stride;
-  const std::int64_t group = BITS == 32 ? k_end : a.group;
-  const float* x = a.x + row0 * x_stride;
-  const auto* w32 = static_cast<const float*>(a.weights) + panel * k_end * 8;
-  const auto* w8 = static_cast<const std::uint8_t*>(a.weights) + panel * k_end * 8;
-  const auto* w4 = static_cast<const std::uint32_t*>(a.weights) + panel * k_end;
-  const std::int64_t groups = k_end / group;
+  const auto [k_end, x_stride, group, groups, x, w32, w8, w4] = operands<BITS>(a, row0, panel);
   // The next panel's weights, a cache line at a time as this one's are read (a panel is
   // a stream too short for the hardware prefetcher: panel_pair_rows says more).
   constexpr std::int64_t k_bytes = BITS;  // one input of a panel: 8 outputs of BITS / 8 bytes
@@ -81,18 +114,9 @@ void panel_rows(const PanelGemm& a, std::int64_t row0, std::int64_t panel) {
 template <int BITS>
 void panels_range(const PanelGemm& a, std::int64_t first, std::int64_t last) {
   for (std::int64_t p = first; p < last; p++) {
-    std::int64_t row = 0;
-    for (; row + 8 <= a.rows; row += 8) panel_rows<8, BITS>(a, row, p);
-    switch (a.rows - row) {
-      case 7: panel_rows<7, BITS>(a, row, p); break;
-      case 6: panel_rows<6, BITS>(a, row, p); break;
-      case 5: panel_rows<5, BITS>(a, row, p); break;
-      case 4: panel_rows<4, BITS>(a, row, p); break;
-      case 3: panel_rows<3, BITS>(a, row, p); break;
-      case 2: panel_rows<2, BITS>(a, row, p); break;
-      case 1: panel_rows<1, BITS>(a, row, p); break;
-      default: break;
-    }
+    by_row_groups(a.rows, [&](auto r, std::int64_t row) {
+      panel_rows<decltype(r)::value, BITS>(a, row, p);
+    });
   }
 }
 
@@ -117,15 +141,8 @@ inline __m512 join(__m256 low, __m256 high) {
 // full width, it is twice the FMAs an instruction.
 template <int R, int BITS>
 void panel_pair_rows(const PanelGemm& a, std::int64_t row0, std::int64_t panel) {
-  const std::int64_t k_end = a.k;
-  const std::int64_t x_stride = a.x_stride;
-  const std::int64_t group = BITS == 32 ? k_end : a.group;
-  const float* x = a.x + row0 * x_stride;
-  const auto* w32 = static_cast<const float*>(a.weights) + panel * k_end * 8;
-  const auto* w8 = static_cast<const std::uint8_t*>(a.weights) + panel * k_end * 8;
-  const auto* w4 = static_cast<const std::uint32_t*>(a.weights) + panel * k_end;
+  const auto [k_end, x_stride, group, groups, x, w32, w8, w4] = operands<BITS>(a, row0, panel);
   const std::int64_t next = k_end * 8;  // panel p + 1, in floats or bytes (w4: k_end words)
-  const std::int64_t groups = k_end / group;
   // The next pair's weights, a cache line at a time as this pair's own are read: a panel
   // is a short stream (2-4 KB at SmolLM2's widths as codes), too short for the hardware
   // prefetcher to run ahead of (cold gate|up codes at ~12 GB/s of the ~70 this machine
@@ -199,18 +216,9 @@ void pairs_range(const PanelGemm& a, std::int64_t first, std::int64_t last) {
       panels_range<BITS>(a, p, p + 1);
       continue;
     }
-    std::int64_t row = 0;
-    for (; row + 8 <= a.rows; row += 8) panel_pair_rows<8, BITS>(a, row, p);
-    switch (a.rows - row) {
-      case 7: panel_pair_rows<7, BITS>(a, row, p); break;
-      case 6: panel_pair_rows<6, BITS>(a, row, p); break;
-      case 5: panel_pair_rows<5, BITS>(a, row, p); break;
-      case 4: panel_pair_rows<4, BITS>(a, row, p); break;
-      case 3: panel_pair_rows<3, BITS>(a, row, p); break;
-      case 2: panel_pair_rows<2, BITS>(a, row, p); break;
-      case 1: panel_pair_rows<1, BITS>(a, row, p); break;
-      default: break;
-    }
+    by_row_groups(a.rows, [&](auto r, std::int64_t row) {
+      panel_pair_rows<decltype(r)::value, BITS>(a, row, p);
+    });
   }
 }
 
