@@ -5,6 +5,7 @@
 # concurrency 8 (chat, 128 words in / 64 tokens out, ignore_eos, a fresh seed so that the
 # prefix cache holds none of the prompts).
 #   scripts/cpu-served.sh [MODE [REQUESTS [OUT_DIR]]]   (default: disaggregated 32 .)
+# LMDD_FLAGS (words): more flags for lmdd serve (e.g. "--mixed-prefill-tokens 0").
 # Needs the README's install (.venv). Prints both summaries; OUT_DIR gets the JSON.
 set -euo pipefail
 mode=${1:-disaggregated} n=${2:-32} dir=${3:-.}
