@@ -62,13 +62,22 @@ def case(
 def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
     activation, decode_attention = kernels_of("activation"), kernels_of("decode_attention")
     gemv, moe, vector_gemv = kernels_of("gemv"), kernels_of("moe"), kernels_of("vector_gemv")
+    moe_vector = kernels_of("moe_vector")
     out = []
     flags: dict[str, Any]
     run = {"num_warps": 4, "num_stages": 3}
-    for block_n, block_k, gated in ((4, 1024, False), (4, 1024, True), (8, 512, True)):
-        flags = {"HAS_BIAS": False, "NORM": True, "HAS_RESIDUAL": True, "HAS_SUMMED": True,
-                 "GATED": gated, "GELU": False, "BLOCK_N": block_n, "BLOCK_K": block_k}  # fmt: skip
-        out.append(case(vector_gemv._vector_gemv_kernel, flags, {}, run))
+    ids = {"experts_ptr": "*i32"}
+    for block_n, block_k, gated, experts in (
+        (4, 1024, False, False), (4, 1024, True, False), (8, 512, True, False),
+        (4, 1024, True, True)
+    ):  # fmt: skip
+        flags = {"EXPERTS": experts, "HAS_BIAS": False, "NORM": True, "HAS_RESIDUAL": True,
+                 "HAS_SUMMED": True, "GATED": gated, "GELU": False, "BLOCK_N": block_n,
+                 "BLOCK_K": block_k}  # fmt: skip
+        out.append(case(vector_gemv._vector_gemv_kernel, flags, ids, run))
+    flags = {"TOP_K": 8, "BLOCK_N": 4, "BLOCK_K": 1024}
+    types = ids | {"weights_ptr": "*fp32"}
+    out.append(case(moe_vector._mix_down_kernel, flags, types, run))
     sends = {"word_ptrs": "*i64", "step_ptr": "*i64"}
     for peers, rank in ((0, 0), (2, 0), (2, 1)):
         flags = {"HAS_BIAS": False, "PEERS": peers, "RANK": rank, "BLOCK_N": 32, "BLOCK_K": 512}

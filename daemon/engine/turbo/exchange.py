@@ -23,9 +23,8 @@ word is always one step behind and never passes (a send takes the values only af
 its wait, kernels/tagged.py). A slot is written again one step later only after every
 rank has read it: a rank reaches point p of step s + 1 only with the other ranks' rows
 of point p - 1 of step s + 1, which each of them wrote after its point-p send of step
-s, reads included, had finished. A rank that dies mid-step
-leaves the others polling in the kernel, as NCCL would wait, until the supervisor
-restarts the group.
+s, reads included, had finished. A rank that dies mid-step leaves the others polling in
+the kernel, as NCCL would wait, until the supervisor restarts the group.
 
 Only one-row steps (decode at batch 1) of dense models in half precision take it;
 everything else keeps NCCL (engine/parallel.py).
@@ -61,6 +60,14 @@ class PeerExchange:
         self.words = words  # [P, N, K]: the other ranks' rows, tagged, as they land here
         self.word_ptrs = word_ptrs  # [N] int64: every rank's `words`, mapped here
         self.step = torch.zeros(1, dtype=torch.int64, device=rows.device)
+        # The least columns a send's program takes: its programs wait for the peers',
+        # so a send takes at most one program a multiprocessor (all of them run at once).
+        programs = (
+            torch.cuda.get_device_properties(rows.device).multi_processor_count
+            if rows.is_cuda
+            else width
+        )
+        self.send_block_n = 1 << (-(-width // programs) - 1).bit_length()
 
     @property
     def size(self) -> int:

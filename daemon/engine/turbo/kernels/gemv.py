@@ -143,10 +143,7 @@ def gemv(
             raise ValueError("gemv sends one row of the exchange's width and dtype")
         y = send.local_row
         peers = (exchange.word_ptrs, exchange.step, send.index)
-        programs = (
-            torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else n
-        )
-        block_n = max(block_n, triton.next_power_of_2(triton.cdiv(n, programs)))
+        block_n = max(block_n, exchange.send_block_n)
     else:
         y = torch.empty(num_rows, n, dtype=out_dtype or x.dtype, device=x.device)
         peers = (weight, weight, 0)
