@@ -40,9 +40,12 @@ class Client:
         return protocol.decode(self.inbox.recv_multipart())
 
     def collect(self, request_ids: set[str]) -> dict[str, list[int]]:
-        """Tokens of each request until all of them finished, in position order (prefill
-        and decode send theirs over different sockets)."""
+        """Tokens of each request until all of them finished, in position order. Prefill
+        and decode send theirs over different sockets, so the prefill's first token may
+        land after decode's last: a request is done once its finishing token and every
+        one before it (positions count output tokens from 0) are in."""
         got: dict[str, dict[int, int]] = {r: {} for r in request_ids}
+        last: dict[str, int] = {}  # the finishing token's position
         open_ids = set(request_ids)
         while open_ids:
             msg = self.recv()
@@ -53,6 +56,9 @@ class Client:
             ):
                 got[rid][pos] = tok
                 if reason is not None:
+                    last[rid] = pos
+            for rid in list(open_ids):
+                if rid in last and len(got[rid]) == last[rid] + 1:
                     open_ids.discard(rid)
         return {rid: [toks[p] for p in sorted(toks)] for rid, toks in got.items()}
 
