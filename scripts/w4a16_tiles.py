@@ -9,7 +9,9 @@ of a CUDA graph that runs the product over enough copies of the weights to overf
 the L2 cache (a decode step reads every weight from memory), timed with CUDA events.
 GB/s counts the packed weights, scales and zeros read once. --tiles takes
 "BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,WARPS,STAGES" (SPLIT_K 0: automatic); --sweep adds a
-built-in list per row count. Every tiling is checked against dequantize() first.
+built-in list per row count. Every tiling is checked against dequantize() first. At
+M <= 16 the default tiles also run with their K splits' partials added by a second
+launch ("sums apart", kernels/w4a16.SUM_SPLITS off).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from lmd.engine.turbo.kernels import w4a16 as w4a16_kernels
 from lmd.engine.turbo.kernels.w4a16 import DENSE_ROWS, Tiles, default_tiles, w4a16_matmul
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
 
@@ -107,21 +110,26 @@ def bench_shape(
         ref = x.float() @ reference.t()
         cublas = time_us([partial(F.linear, x, d) for d in denses])
         tilings = [None, *extra, *(sweep_for(m) if args.sweep else [])]
-        configs = [(name_of(t) if t else "default", t, 1 << 30) for t in tilings]
-        configs[0] = ("default", None, DENSE_ROWS)
+        configs = [(name_of(t) if t else "default", t, 1 << 30, True) for t in tilings]
+        configs[0] = ("default", None, DENSE_ROWS, True)
+        if m <= 16:  # K split: partials added by the tile's last split, or a second launch
+            configs.append(("default, sums apart", None, DENSE_ROWS, False))
         if m > 16:
-            configs.append(("dequantize + cuBLAS", None, 1))
+            configs.append(("dequantize + cuBLAS", None, 1, True))
         by_cublas = m >= DENSE_ROWS
         default_name = "dequantize + cuBLAS" if by_cublas else name_of(default_tiles(m))
         rows = []
-        for name, tiles, dense_rows in configs:
+        for name, tiles, dense_rows, sums in configs:
             run = partial(w4a16_matmul, x, tiles=tiles, dense_rows=dense_rows)
+            w4a16_kernels.SUM_SPLITS = sums
             try:
                 err = rel_err(run(*packed[0], 128), ref)
                 us = time_us([partial(run, *p, 128) for p in packed])
             except Exception as exc:  # a tiling that does not compile is a result too
                 print(f"  M={m} {name}: {type(exc).__name__} {str(exc)[:100]}")
                 continue
+            finally:
+                w4a16_kernels.SUM_SPLITS = True
             rows.append((us, name, err))
         rows.sort()
         default_us = next((us for us, name, _ in rows if name == "default"), float("nan"))

@@ -25,7 +25,14 @@ import pytest
 import zmq
 
 from lmd import protocol
-from tests.integration.daemon import DISAGGREGATED, Daemon, served, wait_until
+from tests.integration.daemon import (
+    DISAGGREGATED,
+    Daemon,
+    niceness,
+    served,
+    wait_until,
+    yielding_decode,
+)
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = [
@@ -106,6 +113,8 @@ def test_disaggregated_equals_hybrid_token_for_token() -> None:
             engines = ["hybrid-0"] if mode == "hybrid" else ["prefill-0", "decode-0"]
             idle_and_leak_free(daemon, engines)
             if mode == "disaggregated":
+                nice = niceness(daemon, engines)
+                assert nice == yielding_decode(list(nice))
                 total = 2 * len(PROMPTS)
                 prefill, decode = (w["migration"] for w in migrations_counted(daemon, total))
                 assert prefill["count"] == decode["received"] == total, (prefill, decode)

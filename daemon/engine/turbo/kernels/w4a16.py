@@ -24,8 +24,9 @@ float32) is the float 1024 + q, and subtracting 1024 + z leaves q - z exactly. T
 - decode (tiles of up to 32 rows; one 16-row tile for M <= 16): tl.dot(x, q - z) is
   exact in float32, and is scaled once per group, `acc += dot * s`. When one program
   per BLOCK_N columns leaves the GPU short of programs, K is split over SPLIT_K
-  programs that write float32 partial sums, and a second launch adds them in a fixed
-  order (deterministic) with the bias.
+  programs that write float32 partial sums; the last of a tile's programs to finish
+  (an arrival counter per tile) adds them in split order (deterministic) with the bias.
+  A second launch did that before: one launch fewer per product, four a layer.
 - prefill (64-row tiles; 128 with `swap_ab`, which computes y^T = W x^T so that the
   weights are tl.dot's first operand): (q - z) * s rounded once to the activations'
   dtype, then tl.dot(x, w, acc); programs walk M fastest, so the row tiles that share
@@ -97,6 +98,36 @@ def _per_col(v, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
+def _finish(  # noqa: PLR0917  # Triton functions take positional arguments
+    acc, rows, cols, row_ok, col_ok, b_ptr, y_ptr, p_ptr, count_ptr, m, n,
+    HAS_BIAS: tl.constexpr, SUM_SPLITS: tl.constexpr
+):  # fmt: skip
+    """Store a program's [BLOCK_M, BLOCK_N] float32 tile: the output (+ bias), or with K
+    split its partial sums; with SUM_SPLITS the tile's last split to finish then adds
+    them in split order (+ bias) into the output and zeroes the tile's counter."""
+    split = tl.program_id(1)
+    offs = rows[:, None].to(tl.int64) * n + cols[None, :]
+    ok = row_ok[:, None] & col_ok[None, :]
+    if SUM_SPLITS:
+        tl.store(p_ptr + split.to(tl.int64) * m * n + offs, acc, mask=ok)
+        tile = tl.program_id(0)
+        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(1) - 1:
+            acc = tl.zeros_like(acc)
+            for other in range(tl.num_programs(1)):
+                acc += tl.load(p_ptr + (other * m).to(tl.int64) * n + offs, mask=ok, other=0.0)
+            tl.store(count_ptr + tile, 0)  # zero again for the next launch
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        out = y_ptr + split.to(tl.int64) * m * n  # split > 0 only for float32 partial sums
+        tl.store(out + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     x_ptr,
     q_ptr,
@@ -104,6 +135,8 @@ def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     z_ptr,
     b_ptr,
     y_ptr,
+    p_ptr,
+    count_ptr,
     m,
     n,
     k,
@@ -111,6 +144,7 @@ def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     stride_x,
     GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SUM_SPLITS: tl.constexpr,
     SCALE_AFTER_DOT: tl.constexpr,
     SWAP_AB: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -161,14 +195,8 @@ def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
                     acc = _dot(x, w * s[None, :], acc, SWAP_AB, PRECISION)
     if SWAP_AB:
         acc = tl.trans(acc)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = y_ptr + split.to(tl.int64) * m * n  # split > 0 only for float32 partial sums
-    tl.store(
-        out + rows[:, None].to(tl.int64) * n + cols[None, :],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & col_ok[None, :],
-    )
+    _finish(acc, rows, cols, row_ok, col_ok, b_ptr, y_ptr, p_ptr, count_ptr, m, n,
+            HAS_BIAS, SUM_SPLITS)  # fmt: skip
 
 
 @triton.jit
@@ -191,6 +219,26 @@ def _sum_splits_kernel(  # noqa: PLR0917  # Triton kernels take positional argum
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs % n, mask=ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+SUM_SPLITS = True  # the last split of a tile adds the partials (False: a second launch)
+_COUNTS: dict[torch.device, Tensor] = {}  # device -> a zeroed int32 counter per tile
+COUNTS_MIN = 1 << 14
+
+
+def _split_counts(device: torch.device, num_tiles: int) -> Tensor | None:
+    """The device's per-tile arrival counters (each launch leaves them zeroed), or None
+    when they would have to be made or grown during a CUDA graph's capture (the two
+    launches then). Launches on one device share them, so they must not overlap on
+    different streams; lmd launches an engine's kernels from one thread on one."""
+    counts = _COUNTS.get(device)
+    if counts is not None and counts.numel() >= num_tiles:
+        return counts
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    size = max(COUNTS_MIN, triton.next_power_of_2(num_tiles))
+    _COUNTS[device] = counts = torch.zeros(size, dtype=torch.int32, device=device)
+    return counts
 
 
 def default_tiles(m: int) -> Tiles:
@@ -274,8 +322,11 @@ def w4a16_matmul(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds
     splits = _splits(tiles, m, n, k, block_k=block_k, num_sms=num_sms)
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     split = triton.cdiv(k, k_per_split)  # no empty splits
-    out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n), split)
+    num_tiles = triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n)
+    grid = (num_tiles, split)
+    parts = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    counts = _split_counts(x.device, num_tiles) if split > 1 and SUM_SPLITS else None
+    out = parts if split > 1 and counts is None else y
     _w4a16_kernel[grid](
         x,
         qweight,
@@ -283,13 +334,16 @@ def w4a16_matmul(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds
         zeros,
         bias if bias is not None else scales,
         out,
+        parts,
+        counts if counts is not None else qweight,
         m,
         n,
         k,
         k_per_split,
         x.stride(0),
         GROUP=group_size,
-        HAS_BIAS=bias is not None and split == 1,
+        HAS_BIAS=bias is not None and (split == 1 or counts is not None),
+        SUM_SPLITS=counts is not None,
         SCALE_AFTER_DOT=tiles.block_m <= 32,
         SWAP_AB=tiles.swap_ab,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32: no TF32 rounding
@@ -299,10 +353,10 @@ def w4a16_matmul(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-    if split > 1:
+    if out is parts and split > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
-            out,
+            parts,
             bias if bias is not None else scales,
             y,
             m * n,
