@@ -102,7 +102,8 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
     w4a16 = kernels_of("w4a16")
     types = {"q_ptr": "*i32", "z_ptr": "*u8", "p_ptr": "*fp32", "count_ptr": "*i32"}
     for sums in (True, False):
-        flags = {"GROUP": 128, "HAS_BIAS": False, "SUM_SPLITS": sums, "SCALE_AFTER_DOT": True,
+        flags = {"GROUP": 128, "HAS_BIAS": False, "SUM_SPLITS": sums, "PACKED": sums,
+                 "SCALE_AFTER_DOT": True,
                  "SWAP_AB": False, "PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_N": 64,
                  "BLOCK_K": 128}  # fmt: skip
         out.append(case(w4a16._w4a16_kernel, flags, types, run))

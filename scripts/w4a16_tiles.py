@@ -11,7 +11,8 @@ GB/s counts the packed weights, scales and zeros read once. --tiles takes
 "BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,WARPS,STAGES" (SPLIT_K 0: automatic); --sweep adds a
 built-in list per row count. Every tiling is checked against dequantize() first. At
 M <= 16 the default tiles also run with their K splits' partials added by a second
-launch ("sums apart", kernels/w4a16.SUM_SPLITS off).
+launch ("sums apart", kernels/w4a16.SUM_SPLITS off), and below 128 rows with their
+nibbles converted one by one ("one by one", PACKED_NIBBLES off).
 """
 
 from __future__ import annotations
@@ -110,18 +111,22 @@ def bench_shape(
         ref = x.float() @ reference.t()
         cublas = time_us([partial(F.linear, x, d) for d in denses])
         tilings = [None, *extra, *(sweep_for(m) if args.sweep else [])]
-        configs = [(name_of(t) if t else "default", t, 1 << 30, True) for t in tilings]
-        configs[0] = ("default", None, DENSE_ROWS, True)
+        # (name, tiles, dense_rows, the w4a16 switch turned off: "" none)
+        configs = [(name_of(t) if t else "default", t, 1 << 30, "") for t in tilings]
+        configs[0] = ("default", None, DENSE_ROWS, "")
         if m <= 16:  # K split: partials added by the tile's last split, or a second launch
-            configs.append(("default, sums apart", None, DENSE_ROWS, False))
+            configs.append(("default, sums apart", None, DENSE_ROWS, "SUM_SPLITS"))
+        if m < DENSE_ROWS:  # nibbles converted one by one (w4a16.PACKED_NIBBLES off)
+            configs.append(("default, one by one", None, DENSE_ROWS, "PACKED_NIBBLES"))
         if m > 16:
-            configs.append(("dequantize + cuBLAS", None, 1, True))
+            configs.append(("dequantize + cuBLAS", None, 1, ""))
         by_cublas = m >= DENSE_ROWS
         default_name = "dequantize + cuBLAS" if by_cublas else name_of(default_tiles(m))
         rows = []
-        for name, tiles, dense_rows, sums in configs:
+        for name, tiles, dense_rows, off in configs:
             run = partial(w4a16_matmul, x, tiles=tiles, dense_rows=dense_rows)
-            w4a16_kernels.SUM_SPLITS = sums
+            if off:
+                setattr(w4a16_kernels, off, False)
             try:
                 err = rel_err(run(*packed[0], 128), ref)
                 us = time_us([partial(run, *p, 128) for p in packed])
@@ -129,7 +134,7 @@ def bench_shape(
                 print(f"  M={m} {name}: {type(exc).__name__} {str(exc)[:100]}")
                 continue
             finally:
-                w4a16_kernels.SUM_SPLITS = True
+                w4a16_kernels.SUM_SPLITS = w4a16_kernels.PACKED_NIBBLES = True
             rows.append((us, name, err))
         rows.sort()
         default_us = next((us for us, name, _ in rows if name == "default"), float("nan"))
