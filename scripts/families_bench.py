@@ -4,7 +4,7 @@ against the HBM floor (docs/benchmarks.md, "turbo for Qwen3 and mixtures of expe
     python3 scripts/families_bench.py MODEL_DIR [--batches 1,64,512] [--input-len 512]
         [--output-len 256] [--backend turbo] [--quantization w4a16|fp8]
         [--kv-cache-dtype int8|fp8] [--separate-batch1] [--separate-activation]
-        [--separate-experts] [--separate-sums] [--separate-nibbles]
+        [--separate-experts] [--separate-nibbles]
 
 One Engine for every batch (max_batch_size = the largest), the prompts and the timing of
 `lmd-bench offline` (random ids, greedy, ignore_eos, prefill included), after a warm-up
@@ -113,11 +113,6 @@ def main() -> None:
         help="the batch-1 step again with a layer of experts through kernels/moe.py",
     )
     parser.add_argument(
-        "--separate-sums",
-        action="store_true",
-        help="the batch-1 step again with W4A16's K splits added by a second launch",
-    )
-    parser.add_argument(
         "--separate-nibbles",
         action="store_true",
         help="the batch-1 step again with W4A16's nibbles converted one by one",
@@ -162,11 +157,6 @@ def main() -> None:
         "separate_experts_batch1_step_ms": (
             args.separate_experts,
             lambda on: setattr(backend.model, "vector_experts", not on),
-        ),
-        # W4A16's split partials added by a launch of their own (w4a16.SUM_SPLITS off)
-        "separate_sums_batch1_step_ms": (
-            args.separate_sums,
-            lambda on: setattr(w4a16_kernels, "SUM_SPLITS", not on),
         ),
         # W4A16's nibbles to floats one by one (w4a16.PACKED_NIBBLES off)
         "separate_nibbles_batch1_step_ms": (

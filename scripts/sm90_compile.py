@@ -100,9 +100,9 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
     ints = {"scale_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}
     out.append(case(moe._grouped_gemm_kernel, flags, ints, run))
     w4a16 = kernels_of("w4a16")
-    types = {"q_ptr": "*i32", "z_ptr": "*u8", "p_ptr": "*fp32", "count_ptr": "*i32"}
-    for sums in (True, False):
-        flags = {"GROUP": 128, "HAS_BIAS": False, "SUM_SPLITS": sums, "PACKED": sums,
+    types = {"q_ptr": "*i32", "z_ptr": "*u8"}
+    for packed in (True, False):
+        flags = {"GROUP": 128, "HAS_BIAS": False, "PACKED": packed,
                  "SCALE_AFTER_DOT": True,
                  "SWAP_AB": False, "PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_N": 64,
                  "BLOCK_K": 128}  # fmt: skip

@@ -9,10 +9,9 @@ of a CUDA graph that runs the product over enough copies of the weights to overf
 the L2 cache (a decode step reads every weight from memory), timed with CUDA events.
 GB/s counts the packed weights, scales and zeros read once. --tiles takes
 "BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,WARPS,STAGES" (SPLIT_K 0: automatic); --sweep adds a
-built-in list per row count. Every tiling is checked against dequantize() first. At
-M <= 16 the default tiles also run with their K splits' partials added by a second
-launch ("sums apart", kernels/w4a16.SUM_SPLITS off), and below 128 rows with their
-nibbles converted one by one ("one by one", PACKED_NIBBLES off).
+built-in list per row count. Every tiling is checked against dequantize() first. Below
+128 rows the default tiles also run with their nibbles converted one by one ("one by
+one", kernels/w4a16.PACKED_NIBBLES off).
 """
 
 from __future__ import annotations
@@ -114,14 +113,12 @@ def bench_shape(
         # (name, tiles, dense_rows, the w4a16 switch turned off: "" none)
         configs = [(name_of(t) if t else "default", t, 1 << 30, "") for t in tilings]
         configs[0] = ("default", None, DENSE_ROWS, "")
-        if m <= 16:  # K split: partials added by the tile's last split, or a second launch
-            configs.append(("default, sums apart", None, DENSE_ROWS, "SUM_SPLITS"))
         if m < DENSE_ROWS:  # nibbles converted one by one (w4a16.PACKED_NIBBLES off)
             configs.append(("default, one by one", None, DENSE_ROWS, "PACKED_NIBBLES"))
         if m > 16:
             configs.append(("dequantize + cuBLAS", None, 1, ""))
         by_cublas = m >= DENSE_ROWS
-        default_name = "dequantize + cuBLAS" if by_cublas else name_of(default_tiles(m))
+        default_name = "dequantize + cuBLAS" if by_cublas else name_of(default_tiles(m, n))
         rows = []
         for name, tiles, dense_rows, off in configs:
             run = partial(w4a16_matmul, x, tiles=tiles, dense_rows=dense_rows)
@@ -134,7 +131,7 @@ def bench_shape(
                 print(f"  M={m} {name}: {type(exc).__name__} {str(exc)[:100]}")
                 continue
             finally:
-                w4a16_kernels.SUM_SPLITS = w4a16_kernels.PACKED_NIBBLES = True
+                w4a16_kernels.PACKED_NIBBLES = True
             rows.append((us, name, err))
         rows.sort()
         default_us = next((us for us, name, _ in rows if name == "default"), float("nan"))

@@ -19,14 +19,17 @@ interleaved back into K order, a shuffle through shared memory per tile: 4x slow
 A program owns BLOCK_M rows of x and BLOCK_N output columns and walks its share of K,
 BLOCK_K (a multiple of 128) at a time. The integers become floats without a conversion
 instruction: a nibble OR'ed into the bits of 1024.0 (fp16; 128.0 for bf16, 2^23 for
-float32) is the float 1024 + q, and subtracting 1024 + z leaves q - z exactly. Then:
+float32) is the float 1024 + q, and subtracting 1024 + z leaves q - z exactly. On CUDA
+in 16 bits that is PTX for two words at once (_nibbles): the kernels are bound by their
+instructions, not by memory (the same microseconds on an H200 as on an H100). Then:
 
 - decode (tiles of up to 32 rows; one 16-row tile for M <= 16): tl.dot(x, q - z) is
   exact in float32, and is scaled once per group, `acc += dot * s`. When one program
   per BLOCK_N columns leaves the GPU short of programs, K is split over SPLIT_K
-  programs that write float32 partial sums; the last of a tile's programs to finish
-  (an arrival counter per tile) adds them in split order (deterministic) with the bias.
-  A second launch did that before: one launch fewer per product, four a layer.
+  programs that write float32 partial sums, and a second launch adds them in a fixed
+  order (deterministic) with the bias. (The tile's last split adding them, found by an
+  arrival counter, saved the launch but was slower with the packed nibbles: down at
+  M = 1 31.3 against 25.7 us; docs/benchmarks.md.)
 - prefill (64-row tiles; 128 with `swap_ab`, which computes y^T = W x^T so that the
   weights are tl.dot's first operand): (q - z) * s rounded once to the activations'
   dtype, then tl.dot(x, w, acc); programs walk M fastest, so the row tiles that share
@@ -122,36 +125,6 @@ def _per_col(v, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
-def _finish(  # noqa: PLR0917  # Triton functions take positional arguments
-    acc, rows, cols, row_ok, col_ok, b_ptr, y_ptr, p_ptr, count_ptr, m, n,
-    HAS_BIAS: tl.constexpr, SUM_SPLITS: tl.constexpr
-):  # fmt: skip
-    """Store a program's [BLOCK_M, BLOCK_N] float32 tile: the output (+ bias), or with K
-    split its partial sums; with SUM_SPLITS the tile's last split to finish then adds
-    them in split order (+ bias) into the output and zeroes the tile's counter."""
-    split = tl.program_id(1)
-    offs = rows[:, None].to(tl.int64) * n + cols[None, :]
-    ok = row_ok[:, None] & col_ok[None, :]
-    if SUM_SPLITS:
-        tl.store(p_ptr + split.to(tl.int64) * m * n + offs, acc, mask=ok)
-        tile = tl.program_id(0)
-        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if done == tl.num_programs(1) - 1:
-            acc = tl.zeros_like(acc)
-            for other in range(tl.num_programs(1)):
-                acc += tl.load(p_ptr + (other * m).to(tl.int64) * n + offs, mask=ok, other=0.0)
-            tl.store(count_ptr + tile, 0)  # zero again for the next launch
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        out = y_ptr + split.to(tl.int64) * m * n  # split > 0 only for float32 partial sums
-        tl.store(out + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
 def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     x_ptr,
     q_ptr,
@@ -159,8 +132,6 @@ def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     z_ptr,
     b_ptr,
     y_ptr,
-    p_ptr,
-    count_ptr,
     m,
     n,
     k,
@@ -168,7 +139,6 @@ def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     stride_x,
     GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    SUM_SPLITS: tl.constexpr,
     PACKED: tl.constexpr,
     SCALE_AFTER_DOT: tl.constexpr,
     SWAP_AB: tl.constexpr,
@@ -220,8 +190,14 @@ def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
                     acc = _dot(x, w * s[None, :], acc, SWAP_AB, PRECISION)
     if SWAP_AB:
         acc = tl.trans(acc)
-    _finish(acc, rows, cols, row_ok, col_ok, b_ptr, y_ptr, p_ptr, count_ptr, m, n,
-            HAS_BIAS, SUM_SPLITS)  # fmt: skip
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + split.to(tl.int64) * m * n  # split > 0 only for float32 partial sums
+    tl.store(
+        out + rows[:, None].to(tl.int64) * n + cols[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
 
 
 @triton.jit
@@ -246,36 +222,21 @@ def _sum_splits_kernel(  # noqa: PLR0917  # Triton kernels take positional argum
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-SUM_SPLITS = True  # the last split of a tile adds the partials (False: a second launch)
 PACKED_NIBBLES = True  # on CUDA in 16 bits, nibbles to floats two words at a time (_nibbles)
-_COUNTS: dict[torch.device, Tensor] = {}  # device -> a zeroed int32 counter per tile
-COUNTS_MIN = 1 << 14
+WIDE_N = 16384  # decode tiles 128 columns wide from this many output columns
 
 
-def _split_counts(device: torch.device, num_tiles: int) -> Tensor | None:
-    """The device's per-tile arrival counters (each launch leaves them zeroed), or None
-    when they would have to be made or grown during a CUDA graph's capture (the two
-    launches then). Launches on one device share them, so they must not overlap on
-    different streams; lmd launches an engine's kernels from one thread on one."""
-    counts = _COUNTS.get(device)
-    if counts is not None and counts.numel() >= num_tiles:
-        return counts
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    size = max(COUNTS_MIN, triton.next_power_of_2(num_tiles))
-    _COUNTS[device] = counts = torch.zeros(size, dtype=torch.int32, device=device)
-    return counts
-
-
-def default_tiles(m: int) -> Tiles:
-    """The tiling for m rows of x: the fastest of scripts/w4a16_tiles.py on an H100 at
-    Llama-3-8B's shapes in bf16 (docstring of w4a16_matmul). Decode: 16 x 64 tiles, K
-    split up to 4 ways; up to 127 rows: 32- or 64-row tiles x 128 columns (64 columns
+def default_tiles(m: int, n: int = 0) -> Tiles:
+    """The tiling for m rows of x and n output columns: the fastest of scripts/
+    w4a16_tiles.py on an H100 at Llama-3-8B's shapes in bf16 (docstring of w4a16_matmul).
+    Decode: 16 x 64 tiles, 16 x 128 from WIDE_N columns (gate|up: 36.8 against 39.9 us
+    on an H200 with the packed nibbles; qkv, o and down are 1.2-1.4x slower so), K split
+    up to 4 ways; up to 127 rows: 32- or 64-row tiles x 128 columns (64 columns
     and 256 columns were slower, swapping the operands too). From DENSE_ROWS rows the
     launcher goes to cuBLAS instead; this 128 x 128 tiling (operands swapped, the best
     of the fused ones there) is for `dense_rows` set higher."""
     if m <= SKINNY_ROWS:
-        return Tiles(16, 64, 128, 0, 4, 3)
+        return Tiles(16, 128 if n >= WIDE_N else 64, 128, 0, 4, 3)
     if m <= 32:
         return Tiles(32, 128, 128, 0, 4, 3)
     if m < DENSE_ROWS:
@@ -317,7 +278,9 @@ def w4a16_matmul(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds
     (4096, 14336), weights read from memory: M = 1 takes 14, 11, 43, 27 us (1.1-1.45
     TB/s of packed weights; 16-bit cuBLAS 22, 17, 103, 47), so the 32 layers' linears
     of a decode step take 3.0 ms (6.0 in 16 bits); M = 64: 26, 19, 88, 46 us (cuBLAS 22,
-    16, 93, 50); M = 512 (cuBLAS route): 0.45-0.67x of cuBLAS on 16-bit weights."""
+    16, 93, 50); M = 512 (cuBLAS route): 0.45-0.67x of cuBLAS on 16-bit weights. With
+    the packed nibbles and gate|up's 128-wide tiles (H200): M = 1 12.9, 10.9, 37.6, 26.3
+    us, the linears 2.8 ms a step."""
     m, k = x.shape
     n = qweight.shape[1]
     groups = k // group_size if group_size > 0 else 0
@@ -341,18 +304,15 @@ def w4a16_matmul(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
     if tiles is None and m >= dense_rows:
         return dense_matmul(x, qweight, scales, zeros, group_size, bias, y)
-    tiles = tiles or default_tiles(m)
+    tiles = tiles or default_tiles(m, n)
     block_k = tiles.block_k
     if block_k % PACK_K:
         raise ValueError(f"w4a16_matmul: BLOCK_K {block_k} is not a multiple of {PACK_K}")
     splits = _splits(tiles, m, n, k, block_k=block_k, num_sms=num_sms)
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     split = triton.cdiv(k, k_per_split)  # no empty splits
-    num_tiles = triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n)
-    grid = (num_tiles, split)
-    parts = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    counts = _split_counts(x.device, num_tiles) if split > 1 and SUM_SPLITS else None
-    out = parts if split > 1 and counts is None else y
+    out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n), split)
     _w4a16_kernel[grid](
         x,
         qweight,
@@ -360,16 +320,13 @@ def w4a16_matmul(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds
         zeros,
         bias if bias is not None else scales,
         out,
-        parts,
-        counts if counts is not None else qweight,
         m,
         n,
         k,
         k_per_split,
         x.stride(0),
         GROUP=group_size,
-        HAS_BIAS=bias is not None and (split == 1 or counts is not None),
-        SUM_SPLITS=counts is not None,
+        HAS_BIAS=bias is not None and split == 1,
         PACKED=PACKED_NIBBLES and x.is_cuda and x.dtype != torch.float32,
         SCALE_AFTER_DOT=tiles.block_m <= 32,
         SWAP_AB=tiles.swap_ab,
@@ -380,10 +337,10 @@ def w4a16_matmul(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-    if out is parts and split > 1:
+    if split > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
-            parts,
+            out,
             bias if bias is not None else scales,
             y,
             m * n,
