@@ -21,7 +21,7 @@ So while a prompt is computed, prefill runs a thread per core and decode runs in
 it leaves; when prefill is idle decode takes every core again. Sharing the cores
 evenly instead (a thread each) kept prompts waiting ~1.3 s on two cores, and half the
 sequences out of the decode batch meanwhile: served 1.79x transformers' batch-8
-`generate`, 2.1-2.3x with decode niced (docs/benchmarks.md, "CPU, sixth pass").
+`generate`, 2.24-2.41x with decode at nice 19 (docs/benchmarks.md, "CPU, sixth pass").
 Under a service manager's Nice= every process is niced and counts everything again:
 the even sharing.
 """
@@ -42,7 +42,9 @@ INTERVAL_S = 0.25
 # A core counts as free when others used at most this much less than all of it over the
 # interval: a thread on a core that is busy even a third of the time already stalls teams.
 SLACK = 0.3
-DECODE_NICE = 10  # 19 measured the same; 10 leaves decode ~10% of a core under a prompt
+# The lowest priority: decode gets ~1.5% of a core a prompt keeps busy (nice 10: ~10%,
+# served 2.10-2.27x against 19's 2.24-2.41x on two cores; docs/benchmarks.md).
+DECODE_NICE = 19
 
 
 def yield_to_prefill() -> None:
