@@ -59,10 +59,6 @@ def worker_main(spec_dict: dict[str, Any]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = ServeConfig.from_dict(spec.config)
     configure_logging(config.log_level, spec.name)
-    if spec.role == Role.DECODE and spec.device == "cpu":  # prompts first (cpu_threads.py)
-        from lmd.engine.torch_backend.cpu_threads import yield_to_prefill
-
-        yield_to_prefill()
     worker = worker_class(spec.role)(spec, config)
     code: int = uvloop.run(worker.run())
     if spec.tp > 1:  # rank 0 of a group

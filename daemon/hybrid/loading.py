@@ -8,7 +8,8 @@
   3. the memory the engine may take: on CPU its part of the daemon's cap
      (pool_ledger.py; a group's ranks share that part), on a GPU its budget of the
      device's plan (gpu_budget.py);
-  4. the engine itself (Engine.build), its pool registered with the transport.
+  4. the engine itself (Engine.build), its pool registered with the transport; on a
+     CPU, disaggregated, its turns with the other role's engines (cpu_turns.py).
 A failure is a WorkerStartError with one line (permanent when the memory plan cannot
 hold the engine: a restart would fail the same way); a group already started is stopped.
 """
@@ -31,6 +32,7 @@ from lmd.engine.grammar import Grammars
 from lmd.engine.memory_plan import Budget, MemoryPlanError
 from lmd.engine.model_source import ModelSourceError, resolve_model
 from lmd.engine.parallel import SINGLE
+from lmd.engine.torch_backend.cpu_turns import CpuTurns
 from lmd.hybrid.gpu_budget import claim_gpu_budget
 from lmd.hybrid.pool_ledger import PoolLedger, claim_cpu_pool
 from lmd.hybrid.rank_group import RankGroup, start_group
@@ -139,6 +141,9 @@ async def _load(
     )
     if memory is not None:
         memory.attach(engine.pool)
+    take_turns = getattr(engine.backend, "take_turns", None)  # the torch backend's
+    if device == "cpu" and role in (Role.PREFILL, Role.DECODE) and take_turns is not None:
+        take_turns(CpuTurns(config.runtime_dir, role, spec.index))
     if budget is None:  # the CPU ledger: what this engine's pools hold, for engines added later
         ledger.record(spec.name, engine.pool.nbytes * spec.tp)
     vocab, eos = engine.backend.vocab_size, engine.backend.eos_token_ids

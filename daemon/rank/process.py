@@ -32,7 +32,6 @@ from lmd.engine.backends import load_backend
 from lmd.engine.group_backend import RankRunner, decode_op, encode_op
 from lmd.engine.memory_profile import cap_allocator
 from lmd.engine.parallel import join_group
-from lmd.engine.torch_backend.cpu_threads import yield_to_prefill
 from lmd.hybrid.gpu_budget import claim_gpu_budget
 from lmd.hybrid.pool_ledger import PoolLedger
 from lmd.migration.base import PoolMemory
@@ -58,8 +57,6 @@ def rank_main(spec_dict: dict[str, Any]) -> None:
     die_with_parent(spec.leader_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 stops it
     configure_logging(spec.config.log_level, spec.name)
-    if spec.group.role == Role.DECODE and spec.device == "cpu":  # as rank 0 (spawn.py)
-        yield_to_prefill()
     exit_without_teardown(RankProcess(spec).run())
 
 

@@ -81,28 +81,6 @@ def served(daemon: Daemon) -> Iterator[Daemon]:
         daemon.close()
 
 
-def niceness(daemon: Daemon, names: list[str]) -> dict[str, int]:
-    """The scheduling priority (nice) of each named worker's process and its ranks'."""
-    out = {}
-    for name in names:
-        worker = daemon.worker(name)
-        for rank in worker.get("ranks") or [{"rank": 0, "pid": worker["pid"]}]:
-            label = name if rank["rank"] == 0 else f"{name} rank {rank['rank']}"
-            out[label] = psutil.Process(rank["pid"]).nice()
-    return out
-
-
-def yielding_decode(names: list[str]) -> dict[str, int]:
-    """What niceness() should find for these processes on a CPU: prefill at the test's
-    own priority, decode DECODE_NICE below it (prompts first, cpu_threads.py)."""
-    from lmd.engine.torch_backend.cpu_threads import DECODE_NICE
-
-    base = os.getpriority(os.PRIO_PROCESS, 0)
-    return {
-        name: min(19, base + DECODE_NICE) if name.startswith("decode") else base for name in names
-    }
-
-
 def alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE

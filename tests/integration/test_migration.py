@@ -15,6 +15,7 @@ import contextlib
 import os
 import random
 import signal
+import struct
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -25,14 +26,8 @@ import pytest
 import zmq
 
 from lmd import protocol
-from tests.integration.daemon import (
-    DISAGGREGATED,
-    Daemon,
-    niceness,
-    served,
-    wait_until,
-    yielding_decode,
-)
+from lmd.engine.torch_backend.cpu_turns import FILE_NAME, SLOTS
+from tests.integration.daemon import DISAGGREGATED, Daemon, served, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = [
@@ -113,8 +108,16 @@ def test_disaggregated_equals_hybrid_token_for_token() -> None:
             engines = ["hybrid-0"] if mode == "hybrid" else ["prefill-0", "decode-0"]
             idle_and_leak_free(daemon, engines)
             if mode == "disaggregated":
-                nice = niceness(daemon, engines)
-                assert nice == yielding_decode(list(nice))
+                # The two engines take turns on the CPU (cpu_turns.py): each registered
+                # its pid, and no forward is marked as running now that they are idle.
+                words = struct.unpack(
+                    f"{4 * SLOTS}q", (daemon.runtime_dir / FILE_NAME).read_bytes()
+                )
+                pids = {n: daemon.worker(n)["pid"] for n in engines}
+                assert (
+                    words[2 * SLOTS] == pids["prefill-0"] and words[3 * SLOTS] == pids["decode-0"]
+                )
+                assert not any(words[: 2 * SLOTS])
                 total = 2 * len(PROMPTS)
                 prefill, decode = (w["migration"] for w in migrations_counted(daemon, total))
                 assert prefill["count"] == decode["received"] == total, (prefill, decode)

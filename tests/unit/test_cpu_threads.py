@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,13 +21,11 @@ class FakeStat:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.busy_ticks = 1000
-        self.nice_ticks = 0
         self.write()
 
     def write(self) -> None:
         # cpu user nice system idle iowait irq softirq steal guest guest_nice
-        line = f"cpu  {self.busy_ticks} {self.nice_ticks} 0 50000 0 0 0 0 0 0"
-        self.path.write_text(f"{line}\ncpu0 1 0 0 1\n")
+        self.path.write_text(f"cpu  {self.busy_ticks} 0 0 50000 0 0 0 0 0 0\ncpu0 1 0 0 1\n")
 
     def add_busy(self, seconds: float) -> None:
         self.busy_ticks += round(seconds * HZ)
@@ -84,39 +80,31 @@ def test_disabled_without_proc_stat(tmp_path: Path) -> None:
     assert threads.update() == threads.max_threads
 
 
-def test_niced_time_is_left_out_on_request(tmp_path: Path) -> None:
-    path = tmp_path / "stat"
-    path.write_text("cpu  100 300 50 9000 0 0 0 0 0 0\n")  # user nice system idle ...
-    assert machine_busy_seconds(path) == pytest.approx(450 / HZ)
-    assert machine_busy_seconds(path, niced=False) == pytest.approx(150 / HZ)
+class FakeTurns:
+    """The other role's engines, whose CPU time we advance by hand (cpu_turns.py)."""
+
+    def __init__(self) -> None:
+        self.seconds = 5.0
+
+    def others_cpu_s(self) -> float:
+        return self.seconds
 
 
 @pytest.mark.usefixtures("restore_threads")
-@pytest.mark.parametrize(("priority", "threads_after"), [(0, "max"), (10, 1)])
-def test_niced_work_takes_no_threads_from_the_default_priority(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, priority: int, threads_after: str
-) -> None:
-    """A prefill engine (priority 0) keeps its threads beside a busy niced decode engine;
-    a niced process counts it and gives threads up."""
-    monkeypatch.setattr(os, "getpriority", lambda which, who: priority)
+def test_the_engine_taking_turns_is_not_counted(tmp_path: Path) -> None:
+    """The other role's engine waits while this one computes: its time takes no thread."""
     stat = FakeStat(tmp_path / "stat")
     threads = CpuThreads(interval_s=0.05, stat=stat.path)
     if not threads.enabled or threads.num_cpus < 2:
         pytest.skip("needs two or more cores this process may use")
+    turns = FakeTurns()
+    threads.turns = turns  # type: ignore[assignment]  # CpuTurns' one method used here
+    threads.update()
     time.sleep(0.1)
-    stat.nice_ticks += round(0.1 * threads.num_cpus * HZ)  # niced work on every core
-    stat.write()
-    expected = threads.max_threads if threads_after == "max" else 1
-    assert threads.update() == expected
-
-
-def test_yield_to_prefill_lowers_the_priority() -> None:
-    code = (
-        "import os; from lmd.engine.torch_backend.cpu_threads import DECODE_NICE, "
-        "yield_to_prefill; before = os.getpriority(os.PRIO_PROCESS, 0); yield_to_prefill(); "
-        "print(os.getpriority(os.PRIO_PROCESS, 0) - before, DECODE_NICE)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    lowered, nice = map(int, out.stdout.split())
-    base = os.getpriority(os.PRIO_PROCESS, 0)
-    assert lowered == min(nice, 19 - base)
+    busy = 0.1 * threads.num_cpus
+    stat.add_busy(busy)  # every core busy, all of it the other engine's
+    turns.seconds += busy
+    assert threads.update() == threads.max_threads
+    time.sleep(0.1)
+    stat.add_busy(busy)  # every core busy, none of it the other engine's
+    assert threads.update() == 1

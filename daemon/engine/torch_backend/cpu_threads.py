@@ -13,17 +13,8 @@ machine's busy time (/proc/stat) less this process's own CPU time it takes the c
 other processes used over the last interval, and sets torch's thread count to the cores
 left (at least 1, at most the count torch had when the backend was built). Idle cores
 give back every thread; a process that may not run on every core keeps its count.
-
-Prompts first: a decode engine on a CPU lowers its own priority (`yield_to_prefill`,
-nice DECODE_NICE), and a process at the default priority does not count the time of
-niced processes (/proc/stat's "nice" column), since the scheduler hands it their cores.
-So while a prompt is computed, prefill runs a thread per core and decode runs in what
-it leaves; when prefill is idle decode takes every core again. Sharing the cores
-evenly instead (a thread each) kept prompts waiting ~1.3 s on two cores, and half the
-sequences out of the decode batch meanwhile: served 1.79x transformers' batch-8
-`generate`, 2.24-2.41x with decode at nice 19 (docs/benchmarks.md, "CPU, sixth pass").
-Under a service manager's Nice= every process is niced and counts everything again:
-the even sharing.
+Disaggregated, the prefill and decode engines of a node take turns on its cores
+(cpu_turns.py) and leave each other's time out of the count (`turns`).
 """
 
 from __future__ import annotations
@@ -35,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from lmd.engine.torch_backend.cpu_turns import CpuTurns
+
 log = logging.getLogger(__name__)
 
 PROC_STAT = Path("/proc/stat")
@@ -42,20 +35,10 @@ INTERVAL_S = 0.25
 # A core counts as free when others used at most this much less than all of it over the
 # interval: a thread on a core that is busy even a third of the time already stalls teams.
 SLACK = 0.3
-# The lowest priority: decode gets ~1.5% of a core a prompt keeps busy (nice 10: ~10%,
-# served 2.10-2.27x against 19's 2.24-2.41x on two cores; docs/benchmarks.md).
-DECODE_NICE = 19
 
 
-def yield_to_prefill() -> None:
-    """Lower this process's scheduling priority by DECODE_NICE: a decode engine on a CPU,
-    whose cores the prefill engines beside it share."""
-    os.nice(DECODE_NICE)
-
-
-def machine_busy_seconds(stat: Path = PROC_STAT, *, niced: bool = True) -> float | None:
-    """CPU seconds all cores have spent busy since boot (steal included), or None;
-    without `niced`, less the time of niced processes."""
+def machine_busy_seconds(stat: Path = PROC_STAT) -> float | None:
+    """CPU seconds all cores have spent busy since boot (steal included), or None."""
     try:
         first = stat.read_text().split("\n", 1)[0].split()
     except OSError:
@@ -63,8 +46,7 @@ def machine_busy_seconds(stat: Path = PROC_STAT, *, niced: bool = True) -> float
     if len(first) < 9 or first[0] != "cpu":
         return None
     user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, first[1:9])
-    busy = user + system + irq + softirq + steal + (nice if niced else 0)
-    return busy / os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def threads_for(num_cpus: int, others: float, max_threads: int) -> int:
@@ -84,17 +66,17 @@ class CpuThreads:
         self.max_threads = torch.get_num_threads()
         self.threads = self.max_threads
         self._stat = stat
-        # At the default priority, niced processes' time is not taken from us.
-        self._niced = os.getpriority(os.PRIO_PROCESS, 0) > 0
         num_cpus = os.cpu_count() or 1
         affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else num_cpus
         self.num_cpus = num_cpus
-        busy = machine_busy_seconds(stat, niced=self._niced)
+        busy = machine_busy_seconds(stat)
         # Only where the machine-wide figure describes the cores this process can use.
         self.enabled = busy is not None and affinity == num_cpus and self.max_threads > 1
         self._since = time.monotonic()
         self._busy = busy or 0.0
         self._mine = time.process_time()
+        self.turns: CpuTurns | None = None  # the engines this one takes turns with
+        self._theirs = 0.0
 
     def update(self) -> int:
         """Re-decide the thread count if an interval has passed; returns the count."""
@@ -104,11 +86,13 @@ class CpuThreads:
         wall = now - self._since
         if wall < self.interval_s:
             return self.threads
-        busy, mine = machine_busy_seconds(self._stat, niced=self._niced), time.process_time()
+        busy, mine = machine_busy_seconds(self._stat), time.process_time()
         if busy is None:
             return self.threads
-        others = (busy - self._busy - (mine - self._mine)) / wall  # cores, mean
-        self._since, self._busy, self._mine = now, busy, mine
+        theirs = self.turns.others_cpu_s() if self.turns is not None else 0.0
+        taking_turns = max(0.0, theirs - self._theirs)  # (an engine that died: negative)
+        others = (busy - self._busy - (mine - self._mine) - taking_turns) / wall  # cores
+        self._since, self._busy, self._mine, self._theirs = now, busy, mine, theirs
         want = threads_for(self.num_cpus, others, self.max_threads)
         if want != self.threads:
             log.debug("torch threads %d -> %d (others used %.2f cores)", self.threads, want, others)

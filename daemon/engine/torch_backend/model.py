@@ -12,6 +12,7 @@ graphs where the model allows them (graphs.py); prefill and mixed steps run eage
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -30,6 +31,7 @@ from lmd.engine.torch_backend.attention import (
     paged_attention,
 )
 from lmd.engine.torch_backend.cpu_threads import CpuThreads
+from lmd.engine.torch_backend.cpu_turns import CpuTurns
 from lmd.engine.torch_backend.graphs import GraphModel, GraphShape, why_not
 from lmd.engine.torch_backend.host_memory import keep_freed_memory
 from lmd.engine.torch_backend.linear import can_pack, pack_linears
@@ -215,7 +217,8 @@ class TorchBackend(GraphedDecode):
             self._threads.update()
         meta = PagedMetadata.build(batch, kv)
         extra: dict[str, Any] = {METADATA_KWARG: meta}
-        with torch.inference_mode():
+        turn = self._threads.turns if self._threads is not None else None
+        with torch.inference_mode(), turn.forward() if turn is not None else nullcontext():
             out = self.model(
                 input_ids=batch.input_ids.to(self._device, non_blocking=True)[None],  # [1, T]
                 position_ids=meta.positions[None],  # [1, T]
@@ -230,6 +233,12 @@ class TorchBackend(GraphedDecode):
             )
         logits: Tensor = out.logits[0]  # [R, V] (a rank of a group: [R, its vocabulary rows])
         return self._tp.gather_columns(logits.float(), self.vocab_size)
+
+    def take_turns(self, turns: CpuTurns) -> None:
+        """Disaggregated on a CPU: forwards in turn with the other role's engines of the
+        node (cpu_turns.py). Nothing elsewhere."""
+        if self._threads is not None:
+            self._threads.turns = turns
 
     def forward_hidden(self, batch: ForwardBatch, kv: Tensor) -> tuple[Tensor, Tensor]:
         # The output embedding's input, caught on its way in: one pass, whatever the model
