@@ -18,20 +18,27 @@ from lmd.engine.torch_backend.cpu_turns import CpuTurns
 from lmd.protocol.roles import Role
 
 
+def forward_in_a_thread(turns: CpuTurns, seconds: float, order: list[str]) -> threading.Thread:
+    """A forward of `seconds` on another thread, under way when this returns; it appends
+    "<role> done" to `order` at its end."""
+    entered = threading.Event()
+
+    def run() -> None:
+        with turns.forward():
+            entered.set()
+            time.sleep(seconds)
+            order.append(f"{turns.role} done")
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    entered.wait(5)
+    return thread
+
+
 def test_decode_waits_for_a_prefill_forward(tmp_path: Path) -> None:
     prefill, decode = CpuTurns(tmp_path, Role.PREFILL, 0), CpuTurns(tmp_path, Role.DECODE, 0)
     order: list[str] = []
-    entered = threading.Event()
-
-    def prompt() -> None:
-        with prefill.forward():
-            entered.set()
-            time.sleep(0.15)
-            order.append("prefill done")
-
-    thread = threading.Thread(target=prompt)
-    thread.start()
-    entered.wait(5)
+    thread = forward_in_a_thread(prefill, 0.15, order)
     with decode.forward():
         order.append("decode runs")
     thread.join()
@@ -42,17 +49,7 @@ def test_decode_waits_for_a_prefill_forward(tmp_path: Path) -> None:
 def test_prefill_waits_for_the_decode_step_under_way(tmp_path: Path) -> None:
     prefill, decode = CpuTurns(tmp_path, Role.PREFILL, 1), CpuTurns(tmp_path, Role.DECODE, 2)
     order: list[str] = []
-    entered = threading.Event()
-
-    def step() -> None:
-        with decode.forward():
-            entered.set()
-            time.sleep(0.1)
-            order.append("decode done")
-
-    thread = threading.Thread(target=step)
-    thread.start()
-    entered.wait(5)
+    thread = forward_in_a_thread(decode, 0.1, order)
     with prefill.forward():
         order.append("prefill runs")
     thread.join()

@@ -30,6 +30,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
+
 from lmd.protocol.roles import Role
 
 SLOTS = 64  # engines of a role on one node
@@ -37,7 +39,6 @@ FILE_NAME = "cpu-turns"
 MAX_WAIT_S = 0.5
 PREFILL_WAIT_S = 0.2
 POLL_S = 0.001
-HZ = os.sysconf("SC_CLK_TCK")
 
 
 class CpuTurns:
@@ -92,31 +93,20 @@ class CpuTurns:
             time.sleep(POLL_S)
         if any(self._theirs):  # the deadline: is a slot left by a dead process?
             for slot, pid in enumerate(self._theirs):
-                if pid and not _alive(pid):
+                if pid and not psutil.pid_exists(pid):
                     self._theirs[slot] = 0
         self.waited_s += time.monotonic() - start
 
     def others_cpu_s(self) -> float:
         """CPU seconds the node's engines of the other role (live ones) have used since
         they started: what this engine leaves out of the others' load (cpu_threads)."""
-        return sum(_cpu_ticks(pid) for pid in self._their_pids if pid) / HZ
+        return sum(_cpu_s(pid) for pid in self._their_pids if pid)
 
 
-def _alive(pid: int) -> bool:
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads); 0 if it is gone."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _cpu_ticks(pid: int) -> int:
-    """utime + stime of a process (all its threads), in clock ticks; 0 if it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0
-    fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces
-    return int(fields[11]) + int(fields[12])  # fields 14 and 15 of proc(5)
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return 0.0
+    return float(times.user + times.system)
