@@ -32,7 +32,7 @@ from lmd.engine.grammar import Grammars
 from lmd.engine.memory_plan import Budget, MemoryPlanError
 from lmd.engine.model_source import ModelSourceError, resolve_model
 from lmd.engine.parallel import SINGLE
-from lmd.engine.torch_backend.cpu_turns import CpuTurns
+from lmd.engine.torch_backend.cpu_turns import SLOTS, CpuTurns
 from lmd.hybrid.gpu_budget import claim_gpu_budget
 from lmd.hybrid.pool_ledger import PoolLedger, claim_cpu_pool
 from lmd.hybrid.rank_group import RankGroup, start_group
@@ -142,7 +142,8 @@ async def _load(
     if memory is not None:
         memory.attach(engine.pool)
     take_turns = getattr(engine.backend, "take_turns", None)  # the torch backend's
-    if device == "cpu" and role in (Role.PREFILL, Role.DECODE) and take_turns is not None:
+    turns = device == "cpu" and role in (Role.PREFILL, Role.DECODE) and spec.index < SLOTS
+    if turns and take_turns is not None:  # (past SLOTS engines of a role: even sharing)
         take_turns(CpuTurns(config.runtime_dir, role, spec.index))
     if budget is None:  # the CPU ledger: what this engine's pools hold, for engines added later
         ledger.record(spec.name, engine.pool.nbytes * spec.tp)
