@@ -34,7 +34,10 @@ class FakeStat:
 
 @pytest.fixture
 def restore_threads() -> Iterator[None]:
+    """A thread per core for the test (an engine run earlier in this process may have
+    left torch at one, which disables CpuThreads), and the count as it was after."""
     threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
     yield
     torch.set_num_threads(threads)
 
