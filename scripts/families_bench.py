@@ -4,7 +4,7 @@ against the HBM floor (docs/benchmarks.md, "turbo for Qwen3 and mixtures of expe
     python3 scripts/families_bench.py MODEL_DIR [--batches 1,64,512] [--input-len 512]
         [--output-len 256] [--backend turbo] [--quantization w4a16|fp8]
         [--kv-cache-dtype int8|fp8] [--separate-batch1] [--separate-activation]
-        [--separate-experts] [--separate-nibbles]
+        [--separate-experts]
 
 One Engine for every batch (max_batch_size = the largest), the prompts and the timing of
 `lmd-bench offline` (random ids, greedy, ignore_eos, prefill included), after a warm-up
@@ -32,7 +32,6 @@ from lmd.bench.offline import random_prompts, time_engine
 from lmd.engine.config import EngineConfig
 from lmd.engine.engine import Engine
 from lmd.engine.kv_pool import block_bytes_of
-from lmd.engine.turbo.kernels import w4a16 as w4a16_kernels
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -112,11 +111,6 @@ def main() -> None:
         action="store_true",
         help="the batch-1 step again with a layer of experts through kernels/moe.py",
     )
-    parser.add_argument(
-        "--separate-nibbles",
-        action="store_true",
-        help="the batch-1 step again with W4A16's nibbles converted one by one",
-    )
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     config = EngineConfig(
@@ -157,11 +151,6 @@ def main() -> None:
         "separate_experts_batch1_step_ms": (
             args.separate_experts,
             lambda on: setattr(backend.model, "vector_experts", not on),
-        ),
-        # W4A16's nibbles to floats one by one (w4a16.PACKED_NIBBLES off)
-        "separate_nibbles_batch1_step_ms": (
-            args.separate_nibbles,
-            lambda on: setattr(w4a16_kernels, "PACKED_NIBBLES", not on),
         ),
     }
     for name, (asked, switch) in switches.items():

@@ -57,16 +57,14 @@ class CpuTurns:
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        # int64 words: [prefill computing | decode computing | prefill pids | decode pids]
+        # int64 words, SLOTS a block: prefill's and decode's forwards, their engines' pids
         words = memoryview(self._map).cast("q")
-        mine = 0 if role == Role.PREFILL else 1
-        self._mine, self._theirs = (
-            words[mine * SLOTS : (mine + 1) * SLOTS],
-            words[(1 - mine) * SLOTS : (2 - mine) * SLOTS],
-        )
-        self._their_pids = words[(3 - mine) * SLOTS : (4 - mine) * SLOTS]
+        blocks = [words[i * SLOTS : (i + 1) * SLOTS] for i in range(4)]
+        forwards, pids = blocks[:2], blocks[2:]  # each [prefill's, decode's]
+        me = 0 if role == Role.PREFILL else 1
+        self._mine, self._theirs, self._their_pids = forwards[me], forwards[1 - me], pids[1 - me]
         self._mine[index] = 0  # a predecessor of ours may have died mid-forward
-        words[(2 + mine) * SLOTS + index] = self.pid
+        pids[me][index] = self.pid
         self.waited_s = 0.0  # time this engine spent waiting for the other role, in all
 
     @contextlib.contextmanager

@@ -226,7 +226,7 @@ PACKED_NIBBLES = True  # on CUDA in 16 bits, nibbles to floats two words at a ti
 WIDE_N = 16384  # decode tiles 128 columns wide from this many output columns
 
 
-def default_tiles(m: int, n: int = 0) -> Tiles:
+def default_tiles(m: int, n: int) -> Tiles:
     """The tiling for m rows of x and n output columns: the fastest of scripts/
     w4a16_tiles.py on an H100 at Llama-3-8B's shapes in bf16 (docstring of w4a16_matmul).
     Decode: 16 x 64 tiles, 16 x 128 from WIDE_N columns (gate|up: 36.8 against 39.9 us
