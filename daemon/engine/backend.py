@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -28,9 +28,6 @@ from torch import Tensor
 
 from lmd.engine.kv_layout import QUANT_KV_DTYPES, bytes_per_block
 from lmd.engine.parallel import SINGLE, TensorParallel
-
-if TYPE_CHECKING:
-    from lmd.engine.torch_backend.cpu_turns import CpuTurns
 
 DTYPES = {
     "float32": torch.float32,
@@ -339,11 +336,6 @@ class Backend(ABC):
         """`kv` is the engine's own pool (not a scratch one): a tensor-parallel group's
         other ranks make theirs (group_backend.py); nothing by default."""
         del kv
-
-    def take_turns(self, turns: CpuTurns) -> None:
-        """Disaggregated on a CPU: run forwards in turn with the node's engines of the
-        other role (torch_backend/cpu_turns.py); nothing by default."""
-        del turns
 
     def capture_graphs(self, kv: Tensor, max_batch_size: int) -> None:
         """Prepare decode steps of up to `max_batch_size` sequences on this pool ahead of

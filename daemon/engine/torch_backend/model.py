@@ -235,7 +235,9 @@ class TorchBackend(GraphedDecode):
         return self._tp.gather_columns(logits.float(), self.vocab_size)
 
     def take_turns(self, turns: CpuTurns) -> None:
-        if self._threads is not None:  # on a CPU: its thread count leaves theirs out
+        """Disaggregated on a CPU: forwards in turn with the other role's engines of the
+        node (cpu_turns.py). Nothing elsewhere."""
+        if self._threads is not None:
             self._threads.turns = turns
 
     def forward_hidden(self, batch: ForwardBatch, kv: Tensor) -> tuple[Tensor, Tensor]:
