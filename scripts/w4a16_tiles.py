@@ -9,9 +9,10 @@ of a CUDA graph that runs the product over enough copies of the weights to overf
 the L2 cache (a decode step reads every weight from memory), timed with CUDA events.
 GB/s counts the packed weights, scales and zeros read once. --tiles takes
 "BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,WARPS,STAGES" (SPLIT_K 0: automatic); --sweep adds a
-built-in list per row count. Every tiling is checked against dequantize() first. Below
-128 rows the default tiles also run with their nibbles converted one by one ("one by
-one", kernels/w4a16.PACKED_NIBBLES off).
+built-in list per row count. Every tiling is checked against dequantize() first. Up to
+16 rows the default tiles also run with their nibbles converted one by one ("one by
+one", kernels/w4a16.PACKED_NIBBLES off), from 17 to 127 rows with a tl.dot per 16
+inputs ("dot per 16", WHOLE_BLOCK_DOT off).
 """
 
 from __future__ import annotations
@@ -113,8 +114,10 @@ def bench_shape(
         # (name, tiles, dense_rows, the w4a16 switch turned off: "" none)
         configs = [(name_of(t) if t else "default", t, 1 << 30, "") for t in tilings]
         configs[0] = ("default", None, DENSE_ROWS, "")
-        if m < DENSE_ROWS:  # nibbles converted one by one (w4a16.PACKED_NIBBLES off)
+        if m <= 16:  # nibbles converted one by one (w4a16.PACKED_NIBBLES off)
             configs.append(("default, one by one", None, DENSE_ROWS, "PACKED_NIBBLES"))
+        elif m < DENSE_ROWS:  # a tl.dot per 16 inputs (w4a16.WHOLE_BLOCK_DOT off)
+            configs.append(("default, dot per 16", None, DENSE_ROWS, "WHOLE_BLOCK_DOT"))
         if m > 16:
             configs.append(("dequantize + cuBLAS", None, 1, ""))
         by_cublas = m >= DENSE_ROWS
@@ -122,6 +125,7 @@ def bench_shape(
         rows = []
         for name, tiles, dense_rows, off in configs:
             run = partial(w4a16_matmul, x, tiles=tiles, dense_rows=dense_rows)
+            saved = getattr(w4a16_kernels, off) if off else None
             if off:
                 setattr(w4a16_kernels, off, False)
             try:
@@ -131,7 +135,8 @@ def bench_shape(
                 print(f"  M={m} {name}: {type(exc).__name__} {str(exc)[:100]}")
                 continue
             finally:
-                w4a16_kernels.PACKED_NIBBLES = True
+                if off:
+                    setattr(w4a16_kernels, off, saved)
             rows.append((us, name, err))
         rows.sort()
         default_us = next((us for us, name, _ in rows if name == "default"), float("nan"))

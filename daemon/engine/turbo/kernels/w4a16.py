@@ -107,6 +107,39 @@ def _nibbles(words, J: tl.constexpr, DTYPE: tl.constexpr, PACKED: tl.constexpr):
 
 
 @triton.jit
+def _block_weights(  # noqa: PLR0917  # Triton functions take positional arguments
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    k0,
+    k_end,
+    n,
+    cols,
+    col_ok,
+    GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    """W^T for inputs k0 .. k0 + BLOCK_K as one [BLOCK_K, BLOCK_N] tile in DTYPE, (q - z) * s
+    rounded once. Input k0 + i lies in word row k0 // 8 + 16 (i // 128) + i % 16, nibble
+    (i % 128) // 16: each word is loaded for the 8 inputs it holds (the repeats hit L1)."""
+    i = tl.arange(0, BLOCK_K)
+    ok = (k0 + i < k_end)[:, None] & col_ok[None, :]
+    word_rows = k0 // 8 + 16 * (i // 128) + i % 16
+    words = tl.load(q_ptr + word_rows[:, None].to(tl.int64) * n + cols[None, :], mask=ok, other=0)
+    q = _biased((words >> (4 * ((i % 128) // 16))[:, None]) & 0xF, DTYPE)
+    if GROUP % BLOCK_K == 0:  # the tile lies in one group: a row of scales and zero points
+        group = (k0 // GROUP) * n + cols
+        s = tl.load(s_ptr + group, mask=col_ok, other=0.0).to(DTYPE)[None, :]
+        zq = tl.load(z_ptr + group, mask=col_ok, other=0).to(tl.int32)[None, :]
+    else:
+        group = ((k0 + i) // GROUP)[:, None] * n + cols[None, :]
+        s = tl.load(s_ptr + group, mask=ok, other=0.0).to(DTYPE)
+        zq = tl.load(z_ptr + group, mask=ok, other=0).to(tl.int32)
+    return (q - _biased(zq, DTYPE)) * s
+
+
+@triton.jit
 def _dot(x, w, acc, SWAP_AB: tl.constexpr, PRECISION: tl.constexpr):
     """acc + x @ w, or with SWAP_AB its transpose acc + w^T @ x^T."""
     if SWAP_AB:
@@ -141,6 +174,7 @@ def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     HAS_BIAS: tl.constexpr,
     PACKED: tl.constexpr,
     SCALE_AFTER_DOT: tl.constexpr,
+    WHOLE_BLOCK: tl.constexpr,
     SWAP_AB: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -166,28 +200,40 @@ def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     s = tl.zeros((BLOCK_N,), dtype=dtype)
     z = tl.zeros((BLOCK_N,), dtype=dtype)
     for k0 in range(k_start, k_end, BLOCK_K):
-        for b in tl.static_range(BLOCK_K // 128):
-            kb = k0 + 128 * b
-            words = tl.load(
-                q_ptr + (kb // 8 + word_rows)[:, None].to(tl.int64) * n + cols[None, :],
-                mask=col_ok[None, :],
-                other=0,
-            )  # [16, BLOCK_N] int32: nibble j = inputs kb + 16 j ... kb + 16 j + 15
-            for j in tl.static_range(8):
-                if (16 * j) % GROUP == 0:  # a group starts: its scales and zero points
-                    group = ((kb + 16 * j) // GROUP) * n
-                    s = tl.load(s_ptr + group + cols, mask=col_ok, other=0.0).to(dtype)
-                    zq = tl.load(z_ptr + group + cols, mask=col_ok, other=0).to(tl.int32)
-                    z = _biased(zq, dtype)
-                w = _nibbles(words, j, dtype, PACKED) - z[None, :]  # [16, BLOCK_N]
-                x = tl.load(x_rows + kb + 16 * j, mask=row_ok[:, None], other=0.0)  # [BM, 16]
-                if SCALE_AFTER_DOT:
-                    part = _dot(x, w, part, SWAP_AB, PRECISION)
-                    if j == 7 or (16 * (j + 1)) % GROUP == 0:  # the group's (or block's) end
-                        acc += part * _per_col(s.to(tl.float32), SWAP_AB)
-                        part = tl.zeros_like(part)
-                else:
-                    acc = _dot(x, w * s[None, :], acc, SWAP_AB, PRECISION)
+        if WHOLE_BLOCK:  # one tl.dot over BLOCK_K inputs
+            kk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(
+                x_ptr + rows[:, None].to(tl.int64) * stride_x + kk[None, :],
+                mask=row_ok[:, None] & (kk < k_end)[None, :],
+                other=0.0,
+            )  # [BLOCK_M, BLOCK_K]
+            w = _block_weights(
+                q_ptr, s_ptr, z_ptr, k0, k_end, n, cols, col_ok, GROUP, BLOCK_K, dtype
+            )
+            acc = _dot(x, w, acc, SWAP_AB, PRECISION)
+        else:  # one tl.dot per 16 inputs (nibble j of the block's words)
+            for b in tl.static_range(BLOCK_K // 128):
+                kb = k0 + 128 * b
+                words = tl.load(
+                    q_ptr + (kb // 8 + word_rows)[:, None].to(tl.int64) * n + cols[None, :],
+                    mask=col_ok[None, :],
+                    other=0,
+                )  # [16, BLOCK_N] int32: nibble j = inputs kb + 16 j ... kb + 16 j + 15
+                for j in tl.static_range(8):
+                    if (16 * j) % GROUP == 0:  # a group starts: its scales and zero points
+                        group = ((kb + 16 * j) // GROUP) * n
+                        s = tl.load(s_ptr + group + cols, mask=col_ok, other=0.0).to(dtype)
+                        zq = tl.load(z_ptr + group + cols, mask=col_ok, other=0).to(tl.int32)
+                        z = _biased(zq, dtype)
+                    w = _nibbles(words, j, dtype, PACKED) - z[None, :]  # [16, BLOCK_N]
+                    x = tl.load(x_rows + kb + 16 * j, mask=row_ok[:, None], other=0.0)  # [BM, 16]
+                    if SCALE_AFTER_DOT:
+                        part = _dot(x, w, part, SWAP_AB, PRECISION)
+                        if j == 7 or (16 * (j + 1)) % GROUP == 0:  # the group's (or block's) end
+                            acc += part * _per_col(s.to(tl.float32), SWAP_AB)
+                            part = tl.zeros_like(part)
+                    else:
+                        acc = _dot(x, w * s[None, :], acc, SWAP_AB, PRECISION)
     if SWAP_AB:
         acc = tl.trans(acc)
     if HAS_BIAS:
@@ -224,6 +270,7 @@ def _sum_splits_kernel(  # noqa: PLR0917  # Triton kernels take positional argum
 
 PACKED_NIBBLES = True  # on CUDA in 16 bits, nibbles to floats two words at a time (_nibbles)
 WIDE_N = 16384  # decode tiles 128 columns wide from this many output columns
+WHOLE_BLOCK_DOT = True  # tiles of over 32 rows: one tl.dot a BLOCK_K, not one per 16 inputs
 
 
 def default_tiles(m: int, n: int) -> Tiles:
@@ -329,6 +376,7 @@ def w4a16_matmul(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds
         HAS_BIAS=bias is not None and split == 1,
         PACKED=PACKED_NIBBLES and x.is_cuda and x.dtype != torch.float32,
         SCALE_AFTER_DOT=tiles.block_m <= 32,
+        WHOLE_BLOCK=WHOLE_BLOCK_DOT and tiles.block_m > 32,
         SWAP_AB=tiles.swap_ab,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32: no TF32 rounding
         BLOCK_M=tiles.block_m,
