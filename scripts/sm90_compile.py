@@ -104,7 +104,7 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
     for packed, block_m, group in ((True, 16, 128), (False, 16, 128), (True, 64, 128),
                                    (True, 64, 64)):  # fmt: skip
         flags = {"GROUP": group, "HAS_BIAS": False, "PACKED": packed,
-                 "SCALE_AFTER_DOT": block_m <= 32, "WHOLE_BLOCK": block_m > 32,
+                 "SCALE_AFTER_DOT": block_m <= 32,
                  "SWAP_AB": False, "PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": 64,
                  "BLOCK_K": 128}  # fmt: skip
         out.append(case(w4a16._w4a16_kernel, flags, types, run))

@@ -11,8 +11,7 @@ GB/s counts the packed weights, scales and zeros read once. --tiles takes
 "BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,WARPS,STAGES" (SPLIT_K 0: automatic); --sweep adds a
 built-in list per row count. Every tiling is checked against dequantize() first. Up to
 16 rows the default tiles also run with their nibbles converted one by one ("one by
-one", kernels/w4a16.PACKED_NIBBLES off), from 17 to 127 rows with a tl.dot per 16
-inputs ("dot per 16", WHOLE_BLOCK_DOT off).
+one", kernels/w4a16.PACKED_NIBBLES off).
 """
 
 from __future__ import annotations
@@ -116,8 +115,6 @@ def bench_shape(
         configs[0] = ("default", None, DENSE_ROWS, "")
         if m <= 16:  # nibbles converted one by one (w4a16.PACKED_NIBBLES off)
             configs.append(("default, one by one", None, DENSE_ROWS, "PACKED_NIBBLES"))
-        elif m < DENSE_ROWS:  # a tl.dot per 16 inputs (w4a16.WHOLE_BLOCK_DOT off)
-            configs.append(("default, dot per 16", None, DENSE_ROWS, "WHOLE_BLOCK_DOT"))
         if m > 16:
             configs.append(("dequantize + cuBLAS", None, 1, ""))
         by_cublas = m >= DENSE_ROWS

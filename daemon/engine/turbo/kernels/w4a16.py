@@ -30,10 +30,13 @@ instructions, not by memory (the same microseconds on an H200 as on an H100). Th
   order (deterministic) with the bias. (The tile's last split adding them, found by an
   arrival counter, saved the launch but was slower with the packed nibbles: down at
   M = 1 31.3 against 25.7 us; docs/benchmarks.md.)
-- prefill (64-row tiles; 128 with `swap_ab`, which computes y^T = W x^T so that the
-  weights are tl.dot's first operand): (q - z) * s rounded once to the activations'
-  dtype, then tl.dot(x, w, acc); programs walk M fastest, so the row tiles that share
-  a weight tile run back to back and the tile is read from memory about once.
+- 17 to 127 rows (64-row tiles, `swap_ab`: y^T = W x^T, the weights tl.dot's first
+  operand, 1.05-1.2x faster unswapped): (q - z) * s rounded once to the activations'
+  dtype, a block's 8 nibbles stacked into its 128 inputs in order (_block_weights) and
+  one tl.dot a block (a dot per 16 inputs was 4-7% slower); programs
+  walk M fastest, so the row tiles that share a weight tile run back to back and the
+  tile is read from memory about once. Bound by the per-weight instructions (scalar
+  bf16 arithmetic and 2-byte stores into the wgmma operand), not by memory.
 - from DENSE_ROWS rows, neither: a slab of W at a time is dequantized to x's dtype
   (at most w4a16_dense.SLAB_BYTES) and cuBLAS multiplies. Past a few hundred rows the product is
   bound by the tensor cores, and these tiles, which dequantize every weight once per
@@ -108,35 +111,25 @@ def _nibbles(words, J: tl.constexpr, DTYPE: tl.constexpr, PACKED: tl.constexpr):
 
 @triton.jit
 def _block_weights(  # noqa: PLR0917  # Triton functions take positional arguments
-    q_ptr,
-    s_ptr,
-    z_ptr,
-    k0,
-    k_end,
-    n,
-    cols,
-    col_ok,
-    GROUP: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DTYPE: tl.constexpr,
+    words, s_ptr, z_ptr, kb, n, cols, col_ok, GROUP: tl.constexpr, DTYPE: tl.constexpr
 ):
-    """W^T for inputs k0 .. k0 + BLOCK_K as one [BLOCK_K, BLOCK_N] tile in DTYPE, (q - z) * s
-    rounded once. Input k0 + i lies in word row k0 // 8 + 16 (i // 128) + i % 16, nibble
-    (i % 128) // 16: each word is loaded for the 8 inputs it holds (the repeats hit L1)."""
-    i = tl.arange(0, BLOCK_K)
-    ok = (k0 + i < k_end)[:, None] & col_ok[None, :]
-    word_rows = k0 // 8 + 16 * (i // 128) + i % 16
-    words = tl.load(q_ptr + word_rows[:, None].to(tl.int64) * n + cols[None, :], mask=ok, other=0)
-    q = _biased((words >> (4 * ((i % 128) // 16))[:, None]) & 0xF, DTYPE)
-    if GROUP % BLOCK_K == 0:  # the tile lies in one group: a row of scales and zero points
-        group = (k0 // GROUP) * n + cols
-        s = tl.load(s_ptr + group, mask=col_ok, other=0.0).to(DTYPE)[None, :]
-        zq = tl.load(z_ptr + group, mask=col_ok, other=0).to(tl.int32)[None, :]
-    else:
-        group = ((k0 + i) // GROUP)[:, None] * n + cols[None, :]
-        s = tl.load(s_ptr + group, mask=ok, other=0.0).to(DTYPE)
-        zq = tl.load(z_ptr + group, mask=ok, other=0).to(tl.int32)
-    return (q - _biased(zq, DTYPE)) * s
+    """W^T for the 128 inputs kb ... kb + 127 from their 16 words [16, BLOCK_N], as one
+    [128, BLOCK_N] tile in DTYPE, (q - z) * s rounded once: nibble j of word row r is
+    input kb + 16 j + r, so the 8 nibbles stacked [8, 16, BLOCK_N] are the inputs in
+    order. The words are loaded once (Triton reads each from shared memory for every
+    nibble it feeds)."""
+    j = tl.arange(0, 8)
+    q = _biased((words[None, :, :] >> (4 * j)[:, None, None]) & 0xF, DTYPE)  # [8, 16, BN]
+    if GROUP >= 128:  # one group: a row of scales and zero points
+        group = (kb // GROUP) * n + cols
+        s = tl.load(s_ptr + group, mask=col_ok, other=0.0).to(DTYPE)[None, None, :]
+        zq = tl.load(z_ptr + group, mask=col_ok, other=0).to(tl.int32)[None, None, :]
+    else:  # nibble j's group
+        group = ((kb + 16 * j) // GROUP)[:, None] * n + cols[None, :]
+        s = tl.load(s_ptr + group, mask=col_ok[None, :], other=0.0).to(DTYPE)[:, None, :]
+        zq = tl.load(z_ptr + group, mask=col_ok[None, :], other=0).to(tl.int32)[:, None, :]
+    w = (q - _biased(zq, DTYPE)) * s
+    return tl.reshape(w, (128, words.shape[1]))
 
 
 @triton.jit
@@ -174,7 +167,6 @@ def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     HAS_BIAS: tl.constexpr,
     PACKED: tl.constexpr,
     SCALE_AFTER_DOT: tl.constexpr,
-    WHOLE_BLOCK: tl.constexpr,
     SWAP_AB: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -200,25 +192,14 @@ def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     s = tl.zeros((BLOCK_N,), dtype=dtype)
     z = tl.zeros((BLOCK_N,), dtype=dtype)
     for k0 in range(k_start, k_end, BLOCK_K):
-        if WHOLE_BLOCK:  # one tl.dot over BLOCK_K inputs
-            kk = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(
-                x_ptr + rows[:, None].to(tl.int64) * stride_x + kk[None, :],
-                mask=row_ok[:, None] & (kk < k_end)[None, :],
-                other=0.0,
-            )  # [BLOCK_M, BLOCK_K]
-            w = _block_weights(
-                q_ptr, s_ptr, z_ptr, k0, k_end, n, cols, col_ok, GROUP, BLOCK_K, dtype
-            )
-            acc = _dot(x, w, acc, SWAP_AB, PRECISION)
-        else:  # one tl.dot per 16 inputs (nibble j of the block's words)
-            for b in tl.static_range(BLOCK_K // 128):
-                kb = k0 + 128 * b
-                words = tl.load(
-                    q_ptr + (kb // 8 + word_rows)[:, None].to(tl.int64) * n + cols[None, :],
-                    mask=col_ok[None, :],
-                    other=0,
-                )  # [16, BLOCK_N] int32: nibble j = inputs kb + 16 j ... kb + 16 j + 15
+        for b in tl.static_range(BLOCK_K // 128):
+            kb = k0 + 128 * b
+            words = tl.load(
+                q_ptr + (kb // 8 + word_rows)[:, None].to(tl.int64) * n + cols[None, :],
+                mask=col_ok[None, :],
+                other=0,
+            )  # [16, BLOCK_N] int32: nibble j = inputs kb + 16 j ... kb + 16 j + 15
+            if SCALE_AFTER_DOT:  # decode: a tl.dot per 16 inputs, scaled once a group
                 for j in tl.static_range(8):
                     if (16 * j) % GROUP == 0:  # a group starts: its scales and zero points
                         group = ((kb + 16 * j) // GROUP) * n
@@ -227,13 +208,20 @@ def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
                         z = _biased(zq, dtype)
                     w = _nibbles(words, j, dtype, PACKED) - z[None, :]  # [16, BLOCK_N]
                     x = tl.load(x_rows + kb + 16 * j, mask=row_ok[:, None], other=0.0)  # [BM, 16]
-                    if SCALE_AFTER_DOT:
-                        part = _dot(x, w, part, SWAP_AB, PRECISION)
-                        if j == 7 or (16 * (j + 1)) % GROUP == 0:  # the group's (or block's) end
-                            acc += part * _per_col(s.to(tl.float32), SWAP_AB)
-                            part = tl.zeros_like(part)
-                    else:
-                        acc = _dot(x, w * s[None, :], acc, SWAP_AB, PRECISION)
+                    part = _dot(x, w, part, SWAP_AB, PRECISION)
+                    if j == 7 or (16 * (j + 1)) % GROUP == 0:  # the group's (or block's) end
+                        acc += part * _per_col(s.to(tl.float32), SWAP_AB)
+                        part = tl.zeros_like(part)
+            else:  # one tl.dot for the block's 128 inputs
+                x = tl.load(
+                    x_ptr
+                    + rows[:, None].to(tl.int64) * stride_x
+                    + (kb + tl.arange(0, 128))[None, :],
+                    mask=row_ok[:, None],
+                    other=0.0,
+                )  # [BLOCK_M, 128]
+                w = _block_weights(words, s_ptr, z_ptr, kb, n, cols, col_ok, GROUP, dtype)
+                acc = _dot(x, w, acc, SWAP_AB, PRECISION)
     if SWAP_AB:
         acc = tl.trans(acc)
     if HAS_BIAS:
@@ -270,7 +258,6 @@ def _sum_splits_kernel(  # noqa: PLR0917  # Triton kernels take positional argum
 
 PACKED_NIBBLES = True  # on CUDA in 16 bits, nibbles to floats two words at a time (_nibbles)
 WIDE_N = 16384  # decode tiles 128 columns wide from this many output columns
-WHOLE_BLOCK_DOT = True  # tiles of over 32 rows: one tl.dot a BLOCK_K, not one per 16 inputs
 
 
 def default_tiles(m: int, n: int) -> Tiles:
@@ -278,8 +265,9 @@ def default_tiles(m: int, n: int) -> Tiles:
     w4a16_tiles.py on an H100 at Llama-3-8B's shapes in bf16 (docstring of w4a16_matmul).
     Decode: 16 x 64 tiles, 16 x 128 from WIDE_N columns (gate|up: 36.8 against 39.9 us
     on an H200 with the packed nibbles; qkv, o and down are 1.2-1.4x slower so), K split
-    up to 4 ways; up to 127 rows: 32- or 64-row tiles x 128 columns (64 columns
-    and 256 columns were slower, swapping the operands too). From DENSE_ROWS rows the
+    up to 4 ways; up to 127 rows: 32- or 64-row tiles x 128 columns (64 and 256 columns
+    were slower), the 64-row ones swapped (H200, one tl.dot a block of K: gate|up 71.7
+    against 84.8 us, the others 2-5% faster). From DENSE_ROWS rows the
     launcher goes to cuBLAS instead; this 128 x 128 tiling (operands swapped, the best
     of the fused ones there) is for `dense_rows` set higher."""
     if m <= SKINNY_ROWS:
@@ -287,7 +275,7 @@ def default_tiles(m: int, n: int) -> Tiles:
     if m <= 32:
         return Tiles(32, 128, 128, 0, 4, 3)
     if m < DENSE_ROWS:
-        return Tiles(64, 128, 128, 0, 4, 3)
+        return Tiles(64, 128, 128, 0, 4, 3, swap_ab=True)
     return Tiles(128, 128, 128, 1, 8, 3, swap_ab=True)
 
 
@@ -376,7 +364,6 @@ def w4a16_matmul(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds
         HAS_BIAS=bias is not None and split == 1,
         PACKED=PACKED_NIBBLES and x.is_cuda and x.dtype != torch.float32,
         SCALE_AFTER_DOT=tiles.block_m <= 32,
-        WHOLE_BLOCK=WHOLE_BLOCK_DOT and tiles.block_m > 32,
         SWAP_AB=tiles.swap_ab,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32: no TF32 rounding
         BLOCK_M=tiles.block_m,
