@@ -101,11 +101,12 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
     out.append(case(moe._grouped_gemm_kernel, flags, ints, run))
     w4a16 = kernels_of("w4a16")
     types = {"q_ptr": "*i32", "z_ptr": "*u8"}
-    for packed, block_m, group in ((True, 16, 128), (False, 16, 128), (True, 64, 128),
-                                   (True, 64, 64)):  # fmt: skip
+    for packed, block_m, group, swap in ((True, 16, 128, False), (False, 16, 128, False),
+                                         (True, 64, 128, True), (False, 64, 128, True),
+                                         (True, 64, 64, False)):  # fmt: skip
         flags = {"GROUP": group, "HAS_BIAS": False, "PACKED": packed,
                  "SCALE_AFTER_DOT": block_m <= 32,
-                 "SWAP_AB": False, "PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": 64,
+                 "SWAP_AB": swap, "PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": 128,
                  "BLOCK_K": 128}  # fmt: skip
         out.append(case(w4a16._w4a16_kernel, flags, types, run))
     return out

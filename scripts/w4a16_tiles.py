@@ -9,8 +9,8 @@ of a CUDA graph that runs the product over enough copies of the weights to overf
 the L2 cache (a decode step reads every weight from memory), timed with CUDA events.
 GB/s counts the packed weights, scales and zeros read once. --tiles takes
 "BLOCK_M,BLOCK_N,BLOCK_K,SPLIT_K,WARPS,STAGES" (SPLIT_K 0: automatic); --sweep adds a
-built-in list per row count. Every tiling is checked against dequantize() first. Up to
-16 rows the default tiles also run with their nibbles converted one by one ("one by
+built-in list per row count. Every tiling is checked against dequantize() first. Below
+128 rows the default tiles also run with their nibbles converted one by one ("one by
 one", kernels/w4a16.PACKED_NIBBLES off).
 """
 
@@ -113,7 +113,7 @@ def bench_shape(
         # (name, tiles, dense_rows, the w4a16 switch turned off: "" none)
         configs = [(name_of(t) if t else "default", t, 1 << 30, "") for t in tilings]
         configs[0] = ("default", None, DENSE_ROWS, "")
-        if m <= 16:  # nibbles converted one by one (w4a16.PACKED_NIBBLES off)
+        if m < DENSE_ROWS:  # nibbles converted one by one (w4a16.PACKED_NIBBLES off)
             configs.append(("default, one by one", None, DENSE_ROWS, "PACKED_NIBBLES"))
         if m > 16:
             configs.append(("dequantize + cuBLAS", None, 1, ""))

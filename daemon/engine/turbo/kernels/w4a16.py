@@ -17,11 +17,9 @@ plain order, k = 8 r + j as GPTQ does, the 8 nibbles of a word would have to be
 interleaved back into K order, a shuffle through shared memory per tile: 4x slower.)
 
 A program owns BLOCK_M rows of x and BLOCK_N output columns and walks its share of K,
-BLOCK_K (a multiple of 128) at a time. The integers become floats without a conversion
-instruction: a nibble OR'ed into the bits of 1024.0 (fp16; 128.0 for bf16, 2^23 for
-float32) is the float 1024 + q, and subtracting 1024 + z leaves q - z exactly. On CUDA
-in 16 bits that is PTX for two words at once (_nibbles): the kernels are bound by their
-instructions, not by memory (the same microseconds on an H200 as on an H100). Then:
+BLOCK_K (a multiple of 128) at a time. The codes become floats by their bits alone, on
+CUDA two at a time in PTX (w4a16_nibbles.py); the kernels are bound by their instructions,
+not by memory (the same microseconds on an H200 as on an H100). Then:
 
 - decode (tiles of up to 32 rows; one 16-row tile for M <= 16): tl.dot(x, q - z) is
   exact in float32, and is scaled once per group, `acc += dot * s`. When one program
@@ -32,7 +30,7 @@ instructions, not by memory (the same microseconds on an H200 as on an H100). Th
   M = 1 31.3 against 25.7 us; docs/benchmarks.md.)
 - 17 to 127 rows (64-row tiles, `swap_ab`: y^T = W x^T, the weights tl.dot's first
   operand, 1.05-1.2x faster unswapped): (q - z) * s rounded once to the activations'
-  dtype, a block's 8 nibbles stacked into its 128 inputs in order (_block_weights) and
+  dtype, a block's 8 nibbles stacked into its 128 inputs in order (block_weights) and
   one tl.dot a block (a dot per 16 inputs was 4-7% slower); programs
   walk M fastest, so the row tiles that share a weight tile run back to back and the
   tile is read from memory about once. Bound by the per-weight instructions (scalar
@@ -56,6 +54,7 @@ import triton.language as tl
 from torch import Tensor
 
 from lmd.engine.turbo.kernels.w4a16_dense import PACK_K, dense_matmul
+from lmd.engine.turbo.kernels.w4a16_nibbles import biased, block_weights, nibbles
 
 SKINNY_ROWS = 16  # up to this many rows of x: the decode tiling
 DENSE_ROWS = 128  # from this many rows: dequantize slabs of W and let cuBLAS multiply
@@ -72,64 +71,6 @@ class Tiles(NamedTuple):
     num_warps: int
     num_stages: int
     swap_ab: bool = False  # y^T = W x^T: the weights as tl.dot's first operand
-
-
-@triton.jit
-def _biased(q, DTYPE: tl.constexpr):
-    """Integers 0..15 (int32) -> the float (magic + q) in DTYPE, by bits alone."""
-    if tl.float16 == DTYPE:
-        return (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # 1024 + q
-    elif tl.bfloat16 == DTYPE:
-        return (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 128 + q
-    else:
-        return (q | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q
-
-
-@triton.jit
-def _nibbles(words, J: tl.constexpr, DTYPE: tl.constexpr, PACKED: tl.constexpr):
-    """Nibble J of each word as the float (magic + q) in DTYPE (_biased). PACKED (CUDA,
-    16-bit DTYPE): two words at a time in PTX, their nibbles' bytes gathered into one
-    register (prmt), shifted once and masked and OR'ed into both halves' magic at once
-    (lop3): 2-3 instructions a pair of weights where the element-wise form takes 6."""
-    if PACKED:
-        sel: tl.constexpr = (J // 2) | ((J // 2) << 4) | ((4 + J // 2) << 8) | ((4 + J // 2) << 12)
-        magic: tl.constexpr = 0x64006400 if tl.float16 == DTYPE else 0x43004300
-        shift: tl.constexpr = 4 * (J % 2)
-        asm: tl.constexpr = f"""{{
-            .reg .b32 t;
-            prmt.b32 t, $1, $2, {sel};
-            shr.u32 t, t, {shift};
-            lop3.b32 $0, t, 0x000F000F, {magic}, 0xEA;
-            }}"""
-        if tl.float16 == DTYPE:
-            return tl.inline_asm_elementwise(asm, "=r,r,r", [words], tl.float16, True, 2)
-        else:
-            return tl.inline_asm_elementwise(asm, "=r,r,r", [words], tl.bfloat16, True, 2)
-    else:
-        return _biased((words >> (4 * J)) & 0xF, DTYPE)
-
-
-@triton.jit
-def _block_weights(  # noqa: PLR0917  # Triton functions take positional arguments
-    words, s_ptr, z_ptr, kb, n, cols, col_ok, GROUP: tl.constexpr, DTYPE: tl.constexpr
-):
-    """W^T for the 128 inputs kb ... kb + 127 from their 16 words [16, BLOCK_N], as one
-    [128, BLOCK_N] tile in DTYPE, (q - z) * s rounded once: nibble j of word row r is
-    input kb + 16 j + r, so the 8 nibbles stacked [8, 16, BLOCK_N] are the inputs in
-    order. The words are loaded once (Triton reads each from shared memory for every
-    nibble it feeds)."""
-    j = tl.arange(0, 8)
-    q = _biased((words[None, :, :] >> (4 * j)[:, None, None]) & 0xF, DTYPE)  # [8, 16, BN]
-    if GROUP >= 128:  # one group: a row of scales and zero points
-        group = (kb // GROUP) * n + cols
-        s = tl.load(s_ptr + group, mask=col_ok, other=0.0).to(DTYPE)[None, None, :]
-        zq = tl.load(z_ptr + group, mask=col_ok, other=0).to(tl.int32)[None, None, :]
-    else:  # nibble j's group
-        group = ((kb + 16 * j) // GROUP)[:, None] * n + cols[None, :]
-        s = tl.load(s_ptr + group, mask=col_ok[None, :], other=0.0).to(DTYPE)[:, None, :]
-        zq = tl.load(z_ptr + group, mask=col_ok[None, :], other=0).to(tl.int32)[:, None, :]
-    w = (q - _biased(zq, DTYPE)) * s
-    return tl.reshape(w, (128, words.shape[1]))
 
 
 @triton.jit
@@ -205,8 +146,8 @@ def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
                         group = ((kb + 16 * j) // GROUP) * n
                         s = tl.load(s_ptr + group + cols, mask=col_ok, other=0.0).to(dtype)
                         zq = tl.load(z_ptr + group + cols, mask=col_ok, other=0).to(tl.int32)
-                        z = _biased(zq, dtype)
-                    w = _nibbles(words, j, dtype, PACKED) - z[None, :]  # [16, BLOCK_N]
+                        z = biased(zq, dtype)
+                    w = nibbles(words, j, dtype, PACKED) - z[None, :]  # [16, BLOCK_N]
                     x = tl.load(x_rows + kb + 16 * j, mask=row_ok[:, None], other=0.0)  # [BM, 16]
                     part = _dot(x, w, part, SWAP_AB, PRECISION)
                     if j == 7 or (16 * (j + 1)) % GROUP == 0:  # the group's (or block's) end
@@ -220,7 +161,7 @@ def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
                     mask=row_ok[:, None],
                     other=0.0,
                 )  # [BLOCK_M, 128]
-                w = _block_weights(words, s_ptr, z_ptr, kb, n, cols, col_ok, GROUP, dtype)
+                w = block_weights(words, s_ptr, z_ptr, kb, n, cols, col_ok, GROUP, dtype, PACKED)
                 acc = _dot(x, w, acc, SWAP_AB, PRECISION)
     if SWAP_AB:
         acc = tl.trans(acc)
@@ -256,7 +197,9 @@ def _sum_splits_kernel(  # noqa: PLR0917  # Triton kernels take positional argum
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-PACKED_NIBBLES = True  # on CUDA in 16 bits, nibbles to floats two words at a time (_nibbles)
+PACKED_NIBBLES = (
+    True  # on CUDA in 16 bits, nibbles to floats two words at a time (w4a16_nibbles.py)
+)
 WIDE_N = 16384  # decode tiles 128 columns wide from this many output columns
 
 
