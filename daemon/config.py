@@ -22,6 +22,7 @@ from lmd.protocol.roles import CLUSTER_ROLES, Role
 # only). Both for benchmarks and tests.
 BACKENDS = ("auto", "torch", "turbo", "fake", "fixed")
 MODES = ("disaggregated", "hybrid")
+GPU_SHARING = ("time-slice", "mps")  # gpu_sharing.py
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # native: lmd._native (host shared memory, CUDA IPC); nixl: NVIDIA NIXL over UCX, the
 # optional `lmd[cluster]` install (lmd.migration.nixl).
@@ -102,6 +103,8 @@ class ServeConfig:
     api_workers: int = 1  # HTTP processes on one port (SO_REUSEPORT; api/worker.py)
     migration_timeout: float = 120.0  # seconds a reservation or a KV copy may take
     migration_transport: str = "native"  # how KV moves between prefill and decode
+    gpu_sharing: str = "time-slice"  # or mps: prefill and decode kernels side by side
+    mps_prefill_percent: int = 70  # under mps, the multiprocessors a prefill process may use
     drain_timeout: float = 30.0
     startup_timeout: float = 300.0
     heartbeat_interval: float = 1.0
@@ -190,6 +193,17 @@ class ServeConfig:
             f"{self.gpu_memory_utilization} is not a fraction in (0, 1]",
         )
         _check(self.mode in MODES, "mode", f"{self.mode!r} is not one of {', '.join(MODES)}")
+        _check(
+            self.gpu_sharing in GPU_SHARING,
+            "gpu_sharing",
+            f"{self.gpu_sharing!r} is not one of {', '.join(GPU_SHARING)}",
+        )
+        _check(
+            self.gpu_sharing != "mps" or self.mode == "disaggregated",
+            "gpu_sharing",
+            "mps shares a GPU between prefill and decode processes; hybrid mode has one",
+        )
+        _check(1 <= self.mps_prefill_percent <= 100, "mps_prefill_percent", "must be 1-100")
         _check(
             self.tool_call_parser in TOOL_CALL_PARSERS,
             "tool_call_parser",

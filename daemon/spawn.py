@@ -17,6 +17,7 @@ import uvloop
 from setproctitle import setproctitle
 
 from lmd.config import ServeConfig
+from lmd.gpu_sharing import worker_share
 from lmd.parent import die_with_parent, exit_without_teardown
 from lmd.protocol.roles import Role
 from lmd.roles import WorkerSpec
@@ -58,6 +59,7 @@ def worker_main(spec_dict: dict[str, Any]) -> None:
     os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the supervisor only; it drains us
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = ServeConfig.from_dict(spec.config)
+    worker_share(config, spec.role)  # before anything starts CUDA
     configure_logging(config.log_level, spec.name)
     worker = worker_class(spec.role)(spec, config)
     code: int = uvloop.run(worker.run())

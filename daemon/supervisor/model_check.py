@@ -15,6 +15,7 @@ from typing import Any
 from lmd.config import ConfigError, ServeConfig
 from lmd.engine.config import MAX_TP, read_hf_config, text_config
 from lmd.engine.model_source import ModelSourceError, default_gguf_path, resolve_model
+from lmd.gpu_sharing import check_gpu_sharing
 from lmd.protocol.roles import Role
 from lmd.roles import role_counts
 
@@ -59,9 +60,11 @@ def check_gguf_header(path: Path) -> None:
 
 def check_engines(config: ServeConfig, device: str) -> None:
     """ConfigError for what the engines could not run (check_quantization,
-    check_tensor_parallel): each would fail at start, be restarted and fail again."""
+    check_tensor_parallel, check_gpu_sharing): each would fail at start, be restarted
+    and fail again."""
     check_quantization(config, device)
     check_tensor_parallel(config)
+    check_gpu_sharing(config, device)
 
 
 def check_quantization(config: ServeConfig, device: str) -> None:

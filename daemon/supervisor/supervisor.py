@@ -35,6 +35,7 @@ from starlette.types import ASGIApp
 from lmd import __version__, ipc, protocol
 from lmd.config import ConfigError
 from lmd.config_loader import LoadedConfig, reload_config
+from lmd.gpu_sharing import GpuSharingError, control_daemon
 from lmd.http_server import EmbeddedServer, bind_unix
 from lmd.paths import control_socket_path
 from lmd.roles import plan_workers
@@ -98,7 +99,11 @@ class Supervisor:
         try:
             if removed := lock.remove_leftovers():
                 log.info("removed %d stale sockets left by a previous daemon", len(removed))
-            return await self._serve()
+            with control_daemon(self.config):  # --gpu-sharing mps: MPS for the workers
+                return await self._serve()
+        except GpuSharingError as exc:
+            log.error("%s", exc)
+            return 1
         finally:
             lock.remove_leftovers()
             lock.release()
