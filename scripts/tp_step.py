@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import triton
 
-from lmd.engine.backend import ForwardBatch
+from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.kv_pool import KVPool
 from lmd.engine.parallel import join_group, leave_group
 from lmd.engine.turbo.backend import TurboBackend

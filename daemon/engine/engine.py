@@ -31,12 +31,13 @@ from typing import Any
 
 import torch
 
-from lmd.engine.backend import Backend, ForwardBatch
+from lmd.engine.backend import Backend
 from lmd.engine.backends import load_backend
 from lmd.engine.block_manager import BlockManager
 from lmd.engine.config import MIXED_PREFILL_TOKENS, EngineConfig
 from lmd.engine.decode_scheduler import DecodeBatch, DecodeScheduler
 from lmd.engine.events import TokenEvent
+from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.group_backend import OpLink
 from lmd.engine.inflight import InFlight
 from lmd.engine.kv_pool import KVPool, PoolBuffer, block_bytes_of, size_pool

@@ -22,8 +22,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from lmd.engine.backend import Backend, ForwardBatch, refuse_parallel, refuse_quantization
+from lmd.engine.backend import Backend, refuse_parallel, refuse_quantization
 from lmd.engine.config import context_len, read_hf_config
+from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.parallel import SINGLE, TensorParallel
 
 

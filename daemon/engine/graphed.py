@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lmd.engine.backend import Backend, ForwardBatch
+from lmd.engine.backend import Backend
+from lmd.engine.forward_batch import ForwardBatch
 
 DEFAULT_MAX_GRAPH_BATCH = 512
 DEFAULT_GRAPH_BUDGET_S = 60.0

@@ -30,7 +30,8 @@ import orjson
 import torch
 from torch import Tensor
 
-from lmd.engine.backend import Backend, ForwardBatch
+from lmd.engine.backend import Backend
+from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.kv_pool import KVPool, PoolBuffer, block_bytes_of
 from lmd.engine.parallel import TensorParallel
 

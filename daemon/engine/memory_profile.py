@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
-from lmd.engine.backend import Backend, ForwardBatch
+from lmd.engine.backend import Backend
 from lmd.engine.config import EngineConfig
+from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.kv_pool import KVPool
 from lmd.engine.memory_plan import Budget, GiB, MemoryPlanError
 from lmd.engine.sampler import Sampler

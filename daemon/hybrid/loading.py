@@ -141,12 +141,9 @@ async def _load(
     )
     if memory is not None:
         memory.attach(engine.pool)
-    # The torch backend's alone (a Backend hook would put backend.py, at 399 lines, over
-    # the 400-line limit); GroupBackend has none: a group shares evenly.
-    take_turns = getattr(engine.backend, "take_turns", None)
     turns = device == "cpu" and role in (Role.PREFILL, Role.DECODE) and spec.index < SLOTS
-    if turns and take_turns is not None:  # (past SLOTS engines of a role: even sharing)
-        take_turns(CpuTurns(config.runtime_dir, role, spec.index))
+    if turns:  # (past SLOTS engines of a role: even sharing)
+        engine.backend.take_turns(CpuTurns(config.runtime_dir, role, spec.index))
     if budget is None:  # the CPU ledger: what this engine's pools hold, for engines added later
         ledger.record(spec.name, engine.pool.nbytes * spec.tp)
     vocab, eos = engine.backend.vocab_size, engine.backend.eos_token_ids

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lmd.engine.backend import Backend, ForwardBatch
+from lmd.engine.backend import Backend
+from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.kv_pool import KVPool
 
 LOGITS_BYTES = 256 * 2**20

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from lmd.engine.backend import ForwardBatch
+from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.torch_backend import TorchBackend
 from lmd.engine.torch_backend.logits import FloatOutputLinear
 from tests.models import GPU_LLAMA, hf_greedy, random_prompts, save_tiny_llama

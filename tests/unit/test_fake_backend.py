@@ -5,11 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmd.engine.backend import ForwardBatch
 from lmd.engine.backends import select_backend
 from lmd.engine.config import EngineConfig
 from lmd.engine.engine import Engine
 from lmd.engine.fake_backend import FakeBackend
+from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.sequence import SamplingParams, Sequence
 from tests.models import TINY_EOS, save_tiny_llama
 

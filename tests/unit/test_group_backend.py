@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from lmd.engine.backend import ForwardBatch
+from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.group_backend import (
     GroupBackend,
     RankRunner,

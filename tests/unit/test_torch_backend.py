@@ -22,8 +22,9 @@ from transformers import (
     PreTrainedModel,
 )
 
-from lmd.engine.backend import BackendError, ForwardBatch
+from lmd.engine.backend import BackendError
 from lmd.engine.backends import select_backend
+from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.model_source import resolve_model
 from lmd.engine.torch_backend import TorchBackend, native_cpu
 from lmd.engine.torch_backend.linear import FusedPart, PackedLinear

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from lmd.engine.backend import ForwardBatch
+from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.torch_backend import TorchBackend, native_cpu
 from lmd.engine.torch_backend.linear import (
     PANEL_ROWS,

@@ -21,7 +21,7 @@ BLOCK = 16
 def _steps(tp: TensorParallel, model_dir: str, **kwargs: Any) -> dict[str, np.ndarray]:
     """Three steps through the torch backend (a rank's shard when tp has a group):
     two prompts, a decode step of both, then a chunk after a cached prefix."""
-    from lmd.engine.backend import ForwardBatch
+    from lmd.engine.forward_batch import ForwardBatch
     from lmd.engine.kv_pool import KVPool
     from lmd.engine.torch_backend import TorchBackend
 

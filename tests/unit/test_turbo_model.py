@@ -32,7 +32,8 @@ from tests.unit.test_turbo_kernels import ON_CUDA
 
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")  # (keeps the imports below after it)
 
-from lmd.engine.backend import Backend, ForwardBatch  # noqa: E402
+from lmd.engine.backend import Backend  # noqa: E402
+from lmd.engine.forward_batch import ForwardBatch  # noqa: E402
 from lmd.engine.torch_backend import TorchBackend  # noqa: E402
 from lmd.engine.turbo.backend import TurboBackend  # noqa: E402
 from tests.models import TINY_SHAPE, hf_greedy, random_prompts, save_tiny_llama  # noqa: E402

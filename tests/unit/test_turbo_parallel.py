@@ -27,7 +27,8 @@ from tests.unit.test_turbo_families import build, gemma3, qwen3, qwen3_moe
 
 pytest.importorskip("triton")
 
-from lmd.engine.backend import BackendError, ForwardBatch
+from lmd.engine.backend import BackendError
+from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.parallel import SINGLE, ParallelError, TensorParallel
 from lmd.engine.turbo import checkpoint
 from lmd.engine.turbo.backend import TurboBackend

@@ -19,7 +19,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 pytest.importorskip("triton")
 from tests.unit.test_turbo_kernels import ON_CUDA  # noqa: I001  (first: the interpreter)
 
-from lmd.engine.backend import BackendError, ForwardBatch
+from lmd.engine.backend import BackendError
+
+from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.kv_pool import KVPool
 from lmd.engine.turbo.backend import TurboBackend
 from lmd.engine.turbo.quant.fp8 import Fp8Weight, fp8_supported

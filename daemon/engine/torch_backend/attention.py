@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lmd.engine.backend import ForwardBatch
+from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.torch_backend import native_cpu
 
 ATTENTION_NAME = "lmd_paged"

@@ -20,8 +20,9 @@ import torch
 from torch import Tensor
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from lmd.engine.backend import BackendError, ForwardBatch, refuse_quantization
+from lmd.engine.backend import BackendError, refuse_quantization
 from lmd.engine.config import checkpoint_quant_method, context_len, read_hf_config
+from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.graphed import GraphedDecode
 from lmd.engine.parallel import SINGLE, ParallelError, TensorParallel
 from lmd.engine.torch_backend.attention import (
@@ -235,9 +236,7 @@ class TorchBackend(GraphedDecode):
         return self._tp.gather_columns(logits.float(), self.vocab_size)
 
     def take_turns(self, turns: CpuTurns) -> None:
-        """Disaggregated on a CPU: forwards in turn with the other role's engines of the
-        node (cpu_turns.py). Nothing elsewhere."""
-        if self._threads is not None:
+        if self._threads is not None:  # on a CPU
             self._threads.turns = turns
 
     def forward_hidden(self, batch: ForwardBatch, kv: Tensor) -> tuple[Tensor, Tensor]:

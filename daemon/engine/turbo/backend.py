@@ -25,8 +25,9 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from lmd.engine.backend import BackendError, ForwardBatch
+from lmd.engine.backend import BackendError
 from lmd.engine.config import read_hf_config
+from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.graphed import GraphedDecode
 from lmd.engine.parallel import SINGLE, ParallelError, TensorParallel
 from lmd.engine.turbo import kernels

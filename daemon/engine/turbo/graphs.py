@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lmd.engine.backend import ForwardBatch
+from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.turbo import kernels
 from lmd.engine.turbo.model import StepInputs
 

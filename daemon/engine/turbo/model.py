@@ -41,7 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lmd.engine.backend import ForwardBatch, mm_has_float_output
+from lmd.engine.backend import mm_has_float_output
+from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.parallel import SINGLE, TensorParallel
 from lmd.engine.turbo import kernels
 from lmd.engine.turbo.config import TurboConfig
