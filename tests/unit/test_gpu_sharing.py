@@ -21,6 +21,7 @@ from lmd.gpu_sharing import (
     worker_share,
 )
 from lmd.protocol.roles import Role
+from lmd.supervisor.model_check import check_engines
 
 # Logs each call: its arguments, the pipe directory it was given, what came on stdin.
 # `-d` exits with $FAKE_MPS_START_CODE (default 0), saying why when not 0.
@@ -105,6 +106,8 @@ def test_check_refuses_mps_off_cuda_and_without_the_program(
     with pytest.raises(ConfigError, match=f"needs {CONTROL} on PATH"):
         check_gpu_sharing(config, "cuda:0")
     check_gpu_sharing(ServeConfig(runtime_dir=tmp_path), "cpu")  # time-slice: nothing to check
+    with pytest.raises(ConfigError, match="gpu_sharing: mps"):  # what lmdd serve runs first
+        check_engines(config, "cpu")
 
 
 def test_only_a_prefill_process_is_held_to_its_share(
