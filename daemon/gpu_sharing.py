@@ -45,7 +45,7 @@ CONTROL_TIMEOUT_S = 30.0
 
 
 class GpuSharingError(Exception):
-    """The MPS control daemon could not be started."""
+    """The MPS control daemon could not be started (or its program did not answer)."""
 
 
 def check_gpu_sharing(config: ServeConfig, device: str) -> None:
@@ -67,7 +67,7 @@ def check_gpu_sharing(config: ServeConfig, device: str) -> None:
 
 def worker_share(config: ServeConfig, role: Role) -> None:
     """In a worker before CUDA starts: a prefill process under MPS gets its share of
-    the multiprocessors (decode keeps all of them, and so the rest)."""
+    the multiprocessors (decode may use all of them)."""
     if config.gpu_sharing == "mps" and role == Role.PREFILL:
         os.environ[SHARE_ENV] = str(config.mps_prefill_percent)
 
@@ -98,8 +98,11 @@ def control_daemon(config: ServeConfig) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        _run(control, env, [], "quit\n")
-        log.info("MPS control daemon stopped")
+        try:
+            _run(control, env, [], "quit\n")
+            log.info("MPS control daemon stopped")
+        except GpuSharingError as exc:  # the workers are gone: say so, stop anyway
+            log.warning("MPS control daemon not stopped: %s", exc)
 
 
 def _run(control: str, env: dict[str, str], args: list[str], stdin: str) -> tuple[int, str]:
@@ -107,15 +110,18 @@ def _run(control: str, env: dict[str, str], args: list[str], stdin: str) -> tupl
     output goes to a file, not a pipe: with -d it forks the daemon, which would hold a
     pipe open after the program itself has exited."""
     with open(Path(env[LOG_ENV]) / "control-program.txt", "w+") as out:
-        done = subprocess.run(  # the driver's program, found on PATH
-            [control, *args],
-            input=stdin,
-            env=os.environ | env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=CONTROL_TIMEOUT_S,
-            check=False,
-        )
+        try:
+            done = subprocess.run(  # the driver's program, found on PATH
+                [control, *args],
+                input=stdin,
+                env=os.environ | env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                text=True,
+                timeout=CONTROL_TIMEOUT_S,
+                check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise GpuSharingError(f"{CONTROL} {' '.join(args)}: {exc}") from None
         out.seek(0)
         return done.returncode, out.read().strip()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from lmd import gpu_sharing
 from lmd.config import ConfigError, ServeConfig
 from lmd.gpu_sharing import (
     CONTROL,
@@ -24,8 +25,10 @@ from lmd.protocol.roles import Role
 from lmd.supervisor.model_check import check_engines
 
 # Logs each call: its arguments, the pipe directory it was given, what came on stdin.
-# `-d` exits with $FAKE_MPS_START_CODE (default 0), saying why when not 0.
+# `-d` exits with $FAKE_MPS_START_CODE (default 0), saying why when not 0; with
+# $FAKE_MPS_HANG set it answers nothing for 5 s.
 FAKE = """#!/bin/sh
+[ -n "$FAKE_MPS_HANG" ] && sleep 5
 input=$(cat)
 echo "args=[$*] pipe=$CUDA_MPS_PIPE_DIRECTORY stdin=[$input]" >> "$FAKE_MPS_LOG"
 if [ "$1" = "-d" ] && [ "${FAKE_MPS_START_CODE:-0}" != 0 ]; then
@@ -87,6 +90,23 @@ def test_control_daemon_that_does_not_start_is_an_error(
     with pytest.raises(GpuSharingError, match="-d failed: An instance of this daemon"), daemon:
         pytest.fail("the workers must not start")
     assert PIPE_ENV not in os.environ
+
+
+def test_a_control_program_that_hangs_is_an_error_at_start_and_a_warning_at_stop(
+    fake_control: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(gpu_sharing, "CONTROL_TIMEOUT_S", 0.3)
+    monkeypatch.setenv("FAKE_MPS_HANG", "1")
+    with pytest.raises(GpuSharingError, match="timed out"), control_daemon(mps_config(tmp_path)):
+        pytest.fail("the workers must not start")
+    monkeypatch.delenv("FAKE_MPS_HANG")
+    with control_daemon(mps_config(tmp_path)):
+        monkeypatch.setenv("FAKE_MPS_HANG", "1")  # the quit at stop goes unanswered
+    assert "MPS control daemon not stopped" in caplog.text
+    assert PIPE_ENV not in os.environ  # the environment is restored all the same
 
 
 def test_time_slice_runs_no_control_daemon(fake_control: Path, tmp_path: Path) -> None:
