@@ -102,7 +102,8 @@ HELP = {
     "block_size": "tokens per KV cache block",
     "max_batch_size": "most sequences an engine runs in one batch (default: 256 on CUDA, "
     "128 on CPU)",
-    "max_prefill_token_num": "most prompt tokens in one prefill step",
+    "max_prefill_token_num": "most prompt tokens in one prefill step (default: 8192 on "
+    "CUDA, 384 on CPU, where a short prefill forward leaves the cores to decode sooner)",
     "mixed_prefill_tokens": "hybrid mode: prompt tokens a decode step carries in its "
     "forward while prompts wait (more when many wait: an eighth of them); 0: prompts get "
     "prefill steps of their own, which pause every decoding sequence (default: 256 on "

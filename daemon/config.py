@@ -36,6 +36,11 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # max_batch_size unset: LMDeploy's default on this class of GPU; on CPU, today's.
 DEFAULT_MAX_BATCH_SIZE_CUDA = 256
 DEFAULT_MAX_BATCH_SIZE_CPU = 128
+# Prompt tokens a prefill step packs. On a CPU a shorter prefill forward fits inside a
+# disaggregated decode engine's wait for it (torch_backend/cpu_turns.py, 0.5 s), so the
+# two do not compute at once on the same cores (docs/benchmarks.md, "CPU, seventh pass").
+DEFAULT_MAX_PREFILL_TOKENS_CUDA = 8192
+DEFAULT_MAX_PREFILL_TOKENS_CPU = 384
 
 
 class ConfigError(ValueError):
@@ -121,7 +126,7 @@ class ServeConfig:
     # Engine settings (flat, so that CLI flags, env and file keys are the same names).
     block_size: int = 64
     max_batch_size: int | None = None  # None: 256 on CUDA (LMDeploy's), 128 on CPU
-    max_prefill_token_num: int = 8192
+    max_prefill_token_num: int | None = None  # None: 8192 on CUDA, 384 on CPU
     # Hybrid: prompt tokens riding in a decode step; None: 256 on CPU, 0 (off) on CUDA.
     mixed_prefill_tokens: int | None = None
     session_len: int | None = None  # prompt + output cap; None = the model's maximum
@@ -308,16 +313,19 @@ class ServeConfig:
         return self.engine_on("cpu")
 
     def engine_on(self, device: str | None) -> EngineConfig:
-        """The engine settings of an engine on `device`: max_batch_size unset is
-        DEFAULT_MAX_BATCH_SIZE_CUDA on a GPU, DEFAULT_MAX_BATCH_SIZE_CPU on CPU."""
+        """The engine settings of an engine on `device`: max_batch_size and
+        max_prefill_token_num unset are their DEFAULT_*_CUDA on a GPU, *_CPU on CPU."""
+        on_gpu = (device or "").startswith("cuda")
         batch = self.max_batch_size
         if batch is None:
-            on_gpu = (device or "").startswith("cuda")
             batch = DEFAULT_MAX_BATCH_SIZE_CUDA if on_gpu else DEFAULT_MAX_BATCH_SIZE_CPU
+        prefill = self.max_prefill_token_num
+        if prefill is None:
+            prefill = DEFAULT_MAX_PREFILL_TOKENS_CUDA if on_gpu else DEFAULT_MAX_PREFILL_TOKENS_CPU
         return EngineConfig(
             block_size=self.block_size,
             max_batch_size=batch,
-            max_prefill_token_num=self.max_prefill_token_num,
+            max_prefill_token_num=prefill,
             mixed_prefill_tokens=self.mixed_prefill_tokens,
             session_len=self.session_len,
             cache_max_entry_count=self.cache_max_entry_count,

@@ -191,7 +191,7 @@ class PrefillWorker(EngineWorker):
         return 1.0 if self._outgoing else None
 
     def _send_reserves(self, now: float) -> None:
-        budget = RESERVE_AHEAD_STEPS * self.config.max_prefill_token_num
+        budget = RESERVE_AHEAD_STEPS * self.engine.config.max_prefill_token_num
         ahead = [o for o in self._outgoing.values() if o.ticket is None and o.reserve_sent]
         tokens = sum(o.seq.num_prompt_tokens for o in ahead)
         limit = self.engine.config.max_batch_size

@@ -21,6 +21,10 @@ def test_defaults_match_the_design() -> None:
     assert c.engine_on("cuda:1").max_batch_size == 256
     assert c.engine_on("cpu").max_batch_size == c.engine.max_batch_size == 128
     assert ServeConfig(Path("/r"), max_batch_size=64).engine_on("cuda").max_batch_size == 64
+    # prefill steps: shorter on a CPU, where prefill and decode take turns on the cores
+    assert c.engine_on("cuda:0").max_prefill_token_num == 8192
+    assert c.engine_on("cpu").max_prefill_token_num == 384
+    assert ServeConfig(Path("/r"), max_prefill_token_num=1024).engine.max_prefill_token_num == 1024
     assert c.gpu_memory_utilization == 0.9
 
 
