@@ -4,9 +4,9 @@ default) or through NVIDIA's Multi-Process Service (`--gpu-sharing mps`).
 Time-sliced, two CUDA processes never run kernels at the same moment: a prefill step's
 compute-bound GEMMs cannot fill the multiprocessors that a decode step, bound by its
 weight reads, leaves idle. Under MPS they run side by side (on an H200, Llama-3-8B shape,
-c=256: +6% output tokens/s with prefill held to 70% of the multiprocessors, +12% unheld,
-where decode steps then wait on prefill's; docs/benchmarks.md, "Prefill and decode on
-one GPU through MPS").
+c=256: +3-6% output tokens/s with prefill held to 70% of the multiprocessors, +12%
+unheld, where decode steps then wait on prefill's; docs/benchmarks.md, "Prefill and
+decode on one GPU through MPS").
 
 The trade, and why it is not the default: MPS reports a fatal GPU fault of one client to
 every client of that GPU, and takes no new client until all of them have exited. A

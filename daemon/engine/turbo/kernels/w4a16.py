@@ -29,12 +29,13 @@ not by memory (the same microseconds on an H200 as on an H100). Then:
   arrival counter, saved the launch but was slower with the packed nibbles: down at
   M = 1 31.3 against 25.7 us; docs/benchmarks.md.)
 - 17 to 127 rows (64-row tiles, `swap_ab`: y^T = W x^T, the weights tl.dot's first
-  operand, 1.05-1.2x faster unswapped): (q - z) * s rounded once to the activations'
-  dtype, a block's 8 nibbles stacked into its 128 inputs in order (block_weights) and
-  one tl.dot a block (a dot per 16 inputs was 4-7% slower); programs
-  walk M fastest, so the row tiles that share a weight tile run back to back and the
-  tile is read from memory about once. Bound by the per-weight instructions (scalar
-  bf16 arithmetic and 2-byte stores into the wgmma operand), not by memory.
+  operand, 1.05-1.2x faster than unswapped): (q - z) * s rounded once to the
+  activations' dtype, a block's 8 nibbles stacked into its 128 inputs in order
+  (block_weights) and one tl.dot a block (a dot per 16 inputs was 4-7% slower);
+  programs walk M fastest, so the row tiles that share a weight tile run back to back
+  and the tile is read from memory about once. Bound neither by memory nor by the
+  instruction count: each block's weights wait on a trip through shared memory into
+  the wgmma operand's layout (docs/benchmarks.md, "W4A16 at 64 rows").
 - from DENSE_ROWS rows, neither: a slab of W at a time is dequantized to x's dtype
   (at most w4a16_dense.SLAB_BYTES) and cuBLAS multiplies. Past a few hundred rows the product is
   bound by the tensor cores, and these tiles, which dequantize every weight once per
@@ -197,9 +198,7 @@ def _sum_splits_kernel(  # noqa: PLR0917  # Triton kernels take positional argum
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-PACKED_NIBBLES = (
-    True  # on CUDA in 16 bits, nibbles to floats two words at a time (w4a16_nibbles.py)
-)
+PACKED_NIBBLES = True  # on CUDA in 16 bits, nibbles to floats two at a time (w4a16_nibbles)
 WIDE_N = 16384  # decode tiles 128 columns wide from this many output columns
 
 
