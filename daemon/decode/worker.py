@@ -96,7 +96,7 @@ class DecodeWorker(EngineWorker):
             self.push(msg.prefill, protocol.RequestError(msg.request_id, code, message))
 
         if self.draining:
-            refuse("overloaded", "the server is draining")
+            refuse("service_unavailable", "the server is draining")
             return
         if msg.request_id in self._reply_to:
             raise MigrationError(f"Reserve of {msg.request_id}: the request is already running")

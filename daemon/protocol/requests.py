@@ -84,7 +84,7 @@ class RequestError:
 
     TYPE: ClassVar[MsgType] = MsgType.REQUEST_ERROR
     request_id: str
-    code: str  # invalid_request_error, overloaded, internal_error
+    code: str  # invalid_request_error, overloaded, service_unavailable, internal_error
     message: str
 
 

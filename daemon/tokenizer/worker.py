@@ -198,7 +198,7 @@ class TokenizerWorker(Worker):
             self.outbox.send(msg.reply_to, protocol.RequestError(msg.request_id, code, message))
 
         if self.draining:
-            fail("overloaded", "the server is draining; retry later")
+            fail("service_unavailable", "the server is draining; retry later")
             return
         if msg.request_id in self._requests:
             fail("invalid_request_error", f"request id {msg.request_id} is already running")
