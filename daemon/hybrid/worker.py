@@ -302,7 +302,9 @@ class EngineWorker(Worker):
     def admit(self, msg: protocol.Generate) -> Sequence | None:
         """The request as a Sequence, or None after answering why it cannot run."""
         if self.draining:
-            self.error(msg.reply_to, msg.request_id, "service_unavailable", "the server is draining")
+            self.error(
+                msg.reply_to, msg.request_id, "service_unavailable", "the server is draining"
+            )
             return None
         if msg.request_id in self._reply_to:
             self.error(
