@@ -1,14 +1,18 @@
-"""Quantized weights and KV against 16-bit on real weights: greedy agreement and the
-log-likelihood of a fixed text (docs/benchmarks.md, "Quantization").
+"""Quantized weights and KV against 16-bit on real weights, or a CPU's bf16 GEMMs against
+fp32: greedy agreement and the log-likelihood of a fixed text (docs/benchmarks.md,
+"Quantization" and "CPU, eighth pass").
 
     python3 scripts/quant_quality.py MODEL [--settings bf16,w4a16,fp8,kv-int8,kv-fp8]
         [--tokens 32]
+    python3 scripts/quant_quality.py [MODEL] --device cpu [--settings fp32,bf16-matmul]
 
-Each setting is one in-process pipeline (turbo, CUDA, bfloat16 activations): 8 chat
-prompts, greedy, `--tokens` new tokens each (ignore_eos), compared with the bf16 run's
-tokens (how many of a prompt's tokens match before the first that differs; a run that
-matches to the end counts all), and the mean log-likelihood per token of TEXT (get_ppl:
-the mean cross-entropy, negated). One JSON line per setting.
+Each setting is one in-process pipeline: on CUDA turbo with bfloat16 activations, against
+the bf16 run; on a CPU (MODEL unset: the embedded SmolLM2) the torch backend in float32,
+against the run whose GEMMs are all fp32 (`cpu_matmul_dtype`). 8 chat prompts, greedy,
+`--tokens` new tokens each (ignore_eos), compared with the reference run's tokens (how
+many of a prompt's tokens match before the first that differs; a run that matches to the
+end counts all), and the mean log-likelihood per token of TEXT (get_ppl: the mean
+cross-entropy, negated). One JSON line per setting.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from lmd.pipeline import GenerationConfig, TurbomindEngineConfig, pipeline
+from lmd.pipeline import GenerationConfig, PytorchEngineConfig, TurbomindEngineConfig, pipeline
 
 PROMPTS = [
     "What is the capital of France?",
@@ -42,11 +46,20 @@ SETTINGS = {
     "kv-int8": {"quant_policy": 8},
     "kv-fp8": {"kv_cache_dtype": "fp8"},
 }
+CPU_SETTINGS = {
+    "fp32": {"cpu_matmul_dtype": "float32"},
+    "bf16-matmul": {"cpu_matmul_dtype": "bfloat16"},
+}
+REFERENCE = {"cuda": "bf16", "cpu": "fp32"}
 
 
-def run(model: str, setting: str, tokens: int) -> tuple[list[list[int]], float]:
-    options = SETTINGS[setting]
-    config = TurbomindEngineConfig(device_type="cuda", dtype="bfloat16", **options)  # type: ignore[arg-type]
+def run(model: str | None, setting: str, tokens: int, device: str) -> tuple[list[list[int]], float]:
+    config: PytorchEngineConfig | TurbomindEngineConfig
+    if device == "cpu":
+        config = PytorchEngineConfig(device_type="cpu", dtype="float32", **CPU_SETTINGS[setting])  # type: ignore[arg-type]
+    else:
+        options = SETTINGS[setting]
+        config = TurbomindEngineConfig(device_type="cuda", dtype="bfloat16", **options)  # type: ignore[arg-type]
     with pipeline(model, backend_config=config) as pipe:
         gen = GenerationConfig(max_new_tokens=tokens, ignore_eos=True)
         outputs = pipe([[{"role": "user", "content": p}] for p in PROMPTS], gen_config=gen)
@@ -68,14 +81,19 @@ def agreement(reference: list[list[int]], got: list[list[int]]) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("model")
-    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("model", nargs="?")
+    parser.add_argument("--device", choices=sorted(REFERENCE), default="cuda")
+    parser.add_argument("--settings")
     parser.add_argument("--tokens", type=int, default=32)
     args = parser.parse_args()
-    reference, ref_ll = run(args.model, "bf16", args.tokens)
-    for setting in args.settings.split(","):
+    ref = REFERENCE[args.device]
+    settings = args.settings or ",".join(CPU_SETTINGS if args.device == "cpu" else SETTINGS)
+    reference, ref_ll = run(args.model, ref, args.tokens, args.device)
+    for setting in settings.split(","):
         ids, ll = (
-            (reference, ref_ll) if setting == "bf16" else run(args.model, setting, args.tokens)
+            (reference, ref_ll)
+            if setting == ref
+            else run(args.model, setting, args.tokens, args.device)
         )
         same = agreement(reference, ids)
         print(json.dumps({"setting": setting, "tokens_before_divergence": same,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -89,6 +90,10 @@ def load_backend(
     kind = select_backend(
         name, architecture(model_dir), device, model_dir, quantized=config.quantized
     )
+    # The CPU's GEMM type is the torch backend's alone (torch_backend/linear.py).
+    options: dict[str, Any] = {}
+    if kind.name == "torch":
+        options["cpu_matmul_dtype"] = config.cpu_matmul_dtype
     model = kind(
         model_dir,
         device,
@@ -96,5 +101,6 @@ def load_backend(
         quantization=config.quantization,
         kv_cache_dtype=config.kv_cache_dtype,
         tp=tp,
+        **options,
     )
     return model if ranks is None else GroupBackend(model, ranks)

@@ -23,6 +23,9 @@ QUANTIZATIONS = ("fp8", "w4a16")
 # KV pool element types (--kv-cache-dtype): auto = the model's dtype; int8 and fp8 (e4m3)
 # with a float16 scale per token and head (LMDeploy's quant_policy=8 is int8).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+# A float32 model's GEMMs of more than 16 rows on a CPU (torch_backend/linear.py): auto =
+# bfloat16 where the CPU has bf16 dot products, float32 elsewhere.
+CPU_MATMUL_DTYPES = ("auto", "float32", "bfloat16")
 MIXED_PREFILL_TOKENS = 256  # on a CPU, unless set: prompt tokens a decode step carries
 # Most ranks a tensor-parallel group may have (one per GPU of a host; engine/parallel.py).
 MAX_TP = 8
@@ -96,6 +99,8 @@ class EngineConfig:
     measured slower than it saves: docs/benchmarks.md, "Mixed steps").
     quantization: weights quantized at load (QUANTIZATIONS), None = as the checkpoint is.
     kv_cache_dtype: the KV pool's element type (KV_CACHE_DTYPES).
+    cpu_matmul_dtype: the input type of a float32 model's GEMMs of more than 16 rows
+    (prompts, large decode batches) on a CPU (CPU_MATMUL_DTYPES; the torch backend).
     """
 
     block_size: int = 64
@@ -108,6 +113,7 @@ class EngineConfig:
     mixed_prefill_tokens: int | None = None
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    cpu_matmul_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, minimum=1)
@@ -135,6 +141,11 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                 f"got {self.kv_cache_dtype!r}"
+            )
+        if self.cpu_matmul_dtype not in CPU_MATMUL_DTYPES:
+            raise ValueError(
+                f"cpu_matmul_dtype must be one of {', '.join(CPU_MATMUL_DTYPES)}, "
+                f"got {self.cpu_matmul_dtype!r}"
             )
 
     @property

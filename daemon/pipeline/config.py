@@ -117,6 +117,7 @@ class _EngineSettings(ABC):
     quant_policy: int = 0  # LMDeploy's KV cache quantization: 0 none, 8 int8
     kv_cache_dtype: str | None = None  # lmd's name for it (auto, int8, fp8); wins if set
     quantization: str | None = None  # lmd's: weights quantized at load, fp8 or w4a16
+    cpu_matmul_dtype: str = "auto"  # lmd's: a float32 model's large CPU GEMMs (EngineConfig)
 
     backend: ClassVar[str]
     DEFAULT_MAX_BATCH_SIZE: ClassVar[int] = 128
@@ -153,6 +154,7 @@ class _EngineSettings(ABC):
             enable_prefix_caching=self.enable_prefix_caching,
             quantization=self.quantization,
             kv_cache_dtype=self.kv_cache_dtype or KV_POLICIES[self.quant_policy],
+            cpu_matmul_dtype=self.cpu_matmul_dtype,
         )
 
 

@@ -23,12 +23,15 @@ CHAT, RAW = "/v1/chat/completions", "/v1/completions"
 
 @pytest.fixture(scope="module", params=["hybrid", "disaggregated"])
 def daemon(request: pytest.FixtureRequest) -> Iterator[Daemon]:
-    yield from served(Daemon("--mode", request.param, "--heartbeat-timeout", "10"))
+    # fp32 GEMMs on both sides: bf16's outputs depend on the batch (test_migration.py).
+    fp32 = ("--cpu-matmul-dtype", "float32")
+    yield from served(Daemon("--mode", request.param, "--heartbeat-timeout", "10", *fp32))
 
 
 @pytest.fixture(scope="module")
 def pipe() -> Iterator[Pipeline]:
-    with pipeline(None, backend_config=PytorchEngineConfig(device_type="cpu")) as p:
+    config = PytorchEngineConfig(device_type="cpu", cpu_matmul_dtype="float32")
+    with pipeline(None, backend_config=config) as p:
         yield p
 
 

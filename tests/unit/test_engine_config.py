@@ -37,6 +37,7 @@ def test_int_cache_max_entry_count_is_a_block_count() -> None:
         ({"cache_max_entry_count": 0}, "as a block count must be > 0, got 0"),
         ({"cache_max_entry_count": True}, "must be a fraction in"),
         ({"enable_prefix_caching": "yes"}, "enable_prefix_caching must be true or false"),
+        ({"cpu_matmul_dtype": "bf16"}, "cpu_matmul_dtype must be one of auto, float32, bfloat16"),
     ],
 )
 def test_out_of_range_values_are_rejected(kwargs: dict[str, object], message: str) -> None:

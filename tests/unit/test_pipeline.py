@@ -27,7 +27,10 @@ QUESTION = QUESTIONS[0]  # "What is the capital of France?"
 
 @pytest.fixture(scope="module")
 def pipe(smollm2_dir: Path) -> Iterator[Pipeline]:
-    with pipeline(None, backend_config=PytorchEngineConfig(device_type="cpu")) as p:
+    # fp32 GEMMs: a batch's outputs are compared with each prompt's alone, and bf16's
+    # (cpu_matmul_dtype auto on a CPU with bf16 dot products) depend on the batch.
+    config = PytorchEngineConfig(device_type="cpu", cpu_matmul_dtype="float32")
+    with pipeline(None, backend_config=config) as p:
         yield p
 
 

@@ -33,7 +33,11 @@ def test_greedy_unless_do_sample() -> None:
 
 def test_engine_configs_map_onto_the_engine() -> None:
     torch_config = PytorchEngineConfig(
-        session_len=512, max_batch_size=8, block_size=16, cache_max_entry_count=0.5
+        session_len=512,
+        max_batch_size=8,
+        block_size=16,
+        cache_max_entry_count=0.5,
+        cpu_matmul_dtype="float32",
     )
     assert torch_config.backend == "torch"
     assert torch_config.engine_config() == EngineConfig(
@@ -42,6 +46,7 @@ def test_engine_configs_map_onto_the_engine() -> None:
         max_prefill_token_num=4096,
         session_len=512,
         cache_max_entry_count=0.5,
+        cpu_matmul_dtype="float32",
     )
     turbo = TurbomindEngineConfig(cache_block_seq_len=32, enable_prefix_caching=True)
     assert turbo.backend == "auto"
@@ -83,6 +88,7 @@ def test_bad_generation_config_values(kwargs: dict[str, Any], message: str) -> N
         ({"cache_max_entry_count": 1.5}, "cache_max_entry_count as a fraction"),
         ({"session_len": 1}, "session_len must be an integer >= 2"),
         ({"max_batch_size": -4}, "max_batch_size must be an integer >= 1"),
+        ({"cpu_matmul_dtype": "half"}, "cpu_matmul_dtype must be one of"),
     ],
 )
 def test_bad_engine_config_values(kwargs: dict[str, Any], message: str) -> None:

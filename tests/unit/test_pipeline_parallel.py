@@ -18,7 +18,13 @@ GREEDY = GenerationConfig(max_new_tokens=12, ignore_eos=True)
 
 
 def settings(tp: int) -> PytorchEngineConfig:
-    return PytorchEngineConfig(tp=tp, device_type="cpu", block_size=16, cache_max_entry_count=64)
+    return PytorchEngineConfig(
+        tp=tp,
+        device_type="cpu",
+        block_size=16,
+        cache_max_entry_count=64,
+        cpu_matmul_dtype="float32",  # two ranks against one, token for token
+    )
 
 
 @pytest.fixture(scope="module")

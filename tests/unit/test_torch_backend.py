@@ -107,7 +107,9 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def llama(llama_dir: Path) -> TorchBackend:
-    return TorchBackend(llama_dir, CPU, torch.float32)
+    # fp32 GEMMs: batches, chunks and cached prefixes are held to fp32 rounding; the bf16
+    # ones (cpu_matmul_dtype auto on a CPU with bf16 dot products) in test_torch_linear.py.
+    return TorchBackend(llama_dir, CPU, torch.float32, cpu_matmul_dtype="float32")
 
 
 @pytest.fixture(scope="module")

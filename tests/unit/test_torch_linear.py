@@ -115,14 +115,45 @@ def test_pack_linears_fuses_siblings_and_packs_the_rest(tmp_path: Path) -> None:
     assert torch.equal(after.argmax(-1), before.argmax(-1))
 
 
-def test_qkv_bias_model_agrees_with_transformers(tmp_path: Path) -> None:
+def test_a_bf16_weight_runs_prompt_gemms_in_bf16_and_decode_rows_in_fp32() -> None:
+    """More than PANEL_ROWS rows: oneDNN on the bf16-rounded input and weight, summed in
+    fp32, the bias added in fp32. Decode rows: panel_gemm in fp32, as without bf16."""
+    stock = linear(96, 72, bias=True, seed=5)
+    fp32, bf16 = PackedWeight(stock.weight), PackedWeight(stock.weight, bf16=True)
+    x = torch.randn(PANEL_ROWS + 9, 96)
+    product = x.bfloat16().double() @ stock.weight.bfloat16().double().T
+    got = bf16.linear(x, stock.bias)
+    assert got.dtype == torch.float32
+    rounding = float(product.abs().max()) * 2**-8  # the product's own bf16 rounding
+    torch.testing.assert_close(got.double(), product + stock.bias, rtol=0, atol=rounding)
+    assert not torch.equal(got, fp32.linear(x, stock.bias))  # not the fp32 GEMM
+    if native_cpu.supported():
+        rows = x[:PANEL_ROWS]
+        assert torch.equal(bf16.linear(rows, stock.bias), fp32.linear(rows, stock.bias))
+
+
+@pytest.mark.parametrize("matmul", ["float32", "bfloat16", "auto"])
+def test_the_backend_packs_in_its_cpu_matmul_dtype(tmp_path: Path, matmul: str) -> None:
+    backend = TorchBackend(save_tiny_llama(tmp_path), CPU, torch.float32, cpu_matmul_dtype=matmul)
+    bf16 = matmul == "bfloat16" or (matmul == "auto" and native_cpu.has_bf16_dot())
+    layer = backend.model.model.layers[0]
+    assert layer.mlp.down_proj.packed_weight.bf16 is bf16
+    assert layer.self_attn.q_proj.fused.packed_weight.bf16 is bf16
+
+
+@pytest.mark.parametrize(("matmul", "tolerance"), [("float32", 1e-4), ("bfloat16", 1e-2)])
+def test_qkv_bias_model_agrees_with_transformers(
+    tmp_path: Path, matmul: str, tolerance: float
+) -> None:
+    """19 prompt rows: oneDNN's GEMMs, in the dtype asked; fp32 agrees with transformers
+    to rounding order, bf16 to its rounding."""
     torch.manual_seed(0)
     config = Qwen2Config(
         **TINY_SHAPE,
         max_position_embeddings=256,
     )
     Qwen2ForCausalLM(config).save_pretrained(tmp_path)
-    backend = TorchBackend(tmp_path, CPU, torch.float32)
+    backend = TorchBackend(tmp_path, CPU, torch.float32, cpu_matmul_dtype=matmul)
     assert backend.model.model.layers[0].self_attn.q_proj.fused.bias is not None
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True)
     prompts = random_prompts([6, 13], 512, seed=7)
@@ -132,5 +163,6 @@ def test_qkv_bias_model_agrees_with_transformers(tmp_path: Path) -> None:
     with torch.inference_mode():
         for prompt, row in zip(prompts, ours, strict=True):
             theirs = ref(torch.tensor([prompt])).logits[0, -1]
-            torch.testing.assert_close(row, theirs, rtol=1e-4, atol=1e-4)
-            assert int(row.argmax()) == int(theirs.argmax())
+            torch.testing.assert_close(row, theirs, rtol=tolerance, atol=tolerance)
+            if matmul == "float32":
+                assert int(row.argmax()) == int(theirs.argmax())

@@ -26,6 +26,8 @@ def _steps(tp: TensorParallel, model_dir: str, **kwargs: Any) -> dict[str, np.nd
     from lmd.engine.torch_backend import TorchBackend
 
     torch.set_num_threads(1)
+    # fp32 GEMMs: two ranks' shards against the whole model, to fp32 rounding.
+    kwargs.setdefault("cpu_matmul_dtype", "float32")
     backend = TorchBackend(Path(model_dir), torch.device("cpu"), torch.float32, tp=tp, **kwargs)
     pool = KVPool.for_backend(backend, 8, BLOCK)
     prompts = ForwardBatch.pack([list(range(3, 23)), [7, 8, 9]], [0, 0], [[0, 1], [2]], BLOCK)

@@ -20,7 +20,13 @@ outputs, on torch's own OpenMP threads) is 1.3-1.6x faster again at 8 rows, so a
   passes and calls per layer; the saving per decode step is in the same section);
 - every other Linear becomes a `PackedLinear`.
 
-Results differ from MKL's only by fp32 rounding order (about 1e-6 relative).
+Results differ from MKL's only by fp32 rounding order (about 1e-6 relative), except
+with `bf16` (the engine's cpu_matmul_dtype, on a CPU with bf16 dot products: AVX512-BF16
+or AMX): there the oneDNN GEMMs (more than PANEL_ROWS rows: prompts, large decode
+batches) multiply bf16 inputs, summed in fp32, at twice fp32's rate (on a Zen 4 core,
+~215 -> ~430 GFLOP/s; a 256-token prompt step of SmolLM2 340 -> 240 ms), and hold the
+weight in bf16; their outputs carry bf16's rounding (~0.3% relative). Decode's panel_gemm
+stays fp32 (docs/benchmarks.md, 'CPU, eighth pass').
 """
 
 from __future__ import annotations
@@ -58,10 +64,12 @@ class PackedWeight:
     them, for panel_gemm: as codes when it is a GGUF's dequantized (weight_codes.py),
     else in panels [ceil(out / 8), in, 8] (outputs past `out` zero)."""
 
-    def __init__(self, weight: Tensor) -> None:
+    def __init__(self, weight: Tensor, bf16: bool = False) -> None:
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
-        self.onednn: Tensor = torch.ops.mkldnn._reorder_linear_weight(weight)  # opaque
+        self.bf16 = bf16  # the oneDNN GEMM's inputs in bf16 (see the module docstring)
+        onednn = weight.bfloat16() if bf16 else weight
+        self.onednn: Tensor = torch.ops.mkldnn._reorder_linear_weight(onednn)  # opaque
         self.panels: Tensor | None = None
         self.codes: WeightCodes | None = None
         # panel_gemm's arguments for W: (weights, bits, scales, mins, group) addresses.
@@ -86,8 +94,12 @@ class PackedWeight:
         rows = x.numel() // self.in_features if self.in_features else 0
         native = self._native
         if native is None or not 0 < rows <= PANEL_ROWS or x.dtype != torch.float32:
-            y: Tensor = torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
-            return y
+            if not self.bf16:
+                y: Tensor = torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
+                return y
+            y = torch.ops.mkldnn._linear_pointwise(x.bfloat16(), self.onednn, None, "none", [], "")
+            y = y.to(x.dtype)
+            return y if bias is None else y.add_(bias)
         flat = x.reshape(rows, self.in_features)
         if flat.stride(1) != 1 or flat.stride(0) < self.in_features:
             flat = flat.contiguous()
@@ -103,12 +115,12 @@ class PackedWeight:
 class PackedLinear(nn.Module):
     """y = x @ W^T + b with W reordered for oneDNN; x: [..., in_features]."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, bf16: bool = False) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         # Plain attributes, not Parameters: nothing trains or saves them.
-        self.packed_weight = PackedWeight(linear.weight)
+        self.packed_weight = PackedWeight(linear.weight, bf16)
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
 
     def forward(self, x: Tensor) -> Tensor:
@@ -126,9 +138,10 @@ class FusedLinear:
     memory held is one activation at most.
     """
 
-    def __init__(self, linears: list[nn.Linear]) -> None:
+    def __init__(self, linears: list[nn.Linear], bf16: bool = False) -> None:
         self.out_features = [lin.out_features for lin in linears]
-        self.packed_weight = PackedWeight(torch.cat([lin.weight.detach() for lin in linears]))
+        weight = torch.cat([lin.weight.detach() for lin in linears])
+        self.packed_weight = PackedWeight(weight, bf16)
         biases = [lin.bias.detach() for lin in linears if lin.bias is not None]
         self.bias = torch.cat(biases) if biases else None  # all or none have one
         self._input: Tensor | None = None
@@ -189,8 +202,9 @@ def _siblings(module: nn.Module, names: tuple[str, ...]) -> list[nn.Linear] | No
     return linears if same else None
 
 
-def pack_linears(model: nn.Module) -> tuple[int, int]:
-    """Swap every nn.Linear in `model` (see the module docstring).
+def pack_linears(model: nn.Module, bf16: bool = False) -> tuple[int, int]:
+    """Swap every nn.Linear in `model` (see the module docstring); `bf16`: the oneDNN
+    GEMMs multiply in bf16.
 
     Returns (Linears fused into groups, Linears packed alone).
     """
@@ -200,7 +214,7 @@ def pack_linears(model: nn.Module) -> tuple[int, int]:
             linears = _siblings(parent, names)
             if linears is None:
                 continue
-            fused = FusedLinear(linears)
+            fused = FusedLinear(linears, bf16)
             for index, (name, linear) in enumerate(zip(names, linears, strict=True)):
                 setattr(parent, name, FusedPart(fused, index, linear))
             num_fused += len(names)
@@ -210,9 +224,10 @@ def pack_linears(model: nn.Module) -> tuple[int, int]:
         if type(module) is nn.Linear
     ]
     for name, linear in alone:
-        model.set_submodule(name, PackedLinear(linear))
+        model.set_submodule(name, PackedLinear(linear, bf16))
     log.info(
-        "packed linears (oneDNN%s): %d fused into groups, %d alone",
+        "packed linears (oneDNN%s%s): %d fused into groups, %d alone",
+        " in bf16" if bf16 else "",
         f", panel_gemm up to {PANEL_ROWS} rows" if native_cpu.supported() else "",
         num_fused,
         len(alone),

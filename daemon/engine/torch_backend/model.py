@@ -25,6 +25,7 @@ from lmd.engine.config import checkpoint_quant_method, context_len, read_hf_conf
 from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.graphed import GraphedDecode
 from lmd.engine.parallel import SINGLE, ParallelError, TensorParallel
+from lmd.engine.torch_backend import native_cpu
 from lmd.engine.torch_backend.attention import (
     ATTENTION_NAME,
     METADATA_KWARG,
@@ -60,6 +61,7 @@ class TorchBackend(GraphedDecode):
         kv_cache_dtype: str = "auto",
         tp: TensorParallel = SINGLE,
         cuda_graphs: bool = True,
+        cpu_matmul_dtype: str = "auto",
     ) -> None:
         refuse_quantization(self.name, quantization, kv_cache_dtype)
         self._tp = tp
@@ -111,7 +113,10 @@ class TorchBackend(GraphedDecode):
         model = model.to(self._device)  # type: ignore[arg-type]
         self.model: PreTrainedModel = model.eval().requires_grad_(False)
         if can_pack(self._device, dtype):  # fp32 on CPU: see linear.py and norm.py
-            pack_linears(self.model)
+            bf16 = cpu_matmul_dtype == "bfloat16" or (
+                cpu_matmul_dtype == "auto" and native_cpu.has_bf16_dot()
+            )
+            pack_linears(self.model, bf16)
             fuse_rms_norms(self.model)
         float_logits(self.model)  # half precision on CUDA: see logits.py
         self._architecture = type(model).__name__
