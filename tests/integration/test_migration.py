@@ -41,8 +41,10 @@ PROMPTS = [
 # fp32 GEMMs: outputs are compared token for token across modes and batches, and bf16's
 # (cpu_matmul_dtype auto on a CPU with bf16 dot products) depend on what a prompt shares
 # its step with.
-ENGINE = ("--cache-max-entry-count", "64", "--heartbeat-timeout", "10")
-ENGINE += ("--cpu-matmul-dtype", "float32")
+ENGINE = (
+    *("--cache-max-entry-count", "64", "--heartbeat-timeout", "10"),
+    *("--cpu-matmul-dtype", "float32"),
+)
 ROLES = ("tokenizer", "prefill", "decode", "api")
 
 

@@ -29,8 +29,10 @@ from tests.models import hf_greedy, load_reference, random_prompts, save_tiny_ll
 # 130 tokens: 9 blocks of 16, the last prompt in several prefill chunks.
 PROMPTS = random_prompts([5, 40, 77, 130], seed=23)
 NEW_TOKENS = 12
-ENGINE = ("--block-size", "16", "--cache-max-entry-count", "64", "--max-prefill-token-num", "64")
-ENGINE += ("--cpu-matmul-dtype", "float32")  # compared token for token (test_migration.py)
+ENGINE = (
+    *("--block-size", "16", "--cache-max-entry-count", "64", "--max-prefill-token-num", "64"),
+    *("--cpu-matmul-dtype", "float32"),  # compared token for token (test_migration.py)
+)
 HEARTBEAT = ("--heartbeat-timeout", "10")
 GREEDY = {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True}
 
