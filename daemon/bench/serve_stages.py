@@ -133,6 +133,8 @@ def lines(result: dict[str, Any]) -> list[str]:
             for k in ("mean_ms", "p50_ms", "p99_ms")
         ]
         out.append(f"{name:<26}" + "".join(cells))
+    # Steps of 31 ms all in the 25-50 ms bucket read as a p50 of ~38 ms (2026-11-29).
+    out.append("(p50, p99: linear inside /metrics' buckets, 1-2.5-5 a decade; means are exact)")
     cores = ", ".join(f"{w} {c:.2f}" for w, c in result["cpu_cores"].items())
     if cores:
         out.append(f"{'CPU cores busy':<26}{cores}")
