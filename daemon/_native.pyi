@@ -122,6 +122,23 @@ class CudaIpcTransport(Transport):
 
 def cpu_kernels_supported() -> bool: ...
 def panel_gemm_wide(enable: int = -1) -> bool: ...
+def nibble_gemm_supported() -> bool: ...
+def nibble_gemm(
+    x: int,
+    rows: int,
+    k: int,
+    x_stride: int,
+    codes: int,
+    scales: int,
+    mins: int,
+    group: int,
+    n: int,
+    y: int,
+    y_stride: int,
+    bias: int,
+    threads: int,
+    /,
+) -> None: ...
 def panel_gemm(
     x: int,
     rows: int,

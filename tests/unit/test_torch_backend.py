@@ -27,7 +27,7 @@ from lmd.engine.backends import select_backend
 from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.model_source import resolve_model
 from lmd.engine.torch_backend import TorchBackend, native_cpu
-from lmd.engine.torch_backend.linear import FusedPart, PackedLinear
+from lmd.engine.torch_backend.linear import FusedPart, PackedLinear, PackedWeight
 from tests.models import TINY_SHAPE, hf_greedy, load_reference, random_prompts, save_tiny_llama
 
 BLOCK_SIZE = 4  # small, so that prompts span several blocks and end mid-block
@@ -302,16 +302,42 @@ def test_smollm2_greedy_equals_transformers(smollm2_dir: Path) -> None:
         )
         assert isinstance(ids, list) and all(isinstance(t, int) for t in ids)
         prompts.append([t for t in ids if isinstance(t, int)])
-    backend = TorchBackend(model.path, CPU, torch.float32)
+    backend = TorchBackend(model.path, CPU, torch.float32, cpu_matmul_dtype="float32")
     if native_cpu.supported():  # its GGUF's Q4_1 linears and Q8_0 lm_head decode as codes
-        packed = {
-            name: (module.fused if isinstance(module, FusedPart) else module).packed_weight.codes
-            for name, module in backend.model.named_modules()
-            if isinstance(module, PackedLinear | FusedPart)
-        }
+        packed = packed_weights(backend)
         assert len(packed) == 1 + 30 * 7  # lm_head, q k v o gate up down of 30 layers
-        assert packed["lm_head"] is not None and packed["lm_head"].bits == 8
-        assert all(c is not None and c.bits == 4 for n, c in packed.items() if n != "lm_head")
+        codes = {name: weight.codes for name, weight in packed.items()}
+        assert codes["lm_head"] is not None and codes["lm_head"].bits == 8
+        assert all(c is not None and c.bits == 4 for n, c in codes.items() if n != "lm_head")
     ref = AutoModelForCausalLM.from_pretrained(model.path, local_files_only=True)
     for prompt, tokens in zip(prompts, greedy(backend, prompts, 32, chunk=24), strict=True):
         assert tokens == hf_greedy(ref, prompt, 32)
+
+
+def packed_weights(backend: TorchBackend) -> dict[str, PackedWeight]:
+    return {
+        name: (module.fused if isinstance(module, FusedPart) else module).packed_weight
+        for name, module in backend.model.named_modules()
+        if isinstance(module, PackedLinear | FusedPart)
+    }
+
+
+@pytest.mark.skipif(not native_cpu.nibble_supported(), reason="the CPU has no AVX-512 BF16")
+def test_smollm2_in_bf16_decodes_its_4_bit_linears_through_nibble_gemm(smollm2_dir: Path) -> None:
+    """cpu_matmul_dtype bfloat16: the Q4_1 linears' codes paired for nibble_gemm (the
+    Q8_0 lm_head keeps panel_gemm), and a decode step's logits within bf16's rounding of
+    the float32 model's."""
+    fp32 = TorchBackend(smollm2_dir, CPU, torch.float32, cpu_matmul_dtype="float32")
+    bf16 = TorchBackend(smollm2_dir, CPU, torch.float32, cpu_matmul_dtype="bfloat16")
+    packed = packed_weights(bf16)
+    assert packed["lm_head"].codes is not None and packed["lm_head"].nibbles is None
+    assert all(w.nibbles is not None for n, w in packed.items() if n != "lm_head")
+    prompt = random_prompts([12], fp32.vocab_size, seed=3)[0]
+    rows = []
+    for backend in (fp32, bf16):
+        kv = torch.zeros(backend.kv_cache_shape(2, 16))
+        backend.forward(ForwardBatch.pack([prompt], [0], [[0]], 16), kv)  # 12 rows: decode kernels
+        rows.append(backend.forward(ForwardBatch.pack([[prompt[-1]]], [12], [[0]], 16), kv)[0])
+    # Logits up to ~33 apart by 0.09-0.15 at most over three prompts: twice that.
+    torch.testing.assert_close(rows[1], rows[0], rtol=0, atol=0.3)
+    assert not torch.equal(rows[1], rows[0])

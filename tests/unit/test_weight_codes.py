@@ -8,7 +8,7 @@ import torch
 
 from lmd.engine.torch_backend import linear, native_cpu
 from lmd.engine.torch_backend.linear import PANEL_ROWS, PackedWeight, can_pack
-from lmd.engine.torch_backend.weight_codes import find_codes
+from lmd.engine.torch_backend.weight_codes import find_codes, nibble_pairs
 
 pytestmark = pytest.mark.skipif(
     not can_pack(torch.device("cpu"), torch.float32), reason="this torch has no oneDNN linear"
@@ -123,5 +123,50 @@ def test_two_panels_a_512_bit_vector_give_the_8_lane_product_bit_for_bit(bits: i
                 finally:
                     panel_gemm_wide(1)
                 assert torch.equal(wide, narrow), (n, rows)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_nibble_pairs_hold_the_same_codes_two_inputs_a_byte() -> None:
+    """nibble_gemm's layout (native/nibble_gemm.h) of 24 outputs (3 panels: a padded
+    fourth of zeros), rebuilt weight by weight."""
+    w = dequantized(24, 96, 4, seed=7)
+    codes = find_codes(w)
+    assert codes is not None
+    pairs = nibble_pairs(codes)
+    assert pairs.codes.shape == (2, 48, 16) and pairs.codes.dtype == torch.uint8
+    assert pairs.scales.shape == pairs.mins.shape == (4, 3, 8)
+    assert not pairs.scales[3].any() and not pairs.mins[3].any()
+    both = pairs.codes.long()  # [pair, i, 16]: input 2i low, 2i + 1 high
+    q = torch.stack([both & 0xF, both >> 4], dim=2).reshape(2, 96, 16)  # [pair, input, 16]
+    q = q.view(2, 96, 2, 8).permute(0, 2, 1, 3).reshape(4, 96, 8)  # [panel, input, 8]
+    group = torch.arange(96) // 32
+    rebuilt = q.float() * pairs.scales[:, group, :] + pairs.mins[:, group, :]
+    assert torch.equal(rebuilt.transpose(1, 2).reshape(32, 96)[:24], w)
+    with pytest.raises(ValueError, match="4-bit codes"):
+        nibble_pairs(find_codes(dequantized(8, 64, 8, seed=3)))  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not native_cpu.nibble_supported(), reason="the CPU has no AVX-512 BF16")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_decode_rows_multiply_the_codes_by_bf16_inputs(threads: int) -> None:
+    """A coded 4-bit weight packed for bf16 GEMMs: up to PANEL_ROWS rows through
+    nibble_gemm, the float32 product of the codes with x rounded to bf16 (to float32
+    rounding order), 1 to 16 rows, outputs off the pairs' 16 (43), a bias."""
+    w = dequantized(48, 128, 4, seed=21)[:43]
+    bias = torch.randn(43)
+    packed = PackedWeight(w, bf16=True)
+    assert packed.nibbles is not None and packed.codes is None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in range(1, PANEL_ROWS + 1):
+            x = torch.randn(rows, 128)
+            rounded = x.bfloat16().double()
+            expected = torch.nn.functional.linear(rounded, w.double(), bias.double())
+            torch.testing.assert_close(
+                packed.linear(x, bias), expected.float(), rtol=1e-5, atol=1e-5
+            )
+            assert not torch.equal(packed.linear(x, bias), PackedWeight(w).linear(x, bias))
     finally:
         torch.set_num_threads(before)

@@ -25,19 +25,29 @@ with `bf16` (the engine's cpu_matmul_dtype, on a CPU with bf16 dot products: AVX
 or AMX): there the oneDNN GEMMs (more than PANEL_ROWS rows: prompts, large decode
 batches) multiply bf16 inputs, summed in fp32, at twice fp32's rate (on a Zen 4 core,
 ~215 -> ~430 GFLOP/s; a 256-token prompt step of SmolLM2 340 -> 240 ms), and hold the
-weight in bf16; their outputs carry bf16's rounding (~0.3% relative). Decode's panel_gemm
-stays fp32 (docs/benchmarks.md, 'CPU, eighth pass').
+weight in bf16; their outputs carry bf16's rounding (~0.3% relative). At decode sizes a
+weight held as 4-bit codes then goes through lmd._native's nibble_gemm where the CPU has
+AVX512-BF16 (native/nibble_gemm.h: the codes exact, x rounded to bf16, float32 sums: one
+dot-product instruction a pair of inputs, against a dequantization and an FMA an input);
+other decode weights stay in panel_gemm's fp32 (docs/benchmarks.md, 'CPU, eighth pass').
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
 from lmd.engine.torch_backend import native_cpu
-from lmd.engine.torch_backend.weight_codes import GROUP, WeightCodes, find_codes
+from lmd.engine.torch_backend.weight_codes import (
+    GROUP,
+    NibblePairs,
+    WeightCodes,
+    find_codes,
+    nibble_pairs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,17 +82,24 @@ class PackedWeight:
         self.onednn: Tensor = torch.ops.mkldnn._reorder_linear_weight(onednn)  # opaque
         self.panels: Tensor | None = None
         self.codes: WeightCodes | None = None
-        # panel_gemm's arguments for W: (weights, bits, scales, mins, group) addresses.
-        self._native: tuple[int, int, int, int, int] | None = None
+        self.nibbles: NibblePairs | None = None
+        # The decode kernel's arguments for W, addresses: panel_gemm's (weights, bits,
+        # scales, mins, group), or nibble_gemm's (codes, scales, mins, group).
+        self._native: tuple[int, ...] | None = None
         if native_cpu.supported():
-            from lmd._native import panel_gemm  # resolved once, not per call
+            from lmd._native import nibble_gemm, panel_gemm  # resolved once, not per call
 
-            self._panel_gemm = panel_gemm
+            self._gemm: Callable[..., None] = panel_gemm
             num = -(-self.out_features // 8)
             padded = weight.new_zeros(num * 8, self.in_features)
             padded[: self.out_features] = weight
             self.codes = c = find_codes(padded)
-            if c is not None:
+            if c is not None and c.bits == 4 and bf16 and native_cpu.nibble_supported():
+                self.nibbles = p = nibble_pairs(c)  # the same codes, paired for it
+                self.codes = None
+                self._gemm = nibble_gemm
+                self._native = (p.codes.data_ptr(), p.scales.data_ptr(), p.mins.data_ptr(), GROUP)
+            elif c is not None:
                 self._native = (c.codes.data_ptr(), c.bits, c.scales.data_ptr(),
                                 c.mins.data_ptr(), GROUP)  # fmt: skip
             else:
@@ -104,7 +121,7 @@ class PackedWeight:
         if flat.stride(1) != 1 or flat.stride(0) < self.in_features:
             flat = flat.contiguous()
         out = torch.empty(rows, self.out_features, dtype=x.dtype)
-        self._panel_gemm(
+        self._gemm(
             flat.data_ptr(), rows, self.in_features, flat.stride(0), *native, self.out_features,
             out.data_ptr(), self.out_features, 0 if bias is None else bias.data_ptr(),
             torch.get_num_threads(),

@@ -18,6 +18,16 @@ def supported() -> bool:
     return bool(cpu_kernels_supported())
 
 
+@functools.cache
+def nibble_supported() -> bool:
+    """Does this process run lmd._native.nibble_gemm (AVX-512 with BF16)?"""
+    try:
+        from lmd._native import nibble_gemm_supported
+    except ImportError:
+        return False
+    return bool(nibble_gemm_supported())
+
+
 BF16_DOT_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo's names
 
 
