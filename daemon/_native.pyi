@@ -122,13 +122,14 @@ class CudaIpcTransport(Transport):
 
 def cpu_kernels_supported() -> bool: ...
 def panel_gemm_wide(enable: int = -1) -> bool: ...
-def nibble_gemm_supported() -> bool: ...
-def nibble_gemm(
+def pair_gemm_supported() -> bool: ...
+def pair_gemm(
     x: int,
     rows: int,
     k: int,
     x_stride: int,
     codes: int,
+    bits: int,
     scales: int,
     mins: int,
     group: int,

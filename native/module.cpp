@@ -9,7 +9,7 @@
 #include "cuda_driver.h"
 #include "omp_team.h"
 #include "paged_attention.h"
-#include "nibble_gemm.h"
+#include "pair_gemm.h"
 #include "panel_gemm.h"
 
 namespace py = pybind11;
@@ -75,26 +75,28 @@ PYBIND11_MODULE(_native, m) {
       "[ceil(n/8), k/group, 8] float32 (W = code * scale + min), else 0. `threads` of\n"
       "the loaded libgomp's team.");
 
-  m.def("nibble_gemm_supported", &lmd::nibble_gemm_supported,
-        "Does this CPU run nibble_gemm (AVX-512 F, BW, DQ and BF16)?");
+  m.def("pair_gemm_supported", &lmd::pair_gemm_supported,
+        "Does this CPU run pair_gemm (AVX-512 F, BW, DQ and BF16)?");
   m.def(
-      "nibble_gemm",
+      "pair_gemm",
       [](std::uintptr_t x, std::int64_t rows, std::int64_t k, std::int64_t x_stride,
-         std::uintptr_t codes, std::uintptr_t scales, std::uintptr_t mins, std::int64_t group,
-         std::int64_t n, std::uintptr_t y, std::int64_t y_stride, std::uintptr_t bias,
-         int threads) {
-        if (!lmd::nibble_gemm_supported()) {
-          throw std::runtime_error("nibble_gemm needs AVX-512 with BF16");
+         std::uintptr_t codes, int bits, std::uintptr_t scales, std::uintptr_t mins,
+         std::int64_t group, std::int64_t n, std::uintptr_t y, std::int64_t y_stride,
+         std::uintptr_t bias, int threads) {
+        if (!lmd::pair_gemm_supported()) {
+          throw std::runtime_error("pair_gemm needs AVX-512 with BF16");
         }
         if (rows < 0 || k < 1 || n < 1 || x_stride < k || y_stride < n || !x || !codes ||
-            !y || !scales || !mins || group < 16 || group % 16 != 0 || k % group != 0) {
-          throw std::invalid_argument("nibble_gemm: bad shapes, strides, group or pointers");
+            !y || !scales || !mins || (bits != 4 && bits != 8) || group < 16 ||
+            group % 16 != 0 || k % group != 0) {
+          throw std::invalid_argument("pair_gemm: bad shapes, strides, bits, group or pointers");
         }
-        lmd::NibbleGemm args{reinterpret_cast<const float*>(x),
+        lmd::PairGemm args{reinterpret_cast<const float*>(x),
                              rows,
                              k,
                              x_stride,
                              reinterpret_cast<const std::uint8_t*>(codes),
+                             bits,
                              reinterpret_cast<const float*>(scales),
                              reinterpret_cast<const float*>(mins),
                              group,
@@ -103,11 +105,12 @@ PYBIND11_MODULE(_native, m) {
                              y_stride,
                              reinterpret_cast<const float*>(bias)};
         py::gil_scoped_release release;
-        lmd::nibble_gemm(args, threads);
+        lmd::pair_gemm(args, threads);
       },
-      "y = x W^T (+ b) for a few rows with x rounded to bf16 (native/nibble_gemm.h), on\n"
-      "addresses: W as 4-bit codes [ceil(n/16), k/2, 16] bytes (inputs 2i, 2i+1 in a\n"
-      "byte's low, high nibble), scales and mins [2 ceil(n/16), k/group, 8] float32.");
+      "y = x W^T (+ b) for a few rows with x rounded to bf16 (native/pair_gemm.h), on\n"
+      "addresses, as panel_gemm's but W: codes of 4 bits, [ceil(n/16), k/2, 16] bytes\n"
+      "(inputs 2i, 2i+1 in a byte's low, high nibble), or of 8, [ceil(n/16), k/2, 16, 2];\n"
+      "scales and mins [2 ceil(n/16), k/group, 8] float32.");
 
   m.def("panel_gemm_wide", &lmd::panel_gemm_wide, py::arg("enable") = -1,
         "Whether panel_gemm takes two panels a 512-bit vector (AVX-512F and DQ; bitwise\n"

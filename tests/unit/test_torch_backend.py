@@ -322,16 +322,16 @@ def packed_weights(backend: TorchBackend) -> dict[str, PackedWeight]:
     }
 
 
-@pytest.mark.skipif(not native_cpu.nibble_supported(), reason="the CPU has no AVX-512 BF16")
-def test_smollm2_in_bf16_decodes_its_4_bit_linears_through_nibble_gemm(smollm2_dir: Path) -> None:
-    """cpu_matmul_dtype bfloat16: the Q4_1 linears' codes paired for nibble_gemm (the
-    Q8_0 lm_head keeps panel_gemm), and a decode step's logits within bf16's rounding of
-    the float32 model's."""
+@pytest.mark.skipif(not native_cpu.pair_gemm_supported(), reason="the CPU has no AVX-512 BF16")
+def test_smollm2_in_bf16_decodes_its_coded_linears_through_pair_gemm(smollm2_dir: Path) -> None:
+    """cpu_matmul_dtype bfloat16: every coded linear's codes (Q4_1, and the lm_head's
+    Q8_0) paired for pair_gemm, and a decode step's logits within bf16's rounding of the
+    float32 model's."""
     fp32 = TorchBackend(smollm2_dir, CPU, torch.float32, cpu_matmul_dtype="float32")
     bf16 = TorchBackend(smollm2_dir, CPU, torch.float32, cpu_matmul_dtype="bfloat16")
-    packed = packed_weights(bf16)
-    assert packed["lm_head"].codes is not None and packed["lm_head"].nibbles is None
-    assert all(w.nibbles is not None for n, w in packed.items() if n != "lm_head")
+    pairs = {name: weight.pairs for name, weight in packed_weights(bf16).items()}
+    assert pairs["lm_head"] is not None and pairs["lm_head"].bits == 8
+    assert all(p is not None and p.bits == 4 for n, p in pairs.items() if n != "lm_head")
     prompt = random_prompts([12], fp32.vocab_size, seed=3)[0]
     rows = []
     for backend in (fp32, bf16):

@@ -8,7 +8,7 @@ import torch
 
 from lmd.engine.torch_backend import linear, native_cpu
 from lmd.engine.torch_backend.linear import PANEL_ROWS, PackedWeight, can_pack
-from lmd.engine.torch_backend.weight_codes import find_codes, nibble_pairs
+from lmd.engine.torch_backend.weight_codes import code_pairs, find_codes
 
 pytestmark = pytest.mark.skipif(
     not can_pack(torch.device("cpu"), torch.float32), reason="this torch has no oneDNN linear"
@@ -127,36 +127,41 @@ def test_two_panels_a_512_bit_vector_give_the_8_lane_product_bit_for_bit(bits: i
         torch.set_num_threads(before)
 
 
-def test_nibble_pairs_hold_the_same_codes_two_inputs_a_byte() -> None:
-    """nibble_gemm's layout (native/nibble_gemm.h) of 24 outputs (3 panels: a padded
+@pytest.mark.parametrize("bits", [4, 8])
+def test_code_pairs_hold_the_same_codes_inputs_paired(bits: int) -> None:
+    """pair_gemm's layout (native/pair_gemm.h) of 24 outputs (3 panels: a padded
     fourth of zeros), rebuilt weight by weight."""
-    w = dequantized(24, 96, 4, seed=7)
+    w = dequantized(24, 96, bits, seed=7)
     codes = find_codes(w)
-    assert codes is not None
-    pairs = nibble_pairs(codes)
-    assert pairs.codes.shape == (2, 48, 16) and pairs.codes.dtype == torch.uint8
+    assert codes is not None and codes.bits == bits
+    pairs = code_pairs(codes)
+    assert pairs.bits == bits and pairs.codes.dtype == torch.uint8
     assert pairs.scales.shape == pairs.mins.shape == (4, 3, 8)
     assert not pairs.scales[3].any() and not pairs.mins[3].any()
-    both = pairs.codes.long()  # [pair, i, 16]: input 2i low, 2i + 1 high
-    q = torch.stack([both & 0xF, both >> 4], dim=2).reshape(2, 96, 16)  # [pair, input, 16]
-    q = q.view(2, 96, 2, 8).permute(0, 2, 1, 3).reshape(4, 96, 8)  # [panel, input, 8]
+    if bits == 4:
+        assert pairs.codes.shape == (2, 48, 16)
+        both = pairs.codes.long()  # [pair, i, 16]: input 2i low, 2i + 1 high
+        q = torch.stack([both & 0xF, both >> 4], dim=2)  # [pair, i, input of the two, 16]
+    else:
+        assert pairs.codes.shape == (2, 48, 16, 2)
+        q = pairs.codes.long().transpose(2, 3)  # [pair, i, input of the two, 16]
+    q = q.reshape(2, 96, 2, 8).permute(0, 2, 1, 3).reshape(4, 96, 8)  # [panel, input, 8]
     group = torch.arange(96) // 32
     rebuilt = q.float() * pairs.scales[:, group, :] + pairs.mins[:, group, :]
     assert torch.equal(rebuilt.transpose(1, 2).reshape(32, 96)[:24], w)
-    with pytest.raises(ValueError, match="4-bit codes"):
-        nibble_pairs(find_codes(dequantized(8, 64, 8, seed=3)))  # type: ignore[arg-type]
 
 
-@pytest.mark.skipif(not native_cpu.nibble_supported(), reason="the CPU has no AVX-512 BF16")
+@pytest.mark.skipif(not native_cpu.pair_gemm_supported(), reason="the CPU has no AVX-512 BF16")
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_bf16_decode_rows_multiply_the_codes_by_bf16_inputs(threads: int) -> None:
-    """A coded 4-bit weight packed for bf16 GEMMs: up to PANEL_ROWS rows through
-    nibble_gemm, the float32 product of the codes with x rounded to bf16 (to float32
-    rounding order), 1 to 16 rows, outputs off the pairs' 16 (43), a bias."""
-    w = dequantized(48, 128, 4, seed=21)[:43]
+def test_bf16_decode_rows_multiply_the_codes_by_bf16_inputs(bits: int, threads: int) -> None:
+    """A coded weight packed for bf16 GEMMs: up to PANEL_ROWS rows through pair_gemm,
+    the float32 product of the codes with x rounded to bf16 (to float32 rounding order),
+    1 to 16 rows, outputs off the pairs' 16 (43), a bias."""
+    w = dequantized(48, 128, bits, seed=21)[:43]
     bias = torch.randn(43)
     packed = PackedWeight(w, bf16=True)
-    assert packed.nibbles is not None and packed.codes is None
+    assert packed.pairs is not None and packed.pairs.bits == bits and packed.codes is None
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -26,8 +26,8 @@ or AMX): there the oneDNN GEMMs (more than PANEL_ROWS rows: prompts, large decod
 batches) multiply bf16 inputs, summed in fp32, at twice fp32's rate (on a Zen 4 core,
 ~215 -> ~430 GFLOP/s; a 256-token prompt step of SmolLM2 340 -> 240 ms), and hold the
 weight in bf16; their outputs carry bf16's rounding (~0.3% relative). At decode sizes a
-weight held as 4-bit codes then goes through lmd._native's nibble_gemm where the CPU has
-AVX512-BF16 (native/nibble_gemm.h: the codes exact, x rounded to bf16, float32 sums: one
+weight held as codes then goes through lmd._native's pair_gemm where the CPU has
+AVX512-BF16 (native/pair_gemm.h: the codes exact, x rounded to bf16, float32 sums: one
 dot-product instruction a pair of inputs, against a dequantization and an FMA an input);
 other decode weights stay in panel_gemm's fp32 (docs/benchmarks.md, 'CPU, eighth pass').
 """
@@ -43,10 +43,10 @@ from torch import Tensor, nn
 from lmd.engine.torch_backend import native_cpu
 from lmd.engine.torch_backend.weight_codes import (
     GROUP,
-    NibblePairs,
+    CodePairs,
     WeightCodes,
+    code_pairs,
     find_codes,
-    nibble_pairs,
 )
 
 log = logging.getLogger(__name__)
@@ -82,23 +82,24 @@ class PackedWeight:
         self.onednn: Tensor = torch.ops.mkldnn._reorder_linear_weight(onednn)  # opaque
         self.panels: Tensor | None = None
         self.codes: WeightCodes | None = None
-        self.nibbles: NibblePairs | None = None
-        # The decode kernel's arguments for W, addresses: panel_gemm's (weights, bits,
-        # scales, mins, group), or nibble_gemm's (codes, scales, mins, group).
-        self._native: tuple[int, ...] | None = None
+        self.pairs: CodePairs | None = None
+        # The decode kernel's arguments for W: (weights, bits, scales, mins, group), the
+        # tensors by their addresses, for panel_gemm or pair_gemm.
+        self._native: tuple[int, int, int, int, int] | None = None
         if native_cpu.supported():
-            from lmd._native import nibble_gemm, panel_gemm  # resolved once, not per call
+            from lmd._native import pair_gemm, panel_gemm  # resolved once, not per call
 
             self._gemm: Callable[..., None] = panel_gemm
             num = -(-self.out_features // 8)
             padded = weight.new_zeros(num * 8, self.in_features)
             padded[: self.out_features] = weight
             self.codes = c = find_codes(padded)
-            if c is not None and c.bits == 4 and bf16 and native_cpu.nibble_supported():
-                self.nibbles = p = nibble_pairs(c)  # the same codes, paired for it
+            if c is not None and bf16 and native_cpu.pair_gemm_supported():
+                self.pairs = p = code_pairs(c)  # the same codes, paired for it
                 self.codes = None
-                self._gemm = nibble_gemm
-                self._native = (p.codes.data_ptr(), p.scales.data_ptr(), p.mins.data_ptr(), GROUP)
+                self._gemm = pair_gemm
+                self._native = (p.codes.data_ptr(), p.bits, p.scales.data_ptr(),
+                                p.mins.data_ptr(), GROUP)  # fmt: skip
             elif c is not None:
                 self._native = (c.codes.data_ptr(), c.bits, c.scales.data_ptr(),
                                 c.mins.data_ptr(), GROUP)  # fmt: skip

@@ -19,13 +19,13 @@ def supported() -> bool:
 
 
 @functools.cache
-def nibble_supported() -> bool:
-    """Does this process run lmd._native.nibble_gemm (AVX-512 with BF16)?"""
+def pair_gemm_supported() -> bool:
+    """Does this process run lmd._native.pair_gemm (AVX-512 with BF16)?"""
     try:
-        from lmd._native import nibble_gemm_supported
+        from lmd._native import pair_gemm_supported
     except ImportError:
         return False
-    return bool(nibble_gemm_supported())
+    return bool(pair_gemm_supported())
 
 
 BF16_DOT_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo's names

@@ -91,27 +91,35 @@ def _panels(bits: int, q: Tensor, d: Tensor, lo: Tensor) -> WeightCodes:
 
 
 @dataclass(frozen=True)
-class NibblePairs:
-    """4-bit codes as lmd._native.nibble_gemm takes them (native/nibble_gemm.h)."""
+class CodePairs:
+    """Codes as lmd._native.pair_gemm takes them (native/pair_gemm.h)."""
 
-    codes: Tensor  # [ceil(n / 16), k / 2, 16] uint8: input 2i's code low, 2i + 1's high
+    bits: int  # 4 or 8
+    # 4: [ceil(n / 16), k / 2, 16] uint8, input 2i's code low, 2i + 1's high;
+    # 8: [ceil(n / 16), k / 2, 16, 2] uint8, the two codes side by side
+    codes: Tensor
     scales: Tensor  # d: [2 ceil(n / 16), k / GROUP, 8] float32 (a padded panel of zeros)
     mins: Tensor  # m: the same
 
 
-def nibble_pairs(codes: WeightCodes) -> NibblePairs:
-    """`codes` (bits 4) in nibble_gemm's layout: the same codes, d and m."""
-    if codes.bits != 4:
-        raise ValueError(f"nibble_gemm takes 4-bit codes, not {codes.bits}-bit")
-    words = codes.codes  # [P, k] int32, output j in bits 4j..4j+3
-    panels, k = words.shape
-    q = (words[:, :, None] >> (4 * torch.arange(8, dtype=torch.int32))) & 0xF  # [P, k, 8]
+def code_pairs(codes: WeightCodes) -> CodePairs:
+    """`codes` in pair_gemm's layout: the same codes, d and m, inputs paired."""
+    if codes.bits == 4:
+        words = codes.codes  # [P, k] int32, output j in bits 4j..4j+3
+        q = (words[:, :, None] >> (4 * torch.arange(8, dtype=torch.int32))) & 0xF  # [P, k, 8]
+    else:
+        q = codes.codes.int()  # [P, k, 8]
+    panels, k, _ = q.shape
     scales, mins = codes.scales, codes.mins
     if panels % 2:  # a panel of zeros: the kernel takes panels two at a time
         q = torch.cat([q, q.new_zeros(1, k, 8)])
         scales = torch.cat([scales, scales.new_zeros(1, *scales.shape[1:])])
         mins = torch.cat([mins, mins.new_zeros(1, *mins.shape[1:])])
     q = q.view(-1, 2, k // 2, 2, 8)  # [pair, panel of the pair, i, input 2i / 2i + 1, j]
-    both = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [pair, panel, k / 2, 8]
-    pairs = both.permute(0, 2, 1, 3).reshape(-1, k // 2, 16).to(torch.uint8).contiguous()
-    return NibblePairs(pairs, scales.contiguous(), mins.contiguous())
+    if codes.bits == 4:
+        both = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [pair, panel, k / 2, 8]
+        pairs = both.permute(0, 2, 1, 3).reshape(-1, k // 2, 16)
+    else:  # [pair, i, panel, j, input]: output 8 panel + j's two codes side by side
+        pairs = q.permute(0, 2, 1, 4, 3).reshape(-1, k // 2, 16, 2)
+    pairs = pairs.to(torch.uint8).contiguous()
+    return CodePairs(codes.bits, pairs, scales.contiguous(), mins.contiguous())

@@ -1,4 +1,4 @@
-#include "nibble_gemm.h"
+#include "pair_gemm.h"
 
 #include <immintrin.h>  // its intrinsics compile inside the AVX-512 region below
 
@@ -28,7 +28,7 @@ struct RoundedX {
   std::vector<float> sums;           // [rows, k / group]
 };
 
-RoundedX round_x(const NibbleGemm& a) {
+RoundedX round_x(const PairGemm& a) {
   const std::int64_t half = a.k / 2, groups = a.k / a.group;
   RoundedX out{std::vector<std::uint32_t>(a.rows * half), std::vector<float>(a.rows * groups)};
   for (std::int64_t m = 0; m < a.rows; m++) {
@@ -52,17 +52,40 @@ RoundedX round_x(const NibbleGemm& a) {
   return out;
 }
 
-// R rows of x against panels 2 * pair and 2 * pair + 1 (16 outputs). Per pair of inputs,
-// one 16-byte load gives each output's two codes, which become bf16 128 + q (exact: q <
-// 16 fits bf16's 7 mantissa bits under 2^7) and one dot product per row; per group the
-// sums become d * (sum (128 + q) x - 128 sum x) + m sum x.
-template <int R>
-void pair_rows(const NibbleGemm& a, const RoundedX& xr, std::int64_t row0, std::int64_t pair) {
+// Inputs 2i and 2i + 1 of the 16 outputs as bf16 pairs, lane j output j's (input 2i low).
+// 4 bits: one 16-byte load, a byte an output (2i's code low), each code made bf16 128 + q
+// (exact: q < 16 fits bf16's 7 mantissa bits under 2^7); 8 bits: 32 bytes, two an output,
+// each code converted (exact: q < 256 fits bf16's 8 bits of precision).
+template <int BITS>
+inline __m512bh input_pair(const std::uint8_t* codes, std::int64_t i) {
+  if constexpr (BITS == 4) {
+    const __m512i both = _mm512_set1_epi32(0x000F000F);  // q_k in bits 0-3, q_k+1 in 16-19
+    const __m512i magic = _mm512_set1_epi32(0x43004300);  // bf16 128.0 in each half
+    const __m512i v = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i * kPairWidth)));
+    // bits 0-3 from v (q_k), 16-19 from v << 12 (q_k+1), then the magic: 0xA8 is
+    // C & (A | B), the two codes kept where `both` has them.
+    const __m512i q = _mm512_or_si512(
+        _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), both, 0xA8), magic);
+    return reinterpret_cast<const __m512bh&>(q);
+  } else {
+    const std::uint8_t* at = codes + i * 2 * kPairWidth;
+    const __m512 low = _mm512_cvtepi32_ps(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))));
+    const __m512 high = _mm512_cvtepi32_ps(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + 16))));
+    return _mm512_cvtne2ps_pbh(high, low);  // outputs 0-7's pairs, then 8-15's
+  }
+}
+
+// R rows of x against panels 2 * pair and 2 * pair + 1 (16 outputs): per pair of inputs
+// one dot product per row; per group the sums become d * (sum c x - BIAS sum x) + m sum x,
+// c the code as made bf16 (4 bits: 128 + q, BIAS 128; 8 bits: q, BIAS 0).
+template <int R, int BITS>
+void pair_rows(const PairGemm& a, const RoundedX& xr, std::int64_t row0, std::int64_t pair) {
   const std::int64_t half = a.k / 2, groups = a.k / a.group, pairs_per_group = a.group / 2;
-  const std::uint8_t* codes = a.codes + pair * half * kPairWidth;
-  const __m512i both = _mm512_set1_epi32(0x000F000F);  // q_k in bits 0-3, q_k+1 in 16-19
-  const __m512i magic = _mm512_set1_epi32(0x43004300);  // bf16 128.0 in each half
-  const __m512 bias = _mm512_set1_ps(128.0f);
+  const std::uint8_t* codes = a.codes + pair * half * kPairWidth * (BITS / 4);
+  const __m512 bias = _mm512_set1_ps(BITS == 4 ? 128.0f : 0.0f);
   __m512 out[R];
 #pragma GCC unroll 8
   for (int m = 0; m < R; m++) out[m] = _mm512_setzero_ps();
@@ -71,13 +94,7 @@ void pair_rows(const NibbleGemm& a, const RoundedX& xr, std::int64_t row0, std::
 #pragma GCC unroll 8
     for (int m = 0; m < R; m++) acc[m] = _mm512_setzero_ps();
     for (std::int64_t i = g * pairs_per_group; i < (g + 1) * pairs_per_group; i++) {
-      const __m512i v = _mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i * kPairWidth)));
-      // bits 0-3 from v (q_k), 16-19 from v << 12 (q_k+1), then the magic: 0xA8 is
-      // C & (A | B), the two codes kept where `both` has them.
-      const __m512i q = _mm512_or_si512(
-          _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), both, 0xA8), magic);
-      const __m512bh wb = reinterpret_cast<const __m512bh&>(q);
+      const __m512bh wb = input_pair<BITS>(codes, i);
 #pragma GCC unroll 8
       for (int m = 0; m < R; m++) {
         const __m512i xp = _mm512_set1_epi32(static_cast<int>(xr.pairs[(row0 + m) * half + i]));
@@ -109,18 +126,19 @@ void pair_rows(const NibbleGemm& a, const RoundedX& xr, std::int64_t row0, std::
   }
 }
 
-void pairs_range(const NibbleGemm& a, const RoundedX& xr, std::int64_t first, std::int64_t last) {
+template <int BITS>
+void pairs_range(const PairGemm& a, const RoundedX& xr, std::int64_t first, std::int64_t last) {
   for (std::int64_t pair = first; pair < last; pair++) {
     std::int64_t row = 0;
-    for (; row + 8 <= a.rows; row += 8) pair_rows<8>(a, xr, row, pair);
+    for (; row + 8 <= a.rows; row += 8) pair_rows<8, BITS>(a, xr, row, pair);
     switch (a.rows - row) {
-      case 7: pair_rows<7>(a, xr, row, pair); break;
-      case 6: pair_rows<6>(a, xr, row, pair); break;
-      case 5: pair_rows<5>(a, xr, row, pair); break;
-      case 4: pair_rows<4>(a, xr, row, pair); break;
-      case 3: pair_rows<3>(a, xr, row, pair); break;
-      case 2: pair_rows<2>(a, xr, row, pair); break;
-      case 1: pair_rows<1>(a, xr, row, pair); break;
+      case 7: pair_rows<7, BITS>(a, xr, row, pair); break;
+      case 6: pair_rows<6, BITS>(a, xr, row, pair); break;
+      case 5: pair_rows<5, BITS>(a, xr, row, pair); break;
+      case 4: pair_rows<4, BITS>(a, xr, row, pair); break;
+      case 3: pair_rows<3, BITS>(a, xr, row, pair); break;
+      case 2: pair_rows<2, BITS>(a, xr, row, pair); break;
+      case 1: pair_rows<1, BITS>(a, xr, row, pair); break;
       default: break;
     }
   }
@@ -131,17 +149,21 @@ void pairs_range(const NibbleGemm& a, const RoundedX& xr, std::int64_t first, st
 
 }  // namespace
 
-bool nibble_gemm_supported() {
+bool pair_gemm_supported() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bf16");
 }
 
-void nibble_gemm(const NibbleGemm& args, int threads) {
+void pair_gemm(const PairGemm& args, int threads) {
   const RoundedX xr = round_x(args);
   const std::int64_t pairs = (args.n + kPairWidth - 1) / kPairWidth;
   for_shares(pairs, threads, [&args, &xr](std::int64_t first, std::int64_t last) {
-    pairs_range(args, xr, first, last);
+    if (args.bits == 4) {
+      pairs_range<4>(args, xr, first, last);
+    } else {
+      pairs_range<8>(args, xr, first, last);
+    }
   });
 }
 
