@@ -121,10 +121,10 @@ HELP = {
     "(AWQ, GPTQ and FP8 checkpoints need no flag)",
     "kv_cache_dtype": "KV cache element type: auto (--dtype), int8 or fp8, each with a "
     "scale per token and head (backend turbo, CUDA)",
-    "cpu_matmul_dtype": "input type of a float32 model's GEMMs of more than 16 rows "
-    "(prompts, large decode batches) on a CPU: bfloat16 runs at twice float32's rate where "
-    "the CPU has bf16 dot products (AVX512-BF16, AMX), summing in float32; auto: bfloat16 "
-    "there, float32 elsewhere",
+    "cpu_matmul_dtype": "input type of a float32 model's GEMMs on a CPU (of more than 16 "
+    "rows, and a GGUF's coded weights at decode): bfloat16 runs about twice float32's rate "
+    "where the CPU has bf16 dot products (AVX512-BF16, AMX), summing in float32; auto: "
+    "bfloat16 there, float32 elsewhere",
     "cluster": "join the cluster whose membership lives in this etcd (etcd://HOST:PORT)",
     "node_name": "this node's name in the cluster (default: the host name)",
     "roles": "the roles this cluster node runs: api,tokenizer,prefill,decode (default: all)",

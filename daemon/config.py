@@ -137,8 +137,8 @@ class ServeConfig:
     enable_prefix_caching: bool = True
     quantization: str | None = None  # weights quantized at load: fp8 | w4a16; None = as stored
     kv_cache_dtype: str = "auto"  # KV pool: auto (dtype) | int8 | fp8
-    # A float32 model's GEMMs of > 16 rows on a CPU: auto = bfloat16 where the CPU has
-    # bf16 dot products (AVX512-BF16, AMX), float32 elsewhere.
+    # A float32 model's GEMMs on a CPU (> 16 rows; a GGUF's codes at decode): auto =
+    # bfloat16 where the CPU has bf16 dot products (AVX512-BF16, AMX), float32 elsewhere.
     cpu_matmul_dtype: str = "auto"
     # Cluster mode (docs/cluster.md): nodes find each other through etcd; None = one host.
     cluster: str | None = None  # etcd://HOST:PORT

@@ -23,7 +23,7 @@ QUANTIZATIONS = ("fp8", "w4a16")
 # KV pool element types (--kv-cache-dtype): auto = the model's dtype; int8 and fp8 (e4m3)
 # with a float16 scale per token and head (LMDeploy's quant_policy=8 is int8).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-# A float32 model's GEMMs of more than 16 rows on a CPU (torch_backend/linear.py): auto =
+# The input type of a float32 model's GEMMs on a CPU (torch_backend/linear.py): auto =
 # bfloat16 where the CPU has bf16 dot products, float32 elsewhere.
 CPU_MATMUL_DTYPES = ("auto", "float32", "bfloat16")
 MIXED_PREFILL_TOKENS = 256  # on a CPU, unless set: prompt tokens a decode step carries
@@ -99,8 +99,9 @@ class EngineConfig:
     measured slower than it saves: docs/benchmarks.md, "Mixed steps").
     quantization: weights quantized at load (QUANTIZATIONS), None = as the checkpoint is.
     kv_cache_dtype: the KV pool's element type (KV_CACHE_DTYPES).
-    cpu_matmul_dtype: the input type of a float32 model's GEMMs of more than 16 rows
-    (prompts, large decode batches) on a CPU (CPU_MATMUL_DTYPES; the torch backend).
+    cpu_matmul_dtype: the input type of a float32 model's GEMMs on a CPU: of more than 16
+    rows (prompts, large decode batches), and at decode those of weights held as a GGUF's
+    codes (CPU_MATMUL_DTYPES; the torch backend, torch_backend/linear.py).
     """
 
     block_size: int = 64
