@@ -123,23 +123,6 @@ class CudaIpcTransport(Transport):
 def cpu_kernels_supported() -> bool: ...
 def panel_gemm_wide(enable: int = -1) -> bool: ...
 def pair_gemm_supported() -> bool: ...
-def pair_gemm(
-    x: int,
-    rows: int,
-    k: int,
-    x_stride: int,
-    codes: int,
-    bits: int,
-    scales: int,
-    mins: int,
-    group: int,
-    n: int,
-    y: int,
-    y_stride: int,
-    bias: int,
-    threads: int,
-    /,
-) -> None: ...
 def panel_gemm(
     x: int,
     rows: int,
@@ -157,6 +140,9 @@ def panel_gemm(
     threads: int,
     /,
 ) -> None: ...
+
+pair_gemm = panel_gemm  # the same arguments; W as native/pair_gemm.h lays it out
+
 def paged_decode_attention(
     q: int,
     rows: int,

@@ -14,6 +14,53 @@
 
 namespace py = pybind11;
 
+namespace {
+
+// What is wrong with a product's arguments (nullptr: nothing). panel_gemm takes float32
+// panels (bits 32) or codes in groups of any size, pair_gemm codes in groups of 16s.
+const char* wrong_args(const lmd::PanelGemm& a, bool pairs) {
+  const bool coded = a.bits == 4 || a.bits == 8;
+  const std::int64_t unit = pairs ? 16 : 1;  // pair_gemm rounds x to bf16 16 inputs at a time
+  const bool grouped = a.group >= unit && a.group % unit == 0 && a.k % a.group == 0;
+  if (a.rows < 0 || a.k < 1 || a.n < 1 || a.x_stride < a.k || a.y_stride < a.n || !a.x ||
+      !a.weights || !a.y || (!coded && (pairs || a.bits != 32)) ||
+      (coded && (!grouped || !a.scales || !a.mins))) {
+    return pairs ? "pair_gemm: bad shapes, strides, bits, group or pointers"
+                 : "panel_gemm: bad shapes, strides, bits or pointers";
+  }
+  return nullptr;
+}
+
+// panel_gemm or pair_gemm on addresses from Python, checked first, the GIL released.
+template <void (*kernel)(const lmd::PanelGemm&, int), bool pairs>
+void gemm(std::uintptr_t x, std::int64_t rows, std::int64_t k, std::int64_t x_stride,
+          std::uintptr_t weights, int bits, std::uintptr_t scales, std::uintptr_t mins,
+          std::int64_t group, std::int64_t n, std::uintptr_t y, std::int64_t y_stride,
+          std::uintptr_t bias, int threads) {
+  const lmd::PanelGemm args{reinterpret_cast<const float*>(x),
+                            rows,
+                            k,
+                            x_stride,
+                            reinterpret_cast<const void*>(weights),
+                            bits,
+                            reinterpret_cast<const float*>(scales),
+                            reinterpret_cast<const float*>(mins),
+                            group,
+                            n,
+                            reinterpret_cast<float*>(y),
+                            y_stride,
+                            reinterpret_cast<const float*>(bias)};
+  if (pairs ? !lmd::pair_gemm_supported() : !lmd::cpu_kernels_supported()) {
+    throw std::runtime_error(pairs ? "pair_gemm needs AVX-512 with BF16"
+                                   : "panel_gemm needs AVX2 and FMA");
+  }
+  if (const char* wrong = wrong_args(args, pairs)) throw std::invalid_argument(wrong);
+  py::gil_scoped_release release;
+  kernel(args, threads);
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_native, m) {
   m.doc() =
       "lmd native helpers: the KV transfer engine (host and cuda_ipc transports) and a "
@@ -39,35 +86,7 @@ PYBIND11_MODULE(_native, m) {
 
   m.def("cpu_kernels_supported", &lmd::cpu_kernels_supported,
         "Does this CPU run panel_gemm and paged_decode_attention (AVX2 and FMA)?");
-  m.def(
-      "panel_gemm",
-      [](std::uintptr_t x, std::int64_t rows, std::int64_t k, std::int64_t x_stride,
-         std::uintptr_t weights, int bits, std::uintptr_t scales, std::uintptr_t mins,
-         std::int64_t group, std::int64_t n, std::uintptr_t y, std::int64_t y_stride,
-         std::uintptr_t bias, int threads) {
-        if (!lmd::cpu_kernels_supported()) throw std::runtime_error("panel_gemm needs AVX2 and FMA");
-        const bool coded = bits == 4 || bits == 8;
-        if (rows < 0 || k < 1 || n < 1 || x_stride < k || y_stride < n || !x || !weights ||
-            !y || (bits != 32 && !coded) ||
-            (coded && (group < 1 || k % group != 0 || !scales || !mins))) {
-          throw std::invalid_argument("panel_gemm: bad shapes, strides, bits or pointers");
-        }
-        lmd::PanelGemm args{reinterpret_cast<const float*>(x),
-                            rows,
-                            k,
-                            x_stride,
-                            reinterpret_cast<const void*>(weights),
-                            bits,
-                            reinterpret_cast<const float*>(scales),
-                            reinterpret_cast<const float*>(mins),
-                            group,
-                            n,
-                            reinterpret_cast<float*>(y),
-                            y_stride,
-                            reinterpret_cast<const float*>(bias)};
-        py::gil_scoped_release release;
-        lmd::panel_gemm(args, threads);
-      },
+  m.def("panel_gemm", &gemm<lmd::panel_gemm, false>,
       "y = x W^T (+ b) in float32 for a few rows (native/panel_gemm.h), on addresses:\n"
       "x [rows, k] (row stride x_stride), y [rows, n] (row stride y_stride), bias [n] or\n"
       "0; W by bits: 32, float panels [ceil(n/8), k, 8]; 8, uint8 codes [ceil(n/8), k, 8];\n"
@@ -77,36 +96,7 @@ PYBIND11_MODULE(_native, m) {
 
   m.def("pair_gemm_supported", &lmd::pair_gemm_supported,
         "Does this CPU run pair_gemm (AVX-512 F, BW, DQ and BF16)?");
-  m.def(
-      "pair_gemm",
-      [](std::uintptr_t x, std::int64_t rows, std::int64_t k, std::int64_t x_stride,
-         std::uintptr_t codes, int bits, std::uintptr_t scales, std::uintptr_t mins,
-         std::int64_t group, std::int64_t n, std::uintptr_t y, std::int64_t y_stride,
-         std::uintptr_t bias, int threads) {
-        if (!lmd::pair_gemm_supported()) {
-          throw std::runtime_error("pair_gemm needs AVX-512 with BF16");
-        }
-        if (rows < 0 || k < 1 || n < 1 || x_stride < k || y_stride < n || !x || !codes ||
-            !y || !scales || !mins || (bits != 4 && bits != 8) || group < 16 ||
-            group % 16 != 0 || k % group != 0) {
-          throw std::invalid_argument("pair_gemm: bad shapes, strides, bits, group or pointers");
-        }
-        lmd::PairGemm args{reinterpret_cast<const float*>(x),
-                             rows,
-                             k,
-                             x_stride,
-                             reinterpret_cast<const std::uint8_t*>(codes),
-                             bits,
-                             reinterpret_cast<const float*>(scales),
-                             reinterpret_cast<const float*>(mins),
-                             group,
-                             n,
-                             reinterpret_cast<float*>(y),
-                             y_stride,
-                             reinterpret_cast<const float*>(bias)};
-        py::gil_scoped_release release;
-        lmd::pair_gemm(args, threads);
-      },
+  m.def("pair_gemm", &gemm<lmd::pair_gemm, true>,
       "y = x W^T (+ b) for a few rows with x rounded to bf16 (native/pair_gemm.h), on\n"
       "addresses, as panel_gemm's but W: codes of 4 bits, [ceil(n/16), k/2, 16] bytes\n"
       "(inputs 2i, 2i+1 in a byte's low, high nibble), or of 8, [ceil(n/16), k/2, 16, 2];\n"

@@ -28,7 +28,7 @@ struct RoundedX {
   std::vector<float> sums;           // [rows, k / group]
 };
 
-RoundedX round_x(const PairGemm& a) {
+RoundedX round_x(const PanelGemm& a) {
   const std::int64_t half = a.k / 2, groups = a.k / a.group;
   RoundedX out{std::vector<std::uint32_t>(a.rows * half), std::vector<float>(a.rows * groups)};
   for (std::int64_t m = 0; m < a.rows; m++) {
@@ -82,9 +82,10 @@ inline __m512bh input_pair(const std::uint8_t* codes, std::int64_t i) {
 // one dot product per row; per group the sums become d * (sum c x - BIAS sum x) + m sum x,
 // c the code as made bf16 (4 bits: 128 + q, BIAS 128; 8 bits: q, BIAS 0).
 template <int R, int BITS>
-void pair_rows(const PairGemm& a, const RoundedX& xr, std::int64_t row0, std::int64_t pair) {
+void pair_rows(const PanelGemm& a, const RoundedX& xr, std::int64_t row0, std::int64_t pair) {
   const std::int64_t half = a.k / 2, groups = a.k / a.group, pairs_per_group = a.group / 2;
-  const std::uint8_t* codes = a.codes + pair * half * kPairWidth * (BITS / 4);
+  const std::uint8_t* codes =
+      static_cast<const std::uint8_t*>(a.weights) + pair * half * kPairWidth * (BITS / 4);
   const __m512 bias = _mm512_set1_ps(BITS == 4 ? 128.0f : 0.0f);
   __m512 out[R];
 #pragma GCC unroll 8
@@ -119,15 +120,12 @@ void pair_rows(const PairGemm& a, const RoundedX& xr, std::int64_t row0, std::in
   for (int m = 0; m < R; m++) {
     alignas(64) float lanes[16];
     _mm512_store_ps(lanes, out[m]);
-    float* y = a.y + (row0 + m) * a.y_stride + col0;
-    for (std::int64_t j = 0; j < width; j++) {
-      y[j] = lanes[j] + (a.bias != nullptr ? a.bias[col0 + j] : 0.0f);
-    }
+    store_outputs(a, row0 + m, col0, width, lanes);
   }
 }
 
 template <int BITS>
-void pairs_range(const PairGemm& a, const RoundedX& xr, std::int64_t first, std::int64_t last) {
+void pairs_range(const PanelGemm& a, const RoundedX& xr, std::int64_t first, std::int64_t last) {
   for (std::int64_t pair = first; pair < last; pair++) {
     std::int64_t row = 0;
     for (; row + 8 <= a.rows; row += 8) pair_rows<8, BITS>(a, xr, row, pair);
@@ -155,7 +153,7 @@ bool pair_gemm_supported() {
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bf16");
 }
 
-void pair_gemm(const PairGemm& args, int threads) {
+void pair_gemm(const PanelGemm& args, int threads) {
   const RoundedX xr = round_x(args);
   const std::int64_t pairs = (args.n + kPairWidth - 1) / kPairWidth;
   for_shares(pairs, threads, [&args, &xr](std::int64_t first, std::int64_t last) {

@@ -16,28 +16,17 @@
 
 #include <cstdint>
 
+#include "panel_gemm.h"
+
 namespace lmd {
 
-struct PairGemm {
-  const float* x;             // [rows, k], rows x_stride floats apart
-  std::int64_t rows;
-  std::int64_t k;             // a multiple of group, itself a multiple of 16
-  std::int64_t x_stride;
-  const std::uint8_t* codes;  // as above
-  int bits;                   // 4 or 8
-  const float* scales;        // d [2 ceil(n / 16), k / group, 8]
-  const float* mins;          // m, the same
-  std::int64_t group;
-  std::int64_t n;
-  float* y;                   // [rows, n], rows y_stride floats apart
-  std::int64_t y_stride;
-  const float* bias;          // [n] or nullptr
-};
+// The arguments are panel_gemm's (panel_gemm.h), `weights` the codes laid out as above
+// and `bits` 4 or 8.
 
 // Does this CPU run pair_gemm (AVX-512 F, BW, DQ and BF16)?
 bool pair_gemm_supported();
 
 // The product on `threads` threads of torch's OpenMP team (omp_team.h).
-void pair_gemm(const PairGemm& args, int threads);
+void pair_gemm(const PanelGemm& args, int threads);
 
 }  // namespace lmd

@@ -103,10 +103,7 @@ void panel_rows(const PanelGemm& a, std::int64_t row0, std::int64_t panel) {
   for (int m = 0; m < R; m++) {
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, acc[m]);
-    float* out = a.y + (row0 + m) * a.y_stride + col0;
-    for (std::int64_t j = 0; j < width; j++) {  // the last panel may be cut short by n
-      out[j] = lanes[j] + (a.bias != nullptr ? a.bias[col0 + j] : 0.0f);
-    }
+    store_outputs(a, row0 + m, col0, width, lanes);  // the last panel may be cut short by n
   }
 }
 
@@ -198,10 +195,7 @@ void panel_pair_rows(const PanelGemm& a, std::int64_t row0, std::int64_t panel) 
   for (int m = 0; m < R; m++) {
     alignas(64) float lanes[16];
     _mm512_store_ps(lanes, acc[m]);
-    float* out = a.y + (row0 + m) * a.y_stride + col0;
-    for (std::int64_t j = 0; j < width; j++) {
-      out[j] = lanes[j] + (a.bias != nullptr ? a.bias[col0 + j] : 0.0f);
-    }
+    store_outputs(a, row0 + m, col0, width, lanes);
   }
 }
 

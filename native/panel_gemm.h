@@ -42,6 +42,15 @@ struct PanelGemm {
   const float* bias;    // [n] or nullptr
 };
 
+// Row `row` of y from `col0`, `width` outputs: lanes[j] plus the bias, where there is one.
+inline void store_outputs(const PanelGemm& a, std::int64_t row, std::int64_t col0,
+                          std::int64_t width, const float* lanes) {
+  float* out = a.y + row * a.y_stride + col0;
+  for (std::int64_t j = 0; j < width; j++) {
+    out[j] = lanes[j] + (a.bias != nullptr ? a.bias[col0 + j] : 0.0f);
+  }
+}
+
 // Computes the product on `threads` threads (see above). Requires cpu_kernels_supported() (omp_team.h).
 void panel_gemm(const PanelGemm& args, int threads);
 
