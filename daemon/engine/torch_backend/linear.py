@@ -23,7 +23,7 @@ outputs, on torch's own OpenMP threads) is 1.3-1.6x faster again at 8 rows, so a
 Results differ from MKL's only by fp32 rounding order (about 1e-6 relative), except
 with `bf16` (the engine's cpu_matmul_dtype, on a CPU with bf16 dot products: AVX512-BF16
 or AMX): there the oneDNN GEMMs (more than PANEL_ROWS rows: prompts, large decode
-batches) multiply bf16 inputs, summed in fp32, at twice fp32's rate (on a Zen 4 core,
+batches) multiply bf16 inputs, summed in fp32, at twice fp32's rate (two Zen 4 cores:
 ~215 -> ~430 GFLOP/s; a 256-token prompt step of SmolLM2 340 -> 240 ms), and hold the
 weight in bf16; their outputs carry bf16's rounding (~0.3% relative). At decode sizes a
 weight held as codes then goes through lmd._native's pair_gemm where the CPU has
