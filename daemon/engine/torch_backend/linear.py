@@ -93,16 +93,16 @@ class PackedWeight:
             num = -(-self.out_features // 8)
             padded = weight.new_zeros(num * 8, self.in_features)
             padded[: self.out_features] = weight
-            self.codes = c = find_codes(padded)
+            c = find_codes(padded)
+            held: WeightCodes | CodePairs | None = c
             if c is not None and bf16 and native_cpu.pair_gemm_supported():
-                self.pairs = p = code_pairs(c)  # the same codes, paired for it
-                self.codes = None
+                self.pairs = held = code_pairs(c)  # the same codes, paired for it
                 self._gemm = pair_gemm
-                self._native = (p.codes.data_ptr(), p.bits, p.scales.data_ptr(),
-                                p.mins.data_ptr(), GROUP)  # fmt: skip
-            elif c is not None:
-                self._native = (c.codes.data_ptr(), c.bits, c.scales.data_ptr(),
-                                c.mins.data_ptr(), GROUP)  # fmt: skip
+            else:
+                self.codes = c
+            if held is not None:
+                self._native = (held.codes.data_ptr(), held.bits, held.scales.data_ptr(),
+                                held.mins.data_ptr(), GROUP)  # fmt: skip
             else:
                 self.panels = padded.view(num, 8, self.in_features).transpose(1, 2).contiguous()
                 self._native = (self.panels.data_ptr(), 32, 0, 0, 0)
