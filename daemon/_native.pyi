@@ -27,6 +27,28 @@ class CudaProbe(TypedDict):
 def probe_cuda() -> CudaProbe:
     """Load the CUDA driver at run time and count devices; never raises."""
 
+def w4a16_rows_ready(device: int) -> str:
+    """Load the W4A16 decode kernels on a CUDA device; "" when loaded, else why not."""
+
+def w4a16_rows(
+    device: int,
+    x: int,
+    q: int,
+    s: int,
+    z: int,
+    bias: int,
+    y: int,
+    rows: int,
+    n: int,
+    k: int,
+    x_stride: int,
+    bf16: bool,
+    warps: int,
+    spans: int,
+    stream: int,
+) -> None:
+    """y = x W^T (+ b) for 1-16 rows on the tensor cores, enqueued on a CUstream."""
+
 class Region(Buffer):
     """Local memory registered with a transport; a CPU region is a writable uint8 buffer."""
 

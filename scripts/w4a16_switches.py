@@ -1,21 +1,26 @@
 """The W4A16 decode path's switches A/B'd in rotation, so that the machine's drift falls
-on every setting alike (kernels/w4a16.py: PACKED_NIBBLES, and WIDE_N, where decode
-tiles go 128 columns wide). CUDA only.
+on every setting alike (kernels/w4a16_rows.py: NATIVE_ROWS, the native CUDA kernel for
+up to 16 rows; kernels/w4a16.py: PACKED_NIBBLES, and WIDE_N, where decode tiles go 128
+columns wide). CUDA only.
 
     python3 scripts/w4a16_switches.py [MODEL_DIR] [--rounds 5] [--step-rounds 2]
+        [--rows 1,16] [--settings NAME ...] [--warps]
 
-First each Llama-3-8B product at M = 1 (w4a16_tiles.py's weights and graph timing), every
-setting once a round for `--rounds` rounds: the median and the spread of each. Then,
+First each Llama-3-8B product at each of `--rows` (w4a16_tiles.py's weights and graph
+timing), every setting once a round for `--rounds` rounds: the median and the spread of
+each. With --warps, the native kernel's time at every warp count a CTA (M = 1). Then,
 given a model directory, one W4A16 engine's batch-1 decode step (families_bench.py's
-measure, graphs recaptured at each switch) for each of the four switch settings, in
-turn, `--step-rounds` times.
+measure, graphs recaptured at each switch) for each setting, in turn, `--step-rounds`
+times. Settings: the SWITCHES below (default: the native kernel and the Triton tiles).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -27,45 +32,74 @@ from lmd.bench.offline import random_prompts, time_engine
 from lmd.engine.config import EngineConfig
 from lmd.engine.engine import Engine
 from lmd.engine.turbo.kernels import w4a16 as w4a16_kernels
+from lmd.engine.turbo.kernels import w4a16_rows
 from lmd.engine.turbo.kernels.w4a16 import w4a16_matmul
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
 
-# name -> (PACKED_NIBBLES, WIDE_N)
+# name -> (NATIVE_ROWS, PACKED_NIBBLES, WIDE_N)
 SWITCHES = {
-    "packed, wide gate|up": (True, w4a16_kernels.WIDE_N),
-    "packed, 64 wide": (True, 1 << 30),
-    "one by one, wide gate|up": (False, w4a16_kernels.WIDE_N),
-    "one by one, 64 wide": (False, 1 << 30),
+    "native rows": (True, True, w4a16_kernels.WIDE_N),
+    "packed, wide gate|up": (False, True, w4a16_kernels.WIDE_N),
+    "packed, 64 wide": (False, True, 1 << 30),
+    "one by one, wide gate|up": (False, False, w4a16_kernels.WIDE_N),
+    "one by one, 64 wide": (False, False, 1 << 30),
 }
+DEFAULT_SETTINGS = ["native rows", "packed, wide gate|up"]
 
 
 def setting(name: str) -> None:
-    w4a16_kernels.PACKED_NIBBLES, w4a16_kernels.WIDE_N = SWITCHES[name]
+    w4a16_rows.NATIVE_ROWS, w4a16_kernels.PACKED_NIBBLES, w4a16_kernels.WIDE_N = SWITCHES[name]
 
 
-def products(rounds: int) -> None:
+def copies_of(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Copies of one random weight's tensors, enough to be read from memory, not L2."""
+    dense = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
+    weight = W4A16Weight.quantize(dense, 128)
+    copies = max(1, min(64, L2_BYTES // weight.nbytes))
+    return [(weight.qweight.clone(), weight.scales.clone(), weight.zeros.clone())
+            for _ in range(copies)]  # fmt: skip
+
+
+def warps_sweep() -> None:
+    """The native kernel at M = 1 with each count of K splits and column spans a CTA."""
+    setting("native rows")
     for n, k in SHAPES:
-        dense = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
-        weight = W4A16Weight.quantize(dense, 128)
-        copies = max(1, min(64, L2_BYTES // weight.nbytes))
-        packed = [(weight.qweight.clone(), weight.scales.clone(), weight.zeros.clone())
-                  for _ in range(copies)]  # fmt: skip
+        packed = copies_of(n, k)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        y = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        chosen = w4a16_rows.default_warps(1, n, k, sms)
+        for warps, spans in itertools.product((2, 4, 8, 16), (1, 2, 4)):
+            if warps * spans > 16:
+                continue
+            calls: list[Callable[[], object]] = [
+                partial(w4a16_rows.native_rows, x, *p, 128, None, y, warps=warps, spans=spans)
+                for p in packed
+            ]
+            print(json.dumps({"n": n, "k": k, "warps": warps, "spans": spans,
+                              "default": warps == chosen and spans == 1,
+                              "us": round(time_us(calls), 2)}), flush=True)  # fmt: skip
+
+
+def products(rounds: int, rows: list[int], settings: list[str]) -> None:
+    for (n, k), m in ((shape, m) for shape in SHAPES for m in rows):
+        packed = copies_of(n, k)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         times: dict[str, list[float]] = {}
         for _ in range(rounds):
-            for switch in SWITCHES:
+            for switch in settings:
                 setting(switch)
                 us = time_us([partial(w4a16_matmul, x, *p, 128) for p in packed])
                 times.setdefault(switch, []).append(us)
         setting(next(iter(SWITCHES)))
         for name, values in sorted(times.items(), key=lambda kv: statistics.median(kv[1])):
-            print(json.dumps({"n": n, "k": k, "setting": name,
+            print(json.dumps({"n": n, "k": k, "m": m, "setting": name,
                               "median_us": round(statistics.median(values), 2),
                               "min_us": round(min(values), 2), "max_us": round(max(values), 2)}),
                   flush=True)  # fmt: skip
 
 
-def steps(model: Path, rounds: int) -> None:
+def steps(model: Path, rounds: int, settings: list[str]) -> None:
     engine = Engine.build(
         model,
         EngineConfig(max_batch_size=1, quantization="w4a16"),
@@ -76,7 +110,7 @@ def steps(model: Path, rounds: int) -> None:
     time_engine(engine, random_prompts(1, 512, engine.backend.vocab_size, 1), 4)  # warm-up
     times: dict[str, list[float]] = {}
     for _ in range(rounds):
-        for switch in SWITCHES:
+        for switch in settings:
             setting(switch)
             engine.backend.capture_graphs(engine.pool.kv, 1)
             times.setdefault(switch, []).append(batch1_step(engine, 512, 256) * 1e3)
@@ -91,13 +125,18 @@ def main() -> None:
     parser.add_argument("model", type=Path, nargs="?")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--step-rounds", type=int, default=2)
+    parser.add_argument("--rows", default="1,16", help="rows of x, comma-separated")
+    parser.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS, choices=list(SWITCHES))
+    parser.add_argument("--warps", action="store_true", help="the native kernel's warps sweep")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("w4a16_switches.py needs a CUDA GPU")
     torch.manual_seed(0)
-    products(args.rounds)
+    if args.warps:
+        warps_sweep()
+    products(args.rounds, [int(m) for m in args.rows.split(",")], args.settings)
     if args.model is not None:
-        steps(args.model, args.step_rounds)
+        steps(args.model, args.step_rounds, args.settings)
 
 
 if __name__ == "__main__":

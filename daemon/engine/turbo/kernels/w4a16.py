@@ -16,6 +16,10 @@ its own tl.dot, and the loads feed the dots the way Triton pipelines. (Packed al
 plain order, k = 8 r + j as GPTQ does, the 8 nibbles of a word would have to be
 interleaved back into K order, a shuffle through shared memory per tile: 4x slower.)
 
+On CUDA, 1 to 16 rows in bf16 or fp16 with groups of 128 go to lmd._native's CUDA kernel
+instead (kernels/w4a16_rows.py: mma.sync on this layout; the batch-1 decode step of an
+8B model 3.46 -> 2.60 ms on an H200, docs/benchmarks.md); the tiles below take the rest.
+
 A program owns BLOCK_M rows of x and BLOCK_N output columns and walks its share of K,
 BLOCK_K (a multiple of 128) at a time. The codes become floats by their bits alone, on
 CUDA two at a time in PTX (w4a16_nibbles.py); the kernels are bound by their instructions,
@@ -56,6 +60,7 @@ from torch import Tensor
 
 from lmd.engine.turbo.kernels.w4a16_dense import PACK_K, dense_matmul
 from lmd.engine.turbo.kernels.w4a16_nibbles import biased, block_weights, nibbles
+from lmd.engine.turbo.kernels.w4a16_rows import native_rows
 
 SKINNY_ROWS = 16  # up to this many rows of x: the decode tiling
 DENSE_ROWS = 128  # from this many rows: dequantize slabs of W and let cuBLAS multiply
@@ -281,6 +286,8 @@ def w4a16_matmul(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
     if tiles is None and m >= dense_rows:
         return dense_matmul(x, qweight, scales, zeros, group_size, bias, y)
+    if tiles is None and native_rows(x, qweight, scales, zeros, group_size, bias, y):
+        return y
     tiles = tiles or default_tiles(m, n)
     block_k = tiles.block_k
     if block_k % PACK_K:

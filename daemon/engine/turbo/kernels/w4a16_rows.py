@@ -1,0 +1,131 @@
+"""The W4A16 product of a decode step's few rows through lmd._native's CUDA kernel
+(native/kernels/w4a16_rows.cu): mma.sync on the tensor cores with the codes made into
+16-bit operands two at a time in registers, 16-byte loads of the packed weights, the
+next block of K loaded while the current one is multiplied.
+
+It reads the layout that kernels/w4a16.py's Triton tiles read (quant/w4a16.py), so it
+needs no copy of the weights; it takes 1-16 rows of bf16 or fp16, groups of 128 inputs
+and a multiple of 32 output columns, and `native_rows` says False for anything else
+(the caller then runs the Triton tiles). The launch goes on PyTorch's current stream,
+so a decode step's CUDA graph captures it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from lmd import _native
+
+log = logging.getLogger(__name__)
+
+NATIVE_ROWS = True  # off: decode rows go to the Triton tiles (scripts' A/B runs)
+MAX_ROWS = 16
+GROUP = 128
+COLUMNS = 32  # output columns of a CTA
+WARPS_PER_SM = 16  # what the kernels' registers leave room for at up to 8 rows (8 above)
+
+_ready: dict[int, bool] = {}
+
+
+def ready(device: torch.device) -> bool:
+    """Are the kernels loaded on this CUDA device? Loads them on the first call (the
+    driver compiles the PTX: call it before a CUDA graph is captured); logs once why
+    not."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _ready:
+        why = _native.w4a16_rows_ready(index)
+        if why:
+            log.warning("W4A16 decode rows go to the Triton tiles on cuda:%d: %s", index, why)
+        _ready[index] = not why
+    return _ready[index]
+
+
+def takes(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds them
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    zeros: Tensor,
+    group_size: int,
+    bias: Tensor | None,
+) -> bool:
+    """Does the native kernel take this product (without loading it)? Besides the shapes,
+    its loads need x's rows 8-byte aligned, the weight's tensors contiguous and aligned."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    contiguous = all(
+        t.is_contiguous() and t.data_ptr() % align == 0
+        for t, align in ((qweight, 16), (scales, 8), (zeros, 4))
+    )
+    return (
+        NATIVE_ROWS
+        and x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and scales.dtype == x.dtype
+        and group_size == GROUP
+        and 1 <= m <= MAX_ROWS
+        and n % COLUMNS == 0
+        and k % GROUP == 0
+        and x.stride(1) == 1
+        and x.stride(0) % 4 == 0
+        and x.data_ptr() % 8 == 0
+        and contiguous
+        and (bias is None or (bias.is_contiguous() and bias.dtype == x.dtype))
+    )
+
+
+def default_warps(m: int, n: int, k: int, num_sms: int) -> int:
+    """Warps a CTA (one span), each warp taking every warps-th block of K: the most (a
+    power of two) that keep all N / 32 CTAs resident in one wave, but at least 4. Measured
+    at M = 1 on an H200 (scripts/w4a16_switches.py --warps, us; one wave fits up to):
+    qkv 8 warps 9.7, 16 11.7 (8); o 16 6.9, 8 6.8 (16); gate|up 4 27.8, 2 31.8, 8 28.5 (2);
+    down 16 14.4, 8 16.0 (16). Side-by-side spans of columns were no faster."""
+    budget = WARPS_PER_SM if m <= 8 else WARPS_PER_SM // 2
+    fits = max(1, budget * num_sms // (n // COLUMNS))
+    warps = max(4, 1 << (fits.bit_length() - 1))  # the power of two at or under, or 4
+    return max(1, min(warps, budget, k // GROUP))
+
+
+def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds them
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    zeros: Tensor,
+    group_size: int,
+    bias: Tensor | None,
+    y: Tensor,
+    *,
+    warps: int | None = None,
+    spans: int = 1,
+) -> bool:
+    """y [M, N] = x W^T (+ b) through the native kernel when it takes the product and is
+    loaded on x's device; False (y untouched) otherwise. Shapes as w4a16_matmul's;
+    `warps` (of K splits a span) and `spans` (of 32 columns a CTA, side by side) override
+    the defaults (scripts/w4a16_switches.py)."""
+    if not takes(x, qweight, scales, zeros, group_size, bias) or not ready(x.device):
+        return False
+    m, k = x.shape
+    n = qweight.shape[1]
+    if warps is None:
+        num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        warps = default_warps(m, n, k, num_sms)
+    _native.w4a16_rows(
+        x.device.index if x.device.index is not None else torch.cuda.current_device(),
+        x.data_ptr(),
+        qweight.data_ptr(),
+        scales.data_ptr(),
+        zeros.data_ptr(),
+        bias.data_ptr() if bias is not None else 0,
+        y.data_ptr(),
+        m,
+        n,
+        k,
+        x.stride(0),
+        x.dtype == torch.bfloat16,
+        warps * spans,
+        spans,
+        torch.cuda.current_stream(x.device).cuda_stream,
+    )
+    return True

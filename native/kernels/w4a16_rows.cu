@@ -1,0 +1,278 @@
+// W4A16 product for the few rows of a decode step: y = x W^T (+ b), x [M <= 16, K] in
+// bf16 or fp16, W 4-bit in groups of 128 inputs, in the layout of
+// daemon/engine/turbo/quant/w4a16.py:
+//
+//     qweight [K / 8, N] int32: word (16 b + r, n) holds q[n, 128 b + 16 j + r] in bits 4 j
+//     scales [K / 128, N] (x's dtype), zeros [K / 128, N] uint8; W = (q - zero) * scale
+//
+// Tensor cores, one mma.sync.m16n8k16 per 16 inputs: W is the 16 x 16 A operand (16
+// output columns by 16 inputs), x the 16 x 8 B operand (a row of x per column of B, rows
+// past M zero). The inputs of a step may be taken in any order as long as A and B agree,
+// so step j of a block takes nibble j of the block's 16 word rows, and A's input column
+// kappa is word row r(kappa): lane (g, t) of the warp holds A's columns 2t, 2t+1, 2t+8,
+// 2t+9, mapped to word rows 4t .. 4t+3, and B's matching rows are x's four consecutive
+// inputs 16 j + 4t .. 4t+3 (one 8-byte load). A's rows g and g+8 may likewise be any two
+// output columns: a warp covers 32 columns, lane (g, ...) the four columns 4g .. 4g+3 (two
+// 16-row tiles: rows g, g+8 of the first are columns 4g, 4g+1, of the second 4g+2,
+// 4g+3), so each word row of the warp's tile is one 16-byte load per lane, 128 bytes per
+// eight lanes. A block of 128 inputs is then 4 loads a lane (2 KB a warp) and makes 8
+// steps of two A tiles.
+//
+// A nibble becomes a 16-bit float by its bits: in bf16 0x4300 | q is 128 + q exactly (in
+// fp16 0x6400 | q is 1024 + q), two at a time in a 32-bit register (one prmt gathers the
+// byte holding nibble j from two words, a shift for odd j, one lop3 masks and ORs in the
+// magic), and one packed fma subtracts magic + zero, exactly. The tensor cores sum a
+// block's (a group's) products in float32; the sum is scaled in float32. Exact products, so
+// this agrees with the float32 product of the dequantized weights to float32 rounding.
+//
+// A CTA is SPANS x SPLITS warps: SPANS spans of 32 columns side by side, each span's
+// SPLITS warps taking every SPLITS-th block of K, loading the next block (words, x,
+// scales, zeros) while they multiply the current one; a span's warps' sums meet in
+// shared memory and are added in warp order (deterministic). Grid: N / (32 SPANS) CTAs. Nothing is synchronized with the host: decode steps capture it in
+// their CUDA graphs.
+//
+// Not compiled by setup.py: the PTX is embedded in native/w4a16_rows_ptx.cpp and JIT-
+// compiled by the driver at run time (native/w4a16_rows.cpp). After editing, run
+// native/kernels/make_ptx.sh (needs nvcc) to regenerate that file.
+#include <stdint.h>
+
+struct W4a16Rows {
+  const uint16_t* x;     // [m, k], row stride x_stride elements; 8-byte aligned rows
+  const uint32_t* q;     // [k / 8, n]
+  const uint16_t* s;     // [k / 128, n]
+  const uint8_t* z;      // [k / 128, n]
+  const uint16_t* bias;  // [n] or null
+  uint16_t* y;           // [m, n]
+  int m, n, k, x_stride;
+  int spans;  // 32-column spans a CTA: its warps are spans x (warps / spans) splits of K
+  int unused;
+};
+
+namespace {
+
+constexpr int kColumns = 32;  // output columns a CTA
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+__device__ __forceinline__ uint4 load16(const uint32_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint2 load8(const void* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t load4(const void* p) {
+  uint32_t v;
+  asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t lane_of(const uint4& v, int c) {
+  return c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w;
+}
+
+template <bool kBf16>
+__device__ __forceinline__ float to_float(uint32_t bits16) {
+  if (kBf16) return __uint_as_float(bits16 << 16);
+  float f;
+  const uint16_t h = static_cast<uint16_t>(bits16);
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+template <bool kBf16>
+__device__ __forceinline__ uint16_t from_float(float f) {
+  uint16_t h;
+  if (kBf16) {
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  } else {
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  }
+  return h;
+}
+
+// v - (magic + zero) in both halves, exact: v * 1 + (-(magic + zero)).
+template <bool kBf16>
+__device__ __forceinline__ uint32_t minus(uint32_t v, uint32_t neg) {
+  uint32_t d;
+  if (kBf16) {
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(v), "r"(0x3F803F80u), "r"(neg));
+  } else {
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(v), "r"(0x3C003C00u), "r"(neg));
+  }
+  return d;
+}
+
+template <bool kBf16>
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint2 b) {
+  if (kBf16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.x), "r"(b.y));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.x), "r"(b.y));
+  }
+}
+
+// One block of 128 inputs as a lane holds it: word rows 4t .. 4t+3 at its 4 columns, its
+// x rows' inputs 16 j + 4t .. 4t+3 for each step j, and its columns' scales and zeros.
+template <int kTiles>
+struct Block {
+  uint4 w[4];
+  uint2 x[kTiles][8];
+  uint2 s;
+  uint32_t z;
+};
+
+template <int kTiles>
+__device__ __forceinline__ void load_block(Block<kTiles>& b, const W4a16Rows& a,
+                                           int kb, int col, int g, int t) {
+  const uint32_t* q = a.q + static_cast<size_t>(16 * kb + 4 * t) * a.n + col;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) b.w[i] = load16(q + static_cast<size_t>(i) * a.n);
+#pragma unroll
+  for (int nt = 0; nt < kTiles; ++nt) {
+    const int row = 8 * nt + g;
+    const uint16_t* x = a.x + static_cast<size_t>(row) * a.x_stride + 128 * kb + 4 * t;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) b.x[nt][j] = row < a.m ? load8(x + 16 * j) : make_uint2(0, 0);
+  }
+  const size_t at = static_cast<size_t>(kb) * a.n + col;
+  b.s = load8(a.s + at);
+  b.z = load4(a.z + at);
+}
+
+// acc[nt][h][d]: tile h's (columns 4g + 2h, 4g + 2h + 1) mma output d for x rows of tile
+// nt: d 0, 1 column 4g + 2h at rows 8 nt + 2t, +1; d 2, 3 column 4g + 2h + 1.
+template <bool kBf16, int kTiles>
+__device__ __forceinline__ void multiply_block(const Block<kTiles>& b,
+                                               float (&acc)[kTiles][2][4]) {
+  constexpr uint32_t kMagic = kBf16 ? 0x43004300u : 0x64006400u;
+  constexpr uint32_t kNegMagic = kBf16 ? 0xC300u : 0xE400u;  // -(magic), one half
+  uint32_t neg[4];
+  float scale[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    neg[c] = (kNegMagic | ((b.z >> (8 * c)) & 0xFFu)) * 0x10001u;
+    const uint32_t pair = c < 2 ? b.s.x : b.s.y;
+    scale[c] = to_float<kBf16>(c % 2 ? pair >> 16 : pair & 0xFFFFu);
+  }
+  float part[kTiles][2][4] = {};
+#pragma unroll
+  for (int byte = 0; byte < 4; ++byte) {  // steps 2 byte (low nibbles), 2 byte + 1 (high)
+    // byte `byte` of word rows 4t + 2p (low half) and 4t + 2p + 1 (high half)
+    const uint32_t sel = byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12);
+    uint32_t pairs[2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {  // A's registers: (row, inputs) = (c0, p0), (c1, p0),
+        const int c = 2 * h + (r & 1);  //   (c0, p1), (c1, p1) of the tile's columns
+        const int p = r >> 1;
+        pairs[h][r] = prmt(lane_of(b.w[2 * p], c), lane_of(b.w[2 * p + 1], c), sel);
+      }
+    }
+#pragma unroll
+    for (int odd = 0; odd < 2; ++odd) {
+      const int j = 2 * byte + odd;
+      uint32_t a[2][4];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const uint32_t v = ((odd ? pairs[h][r] >> 4 : pairs[h][r]) & 0x000F000Fu) | kMagic;
+          a[h][r] = minus<kBf16>(v, neg[2 * h + (r & 1)]);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < kTiles; ++nt) {
+        mma<kBf16>(part[nt][0], a[0], b.x[nt][j]);
+        mma<kBf16>(part[nt][1], a[1], b.x[nt][j]);
+      }
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < kTiles; ++nt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int d = 0; d < 4; ++d) acc[nt][h][d] += scale[2 * h + d / 2] * part[nt][h][d];
+    }
+  }
+}
+
+template <bool kBf16, int kTiles>
+__device__ __forceinline__ void w4a16_rows(const W4a16Rows& a) {
+  extern __shared__ float sums[];  // [warps][kTiles * 8][32]
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int splits = (blockDim.x >> 5) / a.spans;
+  const int span = warp % a.spans;
+  const int split = warp / a.spans;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int first = (blockIdx.x * a.spans + span) * kColumns;  // the warp's 32 columns
+  const int col = first + 4 * g;
+  const int blocks = a.k / 128;
+
+  float acc[kTiles][2][4] = {};
+  Block<kTiles> cur;
+  Block<kTiles> next;
+  if (split < blocks) load_block(cur, a, split, col, g, t);
+  for (int kb = split; kb < blocks; kb += splits) {
+    const bool more = kb + splits < blocks;
+    if (more) load_block(next, a, kb + splits, col, g, t);
+    multiply_block<kBf16>(cur, acc);
+    if (more) cur = next;
+  }
+
+  constexpr int kSums = kTiles * 8;
+  const float* flat = &acc[0][0][0];
+#pragma unroll
+  for (int e = 0; e < kSums; ++e) sums[(warp * kSums + e) * 32 + lane] = flat[e];
+  __syncthreads();
+  for (int i = threadIdx.x; i < a.spans * kSums * 32; i += blockDim.x) {
+    const int sp = i / (kSums * 32);
+    const int e = i / 32 % kSums;
+    const int l = i % 32;
+    float v = 0.0f;
+    for (int w = sp; w < a.spans * splits; w += a.spans) v += sums[(w * kSums + e) * 32 + l];
+    const int nt = e / 8;
+    const int h = (e / 4) % 2;
+    const int d = e % 4;
+    const int row = 8 * nt + 2 * (l & 3) + (d & 1);
+    const int n = (blockIdx.x * a.spans + sp) * kColumns + 4 * (l >> 2) + 2 * h + d / 2;
+    if (row >= a.m) continue;
+    if (a.bias != nullptr) v += to_float<kBf16>(a.bias[n]);
+    a.y[static_cast<size_t>(row) * a.n + n] = from_float<kBf16>(v);
+  }
+}
+
+}  // namespace
+
+// Up to 16 warps a CTA at 8 rows, 8 at 16 (their registers: two blocks in flight).
+#define LMD_W4A16_ROWS(dtype, bf16, rows, tiles)                                          \
+  extern "C" __global__ void __launch_bounds__(512 / tiles)                              \
+      lmd_w4a16_rows_##dtype##_m##rows(const W4a16Rows a) {                              \
+    w4a16_rows<bf16, tiles>(a);                                                          \
+  }
+
+LMD_W4A16_ROWS(bf16, true, 8, 1)
+LMD_W4A16_ROWS(bf16, true, 16, 2)
+LMD_W4A16_ROWS(f16, false, 8, 1)
+LMD_W4A16_ROWS(f16, false, 16, 2)

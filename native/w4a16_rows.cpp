@@ -1,0 +1,101 @@
+#include "w4a16_rows.h"
+
+#include <map>
+#include <mutex>
+#include <stdexcept>
+
+#include "cuda_device.h"
+#include "cuda_driver.h"
+
+namespace lmd {
+namespace {
+
+// The four kernels: {bf16, fp16} x {up to 8, up to 16 rows}.
+constexpr const char* kNames[2][2] = {
+    {"lmd_w4a16_rows_f16_m8", "lmd_w4a16_rows_f16_m16"},
+    {"lmd_w4a16_rows_bf16_m8", "lmd_w4a16_rows_bf16_m16"},
+};
+
+struct Loaded {
+  cu::Context context = nullptr;  // the primary context, retained for the process
+  cu::Module module = nullptr;
+  cu::Function kernels[2][2] = {};
+  std::string error;  // why not loaded; "" when loaded
+};
+
+std::mutex mu;
+std::map<int, Loaded> loaded;  // by device ordinal; entries are never removed
+
+Loaded load(int ordinal) {
+  Loaded out;
+  try {
+    const CudaDriver& d = cuda_driver();
+    cu::Device device = 0;
+    d.check(d.cuDeviceGet(&device, ordinal), "cuDeviceGet");
+    d.check(d.cuDevicePrimaryCtxRetain(&out.context, device), "cuDevicePrimaryCtxRetain");
+    ScopedContext scope(d, out.context);
+    d.check(d.cuModuleLoadData(&out.module, kW4a16RowsPtx), "cuModuleLoadData(w4a16_rows)");
+    for (int bf16 = 0; bf16 < 2; ++bf16) {
+      for (int wide = 0; wide < 2; ++wide) {
+        d.check(d.cuModuleGetFunction(&out.kernels[bf16][wide], out.module, kNames[bf16][wide]),
+                kNames[bf16][wide]);
+      }
+    }
+  } catch (const std::exception& e) {
+    out.error = e.what();
+  }
+  return out;
+}
+
+const Loaded& loaded_on(int ordinal) {
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = loaded.find(ordinal);
+  if (it == loaded.end()) it = loaded.emplace(ordinal, load(ordinal)).first;
+  return it->second;
+}
+
+}  // namespace
+
+std::string w4a16_rows_ready(int ordinal) {
+  if (ordinal < 0) return "w4a16_rows: no such CUDA device " + std::to_string(ordinal);
+  return loaded_on(ordinal).error;
+}
+
+std::string w4a16_rows_check(const W4a16RowsArgs& a, int warps) {
+  if (a.m < 1 || a.m > 16 || a.n < 1 || a.n % kW4a16RowsColumns || a.k < 128 || a.k % 128 ||
+      a.x_stride < a.k || a.spans < 1 || a.n % (kW4a16RowsColumns * a.spans)) {
+    return "w4a16_rows: m must be 1..16, k a multiple of 128, x_stride >= k and n a "
+           "multiple of 32 spans";
+  }
+  if (warps < 1 || warps > w4a16_rows_max_warps(a.m) || warps % a.spans) {
+    return "w4a16_rows: warps must be a multiple of spans in 1.." +
+           std::to_string(w4a16_rows_max_warps(a.m));
+  }
+  // 16-byte word loads, 8-byte x, scale and bias loads, 4-byte zero loads.
+  if (!a.x || !a.q || !a.s || !a.z || !a.y || a.x % 8 || a.x_stride % 4 || a.q % 16 ||
+      a.s % 8 || a.z % 4 || a.y % 2 || a.bias % 2) {
+    return "w4a16_rows: a null or misaligned address";
+  }
+  return "";
+}
+
+void launch_w4a16_rows(int ordinal, const W4a16RowsArgs& args, bool bf16, int warps,
+                       std::uintptr_t stream) {
+  const std::string wrong = w4a16_rows_check(args, warps);
+  if (!wrong.empty()) throw std::invalid_argument(wrong);
+  const Loaded& l = loaded_on(ordinal);
+  if (!l.error.empty()) throw std::runtime_error(l.error);
+  const CudaDriver& d = cuda_driver();
+  cu::Function kernel = l.kernels[bf16 ? 1 : 0][args.m > 8 ? 1 : 0];
+  const unsigned sums = static_cast<unsigned>(warps) * (args.m > 8 ? 16 : 8) * 32 * 4;
+  W4a16RowsArgs copy = args;
+  void* params[] = {&copy};
+  ScopedContext scope(d, l.context);
+  const unsigned grid = static_cast<unsigned>(args.n / (kW4a16RowsColumns * args.spans));
+  d.check(d.cuLaunchKernel(kernel, grid, 1, 1,
+                           static_cast<unsigned>(warps) * 32, 1, 1, sums,
+                           reinterpret_cast<cu::Stream>(stream), params, nullptr),
+          "cuLaunchKernel(w4a16_rows)");
+}
+
+}  // namespace lmd

@@ -1,0 +1,134 @@
+"""The native W4A16 decode kernel (native/kernels/w4a16_rows.cu through
+kernels/w4a16_rows.py) on a GPU: against the float64 product of the dequantized weights,
+against the Triton tiles it replaces, batch-invariant, captured in a CUDA graph, and
+declined where it does not apply. Skipped without CUDA.
+
+Bound: its products are exact ((q - z) is an integer in the dtype) and summed in float32,
+so each output is the reference rounded once to the dtype: within half an ulp of it
+(2^-9 relative in bf16, 2^-12 in fp16) plus float32 summation error, which ATOL covers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+pytest.importorskip("triton")
+
+from lmd.engine.turbo.kernels import w4a16_rows
+from lmd.engine.turbo.kernels.w4a16 import w4a16_matmul
+from lmd.engine.turbo.kernels.w4a16_rows import native_rows
+from lmd.engine.turbo.quant.w4a16 import W4A16Weight
+
+pytestmark = pytest.mark.gpu
+RTOL = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+ATOL = 1e-4  # float32 sums of ~14k products of magnitude ~1e-2
+
+
+def weight(n: int, k: int, dtype: torch.dtype, group: int = 128) -> W4A16Weight:
+    torch.manual_seed(n + k)
+    return W4A16Weight.quantize((torch.randn(n, k, device="cuda") / k**0.5).to(dtype), group)
+
+
+def reference(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ w.dequantize().double().t()
+    return y if bias is None else y + bias.double()
+
+
+def native(
+    x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = None, **kw: int
+) -> torch.Tensor:
+    y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device="cuda")
+    assert native_rows(x, w.qweight, w.scales, w.zeros, w.group_size, bias, y, **kw)
+    return y
+
+
+def test_kernels_load() -> None:
+    assert w4a16_rows.ready(torch.device("cuda")), torch.cuda.get_device_name()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336), (96, 256)])
+def test_against_float64(n: int, k: int, rows: int, dtype: torch.dtype) -> None:
+    w = weight(n, k, dtype)
+    x = torch.randn(rows, k, device="cuda").to(dtype)
+    bias = torch.randn(n, device="cuda").to(dtype)
+    for b in (None, bias):
+        y = native(x, w, b)
+        torch.testing.assert_close(y.double(), reference(x, w, b), rtol=RTOL[dtype], atol=ATOL)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 16])
+def test_every_warp_count(rows: int) -> None:
+    """Each warp count splits K its own way; each gives the product."""
+    w = weight(4096, 4096, torch.bfloat16)
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    ref = reference(x, w, None)
+    for warps in (1, 2, 4, 8, 16 if rows <= 8 else 8):
+        y = native(x, w, warps=warps)
+        torch.testing.assert_close(y.double(), ref, rtol=RTOL[torch.bfloat16], atol=ATOL)
+
+
+def test_rows_do_not_depend_on_the_batch() -> None:
+    """A row's output is the same bits alone or among 16 (same warps): the batch a
+    sequence decodes in does not change its tokens."""
+    w = weight(6144, 4096, torch.bfloat16)
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    together = native(x, w, warps=8)
+    for i in (0, 5, 15):
+        assert torch.equal(native(x[i : i + 1], w, warps=8)[0], together[i])
+    assert torch.equal(native(x[:8], w, warps=8), together[:8])
+
+
+def test_agrees_with_the_triton_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = weight(28672, 4096, torch.bfloat16)
+    x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
+    y = w4a16_matmul(x, w.qweight, w.scales, w.zeros, 128)
+    assert torch.equal(y, native(x, w))  # w4a16_matmul took the native kernel
+    monkeypatch.setattr(w4a16_rows, "NATIVE_ROWS", False)
+    tiles = w4a16_matmul(x, w.qweight, w.scales, w.zeros, 128)
+    torch.testing.assert_close(y.float(), tiles.float(), rtol=2.0**-7, atol=1e-3)
+
+
+def test_strided_rows() -> None:
+    """x may be rows of a wider buffer (the row stride is the kernel's argument)."""
+    w = weight(4096, 4096, torch.bfloat16)
+    wide = torch.randn(3, 4096 + 512, device="cuda", dtype=torch.bfloat16)
+    x = wide[:, :4096]
+    torch.testing.assert_close(
+        native(x, w).double(), reference(x, w, None), rtol=RTOL[torch.bfloat16], atol=ATOL
+    )
+
+
+def test_captured_in_a_cuda_graph() -> None:
+    w = weight(4096, 14336, torch.bfloat16)
+    x = torch.randn(1, 14336, device="cuda", dtype=torch.bfloat16)
+    native(x, w)  # loads the module outside the capture
+    y = torch.empty(1, 4096, device="cuda", dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert native_rows(x, w.qweight, w.scales, w.zeros, 128, None, y)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y.double(), reference(x, w, None), rtol=2.0**-8, atol=ATOL)
+
+
+def test_declines_what_it_does_not_take() -> None:
+    """Groups of 64, 17 rows, 48 columns, float32: the Triton tiles' products."""
+    y = torch.empty(17, 4096, device="cuda", dtype=torch.bfloat16)
+    w64 = weight(4096, 4096, torch.bfloat16, group=64)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    assert not native_rows(x, w64.qweight, w64.scales, w64.zeros, 64, None, y[:1])
+    w = weight(4096, 4096, torch.bfloat16)
+    x17 = torch.randn(17, 4096, device="cuda", dtype=torch.bfloat16)
+    assert not native_rows(x17, w.qweight, w.scales, w.zeros, 128, None, y)
+    w48 = weight(48, 4096, torch.bfloat16)
+    assert not native_rows(x, w48.qweight, w48.scales, w48.zeros, 128, None, y[:1, :48])
+    assert not native_rows(x.float(), w.qweight, w.scales, w.zeros, 128, None, y[:1].float())
+    # and w4a16_matmul still multiplies them
+    out = w4a16_matmul(x, w64.qweight, w64.scales, w64.zeros, 64)
+    torch.testing.assert_close(out.double(), reference(x, w64, None), rtol=2.0**-7, atol=1e-3)

@@ -1,0 +1,131 @@
+"""The native W4A16 decode kernel's host side (engine/turbo/kernels/w4a16_rows.py and
+lmd._native.w4a16_rows) on a machine without a GPU: the warps it picks, its argument
+checks before any CUDA call, and its embedded PTX, which ptxas must assemble for sm_80
+and sm_90 without spilling and which must be what native/kernels/w4a16_rows.cu compiles
+to. Its products are tests/gpu/test_w4a16_rows_gpu.py's."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmd import _native
+from lmd.engine.turbo.kernels import w4a16_rows
+from lmd.engine.turbo.quant.w4a16 import W4A16Weight
+
+NATIVE = Path(__file__).resolve().parents[2] / "native"
+LLAMA3_8B = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate|up": (28672, 4096),
+    "down": (4096, 14336),
+}
+
+
+def embedded_ptx() -> str:
+    source = (NATIVE / "w4a16_rows_ptx.cpp").read_text()
+    return source.split('R"ptx(\n', 1)[1].rsplit(')ptx"', 1)[0]
+
+
+@pytest.mark.parametrize(
+    ("rows", "expected"),
+    [
+        (1, {"qkv": 8, "o": 16, "gate|up": 4, "down": 16}),
+        (16, {"qkv": 4, "o": 8, "gate|up": 4, "down": 8}),
+    ],
+)
+def test_warps_keep_one_wave_resident_on_132_sms(rows: int, expected: dict[str, int]) -> None:
+    """The counts measured best on an H200 (the function's docstring) for Llama-3-8B."""
+    got = {name: w4a16_rows.default_warps(rows, n, k, 132) for name, (n, k) in LLAMA3_8B.items()}
+    assert got == expected
+
+
+def test_warps_never_exceed_the_blocks_of_k_or_the_registers() -> None:
+    assert w4a16_rows.default_warps(1, 32, 128, 132) == 1  # one block of K
+    assert w4a16_rows.default_warps(1, 32, 512, 132) == 4
+    assert w4a16_rows.default_warps(16, 32, 1 << 16, 132) == 8  # 16 rows: 8 warps at most
+    assert w4a16_rows.default_warps(1, 128256, 4096, 132) == 4  # an lm_head: several waves
+
+
+def test_cpu_tensors_stay_with_the_triton_tiles() -> None:
+    w = W4A16Weight.quantize(torch.randn(64, 256), 128)
+    x = torch.randn(2, 256)
+    y = torch.zeros(2, 64)
+    assert not w4a16_rows.native_rows(x, w.qweight, w.scales, w.zeros, 128, None, y)
+    assert not y.any()
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        ((17, 64, 256, 4, 1), "m must be 1..16"),
+        ((0, 64, 256, 4, 1), "m must be 1..16"),
+        ((1, 48, 256, 4, 1), "multiple of 32 spans"),
+        ((1, 64, 200, 4, 1), "k a multiple of 128"),
+        ((1, 64, 256, 17, 1), "warps must be a multiple of spans in 1..16"),
+        ((9, 64, 256, 16, 1), "in 1..8"),
+        ((1, 64, 256, 3, 2), "multiple of spans"),
+    ],
+)
+def test_bad_launches_are_refused_before_cuda(
+    shape: tuple[int, int, int, int, int], message: str
+) -> None:
+    rows, n, k, warps, spans = shape
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _native.w4a16_rows(0, 64, 64, 64, 64, 0, 64, rows, n, k, k, True, warps, spans, 0)
+
+
+def test_misaligned_addresses_are_refused() -> None:
+    with pytest.raises(ValueError, match="misaligned"):
+        _native.w4a16_rows(0, 64, 72, 64, 64, 0, 64, 1, 64, 256, 256, True, 4, 1, 0)  # q
+    with pytest.raises(ValueError, match="misaligned"):
+        _native.w4a16_rows(0, 64, 64, 64, 64, 0, 64, 1, 64, 256, 258, True, 4, 1, 0)  # stride
+
+
+@pytest.mark.skipif(_native.probe_cuda()["available"], reason="this machine has CUDA")
+def test_without_cuda_it_says_why() -> None:
+    assert "CUDA" in _native.w4a16_rows_ready(0)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        _native.w4a16_rows(0, 64, 64, 64, 64, 0, 64, 1, 64, 256, 256, True, 4, 1, 0)
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="no ptxas (CUDA toolkit)")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_embedded_ptx_assembles_without_spills(tmp_path: Path, arch: str) -> None:
+    ptx = tmp_path / "w4a16_rows.ptx"
+    ptx.write_text(embedded_ptx())
+    done = subprocess.run(
+        ["ptxas", f"-arch={arch}", "-v", str(ptx), "-o", str(tmp_path / "out.cubin")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    report = done.stderr
+    assert report.count("Compiling entry function") == 4, report
+    assert "bytes spill stores" in report and " 0 bytes spill stores" in report
+    assert not re.search(r"[1-9]\d* bytes spill", report), report
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc (CUDA toolkit)")
+def test_embedded_ptx_is_what_the_source_compiles_to(tmp_path: Path) -> None:
+    """native/kernels/make_ptx.sh was run after the last edit of the .cu (for the nvcc
+    release that made the embedded PTX; another release may word it differently)."""
+    ptx = embedded_ptx()
+    made_by = re.search(r"Cuda compilation tools, release ([\d.]+)", ptx)
+    version = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, check=True)
+    if made_by is None or f"release {made_by.group(1)}," not in version.stdout:
+        pytest.skip("another nvcc release than the one that made the embedded PTX")
+    out = tmp_path / "w4a16_rows.ptx"
+    subprocess.run(
+        ["nvcc", "-ptx", "-arch=compute_80", "-O3", str(NATIVE / "kernels" / "w4a16_rows.cu"),
+         "-o", str(out)],
+        check=True,
+    )  # fmt: skip
+    fresh = re.sub(r"(?m)^\.version .*$", ".version 7.0", out.read_text())
+    fresh = re.sub(r"(?m)^// Compiler Build ID.*\n", "", fresh)
+    assert fresh == ptx
