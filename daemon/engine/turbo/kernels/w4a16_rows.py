@@ -17,7 +17,7 @@ import logging
 import torch
 from torch import Tensor
 
-from lmd import _native
+from lmd._native import w4a16_rows, w4a16_rows_ready
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def ready(device: torch.device) -> bool:
     not."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _ready:
-        why = _native.w4a16_rows_ready(index)
+        why = w4a16_rows_ready(index)
         if why:
             log.warning("W4A16 decode rows go to the Triton tiles on cuda:%d: %s", index, why)
         _ready[index] = not why
@@ -111,7 +111,7 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
     if warps is None:
         num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         warps = default_warps(m, n, k, num_sms)
-    _native.w4a16_rows(
+    w4a16_rows(
         x.device.index if x.device.index is not None else torch.cuda.current_device(),
         x.data_ptr(),
         qweight.data_ptr(),
