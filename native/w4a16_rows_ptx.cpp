@@ -16,7 +16,7 @@ extern const char kW4a16RowsPtx[] = R"ptx(
 .address_size 64
 
 	// .globl	lmd_w4a16_rows_bf16_m8
-.extern .shared .align 16 .b8 _ZN46_GLOBAL__N__75ba3e0d_13_w4a16_rows_cu_0b2d2e0c4sumsE[];
+.extern .shared .align 16 .b8 _ZN9lmd_w4a164sumsE[];
 
 .visible .entry lmd_w4a16_rows_bf16_m8(
 	.param .align 8 .b8 lmd_w4a16_rows_bf16_m8_param_0[72]
@@ -953,7 +953,7 @@ $L__BB0_39:
 	shr.u32 	%r1228, %r1230, 5;
 	prmt.b32 	%r1141, %r1228, %r1229, 8452;
 	shl.b32 	%r1142, %r1141, 2;
-	mov.u32 	%r1143, _ZN46_GLOBAL__N__75ba3e0d_13_w4a16_rows_cu_0b2d2e0c4sumsE;
+	mov.u32 	%r1143, _ZN9lmd_w4a164sumsE;
 	add.s32 	%r1144, %r1143, %r1142;
 	st.shared.f32 	[%r1144], %f196;
 	st.shared.f32 	[%r1144+128], %f197;
@@ -2369,7 +2369,7 @@ $L__BB1_71:
 	shr.u32 	%r1605, %r1607, 5;
 	bfi.b32 	%r1510, %r1605, %r1606, 9, 23;
 	shl.b32 	%r1511, %r1510, 2;
-	mov.u32 	%r1512, _ZN46_GLOBAL__N__75ba3e0d_13_w4a16_rows_cu_0b2d2e0c4sumsE;
+	mov.u32 	%r1512, _ZN9lmd_w4a164sumsE;
 	add.s32 	%r1513, %r1512, %r1511;
 	st.shared.f32 	[%r1513], %f379;
 	st.shared.f32 	[%r1513+128], %f378;
@@ -3534,7 +3534,7 @@ $L__BB2_39:
 	shr.u32 	%r1224, %r1226, 5;
 	prmt.b32 	%r1139, %r1224, %r1225, 8452;
 	shl.b32 	%r1140, %r1139, 2;
-	mov.u32 	%r1141, _ZN46_GLOBAL__N__75ba3e0d_13_w4a16_rows_cu_0b2d2e0c4sumsE;
+	mov.u32 	%r1141, _ZN9lmd_w4a164sumsE;
 	add.s32 	%r1142, %r1141, %r1140;
 	st.shared.f32 	[%r1142], %f196;
 	st.shared.f32 	[%r1142+128], %f197;
@@ -4961,7 +4961,7 @@ $L__BB3_71:
 	shr.u32 	%r1601, %r1603, 5;
 	bfi.b32 	%r1508, %r1601, %r1602, 9, 23;
 	shl.b32 	%r1509, %r1508, 2;
-	mov.u32 	%r1510, _ZN46_GLOBAL__N__75ba3e0d_13_w4a16_rows_cu_0b2d2e0c4sumsE;
+	mov.u32 	%r1510, _ZN9lmd_w4a164sumsE;
 	add.s32 	%r1511, %r1510, %r1509;
 	st.shared.f32 	[%r1511], %f379;
 	st.shared.f32 	[%r1511+128], %f378;

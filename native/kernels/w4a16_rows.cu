@@ -48,7 +48,7 @@ struct W4a16Rows {
   int unused;
 };
 
-namespace {
+namespace lmd_w4a16 {  // named: an anonymous one mangles in a hash of the path
 
 constexpr int kColumns = 32;  // output columns a CTA
 
@@ -263,13 +263,13 @@ __device__ __forceinline__ void w4a16_rows(const W4a16Rows& a) {
   }
 }
 
-}  // namespace
+}  // namespace lmd_w4a16
 
 // Up to 16 warps a CTA at 8 rows, 8 at 16 (their registers: two blocks in flight).
 #define LMD_W4A16_ROWS(dtype, bf16, rows, tiles)                                          \
   extern "C" __global__ void __launch_bounds__(512 / tiles)                              \
       lmd_w4a16_rows_##dtype##_m##rows(const W4a16Rows a) {                              \
-    w4a16_rows<bf16, tiles>(a);                                                          \
+    lmd_w4a16::w4a16_rows<bf16, tiles>(a);                                               \
   }
 
 LMD_W4A16_ROWS(bf16, true, 8, 1)
