@@ -44,7 +44,6 @@ def w4a16_rows(
     x_stride: int,
     bf16: bool,
     warps: int,
-    spans: int,
     stream: int,
 ) -> None:
     """y = x W^T (+ b) for 1-16 rows on the tensor cores, enqueued on a CUstream."""

@@ -155,16 +155,15 @@ PYBIND11_MODULE(_native, m) {
       "w4a16_rows",
       [](int device, std::uintptr_t x, std::uintptr_t q, std::uintptr_t s, std::uintptr_t z,
          std::uintptr_t bias, std::uintptr_t y, int rows, int n, int k, int x_stride, bool bf16,
-         int warps, int spans, std::uintptr_t stream) {
-        const lmd::W4a16RowsArgs args{x, q, s, z, bias, y, rows, n, k, x_stride, spans, 0};
+         int warps, std::uintptr_t stream) {
+        const lmd::W4a16RowsArgs args{x, q, s, z, bias, y, rows, n, k, x_stride, {0, 0}};
         lmd::launch_w4a16_rows(device, args, bf16, warps, stream);
       },
       "y = x W^T (+ b) for 1-16 rows of x on the tensor cores (native/kernels/w4a16_rows.cu),\n"
       "enqueued on `stream` (a CUstream of device `device`), on addresses: x [rows, k]\n"
       "(row stride x_stride) and y [rows, n] in bf16 (or fp16), qweight [k / 8, n] int32,\n"
       "scales [k / 128, n] in x's dtype, zeros [k / 128, n] uint8, bias [n] or 0; n / 32\n"
-      "(32 spans) CTAs of `warps` warps (1-16 up to 8 rows, 1-8 above; a multiple of\n"
-      "spans: spans of 32 columns side by side, the rest split K). ValueError for bad\n"
+      "CTAs of `warps` warps (1-16 up to 8 rows, 1-8 above) splitting K. ValueError for bad\n"
       "arguments, RuntimeError when the kernels are not loaded or the launch fails.");
 
   lmd::bind_transport(m);

@@ -63,13 +63,11 @@ std::string w4a16_rows_ready(int ordinal) {
 
 std::string w4a16_rows_check(const W4a16RowsArgs& a, int warps) {
   if (a.m < 1 || a.m > 16 || a.n < 1 || a.n % kW4a16RowsColumns || a.k < 128 || a.k % 128 ||
-      a.x_stride < a.k || a.spans < 1 || a.n % (kW4a16RowsColumns * a.spans)) {
-    return "w4a16_rows: m must be 1..16, k a multiple of 128, x_stride >= k and n a "
-           "multiple of 32 spans";
+      a.x_stride < a.k) {
+    return "w4a16_rows: m must be 1..16, n a multiple of 32, k of 128 and x_stride >= k";
   }
-  if (warps < 1 || warps > w4a16_rows_max_warps(a.m) || warps % a.spans) {
-    return "w4a16_rows: warps must be a multiple of spans in 1.." +
-           std::to_string(w4a16_rows_max_warps(a.m));
+  if (warps < 1 || warps > w4a16_rows_max_warps(a.m)) {
+    return "w4a16_rows: warps must be 1.." + std::to_string(w4a16_rows_max_warps(a.m));
   }
   // 16-byte word loads, 8-byte x, scale and bias loads, 4-byte zero loads.
   if (!a.x || !a.q || !a.s || !a.z || !a.y || a.x % 8 || a.x_stride % 4 || a.q % 16 ||
@@ -91,7 +89,7 @@ void launch_w4a16_rows(int ordinal, const W4a16RowsArgs& args, bool bf16, int wa
   W4a16RowsArgs copy = args;
   void* params[] = {&copy};
   ScopedContext scope(d, l.context);
-  const unsigned grid = static_cast<unsigned>(args.n / (kW4a16RowsColumns * args.spans));
+  const unsigned grid = static_cast<unsigned>(args.n / kW4a16RowsColumns);
   d.check(d.cuLaunchKernel(kernel, grid, 1, 1,
                            static_cast<unsigned>(warps) * 32, 1, 1, sums,
                            reinterpret_cast<cu::Stream>(stream), params, nullptr),

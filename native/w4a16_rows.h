@@ -16,8 +16,7 @@ extern const char kW4a16RowsPtx[];
 struct W4a16RowsArgs {
   std::uint64_t x, q, s, z, bias, y;  // addresses; bias 0 for none
   std::int32_t m, n, k, x_stride;
-  std::int32_t spans;   // 32-column spans a CTA (its warps: spans x splits of K)
-  std::int32_t unused;  // padding, as in the kernel
+  std::int32_t unused[2];  // padding, as in the kernel
 };
 static_assert(sizeof(W4a16RowsArgs) == 72, "must match W4a16Rows in w4a16_rows.cu");
 
@@ -33,8 +32,8 @@ std::string w4a16_rows_ready(int ordinal);
 // What is wrong with a launch's arguments, or "" (shapes, warps, alignment).
 std::string w4a16_rows_check(const W4a16RowsArgs& args, int warps);
 
-// Enqueues y = x W^T (+ b) on `stream` (a CUstream of device `ordinal`): N / (32 spans)
-// CTAs of `warps` warps (a multiple of spans). Throws std::runtime_error when the kernels are not ready or the launch
+// Enqueues y = x W^T (+ b) on `stream` (a CUstream of device `ordinal`): N / 32 CTAs of
+// `warps` warps. Throws std::runtime_error when the kernels are not ready or the launch
 // fails, std::invalid_argument for what w4a16_rows_check refuses.
 void launch_w4a16_rows(int ordinal, const W4a16RowsArgs& args, bool bf16, int warps,
                        std::uintptr_t stream);

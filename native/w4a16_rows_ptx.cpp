@@ -23,1134 +23,1751 @@ extern const char kW4a16RowsPtx[] = R"ptx(
 )
 .maxntid 512, 1, 1
 {
-	.reg .pred 	%p<31>;
+	.reg .pred 	%p<20>;
 	.reg .b16 	%rs<3>;
-	.reg .f32 	%f<208>;
-	.reg .b32 	%r<1414>;
-	.reg .b64 	%rd<132>;
+	.reg .f32 	%f<365>;
+	.reg .b32 	%r<2266>;
+	.reg .b64 	%rd<113>;
 
 
-	ld.param.v2.u32 	{%r391, %r392}, [lmd_w4a16_rows_bf16_m8_param_0+48];
-	ld.param.v2.u32 	{%r393, %r394}, [lmd_w4a16_rows_bf16_m8_param_0+56];
-	ld.param.v2.u32 	{%r395, %r396}, [lmd_w4a16_rows_bf16_m8_param_0+64];
-	ld.param.u64 	%rd34, [lmd_w4a16_rows_bf16_m8_param_0+40];
-	ld.param.u64 	%rd32, [lmd_w4a16_rows_bf16_m8_param_0+24];
-	ld.param.u64 	%rd31, [lmd_w4a16_rows_bf16_m8_param_0+16];
-	ld.param.u64 	%rd30, [lmd_w4a16_rows_bf16_m8_param_0+8];
-	ld.param.u64 	%rd29, [lmd_w4a16_rows_bf16_m8_param_0];
-	cvta.to.global.u64 	%rd5, %rd34;
-	mov.u32 	%r397, %tid.x;
-	and.b32  	%r398, %r397, 31;
-	shr.u32 	%r399, %r397, 5;
-	mov.u32 	%r400, %ntid.x;
-	shr.u32 	%r401, %r400, 5;
-	div.u32 	%r5, %r401, %r395;
-	div.s32 	%r1357, %r399, %r395;
-	mul.lo.s32 	%r402, %r1357, %r395;
-	sub.s32 	%r403, %r399, %r402;
-	shr.u32 	%r7, %r398, 2;
-	and.b32  	%r8, %r397, 3;
-	mov.u32 	%r404, %ctaid.x;
-	mad.lo.s32 	%r405, %r395, %r404, %r403;
-	shl.b32 	%r406, %r405, 5;
-	and.b32  	%r407, %r397, 28;
-	or.b32  	%r9, %r406, %r407;
-	shr.s32 	%r408, %r393, 31;
-	shr.u32 	%r409, %r408, 25;
-	add.s32 	%r410, %r393, %r409;
-	shr.s32 	%r10, %r410, 7;
-	setp.ge.s32 	%p1, %r1357, %r10;
-	@%p1 bra 	$L__BB0_18;
-
-	shl.b32 	%r429, %r1357, 4;
-	shl.b32 	%r430, %r8, 2;
-	or.b32  	%r431, %r429, %r430;
-	cvt.s64.s32 	%rd6, %r392;
-	mul.wide.s32 	%rd39, %r431, %r392;
-	cvt.s64.s32 	%rd7, %r9;
-	add.s64 	%rd40, %rd39, %rd7;
-	shl.b64 	%rd41, %rd40, 2;
-	add.s64 	%rd35, %rd30, %rd41;
+	ld.param.v2.u32 	{%r331, %r332}, [lmd_w4a16_rows_bf16_m8_param_0+48];
+	ld.param.v2.u32 	{%r333, %r334}, [lmd_w4a16_rows_bf16_m8_param_0+56];
+	ld.param.u64 	%rd14, [lmd_w4a16_rows_bf16_m8_param_0+40];
+	ld.param.u64 	%rd13, [lmd_w4a16_rows_bf16_m8_param_0+32];
+	ld.param.u64 	%rd12, [lmd_w4a16_rows_bf16_m8_param_0+24];
+	ld.param.u64 	%rd11, [lmd_w4a16_rows_bf16_m8_param_0+16];
+	ld.param.u64 	%rd10, [lmd_w4a16_rows_bf16_m8_param_0+8];
+	ld.param.u64 	%rd9, [lmd_w4a16_rows_bf16_m8_param_0];
+	cvta.to.global.u64 	%rd5, %rd14;
+	mov.u32 	%r4, %tid.x;
+	and.b32  	%r337, %r4, 31;
+	shr.u32 	%r2190, %r4, 5;
+	shr.u32 	%r6, %r337, 2;
+	and.b32  	%r7, %r4, 3;
+	shr.s32 	%r338, %r333, 31;
+	shr.u32 	%r339, %r338, 25;
+	add.s32 	%r340, %r333, %r339;
+	shr.s32 	%r8, %r340, 7;
+	mov.u32 	%r326, 983055;
+	mov.u32 	%r327, 1124090624;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r1321, %r1320, %r1319, %r1318}, [%rd35];
 	// end inline asm
-	mul.wide.s32 	%rd42, %r392, 4;
-	add.s64 	%rd36, %rd35, %rd42;
+	setp.ge.s32 	%p1, %r2190, %r8;
+	@%p1 bra 	$L__BB0_2;
+
+	shl.b32 	%r376, %r2190, 4;
+	shl.b32 	%r377, %r7, 2;
+	or.b32  	%r378, %r376, %r377;
+	cvt.s64.s32 	%rd29, %r332;
+	mul.wide.s32 	%rd30, %r378, %r332;
+	and.b32  	%r379, %r4, 28;
+	mov.u32 	%r380, %ctaid.x;
+	shl.b32 	%r381, %r380, 5;
+	or.b32  	%r382, %r381, %r379;
+	cvt.s64.s32 	%rd31, %r382;
+	add.s64 	%rd32, %rd30, %rd31;
+	shl.b64 	%rd33, %rd32, 2;
+	add.s64 	%rd15, %rd10, %rd33;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r1317, %r1316, %r1315, %r1314}, [%rd36];
+	ld.global.nc.v4.u32 {%r2154, %r2153, %r2152, %r2151}, [%rd15];
 	// end inline asm
-	add.s64 	%rd37, %rd36, %rd42;
+	mul.wide.s32 	%rd34, %r332, 4;
+	add.s64 	%rd16, %rd15, %rd34;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r1313, %r1312, %r1311, %r1310}, [%rd37];
+	ld.global.nc.v4.u32 {%r2150, %r2149, %r2148, %r2147}, [%rd16];
 	// end inline asm
-	add.s64 	%rd38, %rd37, %rd42;
+	add.s64 	%rd17, %rd16, %rd34;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r1309, %r1308, %r1307, %r1306}, [%rd38];
+	ld.global.nc.v4.u32 {%r2146, %r2145, %r2144, %r2143}, [%rd17];
 	// end inline asm
-	cvt.s64.s32 	%rd43, %r394;
-	cvt.u64.u32 	%rd44, %r7;
-	mul.lo.s64 	%rd45, %rd43, %rd44;
-	shl.b32 	%r432, %r1357, 7;
-	cvt.s64.s32 	%rd46, %r432;
-	cvt.u64.u32 	%rd47, %r430;
-	add.s64 	%rd48, %rd45, %rd47;
-	add.s64 	%rd8, %rd48, %rd46;
-	setp.ge.s32 	%p2, %r7, %r391;
-	mov.u32 	%r1268, 0;
-	mov.u32 	%r1270, %r1268;
-	mov.u32 	%r1269, %r1268;
-	@%p2 bra 	$L__BB0_3;
-
-	shl.b64 	%rd50, %rd8, 1;
-	add.s64 	%rd49, %rd29, %rd50;
+	add.s64 	%rd18, %rd17, %rd34;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1270, %r1269}, [%rd49];
+	ld.global.nc.v4.u32 {%r2142, %r2141, %r2140, %r2139}, [%rd18];
+	// end inline asm
+	add.s32 	%r383, %r331, -1;
+	min.s32 	%r384, %r6, %r383;
+	mul.wide.s32 	%rd35, %r384, %r334;
+	mad.lo.s32 	%r385, %r2190, 112, %r378;
+	cvt.s64.s32 	%rd36, %r385;
+	add.s64 	%rd37, %rd35, %rd36;
+	shl.b64 	%rd38, %rd37, 1;
+	add.s64 	%rd19, %rd9, %rd38;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2138, %r2137}, [%rd19];
+	// end inline asm
+	add.s64 	%rd20, %rd19, 32;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2136, %r2135}, [%rd20];
+	// end inline asm
+	add.s64 	%rd21, %rd19, 64;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2134, %r2133}, [%rd21];
+	// end inline asm
+	add.s64 	%rd22, %rd19, 96;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2132, %r2131}, [%rd22];
+	// end inline asm
+	add.s64 	%rd23, %rd19, 128;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2130, %r2129}, [%rd23];
+	// end inline asm
+	add.s64 	%rd24, %rd19, 160;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2128, %r2127}, [%rd24];
+	// end inline asm
+	add.s64 	%rd25, %rd19, 192;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2126, %r2125}, [%rd25];
+	// end inline asm
+	add.s64 	%rd26, %rd19, 224;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2124, %r2123}, [%rd26];
+	// end inline asm
+	cvt.u64.u32 	%rd39, %r2190;
+	mul.lo.s64 	%rd40, %rd29, %rd39;
+	add.s64 	%rd41, %rd40, %rd31;
+	shl.b64 	%rd42, %rd41, 1;
+	add.s64 	%rd27, %rd11, %rd42;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2122, %r2121}, [%rd27];
+	// end inline asm
+	add.s64 	%rd28, %rd12, %rd41;
+	// begin inline asm
+	ld.global.nc.u32 %r2120, [%rd28];
 	// end inline asm
 
-$L__BB0_3:
-	mov.u32 	%r1267, %r1268;
-	@%p2 bra 	$L__BB0_5;
+$L__BB0_2:
+	mov.f32 	%f351, 0f00000000;
+	mov.f32 	%f352, %f351;
+	mov.f32 	%f353, %f351;
+	mov.f32 	%f354, %f351;
+	mov.f32 	%f355, %f351;
+	mov.f32 	%f356, %f351;
+	mov.f32 	%f357, %f351;
+	mov.f32 	%f358, %f351;
+	@%p1 bra 	$L__BB0_10;
 
-	shl.b64 	%rd52, %rd8, 1;
-	add.s64 	%rd53, %rd29, %rd52;
-	add.s64 	%rd51, %rd53, 32;
+	shl.b32 	%r387, %r7, 2;
+	add.s32 	%r388, %r331, -1;
+	min.s32 	%r389, %r6, %r388;
+	mul.wide.s32 	%rd43, %r389, %r334;
+	cvt.u64.u32 	%rd44, %r387;
+	add.s64 	%rd6, %rd43, %rd44;
+	mov.f32 	%f351, 0f00000000;
+	mul.wide.s32 	%rd63, %r332, 4;
+
+$L__BB0_4:
+	mov.u32 	%r390, %ntid.x;
+	shr.u32 	%r391, %r390, 5;
+	add.s32 	%r154, %r2190, %r391;
+	setp.ge.s32 	%p3, %r154, %r8;
+	@%p3 bra 	$L__BB0_6;
+
+	shl.b32 	%r427, %r154, 4;
+	mov.u32 	%r428, %tid.x;
+	shl.b32 	%r429, %r428, 2;
+	and.b32  	%r430, %r429, 12;
+	or.b32  	%r431, %r427, %r430;
+	mul.wide.s32 	%rd59, %r431, %r332;
+	mov.u32 	%r432, %ctaid.x;
+	shl.b32 	%r433, %r432, 5;
+	and.b32  	%r434, %r428, 28;
+	or.b32  	%r435, %r433, %r434;
+	cvt.s64.s32 	%rd60, %r435;
+	add.s64 	%rd61, %rd59, %rd60;
+	shl.b64 	%rd62, %rd61, 2;
+	add.s64 	%rd45, %rd10, %rd62;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1268, %r1267}, [%rd51];
+	ld.global.nc.v4.u32 {%r2225, %r2224, %r2223, %r2222}, [%rd45];
+	// end inline asm
+	add.s64 	%rd46, %rd45, %rd63;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2221, %r2220, %r2219, %r2218}, [%rd46];
+	// end inline asm
+	add.s64 	%rd47, %rd46, %rd63;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2217, %r2216, %r2215, %r2214}, [%rd47];
+	// end inline asm
+	add.s64 	%rd48, %rd47, %rd63;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2213, %r2212, %r2211, %r2210}, [%rd48];
+	// end inline asm
+	shl.b32 	%r436, %r154, 7;
+	cvt.s64.s32 	%rd64, %r436;
+	add.s64 	%rd65, %rd6, %rd64;
+	shl.b64 	%rd66, %rd65, 1;
+	add.s64 	%rd49, %rd9, %rd66;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2209, %r2208}, [%rd49];
+	// end inline asm
+	add.s64 	%rd50, %rd49, 32;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2207, %r2206}, [%rd50];
+	// end inline asm
+	add.s64 	%rd51, %rd49, 64;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2205, %r2204}, [%rd51];
+	// end inline asm
+	add.s64 	%rd52, %rd49, 96;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2203, %r2202}, [%rd52];
+	// end inline asm
+	add.s64 	%rd53, %rd49, 128;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2201, %r2200}, [%rd53];
+	// end inline asm
+	add.s64 	%rd54, %rd49, 160;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2199, %r2198}, [%rd54];
+	// end inline asm
+	add.s64 	%rd55, %rd49, 192;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2197, %r2196}, [%rd55];
+	// end inline asm
+	add.s64 	%rd56, %rd49, 224;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2195, %r2194}, [%rd56];
+	// end inline asm
+	mul.wide.s32 	%rd67, %r154, %r332;
+	add.s64 	%rd68, %rd67, %rd60;
+	shl.b64 	%rd69, %rd68, 1;
+	add.s64 	%rd57, %rd11, %rd69;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2193, %r2192}, [%rd57];
+	// end inline asm
+	add.s64 	%rd58, %rd12, %rd68;
+	// begin inline asm
+	ld.global.nc.u32 %r2191, [%rd58];
 	// end inline asm
 
-$L__BB0_5:
-	mov.u32 	%r1264, 0;
-	mov.u32 	%r1266, %r1264;
-	mov.u32 	%r1265, %r1264;
-	@%p2 bra 	$L__BB0_7;
-
-	shl.b64 	%rd55, %rd8, 1;
-	add.s64 	%rd56, %rd29, %rd55;
-	add.s64 	%rd54, %rd56, 64;
+$L__BB0_6:
+	and.b32  	%r1173, %r2120, 255;
+	or.b32  	%r1174, %r1173, 49920;
+	mul.lo.s32 	%r1120, %r1174, 65537;
+	shr.u32 	%r1175, %r2120, 8;
+	and.b32  	%r1176, %r1175, 255;
+	or.b32  	%r1177, %r1176, 49920;
+	mul.lo.s32 	%r1128, %r1177, 65537;
+	shr.u32 	%r1178, %r2120, 16;
+	and.b32  	%r1179, %r1178, 255;
+	or.b32  	%r1180, %r1179, 49920;
+	mul.lo.s32 	%r1152, %r1180, 65537;
+	shr.u32 	%r1181, %r2120, 24;
+	or.b32  	%r1182, %r1181, 49920;
+	mul.lo.s32 	%r1160, %r1182, 65537;
+	mov.u32 	%r468, 17408;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1266, %r1265}, [%rd54];
+	prmt.b32 %r437, %r2154, %r2150, %r468;
 	// end inline asm
-
-$L__BB0_7:
-	mov.u32 	%r1263, %r1264;
-	@%p2 bra 	$L__BB0_9;
-
-	shl.b64 	%rd58, %rd8, 1;
-	add.s64 	%rd59, %rd29, %rd58;
-	add.s64 	%rd57, %rd59, 96;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1264, %r1263}, [%rd57];
+	prmt.b32 %r441, %r2153, %r2149, %r468;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r445, %r2146, %r2142, %r468;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r449, %r2145, %r2141, %r468;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r453, %r2152, %r2148, %r468;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r457, %r2151, %r2147, %r468;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r461, %r2144, %r2140, %r468;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r465, %r2143, %r2139, %r468;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r469, %r437, %r326, %r327, 0xEA;
+	// end inline asm
+	mov.u32 	%r1159, 1065369472;
+	// begin inline asm
+	fma.rn.bf16x2 %r473, %r469, %r1159, %r1120;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r477, %r441, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r481, %r477, %r1159, %r1128;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r485, %r445, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r489, %r485, %r1159, %r1120;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r493, %r449, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r497, %r493, %r1159, %r1128;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r501, %r453, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r505, %r501, %r1159, %r1152;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r509, %r457, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r513, %r509, %r1159, %r1160;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r517, %r461, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r521, %r517, %r1159, %r1152;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r525, %r465, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r529, %r525, %r1159, %r1160;
+	// end inline asm
+	mov.f32 	%f85, 0f00000000;
+	mov.f32 	%f77, %f85;
+	mov.f32 	%f78, %f85;
+	mov.f32 	%f79, %f85;
+	mov.f32 	%f80, %f85;
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f77, %f78, %f79, %f80}, {%r473, %r481, %r489, %r497}, {%r2138, %r2137}, {%f77, %f78, %f79, %f80};
+	// end inline asm
+	mov.f32 	%f86, %f85;
+	mov.f32 	%f87, %f85;
+	mov.f32 	%f88, %f85;
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f85, %f86, %f87, %f88}, {%r505, %r513, %r521, %r529}, {%r2138, %r2137}, {%f85, %f86, %f87, %f88};
+	// end inline asm
+	shr.u32 	%r546, %r437, 4;
+	// begin inline asm
+	lop3.b32 %r545, %r546, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r549, %r545, %r1159, %r1120;
+	// end inline asm
+	shr.u32 	%r554, %r441, 4;
+	// begin inline asm
+	lop3.b32 %r553, %r554, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r557, %r553, %r1159, %r1128;
+	// end inline asm
+	shr.u32 	%r562, %r445, 4;
+	// begin inline asm
+	lop3.b32 %r561, %r562, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r565, %r561, %r1159, %r1120;
+	// end inline asm
+	shr.u32 	%r570, %r449, 4;
+	// begin inline asm
+	lop3.b32 %r569, %r570, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r573, %r569, %r1159, %r1128;
+	// end inline asm
+	shr.u32 	%r578, %r453, 4;
+	// begin inline asm
+	lop3.b32 %r577, %r578, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r581, %r577, %r1159, %r1152;
+	// end inline asm
+	shr.u32 	%r586, %r457, 4;
+	// begin inline asm
+	lop3.b32 %r585, %r586, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r589, %r585, %r1159, %r1160;
+	// end inline asm
+	shr.u32 	%r594, %r461, 4;
+	// begin inline asm
+	lop3.b32 %r593, %r594, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r597, %r593, %r1159, %r1152;
+	// end inline asm
+	shr.u32 	%r602, %r465, 4;
+	// begin inline asm
+	lop3.b32 %r601, %r602, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r605, %r601, %r1159, %r1160;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f77, %f78, %f79, %f80}, {%r549, %r557, %r565, %r573}, {%r2136, %r2135}, {%f77, %f78, %f79, %f80};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f85, %f86, %f87, %f88}, {%r581, %r589, %r597, %r605}, {%r2136, %r2135}, {%f85, %f86, %f87, %f88};
+	// end inline asm
+	mov.u32 	%r652, 21777;
+	// begin inline asm
+	prmt.b32 %r621, %r2154, %r2150, %r652;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r625, %r2153, %r2149, %r652;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r629, %r2146, %r2142, %r652;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r633, %r2145, %r2141, %r652;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r637, %r2152, %r2148, %r652;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r641, %r2151, %r2147, %r652;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r645, %r2144, %r2140, %r652;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r649, %r2143, %r2139, %r652;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r653, %r621, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r657, %r653, %r1159, %r1120;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r661, %r625, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r665, %r661, %r1159, %r1128;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r669, %r629, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r673, %r669, %r1159, %r1120;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r677, %r633, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r681, %r677, %r1159, %r1128;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r685, %r637, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r689, %r685, %r1159, %r1152;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r693, %r641, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r697, %r693, %r1159, %r1160;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r701, %r645, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r705, %r701, %r1159, %r1152;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r709, %r649, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r713, %r709, %r1159, %r1160;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f77, %f78, %f79, %f80}, {%r657, %r665, %r673, %r681}, {%r2134, %r2133}, {%f77, %f78, %f79, %f80};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f85, %f86, %f87, %f88}, {%r689, %r697, %r705, %r713}, {%r2134, %r2133}, {%f85, %f86, %f87, %f88};
+	// end inline asm
+	shr.u32 	%r730, %r621, 4;
+	// begin inline asm
+	lop3.b32 %r729, %r730, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r733, %r729, %r1159, %r1120;
+	// end inline asm
+	shr.u32 	%r738, %r625, 4;
+	// begin inline asm
+	lop3.b32 %r737, %r738, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r741, %r737, %r1159, %r1128;
+	// end inline asm
+	shr.u32 	%r746, %r629, 4;
+	// begin inline asm
+	lop3.b32 %r745, %r746, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r749, %r745, %r1159, %r1120;
+	// end inline asm
+	shr.u32 	%r754, %r633, 4;
+	// begin inline asm
+	lop3.b32 %r753, %r754, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r757, %r753, %r1159, %r1128;
+	// end inline asm
+	shr.u32 	%r762, %r637, 4;
+	// begin inline asm
+	lop3.b32 %r761, %r762, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r765, %r761, %r1159, %r1152;
+	// end inline asm
+	shr.u32 	%r770, %r641, 4;
+	// begin inline asm
+	lop3.b32 %r769, %r770, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r773, %r769, %r1159, %r1160;
+	// end inline asm
+	shr.u32 	%r778, %r645, 4;
+	// begin inline asm
+	lop3.b32 %r777, %r778, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r781, %r777, %r1159, %r1152;
+	// end inline asm
+	shr.u32 	%r786, %r649, 4;
+	// begin inline asm
+	lop3.b32 %r785, %r786, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r789, %r785, %r1159, %r1160;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f77, %f78, %f79, %f80}, {%r733, %r741, %r749, %r757}, {%r2132, %r2131}, {%f77, %f78, %f79, %f80};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f85, %f86, %f87, %f88}, {%r765, %r773, %r781, %r789}, {%r2132, %r2131}, {%f85, %f86, %f87, %f88};
+	// end inline asm
+	mov.u32 	%r836, 26146;
+	// begin inline asm
+	prmt.b32 %r805, %r2154, %r2150, %r836;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r809, %r2153, %r2149, %r836;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r813, %r2146, %r2142, %r836;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r817, %r2145, %r2141, %r836;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r821, %r2152, %r2148, %r836;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r825, %r2151, %r2147, %r836;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r829, %r2144, %r2140, %r836;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r833, %r2143, %r2139, %r836;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r837, %r805, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r841, %r837, %r1159, %r1120;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r845, %r809, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r849, %r845, %r1159, %r1128;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r853, %r813, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r857, %r853, %r1159, %r1120;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r861, %r817, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r865, %r861, %r1159, %r1128;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r869, %r821, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r873, %r869, %r1159, %r1152;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r877, %r825, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r881, %r877, %r1159, %r1160;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r885, %r829, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r889, %r885, %r1159, %r1152;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r893, %r833, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r897, %r893, %r1159, %r1160;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f77, %f78, %f79, %f80}, {%r841, %r849, %r857, %r865}, {%r2130, %r2129}, {%f77, %f78, %f79, %f80};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f85, %f86, %f87, %f88}, {%r873, %r881, %r889, %r897}, {%r2130, %r2129}, {%f85, %f86, %f87, %f88};
+	// end inline asm
+	shr.u32 	%r914, %r805, 4;
+	// begin inline asm
+	lop3.b32 %r913, %r914, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r917, %r913, %r1159, %r1120;
+	// end inline asm
+	shr.u32 	%r922, %r809, 4;
+	// begin inline asm
+	lop3.b32 %r921, %r922, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r925, %r921, %r1159, %r1128;
+	// end inline asm
+	shr.u32 	%r930, %r813, 4;
+	// begin inline asm
+	lop3.b32 %r929, %r930, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r933, %r929, %r1159, %r1120;
+	// end inline asm
+	shr.u32 	%r938, %r817, 4;
+	// begin inline asm
+	lop3.b32 %r937, %r938, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r941, %r937, %r1159, %r1128;
+	// end inline asm
+	shr.u32 	%r946, %r821, 4;
+	// begin inline asm
+	lop3.b32 %r945, %r946, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r949, %r945, %r1159, %r1152;
+	// end inline asm
+	shr.u32 	%r954, %r825, 4;
+	// begin inline asm
+	lop3.b32 %r953, %r954, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r957, %r953, %r1159, %r1160;
+	// end inline asm
+	shr.u32 	%r962, %r829, 4;
+	// begin inline asm
+	lop3.b32 %r961, %r962, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r965, %r961, %r1159, %r1152;
+	// end inline asm
+	shr.u32 	%r970, %r833, 4;
+	// begin inline asm
+	lop3.b32 %r969, %r970, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r973, %r969, %r1159, %r1160;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f77, %f78, %f79, %f80}, {%r917, %r925, %r933, %r941}, {%r2128, %r2127}, {%f77, %f78, %f79, %f80};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f85, %f86, %f87, %f88}, {%r949, %r957, %r965, %r973}, {%r2128, %r2127}, {%f85, %f86, %f87, %f88};
+	// end inline asm
+	mov.u32 	%r1020, 30515;
+	// begin inline asm
+	prmt.b32 %r989, %r2154, %r2150, %r1020;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r993, %r2153, %r2149, %r1020;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r997, %r2146, %r2142, %r1020;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1001, %r2145, %r2141, %r1020;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1005, %r2152, %r2148, %r1020;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1009, %r2151, %r2147, %r1020;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1013, %r2144, %r2140, %r1020;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1017, %r2143, %r2139, %r1020;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1021, %r989, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1025, %r1021, %r1159, %r1120;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1029, %r993, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1033, %r1029, %r1159, %r1128;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1037, %r997, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1041, %r1037, %r1159, %r1120;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1045, %r1001, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1049, %r1045, %r1159, %r1128;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1053, %r1005, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1057, %r1053, %r1159, %r1152;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1061, %r1009, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1065, %r1061, %r1159, %r1160;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1069, %r1013, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1073, %r1069, %r1159, %r1152;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1077, %r1017, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1081, %r1077, %r1159, %r1160;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f77, %f78, %f79, %f80}, {%r1025, %r1033, %r1041, %r1049}, {%r2126, %r2125}, {%f77, %f78, %f79, %f80};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f85, %f86, %f87, %f88}, {%r1057, %r1065, %r1073, %r1081}, {%r2126, %r2125}, {%f85, %f86, %f87, %f88};
+	// end inline asm
+	shr.u32 	%r1098, %r989, 4;
+	// begin inline asm
+	lop3.b32 %r1097, %r1098, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1101, %r1097, %r1159, %r1120;
+	// end inline asm
+	shr.u32 	%r1106, %r993, 4;
+	// begin inline asm
+	lop3.b32 %r1105, %r1106, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1109, %r1105, %r1159, %r1128;
+	// end inline asm
+	shr.u32 	%r1114, %r997, 4;
+	// begin inline asm
+	lop3.b32 %r1113, %r1114, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1117, %r1113, %r1159, %r1120;
+	// end inline asm
+	shr.u32 	%r1122, %r1001, 4;
+	// begin inline asm
+	lop3.b32 %r1121, %r1122, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1125, %r1121, %r1159, %r1128;
+	// end inline asm
+	shr.u32 	%r1130, %r1005, 4;
+	// begin inline asm
+	lop3.b32 %r1129, %r1130, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1133, %r1129, %r1159, %r1152;
+	// end inline asm
+	shr.u32 	%r1138, %r1009, 4;
+	// begin inline asm
+	lop3.b32 %r1137, %r1138, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1141, %r1137, %r1159, %r1160;
+	// end inline asm
+	shr.u32 	%r1146, %r1013, 4;
+	// begin inline asm
+	lop3.b32 %r1145, %r1146, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1149, %r1145, %r1159, %r1152;
+	// end inline asm
+	shr.u32 	%r1154, %r1017, 4;
+	// begin inline asm
+	lop3.b32 %r1153, %r1154, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1157, %r1153, %r1159, %r1160;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f77, %f78, %f79, %f80}, {%r1101, %r1109, %r1117, %r1125}, {%r2124, %r2123}, {%f77, %f78, %f79, %f80};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f85, %f86, %f87, %f88}, {%r1133, %r1141, %r1149, %r1157}, {%r2124, %r2123}, {%f85, %f86, %f87, %f88};
+	// end inline asm
+	shl.b32 	%r1183, %r2122, 16;
+	mov.b32 	%f189, %r1183;
+	fma.rn.f32 	%f358, %f77, %f189, %f358;
+	fma.rn.f32 	%f357, %f78, %f189, %f357;
+	and.b32  	%r1184, %r2122, -65536;
+	mov.b32 	%f190, %r1184;
+	fma.rn.f32 	%f356, %f79, %f190, %f356;
+	fma.rn.f32 	%f355, %f80, %f190, %f355;
+	shl.b32 	%r1185, %r2121, 16;
+	mov.b32 	%f191, %r1185;
+	fma.rn.f32 	%f354, %f85, %f191, %f354;
+	fma.rn.f32 	%f353, %f86, %f191, %f353;
+	and.b32  	%r1186, %r2121, -65536;
+	mov.b32 	%f192, %r1186;
+	fma.rn.f32 	%f352, %f87, %f192, %f352;
+	fma.rn.f32 	%f351, %f88, %f192, %f351;
+	@%p3 bra 	$L__BB0_10;
+
+	mov.u32 	%r2084, %ntid.x;
+	shr.u32 	%r1188, %r2084, 4;
+	and.b32  	%r1189, %r1188, 268435454;
+	add.s32 	%r2190, %r2190, %r1189;
+	setp.ge.s32 	%p5, %r2190, %r8;
+	@%p5 bra 	$L__BB0_9;
+
+	shl.b32 	%r1225, %r2190, 4;
+	mov.u32 	%r1226, %tid.x;
+	shl.b32 	%r1227, %r1226, 2;
+	and.b32  	%r1228, %r1227, 12;
+	or.b32  	%r1229, %r1225, %r1228;
+	mul.wide.s32 	%rd84, %r1229, %r332;
+	mov.u32 	%r1230, %ctaid.x;
+	shl.b32 	%r1231, %r1230, 5;
+	and.b32  	%r1232, %r1226, 28;
+	or.b32  	%r1233, %r1231, %r1232;
+	cvt.s64.s32 	%rd85, %r1233;
+	add.s64 	%rd86, %rd84, %rd85;
+	shl.b64 	%rd87, %rd86, 2;
+	add.s64 	%rd70, %rd10, %rd87;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2154, %r2153, %r2152, %r2151}, [%rd70];
+	// end inline asm
+	add.s64 	%rd71, %rd70, %rd63;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2150, %r2149, %r2148, %r2147}, [%rd71];
+	// end inline asm
+	add.s64 	%rd72, %rd71, %rd63;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2146, %r2145, %r2144, %r2143}, [%rd72];
+	// end inline asm
+	add.s64 	%rd73, %rd72, %rd63;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2142, %r2141, %r2140, %r2139}, [%rd73];
+	// end inline asm
+	shl.b32 	%r1234, %r2190, 7;
+	cvt.s64.s32 	%rd89, %r1234;
+	add.s64 	%rd90, %rd6, %rd89;
+	shl.b64 	%rd91, %rd90, 1;
+	add.s64 	%rd74, %rd9, %rd91;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2138, %r2137}, [%rd74];
+	// end inline asm
+	add.s64 	%rd75, %rd74, 32;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2136, %r2135}, [%rd75];
+	// end inline asm
+	add.s64 	%rd76, %rd74, 64;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2134, %r2133}, [%rd76];
+	// end inline asm
+	add.s64 	%rd77, %rd74, 96;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2132, %r2131}, [%rd77];
+	// end inline asm
+	add.s64 	%rd78, %rd74, 128;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2130, %r2129}, [%rd78];
+	// end inline asm
+	add.s64 	%rd79, %rd74, 160;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2128, %r2127}, [%rd79];
+	// end inline asm
+	add.s64 	%rd80, %rd74, 192;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2126, %r2125}, [%rd80];
+	// end inline asm
+	add.s64 	%rd81, %rd74, 224;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2124, %r2123}, [%rd81];
+	// end inline asm
+	mul.wide.s32 	%rd92, %r2190, %r332;
+	add.s64 	%rd93, %rd92, %rd85;
+	shl.b64 	%rd94, %rd93, 1;
+	add.s64 	%rd82, %rd11, %rd94;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2122, %r2121}, [%rd82];
+	// end inline asm
+	add.s64 	%rd83, %rd12, %rd93;
+	// begin inline asm
+	ld.global.nc.u32 %r2120, [%rd83];
 	// end inline asm
 
 $L__BB0_9:
-	mov.u32 	%r1260, 0;
-	mov.u32 	%r1262, %r1260;
-	mov.u32 	%r1261, %r1260;
-	@%p2 bra 	$L__BB0_11;
-
-	shl.b64 	%rd61, %rd8, 1;
-	add.s64 	%rd62, %rd29, %rd61;
-	add.s64 	%rd60, %rd62, 128;
+	and.b32  	%r1971, %r2191, 255;
+	or.b32  	%r1972, %r1971, 49920;
+	mul.lo.s32 	%r1918, %r1972, 65537;
+	shr.u32 	%r1973, %r2191, 8;
+	and.b32  	%r1974, %r1973, 255;
+	or.b32  	%r1975, %r1974, 49920;
+	mul.lo.s32 	%r1926, %r1975, 65537;
+	shr.u32 	%r1976, %r2191, 16;
+	and.b32  	%r1977, %r1976, 255;
+	or.b32  	%r1978, %r1977, 49920;
+	mul.lo.s32 	%r1950, %r1978, 65537;
+	shr.u32 	%r1979, %r2191, 24;
+	or.b32  	%r1980, %r1979, 49920;
+	mul.lo.s32 	%r1958, %r1980, 65537;
+	mov.u32 	%r1266, 17408;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1262, %r1261}, [%rd60];
+	prmt.b32 %r1235, %r2225, %r2221, %r1266;
 	// end inline asm
-
-$L__BB0_11:
-	mov.u32 	%r1259, %r1260;
-	@%p2 bra 	$L__BB0_13;
-
-	shl.b64 	%rd64, %rd8, 1;
-	add.s64 	%rd65, %rd29, %rd64;
-	add.s64 	%rd63, %rd65, 160;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1260, %r1259}, [%rd63];
+	prmt.b32 %r1239, %r2224, %r2220, %r1266;
 	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1243, %r2217, %r2213, %r1266;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1247, %r2216, %r2212, %r1266;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1251, %r2223, %r2219, %r1266;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1255, %r2222, %r2218, %r1266;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1259, %r2215, %r2211, %r1266;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1263, %r2214, %r2210, %r1266;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1267, %r1235, %r326, %r327, 0xEA;
+	// end inline asm
+	mov.u32 	%r1957, 1065369472;
+	// begin inline asm
+	fma.rn.bf16x2 %r1271, %r1267, %r1957, %r1918;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1275, %r1239, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1279, %r1275, %r1957, %r1926;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1283, %r1243, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1287, %r1283, %r1957, %r1918;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1291, %r1247, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1295, %r1291, %r1957, %r1926;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1299, %r1251, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1303, %r1299, %r1957, %r1950;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1307, %r1255, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1311, %r1307, %r1957, %r1958;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1315, %r1259, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1319, %r1315, %r1957, %r1950;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1323, %r1263, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1327, %r1323, %r1957, %r1958;
+	// end inline asm
+	mov.f32 	%f217, 0f00000000;
+	mov.f32 	%f209, %f217;
+	mov.f32 	%f210, %f217;
+	mov.f32 	%f211, %f217;
+	mov.f32 	%f212, %f217;
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f209, %f210, %f211, %f212}, {%r1271, %r1279, %r1287, %r1295}, {%r2209, %r2208}, {%f209, %f210, %f211, %f212};
+	// end inline asm
+	mov.f32 	%f218, %f217;
+	mov.f32 	%f219, %f217;
+	mov.f32 	%f220, %f217;
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f217, %f218, %f219, %f220}, {%r1303, %r1311, %r1319, %r1327}, {%r2209, %r2208}, {%f217, %f218, %f219, %f220};
+	// end inline asm
+	shr.u32 	%r1344, %r1235, 4;
+	// begin inline asm
+	lop3.b32 %r1343, %r1344, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1347, %r1343, %r1957, %r1918;
+	// end inline asm
+	shr.u32 	%r1352, %r1239, 4;
+	// begin inline asm
+	lop3.b32 %r1351, %r1352, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1355, %r1351, %r1957, %r1926;
+	// end inline asm
+	shr.u32 	%r1360, %r1243, 4;
+	// begin inline asm
+	lop3.b32 %r1359, %r1360, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1363, %r1359, %r1957, %r1918;
+	// end inline asm
+	shr.u32 	%r1368, %r1247, 4;
+	// begin inline asm
+	lop3.b32 %r1367, %r1368, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1371, %r1367, %r1957, %r1926;
+	// end inline asm
+	shr.u32 	%r1376, %r1251, 4;
+	// begin inline asm
+	lop3.b32 %r1375, %r1376, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1379, %r1375, %r1957, %r1950;
+	// end inline asm
+	shr.u32 	%r1384, %r1255, 4;
+	// begin inline asm
+	lop3.b32 %r1383, %r1384, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1387, %r1383, %r1957, %r1958;
+	// end inline asm
+	shr.u32 	%r1392, %r1259, 4;
+	// begin inline asm
+	lop3.b32 %r1391, %r1392, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1395, %r1391, %r1957, %r1950;
+	// end inline asm
+	shr.u32 	%r1400, %r1263, 4;
+	// begin inline asm
+	lop3.b32 %r1399, %r1400, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1403, %r1399, %r1957, %r1958;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f209, %f210, %f211, %f212}, {%r1347, %r1355, %r1363, %r1371}, {%r2207, %r2206}, {%f209, %f210, %f211, %f212};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f217, %f218, %f219, %f220}, {%r1379, %r1387, %r1395, %r1403}, {%r2207, %r2206}, {%f217, %f218, %f219, %f220};
+	// end inline asm
+	mov.u32 	%r1450, 21777;
+	// begin inline asm
+	prmt.b32 %r1419, %r2225, %r2221, %r1450;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1423, %r2224, %r2220, %r1450;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1427, %r2217, %r2213, %r1450;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1431, %r2216, %r2212, %r1450;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1435, %r2223, %r2219, %r1450;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1439, %r2222, %r2218, %r1450;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1443, %r2215, %r2211, %r1450;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1447, %r2214, %r2210, %r1450;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1451, %r1419, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1455, %r1451, %r1957, %r1918;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1459, %r1423, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1463, %r1459, %r1957, %r1926;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1467, %r1427, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1471, %r1467, %r1957, %r1918;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1475, %r1431, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1479, %r1475, %r1957, %r1926;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1483, %r1435, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1487, %r1483, %r1957, %r1950;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1491, %r1439, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1495, %r1491, %r1957, %r1958;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1499, %r1443, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1503, %r1499, %r1957, %r1950;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1507, %r1447, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1511, %r1507, %r1957, %r1958;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f209, %f210, %f211, %f212}, {%r1455, %r1463, %r1471, %r1479}, {%r2205, %r2204}, {%f209, %f210, %f211, %f212};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f217, %f218, %f219, %f220}, {%r1487, %r1495, %r1503, %r1511}, {%r2205, %r2204}, {%f217, %f218, %f219, %f220};
+	// end inline asm
+	shr.u32 	%r1528, %r1419, 4;
+	// begin inline asm
+	lop3.b32 %r1527, %r1528, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1531, %r1527, %r1957, %r1918;
+	// end inline asm
+	shr.u32 	%r1536, %r1423, 4;
+	// begin inline asm
+	lop3.b32 %r1535, %r1536, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1539, %r1535, %r1957, %r1926;
+	// end inline asm
+	shr.u32 	%r1544, %r1427, 4;
+	// begin inline asm
+	lop3.b32 %r1543, %r1544, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1547, %r1543, %r1957, %r1918;
+	// end inline asm
+	shr.u32 	%r1552, %r1431, 4;
+	// begin inline asm
+	lop3.b32 %r1551, %r1552, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1555, %r1551, %r1957, %r1926;
+	// end inline asm
+	shr.u32 	%r1560, %r1435, 4;
+	// begin inline asm
+	lop3.b32 %r1559, %r1560, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1563, %r1559, %r1957, %r1950;
+	// end inline asm
+	shr.u32 	%r1568, %r1439, 4;
+	// begin inline asm
+	lop3.b32 %r1567, %r1568, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1571, %r1567, %r1957, %r1958;
+	// end inline asm
+	shr.u32 	%r1576, %r1443, 4;
+	// begin inline asm
+	lop3.b32 %r1575, %r1576, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1579, %r1575, %r1957, %r1950;
+	// end inline asm
+	shr.u32 	%r1584, %r1447, 4;
+	// begin inline asm
+	lop3.b32 %r1583, %r1584, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1587, %r1583, %r1957, %r1958;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f209, %f210, %f211, %f212}, {%r1531, %r1539, %r1547, %r1555}, {%r2203, %r2202}, {%f209, %f210, %f211, %f212};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f217, %f218, %f219, %f220}, {%r1563, %r1571, %r1579, %r1587}, {%r2203, %r2202}, {%f217, %f218, %f219, %f220};
+	// end inline asm
+	mov.u32 	%r1634, 26146;
+	// begin inline asm
+	prmt.b32 %r1603, %r2225, %r2221, %r1634;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1607, %r2224, %r2220, %r1634;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1611, %r2217, %r2213, %r1634;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1615, %r2216, %r2212, %r1634;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1619, %r2223, %r2219, %r1634;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1623, %r2222, %r2218, %r1634;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1627, %r2215, %r2211, %r1634;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1631, %r2214, %r2210, %r1634;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1635, %r1603, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1639, %r1635, %r1957, %r1918;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1643, %r1607, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1647, %r1643, %r1957, %r1926;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1651, %r1611, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1655, %r1651, %r1957, %r1918;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1659, %r1615, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1663, %r1659, %r1957, %r1926;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1667, %r1619, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1671, %r1667, %r1957, %r1950;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1675, %r1623, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1679, %r1675, %r1957, %r1958;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1683, %r1627, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1687, %r1683, %r1957, %r1950;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1691, %r1631, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1695, %r1691, %r1957, %r1958;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f209, %f210, %f211, %f212}, {%r1639, %r1647, %r1655, %r1663}, {%r2201, %r2200}, {%f209, %f210, %f211, %f212};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f217, %f218, %f219, %f220}, {%r1671, %r1679, %r1687, %r1695}, {%r2201, %r2200}, {%f217, %f218, %f219, %f220};
+	// end inline asm
+	shr.u32 	%r1712, %r1603, 4;
+	// begin inline asm
+	lop3.b32 %r1711, %r1712, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1715, %r1711, %r1957, %r1918;
+	// end inline asm
+	shr.u32 	%r1720, %r1607, 4;
+	// begin inline asm
+	lop3.b32 %r1719, %r1720, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1723, %r1719, %r1957, %r1926;
+	// end inline asm
+	shr.u32 	%r1728, %r1611, 4;
+	// begin inline asm
+	lop3.b32 %r1727, %r1728, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1731, %r1727, %r1957, %r1918;
+	// end inline asm
+	shr.u32 	%r1736, %r1615, 4;
+	// begin inline asm
+	lop3.b32 %r1735, %r1736, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1739, %r1735, %r1957, %r1926;
+	// end inline asm
+	shr.u32 	%r1744, %r1619, 4;
+	// begin inline asm
+	lop3.b32 %r1743, %r1744, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1747, %r1743, %r1957, %r1950;
+	// end inline asm
+	shr.u32 	%r1752, %r1623, 4;
+	// begin inline asm
+	lop3.b32 %r1751, %r1752, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1755, %r1751, %r1957, %r1958;
+	// end inline asm
+	shr.u32 	%r1760, %r1627, 4;
+	// begin inline asm
+	lop3.b32 %r1759, %r1760, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1763, %r1759, %r1957, %r1950;
+	// end inline asm
+	shr.u32 	%r1768, %r1631, 4;
+	// begin inline asm
+	lop3.b32 %r1767, %r1768, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1771, %r1767, %r1957, %r1958;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f209, %f210, %f211, %f212}, {%r1715, %r1723, %r1731, %r1739}, {%r2199, %r2198}, {%f209, %f210, %f211, %f212};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f217, %f218, %f219, %f220}, {%r1747, %r1755, %r1763, %r1771}, {%r2199, %r2198}, {%f217, %f218, %f219, %f220};
+	// end inline asm
+	mov.u32 	%r1818, 30515;
+	// begin inline asm
+	prmt.b32 %r1787, %r2225, %r2221, %r1818;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1791, %r2224, %r2220, %r1818;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1795, %r2217, %r2213, %r1818;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1799, %r2216, %r2212, %r1818;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1803, %r2223, %r2219, %r1818;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1807, %r2222, %r2218, %r1818;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1811, %r2215, %r2211, %r1818;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1815, %r2214, %r2210, %r1818;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1819, %r1787, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1823, %r1819, %r1957, %r1918;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1827, %r1791, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1831, %r1827, %r1957, %r1926;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1835, %r1795, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1839, %r1835, %r1957, %r1918;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1843, %r1799, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1847, %r1843, %r1957, %r1926;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1851, %r1803, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1855, %r1851, %r1957, %r1950;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1859, %r1807, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1863, %r1859, %r1957, %r1958;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1867, %r1811, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1871, %r1867, %r1957, %r1950;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1875, %r1815, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1879, %r1875, %r1957, %r1958;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f209, %f210, %f211, %f212}, {%r1823, %r1831, %r1839, %r1847}, {%r2197, %r2196}, {%f209, %f210, %f211, %f212};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f217, %f218, %f219, %f220}, {%r1855, %r1863, %r1871, %r1879}, {%r2197, %r2196}, {%f217, %f218, %f219, %f220};
+	// end inline asm
+	shr.u32 	%r1896, %r1787, 4;
+	// begin inline asm
+	lop3.b32 %r1895, %r1896, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1899, %r1895, %r1957, %r1918;
+	// end inline asm
+	shr.u32 	%r1904, %r1791, 4;
+	// begin inline asm
+	lop3.b32 %r1903, %r1904, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1907, %r1903, %r1957, %r1926;
+	// end inline asm
+	shr.u32 	%r1912, %r1795, 4;
+	// begin inline asm
+	lop3.b32 %r1911, %r1912, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1915, %r1911, %r1957, %r1918;
+	// end inline asm
+	shr.u32 	%r1920, %r1799, 4;
+	// begin inline asm
+	lop3.b32 %r1919, %r1920, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1923, %r1919, %r1957, %r1926;
+	// end inline asm
+	shr.u32 	%r1928, %r1803, 4;
+	// begin inline asm
+	lop3.b32 %r1927, %r1928, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1931, %r1927, %r1957, %r1950;
+	// end inline asm
+	shr.u32 	%r1936, %r1807, 4;
+	// begin inline asm
+	lop3.b32 %r1935, %r1936, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1939, %r1935, %r1957, %r1958;
+	// end inline asm
+	shr.u32 	%r1944, %r1811, 4;
+	// begin inline asm
+	lop3.b32 %r1943, %r1944, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1947, %r1943, %r1957, %r1950;
+	// end inline asm
+	shr.u32 	%r1952, %r1815, 4;
+	// begin inline asm
+	lop3.b32 %r1951, %r1952, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1955, %r1951, %r1957, %r1958;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f209, %f210, %f211, %f212}, {%r1899, %r1907, %r1915, %r1923}, {%r2195, %r2194}, {%f209, %f210, %f211, %f212};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f217, %f218, %f219, %f220}, {%r1931, %r1939, %r1947, %r1955}, {%r2195, %r2194}, {%f217, %f218, %f219, %f220};
+	// end inline asm
+	shl.b32 	%r1981, %r2193, 16;
+	mov.b32 	%f321, %r1981;
+	fma.rn.f32 	%f358, %f209, %f321, %f358;
+	fma.rn.f32 	%f357, %f210, %f321, %f357;
+	and.b32  	%r1982, %r2193, -65536;
+	mov.b32 	%f322, %r1982;
+	fma.rn.f32 	%f356, %f211, %f322, %f356;
+	fma.rn.f32 	%f355, %f212, %f322, %f355;
+	shl.b32 	%r1983, %r2192, 16;
+	mov.b32 	%f323, %r1983;
+	fma.rn.f32 	%f354, %f217, %f323, %f354;
+	fma.rn.f32 	%f353, %f218, %f323, %f353;
+	and.b32  	%r1984, %r2192, -65536;
+	mov.b32 	%f324, %r1984;
+	fma.rn.f32 	%f352, %f219, %f324, %f352;
+	fma.rn.f32 	%f351, %f220, %f324, %f351;
+	setp.lt.s32 	%p6, %r2190, %r8;
+	@%p6 bra 	$L__BB0_4;
+
+$L__BB0_10:
+	mov.u32 	%r2082, %tid.x;
+	and.b32  	%r2081, %r2082, 31;
+	shr.u32 	%r1986, %r2082, 5;
+	prmt.b32 	%r1988, %r1986, %r2081, 8452;
+	shl.b32 	%r1989, %r1988, 2;
+	mov.u32 	%r1990, _ZN9lmd_w4a164sumsE;
+	add.s32 	%r1991, %r1990, %r1989;
+	st.shared.f32 	[%r1991], %f358;
+	st.shared.f32 	[%r1991+128], %f357;
+	st.shared.f32 	[%r1991+256], %f356;
+	st.shared.f32 	[%r1991+384], %f355;
+	st.shared.f32 	[%r1991+512], %f354;
+	st.shared.f32 	[%r1991+640], %f353;
+	st.shared.f32 	[%r1991+768], %f352;
+	st.shared.f32 	[%r1991+896], %f351;
+	bar.sync 	0;
+	setp.gt.s32 	%p7, %r2082, 255;
+	@%p7 bra 	$L__BB0_32;
+
+	mov.u32 	%r296, %ntid.x;
+	shr.u32 	%r1992, %r296, 5;
+	setp.eq.s32 	%p8, %r1992, 0;
+	cvt.s64.s32 	%rd8, %r332;
+	@%p8 bra 	$L__BB0_25;
+
+	add.s32 	%r297, %r1992, -1;
+	and.b32  	%r298, %r1992, 3;
+	sub.s32 	%r299, %r1992, %r298;
+	mov.u32 	%r2261, %tid.x;
+	mov.u32 	%r1995, %ctaid.x;
+	shl.b32 	%r301, %r1995, 5;
+	cvta.to.global.u64 	%rd95, %rd13;
 
 $L__BB0_13:
-	mov.u32 	%r1256, 0;
-	mov.u32 	%r1258, %r1256;
-	mov.u32 	%r1257, %r1256;
-	@%p2 bra 	$L__BB0_15;
+	shr.s32 	%r1997, %r2261, 31;
+	shr.u32 	%r1998, %r1997, 27;
+	add.s32 	%r1999, %r2261, %r1998;
+	shr.s32 	%r303, %r1999, 5;
+	and.b32  	%r2000, %r1999, -32;
+	sub.s32 	%r304, %r2261, %r2000;
+	setp.lt.u32 	%p9, %r297, 3;
+	mov.f32 	%f362, 0f00000000;
+	mov.u32 	%r2264, 0;
+	@%p9 bra 	$L__BB0_16;
 
-	shl.b64 	%rd67, %rd8, 1;
-	add.s64 	%rd68, %rd29, %rd67;
-	add.s64 	%rd66, %rd68, 192;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1258, %r1257}, [%rd66];
-	// end inline asm
+	mov.f32 	%f362, 0f00000000;
+	mov.u32 	%r2264, 0;
+	mov.u32 	%r2263, %r299;
 
 $L__BB0_15:
-	mov.u32 	%r1255, %r1256;
-	@%p2 bra 	$L__BB0_17;
+	shl.b32 	%r2002, %r2264, 3;
+	add.s32 	%r2003, %r2002, %r303;
+	shl.b32 	%r2004, %r2003, 5;
+	add.s32 	%r2005, %r2004, %r304;
+	shl.b32 	%r2006, %r2005, 2;
+	add.s32 	%r2008, %r1990, %r2006;
+	ld.shared.f32 	%f328, [%r2008];
+	add.f32 	%f329, %f362, %f328;
+	ld.shared.f32 	%f330, [%r2008+1024];
+	add.f32 	%f331, %f329, %f330;
+	ld.shared.f32 	%f332, [%r2008+2048];
+	add.f32 	%f333, %f331, %f332;
+	ld.shared.f32 	%f334, [%r2008+3072];
+	add.f32 	%f362, %f333, %f334;
+	add.s32 	%r2264, %r2264, 4;
+	add.s32 	%r2263, %r2263, -4;
+	setp.ne.s32 	%p10, %r2263, 0;
+	@%p10 bra 	$L__BB0_15;
 
-	shl.b64 	%rd70, %rd8, 1;
-	add.s64 	%rd71, %rd29, %rd70;
-	add.s64 	%rd69, %rd71, 224;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1256, %r1255}, [%rd69];
-	// end inline asm
+$L__BB0_16:
+	setp.eq.s32 	%p11, %r298, 0;
+	@%p11 bra 	$L__BB0_20;
 
-$L__BB0_17:
-	cvt.s64.s32 	%rd74, %r1357;
-	mul.lo.s64 	%rd75, %rd74, %rd6;
-	add.s64 	%rd76, %rd75, %rd7;
-	shl.b64 	%rd77, %rd76, 1;
-	add.s64 	%rd72, %rd31, %rd77;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1289, %r1288}, [%rd72];
-	// end inline asm
-	add.s64 	%rd73, %rd32, %rd76;
-	// begin inline asm
-	ld.global.nc.u32 %r1287, [%rd73];
-	// end inline asm
+	setp.eq.s32 	%p12, %r298, 1;
+	shl.b32 	%r2009, %r2264, 3;
+	add.s32 	%r2010, %r2009, %r303;
+	shl.b32 	%r2011, %r2010, 5;
+	add.s32 	%r2012, %r2011, %r304;
+	shl.b32 	%r2013, %r2012, 2;
+	add.s32 	%r310, %r1990, %r2013;
+	ld.shared.f32 	%f335, [%r310];
+	add.f32 	%f362, %f362, %f335;
+	@%p12 bra 	$L__BB0_20;
 
-$L__BB0_18:
-	mov.f32 	%f196, 0f00000000;
-	mov.f32 	%f197, %f196;
-	mov.f32 	%f198, %f196;
-	mov.f32 	%f199, %f196;
-	mov.f32 	%f200, %f196;
-	mov.f32 	%f201, %f196;
-	mov.f32 	%f202, %f196;
-	mov.f32 	%f203, %f196;
-	@%p1 bra 	$L__BB0_39;
+	setp.eq.s32 	%p13, %r298, 2;
+	ld.shared.f32 	%f336, [%r310+1024];
+	add.f32 	%f362, %f362, %f336;
+	@%p13 bra 	$L__BB0_20;
 
-	shl.b32 	%r467, %r8, 2;
-	cvt.s64.s32 	%rd9, %r9;
-	cvt.s64.s32 	%rd78, %r394;
-	cvt.u64.u32 	%rd79, %r7;
-	mul.lo.s64 	%rd80, %rd78, %rd79;
-	cvt.u64.u32 	%rd81, %r467;
-	add.s64 	%rd10, %rd80, %rd81;
-	mul.wide.s32 	%rd82, %r7, %r394;
-	add.s64 	%rd83, %rd81, %rd82;
-	shl.b64 	%rd84, %rd83, 1;
-	add.s64 	%rd85, %rd29, %rd84;
-	add.s64 	%rd11, %rd85, 32;
-	add.s64 	%rd12, %rd85, 64;
-	add.s64 	%rd13, %rd85, 96;
-	add.s64 	%rd14, %rd85, 128;
-	add.s64 	%rd15, %rd85, 160;
-	add.s64 	%rd16, %rd85, 192;
-	add.s64 	%rd17, %rd85, 224;
-	mov.f32 	%f196, 0f00000000;
+	ld.shared.f32 	%f337, [%r310+2048];
+	add.f32 	%f362, %f362, %f337;
 
 $L__BB0_20:
-	add.s32 	%r200, %r1357, %r5;
-	setp.ge.s32 	%p11, %r200, %r10;
-	@%p11 bra 	$L__BB0_38;
+	shr.u32 	%r2016, %r1997, 25;
+	add.s32 	%r2017, %r2261, %r2016;
+	shr.u32 	%r2018, %r2017, 31;
+	shr.s32 	%r2019, %r2017, 7;
+	add.s32 	%r2020, %r2019, %r2018;
+	and.b32  	%r2021, %r2020, 2147483646;
+	sub.s32 	%r2022, %r2019, %r2021;
+	shr.u32 	%r2023, %r1997, 24;
+	add.s32 	%r2024, %r2261, %r2023;
+	shr.s32 	%r2025, %r2024, 8;
+	shl.b32 	%r2026, %r2025, 3;
+	shl.b32 	%r2027, %r304, 1;
+	and.b32  	%r2028, %r2027, 6;
+	or.b32  	%r2029, %r2028, %r2026;
+	shr.s32 	%r2030, %r303, 31;
+	shr.u32 	%r2031, %r2030, 30;
+	add.s32 	%r2032, %r303, %r2031;
+	and.b32  	%r2033, %r2032, -4;
+	sub.s32 	%r2034, %r303, %r2033;
+	and.b32  	%r2035, %r2034, 1;
+	or.b32  	%r311, %r2029, %r2035;
+	and.b32  	%r2036, %r304, -4;
+	add.s32 	%r2037, %r2036, %r301;
+	shl.b32 	%r2038, %r2022, 1;
+	add.s32 	%r2039, %r2037, %r2038;
+	shr.u32 	%r2040, %r2034, 31;
+	add.s32 	%r2041, %r2034, %r2040;
+	shr.s32 	%r2042, %r2041, 1;
+	add.s32 	%r312, %r2039, %r2042;
+	setp.ge.s32 	%p14, %r311, %r331;
+	@%p14 bra 	$L__BB0_24;
 
-	add.s32 	%r1235, %r1357, %r5;
-	mov.u32 	%r486, %tid.x;
-	and.b32  	%r487, %r486, 31;
-	shr.u32 	%r488, %r487, 2;
-	setp.ge.s32 	%p12, %r488, %r391;
-	shl.b32 	%r489, %r486, 2;
-	and.b32  	%r490, %r489, 12;
-	shl.b32 	%r491, %r1235, 4;
-	or.b32  	%r492, %r491, %r490;
-	mul.wide.s32 	%rd90, %r492, %r392;
-	add.s64 	%rd91, %rd90, %rd9;
-	shl.b64 	%rd92, %rd91, 2;
-	add.s64 	%rd86, %rd30, %rd92;
-	// begin inline asm
-	ld.global.nc.v4.u32 {%r1408, %r1407, %r1406, %r1405}, [%rd86];
-	// end inline asm
-	mul.wide.s32 	%rd93, %r392, 4;
-	add.s64 	%rd87, %rd86, %rd93;
-	// begin inline asm
-	ld.global.nc.v4.u32 {%r1404, %r1403, %r1402, %r1401}, [%rd87];
-	// end inline asm
-	add.s64 	%rd88, %rd87, %rd93;
-	// begin inline asm
-	ld.global.nc.v4.u32 {%r1400, %r1399, %r1398, %r1397}, [%rd88];
-	// end inline asm
-	add.s64 	%rd89, %rd88, %rd93;
-	// begin inline asm
-	ld.global.nc.v4.u32 {%r1396, %r1395, %r1394, %r1393}, [%rd89];
-	// end inline asm
-	shl.b32 	%r493, %r1235, 7;
-	cvt.s64.s32 	%rd18, %r493;
-	mov.u32 	%r1390, 0;
-	mov.u32 	%r1392, %r1390;
-	mov.u32 	%r1391, %r1390;
-	@%p12 bra 	$L__BB0_23;
+	setp.eq.s64 	%p15, %rd13, 0;
+	@%p15 bra 	$L__BB0_23;
 
-	add.s64 	%rd95, %rd10, %rd18;
-	shl.b64 	%rd96, %rd95, 1;
-	add.s64 	%rd94, %rd29, %rd96;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1392, %r1391}, [%rd94];
-	// end inline asm
+	mul.wide.s32 	%rd96, %r312, 2;
+	add.s64 	%rd97, %rd95, %rd96;
+	ld.global.u16 	%r2043, [%rd97];
+	shl.b32 	%r2044, %r2043, 16;
+	mov.b32 	%f338, %r2044;
+	add.f32 	%f362, %f362, %f338;
 
 $L__BB0_23:
-	shl.b64 	%rd97, %rd18, 1;
-	add.s64 	%rd19, %rd11, %rd97;
-	mov.u32 	%r1389, %r1390;
-	@%p12 bra 	$L__BB0_25;
-
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1390, %r1389}, [%rd19];
+	cvt.rn.bf16.f32 %rs1, %f362;
 	// end inline asm
+	cvt.s64.s32 	%rd98, %r311;
+	mul.lo.s64 	%rd99, %rd98, %rd8;
+	cvt.s64.s32 	%rd100, %r312;
+	add.s64 	%rd101, %rd99, %rd100;
+	shl.b64 	%rd102, %rd101, 1;
+	add.s64 	%rd103, %rd5, %rd102;
+	st.global.u16 	[%rd103], %rs1;
+
+$L__BB0_24:
+	add.s32 	%r2261, %r2261, %r296;
+	setp.lt.s32 	%p16, %r2261, 256;
+	@%p16 bra 	$L__BB0_13;
+	bra.uni 	$L__BB0_32;
 
 $L__BB0_25:
-	add.s64 	%rd20, %rd12, %rd97;
-	mov.u32 	%r1386, 0;
-	mov.u32 	%r1388, %r1386;
-	mov.u32 	%r1387, %r1386;
-	@%p12 bra 	$L__BB0_27;
+	mov.u32 	%r2265, %tid.x;
+	mov.u32 	%r2045, %ctaid.x;
+	shl.b32 	%r315, %r2045, 5;
+	cvta.to.global.u64 	%rd104, %rd13;
 
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1388, %r1387}, [%rd20];
-	// end inline asm
+$L__BB0_26:
+	shr.s32 	%r2046, %r2265, 31;
+	shr.u32 	%r2047, %r2046, 25;
+	add.s32 	%r2048, %r2265, %r2047;
+	shr.u32 	%r2049, %r2048, 31;
+	shr.s32 	%r2050, %r2048, 7;
+	add.s32 	%r2051, %r2050, %r2049;
+	and.b32  	%r2052, %r2051, 2147483646;
+	sub.s32 	%r2053, %r2050, %r2052;
+	shr.u32 	%r2054, %r2046, 27;
+	add.s32 	%r2055, %r2265, %r2054;
+	shr.s32 	%r2056, %r2055, 5;
+	shr.u32 	%r2057, %r2046, 24;
+	add.s32 	%r2058, %r2265, %r2057;
+	shr.s32 	%r2059, %r2058, 8;
+	shl.b32 	%r2060, %r2059, 3;
+	and.b32  	%r2061, %r2055, -32;
+	sub.s32 	%r2062, %r2265, %r2061;
+	shl.b32 	%r2063, %r2062, 1;
+	and.b32  	%r2064, %r2063, 6;
+	or.b32  	%r2065, %r2064, %r2060;
+	shr.s32 	%r2066, %r2055, 31;
+	shr.u32 	%r2067, %r2066, 30;
+	add.s32 	%r2068, %r2056, %r2067;
+	and.b32  	%r2069, %r2068, -4;
+	sub.s32 	%r2070, %r2056, %r2069;
+	and.b32  	%r2071, %r2070, 1;
+	or.b32  	%r317, %r2065, %r2071;
+	and.b32  	%r2072, %r2062, -4;
+	add.s32 	%r2073, %r2072, %r315;
+	shl.b32 	%r2074, %r2053, 1;
+	add.s32 	%r2075, %r2073, %r2074;
+	shr.u32 	%r2076, %r2070, 31;
+	add.s32 	%r2077, %r2070, %r2076;
+	shr.s32 	%r2078, %r2077, 1;
+	add.s32 	%r318, %r2075, %r2078;
+	setp.ge.s32 	%p17, %r317, %r331;
+	@%p17 bra 	$L__BB0_31;
 
-$L__BB0_27:
-	add.s64 	%rd21, %rd13, %rd97;
-	mov.u32 	%r1385, %r1386;
-	@%p12 bra 	$L__BB0_29;
+	setp.eq.s64 	%p18, %rd13, 0;
+	@%p18 bra 	$L__BB0_29;
 
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1386, %r1385}, [%rd21];
-	// end inline asm
+	mul.wide.s32 	%rd105, %r318, 2;
+	add.s64 	%rd106, %rd104, %rd105;
+	ld.global.u16 	%r2079, [%rd106];
+	shl.b32 	%r2080, %r2079, 16;
+	mov.b32 	%f340, %r2080;
+	add.f32 	%f364, %f340, 0f00000000;
+	bra.uni 	$L__BB0_30;
 
 $L__BB0_29:
-	add.s64 	%rd22, %rd14, %rd97;
-	mov.u32 	%r1382, 0;
-	mov.u32 	%r1384, %r1382;
-	mov.u32 	%r1383, %r1382;
-	@%p12 bra 	$L__BB0_31;
+	mov.f32 	%f364, 0f00000000;
 
+$L__BB0_30:
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1384, %r1383}, [%rd22];
+	cvt.rn.bf16.f32 %rs2, %f364;
 	// end inline asm
+	cvt.s64.s32 	%rd107, %r317;
+	mul.lo.s64 	%rd108, %rd107, %rd8;
+	cvt.s64.s32 	%rd109, %r318;
+	add.s64 	%rd110, %rd108, %rd109;
+	shl.b64 	%rd111, %rd110, 1;
+	add.s64 	%rd112, %rd5, %rd111;
+	st.global.u16 	[%rd112], %rs2;
 
 $L__BB0_31:
-	add.s64 	%rd23, %rd15, %rd97;
-	mov.u32 	%r1381, %r1382;
-	@%p12 bra 	$L__BB0_33;
+	add.s32 	%r2265, %r2265, %r296;
+	setp.lt.s32 	%p19, %r2265, 256;
+	@%p19 bra 	$L__BB0_26;
 
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1382, %r1381}, [%rd23];
-	// end inline asm
-
-$L__BB0_33:
-	add.s64 	%rd24, %rd16, %rd97;
-	mov.u32 	%r1378, 0;
-	mov.u32 	%r1380, %r1378;
-	mov.u32 	%r1379, %r1378;
-	@%p12 bra 	$L__BB0_35;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1380, %r1379}, [%rd24];
-	// end inline asm
-
-$L__BB0_35:
-	add.s64 	%rd25, %rd17, %rd97;
-	mov.u32 	%r1377, %r1378;
-	@%p12 bra 	$L__BB0_37;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1378, %r1377}, [%rd25];
-	// end inline asm
-
-$L__BB0_37:
-	add.s32 	%r1226, %r1357, %r5;
-	mul.wide.s32 	%rd113, %r1226, %r392;
-	add.s64 	%rd114, %rd113, %rd9;
-	shl.b64 	%rd115, %rd114, 1;
-	add.s64 	%rd111, %rd31, %rd115;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1376, %r1375}, [%rd111];
-	// end inline asm
-	add.s64 	%rd112, %rd32, %rd114;
-	// begin inline asm
-	ld.global.nc.u32 %r1374, [%rd112];
-	// end inline asm
-
-$L__BB0_38:
-	add.s32 	%r1357, %r1357, %r5;
-	and.b32  	%r1028, %r1287, 255;
-	or.b32  	%r1029, %r1028, 49920;
-	mul.lo.s32 	%r995, %r1029, 65537;
-	shr.u32 	%r1030, %r1287, 8;
-	and.b32  	%r1031, %r1030, 255;
-	or.b32  	%r1032, %r1031, 49920;
-	mul.lo.s32 	%r999, %r1032, 65537;
-	shr.u32 	%r1033, %r1287, 16;
-	and.b32  	%r1034, %r1033, 255;
-	or.b32  	%r1035, %r1034, 49920;
-	mul.lo.s32 	%r1011, %r1035, 65537;
-	shr.u32 	%r1036, %r1287, 24;
-	or.b32  	%r1037, %r1036, 49920;
-	mul.lo.s32 	%r1015, %r1037, 65537;
-	mov.u32 	%r579, 17408;
-	// begin inline asm
-	prmt.b32 %r548, %r1321, %r1317, %r579;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r552, %r1320, %r1316, %r579;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r556, %r1313, %r1309, %r579;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r560, %r1312, %r1308, %r579;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r564, %r1319, %r1315, %r579;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r568, %r1318, %r1314, %r579;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r572, %r1311, %r1307, %r579;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r576, %r1310, %r1306, %r579;
-	// end inline asm
-	and.b32  	%r1038, %r548, 983055;
-	or.b32  	%r581, %r1038, 1124090624;
-	mov.u32 	%r1014, 1065369472;
-	// begin inline asm
-	fma.rn.bf16x2 %r580, %r581, %r1014, %r995;
-	// end inline asm
-	and.b32  	%r1039, %r552, 983055;
-	or.b32  	%r585, %r1039, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r584, %r585, %r1014, %r999;
-	// end inline asm
-	and.b32  	%r1040, %r556, 983055;
-	or.b32  	%r589, %r1040, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r588, %r589, %r1014, %r995;
-	// end inline asm
-	and.b32  	%r1041, %r560, 983055;
-	or.b32  	%r593, %r1041, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r592, %r593, %r1014, %r999;
-	// end inline asm
-	and.b32  	%r1042, %r564, 983055;
-	or.b32  	%r597, %r1042, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r596, %r597, %r1014, %r1011;
-	// end inline asm
-	and.b32  	%r1043, %r568, 983055;
-	or.b32  	%r601, %r1043, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r600, %r601, %r1014, %r1015;
-	// end inline asm
-	and.b32  	%r1044, %r572, 983055;
-	or.b32  	%r605, %r1044, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r604, %r605, %r1014, %r1011;
-	// end inline asm
-	and.b32  	%r1045, %r576, 983055;
-	or.b32  	%r609, %r1045, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r608, %r609, %r1014, %r1015;
-	// end inline asm
-	mov.f32 	%f71, 0f00000000;
-	mov.f32 	%f63, %f71;
-	mov.f32 	%f64, %f71;
-	mov.f32 	%f65, %f71;
-	mov.f32 	%f66, %f71;
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f63, %f64, %f65, %f66}, {%r580, %r584, %r588, %r592}, {%r1270, %r1269}, {%f63, %f64, %f65, %f66};
-	// end inline asm
-	mov.f32 	%f72, %f71;
-	mov.f32 	%f73, %f71;
-	mov.f32 	%f74, %f71;
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f71, %f72, %f73, %f74}, {%r596, %r600, %r604, %r608}, {%r1270, %r1269}, {%f71, %f72, %f73, %f74};
-	// end inline asm
-	shr.u32 	%r1046, %r548, 4;
-	and.b32  	%r1047, %r1046, 983055;
-	or.b32  	%r625, %r1047, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r624, %r625, %r1014, %r995;
-	// end inline asm
-	shr.u32 	%r1048, %r552, 4;
-	and.b32  	%r1049, %r1048, 983055;
-	or.b32  	%r629, %r1049, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r628, %r629, %r1014, %r999;
-	// end inline asm
-	shr.u32 	%r1050, %r556, 4;
-	and.b32  	%r1051, %r1050, 983055;
-	or.b32  	%r633, %r1051, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r632, %r633, %r1014, %r995;
-	// end inline asm
-	shr.u32 	%r1052, %r560, 4;
-	and.b32  	%r1053, %r1052, 983055;
-	or.b32  	%r637, %r1053, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r636, %r637, %r1014, %r999;
-	// end inline asm
-	shr.u32 	%r1054, %r564, 4;
-	and.b32  	%r1055, %r1054, 983055;
-	or.b32  	%r641, %r1055, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r640, %r641, %r1014, %r1011;
-	// end inline asm
-	shr.u32 	%r1056, %r568, 4;
-	and.b32  	%r1057, %r1056, 983055;
-	or.b32  	%r645, %r1057, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r644, %r645, %r1014, %r1015;
-	// end inline asm
-	shr.u32 	%r1058, %r572, 4;
-	and.b32  	%r1059, %r1058, 983055;
-	or.b32  	%r649, %r1059, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r648, %r649, %r1014, %r1011;
-	// end inline asm
-	shr.u32 	%r1060, %r576, 4;
-	and.b32  	%r1061, %r1060, 983055;
-	or.b32  	%r653, %r1061, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r652, %r653, %r1014, %r1015;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f63, %f64, %f65, %f66}, {%r624, %r628, %r632, %r636}, {%r1268, %r1267}, {%f63, %f64, %f65, %f66};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f71, %f72, %f73, %f74}, {%r640, %r644, %r648, %r652}, {%r1268, %r1267}, {%f71, %f72, %f73, %f74};
-	// end inline asm
-	mov.u32 	%r699, 21777;
-	// begin inline asm
-	prmt.b32 %r668, %r1321, %r1317, %r699;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r672, %r1320, %r1316, %r699;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r676, %r1313, %r1309, %r699;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r680, %r1312, %r1308, %r699;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r684, %r1319, %r1315, %r699;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r688, %r1318, %r1314, %r699;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r692, %r1311, %r1307, %r699;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r696, %r1310, %r1306, %r699;
-	// end inline asm
-	and.b32  	%r1062, %r668, 983055;
-	or.b32  	%r701, %r1062, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r700, %r701, %r1014, %r995;
-	// end inline asm
-	and.b32  	%r1063, %r672, 983055;
-	or.b32  	%r705, %r1063, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r704, %r705, %r1014, %r999;
-	// end inline asm
-	and.b32  	%r1064, %r676, 983055;
-	or.b32  	%r709, %r1064, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r708, %r709, %r1014, %r995;
-	// end inline asm
-	and.b32  	%r1065, %r680, 983055;
-	or.b32  	%r713, %r1065, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r712, %r713, %r1014, %r999;
-	// end inline asm
-	and.b32  	%r1066, %r684, 983055;
-	or.b32  	%r717, %r1066, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r716, %r717, %r1014, %r1011;
-	// end inline asm
-	and.b32  	%r1067, %r688, 983055;
-	or.b32  	%r721, %r1067, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r720, %r721, %r1014, %r1015;
-	// end inline asm
-	and.b32  	%r1068, %r692, 983055;
-	or.b32  	%r725, %r1068, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r724, %r725, %r1014, %r1011;
-	// end inline asm
-	and.b32  	%r1069, %r696, 983055;
-	or.b32  	%r729, %r1069, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r728, %r729, %r1014, %r1015;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f63, %f64, %f65, %f66}, {%r700, %r704, %r708, %r712}, {%r1266, %r1265}, {%f63, %f64, %f65, %f66};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f71, %f72, %f73, %f74}, {%r716, %r720, %r724, %r728}, {%r1266, %r1265}, {%f71, %f72, %f73, %f74};
-	// end inline asm
-	shr.u32 	%r1070, %r668, 4;
-	and.b32  	%r1071, %r1070, 983055;
-	or.b32  	%r745, %r1071, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r744, %r745, %r1014, %r995;
-	// end inline asm
-	shr.u32 	%r1072, %r672, 4;
-	and.b32  	%r1073, %r1072, 983055;
-	or.b32  	%r749, %r1073, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r748, %r749, %r1014, %r999;
-	// end inline asm
-	shr.u32 	%r1074, %r676, 4;
-	and.b32  	%r1075, %r1074, 983055;
-	or.b32  	%r753, %r1075, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r752, %r753, %r1014, %r995;
-	// end inline asm
-	shr.u32 	%r1076, %r680, 4;
-	and.b32  	%r1077, %r1076, 983055;
-	or.b32  	%r757, %r1077, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r756, %r757, %r1014, %r999;
-	// end inline asm
-	shr.u32 	%r1078, %r684, 4;
-	and.b32  	%r1079, %r1078, 983055;
-	or.b32  	%r761, %r1079, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r760, %r761, %r1014, %r1011;
-	// end inline asm
-	shr.u32 	%r1080, %r688, 4;
-	and.b32  	%r1081, %r1080, 983055;
-	or.b32  	%r765, %r1081, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r764, %r765, %r1014, %r1015;
-	// end inline asm
-	shr.u32 	%r1082, %r692, 4;
-	and.b32  	%r1083, %r1082, 983055;
-	or.b32  	%r769, %r1083, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r768, %r769, %r1014, %r1011;
-	// end inline asm
-	shr.u32 	%r1084, %r696, 4;
-	and.b32  	%r1085, %r1084, 983055;
-	or.b32  	%r773, %r1085, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r772, %r773, %r1014, %r1015;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f63, %f64, %f65, %f66}, {%r744, %r748, %r752, %r756}, {%r1264, %r1263}, {%f63, %f64, %f65, %f66};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f71, %f72, %f73, %f74}, {%r760, %r764, %r768, %r772}, {%r1264, %r1263}, {%f71, %f72, %f73, %f74};
-	// end inline asm
-	mov.u32 	%r819, 26146;
-	// begin inline asm
-	prmt.b32 %r788, %r1321, %r1317, %r819;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r792, %r1320, %r1316, %r819;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r796, %r1313, %r1309, %r819;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r800, %r1312, %r1308, %r819;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r804, %r1319, %r1315, %r819;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r808, %r1318, %r1314, %r819;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r812, %r1311, %r1307, %r819;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r816, %r1310, %r1306, %r819;
-	// end inline asm
-	and.b32  	%r1086, %r788, 983055;
-	or.b32  	%r821, %r1086, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r820, %r821, %r1014, %r995;
-	// end inline asm
-	and.b32  	%r1087, %r792, 983055;
-	or.b32  	%r825, %r1087, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r824, %r825, %r1014, %r999;
-	// end inline asm
-	and.b32  	%r1088, %r796, 983055;
-	or.b32  	%r829, %r1088, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r828, %r829, %r1014, %r995;
-	// end inline asm
-	and.b32  	%r1089, %r800, 983055;
-	or.b32  	%r833, %r1089, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r832, %r833, %r1014, %r999;
-	// end inline asm
-	and.b32  	%r1090, %r804, 983055;
-	or.b32  	%r837, %r1090, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r836, %r837, %r1014, %r1011;
-	// end inline asm
-	and.b32  	%r1091, %r808, 983055;
-	or.b32  	%r841, %r1091, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r840, %r841, %r1014, %r1015;
-	// end inline asm
-	and.b32  	%r1092, %r812, 983055;
-	or.b32  	%r845, %r1092, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r844, %r845, %r1014, %r1011;
-	// end inline asm
-	and.b32  	%r1093, %r816, 983055;
-	or.b32  	%r849, %r1093, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r848, %r849, %r1014, %r1015;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f63, %f64, %f65, %f66}, {%r820, %r824, %r828, %r832}, {%r1262, %r1261}, {%f63, %f64, %f65, %f66};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f71, %f72, %f73, %f74}, {%r836, %r840, %r844, %r848}, {%r1262, %r1261}, {%f71, %f72, %f73, %f74};
-	// end inline asm
-	shr.u32 	%r1094, %r788, 4;
-	and.b32  	%r1095, %r1094, 983055;
-	or.b32  	%r865, %r1095, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r864, %r865, %r1014, %r995;
-	// end inline asm
-	shr.u32 	%r1096, %r792, 4;
-	and.b32  	%r1097, %r1096, 983055;
-	or.b32  	%r869, %r1097, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r868, %r869, %r1014, %r999;
-	// end inline asm
-	shr.u32 	%r1098, %r796, 4;
-	and.b32  	%r1099, %r1098, 983055;
-	or.b32  	%r873, %r1099, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r872, %r873, %r1014, %r995;
-	// end inline asm
-	shr.u32 	%r1100, %r800, 4;
-	and.b32  	%r1101, %r1100, 983055;
-	or.b32  	%r877, %r1101, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r876, %r877, %r1014, %r999;
-	// end inline asm
-	shr.u32 	%r1102, %r804, 4;
-	and.b32  	%r1103, %r1102, 983055;
-	or.b32  	%r881, %r1103, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r880, %r881, %r1014, %r1011;
-	// end inline asm
-	shr.u32 	%r1104, %r808, 4;
-	and.b32  	%r1105, %r1104, 983055;
-	or.b32  	%r885, %r1105, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r884, %r885, %r1014, %r1015;
-	// end inline asm
-	shr.u32 	%r1106, %r812, 4;
-	and.b32  	%r1107, %r1106, 983055;
-	or.b32  	%r889, %r1107, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r888, %r889, %r1014, %r1011;
-	// end inline asm
-	shr.u32 	%r1108, %r816, 4;
-	and.b32  	%r1109, %r1108, 983055;
-	or.b32  	%r893, %r1109, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r892, %r893, %r1014, %r1015;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f63, %f64, %f65, %f66}, {%r864, %r868, %r872, %r876}, {%r1260, %r1259}, {%f63, %f64, %f65, %f66};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f71, %f72, %f73, %f74}, {%r880, %r884, %r888, %r892}, {%r1260, %r1259}, {%f71, %f72, %f73, %f74};
-	// end inline asm
-	mov.u32 	%r939, 30515;
-	// begin inline asm
-	prmt.b32 %r908, %r1321, %r1317, %r939;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r912, %r1320, %r1316, %r939;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r916, %r1313, %r1309, %r939;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r920, %r1312, %r1308, %r939;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r924, %r1319, %r1315, %r939;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r928, %r1318, %r1314, %r939;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r932, %r1311, %r1307, %r939;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r936, %r1310, %r1306, %r939;
-	// end inline asm
-	and.b32  	%r1110, %r908, 983055;
-	or.b32  	%r941, %r1110, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r940, %r941, %r1014, %r995;
-	// end inline asm
-	and.b32  	%r1111, %r912, 983055;
-	or.b32  	%r945, %r1111, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r944, %r945, %r1014, %r999;
-	// end inline asm
-	and.b32  	%r1112, %r916, 983055;
-	or.b32  	%r949, %r1112, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r948, %r949, %r1014, %r995;
-	// end inline asm
-	and.b32  	%r1113, %r920, 983055;
-	or.b32  	%r953, %r1113, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r952, %r953, %r1014, %r999;
-	// end inline asm
-	and.b32  	%r1114, %r924, 983055;
-	or.b32  	%r957, %r1114, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r956, %r957, %r1014, %r1011;
-	// end inline asm
-	and.b32  	%r1115, %r928, 983055;
-	or.b32  	%r961, %r1115, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r960, %r961, %r1014, %r1015;
-	// end inline asm
-	and.b32  	%r1116, %r932, 983055;
-	or.b32  	%r965, %r1116, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r964, %r965, %r1014, %r1011;
-	// end inline asm
-	and.b32  	%r1117, %r936, 983055;
-	or.b32  	%r969, %r1117, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r968, %r969, %r1014, %r1015;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f63, %f64, %f65, %f66}, {%r940, %r944, %r948, %r952}, {%r1258, %r1257}, {%f63, %f64, %f65, %f66};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f71, %f72, %f73, %f74}, {%r956, %r960, %r964, %r968}, {%r1258, %r1257}, {%f71, %f72, %f73, %f74};
-	// end inline asm
-	shr.u32 	%r1118, %r908, 4;
-	and.b32  	%r1119, %r1118, 983055;
-	or.b32  	%r985, %r1119, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r984, %r985, %r1014, %r995;
-	// end inline asm
-	shr.u32 	%r1120, %r912, 4;
-	and.b32  	%r1121, %r1120, 983055;
-	or.b32  	%r989, %r1121, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r988, %r989, %r1014, %r999;
-	// end inline asm
-	shr.u32 	%r1122, %r916, 4;
-	and.b32  	%r1123, %r1122, 983055;
-	or.b32  	%r993, %r1123, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r992, %r993, %r1014, %r995;
-	// end inline asm
-	shr.u32 	%r1124, %r920, 4;
-	and.b32  	%r1125, %r1124, 983055;
-	or.b32  	%r997, %r1125, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r996, %r997, %r1014, %r999;
-	// end inline asm
-	shr.u32 	%r1126, %r924, 4;
-	and.b32  	%r1127, %r1126, 983055;
-	or.b32  	%r1001, %r1127, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1000, %r1001, %r1014, %r1011;
-	// end inline asm
-	shr.u32 	%r1128, %r928, 4;
-	and.b32  	%r1129, %r1128, 983055;
-	or.b32  	%r1005, %r1129, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1004, %r1005, %r1014, %r1015;
-	// end inline asm
-	shr.u32 	%r1130, %r932, 4;
-	and.b32  	%r1131, %r1130, 983055;
-	or.b32  	%r1009, %r1131, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1008, %r1009, %r1014, %r1011;
-	// end inline asm
-	shr.u32 	%r1132, %r936, 4;
-	and.b32  	%r1133, %r1132, 983055;
-	or.b32  	%r1013, %r1133, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1012, %r1013, %r1014, %r1015;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f63, %f64, %f65, %f66}, {%r984, %r988, %r992, %r996}, {%r1256, %r1255}, {%f63, %f64, %f65, %f66};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f71, %f72, %f73, %f74}, {%r1000, %r1004, %r1008, %r1012}, {%r1256, %r1255}, {%f71, %f72, %f73, %f74};
-	// end inline asm
-	shl.b32 	%r1134, %r1289, 16;
-	mov.b32 	%f175, %r1134;
-	fma.rn.f32 	%f196, %f63, %f175, %f196;
-	fma.rn.f32 	%f197, %f64, %f175, %f197;
-	and.b32  	%r1135, %r1289, -65536;
-	mov.b32 	%f176, %r1135;
-	fma.rn.f32 	%f198, %f65, %f176, %f198;
-	fma.rn.f32 	%f199, %f66, %f176, %f199;
-	shl.b32 	%r1136, %r1288, 16;
-	mov.b32 	%f177, %r1136;
-	fma.rn.f32 	%f200, %f71, %f177, %f200;
-	fma.rn.f32 	%f201, %f72, %f177, %f201;
-	and.b32  	%r1137, %r1288, -65536;
-	mov.b32 	%f178, %r1137;
-	fma.rn.f32 	%f202, %f73, %f178, %f202;
-	fma.rn.f32 	%f203, %f74, %f178, %f203;
-	setp.lt.s32 	%p20, %r1357, %r10;
-	selp.b32 	%r1287, %r1374, %r1287, %p20;
-	selp.b32 	%r1288, %r1375, %r1288, %p20;
-	selp.b32 	%r1289, %r1376, %r1289, %p20;
-	selp.b32 	%r1255, %r1377, %r1255, %p20;
-	selp.b32 	%r1256, %r1378, %r1256, %p20;
-	selp.b32 	%r1257, %r1379, %r1257, %p20;
-	selp.b32 	%r1258, %r1380, %r1258, %p20;
-	selp.b32 	%r1259, %r1381, %r1259, %p20;
-	selp.b32 	%r1260, %r1382, %r1260, %p20;
-	selp.b32 	%r1261, %r1383, %r1261, %p20;
-	selp.b32 	%r1262, %r1384, %r1262, %p20;
-	selp.b32 	%r1263, %r1385, %r1263, %p20;
-	selp.b32 	%r1264, %r1386, %r1264, %p20;
-	selp.b32 	%r1265, %r1387, %r1265, %p20;
-	selp.b32 	%r1266, %r1388, %r1266, %p20;
-	selp.b32 	%r1267, %r1389, %r1267, %p20;
-	selp.b32 	%r1268, %r1390, %r1268, %p20;
-	selp.b32 	%r1269, %r1391, %r1269, %p20;
-	selp.b32 	%r1270, %r1392, %r1270, %p20;
-	selp.b32 	%r1306, %r1393, %r1306, %p20;
-	selp.b32 	%r1307, %r1394, %r1307, %p20;
-	selp.b32 	%r1308, %r1395, %r1308, %p20;
-	selp.b32 	%r1309, %r1396, %r1309, %p20;
-	selp.b32 	%r1310, %r1397, %r1310, %p20;
-	selp.b32 	%r1311, %r1398, %r1311, %p20;
-	selp.b32 	%r1312, %r1399, %r1312, %p20;
-	selp.b32 	%r1313, %r1400, %r1313, %p20;
-	selp.b32 	%r1314, %r1401, %r1314, %p20;
-	selp.b32 	%r1315, %r1402, %r1315, %p20;
-	selp.b32 	%r1316, %r1403, %r1316, %p20;
-	selp.b32 	%r1317, %r1404, %r1317, %p20;
-	selp.b32 	%r1318, %r1405, %r1318, %p20;
-	selp.b32 	%r1319, %r1406, %r1319, %p20;
-	selp.b32 	%r1320, %r1407, %r1320, %p20;
-	selp.b32 	%r1321, %r1408, %r1321, %p20;
-	@%p20 bra 	$L__BB0_20;
-
-$L__BB0_39:
-	mov.u32 	%r1231, %tid.x;
-	mov.u32 	%r1230, %tid.x;
-	and.b32  	%r1229, %r1230, 31;
-	shr.u32 	%r1228, %r1230, 5;
-	prmt.b32 	%r1141, %r1228, %r1229, 8452;
-	shl.b32 	%r1142, %r1141, 2;
-	mov.u32 	%r1143, _ZN9lmd_w4a164sumsE;
-	add.s32 	%r1144, %r1143, %r1142;
-	st.shared.f32 	[%r1144], %f196;
-	st.shared.f32 	[%r1144+128], %f197;
-	st.shared.f32 	[%r1144+256], %f198;
-	st.shared.f32 	[%r1144+384], %f199;
-	st.shared.f32 	[%r1144+512], %f200;
-	st.shared.f32 	[%r1144+640], %f201;
-	st.shared.f32 	[%r1144+768], %f202;
-	st.shared.f32 	[%r1144+896], %f203;
-	bar.sync 	0;
-	shl.b32 	%r354, %r395, 8;
-	setp.ge.s32 	%p21, %r1230, %r354;
-	@%p21 bra 	$L__BB0_55;
-
-	ld.param.u64 	%rd130, [lmd_w4a16_rows_bf16_m8_param_0+32];
-	mul.lo.s32 	%r355, %r5, %r395;
-	cvt.s64.s32 	%rd27, %r392;
-	setp.eq.s64 	%p22, %rd130, 0;
-	@%p22 bra 	$L__BB0_48;
-
-	mov.u32 	%r1232, %ctaid.x;
-	ld.param.u64 	%rd131, [lmd_w4a16_rows_bf16_m8_param_0+32];
-	mov.u32 	%r1409, %tid.x;
-	mul.lo.s32 	%r358, %r395, %r1232;
-	cvta.to.global.u64 	%rd28, %rd131;
-
-$L__BB0_42:
-	shr.s32 	%r1146, %r1409, 31;
-	shr.u32 	%r1147, %r1146, 27;
-	add.s32 	%r1148, %r1409, %r1147;
-	shr.s32 	%r1149, %r1148, 5;
-	shr.s32 	%r1150, %r1148, 31;
-	shr.u32 	%r1151, %r1150, 29;
-	add.s32 	%r1152, %r1149, %r1151;
-	and.b32  	%r1153, %r1152, -8;
-	sub.s32 	%r360, %r1149, %r1153;
-	and.b32  	%r1154, %r1148, -32;
-	sub.s32 	%r361, %r1409, %r1154;
-	shr.u32 	%r1155, %r1146, 24;
-	add.s32 	%r1156, %r1409, %r1155;
-	shr.s32 	%r362, %r1156, 8;
-	setp.ge.s32 	%p23, %r362, %r355;
-	mov.f32 	%f205, 0f00000000;
-	@%p23 bra 	$L__BB0_45;
-
-	mov.f32 	%f205, 0f00000000;
-	mov.u32 	%r1410, %r362;
-
-$L__BB0_44:
-	shl.b32 	%r1157, %r1410, 3;
-	add.s32 	%r1158, %r1157, %r360;
-	shl.b32 	%r1159, %r1158, 5;
-	add.s32 	%r1160, %r1159, %r361;
-	shl.b32 	%r1161, %r1160, 2;
-	add.s32 	%r1163, %r1143, %r1161;
-	ld.shared.f32 	%f181, [%r1163];
-	add.f32 	%f205, %f205, %f181;
-	add.s32 	%r1410, %r1410, %r395;
-	setp.lt.s32 	%p24, %r1410, %r355;
-	@%p24 bra 	$L__BB0_44;
-
-$L__BB0_45:
-	shr.s32 	%r1164, %r360, 31;
-	shr.u32 	%r1165, %r1164, 30;
-	add.s32 	%r1166, %r360, %r1165;
-	shr.u32 	%r1167, %r1166, 31;
-	shr.s32 	%r1168, %r1166, 2;
-	add.s32 	%r1169, %r1168, %r1167;
-	and.b32  	%r1170, %r1169, 2147483646;
-	sub.s32 	%r1171, %r1168, %r1170;
-	and.b32  	%r1172, %r361, 3;
-	and.b32  	%r1173, %r1166, -4;
-	sub.s32 	%r1174, %r360, %r1173;
-	and.b32  	%r1175, %r1174, 1;
-	bfi.b32 	%r365, %r1172, %r1175, 1, 2;
-	add.s32 	%r1176, %r362, %r358;
-	shl.b32 	%r1177, %r1176, 5;
-	and.b32  	%r1178, %r361, -4;
-	add.s32 	%r1179, %r1177, %r1178;
-	shl.b32 	%r1180, %r1171, 1;
-	shr.u32 	%r1181, %r1174, 31;
-	add.s32 	%r1182, %r1174, %r1181;
-	shr.s32 	%r1183, %r1182, 1;
-	add.s32 	%r1184, %r1179, %r1183;
-	add.s32 	%r366, %r1184, %r1180;
-	setp.ge.s32 	%p25, %r365, %r391;
-	@%p25 bra 	$L__BB0_47;
-
-	cvt.s64.s32 	%rd116, %r366;
-	mul.wide.s32 	%rd117, %r366, 2;
-	add.s64 	%rd118, %rd28, %rd117;
-	ld.global.u16 	%r1185, [%rd118];
-	shl.b32 	%r1186, %r1185, 16;
-	mov.b32 	%f183, %r1186;
-	add.f32 	%f182, %f205, %f183;
-	// begin inline asm
-	cvt.rn.bf16.f32 %rs1, %f182;
-	// end inline asm
-	cvt.s64.s32 	%rd119, %r365;
-	mul.lo.s64 	%rd120, %rd119, %rd27;
-	add.s64 	%rd121, %rd120, %rd116;
-	shl.b64 	%rd122, %rd121, 1;
-	add.s64 	%rd123, %rd5, %rd122;
-	st.global.u16 	[%rd123], %rs1;
-
-$L__BB0_47:
-	add.s32 	%r1409, %r1409, %r400;
-	setp.lt.s32 	%p26, %r1409, %r354;
-	@%p26 bra 	$L__BB0_42;
-	bra.uni 	$L__BB0_55;
-
-$L__BB0_48:
-	mov.u32 	%r1234, %ctaid.x;
-	mov.u32 	%r1411, %tid.x;
-	shl.b32 	%r368, %r395, 10;
-	mul.lo.s32 	%r371, %r395, %r1234;
-
-$L__BB0_49:
-	shr.s32 	%r1188, %r1411, 31;
-	shr.u32 	%r1189, %r1188, 27;
-	add.s32 	%r1190, %r1411, %r1189;
-	shr.s32 	%r1191, %r1190, 5;
-	shr.s32 	%r1192, %r1190, 31;
-	shr.u32 	%r1193, %r1192, 29;
-	add.s32 	%r1194, %r1191, %r1193;
-	and.b32  	%r1195, %r1194, -8;
-	sub.s32 	%r373, %r1191, %r1195;
-	and.b32  	%r1196, %r1190, -32;
-	sub.s32 	%r374, %r1411, %r1196;
-	shr.u32 	%r1197, %r1188, 24;
-	add.s32 	%r1198, %r1411, %r1197;
-	shr.s32 	%r375, %r1198, 8;
-	setp.ge.s32 	%p27, %r375, %r355;
-	mov.f32 	%f207, 0f00000000;
-	@%p27 bra 	$L__BB0_52;
-
-	shl.b32 	%r1199, %r373, 5;
-	add.s32 	%r1200, %r374, %r1199;
-	shl.b32 	%r1201, %r375, 8;
-	add.s32 	%r1202, %r1200, %r1201;
-	shl.b32 	%r1203, %r1202, 2;
-	add.s32 	%r1412, %r1143, %r1203;
-	mov.f32 	%f207, 0f00000000;
-	mov.u32 	%r1413, %r375;
-
-$L__BB0_51:
-	ld.shared.f32 	%f186, [%r1412];
-	add.f32 	%f207, %f207, %f186;
-	add.s32 	%r1412, %r1412, %r368;
-	add.s32 	%r1413, %r1413, %r395;
-	setp.lt.s32 	%p28, %r1413, %r355;
-	@%p28 bra 	$L__BB0_51;
-
-$L__BB0_52:
-	shr.s32 	%r1205, %r373, 31;
-	shr.u32 	%r1206, %r1205, 30;
-	add.s32 	%r1207, %r373, %r1206;
-	shr.u32 	%r1208, %r1207, 31;
-	shr.s32 	%r1209, %r1207, 2;
-	add.s32 	%r1210, %r1209, %r1208;
-	and.b32  	%r1211, %r1210, 2147483646;
-	sub.s32 	%r1212, %r1209, %r1211;
-	and.b32  	%r1213, %r374, 3;
-	and.b32  	%r1214, %r1207, -4;
-	sub.s32 	%r1215, %r373, %r1214;
-	and.b32  	%r1216, %r1215, 1;
-	bfi.b32 	%r381, %r1213, %r1216, 1, 2;
-	add.s32 	%r1217, %r375, %r371;
-	shl.b32 	%r1218, %r1217, 5;
-	and.b32  	%r1219, %r374, -4;
-	add.s32 	%r1220, %r1218, %r1219;
-	shl.b32 	%r1221, %r1212, 1;
-	shr.u32 	%r1222, %r1215, 31;
-	add.s32 	%r1223, %r1215, %r1222;
-	shr.s32 	%r1224, %r1223, 1;
-	add.s32 	%r1225, %r1220, %r1224;
-	add.s32 	%r382, %r1225, %r1221;
-	setp.ge.s32 	%p29, %r381, %r391;
-	@%p29 bra 	$L__BB0_54;
-
-	cvt.s64.s32 	%rd124, %r382;
-	// begin inline asm
-	cvt.rn.bf16.f32 %rs2, %f207;
-	// end inline asm
-	cvt.s64.s32 	%rd125, %r381;
-	mul.lo.s64 	%rd126, %rd125, %rd27;
-	add.s64 	%rd127, %rd126, %rd124;
-	shl.b64 	%rd128, %rd127, 1;
-	add.s64 	%rd129, %rd5, %rd128;
-	st.global.u16 	[%rd129], %rs2;
-
-$L__BB0_54:
-	add.s32 	%r1411, %r1411, %r400;
-	setp.lt.s32 	%p30, %r1411, %r354;
-	@%p30 bra 	$L__BB0_49;
-
-$L__BB0_55:
+$L__BB0_32:
 	ret;
 
 }
@@ -1160,1431 +1777,2000 @@ $L__BB0_55:
 )
 .maxntid 256, 1, 1
 {
-	.reg .pred 	%p<47>;
+	.reg .pred 	%p<20>;
 	.reg .b16 	%rs<3>;
-	.reg .f32 	%f<392>;
-	.reg .b32 	%r<1891>;
-	.reg .b64 	%rd<187>;
+	.reg .f32 	%f<685>;
+	.reg .b32 	%r<2717>;
+	.reg .b64 	%rd<143>;
 
 
-	ld.param.v2.u32 	{%r568, %r569}, [lmd_w4a16_rows_bf16_m16_param_0+48];
-	ld.param.v2.u32 	{%r570, %r571}, [lmd_w4a16_rows_bf16_m16_param_0+56];
-	ld.param.v2.u32 	{%r572, %r573}, [lmd_w4a16_rows_bf16_m16_param_0+64];
-	ld.param.u64 	%rd52, [lmd_w4a16_rows_bf16_m16_param_0+40];
-	ld.param.u64 	%rd50, [lmd_w4a16_rows_bf16_m16_param_0+24];
-	ld.param.u64 	%rd49, [lmd_w4a16_rows_bf16_m16_param_0+16];
-	ld.param.u64 	%rd48, [lmd_w4a16_rows_bf16_m16_param_0+8];
-	ld.param.u64 	%rd47, [lmd_w4a16_rows_bf16_m16_param_0];
-	cvta.to.global.u64 	%rd5, %rd52;
+	ld.param.v2.u32 	{%r458, %r459}, [lmd_w4a16_rows_bf16_m16_param_0+48];
+	ld.param.v2.u32 	{%r460, %r461}, [lmd_w4a16_rows_bf16_m16_param_0+56];
+	ld.param.u64 	%rd15, [lmd_w4a16_rows_bf16_m16_param_0+40];
+	ld.param.u64 	%rd14, [lmd_w4a16_rows_bf16_m16_param_0+32];
+	ld.param.u64 	%rd13, [lmd_w4a16_rows_bf16_m16_param_0+24];
+	ld.param.u64 	%rd12, [lmd_w4a16_rows_bf16_m16_param_0+16];
+	ld.param.u64 	%rd11, [lmd_w4a16_rows_bf16_m16_param_0+8];
+	ld.param.u64 	%rd10, [lmd_w4a16_rows_bf16_m16_param_0];
+	cvta.to.global.u64 	%rd5, %rd15;
 	mov.u32 	%r4, %tid.x;
-	and.b32  	%r574, %r4, 31;
-	shr.u32 	%r575, %r4, 5;
-	mov.u32 	%r576, %ntid.x;
-	shr.u32 	%r577, %r576, 5;
-	div.u32 	%r6, %r577, %r572;
-	div.s32 	%r1802, %r575, %r572;
-	mul.lo.s32 	%r578, %r1802, %r572;
-	sub.s32 	%r579, %r575, %r578;
-	shr.u32 	%r8, %r574, 2;
-	mov.u32 	%r580, %ctaid.x;
-	mad.lo.s32 	%r581, %r572, %r580, %r579;
-	shl.b32 	%r582, %r581, 5;
-	and.b32  	%r583, %r4, 28;
-	or.b32  	%r9, %r582, %r583;
-	shr.s32 	%r584, %r570, 31;
-	shr.u32 	%r585, %r584, 25;
-	add.s32 	%r586, %r570, %r585;
-	shr.s32 	%r10, %r586, 7;
-	setp.ge.s32 	%p1, %r1802, %r10;
-	@%p1 bra 	$L__BB1_34;
-
-	shl.b32 	%r605, %r1802, 4;
-	shl.b32 	%r606, %r4, 2;
-	and.b32  	%r607, %r606, 12;
-	or.b32  	%r608, %r605, %r607;
-	cvt.s64.s32 	%rd6, %r569;
-	mul.wide.s32 	%rd57, %r608, %r569;
-	cvt.s64.s32 	%rd7, %r9;
-	add.s64 	%rd58, %rd57, %rd7;
-	shl.b64 	%rd59, %rd58, 2;
-	add.s64 	%rd53, %rd48, %rd59;
+	and.b32  	%r464, %r4, 31;
+	shr.u32 	%r2609, %r4, 5;
+	shr.u32 	%r6, %r464, 2;
+	shr.s32 	%r465, %r460, 31;
+	shr.u32 	%r466, %r465, 25;
+	add.s32 	%r467, %r460, %r466;
+	shr.s32 	%r7, %r467, 7;
+	mov.u32 	%r453, 983055;
+	mov.u32 	%r454, 1124090624;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r1750, %r1749, %r1748, %r1747}, [%rd53];
 	// end inline asm
-	mul.wide.s32 	%rd60, %r569, 4;
-	add.s64 	%rd54, %rd53, %rd60;
+	setp.ge.s32 	%p1, %r2609, %r7;
+	@%p1 bra 	$L__BB1_2;
+
+	shl.b32 	%r519, %r2609, 4;
+	shl.b32 	%r520, %r4, 2;
+	and.b32  	%r521, %r520, 12;
+	or.b32  	%r522, %r519, %r521;
+	cvt.s64.s32 	%rd38, %r459;
+	mul.wide.s32 	%rd39, %r522, %r459;
+	and.b32  	%r523, %r4, 28;
+	mov.u32 	%r524, %ctaid.x;
+	shl.b32 	%r525, %r524, 5;
+	or.b32  	%r526, %r525, %r523;
+	cvt.s64.s32 	%rd40, %r526;
+	add.s64 	%rd41, %rd39, %rd40;
+	shl.b64 	%rd42, %rd41, 2;
+	add.s64 	%rd16, %rd11, %rd42;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r1746, %r1745, %r1744, %r1743}, [%rd54];
+	ld.global.nc.v4.u32 {%r2557, %r2556, %r2555, %r2554}, [%rd16];
 	// end inline asm
-	add.s64 	%rd55, %rd54, %rd60;
+	mul.wide.s32 	%rd43, %r459, 4;
+	add.s64 	%rd17, %rd16, %rd43;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r1742, %r1741, %r1740, %r1739}, [%rd55];
+	ld.global.nc.v4.u32 {%r2553, %r2552, %r2551, %r2550}, [%rd17];
 	// end inline asm
-	add.s64 	%rd56, %rd55, %rd60;
+	add.s64 	%rd18, %rd17, %rd43;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r1738, %r1737, %r1736, %r1735}, [%rd56];
+	ld.global.nc.v4.u32 {%r2549, %r2548, %r2547, %r2546}, [%rd18];
 	// end inline asm
-	mad.lo.s32 	%r609, %r1802, 112, %r608;
-	cvt.s64.s32 	%rd8, %r609;
-	cvt.u64.u32 	%rd61, %r8;
-	cvt.s64.s32 	%rd9, %r571;
-	mul.lo.s64 	%rd62, %rd61, %rd9;
-	add.s64 	%rd10, %rd62, %rd8;
-	setp.ge.s32 	%p2, %r8, %r568;
-	mov.u32 	%r1681, 0;
-	mov.u32 	%r1683, %r1681;
-	mov.u32 	%r1682, %r1681;
-	@%p2 bra 	$L__BB1_3;
-
-	shl.b64 	%rd64, %rd10, 1;
-	add.s64 	%rd63, %rd47, %rd64;
+	add.s64 	%rd19, %rd18, %rd43;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1683, %r1682}, [%rd63];
+	ld.global.nc.v4.u32 {%r2545, %r2544, %r2543, %r2542}, [%rd19];
+	// end inline asm
+	mad.lo.s32 	%r527, %r2609, 112, %r522;
+	cvt.s64.s32 	%rd44, %r527;
+	add.s32 	%r528, %r458, -1;
+	min.s32 	%r529, %r6, %r528;
+	mul.wide.s32 	%rd45, %r529, %r461;
+	add.s64 	%rd46, %rd45, %rd44;
+	shl.b64 	%rd47, %rd46, 1;
+	add.s64 	%rd20, %rd10, %rd47;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2541, %r2540}, [%rd20];
+	// end inline asm
+	add.s64 	%rd21, %rd20, 32;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2539, %r2538}, [%rd21];
+	// end inline asm
+	add.s64 	%rd22, %rd20, 64;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2537, %r2536}, [%rd22];
+	// end inline asm
+	add.s64 	%rd23, %rd20, 96;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2535, %r2534}, [%rd23];
+	// end inline asm
+	add.s64 	%rd24, %rd20, 128;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2533, %r2532}, [%rd24];
+	// end inline asm
+	add.s64 	%rd25, %rd20, 160;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2531, %r2530}, [%rd25];
+	// end inline asm
+	add.s64 	%rd26, %rd20, 192;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2529, %r2528}, [%rd26];
+	// end inline asm
+	add.s64 	%rd27, %rd20, 224;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2527, %r2526}, [%rd27];
+	// end inline asm
+	or.b32  	%r530, %r6, 8;
+	min.s32 	%r531, %r530, %r528;
+	mul.wide.s32 	%rd48, %r531, %r461;
+	add.s64 	%rd49, %rd48, %rd44;
+	shl.b64 	%rd50, %rd49, 1;
+	add.s64 	%rd28, %rd10, %rd50;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2525, %r2524}, [%rd28];
+	// end inline asm
+	add.s64 	%rd29, %rd28, 32;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2523, %r2522}, [%rd29];
+	// end inline asm
+	add.s64 	%rd30, %rd28, 64;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2521, %r2520}, [%rd30];
+	// end inline asm
+	add.s64 	%rd31, %rd28, 96;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2519, %r2518}, [%rd31];
+	// end inline asm
+	add.s64 	%rd32, %rd28, 128;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2517, %r2516}, [%rd32];
+	// end inline asm
+	add.s64 	%rd33, %rd28, 160;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2515, %r2514}, [%rd33];
+	// end inline asm
+	add.s64 	%rd34, %rd28, 192;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2513, %r2512}, [%rd34];
+	// end inline asm
+	add.s64 	%rd35, %rd28, 224;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2511, %r2510}, [%rd35];
+	// end inline asm
+	cvt.u64.u32 	%rd51, %r2609;
+	mul.lo.s64 	%rd52, %rd38, %rd51;
+	add.s64 	%rd53, %rd52, %rd40;
+	shl.b64 	%rd54, %rd53, 1;
+	add.s64 	%rd36, %rd12, %rd54;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2509, %r2508}, [%rd36];
+	// end inline asm
+	add.s64 	%rd37, %rd13, %rd53;
+	// begin inline asm
+	ld.global.nc.u32 %r2507, [%rd37];
 	// end inline asm
 
-$L__BB1_3:
-	mov.u32 	%r1680, %r1681;
-	@%p2 bra 	$L__BB1_5;
+$L__BB1_2:
+	mov.f32 	%f663, 0f00000000;
+	mov.f32 	%f664, %f663;
+	mov.f32 	%f665, %f663;
+	mov.f32 	%f666, %f663;
+	mov.f32 	%f667, %f663;
+	mov.f32 	%f668, %f663;
+	mov.f32 	%f669, %f663;
+	mov.f32 	%f670, %f663;
+	mov.f32 	%f671, %f663;
+	mov.f32 	%f672, %f663;
+	mov.f32 	%f673, %f663;
+	mov.f32 	%f674, %f663;
+	mov.f32 	%f675, %f663;
+	mov.f32 	%f676, %f663;
+	mov.f32 	%f677, %f663;
+	mov.f32 	%f678, %f663;
+	@%p1 bra 	$L__BB1_10;
 
-	shl.b64 	%rd66, %rd10, 1;
-	add.s64 	%rd67, %rd47, %rd66;
-	add.s64 	%rd65, %rd67, 32;
+	add.s32 	%r533, %r458, -1;
+	min.s32 	%r534, %r6, %r533;
+	mul.wide.s32 	%rd6, %r534, %r461;
+	or.b32  	%r535, %r6, 8;
+	min.s32 	%r536, %r535, %r533;
+	mul.wide.s32 	%rd7, %r536, %r461;
+	mov.f32 	%f663, 0f00000000;
+	mul.wide.s32 	%rd81, %r459, 4;
+
+$L__BB1_4:
+	mov.u32 	%r537, %ntid.x;
+	shr.u32 	%r538, %r537, 5;
+	add.s32 	%r217, %r2609, %r538;
+	setp.ge.s32 	%p3, %r217, %r7;
+	@%p3 bra 	$L__BB1_6;
+
+	shl.b32 	%r590, %r217, 4;
+	mov.u32 	%r591, %tid.x;
+	shl.b32 	%r592, %r591, 2;
+	and.b32  	%r593, %r592, 12;
+	or.b32  	%r594, %r590, %r593;
+	mul.wide.s32 	%rd77, %r594, %r459;
+	mov.u32 	%r595, %ctaid.x;
+	shl.b32 	%r596, %r595, 5;
+	and.b32  	%r597, %r591, 28;
+	or.b32  	%r598, %r596, %r597;
+	cvt.s64.s32 	%rd78, %r598;
+	add.s64 	%rd79, %rd77, %rd78;
+	shl.b64 	%rd80, %rd79, 2;
+	add.s64 	%rd55, %rd11, %rd80;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1681, %r1680}, [%rd65];
+	ld.global.nc.v4.u32 {%r2660, %r2659, %r2658, %r2657}, [%rd55];
+	// end inline asm
+	add.s64 	%rd56, %rd55, %rd81;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2656, %r2655, %r2654, %r2653}, [%rd56];
+	// end inline asm
+	add.s64 	%rd57, %rd56, %rd81;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2652, %r2651, %r2650, %r2649}, [%rd57];
+	// end inline asm
+	add.s64 	%rd58, %rd57, %rd81;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2648, %r2647, %r2646, %r2645}, [%rd58];
+	// end inline asm
+	mad.lo.s32 	%r599, %r217, 112, %r594;
+	cvt.s64.s32 	%rd82, %r599;
+	add.s64 	%rd83, %rd6, %rd82;
+	shl.b64 	%rd84, %rd83, 1;
+	add.s64 	%rd59, %rd10, %rd84;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2644, %r2643}, [%rd59];
+	// end inline asm
+	add.s64 	%rd60, %rd59, 32;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2642, %r2641}, [%rd60];
+	// end inline asm
+	add.s64 	%rd61, %rd59, 64;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2640, %r2639}, [%rd61];
+	// end inline asm
+	add.s64 	%rd62, %rd59, 96;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2638, %r2637}, [%rd62];
+	// end inline asm
+	add.s64 	%rd63, %rd59, 128;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2636, %r2635}, [%rd63];
+	// end inline asm
+	add.s64 	%rd64, %rd59, 160;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2634, %r2633}, [%rd64];
+	// end inline asm
+	add.s64 	%rd65, %rd59, 192;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2632, %r2631}, [%rd65];
+	// end inline asm
+	add.s64 	%rd66, %rd59, 224;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2630, %r2629}, [%rd66];
+	// end inline asm
+	add.s64 	%rd85, %rd7, %rd82;
+	shl.b64 	%rd86, %rd85, 1;
+	add.s64 	%rd67, %rd10, %rd86;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2628, %r2627}, [%rd67];
+	// end inline asm
+	add.s64 	%rd68, %rd67, 32;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2626, %r2625}, [%rd68];
+	// end inline asm
+	add.s64 	%rd69, %rd67, 64;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2624, %r2623}, [%rd69];
+	// end inline asm
+	add.s64 	%rd70, %rd67, 96;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2622, %r2621}, [%rd70];
+	// end inline asm
+	add.s64 	%rd71, %rd67, 128;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2620, %r2619}, [%rd71];
+	// end inline asm
+	add.s64 	%rd72, %rd67, 160;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2618, %r2617}, [%rd72];
+	// end inline asm
+	add.s64 	%rd73, %rd67, 192;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2616, %r2615}, [%rd73];
+	// end inline asm
+	add.s64 	%rd74, %rd67, 224;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2614, %r2613}, [%rd74];
+	// end inline asm
+	mul.wide.s32 	%rd87, %r217, %r459;
+	add.s64 	%rd88, %rd87, %rd78;
+	shl.b64 	%rd89, %rd88, 1;
+	add.s64 	%rd75, %rd12, %rd89;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2612, %r2611}, [%rd75];
+	// end inline asm
+	add.s64 	%rd76, %rd13, %rd88;
+	// begin inline asm
+	ld.global.nc.u32 %r2610, [%rd76];
 	// end inline asm
 
-$L__BB1_5:
-	mov.u32 	%r1677, 0;
-	mov.u32 	%r1679, %r1677;
-	mov.u32 	%r1678, %r1677;
-	@%p2 bra 	$L__BB1_7;
-
-	shl.b64 	%rd69, %rd10, 1;
-	add.s64 	%rd70, %rd47, %rd69;
-	add.s64 	%rd68, %rd70, 64;
+$L__BB1_6:
+	and.b32  	%r1432, %r2507, 255;
+	or.b32  	%r1433, %r1432, 49920;
+	mul.lo.s32 	%r1367, %r1433, 65537;
+	shr.u32 	%r1434, %r2507, 8;
+	and.b32  	%r1435, %r1434, 255;
+	or.b32  	%r1436, %r1435, 49920;
+	mul.lo.s32 	%r1375, %r1436, 65537;
+	shr.u32 	%r1437, %r2507, 16;
+	and.b32  	%r1438, %r1437, 255;
+	or.b32  	%r1439, %r1438, 49920;
+	mul.lo.s32 	%r1399, %r1439, 65537;
+	shr.u32 	%r1440, %r2507, 24;
+	or.b32  	%r1441, %r1440, 49920;
+	mul.lo.s32 	%r1407, %r1441, 65537;
+	mov.u32 	%r631, 17408;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1679, %r1678}, [%rd68];
+	prmt.b32 %r600, %r2557, %r2553, %r631;
 	// end inline asm
-
-$L__BB1_7:
-	mov.u32 	%r1676, %r1677;
-	@%p2 bra 	$L__BB1_9;
-
-	shl.b64 	%rd72, %rd10, 1;
-	add.s64 	%rd73, %rd47, %rd72;
-	add.s64 	%rd71, %rd73, 96;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1677, %r1676}, [%rd71];
+	prmt.b32 %r604, %r2556, %r2552, %r631;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r608, %r2549, %r2545, %r631;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r612, %r2548, %r2544, %r631;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r616, %r2555, %r2551, %r631;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r620, %r2554, %r2550, %r631;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r624, %r2547, %r2543, %r631;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r628, %r2546, %r2542, %r631;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r632, %r600, %r453, %r454, 0xEA;
+	// end inline asm
+	mov.u32 	%r1406, 1065369472;
+	// begin inline asm
+	fma.rn.bf16x2 %r636, %r632, %r1406, %r1367;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r640, %r604, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r644, %r640, %r1406, %r1375;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r648, %r608, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r652, %r648, %r1406, %r1367;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r656, %r612, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r660, %r656, %r1406, %r1375;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r664, %r616, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r668, %r664, %r1406, %r1399;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r672, %r620, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r676, %r672, %r1406, %r1407;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r680, %r624, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r684, %r680, %r1406, %r1399;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r688, %r628, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r692, %r688, %r1406, %r1407;
+	// end inline asm
+	mov.f32 	%f165, 0f00000000;
+	mov.f32 	%f141, %f165;
+	mov.f32 	%f142, %f165;
+	mov.f32 	%f143, %f165;
+	mov.f32 	%f144, %f165;
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f141, %f142, %f143, %f144}, {%r636, %r644, %r652, %r660}, {%r2541, %r2540}, {%f141, %f142, %f143, %f144};
+	// end inline asm
+	mov.f32 	%f149, %f165;
+	mov.f32 	%f150, %f165;
+	mov.f32 	%f151, %f165;
+	mov.f32 	%f152, %f165;
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f149, %f150, %f151, %f152}, {%r668, %r676, %r684, %r692}, {%r2541, %r2540}, {%f149, %f150, %f151, %f152};
+	// end inline asm
+	mov.f32 	%f157, %f165;
+	mov.f32 	%f158, %f165;
+	mov.f32 	%f159, %f165;
+	mov.f32 	%f160, %f165;
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f157, %f158, %f159, %f160}, {%r636, %r644, %r652, %r660}, {%r2525, %r2524}, {%f157, %f158, %f159, %f160};
+	// end inline asm
+	mov.f32 	%f166, %f165;
+	mov.f32 	%f167, %f165;
+	mov.f32 	%f168, %f165;
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f165, %f166, %f167, %f168}, {%r668, %r676, %r684, %r692}, {%r2525, %r2524}, {%f165, %f166, %f167, %f168};
+	// end inline asm
+	shr.u32 	%r721, %r600, 4;
+	// begin inline asm
+	lop3.b32 %r720, %r721, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r724, %r720, %r1406, %r1367;
+	// end inline asm
+	shr.u32 	%r729, %r604, 4;
+	// begin inline asm
+	lop3.b32 %r728, %r729, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r732, %r728, %r1406, %r1375;
+	// end inline asm
+	shr.u32 	%r737, %r608, 4;
+	// begin inline asm
+	lop3.b32 %r736, %r737, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r740, %r736, %r1406, %r1367;
+	// end inline asm
+	shr.u32 	%r745, %r612, 4;
+	// begin inline asm
+	lop3.b32 %r744, %r745, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r748, %r744, %r1406, %r1375;
+	// end inline asm
+	shr.u32 	%r753, %r616, 4;
+	// begin inline asm
+	lop3.b32 %r752, %r753, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r756, %r752, %r1406, %r1399;
+	// end inline asm
+	shr.u32 	%r761, %r620, 4;
+	// begin inline asm
+	lop3.b32 %r760, %r761, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r764, %r760, %r1406, %r1407;
+	// end inline asm
+	shr.u32 	%r769, %r624, 4;
+	// begin inline asm
+	lop3.b32 %r768, %r769, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r772, %r768, %r1406, %r1399;
+	// end inline asm
+	shr.u32 	%r777, %r628, 4;
+	// begin inline asm
+	lop3.b32 %r776, %r777, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r780, %r776, %r1406, %r1407;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f141, %f142, %f143, %f144}, {%r724, %r732, %r740, %r748}, {%r2539, %r2538}, {%f141, %f142, %f143, %f144};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f149, %f150, %f151, %f152}, {%r756, %r764, %r772, %r780}, {%r2539, %r2538}, {%f149, %f150, %f151, %f152};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f157, %f158, %f159, %f160}, {%r724, %r732, %r740, %r748}, {%r2523, %r2522}, {%f157, %f158, %f159, %f160};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f165, %f166, %f167, %f168}, {%r756, %r764, %r772, %r780}, {%r2523, %r2522}, {%f165, %f166, %f167, %f168};
+	// end inline asm
+	mov.u32 	%r839, 21777;
+	// begin inline asm
+	prmt.b32 %r808, %r2557, %r2553, %r839;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r812, %r2556, %r2552, %r839;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r816, %r2549, %r2545, %r839;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r820, %r2548, %r2544, %r839;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r824, %r2555, %r2551, %r839;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r828, %r2554, %r2550, %r839;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r832, %r2547, %r2543, %r839;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r836, %r2546, %r2542, %r839;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r840, %r808, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r844, %r840, %r1406, %r1367;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r848, %r812, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r852, %r848, %r1406, %r1375;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r856, %r816, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r860, %r856, %r1406, %r1367;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r864, %r820, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r868, %r864, %r1406, %r1375;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r872, %r824, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r876, %r872, %r1406, %r1399;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r880, %r828, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r884, %r880, %r1406, %r1407;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r888, %r832, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r892, %r888, %r1406, %r1399;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r896, %r836, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r900, %r896, %r1406, %r1407;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f141, %f142, %f143, %f144}, {%r844, %r852, %r860, %r868}, {%r2537, %r2536}, {%f141, %f142, %f143, %f144};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f149, %f150, %f151, %f152}, {%r876, %r884, %r892, %r900}, {%r2537, %r2536}, {%f149, %f150, %f151, %f152};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f157, %f158, %f159, %f160}, {%r844, %r852, %r860, %r868}, {%r2521, %r2520}, {%f157, %f158, %f159, %f160};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f165, %f166, %f167, %f168}, {%r876, %r884, %r892, %r900}, {%r2521, %r2520}, {%f165, %f166, %f167, %f168};
+	// end inline asm
+	shr.u32 	%r929, %r808, 4;
+	// begin inline asm
+	lop3.b32 %r928, %r929, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r932, %r928, %r1406, %r1367;
+	// end inline asm
+	shr.u32 	%r937, %r812, 4;
+	// begin inline asm
+	lop3.b32 %r936, %r937, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r940, %r936, %r1406, %r1375;
+	// end inline asm
+	shr.u32 	%r945, %r816, 4;
+	// begin inline asm
+	lop3.b32 %r944, %r945, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r948, %r944, %r1406, %r1367;
+	// end inline asm
+	shr.u32 	%r953, %r820, 4;
+	// begin inline asm
+	lop3.b32 %r952, %r953, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r956, %r952, %r1406, %r1375;
+	// end inline asm
+	shr.u32 	%r961, %r824, 4;
+	// begin inline asm
+	lop3.b32 %r960, %r961, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r964, %r960, %r1406, %r1399;
+	// end inline asm
+	shr.u32 	%r969, %r828, 4;
+	// begin inline asm
+	lop3.b32 %r968, %r969, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r972, %r968, %r1406, %r1407;
+	// end inline asm
+	shr.u32 	%r977, %r832, 4;
+	// begin inline asm
+	lop3.b32 %r976, %r977, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r980, %r976, %r1406, %r1399;
+	// end inline asm
+	shr.u32 	%r985, %r836, 4;
+	// begin inline asm
+	lop3.b32 %r984, %r985, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r988, %r984, %r1406, %r1407;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f141, %f142, %f143, %f144}, {%r932, %r940, %r948, %r956}, {%r2535, %r2534}, {%f141, %f142, %f143, %f144};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f149, %f150, %f151, %f152}, {%r964, %r972, %r980, %r988}, {%r2535, %r2534}, {%f149, %f150, %f151, %f152};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f157, %f158, %f159, %f160}, {%r932, %r940, %r948, %r956}, {%r2519, %r2518}, {%f157, %f158, %f159, %f160};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f165, %f166, %f167, %f168}, {%r964, %r972, %r980, %r988}, {%r2519, %r2518}, {%f165, %f166, %f167, %f168};
+	// end inline asm
+	mov.u32 	%r1047, 26146;
+	// begin inline asm
+	prmt.b32 %r1016, %r2557, %r2553, %r1047;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1020, %r2556, %r2552, %r1047;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1024, %r2549, %r2545, %r1047;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1028, %r2548, %r2544, %r1047;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1032, %r2555, %r2551, %r1047;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1036, %r2554, %r2550, %r1047;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1040, %r2547, %r2543, %r1047;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1044, %r2546, %r2542, %r1047;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1048, %r1016, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1052, %r1048, %r1406, %r1367;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1056, %r1020, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1060, %r1056, %r1406, %r1375;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1064, %r1024, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1068, %r1064, %r1406, %r1367;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1072, %r1028, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1076, %r1072, %r1406, %r1375;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1080, %r1032, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1084, %r1080, %r1406, %r1399;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1088, %r1036, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1092, %r1088, %r1406, %r1407;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1096, %r1040, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1100, %r1096, %r1406, %r1399;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1104, %r1044, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1108, %r1104, %r1406, %r1407;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f141, %f142, %f143, %f144}, {%r1052, %r1060, %r1068, %r1076}, {%r2533, %r2532}, {%f141, %f142, %f143, %f144};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f149, %f150, %f151, %f152}, {%r1084, %r1092, %r1100, %r1108}, {%r2533, %r2532}, {%f149, %f150, %f151, %f152};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f157, %f158, %f159, %f160}, {%r1052, %r1060, %r1068, %r1076}, {%r2517, %r2516}, {%f157, %f158, %f159, %f160};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f165, %f166, %f167, %f168}, {%r1084, %r1092, %r1100, %r1108}, {%r2517, %r2516}, {%f165, %f166, %f167, %f168};
+	// end inline asm
+	shr.u32 	%r1137, %r1016, 4;
+	// begin inline asm
+	lop3.b32 %r1136, %r1137, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1140, %r1136, %r1406, %r1367;
+	// end inline asm
+	shr.u32 	%r1145, %r1020, 4;
+	// begin inline asm
+	lop3.b32 %r1144, %r1145, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1148, %r1144, %r1406, %r1375;
+	// end inline asm
+	shr.u32 	%r1153, %r1024, 4;
+	// begin inline asm
+	lop3.b32 %r1152, %r1153, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1156, %r1152, %r1406, %r1367;
+	// end inline asm
+	shr.u32 	%r1161, %r1028, 4;
+	// begin inline asm
+	lop3.b32 %r1160, %r1161, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1164, %r1160, %r1406, %r1375;
+	// end inline asm
+	shr.u32 	%r1169, %r1032, 4;
+	// begin inline asm
+	lop3.b32 %r1168, %r1169, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1172, %r1168, %r1406, %r1399;
+	// end inline asm
+	shr.u32 	%r1177, %r1036, 4;
+	// begin inline asm
+	lop3.b32 %r1176, %r1177, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1180, %r1176, %r1406, %r1407;
+	// end inline asm
+	shr.u32 	%r1185, %r1040, 4;
+	// begin inline asm
+	lop3.b32 %r1184, %r1185, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1188, %r1184, %r1406, %r1399;
+	// end inline asm
+	shr.u32 	%r1193, %r1044, 4;
+	// begin inline asm
+	lop3.b32 %r1192, %r1193, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1196, %r1192, %r1406, %r1407;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f141, %f142, %f143, %f144}, {%r1140, %r1148, %r1156, %r1164}, {%r2531, %r2530}, {%f141, %f142, %f143, %f144};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f149, %f150, %f151, %f152}, {%r1172, %r1180, %r1188, %r1196}, {%r2531, %r2530}, {%f149, %f150, %f151, %f152};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f157, %f158, %f159, %f160}, {%r1140, %r1148, %r1156, %r1164}, {%r2515, %r2514}, {%f157, %f158, %f159, %f160};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f165, %f166, %f167, %f168}, {%r1172, %r1180, %r1188, %r1196}, {%r2515, %r2514}, {%f165, %f166, %f167, %f168};
+	// end inline asm
+	mov.u32 	%r1255, 30515;
+	// begin inline asm
+	prmt.b32 %r1224, %r2557, %r2553, %r1255;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1228, %r2556, %r2552, %r1255;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1232, %r2549, %r2545, %r1255;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1236, %r2548, %r2544, %r1255;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1240, %r2555, %r2551, %r1255;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1244, %r2554, %r2550, %r1255;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1248, %r2547, %r2543, %r1255;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1252, %r2546, %r2542, %r1255;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1256, %r1224, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1260, %r1256, %r1406, %r1367;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1264, %r1228, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1268, %r1264, %r1406, %r1375;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1272, %r1232, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1276, %r1272, %r1406, %r1367;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1280, %r1236, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1284, %r1280, %r1406, %r1375;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1288, %r1240, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1292, %r1288, %r1406, %r1399;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1296, %r1244, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1300, %r1296, %r1406, %r1407;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1304, %r1248, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1308, %r1304, %r1406, %r1399;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1312, %r1252, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1316, %r1312, %r1406, %r1407;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f141, %f142, %f143, %f144}, {%r1260, %r1268, %r1276, %r1284}, {%r2529, %r2528}, {%f141, %f142, %f143, %f144};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f149, %f150, %f151, %f152}, {%r1292, %r1300, %r1308, %r1316}, {%r2529, %r2528}, {%f149, %f150, %f151, %f152};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f157, %f158, %f159, %f160}, {%r1260, %r1268, %r1276, %r1284}, {%r2513, %r2512}, {%f157, %f158, %f159, %f160};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f165, %f166, %f167, %f168}, {%r1292, %r1300, %r1308, %r1316}, {%r2513, %r2512}, {%f165, %f166, %f167, %f168};
+	// end inline asm
+	shr.u32 	%r1345, %r1224, 4;
+	// begin inline asm
+	lop3.b32 %r1344, %r1345, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1348, %r1344, %r1406, %r1367;
+	// end inline asm
+	shr.u32 	%r1353, %r1228, 4;
+	// begin inline asm
+	lop3.b32 %r1352, %r1353, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1356, %r1352, %r1406, %r1375;
+	// end inline asm
+	shr.u32 	%r1361, %r1232, 4;
+	// begin inline asm
+	lop3.b32 %r1360, %r1361, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1364, %r1360, %r1406, %r1367;
+	// end inline asm
+	shr.u32 	%r1369, %r1236, 4;
+	// begin inline asm
+	lop3.b32 %r1368, %r1369, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1372, %r1368, %r1406, %r1375;
+	// end inline asm
+	shr.u32 	%r1377, %r1240, 4;
+	// begin inline asm
+	lop3.b32 %r1376, %r1377, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1380, %r1376, %r1406, %r1399;
+	// end inline asm
+	shr.u32 	%r1385, %r1244, 4;
+	// begin inline asm
+	lop3.b32 %r1384, %r1385, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1388, %r1384, %r1406, %r1407;
+	// end inline asm
+	shr.u32 	%r1393, %r1248, 4;
+	// begin inline asm
+	lop3.b32 %r1392, %r1393, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1396, %r1392, %r1406, %r1399;
+	// end inline asm
+	shr.u32 	%r1401, %r1252, 4;
+	// begin inline asm
+	lop3.b32 %r1400, %r1401, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1404, %r1400, %r1406, %r1407;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f141, %f142, %f143, %f144}, {%r1348, %r1356, %r1364, %r1372}, {%r2527, %r2526}, {%f141, %f142, %f143, %f144};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f149, %f150, %f151, %f152}, {%r1380, %r1388, %r1396, %r1404}, {%r2527, %r2526}, {%f149, %f150, %f151, %f152};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f157, %f158, %f159, %f160}, {%r1348, %r1356, %r1364, %r1372}, {%r2511, %r2510}, {%f157, %f158, %f159, %f160};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f165, %f166, %f167, %f168}, {%r1380, %r1388, %r1396, %r1404}, {%r2511, %r2510}, {%f165, %f166, %f167, %f168};
+	// end inline asm
+	shl.b32 	%r1442, %r2509, 16;
+	mov.b32 	%f365, %r1442;
+	fma.rn.f32 	%f678, %f141, %f365, %f678;
+	fma.rn.f32 	%f677, %f142, %f365, %f677;
+	and.b32  	%r1443, %r2509, -65536;
+	mov.b32 	%f366, %r1443;
+	fma.rn.f32 	%f676, %f143, %f366, %f676;
+	fma.rn.f32 	%f675, %f144, %f366, %f675;
+	shl.b32 	%r1444, %r2508, 16;
+	mov.b32 	%f367, %r1444;
+	fma.rn.f32 	%f674, %f149, %f367, %f674;
+	fma.rn.f32 	%f673, %f150, %f367, %f673;
+	and.b32  	%r1445, %r2508, -65536;
+	mov.b32 	%f368, %r1445;
+	fma.rn.f32 	%f672, %f151, %f368, %f672;
+	fma.rn.f32 	%f671, %f152, %f368, %f671;
+	fma.rn.f32 	%f670, %f157, %f365, %f670;
+	fma.rn.f32 	%f669, %f158, %f365, %f669;
+	fma.rn.f32 	%f668, %f159, %f366, %f668;
+	fma.rn.f32 	%f667, %f160, %f366, %f667;
+	fma.rn.f32 	%f666, %f165, %f367, %f666;
+	fma.rn.f32 	%f665, %f166, %f367, %f665;
+	fma.rn.f32 	%f664, %f167, %f368, %f664;
+	fma.rn.f32 	%f663, %f168, %f368, %f663;
+	@%p3 bra 	$L__BB1_10;
+
+	mov.u32 	%r2455, %ntid.x;
+	shr.u32 	%r1447, %r2455, 4;
+	and.b32  	%r1448, %r1447, 268435454;
+	add.s32 	%r2609, %r2609, %r1448;
+	setp.ge.s32 	%p5, %r2609, %r7;
+	@%p5 bra 	$L__BB1_9;
+
+	shl.b32 	%r1500, %r2609, 4;
+	mov.u32 	%r1501, %tid.x;
+	shl.b32 	%r1502, %r1501, 2;
+	and.b32  	%r1503, %r1502, 12;
+	or.b32  	%r1504, %r1500, %r1503;
+	mul.wide.s32 	%rd112, %r1504, %r459;
+	mov.u32 	%r1505, %ctaid.x;
+	shl.b32 	%r1506, %r1505, 5;
+	and.b32  	%r1507, %r1501, 28;
+	or.b32  	%r1508, %r1506, %r1507;
+	cvt.s64.s32 	%rd113, %r1508;
+	add.s64 	%rd114, %rd112, %rd113;
+	shl.b64 	%rd115, %rd114, 2;
+	add.s64 	%rd90, %rd11, %rd115;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2557, %r2556, %r2555, %r2554}, [%rd90];
+	// end inline asm
+	add.s64 	%rd91, %rd90, %rd81;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2553, %r2552, %r2551, %r2550}, [%rd91];
+	// end inline asm
+	add.s64 	%rd92, %rd91, %rd81;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2549, %r2548, %r2547, %r2546}, [%rd92];
+	// end inline asm
+	add.s64 	%rd93, %rd92, %rd81;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2545, %r2544, %r2543, %r2542}, [%rd93];
+	// end inline asm
+	mad.lo.s32 	%r1509, %r2609, 112, %r1504;
+	cvt.s64.s32 	%rd117, %r1509;
+	add.s64 	%rd118, %rd6, %rd117;
+	shl.b64 	%rd119, %rd118, 1;
+	add.s64 	%rd94, %rd10, %rd119;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2541, %r2540}, [%rd94];
+	// end inline asm
+	add.s64 	%rd95, %rd94, 32;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2539, %r2538}, [%rd95];
+	// end inline asm
+	add.s64 	%rd96, %rd94, 64;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2537, %r2536}, [%rd96];
+	// end inline asm
+	add.s64 	%rd97, %rd94, 96;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2535, %r2534}, [%rd97];
+	// end inline asm
+	add.s64 	%rd98, %rd94, 128;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2533, %r2532}, [%rd98];
+	// end inline asm
+	add.s64 	%rd99, %rd94, 160;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2531, %r2530}, [%rd99];
+	// end inline asm
+	add.s64 	%rd100, %rd94, 192;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2529, %r2528}, [%rd100];
+	// end inline asm
+	add.s64 	%rd101, %rd94, 224;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2527, %r2526}, [%rd101];
+	// end inline asm
+	add.s64 	%rd120, %rd7, %rd117;
+	shl.b64 	%rd121, %rd120, 1;
+	add.s64 	%rd102, %rd10, %rd121;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2525, %r2524}, [%rd102];
+	// end inline asm
+	add.s64 	%rd103, %rd102, 32;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2523, %r2522}, [%rd103];
+	// end inline asm
+	add.s64 	%rd104, %rd102, 64;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2521, %r2520}, [%rd104];
+	// end inline asm
+	add.s64 	%rd105, %rd102, 96;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2519, %r2518}, [%rd105];
+	// end inline asm
+	add.s64 	%rd106, %rd102, 128;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2517, %r2516}, [%rd106];
+	// end inline asm
+	add.s64 	%rd107, %rd102, 160;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2515, %r2514}, [%rd107];
+	// end inline asm
+	add.s64 	%rd108, %rd102, 192;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2513, %r2512}, [%rd108];
+	// end inline asm
+	add.s64 	%rd109, %rd102, 224;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2511, %r2510}, [%rd109];
+	// end inline asm
+	mul.wide.s32 	%rd122, %r2609, %r459;
+	add.s64 	%rd123, %rd122, %rd113;
+	shl.b64 	%rd124, %rd123, 1;
+	add.s64 	%rd110, %rd12, %rd124;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2509, %r2508}, [%rd110];
+	// end inline asm
+	add.s64 	%rd111, %rd13, %rd123;
+	// begin inline asm
+	ld.global.nc.u32 %r2507, [%rd111];
 	// end inline asm
 
 $L__BB1_9:
-	mov.u32 	%r1673, 0;
-	mov.u32 	%r1675, %r1673;
-	mov.u32 	%r1674, %r1673;
-	@%p2 bra 	$L__BB1_11;
-
-	shl.b64 	%rd75, %rd10, 1;
-	add.s64 	%rd76, %rd47, %rd75;
-	add.s64 	%rd74, %rd76, 128;
+	and.b32  	%r2342, %r2610, 255;
+	or.b32  	%r2343, %r2342, 49920;
+	mul.lo.s32 	%r2277, %r2343, 65537;
+	shr.u32 	%r2344, %r2610, 8;
+	and.b32  	%r2345, %r2344, 255;
+	or.b32  	%r2346, %r2345, 49920;
+	mul.lo.s32 	%r2285, %r2346, 65537;
+	shr.u32 	%r2347, %r2610, 16;
+	and.b32  	%r2348, %r2347, 255;
+	or.b32  	%r2349, %r2348, 49920;
+	mul.lo.s32 	%r2309, %r2349, 65537;
+	shr.u32 	%r2350, %r2610, 24;
+	or.b32  	%r2351, %r2350, 49920;
+	mul.lo.s32 	%r2317, %r2351, 65537;
+	mov.u32 	%r1541, 17408;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1675, %r1674}, [%rd74];
+	prmt.b32 %r1510, %r2660, %r2656, %r1541;
 	// end inline asm
-
-$L__BB1_11:
-	mov.u32 	%r1672, %r1673;
-	@%p2 bra 	$L__BB1_13;
-
-	shl.b64 	%rd78, %rd10, 1;
-	add.s64 	%rd79, %rd47, %rd78;
-	add.s64 	%rd77, %rd79, 160;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1673, %r1672}, [%rd77];
+	prmt.b32 %r1514, %r2659, %r2655, %r1541;
 	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1518, %r2652, %r2648, %r1541;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1522, %r2651, %r2647, %r1541;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1526, %r2658, %r2654, %r1541;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1530, %r2657, %r2653, %r1541;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1534, %r2650, %r2646, %r1541;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1538, %r2649, %r2645, %r1541;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1542, %r1510, %r453, %r454, 0xEA;
+	// end inline asm
+	mov.u32 	%r2316, 1065369472;
+	// begin inline asm
+	fma.rn.bf16x2 %r1546, %r1542, %r2316, %r2277;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1550, %r1514, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1554, %r1550, %r2316, %r2285;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1558, %r1518, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1562, %r1558, %r2316, %r2277;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1566, %r1522, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1570, %r1566, %r2316, %r2285;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1574, %r1526, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1578, %r1574, %r2316, %r2309;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1582, %r1530, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1586, %r1582, %r2316, %r2317;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1590, %r1534, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1594, %r1590, %r2316, %r2309;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1598, %r1538, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1602, %r1598, %r2316, %r2317;
+	// end inline asm
+	mov.f32 	%f425, 0f00000000;
+	mov.f32 	%f401, %f425;
+	mov.f32 	%f402, %f425;
+	mov.f32 	%f403, %f425;
+	mov.f32 	%f404, %f425;
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f401, %f402, %f403, %f404}, {%r1546, %r1554, %r1562, %r1570}, {%r2644, %r2643}, {%f401, %f402, %f403, %f404};
+	// end inline asm
+	mov.f32 	%f409, %f425;
+	mov.f32 	%f410, %f425;
+	mov.f32 	%f411, %f425;
+	mov.f32 	%f412, %f425;
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f409, %f410, %f411, %f412}, {%r1578, %r1586, %r1594, %r1602}, {%r2644, %r2643}, {%f409, %f410, %f411, %f412};
+	// end inline asm
+	mov.f32 	%f417, %f425;
+	mov.f32 	%f418, %f425;
+	mov.f32 	%f419, %f425;
+	mov.f32 	%f420, %f425;
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f417, %f418, %f419, %f420}, {%r1546, %r1554, %r1562, %r1570}, {%r2628, %r2627}, {%f417, %f418, %f419, %f420};
+	// end inline asm
+	mov.f32 	%f426, %f425;
+	mov.f32 	%f427, %f425;
+	mov.f32 	%f428, %f425;
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f425, %f426, %f427, %f428}, {%r1578, %r1586, %r1594, %r1602}, {%r2628, %r2627}, {%f425, %f426, %f427, %f428};
+	// end inline asm
+	shr.u32 	%r1631, %r1510, 4;
+	// begin inline asm
+	lop3.b32 %r1630, %r1631, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1634, %r1630, %r2316, %r2277;
+	// end inline asm
+	shr.u32 	%r1639, %r1514, 4;
+	// begin inline asm
+	lop3.b32 %r1638, %r1639, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1642, %r1638, %r2316, %r2285;
+	// end inline asm
+	shr.u32 	%r1647, %r1518, 4;
+	// begin inline asm
+	lop3.b32 %r1646, %r1647, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1650, %r1646, %r2316, %r2277;
+	// end inline asm
+	shr.u32 	%r1655, %r1522, 4;
+	// begin inline asm
+	lop3.b32 %r1654, %r1655, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1658, %r1654, %r2316, %r2285;
+	// end inline asm
+	shr.u32 	%r1663, %r1526, 4;
+	// begin inline asm
+	lop3.b32 %r1662, %r1663, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1666, %r1662, %r2316, %r2309;
+	// end inline asm
+	shr.u32 	%r1671, %r1530, 4;
+	// begin inline asm
+	lop3.b32 %r1670, %r1671, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1674, %r1670, %r2316, %r2317;
+	// end inline asm
+	shr.u32 	%r1679, %r1534, 4;
+	// begin inline asm
+	lop3.b32 %r1678, %r1679, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1682, %r1678, %r2316, %r2309;
+	// end inline asm
+	shr.u32 	%r1687, %r1538, 4;
+	// begin inline asm
+	lop3.b32 %r1686, %r1687, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1690, %r1686, %r2316, %r2317;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f401, %f402, %f403, %f404}, {%r1634, %r1642, %r1650, %r1658}, {%r2642, %r2641}, {%f401, %f402, %f403, %f404};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f409, %f410, %f411, %f412}, {%r1666, %r1674, %r1682, %r1690}, {%r2642, %r2641}, {%f409, %f410, %f411, %f412};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f417, %f418, %f419, %f420}, {%r1634, %r1642, %r1650, %r1658}, {%r2626, %r2625}, {%f417, %f418, %f419, %f420};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f425, %f426, %f427, %f428}, {%r1666, %r1674, %r1682, %r1690}, {%r2626, %r2625}, {%f425, %f426, %f427, %f428};
+	// end inline asm
+	mov.u32 	%r1749, 21777;
+	// begin inline asm
+	prmt.b32 %r1718, %r2660, %r2656, %r1749;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1722, %r2659, %r2655, %r1749;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1726, %r2652, %r2648, %r1749;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1730, %r2651, %r2647, %r1749;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1734, %r2658, %r2654, %r1749;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1738, %r2657, %r2653, %r1749;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1742, %r2650, %r2646, %r1749;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1746, %r2649, %r2645, %r1749;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1750, %r1718, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1754, %r1750, %r2316, %r2277;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1758, %r1722, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1762, %r1758, %r2316, %r2285;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1766, %r1726, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1770, %r1766, %r2316, %r2277;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1774, %r1730, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1778, %r1774, %r2316, %r2285;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1782, %r1734, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1786, %r1782, %r2316, %r2309;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1790, %r1738, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1794, %r1790, %r2316, %r2317;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1798, %r1742, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1802, %r1798, %r2316, %r2309;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1806, %r1746, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1810, %r1806, %r2316, %r2317;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f401, %f402, %f403, %f404}, {%r1754, %r1762, %r1770, %r1778}, {%r2640, %r2639}, {%f401, %f402, %f403, %f404};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f409, %f410, %f411, %f412}, {%r1786, %r1794, %r1802, %r1810}, {%r2640, %r2639}, {%f409, %f410, %f411, %f412};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f417, %f418, %f419, %f420}, {%r1754, %r1762, %r1770, %r1778}, {%r2624, %r2623}, {%f417, %f418, %f419, %f420};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f425, %f426, %f427, %f428}, {%r1786, %r1794, %r1802, %r1810}, {%r2624, %r2623}, {%f425, %f426, %f427, %f428};
+	// end inline asm
+	shr.u32 	%r1839, %r1718, 4;
+	// begin inline asm
+	lop3.b32 %r1838, %r1839, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1842, %r1838, %r2316, %r2277;
+	// end inline asm
+	shr.u32 	%r1847, %r1722, 4;
+	// begin inline asm
+	lop3.b32 %r1846, %r1847, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1850, %r1846, %r2316, %r2285;
+	// end inline asm
+	shr.u32 	%r1855, %r1726, 4;
+	// begin inline asm
+	lop3.b32 %r1854, %r1855, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1858, %r1854, %r2316, %r2277;
+	// end inline asm
+	shr.u32 	%r1863, %r1730, 4;
+	// begin inline asm
+	lop3.b32 %r1862, %r1863, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1866, %r1862, %r2316, %r2285;
+	// end inline asm
+	shr.u32 	%r1871, %r1734, 4;
+	// begin inline asm
+	lop3.b32 %r1870, %r1871, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1874, %r1870, %r2316, %r2309;
+	// end inline asm
+	shr.u32 	%r1879, %r1738, 4;
+	// begin inline asm
+	lop3.b32 %r1878, %r1879, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1882, %r1878, %r2316, %r2317;
+	// end inline asm
+	shr.u32 	%r1887, %r1742, 4;
+	// begin inline asm
+	lop3.b32 %r1886, %r1887, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1890, %r1886, %r2316, %r2309;
+	// end inline asm
+	shr.u32 	%r1895, %r1746, 4;
+	// begin inline asm
+	lop3.b32 %r1894, %r1895, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1898, %r1894, %r2316, %r2317;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f401, %f402, %f403, %f404}, {%r1842, %r1850, %r1858, %r1866}, {%r2638, %r2637}, {%f401, %f402, %f403, %f404};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f409, %f410, %f411, %f412}, {%r1874, %r1882, %r1890, %r1898}, {%r2638, %r2637}, {%f409, %f410, %f411, %f412};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f417, %f418, %f419, %f420}, {%r1842, %r1850, %r1858, %r1866}, {%r2622, %r2621}, {%f417, %f418, %f419, %f420};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f425, %f426, %f427, %f428}, {%r1874, %r1882, %r1890, %r1898}, {%r2622, %r2621}, {%f425, %f426, %f427, %f428};
+	// end inline asm
+	mov.u32 	%r1957, 26146;
+	// begin inline asm
+	prmt.b32 %r1926, %r2660, %r2656, %r1957;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1930, %r2659, %r2655, %r1957;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1934, %r2652, %r2648, %r1957;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1938, %r2651, %r2647, %r1957;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1942, %r2658, %r2654, %r1957;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1946, %r2657, %r2653, %r1957;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1950, %r2650, %r2646, %r1957;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1954, %r2649, %r2645, %r1957;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1958, %r1926, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1962, %r1958, %r2316, %r2277;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1966, %r1930, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1970, %r1966, %r2316, %r2285;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1974, %r1934, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1978, %r1974, %r2316, %r2277;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1982, %r1938, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1986, %r1982, %r2316, %r2285;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1990, %r1942, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1994, %r1990, %r2316, %r2309;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1998, %r1946, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2002, %r1998, %r2316, %r2317;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r2006, %r1950, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2010, %r2006, %r2316, %r2309;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r2014, %r1954, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2018, %r2014, %r2316, %r2317;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f401, %f402, %f403, %f404}, {%r1962, %r1970, %r1978, %r1986}, {%r2636, %r2635}, {%f401, %f402, %f403, %f404};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f409, %f410, %f411, %f412}, {%r1994, %r2002, %r2010, %r2018}, {%r2636, %r2635}, {%f409, %f410, %f411, %f412};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f417, %f418, %f419, %f420}, {%r1962, %r1970, %r1978, %r1986}, {%r2620, %r2619}, {%f417, %f418, %f419, %f420};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f425, %f426, %f427, %f428}, {%r1994, %r2002, %r2010, %r2018}, {%r2620, %r2619}, {%f425, %f426, %f427, %f428};
+	// end inline asm
+	shr.u32 	%r2047, %r1926, 4;
+	// begin inline asm
+	lop3.b32 %r2046, %r2047, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2050, %r2046, %r2316, %r2277;
+	// end inline asm
+	shr.u32 	%r2055, %r1930, 4;
+	// begin inline asm
+	lop3.b32 %r2054, %r2055, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2058, %r2054, %r2316, %r2285;
+	// end inline asm
+	shr.u32 	%r2063, %r1934, 4;
+	// begin inline asm
+	lop3.b32 %r2062, %r2063, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2066, %r2062, %r2316, %r2277;
+	// end inline asm
+	shr.u32 	%r2071, %r1938, 4;
+	// begin inline asm
+	lop3.b32 %r2070, %r2071, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2074, %r2070, %r2316, %r2285;
+	// end inline asm
+	shr.u32 	%r2079, %r1942, 4;
+	// begin inline asm
+	lop3.b32 %r2078, %r2079, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2082, %r2078, %r2316, %r2309;
+	// end inline asm
+	shr.u32 	%r2087, %r1946, 4;
+	// begin inline asm
+	lop3.b32 %r2086, %r2087, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2090, %r2086, %r2316, %r2317;
+	// end inline asm
+	shr.u32 	%r2095, %r1950, 4;
+	// begin inline asm
+	lop3.b32 %r2094, %r2095, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2098, %r2094, %r2316, %r2309;
+	// end inline asm
+	shr.u32 	%r2103, %r1954, 4;
+	// begin inline asm
+	lop3.b32 %r2102, %r2103, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2106, %r2102, %r2316, %r2317;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f401, %f402, %f403, %f404}, {%r2050, %r2058, %r2066, %r2074}, {%r2634, %r2633}, {%f401, %f402, %f403, %f404};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f409, %f410, %f411, %f412}, {%r2082, %r2090, %r2098, %r2106}, {%r2634, %r2633}, {%f409, %f410, %f411, %f412};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f417, %f418, %f419, %f420}, {%r2050, %r2058, %r2066, %r2074}, {%r2618, %r2617}, {%f417, %f418, %f419, %f420};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f425, %f426, %f427, %f428}, {%r2082, %r2090, %r2098, %r2106}, {%r2618, %r2617}, {%f425, %f426, %f427, %f428};
+	// end inline asm
+	mov.u32 	%r2165, 30515;
+	// begin inline asm
+	prmt.b32 %r2134, %r2660, %r2656, %r2165;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r2138, %r2659, %r2655, %r2165;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r2142, %r2652, %r2648, %r2165;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r2146, %r2651, %r2647, %r2165;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r2150, %r2658, %r2654, %r2165;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r2154, %r2657, %r2653, %r2165;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r2158, %r2650, %r2646, %r2165;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r2162, %r2649, %r2645, %r2165;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r2166, %r2134, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2170, %r2166, %r2316, %r2277;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r2174, %r2138, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2178, %r2174, %r2316, %r2285;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r2182, %r2142, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2186, %r2182, %r2316, %r2277;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r2190, %r2146, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2194, %r2190, %r2316, %r2285;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r2198, %r2150, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2202, %r2198, %r2316, %r2309;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r2206, %r2154, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2210, %r2206, %r2316, %r2317;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r2214, %r2158, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2218, %r2214, %r2316, %r2309;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r2222, %r2162, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2226, %r2222, %r2316, %r2317;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f401, %f402, %f403, %f404}, {%r2170, %r2178, %r2186, %r2194}, {%r2632, %r2631}, {%f401, %f402, %f403, %f404};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f409, %f410, %f411, %f412}, {%r2202, %r2210, %r2218, %r2226}, {%r2632, %r2631}, {%f409, %f410, %f411, %f412};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f417, %f418, %f419, %f420}, {%r2170, %r2178, %r2186, %r2194}, {%r2616, %r2615}, {%f417, %f418, %f419, %f420};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f425, %f426, %f427, %f428}, {%r2202, %r2210, %r2218, %r2226}, {%r2616, %r2615}, {%f425, %f426, %f427, %f428};
+	// end inline asm
+	shr.u32 	%r2255, %r2134, 4;
+	// begin inline asm
+	lop3.b32 %r2254, %r2255, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2258, %r2254, %r2316, %r2277;
+	// end inline asm
+	shr.u32 	%r2263, %r2138, 4;
+	// begin inline asm
+	lop3.b32 %r2262, %r2263, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2266, %r2262, %r2316, %r2285;
+	// end inline asm
+	shr.u32 	%r2271, %r2142, 4;
+	// begin inline asm
+	lop3.b32 %r2270, %r2271, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2274, %r2270, %r2316, %r2277;
+	// end inline asm
+	shr.u32 	%r2279, %r2146, 4;
+	// begin inline asm
+	lop3.b32 %r2278, %r2279, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2282, %r2278, %r2316, %r2285;
+	// end inline asm
+	shr.u32 	%r2287, %r2150, 4;
+	// begin inline asm
+	lop3.b32 %r2286, %r2287, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2290, %r2286, %r2316, %r2309;
+	// end inline asm
+	shr.u32 	%r2295, %r2154, 4;
+	// begin inline asm
+	lop3.b32 %r2294, %r2295, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2298, %r2294, %r2316, %r2317;
+	// end inline asm
+	shr.u32 	%r2303, %r2158, 4;
+	// begin inline asm
+	lop3.b32 %r2302, %r2303, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2306, %r2302, %r2316, %r2309;
+	// end inline asm
+	shr.u32 	%r2311, %r2162, 4;
+	// begin inline asm
+	lop3.b32 %r2310, %r2311, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r2314, %r2310, %r2316, %r2317;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f401, %f402, %f403, %f404}, {%r2258, %r2266, %r2274, %r2282}, {%r2630, %r2629}, {%f401, %f402, %f403, %f404};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f409, %f410, %f411, %f412}, {%r2290, %r2298, %r2306, %r2314}, {%r2630, %r2629}, {%f409, %f410, %f411, %f412};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f417, %f418, %f419, %f420}, {%r2258, %r2266, %r2274, %r2282}, {%r2614, %r2613}, {%f417, %f418, %f419, %f420};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f425, %f426, %f427, %f428}, {%r2290, %r2298, %r2306, %r2314}, {%r2614, %r2613}, {%f425, %f426, %f427, %f428};
+	// end inline asm
+	shl.b32 	%r2352, %r2612, 16;
+	mov.b32 	%f625, %r2352;
+	fma.rn.f32 	%f678, %f401, %f625, %f678;
+	fma.rn.f32 	%f677, %f402, %f625, %f677;
+	and.b32  	%r2353, %r2612, -65536;
+	mov.b32 	%f626, %r2353;
+	fma.rn.f32 	%f676, %f403, %f626, %f676;
+	fma.rn.f32 	%f675, %f404, %f626, %f675;
+	shl.b32 	%r2354, %r2611, 16;
+	mov.b32 	%f627, %r2354;
+	fma.rn.f32 	%f674, %f409, %f627, %f674;
+	fma.rn.f32 	%f673, %f410, %f627, %f673;
+	and.b32  	%r2355, %r2611, -65536;
+	mov.b32 	%f628, %r2355;
+	fma.rn.f32 	%f672, %f411, %f628, %f672;
+	fma.rn.f32 	%f671, %f412, %f628, %f671;
+	fma.rn.f32 	%f670, %f417, %f625, %f670;
+	fma.rn.f32 	%f669, %f418, %f625, %f669;
+	fma.rn.f32 	%f668, %f419, %f626, %f668;
+	fma.rn.f32 	%f667, %f420, %f626, %f667;
+	fma.rn.f32 	%f666, %f425, %f627, %f666;
+	fma.rn.f32 	%f665, %f426, %f627, %f665;
+	fma.rn.f32 	%f664, %f427, %f628, %f664;
+	fma.rn.f32 	%f663, %f428, %f628, %f663;
+	setp.lt.s32 	%p6, %r2609, %r7;
+	@%p6 bra 	$L__BB1_4;
+
+$L__BB1_10:
+	mov.u32 	%r2453, %tid.x;
+	and.b32  	%r2452, %r2453, 31;
+	shr.u32 	%r2357, %r2453, 5;
+	bfi.b32 	%r2359, %r2357, %r2452, 9, 23;
+	shl.b32 	%r2360, %r2359, 2;
+	mov.u32 	%r2361, _ZN9lmd_w4a164sumsE;
+	add.s32 	%r2362, %r2361, %r2360;
+	st.shared.f32 	[%r2362], %f678;
+	st.shared.f32 	[%r2362+128], %f677;
+	st.shared.f32 	[%r2362+256], %f676;
+	st.shared.f32 	[%r2362+384], %f675;
+	st.shared.f32 	[%r2362+512], %f674;
+	st.shared.f32 	[%r2362+640], %f673;
+	st.shared.f32 	[%r2362+768], %f672;
+	st.shared.f32 	[%r2362+896], %f671;
+	st.shared.f32 	[%r2362+1024], %f670;
+	st.shared.f32 	[%r2362+1152], %f669;
+	st.shared.f32 	[%r2362+1280], %f668;
+	st.shared.f32 	[%r2362+1408], %f667;
+	st.shared.f32 	[%r2362+1536], %f666;
+	st.shared.f32 	[%r2362+1664], %f665;
+	st.shared.f32 	[%r2362+1792], %f664;
+	st.shared.f32 	[%r2362+1920], %f663;
+	bar.sync 	0;
+	setp.gt.s32 	%p7, %r2453, 511;
+	@%p7 bra 	$L__BB1_32;
+
+	mov.u32 	%r423, %ntid.x;
+	shr.u32 	%r2363, %r423, 5;
+	setp.eq.s32 	%p8, %r2363, 0;
+	cvt.s64.s32 	%rd9, %r459;
+	@%p8 bra 	$L__BB1_25;
+
+	add.s32 	%r424, %r2363, -1;
+	and.b32  	%r425, %r2363, 3;
+	sub.s32 	%r426, %r2363, %r425;
+	mov.u32 	%r2712, %tid.x;
+	mov.u32 	%r2366, %ctaid.x;
+	shl.b32 	%r428, %r2366, 5;
+	cvta.to.global.u64 	%rd125, %rd14;
 
 $L__BB1_13:
-	mov.u32 	%r1669, 0;
-	mov.u32 	%r1671, %r1669;
-	mov.u32 	%r1670, %r1669;
-	@%p2 bra 	$L__BB1_15;
+	shr.s32 	%r2368, %r2712, 31;
+	shr.u32 	%r2369, %r2368, 27;
+	add.s32 	%r2370, %r2712, %r2369;
+	shr.s32 	%r430, %r2370, 5;
+	and.b32  	%r2371, %r2370, -32;
+	sub.s32 	%r431, %r2712, %r2371;
+	setp.lt.u32 	%p9, %r424, 3;
+	mov.f32 	%f682, 0f00000000;
+	mov.u32 	%r2715, 0;
+	@%p9 bra 	$L__BB1_16;
 
-	shl.b64 	%rd81, %rd10, 1;
-	add.s64 	%rd82, %rd47, %rd81;
-	add.s64 	%rd80, %rd82, 192;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1671, %r1670}, [%rd80];
-	// end inline asm
+	mov.f32 	%f682, 0f00000000;
+	mov.u32 	%r2715, 0;
+	mov.u32 	%r2714, %r426;
 
 $L__BB1_15:
-	mov.u32 	%r1668, %r1669;
-	@%p2 bra 	$L__BB1_17;
+	shl.b32 	%r2373, %r2715, 4;
+	add.s32 	%r2374, %r2373, %r430;
+	shl.b32 	%r2375, %r2374, 5;
+	add.s32 	%r2376, %r2375, %r431;
+	shl.b32 	%r2377, %r2376, 2;
+	add.s32 	%r2379, %r2361, %r2377;
+	ld.shared.f32 	%f632, [%r2379];
+	add.f32 	%f633, %f682, %f632;
+	ld.shared.f32 	%f634, [%r2379+2048];
+	add.f32 	%f635, %f633, %f634;
+	ld.shared.f32 	%f636, [%r2379+4096];
+	add.f32 	%f637, %f635, %f636;
+	ld.shared.f32 	%f638, [%r2379+6144];
+	add.f32 	%f682, %f637, %f638;
+	add.s32 	%r2715, %r2715, 4;
+	add.s32 	%r2714, %r2714, -4;
+	setp.ne.s32 	%p10, %r2714, 0;
+	@%p10 bra 	$L__BB1_15;
 
-	shl.b64 	%rd84, %rd10, 1;
-	add.s64 	%rd85, %rd47, %rd84;
-	add.s64 	%rd83, %rd85, 224;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1669, %r1668}, [%rd83];
-	// end inline asm
+$L__BB1_16:
+	setp.eq.s32 	%p11, %r425, 0;
+	@%p11 bra 	$L__BB1_20;
 
-$L__BB1_17:
-	or.b32  	%r59, %r8, 8;
-	cvt.u64.u32 	%rd86, %r59;
-	mul.lo.s64 	%rd87, %rd86, %rd9;
-	setp.ge.s32 	%p10, %r59, %r568;
-	add.s64 	%rd11, %rd87, %rd8;
-	mov.u32 	%r1665, 0;
-	mov.u32 	%r1667, %r1665;
-	mov.u32 	%r1666, %r1665;
-	@%p10 bra 	$L__BB1_19;
+	setp.eq.s32 	%p12, %r425, 1;
+	shl.b32 	%r2380, %r2715, 4;
+	add.s32 	%r2381, %r2380, %r430;
+	shl.b32 	%r2382, %r2381, 5;
+	add.s32 	%r2383, %r2382, %r431;
+	shl.b32 	%r2384, %r2383, 2;
+	add.s32 	%r437, %r2361, %r2384;
+	ld.shared.f32 	%f639, [%r437];
+	add.f32 	%f682, %f682, %f639;
+	@%p12 bra 	$L__BB1_20;
 
-	shl.b64 	%rd89, %rd11, 1;
-	add.s64 	%rd88, %rd47, %rd89;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1667, %r1666}, [%rd88];
-	// end inline asm
+	setp.eq.s32 	%p13, %r425, 2;
+	ld.shared.f32 	%f640, [%r437+2048];
+	add.f32 	%f682, %f682, %f640;
+	@%p13 bra 	$L__BB1_20;
 
-$L__BB1_19:
-	mov.u32 	%r1664, %r1665;
-	@%p10 bra 	$L__BB1_21;
+	ld.shared.f32 	%f641, [%r437+4096];
+	add.f32 	%f682, %f682, %f641;
 
-	shl.b64 	%rd91, %rd11, 1;
-	add.s64 	%rd92, %rd47, %rd91;
-	add.s64 	%rd90, %rd92, 32;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1665, %r1664}, [%rd90];
-	// end inline asm
+$L__BB1_20:
+	shr.u32 	%r2387, %r2368, 25;
+	add.s32 	%r2388, %r2712, %r2387;
+	shr.u32 	%r2389, %r2388, 31;
+	shr.s32 	%r2390, %r2388, 7;
+	add.s32 	%r2391, %r2390, %r2389;
+	and.b32  	%r2392, %r2391, 2147483646;
+	sub.s32 	%r2393, %r2390, %r2392;
+	shr.u32 	%r2394, %r2368, 24;
+	add.s32 	%r2395, %r2712, %r2394;
+	shr.s32 	%r2396, %r2395, 8;
+	shl.b32 	%r2397, %r2396, 3;
+	shl.b32 	%r2398, %r431, 1;
+	and.b32  	%r2399, %r2398, 6;
+	or.b32  	%r2400, %r2399, %r2397;
+	shr.s32 	%r2401, %r430, 31;
+	shr.u32 	%r2402, %r2401, 30;
+	add.s32 	%r2403, %r430, %r2402;
+	and.b32  	%r2404, %r2403, -4;
+	sub.s32 	%r2405, %r430, %r2404;
+	and.b32  	%r2406, %r2405, 1;
+	or.b32  	%r438, %r2400, %r2406;
+	and.b32  	%r2407, %r431, -4;
+	add.s32 	%r2408, %r2407, %r428;
+	shl.b32 	%r2409, %r2393, 1;
+	add.s32 	%r2410, %r2408, %r2409;
+	shr.u32 	%r2411, %r2405, 31;
+	add.s32 	%r2412, %r2405, %r2411;
+	shr.s32 	%r2413, %r2412, 1;
+	add.s32 	%r439, %r2410, %r2413;
+	setp.ge.s32 	%p14, %r438, %r458;
+	@%p14 bra 	$L__BB1_24;
 
-$L__BB1_21:
-	mov.u32 	%r1661, 0;
-	mov.u32 	%r1663, %r1661;
-	mov.u32 	%r1662, %r1661;
-	@%p10 bra 	$L__BB1_23;
+	setp.eq.s64 	%p15, %rd14, 0;
+	@%p15 bra 	$L__BB1_23;
 
-	shl.b64 	%rd94, %rd11, 1;
-	add.s64 	%rd95, %rd47, %rd94;
-	add.s64 	%rd93, %rd95, 64;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1663, %r1662}, [%rd93];
-	// end inline asm
+	mul.wide.s32 	%rd126, %r439, 2;
+	add.s64 	%rd127, %rd125, %rd126;
+	ld.global.u16 	%r2414, [%rd127];
+	shl.b32 	%r2415, %r2414, 16;
+	mov.b32 	%f642, %r2415;
+	add.f32 	%f682, %f682, %f642;
 
 $L__BB1_23:
-	mov.u32 	%r1660, %r1661;
-	@%p10 bra 	$L__BB1_25;
-
-	shl.b64 	%rd97, %rd11, 1;
-	add.s64 	%rd98, %rd47, %rd97;
-	add.s64 	%rd96, %rd98, 96;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1661, %r1660}, [%rd96];
+	cvt.rn.bf16.f32 %rs1, %f682;
 	// end inline asm
+	cvt.s64.s32 	%rd128, %r438;
+	mul.lo.s64 	%rd129, %rd128, %rd9;
+	cvt.s64.s32 	%rd130, %r439;
+	add.s64 	%rd131, %rd129, %rd130;
+	shl.b64 	%rd132, %rd131, 1;
+	add.s64 	%rd133, %rd5, %rd132;
+	st.global.u16 	[%rd133], %rs1;
+
+$L__BB1_24:
+	add.s32 	%r2712, %r2712, %r423;
+	setp.lt.s32 	%p16, %r2712, 512;
+	@%p16 bra 	$L__BB1_13;
+	bra.uni 	$L__BB1_32;
 
 $L__BB1_25:
-	mov.u32 	%r1657, 0;
-	mov.u32 	%r1659, %r1657;
-	mov.u32 	%r1658, %r1657;
-	@%p10 bra 	$L__BB1_27;
+	mov.u32 	%r2716, %tid.x;
+	mov.u32 	%r2416, %ctaid.x;
+	shl.b32 	%r442, %r2416, 5;
+	cvta.to.global.u64 	%rd134, %rd14;
 
-	shl.b64 	%rd100, %rd11, 1;
-	add.s64 	%rd101, %rd47, %rd100;
-	add.s64 	%rd99, %rd101, 128;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1659, %r1658}, [%rd99];
-	// end inline asm
+$L__BB1_26:
+	shr.s32 	%r2417, %r2716, 31;
+	shr.u32 	%r2418, %r2417, 25;
+	add.s32 	%r2419, %r2716, %r2418;
+	shr.u32 	%r2420, %r2419, 31;
+	shr.s32 	%r2421, %r2419, 7;
+	add.s32 	%r2422, %r2421, %r2420;
+	and.b32  	%r2423, %r2422, 2147483646;
+	sub.s32 	%r2424, %r2421, %r2423;
+	shr.u32 	%r2425, %r2417, 27;
+	add.s32 	%r2426, %r2716, %r2425;
+	shr.s32 	%r2427, %r2426, 5;
+	shr.u32 	%r2428, %r2417, 24;
+	add.s32 	%r2429, %r2716, %r2428;
+	shr.s32 	%r2430, %r2429, 8;
+	shl.b32 	%r2431, %r2430, 3;
+	and.b32  	%r2432, %r2426, -32;
+	sub.s32 	%r2433, %r2716, %r2432;
+	shl.b32 	%r2434, %r2433, 1;
+	and.b32  	%r2435, %r2434, 6;
+	or.b32  	%r2436, %r2435, %r2431;
+	shr.s32 	%r2437, %r2426, 31;
+	shr.u32 	%r2438, %r2437, 30;
+	add.s32 	%r2439, %r2427, %r2438;
+	and.b32  	%r2440, %r2439, -4;
+	sub.s32 	%r2441, %r2427, %r2440;
+	and.b32  	%r2442, %r2441, 1;
+	or.b32  	%r444, %r2436, %r2442;
+	and.b32  	%r2443, %r2433, -4;
+	add.s32 	%r2444, %r2443, %r442;
+	shl.b32 	%r2445, %r2424, 1;
+	add.s32 	%r2446, %r2444, %r2445;
+	shr.u32 	%r2447, %r2441, 31;
+	add.s32 	%r2448, %r2441, %r2447;
+	shr.s32 	%r2449, %r2448, 1;
+	add.s32 	%r445, %r2446, %r2449;
+	setp.ge.s32 	%p17, %r444, %r458;
+	@%p17 bra 	$L__BB1_31;
 
-$L__BB1_27:
-	mov.u32 	%r1656, %r1657;
-	@%p10 bra 	$L__BB1_29;
+	setp.eq.s64 	%p18, %rd14, 0;
+	@%p18 bra 	$L__BB1_29;
 
-	shl.b64 	%rd103, %rd11, 1;
-	add.s64 	%rd104, %rd47, %rd103;
-	add.s64 	%rd102, %rd104, 160;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1657, %r1656}, [%rd102];
-	// end inline asm
+	mul.wide.s32 	%rd135, %r445, 2;
+	add.s64 	%rd136, %rd134, %rd135;
+	ld.global.u16 	%r2450, [%rd136];
+	shl.b32 	%r2451, %r2450, 16;
+	mov.b32 	%f644, %r2451;
+	add.f32 	%f684, %f644, 0f00000000;
+	bra.uni 	$L__BB1_30;
 
 $L__BB1_29:
-	mov.u32 	%r1653, 0;
-	mov.u32 	%r1655, %r1653;
-	mov.u32 	%r1654, %r1653;
-	@%p10 bra 	$L__BB1_31;
+	mov.f32 	%f684, 0f00000000;
 
-	shl.b64 	%rd106, %rd11, 1;
-	add.s64 	%rd107, %rd47, %rd106;
-	add.s64 	%rd105, %rd107, 192;
+$L__BB1_30:
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1655, %r1654}, [%rd105];
+	cvt.rn.bf16.f32 %rs2, %f684;
 	// end inline asm
+	cvt.s64.s32 	%rd137, %r444;
+	mul.lo.s64 	%rd138, %rd137, %rd9;
+	cvt.s64.s32 	%rd139, %r445;
+	add.s64 	%rd140, %rd138, %rd139;
+	shl.b64 	%rd141, %rd140, 1;
+	add.s64 	%rd142, %rd5, %rd141;
+	st.global.u16 	[%rd142], %rs2;
 
 $L__BB1_31:
-	mov.u32 	%r1652, %r1653;
-	@%p10 bra 	$L__BB1_33;
+	add.s32 	%r2716, %r2716, %r423;
+	setp.lt.s32 	%p19, %r2716, 512;
+	@%p19 bra 	$L__BB1_26;
 
-	shl.b64 	%rd109, %rd11, 1;
-	add.s64 	%rd110, %rd47, %rd109;
-	add.s64 	%rd108, %rd110, 224;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1653, %r1652}, [%rd108];
-	// end inline asm
-
-$L__BB1_33:
-	cvt.s64.s32 	%rd113, %r1802;
-	mul.lo.s64 	%rd114, %rd113, %rd6;
-	add.s64 	%rd115, %rd114, %rd7;
-	shl.b64 	%rd116, %rd115, 1;
-	add.s64 	%rd111, %rd49, %rd116;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1702, %r1701}, [%rd111];
-	// end inline asm
-	add.s64 	%rd112, %rd50, %rd115;
-	// begin inline asm
-	ld.global.nc.u32 %r1700, [%rd112];
-	// end inline asm
-
-$L__BB1_34:
-	mov.f32 	%f372, 0f00000000;
-	mov.f32 	%f373, %f372;
-	mov.f32 	%f374, %f372;
-	mov.f32 	%f375, %f372;
-	mov.f32 	%f376, %f372;
-	mov.f32 	%f377, %f372;
-	mov.f32 	%f378, %f372;
-	mov.f32 	%f379, %f372;
-	mov.f32 	%f380, %f372;
-	mov.f32 	%f381, %f372;
-	mov.f32 	%f382, %f372;
-	mov.f32 	%f383, %f372;
-	mov.f32 	%f384, %f372;
-	mov.f32 	%f385, %f372;
-	mov.f32 	%f386, %f372;
-	mov.f32 	%f387, %f372;
-	@%p1 bra 	$L__BB1_71;
-
-	cvt.s64.s32 	%rd12, %r9;
-	mul.wide.s32 	%rd13, %r8, %r571;
-	or.b32  	%r676, %r8, 8;
-	mul.wide.s32 	%rd14, %r676, %r571;
-	shl.b64 	%rd117, %rd13, 1;
-	add.s64 	%rd118, %rd47, %rd117;
-	add.s64 	%rd15, %rd118, 32;
-	add.s64 	%rd16, %rd118, 64;
-	add.s64 	%rd17, %rd118, 96;
-	add.s64 	%rd18, %rd118, 128;
-	add.s64 	%rd19, %rd118, 160;
-	add.s64 	%rd20, %rd118, 192;
-	add.s64 	%rd21, %rd118, 224;
-	shl.b64 	%rd119, %rd14, 1;
-	add.s64 	%rd120, %rd47, %rd119;
-	add.s64 	%rd22, %rd120, 32;
-	add.s64 	%rd23, %rd120, 64;
-	add.s64 	%rd24, %rd120, 96;
-	add.s64 	%rd25, %rd120, 128;
-	add.s64 	%rd26, %rd120, 160;
-	add.s64 	%rd27, %rd120, 192;
-	add.s64 	%rd28, %rd120, 224;
-	mov.f32 	%f372, 0f00000000;
-
-$L__BB1_36:
-	add.s32 	%r297, %r1802, %r6;
-	setp.ge.s32 	%p19, %r297, %r10;
-	@%p19 bra 	$L__BB1_70;
-
-	add.s32 	%r1616, %r1802, %r6;
-	ld.param.u64 	%rd184, [lmd_w4a16_rows_bf16_m16_param_0+8];
-	mov.u32 	%r695, %tid.x;
-	and.b32  	%r696, %r695, 31;
-	shr.u32 	%r697, %r696, 2;
-	setp.ge.s32 	%p20, %r697, %r568;
-	shl.b32 	%r698, %r695, 2;
-	and.b32  	%r699, %r698, 12;
-	shl.b32 	%r700, %r1616, 4;
-	or.b32  	%r701, %r700, %r699;
-	mul.wide.s32 	%rd125, %r701, %r569;
-	add.s64 	%rd126, %rd125, %rd12;
-	shl.b64 	%rd127, %rd126, 2;
-	add.s64 	%rd121, %rd184, %rd127;
-	// begin inline asm
-	ld.global.nc.v4.u32 {%r1885, %r1884, %r1883, %r1882}, [%rd121];
-	// end inline asm
-	mul.wide.s32 	%rd128, %r569, 4;
-	add.s64 	%rd122, %rd121, %rd128;
-	// begin inline asm
-	ld.global.nc.v4.u32 {%r1881, %r1880, %r1879, %r1878}, [%rd122];
-	// end inline asm
-	add.s64 	%rd123, %rd122, %rd128;
-	// begin inline asm
-	ld.global.nc.v4.u32 {%r1877, %r1876, %r1875, %r1874}, [%rd123];
-	// end inline asm
-	add.s64 	%rd124, %rd123, %rd128;
-	// begin inline asm
-	ld.global.nc.v4.u32 {%r1873, %r1872, %r1871, %r1870}, [%rd124];
-	// end inline asm
-	mad.lo.s32 	%r702, %r1616, 112, %r701;
-	cvt.s64.s32 	%rd29, %r702;
-	mov.u32 	%r1867, 0;
-	mov.u32 	%r1869, %r1867;
-	mov.u32 	%r1868, %r1867;
-	@%p20 bra 	$L__BB1_39;
-
-	add.s64 	%rd130, %rd13, %rd29;
-	shl.b64 	%rd131, %rd130, 1;
-	add.s64 	%rd129, %rd47, %rd131;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1869, %r1868}, [%rd129];
-	// end inline asm
-
-$L__BB1_39:
-	shl.b64 	%rd132, %rd29, 1;
-	add.s64 	%rd30, %rd15, %rd132;
-	mov.u32 	%r1866, %r1867;
-	@%p20 bra 	$L__BB1_41;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1867, %r1866}, [%rd30];
-	// end inline asm
-
-$L__BB1_41:
-	add.s64 	%rd31, %rd16, %rd132;
-	mov.u32 	%r1863, 0;
-	mov.u32 	%r1865, %r1863;
-	mov.u32 	%r1864, %r1863;
-	@%p20 bra 	$L__BB1_43;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1865, %r1864}, [%rd31];
-	// end inline asm
-
-$L__BB1_43:
-	add.s64 	%rd32, %rd17, %rd132;
-	mov.u32 	%r1862, %r1863;
-	@%p20 bra 	$L__BB1_45;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1863, %r1862}, [%rd32];
-	// end inline asm
-
-$L__BB1_45:
-	add.s64 	%rd33, %rd18, %rd132;
-	mov.u32 	%r1859, 0;
-	mov.u32 	%r1861, %r1859;
-	mov.u32 	%r1860, %r1859;
-	@%p20 bra 	$L__BB1_47;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1861, %r1860}, [%rd33];
-	// end inline asm
-
-$L__BB1_47:
-	add.s64 	%rd34, %rd19, %rd132;
-	mov.u32 	%r1858, %r1859;
-	@%p20 bra 	$L__BB1_49;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1859, %r1858}, [%rd34];
-	// end inline asm
-
-$L__BB1_49:
-	add.s64 	%rd35, %rd20, %rd132;
-	mov.u32 	%r1855, 0;
-	mov.u32 	%r1857, %r1855;
-	mov.u32 	%r1856, %r1855;
-	@%p20 bra 	$L__BB1_51;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1857, %r1856}, [%rd35];
-	// end inline asm
-
-$L__BB1_51:
-	add.s64 	%rd36, %rd21, %rd132;
-	mov.u32 	%r1854, %r1855;
-	@%p20 bra 	$L__BB1_53;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1855, %r1854}, [%rd36];
-	// end inline asm
-
-$L__BB1_53:
-	mov.u32 	%r1613, %tid.x;
-	and.b32  	%r1612, %r1613, 31;
-	shr.u32 	%r1611, %r1612, 2;
-	or.b32  	%r759, %r1611, 8;
-	setp.ge.s32 	%p28, %r759, %r568;
-	mov.u32 	%r1851, 0;
-	mov.u32 	%r1853, %r1851;
-	mov.u32 	%r1852, %r1851;
-	@%p28 bra 	$L__BB1_55;
-
-	add.s64 	%rd147, %rd14, %rd29;
-	shl.b64 	%rd148, %rd147, 1;
-	add.s64 	%rd146, %rd47, %rd148;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1853, %r1852}, [%rd146];
-	// end inline asm
-
-$L__BB1_55:
-	add.s64 	%rd37, %rd22, %rd132;
-	mov.u32 	%r1850, %r1851;
-	@%p28 bra 	$L__BB1_57;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1851, %r1850}, [%rd37];
-	// end inline asm
-
-$L__BB1_57:
-	add.s64 	%rd38, %rd23, %rd132;
-	mov.u32 	%r1847, 0;
-	mov.u32 	%r1849, %r1847;
-	mov.u32 	%r1848, %r1847;
-	@%p28 bra 	$L__BB1_59;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1849, %r1848}, [%rd38];
-	// end inline asm
-
-$L__BB1_59:
-	add.s64 	%rd39, %rd24, %rd132;
-	mov.u32 	%r1846, %r1847;
-	@%p28 bra 	$L__BB1_61;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1847, %r1846}, [%rd39];
-	// end inline asm
-
-$L__BB1_61:
-	add.s64 	%rd40, %rd25, %rd132;
-	mov.u32 	%r1843, 0;
-	mov.u32 	%r1845, %r1843;
-	mov.u32 	%r1844, %r1843;
-	@%p28 bra 	$L__BB1_63;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1845, %r1844}, [%rd40];
-	// end inline asm
-
-$L__BB1_63:
-	add.s64 	%rd41, %rd26, %rd132;
-	mov.u32 	%r1842, %r1843;
-	@%p28 bra 	$L__BB1_65;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1843, %r1842}, [%rd41];
-	// end inline asm
-
-$L__BB1_65:
-	add.s64 	%rd42, %rd27, %rd132;
-	mov.u32 	%r1839, 0;
-	mov.u32 	%r1841, %r1839;
-	mov.u32 	%r1840, %r1839;
-	@%p28 bra 	$L__BB1_67;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1841, %r1840}, [%rd42];
-	// end inline asm
-
-$L__BB1_67:
-	add.s64 	%rd43, %rd28, %rd132;
-	mov.u32 	%r1838, %r1839;
-	@%p28 bra 	$L__BB1_69;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1839, %r1838}, [%rd43];
-	// end inline asm
-
-$L__BB1_69:
-	add.s32 	%r1614, %r1802, %r6;
-	ld.param.u64 	%rd183, [lmd_w4a16_rows_bf16_m16_param_0+24];
-	ld.param.u64 	%rd182, [lmd_w4a16_rows_bf16_m16_param_0+16];
-	mul.wide.s32 	%rd165, %r1614, %r569;
-	add.s64 	%rd166, %rd165, %rd12;
-	shl.b64 	%rd167, %rd166, 1;
-	add.s64 	%rd163, %rd182, %rd167;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1837, %r1836}, [%rd163];
-	// end inline asm
-	add.s64 	%rd164, %rd183, %rd166;
-	// begin inline asm
-	ld.global.nc.u32 %r1835, [%rd164];
-	// end inline asm
-
-$L__BB1_70:
-	add.s32 	%r1802, %r1802, %r6;
-	and.b32  	%r1397, %r1700, 255;
-	or.b32  	%r1398, %r1397, 49920;
-	mul.lo.s32 	%r1352, %r1398, 65537;
-	shr.u32 	%r1399, %r1700, 8;
-	and.b32  	%r1400, %r1399, 255;
-	or.b32  	%r1401, %r1400, 49920;
-	mul.lo.s32 	%r1356, %r1401, 65537;
-	shr.u32 	%r1402, %r1700, 16;
-	and.b32  	%r1403, %r1402, 255;
-	or.b32  	%r1404, %r1403, 49920;
-	mul.lo.s32 	%r1368, %r1404, 65537;
-	shr.u32 	%r1405, %r1700, 24;
-	or.b32  	%r1406, %r1405, 49920;
-	mul.lo.s32 	%r1372, %r1406, 65537;
-	mov.u32 	%r852, 17408;
-	// begin inline asm
-	prmt.b32 %r821, %r1750, %r1746, %r852;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r825, %r1749, %r1745, %r852;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r829, %r1742, %r1738, %r852;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r833, %r1741, %r1737, %r852;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r837, %r1748, %r1744, %r852;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r841, %r1747, %r1743, %r852;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r845, %r1740, %r1736, %r852;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r849, %r1739, %r1735, %r852;
-	// end inline asm
-	and.b32  	%r1407, %r821, 983055;
-	or.b32  	%r854, %r1407, 1124090624;
-	mov.u32 	%r1371, 1065369472;
-	// begin inline asm
-	fma.rn.bf16x2 %r853, %r854, %r1371, %r1352;
-	// end inline asm
-	and.b32  	%r1408, %r825, 983055;
-	or.b32  	%r858, %r1408, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r857, %r858, %r1371, %r1356;
-	// end inline asm
-	and.b32  	%r1409, %r829, 983055;
-	or.b32  	%r862, %r1409, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r861, %r862, %r1371, %r1352;
-	// end inline asm
-	and.b32  	%r1410, %r833, 983055;
-	or.b32  	%r866, %r1410, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r865, %r866, %r1371, %r1356;
-	// end inline asm
-	and.b32  	%r1411, %r837, 983055;
-	or.b32  	%r870, %r1411, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r869, %r870, %r1371, %r1368;
-	// end inline asm
-	and.b32  	%r1412, %r841, 983055;
-	or.b32  	%r874, %r1412, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r873, %r874, %r1371, %r1372;
-	// end inline asm
-	and.b32  	%r1413, %r845, 983055;
-	or.b32  	%r878, %r1413, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r877, %r878, %r1371, %r1368;
-	// end inline asm
-	and.b32  	%r1414, %r849, 983055;
-	or.b32  	%r882, %r1414, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r881, %r882, %r1371, %r1372;
-	// end inline asm
-	mov.f32 	%f143, 0f00000000;
-	mov.f32 	%f119, %f143;
-	mov.f32 	%f120, %f143;
-	mov.f32 	%f121, %f143;
-	mov.f32 	%f122, %f143;
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f119, %f120, %f121, %f122}, {%r853, %r857, %r861, %r865}, {%r1683, %r1682}, {%f119, %f120, %f121, %f122};
-	// end inline asm
-	mov.f32 	%f127, %f143;
-	mov.f32 	%f128, %f143;
-	mov.f32 	%f129, %f143;
-	mov.f32 	%f130, %f143;
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f127, %f128, %f129, %f130}, {%r869, %r873, %r877, %r881}, {%r1683, %r1682}, {%f127, %f128, %f129, %f130};
-	// end inline asm
-	mov.f32 	%f135, %f143;
-	mov.f32 	%f136, %f143;
-	mov.f32 	%f137, %f143;
-	mov.f32 	%f138, %f143;
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f135, %f136, %f137, %f138}, {%r853, %r857, %r861, %r865}, {%r1667, %r1666}, {%f135, %f136, %f137, %f138};
-	// end inline asm
-	mov.f32 	%f144, %f143;
-	mov.f32 	%f145, %f143;
-	mov.f32 	%f146, %f143;
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f143, %f144, %f145, %f146}, {%r869, %r873, %r877, %r881}, {%r1667, %r1666}, {%f143, %f144, %f145, %f146};
-	// end inline asm
-	shr.u32 	%r1415, %r821, 4;
-	and.b32  	%r1416, %r1415, 983055;
-	or.b32  	%r910, %r1416, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r909, %r910, %r1371, %r1352;
-	// end inline asm
-	shr.u32 	%r1417, %r825, 4;
-	and.b32  	%r1418, %r1417, 983055;
-	or.b32  	%r914, %r1418, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r913, %r914, %r1371, %r1356;
-	// end inline asm
-	shr.u32 	%r1419, %r829, 4;
-	and.b32  	%r1420, %r1419, 983055;
-	or.b32  	%r918, %r1420, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r917, %r918, %r1371, %r1352;
-	// end inline asm
-	shr.u32 	%r1421, %r833, 4;
-	and.b32  	%r1422, %r1421, 983055;
-	or.b32  	%r922, %r1422, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r921, %r922, %r1371, %r1356;
-	// end inline asm
-	shr.u32 	%r1423, %r837, 4;
-	and.b32  	%r1424, %r1423, 983055;
-	or.b32  	%r926, %r1424, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r925, %r926, %r1371, %r1368;
-	// end inline asm
-	shr.u32 	%r1425, %r841, 4;
-	and.b32  	%r1426, %r1425, 983055;
-	or.b32  	%r930, %r1426, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r929, %r930, %r1371, %r1372;
-	// end inline asm
-	shr.u32 	%r1427, %r845, 4;
-	and.b32  	%r1428, %r1427, 983055;
-	or.b32  	%r934, %r1428, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r933, %r934, %r1371, %r1368;
-	// end inline asm
-	shr.u32 	%r1429, %r849, 4;
-	and.b32  	%r1430, %r1429, 983055;
-	or.b32  	%r938, %r1430, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r937, %r938, %r1371, %r1372;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f119, %f120, %f121, %f122}, {%r909, %r913, %r917, %r921}, {%r1681, %r1680}, {%f119, %f120, %f121, %f122};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f127, %f128, %f129, %f130}, {%r925, %r929, %r933, %r937}, {%r1681, %r1680}, {%f127, %f128, %f129, %f130};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f135, %f136, %f137, %f138}, {%r909, %r913, %r917, %r921}, {%r1665, %r1664}, {%f135, %f136, %f137, %f138};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f143, %f144, %f145, %f146}, {%r925, %r929, %r933, %r937}, {%r1665, %r1664}, {%f143, %f144, %f145, %f146};
-	// end inline asm
-	mov.u32 	%r996, 21777;
-	// begin inline asm
-	prmt.b32 %r965, %r1750, %r1746, %r996;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r969, %r1749, %r1745, %r996;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r973, %r1742, %r1738, %r996;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r977, %r1741, %r1737, %r996;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r981, %r1748, %r1744, %r996;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r985, %r1747, %r1743, %r996;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r989, %r1740, %r1736, %r996;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r993, %r1739, %r1735, %r996;
-	// end inline asm
-	and.b32  	%r1431, %r965, 983055;
-	or.b32  	%r998, %r1431, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r997, %r998, %r1371, %r1352;
-	// end inline asm
-	and.b32  	%r1432, %r969, 983055;
-	or.b32  	%r1002, %r1432, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1001, %r1002, %r1371, %r1356;
-	// end inline asm
-	and.b32  	%r1433, %r973, 983055;
-	or.b32  	%r1006, %r1433, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1005, %r1006, %r1371, %r1352;
-	// end inline asm
-	and.b32  	%r1434, %r977, 983055;
-	or.b32  	%r1010, %r1434, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1009, %r1010, %r1371, %r1356;
-	// end inline asm
-	and.b32  	%r1435, %r981, 983055;
-	or.b32  	%r1014, %r1435, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1013, %r1014, %r1371, %r1368;
-	// end inline asm
-	and.b32  	%r1436, %r985, 983055;
-	or.b32  	%r1018, %r1436, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1017, %r1018, %r1371, %r1372;
-	// end inline asm
-	and.b32  	%r1437, %r989, 983055;
-	or.b32  	%r1022, %r1437, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1021, %r1022, %r1371, %r1368;
-	// end inline asm
-	and.b32  	%r1438, %r993, 983055;
-	or.b32  	%r1026, %r1438, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1025, %r1026, %r1371, %r1372;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f119, %f120, %f121, %f122}, {%r997, %r1001, %r1005, %r1009}, {%r1679, %r1678}, {%f119, %f120, %f121, %f122};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f127, %f128, %f129, %f130}, {%r1013, %r1017, %r1021, %r1025}, {%r1679, %r1678}, {%f127, %f128, %f129, %f130};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f135, %f136, %f137, %f138}, {%r997, %r1001, %r1005, %r1009}, {%r1663, %r1662}, {%f135, %f136, %f137, %f138};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f143, %f144, %f145, %f146}, {%r1013, %r1017, %r1021, %r1025}, {%r1663, %r1662}, {%f143, %f144, %f145, %f146};
-	// end inline asm
-	shr.u32 	%r1439, %r965, 4;
-	and.b32  	%r1440, %r1439, 983055;
-	or.b32  	%r1054, %r1440, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1053, %r1054, %r1371, %r1352;
-	// end inline asm
-	shr.u32 	%r1441, %r969, 4;
-	and.b32  	%r1442, %r1441, 983055;
-	or.b32  	%r1058, %r1442, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1057, %r1058, %r1371, %r1356;
-	// end inline asm
-	shr.u32 	%r1443, %r973, 4;
-	and.b32  	%r1444, %r1443, 983055;
-	or.b32  	%r1062, %r1444, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1061, %r1062, %r1371, %r1352;
-	// end inline asm
-	shr.u32 	%r1445, %r977, 4;
-	and.b32  	%r1446, %r1445, 983055;
-	or.b32  	%r1066, %r1446, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1065, %r1066, %r1371, %r1356;
-	// end inline asm
-	shr.u32 	%r1447, %r981, 4;
-	and.b32  	%r1448, %r1447, 983055;
-	or.b32  	%r1070, %r1448, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1069, %r1070, %r1371, %r1368;
-	// end inline asm
-	shr.u32 	%r1449, %r985, 4;
-	and.b32  	%r1450, %r1449, 983055;
-	or.b32  	%r1074, %r1450, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1073, %r1074, %r1371, %r1372;
-	// end inline asm
-	shr.u32 	%r1451, %r989, 4;
-	and.b32  	%r1452, %r1451, 983055;
-	or.b32  	%r1078, %r1452, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1077, %r1078, %r1371, %r1368;
-	// end inline asm
-	shr.u32 	%r1453, %r993, 4;
-	and.b32  	%r1454, %r1453, 983055;
-	or.b32  	%r1082, %r1454, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1081, %r1082, %r1371, %r1372;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f119, %f120, %f121, %f122}, {%r1053, %r1057, %r1061, %r1065}, {%r1677, %r1676}, {%f119, %f120, %f121, %f122};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f127, %f128, %f129, %f130}, {%r1069, %r1073, %r1077, %r1081}, {%r1677, %r1676}, {%f127, %f128, %f129, %f130};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f135, %f136, %f137, %f138}, {%r1053, %r1057, %r1061, %r1065}, {%r1661, %r1660}, {%f135, %f136, %f137, %f138};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f143, %f144, %f145, %f146}, {%r1069, %r1073, %r1077, %r1081}, {%r1661, %r1660}, {%f143, %f144, %f145, %f146};
-	// end inline asm
-	mov.u32 	%r1140, 26146;
-	// begin inline asm
-	prmt.b32 %r1109, %r1750, %r1746, %r1140;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1113, %r1749, %r1745, %r1140;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1117, %r1742, %r1738, %r1140;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1121, %r1741, %r1737, %r1140;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1125, %r1748, %r1744, %r1140;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1129, %r1747, %r1743, %r1140;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1133, %r1740, %r1736, %r1140;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1137, %r1739, %r1735, %r1140;
-	// end inline asm
-	and.b32  	%r1455, %r1109, 983055;
-	or.b32  	%r1142, %r1455, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1141, %r1142, %r1371, %r1352;
-	// end inline asm
-	and.b32  	%r1456, %r1113, 983055;
-	or.b32  	%r1146, %r1456, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1145, %r1146, %r1371, %r1356;
-	// end inline asm
-	and.b32  	%r1457, %r1117, 983055;
-	or.b32  	%r1150, %r1457, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1149, %r1150, %r1371, %r1352;
-	// end inline asm
-	and.b32  	%r1458, %r1121, 983055;
-	or.b32  	%r1154, %r1458, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1153, %r1154, %r1371, %r1356;
-	// end inline asm
-	and.b32  	%r1459, %r1125, 983055;
-	or.b32  	%r1158, %r1459, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1157, %r1158, %r1371, %r1368;
-	// end inline asm
-	and.b32  	%r1460, %r1129, 983055;
-	or.b32  	%r1162, %r1460, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1161, %r1162, %r1371, %r1372;
-	// end inline asm
-	and.b32  	%r1461, %r1133, 983055;
-	or.b32  	%r1166, %r1461, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1165, %r1166, %r1371, %r1368;
-	// end inline asm
-	and.b32  	%r1462, %r1137, 983055;
-	or.b32  	%r1170, %r1462, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1169, %r1170, %r1371, %r1372;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f119, %f120, %f121, %f122}, {%r1141, %r1145, %r1149, %r1153}, {%r1675, %r1674}, {%f119, %f120, %f121, %f122};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f127, %f128, %f129, %f130}, {%r1157, %r1161, %r1165, %r1169}, {%r1675, %r1674}, {%f127, %f128, %f129, %f130};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f135, %f136, %f137, %f138}, {%r1141, %r1145, %r1149, %r1153}, {%r1659, %r1658}, {%f135, %f136, %f137, %f138};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f143, %f144, %f145, %f146}, {%r1157, %r1161, %r1165, %r1169}, {%r1659, %r1658}, {%f143, %f144, %f145, %f146};
-	// end inline asm
-	shr.u32 	%r1463, %r1109, 4;
-	and.b32  	%r1464, %r1463, 983055;
-	or.b32  	%r1198, %r1464, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1197, %r1198, %r1371, %r1352;
-	// end inline asm
-	shr.u32 	%r1465, %r1113, 4;
-	and.b32  	%r1466, %r1465, 983055;
-	or.b32  	%r1202, %r1466, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1201, %r1202, %r1371, %r1356;
-	// end inline asm
-	shr.u32 	%r1467, %r1117, 4;
-	and.b32  	%r1468, %r1467, 983055;
-	or.b32  	%r1206, %r1468, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1205, %r1206, %r1371, %r1352;
-	// end inline asm
-	shr.u32 	%r1469, %r1121, 4;
-	and.b32  	%r1470, %r1469, 983055;
-	or.b32  	%r1210, %r1470, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1209, %r1210, %r1371, %r1356;
-	// end inline asm
-	shr.u32 	%r1471, %r1125, 4;
-	and.b32  	%r1472, %r1471, 983055;
-	or.b32  	%r1214, %r1472, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1213, %r1214, %r1371, %r1368;
-	// end inline asm
-	shr.u32 	%r1473, %r1129, 4;
-	and.b32  	%r1474, %r1473, 983055;
-	or.b32  	%r1218, %r1474, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1217, %r1218, %r1371, %r1372;
-	// end inline asm
-	shr.u32 	%r1475, %r1133, 4;
-	and.b32  	%r1476, %r1475, 983055;
-	or.b32  	%r1222, %r1476, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1221, %r1222, %r1371, %r1368;
-	// end inline asm
-	shr.u32 	%r1477, %r1137, 4;
-	and.b32  	%r1478, %r1477, 983055;
-	or.b32  	%r1226, %r1478, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1225, %r1226, %r1371, %r1372;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f119, %f120, %f121, %f122}, {%r1197, %r1201, %r1205, %r1209}, {%r1673, %r1672}, {%f119, %f120, %f121, %f122};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f127, %f128, %f129, %f130}, {%r1213, %r1217, %r1221, %r1225}, {%r1673, %r1672}, {%f127, %f128, %f129, %f130};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f135, %f136, %f137, %f138}, {%r1197, %r1201, %r1205, %r1209}, {%r1657, %r1656}, {%f135, %f136, %f137, %f138};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f143, %f144, %f145, %f146}, {%r1213, %r1217, %r1221, %r1225}, {%r1657, %r1656}, {%f143, %f144, %f145, %f146};
-	// end inline asm
-	mov.u32 	%r1284, 30515;
-	// begin inline asm
-	prmt.b32 %r1253, %r1750, %r1746, %r1284;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1257, %r1749, %r1745, %r1284;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1261, %r1742, %r1738, %r1284;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1265, %r1741, %r1737, %r1284;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1269, %r1748, %r1744, %r1284;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1273, %r1747, %r1743, %r1284;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1277, %r1740, %r1736, %r1284;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1281, %r1739, %r1735, %r1284;
-	// end inline asm
-	and.b32  	%r1479, %r1253, 983055;
-	or.b32  	%r1286, %r1479, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1285, %r1286, %r1371, %r1352;
-	// end inline asm
-	and.b32  	%r1480, %r1257, 983055;
-	or.b32  	%r1290, %r1480, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1289, %r1290, %r1371, %r1356;
-	// end inline asm
-	and.b32  	%r1481, %r1261, 983055;
-	or.b32  	%r1294, %r1481, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1293, %r1294, %r1371, %r1352;
-	// end inline asm
-	and.b32  	%r1482, %r1265, 983055;
-	or.b32  	%r1298, %r1482, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1297, %r1298, %r1371, %r1356;
-	// end inline asm
-	and.b32  	%r1483, %r1269, 983055;
-	or.b32  	%r1302, %r1483, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1301, %r1302, %r1371, %r1368;
-	// end inline asm
-	and.b32  	%r1484, %r1273, 983055;
-	or.b32  	%r1306, %r1484, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1305, %r1306, %r1371, %r1372;
-	// end inline asm
-	and.b32  	%r1485, %r1277, 983055;
-	or.b32  	%r1310, %r1485, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1309, %r1310, %r1371, %r1368;
-	// end inline asm
-	and.b32  	%r1486, %r1281, 983055;
-	or.b32  	%r1314, %r1486, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1313, %r1314, %r1371, %r1372;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f119, %f120, %f121, %f122}, {%r1285, %r1289, %r1293, %r1297}, {%r1671, %r1670}, {%f119, %f120, %f121, %f122};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f127, %f128, %f129, %f130}, {%r1301, %r1305, %r1309, %r1313}, {%r1671, %r1670}, {%f127, %f128, %f129, %f130};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f135, %f136, %f137, %f138}, {%r1285, %r1289, %r1293, %r1297}, {%r1655, %r1654}, {%f135, %f136, %f137, %f138};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f143, %f144, %f145, %f146}, {%r1301, %r1305, %r1309, %r1313}, {%r1655, %r1654}, {%f143, %f144, %f145, %f146};
-	// end inline asm
-	shr.u32 	%r1487, %r1253, 4;
-	and.b32  	%r1488, %r1487, 983055;
-	or.b32  	%r1342, %r1488, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1341, %r1342, %r1371, %r1352;
-	// end inline asm
-	shr.u32 	%r1489, %r1257, 4;
-	and.b32  	%r1490, %r1489, 983055;
-	or.b32  	%r1346, %r1490, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1345, %r1346, %r1371, %r1356;
-	// end inline asm
-	shr.u32 	%r1491, %r1261, 4;
-	and.b32  	%r1492, %r1491, 983055;
-	or.b32  	%r1350, %r1492, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1349, %r1350, %r1371, %r1352;
-	// end inline asm
-	shr.u32 	%r1493, %r1265, 4;
-	and.b32  	%r1494, %r1493, 983055;
-	or.b32  	%r1354, %r1494, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1353, %r1354, %r1371, %r1356;
-	// end inline asm
-	shr.u32 	%r1495, %r1269, 4;
-	and.b32  	%r1496, %r1495, 983055;
-	or.b32  	%r1358, %r1496, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1357, %r1358, %r1371, %r1368;
-	// end inline asm
-	shr.u32 	%r1497, %r1273, 4;
-	and.b32  	%r1498, %r1497, 983055;
-	or.b32  	%r1362, %r1498, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1361, %r1362, %r1371, %r1372;
-	// end inline asm
-	shr.u32 	%r1499, %r1277, 4;
-	and.b32  	%r1500, %r1499, 983055;
-	or.b32  	%r1366, %r1500, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1365, %r1366, %r1371, %r1368;
-	// end inline asm
-	shr.u32 	%r1501, %r1281, 4;
-	and.b32  	%r1502, %r1501, 983055;
-	or.b32  	%r1370, %r1502, 1124090624;
-	// begin inline asm
-	fma.rn.bf16x2 %r1369, %r1370, %r1371, %r1372;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f119, %f120, %f121, %f122}, {%r1341, %r1345, %r1349, %r1353}, {%r1669, %r1668}, {%f119, %f120, %f121, %f122};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f127, %f128, %f129, %f130}, {%r1357, %r1361, %r1365, %r1369}, {%r1669, %r1668}, {%f127, %f128, %f129, %f130};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f135, %f136, %f137, %f138}, {%r1341, %r1345, %r1349, %r1353}, {%r1653, %r1652}, {%f135, %f136, %f137, %f138};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f143, %f144, %f145, %f146}, {%r1357, %r1361, %r1365, %r1369}, {%r1653, %r1652}, {%f143, %f144, %f145, %f146};
-	// end inline asm
-	shl.b32 	%r1503, %r1702, 16;
-	mov.b32 	%f343, %r1503;
-	fma.rn.f32 	%f379, %f119, %f343, %f379;
-	fma.rn.f32 	%f378, %f120, %f343, %f378;
-	and.b32  	%r1504, %r1702, -65536;
-	mov.b32 	%f344, %r1504;
-	fma.rn.f32 	%f377, %f121, %f344, %f377;
-	fma.rn.f32 	%f376, %f122, %f344, %f376;
-	shl.b32 	%r1505, %r1701, 16;
-	mov.b32 	%f345, %r1505;
-	fma.rn.f32 	%f375, %f127, %f345, %f375;
-	fma.rn.f32 	%f374, %f128, %f345, %f374;
-	and.b32  	%r1506, %r1701, -65536;
-	mov.b32 	%f346, %r1506;
-	fma.rn.f32 	%f373, %f129, %f346, %f373;
-	fma.rn.f32 	%f372, %f130, %f346, %f372;
-	fma.rn.f32 	%f380, %f135, %f343, %f380;
-	fma.rn.f32 	%f381, %f136, %f343, %f381;
-	fma.rn.f32 	%f382, %f137, %f344, %f382;
-	fma.rn.f32 	%f383, %f138, %f344, %f383;
-	fma.rn.f32 	%f384, %f143, %f345, %f384;
-	fma.rn.f32 	%f385, %f144, %f345, %f385;
-	fma.rn.f32 	%f386, %f145, %f346, %f386;
-	fma.rn.f32 	%f387, %f146, %f346, %f387;
-	setp.lt.s32 	%p36, %r1802, %r10;
-	selp.b32 	%r1700, %r1835, %r1700, %p36;
-	selp.b32 	%r1701, %r1836, %r1701, %p36;
-	selp.b32 	%r1702, %r1837, %r1702, %p36;
-	selp.b32 	%r1652, %r1838, %r1652, %p36;
-	selp.b32 	%r1653, %r1839, %r1653, %p36;
-	selp.b32 	%r1654, %r1840, %r1654, %p36;
-	selp.b32 	%r1655, %r1841, %r1655, %p36;
-	selp.b32 	%r1656, %r1842, %r1656, %p36;
-	selp.b32 	%r1657, %r1843, %r1657, %p36;
-	selp.b32 	%r1658, %r1844, %r1658, %p36;
-	selp.b32 	%r1659, %r1845, %r1659, %p36;
-	selp.b32 	%r1660, %r1846, %r1660, %p36;
-	selp.b32 	%r1661, %r1847, %r1661, %p36;
-	selp.b32 	%r1662, %r1848, %r1662, %p36;
-	selp.b32 	%r1663, %r1849, %r1663, %p36;
-	selp.b32 	%r1664, %r1850, %r1664, %p36;
-	selp.b32 	%r1665, %r1851, %r1665, %p36;
-	selp.b32 	%r1666, %r1852, %r1666, %p36;
-	selp.b32 	%r1667, %r1853, %r1667, %p36;
-	selp.b32 	%r1668, %r1854, %r1668, %p36;
-	selp.b32 	%r1669, %r1855, %r1669, %p36;
-	selp.b32 	%r1670, %r1856, %r1670, %p36;
-	selp.b32 	%r1671, %r1857, %r1671, %p36;
-	selp.b32 	%r1672, %r1858, %r1672, %p36;
-	selp.b32 	%r1673, %r1859, %r1673, %p36;
-	selp.b32 	%r1674, %r1860, %r1674, %p36;
-	selp.b32 	%r1675, %r1861, %r1675, %p36;
-	selp.b32 	%r1676, %r1862, %r1676, %p36;
-	selp.b32 	%r1677, %r1863, %r1677, %p36;
-	selp.b32 	%r1678, %r1864, %r1678, %p36;
-	selp.b32 	%r1679, %r1865, %r1679, %p36;
-	selp.b32 	%r1680, %r1866, %r1680, %p36;
-	selp.b32 	%r1681, %r1867, %r1681, %p36;
-	selp.b32 	%r1682, %r1868, %r1682, %p36;
-	selp.b32 	%r1683, %r1869, %r1683, %p36;
-	selp.b32 	%r1735, %r1870, %r1735, %p36;
-	selp.b32 	%r1736, %r1871, %r1736, %p36;
-	selp.b32 	%r1737, %r1872, %r1737, %p36;
-	selp.b32 	%r1738, %r1873, %r1738, %p36;
-	selp.b32 	%r1739, %r1874, %r1739, %p36;
-	selp.b32 	%r1740, %r1875, %r1740, %p36;
-	selp.b32 	%r1741, %r1876, %r1741, %p36;
-	selp.b32 	%r1742, %r1877, %r1742, %p36;
-	selp.b32 	%r1743, %r1878, %r1743, %p36;
-	selp.b32 	%r1744, %r1879, %r1744, %p36;
-	selp.b32 	%r1745, %r1880, %r1745, %p36;
-	selp.b32 	%r1746, %r1881, %r1746, %p36;
-	selp.b32 	%r1747, %r1882, %r1747, %p36;
-	selp.b32 	%r1748, %r1883, %r1748, %p36;
-	selp.b32 	%r1749, %r1884, %r1749, %p36;
-	selp.b32 	%r1750, %r1885, %r1750, %p36;
-	@%p36 bra 	$L__BB1_36;
-
-$L__BB1_71:
-	mov.u32 	%r1607, %tid.x;
-	and.b32  	%r1606, %r1607, 31;
-	shr.u32 	%r1605, %r1607, 5;
-	bfi.b32 	%r1510, %r1605, %r1606, 9, 23;
-	shl.b32 	%r1511, %r1510, 2;
-	mov.u32 	%r1512, _ZN9lmd_w4a164sumsE;
-	add.s32 	%r1513, %r1512, %r1511;
-	st.shared.f32 	[%r1513], %f379;
-	st.shared.f32 	[%r1513+128], %f378;
-	st.shared.f32 	[%r1513+256], %f377;
-	st.shared.f32 	[%r1513+384], %f376;
-	st.shared.f32 	[%r1513+512], %f375;
-	st.shared.f32 	[%r1513+640], %f374;
-	st.shared.f32 	[%r1513+768], %f373;
-	st.shared.f32 	[%r1513+896], %f372;
-	st.shared.f32 	[%r1513+1024], %f380;
-	st.shared.f32 	[%r1513+1152], %f381;
-	st.shared.f32 	[%r1513+1280], %f382;
-	st.shared.f32 	[%r1513+1408], %f383;
-	st.shared.f32 	[%r1513+1536], %f384;
-	st.shared.f32 	[%r1513+1664], %f385;
-	st.shared.f32 	[%r1513+1792], %f386;
-	st.shared.f32 	[%r1513+1920], %f387;
-	bar.sync 	0;
-	shl.b32 	%r531, %r572, 9;
-	setp.ge.s32 	%p37, %r1607, %r531;
-	@%p37 bra 	$L__BB1_87;
-
-	ld.param.u64 	%rd185, [lmd_w4a16_rows_bf16_m16_param_0+32];
-	mul.lo.s32 	%r532, %r6, %r572;
-	cvt.s64.s32 	%rd45, %r569;
-	setp.eq.s64 	%p38, %rd185, 0;
-	@%p38 bra 	$L__BB1_80;
-
-	ld.param.u64 	%rd186, [lmd_w4a16_rows_bf16_m16_param_0+32];
-	mov.u32 	%r1608, %ctaid.x;
-	mov.u32 	%r1886, %tid.x;
-	mul.lo.s32 	%r535, %r572, %r1608;
-	cvta.to.global.u64 	%rd46, %rd186;
-
-$L__BB1_74:
-	shr.s32 	%r1515, %r1886, 31;
-	shr.u32 	%r1516, %r1515, 27;
-	add.s32 	%r1517, %r1886, %r1516;
-	shr.s32 	%r1518, %r1517, 5;
-	shr.s32 	%r1519, %r1517, 31;
-	shr.u32 	%r1520, %r1519, 28;
-	add.s32 	%r1521, %r1518, %r1520;
-	and.b32  	%r1522, %r1521, -16;
-	sub.s32 	%r537, %r1518, %r1522;
-	and.b32  	%r1523, %r1517, -32;
-	sub.s32 	%r538, %r1886, %r1523;
-	shr.u32 	%r1524, %r1515, 23;
-	add.s32 	%r1525, %r1886, %r1524;
-	shr.s32 	%r539, %r1525, 9;
-	setp.ge.s32 	%p39, %r539, %r532;
-	mov.f32 	%f389, 0f00000000;
-	@%p39 bra 	$L__BB1_77;
-
-	mov.f32 	%f389, 0f00000000;
-	mov.u32 	%r1887, %r539;
-
-$L__BB1_76:
-	shl.b32 	%r1526, %r1887, 4;
-	add.s32 	%r1527, %r1526, %r537;
-	shl.b32 	%r1528, %r1527, 5;
-	add.s32 	%r1529, %r1528, %r538;
-	shl.b32 	%r1530, %r1529, 2;
-	add.s32 	%r1532, %r1512, %r1530;
-	ld.shared.f32 	%f349, [%r1532];
-	add.f32 	%f389, %f389, %f349;
-	add.s32 	%r1887, %r1887, %r572;
-	setp.lt.s32 	%p40, %r1887, %r532;
-	@%p40 bra 	$L__BB1_76;
-
-$L__BB1_77:
-	shr.s32 	%r1533, %r537, 31;
-	shr.u32 	%r1534, %r1533, 30;
-	add.s32 	%r1535, %r537, %r1534;
-	shr.u32 	%r1536, %r1535, 31;
-	shr.s32 	%r1537, %r1535, 2;
-	add.s32 	%r1538, %r1537, %r1536;
-	and.b32  	%r1539, %r1538, 2147483646;
-	sub.s32 	%r1540, %r1537, %r1539;
-	shr.u32 	%r1541, %r1533, 29;
-	add.s32 	%r1542, %r537, %r1541;
-	and.b32  	%r1543, %r1542, -8;
-	shl.b32 	%r1544, %r538, 1;
-	and.b32  	%r1545, %r1544, 6;
-	or.b32  	%r1546, %r1543, %r1545;
-	and.b32  	%r1547, %r1535, -4;
-	sub.s32 	%r1548, %r537, %r1547;
-	and.b32  	%r1549, %r1548, 1;
-	or.b32  	%r542, %r1546, %r1549;
-	add.s32 	%r1550, %r539, %r535;
-	shl.b32 	%r1551, %r1550, 5;
-	and.b32  	%r1552, %r538, -4;
-	add.s32 	%r1553, %r1551, %r1552;
-	shl.b32 	%r1554, %r1540, 1;
-	shr.u32 	%r1555, %r1548, 31;
-	add.s32 	%r1556, %r1548, %r1555;
-	shr.s32 	%r1557, %r1556, 1;
-	add.s32 	%r1558, %r1553, %r1557;
-	add.s32 	%r543, %r1558, %r1554;
-	setp.ge.s32 	%p41, %r542, %r568;
-	@%p41 bra 	$L__BB1_79;
-
-	cvt.s64.s32 	%rd168, %r543;
-	mul.wide.s32 	%rd169, %r543, 2;
-	add.s64 	%rd170, %rd46, %rd169;
-	ld.global.u16 	%r1559, [%rd170];
-	shl.b32 	%r1560, %r1559, 16;
-	mov.b32 	%f351, %r1560;
-	add.f32 	%f350, %f389, %f351;
-	// begin inline asm
-	cvt.rn.bf16.f32 %rs1, %f350;
-	// end inline asm
-	cvt.s64.s32 	%rd171, %r542;
-	mul.lo.s64 	%rd172, %rd171, %rd45;
-	add.s64 	%rd173, %rd172, %rd168;
-	shl.b64 	%rd174, %rd173, 1;
-	add.s64 	%rd175, %rd5, %rd174;
-	st.global.u16 	[%rd175], %rs1;
-
-$L__BB1_79:
-	add.s32 	%r1886, %r1886, %r576;
-	setp.lt.s32 	%p42, %r1886, %r531;
-	@%p42 bra 	$L__BB1_74;
-	bra.uni 	$L__BB1_87;
-
-$L__BB1_80:
-	mov.u32 	%r1610, %ctaid.x;
-	mov.u32 	%r1888, %tid.x;
-	shl.b32 	%r545, %r572, 11;
-	mul.lo.s32 	%r548, %r572, %r1610;
-
-$L__BB1_81:
-	shr.s32 	%r1562, %r1888, 31;
-	shr.u32 	%r1563, %r1562, 27;
-	add.s32 	%r1564, %r1888, %r1563;
-	shr.s32 	%r1565, %r1564, 5;
-	shr.s32 	%r1566, %r1564, 31;
-	shr.u32 	%r1567, %r1566, 28;
-	add.s32 	%r1568, %r1565, %r1567;
-	and.b32  	%r1569, %r1568, -16;
-	sub.s32 	%r550, %r1565, %r1569;
-	and.b32  	%r1570, %r1564, -32;
-	sub.s32 	%r551, %r1888, %r1570;
-	shr.u32 	%r1571, %r1562, 23;
-	add.s32 	%r1572, %r1888, %r1571;
-	shr.s32 	%r552, %r1572, 9;
-	setp.ge.s32 	%p43, %r552, %r532;
-	mov.f32 	%f391, 0f00000000;
-	@%p43 bra 	$L__BB1_84;
-
-	shl.b32 	%r1573, %r550, 5;
-	add.s32 	%r1574, %r551, %r1573;
-	shl.b32 	%r1575, %r552, 9;
-	add.s32 	%r1576, %r1574, %r1575;
-	shl.b32 	%r1577, %r1576, 2;
-	add.s32 	%r1889, %r1512, %r1577;
-	mov.f32 	%f391, 0f00000000;
-	mov.u32 	%r1890, %r552;
-
-$L__BB1_83:
-	ld.shared.f32 	%f354, [%r1889];
-	add.f32 	%f391, %f391, %f354;
-	add.s32 	%r1889, %r1889, %r545;
-	add.s32 	%r1890, %r1890, %r572;
-	setp.lt.s32 	%p44, %r1890, %r532;
-	@%p44 bra 	$L__BB1_83;
-
-$L__BB1_84:
-	shr.s32 	%r1579, %r550, 31;
-	shr.u32 	%r1580, %r1579, 30;
-	add.s32 	%r1581, %r550, %r1580;
-	shr.u32 	%r1582, %r1581, 31;
-	shr.s32 	%r1583, %r1581, 2;
-	add.s32 	%r1584, %r1583, %r1582;
-	and.b32  	%r1585, %r1584, 2147483646;
-	sub.s32 	%r1586, %r1583, %r1585;
-	shr.u32 	%r1587, %r1579, 29;
-	add.s32 	%r1588, %r550, %r1587;
-	and.b32  	%r1589, %r1588, -8;
-	shl.b32 	%r1590, %r551, 1;
-	and.b32  	%r1591, %r1590, 6;
-	or.b32  	%r1592, %r1589, %r1591;
-	and.b32  	%r1593, %r1581, -4;
-	sub.s32 	%r1594, %r550, %r1593;
-	and.b32  	%r1595, %r1594, 1;
-	or.b32  	%r558, %r1592, %r1595;
-	add.s32 	%r1596, %r552, %r548;
-	shl.b32 	%r1597, %r1596, 5;
-	and.b32  	%r1598, %r551, -4;
-	add.s32 	%r1599, %r1597, %r1598;
-	shl.b32 	%r1600, %r1586, 1;
-	shr.u32 	%r1601, %r1594, 31;
-	add.s32 	%r1602, %r1594, %r1601;
-	shr.s32 	%r1603, %r1602, 1;
-	add.s32 	%r1604, %r1599, %r1603;
-	add.s32 	%r559, %r1604, %r1600;
-	setp.ge.s32 	%p45, %r558, %r568;
-	@%p45 bra 	$L__BB1_86;
-
-	cvt.s64.s32 	%rd176, %r559;
-	// begin inline asm
-	cvt.rn.bf16.f32 %rs2, %f391;
-	// end inline asm
-	cvt.s64.s32 	%rd177, %r558;
-	mul.lo.s64 	%rd178, %rd177, %rd45;
-	add.s64 	%rd179, %rd178, %rd176;
-	shl.b64 	%rd180, %rd179, 1;
-	add.s64 	%rd181, %rd5, %rd180;
-	st.global.u16 	[%rd181], %rs2;
-
-$L__BB1_86:
-	add.s32 	%r1888, %r1888, %r576;
-	setp.lt.s32 	%p46, %r1888, %r531;
-	@%p46 bra 	$L__BB1_81;
-
-$L__BB1_87:
+$L__BB1_32:
 	ret;
 
 }
@@ -2594,1145 +3780,1773 @@ $L__BB1_87:
 )
 .maxntid 512, 1, 1
 {
-	.reg .pred 	%p<31>;
-	.reg .b16 	%rs<8>;
-	.reg .f32 	%f<208>;
-	.reg .b32 	%r<1410>;
-	.reg .b64 	%rd<132>;
+	.reg .pred 	%p<20>;
+	.reg .b16 	%rs<13>;
+	.reg .f32 	%f<365>;
+	.reg .b32 	%r<2258>;
+	.reg .b64 	%rd<113>;
 
 
-	ld.param.v2.u32 	{%r391, %r392}, [lmd_w4a16_rows_f16_m8_param_0+48];
-	ld.param.v2.u32 	{%r393, %r394}, [lmd_w4a16_rows_f16_m8_param_0+56];
-	ld.param.v2.u32 	{%r395, %r396}, [lmd_w4a16_rows_f16_m8_param_0+64];
-	ld.param.u64 	%rd34, [lmd_w4a16_rows_f16_m8_param_0+40];
-	ld.param.u64 	%rd32, [lmd_w4a16_rows_f16_m8_param_0+24];
-	ld.param.u64 	%rd31, [lmd_w4a16_rows_f16_m8_param_0+16];
-	ld.param.u64 	%rd30, [lmd_w4a16_rows_f16_m8_param_0+8];
-	ld.param.u64 	%rd29, [lmd_w4a16_rows_f16_m8_param_0];
-	cvta.to.global.u64 	%rd5, %rd34;
-	mov.u32 	%r397, %tid.x;
-	and.b32  	%r398, %r397, 31;
-	shr.u32 	%r399, %r397, 5;
-	mov.u32 	%r400, %ntid.x;
-	shr.u32 	%r401, %r400, 5;
-	div.u32 	%r5, %r401, %r395;
-	div.s32 	%r1353, %r399, %r395;
-	mul.lo.s32 	%r402, %r1353, %r395;
-	sub.s32 	%r403, %r399, %r402;
-	shr.u32 	%r7, %r398, 2;
-	and.b32  	%r8, %r397, 3;
-	mov.u32 	%r404, %ctaid.x;
-	mad.lo.s32 	%r405, %r395, %r404, %r403;
-	shl.b32 	%r406, %r405, 5;
-	and.b32  	%r407, %r397, 28;
-	or.b32  	%r9, %r406, %r407;
-	shr.s32 	%r408, %r393, 31;
-	shr.u32 	%r409, %r408, 25;
-	add.s32 	%r410, %r393, %r409;
-	shr.s32 	%r10, %r410, 7;
-	setp.ge.s32 	%p1, %r1353, %r10;
-	@%p1 bra 	$L__BB2_18;
-
-	shl.b32 	%r429, %r1353, 4;
-	shl.b32 	%r430, %r8, 2;
-	or.b32  	%r431, %r429, %r430;
-	cvt.s64.s32 	%rd6, %r392;
-	mul.wide.s32 	%rd39, %r431, %r392;
-	cvt.s64.s32 	%rd7, %r9;
-	add.s64 	%rd40, %rd39, %rd7;
-	shl.b64 	%rd41, %rd40, 2;
-	add.s64 	%rd35, %rd30, %rd41;
+	ld.param.v2.u32 	{%r331, %r332}, [lmd_w4a16_rows_f16_m8_param_0+48];
+	ld.param.v2.u32 	{%r333, %r334}, [lmd_w4a16_rows_f16_m8_param_0+56];
+	ld.param.u64 	%rd14, [lmd_w4a16_rows_f16_m8_param_0+40];
+	ld.param.u64 	%rd13, [lmd_w4a16_rows_f16_m8_param_0+32];
+	ld.param.u64 	%rd12, [lmd_w4a16_rows_f16_m8_param_0+24];
+	ld.param.u64 	%rd11, [lmd_w4a16_rows_f16_m8_param_0+16];
+	ld.param.u64 	%rd10, [lmd_w4a16_rows_f16_m8_param_0+8];
+	ld.param.u64 	%rd9, [lmd_w4a16_rows_f16_m8_param_0];
+	cvta.to.global.u64 	%rd5, %rd14;
+	mov.u32 	%r4, %tid.x;
+	and.b32  	%r337, %r4, 31;
+	shr.u32 	%r2182, %r4, 5;
+	shr.u32 	%r6, %r337, 2;
+	and.b32  	%r7, %r4, 3;
+	shr.s32 	%r338, %r333, 31;
+	shr.u32 	%r339, %r338, 25;
+	add.s32 	%r340, %r333, %r339;
+	shr.s32 	%r8, %r340, 7;
+	mov.u32 	%r326, 983055;
+	mov.u32 	%r327, 1677747200;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r1317, %r1316, %r1315, %r1314}, [%rd35];
 	// end inline asm
-	mul.wide.s32 	%rd42, %r392, 4;
-	add.s64 	%rd36, %rd35, %rd42;
+	setp.ge.s32 	%p1, %r2182, %r8;
+	@%p1 bra 	$L__BB2_2;
+
+	shl.b32 	%r376, %r2182, 4;
+	shl.b32 	%r377, %r7, 2;
+	or.b32  	%r378, %r376, %r377;
+	cvt.s64.s32 	%rd29, %r332;
+	mul.wide.s32 	%rd30, %r378, %r332;
+	and.b32  	%r379, %r4, 28;
+	mov.u32 	%r380, %ctaid.x;
+	shl.b32 	%r381, %r380, 5;
+	or.b32  	%r382, %r381, %r379;
+	cvt.s64.s32 	%rd31, %r382;
+	add.s64 	%rd32, %rd30, %rd31;
+	shl.b64 	%rd33, %rd32, 2;
+	add.s64 	%rd15, %rd10, %rd33;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r1313, %r1312, %r1311, %r1310}, [%rd36];
+	ld.global.nc.v4.u32 {%r2146, %r2145, %r2144, %r2143}, [%rd15];
 	// end inline asm
-	add.s64 	%rd37, %rd36, %rd42;
+	mul.wide.s32 	%rd34, %r332, 4;
+	add.s64 	%rd16, %rd15, %rd34;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r1309, %r1308, %r1307, %r1306}, [%rd37];
+	ld.global.nc.v4.u32 {%r2142, %r2141, %r2140, %r2139}, [%rd16];
 	// end inline asm
-	add.s64 	%rd38, %rd37, %rd42;
+	add.s64 	%rd17, %rd16, %rd34;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r1305, %r1304, %r1303, %r1302}, [%rd38];
+	ld.global.nc.v4.u32 {%r2138, %r2137, %r2136, %r2135}, [%rd17];
 	// end inline asm
-	cvt.s64.s32 	%rd43, %r394;
-	cvt.u64.u32 	%rd44, %r7;
-	mul.lo.s64 	%rd45, %rd43, %rd44;
-	shl.b32 	%r432, %r1353, 7;
-	cvt.s64.s32 	%rd46, %r432;
-	cvt.u64.u32 	%rd47, %r430;
-	add.s64 	%rd48, %rd45, %rd47;
-	add.s64 	%rd8, %rd48, %rd46;
-	setp.ge.s32 	%p2, %r7, %r391;
-	mov.u32 	%r1264, 0;
-	mov.u32 	%r1266, %r1264;
-	mov.u32 	%r1265, %r1264;
-	@%p2 bra 	$L__BB2_3;
-
-	shl.b64 	%rd50, %rd8, 1;
-	add.s64 	%rd49, %rd29, %rd50;
+	add.s64 	%rd18, %rd17, %rd34;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1266, %r1265}, [%rd49];
+	ld.global.nc.v4.u32 {%r2134, %r2133, %r2132, %r2131}, [%rd18];
+	// end inline asm
+	add.s32 	%r383, %r331, -1;
+	min.s32 	%r384, %r6, %r383;
+	mul.wide.s32 	%rd35, %r384, %r334;
+	mad.lo.s32 	%r385, %r2182, 112, %r378;
+	cvt.s64.s32 	%rd36, %r385;
+	add.s64 	%rd37, %rd35, %rd36;
+	shl.b64 	%rd38, %rd37, 1;
+	add.s64 	%rd19, %rd9, %rd38;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2130, %r2129}, [%rd19];
+	// end inline asm
+	add.s64 	%rd20, %rd19, 32;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2128, %r2127}, [%rd20];
+	// end inline asm
+	add.s64 	%rd21, %rd19, 64;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2126, %r2125}, [%rd21];
+	// end inline asm
+	add.s64 	%rd22, %rd19, 96;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2124, %r2123}, [%rd22];
+	// end inline asm
+	add.s64 	%rd23, %rd19, 128;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2122, %r2121}, [%rd23];
+	// end inline asm
+	add.s64 	%rd24, %rd19, 160;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2120, %r2119}, [%rd24];
+	// end inline asm
+	add.s64 	%rd25, %rd19, 192;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2118, %r2117}, [%rd25];
+	// end inline asm
+	add.s64 	%rd26, %rd19, 224;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2116, %r2115}, [%rd26];
+	// end inline asm
+	cvt.u64.u32 	%rd39, %r2182;
+	mul.lo.s64 	%rd40, %rd29, %rd39;
+	add.s64 	%rd41, %rd40, %rd31;
+	shl.b64 	%rd42, %rd41, 1;
+	add.s64 	%rd27, %rd11, %rd42;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2114, %r2113}, [%rd27];
+	// end inline asm
+	add.s64 	%rd28, %rd12, %rd41;
+	// begin inline asm
+	ld.global.nc.u32 %r2112, [%rd28];
 	// end inline asm
 
-$L__BB2_3:
-	mov.u32 	%r1263, %r1264;
-	@%p2 bra 	$L__BB2_5;
+$L__BB2_2:
+	mov.f32 	%f351, 0f00000000;
+	mov.f32 	%f352, %f351;
+	mov.f32 	%f353, %f351;
+	mov.f32 	%f354, %f351;
+	mov.f32 	%f355, %f351;
+	mov.f32 	%f356, %f351;
+	mov.f32 	%f357, %f351;
+	mov.f32 	%f358, %f351;
+	@%p1 bra 	$L__BB2_10;
 
-	shl.b64 	%rd52, %rd8, 1;
-	add.s64 	%rd53, %rd29, %rd52;
-	add.s64 	%rd51, %rd53, 32;
+	shl.b32 	%r387, %r7, 2;
+	add.s32 	%r388, %r331, -1;
+	min.s32 	%r389, %r6, %r388;
+	mul.wide.s32 	%rd43, %r389, %r334;
+	cvt.u64.u32 	%rd44, %r387;
+	add.s64 	%rd6, %rd43, %rd44;
+	mov.f32 	%f351, 0f00000000;
+	mul.wide.s32 	%rd63, %r332, 4;
+
+$L__BB2_4:
+	mov.u32 	%r390, %ntid.x;
+	shr.u32 	%r391, %r390, 5;
+	add.s32 	%r154, %r2182, %r391;
+	setp.ge.s32 	%p3, %r154, %r8;
+	@%p3 bra 	$L__BB2_6;
+
+	shl.b32 	%r427, %r154, 4;
+	mov.u32 	%r428, %tid.x;
+	shl.b32 	%r429, %r428, 2;
+	and.b32  	%r430, %r429, 12;
+	or.b32  	%r431, %r427, %r430;
+	mul.wide.s32 	%rd59, %r431, %r332;
+	mov.u32 	%r432, %ctaid.x;
+	shl.b32 	%r433, %r432, 5;
+	and.b32  	%r434, %r428, 28;
+	or.b32  	%r435, %r433, %r434;
+	cvt.s64.s32 	%rd60, %r435;
+	add.s64 	%rd61, %rd59, %rd60;
+	shl.b64 	%rd62, %rd61, 2;
+	add.s64 	%rd45, %rd10, %rd62;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1264, %r1263}, [%rd51];
+	ld.global.nc.v4.u32 {%r2217, %r2216, %r2215, %r2214}, [%rd45];
+	// end inline asm
+	add.s64 	%rd46, %rd45, %rd63;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2213, %r2212, %r2211, %r2210}, [%rd46];
+	// end inline asm
+	add.s64 	%rd47, %rd46, %rd63;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2209, %r2208, %r2207, %r2206}, [%rd47];
+	// end inline asm
+	add.s64 	%rd48, %rd47, %rd63;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2205, %r2204, %r2203, %r2202}, [%rd48];
+	// end inline asm
+	shl.b32 	%r436, %r154, 7;
+	cvt.s64.s32 	%rd64, %r436;
+	add.s64 	%rd65, %rd6, %rd64;
+	shl.b64 	%rd66, %rd65, 1;
+	add.s64 	%rd49, %rd9, %rd66;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2201, %r2200}, [%rd49];
+	// end inline asm
+	add.s64 	%rd50, %rd49, 32;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2199, %r2198}, [%rd50];
+	// end inline asm
+	add.s64 	%rd51, %rd49, 64;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2197, %r2196}, [%rd51];
+	// end inline asm
+	add.s64 	%rd52, %rd49, 96;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2195, %r2194}, [%rd52];
+	// end inline asm
+	add.s64 	%rd53, %rd49, 128;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2193, %r2192}, [%rd53];
+	// end inline asm
+	add.s64 	%rd54, %rd49, 160;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2191, %r2190}, [%rd54];
+	// end inline asm
+	add.s64 	%rd55, %rd49, 192;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2189, %r2188}, [%rd55];
+	// end inline asm
+	add.s64 	%rd56, %rd49, 224;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2187, %r2186}, [%rd56];
+	// end inline asm
+	mul.wide.s32 	%rd67, %r154, %r332;
+	add.s64 	%rd68, %rd67, %rd60;
+	shl.b64 	%rd69, %rd68, 1;
+	add.s64 	%rd57, %rd11, %rd69;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2185, %r2184}, [%rd57];
+	// end inline asm
+	add.s64 	%rd58, %rd12, %rd68;
+	// begin inline asm
+	ld.global.nc.u32 %r2183, [%rd58];
 	// end inline asm
 
-$L__BB2_5:
-	mov.u32 	%r1260, 0;
-	mov.u32 	%r1262, %r1260;
-	mov.u32 	%r1261, %r1260;
-	@%p2 bra 	$L__BB2_7;
-
-	shl.b64 	%rd55, %rd8, 1;
-	add.s64 	%rd56, %rd29, %rd55;
-	add.s64 	%rd54, %rd56, 64;
+$L__BB2_6:
+	and.b32  	%r1173, %r2112, 255;
+	or.b32  	%r1174, %r1173, 58368;
+	mul.lo.s32 	%r1120, %r1174, 65537;
+	cvt.u16.u32 	%rs1, %r2114;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1262, %r1261}, [%rd54];
+	cvt.f32.f16 %f61, %rs1;
 	// end inline asm
-
-$L__BB2_7:
-	mov.u32 	%r1259, %r1260;
-	@%p2 bra 	$L__BB2_9;
-
-	shl.b64 	%rd58, %rd8, 1;
-	add.s64 	%rd59, %rd29, %rd58;
-	add.s64 	%rd57, %rd59, 96;
+	shr.u32 	%r1175, %r2112, 8;
+	and.b32  	%r1176, %r1175, 255;
+	or.b32  	%r1177, %r1176, 58368;
+	mul.lo.s32 	%r1128, %r1177, 65537;
+	shr.u32 	%r1178, %r2114, 16;
+	cvt.u16.u32 	%rs2, %r1178;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1260, %r1259}, [%rd57];
+	cvt.f32.f16 %f62, %rs2;
+	// end inline asm
+	shr.u32 	%r1179, %r2112, 16;
+	and.b32  	%r1180, %r1179, 255;
+	or.b32  	%r1181, %r1180, 58368;
+	mul.lo.s32 	%r1152, %r1181, 65537;
+	cvt.u16.u32 	%rs3, %r2113;
+	// begin inline asm
+	cvt.f32.f16 %f63, %rs3;
+	// end inline asm
+	shr.u32 	%r1182, %r2112, 24;
+	or.b32  	%r1183, %r1182, 58368;
+	mul.lo.s32 	%r1160, %r1183, 65537;
+	shr.u32 	%r1184, %r2113, 16;
+	cvt.u16.u32 	%rs4, %r1184;
+	// begin inline asm
+	cvt.f32.f16 %f64, %rs4;
+	// end inline asm
+	mov.u32 	%r468, 17408;
+	// begin inline asm
+	prmt.b32 %r437, %r2146, %r2142, %r468;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r441, %r2145, %r2141, %r468;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r445, %r2138, %r2134, %r468;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r449, %r2137, %r2133, %r468;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r453, %r2144, %r2140, %r468;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r457, %r2143, %r2139, %r468;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r461, %r2136, %r2132, %r468;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r465, %r2135, %r2131, %r468;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r469, %r437, %r326, %r327, 0xEA;
+	// end inline asm
+	mov.u32 	%r1159, 1006648320;
+	// begin inline asm
+	fma.rn.f16x2 %r473, %r469, %r1159, %r1120;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r477, %r441, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r481, %r477, %r1159, %r1128;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r485, %r445, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r489, %r485, %r1159, %r1120;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r493, %r449, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r497, %r493, %r1159, %r1128;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r501, %r453, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r505, %r501, %r1159, %r1152;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r509, %r457, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r513, %r509, %r1159, %r1160;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r517, %r461, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r521, %r517, %r1159, %r1152;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r525, %r465, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r529, %r525, %r1159, %r1160;
+	// end inline asm
+	mov.f32 	%f89, 0f00000000;
+	mov.f32 	%f81, %f89;
+	mov.f32 	%f82, %f89;
+	mov.f32 	%f83, %f89;
+	mov.f32 	%f84, %f89;
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f81, %f82, %f83, %f84}, {%r473, %r481, %r489, %r497}, {%r2130, %r2129}, {%f81, %f82, %f83, %f84};
+	// end inline asm
+	mov.f32 	%f90, %f89;
+	mov.f32 	%f91, %f89;
+	mov.f32 	%f92, %f89;
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f89, %f90, %f91, %f92}, {%r505, %r513, %r521, %r529}, {%r2130, %r2129}, {%f89, %f90, %f91, %f92};
+	// end inline asm
+	shr.u32 	%r546, %r437, 4;
+	// begin inline asm
+	lop3.b32 %r545, %r546, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r549, %r545, %r1159, %r1120;
+	// end inline asm
+	shr.u32 	%r554, %r441, 4;
+	// begin inline asm
+	lop3.b32 %r553, %r554, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r557, %r553, %r1159, %r1128;
+	// end inline asm
+	shr.u32 	%r562, %r445, 4;
+	// begin inline asm
+	lop3.b32 %r561, %r562, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r565, %r561, %r1159, %r1120;
+	// end inline asm
+	shr.u32 	%r570, %r449, 4;
+	// begin inline asm
+	lop3.b32 %r569, %r570, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r573, %r569, %r1159, %r1128;
+	// end inline asm
+	shr.u32 	%r578, %r453, 4;
+	// begin inline asm
+	lop3.b32 %r577, %r578, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r581, %r577, %r1159, %r1152;
+	// end inline asm
+	shr.u32 	%r586, %r457, 4;
+	// begin inline asm
+	lop3.b32 %r585, %r586, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r589, %r585, %r1159, %r1160;
+	// end inline asm
+	shr.u32 	%r594, %r461, 4;
+	// begin inline asm
+	lop3.b32 %r593, %r594, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r597, %r593, %r1159, %r1152;
+	// end inline asm
+	shr.u32 	%r602, %r465, 4;
+	// begin inline asm
+	lop3.b32 %r601, %r602, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r605, %r601, %r1159, %r1160;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f81, %f82, %f83, %f84}, {%r549, %r557, %r565, %r573}, {%r2128, %r2127}, {%f81, %f82, %f83, %f84};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f89, %f90, %f91, %f92}, {%r581, %r589, %r597, %r605}, {%r2128, %r2127}, {%f89, %f90, %f91, %f92};
+	// end inline asm
+	mov.u32 	%r652, 21777;
+	// begin inline asm
+	prmt.b32 %r621, %r2146, %r2142, %r652;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r625, %r2145, %r2141, %r652;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r629, %r2138, %r2134, %r652;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r633, %r2137, %r2133, %r652;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r637, %r2144, %r2140, %r652;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r641, %r2143, %r2139, %r652;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r645, %r2136, %r2132, %r652;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r649, %r2135, %r2131, %r652;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r653, %r621, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r657, %r653, %r1159, %r1120;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r661, %r625, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r665, %r661, %r1159, %r1128;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r669, %r629, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r673, %r669, %r1159, %r1120;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r677, %r633, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r681, %r677, %r1159, %r1128;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r685, %r637, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r689, %r685, %r1159, %r1152;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r693, %r641, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r697, %r693, %r1159, %r1160;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r701, %r645, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r705, %r701, %r1159, %r1152;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r709, %r649, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r713, %r709, %r1159, %r1160;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f81, %f82, %f83, %f84}, {%r657, %r665, %r673, %r681}, {%r2126, %r2125}, {%f81, %f82, %f83, %f84};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f89, %f90, %f91, %f92}, {%r689, %r697, %r705, %r713}, {%r2126, %r2125}, {%f89, %f90, %f91, %f92};
+	// end inline asm
+	shr.u32 	%r730, %r621, 4;
+	// begin inline asm
+	lop3.b32 %r729, %r730, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r733, %r729, %r1159, %r1120;
+	// end inline asm
+	shr.u32 	%r738, %r625, 4;
+	// begin inline asm
+	lop3.b32 %r737, %r738, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r741, %r737, %r1159, %r1128;
+	// end inline asm
+	shr.u32 	%r746, %r629, 4;
+	// begin inline asm
+	lop3.b32 %r745, %r746, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r749, %r745, %r1159, %r1120;
+	// end inline asm
+	shr.u32 	%r754, %r633, 4;
+	// begin inline asm
+	lop3.b32 %r753, %r754, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r757, %r753, %r1159, %r1128;
+	// end inline asm
+	shr.u32 	%r762, %r637, 4;
+	// begin inline asm
+	lop3.b32 %r761, %r762, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r765, %r761, %r1159, %r1152;
+	// end inline asm
+	shr.u32 	%r770, %r641, 4;
+	// begin inline asm
+	lop3.b32 %r769, %r770, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r773, %r769, %r1159, %r1160;
+	// end inline asm
+	shr.u32 	%r778, %r645, 4;
+	// begin inline asm
+	lop3.b32 %r777, %r778, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r781, %r777, %r1159, %r1152;
+	// end inline asm
+	shr.u32 	%r786, %r649, 4;
+	// begin inline asm
+	lop3.b32 %r785, %r786, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r789, %r785, %r1159, %r1160;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f81, %f82, %f83, %f84}, {%r733, %r741, %r749, %r757}, {%r2124, %r2123}, {%f81, %f82, %f83, %f84};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f89, %f90, %f91, %f92}, {%r765, %r773, %r781, %r789}, {%r2124, %r2123}, {%f89, %f90, %f91, %f92};
+	// end inline asm
+	mov.u32 	%r836, 26146;
+	// begin inline asm
+	prmt.b32 %r805, %r2146, %r2142, %r836;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r809, %r2145, %r2141, %r836;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r813, %r2138, %r2134, %r836;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r817, %r2137, %r2133, %r836;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r821, %r2144, %r2140, %r836;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r825, %r2143, %r2139, %r836;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r829, %r2136, %r2132, %r836;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r833, %r2135, %r2131, %r836;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r837, %r805, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r841, %r837, %r1159, %r1120;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r845, %r809, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r849, %r845, %r1159, %r1128;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r853, %r813, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r857, %r853, %r1159, %r1120;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r861, %r817, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r865, %r861, %r1159, %r1128;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r869, %r821, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r873, %r869, %r1159, %r1152;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r877, %r825, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r881, %r877, %r1159, %r1160;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r885, %r829, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r889, %r885, %r1159, %r1152;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r893, %r833, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r897, %r893, %r1159, %r1160;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f81, %f82, %f83, %f84}, {%r841, %r849, %r857, %r865}, {%r2122, %r2121}, {%f81, %f82, %f83, %f84};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f89, %f90, %f91, %f92}, {%r873, %r881, %r889, %r897}, {%r2122, %r2121}, {%f89, %f90, %f91, %f92};
+	// end inline asm
+	shr.u32 	%r914, %r805, 4;
+	// begin inline asm
+	lop3.b32 %r913, %r914, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r917, %r913, %r1159, %r1120;
+	// end inline asm
+	shr.u32 	%r922, %r809, 4;
+	// begin inline asm
+	lop3.b32 %r921, %r922, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r925, %r921, %r1159, %r1128;
+	// end inline asm
+	shr.u32 	%r930, %r813, 4;
+	// begin inline asm
+	lop3.b32 %r929, %r930, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r933, %r929, %r1159, %r1120;
+	// end inline asm
+	shr.u32 	%r938, %r817, 4;
+	// begin inline asm
+	lop3.b32 %r937, %r938, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r941, %r937, %r1159, %r1128;
+	// end inline asm
+	shr.u32 	%r946, %r821, 4;
+	// begin inline asm
+	lop3.b32 %r945, %r946, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r949, %r945, %r1159, %r1152;
+	// end inline asm
+	shr.u32 	%r954, %r825, 4;
+	// begin inline asm
+	lop3.b32 %r953, %r954, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r957, %r953, %r1159, %r1160;
+	// end inline asm
+	shr.u32 	%r962, %r829, 4;
+	// begin inline asm
+	lop3.b32 %r961, %r962, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r965, %r961, %r1159, %r1152;
+	// end inline asm
+	shr.u32 	%r970, %r833, 4;
+	// begin inline asm
+	lop3.b32 %r969, %r970, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r973, %r969, %r1159, %r1160;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f81, %f82, %f83, %f84}, {%r917, %r925, %r933, %r941}, {%r2120, %r2119}, {%f81, %f82, %f83, %f84};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f89, %f90, %f91, %f92}, {%r949, %r957, %r965, %r973}, {%r2120, %r2119}, {%f89, %f90, %f91, %f92};
+	// end inline asm
+	mov.u32 	%r1020, 30515;
+	// begin inline asm
+	prmt.b32 %r989, %r2146, %r2142, %r1020;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r993, %r2145, %r2141, %r1020;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r997, %r2138, %r2134, %r1020;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1001, %r2137, %r2133, %r1020;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1005, %r2144, %r2140, %r1020;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1009, %r2143, %r2139, %r1020;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1013, %r2136, %r2132, %r1020;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1017, %r2135, %r2131, %r1020;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1021, %r989, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1025, %r1021, %r1159, %r1120;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1029, %r993, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1033, %r1029, %r1159, %r1128;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1037, %r997, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1041, %r1037, %r1159, %r1120;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1045, %r1001, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1049, %r1045, %r1159, %r1128;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1053, %r1005, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1057, %r1053, %r1159, %r1152;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1061, %r1009, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1065, %r1061, %r1159, %r1160;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1069, %r1013, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1073, %r1069, %r1159, %r1152;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1077, %r1017, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1081, %r1077, %r1159, %r1160;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f81, %f82, %f83, %f84}, {%r1025, %r1033, %r1041, %r1049}, {%r2118, %r2117}, {%f81, %f82, %f83, %f84};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f89, %f90, %f91, %f92}, {%r1057, %r1065, %r1073, %r1081}, {%r2118, %r2117}, {%f89, %f90, %f91, %f92};
+	// end inline asm
+	shr.u32 	%r1098, %r989, 4;
+	// begin inline asm
+	lop3.b32 %r1097, %r1098, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1101, %r1097, %r1159, %r1120;
+	// end inline asm
+	shr.u32 	%r1106, %r993, 4;
+	// begin inline asm
+	lop3.b32 %r1105, %r1106, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1109, %r1105, %r1159, %r1128;
+	// end inline asm
+	shr.u32 	%r1114, %r997, 4;
+	// begin inline asm
+	lop3.b32 %r1113, %r1114, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1117, %r1113, %r1159, %r1120;
+	// end inline asm
+	shr.u32 	%r1122, %r1001, 4;
+	// begin inline asm
+	lop3.b32 %r1121, %r1122, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1125, %r1121, %r1159, %r1128;
+	// end inline asm
+	shr.u32 	%r1130, %r1005, 4;
+	// begin inline asm
+	lop3.b32 %r1129, %r1130, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1133, %r1129, %r1159, %r1152;
+	// end inline asm
+	shr.u32 	%r1138, %r1009, 4;
+	// begin inline asm
+	lop3.b32 %r1137, %r1138, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1141, %r1137, %r1159, %r1160;
+	// end inline asm
+	shr.u32 	%r1146, %r1013, 4;
+	// begin inline asm
+	lop3.b32 %r1145, %r1146, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1149, %r1145, %r1159, %r1152;
+	// end inline asm
+	shr.u32 	%r1154, %r1017, 4;
+	// begin inline asm
+	lop3.b32 %r1153, %r1154, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1157, %r1153, %r1159, %r1160;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f81, %f82, %f83, %f84}, {%r1101, %r1109, %r1117, %r1125}, {%r2116, %r2115}, {%f81, %f82, %f83, %f84};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f89, %f90, %f91, %f92}, {%r1133, %r1141, %r1149, %r1157}, {%r2116, %r2115}, {%f89, %f90, %f91, %f92};
+	// end inline asm
+	fma.rn.f32 	%f358, %f61, %f81, %f358;
+	fma.rn.f32 	%f357, %f61, %f82, %f357;
+	fma.rn.f32 	%f356, %f62, %f83, %f356;
+	fma.rn.f32 	%f355, %f62, %f84, %f355;
+	fma.rn.f32 	%f354, %f63, %f89, %f354;
+	fma.rn.f32 	%f353, %f63, %f90, %f353;
+	fma.rn.f32 	%f352, %f64, %f91, %f352;
+	fma.rn.f32 	%f351, %f64, %f92, %f351;
+	@%p3 bra 	$L__BB2_10;
+
+	mov.u32 	%r2076, %ntid.x;
+	shr.u32 	%r1186, %r2076, 4;
+	and.b32  	%r1187, %r1186, 268435454;
+	add.s32 	%r2182, %r2182, %r1187;
+	setp.ge.s32 	%p5, %r2182, %r8;
+	@%p5 bra 	$L__BB2_9;
+
+	shl.b32 	%r1223, %r2182, 4;
+	mov.u32 	%r1224, %tid.x;
+	shl.b32 	%r1225, %r1224, 2;
+	and.b32  	%r1226, %r1225, 12;
+	or.b32  	%r1227, %r1223, %r1226;
+	mul.wide.s32 	%rd84, %r1227, %r332;
+	mov.u32 	%r1228, %ctaid.x;
+	shl.b32 	%r1229, %r1228, 5;
+	and.b32  	%r1230, %r1224, 28;
+	or.b32  	%r1231, %r1229, %r1230;
+	cvt.s64.s32 	%rd85, %r1231;
+	add.s64 	%rd86, %rd84, %rd85;
+	shl.b64 	%rd87, %rd86, 2;
+	add.s64 	%rd70, %rd10, %rd87;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2146, %r2145, %r2144, %r2143}, [%rd70];
+	// end inline asm
+	add.s64 	%rd71, %rd70, %rd63;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2142, %r2141, %r2140, %r2139}, [%rd71];
+	// end inline asm
+	add.s64 	%rd72, %rd71, %rd63;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2138, %r2137, %r2136, %r2135}, [%rd72];
+	// end inline asm
+	add.s64 	%rd73, %rd72, %rd63;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2134, %r2133, %r2132, %r2131}, [%rd73];
+	// end inline asm
+	shl.b32 	%r1232, %r2182, 7;
+	cvt.s64.s32 	%rd89, %r1232;
+	add.s64 	%rd90, %rd6, %rd89;
+	shl.b64 	%rd91, %rd90, 1;
+	add.s64 	%rd74, %rd9, %rd91;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2130, %r2129}, [%rd74];
+	// end inline asm
+	add.s64 	%rd75, %rd74, 32;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2128, %r2127}, [%rd75];
+	// end inline asm
+	add.s64 	%rd76, %rd74, 64;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2126, %r2125}, [%rd76];
+	// end inline asm
+	add.s64 	%rd77, %rd74, 96;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2124, %r2123}, [%rd77];
+	// end inline asm
+	add.s64 	%rd78, %rd74, 128;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2122, %r2121}, [%rd78];
+	// end inline asm
+	add.s64 	%rd79, %rd74, 160;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2120, %r2119}, [%rd79];
+	// end inline asm
+	add.s64 	%rd80, %rd74, 192;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2118, %r2117}, [%rd80];
+	// end inline asm
+	add.s64 	%rd81, %rd74, 224;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2116, %r2115}, [%rd81];
+	// end inline asm
+	mul.wide.s32 	%rd92, %r2182, %r332;
+	add.s64 	%rd93, %rd92, %rd85;
+	shl.b64 	%rd94, %rd93, 1;
+	add.s64 	%rd82, %rd11, %rd94;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2114, %r2113}, [%rd82];
+	// end inline asm
+	add.s64 	%rd83, %rd12, %rd93;
+	// begin inline asm
+	ld.global.nc.u32 %r2112, [%rd83];
 	// end inline asm
 
 $L__BB2_9:
-	mov.u32 	%r1256, 0;
-	mov.u32 	%r1258, %r1256;
-	mov.u32 	%r1257, %r1256;
-	@%p2 bra 	$L__BB2_11;
-
-	shl.b64 	%rd61, %rd8, 1;
-	add.s64 	%rd62, %rd29, %rd61;
-	add.s64 	%rd60, %rd62, 128;
+	and.b32  	%r1969, %r2183, 255;
+	or.b32  	%r1970, %r1969, 58368;
+	mul.lo.s32 	%r1916, %r1970, 65537;
+	cvt.u16.u32 	%rs5, %r2185;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1258, %r1257}, [%rd60];
+	cvt.f32.f16 %f193, %rs5;
 	// end inline asm
-
-$L__BB2_11:
-	mov.u32 	%r1255, %r1256;
-	@%p2 bra 	$L__BB2_13;
-
-	shl.b64 	%rd64, %rd8, 1;
-	add.s64 	%rd65, %rd29, %rd64;
-	add.s64 	%rd63, %rd65, 160;
+	shr.u32 	%r1971, %r2183, 8;
+	and.b32  	%r1972, %r1971, 255;
+	or.b32  	%r1973, %r1972, 58368;
+	mul.lo.s32 	%r1924, %r1973, 65537;
+	shr.u32 	%r1974, %r2185, 16;
+	cvt.u16.u32 	%rs6, %r1974;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1256, %r1255}, [%rd63];
+	cvt.f32.f16 %f194, %rs6;
 	// end inline asm
+	shr.u32 	%r1975, %r2183, 16;
+	and.b32  	%r1976, %r1975, 255;
+	or.b32  	%r1977, %r1976, 58368;
+	mul.lo.s32 	%r1948, %r1977, 65537;
+	cvt.u16.u32 	%rs7, %r2184;
+	// begin inline asm
+	cvt.f32.f16 %f195, %rs7;
+	// end inline asm
+	shr.u32 	%r1978, %r2183, 24;
+	or.b32  	%r1979, %r1978, 58368;
+	mul.lo.s32 	%r1956, %r1979, 65537;
+	shr.u32 	%r1980, %r2184, 16;
+	cvt.u16.u32 	%rs8, %r1980;
+	// begin inline asm
+	cvt.f32.f16 %f196, %rs8;
+	// end inline asm
+	mov.u32 	%r1264, 17408;
+	// begin inline asm
+	prmt.b32 %r1233, %r2217, %r2213, %r1264;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1237, %r2216, %r2212, %r1264;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1241, %r2209, %r2205, %r1264;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1245, %r2208, %r2204, %r1264;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1249, %r2215, %r2211, %r1264;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1253, %r2214, %r2210, %r1264;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1257, %r2207, %r2203, %r1264;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1261, %r2206, %r2202, %r1264;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1265, %r1233, %r326, %r327, 0xEA;
+	// end inline asm
+	mov.u32 	%r1955, 1006648320;
+	// begin inline asm
+	fma.rn.f16x2 %r1269, %r1265, %r1955, %r1916;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1273, %r1237, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1277, %r1273, %r1955, %r1924;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1281, %r1241, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1285, %r1281, %r1955, %r1916;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1289, %r1245, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1293, %r1289, %r1955, %r1924;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1297, %r1249, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1301, %r1297, %r1955, %r1948;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1305, %r1253, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1309, %r1305, %r1955, %r1956;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1313, %r1257, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1317, %r1313, %r1955, %r1948;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1321, %r1261, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1325, %r1321, %r1955, %r1956;
+	// end inline asm
+	mov.f32 	%f221, 0f00000000;
+	mov.f32 	%f213, %f221;
+	mov.f32 	%f214, %f221;
+	mov.f32 	%f215, %f221;
+	mov.f32 	%f216, %f221;
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f213, %f214, %f215, %f216}, {%r1269, %r1277, %r1285, %r1293}, {%r2201, %r2200}, {%f213, %f214, %f215, %f216};
+	// end inline asm
+	mov.f32 	%f222, %f221;
+	mov.f32 	%f223, %f221;
+	mov.f32 	%f224, %f221;
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f221, %f222, %f223, %f224}, {%r1301, %r1309, %r1317, %r1325}, {%r2201, %r2200}, {%f221, %f222, %f223, %f224};
+	// end inline asm
+	shr.u32 	%r1342, %r1233, 4;
+	// begin inline asm
+	lop3.b32 %r1341, %r1342, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1345, %r1341, %r1955, %r1916;
+	// end inline asm
+	shr.u32 	%r1350, %r1237, 4;
+	// begin inline asm
+	lop3.b32 %r1349, %r1350, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1353, %r1349, %r1955, %r1924;
+	// end inline asm
+	shr.u32 	%r1358, %r1241, 4;
+	// begin inline asm
+	lop3.b32 %r1357, %r1358, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1361, %r1357, %r1955, %r1916;
+	// end inline asm
+	shr.u32 	%r1366, %r1245, 4;
+	// begin inline asm
+	lop3.b32 %r1365, %r1366, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1369, %r1365, %r1955, %r1924;
+	// end inline asm
+	shr.u32 	%r1374, %r1249, 4;
+	// begin inline asm
+	lop3.b32 %r1373, %r1374, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1377, %r1373, %r1955, %r1948;
+	// end inline asm
+	shr.u32 	%r1382, %r1253, 4;
+	// begin inline asm
+	lop3.b32 %r1381, %r1382, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1385, %r1381, %r1955, %r1956;
+	// end inline asm
+	shr.u32 	%r1390, %r1257, 4;
+	// begin inline asm
+	lop3.b32 %r1389, %r1390, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1393, %r1389, %r1955, %r1948;
+	// end inline asm
+	shr.u32 	%r1398, %r1261, 4;
+	// begin inline asm
+	lop3.b32 %r1397, %r1398, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1401, %r1397, %r1955, %r1956;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f213, %f214, %f215, %f216}, {%r1345, %r1353, %r1361, %r1369}, {%r2199, %r2198}, {%f213, %f214, %f215, %f216};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f221, %f222, %f223, %f224}, {%r1377, %r1385, %r1393, %r1401}, {%r2199, %r2198}, {%f221, %f222, %f223, %f224};
+	// end inline asm
+	mov.u32 	%r1448, 21777;
+	// begin inline asm
+	prmt.b32 %r1417, %r2217, %r2213, %r1448;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1421, %r2216, %r2212, %r1448;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1425, %r2209, %r2205, %r1448;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1429, %r2208, %r2204, %r1448;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1433, %r2215, %r2211, %r1448;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1437, %r2214, %r2210, %r1448;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1441, %r2207, %r2203, %r1448;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1445, %r2206, %r2202, %r1448;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1449, %r1417, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1453, %r1449, %r1955, %r1916;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1457, %r1421, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1461, %r1457, %r1955, %r1924;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1465, %r1425, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1469, %r1465, %r1955, %r1916;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1473, %r1429, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1477, %r1473, %r1955, %r1924;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1481, %r1433, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1485, %r1481, %r1955, %r1948;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1489, %r1437, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1493, %r1489, %r1955, %r1956;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1497, %r1441, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1501, %r1497, %r1955, %r1948;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1505, %r1445, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1509, %r1505, %r1955, %r1956;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f213, %f214, %f215, %f216}, {%r1453, %r1461, %r1469, %r1477}, {%r2197, %r2196}, {%f213, %f214, %f215, %f216};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f221, %f222, %f223, %f224}, {%r1485, %r1493, %r1501, %r1509}, {%r2197, %r2196}, {%f221, %f222, %f223, %f224};
+	// end inline asm
+	shr.u32 	%r1526, %r1417, 4;
+	// begin inline asm
+	lop3.b32 %r1525, %r1526, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1529, %r1525, %r1955, %r1916;
+	// end inline asm
+	shr.u32 	%r1534, %r1421, 4;
+	// begin inline asm
+	lop3.b32 %r1533, %r1534, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1537, %r1533, %r1955, %r1924;
+	// end inline asm
+	shr.u32 	%r1542, %r1425, 4;
+	// begin inline asm
+	lop3.b32 %r1541, %r1542, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1545, %r1541, %r1955, %r1916;
+	// end inline asm
+	shr.u32 	%r1550, %r1429, 4;
+	// begin inline asm
+	lop3.b32 %r1549, %r1550, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1553, %r1549, %r1955, %r1924;
+	// end inline asm
+	shr.u32 	%r1558, %r1433, 4;
+	// begin inline asm
+	lop3.b32 %r1557, %r1558, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1561, %r1557, %r1955, %r1948;
+	// end inline asm
+	shr.u32 	%r1566, %r1437, 4;
+	// begin inline asm
+	lop3.b32 %r1565, %r1566, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1569, %r1565, %r1955, %r1956;
+	// end inline asm
+	shr.u32 	%r1574, %r1441, 4;
+	// begin inline asm
+	lop3.b32 %r1573, %r1574, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1577, %r1573, %r1955, %r1948;
+	// end inline asm
+	shr.u32 	%r1582, %r1445, 4;
+	// begin inline asm
+	lop3.b32 %r1581, %r1582, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1585, %r1581, %r1955, %r1956;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f213, %f214, %f215, %f216}, {%r1529, %r1537, %r1545, %r1553}, {%r2195, %r2194}, {%f213, %f214, %f215, %f216};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f221, %f222, %f223, %f224}, {%r1561, %r1569, %r1577, %r1585}, {%r2195, %r2194}, {%f221, %f222, %f223, %f224};
+	// end inline asm
+	mov.u32 	%r1632, 26146;
+	// begin inline asm
+	prmt.b32 %r1601, %r2217, %r2213, %r1632;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1605, %r2216, %r2212, %r1632;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1609, %r2209, %r2205, %r1632;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1613, %r2208, %r2204, %r1632;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1617, %r2215, %r2211, %r1632;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1621, %r2214, %r2210, %r1632;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1625, %r2207, %r2203, %r1632;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1629, %r2206, %r2202, %r1632;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1633, %r1601, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1637, %r1633, %r1955, %r1916;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1641, %r1605, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1645, %r1641, %r1955, %r1924;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1649, %r1609, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1653, %r1649, %r1955, %r1916;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1657, %r1613, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1661, %r1657, %r1955, %r1924;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1665, %r1617, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1669, %r1665, %r1955, %r1948;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1673, %r1621, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1677, %r1673, %r1955, %r1956;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1681, %r1625, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1685, %r1681, %r1955, %r1948;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1689, %r1629, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1693, %r1689, %r1955, %r1956;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f213, %f214, %f215, %f216}, {%r1637, %r1645, %r1653, %r1661}, {%r2193, %r2192}, {%f213, %f214, %f215, %f216};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f221, %f222, %f223, %f224}, {%r1669, %r1677, %r1685, %r1693}, {%r2193, %r2192}, {%f221, %f222, %f223, %f224};
+	// end inline asm
+	shr.u32 	%r1710, %r1601, 4;
+	// begin inline asm
+	lop3.b32 %r1709, %r1710, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1713, %r1709, %r1955, %r1916;
+	// end inline asm
+	shr.u32 	%r1718, %r1605, 4;
+	// begin inline asm
+	lop3.b32 %r1717, %r1718, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1721, %r1717, %r1955, %r1924;
+	// end inline asm
+	shr.u32 	%r1726, %r1609, 4;
+	// begin inline asm
+	lop3.b32 %r1725, %r1726, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1729, %r1725, %r1955, %r1916;
+	// end inline asm
+	shr.u32 	%r1734, %r1613, 4;
+	// begin inline asm
+	lop3.b32 %r1733, %r1734, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1737, %r1733, %r1955, %r1924;
+	// end inline asm
+	shr.u32 	%r1742, %r1617, 4;
+	// begin inline asm
+	lop3.b32 %r1741, %r1742, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1745, %r1741, %r1955, %r1948;
+	// end inline asm
+	shr.u32 	%r1750, %r1621, 4;
+	// begin inline asm
+	lop3.b32 %r1749, %r1750, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1753, %r1749, %r1955, %r1956;
+	// end inline asm
+	shr.u32 	%r1758, %r1625, 4;
+	// begin inline asm
+	lop3.b32 %r1757, %r1758, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1761, %r1757, %r1955, %r1948;
+	// end inline asm
+	shr.u32 	%r1766, %r1629, 4;
+	// begin inline asm
+	lop3.b32 %r1765, %r1766, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1769, %r1765, %r1955, %r1956;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f213, %f214, %f215, %f216}, {%r1713, %r1721, %r1729, %r1737}, {%r2191, %r2190}, {%f213, %f214, %f215, %f216};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f221, %f222, %f223, %f224}, {%r1745, %r1753, %r1761, %r1769}, {%r2191, %r2190}, {%f221, %f222, %f223, %f224};
+	// end inline asm
+	mov.u32 	%r1816, 30515;
+	// begin inline asm
+	prmt.b32 %r1785, %r2217, %r2213, %r1816;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1789, %r2216, %r2212, %r1816;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1793, %r2209, %r2205, %r1816;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1797, %r2208, %r2204, %r1816;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1801, %r2215, %r2211, %r1816;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1805, %r2214, %r2210, %r1816;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1809, %r2207, %r2203, %r1816;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1813, %r2206, %r2202, %r1816;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1817, %r1785, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1821, %r1817, %r1955, %r1916;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1825, %r1789, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1829, %r1825, %r1955, %r1924;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1833, %r1793, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1837, %r1833, %r1955, %r1916;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1841, %r1797, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1845, %r1841, %r1955, %r1924;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1849, %r1801, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1853, %r1849, %r1955, %r1948;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1857, %r1805, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1861, %r1857, %r1955, %r1956;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1865, %r1809, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1869, %r1865, %r1955, %r1948;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1873, %r1813, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1877, %r1873, %r1955, %r1956;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f213, %f214, %f215, %f216}, {%r1821, %r1829, %r1837, %r1845}, {%r2189, %r2188}, {%f213, %f214, %f215, %f216};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f221, %f222, %f223, %f224}, {%r1853, %r1861, %r1869, %r1877}, {%r2189, %r2188}, {%f221, %f222, %f223, %f224};
+	// end inline asm
+	shr.u32 	%r1894, %r1785, 4;
+	// begin inline asm
+	lop3.b32 %r1893, %r1894, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1897, %r1893, %r1955, %r1916;
+	// end inline asm
+	shr.u32 	%r1902, %r1789, 4;
+	// begin inline asm
+	lop3.b32 %r1901, %r1902, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1905, %r1901, %r1955, %r1924;
+	// end inline asm
+	shr.u32 	%r1910, %r1793, 4;
+	// begin inline asm
+	lop3.b32 %r1909, %r1910, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1913, %r1909, %r1955, %r1916;
+	// end inline asm
+	shr.u32 	%r1918, %r1797, 4;
+	// begin inline asm
+	lop3.b32 %r1917, %r1918, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1921, %r1917, %r1955, %r1924;
+	// end inline asm
+	shr.u32 	%r1926, %r1801, 4;
+	// begin inline asm
+	lop3.b32 %r1925, %r1926, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1929, %r1925, %r1955, %r1948;
+	// end inline asm
+	shr.u32 	%r1934, %r1805, 4;
+	// begin inline asm
+	lop3.b32 %r1933, %r1934, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1937, %r1933, %r1955, %r1956;
+	// end inline asm
+	shr.u32 	%r1942, %r1809, 4;
+	// begin inline asm
+	lop3.b32 %r1941, %r1942, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1945, %r1941, %r1955, %r1948;
+	// end inline asm
+	shr.u32 	%r1950, %r1813, 4;
+	// begin inline asm
+	lop3.b32 %r1949, %r1950, %r326, %r327, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1953, %r1949, %r1955, %r1956;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f213, %f214, %f215, %f216}, {%r1897, %r1905, %r1913, %r1921}, {%r2187, %r2186}, {%f213, %f214, %f215, %f216};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f221, %f222, %f223, %f224}, {%r1929, %r1937, %r1945, %r1953}, {%r2187, %r2186}, {%f221, %f222, %f223, %f224};
+	// end inline asm
+	fma.rn.f32 	%f358, %f193, %f213, %f358;
+	fma.rn.f32 	%f357, %f193, %f214, %f357;
+	fma.rn.f32 	%f356, %f194, %f215, %f356;
+	fma.rn.f32 	%f355, %f194, %f216, %f355;
+	fma.rn.f32 	%f354, %f195, %f221, %f354;
+	fma.rn.f32 	%f353, %f195, %f222, %f353;
+	fma.rn.f32 	%f352, %f196, %f223, %f352;
+	fma.rn.f32 	%f351, %f196, %f224, %f351;
+	setp.lt.s32 	%p6, %r2182, %r8;
+	@%p6 bra 	$L__BB2_4;
+
+$L__BB2_10:
+	mov.u32 	%r2074, %tid.x;
+	and.b32  	%r2073, %r2074, 31;
+	shr.u32 	%r1982, %r2074, 5;
+	prmt.b32 	%r1984, %r1982, %r2073, 8452;
+	shl.b32 	%r1985, %r1984, 2;
+	mov.u32 	%r1986, _ZN9lmd_w4a164sumsE;
+	add.s32 	%r1987, %r1986, %r1985;
+	st.shared.f32 	[%r1987], %f358;
+	st.shared.f32 	[%r1987+128], %f357;
+	st.shared.f32 	[%r1987+256], %f356;
+	st.shared.f32 	[%r1987+384], %f355;
+	st.shared.f32 	[%r1987+512], %f354;
+	st.shared.f32 	[%r1987+640], %f353;
+	st.shared.f32 	[%r1987+768], %f352;
+	st.shared.f32 	[%r1987+896], %f351;
+	bar.sync 	0;
+	setp.gt.s32 	%p7, %r2074, 255;
+	@%p7 bra 	$L__BB2_32;
+
+	mov.u32 	%r296, %ntid.x;
+	shr.u32 	%r1988, %r296, 5;
+	setp.eq.s32 	%p8, %r1988, 0;
+	cvt.s64.s32 	%rd8, %r332;
+	@%p8 bra 	$L__BB2_25;
+
+	add.s32 	%r297, %r1988, -1;
+	and.b32  	%r298, %r1988, 3;
+	sub.s32 	%r299, %r1988, %r298;
+	mov.u32 	%r2253, %tid.x;
+	mov.u32 	%r1991, %ctaid.x;
+	shl.b32 	%r301, %r1991, 5;
+	cvta.to.global.u64 	%rd95, %rd13;
 
 $L__BB2_13:
-	mov.u32 	%r1252, 0;
-	mov.u32 	%r1254, %r1252;
-	mov.u32 	%r1253, %r1252;
-	@%p2 bra 	$L__BB2_15;
+	shr.s32 	%r1993, %r2253, 31;
+	shr.u32 	%r1994, %r1993, 27;
+	add.s32 	%r1995, %r2253, %r1994;
+	shr.s32 	%r303, %r1995, 5;
+	and.b32  	%r1996, %r1995, -32;
+	sub.s32 	%r304, %r2253, %r1996;
+	setp.lt.u32 	%p9, %r297, 3;
+	mov.f32 	%f362, 0f00000000;
+	mov.u32 	%r2256, 0;
+	@%p9 bra 	$L__BB2_16;
 
-	shl.b64 	%rd67, %rd8, 1;
-	add.s64 	%rd68, %rd29, %rd67;
-	add.s64 	%rd66, %rd68, 192;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1254, %r1253}, [%rd66];
-	// end inline asm
+	mov.f32 	%f362, 0f00000000;
+	mov.u32 	%r2256, 0;
+	mov.u32 	%r2255, %r299;
 
 $L__BB2_15:
-	mov.u32 	%r1251, %r1252;
-	@%p2 bra 	$L__BB2_17;
+	shl.b32 	%r1998, %r2256, 3;
+	add.s32 	%r1999, %r1998, %r303;
+	shl.b32 	%r2000, %r1999, 5;
+	add.s32 	%r2001, %r2000, %r304;
+	shl.b32 	%r2002, %r2001, 2;
+	add.s32 	%r2004, %r1986, %r2002;
+	ld.shared.f32 	%f328, [%r2004];
+	add.f32 	%f329, %f362, %f328;
+	ld.shared.f32 	%f330, [%r2004+1024];
+	add.f32 	%f331, %f329, %f330;
+	ld.shared.f32 	%f332, [%r2004+2048];
+	add.f32 	%f333, %f331, %f332;
+	ld.shared.f32 	%f334, [%r2004+3072];
+	add.f32 	%f362, %f333, %f334;
+	add.s32 	%r2256, %r2256, 4;
+	add.s32 	%r2255, %r2255, -4;
+	setp.ne.s32 	%p10, %r2255, 0;
+	@%p10 bra 	$L__BB2_15;
 
-	shl.b64 	%rd70, %rd8, 1;
-	add.s64 	%rd71, %rd29, %rd70;
-	add.s64 	%rd69, %rd71, 224;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1252, %r1251}, [%rd69];
-	// end inline asm
+$L__BB2_16:
+	setp.eq.s32 	%p11, %r298, 0;
+	@%p11 bra 	$L__BB2_20;
 
-$L__BB2_17:
-	cvt.s64.s32 	%rd74, %r1353;
-	mul.lo.s64 	%rd75, %rd74, %rd6;
-	add.s64 	%rd76, %rd75, %rd7;
-	shl.b64 	%rd77, %rd76, 1;
-	add.s64 	%rd72, %rd31, %rd77;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1285, %r1284}, [%rd72];
-	// end inline asm
-	add.s64 	%rd73, %rd32, %rd76;
-	// begin inline asm
-	ld.global.nc.u32 %r1283, [%rd73];
-	// end inline asm
+	setp.eq.s32 	%p12, %r298, 1;
+	shl.b32 	%r2005, %r2256, 3;
+	add.s32 	%r2006, %r2005, %r303;
+	shl.b32 	%r2007, %r2006, 5;
+	add.s32 	%r2008, %r2007, %r304;
+	shl.b32 	%r2009, %r2008, 2;
+	add.s32 	%r310, %r1986, %r2009;
+	ld.shared.f32 	%f335, [%r310];
+	add.f32 	%f362, %f362, %f335;
+	@%p12 bra 	$L__BB2_20;
 
-$L__BB2_18:
-	mov.f32 	%f196, 0f00000000;
-	mov.f32 	%f197, %f196;
-	mov.f32 	%f198, %f196;
-	mov.f32 	%f199, %f196;
-	mov.f32 	%f200, %f196;
-	mov.f32 	%f201, %f196;
-	mov.f32 	%f202, %f196;
-	mov.f32 	%f203, %f196;
-	@%p1 bra 	$L__BB2_39;
+	setp.eq.s32 	%p13, %r298, 2;
+	ld.shared.f32 	%f336, [%r310+1024];
+	add.f32 	%f362, %f362, %f336;
+	@%p13 bra 	$L__BB2_20;
 
-	shl.b32 	%r467, %r8, 2;
-	cvt.s64.s32 	%rd9, %r9;
-	cvt.s64.s32 	%rd78, %r394;
-	cvt.u64.u32 	%rd79, %r7;
-	mul.lo.s64 	%rd80, %rd78, %rd79;
-	cvt.u64.u32 	%rd81, %r467;
-	add.s64 	%rd10, %rd80, %rd81;
-	mul.wide.s32 	%rd82, %r7, %r394;
-	add.s64 	%rd83, %rd81, %rd82;
-	shl.b64 	%rd84, %rd83, 1;
-	add.s64 	%rd85, %rd29, %rd84;
-	add.s64 	%rd11, %rd85, 32;
-	add.s64 	%rd12, %rd85, 64;
-	add.s64 	%rd13, %rd85, 96;
-	add.s64 	%rd14, %rd85, 128;
-	add.s64 	%rd15, %rd85, 160;
-	add.s64 	%rd16, %rd85, 192;
-	add.s64 	%rd17, %rd85, 224;
-	mov.f32 	%f196, 0f00000000;
+	ld.shared.f32 	%f337, [%r310+2048];
+	add.f32 	%f362, %f362, %f337;
 
 $L__BB2_20:
-	add.s32 	%r200, %r1353, %r5;
-	setp.ge.s32 	%p11, %r200, %r10;
-	@%p11 bra 	$L__BB2_38;
+	shr.u32 	%r2012, %r1993, 25;
+	add.s32 	%r2013, %r2253, %r2012;
+	shr.u32 	%r2014, %r2013, 31;
+	shr.s32 	%r2015, %r2013, 7;
+	add.s32 	%r2016, %r2015, %r2014;
+	and.b32  	%r2017, %r2016, 2147483646;
+	sub.s32 	%r2018, %r2015, %r2017;
+	shr.u32 	%r2019, %r1993, 24;
+	add.s32 	%r2020, %r2253, %r2019;
+	shr.s32 	%r2021, %r2020, 8;
+	shl.b32 	%r2022, %r2021, 3;
+	shl.b32 	%r2023, %r304, 1;
+	and.b32  	%r2024, %r2023, 6;
+	or.b32  	%r2025, %r2024, %r2022;
+	shr.s32 	%r2026, %r303, 31;
+	shr.u32 	%r2027, %r2026, 30;
+	add.s32 	%r2028, %r303, %r2027;
+	and.b32  	%r2029, %r2028, -4;
+	sub.s32 	%r2030, %r303, %r2029;
+	and.b32  	%r2031, %r2030, 1;
+	or.b32  	%r311, %r2025, %r2031;
+	and.b32  	%r2032, %r304, -4;
+	add.s32 	%r2033, %r2032, %r301;
+	shl.b32 	%r2034, %r2018, 1;
+	add.s32 	%r2035, %r2033, %r2034;
+	shr.u32 	%r2036, %r2030, 31;
+	add.s32 	%r2037, %r2030, %r2036;
+	shr.s32 	%r2038, %r2037, 1;
+	add.s32 	%r312, %r2035, %r2038;
+	setp.ge.s32 	%p14, %r311, %r331;
+	@%p14 bra 	$L__BB2_24;
 
-	add.s32 	%r1231, %r1353, %r5;
-	mov.u32 	%r486, %tid.x;
-	and.b32  	%r487, %r486, 31;
-	shr.u32 	%r488, %r487, 2;
-	setp.ge.s32 	%p12, %r488, %r391;
-	shl.b32 	%r489, %r486, 2;
-	and.b32  	%r490, %r489, 12;
-	shl.b32 	%r491, %r1231, 4;
-	or.b32  	%r492, %r491, %r490;
-	mul.wide.s32 	%rd90, %r492, %r392;
-	add.s64 	%rd91, %rd90, %rd9;
-	shl.b64 	%rd92, %rd91, 2;
-	add.s64 	%rd86, %rd30, %rd92;
-	// begin inline asm
-	ld.global.nc.v4.u32 {%r1404, %r1403, %r1402, %r1401}, [%rd86];
-	// end inline asm
-	mul.wide.s32 	%rd93, %r392, 4;
-	add.s64 	%rd87, %rd86, %rd93;
-	// begin inline asm
-	ld.global.nc.v4.u32 {%r1400, %r1399, %r1398, %r1397}, [%rd87];
-	// end inline asm
-	add.s64 	%rd88, %rd87, %rd93;
-	// begin inline asm
-	ld.global.nc.v4.u32 {%r1396, %r1395, %r1394, %r1393}, [%rd88];
-	// end inline asm
-	add.s64 	%rd89, %rd88, %rd93;
-	// begin inline asm
-	ld.global.nc.v4.u32 {%r1392, %r1391, %r1390, %r1389}, [%rd89];
-	// end inline asm
-	shl.b32 	%r493, %r1231, 7;
-	cvt.s64.s32 	%rd18, %r493;
-	mov.u32 	%r1386, 0;
-	mov.u32 	%r1388, %r1386;
-	mov.u32 	%r1387, %r1386;
-	@%p12 bra 	$L__BB2_23;
+	setp.eq.s64 	%p15, %rd13, 0;
+	@%p15 bra 	$L__BB2_23;
 
-	add.s64 	%rd95, %rd10, %rd18;
-	shl.b64 	%rd96, %rd95, 1;
-	add.s64 	%rd94, %rd29, %rd96;
+	mul.wide.s32 	%rd96, %r312, 2;
+	add.s64 	%rd97, %rd95, %rd96;
+	ld.global.u16 	%rs9, [%rd97];
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1388, %r1387}, [%rd94];
+	cvt.f32.f16 %f338, %rs9;
 	// end inline asm
+	add.f32 	%f362, %f362, %f338;
 
 $L__BB2_23:
-	shl.b64 	%rd97, %rd18, 1;
-	add.s64 	%rd19, %rd11, %rd97;
-	mov.u32 	%r1385, %r1386;
-	@%p12 bra 	$L__BB2_25;
-
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1386, %r1385}, [%rd19];
+	cvt.rn.f16.f32 %rs10, %f362;
 	// end inline asm
+	cvt.s64.s32 	%rd98, %r311;
+	mul.lo.s64 	%rd99, %rd98, %rd8;
+	cvt.s64.s32 	%rd100, %r312;
+	add.s64 	%rd101, %rd99, %rd100;
+	shl.b64 	%rd102, %rd101, 1;
+	add.s64 	%rd103, %rd5, %rd102;
+	st.global.u16 	[%rd103], %rs10;
+
+$L__BB2_24:
+	add.s32 	%r2253, %r2253, %r296;
+	setp.lt.s32 	%p16, %r2253, 256;
+	@%p16 bra 	$L__BB2_13;
+	bra.uni 	$L__BB2_32;
 
 $L__BB2_25:
-	add.s64 	%rd20, %rd12, %rd97;
-	mov.u32 	%r1382, 0;
-	mov.u32 	%r1384, %r1382;
-	mov.u32 	%r1383, %r1382;
-	@%p12 bra 	$L__BB2_27;
+	mov.u32 	%r2257, %tid.x;
+	mov.u32 	%r2039, %ctaid.x;
+	shl.b32 	%r315, %r2039, 5;
+	cvta.to.global.u64 	%rd104, %rd13;
 
+$L__BB2_26:
+	shr.s32 	%r2040, %r2257, 31;
+	shr.u32 	%r2041, %r2040, 25;
+	add.s32 	%r2042, %r2257, %r2041;
+	shr.u32 	%r2043, %r2042, 31;
+	shr.s32 	%r2044, %r2042, 7;
+	add.s32 	%r2045, %r2044, %r2043;
+	and.b32  	%r2046, %r2045, 2147483646;
+	sub.s32 	%r2047, %r2044, %r2046;
+	shr.u32 	%r2048, %r2040, 27;
+	add.s32 	%r2049, %r2257, %r2048;
+	shr.s32 	%r2050, %r2049, 5;
+	shr.u32 	%r2051, %r2040, 24;
+	add.s32 	%r2052, %r2257, %r2051;
+	shr.s32 	%r2053, %r2052, 8;
+	shl.b32 	%r2054, %r2053, 3;
+	and.b32  	%r2055, %r2049, -32;
+	sub.s32 	%r2056, %r2257, %r2055;
+	shl.b32 	%r2057, %r2056, 1;
+	and.b32  	%r2058, %r2057, 6;
+	or.b32  	%r2059, %r2058, %r2054;
+	shr.s32 	%r2060, %r2049, 31;
+	shr.u32 	%r2061, %r2060, 30;
+	add.s32 	%r2062, %r2050, %r2061;
+	and.b32  	%r2063, %r2062, -4;
+	sub.s32 	%r2064, %r2050, %r2063;
+	and.b32  	%r2065, %r2064, 1;
+	or.b32  	%r317, %r2059, %r2065;
+	and.b32  	%r2066, %r2056, -4;
+	add.s32 	%r2067, %r2066, %r315;
+	shl.b32 	%r2068, %r2047, 1;
+	add.s32 	%r2069, %r2067, %r2068;
+	shr.u32 	%r2070, %r2064, 31;
+	add.s32 	%r2071, %r2064, %r2070;
+	shr.s32 	%r2072, %r2071, 1;
+	add.s32 	%r318, %r2069, %r2072;
+	setp.ge.s32 	%p17, %r317, %r331;
+	@%p17 bra 	$L__BB2_31;
+
+	setp.eq.s64 	%p18, %rd13, 0;
+	@%p18 bra 	$L__BB2_29;
+
+	mul.wide.s32 	%rd105, %r318, 2;
+	add.s64 	%rd106, %rd104, %rd105;
+	ld.global.u16 	%rs11, [%rd106];
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1384, %r1383}, [%rd20];
+	cvt.f32.f16 %f340, %rs11;
 	// end inline asm
-
-$L__BB2_27:
-	add.s64 	%rd21, %rd13, %rd97;
-	mov.u32 	%r1381, %r1382;
-	@%p12 bra 	$L__BB2_29;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1382, %r1381}, [%rd21];
-	// end inline asm
+	add.f32 	%f364, %f340, 0f00000000;
+	bra.uni 	$L__BB2_30;
 
 $L__BB2_29:
-	add.s64 	%rd22, %rd14, %rd97;
-	mov.u32 	%r1378, 0;
-	mov.u32 	%r1380, %r1378;
-	mov.u32 	%r1379, %r1378;
-	@%p12 bra 	$L__BB2_31;
+	mov.f32 	%f364, 0f00000000;
 
+$L__BB2_30:
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1380, %r1379}, [%rd22];
+	cvt.rn.f16.f32 %rs12, %f364;
 	// end inline asm
+	cvt.s64.s32 	%rd107, %r317;
+	mul.lo.s64 	%rd108, %rd107, %rd8;
+	cvt.s64.s32 	%rd109, %r318;
+	add.s64 	%rd110, %rd108, %rd109;
+	shl.b64 	%rd111, %rd110, 1;
+	add.s64 	%rd112, %rd5, %rd111;
+	st.global.u16 	[%rd112], %rs12;
 
 $L__BB2_31:
-	add.s64 	%rd23, %rd15, %rd97;
-	mov.u32 	%r1377, %r1378;
-	@%p12 bra 	$L__BB2_33;
+	add.s32 	%r2257, %r2257, %r296;
+	setp.lt.s32 	%p19, %r2257, 256;
+	@%p19 bra 	$L__BB2_26;
 
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1378, %r1377}, [%rd23];
-	// end inline asm
-
-$L__BB2_33:
-	add.s64 	%rd24, %rd16, %rd97;
-	mov.u32 	%r1374, 0;
-	mov.u32 	%r1376, %r1374;
-	mov.u32 	%r1375, %r1374;
-	@%p12 bra 	$L__BB2_35;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1376, %r1375}, [%rd24];
-	// end inline asm
-
-$L__BB2_35:
-	add.s64 	%rd25, %rd17, %rd97;
-	mov.u32 	%r1373, %r1374;
-	@%p12 bra 	$L__BB2_37;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1374, %r1373}, [%rd25];
-	// end inline asm
-
-$L__BB2_37:
-	add.s32 	%r1222, %r1353, %r5;
-	mul.wide.s32 	%rd113, %r1222, %r392;
-	add.s64 	%rd114, %rd113, %rd9;
-	shl.b64 	%rd115, %rd114, 1;
-	add.s64 	%rd111, %rd31, %rd115;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1372, %r1371}, [%rd111];
-	// end inline asm
-	add.s64 	%rd112, %rd32, %rd114;
-	// begin inline asm
-	ld.global.nc.u32 %r1370, [%rd112];
-	// end inline asm
-
-$L__BB2_38:
-	add.s32 	%r1353, %r1353, %r5;
-	and.b32  	%r1028, %r1283, 255;
-	or.b32  	%r1029, %r1028, 58368;
-	mul.lo.s32 	%r995, %r1029, 65537;
-	cvt.u16.u32 	%rs1, %r1285;
-	// begin inline asm
-	cvt.f32.f16 %f47, %rs1;
-	// end inline asm
-	shr.u32 	%r1030, %r1283, 8;
-	and.b32  	%r1031, %r1030, 255;
-	or.b32  	%r1032, %r1031, 58368;
-	mul.lo.s32 	%r999, %r1032, 65537;
-	shr.u32 	%r1033, %r1285, 16;
-	cvt.u16.u32 	%rs2, %r1033;
-	// begin inline asm
-	cvt.f32.f16 %f48, %rs2;
-	// end inline asm
-	shr.u32 	%r1034, %r1283, 16;
-	and.b32  	%r1035, %r1034, 255;
-	or.b32  	%r1036, %r1035, 58368;
-	mul.lo.s32 	%r1011, %r1036, 65537;
-	cvt.u16.u32 	%rs3, %r1284;
-	// begin inline asm
-	cvt.f32.f16 %f49, %rs3;
-	// end inline asm
-	shr.u32 	%r1037, %r1283, 24;
-	or.b32  	%r1038, %r1037, 58368;
-	mul.lo.s32 	%r1015, %r1038, 65537;
-	shr.u32 	%r1039, %r1284, 16;
-	cvt.u16.u32 	%rs4, %r1039;
-	// begin inline asm
-	cvt.f32.f16 %f50, %rs4;
-	// end inline asm
-	mov.u32 	%r579, 17408;
-	// begin inline asm
-	prmt.b32 %r548, %r1317, %r1313, %r579;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r552, %r1316, %r1312, %r579;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r556, %r1309, %r1305, %r579;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r560, %r1308, %r1304, %r579;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r564, %r1315, %r1311, %r579;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r568, %r1314, %r1310, %r579;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r572, %r1307, %r1303, %r579;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r576, %r1306, %r1302, %r579;
-	// end inline asm
-	and.b32  	%r1040, %r548, 983055;
-	or.b32  	%r581, %r1040, 1677747200;
-	mov.u32 	%r1014, 1006648320;
-	// begin inline asm
-	fma.rn.f16x2 %r580, %r581, %r1014, %r995;
-	// end inline asm
-	and.b32  	%r1041, %r552, 983055;
-	or.b32  	%r585, %r1041, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r584, %r585, %r1014, %r999;
-	// end inline asm
-	and.b32  	%r1042, %r556, 983055;
-	or.b32  	%r589, %r1042, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r588, %r589, %r1014, %r995;
-	// end inline asm
-	and.b32  	%r1043, %r560, 983055;
-	or.b32  	%r593, %r1043, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r592, %r593, %r1014, %r999;
-	// end inline asm
-	and.b32  	%r1044, %r564, 983055;
-	or.b32  	%r597, %r1044, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r596, %r597, %r1014, %r1011;
-	// end inline asm
-	and.b32  	%r1045, %r568, 983055;
-	or.b32  	%r601, %r1045, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r600, %r601, %r1014, %r1015;
-	// end inline asm
-	and.b32  	%r1046, %r572, 983055;
-	or.b32  	%r605, %r1046, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r604, %r605, %r1014, %r1011;
-	// end inline asm
-	and.b32  	%r1047, %r576, 983055;
-	or.b32  	%r609, %r1047, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r608, %r609, %r1014, %r1015;
-	// end inline asm
-	mov.f32 	%f75, 0f00000000;
-	mov.f32 	%f67, %f75;
-	mov.f32 	%f68, %f75;
-	mov.f32 	%f69, %f75;
-	mov.f32 	%f70, %f75;
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f67, %f68, %f69, %f70}, {%r580, %r584, %r588, %r592}, {%r1266, %r1265}, {%f67, %f68, %f69, %f70};
-	// end inline asm
-	mov.f32 	%f76, %f75;
-	mov.f32 	%f77, %f75;
-	mov.f32 	%f78, %f75;
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f75, %f76, %f77, %f78}, {%r596, %r600, %r604, %r608}, {%r1266, %r1265}, {%f75, %f76, %f77, %f78};
-	// end inline asm
-	shr.u32 	%r1048, %r548, 4;
-	and.b32  	%r1049, %r1048, 983055;
-	or.b32  	%r625, %r1049, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r624, %r625, %r1014, %r995;
-	// end inline asm
-	shr.u32 	%r1050, %r552, 4;
-	and.b32  	%r1051, %r1050, 983055;
-	or.b32  	%r629, %r1051, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r628, %r629, %r1014, %r999;
-	// end inline asm
-	shr.u32 	%r1052, %r556, 4;
-	and.b32  	%r1053, %r1052, 983055;
-	or.b32  	%r633, %r1053, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r632, %r633, %r1014, %r995;
-	// end inline asm
-	shr.u32 	%r1054, %r560, 4;
-	and.b32  	%r1055, %r1054, 983055;
-	or.b32  	%r637, %r1055, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r636, %r637, %r1014, %r999;
-	// end inline asm
-	shr.u32 	%r1056, %r564, 4;
-	and.b32  	%r1057, %r1056, 983055;
-	or.b32  	%r641, %r1057, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r640, %r641, %r1014, %r1011;
-	// end inline asm
-	shr.u32 	%r1058, %r568, 4;
-	and.b32  	%r1059, %r1058, 983055;
-	or.b32  	%r645, %r1059, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r644, %r645, %r1014, %r1015;
-	// end inline asm
-	shr.u32 	%r1060, %r572, 4;
-	and.b32  	%r1061, %r1060, 983055;
-	or.b32  	%r649, %r1061, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r648, %r649, %r1014, %r1011;
-	// end inline asm
-	shr.u32 	%r1062, %r576, 4;
-	and.b32  	%r1063, %r1062, 983055;
-	or.b32  	%r653, %r1063, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r652, %r653, %r1014, %r1015;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f67, %f68, %f69, %f70}, {%r624, %r628, %r632, %r636}, {%r1264, %r1263}, {%f67, %f68, %f69, %f70};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f75, %f76, %f77, %f78}, {%r640, %r644, %r648, %r652}, {%r1264, %r1263}, {%f75, %f76, %f77, %f78};
-	// end inline asm
-	mov.u32 	%r699, 21777;
-	// begin inline asm
-	prmt.b32 %r668, %r1317, %r1313, %r699;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r672, %r1316, %r1312, %r699;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r676, %r1309, %r1305, %r699;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r680, %r1308, %r1304, %r699;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r684, %r1315, %r1311, %r699;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r688, %r1314, %r1310, %r699;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r692, %r1307, %r1303, %r699;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r696, %r1306, %r1302, %r699;
-	// end inline asm
-	and.b32  	%r1064, %r668, 983055;
-	or.b32  	%r701, %r1064, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r700, %r701, %r1014, %r995;
-	// end inline asm
-	and.b32  	%r1065, %r672, 983055;
-	or.b32  	%r705, %r1065, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r704, %r705, %r1014, %r999;
-	// end inline asm
-	and.b32  	%r1066, %r676, 983055;
-	or.b32  	%r709, %r1066, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r708, %r709, %r1014, %r995;
-	// end inline asm
-	and.b32  	%r1067, %r680, 983055;
-	or.b32  	%r713, %r1067, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r712, %r713, %r1014, %r999;
-	// end inline asm
-	and.b32  	%r1068, %r684, 983055;
-	or.b32  	%r717, %r1068, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r716, %r717, %r1014, %r1011;
-	// end inline asm
-	and.b32  	%r1069, %r688, 983055;
-	or.b32  	%r721, %r1069, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r720, %r721, %r1014, %r1015;
-	// end inline asm
-	and.b32  	%r1070, %r692, 983055;
-	or.b32  	%r725, %r1070, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r724, %r725, %r1014, %r1011;
-	// end inline asm
-	and.b32  	%r1071, %r696, 983055;
-	or.b32  	%r729, %r1071, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r728, %r729, %r1014, %r1015;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f67, %f68, %f69, %f70}, {%r700, %r704, %r708, %r712}, {%r1262, %r1261}, {%f67, %f68, %f69, %f70};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f75, %f76, %f77, %f78}, {%r716, %r720, %r724, %r728}, {%r1262, %r1261}, {%f75, %f76, %f77, %f78};
-	// end inline asm
-	shr.u32 	%r1072, %r668, 4;
-	and.b32  	%r1073, %r1072, 983055;
-	or.b32  	%r745, %r1073, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r744, %r745, %r1014, %r995;
-	// end inline asm
-	shr.u32 	%r1074, %r672, 4;
-	and.b32  	%r1075, %r1074, 983055;
-	or.b32  	%r749, %r1075, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r748, %r749, %r1014, %r999;
-	// end inline asm
-	shr.u32 	%r1076, %r676, 4;
-	and.b32  	%r1077, %r1076, 983055;
-	or.b32  	%r753, %r1077, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r752, %r753, %r1014, %r995;
-	// end inline asm
-	shr.u32 	%r1078, %r680, 4;
-	and.b32  	%r1079, %r1078, 983055;
-	or.b32  	%r757, %r1079, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r756, %r757, %r1014, %r999;
-	// end inline asm
-	shr.u32 	%r1080, %r684, 4;
-	and.b32  	%r1081, %r1080, 983055;
-	or.b32  	%r761, %r1081, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r760, %r761, %r1014, %r1011;
-	// end inline asm
-	shr.u32 	%r1082, %r688, 4;
-	and.b32  	%r1083, %r1082, 983055;
-	or.b32  	%r765, %r1083, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r764, %r765, %r1014, %r1015;
-	// end inline asm
-	shr.u32 	%r1084, %r692, 4;
-	and.b32  	%r1085, %r1084, 983055;
-	or.b32  	%r769, %r1085, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r768, %r769, %r1014, %r1011;
-	// end inline asm
-	shr.u32 	%r1086, %r696, 4;
-	and.b32  	%r1087, %r1086, 983055;
-	or.b32  	%r773, %r1087, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r772, %r773, %r1014, %r1015;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f67, %f68, %f69, %f70}, {%r744, %r748, %r752, %r756}, {%r1260, %r1259}, {%f67, %f68, %f69, %f70};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f75, %f76, %f77, %f78}, {%r760, %r764, %r768, %r772}, {%r1260, %r1259}, {%f75, %f76, %f77, %f78};
-	// end inline asm
-	mov.u32 	%r819, 26146;
-	// begin inline asm
-	prmt.b32 %r788, %r1317, %r1313, %r819;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r792, %r1316, %r1312, %r819;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r796, %r1309, %r1305, %r819;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r800, %r1308, %r1304, %r819;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r804, %r1315, %r1311, %r819;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r808, %r1314, %r1310, %r819;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r812, %r1307, %r1303, %r819;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r816, %r1306, %r1302, %r819;
-	// end inline asm
-	and.b32  	%r1088, %r788, 983055;
-	or.b32  	%r821, %r1088, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r820, %r821, %r1014, %r995;
-	// end inline asm
-	and.b32  	%r1089, %r792, 983055;
-	or.b32  	%r825, %r1089, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r824, %r825, %r1014, %r999;
-	// end inline asm
-	and.b32  	%r1090, %r796, 983055;
-	or.b32  	%r829, %r1090, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r828, %r829, %r1014, %r995;
-	// end inline asm
-	and.b32  	%r1091, %r800, 983055;
-	or.b32  	%r833, %r1091, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r832, %r833, %r1014, %r999;
-	// end inline asm
-	and.b32  	%r1092, %r804, 983055;
-	or.b32  	%r837, %r1092, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r836, %r837, %r1014, %r1011;
-	// end inline asm
-	and.b32  	%r1093, %r808, 983055;
-	or.b32  	%r841, %r1093, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r840, %r841, %r1014, %r1015;
-	// end inline asm
-	and.b32  	%r1094, %r812, 983055;
-	or.b32  	%r845, %r1094, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r844, %r845, %r1014, %r1011;
-	// end inline asm
-	and.b32  	%r1095, %r816, 983055;
-	or.b32  	%r849, %r1095, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r848, %r849, %r1014, %r1015;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f67, %f68, %f69, %f70}, {%r820, %r824, %r828, %r832}, {%r1258, %r1257}, {%f67, %f68, %f69, %f70};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f75, %f76, %f77, %f78}, {%r836, %r840, %r844, %r848}, {%r1258, %r1257}, {%f75, %f76, %f77, %f78};
-	// end inline asm
-	shr.u32 	%r1096, %r788, 4;
-	and.b32  	%r1097, %r1096, 983055;
-	or.b32  	%r865, %r1097, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r864, %r865, %r1014, %r995;
-	// end inline asm
-	shr.u32 	%r1098, %r792, 4;
-	and.b32  	%r1099, %r1098, 983055;
-	or.b32  	%r869, %r1099, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r868, %r869, %r1014, %r999;
-	// end inline asm
-	shr.u32 	%r1100, %r796, 4;
-	and.b32  	%r1101, %r1100, 983055;
-	or.b32  	%r873, %r1101, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r872, %r873, %r1014, %r995;
-	// end inline asm
-	shr.u32 	%r1102, %r800, 4;
-	and.b32  	%r1103, %r1102, 983055;
-	or.b32  	%r877, %r1103, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r876, %r877, %r1014, %r999;
-	// end inline asm
-	shr.u32 	%r1104, %r804, 4;
-	and.b32  	%r1105, %r1104, 983055;
-	or.b32  	%r881, %r1105, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r880, %r881, %r1014, %r1011;
-	// end inline asm
-	shr.u32 	%r1106, %r808, 4;
-	and.b32  	%r1107, %r1106, 983055;
-	or.b32  	%r885, %r1107, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r884, %r885, %r1014, %r1015;
-	// end inline asm
-	shr.u32 	%r1108, %r812, 4;
-	and.b32  	%r1109, %r1108, 983055;
-	or.b32  	%r889, %r1109, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r888, %r889, %r1014, %r1011;
-	// end inline asm
-	shr.u32 	%r1110, %r816, 4;
-	and.b32  	%r1111, %r1110, 983055;
-	or.b32  	%r893, %r1111, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r892, %r893, %r1014, %r1015;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f67, %f68, %f69, %f70}, {%r864, %r868, %r872, %r876}, {%r1256, %r1255}, {%f67, %f68, %f69, %f70};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f75, %f76, %f77, %f78}, {%r880, %r884, %r888, %r892}, {%r1256, %r1255}, {%f75, %f76, %f77, %f78};
-	// end inline asm
-	mov.u32 	%r939, 30515;
-	// begin inline asm
-	prmt.b32 %r908, %r1317, %r1313, %r939;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r912, %r1316, %r1312, %r939;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r916, %r1309, %r1305, %r939;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r920, %r1308, %r1304, %r939;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r924, %r1315, %r1311, %r939;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r928, %r1314, %r1310, %r939;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r932, %r1307, %r1303, %r939;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r936, %r1306, %r1302, %r939;
-	// end inline asm
-	and.b32  	%r1112, %r908, 983055;
-	or.b32  	%r941, %r1112, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r940, %r941, %r1014, %r995;
-	// end inline asm
-	and.b32  	%r1113, %r912, 983055;
-	or.b32  	%r945, %r1113, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r944, %r945, %r1014, %r999;
-	// end inline asm
-	and.b32  	%r1114, %r916, 983055;
-	or.b32  	%r949, %r1114, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r948, %r949, %r1014, %r995;
-	// end inline asm
-	and.b32  	%r1115, %r920, 983055;
-	or.b32  	%r953, %r1115, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r952, %r953, %r1014, %r999;
-	// end inline asm
-	and.b32  	%r1116, %r924, 983055;
-	or.b32  	%r957, %r1116, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r956, %r957, %r1014, %r1011;
-	// end inline asm
-	and.b32  	%r1117, %r928, 983055;
-	or.b32  	%r961, %r1117, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r960, %r961, %r1014, %r1015;
-	// end inline asm
-	and.b32  	%r1118, %r932, 983055;
-	or.b32  	%r965, %r1118, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r964, %r965, %r1014, %r1011;
-	// end inline asm
-	and.b32  	%r1119, %r936, 983055;
-	or.b32  	%r969, %r1119, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r968, %r969, %r1014, %r1015;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f67, %f68, %f69, %f70}, {%r940, %r944, %r948, %r952}, {%r1254, %r1253}, {%f67, %f68, %f69, %f70};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f75, %f76, %f77, %f78}, {%r956, %r960, %r964, %r968}, {%r1254, %r1253}, {%f75, %f76, %f77, %f78};
-	// end inline asm
-	shr.u32 	%r1120, %r908, 4;
-	and.b32  	%r1121, %r1120, 983055;
-	or.b32  	%r985, %r1121, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r984, %r985, %r1014, %r995;
-	// end inline asm
-	shr.u32 	%r1122, %r912, 4;
-	and.b32  	%r1123, %r1122, 983055;
-	or.b32  	%r989, %r1123, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r988, %r989, %r1014, %r999;
-	// end inline asm
-	shr.u32 	%r1124, %r916, 4;
-	and.b32  	%r1125, %r1124, 983055;
-	or.b32  	%r993, %r1125, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r992, %r993, %r1014, %r995;
-	// end inline asm
-	shr.u32 	%r1126, %r920, 4;
-	and.b32  	%r1127, %r1126, 983055;
-	or.b32  	%r997, %r1127, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r996, %r997, %r1014, %r999;
-	// end inline asm
-	shr.u32 	%r1128, %r924, 4;
-	and.b32  	%r1129, %r1128, 983055;
-	or.b32  	%r1001, %r1129, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1000, %r1001, %r1014, %r1011;
-	// end inline asm
-	shr.u32 	%r1130, %r928, 4;
-	and.b32  	%r1131, %r1130, 983055;
-	or.b32  	%r1005, %r1131, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1004, %r1005, %r1014, %r1015;
-	// end inline asm
-	shr.u32 	%r1132, %r932, 4;
-	and.b32  	%r1133, %r1132, 983055;
-	or.b32  	%r1009, %r1133, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1008, %r1009, %r1014, %r1011;
-	// end inline asm
-	shr.u32 	%r1134, %r936, 4;
-	and.b32  	%r1135, %r1134, 983055;
-	or.b32  	%r1013, %r1135, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1012, %r1013, %r1014, %r1015;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f67, %f68, %f69, %f70}, {%r984, %r988, %r992, %r996}, {%r1252, %r1251}, {%f67, %f68, %f69, %f70};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f75, %f76, %f77, %f78}, {%r1000, %r1004, %r1008, %r1012}, {%r1252, %r1251}, {%f75, %f76, %f77, %f78};
-	// end inline asm
-	fma.rn.f32 	%f196, %f47, %f67, %f196;
-	fma.rn.f32 	%f197, %f47, %f68, %f197;
-	fma.rn.f32 	%f198, %f48, %f69, %f198;
-	fma.rn.f32 	%f199, %f48, %f70, %f199;
-	fma.rn.f32 	%f200, %f49, %f75, %f200;
-	fma.rn.f32 	%f201, %f49, %f76, %f201;
-	fma.rn.f32 	%f202, %f50, %f77, %f202;
-	fma.rn.f32 	%f203, %f50, %f78, %f203;
-	setp.lt.s32 	%p20, %r1353, %r10;
-	selp.b32 	%r1283, %r1370, %r1283, %p20;
-	selp.b32 	%r1284, %r1371, %r1284, %p20;
-	selp.b32 	%r1285, %r1372, %r1285, %p20;
-	selp.b32 	%r1251, %r1373, %r1251, %p20;
-	selp.b32 	%r1252, %r1374, %r1252, %p20;
-	selp.b32 	%r1253, %r1375, %r1253, %p20;
-	selp.b32 	%r1254, %r1376, %r1254, %p20;
-	selp.b32 	%r1255, %r1377, %r1255, %p20;
-	selp.b32 	%r1256, %r1378, %r1256, %p20;
-	selp.b32 	%r1257, %r1379, %r1257, %p20;
-	selp.b32 	%r1258, %r1380, %r1258, %p20;
-	selp.b32 	%r1259, %r1381, %r1259, %p20;
-	selp.b32 	%r1260, %r1382, %r1260, %p20;
-	selp.b32 	%r1261, %r1383, %r1261, %p20;
-	selp.b32 	%r1262, %r1384, %r1262, %p20;
-	selp.b32 	%r1263, %r1385, %r1263, %p20;
-	selp.b32 	%r1264, %r1386, %r1264, %p20;
-	selp.b32 	%r1265, %r1387, %r1265, %p20;
-	selp.b32 	%r1266, %r1388, %r1266, %p20;
-	selp.b32 	%r1302, %r1389, %r1302, %p20;
-	selp.b32 	%r1303, %r1390, %r1303, %p20;
-	selp.b32 	%r1304, %r1391, %r1304, %p20;
-	selp.b32 	%r1305, %r1392, %r1305, %p20;
-	selp.b32 	%r1306, %r1393, %r1306, %p20;
-	selp.b32 	%r1307, %r1394, %r1307, %p20;
-	selp.b32 	%r1308, %r1395, %r1308, %p20;
-	selp.b32 	%r1309, %r1396, %r1309, %p20;
-	selp.b32 	%r1310, %r1397, %r1310, %p20;
-	selp.b32 	%r1311, %r1398, %r1311, %p20;
-	selp.b32 	%r1312, %r1399, %r1312, %p20;
-	selp.b32 	%r1313, %r1400, %r1313, %p20;
-	selp.b32 	%r1314, %r1401, %r1314, %p20;
-	selp.b32 	%r1315, %r1402, %r1315, %p20;
-	selp.b32 	%r1316, %r1403, %r1316, %p20;
-	selp.b32 	%r1317, %r1404, %r1317, %p20;
-	@%p20 bra 	$L__BB2_20;
-
-$L__BB2_39:
-	mov.u32 	%r1227, %tid.x;
-	mov.u32 	%r1226, %tid.x;
-	and.b32  	%r1225, %r1226, 31;
-	shr.u32 	%r1224, %r1226, 5;
-	prmt.b32 	%r1139, %r1224, %r1225, 8452;
-	shl.b32 	%r1140, %r1139, 2;
-	mov.u32 	%r1141, _ZN9lmd_w4a164sumsE;
-	add.s32 	%r1142, %r1141, %r1140;
-	st.shared.f32 	[%r1142], %f196;
-	st.shared.f32 	[%r1142+128], %f197;
-	st.shared.f32 	[%r1142+256], %f198;
-	st.shared.f32 	[%r1142+384], %f199;
-	st.shared.f32 	[%r1142+512], %f200;
-	st.shared.f32 	[%r1142+640], %f201;
-	st.shared.f32 	[%r1142+768], %f202;
-	st.shared.f32 	[%r1142+896], %f203;
-	bar.sync 	0;
-	shl.b32 	%r354, %r395, 8;
-	setp.ge.s32 	%p21, %r1226, %r354;
-	@%p21 bra 	$L__BB2_55;
-
-	ld.param.u64 	%rd130, [lmd_w4a16_rows_f16_m8_param_0+32];
-	mul.lo.s32 	%r355, %r5, %r395;
-	cvt.s64.s32 	%rd27, %r392;
-	setp.eq.s64 	%p22, %rd130, 0;
-	@%p22 bra 	$L__BB2_48;
-
-	mov.u32 	%r1228, %ctaid.x;
-	ld.param.u64 	%rd131, [lmd_w4a16_rows_f16_m8_param_0+32];
-	mov.u32 	%r1405, %tid.x;
-	mul.lo.s32 	%r358, %r395, %r1228;
-	cvta.to.global.u64 	%rd28, %rd131;
-
-$L__BB2_42:
-	shr.s32 	%r1144, %r1405, 31;
-	shr.u32 	%r1145, %r1144, 27;
-	add.s32 	%r1146, %r1405, %r1145;
-	shr.s32 	%r1147, %r1146, 5;
-	shr.s32 	%r1148, %r1146, 31;
-	shr.u32 	%r1149, %r1148, 29;
-	add.s32 	%r1150, %r1147, %r1149;
-	and.b32  	%r1151, %r1150, -8;
-	sub.s32 	%r360, %r1147, %r1151;
-	and.b32  	%r1152, %r1146, -32;
-	sub.s32 	%r361, %r1405, %r1152;
-	shr.u32 	%r1153, %r1144, 24;
-	add.s32 	%r1154, %r1405, %r1153;
-	shr.s32 	%r362, %r1154, 8;
-	setp.ge.s32 	%p23, %r362, %r355;
-	mov.f32 	%f205, 0f00000000;
-	@%p23 bra 	$L__BB2_45;
-
-	mov.f32 	%f205, 0f00000000;
-	mov.u32 	%r1406, %r362;
-
-$L__BB2_44:
-	shl.b32 	%r1155, %r1406, 3;
-	add.s32 	%r1156, %r1155, %r360;
-	shl.b32 	%r1157, %r1156, 5;
-	add.s32 	%r1158, %r1157, %r361;
-	shl.b32 	%r1159, %r1158, 2;
-	add.s32 	%r1161, %r1141, %r1159;
-	ld.shared.f32 	%f181, [%r1161];
-	add.f32 	%f205, %f205, %f181;
-	add.s32 	%r1406, %r1406, %r395;
-	setp.lt.s32 	%p24, %r1406, %r355;
-	@%p24 bra 	$L__BB2_44;
-
-$L__BB2_45:
-	shr.s32 	%r1162, %r360, 31;
-	shr.u32 	%r1163, %r1162, 30;
-	add.s32 	%r1164, %r360, %r1163;
-	shr.u32 	%r1165, %r1164, 31;
-	shr.s32 	%r1166, %r1164, 2;
-	add.s32 	%r1167, %r1166, %r1165;
-	and.b32  	%r1168, %r1167, 2147483646;
-	sub.s32 	%r1169, %r1166, %r1168;
-	and.b32  	%r1170, %r361, 3;
-	and.b32  	%r1171, %r1164, -4;
-	sub.s32 	%r1172, %r360, %r1171;
-	and.b32  	%r1173, %r1172, 1;
-	bfi.b32 	%r365, %r1170, %r1173, 1, 2;
-	add.s32 	%r1174, %r362, %r358;
-	shl.b32 	%r1175, %r1174, 5;
-	and.b32  	%r1176, %r361, -4;
-	add.s32 	%r1177, %r1175, %r1176;
-	shl.b32 	%r1178, %r1169, 1;
-	shr.u32 	%r1179, %r1172, 31;
-	add.s32 	%r1180, %r1172, %r1179;
-	shr.s32 	%r1181, %r1180, 1;
-	add.s32 	%r1182, %r1177, %r1181;
-	add.s32 	%r366, %r1182, %r1178;
-	setp.ge.s32 	%p25, %r365, %r391;
-	@%p25 bra 	$L__BB2_47;
-
-	cvt.s64.s32 	%rd116, %r366;
-	mul.wide.s32 	%rd117, %r366, 2;
-	add.s64 	%rd118, %rd28, %rd117;
-	ld.global.u16 	%rs5, [%rd118];
-	// begin inline asm
-	cvt.f32.f16 %f182, %rs5;
-	// end inline asm
-	add.f32 	%f183, %f205, %f182;
-	// begin inline asm
-	cvt.rn.f16.f32 %rs6, %f183;
-	// end inline asm
-	cvt.s64.s32 	%rd119, %r365;
-	mul.lo.s64 	%rd120, %rd119, %rd27;
-	add.s64 	%rd121, %rd120, %rd116;
-	shl.b64 	%rd122, %rd121, 1;
-	add.s64 	%rd123, %rd5, %rd122;
-	st.global.u16 	[%rd123], %rs6;
-
-$L__BB2_47:
-	add.s32 	%r1405, %r1405, %r400;
-	setp.lt.s32 	%p26, %r1405, %r354;
-	@%p26 bra 	$L__BB2_42;
-	bra.uni 	$L__BB2_55;
-
-$L__BB2_48:
-	mov.u32 	%r1230, %ctaid.x;
-	mov.u32 	%r1407, %tid.x;
-	shl.b32 	%r368, %r395, 10;
-	mul.lo.s32 	%r371, %r395, %r1230;
-
-$L__BB2_49:
-	shr.s32 	%r1184, %r1407, 31;
-	shr.u32 	%r1185, %r1184, 27;
-	add.s32 	%r1186, %r1407, %r1185;
-	shr.s32 	%r1187, %r1186, 5;
-	shr.s32 	%r1188, %r1186, 31;
-	shr.u32 	%r1189, %r1188, 29;
-	add.s32 	%r1190, %r1187, %r1189;
-	and.b32  	%r1191, %r1190, -8;
-	sub.s32 	%r373, %r1187, %r1191;
-	and.b32  	%r1192, %r1186, -32;
-	sub.s32 	%r374, %r1407, %r1192;
-	shr.u32 	%r1193, %r1184, 24;
-	add.s32 	%r1194, %r1407, %r1193;
-	shr.s32 	%r375, %r1194, 8;
-	setp.ge.s32 	%p27, %r375, %r355;
-	mov.f32 	%f207, 0f00000000;
-	@%p27 bra 	$L__BB2_52;
-
-	shl.b32 	%r1195, %r373, 5;
-	add.s32 	%r1196, %r374, %r1195;
-	shl.b32 	%r1197, %r375, 8;
-	add.s32 	%r1198, %r1196, %r1197;
-	shl.b32 	%r1199, %r1198, 2;
-	add.s32 	%r1408, %r1141, %r1199;
-	mov.f32 	%f207, 0f00000000;
-	mov.u32 	%r1409, %r375;
-
-$L__BB2_51:
-	ld.shared.f32 	%f186, [%r1408];
-	add.f32 	%f207, %f207, %f186;
-	add.s32 	%r1408, %r1408, %r368;
-	add.s32 	%r1409, %r1409, %r395;
-	setp.lt.s32 	%p28, %r1409, %r355;
-	@%p28 bra 	$L__BB2_51;
-
-$L__BB2_52:
-	shr.s32 	%r1201, %r373, 31;
-	shr.u32 	%r1202, %r1201, 30;
-	add.s32 	%r1203, %r373, %r1202;
-	shr.u32 	%r1204, %r1203, 31;
-	shr.s32 	%r1205, %r1203, 2;
-	add.s32 	%r1206, %r1205, %r1204;
-	and.b32  	%r1207, %r1206, 2147483646;
-	sub.s32 	%r1208, %r1205, %r1207;
-	and.b32  	%r1209, %r374, 3;
-	and.b32  	%r1210, %r1203, -4;
-	sub.s32 	%r1211, %r373, %r1210;
-	and.b32  	%r1212, %r1211, 1;
-	bfi.b32 	%r381, %r1209, %r1212, 1, 2;
-	add.s32 	%r1213, %r375, %r371;
-	shl.b32 	%r1214, %r1213, 5;
-	and.b32  	%r1215, %r374, -4;
-	add.s32 	%r1216, %r1214, %r1215;
-	shl.b32 	%r1217, %r1208, 1;
-	shr.u32 	%r1218, %r1211, 31;
-	add.s32 	%r1219, %r1211, %r1218;
-	shr.s32 	%r1220, %r1219, 1;
-	add.s32 	%r1221, %r1216, %r1220;
-	add.s32 	%r382, %r1221, %r1217;
-	setp.ge.s32 	%p29, %r381, %r391;
-	@%p29 bra 	$L__BB2_54;
-
-	cvt.s64.s32 	%rd124, %r382;
-	// begin inline asm
-	cvt.rn.f16.f32 %rs7, %f207;
-	// end inline asm
-	cvt.s64.s32 	%rd125, %r381;
-	mul.lo.s64 	%rd126, %rd125, %rd27;
-	add.s64 	%rd127, %rd126, %rd124;
-	shl.b64 	%rd128, %rd127, 1;
-	add.s64 	%rd129, %rd5, %rd128;
-	st.global.u16 	[%rd129], %rs7;
-
-$L__BB2_54:
-	add.s32 	%r1407, %r1407, %r400;
-	setp.lt.s32 	%p30, %r1407, %r354;
-	@%p30 bra 	$L__BB2_49;
-
-$L__BB2_55:
+$L__BB2_32:
 	ret;
 
 }
@@ -3742,1442 +5556,2022 @@ $L__BB2_55:
 )
 .maxntid 256, 1, 1
 {
-	.reg .pred 	%p<47>;
-	.reg .b16 	%rs<8>;
-	.reg .f32 	%f<392>;
-	.reg .b32 	%r<1887>;
-	.reg .b64 	%rd<187>;
+	.reg .pred 	%p<20>;
+	.reg .b16 	%rs<13>;
+	.reg .f32 	%f<685>;
+	.reg .b32 	%r<2709>;
+	.reg .b64 	%rd<143>;
 
 
-	ld.param.v2.u32 	{%r568, %r569}, [lmd_w4a16_rows_f16_m16_param_0+48];
-	ld.param.v2.u32 	{%r570, %r571}, [lmd_w4a16_rows_f16_m16_param_0+56];
-	ld.param.v2.u32 	{%r572, %r573}, [lmd_w4a16_rows_f16_m16_param_0+64];
-	ld.param.u64 	%rd52, [lmd_w4a16_rows_f16_m16_param_0+40];
-	ld.param.u64 	%rd50, [lmd_w4a16_rows_f16_m16_param_0+24];
-	ld.param.u64 	%rd49, [lmd_w4a16_rows_f16_m16_param_0+16];
-	ld.param.u64 	%rd48, [lmd_w4a16_rows_f16_m16_param_0+8];
-	ld.param.u64 	%rd47, [lmd_w4a16_rows_f16_m16_param_0];
-	cvta.to.global.u64 	%rd5, %rd52;
+	ld.param.v2.u32 	{%r458, %r459}, [lmd_w4a16_rows_f16_m16_param_0+48];
+	ld.param.v2.u32 	{%r460, %r461}, [lmd_w4a16_rows_f16_m16_param_0+56];
+	ld.param.u64 	%rd15, [lmd_w4a16_rows_f16_m16_param_0+40];
+	ld.param.u64 	%rd14, [lmd_w4a16_rows_f16_m16_param_0+32];
+	ld.param.u64 	%rd13, [lmd_w4a16_rows_f16_m16_param_0+24];
+	ld.param.u64 	%rd12, [lmd_w4a16_rows_f16_m16_param_0+16];
+	ld.param.u64 	%rd11, [lmd_w4a16_rows_f16_m16_param_0+8];
+	ld.param.u64 	%rd10, [lmd_w4a16_rows_f16_m16_param_0];
+	cvta.to.global.u64 	%rd5, %rd15;
 	mov.u32 	%r4, %tid.x;
-	and.b32  	%r574, %r4, 31;
-	shr.u32 	%r575, %r4, 5;
-	mov.u32 	%r576, %ntid.x;
-	shr.u32 	%r577, %r576, 5;
-	div.u32 	%r6, %r577, %r572;
-	div.s32 	%r1798, %r575, %r572;
-	mul.lo.s32 	%r578, %r1798, %r572;
-	sub.s32 	%r579, %r575, %r578;
-	shr.u32 	%r8, %r574, 2;
-	mov.u32 	%r580, %ctaid.x;
-	mad.lo.s32 	%r581, %r572, %r580, %r579;
-	shl.b32 	%r582, %r581, 5;
-	and.b32  	%r583, %r4, 28;
-	or.b32  	%r9, %r582, %r583;
-	shr.s32 	%r584, %r570, 31;
-	shr.u32 	%r585, %r584, 25;
-	add.s32 	%r586, %r570, %r585;
-	shr.s32 	%r10, %r586, 7;
-	setp.ge.s32 	%p1, %r1798, %r10;
-	@%p1 bra 	$L__BB3_34;
-
-	shl.b32 	%r605, %r1798, 4;
-	shl.b32 	%r606, %r4, 2;
-	and.b32  	%r607, %r606, 12;
-	or.b32  	%r608, %r605, %r607;
-	cvt.s64.s32 	%rd6, %r569;
-	mul.wide.s32 	%rd57, %r608, %r569;
-	cvt.s64.s32 	%rd7, %r9;
-	add.s64 	%rd58, %rd57, %rd7;
-	shl.b64 	%rd59, %rd58, 2;
-	add.s64 	%rd53, %rd48, %rd59;
+	and.b32  	%r464, %r4, 31;
+	shr.u32 	%r2601, %r4, 5;
+	shr.u32 	%r6, %r464, 2;
+	shr.s32 	%r465, %r460, 31;
+	shr.u32 	%r466, %r465, 25;
+	add.s32 	%r467, %r460, %r466;
+	shr.s32 	%r7, %r467, 7;
+	mov.u32 	%r453, 983055;
+	mov.u32 	%r454, 1677747200;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r1746, %r1745, %r1744, %r1743}, [%rd53];
 	// end inline asm
-	mul.wide.s32 	%rd60, %r569, 4;
-	add.s64 	%rd54, %rd53, %rd60;
+	setp.ge.s32 	%p1, %r2601, %r7;
+	@%p1 bra 	$L__BB3_2;
+
+	shl.b32 	%r519, %r2601, 4;
+	shl.b32 	%r520, %r4, 2;
+	and.b32  	%r521, %r520, 12;
+	or.b32  	%r522, %r519, %r521;
+	cvt.s64.s32 	%rd38, %r459;
+	mul.wide.s32 	%rd39, %r522, %r459;
+	and.b32  	%r523, %r4, 28;
+	mov.u32 	%r524, %ctaid.x;
+	shl.b32 	%r525, %r524, 5;
+	or.b32  	%r526, %r525, %r523;
+	cvt.s64.s32 	%rd40, %r526;
+	add.s64 	%rd41, %rd39, %rd40;
+	shl.b64 	%rd42, %rd41, 2;
+	add.s64 	%rd16, %rd11, %rd42;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r1742, %r1741, %r1740, %r1739}, [%rd54];
+	ld.global.nc.v4.u32 {%r2549, %r2548, %r2547, %r2546}, [%rd16];
 	// end inline asm
-	add.s64 	%rd55, %rd54, %rd60;
+	mul.wide.s32 	%rd43, %r459, 4;
+	add.s64 	%rd17, %rd16, %rd43;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r1738, %r1737, %r1736, %r1735}, [%rd55];
+	ld.global.nc.v4.u32 {%r2545, %r2544, %r2543, %r2542}, [%rd17];
 	// end inline asm
-	add.s64 	%rd56, %rd55, %rd60;
+	add.s64 	%rd18, %rd17, %rd43;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r1734, %r1733, %r1732, %r1731}, [%rd56];
+	ld.global.nc.v4.u32 {%r2541, %r2540, %r2539, %r2538}, [%rd18];
 	// end inline asm
-	mad.lo.s32 	%r609, %r1798, 112, %r608;
-	cvt.s64.s32 	%rd8, %r609;
-	cvt.u64.u32 	%rd61, %r8;
-	cvt.s64.s32 	%rd9, %r571;
-	mul.lo.s64 	%rd62, %rd61, %rd9;
-	add.s64 	%rd10, %rd62, %rd8;
-	setp.ge.s32 	%p2, %r8, %r568;
-	mov.u32 	%r1677, 0;
-	mov.u32 	%r1679, %r1677;
-	mov.u32 	%r1678, %r1677;
-	@%p2 bra 	$L__BB3_3;
-
-	shl.b64 	%rd64, %rd10, 1;
-	add.s64 	%rd63, %rd47, %rd64;
+	add.s64 	%rd19, %rd18, %rd43;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1679, %r1678}, [%rd63];
+	ld.global.nc.v4.u32 {%r2537, %r2536, %r2535, %r2534}, [%rd19];
+	// end inline asm
+	mad.lo.s32 	%r527, %r2601, 112, %r522;
+	cvt.s64.s32 	%rd44, %r527;
+	add.s32 	%r528, %r458, -1;
+	min.s32 	%r529, %r6, %r528;
+	mul.wide.s32 	%rd45, %r529, %r461;
+	add.s64 	%rd46, %rd45, %rd44;
+	shl.b64 	%rd47, %rd46, 1;
+	add.s64 	%rd20, %rd10, %rd47;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2533, %r2532}, [%rd20];
+	// end inline asm
+	add.s64 	%rd21, %rd20, 32;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2531, %r2530}, [%rd21];
+	// end inline asm
+	add.s64 	%rd22, %rd20, 64;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2529, %r2528}, [%rd22];
+	// end inline asm
+	add.s64 	%rd23, %rd20, 96;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2527, %r2526}, [%rd23];
+	// end inline asm
+	add.s64 	%rd24, %rd20, 128;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2525, %r2524}, [%rd24];
+	// end inline asm
+	add.s64 	%rd25, %rd20, 160;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2523, %r2522}, [%rd25];
+	// end inline asm
+	add.s64 	%rd26, %rd20, 192;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2521, %r2520}, [%rd26];
+	// end inline asm
+	add.s64 	%rd27, %rd20, 224;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2519, %r2518}, [%rd27];
+	// end inline asm
+	or.b32  	%r530, %r6, 8;
+	min.s32 	%r531, %r530, %r528;
+	mul.wide.s32 	%rd48, %r531, %r461;
+	add.s64 	%rd49, %rd48, %rd44;
+	shl.b64 	%rd50, %rd49, 1;
+	add.s64 	%rd28, %rd10, %rd50;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2517, %r2516}, [%rd28];
+	// end inline asm
+	add.s64 	%rd29, %rd28, 32;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2515, %r2514}, [%rd29];
+	// end inline asm
+	add.s64 	%rd30, %rd28, 64;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2513, %r2512}, [%rd30];
+	// end inline asm
+	add.s64 	%rd31, %rd28, 96;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2511, %r2510}, [%rd31];
+	// end inline asm
+	add.s64 	%rd32, %rd28, 128;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2509, %r2508}, [%rd32];
+	// end inline asm
+	add.s64 	%rd33, %rd28, 160;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2507, %r2506}, [%rd33];
+	// end inline asm
+	add.s64 	%rd34, %rd28, 192;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2505, %r2504}, [%rd34];
+	// end inline asm
+	add.s64 	%rd35, %rd28, 224;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2503, %r2502}, [%rd35];
+	// end inline asm
+	cvt.u64.u32 	%rd51, %r2601;
+	mul.lo.s64 	%rd52, %rd38, %rd51;
+	add.s64 	%rd53, %rd52, %rd40;
+	shl.b64 	%rd54, %rd53, 1;
+	add.s64 	%rd36, %rd12, %rd54;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2501, %r2500}, [%rd36];
+	// end inline asm
+	add.s64 	%rd37, %rd13, %rd53;
+	// begin inline asm
+	ld.global.nc.u32 %r2499, [%rd37];
 	// end inline asm
 
-$L__BB3_3:
-	mov.u32 	%r1676, %r1677;
-	@%p2 bra 	$L__BB3_5;
+$L__BB3_2:
+	mov.f32 	%f663, 0f00000000;
+	mov.f32 	%f664, %f663;
+	mov.f32 	%f665, %f663;
+	mov.f32 	%f666, %f663;
+	mov.f32 	%f667, %f663;
+	mov.f32 	%f668, %f663;
+	mov.f32 	%f669, %f663;
+	mov.f32 	%f670, %f663;
+	mov.f32 	%f671, %f663;
+	mov.f32 	%f672, %f663;
+	mov.f32 	%f673, %f663;
+	mov.f32 	%f674, %f663;
+	mov.f32 	%f675, %f663;
+	mov.f32 	%f676, %f663;
+	mov.f32 	%f677, %f663;
+	mov.f32 	%f678, %f663;
+	@%p1 bra 	$L__BB3_10;
 
-	shl.b64 	%rd66, %rd10, 1;
-	add.s64 	%rd67, %rd47, %rd66;
-	add.s64 	%rd65, %rd67, 32;
+	add.s32 	%r533, %r458, -1;
+	min.s32 	%r534, %r6, %r533;
+	mul.wide.s32 	%rd6, %r534, %r461;
+	or.b32  	%r535, %r6, 8;
+	min.s32 	%r536, %r535, %r533;
+	mul.wide.s32 	%rd7, %r536, %r461;
+	mov.f32 	%f663, 0f00000000;
+	mul.wide.s32 	%rd81, %r459, 4;
+
+$L__BB3_4:
+	mov.u32 	%r537, %ntid.x;
+	shr.u32 	%r538, %r537, 5;
+	add.s32 	%r217, %r2601, %r538;
+	setp.ge.s32 	%p3, %r217, %r7;
+	@%p3 bra 	$L__BB3_6;
+
+	shl.b32 	%r590, %r217, 4;
+	mov.u32 	%r591, %tid.x;
+	shl.b32 	%r592, %r591, 2;
+	and.b32  	%r593, %r592, 12;
+	or.b32  	%r594, %r590, %r593;
+	mul.wide.s32 	%rd77, %r594, %r459;
+	mov.u32 	%r595, %ctaid.x;
+	shl.b32 	%r596, %r595, 5;
+	and.b32  	%r597, %r591, 28;
+	or.b32  	%r598, %r596, %r597;
+	cvt.s64.s32 	%rd78, %r598;
+	add.s64 	%rd79, %rd77, %rd78;
+	shl.b64 	%rd80, %rd79, 2;
+	add.s64 	%rd55, %rd11, %rd80;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1677, %r1676}, [%rd65];
+	ld.global.nc.v4.u32 {%r2652, %r2651, %r2650, %r2649}, [%rd55];
+	// end inline asm
+	add.s64 	%rd56, %rd55, %rd81;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2648, %r2647, %r2646, %r2645}, [%rd56];
+	// end inline asm
+	add.s64 	%rd57, %rd56, %rd81;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2644, %r2643, %r2642, %r2641}, [%rd57];
+	// end inline asm
+	add.s64 	%rd58, %rd57, %rd81;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2640, %r2639, %r2638, %r2637}, [%rd58];
+	// end inline asm
+	mad.lo.s32 	%r599, %r217, 112, %r594;
+	cvt.s64.s32 	%rd82, %r599;
+	add.s64 	%rd83, %rd6, %rd82;
+	shl.b64 	%rd84, %rd83, 1;
+	add.s64 	%rd59, %rd10, %rd84;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2636, %r2635}, [%rd59];
+	// end inline asm
+	add.s64 	%rd60, %rd59, 32;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2634, %r2633}, [%rd60];
+	// end inline asm
+	add.s64 	%rd61, %rd59, 64;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2632, %r2631}, [%rd61];
+	// end inline asm
+	add.s64 	%rd62, %rd59, 96;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2630, %r2629}, [%rd62];
+	// end inline asm
+	add.s64 	%rd63, %rd59, 128;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2628, %r2627}, [%rd63];
+	// end inline asm
+	add.s64 	%rd64, %rd59, 160;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2626, %r2625}, [%rd64];
+	// end inline asm
+	add.s64 	%rd65, %rd59, 192;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2624, %r2623}, [%rd65];
+	// end inline asm
+	add.s64 	%rd66, %rd59, 224;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2622, %r2621}, [%rd66];
+	// end inline asm
+	add.s64 	%rd85, %rd7, %rd82;
+	shl.b64 	%rd86, %rd85, 1;
+	add.s64 	%rd67, %rd10, %rd86;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2620, %r2619}, [%rd67];
+	// end inline asm
+	add.s64 	%rd68, %rd67, 32;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2618, %r2617}, [%rd68];
+	// end inline asm
+	add.s64 	%rd69, %rd67, 64;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2616, %r2615}, [%rd69];
+	// end inline asm
+	add.s64 	%rd70, %rd67, 96;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2614, %r2613}, [%rd70];
+	// end inline asm
+	add.s64 	%rd71, %rd67, 128;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2612, %r2611}, [%rd71];
+	// end inline asm
+	add.s64 	%rd72, %rd67, 160;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2610, %r2609}, [%rd72];
+	// end inline asm
+	add.s64 	%rd73, %rd67, 192;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2608, %r2607}, [%rd73];
+	// end inline asm
+	add.s64 	%rd74, %rd67, 224;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2606, %r2605}, [%rd74];
+	// end inline asm
+	mul.wide.s32 	%rd87, %r217, %r459;
+	add.s64 	%rd88, %rd87, %rd78;
+	shl.b64 	%rd89, %rd88, 1;
+	add.s64 	%rd75, %rd12, %rd89;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2604, %r2603}, [%rd75];
+	// end inline asm
+	add.s64 	%rd76, %rd13, %rd88;
+	// begin inline asm
+	ld.global.nc.u32 %r2602, [%rd76];
 	// end inline asm
 
-$L__BB3_5:
-	mov.u32 	%r1673, 0;
-	mov.u32 	%r1675, %r1673;
-	mov.u32 	%r1674, %r1673;
-	@%p2 bra 	$L__BB3_7;
-
-	shl.b64 	%rd69, %rd10, 1;
-	add.s64 	%rd70, %rd47, %rd69;
-	add.s64 	%rd68, %rd70, 64;
+$L__BB3_6:
+	and.b32  	%r1432, %r2499, 255;
+	or.b32  	%r1433, %r1432, 58368;
+	mul.lo.s32 	%r1367, %r1433, 65537;
+	cvt.u16.u32 	%rs1, %r2501;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1675, %r1674}, [%rd68];
+	cvt.f32.f16 %f109, %rs1;
 	// end inline asm
-
-$L__BB3_7:
-	mov.u32 	%r1672, %r1673;
-	@%p2 bra 	$L__BB3_9;
-
-	shl.b64 	%rd72, %rd10, 1;
-	add.s64 	%rd73, %rd47, %rd72;
-	add.s64 	%rd71, %rd73, 96;
+	shr.u32 	%r1434, %r2499, 8;
+	and.b32  	%r1435, %r1434, 255;
+	or.b32  	%r1436, %r1435, 58368;
+	mul.lo.s32 	%r1375, %r1436, 65537;
+	shr.u32 	%r1437, %r2501, 16;
+	cvt.u16.u32 	%rs2, %r1437;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1673, %r1672}, [%rd71];
+	cvt.f32.f16 %f110, %rs2;
+	// end inline asm
+	shr.u32 	%r1438, %r2499, 16;
+	and.b32  	%r1439, %r1438, 255;
+	or.b32  	%r1440, %r1439, 58368;
+	mul.lo.s32 	%r1399, %r1440, 65537;
+	cvt.u16.u32 	%rs3, %r2500;
+	// begin inline asm
+	cvt.f32.f16 %f111, %rs3;
+	// end inline asm
+	shr.u32 	%r1441, %r2499, 24;
+	or.b32  	%r1442, %r1441, 58368;
+	mul.lo.s32 	%r1407, %r1442, 65537;
+	shr.u32 	%r1443, %r2500, 16;
+	cvt.u16.u32 	%rs4, %r1443;
+	// begin inline asm
+	cvt.f32.f16 %f112, %rs4;
+	// end inline asm
+	mov.u32 	%r631, 17408;
+	// begin inline asm
+	prmt.b32 %r600, %r2549, %r2545, %r631;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r604, %r2548, %r2544, %r631;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r608, %r2541, %r2537, %r631;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r612, %r2540, %r2536, %r631;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r616, %r2547, %r2543, %r631;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r620, %r2546, %r2542, %r631;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r624, %r2539, %r2535, %r631;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r628, %r2538, %r2534, %r631;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r632, %r600, %r453, %r454, 0xEA;
+	// end inline asm
+	mov.u32 	%r1406, 1006648320;
+	// begin inline asm
+	fma.rn.f16x2 %r636, %r632, %r1406, %r1367;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r640, %r604, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r644, %r640, %r1406, %r1375;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r648, %r608, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r652, %r648, %r1406, %r1367;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r656, %r612, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r660, %r656, %r1406, %r1375;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r664, %r616, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r668, %r664, %r1406, %r1399;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r672, %r620, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r676, %r672, %r1406, %r1407;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r680, %r624, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r684, %r680, %r1406, %r1399;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r688, %r628, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r692, %r688, %r1406, %r1407;
+	// end inline asm
+	mov.f32 	%f169, 0f00000000;
+	mov.f32 	%f145, %f169;
+	mov.f32 	%f146, %f169;
+	mov.f32 	%f147, %f169;
+	mov.f32 	%f148, %f169;
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f145, %f146, %f147, %f148}, {%r636, %r644, %r652, %r660}, {%r2533, %r2532}, {%f145, %f146, %f147, %f148};
+	// end inline asm
+	mov.f32 	%f153, %f169;
+	mov.f32 	%f154, %f169;
+	mov.f32 	%f155, %f169;
+	mov.f32 	%f156, %f169;
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f153, %f154, %f155, %f156}, {%r668, %r676, %r684, %r692}, {%r2533, %r2532}, {%f153, %f154, %f155, %f156};
+	// end inline asm
+	mov.f32 	%f161, %f169;
+	mov.f32 	%f162, %f169;
+	mov.f32 	%f163, %f169;
+	mov.f32 	%f164, %f169;
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f161, %f162, %f163, %f164}, {%r636, %r644, %r652, %r660}, {%r2517, %r2516}, {%f161, %f162, %f163, %f164};
+	// end inline asm
+	mov.f32 	%f170, %f169;
+	mov.f32 	%f171, %f169;
+	mov.f32 	%f172, %f169;
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f169, %f170, %f171, %f172}, {%r668, %r676, %r684, %r692}, {%r2517, %r2516}, {%f169, %f170, %f171, %f172};
+	// end inline asm
+	shr.u32 	%r721, %r600, 4;
+	// begin inline asm
+	lop3.b32 %r720, %r721, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r724, %r720, %r1406, %r1367;
+	// end inline asm
+	shr.u32 	%r729, %r604, 4;
+	// begin inline asm
+	lop3.b32 %r728, %r729, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r732, %r728, %r1406, %r1375;
+	// end inline asm
+	shr.u32 	%r737, %r608, 4;
+	// begin inline asm
+	lop3.b32 %r736, %r737, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r740, %r736, %r1406, %r1367;
+	// end inline asm
+	shr.u32 	%r745, %r612, 4;
+	// begin inline asm
+	lop3.b32 %r744, %r745, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r748, %r744, %r1406, %r1375;
+	// end inline asm
+	shr.u32 	%r753, %r616, 4;
+	// begin inline asm
+	lop3.b32 %r752, %r753, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r756, %r752, %r1406, %r1399;
+	// end inline asm
+	shr.u32 	%r761, %r620, 4;
+	// begin inline asm
+	lop3.b32 %r760, %r761, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r764, %r760, %r1406, %r1407;
+	// end inline asm
+	shr.u32 	%r769, %r624, 4;
+	// begin inline asm
+	lop3.b32 %r768, %r769, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r772, %r768, %r1406, %r1399;
+	// end inline asm
+	shr.u32 	%r777, %r628, 4;
+	// begin inline asm
+	lop3.b32 %r776, %r777, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r780, %r776, %r1406, %r1407;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f145, %f146, %f147, %f148}, {%r724, %r732, %r740, %r748}, {%r2531, %r2530}, {%f145, %f146, %f147, %f148};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f153, %f154, %f155, %f156}, {%r756, %r764, %r772, %r780}, {%r2531, %r2530}, {%f153, %f154, %f155, %f156};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f161, %f162, %f163, %f164}, {%r724, %r732, %r740, %r748}, {%r2515, %r2514}, {%f161, %f162, %f163, %f164};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f169, %f170, %f171, %f172}, {%r756, %r764, %r772, %r780}, {%r2515, %r2514}, {%f169, %f170, %f171, %f172};
+	// end inline asm
+	mov.u32 	%r839, 21777;
+	// begin inline asm
+	prmt.b32 %r808, %r2549, %r2545, %r839;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r812, %r2548, %r2544, %r839;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r816, %r2541, %r2537, %r839;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r820, %r2540, %r2536, %r839;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r824, %r2547, %r2543, %r839;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r828, %r2546, %r2542, %r839;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r832, %r2539, %r2535, %r839;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r836, %r2538, %r2534, %r839;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r840, %r808, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r844, %r840, %r1406, %r1367;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r848, %r812, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r852, %r848, %r1406, %r1375;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r856, %r816, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r860, %r856, %r1406, %r1367;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r864, %r820, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r868, %r864, %r1406, %r1375;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r872, %r824, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r876, %r872, %r1406, %r1399;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r880, %r828, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r884, %r880, %r1406, %r1407;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r888, %r832, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r892, %r888, %r1406, %r1399;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r896, %r836, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r900, %r896, %r1406, %r1407;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f145, %f146, %f147, %f148}, {%r844, %r852, %r860, %r868}, {%r2529, %r2528}, {%f145, %f146, %f147, %f148};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f153, %f154, %f155, %f156}, {%r876, %r884, %r892, %r900}, {%r2529, %r2528}, {%f153, %f154, %f155, %f156};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f161, %f162, %f163, %f164}, {%r844, %r852, %r860, %r868}, {%r2513, %r2512}, {%f161, %f162, %f163, %f164};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f169, %f170, %f171, %f172}, {%r876, %r884, %r892, %r900}, {%r2513, %r2512}, {%f169, %f170, %f171, %f172};
+	// end inline asm
+	shr.u32 	%r929, %r808, 4;
+	// begin inline asm
+	lop3.b32 %r928, %r929, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r932, %r928, %r1406, %r1367;
+	// end inline asm
+	shr.u32 	%r937, %r812, 4;
+	// begin inline asm
+	lop3.b32 %r936, %r937, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r940, %r936, %r1406, %r1375;
+	// end inline asm
+	shr.u32 	%r945, %r816, 4;
+	// begin inline asm
+	lop3.b32 %r944, %r945, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r948, %r944, %r1406, %r1367;
+	// end inline asm
+	shr.u32 	%r953, %r820, 4;
+	// begin inline asm
+	lop3.b32 %r952, %r953, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r956, %r952, %r1406, %r1375;
+	// end inline asm
+	shr.u32 	%r961, %r824, 4;
+	// begin inline asm
+	lop3.b32 %r960, %r961, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r964, %r960, %r1406, %r1399;
+	// end inline asm
+	shr.u32 	%r969, %r828, 4;
+	// begin inline asm
+	lop3.b32 %r968, %r969, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r972, %r968, %r1406, %r1407;
+	// end inline asm
+	shr.u32 	%r977, %r832, 4;
+	// begin inline asm
+	lop3.b32 %r976, %r977, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r980, %r976, %r1406, %r1399;
+	// end inline asm
+	shr.u32 	%r985, %r836, 4;
+	// begin inline asm
+	lop3.b32 %r984, %r985, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r988, %r984, %r1406, %r1407;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f145, %f146, %f147, %f148}, {%r932, %r940, %r948, %r956}, {%r2527, %r2526}, {%f145, %f146, %f147, %f148};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f153, %f154, %f155, %f156}, {%r964, %r972, %r980, %r988}, {%r2527, %r2526}, {%f153, %f154, %f155, %f156};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f161, %f162, %f163, %f164}, {%r932, %r940, %r948, %r956}, {%r2511, %r2510}, {%f161, %f162, %f163, %f164};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f169, %f170, %f171, %f172}, {%r964, %r972, %r980, %r988}, {%r2511, %r2510}, {%f169, %f170, %f171, %f172};
+	// end inline asm
+	mov.u32 	%r1047, 26146;
+	// begin inline asm
+	prmt.b32 %r1016, %r2549, %r2545, %r1047;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1020, %r2548, %r2544, %r1047;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1024, %r2541, %r2537, %r1047;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1028, %r2540, %r2536, %r1047;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1032, %r2547, %r2543, %r1047;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1036, %r2546, %r2542, %r1047;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1040, %r2539, %r2535, %r1047;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1044, %r2538, %r2534, %r1047;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1048, %r1016, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1052, %r1048, %r1406, %r1367;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1056, %r1020, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1060, %r1056, %r1406, %r1375;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1064, %r1024, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1068, %r1064, %r1406, %r1367;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1072, %r1028, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1076, %r1072, %r1406, %r1375;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1080, %r1032, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1084, %r1080, %r1406, %r1399;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1088, %r1036, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1092, %r1088, %r1406, %r1407;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1096, %r1040, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1100, %r1096, %r1406, %r1399;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1104, %r1044, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1108, %r1104, %r1406, %r1407;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f145, %f146, %f147, %f148}, {%r1052, %r1060, %r1068, %r1076}, {%r2525, %r2524}, {%f145, %f146, %f147, %f148};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f153, %f154, %f155, %f156}, {%r1084, %r1092, %r1100, %r1108}, {%r2525, %r2524}, {%f153, %f154, %f155, %f156};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f161, %f162, %f163, %f164}, {%r1052, %r1060, %r1068, %r1076}, {%r2509, %r2508}, {%f161, %f162, %f163, %f164};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f169, %f170, %f171, %f172}, {%r1084, %r1092, %r1100, %r1108}, {%r2509, %r2508}, {%f169, %f170, %f171, %f172};
+	// end inline asm
+	shr.u32 	%r1137, %r1016, 4;
+	// begin inline asm
+	lop3.b32 %r1136, %r1137, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1140, %r1136, %r1406, %r1367;
+	// end inline asm
+	shr.u32 	%r1145, %r1020, 4;
+	// begin inline asm
+	lop3.b32 %r1144, %r1145, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1148, %r1144, %r1406, %r1375;
+	// end inline asm
+	shr.u32 	%r1153, %r1024, 4;
+	// begin inline asm
+	lop3.b32 %r1152, %r1153, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1156, %r1152, %r1406, %r1367;
+	// end inline asm
+	shr.u32 	%r1161, %r1028, 4;
+	// begin inline asm
+	lop3.b32 %r1160, %r1161, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1164, %r1160, %r1406, %r1375;
+	// end inline asm
+	shr.u32 	%r1169, %r1032, 4;
+	// begin inline asm
+	lop3.b32 %r1168, %r1169, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1172, %r1168, %r1406, %r1399;
+	// end inline asm
+	shr.u32 	%r1177, %r1036, 4;
+	// begin inline asm
+	lop3.b32 %r1176, %r1177, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1180, %r1176, %r1406, %r1407;
+	// end inline asm
+	shr.u32 	%r1185, %r1040, 4;
+	// begin inline asm
+	lop3.b32 %r1184, %r1185, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1188, %r1184, %r1406, %r1399;
+	// end inline asm
+	shr.u32 	%r1193, %r1044, 4;
+	// begin inline asm
+	lop3.b32 %r1192, %r1193, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1196, %r1192, %r1406, %r1407;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f145, %f146, %f147, %f148}, {%r1140, %r1148, %r1156, %r1164}, {%r2523, %r2522}, {%f145, %f146, %f147, %f148};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f153, %f154, %f155, %f156}, {%r1172, %r1180, %r1188, %r1196}, {%r2523, %r2522}, {%f153, %f154, %f155, %f156};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f161, %f162, %f163, %f164}, {%r1140, %r1148, %r1156, %r1164}, {%r2507, %r2506}, {%f161, %f162, %f163, %f164};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f169, %f170, %f171, %f172}, {%r1172, %r1180, %r1188, %r1196}, {%r2507, %r2506}, {%f169, %f170, %f171, %f172};
+	// end inline asm
+	mov.u32 	%r1255, 30515;
+	// begin inline asm
+	prmt.b32 %r1224, %r2549, %r2545, %r1255;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1228, %r2548, %r2544, %r1255;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1232, %r2541, %r2537, %r1255;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1236, %r2540, %r2536, %r1255;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1240, %r2547, %r2543, %r1255;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1244, %r2546, %r2542, %r1255;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1248, %r2539, %r2535, %r1255;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1252, %r2538, %r2534, %r1255;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1256, %r1224, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1260, %r1256, %r1406, %r1367;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1264, %r1228, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1268, %r1264, %r1406, %r1375;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1272, %r1232, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1276, %r1272, %r1406, %r1367;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1280, %r1236, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1284, %r1280, %r1406, %r1375;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1288, %r1240, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1292, %r1288, %r1406, %r1399;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1296, %r1244, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1300, %r1296, %r1406, %r1407;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1304, %r1248, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1308, %r1304, %r1406, %r1399;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1312, %r1252, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1316, %r1312, %r1406, %r1407;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f145, %f146, %f147, %f148}, {%r1260, %r1268, %r1276, %r1284}, {%r2521, %r2520}, {%f145, %f146, %f147, %f148};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f153, %f154, %f155, %f156}, {%r1292, %r1300, %r1308, %r1316}, {%r2521, %r2520}, {%f153, %f154, %f155, %f156};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f161, %f162, %f163, %f164}, {%r1260, %r1268, %r1276, %r1284}, {%r2505, %r2504}, {%f161, %f162, %f163, %f164};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f169, %f170, %f171, %f172}, {%r1292, %r1300, %r1308, %r1316}, {%r2505, %r2504}, {%f169, %f170, %f171, %f172};
+	// end inline asm
+	shr.u32 	%r1345, %r1224, 4;
+	// begin inline asm
+	lop3.b32 %r1344, %r1345, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1348, %r1344, %r1406, %r1367;
+	// end inline asm
+	shr.u32 	%r1353, %r1228, 4;
+	// begin inline asm
+	lop3.b32 %r1352, %r1353, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1356, %r1352, %r1406, %r1375;
+	// end inline asm
+	shr.u32 	%r1361, %r1232, 4;
+	// begin inline asm
+	lop3.b32 %r1360, %r1361, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1364, %r1360, %r1406, %r1367;
+	// end inline asm
+	shr.u32 	%r1369, %r1236, 4;
+	// begin inline asm
+	lop3.b32 %r1368, %r1369, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1372, %r1368, %r1406, %r1375;
+	// end inline asm
+	shr.u32 	%r1377, %r1240, 4;
+	// begin inline asm
+	lop3.b32 %r1376, %r1377, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1380, %r1376, %r1406, %r1399;
+	// end inline asm
+	shr.u32 	%r1385, %r1244, 4;
+	// begin inline asm
+	lop3.b32 %r1384, %r1385, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1388, %r1384, %r1406, %r1407;
+	// end inline asm
+	shr.u32 	%r1393, %r1248, 4;
+	// begin inline asm
+	lop3.b32 %r1392, %r1393, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1396, %r1392, %r1406, %r1399;
+	// end inline asm
+	shr.u32 	%r1401, %r1252, 4;
+	// begin inline asm
+	lop3.b32 %r1400, %r1401, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1404, %r1400, %r1406, %r1407;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f145, %f146, %f147, %f148}, {%r1348, %r1356, %r1364, %r1372}, {%r2519, %r2518}, {%f145, %f146, %f147, %f148};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f153, %f154, %f155, %f156}, {%r1380, %r1388, %r1396, %r1404}, {%r2519, %r2518}, {%f153, %f154, %f155, %f156};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f161, %f162, %f163, %f164}, {%r1348, %r1356, %r1364, %r1372}, {%r2503, %r2502}, {%f161, %f162, %f163, %f164};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f169, %f170, %f171, %f172}, {%r1380, %r1388, %r1396, %r1404}, {%r2503, %r2502}, {%f169, %f170, %f171, %f172};
+	// end inline asm
+	fma.rn.f32 	%f678, %f109, %f145, %f678;
+	fma.rn.f32 	%f677, %f109, %f146, %f677;
+	fma.rn.f32 	%f676, %f110, %f147, %f676;
+	fma.rn.f32 	%f675, %f110, %f148, %f675;
+	fma.rn.f32 	%f674, %f111, %f153, %f674;
+	fma.rn.f32 	%f673, %f111, %f154, %f673;
+	fma.rn.f32 	%f672, %f112, %f155, %f672;
+	fma.rn.f32 	%f671, %f112, %f156, %f671;
+	fma.rn.f32 	%f670, %f109, %f161, %f670;
+	fma.rn.f32 	%f669, %f109, %f162, %f669;
+	fma.rn.f32 	%f668, %f110, %f163, %f668;
+	fma.rn.f32 	%f667, %f110, %f164, %f667;
+	fma.rn.f32 	%f666, %f111, %f169, %f666;
+	fma.rn.f32 	%f665, %f111, %f170, %f665;
+	fma.rn.f32 	%f664, %f112, %f171, %f664;
+	fma.rn.f32 	%f663, %f112, %f172, %f663;
+	@%p3 bra 	$L__BB3_10;
+
+	mov.u32 	%r2447, %ntid.x;
+	shr.u32 	%r1445, %r2447, 4;
+	and.b32  	%r1446, %r1445, 268435454;
+	add.s32 	%r2601, %r2601, %r1446;
+	setp.ge.s32 	%p5, %r2601, %r7;
+	@%p5 bra 	$L__BB3_9;
+
+	shl.b32 	%r1498, %r2601, 4;
+	mov.u32 	%r1499, %tid.x;
+	shl.b32 	%r1500, %r1499, 2;
+	and.b32  	%r1501, %r1500, 12;
+	or.b32  	%r1502, %r1498, %r1501;
+	mul.wide.s32 	%rd112, %r1502, %r459;
+	mov.u32 	%r1503, %ctaid.x;
+	shl.b32 	%r1504, %r1503, 5;
+	and.b32  	%r1505, %r1499, 28;
+	or.b32  	%r1506, %r1504, %r1505;
+	cvt.s64.s32 	%rd113, %r1506;
+	add.s64 	%rd114, %rd112, %rd113;
+	shl.b64 	%rd115, %rd114, 2;
+	add.s64 	%rd90, %rd11, %rd115;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2549, %r2548, %r2547, %r2546}, [%rd90];
+	// end inline asm
+	add.s64 	%rd91, %rd90, %rd81;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2545, %r2544, %r2543, %r2542}, [%rd91];
+	// end inline asm
+	add.s64 	%rd92, %rd91, %rd81;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2541, %r2540, %r2539, %r2538}, [%rd92];
+	// end inline asm
+	add.s64 	%rd93, %rd92, %rd81;
+	// begin inline asm
+	ld.global.nc.v4.u32 {%r2537, %r2536, %r2535, %r2534}, [%rd93];
+	// end inline asm
+	mad.lo.s32 	%r1507, %r2601, 112, %r1502;
+	cvt.s64.s32 	%rd117, %r1507;
+	add.s64 	%rd118, %rd6, %rd117;
+	shl.b64 	%rd119, %rd118, 1;
+	add.s64 	%rd94, %rd10, %rd119;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2533, %r2532}, [%rd94];
+	// end inline asm
+	add.s64 	%rd95, %rd94, 32;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2531, %r2530}, [%rd95];
+	// end inline asm
+	add.s64 	%rd96, %rd94, 64;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2529, %r2528}, [%rd96];
+	// end inline asm
+	add.s64 	%rd97, %rd94, 96;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2527, %r2526}, [%rd97];
+	// end inline asm
+	add.s64 	%rd98, %rd94, 128;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2525, %r2524}, [%rd98];
+	// end inline asm
+	add.s64 	%rd99, %rd94, 160;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2523, %r2522}, [%rd99];
+	// end inline asm
+	add.s64 	%rd100, %rd94, 192;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2521, %r2520}, [%rd100];
+	// end inline asm
+	add.s64 	%rd101, %rd94, 224;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2519, %r2518}, [%rd101];
+	// end inline asm
+	add.s64 	%rd120, %rd7, %rd117;
+	shl.b64 	%rd121, %rd120, 1;
+	add.s64 	%rd102, %rd10, %rd121;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2517, %r2516}, [%rd102];
+	// end inline asm
+	add.s64 	%rd103, %rd102, 32;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2515, %r2514}, [%rd103];
+	// end inline asm
+	add.s64 	%rd104, %rd102, 64;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2513, %r2512}, [%rd104];
+	// end inline asm
+	add.s64 	%rd105, %rd102, 96;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2511, %r2510}, [%rd105];
+	// end inline asm
+	add.s64 	%rd106, %rd102, 128;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2509, %r2508}, [%rd106];
+	// end inline asm
+	add.s64 	%rd107, %rd102, 160;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2507, %r2506}, [%rd107];
+	// end inline asm
+	add.s64 	%rd108, %rd102, 192;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2505, %r2504}, [%rd108];
+	// end inline asm
+	add.s64 	%rd109, %rd102, 224;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2503, %r2502}, [%rd109];
+	// end inline asm
+	mul.wide.s32 	%rd122, %r2601, %r459;
+	add.s64 	%rd123, %rd122, %rd113;
+	shl.b64 	%rd124, %rd123, 1;
+	add.s64 	%rd110, %rd12, %rd124;
+	// begin inline asm
+	ld.global.nc.v2.u32 {%r2501, %r2500}, [%rd110];
+	// end inline asm
+	add.s64 	%rd111, %rd13, %rd123;
+	// begin inline asm
+	ld.global.nc.u32 %r2499, [%rd111];
 	// end inline asm
 
 $L__BB3_9:
-	mov.u32 	%r1669, 0;
-	mov.u32 	%r1671, %r1669;
-	mov.u32 	%r1670, %r1669;
-	@%p2 bra 	$L__BB3_11;
-
-	shl.b64 	%rd75, %rd10, 1;
-	add.s64 	%rd76, %rd47, %rd75;
-	add.s64 	%rd74, %rd76, 128;
+	and.b32  	%r2340, %r2602, 255;
+	or.b32  	%r2341, %r2340, 58368;
+	mul.lo.s32 	%r2275, %r2341, 65537;
+	cvt.u16.u32 	%rs5, %r2604;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1671, %r1670}, [%rd74];
+	cvt.f32.f16 %f369, %rs5;
 	// end inline asm
-
-$L__BB3_11:
-	mov.u32 	%r1668, %r1669;
-	@%p2 bra 	$L__BB3_13;
-
-	shl.b64 	%rd78, %rd10, 1;
-	add.s64 	%rd79, %rd47, %rd78;
-	add.s64 	%rd77, %rd79, 160;
+	shr.u32 	%r2342, %r2602, 8;
+	and.b32  	%r2343, %r2342, 255;
+	or.b32  	%r2344, %r2343, 58368;
+	mul.lo.s32 	%r2283, %r2344, 65537;
+	shr.u32 	%r2345, %r2604, 16;
+	cvt.u16.u32 	%rs6, %r2345;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1669, %r1668}, [%rd77];
+	cvt.f32.f16 %f370, %rs6;
 	// end inline asm
+	shr.u32 	%r2346, %r2602, 16;
+	and.b32  	%r2347, %r2346, 255;
+	or.b32  	%r2348, %r2347, 58368;
+	mul.lo.s32 	%r2307, %r2348, 65537;
+	cvt.u16.u32 	%rs7, %r2603;
+	// begin inline asm
+	cvt.f32.f16 %f371, %rs7;
+	// end inline asm
+	shr.u32 	%r2349, %r2602, 24;
+	or.b32  	%r2350, %r2349, 58368;
+	mul.lo.s32 	%r2315, %r2350, 65537;
+	shr.u32 	%r2351, %r2603, 16;
+	cvt.u16.u32 	%rs8, %r2351;
+	// begin inline asm
+	cvt.f32.f16 %f372, %rs8;
+	// end inline asm
+	mov.u32 	%r1539, 17408;
+	// begin inline asm
+	prmt.b32 %r1508, %r2652, %r2648, %r1539;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1512, %r2651, %r2647, %r1539;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1516, %r2644, %r2640, %r1539;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1520, %r2643, %r2639, %r1539;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1524, %r2650, %r2646, %r1539;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1528, %r2649, %r2645, %r1539;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1532, %r2642, %r2638, %r1539;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1536, %r2641, %r2637, %r1539;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1540, %r1508, %r453, %r454, 0xEA;
+	// end inline asm
+	mov.u32 	%r2314, 1006648320;
+	// begin inline asm
+	fma.rn.f16x2 %r1544, %r1540, %r2314, %r2275;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1548, %r1512, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1552, %r1548, %r2314, %r2283;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1556, %r1516, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1560, %r1556, %r2314, %r2275;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1564, %r1520, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1568, %r1564, %r2314, %r2283;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1572, %r1524, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1576, %r1572, %r2314, %r2307;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1580, %r1528, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1584, %r1580, %r2314, %r2315;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1588, %r1532, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1592, %r1588, %r2314, %r2307;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1596, %r1536, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1600, %r1596, %r2314, %r2315;
+	// end inline asm
+	mov.f32 	%f429, 0f00000000;
+	mov.f32 	%f405, %f429;
+	mov.f32 	%f406, %f429;
+	mov.f32 	%f407, %f429;
+	mov.f32 	%f408, %f429;
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f405, %f406, %f407, %f408}, {%r1544, %r1552, %r1560, %r1568}, {%r2636, %r2635}, {%f405, %f406, %f407, %f408};
+	// end inline asm
+	mov.f32 	%f413, %f429;
+	mov.f32 	%f414, %f429;
+	mov.f32 	%f415, %f429;
+	mov.f32 	%f416, %f429;
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f413, %f414, %f415, %f416}, {%r1576, %r1584, %r1592, %r1600}, {%r2636, %r2635}, {%f413, %f414, %f415, %f416};
+	// end inline asm
+	mov.f32 	%f421, %f429;
+	mov.f32 	%f422, %f429;
+	mov.f32 	%f423, %f429;
+	mov.f32 	%f424, %f429;
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f421, %f422, %f423, %f424}, {%r1544, %r1552, %r1560, %r1568}, {%r2620, %r2619}, {%f421, %f422, %f423, %f424};
+	// end inline asm
+	mov.f32 	%f430, %f429;
+	mov.f32 	%f431, %f429;
+	mov.f32 	%f432, %f429;
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f429, %f430, %f431, %f432}, {%r1576, %r1584, %r1592, %r1600}, {%r2620, %r2619}, {%f429, %f430, %f431, %f432};
+	// end inline asm
+	shr.u32 	%r1629, %r1508, 4;
+	// begin inline asm
+	lop3.b32 %r1628, %r1629, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1632, %r1628, %r2314, %r2275;
+	// end inline asm
+	shr.u32 	%r1637, %r1512, 4;
+	// begin inline asm
+	lop3.b32 %r1636, %r1637, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1640, %r1636, %r2314, %r2283;
+	// end inline asm
+	shr.u32 	%r1645, %r1516, 4;
+	// begin inline asm
+	lop3.b32 %r1644, %r1645, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1648, %r1644, %r2314, %r2275;
+	// end inline asm
+	shr.u32 	%r1653, %r1520, 4;
+	// begin inline asm
+	lop3.b32 %r1652, %r1653, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1656, %r1652, %r2314, %r2283;
+	// end inline asm
+	shr.u32 	%r1661, %r1524, 4;
+	// begin inline asm
+	lop3.b32 %r1660, %r1661, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1664, %r1660, %r2314, %r2307;
+	// end inline asm
+	shr.u32 	%r1669, %r1528, 4;
+	// begin inline asm
+	lop3.b32 %r1668, %r1669, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1672, %r1668, %r2314, %r2315;
+	// end inline asm
+	shr.u32 	%r1677, %r1532, 4;
+	// begin inline asm
+	lop3.b32 %r1676, %r1677, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1680, %r1676, %r2314, %r2307;
+	// end inline asm
+	shr.u32 	%r1685, %r1536, 4;
+	// begin inline asm
+	lop3.b32 %r1684, %r1685, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1688, %r1684, %r2314, %r2315;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f405, %f406, %f407, %f408}, {%r1632, %r1640, %r1648, %r1656}, {%r2634, %r2633}, {%f405, %f406, %f407, %f408};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f413, %f414, %f415, %f416}, {%r1664, %r1672, %r1680, %r1688}, {%r2634, %r2633}, {%f413, %f414, %f415, %f416};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f421, %f422, %f423, %f424}, {%r1632, %r1640, %r1648, %r1656}, {%r2618, %r2617}, {%f421, %f422, %f423, %f424};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f429, %f430, %f431, %f432}, {%r1664, %r1672, %r1680, %r1688}, {%r2618, %r2617}, {%f429, %f430, %f431, %f432};
+	// end inline asm
+	mov.u32 	%r1747, 21777;
+	// begin inline asm
+	prmt.b32 %r1716, %r2652, %r2648, %r1747;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1720, %r2651, %r2647, %r1747;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1724, %r2644, %r2640, %r1747;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1728, %r2643, %r2639, %r1747;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1732, %r2650, %r2646, %r1747;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1736, %r2649, %r2645, %r1747;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1740, %r2642, %r2638, %r1747;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1744, %r2641, %r2637, %r1747;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1748, %r1716, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1752, %r1748, %r2314, %r2275;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1756, %r1720, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1760, %r1756, %r2314, %r2283;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1764, %r1724, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1768, %r1764, %r2314, %r2275;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1772, %r1728, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1776, %r1772, %r2314, %r2283;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1780, %r1732, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1784, %r1780, %r2314, %r2307;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1788, %r1736, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1792, %r1788, %r2314, %r2315;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1796, %r1740, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1800, %r1796, %r2314, %r2307;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1804, %r1744, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1808, %r1804, %r2314, %r2315;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f405, %f406, %f407, %f408}, {%r1752, %r1760, %r1768, %r1776}, {%r2632, %r2631}, {%f405, %f406, %f407, %f408};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f413, %f414, %f415, %f416}, {%r1784, %r1792, %r1800, %r1808}, {%r2632, %r2631}, {%f413, %f414, %f415, %f416};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f421, %f422, %f423, %f424}, {%r1752, %r1760, %r1768, %r1776}, {%r2616, %r2615}, {%f421, %f422, %f423, %f424};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f429, %f430, %f431, %f432}, {%r1784, %r1792, %r1800, %r1808}, {%r2616, %r2615}, {%f429, %f430, %f431, %f432};
+	// end inline asm
+	shr.u32 	%r1837, %r1716, 4;
+	// begin inline asm
+	lop3.b32 %r1836, %r1837, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1840, %r1836, %r2314, %r2275;
+	// end inline asm
+	shr.u32 	%r1845, %r1720, 4;
+	// begin inline asm
+	lop3.b32 %r1844, %r1845, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1848, %r1844, %r2314, %r2283;
+	// end inline asm
+	shr.u32 	%r1853, %r1724, 4;
+	// begin inline asm
+	lop3.b32 %r1852, %r1853, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1856, %r1852, %r2314, %r2275;
+	// end inline asm
+	shr.u32 	%r1861, %r1728, 4;
+	// begin inline asm
+	lop3.b32 %r1860, %r1861, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1864, %r1860, %r2314, %r2283;
+	// end inline asm
+	shr.u32 	%r1869, %r1732, 4;
+	// begin inline asm
+	lop3.b32 %r1868, %r1869, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1872, %r1868, %r2314, %r2307;
+	// end inline asm
+	shr.u32 	%r1877, %r1736, 4;
+	// begin inline asm
+	lop3.b32 %r1876, %r1877, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1880, %r1876, %r2314, %r2315;
+	// end inline asm
+	shr.u32 	%r1885, %r1740, 4;
+	// begin inline asm
+	lop3.b32 %r1884, %r1885, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1888, %r1884, %r2314, %r2307;
+	// end inline asm
+	shr.u32 	%r1893, %r1744, 4;
+	// begin inline asm
+	lop3.b32 %r1892, %r1893, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1896, %r1892, %r2314, %r2315;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f405, %f406, %f407, %f408}, {%r1840, %r1848, %r1856, %r1864}, {%r2630, %r2629}, {%f405, %f406, %f407, %f408};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f413, %f414, %f415, %f416}, {%r1872, %r1880, %r1888, %r1896}, {%r2630, %r2629}, {%f413, %f414, %f415, %f416};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f421, %f422, %f423, %f424}, {%r1840, %r1848, %r1856, %r1864}, {%r2614, %r2613}, {%f421, %f422, %f423, %f424};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f429, %f430, %f431, %f432}, {%r1872, %r1880, %r1888, %r1896}, {%r2614, %r2613}, {%f429, %f430, %f431, %f432};
+	// end inline asm
+	mov.u32 	%r1955, 26146;
+	// begin inline asm
+	prmt.b32 %r1924, %r2652, %r2648, %r1955;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1928, %r2651, %r2647, %r1955;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1932, %r2644, %r2640, %r1955;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1936, %r2643, %r2639, %r1955;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1940, %r2650, %r2646, %r1955;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1944, %r2649, %r2645, %r1955;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1948, %r2642, %r2638, %r1955;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r1952, %r2641, %r2637, %r1955;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1956, %r1924, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1960, %r1956, %r2314, %r2275;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1964, %r1928, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1968, %r1964, %r2314, %r2283;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1972, %r1932, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1976, %r1972, %r2314, %r2275;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1980, %r1936, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1984, %r1980, %r2314, %r2283;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1988, %r1940, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1992, %r1988, %r2314, %r2307;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r1996, %r1944, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2000, %r1996, %r2314, %r2315;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r2004, %r1948, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2008, %r2004, %r2314, %r2307;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r2012, %r1952, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2016, %r2012, %r2314, %r2315;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f405, %f406, %f407, %f408}, {%r1960, %r1968, %r1976, %r1984}, {%r2628, %r2627}, {%f405, %f406, %f407, %f408};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f413, %f414, %f415, %f416}, {%r1992, %r2000, %r2008, %r2016}, {%r2628, %r2627}, {%f413, %f414, %f415, %f416};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f421, %f422, %f423, %f424}, {%r1960, %r1968, %r1976, %r1984}, {%r2612, %r2611}, {%f421, %f422, %f423, %f424};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f429, %f430, %f431, %f432}, {%r1992, %r2000, %r2008, %r2016}, {%r2612, %r2611}, {%f429, %f430, %f431, %f432};
+	// end inline asm
+	shr.u32 	%r2045, %r1924, 4;
+	// begin inline asm
+	lop3.b32 %r2044, %r2045, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2048, %r2044, %r2314, %r2275;
+	// end inline asm
+	shr.u32 	%r2053, %r1928, 4;
+	// begin inline asm
+	lop3.b32 %r2052, %r2053, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2056, %r2052, %r2314, %r2283;
+	// end inline asm
+	shr.u32 	%r2061, %r1932, 4;
+	// begin inline asm
+	lop3.b32 %r2060, %r2061, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2064, %r2060, %r2314, %r2275;
+	// end inline asm
+	shr.u32 	%r2069, %r1936, 4;
+	// begin inline asm
+	lop3.b32 %r2068, %r2069, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2072, %r2068, %r2314, %r2283;
+	// end inline asm
+	shr.u32 	%r2077, %r1940, 4;
+	// begin inline asm
+	lop3.b32 %r2076, %r2077, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2080, %r2076, %r2314, %r2307;
+	// end inline asm
+	shr.u32 	%r2085, %r1944, 4;
+	// begin inline asm
+	lop3.b32 %r2084, %r2085, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2088, %r2084, %r2314, %r2315;
+	// end inline asm
+	shr.u32 	%r2093, %r1948, 4;
+	// begin inline asm
+	lop3.b32 %r2092, %r2093, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2096, %r2092, %r2314, %r2307;
+	// end inline asm
+	shr.u32 	%r2101, %r1952, 4;
+	// begin inline asm
+	lop3.b32 %r2100, %r2101, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2104, %r2100, %r2314, %r2315;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f405, %f406, %f407, %f408}, {%r2048, %r2056, %r2064, %r2072}, {%r2626, %r2625}, {%f405, %f406, %f407, %f408};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f413, %f414, %f415, %f416}, {%r2080, %r2088, %r2096, %r2104}, {%r2626, %r2625}, {%f413, %f414, %f415, %f416};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f421, %f422, %f423, %f424}, {%r2048, %r2056, %r2064, %r2072}, {%r2610, %r2609}, {%f421, %f422, %f423, %f424};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f429, %f430, %f431, %f432}, {%r2080, %r2088, %r2096, %r2104}, {%r2610, %r2609}, {%f429, %f430, %f431, %f432};
+	// end inline asm
+	mov.u32 	%r2163, 30515;
+	// begin inline asm
+	prmt.b32 %r2132, %r2652, %r2648, %r2163;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r2136, %r2651, %r2647, %r2163;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r2140, %r2644, %r2640, %r2163;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r2144, %r2643, %r2639, %r2163;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r2148, %r2650, %r2646, %r2163;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r2152, %r2649, %r2645, %r2163;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r2156, %r2642, %r2638, %r2163;
+	// end inline asm
+	// begin inline asm
+	prmt.b32 %r2160, %r2641, %r2637, %r2163;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r2164, %r2132, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2168, %r2164, %r2314, %r2275;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r2172, %r2136, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2176, %r2172, %r2314, %r2283;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r2180, %r2140, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2184, %r2180, %r2314, %r2275;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r2188, %r2144, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2192, %r2188, %r2314, %r2283;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r2196, %r2148, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2200, %r2196, %r2314, %r2307;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r2204, %r2152, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2208, %r2204, %r2314, %r2315;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r2212, %r2156, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2216, %r2212, %r2314, %r2307;
+	// end inline asm
+	// begin inline asm
+	lop3.b32 %r2220, %r2160, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2224, %r2220, %r2314, %r2315;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f405, %f406, %f407, %f408}, {%r2168, %r2176, %r2184, %r2192}, {%r2624, %r2623}, {%f405, %f406, %f407, %f408};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f413, %f414, %f415, %f416}, {%r2200, %r2208, %r2216, %r2224}, {%r2624, %r2623}, {%f413, %f414, %f415, %f416};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f421, %f422, %f423, %f424}, {%r2168, %r2176, %r2184, %r2192}, {%r2608, %r2607}, {%f421, %f422, %f423, %f424};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f429, %f430, %f431, %f432}, {%r2200, %r2208, %r2216, %r2224}, {%r2608, %r2607}, {%f429, %f430, %f431, %f432};
+	// end inline asm
+	shr.u32 	%r2253, %r2132, 4;
+	// begin inline asm
+	lop3.b32 %r2252, %r2253, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2256, %r2252, %r2314, %r2275;
+	// end inline asm
+	shr.u32 	%r2261, %r2136, 4;
+	// begin inline asm
+	lop3.b32 %r2260, %r2261, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2264, %r2260, %r2314, %r2283;
+	// end inline asm
+	shr.u32 	%r2269, %r2140, 4;
+	// begin inline asm
+	lop3.b32 %r2268, %r2269, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2272, %r2268, %r2314, %r2275;
+	// end inline asm
+	shr.u32 	%r2277, %r2144, 4;
+	// begin inline asm
+	lop3.b32 %r2276, %r2277, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2280, %r2276, %r2314, %r2283;
+	// end inline asm
+	shr.u32 	%r2285, %r2148, 4;
+	// begin inline asm
+	lop3.b32 %r2284, %r2285, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2288, %r2284, %r2314, %r2307;
+	// end inline asm
+	shr.u32 	%r2293, %r2152, 4;
+	// begin inline asm
+	lop3.b32 %r2292, %r2293, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2296, %r2292, %r2314, %r2315;
+	// end inline asm
+	shr.u32 	%r2301, %r2156, 4;
+	// begin inline asm
+	lop3.b32 %r2300, %r2301, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2304, %r2300, %r2314, %r2307;
+	// end inline asm
+	shr.u32 	%r2309, %r2160, 4;
+	// begin inline asm
+	lop3.b32 %r2308, %r2309, %r453, %r454, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r2312, %r2308, %r2314, %r2315;
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f405, %f406, %f407, %f408}, {%r2256, %r2264, %r2272, %r2280}, {%r2622, %r2621}, {%f405, %f406, %f407, %f408};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f413, %f414, %f415, %f416}, {%r2288, %r2296, %r2304, %r2312}, {%r2622, %r2621}, {%f413, %f414, %f415, %f416};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f421, %f422, %f423, %f424}, {%r2256, %r2264, %r2272, %r2280}, {%r2606, %r2605}, {%f421, %f422, %f423, %f424};
+	// end inline asm
+	// begin inline asm
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f429, %f430, %f431, %f432}, {%r2288, %r2296, %r2304, %r2312}, {%r2606, %r2605}, {%f429, %f430, %f431, %f432};
+	// end inline asm
+	fma.rn.f32 	%f678, %f369, %f405, %f678;
+	fma.rn.f32 	%f677, %f369, %f406, %f677;
+	fma.rn.f32 	%f676, %f370, %f407, %f676;
+	fma.rn.f32 	%f675, %f370, %f408, %f675;
+	fma.rn.f32 	%f674, %f371, %f413, %f674;
+	fma.rn.f32 	%f673, %f371, %f414, %f673;
+	fma.rn.f32 	%f672, %f372, %f415, %f672;
+	fma.rn.f32 	%f671, %f372, %f416, %f671;
+	fma.rn.f32 	%f670, %f369, %f421, %f670;
+	fma.rn.f32 	%f669, %f369, %f422, %f669;
+	fma.rn.f32 	%f668, %f370, %f423, %f668;
+	fma.rn.f32 	%f667, %f370, %f424, %f667;
+	fma.rn.f32 	%f666, %f371, %f429, %f666;
+	fma.rn.f32 	%f665, %f371, %f430, %f665;
+	fma.rn.f32 	%f664, %f372, %f431, %f664;
+	fma.rn.f32 	%f663, %f372, %f432, %f663;
+	setp.lt.s32 	%p6, %r2601, %r7;
+	@%p6 bra 	$L__BB3_4;
+
+$L__BB3_10:
+	mov.u32 	%r2445, %tid.x;
+	and.b32  	%r2444, %r2445, 31;
+	shr.u32 	%r2353, %r2445, 5;
+	bfi.b32 	%r2355, %r2353, %r2444, 9, 23;
+	shl.b32 	%r2356, %r2355, 2;
+	mov.u32 	%r2357, _ZN9lmd_w4a164sumsE;
+	add.s32 	%r2358, %r2357, %r2356;
+	st.shared.f32 	[%r2358], %f678;
+	st.shared.f32 	[%r2358+128], %f677;
+	st.shared.f32 	[%r2358+256], %f676;
+	st.shared.f32 	[%r2358+384], %f675;
+	st.shared.f32 	[%r2358+512], %f674;
+	st.shared.f32 	[%r2358+640], %f673;
+	st.shared.f32 	[%r2358+768], %f672;
+	st.shared.f32 	[%r2358+896], %f671;
+	st.shared.f32 	[%r2358+1024], %f670;
+	st.shared.f32 	[%r2358+1152], %f669;
+	st.shared.f32 	[%r2358+1280], %f668;
+	st.shared.f32 	[%r2358+1408], %f667;
+	st.shared.f32 	[%r2358+1536], %f666;
+	st.shared.f32 	[%r2358+1664], %f665;
+	st.shared.f32 	[%r2358+1792], %f664;
+	st.shared.f32 	[%r2358+1920], %f663;
+	bar.sync 	0;
+	setp.gt.s32 	%p7, %r2445, 511;
+	@%p7 bra 	$L__BB3_32;
+
+	mov.u32 	%r423, %ntid.x;
+	shr.u32 	%r2359, %r423, 5;
+	setp.eq.s32 	%p8, %r2359, 0;
+	cvt.s64.s32 	%rd9, %r459;
+	@%p8 bra 	$L__BB3_25;
+
+	add.s32 	%r424, %r2359, -1;
+	and.b32  	%r425, %r2359, 3;
+	sub.s32 	%r426, %r2359, %r425;
+	mov.u32 	%r2704, %tid.x;
+	mov.u32 	%r2362, %ctaid.x;
+	shl.b32 	%r428, %r2362, 5;
+	cvta.to.global.u64 	%rd125, %rd14;
 
 $L__BB3_13:
-	mov.u32 	%r1665, 0;
-	mov.u32 	%r1667, %r1665;
-	mov.u32 	%r1666, %r1665;
-	@%p2 bra 	$L__BB3_15;
+	shr.s32 	%r2364, %r2704, 31;
+	shr.u32 	%r2365, %r2364, 27;
+	add.s32 	%r2366, %r2704, %r2365;
+	shr.s32 	%r430, %r2366, 5;
+	and.b32  	%r2367, %r2366, -32;
+	sub.s32 	%r431, %r2704, %r2367;
+	setp.lt.u32 	%p9, %r424, 3;
+	mov.f32 	%f682, 0f00000000;
+	mov.u32 	%r2707, 0;
+	@%p9 bra 	$L__BB3_16;
 
-	shl.b64 	%rd81, %rd10, 1;
-	add.s64 	%rd82, %rd47, %rd81;
-	add.s64 	%rd80, %rd82, 192;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1667, %r1666}, [%rd80];
-	// end inline asm
+	mov.f32 	%f682, 0f00000000;
+	mov.u32 	%r2707, 0;
+	mov.u32 	%r2706, %r426;
 
 $L__BB3_15:
-	mov.u32 	%r1664, %r1665;
-	@%p2 bra 	$L__BB3_17;
+	shl.b32 	%r2369, %r2707, 4;
+	add.s32 	%r2370, %r2369, %r430;
+	shl.b32 	%r2371, %r2370, 5;
+	add.s32 	%r2372, %r2371, %r431;
+	shl.b32 	%r2373, %r2372, 2;
+	add.s32 	%r2375, %r2357, %r2373;
+	ld.shared.f32 	%f632, [%r2375];
+	add.f32 	%f633, %f682, %f632;
+	ld.shared.f32 	%f634, [%r2375+2048];
+	add.f32 	%f635, %f633, %f634;
+	ld.shared.f32 	%f636, [%r2375+4096];
+	add.f32 	%f637, %f635, %f636;
+	ld.shared.f32 	%f638, [%r2375+6144];
+	add.f32 	%f682, %f637, %f638;
+	add.s32 	%r2707, %r2707, 4;
+	add.s32 	%r2706, %r2706, -4;
+	setp.ne.s32 	%p10, %r2706, 0;
+	@%p10 bra 	$L__BB3_15;
 
-	shl.b64 	%rd84, %rd10, 1;
-	add.s64 	%rd85, %rd47, %rd84;
-	add.s64 	%rd83, %rd85, 224;
+$L__BB3_16:
+	setp.eq.s32 	%p11, %r425, 0;
+	@%p11 bra 	$L__BB3_20;
+
+	setp.eq.s32 	%p12, %r425, 1;
+	shl.b32 	%r2376, %r2707, 4;
+	add.s32 	%r2377, %r2376, %r430;
+	shl.b32 	%r2378, %r2377, 5;
+	add.s32 	%r2379, %r2378, %r431;
+	shl.b32 	%r2380, %r2379, 2;
+	add.s32 	%r437, %r2357, %r2380;
+	ld.shared.f32 	%f639, [%r437];
+	add.f32 	%f682, %f682, %f639;
+	@%p12 bra 	$L__BB3_20;
+
+	setp.eq.s32 	%p13, %r425, 2;
+	ld.shared.f32 	%f640, [%r437+2048];
+	add.f32 	%f682, %f682, %f640;
+	@%p13 bra 	$L__BB3_20;
+
+	ld.shared.f32 	%f641, [%r437+4096];
+	add.f32 	%f682, %f682, %f641;
+
+$L__BB3_20:
+	shr.u32 	%r2383, %r2364, 25;
+	add.s32 	%r2384, %r2704, %r2383;
+	shr.u32 	%r2385, %r2384, 31;
+	shr.s32 	%r2386, %r2384, 7;
+	add.s32 	%r2387, %r2386, %r2385;
+	and.b32  	%r2388, %r2387, 2147483646;
+	sub.s32 	%r2389, %r2386, %r2388;
+	shr.u32 	%r2390, %r2364, 24;
+	add.s32 	%r2391, %r2704, %r2390;
+	shr.s32 	%r2392, %r2391, 8;
+	shl.b32 	%r2393, %r2392, 3;
+	shl.b32 	%r2394, %r431, 1;
+	and.b32  	%r2395, %r2394, 6;
+	or.b32  	%r2396, %r2395, %r2393;
+	shr.s32 	%r2397, %r430, 31;
+	shr.u32 	%r2398, %r2397, 30;
+	add.s32 	%r2399, %r430, %r2398;
+	and.b32  	%r2400, %r2399, -4;
+	sub.s32 	%r2401, %r430, %r2400;
+	and.b32  	%r2402, %r2401, 1;
+	or.b32  	%r438, %r2396, %r2402;
+	and.b32  	%r2403, %r431, -4;
+	add.s32 	%r2404, %r2403, %r428;
+	shl.b32 	%r2405, %r2389, 1;
+	add.s32 	%r2406, %r2404, %r2405;
+	shr.u32 	%r2407, %r2401, 31;
+	add.s32 	%r2408, %r2401, %r2407;
+	shr.s32 	%r2409, %r2408, 1;
+	add.s32 	%r439, %r2406, %r2409;
+	setp.ge.s32 	%p14, %r438, %r458;
+	@%p14 bra 	$L__BB3_24;
+
+	setp.eq.s64 	%p15, %rd14, 0;
+	@%p15 bra 	$L__BB3_23;
+
+	mul.wide.s32 	%rd126, %r439, 2;
+	add.s64 	%rd127, %rd125, %rd126;
+	ld.global.u16 	%rs9, [%rd127];
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1665, %r1664}, [%rd83];
+	cvt.f32.f16 %f642, %rs9;
 	// end inline asm
-
-$L__BB3_17:
-	or.b32  	%r59, %r8, 8;
-	cvt.u64.u32 	%rd86, %r59;
-	mul.lo.s64 	%rd87, %rd86, %rd9;
-	setp.ge.s32 	%p10, %r59, %r568;
-	add.s64 	%rd11, %rd87, %rd8;
-	mov.u32 	%r1661, 0;
-	mov.u32 	%r1663, %r1661;
-	mov.u32 	%r1662, %r1661;
-	@%p10 bra 	$L__BB3_19;
-
-	shl.b64 	%rd89, %rd11, 1;
-	add.s64 	%rd88, %rd47, %rd89;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1663, %r1662}, [%rd88];
-	// end inline asm
-
-$L__BB3_19:
-	mov.u32 	%r1660, %r1661;
-	@%p10 bra 	$L__BB3_21;
-
-	shl.b64 	%rd91, %rd11, 1;
-	add.s64 	%rd92, %rd47, %rd91;
-	add.s64 	%rd90, %rd92, 32;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1661, %r1660}, [%rd90];
-	// end inline asm
-
-$L__BB3_21:
-	mov.u32 	%r1657, 0;
-	mov.u32 	%r1659, %r1657;
-	mov.u32 	%r1658, %r1657;
-	@%p10 bra 	$L__BB3_23;
-
-	shl.b64 	%rd94, %rd11, 1;
-	add.s64 	%rd95, %rd47, %rd94;
-	add.s64 	%rd93, %rd95, 64;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1659, %r1658}, [%rd93];
-	// end inline asm
+	add.f32 	%f682, %f682, %f642;
 
 $L__BB3_23:
-	mov.u32 	%r1656, %r1657;
-	@%p10 bra 	$L__BB3_25;
-
-	shl.b64 	%rd97, %rd11, 1;
-	add.s64 	%rd98, %rd47, %rd97;
-	add.s64 	%rd96, %rd98, 96;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1657, %r1656}, [%rd96];
+	cvt.rn.f16.f32 %rs10, %f682;
 	// end inline asm
+	cvt.s64.s32 	%rd128, %r438;
+	mul.lo.s64 	%rd129, %rd128, %rd9;
+	cvt.s64.s32 	%rd130, %r439;
+	add.s64 	%rd131, %rd129, %rd130;
+	shl.b64 	%rd132, %rd131, 1;
+	add.s64 	%rd133, %rd5, %rd132;
+	st.global.u16 	[%rd133], %rs10;
+
+$L__BB3_24:
+	add.s32 	%r2704, %r2704, %r423;
+	setp.lt.s32 	%p16, %r2704, 512;
+	@%p16 bra 	$L__BB3_13;
+	bra.uni 	$L__BB3_32;
 
 $L__BB3_25:
-	mov.u32 	%r1653, 0;
-	mov.u32 	%r1655, %r1653;
-	mov.u32 	%r1654, %r1653;
-	@%p10 bra 	$L__BB3_27;
+	mov.u32 	%r2708, %tid.x;
+	mov.u32 	%r2410, %ctaid.x;
+	shl.b32 	%r442, %r2410, 5;
+	cvta.to.global.u64 	%rd134, %rd14;
 
-	shl.b64 	%rd100, %rd11, 1;
-	add.s64 	%rd101, %rd47, %rd100;
-	add.s64 	%rd99, %rd101, 128;
+$L__BB3_26:
+	shr.s32 	%r2411, %r2708, 31;
+	shr.u32 	%r2412, %r2411, 25;
+	add.s32 	%r2413, %r2708, %r2412;
+	shr.u32 	%r2414, %r2413, 31;
+	shr.s32 	%r2415, %r2413, 7;
+	add.s32 	%r2416, %r2415, %r2414;
+	and.b32  	%r2417, %r2416, 2147483646;
+	sub.s32 	%r2418, %r2415, %r2417;
+	shr.u32 	%r2419, %r2411, 27;
+	add.s32 	%r2420, %r2708, %r2419;
+	shr.s32 	%r2421, %r2420, 5;
+	shr.u32 	%r2422, %r2411, 24;
+	add.s32 	%r2423, %r2708, %r2422;
+	shr.s32 	%r2424, %r2423, 8;
+	shl.b32 	%r2425, %r2424, 3;
+	and.b32  	%r2426, %r2420, -32;
+	sub.s32 	%r2427, %r2708, %r2426;
+	shl.b32 	%r2428, %r2427, 1;
+	and.b32  	%r2429, %r2428, 6;
+	or.b32  	%r2430, %r2429, %r2425;
+	shr.s32 	%r2431, %r2420, 31;
+	shr.u32 	%r2432, %r2431, 30;
+	add.s32 	%r2433, %r2421, %r2432;
+	and.b32  	%r2434, %r2433, -4;
+	sub.s32 	%r2435, %r2421, %r2434;
+	and.b32  	%r2436, %r2435, 1;
+	or.b32  	%r444, %r2430, %r2436;
+	and.b32  	%r2437, %r2427, -4;
+	add.s32 	%r2438, %r2437, %r442;
+	shl.b32 	%r2439, %r2418, 1;
+	add.s32 	%r2440, %r2438, %r2439;
+	shr.u32 	%r2441, %r2435, 31;
+	add.s32 	%r2442, %r2435, %r2441;
+	shr.s32 	%r2443, %r2442, 1;
+	add.s32 	%r445, %r2440, %r2443;
+	setp.ge.s32 	%p17, %r444, %r458;
+	@%p17 bra 	$L__BB3_31;
+
+	setp.eq.s64 	%p18, %rd14, 0;
+	@%p18 bra 	$L__BB3_29;
+
+	mul.wide.s32 	%rd135, %r445, 2;
+	add.s64 	%rd136, %rd134, %rd135;
+	ld.global.u16 	%rs11, [%rd136];
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1655, %r1654}, [%rd99];
+	cvt.f32.f16 %f644, %rs11;
 	// end inline asm
-
-$L__BB3_27:
-	mov.u32 	%r1652, %r1653;
-	@%p10 bra 	$L__BB3_29;
-
-	shl.b64 	%rd103, %rd11, 1;
-	add.s64 	%rd104, %rd47, %rd103;
-	add.s64 	%rd102, %rd104, 160;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1653, %r1652}, [%rd102];
-	// end inline asm
+	add.f32 	%f684, %f644, 0f00000000;
+	bra.uni 	$L__BB3_30;
 
 $L__BB3_29:
-	mov.u32 	%r1649, 0;
-	mov.u32 	%r1651, %r1649;
-	mov.u32 	%r1650, %r1649;
-	@%p10 bra 	$L__BB3_31;
+	mov.f32 	%f684, 0f00000000;
 
-	shl.b64 	%rd106, %rd11, 1;
-	add.s64 	%rd107, %rd47, %rd106;
-	add.s64 	%rd105, %rd107, 192;
+$L__BB3_30:
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r1651, %r1650}, [%rd105];
+	cvt.rn.f16.f32 %rs12, %f684;
 	// end inline asm
+	cvt.s64.s32 	%rd137, %r444;
+	mul.lo.s64 	%rd138, %rd137, %rd9;
+	cvt.s64.s32 	%rd139, %r445;
+	add.s64 	%rd140, %rd138, %rd139;
+	shl.b64 	%rd141, %rd140, 1;
+	add.s64 	%rd142, %rd5, %rd141;
+	st.global.u16 	[%rd142], %rs12;
 
 $L__BB3_31:
-	mov.u32 	%r1648, %r1649;
-	@%p10 bra 	$L__BB3_33;
+	add.s32 	%r2708, %r2708, %r423;
+	setp.lt.s32 	%p19, %r2708, 512;
+	@%p19 bra 	$L__BB3_26;
 
-	shl.b64 	%rd109, %rd11, 1;
-	add.s64 	%rd110, %rd47, %rd109;
-	add.s64 	%rd108, %rd110, 224;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1649, %r1648}, [%rd108];
-	// end inline asm
-
-$L__BB3_33:
-	cvt.s64.s32 	%rd113, %r1798;
-	mul.lo.s64 	%rd114, %rd113, %rd6;
-	add.s64 	%rd115, %rd114, %rd7;
-	shl.b64 	%rd116, %rd115, 1;
-	add.s64 	%rd111, %rd49, %rd116;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1698, %r1697}, [%rd111];
-	// end inline asm
-	add.s64 	%rd112, %rd50, %rd115;
-	// begin inline asm
-	ld.global.nc.u32 %r1696, [%rd112];
-	// end inline asm
-
-$L__BB3_34:
-	mov.f32 	%f372, 0f00000000;
-	mov.f32 	%f373, %f372;
-	mov.f32 	%f374, %f372;
-	mov.f32 	%f375, %f372;
-	mov.f32 	%f376, %f372;
-	mov.f32 	%f377, %f372;
-	mov.f32 	%f378, %f372;
-	mov.f32 	%f379, %f372;
-	mov.f32 	%f380, %f372;
-	mov.f32 	%f381, %f372;
-	mov.f32 	%f382, %f372;
-	mov.f32 	%f383, %f372;
-	mov.f32 	%f384, %f372;
-	mov.f32 	%f385, %f372;
-	mov.f32 	%f386, %f372;
-	mov.f32 	%f387, %f372;
-	@%p1 bra 	$L__BB3_71;
-
-	cvt.s64.s32 	%rd12, %r9;
-	mul.wide.s32 	%rd13, %r8, %r571;
-	or.b32  	%r676, %r8, 8;
-	mul.wide.s32 	%rd14, %r676, %r571;
-	shl.b64 	%rd117, %rd13, 1;
-	add.s64 	%rd118, %rd47, %rd117;
-	add.s64 	%rd15, %rd118, 32;
-	add.s64 	%rd16, %rd118, 64;
-	add.s64 	%rd17, %rd118, 96;
-	add.s64 	%rd18, %rd118, 128;
-	add.s64 	%rd19, %rd118, 160;
-	add.s64 	%rd20, %rd118, 192;
-	add.s64 	%rd21, %rd118, 224;
-	shl.b64 	%rd119, %rd14, 1;
-	add.s64 	%rd120, %rd47, %rd119;
-	add.s64 	%rd22, %rd120, 32;
-	add.s64 	%rd23, %rd120, 64;
-	add.s64 	%rd24, %rd120, 96;
-	add.s64 	%rd25, %rd120, 128;
-	add.s64 	%rd26, %rd120, 160;
-	add.s64 	%rd27, %rd120, 192;
-	add.s64 	%rd28, %rd120, 224;
-	mov.f32 	%f372, 0f00000000;
-
-$L__BB3_36:
-	add.s32 	%r297, %r1798, %r6;
-	setp.ge.s32 	%p19, %r297, %r10;
-	@%p19 bra 	$L__BB3_70;
-
-	add.s32 	%r1612, %r1798, %r6;
-	ld.param.u64 	%rd184, [lmd_w4a16_rows_f16_m16_param_0+8];
-	mov.u32 	%r695, %tid.x;
-	and.b32  	%r696, %r695, 31;
-	shr.u32 	%r697, %r696, 2;
-	setp.ge.s32 	%p20, %r697, %r568;
-	shl.b32 	%r698, %r695, 2;
-	and.b32  	%r699, %r698, 12;
-	shl.b32 	%r700, %r1612, 4;
-	or.b32  	%r701, %r700, %r699;
-	mul.wide.s32 	%rd125, %r701, %r569;
-	add.s64 	%rd126, %rd125, %rd12;
-	shl.b64 	%rd127, %rd126, 2;
-	add.s64 	%rd121, %rd184, %rd127;
-	// begin inline asm
-	ld.global.nc.v4.u32 {%r1881, %r1880, %r1879, %r1878}, [%rd121];
-	// end inline asm
-	mul.wide.s32 	%rd128, %r569, 4;
-	add.s64 	%rd122, %rd121, %rd128;
-	// begin inline asm
-	ld.global.nc.v4.u32 {%r1877, %r1876, %r1875, %r1874}, [%rd122];
-	// end inline asm
-	add.s64 	%rd123, %rd122, %rd128;
-	// begin inline asm
-	ld.global.nc.v4.u32 {%r1873, %r1872, %r1871, %r1870}, [%rd123];
-	// end inline asm
-	add.s64 	%rd124, %rd123, %rd128;
-	// begin inline asm
-	ld.global.nc.v4.u32 {%r1869, %r1868, %r1867, %r1866}, [%rd124];
-	// end inline asm
-	mad.lo.s32 	%r702, %r1612, 112, %r701;
-	cvt.s64.s32 	%rd29, %r702;
-	mov.u32 	%r1863, 0;
-	mov.u32 	%r1865, %r1863;
-	mov.u32 	%r1864, %r1863;
-	@%p20 bra 	$L__BB3_39;
-
-	add.s64 	%rd130, %rd13, %rd29;
-	shl.b64 	%rd131, %rd130, 1;
-	add.s64 	%rd129, %rd47, %rd131;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1865, %r1864}, [%rd129];
-	// end inline asm
-
-$L__BB3_39:
-	shl.b64 	%rd132, %rd29, 1;
-	add.s64 	%rd30, %rd15, %rd132;
-	mov.u32 	%r1862, %r1863;
-	@%p20 bra 	$L__BB3_41;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1863, %r1862}, [%rd30];
-	// end inline asm
-
-$L__BB3_41:
-	add.s64 	%rd31, %rd16, %rd132;
-	mov.u32 	%r1859, 0;
-	mov.u32 	%r1861, %r1859;
-	mov.u32 	%r1860, %r1859;
-	@%p20 bra 	$L__BB3_43;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1861, %r1860}, [%rd31];
-	// end inline asm
-
-$L__BB3_43:
-	add.s64 	%rd32, %rd17, %rd132;
-	mov.u32 	%r1858, %r1859;
-	@%p20 bra 	$L__BB3_45;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1859, %r1858}, [%rd32];
-	// end inline asm
-
-$L__BB3_45:
-	add.s64 	%rd33, %rd18, %rd132;
-	mov.u32 	%r1855, 0;
-	mov.u32 	%r1857, %r1855;
-	mov.u32 	%r1856, %r1855;
-	@%p20 bra 	$L__BB3_47;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1857, %r1856}, [%rd33];
-	// end inline asm
-
-$L__BB3_47:
-	add.s64 	%rd34, %rd19, %rd132;
-	mov.u32 	%r1854, %r1855;
-	@%p20 bra 	$L__BB3_49;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1855, %r1854}, [%rd34];
-	// end inline asm
-
-$L__BB3_49:
-	add.s64 	%rd35, %rd20, %rd132;
-	mov.u32 	%r1851, 0;
-	mov.u32 	%r1853, %r1851;
-	mov.u32 	%r1852, %r1851;
-	@%p20 bra 	$L__BB3_51;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1853, %r1852}, [%rd35];
-	// end inline asm
-
-$L__BB3_51:
-	add.s64 	%rd36, %rd21, %rd132;
-	mov.u32 	%r1850, %r1851;
-	@%p20 bra 	$L__BB3_53;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1851, %r1850}, [%rd36];
-	// end inline asm
-
-$L__BB3_53:
-	mov.u32 	%r1609, %tid.x;
-	and.b32  	%r1608, %r1609, 31;
-	shr.u32 	%r1607, %r1608, 2;
-	or.b32  	%r759, %r1607, 8;
-	setp.ge.s32 	%p28, %r759, %r568;
-	mov.u32 	%r1847, 0;
-	mov.u32 	%r1849, %r1847;
-	mov.u32 	%r1848, %r1847;
-	@%p28 bra 	$L__BB3_55;
-
-	add.s64 	%rd147, %rd14, %rd29;
-	shl.b64 	%rd148, %rd147, 1;
-	add.s64 	%rd146, %rd47, %rd148;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1849, %r1848}, [%rd146];
-	// end inline asm
-
-$L__BB3_55:
-	add.s64 	%rd37, %rd22, %rd132;
-	mov.u32 	%r1846, %r1847;
-	@%p28 bra 	$L__BB3_57;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1847, %r1846}, [%rd37];
-	// end inline asm
-
-$L__BB3_57:
-	add.s64 	%rd38, %rd23, %rd132;
-	mov.u32 	%r1843, 0;
-	mov.u32 	%r1845, %r1843;
-	mov.u32 	%r1844, %r1843;
-	@%p28 bra 	$L__BB3_59;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1845, %r1844}, [%rd38];
-	// end inline asm
-
-$L__BB3_59:
-	add.s64 	%rd39, %rd24, %rd132;
-	mov.u32 	%r1842, %r1843;
-	@%p28 bra 	$L__BB3_61;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1843, %r1842}, [%rd39];
-	// end inline asm
-
-$L__BB3_61:
-	add.s64 	%rd40, %rd25, %rd132;
-	mov.u32 	%r1839, 0;
-	mov.u32 	%r1841, %r1839;
-	mov.u32 	%r1840, %r1839;
-	@%p28 bra 	$L__BB3_63;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1841, %r1840}, [%rd40];
-	// end inline asm
-
-$L__BB3_63:
-	add.s64 	%rd41, %rd26, %rd132;
-	mov.u32 	%r1838, %r1839;
-	@%p28 bra 	$L__BB3_65;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1839, %r1838}, [%rd41];
-	// end inline asm
-
-$L__BB3_65:
-	add.s64 	%rd42, %rd27, %rd132;
-	mov.u32 	%r1835, 0;
-	mov.u32 	%r1837, %r1835;
-	mov.u32 	%r1836, %r1835;
-	@%p28 bra 	$L__BB3_67;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1837, %r1836}, [%rd42];
-	// end inline asm
-
-$L__BB3_67:
-	add.s64 	%rd43, %rd28, %rd132;
-	mov.u32 	%r1834, %r1835;
-	@%p28 bra 	$L__BB3_69;
-
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1835, %r1834}, [%rd43];
-	// end inline asm
-
-$L__BB3_69:
-	add.s32 	%r1610, %r1798, %r6;
-	ld.param.u64 	%rd183, [lmd_w4a16_rows_f16_m16_param_0+24];
-	ld.param.u64 	%rd182, [lmd_w4a16_rows_f16_m16_param_0+16];
-	mul.wide.s32 	%rd165, %r1610, %r569;
-	add.s64 	%rd166, %rd165, %rd12;
-	shl.b64 	%rd167, %rd166, 1;
-	add.s64 	%rd163, %rd182, %rd167;
-	// begin inline asm
-	ld.global.nc.v2.u32 {%r1833, %r1832}, [%rd163];
-	// end inline asm
-	add.s64 	%rd164, %rd183, %rd166;
-	// begin inline asm
-	ld.global.nc.u32 %r1831, [%rd164];
-	// end inline asm
-
-$L__BB3_70:
-	add.s32 	%r1798, %r1798, %r6;
-	and.b32  	%r1397, %r1696, 255;
-	or.b32  	%r1398, %r1397, 58368;
-	mul.lo.s32 	%r1352, %r1398, 65537;
-	cvt.u16.u32 	%rs1, %r1698;
-	// begin inline asm
-	cvt.f32.f16 %f87, %rs1;
-	// end inline asm
-	shr.u32 	%r1399, %r1696, 8;
-	and.b32  	%r1400, %r1399, 255;
-	or.b32  	%r1401, %r1400, 58368;
-	mul.lo.s32 	%r1356, %r1401, 65537;
-	shr.u32 	%r1402, %r1698, 16;
-	cvt.u16.u32 	%rs2, %r1402;
-	// begin inline asm
-	cvt.f32.f16 %f88, %rs2;
-	// end inline asm
-	shr.u32 	%r1403, %r1696, 16;
-	and.b32  	%r1404, %r1403, 255;
-	or.b32  	%r1405, %r1404, 58368;
-	mul.lo.s32 	%r1368, %r1405, 65537;
-	cvt.u16.u32 	%rs3, %r1697;
-	// begin inline asm
-	cvt.f32.f16 %f89, %rs3;
-	// end inline asm
-	shr.u32 	%r1406, %r1696, 24;
-	or.b32  	%r1407, %r1406, 58368;
-	mul.lo.s32 	%r1372, %r1407, 65537;
-	shr.u32 	%r1408, %r1697, 16;
-	cvt.u16.u32 	%rs4, %r1408;
-	// begin inline asm
-	cvt.f32.f16 %f90, %rs4;
-	// end inline asm
-	mov.u32 	%r852, 17408;
-	// begin inline asm
-	prmt.b32 %r821, %r1746, %r1742, %r852;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r825, %r1745, %r1741, %r852;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r829, %r1738, %r1734, %r852;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r833, %r1737, %r1733, %r852;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r837, %r1744, %r1740, %r852;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r841, %r1743, %r1739, %r852;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r845, %r1736, %r1732, %r852;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r849, %r1735, %r1731, %r852;
-	// end inline asm
-	and.b32  	%r1409, %r821, 983055;
-	or.b32  	%r854, %r1409, 1677747200;
-	mov.u32 	%r1371, 1006648320;
-	// begin inline asm
-	fma.rn.f16x2 %r853, %r854, %r1371, %r1352;
-	// end inline asm
-	and.b32  	%r1410, %r825, 983055;
-	or.b32  	%r858, %r1410, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r857, %r858, %r1371, %r1356;
-	// end inline asm
-	and.b32  	%r1411, %r829, 983055;
-	or.b32  	%r862, %r1411, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r861, %r862, %r1371, %r1352;
-	// end inline asm
-	and.b32  	%r1412, %r833, 983055;
-	or.b32  	%r866, %r1412, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r865, %r866, %r1371, %r1356;
-	// end inline asm
-	and.b32  	%r1413, %r837, 983055;
-	or.b32  	%r870, %r1413, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r869, %r870, %r1371, %r1368;
-	// end inline asm
-	and.b32  	%r1414, %r841, 983055;
-	or.b32  	%r874, %r1414, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r873, %r874, %r1371, %r1372;
-	// end inline asm
-	and.b32  	%r1415, %r845, 983055;
-	or.b32  	%r878, %r1415, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r877, %r878, %r1371, %r1368;
-	// end inline asm
-	and.b32  	%r1416, %r849, 983055;
-	or.b32  	%r882, %r1416, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r881, %r882, %r1371, %r1372;
-	// end inline asm
-	mov.f32 	%f147, 0f00000000;
-	mov.f32 	%f123, %f147;
-	mov.f32 	%f124, %f147;
-	mov.f32 	%f125, %f147;
-	mov.f32 	%f126, %f147;
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f123, %f124, %f125, %f126}, {%r853, %r857, %r861, %r865}, {%r1679, %r1678}, {%f123, %f124, %f125, %f126};
-	// end inline asm
-	mov.f32 	%f131, %f147;
-	mov.f32 	%f132, %f147;
-	mov.f32 	%f133, %f147;
-	mov.f32 	%f134, %f147;
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f131, %f132, %f133, %f134}, {%r869, %r873, %r877, %r881}, {%r1679, %r1678}, {%f131, %f132, %f133, %f134};
-	// end inline asm
-	mov.f32 	%f139, %f147;
-	mov.f32 	%f140, %f147;
-	mov.f32 	%f141, %f147;
-	mov.f32 	%f142, %f147;
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f139, %f140, %f141, %f142}, {%r853, %r857, %r861, %r865}, {%r1663, %r1662}, {%f139, %f140, %f141, %f142};
-	// end inline asm
-	mov.f32 	%f148, %f147;
-	mov.f32 	%f149, %f147;
-	mov.f32 	%f150, %f147;
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f147, %f148, %f149, %f150}, {%r869, %r873, %r877, %r881}, {%r1663, %r1662}, {%f147, %f148, %f149, %f150};
-	// end inline asm
-	shr.u32 	%r1417, %r821, 4;
-	and.b32  	%r1418, %r1417, 983055;
-	or.b32  	%r910, %r1418, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r909, %r910, %r1371, %r1352;
-	// end inline asm
-	shr.u32 	%r1419, %r825, 4;
-	and.b32  	%r1420, %r1419, 983055;
-	or.b32  	%r914, %r1420, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r913, %r914, %r1371, %r1356;
-	// end inline asm
-	shr.u32 	%r1421, %r829, 4;
-	and.b32  	%r1422, %r1421, 983055;
-	or.b32  	%r918, %r1422, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r917, %r918, %r1371, %r1352;
-	// end inline asm
-	shr.u32 	%r1423, %r833, 4;
-	and.b32  	%r1424, %r1423, 983055;
-	or.b32  	%r922, %r1424, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r921, %r922, %r1371, %r1356;
-	// end inline asm
-	shr.u32 	%r1425, %r837, 4;
-	and.b32  	%r1426, %r1425, 983055;
-	or.b32  	%r926, %r1426, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r925, %r926, %r1371, %r1368;
-	// end inline asm
-	shr.u32 	%r1427, %r841, 4;
-	and.b32  	%r1428, %r1427, 983055;
-	or.b32  	%r930, %r1428, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r929, %r930, %r1371, %r1372;
-	// end inline asm
-	shr.u32 	%r1429, %r845, 4;
-	and.b32  	%r1430, %r1429, 983055;
-	or.b32  	%r934, %r1430, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r933, %r934, %r1371, %r1368;
-	// end inline asm
-	shr.u32 	%r1431, %r849, 4;
-	and.b32  	%r1432, %r1431, 983055;
-	or.b32  	%r938, %r1432, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r937, %r938, %r1371, %r1372;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f123, %f124, %f125, %f126}, {%r909, %r913, %r917, %r921}, {%r1677, %r1676}, {%f123, %f124, %f125, %f126};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f131, %f132, %f133, %f134}, {%r925, %r929, %r933, %r937}, {%r1677, %r1676}, {%f131, %f132, %f133, %f134};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f139, %f140, %f141, %f142}, {%r909, %r913, %r917, %r921}, {%r1661, %r1660}, {%f139, %f140, %f141, %f142};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f147, %f148, %f149, %f150}, {%r925, %r929, %r933, %r937}, {%r1661, %r1660}, {%f147, %f148, %f149, %f150};
-	// end inline asm
-	mov.u32 	%r996, 21777;
-	// begin inline asm
-	prmt.b32 %r965, %r1746, %r1742, %r996;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r969, %r1745, %r1741, %r996;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r973, %r1738, %r1734, %r996;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r977, %r1737, %r1733, %r996;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r981, %r1744, %r1740, %r996;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r985, %r1743, %r1739, %r996;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r989, %r1736, %r1732, %r996;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r993, %r1735, %r1731, %r996;
-	// end inline asm
-	and.b32  	%r1433, %r965, 983055;
-	or.b32  	%r998, %r1433, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r997, %r998, %r1371, %r1352;
-	// end inline asm
-	and.b32  	%r1434, %r969, 983055;
-	or.b32  	%r1002, %r1434, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1001, %r1002, %r1371, %r1356;
-	// end inline asm
-	and.b32  	%r1435, %r973, 983055;
-	or.b32  	%r1006, %r1435, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1005, %r1006, %r1371, %r1352;
-	// end inline asm
-	and.b32  	%r1436, %r977, 983055;
-	or.b32  	%r1010, %r1436, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1009, %r1010, %r1371, %r1356;
-	// end inline asm
-	and.b32  	%r1437, %r981, 983055;
-	or.b32  	%r1014, %r1437, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1013, %r1014, %r1371, %r1368;
-	// end inline asm
-	and.b32  	%r1438, %r985, 983055;
-	or.b32  	%r1018, %r1438, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1017, %r1018, %r1371, %r1372;
-	// end inline asm
-	and.b32  	%r1439, %r989, 983055;
-	or.b32  	%r1022, %r1439, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1021, %r1022, %r1371, %r1368;
-	// end inline asm
-	and.b32  	%r1440, %r993, 983055;
-	or.b32  	%r1026, %r1440, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1025, %r1026, %r1371, %r1372;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f123, %f124, %f125, %f126}, {%r997, %r1001, %r1005, %r1009}, {%r1675, %r1674}, {%f123, %f124, %f125, %f126};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f131, %f132, %f133, %f134}, {%r1013, %r1017, %r1021, %r1025}, {%r1675, %r1674}, {%f131, %f132, %f133, %f134};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f139, %f140, %f141, %f142}, {%r997, %r1001, %r1005, %r1009}, {%r1659, %r1658}, {%f139, %f140, %f141, %f142};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f147, %f148, %f149, %f150}, {%r1013, %r1017, %r1021, %r1025}, {%r1659, %r1658}, {%f147, %f148, %f149, %f150};
-	// end inline asm
-	shr.u32 	%r1441, %r965, 4;
-	and.b32  	%r1442, %r1441, 983055;
-	or.b32  	%r1054, %r1442, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1053, %r1054, %r1371, %r1352;
-	// end inline asm
-	shr.u32 	%r1443, %r969, 4;
-	and.b32  	%r1444, %r1443, 983055;
-	or.b32  	%r1058, %r1444, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1057, %r1058, %r1371, %r1356;
-	// end inline asm
-	shr.u32 	%r1445, %r973, 4;
-	and.b32  	%r1446, %r1445, 983055;
-	or.b32  	%r1062, %r1446, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1061, %r1062, %r1371, %r1352;
-	// end inline asm
-	shr.u32 	%r1447, %r977, 4;
-	and.b32  	%r1448, %r1447, 983055;
-	or.b32  	%r1066, %r1448, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1065, %r1066, %r1371, %r1356;
-	// end inline asm
-	shr.u32 	%r1449, %r981, 4;
-	and.b32  	%r1450, %r1449, 983055;
-	or.b32  	%r1070, %r1450, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1069, %r1070, %r1371, %r1368;
-	// end inline asm
-	shr.u32 	%r1451, %r985, 4;
-	and.b32  	%r1452, %r1451, 983055;
-	or.b32  	%r1074, %r1452, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1073, %r1074, %r1371, %r1372;
-	// end inline asm
-	shr.u32 	%r1453, %r989, 4;
-	and.b32  	%r1454, %r1453, 983055;
-	or.b32  	%r1078, %r1454, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1077, %r1078, %r1371, %r1368;
-	// end inline asm
-	shr.u32 	%r1455, %r993, 4;
-	and.b32  	%r1456, %r1455, 983055;
-	or.b32  	%r1082, %r1456, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1081, %r1082, %r1371, %r1372;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f123, %f124, %f125, %f126}, {%r1053, %r1057, %r1061, %r1065}, {%r1673, %r1672}, {%f123, %f124, %f125, %f126};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f131, %f132, %f133, %f134}, {%r1069, %r1073, %r1077, %r1081}, {%r1673, %r1672}, {%f131, %f132, %f133, %f134};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f139, %f140, %f141, %f142}, {%r1053, %r1057, %r1061, %r1065}, {%r1657, %r1656}, {%f139, %f140, %f141, %f142};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f147, %f148, %f149, %f150}, {%r1069, %r1073, %r1077, %r1081}, {%r1657, %r1656}, {%f147, %f148, %f149, %f150};
-	// end inline asm
-	mov.u32 	%r1140, 26146;
-	// begin inline asm
-	prmt.b32 %r1109, %r1746, %r1742, %r1140;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1113, %r1745, %r1741, %r1140;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1117, %r1738, %r1734, %r1140;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1121, %r1737, %r1733, %r1140;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1125, %r1744, %r1740, %r1140;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1129, %r1743, %r1739, %r1140;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1133, %r1736, %r1732, %r1140;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1137, %r1735, %r1731, %r1140;
-	// end inline asm
-	and.b32  	%r1457, %r1109, 983055;
-	or.b32  	%r1142, %r1457, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1141, %r1142, %r1371, %r1352;
-	// end inline asm
-	and.b32  	%r1458, %r1113, 983055;
-	or.b32  	%r1146, %r1458, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1145, %r1146, %r1371, %r1356;
-	// end inline asm
-	and.b32  	%r1459, %r1117, 983055;
-	or.b32  	%r1150, %r1459, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1149, %r1150, %r1371, %r1352;
-	// end inline asm
-	and.b32  	%r1460, %r1121, 983055;
-	or.b32  	%r1154, %r1460, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1153, %r1154, %r1371, %r1356;
-	// end inline asm
-	and.b32  	%r1461, %r1125, 983055;
-	or.b32  	%r1158, %r1461, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1157, %r1158, %r1371, %r1368;
-	// end inline asm
-	and.b32  	%r1462, %r1129, 983055;
-	or.b32  	%r1162, %r1462, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1161, %r1162, %r1371, %r1372;
-	// end inline asm
-	and.b32  	%r1463, %r1133, 983055;
-	or.b32  	%r1166, %r1463, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1165, %r1166, %r1371, %r1368;
-	// end inline asm
-	and.b32  	%r1464, %r1137, 983055;
-	or.b32  	%r1170, %r1464, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1169, %r1170, %r1371, %r1372;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f123, %f124, %f125, %f126}, {%r1141, %r1145, %r1149, %r1153}, {%r1671, %r1670}, {%f123, %f124, %f125, %f126};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f131, %f132, %f133, %f134}, {%r1157, %r1161, %r1165, %r1169}, {%r1671, %r1670}, {%f131, %f132, %f133, %f134};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f139, %f140, %f141, %f142}, {%r1141, %r1145, %r1149, %r1153}, {%r1655, %r1654}, {%f139, %f140, %f141, %f142};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f147, %f148, %f149, %f150}, {%r1157, %r1161, %r1165, %r1169}, {%r1655, %r1654}, {%f147, %f148, %f149, %f150};
-	// end inline asm
-	shr.u32 	%r1465, %r1109, 4;
-	and.b32  	%r1466, %r1465, 983055;
-	or.b32  	%r1198, %r1466, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1197, %r1198, %r1371, %r1352;
-	// end inline asm
-	shr.u32 	%r1467, %r1113, 4;
-	and.b32  	%r1468, %r1467, 983055;
-	or.b32  	%r1202, %r1468, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1201, %r1202, %r1371, %r1356;
-	// end inline asm
-	shr.u32 	%r1469, %r1117, 4;
-	and.b32  	%r1470, %r1469, 983055;
-	or.b32  	%r1206, %r1470, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1205, %r1206, %r1371, %r1352;
-	// end inline asm
-	shr.u32 	%r1471, %r1121, 4;
-	and.b32  	%r1472, %r1471, 983055;
-	or.b32  	%r1210, %r1472, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1209, %r1210, %r1371, %r1356;
-	// end inline asm
-	shr.u32 	%r1473, %r1125, 4;
-	and.b32  	%r1474, %r1473, 983055;
-	or.b32  	%r1214, %r1474, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1213, %r1214, %r1371, %r1368;
-	// end inline asm
-	shr.u32 	%r1475, %r1129, 4;
-	and.b32  	%r1476, %r1475, 983055;
-	or.b32  	%r1218, %r1476, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1217, %r1218, %r1371, %r1372;
-	// end inline asm
-	shr.u32 	%r1477, %r1133, 4;
-	and.b32  	%r1478, %r1477, 983055;
-	or.b32  	%r1222, %r1478, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1221, %r1222, %r1371, %r1368;
-	// end inline asm
-	shr.u32 	%r1479, %r1137, 4;
-	and.b32  	%r1480, %r1479, 983055;
-	or.b32  	%r1226, %r1480, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1225, %r1226, %r1371, %r1372;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f123, %f124, %f125, %f126}, {%r1197, %r1201, %r1205, %r1209}, {%r1669, %r1668}, {%f123, %f124, %f125, %f126};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f131, %f132, %f133, %f134}, {%r1213, %r1217, %r1221, %r1225}, {%r1669, %r1668}, {%f131, %f132, %f133, %f134};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f139, %f140, %f141, %f142}, {%r1197, %r1201, %r1205, %r1209}, {%r1653, %r1652}, {%f139, %f140, %f141, %f142};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f147, %f148, %f149, %f150}, {%r1213, %r1217, %r1221, %r1225}, {%r1653, %r1652}, {%f147, %f148, %f149, %f150};
-	// end inline asm
-	mov.u32 	%r1284, 30515;
-	// begin inline asm
-	prmt.b32 %r1253, %r1746, %r1742, %r1284;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1257, %r1745, %r1741, %r1284;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1261, %r1738, %r1734, %r1284;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1265, %r1737, %r1733, %r1284;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1269, %r1744, %r1740, %r1284;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1273, %r1743, %r1739, %r1284;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1277, %r1736, %r1732, %r1284;
-	// end inline asm
-	// begin inline asm
-	prmt.b32 %r1281, %r1735, %r1731, %r1284;
-	// end inline asm
-	and.b32  	%r1481, %r1253, 983055;
-	or.b32  	%r1286, %r1481, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1285, %r1286, %r1371, %r1352;
-	// end inline asm
-	and.b32  	%r1482, %r1257, 983055;
-	or.b32  	%r1290, %r1482, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1289, %r1290, %r1371, %r1356;
-	// end inline asm
-	and.b32  	%r1483, %r1261, 983055;
-	or.b32  	%r1294, %r1483, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1293, %r1294, %r1371, %r1352;
-	// end inline asm
-	and.b32  	%r1484, %r1265, 983055;
-	or.b32  	%r1298, %r1484, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1297, %r1298, %r1371, %r1356;
-	// end inline asm
-	and.b32  	%r1485, %r1269, 983055;
-	or.b32  	%r1302, %r1485, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1301, %r1302, %r1371, %r1368;
-	// end inline asm
-	and.b32  	%r1486, %r1273, 983055;
-	or.b32  	%r1306, %r1486, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1305, %r1306, %r1371, %r1372;
-	// end inline asm
-	and.b32  	%r1487, %r1277, 983055;
-	or.b32  	%r1310, %r1487, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1309, %r1310, %r1371, %r1368;
-	// end inline asm
-	and.b32  	%r1488, %r1281, 983055;
-	or.b32  	%r1314, %r1488, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1313, %r1314, %r1371, %r1372;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f123, %f124, %f125, %f126}, {%r1285, %r1289, %r1293, %r1297}, {%r1667, %r1666}, {%f123, %f124, %f125, %f126};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f131, %f132, %f133, %f134}, {%r1301, %r1305, %r1309, %r1313}, {%r1667, %r1666}, {%f131, %f132, %f133, %f134};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f139, %f140, %f141, %f142}, {%r1285, %r1289, %r1293, %r1297}, {%r1651, %r1650}, {%f139, %f140, %f141, %f142};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f147, %f148, %f149, %f150}, {%r1301, %r1305, %r1309, %r1313}, {%r1651, %r1650}, {%f147, %f148, %f149, %f150};
-	// end inline asm
-	shr.u32 	%r1489, %r1253, 4;
-	and.b32  	%r1490, %r1489, 983055;
-	or.b32  	%r1342, %r1490, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1341, %r1342, %r1371, %r1352;
-	// end inline asm
-	shr.u32 	%r1491, %r1257, 4;
-	and.b32  	%r1492, %r1491, 983055;
-	or.b32  	%r1346, %r1492, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1345, %r1346, %r1371, %r1356;
-	// end inline asm
-	shr.u32 	%r1493, %r1261, 4;
-	and.b32  	%r1494, %r1493, 983055;
-	or.b32  	%r1350, %r1494, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1349, %r1350, %r1371, %r1352;
-	// end inline asm
-	shr.u32 	%r1495, %r1265, 4;
-	and.b32  	%r1496, %r1495, 983055;
-	or.b32  	%r1354, %r1496, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1353, %r1354, %r1371, %r1356;
-	// end inline asm
-	shr.u32 	%r1497, %r1269, 4;
-	and.b32  	%r1498, %r1497, 983055;
-	or.b32  	%r1358, %r1498, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1357, %r1358, %r1371, %r1368;
-	// end inline asm
-	shr.u32 	%r1499, %r1273, 4;
-	and.b32  	%r1500, %r1499, 983055;
-	or.b32  	%r1362, %r1500, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1361, %r1362, %r1371, %r1372;
-	// end inline asm
-	shr.u32 	%r1501, %r1277, 4;
-	and.b32  	%r1502, %r1501, 983055;
-	or.b32  	%r1366, %r1502, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1365, %r1366, %r1371, %r1368;
-	// end inline asm
-	shr.u32 	%r1503, %r1281, 4;
-	and.b32  	%r1504, %r1503, 983055;
-	or.b32  	%r1370, %r1504, 1677747200;
-	// begin inline asm
-	fma.rn.f16x2 %r1369, %r1370, %r1371, %r1372;
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f123, %f124, %f125, %f126}, {%r1341, %r1345, %r1349, %r1353}, {%r1665, %r1664}, {%f123, %f124, %f125, %f126};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f131, %f132, %f133, %f134}, {%r1357, %r1361, %r1365, %r1369}, {%r1665, %r1664}, {%f131, %f132, %f133, %f134};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f139, %f140, %f141, %f142}, {%r1341, %r1345, %r1349, %r1353}, {%r1649, %r1648}, {%f139, %f140, %f141, %f142};
-	// end inline asm
-	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f147, %f148, %f149, %f150}, {%r1357, %r1361, %r1365, %r1369}, {%r1649, %r1648}, {%f147, %f148, %f149, %f150};
-	// end inline asm
-	fma.rn.f32 	%f379, %f87, %f123, %f379;
-	fma.rn.f32 	%f378, %f87, %f124, %f378;
-	fma.rn.f32 	%f377, %f88, %f125, %f377;
-	fma.rn.f32 	%f376, %f88, %f126, %f376;
-	fma.rn.f32 	%f375, %f89, %f131, %f375;
-	fma.rn.f32 	%f374, %f89, %f132, %f374;
-	fma.rn.f32 	%f373, %f90, %f133, %f373;
-	fma.rn.f32 	%f372, %f90, %f134, %f372;
-	fma.rn.f32 	%f380, %f87, %f139, %f380;
-	fma.rn.f32 	%f381, %f87, %f140, %f381;
-	fma.rn.f32 	%f382, %f88, %f141, %f382;
-	fma.rn.f32 	%f383, %f88, %f142, %f383;
-	fma.rn.f32 	%f384, %f89, %f147, %f384;
-	fma.rn.f32 	%f385, %f89, %f148, %f385;
-	fma.rn.f32 	%f386, %f90, %f149, %f386;
-	fma.rn.f32 	%f387, %f90, %f150, %f387;
-	setp.lt.s32 	%p36, %r1798, %r10;
-	selp.b32 	%r1696, %r1831, %r1696, %p36;
-	selp.b32 	%r1697, %r1832, %r1697, %p36;
-	selp.b32 	%r1698, %r1833, %r1698, %p36;
-	selp.b32 	%r1648, %r1834, %r1648, %p36;
-	selp.b32 	%r1649, %r1835, %r1649, %p36;
-	selp.b32 	%r1650, %r1836, %r1650, %p36;
-	selp.b32 	%r1651, %r1837, %r1651, %p36;
-	selp.b32 	%r1652, %r1838, %r1652, %p36;
-	selp.b32 	%r1653, %r1839, %r1653, %p36;
-	selp.b32 	%r1654, %r1840, %r1654, %p36;
-	selp.b32 	%r1655, %r1841, %r1655, %p36;
-	selp.b32 	%r1656, %r1842, %r1656, %p36;
-	selp.b32 	%r1657, %r1843, %r1657, %p36;
-	selp.b32 	%r1658, %r1844, %r1658, %p36;
-	selp.b32 	%r1659, %r1845, %r1659, %p36;
-	selp.b32 	%r1660, %r1846, %r1660, %p36;
-	selp.b32 	%r1661, %r1847, %r1661, %p36;
-	selp.b32 	%r1662, %r1848, %r1662, %p36;
-	selp.b32 	%r1663, %r1849, %r1663, %p36;
-	selp.b32 	%r1664, %r1850, %r1664, %p36;
-	selp.b32 	%r1665, %r1851, %r1665, %p36;
-	selp.b32 	%r1666, %r1852, %r1666, %p36;
-	selp.b32 	%r1667, %r1853, %r1667, %p36;
-	selp.b32 	%r1668, %r1854, %r1668, %p36;
-	selp.b32 	%r1669, %r1855, %r1669, %p36;
-	selp.b32 	%r1670, %r1856, %r1670, %p36;
-	selp.b32 	%r1671, %r1857, %r1671, %p36;
-	selp.b32 	%r1672, %r1858, %r1672, %p36;
-	selp.b32 	%r1673, %r1859, %r1673, %p36;
-	selp.b32 	%r1674, %r1860, %r1674, %p36;
-	selp.b32 	%r1675, %r1861, %r1675, %p36;
-	selp.b32 	%r1676, %r1862, %r1676, %p36;
-	selp.b32 	%r1677, %r1863, %r1677, %p36;
-	selp.b32 	%r1678, %r1864, %r1678, %p36;
-	selp.b32 	%r1679, %r1865, %r1679, %p36;
-	selp.b32 	%r1731, %r1866, %r1731, %p36;
-	selp.b32 	%r1732, %r1867, %r1732, %p36;
-	selp.b32 	%r1733, %r1868, %r1733, %p36;
-	selp.b32 	%r1734, %r1869, %r1734, %p36;
-	selp.b32 	%r1735, %r1870, %r1735, %p36;
-	selp.b32 	%r1736, %r1871, %r1736, %p36;
-	selp.b32 	%r1737, %r1872, %r1737, %p36;
-	selp.b32 	%r1738, %r1873, %r1738, %p36;
-	selp.b32 	%r1739, %r1874, %r1739, %p36;
-	selp.b32 	%r1740, %r1875, %r1740, %p36;
-	selp.b32 	%r1741, %r1876, %r1741, %p36;
-	selp.b32 	%r1742, %r1877, %r1742, %p36;
-	selp.b32 	%r1743, %r1878, %r1743, %p36;
-	selp.b32 	%r1744, %r1879, %r1744, %p36;
-	selp.b32 	%r1745, %r1880, %r1745, %p36;
-	selp.b32 	%r1746, %r1881, %r1746, %p36;
-	@%p36 bra 	$L__BB3_36;
-
-$L__BB3_71:
-	mov.u32 	%r1603, %tid.x;
-	and.b32  	%r1602, %r1603, 31;
-	shr.u32 	%r1601, %r1603, 5;
-	bfi.b32 	%r1508, %r1601, %r1602, 9, 23;
-	shl.b32 	%r1509, %r1508, 2;
-	mov.u32 	%r1510, _ZN9lmd_w4a164sumsE;
-	add.s32 	%r1511, %r1510, %r1509;
-	st.shared.f32 	[%r1511], %f379;
-	st.shared.f32 	[%r1511+128], %f378;
-	st.shared.f32 	[%r1511+256], %f377;
-	st.shared.f32 	[%r1511+384], %f376;
-	st.shared.f32 	[%r1511+512], %f375;
-	st.shared.f32 	[%r1511+640], %f374;
-	st.shared.f32 	[%r1511+768], %f373;
-	st.shared.f32 	[%r1511+896], %f372;
-	st.shared.f32 	[%r1511+1024], %f380;
-	st.shared.f32 	[%r1511+1152], %f381;
-	st.shared.f32 	[%r1511+1280], %f382;
-	st.shared.f32 	[%r1511+1408], %f383;
-	st.shared.f32 	[%r1511+1536], %f384;
-	st.shared.f32 	[%r1511+1664], %f385;
-	st.shared.f32 	[%r1511+1792], %f386;
-	st.shared.f32 	[%r1511+1920], %f387;
-	bar.sync 	0;
-	shl.b32 	%r531, %r572, 9;
-	setp.ge.s32 	%p37, %r1603, %r531;
-	@%p37 bra 	$L__BB3_87;
-
-	ld.param.u64 	%rd185, [lmd_w4a16_rows_f16_m16_param_0+32];
-	mul.lo.s32 	%r532, %r6, %r572;
-	cvt.s64.s32 	%rd45, %r569;
-	setp.eq.s64 	%p38, %rd185, 0;
-	@%p38 bra 	$L__BB3_80;
-
-	ld.param.u64 	%rd186, [lmd_w4a16_rows_f16_m16_param_0+32];
-	mov.u32 	%r1604, %ctaid.x;
-	mov.u32 	%r1882, %tid.x;
-	mul.lo.s32 	%r535, %r572, %r1604;
-	cvta.to.global.u64 	%rd46, %rd186;
-
-$L__BB3_74:
-	shr.s32 	%r1513, %r1882, 31;
-	shr.u32 	%r1514, %r1513, 27;
-	add.s32 	%r1515, %r1882, %r1514;
-	shr.s32 	%r1516, %r1515, 5;
-	shr.s32 	%r1517, %r1515, 31;
-	shr.u32 	%r1518, %r1517, 28;
-	add.s32 	%r1519, %r1516, %r1518;
-	and.b32  	%r1520, %r1519, -16;
-	sub.s32 	%r537, %r1516, %r1520;
-	and.b32  	%r1521, %r1515, -32;
-	sub.s32 	%r538, %r1882, %r1521;
-	shr.u32 	%r1522, %r1513, 23;
-	add.s32 	%r1523, %r1882, %r1522;
-	shr.s32 	%r539, %r1523, 9;
-	setp.ge.s32 	%p39, %r539, %r532;
-	mov.f32 	%f389, 0f00000000;
-	@%p39 bra 	$L__BB3_77;
-
-	mov.f32 	%f389, 0f00000000;
-	mov.u32 	%r1883, %r539;
-
-$L__BB3_76:
-	shl.b32 	%r1524, %r1883, 4;
-	add.s32 	%r1525, %r1524, %r537;
-	shl.b32 	%r1526, %r1525, 5;
-	add.s32 	%r1527, %r1526, %r538;
-	shl.b32 	%r1528, %r1527, 2;
-	add.s32 	%r1530, %r1510, %r1528;
-	ld.shared.f32 	%f349, [%r1530];
-	add.f32 	%f389, %f389, %f349;
-	add.s32 	%r1883, %r1883, %r572;
-	setp.lt.s32 	%p40, %r1883, %r532;
-	@%p40 bra 	$L__BB3_76;
-
-$L__BB3_77:
-	shr.s32 	%r1531, %r537, 31;
-	shr.u32 	%r1532, %r1531, 30;
-	add.s32 	%r1533, %r537, %r1532;
-	shr.u32 	%r1534, %r1533, 31;
-	shr.s32 	%r1535, %r1533, 2;
-	add.s32 	%r1536, %r1535, %r1534;
-	and.b32  	%r1537, %r1536, 2147483646;
-	sub.s32 	%r1538, %r1535, %r1537;
-	shr.u32 	%r1539, %r1531, 29;
-	add.s32 	%r1540, %r537, %r1539;
-	and.b32  	%r1541, %r1540, -8;
-	shl.b32 	%r1542, %r538, 1;
-	and.b32  	%r1543, %r1542, 6;
-	or.b32  	%r1544, %r1541, %r1543;
-	and.b32  	%r1545, %r1533, -4;
-	sub.s32 	%r1546, %r537, %r1545;
-	and.b32  	%r1547, %r1546, 1;
-	or.b32  	%r542, %r1544, %r1547;
-	add.s32 	%r1548, %r539, %r535;
-	shl.b32 	%r1549, %r1548, 5;
-	and.b32  	%r1550, %r538, -4;
-	add.s32 	%r1551, %r1549, %r1550;
-	shl.b32 	%r1552, %r1538, 1;
-	shr.u32 	%r1553, %r1546, 31;
-	add.s32 	%r1554, %r1546, %r1553;
-	shr.s32 	%r1555, %r1554, 1;
-	add.s32 	%r1556, %r1551, %r1555;
-	add.s32 	%r543, %r1556, %r1552;
-	setp.ge.s32 	%p41, %r542, %r568;
-	@%p41 bra 	$L__BB3_79;
-
-	cvt.s64.s32 	%rd168, %r543;
-	mul.wide.s32 	%rd169, %r543, 2;
-	add.s64 	%rd170, %rd46, %rd169;
-	ld.global.u16 	%rs5, [%rd170];
-	// begin inline asm
-	cvt.f32.f16 %f350, %rs5;
-	// end inline asm
-	add.f32 	%f351, %f389, %f350;
-	// begin inline asm
-	cvt.rn.f16.f32 %rs6, %f351;
-	// end inline asm
-	cvt.s64.s32 	%rd171, %r542;
-	mul.lo.s64 	%rd172, %rd171, %rd45;
-	add.s64 	%rd173, %rd172, %rd168;
-	shl.b64 	%rd174, %rd173, 1;
-	add.s64 	%rd175, %rd5, %rd174;
-	st.global.u16 	[%rd175], %rs6;
-
-$L__BB3_79:
-	add.s32 	%r1882, %r1882, %r576;
-	setp.lt.s32 	%p42, %r1882, %r531;
-	@%p42 bra 	$L__BB3_74;
-	bra.uni 	$L__BB3_87;
-
-$L__BB3_80:
-	mov.u32 	%r1606, %ctaid.x;
-	mov.u32 	%r1884, %tid.x;
-	shl.b32 	%r545, %r572, 11;
-	mul.lo.s32 	%r548, %r572, %r1606;
-
-$L__BB3_81:
-	shr.s32 	%r1558, %r1884, 31;
-	shr.u32 	%r1559, %r1558, 27;
-	add.s32 	%r1560, %r1884, %r1559;
-	shr.s32 	%r1561, %r1560, 5;
-	shr.s32 	%r1562, %r1560, 31;
-	shr.u32 	%r1563, %r1562, 28;
-	add.s32 	%r1564, %r1561, %r1563;
-	and.b32  	%r1565, %r1564, -16;
-	sub.s32 	%r550, %r1561, %r1565;
-	and.b32  	%r1566, %r1560, -32;
-	sub.s32 	%r551, %r1884, %r1566;
-	shr.u32 	%r1567, %r1558, 23;
-	add.s32 	%r1568, %r1884, %r1567;
-	shr.s32 	%r552, %r1568, 9;
-	setp.ge.s32 	%p43, %r552, %r532;
-	mov.f32 	%f391, 0f00000000;
-	@%p43 bra 	$L__BB3_84;
-
-	shl.b32 	%r1569, %r550, 5;
-	add.s32 	%r1570, %r551, %r1569;
-	shl.b32 	%r1571, %r552, 9;
-	add.s32 	%r1572, %r1570, %r1571;
-	shl.b32 	%r1573, %r1572, 2;
-	add.s32 	%r1885, %r1510, %r1573;
-	mov.f32 	%f391, 0f00000000;
-	mov.u32 	%r1886, %r552;
-
-$L__BB3_83:
-	ld.shared.f32 	%f354, [%r1885];
-	add.f32 	%f391, %f391, %f354;
-	add.s32 	%r1885, %r1885, %r545;
-	add.s32 	%r1886, %r1886, %r572;
-	setp.lt.s32 	%p44, %r1886, %r532;
-	@%p44 bra 	$L__BB3_83;
-
-$L__BB3_84:
-	shr.s32 	%r1575, %r550, 31;
-	shr.u32 	%r1576, %r1575, 30;
-	add.s32 	%r1577, %r550, %r1576;
-	shr.u32 	%r1578, %r1577, 31;
-	shr.s32 	%r1579, %r1577, 2;
-	add.s32 	%r1580, %r1579, %r1578;
-	and.b32  	%r1581, %r1580, 2147483646;
-	sub.s32 	%r1582, %r1579, %r1581;
-	shr.u32 	%r1583, %r1575, 29;
-	add.s32 	%r1584, %r550, %r1583;
-	and.b32  	%r1585, %r1584, -8;
-	shl.b32 	%r1586, %r551, 1;
-	and.b32  	%r1587, %r1586, 6;
-	or.b32  	%r1588, %r1585, %r1587;
-	and.b32  	%r1589, %r1577, -4;
-	sub.s32 	%r1590, %r550, %r1589;
-	and.b32  	%r1591, %r1590, 1;
-	or.b32  	%r558, %r1588, %r1591;
-	add.s32 	%r1592, %r552, %r548;
-	shl.b32 	%r1593, %r1592, 5;
-	and.b32  	%r1594, %r551, -4;
-	add.s32 	%r1595, %r1593, %r1594;
-	shl.b32 	%r1596, %r1582, 1;
-	shr.u32 	%r1597, %r1590, 31;
-	add.s32 	%r1598, %r1590, %r1597;
-	shr.s32 	%r1599, %r1598, 1;
-	add.s32 	%r1600, %r1595, %r1599;
-	add.s32 	%r559, %r1600, %r1596;
-	setp.ge.s32 	%p45, %r558, %r568;
-	@%p45 bra 	$L__BB3_86;
-
-	cvt.s64.s32 	%rd176, %r559;
-	// begin inline asm
-	cvt.rn.f16.f32 %rs7, %f391;
-	// end inline asm
-	cvt.s64.s32 	%rd177, %r558;
-	mul.lo.s64 	%rd178, %rd177, %rd45;
-	add.s64 	%rd179, %rd178, %rd176;
-	shl.b64 	%rd180, %rd179, 1;
-	add.s64 	%rd181, %rd5, %rd180;
-	st.global.u16 	[%rd181], %rs7;
-
-$L__BB3_86:
-	add.s32 	%r1884, %r1884, %r576;
-	setp.lt.s32 	%p46, %r1884, %r531;
-	@%p46 bra 	$L__BB3_81;
-
-$L__BB3_87:
+$L__BB3_32:
 	ret;
 
 }

@@ -17,7 +17,6 @@ times. Settings: the SWITCHES below (default: the native kernel and the Triton t
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import statistics
 from collections.abc import Callable
@@ -61,7 +60,7 @@ def copies_of(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def warps_sweep() -> None:
-    """The native kernel at M = 1 with each count of K splits and column spans a CTA."""
+    """The native kernel at M = 1 with each count of warps a CTA."""
     setting("native rows")
     for n, k in SHAPES:
         packed = copies_of(n, k)
@@ -69,15 +68,11 @@ def warps_sweep() -> None:
         y = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         chosen = w4a16_rows.default_warps(1, n, k, sms)
-        for warps, spans in itertools.product((2, 4, 8, 16), (1, 2, 4)):
-            if warps * spans > 16:
-                continue
+        for warps in (2, 4, 8, 16):
             calls: list[Callable[[], object]] = [
-                partial(w4a16_rows.native_rows, x, *p, 128, None, y, warps=warps, spans=spans)
-                for p in packed
+                partial(w4a16_rows.native_rows, x, *p, 128, None, y, warps=warps) for p in packed
             ]
-            print(json.dumps({"n": n, "k": k, "warps": warps, "spans": spans,
-                              "default": warps == chosen and spans == 1,
+            print(json.dumps({"n": n, "k": k, "warps": warps, "default": warps == chosen,
                               "us": round(time_us(calls), 2)}), flush=True)  # fmt: skip
 
 

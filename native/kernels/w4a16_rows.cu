@@ -25,10 +25,16 @@
 // block's (a group's) products in float32; the sum is scaled in float32. Exact products, so
 // this agrees with the float32 product of the dequantized weights to float32 rounding.
 //
-// A CTA is SPANS x SPLITS warps: SPANS spans of 32 columns side by side, each span's
-// SPLITS warps taking every SPLITS-th block of K, loading the next block (words, x,
-// scales, zeros) while they multiply the current one; a span's warps' sums meet in
-// shared memory and are added in warp order (deterministic). Grid: N / (32 SPANS) CTAs. Nothing is synchronized with the host: decode steps capture it in
+// A CTA is 32 columns by all of K, its WARPS warps taking every WARPS-th block of K,
+// loading the next block (words, x, scales, zeros) into registers while they multiply
+// the current one (two sets of registers in turn: a copy between them was 35 SELs a
+// block); the warps' sums meet in shared memory and are added in warp order
+// (deterministic). Grid: N / 32 CTAs. The kernel is bound by its integer instructions
+// (half-rate on the multiprocessor), not by bytes in flight: a ring of 2-6 blocks through
+// cp.async and shared memory was 30-40% slower, an L2 prefetch no faster. Hence the
+// lop3 with both constants in registers (one instruction an operand, not two) and x's
+// rows past M loaded from row M - 1 (their products land in columns never stored), not
+// selected to zero. Nothing is synchronized with the host: decode steps capture it in
 // their CUDA graphs.
 //
 // Not compiled by setup.py: the PTX is embedded in native/w4a16_rows_ptx.cpp and JIT-
@@ -44,8 +50,7 @@ struct W4a16Rows {
   const uint16_t* bias;  // [n] or null
   uint16_t* y;           // [m, n]
   int m, n, k, x_stride;
-  int spans;  // 32-column spans a CTA: its warps are spans x (warps / spans) splits of K
-  int unused;
+  int unused[2];
 };
 
 namespace lmd_w4a16 {  // named: an anonymous one mangles in a hash of the path
@@ -76,6 +81,13 @@ __device__ __forceinline__ uint32_t load4(const void* p) {
   uint32_t v;
   asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
+}
+
+// (v & mask) | bits in one lop3: with both constants as immediates it takes two.
+__device__ __forceinline__ uint32_t and_or(uint32_t v, uint32_t mask, uint32_t bits) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(v), "r"(mask), "r"(bits));
+  return d;
 }
 
 __device__ __forceinline__ uint32_t lane_of(const uint4& v, int c) {
@@ -147,10 +159,10 @@ __device__ __forceinline__ void load_block(Block<kTiles>& b, const W4a16Rows& a,
   for (int i = 0; i < 4; ++i) b.w[i] = load16(q + static_cast<size_t>(i) * a.n);
 #pragma unroll
   for (int nt = 0; nt < kTiles; ++nt) {
-    const int row = 8 * nt + g;
+    const int row = min(8 * nt + g, a.m - 1);  // past M: a real row, its outputs unstored
     const uint16_t* x = a.x + static_cast<size_t>(row) * a.x_stride + 128 * kb + 4 * t;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) b.x[nt][j] = row < a.m ? load8(x + 16 * j) : make_uint2(0, 0);
+    for (int j = 0; j < 8; ++j) b.x[nt][j] = load8(x + 16 * j);
   }
   const size_t at = static_cast<size_t>(kb) * a.n + col;
   b.s = load8(a.s + at);
@@ -160,9 +172,8 @@ __device__ __forceinline__ void load_block(Block<kTiles>& b, const W4a16Rows& a,
 // acc[nt][h][d]: tile h's (columns 4g + 2h, 4g + 2h + 1) mma output d for x rows of tile
 // nt: d 0, 1 column 4g + 2h at rows 8 nt + 2t, +1; d 2, 3 column 4g + 2h + 1.
 template <bool kBf16, int kTiles>
-__device__ __forceinline__ void multiply_block(const Block<kTiles>& b,
-                                               float (&acc)[kTiles][2][4]) {
-  constexpr uint32_t kMagic = kBf16 ? 0x43004300u : 0x64006400u;
+__device__ __forceinline__ void multiply_block(const Block<kTiles>& b, uint32_t mask,
+                                               uint32_t magic, float (&acc)[kTiles][2][4]) {
   constexpr uint32_t kNegMagic = kBf16 ? 0xC300u : 0xE400u;  // -(magic), one half
   uint32_t neg[4];
   float scale[4];
@@ -195,7 +206,7 @@ __device__ __forceinline__ void multiply_block(const Block<kTiles>& b,
       for (int h = 0; h < 2; ++h) {
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-          const uint32_t v = ((odd ? pairs[h][r] >> 4 : pairs[h][r]) & 0x000F000Fu) | kMagic;
+          const uint32_t v = and_or(odd ? pairs[h][r] >> 4 : pairs[h][r], mask, magic);
           a[h][r] = minus<kBf16>(v, neg[2 * h + (r & 1)]);
         }
       }
@@ -221,24 +232,27 @@ __device__ __forceinline__ void w4a16_rows(const W4a16Rows& a) {
   extern __shared__ float sums[];  // [warps][kTiles * 8][32]
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const int splits = (blockDim.x >> 5) / a.spans;
-  const int span = warp % a.spans;
-  const int split = warp / a.spans;
+  const int warps = blockDim.x >> 5;
   const int g = lane >> 2;
   const int t = lane & 3;
-  const int first = (blockIdx.x * a.spans + span) * kColumns;  // the warp's 32 columns
-  const int col = first + 4 * g;
+  const int col = blockIdx.x * kColumns + 4 * g;
   const int blocks = a.k / 128;
+  // In registers, not immediates (see and_or); the loop keeps them.
+  uint32_t mask = 0x000F000Fu;
+  uint32_t magic = kBf16 ? 0x43004300u : 0x64006400u;
+  asm("" : "+r"(mask), "+r"(magic));
 
+  // Two blocks in turn, each loaded while the other is multiplied (no copy between them).
   float acc[kTiles][2][4] = {};
-  Block<kTiles> cur;
-  Block<kTiles> next;
-  if (split < blocks) load_block(cur, a, split, col, g, t);
-  for (int kb = split; kb < blocks; kb += splits) {
-    const bool more = kb + splits < blocks;
-    if (more) load_block(next, a, kb + splits, col, g, t);
-    multiply_block<kBf16>(cur, acc);
-    if (more) cur = next;
+  Block<kTiles> even;
+  Block<kTiles> odd;
+  if (warp < blocks) load_block(even, a, warp, col, g, t);
+  for (int kb = warp; kb < blocks; kb += 2 * warps) {
+    if (kb + warps < blocks) load_block(odd, a, kb + warps, col, g, t);
+    multiply_block<kBf16>(even, mask, magic, acc);
+    if (kb + warps >= blocks) break;
+    if (kb + 2 * warps < blocks) load_block(even, a, kb + 2 * warps, col, g, t);
+    multiply_block<kBf16>(odd, mask, magic, acc);
   }
 
   constexpr int kSums = kTiles * 8;
@@ -246,17 +260,16 @@ __device__ __forceinline__ void w4a16_rows(const W4a16Rows& a) {
 #pragma unroll
   for (int e = 0; e < kSums; ++e) sums[(warp * kSums + e) * 32 + lane] = flat[e];
   __syncthreads();
-  for (int i = threadIdx.x; i < a.spans * kSums * 32; i += blockDim.x) {
-    const int sp = i / (kSums * 32);
-    const int e = i / 32 % kSums;
+  for (int i = threadIdx.x; i < kSums * 32; i += blockDim.x) {
+    const int e = i / 32;
     const int l = i % 32;
     float v = 0.0f;
-    for (int w = sp; w < a.spans * splits; w += a.spans) v += sums[(w * kSums + e) * 32 + l];
+    for (int w = 0; w < warps; ++w) v += sums[(w * kSums + e) * 32 + l];
     const int nt = e / 8;
     const int h = (e / 4) % 2;
     const int d = e % 4;
     const int row = 8 * nt + 2 * (l & 3) + (d & 1);
-    const int n = (blockIdx.x * a.spans + sp) * kColumns + 4 * (l >> 2) + 2 * h + d / 2;
+    const int n = blockIdx.x * kColumns + 4 * (l >> 2) + 2 * h + d / 2;
     if (row >= a.m) continue;
     if (a.bias != nullptr) v += to_float<kBf16>(a.bias[n]);
     a.y[static_cast<size_t>(row) * a.n + n] = from_float<kBf16>(v);

@@ -18,7 +18,7 @@ interleaved back into K order, a shuffle through shared memory per tile: 4x slow
 
 On CUDA, 1 to 16 rows in bf16 or fp16 with groups of 128 go to lmd._native's CUDA kernel
 instead (kernels/w4a16_rows.py: mma.sync on this layout; the batch-1 decode step of an
-8B model 3.46 -> 2.60 ms on an H200, docs/benchmarks.md); the tiles below take the rest.
+8B model 3.45 -> 2.32 ms on an H200, docs/benchmarks.md); the tiles below take the rest.
 
 A program owns BLOCK_M rows of x and BLOCK_N output columns and walks its share of K,
 BLOCK_K (a multiple of 128) at a time. The codes become floats by their bits alone, on

@@ -77,11 +77,11 @@ def takes(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds them
 
 
 def default_warps(m: int, n: int, k: int, num_sms: int) -> int:
-    """Warps a CTA (one span), each warp taking every warps-th block of K: the most (a
-    power of two) that keep all N / 32 CTAs resident in one wave, but at least 4. Measured
-    at M = 1 on an H200 (scripts/w4a16_switches.py --warps, us; one wave fits up to):
-    qkv 8 warps 9.7, 16 11.7 (8); o 16 6.9, 8 6.8 (16); gate|up 4 27.8, 2 31.8, 8 28.5 (2);
-    down 16 14.4, 8 16.0 (16). Side-by-side spans of columns were no faster."""
+    """Warps a CTA, each taking every warps-th block of K: the most (a power of two) that
+    keep all N / 32 CTAs resident in one wave, but at least 4. Measured at M = 1 on an
+    H200 (scripts/w4a16_switches.py --warps, us; one wave fits up to): qkv 8 warps 8.4, 4
+    9.2, 16 9.1 (8); o 16 5.6, 8 6.2 (16); gate|up 4 23.4, 2 24.9, 8 24.6 (2); down 16
+    13.4, 8 15.2 (16). CTAs of 2-4 spans of 32 columns side by side were no faster."""
     budget = WARPS_PER_SM if m <= 8 else WARPS_PER_SM // 2
     fits = max(1, budget * num_sms // (n // COLUMNS))
     warps = max(4, 1 << (fits.bit_length() - 1))  # the power of two at or under, or 4
@@ -98,12 +98,10 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
     y: Tensor,
     *,
     warps: int | None = None,
-    spans: int = 1,
 ) -> bool:
     """y [M, N] = x W^T (+ b) through the native kernel when it takes the product and is
     loaded on x's device; False (y untouched) otherwise. Shapes as w4a16_matmul's;
-    `warps` (of K splits a span) and `spans` (of 32 columns a CTA, side by side) override
-    the defaults (scripts/w4a16_switches.py)."""
+    `warps` (a CTA) overrides default_warps (scripts/w4a16_switches.py)."""
     if not takes(x, qweight, scales, zeros, group_size, bias) or not ready(x.device):
         return False
     m, k = x.shape
@@ -124,8 +122,7 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
         k,
         x.stride(0),
         x.dtype == torch.bfloat16,
-        warps * spans,
-        spans,
+        warps,
         torch.cuda.current_stream(x.device).cuda_stream,
     )
     return True
