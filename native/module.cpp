@@ -156,7 +156,7 @@ PYBIND11_MODULE(_native, m) {
       [](int device, std::uintptr_t x, std::uintptr_t q, std::uintptr_t s, std::uintptr_t z,
          std::uintptr_t bias, std::uintptr_t y, int rows, int n, int k, int x_stride, bool bf16,
          int warps, std::uintptr_t stream) {
-        const lmd::W4a16RowsArgs args{x, q, s, z, bias, y, rows, n, k, x_stride, {0, 0}};
+        const lmd::W4a16RowsArgs args{x, q, s, z, bias, y, rows, n, k, x_stride};
         lmd::launch_w4a16_rows(device, args, bf16, warps, stream);
       },
       "y = x W^T (+ b) for 1-16 rows of x on the tensor cores (native/kernels/w4a16_rows.cu),\n"

@@ -16,9 +16,8 @@ extern const char kW4a16RowsPtx[];
 struct W4a16RowsArgs {
   std::uint64_t x, q, s, z, bias, y;  // addresses; bias 0 for none
   std::int32_t m, n, k, x_stride;
-  std::int32_t unused[2];  // padding, as in the kernel
 };
-static_assert(sizeof(W4a16RowsArgs) == 72, "must match W4a16Rows in w4a16_rows.cu");
+static_assert(sizeof(W4a16RowsArgs) == 64, "must match W4a16Rows in w4a16_rows.cu");
 
 constexpr int kW4a16RowsColumns = 32;  // output columns of a CTA
 

@@ -19,19 +19,19 @@ extern const char kW4a16RowsPtx[] = R"ptx(
 .extern .shared .align 16 .b8 _ZN9lmd_w4a164sumsE[];
 
 .visible .entry lmd_w4a16_rows_bf16_m8(
-	.param .align 8 .b8 lmd_w4a16_rows_bf16_m8_param_0[72]
+	.param .align 8 .b8 lmd_w4a16_rows_bf16_m8_param_0[64]
 )
 .maxntid 512, 1, 1
 {
 	.reg .pred 	%p<20>;
 	.reg .b16 	%rs<3>;
 	.reg .f32 	%f<365>;
-	.reg .b32 	%r<2266>;
+	.reg .b32 	%r<2262>;
 	.reg .b64 	%rd<113>;
 
 
-	ld.param.v2.u32 	{%r331, %r332}, [lmd_w4a16_rows_bf16_m8_param_0+48];
-	ld.param.v2.u32 	{%r333, %r334}, [lmd_w4a16_rows_bf16_m8_param_0+56];
+	ld.param.v2.u32 	{%r329, %r330}, [lmd_w4a16_rows_bf16_m8_param_0+48];
+	ld.param.v2.u32 	{%r331, %r332}, [lmd_w4a16_rows_bf16_m8_param_0+56];
 	ld.param.u64 	%rd14, [lmd_w4a16_rows_bf16_m8_param_0+40];
 	ld.param.u64 	%rd13, [lmd_w4a16_rows_bf16_m8_param_0+32];
 	ld.param.u64 	%rd12, [lmd_w4a16_rows_bf16_m8_param_0+24];
@@ -40,100 +40,100 @@ extern const char kW4a16RowsPtx[] = R"ptx(
 	ld.param.u64 	%rd9, [lmd_w4a16_rows_bf16_m8_param_0];
 	cvta.to.global.u64 	%rd5, %rd14;
 	mov.u32 	%r4, %tid.x;
-	and.b32  	%r337, %r4, 31;
-	shr.u32 	%r2190, %r4, 5;
-	shr.u32 	%r6, %r337, 2;
+	and.b32  	%r333, %r4, 31;
+	shr.u32 	%r2186, %r4, 5;
+	shr.u32 	%r6, %r333, 2;
 	and.b32  	%r7, %r4, 3;
-	shr.s32 	%r338, %r333, 31;
-	shr.u32 	%r339, %r338, 25;
-	add.s32 	%r340, %r333, %r339;
-	shr.s32 	%r8, %r340, 7;
-	mov.u32 	%r326, 983055;
-	mov.u32 	%r327, 1124090624;
+	shr.s32 	%r334, %r331, 31;
+	shr.u32 	%r335, %r334, 25;
+	add.s32 	%r336, %r331, %r335;
+	shr.s32 	%r8, %r336, 7;
+	mov.u32 	%r324, 983055;
+	mov.u32 	%r325, 1124090624;
 	// begin inline asm
 	// end inline asm
-	setp.ge.s32 	%p1, %r2190, %r8;
+	setp.ge.s32 	%p1, %r2186, %r8;
 	@%p1 bra 	$L__BB0_2;
 
-	shl.b32 	%r376, %r2190, 4;
-	shl.b32 	%r377, %r7, 2;
-	or.b32  	%r378, %r376, %r377;
-	cvt.s64.s32 	%rd29, %r332;
-	mul.wide.s32 	%rd30, %r378, %r332;
-	and.b32  	%r379, %r4, 28;
-	mov.u32 	%r380, %ctaid.x;
-	shl.b32 	%r381, %r380, 5;
-	or.b32  	%r382, %r381, %r379;
-	cvt.s64.s32 	%rd31, %r382;
+	shl.b32 	%r372, %r2186, 4;
+	shl.b32 	%r373, %r7, 2;
+	or.b32  	%r374, %r372, %r373;
+	cvt.s64.s32 	%rd29, %r330;
+	mul.wide.s32 	%rd30, %r374, %r330;
+	and.b32  	%r375, %r4, 28;
+	mov.u32 	%r376, %ctaid.x;
+	shl.b32 	%r377, %r376, 5;
+	or.b32  	%r378, %r377, %r375;
+	cvt.s64.s32 	%rd31, %r378;
 	add.s64 	%rd32, %rd30, %rd31;
 	shl.b64 	%rd33, %rd32, 2;
 	add.s64 	%rd15, %rd10, %rd33;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2154, %r2153, %r2152, %r2151}, [%rd15];
+	ld.global.nc.v4.u32 {%r2150, %r2149, %r2148, %r2147}, [%rd15];
 	// end inline asm
-	mul.wide.s32 	%rd34, %r332, 4;
+	mul.wide.s32 	%rd34, %r330, 4;
 	add.s64 	%rd16, %rd15, %rd34;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2150, %r2149, %r2148, %r2147}, [%rd16];
+	ld.global.nc.v4.u32 {%r2146, %r2145, %r2144, %r2143}, [%rd16];
 	// end inline asm
 	add.s64 	%rd17, %rd16, %rd34;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2146, %r2145, %r2144, %r2143}, [%rd17];
+	ld.global.nc.v4.u32 {%r2142, %r2141, %r2140, %r2139}, [%rd17];
 	// end inline asm
 	add.s64 	%rd18, %rd17, %rd34;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2142, %r2141, %r2140, %r2139}, [%rd18];
+	ld.global.nc.v4.u32 {%r2138, %r2137, %r2136, %r2135}, [%rd18];
 	// end inline asm
-	add.s32 	%r383, %r331, -1;
-	min.s32 	%r384, %r6, %r383;
-	mul.wide.s32 	%rd35, %r384, %r334;
-	mad.lo.s32 	%r385, %r2190, 112, %r378;
-	cvt.s64.s32 	%rd36, %r385;
+	add.s32 	%r379, %r329, -1;
+	min.s32 	%r380, %r6, %r379;
+	mul.wide.s32 	%rd35, %r380, %r332;
+	mad.lo.s32 	%r381, %r2186, 112, %r374;
+	cvt.s64.s32 	%rd36, %r381;
 	add.s64 	%rd37, %rd35, %rd36;
 	shl.b64 	%rd38, %rd37, 1;
 	add.s64 	%rd19, %rd9, %rd38;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2138, %r2137}, [%rd19];
+	ld.global.nc.v2.u32 {%r2134, %r2133}, [%rd19];
 	// end inline asm
 	add.s64 	%rd20, %rd19, 32;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2136, %r2135}, [%rd20];
+	ld.global.nc.v2.u32 {%r2132, %r2131}, [%rd20];
 	// end inline asm
 	add.s64 	%rd21, %rd19, 64;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2134, %r2133}, [%rd21];
+	ld.global.nc.v2.u32 {%r2130, %r2129}, [%rd21];
 	// end inline asm
 	add.s64 	%rd22, %rd19, 96;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2132, %r2131}, [%rd22];
+	ld.global.nc.v2.u32 {%r2128, %r2127}, [%rd22];
 	// end inline asm
 	add.s64 	%rd23, %rd19, 128;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2130, %r2129}, [%rd23];
+	ld.global.nc.v2.u32 {%r2126, %r2125}, [%rd23];
 	// end inline asm
 	add.s64 	%rd24, %rd19, 160;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2128, %r2127}, [%rd24];
+	ld.global.nc.v2.u32 {%r2124, %r2123}, [%rd24];
 	// end inline asm
 	add.s64 	%rd25, %rd19, 192;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2126, %r2125}, [%rd25];
+	ld.global.nc.v2.u32 {%r2122, %r2121}, [%rd25];
 	// end inline asm
 	add.s64 	%rd26, %rd19, 224;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2124, %r2123}, [%rd26];
+	ld.global.nc.v2.u32 {%r2120, %r2119}, [%rd26];
 	// end inline asm
-	cvt.u64.u32 	%rd39, %r2190;
+	cvt.u64.u32 	%rd39, %r2186;
 	mul.lo.s64 	%rd40, %rd29, %rd39;
 	add.s64 	%rd41, %rd40, %rd31;
 	shl.b64 	%rd42, %rd41, 1;
 	add.s64 	%rd27, %rd11, %rd42;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2122, %r2121}, [%rd27];
+	ld.global.nc.v2.u32 {%r2118, %r2117}, [%rd27];
 	// end inline asm
 	add.s64 	%rd28, %rd12, %rd41;
 	// begin inline asm
-	ld.global.nc.u32 %r2120, [%rd28];
+	ld.global.nc.u32 %r2116, [%rd28];
 	// end inline asm
 
 $L__BB0_2:
@@ -147,187 +147,187 @@ $L__BB0_2:
 	mov.f32 	%f358, %f351;
 	@%p1 bra 	$L__BB0_10;
 
-	shl.b32 	%r387, %r7, 2;
-	add.s32 	%r388, %r331, -1;
-	min.s32 	%r389, %r6, %r388;
-	mul.wide.s32 	%rd43, %r389, %r334;
-	cvt.u64.u32 	%rd44, %r387;
+	shl.b32 	%r383, %r7, 2;
+	add.s32 	%r384, %r329, -1;
+	min.s32 	%r385, %r6, %r384;
+	mul.wide.s32 	%rd43, %r385, %r332;
+	cvt.u64.u32 	%rd44, %r383;
 	add.s64 	%rd6, %rd43, %rd44;
 	mov.f32 	%f351, 0f00000000;
-	mul.wide.s32 	%rd63, %r332, 4;
+	mul.wide.s32 	%rd63, %r330, 4;
 
 $L__BB0_4:
-	mov.u32 	%r390, %ntid.x;
-	shr.u32 	%r391, %r390, 5;
-	add.s32 	%r154, %r2190, %r391;
+	mov.u32 	%r386, %ntid.x;
+	shr.u32 	%r387, %r386, 5;
+	add.s32 	%r154, %r2186, %r387;
 	setp.ge.s32 	%p3, %r154, %r8;
 	@%p3 bra 	$L__BB0_6;
 
-	shl.b32 	%r427, %r154, 4;
-	mov.u32 	%r428, %tid.x;
-	shl.b32 	%r429, %r428, 2;
-	and.b32  	%r430, %r429, 12;
-	or.b32  	%r431, %r427, %r430;
-	mul.wide.s32 	%rd59, %r431, %r332;
-	mov.u32 	%r432, %ctaid.x;
-	shl.b32 	%r433, %r432, 5;
-	and.b32  	%r434, %r428, 28;
-	or.b32  	%r435, %r433, %r434;
-	cvt.s64.s32 	%rd60, %r435;
+	shl.b32 	%r423, %r154, 4;
+	mov.u32 	%r424, %tid.x;
+	shl.b32 	%r425, %r424, 2;
+	and.b32  	%r426, %r425, 12;
+	or.b32  	%r427, %r423, %r426;
+	mul.wide.s32 	%rd59, %r427, %r330;
+	mov.u32 	%r428, %ctaid.x;
+	shl.b32 	%r429, %r428, 5;
+	and.b32  	%r430, %r424, 28;
+	or.b32  	%r431, %r429, %r430;
+	cvt.s64.s32 	%rd60, %r431;
 	add.s64 	%rd61, %rd59, %rd60;
 	shl.b64 	%rd62, %rd61, 2;
 	add.s64 	%rd45, %rd10, %rd62;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2225, %r2224, %r2223, %r2222}, [%rd45];
+	ld.global.nc.v4.u32 {%r2221, %r2220, %r2219, %r2218}, [%rd45];
 	// end inline asm
 	add.s64 	%rd46, %rd45, %rd63;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2221, %r2220, %r2219, %r2218}, [%rd46];
+	ld.global.nc.v4.u32 {%r2217, %r2216, %r2215, %r2214}, [%rd46];
 	// end inline asm
 	add.s64 	%rd47, %rd46, %rd63;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2217, %r2216, %r2215, %r2214}, [%rd47];
+	ld.global.nc.v4.u32 {%r2213, %r2212, %r2211, %r2210}, [%rd47];
 	// end inline asm
 	add.s64 	%rd48, %rd47, %rd63;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2213, %r2212, %r2211, %r2210}, [%rd48];
+	ld.global.nc.v4.u32 {%r2209, %r2208, %r2207, %r2206}, [%rd48];
 	// end inline asm
-	shl.b32 	%r436, %r154, 7;
-	cvt.s64.s32 	%rd64, %r436;
+	shl.b32 	%r432, %r154, 7;
+	cvt.s64.s32 	%rd64, %r432;
 	add.s64 	%rd65, %rd6, %rd64;
 	shl.b64 	%rd66, %rd65, 1;
 	add.s64 	%rd49, %rd9, %rd66;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2209, %r2208}, [%rd49];
+	ld.global.nc.v2.u32 {%r2205, %r2204}, [%rd49];
 	// end inline asm
 	add.s64 	%rd50, %rd49, 32;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2207, %r2206}, [%rd50];
+	ld.global.nc.v2.u32 {%r2203, %r2202}, [%rd50];
 	// end inline asm
 	add.s64 	%rd51, %rd49, 64;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2205, %r2204}, [%rd51];
+	ld.global.nc.v2.u32 {%r2201, %r2200}, [%rd51];
 	// end inline asm
 	add.s64 	%rd52, %rd49, 96;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2203, %r2202}, [%rd52];
+	ld.global.nc.v2.u32 {%r2199, %r2198}, [%rd52];
 	// end inline asm
 	add.s64 	%rd53, %rd49, 128;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2201, %r2200}, [%rd53];
+	ld.global.nc.v2.u32 {%r2197, %r2196}, [%rd53];
 	// end inline asm
 	add.s64 	%rd54, %rd49, 160;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2199, %r2198}, [%rd54];
+	ld.global.nc.v2.u32 {%r2195, %r2194}, [%rd54];
 	// end inline asm
 	add.s64 	%rd55, %rd49, 192;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2197, %r2196}, [%rd55];
+	ld.global.nc.v2.u32 {%r2193, %r2192}, [%rd55];
 	// end inline asm
 	add.s64 	%rd56, %rd49, 224;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2195, %r2194}, [%rd56];
+	ld.global.nc.v2.u32 {%r2191, %r2190}, [%rd56];
 	// end inline asm
-	mul.wide.s32 	%rd67, %r154, %r332;
+	mul.wide.s32 	%rd67, %r154, %r330;
 	add.s64 	%rd68, %rd67, %rd60;
 	shl.b64 	%rd69, %rd68, 1;
 	add.s64 	%rd57, %rd11, %rd69;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2193, %r2192}, [%rd57];
+	ld.global.nc.v2.u32 {%r2189, %r2188}, [%rd57];
 	// end inline asm
 	add.s64 	%rd58, %rd12, %rd68;
 	// begin inline asm
-	ld.global.nc.u32 %r2191, [%rd58];
+	ld.global.nc.u32 %r2187, [%rd58];
 	// end inline asm
 
 $L__BB0_6:
-	and.b32  	%r1173, %r2120, 255;
-	or.b32  	%r1174, %r1173, 49920;
-	mul.lo.s32 	%r1120, %r1174, 65537;
-	shr.u32 	%r1175, %r2120, 8;
-	and.b32  	%r1176, %r1175, 255;
-	or.b32  	%r1177, %r1176, 49920;
-	mul.lo.s32 	%r1128, %r1177, 65537;
-	shr.u32 	%r1178, %r2120, 16;
-	and.b32  	%r1179, %r1178, 255;
-	or.b32  	%r1180, %r1179, 49920;
-	mul.lo.s32 	%r1152, %r1180, 65537;
-	shr.u32 	%r1181, %r2120, 24;
-	or.b32  	%r1182, %r1181, 49920;
-	mul.lo.s32 	%r1160, %r1182, 65537;
-	mov.u32 	%r468, 17408;
+	and.b32  	%r1169, %r2116, 255;
+	or.b32  	%r1170, %r1169, 49920;
+	mul.lo.s32 	%r1116, %r1170, 65537;
+	shr.u32 	%r1171, %r2116, 8;
+	and.b32  	%r1172, %r1171, 255;
+	or.b32  	%r1173, %r1172, 49920;
+	mul.lo.s32 	%r1124, %r1173, 65537;
+	shr.u32 	%r1174, %r2116, 16;
+	and.b32  	%r1175, %r1174, 255;
+	or.b32  	%r1176, %r1175, 49920;
+	mul.lo.s32 	%r1148, %r1176, 65537;
+	shr.u32 	%r1177, %r2116, 24;
+	or.b32  	%r1178, %r1177, 49920;
+	mul.lo.s32 	%r1156, %r1178, 65537;
+	mov.u32 	%r464, 17408;
 	// begin inline asm
-	prmt.b32 %r437, %r2154, %r2150, %r468;
+	prmt.b32 %r433, %r2150, %r2146, %r464;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r441, %r2153, %r2149, %r468;
+	prmt.b32 %r437, %r2149, %r2145, %r464;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r445, %r2146, %r2142, %r468;
+	prmt.b32 %r441, %r2142, %r2138, %r464;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r449, %r2145, %r2141, %r468;
+	prmt.b32 %r445, %r2141, %r2137, %r464;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r453, %r2152, %r2148, %r468;
+	prmt.b32 %r449, %r2148, %r2144, %r464;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r457, %r2151, %r2147, %r468;
+	prmt.b32 %r453, %r2147, %r2143, %r464;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r461, %r2144, %r2140, %r468;
+	prmt.b32 %r457, %r2140, %r2136, %r464;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r465, %r2143, %r2139, %r468;
+	prmt.b32 %r461, %r2139, %r2135, %r464;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r469, %r437, %r326, %r327, 0xEA;
+	lop3.b32 %r465, %r433, %r324, %r325, 0xEA;
 	// end inline asm
-	mov.u32 	%r1159, 1065369472;
+	mov.u32 	%r1155, 1065369472;
 	// begin inline asm
-	fma.rn.bf16x2 %r473, %r469, %r1159, %r1120;
-	// end inline asm
-	// begin inline asm
-	lop3.b32 %r477, %r441, %r326, %r327, 0xEA;
+	fma.rn.bf16x2 %r469, %r465, %r1155, %r1116;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r481, %r477, %r1159, %r1128;
+	lop3.b32 %r473, %r437, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r485, %r445, %r326, %r327, 0xEA;
+	fma.rn.bf16x2 %r477, %r473, %r1155, %r1124;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r489, %r485, %r1159, %r1120;
+	lop3.b32 %r481, %r441, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r493, %r449, %r326, %r327, 0xEA;
+	fma.rn.bf16x2 %r485, %r481, %r1155, %r1116;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r497, %r493, %r1159, %r1128;
+	lop3.b32 %r489, %r445, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r501, %r453, %r326, %r327, 0xEA;
+	fma.rn.bf16x2 %r493, %r489, %r1155, %r1124;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r505, %r501, %r1159, %r1152;
+	lop3.b32 %r497, %r449, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r509, %r457, %r326, %r327, 0xEA;
+	fma.rn.bf16x2 %r501, %r497, %r1155, %r1148;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r513, %r509, %r1159, %r1160;
+	lop3.b32 %r505, %r453, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r517, %r461, %r326, %r327, 0xEA;
+	fma.rn.bf16x2 %r509, %r505, %r1155, %r1156;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r521, %r517, %r1159, %r1152;
+	lop3.b32 %r513, %r457, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r525, %r465, %r326, %r327, 0xEA;
+	fma.rn.bf16x2 %r517, %r513, %r1155, %r1148;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r529, %r525, %r1159, %r1160;
+	lop3.b32 %r521, %r461, %r324, %r325, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r525, %r521, %r1155, %r1156;
 	// end inline asm
 	mov.f32 	%f85, 0f00000000;
 	mov.f32 	%f77, %f85;
@@ -335,689 +335,689 @@ $L__BB0_6:
 	mov.f32 	%f79, %f85;
 	mov.f32 	%f80, %f85;
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f77, %f78, %f79, %f80}, {%r473, %r481, %r489, %r497}, {%r2138, %r2137}, {%f77, %f78, %f79, %f80};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f77, %f78, %f79, %f80}, {%r469, %r477, %r485, %r493}, {%r2134, %r2133}, {%f77, %f78, %f79, %f80};
 	// end inline asm
 	mov.f32 	%f86, %f85;
 	mov.f32 	%f87, %f85;
 	mov.f32 	%f88, %f85;
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f85, %f86, %f87, %f88}, {%r505, %r513, %r521, %r529}, {%r2138, %r2137}, {%f85, %f86, %f87, %f88};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f85, %f86, %f87, %f88}, {%r501, %r509, %r517, %r525}, {%r2134, %r2133}, {%f85, %f86, %f87, %f88};
 	// end inline asm
-	shr.u32 	%r546, %r437, 4;
+	shr.u32 	%r542, %r433, 4;
 	// begin inline asm
-	lop3.b32 %r545, %r546, %r326, %r327, 0xEA;
+	lop3.b32 %r541, %r542, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r549, %r545, %r1159, %r1120;
+	fma.rn.bf16x2 %r545, %r541, %r1155, %r1116;
 	// end inline asm
-	shr.u32 	%r554, %r441, 4;
+	shr.u32 	%r550, %r437, 4;
 	// begin inline asm
-	lop3.b32 %r553, %r554, %r326, %r327, 0xEA;
+	lop3.b32 %r549, %r550, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r557, %r553, %r1159, %r1128;
+	fma.rn.bf16x2 %r553, %r549, %r1155, %r1124;
 	// end inline asm
-	shr.u32 	%r562, %r445, 4;
+	shr.u32 	%r558, %r441, 4;
 	// begin inline asm
-	lop3.b32 %r561, %r562, %r326, %r327, 0xEA;
+	lop3.b32 %r557, %r558, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r565, %r561, %r1159, %r1120;
+	fma.rn.bf16x2 %r561, %r557, %r1155, %r1116;
 	// end inline asm
-	shr.u32 	%r570, %r449, 4;
+	shr.u32 	%r566, %r445, 4;
 	// begin inline asm
-	lop3.b32 %r569, %r570, %r326, %r327, 0xEA;
+	lop3.b32 %r565, %r566, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r573, %r569, %r1159, %r1128;
+	fma.rn.bf16x2 %r569, %r565, %r1155, %r1124;
 	// end inline asm
-	shr.u32 	%r578, %r453, 4;
+	shr.u32 	%r574, %r449, 4;
 	// begin inline asm
-	lop3.b32 %r577, %r578, %r326, %r327, 0xEA;
+	lop3.b32 %r573, %r574, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r581, %r577, %r1159, %r1152;
+	fma.rn.bf16x2 %r577, %r573, %r1155, %r1148;
 	// end inline asm
-	shr.u32 	%r586, %r457, 4;
+	shr.u32 	%r582, %r453, 4;
 	// begin inline asm
-	lop3.b32 %r585, %r586, %r326, %r327, 0xEA;
+	lop3.b32 %r581, %r582, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r589, %r585, %r1159, %r1160;
+	fma.rn.bf16x2 %r585, %r581, %r1155, %r1156;
 	// end inline asm
-	shr.u32 	%r594, %r461, 4;
+	shr.u32 	%r590, %r457, 4;
 	// begin inline asm
-	lop3.b32 %r593, %r594, %r326, %r327, 0xEA;
+	lop3.b32 %r589, %r590, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r597, %r593, %r1159, %r1152;
+	fma.rn.bf16x2 %r593, %r589, %r1155, %r1148;
 	// end inline asm
-	shr.u32 	%r602, %r465, 4;
+	shr.u32 	%r598, %r461, 4;
 	// begin inline asm
-	lop3.b32 %r601, %r602, %r326, %r327, 0xEA;
+	lop3.b32 %r597, %r598, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r605, %r601, %r1159, %r1160;
+	fma.rn.bf16x2 %r601, %r597, %r1155, %r1156;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f77, %f78, %f79, %f80}, {%r549, %r557, %r565, %r573}, {%r2136, %r2135}, {%f77, %f78, %f79, %f80};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f77, %f78, %f79, %f80}, {%r545, %r553, %r561, %r569}, {%r2132, %r2131}, {%f77, %f78, %f79, %f80};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f85, %f86, %f87, %f88}, {%r581, %r589, %r597, %r605}, {%r2136, %r2135}, {%f85, %f86, %f87, %f88};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f85, %f86, %f87, %f88}, {%r577, %r585, %r593, %r601}, {%r2132, %r2131}, {%f85, %f86, %f87, %f88};
 	// end inline asm
-	mov.u32 	%r652, 21777;
+	mov.u32 	%r648, 21777;
 	// begin inline asm
-	prmt.b32 %r621, %r2154, %r2150, %r652;
+	prmt.b32 %r617, %r2150, %r2146, %r648;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r625, %r2153, %r2149, %r652;
+	prmt.b32 %r621, %r2149, %r2145, %r648;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r629, %r2146, %r2142, %r652;
+	prmt.b32 %r625, %r2142, %r2138, %r648;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r633, %r2145, %r2141, %r652;
+	prmt.b32 %r629, %r2141, %r2137, %r648;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r637, %r2152, %r2148, %r652;
+	prmt.b32 %r633, %r2148, %r2144, %r648;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r641, %r2151, %r2147, %r652;
+	prmt.b32 %r637, %r2147, %r2143, %r648;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r645, %r2144, %r2140, %r652;
+	prmt.b32 %r641, %r2140, %r2136, %r648;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r649, %r2143, %r2139, %r652;
+	prmt.b32 %r645, %r2139, %r2135, %r648;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r653, %r621, %r326, %r327, 0xEA;
+	lop3.b32 %r649, %r617, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r657, %r653, %r1159, %r1120;
+	fma.rn.bf16x2 %r653, %r649, %r1155, %r1116;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r661, %r625, %r326, %r327, 0xEA;
+	lop3.b32 %r657, %r621, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r665, %r661, %r1159, %r1128;
+	fma.rn.bf16x2 %r661, %r657, %r1155, %r1124;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r669, %r629, %r326, %r327, 0xEA;
+	lop3.b32 %r665, %r625, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r673, %r669, %r1159, %r1120;
+	fma.rn.bf16x2 %r669, %r665, %r1155, %r1116;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r677, %r633, %r326, %r327, 0xEA;
+	lop3.b32 %r673, %r629, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r681, %r677, %r1159, %r1128;
+	fma.rn.bf16x2 %r677, %r673, %r1155, %r1124;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r685, %r637, %r326, %r327, 0xEA;
+	lop3.b32 %r681, %r633, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r689, %r685, %r1159, %r1152;
+	fma.rn.bf16x2 %r685, %r681, %r1155, %r1148;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r693, %r641, %r326, %r327, 0xEA;
+	lop3.b32 %r689, %r637, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r697, %r693, %r1159, %r1160;
+	fma.rn.bf16x2 %r693, %r689, %r1155, %r1156;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r701, %r645, %r326, %r327, 0xEA;
+	lop3.b32 %r697, %r641, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r705, %r701, %r1159, %r1152;
+	fma.rn.bf16x2 %r701, %r697, %r1155, %r1148;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r709, %r649, %r326, %r327, 0xEA;
+	lop3.b32 %r705, %r645, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r713, %r709, %r1159, %r1160;
+	fma.rn.bf16x2 %r709, %r705, %r1155, %r1156;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f77, %f78, %f79, %f80}, {%r657, %r665, %r673, %r681}, {%r2134, %r2133}, {%f77, %f78, %f79, %f80};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f77, %f78, %f79, %f80}, {%r653, %r661, %r669, %r677}, {%r2130, %r2129}, {%f77, %f78, %f79, %f80};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f85, %f86, %f87, %f88}, {%r689, %r697, %r705, %r713}, {%r2134, %r2133}, {%f85, %f86, %f87, %f88};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f85, %f86, %f87, %f88}, {%r685, %r693, %r701, %r709}, {%r2130, %r2129}, {%f85, %f86, %f87, %f88};
 	// end inline asm
-	shr.u32 	%r730, %r621, 4;
+	shr.u32 	%r726, %r617, 4;
 	// begin inline asm
-	lop3.b32 %r729, %r730, %r326, %r327, 0xEA;
+	lop3.b32 %r725, %r726, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r733, %r729, %r1159, %r1120;
+	fma.rn.bf16x2 %r729, %r725, %r1155, %r1116;
 	// end inline asm
-	shr.u32 	%r738, %r625, 4;
+	shr.u32 	%r734, %r621, 4;
 	// begin inline asm
-	lop3.b32 %r737, %r738, %r326, %r327, 0xEA;
+	lop3.b32 %r733, %r734, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r741, %r737, %r1159, %r1128;
+	fma.rn.bf16x2 %r737, %r733, %r1155, %r1124;
 	// end inline asm
-	shr.u32 	%r746, %r629, 4;
+	shr.u32 	%r742, %r625, 4;
 	// begin inline asm
-	lop3.b32 %r745, %r746, %r326, %r327, 0xEA;
+	lop3.b32 %r741, %r742, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r749, %r745, %r1159, %r1120;
+	fma.rn.bf16x2 %r745, %r741, %r1155, %r1116;
 	// end inline asm
-	shr.u32 	%r754, %r633, 4;
+	shr.u32 	%r750, %r629, 4;
 	// begin inline asm
-	lop3.b32 %r753, %r754, %r326, %r327, 0xEA;
+	lop3.b32 %r749, %r750, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r757, %r753, %r1159, %r1128;
+	fma.rn.bf16x2 %r753, %r749, %r1155, %r1124;
 	// end inline asm
-	shr.u32 	%r762, %r637, 4;
+	shr.u32 	%r758, %r633, 4;
 	// begin inline asm
-	lop3.b32 %r761, %r762, %r326, %r327, 0xEA;
+	lop3.b32 %r757, %r758, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r765, %r761, %r1159, %r1152;
+	fma.rn.bf16x2 %r761, %r757, %r1155, %r1148;
 	// end inline asm
-	shr.u32 	%r770, %r641, 4;
+	shr.u32 	%r766, %r637, 4;
 	// begin inline asm
-	lop3.b32 %r769, %r770, %r326, %r327, 0xEA;
+	lop3.b32 %r765, %r766, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r773, %r769, %r1159, %r1160;
+	fma.rn.bf16x2 %r769, %r765, %r1155, %r1156;
 	// end inline asm
-	shr.u32 	%r778, %r645, 4;
+	shr.u32 	%r774, %r641, 4;
 	// begin inline asm
-	lop3.b32 %r777, %r778, %r326, %r327, 0xEA;
+	lop3.b32 %r773, %r774, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r781, %r777, %r1159, %r1152;
+	fma.rn.bf16x2 %r777, %r773, %r1155, %r1148;
 	// end inline asm
-	shr.u32 	%r786, %r649, 4;
+	shr.u32 	%r782, %r645, 4;
 	// begin inline asm
-	lop3.b32 %r785, %r786, %r326, %r327, 0xEA;
+	lop3.b32 %r781, %r782, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r789, %r785, %r1159, %r1160;
+	fma.rn.bf16x2 %r785, %r781, %r1155, %r1156;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f77, %f78, %f79, %f80}, {%r733, %r741, %r749, %r757}, {%r2132, %r2131}, {%f77, %f78, %f79, %f80};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f77, %f78, %f79, %f80}, {%r729, %r737, %r745, %r753}, {%r2128, %r2127}, {%f77, %f78, %f79, %f80};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f85, %f86, %f87, %f88}, {%r765, %r773, %r781, %r789}, {%r2132, %r2131}, {%f85, %f86, %f87, %f88};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f85, %f86, %f87, %f88}, {%r761, %r769, %r777, %r785}, {%r2128, %r2127}, {%f85, %f86, %f87, %f88};
 	// end inline asm
-	mov.u32 	%r836, 26146;
+	mov.u32 	%r832, 26146;
 	// begin inline asm
-	prmt.b32 %r805, %r2154, %r2150, %r836;
+	prmt.b32 %r801, %r2150, %r2146, %r832;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r809, %r2153, %r2149, %r836;
+	prmt.b32 %r805, %r2149, %r2145, %r832;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r813, %r2146, %r2142, %r836;
+	prmt.b32 %r809, %r2142, %r2138, %r832;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r817, %r2145, %r2141, %r836;
+	prmt.b32 %r813, %r2141, %r2137, %r832;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r821, %r2152, %r2148, %r836;
+	prmt.b32 %r817, %r2148, %r2144, %r832;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r825, %r2151, %r2147, %r836;
+	prmt.b32 %r821, %r2147, %r2143, %r832;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r829, %r2144, %r2140, %r836;
+	prmt.b32 %r825, %r2140, %r2136, %r832;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r833, %r2143, %r2139, %r836;
+	prmt.b32 %r829, %r2139, %r2135, %r832;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r837, %r805, %r326, %r327, 0xEA;
+	lop3.b32 %r833, %r801, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r841, %r837, %r1159, %r1120;
+	fma.rn.bf16x2 %r837, %r833, %r1155, %r1116;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r845, %r809, %r326, %r327, 0xEA;
+	lop3.b32 %r841, %r805, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r849, %r845, %r1159, %r1128;
+	fma.rn.bf16x2 %r845, %r841, %r1155, %r1124;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r853, %r813, %r326, %r327, 0xEA;
+	lop3.b32 %r849, %r809, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r857, %r853, %r1159, %r1120;
+	fma.rn.bf16x2 %r853, %r849, %r1155, %r1116;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r861, %r817, %r326, %r327, 0xEA;
+	lop3.b32 %r857, %r813, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r865, %r861, %r1159, %r1128;
+	fma.rn.bf16x2 %r861, %r857, %r1155, %r1124;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r869, %r821, %r326, %r327, 0xEA;
+	lop3.b32 %r865, %r817, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r873, %r869, %r1159, %r1152;
+	fma.rn.bf16x2 %r869, %r865, %r1155, %r1148;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r877, %r825, %r326, %r327, 0xEA;
+	lop3.b32 %r873, %r821, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r881, %r877, %r1159, %r1160;
+	fma.rn.bf16x2 %r877, %r873, %r1155, %r1156;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r885, %r829, %r326, %r327, 0xEA;
+	lop3.b32 %r881, %r825, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r889, %r885, %r1159, %r1152;
+	fma.rn.bf16x2 %r885, %r881, %r1155, %r1148;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r893, %r833, %r326, %r327, 0xEA;
+	lop3.b32 %r889, %r829, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r897, %r893, %r1159, %r1160;
+	fma.rn.bf16x2 %r893, %r889, %r1155, %r1156;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f77, %f78, %f79, %f80}, {%r841, %r849, %r857, %r865}, {%r2130, %r2129}, {%f77, %f78, %f79, %f80};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f77, %f78, %f79, %f80}, {%r837, %r845, %r853, %r861}, {%r2126, %r2125}, {%f77, %f78, %f79, %f80};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f85, %f86, %f87, %f88}, {%r873, %r881, %r889, %r897}, {%r2130, %r2129}, {%f85, %f86, %f87, %f88};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f85, %f86, %f87, %f88}, {%r869, %r877, %r885, %r893}, {%r2126, %r2125}, {%f85, %f86, %f87, %f88};
 	// end inline asm
-	shr.u32 	%r914, %r805, 4;
+	shr.u32 	%r910, %r801, 4;
 	// begin inline asm
-	lop3.b32 %r913, %r914, %r326, %r327, 0xEA;
+	lop3.b32 %r909, %r910, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r917, %r913, %r1159, %r1120;
+	fma.rn.bf16x2 %r913, %r909, %r1155, %r1116;
 	// end inline asm
-	shr.u32 	%r922, %r809, 4;
+	shr.u32 	%r918, %r805, 4;
 	// begin inline asm
-	lop3.b32 %r921, %r922, %r326, %r327, 0xEA;
+	lop3.b32 %r917, %r918, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r925, %r921, %r1159, %r1128;
+	fma.rn.bf16x2 %r921, %r917, %r1155, %r1124;
 	// end inline asm
-	shr.u32 	%r930, %r813, 4;
+	shr.u32 	%r926, %r809, 4;
 	// begin inline asm
-	lop3.b32 %r929, %r930, %r326, %r327, 0xEA;
+	lop3.b32 %r925, %r926, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r933, %r929, %r1159, %r1120;
+	fma.rn.bf16x2 %r929, %r925, %r1155, %r1116;
 	// end inline asm
-	shr.u32 	%r938, %r817, 4;
+	shr.u32 	%r934, %r813, 4;
 	// begin inline asm
-	lop3.b32 %r937, %r938, %r326, %r327, 0xEA;
+	lop3.b32 %r933, %r934, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r941, %r937, %r1159, %r1128;
+	fma.rn.bf16x2 %r937, %r933, %r1155, %r1124;
 	// end inline asm
-	shr.u32 	%r946, %r821, 4;
+	shr.u32 	%r942, %r817, 4;
 	// begin inline asm
-	lop3.b32 %r945, %r946, %r326, %r327, 0xEA;
+	lop3.b32 %r941, %r942, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r949, %r945, %r1159, %r1152;
+	fma.rn.bf16x2 %r945, %r941, %r1155, %r1148;
 	// end inline asm
-	shr.u32 	%r954, %r825, 4;
+	shr.u32 	%r950, %r821, 4;
 	// begin inline asm
-	lop3.b32 %r953, %r954, %r326, %r327, 0xEA;
+	lop3.b32 %r949, %r950, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r957, %r953, %r1159, %r1160;
+	fma.rn.bf16x2 %r953, %r949, %r1155, %r1156;
 	// end inline asm
-	shr.u32 	%r962, %r829, 4;
+	shr.u32 	%r958, %r825, 4;
 	// begin inline asm
-	lop3.b32 %r961, %r962, %r326, %r327, 0xEA;
+	lop3.b32 %r957, %r958, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r965, %r961, %r1159, %r1152;
+	fma.rn.bf16x2 %r961, %r957, %r1155, %r1148;
 	// end inline asm
-	shr.u32 	%r970, %r833, 4;
+	shr.u32 	%r966, %r829, 4;
 	// begin inline asm
-	lop3.b32 %r969, %r970, %r326, %r327, 0xEA;
+	lop3.b32 %r965, %r966, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r973, %r969, %r1159, %r1160;
+	fma.rn.bf16x2 %r969, %r965, %r1155, %r1156;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f77, %f78, %f79, %f80}, {%r917, %r925, %r933, %r941}, {%r2128, %r2127}, {%f77, %f78, %f79, %f80};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f77, %f78, %f79, %f80}, {%r913, %r921, %r929, %r937}, {%r2124, %r2123}, {%f77, %f78, %f79, %f80};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f85, %f86, %f87, %f88}, {%r949, %r957, %r965, %r973}, {%r2128, %r2127}, {%f85, %f86, %f87, %f88};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f85, %f86, %f87, %f88}, {%r945, %r953, %r961, %r969}, {%r2124, %r2123}, {%f85, %f86, %f87, %f88};
 	// end inline asm
-	mov.u32 	%r1020, 30515;
+	mov.u32 	%r1016, 30515;
 	// begin inline asm
-	prmt.b32 %r989, %r2154, %r2150, %r1020;
+	prmt.b32 %r985, %r2150, %r2146, %r1016;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r993, %r2153, %r2149, %r1020;
+	prmt.b32 %r989, %r2149, %r2145, %r1016;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r997, %r2146, %r2142, %r1020;
+	prmt.b32 %r993, %r2142, %r2138, %r1016;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1001, %r2145, %r2141, %r1020;
+	prmt.b32 %r997, %r2141, %r2137, %r1016;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1005, %r2152, %r2148, %r1020;
+	prmt.b32 %r1001, %r2148, %r2144, %r1016;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1009, %r2151, %r2147, %r1020;
+	prmt.b32 %r1005, %r2147, %r2143, %r1016;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1013, %r2144, %r2140, %r1020;
+	prmt.b32 %r1009, %r2140, %r2136, %r1016;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1017, %r2143, %r2139, %r1020;
+	prmt.b32 %r1013, %r2139, %r2135, %r1016;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1021, %r989, %r326, %r327, 0xEA;
+	lop3.b32 %r1017, %r985, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1025, %r1021, %r1159, %r1120;
+	fma.rn.bf16x2 %r1021, %r1017, %r1155, %r1116;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1029, %r993, %r326, %r327, 0xEA;
+	lop3.b32 %r1025, %r989, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1033, %r1029, %r1159, %r1128;
+	fma.rn.bf16x2 %r1029, %r1025, %r1155, %r1124;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1037, %r997, %r326, %r327, 0xEA;
+	lop3.b32 %r1033, %r993, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1041, %r1037, %r1159, %r1120;
+	fma.rn.bf16x2 %r1037, %r1033, %r1155, %r1116;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1045, %r1001, %r326, %r327, 0xEA;
+	lop3.b32 %r1041, %r997, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1049, %r1045, %r1159, %r1128;
+	fma.rn.bf16x2 %r1045, %r1041, %r1155, %r1124;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1053, %r1005, %r326, %r327, 0xEA;
+	lop3.b32 %r1049, %r1001, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1057, %r1053, %r1159, %r1152;
+	fma.rn.bf16x2 %r1053, %r1049, %r1155, %r1148;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1061, %r1009, %r326, %r327, 0xEA;
+	lop3.b32 %r1057, %r1005, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1065, %r1061, %r1159, %r1160;
+	fma.rn.bf16x2 %r1061, %r1057, %r1155, %r1156;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1069, %r1013, %r326, %r327, 0xEA;
+	lop3.b32 %r1065, %r1009, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1073, %r1069, %r1159, %r1152;
+	fma.rn.bf16x2 %r1069, %r1065, %r1155, %r1148;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1077, %r1017, %r326, %r327, 0xEA;
+	lop3.b32 %r1073, %r1013, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1081, %r1077, %r1159, %r1160;
+	fma.rn.bf16x2 %r1077, %r1073, %r1155, %r1156;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f77, %f78, %f79, %f80}, {%r1025, %r1033, %r1041, %r1049}, {%r2126, %r2125}, {%f77, %f78, %f79, %f80};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f77, %f78, %f79, %f80}, {%r1021, %r1029, %r1037, %r1045}, {%r2122, %r2121}, {%f77, %f78, %f79, %f80};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f85, %f86, %f87, %f88}, {%r1057, %r1065, %r1073, %r1081}, {%r2126, %r2125}, {%f85, %f86, %f87, %f88};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f85, %f86, %f87, %f88}, {%r1053, %r1061, %r1069, %r1077}, {%r2122, %r2121}, {%f85, %f86, %f87, %f88};
 	// end inline asm
-	shr.u32 	%r1098, %r989, 4;
+	shr.u32 	%r1094, %r985, 4;
 	// begin inline asm
-	lop3.b32 %r1097, %r1098, %r326, %r327, 0xEA;
+	lop3.b32 %r1093, %r1094, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1101, %r1097, %r1159, %r1120;
+	fma.rn.bf16x2 %r1097, %r1093, %r1155, %r1116;
 	// end inline asm
-	shr.u32 	%r1106, %r993, 4;
+	shr.u32 	%r1102, %r989, 4;
 	// begin inline asm
-	lop3.b32 %r1105, %r1106, %r326, %r327, 0xEA;
+	lop3.b32 %r1101, %r1102, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1109, %r1105, %r1159, %r1128;
+	fma.rn.bf16x2 %r1105, %r1101, %r1155, %r1124;
 	// end inline asm
-	shr.u32 	%r1114, %r997, 4;
+	shr.u32 	%r1110, %r993, 4;
 	// begin inline asm
-	lop3.b32 %r1113, %r1114, %r326, %r327, 0xEA;
+	lop3.b32 %r1109, %r1110, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1117, %r1113, %r1159, %r1120;
+	fma.rn.bf16x2 %r1113, %r1109, %r1155, %r1116;
 	// end inline asm
-	shr.u32 	%r1122, %r1001, 4;
+	shr.u32 	%r1118, %r997, 4;
 	// begin inline asm
-	lop3.b32 %r1121, %r1122, %r326, %r327, 0xEA;
+	lop3.b32 %r1117, %r1118, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1125, %r1121, %r1159, %r1128;
+	fma.rn.bf16x2 %r1121, %r1117, %r1155, %r1124;
 	// end inline asm
-	shr.u32 	%r1130, %r1005, 4;
+	shr.u32 	%r1126, %r1001, 4;
 	// begin inline asm
-	lop3.b32 %r1129, %r1130, %r326, %r327, 0xEA;
+	lop3.b32 %r1125, %r1126, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1133, %r1129, %r1159, %r1152;
+	fma.rn.bf16x2 %r1129, %r1125, %r1155, %r1148;
 	// end inline asm
-	shr.u32 	%r1138, %r1009, 4;
+	shr.u32 	%r1134, %r1005, 4;
 	// begin inline asm
-	lop3.b32 %r1137, %r1138, %r326, %r327, 0xEA;
+	lop3.b32 %r1133, %r1134, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1141, %r1137, %r1159, %r1160;
+	fma.rn.bf16x2 %r1137, %r1133, %r1155, %r1156;
 	// end inline asm
-	shr.u32 	%r1146, %r1013, 4;
+	shr.u32 	%r1142, %r1009, 4;
 	// begin inline asm
-	lop3.b32 %r1145, %r1146, %r326, %r327, 0xEA;
+	lop3.b32 %r1141, %r1142, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1149, %r1145, %r1159, %r1152;
+	fma.rn.bf16x2 %r1145, %r1141, %r1155, %r1148;
 	// end inline asm
-	shr.u32 	%r1154, %r1017, 4;
+	shr.u32 	%r1150, %r1013, 4;
 	// begin inline asm
-	lop3.b32 %r1153, %r1154, %r326, %r327, 0xEA;
+	lop3.b32 %r1149, %r1150, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1157, %r1153, %r1159, %r1160;
+	fma.rn.bf16x2 %r1153, %r1149, %r1155, %r1156;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f77, %f78, %f79, %f80}, {%r1101, %r1109, %r1117, %r1125}, {%r2124, %r2123}, {%f77, %f78, %f79, %f80};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f77, %f78, %f79, %f80}, {%r1097, %r1105, %r1113, %r1121}, {%r2120, %r2119}, {%f77, %f78, %f79, %f80};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f85, %f86, %f87, %f88}, {%r1133, %r1141, %r1149, %r1157}, {%r2124, %r2123}, {%f85, %f86, %f87, %f88};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f85, %f86, %f87, %f88}, {%r1129, %r1137, %r1145, %r1153}, {%r2120, %r2119}, {%f85, %f86, %f87, %f88};
 	// end inline asm
-	shl.b32 	%r1183, %r2122, 16;
-	mov.b32 	%f189, %r1183;
+	shl.b32 	%r1179, %r2118, 16;
+	mov.b32 	%f189, %r1179;
 	fma.rn.f32 	%f358, %f77, %f189, %f358;
 	fma.rn.f32 	%f357, %f78, %f189, %f357;
-	and.b32  	%r1184, %r2122, -65536;
-	mov.b32 	%f190, %r1184;
+	and.b32  	%r1180, %r2118, -65536;
+	mov.b32 	%f190, %r1180;
 	fma.rn.f32 	%f356, %f79, %f190, %f356;
 	fma.rn.f32 	%f355, %f80, %f190, %f355;
-	shl.b32 	%r1185, %r2121, 16;
-	mov.b32 	%f191, %r1185;
+	shl.b32 	%r1181, %r2117, 16;
+	mov.b32 	%f191, %r1181;
 	fma.rn.f32 	%f354, %f85, %f191, %f354;
 	fma.rn.f32 	%f353, %f86, %f191, %f353;
-	and.b32  	%r1186, %r2121, -65536;
-	mov.b32 	%f192, %r1186;
+	and.b32  	%r1182, %r2117, -65536;
+	mov.b32 	%f192, %r1182;
 	fma.rn.f32 	%f352, %f87, %f192, %f352;
 	fma.rn.f32 	%f351, %f88, %f192, %f351;
 	@%p3 bra 	$L__BB0_10;
 
-	mov.u32 	%r2084, %ntid.x;
-	shr.u32 	%r1188, %r2084, 4;
-	and.b32  	%r1189, %r1188, 268435454;
-	add.s32 	%r2190, %r2190, %r1189;
-	setp.ge.s32 	%p5, %r2190, %r8;
+	mov.u32 	%r2080, %ntid.x;
+	shr.u32 	%r1184, %r2080, 4;
+	and.b32  	%r1185, %r1184, 268435454;
+	add.s32 	%r2186, %r2186, %r1185;
+	setp.ge.s32 	%p5, %r2186, %r8;
 	@%p5 bra 	$L__BB0_9;
 
-	shl.b32 	%r1225, %r2190, 4;
-	mov.u32 	%r1226, %tid.x;
-	shl.b32 	%r1227, %r1226, 2;
-	and.b32  	%r1228, %r1227, 12;
-	or.b32  	%r1229, %r1225, %r1228;
-	mul.wide.s32 	%rd84, %r1229, %r332;
-	mov.u32 	%r1230, %ctaid.x;
-	shl.b32 	%r1231, %r1230, 5;
-	and.b32  	%r1232, %r1226, 28;
-	or.b32  	%r1233, %r1231, %r1232;
-	cvt.s64.s32 	%rd85, %r1233;
+	shl.b32 	%r1221, %r2186, 4;
+	mov.u32 	%r1222, %tid.x;
+	shl.b32 	%r1223, %r1222, 2;
+	and.b32  	%r1224, %r1223, 12;
+	or.b32  	%r1225, %r1221, %r1224;
+	mul.wide.s32 	%rd84, %r1225, %r330;
+	mov.u32 	%r1226, %ctaid.x;
+	shl.b32 	%r1227, %r1226, 5;
+	and.b32  	%r1228, %r1222, 28;
+	or.b32  	%r1229, %r1227, %r1228;
+	cvt.s64.s32 	%rd85, %r1229;
 	add.s64 	%rd86, %rd84, %rd85;
 	shl.b64 	%rd87, %rd86, 2;
 	add.s64 	%rd70, %rd10, %rd87;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2154, %r2153, %r2152, %r2151}, [%rd70];
+	ld.global.nc.v4.u32 {%r2150, %r2149, %r2148, %r2147}, [%rd70];
 	// end inline asm
 	add.s64 	%rd71, %rd70, %rd63;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2150, %r2149, %r2148, %r2147}, [%rd71];
+	ld.global.nc.v4.u32 {%r2146, %r2145, %r2144, %r2143}, [%rd71];
 	// end inline asm
 	add.s64 	%rd72, %rd71, %rd63;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2146, %r2145, %r2144, %r2143}, [%rd72];
+	ld.global.nc.v4.u32 {%r2142, %r2141, %r2140, %r2139}, [%rd72];
 	// end inline asm
 	add.s64 	%rd73, %rd72, %rd63;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2142, %r2141, %r2140, %r2139}, [%rd73];
+	ld.global.nc.v4.u32 {%r2138, %r2137, %r2136, %r2135}, [%rd73];
 	// end inline asm
-	shl.b32 	%r1234, %r2190, 7;
-	cvt.s64.s32 	%rd89, %r1234;
+	shl.b32 	%r1230, %r2186, 7;
+	cvt.s64.s32 	%rd89, %r1230;
 	add.s64 	%rd90, %rd6, %rd89;
 	shl.b64 	%rd91, %rd90, 1;
 	add.s64 	%rd74, %rd9, %rd91;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2138, %r2137}, [%rd74];
+	ld.global.nc.v2.u32 {%r2134, %r2133}, [%rd74];
 	// end inline asm
 	add.s64 	%rd75, %rd74, 32;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2136, %r2135}, [%rd75];
+	ld.global.nc.v2.u32 {%r2132, %r2131}, [%rd75];
 	// end inline asm
 	add.s64 	%rd76, %rd74, 64;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2134, %r2133}, [%rd76];
+	ld.global.nc.v2.u32 {%r2130, %r2129}, [%rd76];
 	// end inline asm
 	add.s64 	%rd77, %rd74, 96;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2132, %r2131}, [%rd77];
+	ld.global.nc.v2.u32 {%r2128, %r2127}, [%rd77];
 	// end inline asm
 	add.s64 	%rd78, %rd74, 128;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2130, %r2129}, [%rd78];
+	ld.global.nc.v2.u32 {%r2126, %r2125}, [%rd78];
 	// end inline asm
 	add.s64 	%rd79, %rd74, 160;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2128, %r2127}, [%rd79];
+	ld.global.nc.v2.u32 {%r2124, %r2123}, [%rd79];
 	// end inline asm
 	add.s64 	%rd80, %rd74, 192;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2126, %r2125}, [%rd80];
+	ld.global.nc.v2.u32 {%r2122, %r2121}, [%rd80];
 	// end inline asm
 	add.s64 	%rd81, %rd74, 224;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2124, %r2123}, [%rd81];
+	ld.global.nc.v2.u32 {%r2120, %r2119}, [%rd81];
 	// end inline asm
-	mul.wide.s32 	%rd92, %r2190, %r332;
+	mul.wide.s32 	%rd92, %r2186, %r330;
 	add.s64 	%rd93, %rd92, %rd85;
 	shl.b64 	%rd94, %rd93, 1;
 	add.s64 	%rd82, %rd11, %rd94;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2122, %r2121}, [%rd82];
+	ld.global.nc.v2.u32 {%r2118, %r2117}, [%rd82];
 	// end inline asm
 	add.s64 	%rd83, %rd12, %rd93;
 	// begin inline asm
-	ld.global.nc.u32 %r2120, [%rd83];
+	ld.global.nc.u32 %r2116, [%rd83];
 	// end inline asm
 
 $L__BB0_9:
-	and.b32  	%r1971, %r2191, 255;
-	or.b32  	%r1972, %r1971, 49920;
-	mul.lo.s32 	%r1918, %r1972, 65537;
-	shr.u32 	%r1973, %r2191, 8;
-	and.b32  	%r1974, %r1973, 255;
-	or.b32  	%r1975, %r1974, 49920;
-	mul.lo.s32 	%r1926, %r1975, 65537;
-	shr.u32 	%r1976, %r2191, 16;
-	and.b32  	%r1977, %r1976, 255;
-	or.b32  	%r1978, %r1977, 49920;
-	mul.lo.s32 	%r1950, %r1978, 65537;
-	shr.u32 	%r1979, %r2191, 24;
-	or.b32  	%r1980, %r1979, 49920;
-	mul.lo.s32 	%r1958, %r1980, 65537;
-	mov.u32 	%r1266, 17408;
+	and.b32  	%r1967, %r2187, 255;
+	or.b32  	%r1968, %r1967, 49920;
+	mul.lo.s32 	%r1914, %r1968, 65537;
+	shr.u32 	%r1969, %r2187, 8;
+	and.b32  	%r1970, %r1969, 255;
+	or.b32  	%r1971, %r1970, 49920;
+	mul.lo.s32 	%r1922, %r1971, 65537;
+	shr.u32 	%r1972, %r2187, 16;
+	and.b32  	%r1973, %r1972, 255;
+	or.b32  	%r1974, %r1973, 49920;
+	mul.lo.s32 	%r1946, %r1974, 65537;
+	shr.u32 	%r1975, %r2187, 24;
+	or.b32  	%r1976, %r1975, 49920;
+	mul.lo.s32 	%r1954, %r1976, 65537;
+	mov.u32 	%r1262, 17408;
 	// begin inline asm
-	prmt.b32 %r1235, %r2225, %r2221, %r1266;
+	prmt.b32 %r1231, %r2221, %r2217, %r1262;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1239, %r2224, %r2220, %r1266;
+	prmt.b32 %r1235, %r2220, %r2216, %r1262;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1243, %r2217, %r2213, %r1266;
+	prmt.b32 %r1239, %r2213, %r2209, %r1262;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1247, %r2216, %r2212, %r1266;
+	prmt.b32 %r1243, %r2212, %r2208, %r1262;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1251, %r2223, %r2219, %r1266;
+	prmt.b32 %r1247, %r2219, %r2215, %r1262;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1255, %r2222, %r2218, %r1266;
+	prmt.b32 %r1251, %r2218, %r2214, %r1262;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1259, %r2215, %r2211, %r1266;
+	prmt.b32 %r1255, %r2211, %r2207, %r1262;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1263, %r2214, %r2210, %r1266;
+	prmt.b32 %r1259, %r2210, %r2206, %r1262;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1267, %r1235, %r326, %r327, 0xEA;
+	lop3.b32 %r1263, %r1231, %r324, %r325, 0xEA;
 	// end inline asm
-	mov.u32 	%r1957, 1065369472;
+	mov.u32 	%r1953, 1065369472;
 	// begin inline asm
-	fma.rn.bf16x2 %r1271, %r1267, %r1957, %r1918;
-	// end inline asm
-	// begin inline asm
-	lop3.b32 %r1275, %r1239, %r326, %r327, 0xEA;
+	fma.rn.bf16x2 %r1267, %r1263, %r1953, %r1914;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1279, %r1275, %r1957, %r1926;
+	lop3.b32 %r1271, %r1235, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1283, %r1243, %r326, %r327, 0xEA;
+	fma.rn.bf16x2 %r1275, %r1271, %r1953, %r1922;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1287, %r1283, %r1957, %r1918;
+	lop3.b32 %r1279, %r1239, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1291, %r1247, %r326, %r327, 0xEA;
+	fma.rn.bf16x2 %r1283, %r1279, %r1953, %r1914;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1295, %r1291, %r1957, %r1926;
+	lop3.b32 %r1287, %r1243, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1299, %r1251, %r326, %r327, 0xEA;
+	fma.rn.bf16x2 %r1291, %r1287, %r1953, %r1922;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1303, %r1299, %r1957, %r1950;
+	lop3.b32 %r1295, %r1247, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1307, %r1255, %r326, %r327, 0xEA;
+	fma.rn.bf16x2 %r1299, %r1295, %r1953, %r1946;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1311, %r1307, %r1957, %r1958;
+	lop3.b32 %r1303, %r1251, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1315, %r1259, %r326, %r327, 0xEA;
+	fma.rn.bf16x2 %r1307, %r1303, %r1953, %r1954;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1319, %r1315, %r1957, %r1950;
+	lop3.b32 %r1311, %r1255, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1323, %r1263, %r326, %r327, 0xEA;
+	fma.rn.bf16x2 %r1315, %r1311, %r1953, %r1946;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1327, %r1323, %r1957, %r1958;
+	lop3.b32 %r1319, %r1259, %r324, %r325, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1323, %r1319, %r1953, %r1954;
 	// end inline asm
 	mov.f32 	%f217, 0f00000000;
 	mov.f32 	%f209, %f217;
@@ -1025,586 +1025,586 @@ $L__BB0_9:
 	mov.f32 	%f211, %f217;
 	mov.f32 	%f212, %f217;
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f209, %f210, %f211, %f212}, {%r1271, %r1279, %r1287, %r1295}, {%r2209, %r2208}, {%f209, %f210, %f211, %f212};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f209, %f210, %f211, %f212}, {%r1267, %r1275, %r1283, %r1291}, {%r2205, %r2204}, {%f209, %f210, %f211, %f212};
 	// end inline asm
 	mov.f32 	%f218, %f217;
 	mov.f32 	%f219, %f217;
 	mov.f32 	%f220, %f217;
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f217, %f218, %f219, %f220}, {%r1303, %r1311, %r1319, %r1327}, {%r2209, %r2208}, {%f217, %f218, %f219, %f220};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f217, %f218, %f219, %f220}, {%r1299, %r1307, %r1315, %r1323}, {%r2205, %r2204}, {%f217, %f218, %f219, %f220};
 	// end inline asm
-	shr.u32 	%r1344, %r1235, 4;
+	shr.u32 	%r1340, %r1231, 4;
 	// begin inline asm
-	lop3.b32 %r1343, %r1344, %r326, %r327, 0xEA;
+	lop3.b32 %r1339, %r1340, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1347, %r1343, %r1957, %r1918;
+	fma.rn.bf16x2 %r1343, %r1339, %r1953, %r1914;
 	// end inline asm
-	shr.u32 	%r1352, %r1239, 4;
+	shr.u32 	%r1348, %r1235, 4;
 	// begin inline asm
-	lop3.b32 %r1351, %r1352, %r326, %r327, 0xEA;
+	lop3.b32 %r1347, %r1348, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1355, %r1351, %r1957, %r1926;
+	fma.rn.bf16x2 %r1351, %r1347, %r1953, %r1922;
 	// end inline asm
-	shr.u32 	%r1360, %r1243, 4;
+	shr.u32 	%r1356, %r1239, 4;
 	// begin inline asm
-	lop3.b32 %r1359, %r1360, %r326, %r327, 0xEA;
+	lop3.b32 %r1355, %r1356, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1363, %r1359, %r1957, %r1918;
+	fma.rn.bf16x2 %r1359, %r1355, %r1953, %r1914;
 	// end inline asm
-	shr.u32 	%r1368, %r1247, 4;
+	shr.u32 	%r1364, %r1243, 4;
 	// begin inline asm
-	lop3.b32 %r1367, %r1368, %r326, %r327, 0xEA;
+	lop3.b32 %r1363, %r1364, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1371, %r1367, %r1957, %r1926;
+	fma.rn.bf16x2 %r1367, %r1363, %r1953, %r1922;
 	// end inline asm
-	shr.u32 	%r1376, %r1251, 4;
+	shr.u32 	%r1372, %r1247, 4;
 	// begin inline asm
-	lop3.b32 %r1375, %r1376, %r326, %r327, 0xEA;
+	lop3.b32 %r1371, %r1372, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1379, %r1375, %r1957, %r1950;
+	fma.rn.bf16x2 %r1375, %r1371, %r1953, %r1946;
 	// end inline asm
-	shr.u32 	%r1384, %r1255, 4;
+	shr.u32 	%r1380, %r1251, 4;
 	// begin inline asm
-	lop3.b32 %r1383, %r1384, %r326, %r327, 0xEA;
+	lop3.b32 %r1379, %r1380, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1387, %r1383, %r1957, %r1958;
+	fma.rn.bf16x2 %r1383, %r1379, %r1953, %r1954;
 	// end inline asm
-	shr.u32 	%r1392, %r1259, 4;
+	shr.u32 	%r1388, %r1255, 4;
 	// begin inline asm
-	lop3.b32 %r1391, %r1392, %r326, %r327, 0xEA;
+	lop3.b32 %r1387, %r1388, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1395, %r1391, %r1957, %r1950;
+	fma.rn.bf16x2 %r1391, %r1387, %r1953, %r1946;
 	// end inline asm
-	shr.u32 	%r1400, %r1263, 4;
+	shr.u32 	%r1396, %r1259, 4;
 	// begin inline asm
-	lop3.b32 %r1399, %r1400, %r326, %r327, 0xEA;
+	lop3.b32 %r1395, %r1396, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1403, %r1399, %r1957, %r1958;
+	fma.rn.bf16x2 %r1399, %r1395, %r1953, %r1954;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f209, %f210, %f211, %f212}, {%r1347, %r1355, %r1363, %r1371}, {%r2207, %r2206}, {%f209, %f210, %f211, %f212};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f209, %f210, %f211, %f212}, {%r1343, %r1351, %r1359, %r1367}, {%r2203, %r2202}, {%f209, %f210, %f211, %f212};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f217, %f218, %f219, %f220}, {%r1379, %r1387, %r1395, %r1403}, {%r2207, %r2206}, {%f217, %f218, %f219, %f220};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f217, %f218, %f219, %f220}, {%r1375, %r1383, %r1391, %r1399}, {%r2203, %r2202}, {%f217, %f218, %f219, %f220};
 	// end inline asm
-	mov.u32 	%r1450, 21777;
+	mov.u32 	%r1446, 21777;
 	// begin inline asm
-	prmt.b32 %r1419, %r2225, %r2221, %r1450;
+	prmt.b32 %r1415, %r2221, %r2217, %r1446;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1423, %r2224, %r2220, %r1450;
+	prmt.b32 %r1419, %r2220, %r2216, %r1446;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1427, %r2217, %r2213, %r1450;
+	prmt.b32 %r1423, %r2213, %r2209, %r1446;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1431, %r2216, %r2212, %r1450;
+	prmt.b32 %r1427, %r2212, %r2208, %r1446;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1435, %r2223, %r2219, %r1450;
+	prmt.b32 %r1431, %r2219, %r2215, %r1446;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1439, %r2222, %r2218, %r1450;
+	prmt.b32 %r1435, %r2218, %r2214, %r1446;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1443, %r2215, %r2211, %r1450;
+	prmt.b32 %r1439, %r2211, %r2207, %r1446;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1447, %r2214, %r2210, %r1450;
+	prmt.b32 %r1443, %r2210, %r2206, %r1446;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1451, %r1419, %r326, %r327, 0xEA;
+	lop3.b32 %r1447, %r1415, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1455, %r1451, %r1957, %r1918;
+	fma.rn.bf16x2 %r1451, %r1447, %r1953, %r1914;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1459, %r1423, %r326, %r327, 0xEA;
+	lop3.b32 %r1455, %r1419, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1463, %r1459, %r1957, %r1926;
+	fma.rn.bf16x2 %r1459, %r1455, %r1953, %r1922;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1467, %r1427, %r326, %r327, 0xEA;
+	lop3.b32 %r1463, %r1423, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1471, %r1467, %r1957, %r1918;
+	fma.rn.bf16x2 %r1467, %r1463, %r1953, %r1914;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1475, %r1431, %r326, %r327, 0xEA;
+	lop3.b32 %r1471, %r1427, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1479, %r1475, %r1957, %r1926;
+	fma.rn.bf16x2 %r1475, %r1471, %r1953, %r1922;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1483, %r1435, %r326, %r327, 0xEA;
+	lop3.b32 %r1479, %r1431, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1487, %r1483, %r1957, %r1950;
+	fma.rn.bf16x2 %r1483, %r1479, %r1953, %r1946;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1491, %r1439, %r326, %r327, 0xEA;
+	lop3.b32 %r1487, %r1435, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1495, %r1491, %r1957, %r1958;
+	fma.rn.bf16x2 %r1491, %r1487, %r1953, %r1954;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1499, %r1443, %r326, %r327, 0xEA;
+	lop3.b32 %r1495, %r1439, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1503, %r1499, %r1957, %r1950;
+	fma.rn.bf16x2 %r1499, %r1495, %r1953, %r1946;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1507, %r1447, %r326, %r327, 0xEA;
+	lop3.b32 %r1503, %r1443, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1511, %r1507, %r1957, %r1958;
+	fma.rn.bf16x2 %r1507, %r1503, %r1953, %r1954;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f209, %f210, %f211, %f212}, {%r1455, %r1463, %r1471, %r1479}, {%r2205, %r2204}, {%f209, %f210, %f211, %f212};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f209, %f210, %f211, %f212}, {%r1451, %r1459, %r1467, %r1475}, {%r2201, %r2200}, {%f209, %f210, %f211, %f212};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f217, %f218, %f219, %f220}, {%r1487, %r1495, %r1503, %r1511}, {%r2205, %r2204}, {%f217, %f218, %f219, %f220};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f217, %f218, %f219, %f220}, {%r1483, %r1491, %r1499, %r1507}, {%r2201, %r2200}, {%f217, %f218, %f219, %f220};
 	// end inline asm
-	shr.u32 	%r1528, %r1419, 4;
+	shr.u32 	%r1524, %r1415, 4;
 	// begin inline asm
-	lop3.b32 %r1527, %r1528, %r326, %r327, 0xEA;
+	lop3.b32 %r1523, %r1524, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1531, %r1527, %r1957, %r1918;
+	fma.rn.bf16x2 %r1527, %r1523, %r1953, %r1914;
 	// end inline asm
-	shr.u32 	%r1536, %r1423, 4;
+	shr.u32 	%r1532, %r1419, 4;
 	// begin inline asm
-	lop3.b32 %r1535, %r1536, %r326, %r327, 0xEA;
+	lop3.b32 %r1531, %r1532, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1539, %r1535, %r1957, %r1926;
+	fma.rn.bf16x2 %r1535, %r1531, %r1953, %r1922;
 	// end inline asm
-	shr.u32 	%r1544, %r1427, 4;
+	shr.u32 	%r1540, %r1423, 4;
 	// begin inline asm
-	lop3.b32 %r1543, %r1544, %r326, %r327, 0xEA;
+	lop3.b32 %r1539, %r1540, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1547, %r1543, %r1957, %r1918;
+	fma.rn.bf16x2 %r1543, %r1539, %r1953, %r1914;
 	// end inline asm
-	shr.u32 	%r1552, %r1431, 4;
+	shr.u32 	%r1548, %r1427, 4;
 	// begin inline asm
-	lop3.b32 %r1551, %r1552, %r326, %r327, 0xEA;
+	lop3.b32 %r1547, %r1548, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1555, %r1551, %r1957, %r1926;
+	fma.rn.bf16x2 %r1551, %r1547, %r1953, %r1922;
 	// end inline asm
-	shr.u32 	%r1560, %r1435, 4;
+	shr.u32 	%r1556, %r1431, 4;
 	// begin inline asm
-	lop3.b32 %r1559, %r1560, %r326, %r327, 0xEA;
+	lop3.b32 %r1555, %r1556, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1563, %r1559, %r1957, %r1950;
+	fma.rn.bf16x2 %r1559, %r1555, %r1953, %r1946;
 	// end inline asm
-	shr.u32 	%r1568, %r1439, 4;
+	shr.u32 	%r1564, %r1435, 4;
 	// begin inline asm
-	lop3.b32 %r1567, %r1568, %r326, %r327, 0xEA;
+	lop3.b32 %r1563, %r1564, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1571, %r1567, %r1957, %r1958;
+	fma.rn.bf16x2 %r1567, %r1563, %r1953, %r1954;
 	// end inline asm
-	shr.u32 	%r1576, %r1443, 4;
+	shr.u32 	%r1572, %r1439, 4;
 	// begin inline asm
-	lop3.b32 %r1575, %r1576, %r326, %r327, 0xEA;
+	lop3.b32 %r1571, %r1572, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1579, %r1575, %r1957, %r1950;
+	fma.rn.bf16x2 %r1575, %r1571, %r1953, %r1946;
 	// end inline asm
-	shr.u32 	%r1584, %r1447, 4;
+	shr.u32 	%r1580, %r1443, 4;
 	// begin inline asm
-	lop3.b32 %r1583, %r1584, %r326, %r327, 0xEA;
+	lop3.b32 %r1579, %r1580, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1587, %r1583, %r1957, %r1958;
+	fma.rn.bf16x2 %r1583, %r1579, %r1953, %r1954;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f209, %f210, %f211, %f212}, {%r1531, %r1539, %r1547, %r1555}, {%r2203, %r2202}, {%f209, %f210, %f211, %f212};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f209, %f210, %f211, %f212}, {%r1527, %r1535, %r1543, %r1551}, {%r2199, %r2198}, {%f209, %f210, %f211, %f212};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f217, %f218, %f219, %f220}, {%r1563, %r1571, %r1579, %r1587}, {%r2203, %r2202}, {%f217, %f218, %f219, %f220};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f217, %f218, %f219, %f220}, {%r1559, %r1567, %r1575, %r1583}, {%r2199, %r2198}, {%f217, %f218, %f219, %f220};
 	// end inline asm
-	mov.u32 	%r1634, 26146;
+	mov.u32 	%r1630, 26146;
 	// begin inline asm
-	prmt.b32 %r1603, %r2225, %r2221, %r1634;
+	prmt.b32 %r1599, %r2221, %r2217, %r1630;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1607, %r2224, %r2220, %r1634;
+	prmt.b32 %r1603, %r2220, %r2216, %r1630;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1611, %r2217, %r2213, %r1634;
+	prmt.b32 %r1607, %r2213, %r2209, %r1630;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1615, %r2216, %r2212, %r1634;
+	prmt.b32 %r1611, %r2212, %r2208, %r1630;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1619, %r2223, %r2219, %r1634;
+	prmt.b32 %r1615, %r2219, %r2215, %r1630;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1623, %r2222, %r2218, %r1634;
+	prmt.b32 %r1619, %r2218, %r2214, %r1630;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1627, %r2215, %r2211, %r1634;
+	prmt.b32 %r1623, %r2211, %r2207, %r1630;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1631, %r2214, %r2210, %r1634;
+	prmt.b32 %r1627, %r2210, %r2206, %r1630;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1635, %r1603, %r326, %r327, 0xEA;
+	lop3.b32 %r1631, %r1599, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1639, %r1635, %r1957, %r1918;
+	fma.rn.bf16x2 %r1635, %r1631, %r1953, %r1914;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1643, %r1607, %r326, %r327, 0xEA;
+	lop3.b32 %r1639, %r1603, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1647, %r1643, %r1957, %r1926;
+	fma.rn.bf16x2 %r1643, %r1639, %r1953, %r1922;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1651, %r1611, %r326, %r327, 0xEA;
+	lop3.b32 %r1647, %r1607, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1655, %r1651, %r1957, %r1918;
+	fma.rn.bf16x2 %r1651, %r1647, %r1953, %r1914;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1659, %r1615, %r326, %r327, 0xEA;
+	lop3.b32 %r1655, %r1611, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1663, %r1659, %r1957, %r1926;
+	fma.rn.bf16x2 %r1659, %r1655, %r1953, %r1922;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1667, %r1619, %r326, %r327, 0xEA;
+	lop3.b32 %r1663, %r1615, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1671, %r1667, %r1957, %r1950;
+	fma.rn.bf16x2 %r1667, %r1663, %r1953, %r1946;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1675, %r1623, %r326, %r327, 0xEA;
+	lop3.b32 %r1671, %r1619, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1679, %r1675, %r1957, %r1958;
+	fma.rn.bf16x2 %r1675, %r1671, %r1953, %r1954;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1683, %r1627, %r326, %r327, 0xEA;
+	lop3.b32 %r1679, %r1623, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1687, %r1683, %r1957, %r1950;
+	fma.rn.bf16x2 %r1683, %r1679, %r1953, %r1946;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1691, %r1631, %r326, %r327, 0xEA;
+	lop3.b32 %r1687, %r1627, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1695, %r1691, %r1957, %r1958;
+	fma.rn.bf16x2 %r1691, %r1687, %r1953, %r1954;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f209, %f210, %f211, %f212}, {%r1639, %r1647, %r1655, %r1663}, {%r2201, %r2200}, {%f209, %f210, %f211, %f212};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f209, %f210, %f211, %f212}, {%r1635, %r1643, %r1651, %r1659}, {%r2197, %r2196}, {%f209, %f210, %f211, %f212};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f217, %f218, %f219, %f220}, {%r1671, %r1679, %r1687, %r1695}, {%r2201, %r2200}, {%f217, %f218, %f219, %f220};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f217, %f218, %f219, %f220}, {%r1667, %r1675, %r1683, %r1691}, {%r2197, %r2196}, {%f217, %f218, %f219, %f220};
 	// end inline asm
-	shr.u32 	%r1712, %r1603, 4;
+	shr.u32 	%r1708, %r1599, 4;
 	// begin inline asm
-	lop3.b32 %r1711, %r1712, %r326, %r327, 0xEA;
+	lop3.b32 %r1707, %r1708, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1715, %r1711, %r1957, %r1918;
+	fma.rn.bf16x2 %r1711, %r1707, %r1953, %r1914;
 	// end inline asm
-	shr.u32 	%r1720, %r1607, 4;
+	shr.u32 	%r1716, %r1603, 4;
 	// begin inline asm
-	lop3.b32 %r1719, %r1720, %r326, %r327, 0xEA;
+	lop3.b32 %r1715, %r1716, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1723, %r1719, %r1957, %r1926;
+	fma.rn.bf16x2 %r1719, %r1715, %r1953, %r1922;
 	// end inline asm
-	shr.u32 	%r1728, %r1611, 4;
+	shr.u32 	%r1724, %r1607, 4;
 	// begin inline asm
-	lop3.b32 %r1727, %r1728, %r326, %r327, 0xEA;
+	lop3.b32 %r1723, %r1724, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1731, %r1727, %r1957, %r1918;
+	fma.rn.bf16x2 %r1727, %r1723, %r1953, %r1914;
 	// end inline asm
-	shr.u32 	%r1736, %r1615, 4;
+	shr.u32 	%r1732, %r1611, 4;
 	// begin inline asm
-	lop3.b32 %r1735, %r1736, %r326, %r327, 0xEA;
+	lop3.b32 %r1731, %r1732, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1739, %r1735, %r1957, %r1926;
+	fma.rn.bf16x2 %r1735, %r1731, %r1953, %r1922;
 	// end inline asm
-	shr.u32 	%r1744, %r1619, 4;
+	shr.u32 	%r1740, %r1615, 4;
 	// begin inline asm
-	lop3.b32 %r1743, %r1744, %r326, %r327, 0xEA;
+	lop3.b32 %r1739, %r1740, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1747, %r1743, %r1957, %r1950;
+	fma.rn.bf16x2 %r1743, %r1739, %r1953, %r1946;
 	// end inline asm
-	shr.u32 	%r1752, %r1623, 4;
+	shr.u32 	%r1748, %r1619, 4;
 	// begin inline asm
-	lop3.b32 %r1751, %r1752, %r326, %r327, 0xEA;
+	lop3.b32 %r1747, %r1748, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1755, %r1751, %r1957, %r1958;
+	fma.rn.bf16x2 %r1751, %r1747, %r1953, %r1954;
 	// end inline asm
-	shr.u32 	%r1760, %r1627, 4;
+	shr.u32 	%r1756, %r1623, 4;
 	// begin inline asm
-	lop3.b32 %r1759, %r1760, %r326, %r327, 0xEA;
+	lop3.b32 %r1755, %r1756, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1763, %r1759, %r1957, %r1950;
+	fma.rn.bf16x2 %r1759, %r1755, %r1953, %r1946;
 	// end inline asm
-	shr.u32 	%r1768, %r1631, 4;
+	shr.u32 	%r1764, %r1627, 4;
 	// begin inline asm
-	lop3.b32 %r1767, %r1768, %r326, %r327, 0xEA;
+	lop3.b32 %r1763, %r1764, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1771, %r1767, %r1957, %r1958;
+	fma.rn.bf16x2 %r1767, %r1763, %r1953, %r1954;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f209, %f210, %f211, %f212}, {%r1715, %r1723, %r1731, %r1739}, {%r2199, %r2198}, {%f209, %f210, %f211, %f212};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f209, %f210, %f211, %f212}, {%r1711, %r1719, %r1727, %r1735}, {%r2195, %r2194}, {%f209, %f210, %f211, %f212};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f217, %f218, %f219, %f220}, {%r1747, %r1755, %r1763, %r1771}, {%r2199, %r2198}, {%f217, %f218, %f219, %f220};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f217, %f218, %f219, %f220}, {%r1743, %r1751, %r1759, %r1767}, {%r2195, %r2194}, {%f217, %f218, %f219, %f220};
 	// end inline asm
-	mov.u32 	%r1818, 30515;
+	mov.u32 	%r1814, 30515;
 	// begin inline asm
-	prmt.b32 %r1787, %r2225, %r2221, %r1818;
+	prmt.b32 %r1783, %r2221, %r2217, %r1814;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1791, %r2224, %r2220, %r1818;
+	prmt.b32 %r1787, %r2220, %r2216, %r1814;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1795, %r2217, %r2213, %r1818;
+	prmt.b32 %r1791, %r2213, %r2209, %r1814;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1799, %r2216, %r2212, %r1818;
+	prmt.b32 %r1795, %r2212, %r2208, %r1814;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1803, %r2223, %r2219, %r1818;
+	prmt.b32 %r1799, %r2219, %r2215, %r1814;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1807, %r2222, %r2218, %r1818;
+	prmt.b32 %r1803, %r2218, %r2214, %r1814;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1811, %r2215, %r2211, %r1818;
+	prmt.b32 %r1807, %r2211, %r2207, %r1814;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1815, %r2214, %r2210, %r1818;
+	prmt.b32 %r1811, %r2210, %r2206, %r1814;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1819, %r1787, %r326, %r327, 0xEA;
+	lop3.b32 %r1815, %r1783, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1823, %r1819, %r1957, %r1918;
+	fma.rn.bf16x2 %r1819, %r1815, %r1953, %r1914;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1827, %r1791, %r326, %r327, 0xEA;
+	lop3.b32 %r1823, %r1787, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1831, %r1827, %r1957, %r1926;
+	fma.rn.bf16x2 %r1827, %r1823, %r1953, %r1922;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1835, %r1795, %r326, %r327, 0xEA;
+	lop3.b32 %r1831, %r1791, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1839, %r1835, %r1957, %r1918;
+	fma.rn.bf16x2 %r1835, %r1831, %r1953, %r1914;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1843, %r1799, %r326, %r327, 0xEA;
+	lop3.b32 %r1839, %r1795, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1847, %r1843, %r1957, %r1926;
+	fma.rn.bf16x2 %r1843, %r1839, %r1953, %r1922;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1851, %r1803, %r326, %r327, 0xEA;
+	lop3.b32 %r1847, %r1799, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1855, %r1851, %r1957, %r1950;
+	fma.rn.bf16x2 %r1851, %r1847, %r1953, %r1946;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1859, %r1807, %r326, %r327, 0xEA;
+	lop3.b32 %r1855, %r1803, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1863, %r1859, %r1957, %r1958;
+	fma.rn.bf16x2 %r1859, %r1855, %r1953, %r1954;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1867, %r1811, %r326, %r327, 0xEA;
+	lop3.b32 %r1863, %r1807, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1871, %r1867, %r1957, %r1950;
+	fma.rn.bf16x2 %r1867, %r1863, %r1953, %r1946;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1875, %r1815, %r326, %r327, 0xEA;
+	lop3.b32 %r1871, %r1811, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1879, %r1875, %r1957, %r1958;
+	fma.rn.bf16x2 %r1875, %r1871, %r1953, %r1954;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f209, %f210, %f211, %f212}, {%r1823, %r1831, %r1839, %r1847}, {%r2197, %r2196}, {%f209, %f210, %f211, %f212};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f209, %f210, %f211, %f212}, {%r1819, %r1827, %r1835, %r1843}, {%r2193, %r2192}, {%f209, %f210, %f211, %f212};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f217, %f218, %f219, %f220}, {%r1855, %r1863, %r1871, %r1879}, {%r2197, %r2196}, {%f217, %f218, %f219, %f220};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f217, %f218, %f219, %f220}, {%r1851, %r1859, %r1867, %r1875}, {%r2193, %r2192}, {%f217, %f218, %f219, %f220};
 	// end inline asm
-	shr.u32 	%r1896, %r1787, 4;
+	shr.u32 	%r1892, %r1783, 4;
 	// begin inline asm
-	lop3.b32 %r1895, %r1896, %r326, %r327, 0xEA;
+	lop3.b32 %r1891, %r1892, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1899, %r1895, %r1957, %r1918;
+	fma.rn.bf16x2 %r1895, %r1891, %r1953, %r1914;
 	// end inline asm
-	shr.u32 	%r1904, %r1791, 4;
+	shr.u32 	%r1900, %r1787, 4;
 	// begin inline asm
-	lop3.b32 %r1903, %r1904, %r326, %r327, 0xEA;
+	lop3.b32 %r1899, %r1900, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1907, %r1903, %r1957, %r1926;
+	fma.rn.bf16x2 %r1903, %r1899, %r1953, %r1922;
 	// end inline asm
-	shr.u32 	%r1912, %r1795, 4;
+	shr.u32 	%r1908, %r1791, 4;
 	// begin inline asm
-	lop3.b32 %r1911, %r1912, %r326, %r327, 0xEA;
+	lop3.b32 %r1907, %r1908, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1915, %r1911, %r1957, %r1918;
+	fma.rn.bf16x2 %r1911, %r1907, %r1953, %r1914;
 	// end inline asm
-	shr.u32 	%r1920, %r1799, 4;
+	shr.u32 	%r1916, %r1795, 4;
 	// begin inline asm
-	lop3.b32 %r1919, %r1920, %r326, %r327, 0xEA;
+	lop3.b32 %r1915, %r1916, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1923, %r1919, %r1957, %r1926;
+	fma.rn.bf16x2 %r1919, %r1915, %r1953, %r1922;
 	// end inline asm
-	shr.u32 	%r1928, %r1803, 4;
+	shr.u32 	%r1924, %r1799, 4;
 	// begin inline asm
-	lop3.b32 %r1927, %r1928, %r326, %r327, 0xEA;
+	lop3.b32 %r1923, %r1924, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1931, %r1927, %r1957, %r1950;
+	fma.rn.bf16x2 %r1927, %r1923, %r1953, %r1946;
 	// end inline asm
-	shr.u32 	%r1936, %r1807, 4;
+	shr.u32 	%r1932, %r1803, 4;
 	// begin inline asm
-	lop3.b32 %r1935, %r1936, %r326, %r327, 0xEA;
+	lop3.b32 %r1931, %r1932, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1939, %r1935, %r1957, %r1958;
+	fma.rn.bf16x2 %r1935, %r1931, %r1953, %r1954;
 	// end inline asm
-	shr.u32 	%r1944, %r1811, 4;
+	shr.u32 	%r1940, %r1807, 4;
 	// begin inline asm
-	lop3.b32 %r1943, %r1944, %r326, %r327, 0xEA;
+	lop3.b32 %r1939, %r1940, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1947, %r1943, %r1957, %r1950;
+	fma.rn.bf16x2 %r1943, %r1939, %r1953, %r1946;
 	// end inline asm
-	shr.u32 	%r1952, %r1815, 4;
+	shr.u32 	%r1948, %r1811, 4;
 	// begin inline asm
-	lop3.b32 %r1951, %r1952, %r326, %r327, 0xEA;
+	lop3.b32 %r1947, %r1948, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1955, %r1951, %r1957, %r1958;
+	fma.rn.bf16x2 %r1951, %r1947, %r1953, %r1954;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f209, %f210, %f211, %f212}, {%r1899, %r1907, %r1915, %r1923}, {%r2195, %r2194}, {%f209, %f210, %f211, %f212};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f209, %f210, %f211, %f212}, {%r1895, %r1903, %r1911, %r1919}, {%r2191, %r2190}, {%f209, %f210, %f211, %f212};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f217, %f218, %f219, %f220}, {%r1931, %r1939, %r1947, %r1955}, {%r2195, %r2194}, {%f217, %f218, %f219, %f220};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f217, %f218, %f219, %f220}, {%r1927, %r1935, %r1943, %r1951}, {%r2191, %r2190}, {%f217, %f218, %f219, %f220};
 	// end inline asm
-	shl.b32 	%r1981, %r2193, 16;
-	mov.b32 	%f321, %r1981;
+	shl.b32 	%r1977, %r2189, 16;
+	mov.b32 	%f321, %r1977;
 	fma.rn.f32 	%f358, %f209, %f321, %f358;
 	fma.rn.f32 	%f357, %f210, %f321, %f357;
-	and.b32  	%r1982, %r2193, -65536;
-	mov.b32 	%f322, %r1982;
+	and.b32  	%r1978, %r2189, -65536;
+	mov.b32 	%f322, %r1978;
 	fma.rn.f32 	%f356, %f211, %f322, %f356;
 	fma.rn.f32 	%f355, %f212, %f322, %f355;
-	shl.b32 	%r1983, %r2192, 16;
-	mov.b32 	%f323, %r1983;
+	shl.b32 	%r1979, %r2188, 16;
+	mov.b32 	%f323, %r1979;
 	fma.rn.f32 	%f354, %f217, %f323, %f354;
 	fma.rn.f32 	%f353, %f218, %f323, %f353;
-	and.b32  	%r1984, %r2192, -65536;
-	mov.b32 	%f324, %r1984;
+	and.b32  	%r1980, %r2188, -65536;
+	mov.b32 	%f324, %r1980;
 	fma.rn.f32 	%f352, %f219, %f324, %f352;
 	fma.rn.f32 	%f351, %f220, %f324, %f351;
-	setp.lt.s32 	%p6, %r2190, %r8;
+	setp.lt.s32 	%p6, %r2186, %r8;
 	@%p6 bra 	$L__BB0_4;
 
 $L__BB0_10:
-	mov.u32 	%r2082, %tid.x;
-	and.b32  	%r2081, %r2082, 31;
-	shr.u32 	%r1986, %r2082, 5;
-	prmt.b32 	%r1988, %r1986, %r2081, 8452;
-	shl.b32 	%r1989, %r1988, 2;
-	mov.u32 	%r1990, _ZN9lmd_w4a164sumsE;
-	add.s32 	%r1991, %r1990, %r1989;
-	st.shared.f32 	[%r1991], %f358;
-	st.shared.f32 	[%r1991+128], %f357;
-	st.shared.f32 	[%r1991+256], %f356;
-	st.shared.f32 	[%r1991+384], %f355;
-	st.shared.f32 	[%r1991+512], %f354;
-	st.shared.f32 	[%r1991+640], %f353;
-	st.shared.f32 	[%r1991+768], %f352;
-	st.shared.f32 	[%r1991+896], %f351;
+	mov.u32 	%r2078, %tid.x;
+	and.b32  	%r2077, %r2078, 31;
+	shr.u32 	%r1982, %r2078, 5;
+	prmt.b32 	%r1984, %r1982, %r2077, 8452;
+	shl.b32 	%r1985, %r1984, 2;
+	mov.u32 	%r1986, _ZN9lmd_w4a164sumsE;
+	add.s32 	%r1987, %r1986, %r1985;
+	st.shared.f32 	[%r1987], %f358;
+	st.shared.f32 	[%r1987+128], %f357;
+	st.shared.f32 	[%r1987+256], %f356;
+	st.shared.f32 	[%r1987+384], %f355;
+	st.shared.f32 	[%r1987+512], %f354;
+	st.shared.f32 	[%r1987+640], %f353;
+	st.shared.f32 	[%r1987+768], %f352;
+	st.shared.f32 	[%r1987+896], %f351;
 	bar.sync 	0;
-	setp.gt.s32 	%p7, %r2082, 255;
+	setp.gt.s32 	%p7, %r2078, 255;
 	@%p7 bra 	$L__BB0_32;
 
 	mov.u32 	%r296, %ntid.x;
-	shr.u32 	%r1992, %r296, 5;
-	setp.eq.s32 	%p8, %r1992, 0;
-	cvt.s64.s32 	%rd8, %r332;
+	shr.u32 	%r1988, %r296, 5;
+	setp.eq.s32 	%p8, %r1988, 0;
+	cvt.s64.s32 	%rd8, %r330;
 	@%p8 bra 	$L__BB0_25;
 
-	add.s32 	%r297, %r1992, -1;
-	and.b32  	%r298, %r1992, 3;
-	sub.s32 	%r299, %r1992, %r298;
-	mov.u32 	%r2261, %tid.x;
-	mov.u32 	%r1995, %ctaid.x;
-	shl.b32 	%r301, %r1995, 5;
+	add.s32 	%r297, %r1988, -1;
+	and.b32  	%r298, %r1988, 3;
+	sub.s32 	%r299, %r1988, %r298;
+	mov.u32 	%r2257, %tid.x;
+	mov.u32 	%r1991, %ctaid.x;
+	shl.b32 	%r301, %r1991, 5;
 	cvta.to.global.u64 	%rd95, %rd13;
 
 $L__BB0_13:
-	shr.s32 	%r1997, %r2261, 31;
-	shr.u32 	%r1998, %r1997, 27;
-	add.s32 	%r1999, %r2261, %r1998;
-	shr.s32 	%r303, %r1999, 5;
-	and.b32  	%r2000, %r1999, -32;
-	sub.s32 	%r304, %r2261, %r2000;
+	shr.s32 	%r1993, %r2257, 31;
+	shr.u32 	%r1994, %r1993, 27;
+	add.s32 	%r1995, %r2257, %r1994;
+	shr.s32 	%r303, %r1995, 5;
+	and.b32  	%r1996, %r1995, -32;
+	sub.s32 	%r304, %r2257, %r1996;
 	setp.lt.u32 	%p9, %r297, 3;
 	mov.f32 	%f362, 0f00000000;
-	mov.u32 	%r2264, 0;
+	mov.u32 	%r2260, 0;
 	@%p9 bra 	$L__BB0_16;
 
 	mov.f32 	%f362, 0f00000000;
-	mov.u32 	%r2264, 0;
-	mov.u32 	%r2263, %r299;
+	mov.u32 	%r2260, 0;
+	mov.u32 	%r2259, %r299;
 
 $L__BB0_15:
-	shl.b32 	%r2002, %r2264, 3;
-	add.s32 	%r2003, %r2002, %r303;
-	shl.b32 	%r2004, %r2003, 5;
-	add.s32 	%r2005, %r2004, %r304;
-	shl.b32 	%r2006, %r2005, 2;
-	add.s32 	%r2008, %r1990, %r2006;
-	ld.shared.f32 	%f328, [%r2008];
+	shl.b32 	%r1998, %r2260, 3;
+	add.s32 	%r1999, %r1998, %r303;
+	shl.b32 	%r2000, %r1999, 5;
+	add.s32 	%r2001, %r2000, %r304;
+	shl.b32 	%r2002, %r2001, 2;
+	add.s32 	%r2004, %r1986, %r2002;
+	ld.shared.f32 	%f328, [%r2004];
 	add.f32 	%f329, %f362, %f328;
-	ld.shared.f32 	%f330, [%r2008+1024];
+	ld.shared.f32 	%f330, [%r2004+1024];
 	add.f32 	%f331, %f329, %f330;
-	ld.shared.f32 	%f332, [%r2008+2048];
+	ld.shared.f32 	%f332, [%r2004+2048];
 	add.f32 	%f333, %f331, %f332;
-	ld.shared.f32 	%f334, [%r2008+3072];
+	ld.shared.f32 	%f334, [%r2004+3072];
 	add.f32 	%f362, %f333, %f334;
-	add.s32 	%r2264, %r2264, 4;
-	add.s32 	%r2263, %r2263, -4;
-	setp.ne.s32 	%p10, %r2263, 0;
+	add.s32 	%r2260, %r2260, 4;
+	add.s32 	%r2259, %r2259, -4;
+	setp.ne.s32 	%p10, %r2259, 0;
 	@%p10 bra 	$L__BB0_15;
 
 $L__BB0_16:
@@ -1612,12 +1612,12 @@ $L__BB0_16:
 	@%p11 bra 	$L__BB0_20;
 
 	setp.eq.s32 	%p12, %r298, 1;
-	shl.b32 	%r2009, %r2264, 3;
-	add.s32 	%r2010, %r2009, %r303;
-	shl.b32 	%r2011, %r2010, 5;
-	add.s32 	%r2012, %r2011, %r304;
-	shl.b32 	%r2013, %r2012, 2;
-	add.s32 	%r310, %r1990, %r2013;
+	shl.b32 	%r2005, %r2260, 3;
+	add.s32 	%r2006, %r2005, %r303;
+	shl.b32 	%r2007, %r2006, 5;
+	add.s32 	%r2008, %r2007, %r304;
+	shl.b32 	%r2009, %r2008, 2;
+	add.s32 	%r310, %r1986, %r2009;
 	ld.shared.f32 	%f335, [%r310];
 	add.f32 	%f362, %f362, %f335;
 	@%p12 bra 	$L__BB0_20;
@@ -1631,36 +1631,36 @@ $L__BB0_16:
 	add.f32 	%f362, %f362, %f337;
 
 $L__BB0_20:
-	shr.u32 	%r2016, %r1997, 25;
-	add.s32 	%r2017, %r2261, %r2016;
-	shr.u32 	%r2018, %r2017, 31;
-	shr.s32 	%r2019, %r2017, 7;
-	add.s32 	%r2020, %r2019, %r2018;
-	and.b32  	%r2021, %r2020, 2147483646;
-	sub.s32 	%r2022, %r2019, %r2021;
-	shr.u32 	%r2023, %r1997, 24;
-	add.s32 	%r2024, %r2261, %r2023;
-	shr.s32 	%r2025, %r2024, 8;
-	shl.b32 	%r2026, %r2025, 3;
-	shl.b32 	%r2027, %r304, 1;
-	and.b32  	%r2028, %r2027, 6;
-	or.b32  	%r2029, %r2028, %r2026;
-	shr.s32 	%r2030, %r303, 31;
-	shr.u32 	%r2031, %r2030, 30;
-	add.s32 	%r2032, %r303, %r2031;
-	and.b32  	%r2033, %r2032, -4;
-	sub.s32 	%r2034, %r303, %r2033;
-	and.b32  	%r2035, %r2034, 1;
-	or.b32  	%r311, %r2029, %r2035;
-	and.b32  	%r2036, %r304, -4;
-	add.s32 	%r2037, %r2036, %r301;
-	shl.b32 	%r2038, %r2022, 1;
-	add.s32 	%r2039, %r2037, %r2038;
-	shr.u32 	%r2040, %r2034, 31;
-	add.s32 	%r2041, %r2034, %r2040;
-	shr.s32 	%r2042, %r2041, 1;
-	add.s32 	%r312, %r2039, %r2042;
-	setp.ge.s32 	%p14, %r311, %r331;
+	shr.u32 	%r2012, %r1993, 25;
+	add.s32 	%r2013, %r2257, %r2012;
+	shr.u32 	%r2014, %r2013, 31;
+	shr.s32 	%r2015, %r2013, 7;
+	add.s32 	%r2016, %r2015, %r2014;
+	and.b32  	%r2017, %r2016, 2147483646;
+	sub.s32 	%r2018, %r2015, %r2017;
+	shr.u32 	%r2019, %r1993, 24;
+	add.s32 	%r2020, %r2257, %r2019;
+	shr.s32 	%r2021, %r2020, 8;
+	shl.b32 	%r2022, %r2021, 3;
+	shl.b32 	%r2023, %r304, 1;
+	and.b32  	%r2024, %r2023, 6;
+	or.b32  	%r2025, %r2024, %r2022;
+	shr.s32 	%r2026, %r303, 31;
+	shr.u32 	%r2027, %r2026, 30;
+	add.s32 	%r2028, %r303, %r2027;
+	and.b32  	%r2029, %r2028, -4;
+	sub.s32 	%r2030, %r303, %r2029;
+	and.b32  	%r2031, %r2030, 1;
+	or.b32  	%r311, %r2025, %r2031;
+	and.b32  	%r2032, %r304, -4;
+	add.s32 	%r2033, %r2032, %r301;
+	shl.b32 	%r2034, %r2018, 1;
+	add.s32 	%r2035, %r2033, %r2034;
+	shr.u32 	%r2036, %r2030, 31;
+	add.s32 	%r2037, %r2030, %r2036;
+	shr.s32 	%r2038, %r2037, 1;
+	add.s32 	%r312, %r2035, %r2038;
+	setp.ge.s32 	%p14, %r311, %r329;
 	@%p14 bra 	$L__BB0_24;
 
 	setp.eq.s64 	%p15, %rd13, 0;
@@ -1668,9 +1668,9 @@ $L__BB0_20:
 
 	mul.wide.s32 	%rd96, %r312, 2;
 	add.s64 	%rd97, %rd95, %rd96;
-	ld.global.u16 	%r2043, [%rd97];
-	shl.b32 	%r2044, %r2043, 16;
-	mov.b32 	%f338, %r2044;
+	ld.global.u16 	%r2039, [%rd97];
+	shl.b32 	%r2040, %r2039, 16;
+	mov.b32 	%f338, %r2040;
 	add.f32 	%f362, %f362, %f338;
 
 $L__BB0_23:
@@ -1686,54 +1686,54 @@ $L__BB0_23:
 	st.global.u16 	[%rd103], %rs1;
 
 $L__BB0_24:
-	add.s32 	%r2261, %r2261, %r296;
-	setp.lt.s32 	%p16, %r2261, 256;
+	add.s32 	%r2257, %r2257, %r296;
+	setp.lt.s32 	%p16, %r2257, 256;
 	@%p16 bra 	$L__BB0_13;
 	bra.uni 	$L__BB0_32;
 
 $L__BB0_25:
-	mov.u32 	%r2265, %tid.x;
-	mov.u32 	%r2045, %ctaid.x;
-	shl.b32 	%r315, %r2045, 5;
+	mov.u32 	%r2261, %tid.x;
+	mov.u32 	%r2041, %ctaid.x;
+	shl.b32 	%r315, %r2041, 5;
 	cvta.to.global.u64 	%rd104, %rd13;
 
 $L__BB0_26:
-	shr.s32 	%r2046, %r2265, 31;
-	shr.u32 	%r2047, %r2046, 25;
-	add.s32 	%r2048, %r2265, %r2047;
-	shr.u32 	%r2049, %r2048, 31;
-	shr.s32 	%r2050, %r2048, 7;
-	add.s32 	%r2051, %r2050, %r2049;
-	and.b32  	%r2052, %r2051, 2147483646;
-	sub.s32 	%r2053, %r2050, %r2052;
-	shr.u32 	%r2054, %r2046, 27;
-	add.s32 	%r2055, %r2265, %r2054;
-	shr.s32 	%r2056, %r2055, 5;
-	shr.u32 	%r2057, %r2046, 24;
-	add.s32 	%r2058, %r2265, %r2057;
-	shr.s32 	%r2059, %r2058, 8;
-	shl.b32 	%r2060, %r2059, 3;
-	and.b32  	%r2061, %r2055, -32;
-	sub.s32 	%r2062, %r2265, %r2061;
-	shl.b32 	%r2063, %r2062, 1;
-	and.b32  	%r2064, %r2063, 6;
-	or.b32  	%r2065, %r2064, %r2060;
-	shr.s32 	%r2066, %r2055, 31;
-	shr.u32 	%r2067, %r2066, 30;
-	add.s32 	%r2068, %r2056, %r2067;
-	and.b32  	%r2069, %r2068, -4;
-	sub.s32 	%r2070, %r2056, %r2069;
-	and.b32  	%r2071, %r2070, 1;
-	or.b32  	%r317, %r2065, %r2071;
-	and.b32  	%r2072, %r2062, -4;
-	add.s32 	%r2073, %r2072, %r315;
-	shl.b32 	%r2074, %r2053, 1;
-	add.s32 	%r2075, %r2073, %r2074;
-	shr.u32 	%r2076, %r2070, 31;
-	add.s32 	%r2077, %r2070, %r2076;
-	shr.s32 	%r2078, %r2077, 1;
-	add.s32 	%r318, %r2075, %r2078;
-	setp.ge.s32 	%p17, %r317, %r331;
+	shr.s32 	%r2042, %r2261, 31;
+	shr.u32 	%r2043, %r2042, 25;
+	add.s32 	%r2044, %r2261, %r2043;
+	shr.u32 	%r2045, %r2044, 31;
+	shr.s32 	%r2046, %r2044, 7;
+	add.s32 	%r2047, %r2046, %r2045;
+	and.b32  	%r2048, %r2047, 2147483646;
+	sub.s32 	%r2049, %r2046, %r2048;
+	shr.u32 	%r2050, %r2042, 27;
+	add.s32 	%r2051, %r2261, %r2050;
+	shr.s32 	%r2052, %r2051, 5;
+	shr.u32 	%r2053, %r2042, 24;
+	add.s32 	%r2054, %r2261, %r2053;
+	shr.s32 	%r2055, %r2054, 8;
+	shl.b32 	%r2056, %r2055, 3;
+	and.b32  	%r2057, %r2051, -32;
+	sub.s32 	%r2058, %r2261, %r2057;
+	shl.b32 	%r2059, %r2058, 1;
+	and.b32  	%r2060, %r2059, 6;
+	or.b32  	%r2061, %r2060, %r2056;
+	shr.s32 	%r2062, %r2051, 31;
+	shr.u32 	%r2063, %r2062, 30;
+	add.s32 	%r2064, %r2052, %r2063;
+	and.b32  	%r2065, %r2064, -4;
+	sub.s32 	%r2066, %r2052, %r2065;
+	and.b32  	%r2067, %r2066, 1;
+	or.b32  	%r317, %r2061, %r2067;
+	and.b32  	%r2068, %r2058, -4;
+	add.s32 	%r2069, %r2068, %r315;
+	shl.b32 	%r2070, %r2049, 1;
+	add.s32 	%r2071, %r2069, %r2070;
+	shr.u32 	%r2072, %r2066, 31;
+	add.s32 	%r2073, %r2066, %r2072;
+	shr.s32 	%r2074, %r2073, 1;
+	add.s32 	%r318, %r2071, %r2074;
+	setp.ge.s32 	%p17, %r317, %r329;
 	@%p17 bra 	$L__BB0_31;
 
 	setp.eq.s64 	%p18, %rd13, 0;
@@ -1741,9 +1741,9 @@ $L__BB0_26:
 
 	mul.wide.s32 	%rd105, %r318, 2;
 	add.s64 	%rd106, %rd104, %rd105;
-	ld.global.u16 	%r2079, [%rd106];
-	shl.b32 	%r2080, %r2079, 16;
-	mov.b32 	%f340, %r2080;
+	ld.global.u16 	%r2075, [%rd106];
+	shl.b32 	%r2076, %r2075, 16;
+	mov.b32 	%f340, %r2076;
 	add.f32 	%f364, %f340, 0f00000000;
 	bra.uni 	$L__BB0_30;
 
@@ -1763,8 +1763,8 @@ $L__BB0_30:
 	st.global.u16 	[%rd112], %rs2;
 
 $L__BB0_31:
-	add.s32 	%r2265, %r2265, %r296;
-	setp.lt.s32 	%p19, %r2265, 256;
+	add.s32 	%r2261, %r2261, %r296;
+	setp.lt.s32 	%p19, %r2261, 256;
 	@%p19 bra 	$L__BB0_26;
 
 $L__BB0_32:
@@ -1773,19 +1773,19 @@ $L__BB0_32:
 }
 	// .globl	lmd_w4a16_rows_bf16_m16
 .visible .entry lmd_w4a16_rows_bf16_m16(
-	.param .align 8 .b8 lmd_w4a16_rows_bf16_m16_param_0[72]
+	.param .align 8 .b8 lmd_w4a16_rows_bf16_m16_param_0[64]
 )
 .maxntid 256, 1, 1
 {
 	.reg .pred 	%p<20>;
 	.reg .b16 	%rs<3>;
 	.reg .f32 	%f<685>;
-	.reg .b32 	%r<2717>;
+	.reg .b32 	%r<2713>;
 	.reg .b64 	%rd<143>;
 
 
-	ld.param.v2.u32 	{%r458, %r459}, [lmd_w4a16_rows_bf16_m16_param_0+48];
-	ld.param.v2.u32 	{%r460, %r461}, [lmd_w4a16_rows_bf16_m16_param_0+56];
+	ld.param.v2.u32 	{%r456, %r457}, [lmd_w4a16_rows_bf16_m16_param_0+48];
+	ld.param.v2.u32 	{%r458, %r459}, [lmd_w4a16_rows_bf16_m16_param_0+56];
 	ld.param.u64 	%rd15, [lmd_w4a16_rows_bf16_m16_param_0+40];
 	ld.param.u64 	%rd14, [lmd_w4a16_rows_bf16_m16_param_0+32];
 	ld.param.u64 	%rd13, [lmd_w4a16_rows_bf16_m16_param_0+24];
@@ -1794,137 +1794,137 @@ $L__BB0_32:
 	ld.param.u64 	%rd10, [lmd_w4a16_rows_bf16_m16_param_0];
 	cvta.to.global.u64 	%rd5, %rd15;
 	mov.u32 	%r4, %tid.x;
-	and.b32  	%r464, %r4, 31;
-	shr.u32 	%r2609, %r4, 5;
-	shr.u32 	%r6, %r464, 2;
-	shr.s32 	%r465, %r460, 31;
-	shr.u32 	%r466, %r465, 25;
-	add.s32 	%r467, %r460, %r466;
-	shr.s32 	%r7, %r467, 7;
-	mov.u32 	%r453, 983055;
-	mov.u32 	%r454, 1124090624;
+	and.b32  	%r460, %r4, 31;
+	shr.u32 	%r2605, %r4, 5;
+	shr.u32 	%r6, %r460, 2;
+	shr.s32 	%r461, %r458, 31;
+	shr.u32 	%r462, %r461, 25;
+	add.s32 	%r463, %r458, %r462;
+	shr.s32 	%r7, %r463, 7;
+	mov.u32 	%r451, 983055;
+	mov.u32 	%r452, 1124090624;
 	// begin inline asm
 	// end inline asm
-	setp.ge.s32 	%p1, %r2609, %r7;
+	setp.ge.s32 	%p1, %r2605, %r7;
 	@%p1 bra 	$L__BB1_2;
 
-	shl.b32 	%r519, %r2609, 4;
-	shl.b32 	%r520, %r4, 2;
-	and.b32  	%r521, %r520, 12;
-	or.b32  	%r522, %r519, %r521;
-	cvt.s64.s32 	%rd38, %r459;
-	mul.wide.s32 	%rd39, %r522, %r459;
-	and.b32  	%r523, %r4, 28;
-	mov.u32 	%r524, %ctaid.x;
-	shl.b32 	%r525, %r524, 5;
-	or.b32  	%r526, %r525, %r523;
-	cvt.s64.s32 	%rd40, %r526;
+	shl.b32 	%r515, %r2605, 4;
+	shl.b32 	%r516, %r4, 2;
+	and.b32  	%r517, %r516, 12;
+	or.b32  	%r518, %r515, %r517;
+	cvt.s64.s32 	%rd38, %r457;
+	mul.wide.s32 	%rd39, %r518, %r457;
+	and.b32  	%r519, %r4, 28;
+	mov.u32 	%r520, %ctaid.x;
+	shl.b32 	%r521, %r520, 5;
+	or.b32  	%r522, %r521, %r519;
+	cvt.s64.s32 	%rd40, %r522;
 	add.s64 	%rd41, %rd39, %rd40;
 	shl.b64 	%rd42, %rd41, 2;
 	add.s64 	%rd16, %rd11, %rd42;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2557, %r2556, %r2555, %r2554}, [%rd16];
+	ld.global.nc.v4.u32 {%r2553, %r2552, %r2551, %r2550}, [%rd16];
 	// end inline asm
-	mul.wide.s32 	%rd43, %r459, 4;
+	mul.wide.s32 	%rd43, %r457, 4;
 	add.s64 	%rd17, %rd16, %rd43;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2553, %r2552, %r2551, %r2550}, [%rd17];
+	ld.global.nc.v4.u32 {%r2549, %r2548, %r2547, %r2546}, [%rd17];
 	// end inline asm
 	add.s64 	%rd18, %rd17, %rd43;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2549, %r2548, %r2547, %r2546}, [%rd18];
+	ld.global.nc.v4.u32 {%r2545, %r2544, %r2543, %r2542}, [%rd18];
 	// end inline asm
 	add.s64 	%rd19, %rd18, %rd43;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2545, %r2544, %r2543, %r2542}, [%rd19];
+	ld.global.nc.v4.u32 {%r2541, %r2540, %r2539, %r2538}, [%rd19];
 	// end inline asm
-	mad.lo.s32 	%r527, %r2609, 112, %r522;
-	cvt.s64.s32 	%rd44, %r527;
-	add.s32 	%r528, %r458, -1;
-	min.s32 	%r529, %r6, %r528;
-	mul.wide.s32 	%rd45, %r529, %r461;
+	mad.lo.s32 	%r523, %r2605, 112, %r518;
+	cvt.s64.s32 	%rd44, %r523;
+	add.s32 	%r524, %r456, -1;
+	min.s32 	%r525, %r6, %r524;
+	mul.wide.s32 	%rd45, %r525, %r459;
 	add.s64 	%rd46, %rd45, %rd44;
 	shl.b64 	%rd47, %rd46, 1;
 	add.s64 	%rd20, %rd10, %rd47;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2541, %r2540}, [%rd20];
+	ld.global.nc.v2.u32 {%r2537, %r2536}, [%rd20];
 	// end inline asm
 	add.s64 	%rd21, %rd20, 32;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2539, %r2538}, [%rd21];
+	ld.global.nc.v2.u32 {%r2535, %r2534}, [%rd21];
 	// end inline asm
 	add.s64 	%rd22, %rd20, 64;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2537, %r2536}, [%rd22];
+	ld.global.nc.v2.u32 {%r2533, %r2532}, [%rd22];
 	// end inline asm
 	add.s64 	%rd23, %rd20, 96;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2535, %r2534}, [%rd23];
+	ld.global.nc.v2.u32 {%r2531, %r2530}, [%rd23];
 	// end inline asm
 	add.s64 	%rd24, %rd20, 128;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2533, %r2532}, [%rd24];
+	ld.global.nc.v2.u32 {%r2529, %r2528}, [%rd24];
 	// end inline asm
 	add.s64 	%rd25, %rd20, 160;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2531, %r2530}, [%rd25];
+	ld.global.nc.v2.u32 {%r2527, %r2526}, [%rd25];
 	// end inline asm
 	add.s64 	%rd26, %rd20, 192;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2529, %r2528}, [%rd26];
+	ld.global.nc.v2.u32 {%r2525, %r2524}, [%rd26];
 	// end inline asm
 	add.s64 	%rd27, %rd20, 224;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2527, %r2526}, [%rd27];
+	ld.global.nc.v2.u32 {%r2523, %r2522}, [%rd27];
 	// end inline asm
-	or.b32  	%r530, %r6, 8;
-	min.s32 	%r531, %r530, %r528;
-	mul.wide.s32 	%rd48, %r531, %r461;
+	or.b32  	%r526, %r6, 8;
+	min.s32 	%r527, %r526, %r524;
+	mul.wide.s32 	%rd48, %r527, %r459;
 	add.s64 	%rd49, %rd48, %rd44;
 	shl.b64 	%rd50, %rd49, 1;
 	add.s64 	%rd28, %rd10, %rd50;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2525, %r2524}, [%rd28];
+	ld.global.nc.v2.u32 {%r2521, %r2520}, [%rd28];
 	// end inline asm
 	add.s64 	%rd29, %rd28, 32;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2523, %r2522}, [%rd29];
+	ld.global.nc.v2.u32 {%r2519, %r2518}, [%rd29];
 	// end inline asm
 	add.s64 	%rd30, %rd28, 64;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2521, %r2520}, [%rd30];
+	ld.global.nc.v2.u32 {%r2517, %r2516}, [%rd30];
 	// end inline asm
 	add.s64 	%rd31, %rd28, 96;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2519, %r2518}, [%rd31];
+	ld.global.nc.v2.u32 {%r2515, %r2514}, [%rd31];
 	// end inline asm
 	add.s64 	%rd32, %rd28, 128;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2517, %r2516}, [%rd32];
+	ld.global.nc.v2.u32 {%r2513, %r2512}, [%rd32];
 	// end inline asm
 	add.s64 	%rd33, %rd28, 160;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2515, %r2514}, [%rd33];
+	ld.global.nc.v2.u32 {%r2511, %r2510}, [%rd33];
 	// end inline asm
 	add.s64 	%rd34, %rd28, 192;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2513, %r2512}, [%rd34];
+	ld.global.nc.v2.u32 {%r2509, %r2508}, [%rd34];
 	// end inline asm
 	add.s64 	%rd35, %rd28, 224;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2511, %r2510}, [%rd35];
+	ld.global.nc.v2.u32 {%r2507, %r2506}, [%rd35];
 	// end inline asm
-	cvt.u64.u32 	%rd51, %r2609;
+	cvt.u64.u32 	%rd51, %r2605;
 	mul.lo.s64 	%rd52, %rd38, %rd51;
 	add.s64 	%rd53, %rd52, %rd40;
 	shl.b64 	%rd54, %rd53, 1;
 	add.s64 	%rd36, %rd12, %rd54;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2509, %r2508}, [%rd36];
+	ld.global.nc.v2.u32 {%r2505, %r2504}, [%rd36];
 	// end inline asm
 	add.s64 	%rd37, %rd13, %rd53;
 	// begin inline asm
-	ld.global.nc.u32 %r2507, [%rd37];
+	ld.global.nc.u32 %r2503, [%rd37];
 	// end inline asm
 
 $L__BB1_2:
@@ -1946,221 +1946,221 @@ $L__BB1_2:
 	mov.f32 	%f678, %f663;
 	@%p1 bra 	$L__BB1_10;
 
-	add.s32 	%r533, %r458, -1;
-	min.s32 	%r534, %r6, %r533;
-	mul.wide.s32 	%rd6, %r534, %r461;
-	or.b32  	%r535, %r6, 8;
-	min.s32 	%r536, %r535, %r533;
-	mul.wide.s32 	%rd7, %r536, %r461;
+	add.s32 	%r529, %r456, -1;
+	min.s32 	%r530, %r6, %r529;
+	mul.wide.s32 	%rd6, %r530, %r459;
+	or.b32  	%r531, %r6, 8;
+	min.s32 	%r532, %r531, %r529;
+	mul.wide.s32 	%rd7, %r532, %r459;
 	mov.f32 	%f663, 0f00000000;
-	mul.wide.s32 	%rd81, %r459, 4;
+	mul.wide.s32 	%rd81, %r457, 4;
 
 $L__BB1_4:
-	mov.u32 	%r537, %ntid.x;
-	shr.u32 	%r538, %r537, 5;
-	add.s32 	%r217, %r2609, %r538;
+	mov.u32 	%r533, %ntid.x;
+	shr.u32 	%r534, %r533, 5;
+	add.s32 	%r217, %r2605, %r534;
 	setp.ge.s32 	%p3, %r217, %r7;
 	@%p3 bra 	$L__BB1_6;
 
-	shl.b32 	%r590, %r217, 4;
-	mov.u32 	%r591, %tid.x;
-	shl.b32 	%r592, %r591, 2;
-	and.b32  	%r593, %r592, 12;
-	or.b32  	%r594, %r590, %r593;
-	mul.wide.s32 	%rd77, %r594, %r459;
-	mov.u32 	%r595, %ctaid.x;
-	shl.b32 	%r596, %r595, 5;
-	and.b32  	%r597, %r591, 28;
-	or.b32  	%r598, %r596, %r597;
-	cvt.s64.s32 	%rd78, %r598;
+	shl.b32 	%r586, %r217, 4;
+	mov.u32 	%r587, %tid.x;
+	shl.b32 	%r588, %r587, 2;
+	and.b32  	%r589, %r588, 12;
+	or.b32  	%r590, %r586, %r589;
+	mul.wide.s32 	%rd77, %r590, %r457;
+	mov.u32 	%r591, %ctaid.x;
+	shl.b32 	%r592, %r591, 5;
+	and.b32  	%r593, %r587, 28;
+	or.b32  	%r594, %r592, %r593;
+	cvt.s64.s32 	%rd78, %r594;
 	add.s64 	%rd79, %rd77, %rd78;
 	shl.b64 	%rd80, %rd79, 2;
 	add.s64 	%rd55, %rd11, %rd80;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2660, %r2659, %r2658, %r2657}, [%rd55];
+	ld.global.nc.v4.u32 {%r2656, %r2655, %r2654, %r2653}, [%rd55];
 	// end inline asm
 	add.s64 	%rd56, %rd55, %rd81;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2656, %r2655, %r2654, %r2653}, [%rd56];
+	ld.global.nc.v4.u32 {%r2652, %r2651, %r2650, %r2649}, [%rd56];
 	// end inline asm
 	add.s64 	%rd57, %rd56, %rd81;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2652, %r2651, %r2650, %r2649}, [%rd57];
+	ld.global.nc.v4.u32 {%r2648, %r2647, %r2646, %r2645}, [%rd57];
 	// end inline asm
 	add.s64 	%rd58, %rd57, %rd81;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2648, %r2647, %r2646, %r2645}, [%rd58];
+	ld.global.nc.v4.u32 {%r2644, %r2643, %r2642, %r2641}, [%rd58];
 	// end inline asm
-	mad.lo.s32 	%r599, %r217, 112, %r594;
-	cvt.s64.s32 	%rd82, %r599;
+	mad.lo.s32 	%r595, %r217, 112, %r590;
+	cvt.s64.s32 	%rd82, %r595;
 	add.s64 	%rd83, %rd6, %rd82;
 	shl.b64 	%rd84, %rd83, 1;
 	add.s64 	%rd59, %rd10, %rd84;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2644, %r2643}, [%rd59];
+	ld.global.nc.v2.u32 {%r2640, %r2639}, [%rd59];
 	// end inline asm
 	add.s64 	%rd60, %rd59, 32;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2642, %r2641}, [%rd60];
+	ld.global.nc.v2.u32 {%r2638, %r2637}, [%rd60];
 	// end inline asm
 	add.s64 	%rd61, %rd59, 64;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2640, %r2639}, [%rd61];
+	ld.global.nc.v2.u32 {%r2636, %r2635}, [%rd61];
 	// end inline asm
 	add.s64 	%rd62, %rd59, 96;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2638, %r2637}, [%rd62];
+	ld.global.nc.v2.u32 {%r2634, %r2633}, [%rd62];
 	// end inline asm
 	add.s64 	%rd63, %rd59, 128;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2636, %r2635}, [%rd63];
+	ld.global.nc.v2.u32 {%r2632, %r2631}, [%rd63];
 	// end inline asm
 	add.s64 	%rd64, %rd59, 160;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2634, %r2633}, [%rd64];
+	ld.global.nc.v2.u32 {%r2630, %r2629}, [%rd64];
 	// end inline asm
 	add.s64 	%rd65, %rd59, 192;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2632, %r2631}, [%rd65];
+	ld.global.nc.v2.u32 {%r2628, %r2627}, [%rd65];
 	// end inline asm
 	add.s64 	%rd66, %rd59, 224;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2630, %r2629}, [%rd66];
+	ld.global.nc.v2.u32 {%r2626, %r2625}, [%rd66];
 	// end inline asm
 	add.s64 	%rd85, %rd7, %rd82;
 	shl.b64 	%rd86, %rd85, 1;
 	add.s64 	%rd67, %rd10, %rd86;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2628, %r2627}, [%rd67];
+	ld.global.nc.v2.u32 {%r2624, %r2623}, [%rd67];
 	// end inline asm
 	add.s64 	%rd68, %rd67, 32;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2626, %r2625}, [%rd68];
+	ld.global.nc.v2.u32 {%r2622, %r2621}, [%rd68];
 	// end inline asm
 	add.s64 	%rd69, %rd67, 64;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2624, %r2623}, [%rd69];
+	ld.global.nc.v2.u32 {%r2620, %r2619}, [%rd69];
 	// end inline asm
 	add.s64 	%rd70, %rd67, 96;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2622, %r2621}, [%rd70];
+	ld.global.nc.v2.u32 {%r2618, %r2617}, [%rd70];
 	// end inline asm
 	add.s64 	%rd71, %rd67, 128;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2620, %r2619}, [%rd71];
+	ld.global.nc.v2.u32 {%r2616, %r2615}, [%rd71];
 	// end inline asm
 	add.s64 	%rd72, %rd67, 160;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2618, %r2617}, [%rd72];
+	ld.global.nc.v2.u32 {%r2614, %r2613}, [%rd72];
 	// end inline asm
 	add.s64 	%rd73, %rd67, 192;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2616, %r2615}, [%rd73];
+	ld.global.nc.v2.u32 {%r2612, %r2611}, [%rd73];
 	// end inline asm
 	add.s64 	%rd74, %rd67, 224;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2614, %r2613}, [%rd74];
+	ld.global.nc.v2.u32 {%r2610, %r2609}, [%rd74];
 	// end inline asm
-	mul.wide.s32 	%rd87, %r217, %r459;
+	mul.wide.s32 	%rd87, %r217, %r457;
 	add.s64 	%rd88, %rd87, %rd78;
 	shl.b64 	%rd89, %rd88, 1;
 	add.s64 	%rd75, %rd12, %rd89;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2612, %r2611}, [%rd75];
+	ld.global.nc.v2.u32 {%r2608, %r2607}, [%rd75];
 	// end inline asm
 	add.s64 	%rd76, %rd13, %rd88;
 	// begin inline asm
-	ld.global.nc.u32 %r2610, [%rd76];
+	ld.global.nc.u32 %r2606, [%rd76];
 	// end inline asm
 
 $L__BB1_6:
-	and.b32  	%r1432, %r2507, 255;
-	or.b32  	%r1433, %r1432, 49920;
-	mul.lo.s32 	%r1367, %r1433, 65537;
-	shr.u32 	%r1434, %r2507, 8;
-	and.b32  	%r1435, %r1434, 255;
-	or.b32  	%r1436, %r1435, 49920;
-	mul.lo.s32 	%r1375, %r1436, 65537;
-	shr.u32 	%r1437, %r2507, 16;
-	and.b32  	%r1438, %r1437, 255;
-	or.b32  	%r1439, %r1438, 49920;
-	mul.lo.s32 	%r1399, %r1439, 65537;
-	shr.u32 	%r1440, %r2507, 24;
-	or.b32  	%r1441, %r1440, 49920;
-	mul.lo.s32 	%r1407, %r1441, 65537;
-	mov.u32 	%r631, 17408;
+	and.b32  	%r1428, %r2503, 255;
+	or.b32  	%r1429, %r1428, 49920;
+	mul.lo.s32 	%r1363, %r1429, 65537;
+	shr.u32 	%r1430, %r2503, 8;
+	and.b32  	%r1431, %r1430, 255;
+	or.b32  	%r1432, %r1431, 49920;
+	mul.lo.s32 	%r1371, %r1432, 65537;
+	shr.u32 	%r1433, %r2503, 16;
+	and.b32  	%r1434, %r1433, 255;
+	or.b32  	%r1435, %r1434, 49920;
+	mul.lo.s32 	%r1395, %r1435, 65537;
+	shr.u32 	%r1436, %r2503, 24;
+	or.b32  	%r1437, %r1436, 49920;
+	mul.lo.s32 	%r1403, %r1437, 65537;
+	mov.u32 	%r627, 17408;
 	// begin inline asm
-	prmt.b32 %r600, %r2557, %r2553, %r631;
+	prmt.b32 %r596, %r2553, %r2549, %r627;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r604, %r2556, %r2552, %r631;
+	prmt.b32 %r600, %r2552, %r2548, %r627;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r608, %r2549, %r2545, %r631;
+	prmt.b32 %r604, %r2545, %r2541, %r627;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r612, %r2548, %r2544, %r631;
+	prmt.b32 %r608, %r2544, %r2540, %r627;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r616, %r2555, %r2551, %r631;
+	prmt.b32 %r612, %r2551, %r2547, %r627;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r620, %r2554, %r2550, %r631;
+	prmt.b32 %r616, %r2550, %r2546, %r627;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r624, %r2547, %r2543, %r631;
+	prmt.b32 %r620, %r2543, %r2539, %r627;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r628, %r2546, %r2542, %r631;
+	prmt.b32 %r624, %r2542, %r2538, %r627;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r632, %r600, %r453, %r454, 0xEA;
+	lop3.b32 %r628, %r596, %r451, %r452, 0xEA;
 	// end inline asm
-	mov.u32 	%r1406, 1065369472;
+	mov.u32 	%r1402, 1065369472;
 	// begin inline asm
-	fma.rn.bf16x2 %r636, %r632, %r1406, %r1367;
-	// end inline asm
-	// begin inline asm
-	lop3.b32 %r640, %r604, %r453, %r454, 0xEA;
+	fma.rn.bf16x2 %r632, %r628, %r1402, %r1363;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r644, %r640, %r1406, %r1375;
+	lop3.b32 %r636, %r600, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r648, %r608, %r453, %r454, 0xEA;
+	fma.rn.bf16x2 %r640, %r636, %r1402, %r1371;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r652, %r648, %r1406, %r1367;
+	lop3.b32 %r644, %r604, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r656, %r612, %r453, %r454, 0xEA;
+	fma.rn.bf16x2 %r648, %r644, %r1402, %r1363;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r660, %r656, %r1406, %r1375;
+	lop3.b32 %r652, %r608, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r664, %r616, %r453, %r454, 0xEA;
+	fma.rn.bf16x2 %r656, %r652, %r1402, %r1371;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r668, %r664, %r1406, %r1399;
+	lop3.b32 %r660, %r612, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r672, %r620, %r453, %r454, 0xEA;
+	fma.rn.bf16x2 %r664, %r660, %r1402, %r1395;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r676, %r672, %r1406, %r1407;
+	lop3.b32 %r668, %r616, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r680, %r624, %r453, %r454, 0xEA;
+	fma.rn.bf16x2 %r672, %r668, %r1402, %r1403;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r684, %r680, %r1406, %r1399;
+	lop3.b32 %r676, %r620, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r688, %r628, %r453, %r454, 0xEA;
+	fma.rn.bf16x2 %r680, %r676, %r1402, %r1395;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r692, %r688, %r1406, %r1407;
+	lop3.b32 %r684, %r624, %r451, %r452, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r688, %r684, %r1402, %r1403;
 	// end inline asm
 	mov.f32 	%f165, 0f00000000;
 	mov.f32 	%f141, %f165;
@@ -2168,569 +2168,569 @@ $L__BB1_6:
 	mov.f32 	%f143, %f165;
 	mov.f32 	%f144, %f165;
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f141, %f142, %f143, %f144}, {%r636, %r644, %r652, %r660}, {%r2541, %r2540}, {%f141, %f142, %f143, %f144};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f141, %f142, %f143, %f144}, {%r632, %r640, %r648, %r656}, {%r2537, %r2536}, {%f141, %f142, %f143, %f144};
 	// end inline asm
 	mov.f32 	%f149, %f165;
 	mov.f32 	%f150, %f165;
 	mov.f32 	%f151, %f165;
 	mov.f32 	%f152, %f165;
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f149, %f150, %f151, %f152}, {%r668, %r676, %r684, %r692}, {%r2541, %r2540}, {%f149, %f150, %f151, %f152};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f149, %f150, %f151, %f152}, {%r664, %r672, %r680, %r688}, {%r2537, %r2536}, {%f149, %f150, %f151, %f152};
 	// end inline asm
 	mov.f32 	%f157, %f165;
 	mov.f32 	%f158, %f165;
 	mov.f32 	%f159, %f165;
 	mov.f32 	%f160, %f165;
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f157, %f158, %f159, %f160}, {%r636, %r644, %r652, %r660}, {%r2525, %r2524}, {%f157, %f158, %f159, %f160};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f157, %f158, %f159, %f160}, {%r632, %r640, %r648, %r656}, {%r2521, %r2520}, {%f157, %f158, %f159, %f160};
 	// end inline asm
 	mov.f32 	%f166, %f165;
 	mov.f32 	%f167, %f165;
 	mov.f32 	%f168, %f165;
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f165, %f166, %f167, %f168}, {%r668, %r676, %r684, %r692}, {%r2525, %r2524}, {%f165, %f166, %f167, %f168};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f165, %f166, %f167, %f168}, {%r664, %r672, %r680, %r688}, {%r2521, %r2520}, {%f165, %f166, %f167, %f168};
 	// end inline asm
-	shr.u32 	%r721, %r600, 4;
+	shr.u32 	%r717, %r596, 4;
 	// begin inline asm
-	lop3.b32 %r720, %r721, %r453, %r454, 0xEA;
+	lop3.b32 %r716, %r717, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r724, %r720, %r1406, %r1367;
+	fma.rn.bf16x2 %r720, %r716, %r1402, %r1363;
 	// end inline asm
-	shr.u32 	%r729, %r604, 4;
+	shr.u32 	%r725, %r600, 4;
 	// begin inline asm
-	lop3.b32 %r728, %r729, %r453, %r454, 0xEA;
+	lop3.b32 %r724, %r725, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r732, %r728, %r1406, %r1375;
+	fma.rn.bf16x2 %r728, %r724, %r1402, %r1371;
 	// end inline asm
-	shr.u32 	%r737, %r608, 4;
+	shr.u32 	%r733, %r604, 4;
 	// begin inline asm
-	lop3.b32 %r736, %r737, %r453, %r454, 0xEA;
+	lop3.b32 %r732, %r733, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r740, %r736, %r1406, %r1367;
+	fma.rn.bf16x2 %r736, %r732, %r1402, %r1363;
 	// end inline asm
-	shr.u32 	%r745, %r612, 4;
+	shr.u32 	%r741, %r608, 4;
 	// begin inline asm
-	lop3.b32 %r744, %r745, %r453, %r454, 0xEA;
+	lop3.b32 %r740, %r741, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r748, %r744, %r1406, %r1375;
+	fma.rn.bf16x2 %r744, %r740, %r1402, %r1371;
 	// end inline asm
-	shr.u32 	%r753, %r616, 4;
+	shr.u32 	%r749, %r612, 4;
 	// begin inline asm
-	lop3.b32 %r752, %r753, %r453, %r454, 0xEA;
+	lop3.b32 %r748, %r749, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r756, %r752, %r1406, %r1399;
+	fma.rn.bf16x2 %r752, %r748, %r1402, %r1395;
 	// end inline asm
-	shr.u32 	%r761, %r620, 4;
+	shr.u32 	%r757, %r616, 4;
 	// begin inline asm
-	lop3.b32 %r760, %r761, %r453, %r454, 0xEA;
+	lop3.b32 %r756, %r757, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r764, %r760, %r1406, %r1407;
+	fma.rn.bf16x2 %r760, %r756, %r1402, %r1403;
 	// end inline asm
-	shr.u32 	%r769, %r624, 4;
+	shr.u32 	%r765, %r620, 4;
 	// begin inline asm
-	lop3.b32 %r768, %r769, %r453, %r454, 0xEA;
+	lop3.b32 %r764, %r765, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r772, %r768, %r1406, %r1399;
+	fma.rn.bf16x2 %r768, %r764, %r1402, %r1395;
 	// end inline asm
-	shr.u32 	%r777, %r628, 4;
+	shr.u32 	%r773, %r624, 4;
 	// begin inline asm
-	lop3.b32 %r776, %r777, %r453, %r454, 0xEA;
+	lop3.b32 %r772, %r773, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r780, %r776, %r1406, %r1407;
+	fma.rn.bf16x2 %r776, %r772, %r1402, %r1403;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f141, %f142, %f143, %f144}, {%r724, %r732, %r740, %r748}, {%r2539, %r2538}, {%f141, %f142, %f143, %f144};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f141, %f142, %f143, %f144}, {%r720, %r728, %r736, %r744}, {%r2535, %r2534}, {%f141, %f142, %f143, %f144};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f149, %f150, %f151, %f152}, {%r756, %r764, %r772, %r780}, {%r2539, %r2538}, {%f149, %f150, %f151, %f152};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f149, %f150, %f151, %f152}, {%r752, %r760, %r768, %r776}, {%r2535, %r2534}, {%f149, %f150, %f151, %f152};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f157, %f158, %f159, %f160}, {%r724, %r732, %r740, %r748}, {%r2523, %r2522}, {%f157, %f158, %f159, %f160};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f157, %f158, %f159, %f160}, {%r720, %r728, %r736, %r744}, {%r2519, %r2518}, {%f157, %f158, %f159, %f160};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f165, %f166, %f167, %f168}, {%r756, %r764, %r772, %r780}, {%r2523, %r2522}, {%f165, %f166, %f167, %f168};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f165, %f166, %f167, %f168}, {%r752, %r760, %r768, %r776}, {%r2519, %r2518}, {%f165, %f166, %f167, %f168};
 	// end inline asm
-	mov.u32 	%r839, 21777;
+	mov.u32 	%r835, 21777;
 	// begin inline asm
-	prmt.b32 %r808, %r2557, %r2553, %r839;
+	prmt.b32 %r804, %r2553, %r2549, %r835;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r812, %r2556, %r2552, %r839;
+	prmt.b32 %r808, %r2552, %r2548, %r835;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r816, %r2549, %r2545, %r839;
+	prmt.b32 %r812, %r2545, %r2541, %r835;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r820, %r2548, %r2544, %r839;
+	prmt.b32 %r816, %r2544, %r2540, %r835;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r824, %r2555, %r2551, %r839;
+	prmt.b32 %r820, %r2551, %r2547, %r835;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r828, %r2554, %r2550, %r839;
+	prmt.b32 %r824, %r2550, %r2546, %r835;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r832, %r2547, %r2543, %r839;
+	prmt.b32 %r828, %r2543, %r2539, %r835;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r836, %r2546, %r2542, %r839;
+	prmt.b32 %r832, %r2542, %r2538, %r835;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r840, %r808, %r453, %r454, 0xEA;
+	lop3.b32 %r836, %r804, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r844, %r840, %r1406, %r1367;
+	fma.rn.bf16x2 %r840, %r836, %r1402, %r1363;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r848, %r812, %r453, %r454, 0xEA;
+	lop3.b32 %r844, %r808, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r852, %r848, %r1406, %r1375;
+	fma.rn.bf16x2 %r848, %r844, %r1402, %r1371;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r856, %r816, %r453, %r454, 0xEA;
+	lop3.b32 %r852, %r812, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r860, %r856, %r1406, %r1367;
+	fma.rn.bf16x2 %r856, %r852, %r1402, %r1363;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r864, %r820, %r453, %r454, 0xEA;
+	lop3.b32 %r860, %r816, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r868, %r864, %r1406, %r1375;
+	fma.rn.bf16x2 %r864, %r860, %r1402, %r1371;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r872, %r824, %r453, %r454, 0xEA;
+	lop3.b32 %r868, %r820, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r876, %r872, %r1406, %r1399;
+	fma.rn.bf16x2 %r872, %r868, %r1402, %r1395;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r880, %r828, %r453, %r454, 0xEA;
+	lop3.b32 %r876, %r824, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r884, %r880, %r1406, %r1407;
+	fma.rn.bf16x2 %r880, %r876, %r1402, %r1403;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r888, %r832, %r453, %r454, 0xEA;
+	lop3.b32 %r884, %r828, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r892, %r888, %r1406, %r1399;
+	fma.rn.bf16x2 %r888, %r884, %r1402, %r1395;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r896, %r836, %r453, %r454, 0xEA;
+	lop3.b32 %r892, %r832, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r900, %r896, %r1406, %r1407;
+	fma.rn.bf16x2 %r896, %r892, %r1402, %r1403;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f141, %f142, %f143, %f144}, {%r844, %r852, %r860, %r868}, {%r2537, %r2536}, {%f141, %f142, %f143, %f144};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f141, %f142, %f143, %f144}, {%r840, %r848, %r856, %r864}, {%r2533, %r2532}, {%f141, %f142, %f143, %f144};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f149, %f150, %f151, %f152}, {%r876, %r884, %r892, %r900}, {%r2537, %r2536}, {%f149, %f150, %f151, %f152};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f149, %f150, %f151, %f152}, {%r872, %r880, %r888, %r896}, {%r2533, %r2532}, {%f149, %f150, %f151, %f152};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f157, %f158, %f159, %f160}, {%r844, %r852, %r860, %r868}, {%r2521, %r2520}, {%f157, %f158, %f159, %f160};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f157, %f158, %f159, %f160}, {%r840, %r848, %r856, %r864}, {%r2517, %r2516}, {%f157, %f158, %f159, %f160};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f165, %f166, %f167, %f168}, {%r876, %r884, %r892, %r900}, {%r2521, %r2520}, {%f165, %f166, %f167, %f168};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f165, %f166, %f167, %f168}, {%r872, %r880, %r888, %r896}, {%r2517, %r2516}, {%f165, %f166, %f167, %f168};
 	// end inline asm
-	shr.u32 	%r929, %r808, 4;
+	shr.u32 	%r925, %r804, 4;
 	// begin inline asm
-	lop3.b32 %r928, %r929, %r453, %r454, 0xEA;
+	lop3.b32 %r924, %r925, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r932, %r928, %r1406, %r1367;
+	fma.rn.bf16x2 %r928, %r924, %r1402, %r1363;
 	// end inline asm
-	shr.u32 	%r937, %r812, 4;
+	shr.u32 	%r933, %r808, 4;
 	// begin inline asm
-	lop3.b32 %r936, %r937, %r453, %r454, 0xEA;
+	lop3.b32 %r932, %r933, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r940, %r936, %r1406, %r1375;
+	fma.rn.bf16x2 %r936, %r932, %r1402, %r1371;
 	// end inline asm
-	shr.u32 	%r945, %r816, 4;
+	shr.u32 	%r941, %r812, 4;
 	// begin inline asm
-	lop3.b32 %r944, %r945, %r453, %r454, 0xEA;
+	lop3.b32 %r940, %r941, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r948, %r944, %r1406, %r1367;
+	fma.rn.bf16x2 %r944, %r940, %r1402, %r1363;
 	// end inline asm
-	shr.u32 	%r953, %r820, 4;
+	shr.u32 	%r949, %r816, 4;
 	// begin inline asm
-	lop3.b32 %r952, %r953, %r453, %r454, 0xEA;
+	lop3.b32 %r948, %r949, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r956, %r952, %r1406, %r1375;
+	fma.rn.bf16x2 %r952, %r948, %r1402, %r1371;
 	// end inline asm
-	shr.u32 	%r961, %r824, 4;
+	shr.u32 	%r957, %r820, 4;
 	// begin inline asm
-	lop3.b32 %r960, %r961, %r453, %r454, 0xEA;
+	lop3.b32 %r956, %r957, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r964, %r960, %r1406, %r1399;
+	fma.rn.bf16x2 %r960, %r956, %r1402, %r1395;
 	// end inline asm
-	shr.u32 	%r969, %r828, 4;
+	shr.u32 	%r965, %r824, 4;
 	// begin inline asm
-	lop3.b32 %r968, %r969, %r453, %r454, 0xEA;
+	lop3.b32 %r964, %r965, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r972, %r968, %r1406, %r1407;
+	fma.rn.bf16x2 %r968, %r964, %r1402, %r1403;
 	// end inline asm
-	shr.u32 	%r977, %r832, 4;
+	shr.u32 	%r973, %r828, 4;
 	// begin inline asm
-	lop3.b32 %r976, %r977, %r453, %r454, 0xEA;
+	lop3.b32 %r972, %r973, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r980, %r976, %r1406, %r1399;
+	fma.rn.bf16x2 %r976, %r972, %r1402, %r1395;
 	// end inline asm
-	shr.u32 	%r985, %r836, 4;
+	shr.u32 	%r981, %r832, 4;
 	// begin inline asm
-	lop3.b32 %r984, %r985, %r453, %r454, 0xEA;
+	lop3.b32 %r980, %r981, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r988, %r984, %r1406, %r1407;
+	fma.rn.bf16x2 %r984, %r980, %r1402, %r1403;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f141, %f142, %f143, %f144}, {%r932, %r940, %r948, %r956}, {%r2535, %r2534}, {%f141, %f142, %f143, %f144};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f141, %f142, %f143, %f144}, {%r928, %r936, %r944, %r952}, {%r2531, %r2530}, {%f141, %f142, %f143, %f144};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f149, %f150, %f151, %f152}, {%r964, %r972, %r980, %r988}, {%r2535, %r2534}, {%f149, %f150, %f151, %f152};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f149, %f150, %f151, %f152}, {%r960, %r968, %r976, %r984}, {%r2531, %r2530}, {%f149, %f150, %f151, %f152};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f157, %f158, %f159, %f160}, {%r932, %r940, %r948, %r956}, {%r2519, %r2518}, {%f157, %f158, %f159, %f160};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f157, %f158, %f159, %f160}, {%r928, %r936, %r944, %r952}, {%r2515, %r2514}, {%f157, %f158, %f159, %f160};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f165, %f166, %f167, %f168}, {%r964, %r972, %r980, %r988}, {%r2519, %r2518}, {%f165, %f166, %f167, %f168};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f165, %f166, %f167, %f168}, {%r960, %r968, %r976, %r984}, {%r2515, %r2514}, {%f165, %f166, %f167, %f168};
 	// end inline asm
-	mov.u32 	%r1047, 26146;
+	mov.u32 	%r1043, 26146;
 	// begin inline asm
-	prmt.b32 %r1016, %r2557, %r2553, %r1047;
+	prmt.b32 %r1012, %r2553, %r2549, %r1043;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1020, %r2556, %r2552, %r1047;
+	prmt.b32 %r1016, %r2552, %r2548, %r1043;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1024, %r2549, %r2545, %r1047;
+	prmt.b32 %r1020, %r2545, %r2541, %r1043;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1028, %r2548, %r2544, %r1047;
+	prmt.b32 %r1024, %r2544, %r2540, %r1043;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1032, %r2555, %r2551, %r1047;
+	prmt.b32 %r1028, %r2551, %r2547, %r1043;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1036, %r2554, %r2550, %r1047;
+	prmt.b32 %r1032, %r2550, %r2546, %r1043;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1040, %r2547, %r2543, %r1047;
+	prmt.b32 %r1036, %r2543, %r2539, %r1043;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1044, %r2546, %r2542, %r1047;
+	prmt.b32 %r1040, %r2542, %r2538, %r1043;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1048, %r1016, %r453, %r454, 0xEA;
+	lop3.b32 %r1044, %r1012, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1052, %r1048, %r1406, %r1367;
+	fma.rn.bf16x2 %r1048, %r1044, %r1402, %r1363;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1056, %r1020, %r453, %r454, 0xEA;
+	lop3.b32 %r1052, %r1016, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1060, %r1056, %r1406, %r1375;
+	fma.rn.bf16x2 %r1056, %r1052, %r1402, %r1371;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1064, %r1024, %r453, %r454, 0xEA;
+	lop3.b32 %r1060, %r1020, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1068, %r1064, %r1406, %r1367;
+	fma.rn.bf16x2 %r1064, %r1060, %r1402, %r1363;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1072, %r1028, %r453, %r454, 0xEA;
+	lop3.b32 %r1068, %r1024, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1076, %r1072, %r1406, %r1375;
+	fma.rn.bf16x2 %r1072, %r1068, %r1402, %r1371;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1080, %r1032, %r453, %r454, 0xEA;
+	lop3.b32 %r1076, %r1028, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1084, %r1080, %r1406, %r1399;
+	fma.rn.bf16x2 %r1080, %r1076, %r1402, %r1395;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1088, %r1036, %r453, %r454, 0xEA;
+	lop3.b32 %r1084, %r1032, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1092, %r1088, %r1406, %r1407;
+	fma.rn.bf16x2 %r1088, %r1084, %r1402, %r1403;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1096, %r1040, %r453, %r454, 0xEA;
+	lop3.b32 %r1092, %r1036, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1100, %r1096, %r1406, %r1399;
+	fma.rn.bf16x2 %r1096, %r1092, %r1402, %r1395;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1104, %r1044, %r453, %r454, 0xEA;
+	lop3.b32 %r1100, %r1040, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1108, %r1104, %r1406, %r1407;
+	fma.rn.bf16x2 %r1104, %r1100, %r1402, %r1403;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f141, %f142, %f143, %f144}, {%r1052, %r1060, %r1068, %r1076}, {%r2533, %r2532}, {%f141, %f142, %f143, %f144};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f141, %f142, %f143, %f144}, {%r1048, %r1056, %r1064, %r1072}, {%r2529, %r2528}, {%f141, %f142, %f143, %f144};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f149, %f150, %f151, %f152}, {%r1084, %r1092, %r1100, %r1108}, {%r2533, %r2532}, {%f149, %f150, %f151, %f152};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f149, %f150, %f151, %f152}, {%r1080, %r1088, %r1096, %r1104}, {%r2529, %r2528}, {%f149, %f150, %f151, %f152};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f157, %f158, %f159, %f160}, {%r1052, %r1060, %r1068, %r1076}, {%r2517, %r2516}, {%f157, %f158, %f159, %f160};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f157, %f158, %f159, %f160}, {%r1048, %r1056, %r1064, %r1072}, {%r2513, %r2512}, {%f157, %f158, %f159, %f160};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f165, %f166, %f167, %f168}, {%r1084, %r1092, %r1100, %r1108}, {%r2517, %r2516}, {%f165, %f166, %f167, %f168};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f165, %f166, %f167, %f168}, {%r1080, %r1088, %r1096, %r1104}, {%r2513, %r2512}, {%f165, %f166, %f167, %f168};
 	// end inline asm
-	shr.u32 	%r1137, %r1016, 4;
+	shr.u32 	%r1133, %r1012, 4;
 	// begin inline asm
-	lop3.b32 %r1136, %r1137, %r453, %r454, 0xEA;
+	lop3.b32 %r1132, %r1133, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1140, %r1136, %r1406, %r1367;
+	fma.rn.bf16x2 %r1136, %r1132, %r1402, %r1363;
 	// end inline asm
-	shr.u32 	%r1145, %r1020, 4;
+	shr.u32 	%r1141, %r1016, 4;
 	// begin inline asm
-	lop3.b32 %r1144, %r1145, %r453, %r454, 0xEA;
+	lop3.b32 %r1140, %r1141, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1148, %r1144, %r1406, %r1375;
+	fma.rn.bf16x2 %r1144, %r1140, %r1402, %r1371;
 	// end inline asm
-	shr.u32 	%r1153, %r1024, 4;
+	shr.u32 	%r1149, %r1020, 4;
 	// begin inline asm
-	lop3.b32 %r1152, %r1153, %r453, %r454, 0xEA;
+	lop3.b32 %r1148, %r1149, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1156, %r1152, %r1406, %r1367;
+	fma.rn.bf16x2 %r1152, %r1148, %r1402, %r1363;
 	// end inline asm
-	shr.u32 	%r1161, %r1028, 4;
+	shr.u32 	%r1157, %r1024, 4;
 	// begin inline asm
-	lop3.b32 %r1160, %r1161, %r453, %r454, 0xEA;
+	lop3.b32 %r1156, %r1157, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1164, %r1160, %r1406, %r1375;
+	fma.rn.bf16x2 %r1160, %r1156, %r1402, %r1371;
 	// end inline asm
-	shr.u32 	%r1169, %r1032, 4;
+	shr.u32 	%r1165, %r1028, 4;
 	// begin inline asm
-	lop3.b32 %r1168, %r1169, %r453, %r454, 0xEA;
+	lop3.b32 %r1164, %r1165, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1172, %r1168, %r1406, %r1399;
+	fma.rn.bf16x2 %r1168, %r1164, %r1402, %r1395;
 	// end inline asm
-	shr.u32 	%r1177, %r1036, 4;
+	shr.u32 	%r1173, %r1032, 4;
 	// begin inline asm
-	lop3.b32 %r1176, %r1177, %r453, %r454, 0xEA;
+	lop3.b32 %r1172, %r1173, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1180, %r1176, %r1406, %r1407;
+	fma.rn.bf16x2 %r1176, %r1172, %r1402, %r1403;
 	// end inline asm
-	shr.u32 	%r1185, %r1040, 4;
+	shr.u32 	%r1181, %r1036, 4;
 	// begin inline asm
-	lop3.b32 %r1184, %r1185, %r453, %r454, 0xEA;
+	lop3.b32 %r1180, %r1181, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1188, %r1184, %r1406, %r1399;
+	fma.rn.bf16x2 %r1184, %r1180, %r1402, %r1395;
 	// end inline asm
-	shr.u32 	%r1193, %r1044, 4;
+	shr.u32 	%r1189, %r1040, 4;
 	// begin inline asm
-	lop3.b32 %r1192, %r1193, %r453, %r454, 0xEA;
+	lop3.b32 %r1188, %r1189, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1196, %r1192, %r1406, %r1407;
+	fma.rn.bf16x2 %r1192, %r1188, %r1402, %r1403;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f141, %f142, %f143, %f144}, {%r1140, %r1148, %r1156, %r1164}, {%r2531, %r2530}, {%f141, %f142, %f143, %f144};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f141, %f142, %f143, %f144}, {%r1136, %r1144, %r1152, %r1160}, {%r2527, %r2526}, {%f141, %f142, %f143, %f144};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f149, %f150, %f151, %f152}, {%r1172, %r1180, %r1188, %r1196}, {%r2531, %r2530}, {%f149, %f150, %f151, %f152};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f149, %f150, %f151, %f152}, {%r1168, %r1176, %r1184, %r1192}, {%r2527, %r2526}, {%f149, %f150, %f151, %f152};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f157, %f158, %f159, %f160}, {%r1140, %r1148, %r1156, %r1164}, {%r2515, %r2514}, {%f157, %f158, %f159, %f160};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f157, %f158, %f159, %f160}, {%r1136, %r1144, %r1152, %r1160}, {%r2511, %r2510}, {%f157, %f158, %f159, %f160};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f165, %f166, %f167, %f168}, {%r1172, %r1180, %r1188, %r1196}, {%r2515, %r2514}, {%f165, %f166, %f167, %f168};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f165, %f166, %f167, %f168}, {%r1168, %r1176, %r1184, %r1192}, {%r2511, %r2510}, {%f165, %f166, %f167, %f168};
 	// end inline asm
-	mov.u32 	%r1255, 30515;
+	mov.u32 	%r1251, 30515;
 	// begin inline asm
-	prmt.b32 %r1224, %r2557, %r2553, %r1255;
+	prmt.b32 %r1220, %r2553, %r2549, %r1251;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1228, %r2556, %r2552, %r1255;
+	prmt.b32 %r1224, %r2552, %r2548, %r1251;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1232, %r2549, %r2545, %r1255;
+	prmt.b32 %r1228, %r2545, %r2541, %r1251;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1236, %r2548, %r2544, %r1255;
+	prmt.b32 %r1232, %r2544, %r2540, %r1251;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1240, %r2555, %r2551, %r1255;
+	prmt.b32 %r1236, %r2551, %r2547, %r1251;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1244, %r2554, %r2550, %r1255;
+	prmt.b32 %r1240, %r2550, %r2546, %r1251;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1248, %r2547, %r2543, %r1255;
+	prmt.b32 %r1244, %r2543, %r2539, %r1251;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1252, %r2546, %r2542, %r1255;
+	prmt.b32 %r1248, %r2542, %r2538, %r1251;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1256, %r1224, %r453, %r454, 0xEA;
+	lop3.b32 %r1252, %r1220, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1260, %r1256, %r1406, %r1367;
+	fma.rn.bf16x2 %r1256, %r1252, %r1402, %r1363;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1264, %r1228, %r453, %r454, 0xEA;
+	lop3.b32 %r1260, %r1224, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1268, %r1264, %r1406, %r1375;
+	fma.rn.bf16x2 %r1264, %r1260, %r1402, %r1371;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1272, %r1232, %r453, %r454, 0xEA;
+	lop3.b32 %r1268, %r1228, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1276, %r1272, %r1406, %r1367;
+	fma.rn.bf16x2 %r1272, %r1268, %r1402, %r1363;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1280, %r1236, %r453, %r454, 0xEA;
+	lop3.b32 %r1276, %r1232, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1284, %r1280, %r1406, %r1375;
+	fma.rn.bf16x2 %r1280, %r1276, %r1402, %r1371;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1288, %r1240, %r453, %r454, 0xEA;
+	lop3.b32 %r1284, %r1236, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1292, %r1288, %r1406, %r1399;
+	fma.rn.bf16x2 %r1288, %r1284, %r1402, %r1395;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1296, %r1244, %r453, %r454, 0xEA;
+	lop3.b32 %r1292, %r1240, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1300, %r1296, %r1406, %r1407;
+	fma.rn.bf16x2 %r1296, %r1292, %r1402, %r1403;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1304, %r1248, %r453, %r454, 0xEA;
+	lop3.b32 %r1300, %r1244, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1308, %r1304, %r1406, %r1399;
+	fma.rn.bf16x2 %r1304, %r1300, %r1402, %r1395;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1312, %r1252, %r453, %r454, 0xEA;
+	lop3.b32 %r1308, %r1248, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1316, %r1312, %r1406, %r1407;
+	fma.rn.bf16x2 %r1312, %r1308, %r1402, %r1403;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f141, %f142, %f143, %f144}, {%r1260, %r1268, %r1276, %r1284}, {%r2529, %r2528}, {%f141, %f142, %f143, %f144};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f141, %f142, %f143, %f144}, {%r1256, %r1264, %r1272, %r1280}, {%r2525, %r2524}, {%f141, %f142, %f143, %f144};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f149, %f150, %f151, %f152}, {%r1292, %r1300, %r1308, %r1316}, {%r2529, %r2528}, {%f149, %f150, %f151, %f152};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f149, %f150, %f151, %f152}, {%r1288, %r1296, %r1304, %r1312}, {%r2525, %r2524}, {%f149, %f150, %f151, %f152};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f157, %f158, %f159, %f160}, {%r1260, %r1268, %r1276, %r1284}, {%r2513, %r2512}, {%f157, %f158, %f159, %f160};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f157, %f158, %f159, %f160}, {%r1256, %r1264, %r1272, %r1280}, {%r2509, %r2508}, {%f157, %f158, %f159, %f160};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f165, %f166, %f167, %f168}, {%r1292, %r1300, %r1308, %r1316}, {%r2513, %r2512}, {%f165, %f166, %f167, %f168};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f165, %f166, %f167, %f168}, {%r1288, %r1296, %r1304, %r1312}, {%r2509, %r2508}, {%f165, %f166, %f167, %f168};
 	// end inline asm
-	shr.u32 	%r1345, %r1224, 4;
+	shr.u32 	%r1341, %r1220, 4;
 	// begin inline asm
-	lop3.b32 %r1344, %r1345, %r453, %r454, 0xEA;
+	lop3.b32 %r1340, %r1341, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1348, %r1344, %r1406, %r1367;
+	fma.rn.bf16x2 %r1344, %r1340, %r1402, %r1363;
 	// end inline asm
-	shr.u32 	%r1353, %r1228, 4;
+	shr.u32 	%r1349, %r1224, 4;
 	// begin inline asm
-	lop3.b32 %r1352, %r1353, %r453, %r454, 0xEA;
+	lop3.b32 %r1348, %r1349, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1356, %r1352, %r1406, %r1375;
+	fma.rn.bf16x2 %r1352, %r1348, %r1402, %r1371;
 	// end inline asm
-	shr.u32 	%r1361, %r1232, 4;
+	shr.u32 	%r1357, %r1228, 4;
 	// begin inline asm
-	lop3.b32 %r1360, %r1361, %r453, %r454, 0xEA;
+	lop3.b32 %r1356, %r1357, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1364, %r1360, %r1406, %r1367;
+	fma.rn.bf16x2 %r1360, %r1356, %r1402, %r1363;
 	// end inline asm
-	shr.u32 	%r1369, %r1236, 4;
+	shr.u32 	%r1365, %r1232, 4;
 	// begin inline asm
-	lop3.b32 %r1368, %r1369, %r453, %r454, 0xEA;
+	lop3.b32 %r1364, %r1365, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1372, %r1368, %r1406, %r1375;
+	fma.rn.bf16x2 %r1368, %r1364, %r1402, %r1371;
 	// end inline asm
-	shr.u32 	%r1377, %r1240, 4;
+	shr.u32 	%r1373, %r1236, 4;
 	// begin inline asm
-	lop3.b32 %r1376, %r1377, %r453, %r454, 0xEA;
+	lop3.b32 %r1372, %r1373, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1380, %r1376, %r1406, %r1399;
+	fma.rn.bf16x2 %r1376, %r1372, %r1402, %r1395;
 	// end inline asm
-	shr.u32 	%r1385, %r1244, 4;
+	shr.u32 	%r1381, %r1240, 4;
 	// begin inline asm
-	lop3.b32 %r1384, %r1385, %r453, %r454, 0xEA;
+	lop3.b32 %r1380, %r1381, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1388, %r1384, %r1406, %r1407;
+	fma.rn.bf16x2 %r1384, %r1380, %r1402, %r1403;
 	// end inline asm
-	shr.u32 	%r1393, %r1248, 4;
+	shr.u32 	%r1389, %r1244, 4;
 	// begin inline asm
-	lop3.b32 %r1392, %r1393, %r453, %r454, 0xEA;
+	lop3.b32 %r1388, %r1389, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1396, %r1392, %r1406, %r1399;
+	fma.rn.bf16x2 %r1392, %r1388, %r1402, %r1395;
 	// end inline asm
-	shr.u32 	%r1401, %r1252, 4;
+	shr.u32 	%r1397, %r1248, 4;
 	// begin inline asm
-	lop3.b32 %r1400, %r1401, %r453, %r454, 0xEA;
+	lop3.b32 %r1396, %r1397, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1404, %r1400, %r1406, %r1407;
+	fma.rn.bf16x2 %r1400, %r1396, %r1402, %r1403;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f141, %f142, %f143, %f144}, {%r1348, %r1356, %r1364, %r1372}, {%r2527, %r2526}, {%f141, %f142, %f143, %f144};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f141, %f142, %f143, %f144}, {%r1344, %r1352, %r1360, %r1368}, {%r2523, %r2522}, {%f141, %f142, %f143, %f144};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f149, %f150, %f151, %f152}, {%r1380, %r1388, %r1396, %r1404}, {%r2527, %r2526}, {%f149, %f150, %f151, %f152};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f149, %f150, %f151, %f152}, {%r1376, %r1384, %r1392, %r1400}, {%r2523, %r2522}, {%f149, %f150, %f151, %f152};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f157, %f158, %f159, %f160}, {%r1348, %r1356, %r1364, %r1372}, {%r2511, %r2510}, {%f157, %f158, %f159, %f160};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f157, %f158, %f159, %f160}, {%r1344, %r1352, %r1360, %r1368}, {%r2507, %r2506}, {%f157, %f158, %f159, %f160};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f165, %f166, %f167, %f168}, {%r1380, %r1388, %r1396, %r1404}, {%r2511, %r2510}, {%f165, %f166, %f167, %f168};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f165, %f166, %f167, %f168}, {%r1376, %r1384, %r1392, %r1400}, {%r2507, %r2506}, {%f165, %f166, %f167, %f168};
 	// end inline asm
-	shl.b32 	%r1442, %r2509, 16;
-	mov.b32 	%f365, %r1442;
+	shl.b32 	%r1438, %r2505, 16;
+	mov.b32 	%f365, %r1438;
 	fma.rn.f32 	%f678, %f141, %f365, %f678;
 	fma.rn.f32 	%f677, %f142, %f365, %f677;
-	and.b32  	%r1443, %r2509, -65536;
-	mov.b32 	%f366, %r1443;
+	and.b32  	%r1439, %r2505, -65536;
+	mov.b32 	%f366, %r1439;
 	fma.rn.f32 	%f676, %f143, %f366, %f676;
 	fma.rn.f32 	%f675, %f144, %f366, %f675;
-	shl.b32 	%r1444, %r2508, 16;
-	mov.b32 	%f367, %r1444;
+	shl.b32 	%r1440, %r2504, 16;
+	mov.b32 	%f367, %r1440;
 	fma.rn.f32 	%f674, %f149, %f367, %f674;
 	fma.rn.f32 	%f673, %f150, %f367, %f673;
-	and.b32  	%r1445, %r2508, -65536;
-	mov.b32 	%f368, %r1445;
+	and.b32  	%r1441, %r2504, -65536;
+	mov.b32 	%f368, %r1441;
 	fma.rn.f32 	%f672, %f151, %f368, %f672;
 	fma.rn.f32 	%f671, %f152, %f368, %f671;
 	fma.rn.f32 	%f670, %f157, %f365, %f670;
@@ -2743,212 +2743,212 @@ $L__BB1_6:
 	fma.rn.f32 	%f663, %f168, %f368, %f663;
 	@%p3 bra 	$L__BB1_10;
 
-	mov.u32 	%r2455, %ntid.x;
-	shr.u32 	%r1447, %r2455, 4;
-	and.b32  	%r1448, %r1447, 268435454;
-	add.s32 	%r2609, %r2609, %r1448;
-	setp.ge.s32 	%p5, %r2609, %r7;
+	mov.u32 	%r2451, %ntid.x;
+	shr.u32 	%r1443, %r2451, 4;
+	and.b32  	%r1444, %r1443, 268435454;
+	add.s32 	%r2605, %r2605, %r1444;
+	setp.ge.s32 	%p5, %r2605, %r7;
 	@%p5 bra 	$L__BB1_9;
 
-	shl.b32 	%r1500, %r2609, 4;
-	mov.u32 	%r1501, %tid.x;
-	shl.b32 	%r1502, %r1501, 2;
-	and.b32  	%r1503, %r1502, 12;
-	or.b32  	%r1504, %r1500, %r1503;
-	mul.wide.s32 	%rd112, %r1504, %r459;
-	mov.u32 	%r1505, %ctaid.x;
-	shl.b32 	%r1506, %r1505, 5;
-	and.b32  	%r1507, %r1501, 28;
-	or.b32  	%r1508, %r1506, %r1507;
-	cvt.s64.s32 	%rd113, %r1508;
+	shl.b32 	%r1496, %r2605, 4;
+	mov.u32 	%r1497, %tid.x;
+	shl.b32 	%r1498, %r1497, 2;
+	and.b32  	%r1499, %r1498, 12;
+	or.b32  	%r1500, %r1496, %r1499;
+	mul.wide.s32 	%rd112, %r1500, %r457;
+	mov.u32 	%r1501, %ctaid.x;
+	shl.b32 	%r1502, %r1501, 5;
+	and.b32  	%r1503, %r1497, 28;
+	or.b32  	%r1504, %r1502, %r1503;
+	cvt.s64.s32 	%rd113, %r1504;
 	add.s64 	%rd114, %rd112, %rd113;
 	shl.b64 	%rd115, %rd114, 2;
 	add.s64 	%rd90, %rd11, %rd115;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2557, %r2556, %r2555, %r2554}, [%rd90];
+	ld.global.nc.v4.u32 {%r2553, %r2552, %r2551, %r2550}, [%rd90];
 	// end inline asm
 	add.s64 	%rd91, %rd90, %rd81;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2553, %r2552, %r2551, %r2550}, [%rd91];
+	ld.global.nc.v4.u32 {%r2549, %r2548, %r2547, %r2546}, [%rd91];
 	// end inline asm
 	add.s64 	%rd92, %rd91, %rd81;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2549, %r2548, %r2547, %r2546}, [%rd92];
+	ld.global.nc.v4.u32 {%r2545, %r2544, %r2543, %r2542}, [%rd92];
 	// end inline asm
 	add.s64 	%rd93, %rd92, %rd81;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2545, %r2544, %r2543, %r2542}, [%rd93];
+	ld.global.nc.v4.u32 {%r2541, %r2540, %r2539, %r2538}, [%rd93];
 	// end inline asm
-	mad.lo.s32 	%r1509, %r2609, 112, %r1504;
-	cvt.s64.s32 	%rd117, %r1509;
+	mad.lo.s32 	%r1505, %r2605, 112, %r1500;
+	cvt.s64.s32 	%rd117, %r1505;
 	add.s64 	%rd118, %rd6, %rd117;
 	shl.b64 	%rd119, %rd118, 1;
 	add.s64 	%rd94, %rd10, %rd119;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2541, %r2540}, [%rd94];
+	ld.global.nc.v2.u32 {%r2537, %r2536}, [%rd94];
 	// end inline asm
 	add.s64 	%rd95, %rd94, 32;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2539, %r2538}, [%rd95];
+	ld.global.nc.v2.u32 {%r2535, %r2534}, [%rd95];
 	// end inline asm
 	add.s64 	%rd96, %rd94, 64;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2537, %r2536}, [%rd96];
+	ld.global.nc.v2.u32 {%r2533, %r2532}, [%rd96];
 	// end inline asm
 	add.s64 	%rd97, %rd94, 96;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2535, %r2534}, [%rd97];
+	ld.global.nc.v2.u32 {%r2531, %r2530}, [%rd97];
 	// end inline asm
 	add.s64 	%rd98, %rd94, 128;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2533, %r2532}, [%rd98];
+	ld.global.nc.v2.u32 {%r2529, %r2528}, [%rd98];
 	// end inline asm
 	add.s64 	%rd99, %rd94, 160;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2531, %r2530}, [%rd99];
+	ld.global.nc.v2.u32 {%r2527, %r2526}, [%rd99];
 	// end inline asm
 	add.s64 	%rd100, %rd94, 192;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2529, %r2528}, [%rd100];
+	ld.global.nc.v2.u32 {%r2525, %r2524}, [%rd100];
 	// end inline asm
 	add.s64 	%rd101, %rd94, 224;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2527, %r2526}, [%rd101];
+	ld.global.nc.v2.u32 {%r2523, %r2522}, [%rd101];
 	// end inline asm
 	add.s64 	%rd120, %rd7, %rd117;
 	shl.b64 	%rd121, %rd120, 1;
 	add.s64 	%rd102, %rd10, %rd121;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2525, %r2524}, [%rd102];
+	ld.global.nc.v2.u32 {%r2521, %r2520}, [%rd102];
 	// end inline asm
 	add.s64 	%rd103, %rd102, 32;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2523, %r2522}, [%rd103];
+	ld.global.nc.v2.u32 {%r2519, %r2518}, [%rd103];
 	// end inline asm
 	add.s64 	%rd104, %rd102, 64;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2521, %r2520}, [%rd104];
+	ld.global.nc.v2.u32 {%r2517, %r2516}, [%rd104];
 	// end inline asm
 	add.s64 	%rd105, %rd102, 96;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2519, %r2518}, [%rd105];
+	ld.global.nc.v2.u32 {%r2515, %r2514}, [%rd105];
 	// end inline asm
 	add.s64 	%rd106, %rd102, 128;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2517, %r2516}, [%rd106];
+	ld.global.nc.v2.u32 {%r2513, %r2512}, [%rd106];
 	// end inline asm
 	add.s64 	%rd107, %rd102, 160;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2515, %r2514}, [%rd107];
+	ld.global.nc.v2.u32 {%r2511, %r2510}, [%rd107];
 	// end inline asm
 	add.s64 	%rd108, %rd102, 192;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2513, %r2512}, [%rd108];
+	ld.global.nc.v2.u32 {%r2509, %r2508}, [%rd108];
 	// end inline asm
 	add.s64 	%rd109, %rd102, 224;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2511, %r2510}, [%rd109];
+	ld.global.nc.v2.u32 {%r2507, %r2506}, [%rd109];
 	// end inline asm
-	mul.wide.s32 	%rd122, %r2609, %r459;
+	mul.wide.s32 	%rd122, %r2605, %r457;
 	add.s64 	%rd123, %rd122, %rd113;
 	shl.b64 	%rd124, %rd123, 1;
 	add.s64 	%rd110, %rd12, %rd124;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2509, %r2508}, [%rd110];
+	ld.global.nc.v2.u32 {%r2505, %r2504}, [%rd110];
 	// end inline asm
 	add.s64 	%rd111, %rd13, %rd123;
 	// begin inline asm
-	ld.global.nc.u32 %r2507, [%rd111];
+	ld.global.nc.u32 %r2503, [%rd111];
 	// end inline asm
 
 $L__BB1_9:
-	and.b32  	%r2342, %r2610, 255;
-	or.b32  	%r2343, %r2342, 49920;
-	mul.lo.s32 	%r2277, %r2343, 65537;
-	shr.u32 	%r2344, %r2610, 8;
-	and.b32  	%r2345, %r2344, 255;
-	or.b32  	%r2346, %r2345, 49920;
-	mul.lo.s32 	%r2285, %r2346, 65537;
-	shr.u32 	%r2347, %r2610, 16;
-	and.b32  	%r2348, %r2347, 255;
-	or.b32  	%r2349, %r2348, 49920;
-	mul.lo.s32 	%r2309, %r2349, 65537;
-	shr.u32 	%r2350, %r2610, 24;
-	or.b32  	%r2351, %r2350, 49920;
-	mul.lo.s32 	%r2317, %r2351, 65537;
-	mov.u32 	%r1541, 17408;
+	and.b32  	%r2338, %r2606, 255;
+	or.b32  	%r2339, %r2338, 49920;
+	mul.lo.s32 	%r2273, %r2339, 65537;
+	shr.u32 	%r2340, %r2606, 8;
+	and.b32  	%r2341, %r2340, 255;
+	or.b32  	%r2342, %r2341, 49920;
+	mul.lo.s32 	%r2281, %r2342, 65537;
+	shr.u32 	%r2343, %r2606, 16;
+	and.b32  	%r2344, %r2343, 255;
+	or.b32  	%r2345, %r2344, 49920;
+	mul.lo.s32 	%r2305, %r2345, 65537;
+	shr.u32 	%r2346, %r2606, 24;
+	or.b32  	%r2347, %r2346, 49920;
+	mul.lo.s32 	%r2313, %r2347, 65537;
+	mov.u32 	%r1537, 17408;
 	// begin inline asm
-	prmt.b32 %r1510, %r2660, %r2656, %r1541;
+	prmt.b32 %r1506, %r2656, %r2652, %r1537;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1514, %r2659, %r2655, %r1541;
+	prmt.b32 %r1510, %r2655, %r2651, %r1537;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1518, %r2652, %r2648, %r1541;
+	prmt.b32 %r1514, %r2648, %r2644, %r1537;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1522, %r2651, %r2647, %r1541;
+	prmt.b32 %r1518, %r2647, %r2643, %r1537;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1526, %r2658, %r2654, %r1541;
+	prmt.b32 %r1522, %r2654, %r2650, %r1537;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1530, %r2657, %r2653, %r1541;
+	prmt.b32 %r1526, %r2653, %r2649, %r1537;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1534, %r2650, %r2646, %r1541;
+	prmt.b32 %r1530, %r2646, %r2642, %r1537;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1538, %r2649, %r2645, %r1541;
+	prmt.b32 %r1534, %r2645, %r2641, %r1537;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1542, %r1510, %r453, %r454, 0xEA;
+	lop3.b32 %r1538, %r1506, %r451, %r452, 0xEA;
 	// end inline asm
-	mov.u32 	%r2316, 1065369472;
+	mov.u32 	%r2312, 1065369472;
 	// begin inline asm
-	fma.rn.bf16x2 %r1546, %r1542, %r2316, %r2277;
-	// end inline asm
-	// begin inline asm
-	lop3.b32 %r1550, %r1514, %r453, %r454, 0xEA;
+	fma.rn.bf16x2 %r1542, %r1538, %r2312, %r2273;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1554, %r1550, %r2316, %r2285;
+	lop3.b32 %r1546, %r1510, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1558, %r1518, %r453, %r454, 0xEA;
+	fma.rn.bf16x2 %r1550, %r1546, %r2312, %r2281;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1562, %r1558, %r2316, %r2277;
+	lop3.b32 %r1554, %r1514, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1566, %r1522, %r453, %r454, 0xEA;
+	fma.rn.bf16x2 %r1558, %r1554, %r2312, %r2273;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1570, %r1566, %r2316, %r2285;
+	lop3.b32 %r1562, %r1518, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1574, %r1526, %r453, %r454, 0xEA;
+	fma.rn.bf16x2 %r1566, %r1562, %r2312, %r2281;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1578, %r1574, %r2316, %r2309;
+	lop3.b32 %r1570, %r1522, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1582, %r1530, %r453, %r454, 0xEA;
+	fma.rn.bf16x2 %r1574, %r1570, %r2312, %r2305;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1586, %r1582, %r2316, %r2317;
+	lop3.b32 %r1578, %r1526, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1590, %r1534, %r453, %r454, 0xEA;
+	fma.rn.bf16x2 %r1582, %r1578, %r2312, %r2313;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1594, %r1590, %r2316, %r2309;
+	lop3.b32 %r1586, %r1530, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1598, %r1538, %r453, %r454, 0xEA;
+	fma.rn.bf16x2 %r1590, %r1586, %r2312, %r2305;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1602, %r1598, %r2316, %r2317;
+	lop3.b32 %r1594, %r1534, %r451, %r452, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.bf16x2 %r1598, %r1594, %r2312, %r2313;
 	// end inline asm
 	mov.f32 	%f425, 0f00000000;
 	mov.f32 	%f401, %f425;
@@ -2956,569 +2956,569 @@ $L__BB1_9:
 	mov.f32 	%f403, %f425;
 	mov.f32 	%f404, %f425;
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f401, %f402, %f403, %f404}, {%r1546, %r1554, %r1562, %r1570}, {%r2644, %r2643}, {%f401, %f402, %f403, %f404};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f401, %f402, %f403, %f404}, {%r1542, %r1550, %r1558, %r1566}, {%r2640, %r2639}, {%f401, %f402, %f403, %f404};
 	// end inline asm
 	mov.f32 	%f409, %f425;
 	mov.f32 	%f410, %f425;
 	mov.f32 	%f411, %f425;
 	mov.f32 	%f412, %f425;
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f409, %f410, %f411, %f412}, {%r1578, %r1586, %r1594, %r1602}, {%r2644, %r2643}, {%f409, %f410, %f411, %f412};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f409, %f410, %f411, %f412}, {%r1574, %r1582, %r1590, %r1598}, {%r2640, %r2639}, {%f409, %f410, %f411, %f412};
 	// end inline asm
 	mov.f32 	%f417, %f425;
 	mov.f32 	%f418, %f425;
 	mov.f32 	%f419, %f425;
 	mov.f32 	%f420, %f425;
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f417, %f418, %f419, %f420}, {%r1546, %r1554, %r1562, %r1570}, {%r2628, %r2627}, {%f417, %f418, %f419, %f420};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f417, %f418, %f419, %f420}, {%r1542, %r1550, %r1558, %r1566}, {%r2624, %r2623}, {%f417, %f418, %f419, %f420};
 	// end inline asm
 	mov.f32 	%f426, %f425;
 	mov.f32 	%f427, %f425;
 	mov.f32 	%f428, %f425;
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f425, %f426, %f427, %f428}, {%r1578, %r1586, %r1594, %r1602}, {%r2628, %r2627}, {%f425, %f426, %f427, %f428};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f425, %f426, %f427, %f428}, {%r1574, %r1582, %r1590, %r1598}, {%r2624, %r2623}, {%f425, %f426, %f427, %f428};
 	// end inline asm
-	shr.u32 	%r1631, %r1510, 4;
+	shr.u32 	%r1627, %r1506, 4;
 	// begin inline asm
-	lop3.b32 %r1630, %r1631, %r453, %r454, 0xEA;
+	lop3.b32 %r1626, %r1627, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1634, %r1630, %r2316, %r2277;
+	fma.rn.bf16x2 %r1630, %r1626, %r2312, %r2273;
 	// end inline asm
-	shr.u32 	%r1639, %r1514, 4;
+	shr.u32 	%r1635, %r1510, 4;
 	// begin inline asm
-	lop3.b32 %r1638, %r1639, %r453, %r454, 0xEA;
+	lop3.b32 %r1634, %r1635, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1642, %r1638, %r2316, %r2285;
+	fma.rn.bf16x2 %r1638, %r1634, %r2312, %r2281;
 	// end inline asm
-	shr.u32 	%r1647, %r1518, 4;
+	shr.u32 	%r1643, %r1514, 4;
 	// begin inline asm
-	lop3.b32 %r1646, %r1647, %r453, %r454, 0xEA;
+	lop3.b32 %r1642, %r1643, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1650, %r1646, %r2316, %r2277;
+	fma.rn.bf16x2 %r1646, %r1642, %r2312, %r2273;
 	// end inline asm
-	shr.u32 	%r1655, %r1522, 4;
+	shr.u32 	%r1651, %r1518, 4;
 	// begin inline asm
-	lop3.b32 %r1654, %r1655, %r453, %r454, 0xEA;
+	lop3.b32 %r1650, %r1651, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1658, %r1654, %r2316, %r2285;
+	fma.rn.bf16x2 %r1654, %r1650, %r2312, %r2281;
 	// end inline asm
-	shr.u32 	%r1663, %r1526, 4;
+	shr.u32 	%r1659, %r1522, 4;
 	// begin inline asm
-	lop3.b32 %r1662, %r1663, %r453, %r454, 0xEA;
+	lop3.b32 %r1658, %r1659, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1666, %r1662, %r2316, %r2309;
+	fma.rn.bf16x2 %r1662, %r1658, %r2312, %r2305;
 	// end inline asm
-	shr.u32 	%r1671, %r1530, 4;
+	shr.u32 	%r1667, %r1526, 4;
 	// begin inline asm
-	lop3.b32 %r1670, %r1671, %r453, %r454, 0xEA;
+	lop3.b32 %r1666, %r1667, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1674, %r1670, %r2316, %r2317;
+	fma.rn.bf16x2 %r1670, %r1666, %r2312, %r2313;
 	// end inline asm
-	shr.u32 	%r1679, %r1534, 4;
+	shr.u32 	%r1675, %r1530, 4;
 	// begin inline asm
-	lop3.b32 %r1678, %r1679, %r453, %r454, 0xEA;
+	lop3.b32 %r1674, %r1675, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1682, %r1678, %r2316, %r2309;
+	fma.rn.bf16x2 %r1678, %r1674, %r2312, %r2305;
 	// end inline asm
-	shr.u32 	%r1687, %r1538, 4;
+	shr.u32 	%r1683, %r1534, 4;
 	// begin inline asm
-	lop3.b32 %r1686, %r1687, %r453, %r454, 0xEA;
+	lop3.b32 %r1682, %r1683, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1690, %r1686, %r2316, %r2317;
+	fma.rn.bf16x2 %r1686, %r1682, %r2312, %r2313;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f401, %f402, %f403, %f404}, {%r1634, %r1642, %r1650, %r1658}, {%r2642, %r2641}, {%f401, %f402, %f403, %f404};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f401, %f402, %f403, %f404}, {%r1630, %r1638, %r1646, %r1654}, {%r2638, %r2637}, {%f401, %f402, %f403, %f404};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f409, %f410, %f411, %f412}, {%r1666, %r1674, %r1682, %r1690}, {%r2642, %r2641}, {%f409, %f410, %f411, %f412};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f409, %f410, %f411, %f412}, {%r1662, %r1670, %r1678, %r1686}, {%r2638, %r2637}, {%f409, %f410, %f411, %f412};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f417, %f418, %f419, %f420}, {%r1634, %r1642, %r1650, %r1658}, {%r2626, %r2625}, {%f417, %f418, %f419, %f420};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f417, %f418, %f419, %f420}, {%r1630, %r1638, %r1646, %r1654}, {%r2622, %r2621}, {%f417, %f418, %f419, %f420};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f425, %f426, %f427, %f428}, {%r1666, %r1674, %r1682, %r1690}, {%r2626, %r2625}, {%f425, %f426, %f427, %f428};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f425, %f426, %f427, %f428}, {%r1662, %r1670, %r1678, %r1686}, {%r2622, %r2621}, {%f425, %f426, %f427, %f428};
 	// end inline asm
-	mov.u32 	%r1749, 21777;
+	mov.u32 	%r1745, 21777;
 	// begin inline asm
-	prmt.b32 %r1718, %r2660, %r2656, %r1749;
+	prmt.b32 %r1714, %r2656, %r2652, %r1745;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1722, %r2659, %r2655, %r1749;
+	prmt.b32 %r1718, %r2655, %r2651, %r1745;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1726, %r2652, %r2648, %r1749;
+	prmt.b32 %r1722, %r2648, %r2644, %r1745;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1730, %r2651, %r2647, %r1749;
+	prmt.b32 %r1726, %r2647, %r2643, %r1745;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1734, %r2658, %r2654, %r1749;
+	prmt.b32 %r1730, %r2654, %r2650, %r1745;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1738, %r2657, %r2653, %r1749;
+	prmt.b32 %r1734, %r2653, %r2649, %r1745;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1742, %r2650, %r2646, %r1749;
+	prmt.b32 %r1738, %r2646, %r2642, %r1745;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1746, %r2649, %r2645, %r1749;
+	prmt.b32 %r1742, %r2645, %r2641, %r1745;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1750, %r1718, %r453, %r454, 0xEA;
+	lop3.b32 %r1746, %r1714, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1754, %r1750, %r2316, %r2277;
+	fma.rn.bf16x2 %r1750, %r1746, %r2312, %r2273;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1758, %r1722, %r453, %r454, 0xEA;
+	lop3.b32 %r1754, %r1718, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1762, %r1758, %r2316, %r2285;
+	fma.rn.bf16x2 %r1758, %r1754, %r2312, %r2281;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1766, %r1726, %r453, %r454, 0xEA;
+	lop3.b32 %r1762, %r1722, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1770, %r1766, %r2316, %r2277;
+	fma.rn.bf16x2 %r1766, %r1762, %r2312, %r2273;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1774, %r1730, %r453, %r454, 0xEA;
+	lop3.b32 %r1770, %r1726, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1778, %r1774, %r2316, %r2285;
+	fma.rn.bf16x2 %r1774, %r1770, %r2312, %r2281;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1782, %r1734, %r453, %r454, 0xEA;
+	lop3.b32 %r1778, %r1730, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1786, %r1782, %r2316, %r2309;
+	fma.rn.bf16x2 %r1782, %r1778, %r2312, %r2305;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1790, %r1738, %r453, %r454, 0xEA;
+	lop3.b32 %r1786, %r1734, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1794, %r1790, %r2316, %r2317;
+	fma.rn.bf16x2 %r1790, %r1786, %r2312, %r2313;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1798, %r1742, %r453, %r454, 0xEA;
+	lop3.b32 %r1794, %r1738, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1802, %r1798, %r2316, %r2309;
+	fma.rn.bf16x2 %r1798, %r1794, %r2312, %r2305;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1806, %r1746, %r453, %r454, 0xEA;
+	lop3.b32 %r1802, %r1742, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1810, %r1806, %r2316, %r2317;
+	fma.rn.bf16x2 %r1806, %r1802, %r2312, %r2313;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f401, %f402, %f403, %f404}, {%r1754, %r1762, %r1770, %r1778}, {%r2640, %r2639}, {%f401, %f402, %f403, %f404};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f401, %f402, %f403, %f404}, {%r1750, %r1758, %r1766, %r1774}, {%r2636, %r2635}, {%f401, %f402, %f403, %f404};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f409, %f410, %f411, %f412}, {%r1786, %r1794, %r1802, %r1810}, {%r2640, %r2639}, {%f409, %f410, %f411, %f412};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f409, %f410, %f411, %f412}, {%r1782, %r1790, %r1798, %r1806}, {%r2636, %r2635}, {%f409, %f410, %f411, %f412};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f417, %f418, %f419, %f420}, {%r1754, %r1762, %r1770, %r1778}, {%r2624, %r2623}, {%f417, %f418, %f419, %f420};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f417, %f418, %f419, %f420}, {%r1750, %r1758, %r1766, %r1774}, {%r2620, %r2619}, {%f417, %f418, %f419, %f420};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f425, %f426, %f427, %f428}, {%r1786, %r1794, %r1802, %r1810}, {%r2624, %r2623}, {%f425, %f426, %f427, %f428};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f425, %f426, %f427, %f428}, {%r1782, %r1790, %r1798, %r1806}, {%r2620, %r2619}, {%f425, %f426, %f427, %f428};
 	// end inline asm
-	shr.u32 	%r1839, %r1718, 4;
+	shr.u32 	%r1835, %r1714, 4;
 	// begin inline asm
-	lop3.b32 %r1838, %r1839, %r453, %r454, 0xEA;
+	lop3.b32 %r1834, %r1835, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1842, %r1838, %r2316, %r2277;
+	fma.rn.bf16x2 %r1838, %r1834, %r2312, %r2273;
 	// end inline asm
-	shr.u32 	%r1847, %r1722, 4;
+	shr.u32 	%r1843, %r1718, 4;
 	// begin inline asm
-	lop3.b32 %r1846, %r1847, %r453, %r454, 0xEA;
+	lop3.b32 %r1842, %r1843, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1850, %r1846, %r2316, %r2285;
+	fma.rn.bf16x2 %r1846, %r1842, %r2312, %r2281;
 	// end inline asm
-	shr.u32 	%r1855, %r1726, 4;
+	shr.u32 	%r1851, %r1722, 4;
 	// begin inline asm
-	lop3.b32 %r1854, %r1855, %r453, %r454, 0xEA;
+	lop3.b32 %r1850, %r1851, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1858, %r1854, %r2316, %r2277;
+	fma.rn.bf16x2 %r1854, %r1850, %r2312, %r2273;
 	// end inline asm
-	shr.u32 	%r1863, %r1730, 4;
+	shr.u32 	%r1859, %r1726, 4;
 	// begin inline asm
-	lop3.b32 %r1862, %r1863, %r453, %r454, 0xEA;
+	lop3.b32 %r1858, %r1859, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1866, %r1862, %r2316, %r2285;
+	fma.rn.bf16x2 %r1862, %r1858, %r2312, %r2281;
 	// end inline asm
-	shr.u32 	%r1871, %r1734, 4;
+	shr.u32 	%r1867, %r1730, 4;
 	// begin inline asm
-	lop3.b32 %r1870, %r1871, %r453, %r454, 0xEA;
+	lop3.b32 %r1866, %r1867, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1874, %r1870, %r2316, %r2309;
+	fma.rn.bf16x2 %r1870, %r1866, %r2312, %r2305;
 	// end inline asm
-	shr.u32 	%r1879, %r1738, 4;
+	shr.u32 	%r1875, %r1734, 4;
 	// begin inline asm
-	lop3.b32 %r1878, %r1879, %r453, %r454, 0xEA;
+	lop3.b32 %r1874, %r1875, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1882, %r1878, %r2316, %r2317;
+	fma.rn.bf16x2 %r1878, %r1874, %r2312, %r2313;
 	// end inline asm
-	shr.u32 	%r1887, %r1742, 4;
+	shr.u32 	%r1883, %r1738, 4;
 	// begin inline asm
-	lop3.b32 %r1886, %r1887, %r453, %r454, 0xEA;
+	lop3.b32 %r1882, %r1883, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1890, %r1886, %r2316, %r2309;
+	fma.rn.bf16x2 %r1886, %r1882, %r2312, %r2305;
 	// end inline asm
-	shr.u32 	%r1895, %r1746, 4;
+	shr.u32 	%r1891, %r1742, 4;
 	// begin inline asm
-	lop3.b32 %r1894, %r1895, %r453, %r454, 0xEA;
+	lop3.b32 %r1890, %r1891, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1898, %r1894, %r2316, %r2317;
+	fma.rn.bf16x2 %r1894, %r1890, %r2312, %r2313;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f401, %f402, %f403, %f404}, {%r1842, %r1850, %r1858, %r1866}, {%r2638, %r2637}, {%f401, %f402, %f403, %f404};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f401, %f402, %f403, %f404}, {%r1838, %r1846, %r1854, %r1862}, {%r2634, %r2633}, {%f401, %f402, %f403, %f404};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f409, %f410, %f411, %f412}, {%r1874, %r1882, %r1890, %r1898}, {%r2638, %r2637}, {%f409, %f410, %f411, %f412};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f409, %f410, %f411, %f412}, {%r1870, %r1878, %r1886, %r1894}, {%r2634, %r2633}, {%f409, %f410, %f411, %f412};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f417, %f418, %f419, %f420}, {%r1842, %r1850, %r1858, %r1866}, {%r2622, %r2621}, {%f417, %f418, %f419, %f420};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f417, %f418, %f419, %f420}, {%r1838, %r1846, %r1854, %r1862}, {%r2618, %r2617}, {%f417, %f418, %f419, %f420};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f425, %f426, %f427, %f428}, {%r1874, %r1882, %r1890, %r1898}, {%r2622, %r2621}, {%f425, %f426, %f427, %f428};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f425, %f426, %f427, %f428}, {%r1870, %r1878, %r1886, %r1894}, {%r2618, %r2617}, {%f425, %f426, %f427, %f428};
 	// end inline asm
-	mov.u32 	%r1957, 26146;
+	mov.u32 	%r1953, 26146;
 	// begin inline asm
-	prmt.b32 %r1926, %r2660, %r2656, %r1957;
+	prmt.b32 %r1922, %r2656, %r2652, %r1953;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1930, %r2659, %r2655, %r1957;
+	prmt.b32 %r1926, %r2655, %r2651, %r1953;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1934, %r2652, %r2648, %r1957;
+	prmt.b32 %r1930, %r2648, %r2644, %r1953;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1938, %r2651, %r2647, %r1957;
+	prmt.b32 %r1934, %r2647, %r2643, %r1953;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1942, %r2658, %r2654, %r1957;
+	prmt.b32 %r1938, %r2654, %r2650, %r1953;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1946, %r2657, %r2653, %r1957;
+	prmt.b32 %r1942, %r2653, %r2649, %r1953;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1950, %r2650, %r2646, %r1957;
+	prmt.b32 %r1946, %r2646, %r2642, %r1953;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1954, %r2649, %r2645, %r1957;
+	prmt.b32 %r1950, %r2645, %r2641, %r1953;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1958, %r1926, %r453, %r454, 0xEA;
+	lop3.b32 %r1954, %r1922, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1962, %r1958, %r2316, %r2277;
+	fma.rn.bf16x2 %r1958, %r1954, %r2312, %r2273;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1966, %r1930, %r453, %r454, 0xEA;
+	lop3.b32 %r1962, %r1926, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1970, %r1966, %r2316, %r2285;
+	fma.rn.bf16x2 %r1966, %r1962, %r2312, %r2281;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1974, %r1934, %r453, %r454, 0xEA;
+	lop3.b32 %r1970, %r1930, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1978, %r1974, %r2316, %r2277;
+	fma.rn.bf16x2 %r1974, %r1970, %r2312, %r2273;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1982, %r1938, %r453, %r454, 0xEA;
+	lop3.b32 %r1978, %r1934, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1986, %r1982, %r2316, %r2285;
+	fma.rn.bf16x2 %r1982, %r1978, %r2312, %r2281;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1990, %r1942, %r453, %r454, 0xEA;
+	lop3.b32 %r1986, %r1938, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r1994, %r1990, %r2316, %r2309;
+	fma.rn.bf16x2 %r1990, %r1986, %r2312, %r2305;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1998, %r1946, %r453, %r454, 0xEA;
+	lop3.b32 %r1994, %r1942, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2002, %r1998, %r2316, %r2317;
+	fma.rn.bf16x2 %r1998, %r1994, %r2312, %r2313;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r2006, %r1950, %r453, %r454, 0xEA;
+	lop3.b32 %r2002, %r1946, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2010, %r2006, %r2316, %r2309;
+	fma.rn.bf16x2 %r2006, %r2002, %r2312, %r2305;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r2014, %r1954, %r453, %r454, 0xEA;
+	lop3.b32 %r2010, %r1950, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2018, %r2014, %r2316, %r2317;
+	fma.rn.bf16x2 %r2014, %r2010, %r2312, %r2313;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f401, %f402, %f403, %f404}, {%r1962, %r1970, %r1978, %r1986}, {%r2636, %r2635}, {%f401, %f402, %f403, %f404};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f401, %f402, %f403, %f404}, {%r1958, %r1966, %r1974, %r1982}, {%r2632, %r2631}, {%f401, %f402, %f403, %f404};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f409, %f410, %f411, %f412}, {%r1994, %r2002, %r2010, %r2018}, {%r2636, %r2635}, {%f409, %f410, %f411, %f412};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f409, %f410, %f411, %f412}, {%r1990, %r1998, %r2006, %r2014}, {%r2632, %r2631}, {%f409, %f410, %f411, %f412};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f417, %f418, %f419, %f420}, {%r1962, %r1970, %r1978, %r1986}, {%r2620, %r2619}, {%f417, %f418, %f419, %f420};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f417, %f418, %f419, %f420}, {%r1958, %r1966, %r1974, %r1982}, {%r2616, %r2615}, {%f417, %f418, %f419, %f420};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f425, %f426, %f427, %f428}, {%r1994, %r2002, %r2010, %r2018}, {%r2620, %r2619}, {%f425, %f426, %f427, %f428};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f425, %f426, %f427, %f428}, {%r1990, %r1998, %r2006, %r2014}, {%r2616, %r2615}, {%f425, %f426, %f427, %f428};
 	// end inline asm
-	shr.u32 	%r2047, %r1926, 4;
+	shr.u32 	%r2043, %r1922, 4;
 	// begin inline asm
-	lop3.b32 %r2046, %r2047, %r453, %r454, 0xEA;
+	lop3.b32 %r2042, %r2043, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2050, %r2046, %r2316, %r2277;
+	fma.rn.bf16x2 %r2046, %r2042, %r2312, %r2273;
 	// end inline asm
-	shr.u32 	%r2055, %r1930, 4;
+	shr.u32 	%r2051, %r1926, 4;
 	// begin inline asm
-	lop3.b32 %r2054, %r2055, %r453, %r454, 0xEA;
+	lop3.b32 %r2050, %r2051, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2058, %r2054, %r2316, %r2285;
+	fma.rn.bf16x2 %r2054, %r2050, %r2312, %r2281;
 	// end inline asm
-	shr.u32 	%r2063, %r1934, 4;
+	shr.u32 	%r2059, %r1930, 4;
 	// begin inline asm
-	lop3.b32 %r2062, %r2063, %r453, %r454, 0xEA;
+	lop3.b32 %r2058, %r2059, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2066, %r2062, %r2316, %r2277;
+	fma.rn.bf16x2 %r2062, %r2058, %r2312, %r2273;
 	// end inline asm
-	shr.u32 	%r2071, %r1938, 4;
+	shr.u32 	%r2067, %r1934, 4;
 	// begin inline asm
-	lop3.b32 %r2070, %r2071, %r453, %r454, 0xEA;
+	lop3.b32 %r2066, %r2067, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2074, %r2070, %r2316, %r2285;
+	fma.rn.bf16x2 %r2070, %r2066, %r2312, %r2281;
 	// end inline asm
-	shr.u32 	%r2079, %r1942, 4;
+	shr.u32 	%r2075, %r1938, 4;
 	// begin inline asm
-	lop3.b32 %r2078, %r2079, %r453, %r454, 0xEA;
+	lop3.b32 %r2074, %r2075, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2082, %r2078, %r2316, %r2309;
+	fma.rn.bf16x2 %r2078, %r2074, %r2312, %r2305;
 	// end inline asm
-	shr.u32 	%r2087, %r1946, 4;
+	shr.u32 	%r2083, %r1942, 4;
 	// begin inline asm
-	lop3.b32 %r2086, %r2087, %r453, %r454, 0xEA;
+	lop3.b32 %r2082, %r2083, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2090, %r2086, %r2316, %r2317;
+	fma.rn.bf16x2 %r2086, %r2082, %r2312, %r2313;
 	// end inline asm
-	shr.u32 	%r2095, %r1950, 4;
+	shr.u32 	%r2091, %r1946, 4;
 	// begin inline asm
-	lop3.b32 %r2094, %r2095, %r453, %r454, 0xEA;
+	lop3.b32 %r2090, %r2091, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2098, %r2094, %r2316, %r2309;
+	fma.rn.bf16x2 %r2094, %r2090, %r2312, %r2305;
 	// end inline asm
-	shr.u32 	%r2103, %r1954, 4;
+	shr.u32 	%r2099, %r1950, 4;
 	// begin inline asm
-	lop3.b32 %r2102, %r2103, %r453, %r454, 0xEA;
+	lop3.b32 %r2098, %r2099, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2106, %r2102, %r2316, %r2317;
+	fma.rn.bf16x2 %r2102, %r2098, %r2312, %r2313;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f401, %f402, %f403, %f404}, {%r2050, %r2058, %r2066, %r2074}, {%r2634, %r2633}, {%f401, %f402, %f403, %f404};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f401, %f402, %f403, %f404}, {%r2046, %r2054, %r2062, %r2070}, {%r2630, %r2629}, {%f401, %f402, %f403, %f404};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f409, %f410, %f411, %f412}, {%r2082, %r2090, %r2098, %r2106}, {%r2634, %r2633}, {%f409, %f410, %f411, %f412};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f409, %f410, %f411, %f412}, {%r2078, %r2086, %r2094, %r2102}, {%r2630, %r2629}, {%f409, %f410, %f411, %f412};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f417, %f418, %f419, %f420}, {%r2050, %r2058, %r2066, %r2074}, {%r2618, %r2617}, {%f417, %f418, %f419, %f420};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f417, %f418, %f419, %f420}, {%r2046, %r2054, %r2062, %r2070}, {%r2614, %r2613}, {%f417, %f418, %f419, %f420};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f425, %f426, %f427, %f428}, {%r2082, %r2090, %r2098, %r2106}, {%r2618, %r2617}, {%f425, %f426, %f427, %f428};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f425, %f426, %f427, %f428}, {%r2078, %r2086, %r2094, %r2102}, {%r2614, %r2613}, {%f425, %f426, %f427, %f428};
 	// end inline asm
-	mov.u32 	%r2165, 30515;
+	mov.u32 	%r2161, 30515;
 	// begin inline asm
-	prmt.b32 %r2134, %r2660, %r2656, %r2165;
+	prmt.b32 %r2130, %r2656, %r2652, %r2161;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r2138, %r2659, %r2655, %r2165;
+	prmt.b32 %r2134, %r2655, %r2651, %r2161;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r2142, %r2652, %r2648, %r2165;
+	prmt.b32 %r2138, %r2648, %r2644, %r2161;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r2146, %r2651, %r2647, %r2165;
+	prmt.b32 %r2142, %r2647, %r2643, %r2161;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r2150, %r2658, %r2654, %r2165;
+	prmt.b32 %r2146, %r2654, %r2650, %r2161;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r2154, %r2657, %r2653, %r2165;
+	prmt.b32 %r2150, %r2653, %r2649, %r2161;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r2158, %r2650, %r2646, %r2165;
+	prmt.b32 %r2154, %r2646, %r2642, %r2161;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r2162, %r2649, %r2645, %r2165;
+	prmt.b32 %r2158, %r2645, %r2641, %r2161;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r2166, %r2134, %r453, %r454, 0xEA;
+	lop3.b32 %r2162, %r2130, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2170, %r2166, %r2316, %r2277;
+	fma.rn.bf16x2 %r2166, %r2162, %r2312, %r2273;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r2174, %r2138, %r453, %r454, 0xEA;
+	lop3.b32 %r2170, %r2134, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2178, %r2174, %r2316, %r2285;
+	fma.rn.bf16x2 %r2174, %r2170, %r2312, %r2281;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r2182, %r2142, %r453, %r454, 0xEA;
+	lop3.b32 %r2178, %r2138, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2186, %r2182, %r2316, %r2277;
+	fma.rn.bf16x2 %r2182, %r2178, %r2312, %r2273;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r2190, %r2146, %r453, %r454, 0xEA;
+	lop3.b32 %r2186, %r2142, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2194, %r2190, %r2316, %r2285;
+	fma.rn.bf16x2 %r2190, %r2186, %r2312, %r2281;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r2198, %r2150, %r453, %r454, 0xEA;
+	lop3.b32 %r2194, %r2146, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2202, %r2198, %r2316, %r2309;
+	fma.rn.bf16x2 %r2198, %r2194, %r2312, %r2305;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r2206, %r2154, %r453, %r454, 0xEA;
+	lop3.b32 %r2202, %r2150, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2210, %r2206, %r2316, %r2317;
+	fma.rn.bf16x2 %r2206, %r2202, %r2312, %r2313;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r2214, %r2158, %r453, %r454, 0xEA;
+	lop3.b32 %r2210, %r2154, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2218, %r2214, %r2316, %r2309;
+	fma.rn.bf16x2 %r2214, %r2210, %r2312, %r2305;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r2222, %r2162, %r453, %r454, 0xEA;
+	lop3.b32 %r2218, %r2158, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2226, %r2222, %r2316, %r2317;
+	fma.rn.bf16x2 %r2222, %r2218, %r2312, %r2313;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f401, %f402, %f403, %f404}, {%r2170, %r2178, %r2186, %r2194}, {%r2632, %r2631}, {%f401, %f402, %f403, %f404};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f401, %f402, %f403, %f404}, {%r2166, %r2174, %r2182, %r2190}, {%r2628, %r2627}, {%f401, %f402, %f403, %f404};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f409, %f410, %f411, %f412}, {%r2202, %r2210, %r2218, %r2226}, {%r2632, %r2631}, {%f409, %f410, %f411, %f412};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f409, %f410, %f411, %f412}, {%r2198, %r2206, %r2214, %r2222}, {%r2628, %r2627}, {%f409, %f410, %f411, %f412};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f417, %f418, %f419, %f420}, {%r2170, %r2178, %r2186, %r2194}, {%r2616, %r2615}, {%f417, %f418, %f419, %f420};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f417, %f418, %f419, %f420}, {%r2166, %r2174, %r2182, %r2190}, {%r2612, %r2611}, {%f417, %f418, %f419, %f420};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f425, %f426, %f427, %f428}, {%r2202, %r2210, %r2218, %r2226}, {%r2616, %r2615}, {%f425, %f426, %f427, %f428};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f425, %f426, %f427, %f428}, {%r2198, %r2206, %r2214, %r2222}, {%r2612, %r2611}, {%f425, %f426, %f427, %f428};
 	// end inline asm
-	shr.u32 	%r2255, %r2134, 4;
+	shr.u32 	%r2251, %r2130, 4;
 	// begin inline asm
-	lop3.b32 %r2254, %r2255, %r453, %r454, 0xEA;
+	lop3.b32 %r2250, %r2251, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2258, %r2254, %r2316, %r2277;
+	fma.rn.bf16x2 %r2254, %r2250, %r2312, %r2273;
 	// end inline asm
-	shr.u32 	%r2263, %r2138, 4;
+	shr.u32 	%r2259, %r2134, 4;
 	// begin inline asm
-	lop3.b32 %r2262, %r2263, %r453, %r454, 0xEA;
+	lop3.b32 %r2258, %r2259, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2266, %r2262, %r2316, %r2285;
+	fma.rn.bf16x2 %r2262, %r2258, %r2312, %r2281;
 	// end inline asm
-	shr.u32 	%r2271, %r2142, 4;
+	shr.u32 	%r2267, %r2138, 4;
 	// begin inline asm
-	lop3.b32 %r2270, %r2271, %r453, %r454, 0xEA;
+	lop3.b32 %r2266, %r2267, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2274, %r2270, %r2316, %r2277;
+	fma.rn.bf16x2 %r2270, %r2266, %r2312, %r2273;
 	// end inline asm
-	shr.u32 	%r2279, %r2146, 4;
+	shr.u32 	%r2275, %r2142, 4;
 	// begin inline asm
-	lop3.b32 %r2278, %r2279, %r453, %r454, 0xEA;
+	lop3.b32 %r2274, %r2275, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2282, %r2278, %r2316, %r2285;
+	fma.rn.bf16x2 %r2278, %r2274, %r2312, %r2281;
 	// end inline asm
-	shr.u32 	%r2287, %r2150, 4;
+	shr.u32 	%r2283, %r2146, 4;
 	// begin inline asm
-	lop3.b32 %r2286, %r2287, %r453, %r454, 0xEA;
+	lop3.b32 %r2282, %r2283, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2290, %r2286, %r2316, %r2309;
+	fma.rn.bf16x2 %r2286, %r2282, %r2312, %r2305;
 	// end inline asm
-	shr.u32 	%r2295, %r2154, 4;
+	shr.u32 	%r2291, %r2150, 4;
 	// begin inline asm
-	lop3.b32 %r2294, %r2295, %r453, %r454, 0xEA;
+	lop3.b32 %r2290, %r2291, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2298, %r2294, %r2316, %r2317;
+	fma.rn.bf16x2 %r2294, %r2290, %r2312, %r2313;
 	// end inline asm
-	shr.u32 	%r2303, %r2158, 4;
+	shr.u32 	%r2299, %r2154, 4;
 	// begin inline asm
-	lop3.b32 %r2302, %r2303, %r453, %r454, 0xEA;
+	lop3.b32 %r2298, %r2299, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2306, %r2302, %r2316, %r2309;
+	fma.rn.bf16x2 %r2302, %r2298, %r2312, %r2305;
 	// end inline asm
-	shr.u32 	%r2311, %r2162, 4;
+	shr.u32 	%r2307, %r2158, 4;
 	// begin inline asm
-	lop3.b32 %r2310, %r2311, %r453, %r454, 0xEA;
+	lop3.b32 %r2306, %r2307, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.bf16x2 %r2314, %r2310, %r2316, %r2317;
+	fma.rn.bf16x2 %r2310, %r2306, %r2312, %r2313;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f401, %f402, %f403, %f404}, {%r2258, %r2266, %r2274, %r2282}, {%r2630, %r2629}, {%f401, %f402, %f403, %f404};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f401, %f402, %f403, %f404}, {%r2254, %r2262, %r2270, %r2278}, {%r2626, %r2625}, {%f401, %f402, %f403, %f404};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f409, %f410, %f411, %f412}, {%r2290, %r2298, %r2306, %r2314}, {%r2630, %r2629}, {%f409, %f410, %f411, %f412};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f409, %f410, %f411, %f412}, {%r2286, %r2294, %r2302, %r2310}, {%r2626, %r2625}, {%f409, %f410, %f411, %f412};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f417, %f418, %f419, %f420}, {%r2258, %r2266, %r2274, %r2282}, {%r2614, %r2613}, {%f417, %f418, %f419, %f420};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f417, %f418, %f419, %f420}, {%r2254, %r2262, %r2270, %r2278}, {%r2610, %r2609}, {%f417, %f418, %f419, %f420};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f425, %f426, %f427, %f428}, {%r2290, %r2298, %r2306, %r2314}, {%r2614, %r2613}, {%f425, %f426, %f427, %f428};
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f425, %f426, %f427, %f428}, {%r2286, %r2294, %r2302, %r2310}, {%r2610, %r2609}, {%f425, %f426, %f427, %f428};
 	// end inline asm
-	shl.b32 	%r2352, %r2612, 16;
-	mov.b32 	%f625, %r2352;
+	shl.b32 	%r2348, %r2608, 16;
+	mov.b32 	%f625, %r2348;
 	fma.rn.f32 	%f678, %f401, %f625, %f678;
 	fma.rn.f32 	%f677, %f402, %f625, %f677;
-	and.b32  	%r2353, %r2612, -65536;
-	mov.b32 	%f626, %r2353;
+	and.b32  	%r2349, %r2608, -65536;
+	mov.b32 	%f626, %r2349;
 	fma.rn.f32 	%f676, %f403, %f626, %f676;
 	fma.rn.f32 	%f675, %f404, %f626, %f675;
-	shl.b32 	%r2354, %r2611, 16;
-	mov.b32 	%f627, %r2354;
+	shl.b32 	%r2350, %r2607, 16;
+	mov.b32 	%f627, %r2350;
 	fma.rn.f32 	%f674, %f409, %f627, %f674;
 	fma.rn.f32 	%f673, %f410, %f627, %f673;
-	and.b32  	%r2355, %r2611, -65536;
-	mov.b32 	%f628, %r2355;
+	and.b32  	%r2351, %r2607, -65536;
+	mov.b32 	%f628, %r2351;
 	fma.rn.f32 	%f672, %f411, %f628, %f672;
 	fma.rn.f32 	%f671, %f412, %f628, %f671;
 	fma.rn.f32 	%f670, %f417, %f625, %f670;
@@ -3529,85 +3529,85 @@ $L__BB1_9:
 	fma.rn.f32 	%f665, %f426, %f627, %f665;
 	fma.rn.f32 	%f664, %f427, %f628, %f664;
 	fma.rn.f32 	%f663, %f428, %f628, %f663;
-	setp.lt.s32 	%p6, %r2609, %r7;
+	setp.lt.s32 	%p6, %r2605, %r7;
 	@%p6 bra 	$L__BB1_4;
 
 $L__BB1_10:
-	mov.u32 	%r2453, %tid.x;
-	and.b32  	%r2452, %r2453, 31;
-	shr.u32 	%r2357, %r2453, 5;
-	bfi.b32 	%r2359, %r2357, %r2452, 9, 23;
-	shl.b32 	%r2360, %r2359, 2;
-	mov.u32 	%r2361, _ZN9lmd_w4a164sumsE;
-	add.s32 	%r2362, %r2361, %r2360;
-	st.shared.f32 	[%r2362], %f678;
-	st.shared.f32 	[%r2362+128], %f677;
-	st.shared.f32 	[%r2362+256], %f676;
-	st.shared.f32 	[%r2362+384], %f675;
-	st.shared.f32 	[%r2362+512], %f674;
-	st.shared.f32 	[%r2362+640], %f673;
-	st.shared.f32 	[%r2362+768], %f672;
-	st.shared.f32 	[%r2362+896], %f671;
-	st.shared.f32 	[%r2362+1024], %f670;
-	st.shared.f32 	[%r2362+1152], %f669;
-	st.shared.f32 	[%r2362+1280], %f668;
-	st.shared.f32 	[%r2362+1408], %f667;
-	st.shared.f32 	[%r2362+1536], %f666;
-	st.shared.f32 	[%r2362+1664], %f665;
-	st.shared.f32 	[%r2362+1792], %f664;
-	st.shared.f32 	[%r2362+1920], %f663;
+	mov.u32 	%r2449, %tid.x;
+	and.b32  	%r2448, %r2449, 31;
+	shr.u32 	%r2353, %r2449, 5;
+	bfi.b32 	%r2355, %r2353, %r2448, 9, 23;
+	shl.b32 	%r2356, %r2355, 2;
+	mov.u32 	%r2357, _ZN9lmd_w4a164sumsE;
+	add.s32 	%r2358, %r2357, %r2356;
+	st.shared.f32 	[%r2358], %f678;
+	st.shared.f32 	[%r2358+128], %f677;
+	st.shared.f32 	[%r2358+256], %f676;
+	st.shared.f32 	[%r2358+384], %f675;
+	st.shared.f32 	[%r2358+512], %f674;
+	st.shared.f32 	[%r2358+640], %f673;
+	st.shared.f32 	[%r2358+768], %f672;
+	st.shared.f32 	[%r2358+896], %f671;
+	st.shared.f32 	[%r2358+1024], %f670;
+	st.shared.f32 	[%r2358+1152], %f669;
+	st.shared.f32 	[%r2358+1280], %f668;
+	st.shared.f32 	[%r2358+1408], %f667;
+	st.shared.f32 	[%r2358+1536], %f666;
+	st.shared.f32 	[%r2358+1664], %f665;
+	st.shared.f32 	[%r2358+1792], %f664;
+	st.shared.f32 	[%r2358+1920], %f663;
 	bar.sync 	0;
-	setp.gt.s32 	%p7, %r2453, 511;
+	setp.gt.s32 	%p7, %r2449, 511;
 	@%p7 bra 	$L__BB1_32;
 
 	mov.u32 	%r423, %ntid.x;
-	shr.u32 	%r2363, %r423, 5;
-	setp.eq.s32 	%p8, %r2363, 0;
-	cvt.s64.s32 	%rd9, %r459;
+	shr.u32 	%r2359, %r423, 5;
+	setp.eq.s32 	%p8, %r2359, 0;
+	cvt.s64.s32 	%rd9, %r457;
 	@%p8 bra 	$L__BB1_25;
 
-	add.s32 	%r424, %r2363, -1;
-	and.b32  	%r425, %r2363, 3;
-	sub.s32 	%r426, %r2363, %r425;
-	mov.u32 	%r2712, %tid.x;
-	mov.u32 	%r2366, %ctaid.x;
-	shl.b32 	%r428, %r2366, 5;
+	add.s32 	%r424, %r2359, -1;
+	and.b32  	%r425, %r2359, 3;
+	sub.s32 	%r426, %r2359, %r425;
+	mov.u32 	%r2708, %tid.x;
+	mov.u32 	%r2362, %ctaid.x;
+	shl.b32 	%r428, %r2362, 5;
 	cvta.to.global.u64 	%rd125, %rd14;
 
 $L__BB1_13:
-	shr.s32 	%r2368, %r2712, 31;
-	shr.u32 	%r2369, %r2368, 27;
-	add.s32 	%r2370, %r2712, %r2369;
-	shr.s32 	%r430, %r2370, 5;
-	and.b32  	%r2371, %r2370, -32;
-	sub.s32 	%r431, %r2712, %r2371;
+	shr.s32 	%r2364, %r2708, 31;
+	shr.u32 	%r2365, %r2364, 27;
+	add.s32 	%r2366, %r2708, %r2365;
+	shr.s32 	%r430, %r2366, 5;
+	and.b32  	%r2367, %r2366, -32;
+	sub.s32 	%r431, %r2708, %r2367;
 	setp.lt.u32 	%p9, %r424, 3;
 	mov.f32 	%f682, 0f00000000;
-	mov.u32 	%r2715, 0;
+	mov.u32 	%r2711, 0;
 	@%p9 bra 	$L__BB1_16;
 
 	mov.f32 	%f682, 0f00000000;
-	mov.u32 	%r2715, 0;
-	mov.u32 	%r2714, %r426;
+	mov.u32 	%r2711, 0;
+	mov.u32 	%r2710, %r426;
 
 $L__BB1_15:
-	shl.b32 	%r2373, %r2715, 4;
-	add.s32 	%r2374, %r2373, %r430;
-	shl.b32 	%r2375, %r2374, 5;
-	add.s32 	%r2376, %r2375, %r431;
-	shl.b32 	%r2377, %r2376, 2;
-	add.s32 	%r2379, %r2361, %r2377;
-	ld.shared.f32 	%f632, [%r2379];
+	shl.b32 	%r2369, %r2711, 4;
+	add.s32 	%r2370, %r2369, %r430;
+	shl.b32 	%r2371, %r2370, 5;
+	add.s32 	%r2372, %r2371, %r431;
+	shl.b32 	%r2373, %r2372, 2;
+	add.s32 	%r2375, %r2357, %r2373;
+	ld.shared.f32 	%f632, [%r2375];
 	add.f32 	%f633, %f682, %f632;
-	ld.shared.f32 	%f634, [%r2379+2048];
+	ld.shared.f32 	%f634, [%r2375+2048];
 	add.f32 	%f635, %f633, %f634;
-	ld.shared.f32 	%f636, [%r2379+4096];
+	ld.shared.f32 	%f636, [%r2375+4096];
 	add.f32 	%f637, %f635, %f636;
-	ld.shared.f32 	%f638, [%r2379+6144];
+	ld.shared.f32 	%f638, [%r2375+6144];
 	add.f32 	%f682, %f637, %f638;
-	add.s32 	%r2715, %r2715, 4;
-	add.s32 	%r2714, %r2714, -4;
-	setp.ne.s32 	%p10, %r2714, 0;
+	add.s32 	%r2711, %r2711, 4;
+	add.s32 	%r2710, %r2710, -4;
+	setp.ne.s32 	%p10, %r2710, 0;
 	@%p10 bra 	$L__BB1_15;
 
 $L__BB1_16:
@@ -3615,12 +3615,12 @@ $L__BB1_16:
 	@%p11 bra 	$L__BB1_20;
 
 	setp.eq.s32 	%p12, %r425, 1;
-	shl.b32 	%r2380, %r2715, 4;
-	add.s32 	%r2381, %r2380, %r430;
-	shl.b32 	%r2382, %r2381, 5;
-	add.s32 	%r2383, %r2382, %r431;
-	shl.b32 	%r2384, %r2383, 2;
-	add.s32 	%r437, %r2361, %r2384;
+	shl.b32 	%r2376, %r2711, 4;
+	add.s32 	%r2377, %r2376, %r430;
+	shl.b32 	%r2378, %r2377, 5;
+	add.s32 	%r2379, %r2378, %r431;
+	shl.b32 	%r2380, %r2379, 2;
+	add.s32 	%r437, %r2357, %r2380;
 	ld.shared.f32 	%f639, [%r437];
 	add.f32 	%f682, %f682, %f639;
 	@%p12 bra 	$L__BB1_20;
@@ -3634,36 +3634,36 @@ $L__BB1_16:
 	add.f32 	%f682, %f682, %f641;
 
 $L__BB1_20:
-	shr.u32 	%r2387, %r2368, 25;
-	add.s32 	%r2388, %r2712, %r2387;
-	shr.u32 	%r2389, %r2388, 31;
-	shr.s32 	%r2390, %r2388, 7;
-	add.s32 	%r2391, %r2390, %r2389;
-	and.b32  	%r2392, %r2391, 2147483646;
-	sub.s32 	%r2393, %r2390, %r2392;
-	shr.u32 	%r2394, %r2368, 24;
-	add.s32 	%r2395, %r2712, %r2394;
-	shr.s32 	%r2396, %r2395, 8;
-	shl.b32 	%r2397, %r2396, 3;
-	shl.b32 	%r2398, %r431, 1;
-	and.b32  	%r2399, %r2398, 6;
-	or.b32  	%r2400, %r2399, %r2397;
-	shr.s32 	%r2401, %r430, 31;
-	shr.u32 	%r2402, %r2401, 30;
-	add.s32 	%r2403, %r430, %r2402;
-	and.b32  	%r2404, %r2403, -4;
-	sub.s32 	%r2405, %r430, %r2404;
-	and.b32  	%r2406, %r2405, 1;
-	or.b32  	%r438, %r2400, %r2406;
-	and.b32  	%r2407, %r431, -4;
-	add.s32 	%r2408, %r2407, %r428;
-	shl.b32 	%r2409, %r2393, 1;
-	add.s32 	%r2410, %r2408, %r2409;
-	shr.u32 	%r2411, %r2405, 31;
-	add.s32 	%r2412, %r2405, %r2411;
-	shr.s32 	%r2413, %r2412, 1;
-	add.s32 	%r439, %r2410, %r2413;
-	setp.ge.s32 	%p14, %r438, %r458;
+	shr.u32 	%r2383, %r2364, 25;
+	add.s32 	%r2384, %r2708, %r2383;
+	shr.u32 	%r2385, %r2384, 31;
+	shr.s32 	%r2386, %r2384, 7;
+	add.s32 	%r2387, %r2386, %r2385;
+	and.b32  	%r2388, %r2387, 2147483646;
+	sub.s32 	%r2389, %r2386, %r2388;
+	shr.u32 	%r2390, %r2364, 24;
+	add.s32 	%r2391, %r2708, %r2390;
+	shr.s32 	%r2392, %r2391, 8;
+	shl.b32 	%r2393, %r2392, 3;
+	shl.b32 	%r2394, %r431, 1;
+	and.b32  	%r2395, %r2394, 6;
+	or.b32  	%r2396, %r2395, %r2393;
+	shr.s32 	%r2397, %r430, 31;
+	shr.u32 	%r2398, %r2397, 30;
+	add.s32 	%r2399, %r430, %r2398;
+	and.b32  	%r2400, %r2399, -4;
+	sub.s32 	%r2401, %r430, %r2400;
+	and.b32  	%r2402, %r2401, 1;
+	or.b32  	%r438, %r2396, %r2402;
+	and.b32  	%r2403, %r431, -4;
+	add.s32 	%r2404, %r2403, %r428;
+	shl.b32 	%r2405, %r2389, 1;
+	add.s32 	%r2406, %r2404, %r2405;
+	shr.u32 	%r2407, %r2401, 31;
+	add.s32 	%r2408, %r2401, %r2407;
+	shr.s32 	%r2409, %r2408, 1;
+	add.s32 	%r439, %r2406, %r2409;
+	setp.ge.s32 	%p14, %r438, %r456;
 	@%p14 bra 	$L__BB1_24;
 
 	setp.eq.s64 	%p15, %rd14, 0;
@@ -3671,9 +3671,9 @@ $L__BB1_20:
 
 	mul.wide.s32 	%rd126, %r439, 2;
 	add.s64 	%rd127, %rd125, %rd126;
-	ld.global.u16 	%r2414, [%rd127];
-	shl.b32 	%r2415, %r2414, 16;
-	mov.b32 	%f642, %r2415;
+	ld.global.u16 	%r2410, [%rd127];
+	shl.b32 	%r2411, %r2410, 16;
+	mov.b32 	%f642, %r2411;
 	add.f32 	%f682, %f682, %f642;
 
 $L__BB1_23:
@@ -3689,54 +3689,54 @@ $L__BB1_23:
 	st.global.u16 	[%rd133], %rs1;
 
 $L__BB1_24:
-	add.s32 	%r2712, %r2712, %r423;
-	setp.lt.s32 	%p16, %r2712, 512;
+	add.s32 	%r2708, %r2708, %r423;
+	setp.lt.s32 	%p16, %r2708, 512;
 	@%p16 bra 	$L__BB1_13;
 	bra.uni 	$L__BB1_32;
 
 $L__BB1_25:
-	mov.u32 	%r2716, %tid.x;
-	mov.u32 	%r2416, %ctaid.x;
-	shl.b32 	%r442, %r2416, 5;
+	mov.u32 	%r2712, %tid.x;
+	mov.u32 	%r2412, %ctaid.x;
+	shl.b32 	%r442, %r2412, 5;
 	cvta.to.global.u64 	%rd134, %rd14;
 
 $L__BB1_26:
-	shr.s32 	%r2417, %r2716, 31;
-	shr.u32 	%r2418, %r2417, 25;
-	add.s32 	%r2419, %r2716, %r2418;
-	shr.u32 	%r2420, %r2419, 31;
-	shr.s32 	%r2421, %r2419, 7;
-	add.s32 	%r2422, %r2421, %r2420;
-	and.b32  	%r2423, %r2422, 2147483646;
-	sub.s32 	%r2424, %r2421, %r2423;
-	shr.u32 	%r2425, %r2417, 27;
-	add.s32 	%r2426, %r2716, %r2425;
-	shr.s32 	%r2427, %r2426, 5;
-	shr.u32 	%r2428, %r2417, 24;
-	add.s32 	%r2429, %r2716, %r2428;
-	shr.s32 	%r2430, %r2429, 8;
-	shl.b32 	%r2431, %r2430, 3;
-	and.b32  	%r2432, %r2426, -32;
-	sub.s32 	%r2433, %r2716, %r2432;
-	shl.b32 	%r2434, %r2433, 1;
-	and.b32  	%r2435, %r2434, 6;
-	or.b32  	%r2436, %r2435, %r2431;
-	shr.s32 	%r2437, %r2426, 31;
-	shr.u32 	%r2438, %r2437, 30;
-	add.s32 	%r2439, %r2427, %r2438;
-	and.b32  	%r2440, %r2439, -4;
-	sub.s32 	%r2441, %r2427, %r2440;
-	and.b32  	%r2442, %r2441, 1;
-	or.b32  	%r444, %r2436, %r2442;
-	and.b32  	%r2443, %r2433, -4;
-	add.s32 	%r2444, %r2443, %r442;
-	shl.b32 	%r2445, %r2424, 1;
-	add.s32 	%r2446, %r2444, %r2445;
-	shr.u32 	%r2447, %r2441, 31;
-	add.s32 	%r2448, %r2441, %r2447;
-	shr.s32 	%r2449, %r2448, 1;
-	add.s32 	%r445, %r2446, %r2449;
-	setp.ge.s32 	%p17, %r444, %r458;
+	shr.s32 	%r2413, %r2712, 31;
+	shr.u32 	%r2414, %r2413, 25;
+	add.s32 	%r2415, %r2712, %r2414;
+	shr.u32 	%r2416, %r2415, 31;
+	shr.s32 	%r2417, %r2415, 7;
+	add.s32 	%r2418, %r2417, %r2416;
+	and.b32  	%r2419, %r2418, 2147483646;
+	sub.s32 	%r2420, %r2417, %r2419;
+	shr.u32 	%r2421, %r2413, 27;
+	add.s32 	%r2422, %r2712, %r2421;
+	shr.s32 	%r2423, %r2422, 5;
+	shr.u32 	%r2424, %r2413, 24;
+	add.s32 	%r2425, %r2712, %r2424;
+	shr.s32 	%r2426, %r2425, 8;
+	shl.b32 	%r2427, %r2426, 3;
+	and.b32  	%r2428, %r2422, -32;
+	sub.s32 	%r2429, %r2712, %r2428;
+	shl.b32 	%r2430, %r2429, 1;
+	and.b32  	%r2431, %r2430, 6;
+	or.b32  	%r2432, %r2431, %r2427;
+	shr.s32 	%r2433, %r2422, 31;
+	shr.u32 	%r2434, %r2433, 30;
+	add.s32 	%r2435, %r2423, %r2434;
+	and.b32  	%r2436, %r2435, -4;
+	sub.s32 	%r2437, %r2423, %r2436;
+	and.b32  	%r2438, %r2437, 1;
+	or.b32  	%r444, %r2432, %r2438;
+	and.b32  	%r2439, %r2429, -4;
+	add.s32 	%r2440, %r2439, %r442;
+	shl.b32 	%r2441, %r2420, 1;
+	add.s32 	%r2442, %r2440, %r2441;
+	shr.u32 	%r2443, %r2437, 31;
+	add.s32 	%r2444, %r2437, %r2443;
+	shr.s32 	%r2445, %r2444, 1;
+	add.s32 	%r445, %r2442, %r2445;
+	setp.ge.s32 	%p17, %r444, %r456;
 	@%p17 bra 	$L__BB1_31;
 
 	setp.eq.s64 	%p18, %rd14, 0;
@@ -3744,9 +3744,9 @@ $L__BB1_26:
 
 	mul.wide.s32 	%rd135, %r445, 2;
 	add.s64 	%rd136, %rd134, %rd135;
-	ld.global.u16 	%r2450, [%rd136];
-	shl.b32 	%r2451, %r2450, 16;
-	mov.b32 	%f644, %r2451;
+	ld.global.u16 	%r2446, [%rd136];
+	shl.b32 	%r2447, %r2446, 16;
+	mov.b32 	%f644, %r2447;
 	add.f32 	%f684, %f644, 0f00000000;
 	bra.uni 	$L__BB1_30;
 
@@ -3766,8 +3766,8 @@ $L__BB1_30:
 	st.global.u16 	[%rd142], %rs2;
 
 $L__BB1_31:
-	add.s32 	%r2716, %r2716, %r423;
-	setp.lt.s32 	%p19, %r2716, 512;
+	add.s32 	%r2712, %r2712, %r423;
+	setp.lt.s32 	%p19, %r2712, 512;
 	@%p19 bra 	$L__BB1_26;
 
 $L__BB1_32:
@@ -3776,19 +3776,19 @@ $L__BB1_32:
 }
 	// .globl	lmd_w4a16_rows_f16_m8
 .visible .entry lmd_w4a16_rows_f16_m8(
-	.param .align 8 .b8 lmd_w4a16_rows_f16_m8_param_0[72]
+	.param .align 8 .b8 lmd_w4a16_rows_f16_m8_param_0[64]
 )
 .maxntid 512, 1, 1
 {
 	.reg .pred 	%p<20>;
 	.reg .b16 	%rs<13>;
 	.reg .f32 	%f<365>;
-	.reg .b32 	%r<2258>;
+	.reg .b32 	%r<2254>;
 	.reg .b64 	%rd<113>;
 
 
-	ld.param.v2.u32 	{%r331, %r332}, [lmd_w4a16_rows_f16_m8_param_0+48];
-	ld.param.v2.u32 	{%r333, %r334}, [lmd_w4a16_rows_f16_m8_param_0+56];
+	ld.param.v2.u32 	{%r329, %r330}, [lmd_w4a16_rows_f16_m8_param_0+48];
+	ld.param.v2.u32 	{%r331, %r332}, [lmd_w4a16_rows_f16_m8_param_0+56];
 	ld.param.u64 	%rd14, [lmd_w4a16_rows_f16_m8_param_0+40];
 	ld.param.u64 	%rd13, [lmd_w4a16_rows_f16_m8_param_0+32];
 	ld.param.u64 	%rd12, [lmd_w4a16_rows_f16_m8_param_0+24];
@@ -3797,100 +3797,100 @@ $L__BB1_32:
 	ld.param.u64 	%rd9, [lmd_w4a16_rows_f16_m8_param_0];
 	cvta.to.global.u64 	%rd5, %rd14;
 	mov.u32 	%r4, %tid.x;
-	and.b32  	%r337, %r4, 31;
-	shr.u32 	%r2182, %r4, 5;
-	shr.u32 	%r6, %r337, 2;
+	and.b32  	%r333, %r4, 31;
+	shr.u32 	%r2178, %r4, 5;
+	shr.u32 	%r6, %r333, 2;
 	and.b32  	%r7, %r4, 3;
-	shr.s32 	%r338, %r333, 31;
-	shr.u32 	%r339, %r338, 25;
-	add.s32 	%r340, %r333, %r339;
-	shr.s32 	%r8, %r340, 7;
-	mov.u32 	%r326, 983055;
-	mov.u32 	%r327, 1677747200;
+	shr.s32 	%r334, %r331, 31;
+	shr.u32 	%r335, %r334, 25;
+	add.s32 	%r336, %r331, %r335;
+	shr.s32 	%r8, %r336, 7;
+	mov.u32 	%r324, 983055;
+	mov.u32 	%r325, 1677747200;
 	// begin inline asm
 	// end inline asm
-	setp.ge.s32 	%p1, %r2182, %r8;
+	setp.ge.s32 	%p1, %r2178, %r8;
 	@%p1 bra 	$L__BB2_2;
 
-	shl.b32 	%r376, %r2182, 4;
-	shl.b32 	%r377, %r7, 2;
-	or.b32  	%r378, %r376, %r377;
-	cvt.s64.s32 	%rd29, %r332;
-	mul.wide.s32 	%rd30, %r378, %r332;
-	and.b32  	%r379, %r4, 28;
-	mov.u32 	%r380, %ctaid.x;
-	shl.b32 	%r381, %r380, 5;
-	or.b32  	%r382, %r381, %r379;
-	cvt.s64.s32 	%rd31, %r382;
+	shl.b32 	%r372, %r2178, 4;
+	shl.b32 	%r373, %r7, 2;
+	or.b32  	%r374, %r372, %r373;
+	cvt.s64.s32 	%rd29, %r330;
+	mul.wide.s32 	%rd30, %r374, %r330;
+	and.b32  	%r375, %r4, 28;
+	mov.u32 	%r376, %ctaid.x;
+	shl.b32 	%r377, %r376, 5;
+	or.b32  	%r378, %r377, %r375;
+	cvt.s64.s32 	%rd31, %r378;
 	add.s64 	%rd32, %rd30, %rd31;
 	shl.b64 	%rd33, %rd32, 2;
 	add.s64 	%rd15, %rd10, %rd33;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2146, %r2145, %r2144, %r2143}, [%rd15];
+	ld.global.nc.v4.u32 {%r2142, %r2141, %r2140, %r2139}, [%rd15];
 	// end inline asm
-	mul.wide.s32 	%rd34, %r332, 4;
+	mul.wide.s32 	%rd34, %r330, 4;
 	add.s64 	%rd16, %rd15, %rd34;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2142, %r2141, %r2140, %r2139}, [%rd16];
+	ld.global.nc.v4.u32 {%r2138, %r2137, %r2136, %r2135}, [%rd16];
 	// end inline asm
 	add.s64 	%rd17, %rd16, %rd34;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2138, %r2137, %r2136, %r2135}, [%rd17];
+	ld.global.nc.v4.u32 {%r2134, %r2133, %r2132, %r2131}, [%rd17];
 	// end inline asm
 	add.s64 	%rd18, %rd17, %rd34;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2134, %r2133, %r2132, %r2131}, [%rd18];
+	ld.global.nc.v4.u32 {%r2130, %r2129, %r2128, %r2127}, [%rd18];
 	// end inline asm
-	add.s32 	%r383, %r331, -1;
-	min.s32 	%r384, %r6, %r383;
-	mul.wide.s32 	%rd35, %r384, %r334;
-	mad.lo.s32 	%r385, %r2182, 112, %r378;
-	cvt.s64.s32 	%rd36, %r385;
+	add.s32 	%r379, %r329, -1;
+	min.s32 	%r380, %r6, %r379;
+	mul.wide.s32 	%rd35, %r380, %r332;
+	mad.lo.s32 	%r381, %r2178, 112, %r374;
+	cvt.s64.s32 	%rd36, %r381;
 	add.s64 	%rd37, %rd35, %rd36;
 	shl.b64 	%rd38, %rd37, 1;
 	add.s64 	%rd19, %rd9, %rd38;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2130, %r2129}, [%rd19];
+	ld.global.nc.v2.u32 {%r2126, %r2125}, [%rd19];
 	// end inline asm
 	add.s64 	%rd20, %rd19, 32;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2128, %r2127}, [%rd20];
+	ld.global.nc.v2.u32 {%r2124, %r2123}, [%rd20];
 	// end inline asm
 	add.s64 	%rd21, %rd19, 64;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2126, %r2125}, [%rd21];
+	ld.global.nc.v2.u32 {%r2122, %r2121}, [%rd21];
 	// end inline asm
 	add.s64 	%rd22, %rd19, 96;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2124, %r2123}, [%rd22];
+	ld.global.nc.v2.u32 {%r2120, %r2119}, [%rd22];
 	// end inline asm
 	add.s64 	%rd23, %rd19, 128;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2122, %r2121}, [%rd23];
+	ld.global.nc.v2.u32 {%r2118, %r2117}, [%rd23];
 	// end inline asm
 	add.s64 	%rd24, %rd19, 160;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2120, %r2119}, [%rd24];
+	ld.global.nc.v2.u32 {%r2116, %r2115}, [%rd24];
 	// end inline asm
 	add.s64 	%rd25, %rd19, 192;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2118, %r2117}, [%rd25];
+	ld.global.nc.v2.u32 {%r2114, %r2113}, [%rd25];
 	// end inline asm
 	add.s64 	%rd26, %rd19, 224;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2116, %r2115}, [%rd26];
+	ld.global.nc.v2.u32 {%r2112, %r2111}, [%rd26];
 	// end inline asm
-	cvt.u64.u32 	%rd39, %r2182;
+	cvt.u64.u32 	%rd39, %r2178;
 	mul.lo.s64 	%rd40, %rd29, %rd39;
 	add.s64 	%rd41, %rd40, %rd31;
 	shl.b64 	%rd42, %rd41, 1;
 	add.s64 	%rd27, %rd11, %rd42;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2114, %r2113}, [%rd27];
+	ld.global.nc.v2.u32 {%r2110, %r2109}, [%rd27];
 	// end inline asm
 	add.s64 	%rd28, %rd12, %rd41;
 	// begin inline asm
-	ld.global.nc.u32 %r2112, [%rd28];
+	ld.global.nc.u32 %r2108, [%rd28];
 	// end inline asm
 
 $L__BB2_2:
@@ -3904,205 +3904,205 @@ $L__BB2_2:
 	mov.f32 	%f358, %f351;
 	@%p1 bra 	$L__BB2_10;
 
-	shl.b32 	%r387, %r7, 2;
-	add.s32 	%r388, %r331, -1;
-	min.s32 	%r389, %r6, %r388;
-	mul.wide.s32 	%rd43, %r389, %r334;
-	cvt.u64.u32 	%rd44, %r387;
+	shl.b32 	%r383, %r7, 2;
+	add.s32 	%r384, %r329, -1;
+	min.s32 	%r385, %r6, %r384;
+	mul.wide.s32 	%rd43, %r385, %r332;
+	cvt.u64.u32 	%rd44, %r383;
 	add.s64 	%rd6, %rd43, %rd44;
 	mov.f32 	%f351, 0f00000000;
-	mul.wide.s32 	%rd63, %r332, 4;
+	mul.wide.s32 	%rd63, %r330, 4;
 
 $L__BB2_4:
-	mov.u32 	%r390, %ntid.x;
-	shr.u32 	%r391, %r390, 5;
-	add.s32 	%r154, %r2182, %r391;
+	mov.u32 	%r386, %ntid.x;
+	shr.u32 	%r387, %r386, 5;
+	add.s32 	%r154, %r2178, %r387;
 	setp.ge.s32 	%p3, %r154, %r8;
 	@%p3 bra 	$L__BB2_6;
 
-	shl.b32 	%r427, %r154, 4;
-	mov.u32 	%r428, %tid.x;
-	shl.b32 	%r429, %r428, 2;
-	and.b32  	%r430, %r429, 12;
-	or.b32  	%r431, %r427, %r430;
-	mul.wide.s32 	%rd59, %r431, %r332;
-	mov.u32 	%r432, %ctaid.x;
-	shl.b32 	%r433, %r432, 5;
-	and.b32  	%r434, %r428, 28;
-	or.b32  	%r435, %r433, %r434;
-	cvt.s64.s32 	%rd60, %r435;
+	shl.b32 	%r423, %r154, 4;
+	mov.u32 	%r424, %tid.x;
+	shl.b32 	%r425, %r424, 2;
+	and.b32  	%r426, %r425, 12;
+	or.b32  	%r427, %r423, %r426;
+	mul.wide.s32 	%rd59, %r427, %r330;
+	mov.u32 	%r428, %ctaid.x;
+	shl.b32 	%r429, %r428, 5;
+	and.b32  	%r430, %r424, 28;
+	or.b32  	%r431, %r429, %r430;
+	cvt.s64.s32 	%rd60, %r431;
 	add.s64 	%rd61, %rd59, %rd60;
 	shl.b64 	%rd62, %rd61, 2;
 	add.s64 	%rd45, %rd10, %rd62;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2217, %r2216, %r2215, %r2214}, [%rd45];
+	ld.global.nc.v4.u32 {%r2213, %r2212, %r2211, %r2210}, [%rd45];
 	// end inline asm
 	add.s64 	%rd46, %rd45, %rd63;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2213, %r2212, %r2211, %r2210}, [%rd46];
+	ld.global.nc.v4.u32 {%r2209, %r2208, %r2207, %r2206}, [%rd46];
 	// end inline asm
 	add.s64 	%rd47, %rd46, %rd63;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2209, %r2208, %r2207, %r2206}, [%rd47];
+	ld.global.nc.v4.u32 {%r2205, %r2204, %r2203, %r2202}, [%rd47];
 	// end inline asm
 	add.s64 	%rd48, %rd47, %rd63;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2205, %r2204, %r2203, %r2202}, [%rd48];
+	ld.global.nc.v4.u32 {%r2201, %r2200, %r2199, %r2198}, [%rd48];
 	// end inline asm
-	shl.b32 	%r436, %r154, 7;
-	cvt.s64.s32 	%rd64, %r436;
+	shl.b32 	%r432, %r154, 7;
+	cvt.s64.s32 	%rd64, %r432;
 	add.s64 	%rd65, %rd6, %rd64;
 	shl.b64 	%rd66, %rd65, 1;
 	add.s64 	%rd49, %rd9, %rd66;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2201, %r2200}, [%rd49];
+	ld.global.nc.v2.u32 {%r2197, %r2196}, [%rd49];
 	// end inline asm
 	add.s64 	%rd50, %rd49, 32;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2199, %r2198}, [%rd50];
+	ld.global.nc.v2.u32 {%r2195, %r2194}, [%rd50];
 	// end inline asm
 	add.s64 	%rd51, %rd49, 64;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2197, %r2196}, [%rd51];
+	ld.global.nc.v2.u32 {%r2193, %r2192}, [%rd51];
 	// end inline asm
 	add.s64 	%rd52, %rd49, 96;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2195, %r2194}, [%rd52];
+	ld.global.nc.v2.u32 {%r2191, %r2190}, [%rd52];
 	// end inline asm
 	add.s64 	%rd53, %rd49, 128;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2193, %r2192}, [%rd53];
+	ld.global.nc.v2.u32 {%r2189, %r2188}, [%rd53];
 	// end inline asm
 	add.s64 	%rd54, %rd49, 160;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2191, %r2190}, [%rd54];
+	ld.global.nc.v2.u32 {%r2187, %r2186}, [%rd54];
 	// end inline asm
 	add.s64 	%rd55, %rd49, 192;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2189, %r2188}, [%rd55];
+	ld.global.nc.v2.u32 {%r2185, %r2184}, [%rd55];
 	// end inline asm
 	add.s64 	%rd56, %rd49, 224;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2187, %r2186}, [%rd56];
+	ld.global.nc.v2.u32 {%r2183, %r2182}, [%rd56];
 	// end inline asm
-	mul.wide.s32 	%rd67, %r154, %r332;
+	mul.wide.s32 	%rd67, %r154, %r330;
 	add.s64 	%rd68, %rd67, %rd60;
 	shl.b64 	%rd69, %rd68, 1;
 	add.s64 	%rd57, %rd11, %rd69;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2185, %r2184}, [%rd57];
+	ld.global.nc.v2.u32 {%r2181, %r2180}, [%rd57];
 	// end inline asm
 	add.s64 	%rd58, %rd12, %rd68;
 	// begin inline asm
-	ld.global.nc.u32 %r2183, [%rd58];
+	ld.global.nc.u32 %r2179, [%rd58];
 	// end inline asm
 
 $L__BB2_6:
-	and.b32  	%r1173, %r2112, 255;
-	or.b32  	%r1174, %r1173, 58368;
-	mul.lo.s32 	%r1120, %r1174, 65537;
-	cvt.u16.u32 	%rs1, %r2114;
+	and.b32  	%r1169, %r2108, 255;
+	or.b32  	%r1170, %r1169, 58368;
+	mul.lo.s32 	%r1116, %r1170, 65537;
+	cvt.u16.u32 	%rs1, %r2110;
 	// begin inline asm
 	cvt.f32.f16 %f61, %rs1;
 	// end inline asm
-	shr.u32 	%r1175, %r2112, 8;
-	and.b32  	%r1176, %r1175, 255;
-	or.b32  	%r1177, %r1176, 58368;
-	mul.lo.s32 	%r1128, %r1177, 65537;
-	shr.u32 	%r1178, %r2114, 16;
-	cvt.u16.u32 	%rs2, %r1178;
+	shr.u32 	%r1171, %r2108, 8;
+	and.b32  	%r1172, %r1171, 255;
+	or.b32  	%r1173, %r1172, 58368;
+	mul.lo.s32 	%r1124, %r1173, 65537;
+	shr.u32 	%r1174, %r2110, 16;
+	cvt.u16.u32 	%rs2, %r1174;
 	// begin inline asm
 	cvt.f32.f16 %f62, %rs2;
 	// end inline asm
-	shr.u32 	%r1179, %r2112, 16;
-	and.b32  	%r1180, %r1179, 255;
-	or.b32  	%r1181, %r1180, 58368;
-	mul.lo.s32 	%r1152, %r1181, 65537;
-	cvt.u16.u32 	%rs3, %r2113;
+	shr.u32 	%r1175, %r2108, 16;
+	and.b32  	%r1176, %r1175, 255;
+	or.b32  	%r1177, %r1176, 58368;
+	mul.lo.s32 	%r1148, %r1177, 65537;
+	cvt.u16.u32 	%rs3, %r2109;
 	// begin inline asm
 	cvt.f32.f16 %f63, %rs3;
 	// end inline asm
-	shr.u32 	%r1182, %r2112, 24;
-	or.b32  	%r1183, %r1182, 58368;
-	mul.lo.s32 	%r1160, %r1183, 65537;
-	shr.u32 	%r1184, %r2113, 16;
-	cvt.u16.u32 	%rs4, %r1184;
+	shr.u32 	%r1178, %r2108, 24;
+	or.b32  	%r1179, %r1178, 58368;
+	mul.lo.s32 	%r1156, %r1179, 65537;
+	shr.u32 	%r1180, %r2109, 16;
+	cvt.u16.u32 	%rs4, %r1180;
 	// begin inline asm
 	cvt.f32.f16 %f64, %rs4;
 	// end inline asm
-	mov.u32 	%r468, 17408;
+	mov.u32 	%r464, 17408;
 	// begin inline asm
-	prmt.b32 %r437, %r2146, %r2142, %r468;
+	prmt.b32 %r433, %r2142, %r2138, %r464;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r441, %r2145, %r2141, %r468;
+	prmt.b32 %r437, %r2141, %r2137, %r464;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r445, %r2138, %r2134, %r468;
+	prmt.b32 %r441, %r2134, %r2130, %r464;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r449, %r2137, %r2133, %r468;
+	prmt.b32 %r445, %r2133, %r2129, %r464;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r453, %r2144, %r2140, %r468;
+	prmt.b32 %r449, %r2140, %r2136, %r464;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r457, %r2143, %r2139, %r468;
+	prmt.b32 %r453, %r2139, %r2135, %r464;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r461, %r2136, %r2132, %r468;
+	prmt.b32 %r457, %r2132, %r2128, %r464;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r465, %r2135, %r2131, %r468;
+	prmt.b32 %r461, %r2131, %r2127, %r464;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r469, %r437, %r326, %r327, 0xEA;
+	lop3.b32 %r465, %r433, %r324, %r325, 0xEA;
 	// end inline asm
-	mov.u32 	%r1159, 1006648320;
+	mov.u32 	%r1155, 1006648320;
 	// begin inline asm
-	fma.rn.f16x2 %r473, %r469, %r1159, %r1120;
-	// end inline asm
-	// begin inline asm
-	lop3.b32 %r477, %r441, %r326, %r327, 0xEA;
+	fma.rn.f16x2 %r469, %r465, %r1155, %r1116;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r481, %r477, %r1159, %r1128;
+	lop3.b32 %r473, %r437, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r485, %r445, %r326, %r327, 0xEA;
+	fma.rn.f16x2 %r477, %r473, %r1155, %r1124;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r489, %r485, %r1159, %r1120;
+	lop3.b32 %r481, %r441, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r493, %r449, %r326, %r327, 0xEA;
+	fma.rn.f16x2 %r485, %r481, %r1155, %r1116;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r497, %r493, %r1159, %r1128;
+	lop3.b32 %r489, %r445, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r501, %r453, %r326, %r327, 0xEA;
+	fma.rn.f16x2 %r493, %r489, %r1155, %r1124;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r505, %r501, %r1159, %r1152;
+	lop3.b32 %r497, %r449, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r509, %r457, %r326, %r327, 0xEA;
+	fma.rn.f16x2 %r501, %r497, %r1155, %r1148;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r513, %r509, %r1159, %r1160;
+	lop3.b32 %r505, %r453, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r517, %r461, %r326, %r327, 0xEA;
+	fma.rn.f16x2 %r509, %r505, %r1155, %r1156;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r521, %r517, %r1159, %r1152;
+	lop3.b32 %r513, %r457, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r525, %r465, %r326, %r327, 0xEA;
+	fma.rn.f16x2 %r517, %r513, %r1155, %r1148;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r529, %r525, %r1159, %r1160;
+	lop3.b32 %r521, %r461, %r324, %r325, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r525, %r521, %r1155, %r1156;
 	// end inline asm
 	mov.f32 	%f89, 0f00000000;
 	mov.f32 	%f81, %f89;
@@ -4110,498 +4110,498 @@ $L__BB2_6:
 	mov.f32 	%f83, %f89;
 	mov.f32 	%f84, %f89;
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f81, %f82, %f83, %f84}, {%r473, %r481, %r489, %r497}, {%r2130, %r2129}, {%f81, %f82, %f83, %f84};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f81, %f82, %f83, %f84}, {%r469, %r477, %r485, %r493}, {%r2126, %r2125}, {%f81, %f82, %f83, %f84};
 	// end inline asm
 	mov.f32 	%f90, %f89;
 	mov.f32 	%f91, %f89;
 	mov.f32 	%f92, %f89;
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f89, %f90, %f91, %f92}, {%r505, %r513, %r521, %r529}, {%r2130, %r2129}, {%f89, %f90, %f91, %f92};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f89, %f90, %f91, %f92}, {%r501, %r509, %r517, %r525}, {%r2126, %r2125}, {%f89, %f90, %f91, %f92};
 	// end inline asm
-	shr.u32 	%r546, %r437, 4;
+	shr.u32 	%r542, %r433, 4;
 	// begin inline asm
-	lop3.b32 %r545, %r546, %r326, %r327, 0xEA;
+	lop3.b32 %r541, %r542, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r549, %r545, %r1159, %r1120;
+	fma.rn.f16x2 %r545, %r541, %r1155, %r1116;
 	// end inline asm
-	shr.u32 	%r554, %r441, 4;
+	shr.u32 	%r550, %r437, 4;
 	// begin inline asm
-	lop3.b32 %r553, %r554, %r326, %r327, 0xEA;
+	lop3.b32 %r549, %r550, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r557, %r553, %r1159, %r1128;
+	fma.rn.f16x2 %r553, %r549, %r1155, %r1124;
 	// end inline asm
-	shr.u32 	%r562, %r445, 4;
+	shr.u32 	%r558, %r441, 4;
 	// begin inline asm
-	lop3.b32 %r561, %r562, %r326, %r327, 0xEA;
+	lop3.b32 %r557, %r558, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r565, %r561, %r1159, %r1120;
+	fma.rn.f16x2 %r561, %r557, %r1155, %r1116;
 	// end inline asm
-	shr.u32 	%r570, %r449, 4;
+	shr.u32 	%r566, %r445, 4;
 	// begin inline asm
-	lop3.b32 %r569, %r570, %r326, %r327, 0xEA;
+	lop3.b32 %r565, %r566, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r573, %r569, %r1159, %r1128;
+	fma.rn.f16x2 %r569, %r565, %r1155, %r1124;
 	// end inline asm
-	shr.u32 	%r578, %r453, 4;
+	shr.u32 	%r574, %r449, 4;
 	// begin inline asm
-	lop3.b32 %r577, %r578, %r326, %r327, 0xEA;
+	lop3.b32 %r573, %r574, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r581, %r577, %r1159, %r1152;
+	fma.rn.f16x2 %r577, %r573, %r1155, %r1148;
 	// end inline asm
-	shr.u32 	%r586, %r457, 4;
+	shr.u32 	%r582, %r453, 4;
 	// begin inline asm
-	lop3.b32 %r585, %r586, %r326, %r327, 0xEA;
+	lop3.b32 %r581, %r582, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r589, %r585, %r1159, %r1160;
+	fma.rn.f16x2 %r585, %r581, %r1155, %r1156;
 	// end inline asm
-	shr.u32 	%r594, %r461, 4;
+	shr.u32 	%r590, %r457, 4;
 	// begin inline asm
-	lop3.b32 %r593, %r594, %r326, %r327, 0xEA;
+	lop3.b32 %r589, %r590, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r597, %r593, %r1159, %r1152;
+	fma.rn.f16x2 %r593, %r589, %r1155, %r1148;
 	// end inline asm
-	shr.u32 	%r602, %r465, 4;
+	shr.u32 	%r598, %r461, 4;
 	// begin inline asm
-	lop3.b32 %r601, %r602, %r326, %r327, 0xEA;
+	lop3.b32 %r597, %r598, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r605, %r601, %r1159, %r1160;
+	fma.rn.f16x2 %r601, %r597, %r1155, %r1156;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f81, %f82, %f83, %f84}, {%r549, %r557, %r565, %r573}, {%r2128, %r2127}, {%f81, %f82, %f83, %f84};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f81, %f82, %f83, %f84}, {%r545, %r553, %r561, %r569}, {%r2124, %r2123}, {%f81, %f82, %f83, %f84};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f89, %f90, %f91, %f92}, {%r581, %r589, %r597, %r605}, {%r2128, %r2127}, {%f89, %f90, %f91, %f92};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f89, %f90, %f91, %f92}, {%r577, %r585, %r593, %r601}, {%r2124, %r2123}, {%f89, %f90, %f91, %f92};
 	// end inline asm
-	mov.u32 	%r652, 21777;
+	mov.u32 	%r648, 21777;
 	// begin inline asm
-	prmt.b32 %r621, %r2146, %r2142, %r652;
+	prmt.b32 %r617, %r2142, %r2138, %r648;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r625, %r2145, %r2141, %r652;
+	prmt.b32 %r621, %r2141, %r2137, %r648;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r629, %r2138, %r2134, %r652;
+	prmt.b32 %r625, %r2134, %r2130, %r648;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r633, %r2137, %r2133, %r652;
+	prmt.b32 %r629, %r2133, %r2129, %r648;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r637, %r2144, %r2140, %r652;
+	prmt.b32 %r633, %r2140, %r2136, %r648;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r641, %r2143, %r2139, %r652;
+	prmt.b32 %r637, %r2139, %r2135, %r648;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r645, %r2136, %r2132, %r652;
+	prmt.b32 %r641, %r2132, %r2128, %r648;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r649, %r2135, %r2131, %r652;
+	prmt.b32 %r645, %r2131, %r2127, %r648;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r653, %r621, %r326, %r327, 0xEA;
+	lop3.b32 %r649, %r617, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r657, %r653, %r1159, %r1120;
+	fma.rn.f16x2 %r653, %r649, %r1155, %r1116;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r661, %r625, %r326, %r327, 0xEA;
+	lop3.b32 %r657, %r621, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r665, %r661, %r1159, %r1128;
+	fma.rn.f16x2 %r661, %r657, %r1155, %r1124;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r669, %r629, %r326, %r327, 0xEA;
+	lop3.b32 %r665, %r625, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r673, %r669, %r1159, %r1120;
+	fma.rn.f16x2 %r669, %r665, %r1155, %r1116;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r677, %r633, %r326, %r327, 0xEA;
+	lop3.b32 %r673, %r629, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r681, %r677, %r1159, %r1128;
+	fma.rn.f16x2 %r677, %r673, %r1155, %r1124;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r685, %r637, %r326, %r327, 0xEA;
+	lop3.b32 %r681, %r633, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r689, %r685, %r1159, %r1152;
+	fma.rn.f16x2 %r685, %r681, %r1155, %r1148;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r693, %r641, %r326, %r327, 0xEA;
+	lop3.b32 %r689, %r637, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r697, %r693, %r1159, %r1160;
+	fma.rn.f16x2 %r693, %r689, %r1155, %r1156;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r701, %r645, %r326, %r327, 0xEA;
+	lop3.b32 %r697, %r641, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r705, %r701, %r1159, %r1152;
+	fma.rn.f16x2 %r701, %r697, %r1155, %r1148;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r709, %r649, %r326, %r327, 0xEA;
+	lop3.b32 %r705, %r645, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r713, %r709, %r1159, %r1160;
+	fma.rn.f16x2 %r709, %r705, %r1155, %r1156;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f81, %f82, %f83, %f84}, {%r657, %r665, %r673, %r681}, {%r2126, %r2125}, {%f81, %f82, %f83, %f84};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f81, %f82, %f83, %f84}, {%r653, %r661, %r669, %r677}, {%r2122, %r2121}, {%f81, %f82, %f83, %f84};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f89, %f90, %f91, %f92}, {%r689, %r697, %r705, %r713}, {%r2126, %r2125}, {%f89, %f90, %f91, %f92};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f89, %f90, %f91, %f92}, {%r685, %r693, %r701, %r709}, {%r2122, %r2121}, {%f89, %f90, %f91, %f92};
 	// end inline asm
-	shr.u32 	%r730, %r621, 4;
+	shr.u32 	%r726, %r617, 4;
 	// begin inline asm
-	lop3.b32 %r729, %r730, %r326, %r327, 0xEA;
+	lop3.b32 %r725, %r726, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r733, %r729, %r1159, %r1120;
+	fma.rn.f16x2 %r729, %r725, %r1155, %r1116;
 	// end inline asm
-	shr.u32 	%r738, %r625, 4;
+	shr.u32 	%r734, %r621, 4;
 	// begin inline asm
-	lop3.b32 %r737, %r738, %r326, %r327, 0xEA;
+	lop3.b32 %r733, %r734, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r741, %r737, %r1159, %r1128;
+	fma.rn.f16x2 %r737, %r733, %r1155, %r1124;
 	// end inline asm
-	shr.u32 	%r746, %r629, 4;
+	shr.u32 	%r742, %r625, 4;
 	// begin inline asm
-	lop3.b32 %r745, %r746, %r326, %r327, 0xEA;
+	lop3.b32 %r741, %r742, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r749, %r745, %r1159, %r1120;
+	fma.rn.f16x2 %r745, %r741, %r1155, %r1116;
 	// end inline asm
-	shr.u32 	%r754, %r633, 4;
+	shr.u32 	%r750, %r629, 4;
 	// begin inline asm
-	lop3.b32 %r753, %r754, %r326, %r327, 0xEA;
+	lop3.b32 %r749, %r750, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r757, %r753, %r1159, %r1128;
+	fma.rn.f16x2 %r753, %r749, %r1155, %r1124;
 	// end inline asm
-	shr.u32 	%r762, %r637, 4;
+	shr.u32 	%r758, %r633, 4;
 	// begin inline asm
-	lop3.b32 %r761, %r762, %r326, %r327, 0xEA;
+	lop3.b32 %r757, %r758, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r765, %r761, %r1159, %r1152;
+	fma.rn.f16x2 %r761, %r757, %r1155, %r1148;
 	// end inline asm
-	shr.u32 	%r770, %r641, 4;
+	shr.u32 	%r766, %r637, 4;
 	// begin inline asm
-	lop3.b32 %r769, %r770, %r326, %r327, 0xEA;
+	lop3.b32 %r765, %r766, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r773, %r769, %r1159, %r1160;
+	fma.rn.f16x2 %r769, %r765, %r1155, %r1156;
 	// end inline asm
-	shr.u32 	%r778, %r645, 4;
+	shr.u32 	%r774, %r641, 4;
 	// begin inline asm
-	lop3.b32 %r777, %r778, %r326, %r327, 0xEA;
+	lop3.b32 %r773, %r774, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r781, %r777, %r1159, %r1152;
+	fma.rn.f16x2 %r777, %r773, %r1155, %r1148;
 	// end inline asm
-	shr.u32 	%r786, %r649, 4;
+	shr.u32 	%r782, %r645, 4;
 	// begin inline asm
-	lop3.b32 %r785, %r786, %r326, %r327, 0xEA;
+	lop3.b32 %r781, %r782, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r789, %r785, %r1159, %r1160;
+	fma.rn.f16x2 %r785, %r781, %r1155, %r1156;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f81, %f82, %f83, %f84}, {%r733, %r741, %r749, %r757}, {%r2124, %r2123}, {%f81, %f82, %f83, %f84};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f81, %f82, %f83, %f84}, {%r729, %r737, %r745, %r753}, {%r2120, %r2119}, {%f81, %f82, %f83, %f84};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f89, %f90, %f91, %f92}, {%r765, %r773, %r781, %r789}, {%r2124, %r2123}, {%f89, %f90, %f91, %f92};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f89, %f90, %f91, %f92}, {%r761, %r769, %r777, %r785}, {%r2120, %r2119}, {%f89, %f90, %f91, %f92};
 	// end inline asm
-	mov.u32 	%r836, 26146;
+	mov.u32 	%r832, 26146;
 	// begin inline asm
-	prmt.b32 %r805, %r2146, %r2142, %r836;
+	prmt.b32 %r801, %r2142, %r2138, %r832;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r809, %r2145, %r2141, %r836;
+	prmt.b32 %r805, %r2141, %r2137, %r832;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r813, %r2138, %r2134, %r836;
+	prmt.b32 %r809, %r2134, %r2130, %r832;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r817, %r2137, %r2133, %r836;
+	prmt.b32 %r813, %r2133, %r2129, %r832;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r821, %r2144, %r2140, %r836;
+	prmt.b32 %r817, %r2140, %r2136, %r832;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r825, %r2143, %r2139, %r836;
+	prmt.b32 %r821, %r2139, %r2135, %r832;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r829, %r2136, %r2132, %r836;
+	prmt.b32 %r825, %r2132, %r2128, %r832;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r833, %r2135, %r2131, %r836;
+	prmt.b32 %r829, %r2131, %r2127, %r832;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r837, %r805, %r326, %r327, 0xEA;
+	lop3.b32 %r833, %r801, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r841, %r837, %r1159, %r1120;
+	fma.rn.f16x2 %r837, %r833, %r1155, %r1116;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r845, %r809, %r326, %r327, 0xEA;
+	lop3.b32 %r841, %r805, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r849, %r845, %r1159, %r1128;
+	fma.rn.f16x2 %r845, %r841, %r1155, %r1124;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r853, %r813, %r326, %r327, 0xEA;
+	lop3.b32 %r849, %r809, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r857, %r853, %r1159, %r1120;
+	fma.rn.f16x2 %r853, %r849, %r1155, %r1116;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r861, %r817, %r326, %r327, 0xEA;
+	lop3.b32 %r857, %r813, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r865, %r861, %r1159, %r1128;
+	fma.rn.f16x2 %r861, %r857, %r1155, %r1124;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r869, %r821, %r326, %r327, 0xEA;
+	lop3.b32 %r865, %r817, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r873, %r869, %r1159, %r1152;
+	fma.rn.f16x2 %r869, %r865, %r1155, %r1148;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r877, %r825, %r326, %r327, 0xEA;
+	lop3.b32 %r873, %r821, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r881, %r877, %r1159, %r1160;
+	fma.rn.f16x2 %r877, %r873, %r1155, %r1156;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r885, %r829, %r326, %r327, 0xEA;
+	lop3.b32 %r881, %r825, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r889, %r885, %r1159, %r1152;
+	fma.rn.f16x2 %r885, %r881, %r1155, %r1148;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r893, %r833, %r326, %r327, 0xEA;
+	lop3.b32 %r889, %r829, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r897, %r893, %r1159, %r1160;
+	fma.rn.f16x2 %r893, %r889, %r1155, %r1156;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f81, %f82, %f83, %f84}, {%r841, %r849, %r857, %r865}, {%r2122, %r2121}, {%f81, %f82, %f83, %f84};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f81, %f82, %f83, %f84}, {%r837, %r845, %r853, %r861}, {%r2118, %r2117}, {%f81, %f82, %f83, %f84};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f89, %f90, %f91, %f92}, {%r873, %r881, %r889, %r897}, {%r2122, %r2121}, {%f89, %f90, %f91, %f92};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f89, %f90, %f91, %f92}, {%r869, %r877, %r885, %r893}, {%r2118, %r2117}, {%f89, %f90, %f91, %f92};
 	// end inline asm
-	shr.u32 	%r914, %r805, 4;
+	shr.u32 	%r910, %r801, 4;
 	// begin inline asm
-	lop3.b32 %r913, %r914, %r326, %r327, 0xEA;
+	lop3.b32 %r909, %r910, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r917, %r913, %r1159, %r1120;
+	fma.rn.f16x2 %r913, %r909, %r1155, %r1116;
 	// end inline asm
-	shr.u32 	%r922, %r809, 4;
+	shr.u32 	%r918, %r805, 4;
 	// begin inline asm
-	lop3.b32 %r921, %r922, %r326, %r327, 0xEA;
+	lop3.b32 %r917, %r918, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r925, %r921, %r1159, %r1128;
+	fma.rn.f16x2 %r921, %r917, %r1155, %r1124;
 	// end inline asm
-	shr.u32 	%r930, %r813, 4;
+	shr.u32 	%r926, %r809, 4;
 	// begin inline asm
-	lop3.b32 %r929, %r930, %r326, %r327, 0xEA;
+	lop3.b32 %r925, %r926, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r933, %r929, %r1159, %r1120;
+	fma.rn.f16x2 %r929, %r925, %r1155, %r1116;
 	// end inline asm
-	shr.u32 	%r938, %r817, 4;
+	shr.u32 	%r934, %r813, 4;
 	// begin inline asm
-	lop3.b32 %r937, %r938, %r326, %r327, 0xEA;
+	lop3.b32 %r933, %r934, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r941, %r937, %r1159, %r1128;
+	fma.rn.f16x2 %r937, %r933, %r1155, %r1124;
 	// end inline asm
-	shr.u32 	%r946, %r821, 4;
+	shr.u32 	%r942, %r817, 4;
 	// begin inline asm
-	lop3.b32 %r945, %r946, %r326, %r327, 0xEA;
+	lop3.b32 %r941, %r942, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r949, %r945, %r1159, %r1152;
+	fma.rn.f16x2 %r945, %r941, %r1155, %r1148;
 	// end inline asm
-	shr.u32 	%r954, %r825, 4;
+	shr.u32 	%r950, %r821, 4;
 	// begin inline asm
-	lop3.b32 %r953, %r954, %r326, %r327, 0xEA;
+	lop3.b32 %r949, %r950, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r957, %r953, %r1159, %r1160;
+	fma.rn.f16x2 %r953, %r949, %r1155, %r1156;
 	// end inline asm
-	shr.u32 	%r962, %r829, 4;
+	shr.u32 	%r958, %r825, 4;
 	// begin inline asm
-	lop3.b32 %r961, %r962, %r326, %r327, 0xEA;
+	lop3.b32 %r957, %r958, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r965, %r961, %r1159, %r1152;
+	fma.rn.f16x2 %r961, %r957, %r1155, %r1148;
 	// end inline asm
-	shr.u32 	%r970, %r833, 4;
+	shr.u32 	%r966, %r829, 4;
 	// begin inline asm
-	lop3.b32 %r969, %r970, %r326, %r327, 0xEA;
+	lop3.b32 %r965, %r966, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r973, %r969, %r1159, %r1160;
+	fma.rn.f16x2 %r969, %r965, %r1155, %r1156;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f81, %f82, %f83, %f84}, {%r917, %r925, %r933, %r941}, {%r2120, %r2119}, {%f81, %f82, %f83, %f84};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f81, %f82, %f83, %f84}, {%r913, %r921, %r929, %r937}, {%r2116, %r2115}, {%f81, %f82, %f83, %f84};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f89, %f90, %f91, %f92}, {%r949, %r957, %r965, %r973}, {%r2120, %r2119}, {%f89, %f90, %f91, %f92};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f89, %f90, %f91, %f92}, {%r945, %r953, %r961, %r969}, {%r2116, %r2115}, {%f89, %f90, %f91, %f92};
 	// end inline asm
-	mov.u32 	%r1020, 30515;
+	mov.u32 	%r1016, 30515;
 	// begin inline asm
-	prmt.b32 %r989, %r2146, %r2142, %r1020;
+	prmt.b32 %r985, %r2142, %r2138, %r1016;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r993, %r2145, %r2141, %r1020;
+	prmt.b32 %r989, %r2141, %r2137, %r1016;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r997, %r2138, %r2134, %r1020;
+	prmt.b32 %r993, %r2134, %r2130, %r1016;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1001, %r2137, %r2133, %r1020;
+	prmt.b32 %r997, %r2133, %r2129, %r1016;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1005, %r2144, %r2140, %r1020;
+	prmt.b32 %r1001, %r2140, %r2136, %r1016;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1009, %r2143, %r2139, %r1020;
+	prmt.b32 %r1005, %r2139, %r2135, %r1016;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1013, %r2136, %r2132, %r1020;
+	prmt.b32 %r1009, %r2132, %r2128, %r1016;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1017, %r2135, %r2131, %r1020;
+	prmt.b32 %r1013, %r2131, %r2127, %r1016;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1021, %r989, %r326, %r327, 0xEA;
+	lop3.b32 %r1017, %r985, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1025, %r1021, %r1159, %r1120;
+	fma.rn.f16x2 %r1021, %r1017, %r1155, %r1116;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1029, %r993, %r326, %r327, 0xEA;
+	lop3.b32 %r1025, %r989, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1033, %r1029, %r1159, %r1128;
+	fma.rn.f16x2 %r1029, %r1025, %r1155, %r1124;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1037, %r997, %r326, %r327, 0xEA;
+	lop3.b32 %r1033, %r993, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1041, %r1037, %r1159, %r1120;
+	fma.rn.f16x2 %r1037, %r1033, %r1155, %r1116;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1045, %r1001, %r326, %r327, 0xEA;
+	lop3.b32 %r1041, %r997, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1049, %r1045, %r1159, %r1128;
+	fma.rn.f16x2 %r1045, %r1041, %r1155, %r1124;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1053, %r1005, %r326, %r327, 0xEA;
+	lop3.b32 %r1049, %r1001, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1057, %r1053, %r1159, %r1152;
+	fma.rn.f16x2 %r1053, %r1049, %r1155, %r1148;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1061, %r1009, %r326, %r327, 0xEA;
+	lop3.b32 %r1057, %r1005, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1065, %r1061, %r1159, %r1160;
+	fma.rn.f16x2 %r1061, %r1057, %r1155, %r1156;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1069, %r1013, %r326, %r327, 0xEA;
+	lop3.b32 %r1065, %r1009, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1073, %r1069, %r1159, %r1152;
+	fma.rn.f16x2 %r1069, %r1065, %r1155, %r1148;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1077, %r1017, %r326, %r327, 0xEA;
+	lop3.b32 %r1073, %r1013, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1081, %r1077, %r1159, %r1160;
+	fma.rn.f16x2 %r1077, %r1073, %r1155, %r1156;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f81, %f82, %f83, %f84}, {%r1025, %r1033, %r1041, %r1049}, {%r2118, %r2117}, {%f81, %f82, %f83, %f84};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f81, %f82, %f83, %f84}, {%r1021, %r1029, %r1037, %r1045}, {%r2114, %r2113}, {%f81, %f82, %f83, %f84};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f89, %f90, %f91, %f92}, {%r1057, %r1065, %r1073, %r1081}, {%r2118, %r2117}, {%f89, %f90, %f91, %f92};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f89, %f90, %f91, %f92}, {%r1053, %r1061, %r1069, %r1077}, {%r2114, %r2113}, {%f89, %f90, %f91, %f92};
 	// end inline asm
-	shr.u32 	%r1098, %r989, 4;
+	shr.u32 	%r1094, %r985, 4;
 	// begin inline asm
-	lop3.b32 %r1097, %r1098, %r326, %r327, 0xEA;
+	lop3.b32 %r1093, %r1094, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1101, %r1097, %r1159, %r1120;
+	fma.rn.f16x2 %r1097, %r1093, %r1155, %r1116;
 	// end inline asm
-	shr.u32 	%r1106, %r993, 4;
+	shr.u32 	%r1102, %r989, 4;
 	// begin inline asm
-	lop3.b32 %r1105, %r1106, %r326, %r327, 0xEA;
+	lop3.b32 %r1101, %r1102, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1109, %r1105, %r1159, %r1128;
+	fma.rn.f16x2 %r1105, %r1101, %r1155, %r1124;
 	// end inline asm
-	shr.u32 	%r1114, %r997, 4;
+	shr.u32 	%r1110, %r993, 4;
 	// begin inline asm
-	lop3.b32 %r1113, %r1114, %r326, %r327, 0xEA;
+	lop3.b32 %r1109, %r1110, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1117, %r1113, %r1159, %r1120;
+	fma.rn.f16x2 %r1113, %r1109, %r1155, %r1116;
 	// end inline asm
-	shr.u32 	%r1122, %r1001, 4;
+	shr.u32 	%r1118, %r997, 4;
 	// begin inline asm
-	lop3.b32 %r1121, %r1122, %r326, %r327, 0xEA;
+	lop3.b32 %r1117, %r1118, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1125, %r1121, %r1159, %r1128;
+	fma.rn.f16x2 %r1121, %r1117, %r1155, %r1124;
 	// end inline asm
-	shr.u32 	%r1130, %r1005, 4;
+	shr.u32 	%r1126, %r1001, 4;
 	// begin inline asm
-	lop3.b32 %r1129, %r1130, %r326, %r327, 0xEA;
+	lop3.b32 %r1125, %r1126, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1133, %r1129, %r1159, %r1152;
+	fma.rn.f16x2 %r1129, %r1125, %r1155, %r1148;
 	// end inline asm
-	shr.u32 	%r1138, %r1009, 4;
+	shr.u32 	%r1134, %r1005, 4;
 	// begin inline asm
-	lop3.b32 %r1137, %r1138, %r326, %r327, 0xEA;
+	lop3.b32 %r1133, %r1134, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1141, %r1137, %r1159, %r1160;
+	fma.rn.f16x2 %r1137, %r1133, %r1155, %r1156;
 	// end inline asm
-	shr.u32 	%r1146, %r1013, 4;
+	shr.u32 	%r1142, %r1009, 4;
 	// begin inline asm
-	lop3.b32 %r1145, %r1146, %r326, %r327, 0xEA;
+	lop3.b32 %r1141, %r1142, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1149, %r1145, %r1159, %r1152;
+	fma.rn.f16x2 %r1145, %r1141, %r1155, %r1148;
 	// end inline asm
-	shr.u32 	%r1154, %r1017, 4;
+	shr.u32 	%r1150, %r1013, 4;
 	// begin inline asm
-	lop3.b32 %r1153, %r1154, %r326, %r327, 0xEA;
+	lop3.b32 %r1149, %r1150, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1157, %r1153, %r1159, %r1160;
+	fma.rn.f16x2 %r1153, %r1149, %r1155, %r1156;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f81, %f82, %f83, %f84}, {%r1101, %r1109, %r1117, %r1125}, {%r2116, %r2115}, {%f81, %f82, %f83, %f84};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f81, %f82, %f83, %f84}, {%r1097, %r1105, %r1113, %r1121}, {%r2112, %r2111}, {%f81, %f82, %f83, %f84};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f89, %f90, %f91, %f92}, {%r1133, %r1141, %r1149, %r1157}, {%r2116, %r2115}, {%f89, %f90, %f91, %f92};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f89, %f90, %f91, %f92}, {%r1129, %r1137, %r1145, %r1153}, {%r2112, %r2111}, {%f89, %f90, %f91, %f92};
 	// end inline asm
 	fma.rn.f32 	%f358, %f61, %f81, %f358;
 	fma.rn.f32 	%f357, %f61, %f82, %f357;
@@ -4613,196 +4613,196 @@ $L__BB2_6:
 	fma.rn.f32 	%f351, %f64, %f92, %f351;
 	@%p3 bra 	$L__BB2_10;
 
-	mov.u32 	%r2076, %ntid.x;
-	shr.u32 	%r1186, %r2076, 4;
-	and.b32  	%r1187, %r1186, 268435454;
-	add.s32 	%r2182, %r2182, %r1187;
-	setp.ge.s32 	%p5, %r2182, %r8;
+	mov.u32 	%r2072, %ntid.x;
+	shr.u32 	%r1182, %r2072, 4;
+	and.b32  	%r1183, %r1182, 268435454;
+	add.s32 	%r2178, %r2178, %r1183;
+	setp.ge.s32 	%p5, %r2178, %r8;
 	@%p5 bra 	$L__BB2_9;
 
-	shl.b32 	%r1223, %r2182, 4;
-	mov.u32 	%r1224, %tid.x;
-	shl.b32 	%r1225, %r1224, 2;
-	and.b32  	%r1226, %r1225, 12;
-	or.b32  	%r1227, %r1223, %r1226;
-	mul.wide.s32 	%rd84, %r1227, %r332;
-	mov.u32 	%r1228, %ctaid.x;
-	shl.b32 	%r1229, %r1228, 5;
-	and.b32  	%r1230, %r1224, 28;
-	or.b32  	%r1231, %r1229, %r1230;
-	cvt.s64.s32 	%rd85, %r1231;
+	shl.b32 	%r1219, %r2178, 4;
+	mov.u32 	%r1220, %tid.x;
+	shl.b32 	%r1221, %r1220, 2;
+	and.b32  	%r1222, %r1221, 12;
+	or.b32  	%r1223, %r1219, %r1222;
+	mul.wide.s32 	%rd84, %r1223, %r330;
+	mov.u32 	%r1224, %ctaid.x;
+	shl.b32 	%r1225, %r1224, 5;
+	and.b32  	%r1226, %r1220, 28;
+	or.b32  	%r1227, %r1225, %r1226;
+	cvt.s64.s32 	%rd85, %r1227;
 	add.s64 	%rd86, %rd84, %rd85;
 	shl.b64 	%rd87, %rd86, 2;
 	add.s64 	%rd70, %rd10, %rd87;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2146, %r2145, %r2144, %r2143}, [%rd70];
+	ld.global.nc.v4.u32 {%r2142, %r2141, %r2140, %r2139}, [%rd70];
 	// end inline asm
 	add.s64 	%rd71, %rd70, %rd63;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2142, %r2141, %r2140, %r2139}, [%rd71];
+	ld.global.nc.v4.u32 {%r2138, %r2137, %r2136, %r2135}, [%rd71];
 	// end inline asm
 	add.s64 	%rd72, %rd71, %rd63;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2138, %r2137, %r2136, %r2135}, [%rd72];
+	ld.global.nc.v4.u32 {%r2134, %r2133, %r2132, %r2131}, [%rd72];
 	// end inline asm
 	add.s64 	%rd73, %rd72, %rd63;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2134, %r2133, %r2132, %r2131}, [%rd73];
+	ld.global.nc.v4.u32 {%r2130, %r2129, %r2128, %r2127}, [%rd73];
 	// end inline asm
-	shl.b32 	%r1232, %r2182, 7;
-	cvt.s64.s32 	%rd89, %r1232;
+	shl.b32 	%r1228, %r2178, 7;
+	cvt.s64.s32 	%rd89, %r1228;
 	add.s64 	%rd90, %rd6, %rd89;
 	shl.b64 	%rd91, %rd90, 1;
 	add.s64 	%rd74, %rd9, %rd91;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2130, %r2129}, [%rd74];
+	ld.global.nc.v2.u32 {%r2126, %r2125}, [%rd74];
 	// end inline asm
 	add.s64 	%rd75, %rd74, 32;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2128, %r2127}, [%rd75];
+	ld.global.nc.v2.u32 {%r2124, %r2123}, [%rd75];
 	// end inline asm
 	add.s64 	%rd76, %rd74, 64;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2126, %r2125}, [%rd76];
+	ld.global.nc.v2.u32 {%r2122, %r2121}, [%rd76];
 	// end inline asm
 	add.s64 	%rd77, %rd74, 96;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2124, %r2123}, [%rd77];
+	ld.global.nc.v2.u32 {%r2120, %r2119}, [%rd77];
 	// end inline asm
 	add.s64 	%rd78, %rd74, 128;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2122, %r2121}, [%rd78];
+	ld.global.nc.v2.u32 {%r2118, %r2117}, [%rd78];
 	// end inline asm
 	add.s64 	%rd79, %rd74, 160;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2120, %r2119}, [%rd79];
+	ld.global.nc.v2.u32 {%r2116, %r2115}, [%rd79];
 	// end inline asm
 	add.s64 	%rd80, %rd74, 192;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2118, %r2117}, [%rd80];
+	ld.global.nc.v2.u32 {%r2114, %r2113}, [%rd80];
 	// end inline asm
 	add.s64 	%rd81, %rd74, 224;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2116, %r2115}, [%rd81];
+	ld.global.nc.v2.u32 {%r2112, %r2111}, [%rd81];
 	// end inline asm
-	mul.wide.s32 	%rd92, %r2182, %r332;
+	mul.wide.s32 	%rd92, %r2178, %r330;
 	add.s64 	%rd93, %rd92, %rd85;
 	shl.b64 	%rd94, %rd93, 1;
 	add.s64 	%rd82, %rd11, %rd94;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2114, %r2113}, [%rd82];
+	ld.global.nc.v2.u32 {%r2110, %r2109}, [%rd82];
 	// end inline asm
 	add.s64 	%rd83, %rd12, %rd93;
 	// begin inline asm
-	ld.global.nc.u32 %r2112, [%rd83];
+	ld.global.nc.u32 %r2108, [%rd83];
 	// end inline asm
 
 $L__BB2_9:
-	and.b32  	%r1969, %r2183, 255;
-	or.b32  	%r1970, %r1969, 58368;
-	mul.lo.s32 	%r1916, %r1970, 65537;
-	cvt.u16.u32 	%rs5, %r2185;
+	and.b32  	%r1965, %r2179, 255;
+	or.b32  	%r1966, %r1965, 58368;
+	mul.lo.s32 	%r1912, %r1966, 65537;
+	cvt.u16.u32 	%rs5, %r2181;
 	// begin inline asm
 	cvt.f32.f16 %f193, %rs5;
 	// end inline asm
-	shr.u32 	%r1971, %r2183, 8;
-	and.b32  	%r1972, %r1971, 255;
-	or.b32  	%r1973, %r1972, 58368;
-	mul.lo.s32 	%r1924, %r1973, 65537;
-	shr.u32 	%r1974, %r2185, 16;
-	cvt.u16.u32 	%rs6, %r1974;
+	shr.u32 	%r1967, %r2179, 8;
+	and.b32  	%r1968, %r1967, 255;
+	or.b32  	%r1969, %r1968, 58368;
+	mul.lo.s32 	%r1920, %r1969, 65537;
+	shr.u32 	%r1970, %r2181, 16;
+	cvt.u16.u32 	%rs6, %r1970;
 	// begin inline asm
 	cvt.f32.f16 %f194, %rs6;
 	// end inline asm
-	shr.u32 	%r1975, %r2183, 16;
-	and.b32  	%r1976, %r1975, 255;
-	or.b32  	%r1977, %r1976, 58368;
-	mul.lo.s32 	%r1948, %r1977, 65537;
-	cvt.u16.u32 	%rs7, %r2184;
+	shr.u32 	%r1971, %r2179, 16;
+	and.b32  	%r1972, %r1971, 255;
+	or.b32  	%r1973, %r1972, 58368;
+	mul.lo.s32 	%r1944, %r1973, 65537;
+	cvt.u16.u32 	%rs7, %r2180;
 	// begin inline asm
 	cvt.f32.f16 %f195, %rs7;
 	// end inline asm
-	shr.u32 	%r1978, %r2183, 24;
-	or.b32  	%r1979, %r1978, 58368;
-	mul.lo.s32 	%r1956, %r1979, 65537;
-	shr.u32 	%r1980, %r2184, 16;
-	cvt.u16.u32 	%rs8, %r1980;
+	shr.u32 	%r1974, %r2179, 24;
+	or.b32  	%r1975, %r1974, 58368;
+	mul.lo.s32 	%r1952, %r1975, 65537;
+	shr.u32 	%r1976, %r2180, 16;
+	cvt.u16.u32 	%rs8, %r1976;
 	// begin inline asm
 	cvt.f32.f16 %f196, %rs8;
 	// end inline asm
-	mov.u32 	%r1264, 17408;
+	mov.u32 	%r1260, 17408;
 	// begin inline asm
-	prmt.b32 %r1233, %r2217, %r2213, %r1264;
+	prmt.b32 %r1229, %r2213, %r2209, %r1260;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1237, %r2216, %r2212, %r1264;
+	prmt.b32 %r1233, %r2212, %r2208, %r1260;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1241, %r2209, %r2205, %r1264;
+	prmt.b32 %r1237, %r2205, %r2201, %r1260;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1245, %r2208, %r2204, %r1264;
+	prmt.b32 %r1241, %r2204, %r2200, %r1260;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1249, %r2215, %r2211, %r1264;
+	prmt.b32 %r1245, %r2211, %r2207, %r1260;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1253, %r2214, %r2210, %r1264;
+	prmt.b32 %r1249, %r2210, %r2206, %r1260;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1257, %r2207, %r2203, %r1264;
+	prmt.b32 %r1253, %r2203, %r2199, %r1260;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1261, %r2206, %r2202, %r1264;
+	prmt.b32 %r1257, %r2202, %r2198, %r1260;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1265, %r1233, %r326, %r327, 0xEA;
+	lop3.b32 %r1261, %r1229, %r324, %r325, 0xEA;
 	// end inline asm
-	mov.u32 	%r1955, 1006648320;
+	mov.u32 	%r1951, 1006648320;
 	// begin inline asm
-	fma.rn.f16x2 %r1269, %r1265, %r1955, %r1916;
-	// end inline asm
-	// begin inline asm
-	lop3.b32 %r1273, %r1237, %r326, %r327, 0xEA;
+	fma.rn.f16x2 %r1265, %r1261, %r1951, %r1912;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1277, %r1273, %r1955, %r1924;
+	lop3.b32 %r1269, %r1233, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1281, %r1241, %r326, %r327, 0xEA;
+	fma.rn.f16x2 %r1273, %r1269, %r1951, %r1920;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1285, %r1281, %r1955, %r1916;
+	lop3.b32 %r1277, %r1237, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1289, %r1245, %r326, %r327, 0xEA;
+	fma.rn.f16x2 %r1281, %r1277, %r1951, %r1912;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1293, %r1289, %r1955, %r1924;
+	lop3.b32 %r1285, %r1241, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1297, %r1249, %r326, %r327, 0xEA;
+	fma.rn.f16x2 %r1289, %r1285, %r1951, %r1920;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1301, %r1297, %r1955, %r1948;
+	lop3.b32 %r1293, %r1245, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1305, %r1253, %r326, %r327, 0xEA;
+	fma.rn.f16x2 %r1297, %r1293, %r1951, %r1944;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1309, %r1305, %r1955, %r1956;
+	lop3.b32 %r1301, %r1249, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1313, %r1257, %r326, %r327, 0xEA;
+	fma.rn.f16x2 %r1305, %r1301, %r1951, %r1952;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1317, %r1313, %r1955, %r1948;
+	lop3.b32 %r1309, %r1253, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1321, %r1261, %r326, %r327, 0xEA;
+	fma.rn.f16x2 %r1313, %r1309, %r1951, %r1944;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1325, %r1321, %r1955, %r1956;
+	lop3.b32 %r1317, %r1257, %r324, %r325, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1321, %r1317, %r1951, %r1952;
 	// end inline asm
 	mov.f32 	%f221, 0f00000000;
 	mov.f32 	%f213, %f221;
@@ -4810,498 +4810,498 @@ $L__BB2_9:
 	mov.f32 	%f215, %f221;
 	mov.f32 	%f216, %f221;
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f213, %f214, %f215, %f216}, {%r1269, %r1277, %r1285, %r1293}, {%r2201, %r2200}, {%f213, %f214, %f215, %f216};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f213, %f214, %f215, %f216}, {%r1265, %r1273, %r1281, %r1289}, {%r2197, %r2196}, {%f213, %f214, %f215, %f216};
 	// end inline asm
 	mov.f32 	%f222, %f221;
 	mov.f32 	%f223, %f221;
 	mov.f32 	%f224, %f221;
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f221, %f222, %f223, %f224}, {%r1301, %r1309, %r1317, %r1325}, {%r2201, %r2200}, {%f221, %f222, %f223, %f224};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f221, %f222, %f223, %f224}, {%r1297, %r1305, %r1313, %r1321}, {%r2197, %r2196}, {%f221, %f222, %f223, %f224};
 	// end inline asm
-	shr.u32 	%r1342, %r1233, 4;
+	shr.u32 	%r1338, %r1229, 4;
 	// begin inline asm
-	lop3.b32 %r1341, %r1342, %r326, %r327, 0xEA;
+	lop3.b32 %r1337, %r1338, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1345, %r1341, %r1955, %r1916;
+	fma.rn.f16x2 %r1341, %r1337, %r1951, %r1912;
 	// end inline asm
-	shr.u32 	%r1350, %r1237, 4;
+	shr.u32 	%r1346, %r1233, 4;
 	// begin inline asm
-	lop3.b32 %r1349, %r1350, %r326, %r327, 0xEA;
+	lop3.b32 %r1345, %r1346, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1353, %r1349, %r1955, %r1924;
+	fma.rn.f16x2 %r1349, %r1345, %r1951, %r1920;
 	// end inline asm
-	shr.u32 	%r1358, %r1241, 4;
+	shr.u32 	%r1354, %r1237, 4;
 	// begin inline asm
-	lop3.b32 %r1357, %r1358, %r326, %r327, 0xEA;
+	lop3.b32 %r1353, %r1354, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1361, %r1357, %r1955, %r1916;
+	fma.rn.f16x2 %r1357, %r1353, %r1951, %r1912;
 	// end inline asm
-	shr.u32 	%r1366, %r1245, 4;
+	shr.u32 	%r1362, %r1241, 4;
 	// begin inline asm
-	lop3.b32 %r1365, %r1366, %r326, %r327, 0xEA;
+	lop3.b32 %r1361, %r1362, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1369, %r1365, %r1955, %r1924;
+	fma.rn.f16x2 %r1365, %r1361, %r1951, %r1920;
 	// end inline asm
-	shr.u32 	%r1374, %r1249, 4;
+	shr.u32 	%r1370, %r1245, 4;
 	// begin inline asm
-	lop3.b32 %r1373, %r1374, %r326, %r327, 0xEA;
+	lop3.b32 %r1369, %r1370, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1377, %r1373, %r1955, %r1948;
+	fma.rn.f16x2 %r1373, %r1369, %r1951, %r1944;
 	// end inline asm
-	shr.u32 	%r1382, %r1253, 4;
+	shr.u32 	%r1378, %r1249, 4;
 	// begin inline asm
-	lop3.b32 %r1381, %r1382, %r326, %r327, 0xEA;
+	lop3.b32 %r1377, %r1378, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1385, %r1381, %r1955, %r1956;
+	fma.rn.f16x2 %r1381, %r1377, %r1951, %r1952;
 	// end inline asm
-	shr.u32 	%r1390, %r1257, 4;
+	shr.u32 	%r1386, %r1253, 4;
 	// begin inline asm
-	lop3.b32 %r1389, %r1390, %r326, %r327, 0xEA;
+	lop3.b32 %r1385, %r1386, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1393, %r1389, %r1955, %r1948;
+	fma.rn.f16x2 %r1389, %r1385, %r1951, %r1944;
 	// end inline asm
-	shr.u32 	%r1398, %r1261, 4;
+	shr.u32 	%r1394, %r1257, 4;
 	// begin inline asm
-	lop3.b32 %r1397, %r1398, %r326, %r327, 0xEA;
+	lop3.b32 %r1393, %r1394, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1401, %r1397, %r1955, %r1956;
+	fma.rn.f16x2 %r1397, %r1393, %r1951, %r1952;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f213, %f214, %f215, %f216}, {%r1345, %r1353, %r1361, %r1369}, {%r2199, %r2198}, {%f213, %f214, %f215, %f216};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f213, %f214, %f215, %f216}, {%r1341, %r1349, %r1357, %r1365}, {%r2195, %r2194}, {%f213, %f214, %f215, %f216};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f221, %f222, %f223, %f224}, {%r1377, %r1385, %r1393, %r1401}, {%r2199, %r2198}, {%f221, %f222, %f223, %f224};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f221, %f222, %f223, %f224}, {%r1373, %r1381, %r1389, %r1397}, {%r2195, %r2194}, {%f221, %f222, %f223, %f224};
 	// end inline asm
-	mov.u32 	%r1448, 21777;
+	mov.u32 	%r1444, 21777;
 	// begin inline asm
-	prmt.b32 %r1417, %r2217, %r2213, %r1448;
+	prmt.b32 %r1413, %r2213, %r2209, %r1444;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1421, %r2216, %r2212, %r1448;
+	prmt.b32 %r1417, %r2212, %r2208, %r1444;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1425, %r2209, %r2205, %r1448;
+	prmt.b32 %r1421, %r2205, %r2201, %r1444;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1429, %r2208, %r2204, %r1448;
+	prmt.b32 %r1425, %r2204, %r2200, %r1444;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1433, %r2215, %r2211, %r1448;
+	prmt.b32 %r1429, %r2211, %r2207, %r1444;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1437, %r2214, %r2210, %r1448;
+	prmt.b32 %r1433, %r2210, %r2206, %r1444;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1441, %r2207, %r2203, %r1448;
+	prmt.b32 %r1437, %r2203, %r2199, %r1444;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1445, %r2206, %r2202, %r1448;
+	prmt.b32 %r1441, %r2202, %r2198, %r1444;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1449, %r1417, %r326, %r327, 0xEA;
+	lop3.b32 %r1445, %r1413, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1453, %r1449, %r1955, %r1916;
+	fma.rn.f16x2 %r1449, %r1445, %r1951, %r1912;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1457, %r1421, %r326, %r327, 0xEA;
+	lop3.b32 %r1453, %r1417, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1461, %r1457, %r1955, %r1924;
+	fma.rn.f16x2 %r1457, %r1453, %r1951, %r1920;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1465, %r1425, %r326, %r327, 0xEA;
+	lop3.b32 %r1461, %r1421, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1469, %r1465, %r1955, %r1916;
+	fma.rn.f16x2 %r1465, %r1461, %r1951, %r1912;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1473, %r1429, %r326, %r327, 0xEA;
+	lop3.b32 %r1469, %r1425, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1477, %r1473, %r1955, %r1924;
+	fma.rn.f16x2 %r1473, %r1469, %r1951, %r1920;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1481, %r1433, %r326, %r327, 0xEA;
+	lop3.b32 %r1477, %r1429, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1485, %r1481, %r1955, %r1948;
+	fma.rn.f16x2 %r1481, %r1477, %r1951, %r1944;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1489, %r1437, %r326, %r327, 0xEA;
+	lop3.b32 %r1485, %r1433, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1493, %r1489, %r1955, %r1956;
+	fma.rn.f16x2 %r1489, %r1485, %r1951, %r1952;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1497, %r1441, %r326, %r327, 0xEA;
+	lop3.b32 %r1493, %r1437, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1501, %r1497, %r1955, %r1948;
+	fma.rn.f16x2 %r1497, %r1493, %r1951, %r1944;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1505, %r1445, %r326, %r327, 0xEA;
+	lop3.b32 %r1501, %r1441, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1509, %r1505, %r1955, %r1956;
+	fma.rn.f16x2 %r1505, %r1501, %r1951, %r1952;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f213, %f214, %f215, %f216}, {%r1453, %r1461, %r1469, %r1477}, {%r2197, %r2196}, {%f213, %f214, %f215, %f216};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f213, %f214, %f215, %f216}, {%r1449, %r1457, %r1465, %r1473}, {%r2193, %r2192}, {%f213, %f214, %f215, %f216};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f221, %f222, %f223, %f224}, {%r1485, %r1493, %r1501, %r1509}, {%r2197, %r2196}, {%f221, %f222, %f223, %f224};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f221, %f222, %f223, %f224}, {%r1481, %r1489, %r1497, %r1505}, {%r2193, %r2192}, {%f221, %f222, %f223, %f224};
 	// end inline asm
-	shr.u32 	%r1526, %r1417, 4;
+	shr.u32 	%r1522, %r1413, 4;
 	// begin inline asm
-	lop3.b32 %r1525, %r1526, %r326, %r327, 0xEA;
+	lop3.b32 %r1521, %r1522, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1529, %r1525, %r1955, %r1916;
+	fma.rn.f16x2 %r1525, %r1521, %r1951, %r1912;
 	// end inline asm
-	shr.u32 	%r1534, %r1421, 4;
+	shr.u32 	%r1530, %r1417, 4;
 	// begin inline asm
-	lop3.b32 %r1533, %r1534, %r326, %r327, 0xEA;
+	lop3.b32 %r1529, %r1530, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1537, %r1533, %r1955, %r1924;
+	fma.rn.f16x2 %r1533, %r1529, %r1951, %r1920;
 	// end inline asm
-	shr.u32 	%r1542, %r1425, 4;
+	shr.u32 	%r1538, %r1421, 4;
 	// begin inline asm
-	lop3.b32 %r1541, %r1542, %r326, %r327, 0xEA;
+	lop3.b32 %r1537, %r1538, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1545, %r1541, %r1955, %r1916;
+	fma.rn.f16x2 %r1541, %r1537, %r1951, %r1912;
 	// end inline asm
-	shr.u32 	%r1550, %r1429, 4;
+	shr.u32 	%r1546, %r1425, 4;
 	// begin inline asm
-	lop3.b32 %r1549, %r1550, %r326, %r327, 0xEA;
+	lop3.b32 %r1545, %r1546, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1553, %r1549, %r1955, %r1924;
+	fma.rn.f16x2 %r1549, %r1545, %r1951, %r1920;
 	// end inline asm
-	shr.u32 	%r1558, %r1433, 4;
+	shr.u32 	%r1554, %r1429, 4;
 	// begin inline asm
-	lop3.b32 %r1557, %r1558, %r326, %r327, 0xEA;
+	lop3.b32 %r1553, %r1554, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1561, %r1557, %r1955, %r1948;
+	fma.rn.f16x2 %r1557, %r1553, %r1951, %r1944;
 	// end inline asm
-	shr.u32 	%r1566, %r1437, 4;
+	shr.u32 	%r1562, %r1433, 4;
 	// begin inline asm
-	lop3.b32 %r1565, %r1566, %r326, %r327, 0xEA;
+	lop3.b32 %r1561, %r1562, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1569, %r1565, %r1955, %r1956;
+	fma.rn.f16x2 %r1565, %r1561, %r1951, %r1952;
 	// end inline asm
-	shr.u32 	%r1574, %r1441, 4;
+	shr.u32 	%r1570, %r1437, 4;
 	// begin inline asm
-	lop3.b32 %r1573, %r1574, %r326, %r327, 0xEA;
+	lop3.b32 %r1569, %r1570, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1577, %r1573, %r1955, %r1948;
+	fma.rn.f16x2 %r1573, %r1569, %r1951, %r1944;
 	// end inline asm
-	shr.u32 	%r1582, %r1445, 4;
+	shr.u32 	%r1578, %r1441, 4;
 	// begin inline asm
-	lop3.b32 %r1581, %r1582, %r326, %r327, 0xEA;
+	lop3.b32 %r1577, %r1578, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1585, %r1581, %r1955, %r1956;
+	fma.rn.f16x2 %r1581, %r1577, %r1951, %r1952;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f213, %f214, %f215, %f216}, {%r1529, %r1537, %r1545, %r1553}, {%r2195, %r2194}, {%f213, %f214, %f215, %f216};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f213, %f214, %f215, %f216}, {%r1525, %r1533, %r1541, %r1549}, {%r2191, %r2190}, {%f213, %f214, %f215, %f216};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f221, %f222, %f223, %f224}, {%r1561, %r1569, %r1577, %r1585}, {%r2195, %r2194}, {%f221, %f222, %f223, %f224};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f221, %f222, %f223, %f224}, {%r1557, %r1565, %r1573, %r1581}, {%r2191, %r2190}, {%f221, %f222, %f223, %f224};
 	// end inline asm
-	mov.u32 	%r1632, 26146;
+	mov.u32 	%r1628, 26146;
 	// begin inline asm
-	prmt.b32 %r1601, %r2217, %r2213, %r1632;
+	prmt.b32 %r1597, %r2213, %r2209, %r1628;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1605, %r2216, %r2212, %r1632;
+	prmt.b32 %r1601, %r2212, %r2208, %r1628;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1609, %r2209, %r2205, %r1632;
+	prmt.b32 %r1605, %r2205, %r2201, %r1628;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1613, %r2208, %r2204, %r1632;
+	prmt.b32 %r1609, %r2204, %r2200, %r1628;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1617, %r2215, %r2211, %r1632;
+	prmt.b32 %r1613, %r2211, %r2207, %r1628;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1621, %r2214, %r2210, %r1632;
+	prmt.b32 %r1617, %r2210, %r2206, %r1628;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1625, %r2207, %r2203, %r1632;
+	prmt.b32 %r1621, %r2203, %r2199, %r1628;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1629, %r2206, %r2202, %r1632;
+	prmt.b32 %r1625, %r2202, %r2198, %r1628;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1633, %r1601, %r326, %r327, 0xEA;
+	lop3.b32 %r1629, %r1597, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1637, %r1633, %r1955, %r1916;
+	fma.rn.f16x2 %r1633, %r1629, %r1951, %r1912;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1641, %r1605, %r326, %r327, 0xEA;
+	lop3.b32 %r1637, %r1601, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1645, %r1641, %r1955, %r1924;
+	fma.rn.f16x2 %r1641, %r1637, %r1951, %r1920;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1649, %r1609, %r326, %r327, 0xEA;
+	lop3.b32 %r1645, %r1605, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1653, %r1649, %r1955, %r1916;
+	fma.rn.f16x2 %r1649, %r1645, %r1951, %r1912;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1657, %r1613, %r326, %r327, 0xEA;
+	lop3.b32 %r1653, %r1609, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1661, %r1657, %r1955, %r1924;
+	fma.rn.f16x2 %r1657, %r1653, %r1951, %r1920;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1665, %r1617, %r326, %r327, 0xEA;
+	lop3.b32 %r1661, %r1613, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1669, %r1665, %r1955, %r1948;
+	fma.rn.f16x2 %r1665, %r1661, %r1951, %r1944;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1673, %r1621, %r326, %r327, 0xEA;
+	lop3.b32 %r1669, %r1617, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1677, %r1673, %r1955, %r1956;
+	fma.rn.f16x2 %r1673, %r1669, %r1951, %r1952;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1681, %r1625, %r326, %r327, 0xEA;
+	lop3.b32 %r1677, %r1621, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1685, %r1681, %r1955, %r1948;
+	fma.rn.f16x2 %r1681, %r1677, %r1951, %r1944;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1689, %r1629, %r326, %r327, 0xEA;
+	lop3.b32 %r1685, %r1625, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1693, %r1689, %r1955, %r1956;
+	fma.rn.f16x2 %r1689, %r1685, %r1951, %r1952;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f213, %f214, %f215, %f216}, {%r1637, %r1645, %r1653, %r1661}, {%r2193, %r2192}, {%f213, %f214, %f215, %f216};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f213, %f214, %f215, %f216}, {%r1633, %r1641, %r1649, %r1657}, {%r2189, %r2188}, {%f213, %f214, %f215, %f216};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f221, %f222, %f223, %f224}, {%r1669, %r1677, %r1685, %r1693}, {%r2193, %r2192}, {%f221, %f222, %f223, %f224};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f221, %f222, %f223, %f224}, {%r1665, %r1673, %r1681, %r1689}, {%r2189, %r2188}, {%f221, %f222, %f223, %f224};
 	// end inline asm
-	shr.u32 	%r1710, %r1601, 4;
+	shr.u32 	%r1706, %r1597, 4;
 	// begin inline asm
-	lop3.b32 %r1709, %r1710, %r326, %r327, 0xEA;
+	lop3.b32 %r1705, %r1706, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1713, %r1709, %r1955, %r1916;
+	fma.rn.f16x2 %r1709, %r1705, %r1951, %r1912;
 	// end inline asm
-	shr.u32 	%r1718, %r1605, 4;
+	shr.u32 	%r1714, %r1601, 4;
 	// begin inline asm
-	lop3.b32 %r1717, %r1718, %r326, %r327, 0xEA;
+	lop3.b32 %r1713, %r1714, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1721, %r1717, %r1955, %r1924;
+	fma.rn.f16x2 %r1717, %r1713, %r1951, %r1920;
 	// end inline asm
-	shr.u32 	%r1726, %r1609, 4;
+	shr.u32 	%r1722, %r1605, 4;
 	// begin inline asm
-	lop3.b32 %r1725, %r1726, %r326, %r327, 0xEA;
+	lop3.b32 %r1721, %r1722, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1729, %r1725, %r1955, %r1916;
+	fma.rn.f16x2 %r1725, %r1721, %r1951, %r1912;
 	// end inline asm
-	shr.u32 	%r1734, %r1613, 4;
+	shr.u32 	%r1730, %r1609, 4;
 	// begin inline asm
-	lop3.b32 %r1733, %r1734, %r326, %r327, 0xEA;
+	lop3.b32 %r1729, %r1730, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1737, %r1733, %r1955, %r1924;
+	fma.rn.f16x2 %r1733, %r1729, %r1951, %r1920;
 	// end inline asm
-	shr.u32 	%r1742, %r1617, 4;
+	shr.u32 	%r1738, %r1613, 4;
 	// begin inline asm
-	lop3.b32 %r1741, %r1742, %r326, %r327, 0xEA;
+	lop3.b32 %r1737, %r1738, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1745, %r1741, %r1955, %r1948;
+	fma.rn.f16x2 %r1741, %r1737, %r1951, %r1944;
 	// end inline asm
-	shr.u32 	%r1750, %r1621, 4;
+	shr.u32 	%r1746, %r1617, 4;
 	// begin inline asm
-	lop3.b32 %r1749, %r1750, %r326, %r327, 0xEA;
+	lop3.b32 %r1745, %r1746, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1753, %r1749, %r1955, %r1956;
+	fma.rn.f16x2 %r1749, %r1745, %r1951, %r1952;
 	// end inline asm
-	shr.u32 	%r1758, %r1625, 4;
+	shr.u32 	%r1754, %r1621, 4;
 	// begin inline asm
-	lop3.b32 %r1757, %r1758, %r326, %r327, 0xEA;
+	lop3.b32 %r1753, %r1754, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1761, %r1757, %r1955, %r1948;
+	fma.rn.f16x2 %r1757, %r1753, %r1951, %r1944;
 	// end inline asm
-	shr.u32 	%r1766, %r1629, 4;
+	shr.u32 	%r1762, %r1625, 4;
 	// begin inline asm
-	lop3.b32 %r1765, %r1766, %r326, %r327, 0xEA;
+	lop3.b32 %r1761, %r1762, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1769, %r1765, %r1955, %r1956;
+	fma.rn.f16x2 %r1765, %r1761, %r1951, %r1952;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f213, %f214, %f215, %f216}, {%r1713, %r1721, %r1729, %r1737}, {%r2191, %r2190}, {%f213, %f214, %f215, %f216};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f213, %f214, %f215, %f216}, {%r1709, %r1717, %r1725, %r1733}, {%r2187, %r2186}, {%f213, %f214, %f215, %f216};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f221, %f222, %f223, %f224}, {%r1745, %r1753, %r1761, %r1769}, {%r2191, %r2190}, {%f221, %f222, %f223, %f224};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f221, %f222, %f223, %f224}, {%r1741, %r1749, %r1757, %r1765}, {%r2187, %r2186}, {%f221, %f222, %f223, %f224};
 	// end inline asm
-	mov.u32 	%r1816, 30515;
+	mov.u32 	%r1812, 30515;
 	// begin inline asm
-	prmt.b32 %r1785, %r2217, %r2213, %r1816;
+	prmt.b32 %r1781, %r2213, %r2209, %r1812;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1789, %r2216, %r2212, %r1816;
+	prmt.b32 %r1785, %r2212, %r2208, %r1812;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1793, %r2209, %r2205, %r1816;
+	prmt.b32 %r1789, %r2205, %r2201, %r1812;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1797, %r2208, %r2204, %r1816;
+	prmt.b32 %r1793, %r2204, %r2200, %r1812;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1801, %r2215, %r2211, %r1816;
+	prmt.b32 %r1797, %r2211, %r2207, %r1812;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1805, %r2214, %r2210, %r1816;
+	prmt.b32 %r1801, %r2210, %r2206, %r1812;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1809, %r2207, %r2203, %r1816;
+	prmt.b32 %r1805, %r2203, %r2199, %r1812;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1813, %r2206, %r2202, %r1816;
+	prmt.b32 %r1809, %r2202, %r2198, %r1812;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1817, %r1785, %r326, %r327, 0xEA;
+	lop3.b32 %r1813, %r1781, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1821, %r1817, %r1955, %r1916;
+	fma.rn.f16x2 %r1817, %r1813, %r1951, %r1912;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1825, %r1789, %r326, %r327, 0xEA;
+	lop3.b32 %r1821, %r1785, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1829, %r1825, %r1955, %r1924;
+	fma.rn.f16x2 %r1825, %r1821, %r1951, %r1920;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1833, %r1793, %r326, %r327, 0xEA;
+	lop3.b32 %r1829, %r1789, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1837, %r1833, %r1955, %r1916;
+	fma.rn.f16x2 %r1833, %r1829, %r1951, %r1912;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1841, %r1797, %r326, %r327, 0xEA;
+	lop3.b32 %r1837, %r1793, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1845, %r1841, %r1955, %r1924;
+	fma.rn.f16x2 %r1841, %r1837, %r1951, %r1920;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1849, %r1801, %r326, %r327, 0xEA;
+	lop3.b32 %r1845, %r1797, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1853, %r1849, %r1955, %r1948;
+	fma.rn.f16x2 %r1849, %r1845, %r1951, %r1944;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1857, %r1805, %r326, %r327, 0xEA;
+	lop3.b32 %r1853, %r1801, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1861, %r1857, %r1955, %r1956;
+	fma.rn.f16x2 %r1857, %r1853, %r1951, %r1952;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1865, %r1809, %r326, %r327, 0xEA;
+	lop3.b32 %r1861, %r1805, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1869, %r1865, %r1955, %r1948;
+	fma.rn.f16x2 %r1865, %r1861, %r1951, %r1944;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1873, %r1813, %r326, %r327, 0xEA;
+	lop3.b32 %r1869, %r1809, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1877, %r1873, %r1955, %r1956;
+	fma.rn.f16x2 %r1873, %r1869, %r1951, %r1952;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f213, %f214, %f215, %f216}, {%r1821, %r1829, %r1837, %r1845}, {%r2189, %r2188}, {%f213, %f214, %f215, %f216};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f213, %f214, %f215, %f216}, {%r1817, %r1825, %r1833, %r1841}, {%r2185, %r2184}, {%f213, %f214, %f215, %f216};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f221, %f222, %f223, %f224}, {%r1853, %r1861, %r1869, %r1877}, {%r2189, %r2188}, {%f221, %f222, %f223, %f224};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f221, %f222, %f223, %f224}, {%r1849, %r1857, %r1865, %r1873}, {%r2185, %r2184}, {%f221, %f222, %f223, %f224};
 	// end inline asm
-	shr.u32 	%r1894, %r1785, 4;
+	shr.u32 	%r1890, %r1781, 4;
 	// begin inline asm
-	lop3.b32 %r1893, %r1894, %r326, %r327, 0xEA;
+	lop3.b32 %r1889, %r1890, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1897, %r1893, %r1955, %r1916;
+	fma.rn.f16x2 %r1893, %r1889, %r1951, %r1912;
 	// end inline asm
-	shr.u32 	%r1902, %r1789, 4;
+	shr.u32 	%r1898, %r1785, 4;
 	// begin inline asm
-	lop3.b32 %r1901, %r1902, %r326, %r327, 0xEA;
+	lop3.b32 %r1897, %r1898, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1905, %r1901, %r1955, %r1924;
+	fma.rn.f16x2 %r1901, %r1897, %r1951, %r1920;
 	// end inline asm
-	shr.u32 	%r1910, %r1793, 4;
+	shr.u32 	%r1906, %r1789, 4;
 	// begin inline asm
-	lop3.b32 %r1909, %r1910, %r326, %r327, 0xEA;
+	lop3.b32 %r1905, %r1906, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1913, %r1909, %r1955, %r1916;
+	fma.rn.f16x2 %r1909, %r1905, %r1951, %r1912;
 	// end inline asm
-	shr.u32 	%r1918, %r1797, 4;
+	shr.u32 	%r1914, %r1793, 4;
 	// begin inline asm
-	lop3.b32 %r1917, %r1918, %r326, %r327, 0xEA;
+	lop3.b32 %r1913, %r1914, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1921, %r1917, %r1955, %r1924;
+	fma.rn.f16x2 %r1917, %r1913, %r1951, %r1920;
 	// end inline asm
-	shr.u32 	%r1926, %r1801, 4;
+	shr.u32 	%r1922, %r1797, 4;
 	// begin inline asm
-	lop3.b32 %r1925, %r1926, %r326, %r327, 0xEA;
+	lop3.b32 %r1921, %r1922, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1929, %r1925, %r1955, %r1948;
+	fma.rn.f16x2 %r1925, %r1921, %r1951, %r1944;
 	// end inline asm
-	shr.u32 	%r1934, %r1805, 4;
+	shr.u32 	%r1930, %r1801, 4;
 	// begin inline asm
-	lop3.b32 %r1933, %r1934, %r326, %r327, 0xEA;
+	lop3.b32 %r1929, %r1930, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1937, %r1933, %r1955, %r1956;
+	fma.rn.f16x2 %r1933, %r1929, %r1951, %r1952;
 	// end inline asm
-	shr.u32 	%r1942, %r1809, 4;
+	shr.u32 	%r1938, %r1805, 4;
 	// begin inline asm
-	lop3.b32 %r1941, %r1942, %r326, %r327, 0xEA;
+	lop3.b32 %r1937, %r1938, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1945, %r1941, %r1955, %r1948;
+	fma.rn.f16x2 %r1941, %r1937, %r1951, %r1944;
 	// end inline asm
-	shr.u32 	%r1950, %r1813, 4;
+	shr.u32 	%r1946, %r1809, 4;
 	// begin inline asm
-	lop3.b32 %r1949, %r1950, %r326, %r327, 0xEA;
+	lop3.b32 %r1945, %r1946, %r324, %r325, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1953, %r1949, %r1955, %r1956;
+	fma.rn.f16x2 %r1949, %r1945, %r1951, %r1952;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f213, %f214, %f215, %f216}, {%r1897, %r1905, %r1913, %r1921}, {%r2187, %r2186}, {%f213, %f214, %f215, %f216};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f213, %f214, %f215, %f216}, {%r1893, %r1901, %r1909, %r1917}, {%r2183, %r2182}, {%f213, %f214, %f215, %f216};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f221, %f222, %f223, %f224}, {%r1929, %r1937, %r1945, %r1953}, {%r2187, %r2186}, {%f221, %f222, %f223, %f224};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f221, %f222, %f223, %f224}, {%r1925, %r1933, %r1941, %r1949}, {%r2183, %r2182}, {%f221, %f222, %f223, %f224};
 	// end inline asm
 	fma.rn.f32 	%f358, %f193, %f213, %f358;
 	fma.rn.f32 	%f357, %f193, %f214, %f357;
@@ -5311,77 +5311,77 @@ $L__BB2_9:
 	fma.rn.f32 	%f353, %f195, %f222, %f353;
 	fma.rn.f32 	%f352, %f196, %f223, %f352;
 	fma.rn.f32 	%f351, %f196, %f224, %f351;
-	setp.lt.s32 	%p6, %r2182, %r8;
+	setp.lt.s32 	%p6, %r2178, %r8;
 	@%p6 bra 	$L__BB2_4;
 
 $L__BB2_10:
-	mov.u32 	%r2074, %tid.x;
-	and.b32  	%r2073, %r2074, 31;
-	shr.u32 	%r1982, %r2074, 5;
-	prmt.b32 	%r1984, %r1982, %r2073, 8452;
-	shl.b32 	%r1985, %r1984, 2;
-	mov.u32 	%r1986, _ZN9lmd_w4a164sumsE;
-	add.s32 	%r1987, %r1986, %r1985;
-	st.shared.f32 	[%r1987], %f358;
-	st.shared.f32 	[%r1987+128], %f357;
-	st.shared.f32 	[%r1987+256], %f356;
-	st.shared.f32 	[%r1987+384], %f355;
-	st.shared.f32 	[%r1987+512], %f354;
-	st.shared.f32 	[%r1987+640], %f353;
-	st.shared.f32 	[%r1987+768], %f352;
-	st.shared.f32 	[%r1987+896], %f351;
+	mov.u32 	%r2070, %tid.x;
+	and.b32  	%r2069, %r2070, 31;
+	shr.u32 	%r1978, %r2070, 5;
+	prmt.b32 	%r1980, %r1978, %r2069, 8452;
+	shl.b32 	%r1981, %r1980, 2;
+	mov.u32 	%r1982, _ZN9lmd_w4a164sumsE;
+	add.s32 	%r1983, %r1982, %r1981;
+	st.shared.f32 	[%r1983], %f358;
+	st.shared.f32 	[%r1983+128], %f357;
+	st.shared.f32 	[%r1983+256], %f356;
+	st.shared.f32 	[%r1983+384], %f355;
+	st.shared.f32 	[%r1983+512], %f354;
+	st.shared.f32 	[%r1983+640], %f353;
+	st.shared.f32 	[%r1983+768], %f352;
+	st.shared.f32 	[%r1983+896], %f351;
 	bar.sync 	0;
-	setp.gt.s32 	%p7, %r2074, 255;
+	setp.gt.s32 	%p7, %r2070, 255;
 	@%p7 bra 	$L__BB2_32;
 
 	mov.u32 	%r296, %ntid.x;
-	shr.u32 	%r1988, %r296, 5;
-	setp.eq.s32 	%p8, %r1988, 0;
-	cvt.s64.s32 	%rd8, %r332;
+	shr.u32 	%r1984, %r296, 5;
+	setp.eq.s32 	%p8, %r1984, 0;
+	cvt.s64.s32 	%rd8, %r330;
 	@%p8 bra 	$L__BB2_25;
 
-	add.s32 	%r297, %r1988, -1;
-	and.b32  	%r298, %r1988, 3;
-	sub.s32 	%r299, %r1988, %r298;
-	mov.u32 	%r2253, %tid.x;
-	mov.u32 	%r1991, %ctaid.x;
-	shl.b32 	%r301, %r1991, 5;
+	add.s32 	%r297, %r1984, -1;
+	and.b32  	%r298, %r1984, 3;
+	sub.s32 	%r299, %r1984, %r298;
+	mov.u32 	%r2249, %tid.x;
+	mov.u32 	%r1987, %ctaid.x;
+	shl.b32 	%r301, %r1987, 5;
 	cvta.to.global.u64 	%rd95, %rd13;
 
 $L__BB2_13:
-	shr.s32 	%r1993, %r2253, 31;
-	shr.u32 	%r1994, %r1993, 27;
-	add.s32 	%r1995, %r2253, %r1994;
-	shr.s32 	%r303, %r1995, 5;
-	and.b32  	%r1996, %r1995, -32;
-	sub.s32 	%r304, %r2253, %r1996;
+	shr.s32 	%r1989, %r2249, 31;
+	shr.u32 	%r1990, %r1989, 27;
+	add.s32 	%r1991, %r2249, %r1990;
+	shr.s32 	%r303, %r1991, 5;
+	and.b32  	%r1992, %r1991, -32;
+	sub.s32 	%r304, %r2249, %r1992;
 	setp.lt.u32 	%p9, %r297, 3;
 	mov.f32 	%f362, 0f00000000;
-	mov.u32 	%r2256, 0;
+	mov.u32 	%r2252, 0;
 	@%p9 bra 	$L__BB2_16;
 
 	mov.f32 	%f362, 0f00000000;
-	mov.u32 	%r2256, 0;
-	mov.u32 	%r2255, %r299;
+	mov.u32 	%r2252, 0;
+	mov.u32 	%r2251, %r299;
 
 $L__BB2_15:
-	shl.b32 	%r1998, %r2256, 3;
-	add.s32 	%r1999, %r1998, %r303;
-	shl.b32 	%r2000, %r1999, 5;
-	add.s32 	%r2001, %r2000, %r304;
-	shl.b32 	%r2002, %r2001, 2;
-	add.s32 	%r2004, %r1986, %r2002;
-	ld.shared.f32 	%f328, [%r2004];
+	shl.b32 	%r1994, %r2252, 3;
+	add.s32 	%r1995, %r1994, %r303;
+	shl.b32 	%r1996, %r1995, 5;
+	add.s32 	%r1997, %r1996, %r304;
+	shl.b32 	%r1998, %r1997, 2;
+	add.s32 	%r2000, %r1982, %r1998;
+	ld.shared.f32 	%f328, [%r2000];
 	add.f32 	%f329, %f362, %f328;
-	ld.shared.f32 	%f330, [%r2004+1024];
+	ld.shared.f32 	%f330, [%r2000+1024];
 	add.f32 	%f331, %f329, %f330;
-	ld.shared.f32 	%f332, [%r2004+2048];
+	ld.shared.f32 	%f332, [%r2000+2048];
 	add.f32 	%f333, %f331, %f332;
-	ld.shared.f32 	%f334, [%r2004+3072];
+	ld.shared.f32 	%f334, [%r2000+3072];
 	add.f32 	%f362, %f333, %f334;
-	add.s32 	%r2256, %r2256, 4;
-	add.s32 	%r2255, %r2255, -4;
-	setp.ne.s32 	%p10, %r2255, 0;
+	add.s32 	%r2252, %r2252, 4;
+	add.s32 	%r2251, %r2251, -4;
+	setp.ne.s32 	%p10, %r2251, 0;
 	@%p10 bra 	$L__BB2_15;
 
 $L__BB2_16:
@@ -5389,12 +5389,12 @@ $L__BB2_16:
 	@%p11 bra 	$L__BB2_20;
 
 	setp.eq.s32 	%p12, %r298, 1;
-	shl.b32 	%r2005, %r2256, 3;
-	add.s32 	%r2006, %r2005, %r303;
-	shl.b32 	%r2007, %r2006, 5;
-	add.s32 	%r2008, %r2007, %r304;
-	shl.b32 	%r2009, %r2008, 2;
-	add.s32 	%r310, %r1986, %r2009;
+	shl.b32 	%r2001, %r2252, 3;
+	add.s32 	%r2002, %r2001, %r303;
+	shl.b32 	%r2003, %r2002, 5;
+	add.s32 	%r2004, %r2003, %r304;
+	shl.b32 	%r2005, %r2004, 2;
+	add.s32 	%r310, %r1982, %r2005;
 	ld.shared.f32 	%f335, [%r310];
 	add.f32 	%f362, %f362, %f335;
 	@%p12 bra 	$L__BB2_20;
@@ -5408,36 +5408,36 @@ $L__BB2_16:
 	add.f32 	%f362, %f362, %f337;
 
 $L__BB2_20:
-	shr.u32 	%r2012, %r1993, 25;
-	add.s32 	%r2013, %r2253, %r2012;
-	shr.u32 	%r2014, %r2013, 31;
-	shr.s32 	%r2015, %r2013, 7;
-	add.s32 	%r2016, %r2015, %r2014;
-	and.b32  	%r2017, %r2016, 2147483646;
-	sub.s32 	%r2018, %r2015, %r2017;
-	shr.u32 	%r2019, %r1993, 24;
-	add.s32 	%r2020, %r2253, %r2019;
-	shr.s32 	%r2021, %r2020, 8;
-	shl.b32 	%r2022, %r2021, 3;
-	shl.b32 	%r2023, %r304, 1;
-	and.b32  	%r2024, %r2023, 6;
-	or.b32  	%r2025, %r2024, %r2022;
-	shr.s32 	%r2026, %r303, 31;
-	shr.u32 	%r2027, %r2026, 30;
-	add.s32 	%r2028, %r303, %r2027;
-	and.b32  	%r2029, %r2028, -4;
-	sub.s32 	%r2030, %r303, %r2029;
-	and.b32  	%r2031, %r2030, 1;
-	or.b32  	%r311, %r2025, %r2031;
-	and.b32  	%r2032, %r304, -4;
-	add.s32 	%r2033, %r2032, %r301;
-	shl.b32 	%r2034, %r2018, 1;
-	add.s32 	%r2035, %r2033, %r2034;
-	shr.u32 	%r2036, %r2030, 31;
-	add.s32 	%r2037, %r2030, %r2036;
-	shr.s32 	%r2038, %r2037, 1;
-	add.s32 	%r312, %r2035, %r2038;
-	setp.ge.s32 	%p14, %r311, %r331;
+	shr.u32 	%r2008, %r1989, 25;
+	add.s32 	%r2009, %r2249, %r2008;
+	shr.u32 	%r2010, %r2009, 31;
+	shr.s32 	%r2011, %r2009, 7;
+	add.s32 	%r2012, %r2011, %r2010;
+	and.b32  	%r2013, %r2012, 2147483646;
+	sub.s32 	%r2014, %r2011, %r2013;
+	shr.u32 	%r2015, %r1989, 24;
+	add.s32 	%r2016, %r2249, %r2015;
+	shr.s32 	%r2017, %r2016, 8;
+	shl.b32 	%r2018, %r2017, 3;
+	shl.b32 	%r2019, %r304, 1;
+	and.b32  	%r2020, %r2019, 6;
+	or.b32  	%r2021, %r2020, %r2018;
+	shr.s32 	%r2022, %r303, 31;
+	shr.u32 	%r2023, %r2022, 30;
+	add.s32 	%r2024, %r303, %r2023;
+	and.b32  	%r2025, %r2024, -4;
+	sub.s32 	%r2026, %r303, %r2025;
+	and.b32  	%r2027, %r2026, 1;
+	or.b32  	%r311, %r2021, %r2027;
+	and.b32  	%r2028, %r304, -4;
+	add.s32 	%r2029, %r2028, %r301;
+	shl.b32 	%r2030, %r2014, 1;
+	add.s32 	%r2031, %r2029, %r2030;
+	shr.u32 	%r2032, %r2026, 31;
+	add.s32 	%r2033, %r2026, %r2032;
+	shr.s32 	%r2034, %r2033, 1;
+	add.s32 	%r312, %r2031, %r2034;
+	setp.ge.s32 	%p14, %r311, %r329;
 	@%p14 bra 	$L__BB2_24;
 
 	setp.eq.s64 	%p15, %rd13, 0;
@@ -5464,54 +5464,54 @@ $L__BB2_23:
 	st.global.u16 	[%rd103], %rs10;
 
 $L__BB2_24:
-	add.s32 	%r2253, %r2253, %r296;
-	setp.lt.s32 	%p16, %r2253, 256;
+	add.s32 	%r2249, %r2249, %r296;
+	setp.lt.s32 	%p16, %r2249, 256;
 	@%p16 bra 	$L__BB2_13;
 	bra.uni 	$L__BB2_32;
 
 $L__BB2_25:
-	mov.u32 	%r2257, %tid.x;
-	mov.u32 	%r2039, %ctaid.x;
-	shl.b32 	%r315, %r2039, 5;
+	mov.u32 	%r2253, %tid.x;
+	mov.u32 	%r2035, %ctaid.x;
+	shl.b32 	%r315, %r2035, 5;
 	cvta.to.global.u64 	%rd104, %rd13;
 
 $L__BB2_26:
-	shr.s32 	%r2040, %r2257, 31;
-	shr.u32 	%r2041, %r2040, 25;
-	add.s32 	%r2042, %r2257, %r2041;
-	shr.u32 	%r2043, %r2042, 31;
-	shr.s32 	%r2044, %r2042, 7;
-	add.s32 	%r2045, %r2044, %r2043;
-	and.b32  	%r2046, %r2045, 2147483646;
-	sub.s32 	%r2047, %r2044, %r2046;
-	shr.u32 	%r2048, %r2040, 27;
-	add.s32 	%r2049, %r2257, %r2048;
-	shr.s32 	%r2050, %r2049, 5;
-	shr.u32 	%r2051, %r2040, 24;
-	add.s32 	%r2052, %r2257, %r2051;
-	shr.s32 	%r2053, %r2052, 8;
-	shl.b32 	%r2054, %r2053, 3;
-	and.b32  	%r2055, %r2049, -32;
-	sub.s32 	%r2056, %r2257, %r2055;
-	shl.b32 	%r2057, %r2056, 1;
-	and.b32  	%r2058, %r2057, 6;
-	or.b32  	%r2059, %r2058, %r2054;
-	shr.s32 	%r2060, %r2049, 31;
-	shr.u32 	%r2061, %r2060, 30;
-	add.s32 	%r2062, %r2050, %r2061;
-	and.b32  	%r2063, %r2062, -4;
-	sub.s32 	%r2064, %r2050, %r2063;
-	and.b32  	%r2065, %r2064, 1;
-	or.b32  	%r317, %r2059, %r2065;
-	and.b32  	%r2066, %r2056, -4;
-	add.s32 	%r2067, %r2066, %r315;
-	shl.b32 	%r2068, %r2047, 1;
-	add.s32 	%r2069, %r2067, %r2068;
-	shr.u32 	%r2070, %r2064, 31;
-	add.s32 	%r2071, %r2064, %r2070;
-	shr.s32 	%r2072, %r2071, 1;
-	add.s32 	%r318, %r2069, %r2072;
-	setp.ge.s32 	%p17, %r317, %r331;
+	shr.s32 	%r2036, %r2253, 31;
+	shr.u32 	%r2037, %r2036, 25;
+	add.s32 	%r2038, %r2253, %r2037;
+	shr.u32 	%r2039, %r2038, 31;
+	shr.s32 	%r2040, %r2038, 7;
+	add.s32 	%r2041, %r2040, %r2039;
+	and.b32  	%r2042, %r2041, 2147483646;
+	sub.s32 	%r2043, %r2040, %r2042;
+	shr.u32 	%r2044, %r2036, 27;
+	add.s32 	%r2045, %r2253, %r2044;
+	shr.s32 	%r2046, %r2045, 5;
+	shr.u32 	%r2047, %r2036, 24;
+	add.s32 	%r2048, %r2253, %r2047;
+	shr.s32 	%r2049, %r2048, 8;
+	shl.b32 	%r2050, %r2049, 3;
+	and.b32  	%r2051, %r2045, -32;
+	sub.s32 	%r2052, %r2253, %r2051;
+	shl.b32 	%r2053, %r2052, 1;
+	and.b32  	%r2054, %r2053, 6;
+	or.b32  	%r2055, %r2054, %r2050;
+	shr.s32 	%r2056, %r2045, 31;
+	shr.u32 	%r2057, %r2056, 30;
+	add.s32 	%r2058, %r2046, %r2057;
+	and.b32  	%r2059, %r2058, -4;
+	sub.s32 	%r2060, %r2046, %r2059;
+	and.b32  	%r2061, %r2060, 1;
+	or.b32  	%r317, %r2055, %r2061;
+	and.b32  	%r2062, %r2052, -4;
+	add.s32 	%r2063, %r2062, %r315;
+	shl.b32 	%r2064, %r2043, 1;
+	add.s32 	%r2065, %r2063, %r2064;
+	shr.u32 	%r2066, %r2060, 31;
+	add.s32 	%r2067, %r2060, %r2066;
+	shr.s32 	%r2068, %r2067, 1;
+	add.s32 	%r318, %r2065, %r2068;
+	setp.ge.s32 	%p17, %r317, %r329;
 	@%p17 bra 	$L__BB2_31;
 
 	setp.eq.s64 	%p18, %rd13, 0;
@@ -5542,8 +5542,8 @@ $L__BB2_30:
 	st.global.u16 	[%rd112], %rs12;
 
 $L__BB2_31:
-	add.s32 	%r2257, %r2257, %r296;
-	setp.lt.s32 	%p19, %r2257, 256;
+	add.s32 	%r2253, %r2253, %r296;
+	setp.lt.s32 	%p19, %r2253, 256;
 	@%p19 bra 	$L__BB2_26;
 
 $L__BB2_32:
@@ -5552,19 +5552,19 @@ $L__BB2_32:
 }
 	// .globl	lmd_w4a16_rows_f16_m16
 .visible .entry lmd_w4a16_rows_f16_m16(
-	.param .align 8 .b8 lmd_w4a16_rows_f16_m16_param_0[72]
+	.param .align 8 .b8 lmd_w4a16_rows_f16_m16_param_0[64]
 )
 .maxntid 256, 1, 1
 {
 	.reg .pred 	%p<20>;
 	.reg .b16 	%rs<13>;
 	.reg .f32 	%f<685>;
-	.reg .b32 	%r<2709>;
+	.reg .b32 	%r<2705>;
 	.reg .b64 	%rd<143>;
 
 
-	ld.param.v2.u32 	{%r458, %r459}, [lmd_w4a16_rows_f16_m16_param_0+48];
-	ld.param.v2.u32 	{%r460, %r461}, [lmd_w4a16_rows_f16_m16_param_0+56];
+	ld.param.v2.u32 	{%r456, %r457}, [lmd_w4a16_rows_f16_m16_param_0+48];
+	ld.param.v2.u32 	{%r458, %r459}, [lmd_w4a16_rows_f16_m16_param_0+56];
 	ld.param.u64 	%rd15, [lmd_w4a16_rows_f16_m16_param_0+40];
 	ld.param.u64 	%rd14, [lmd_w4a16_rows_f16_m16_param_0+32];
 	ld.param.u64 	%rd13, [lmd_w4a16_rows_f16_m16_param_0+24];
@@ -5573,137 +5573,137 @@ $L__BB2_32:
 	ld.param.u64 	%rd10, [lmd_w4a16_rows_f16_m16_param_0];
 	cvta.to.global.u64 	%rd5, %rd15;
 	mov.u32 	%r4, %tid.x;
-	and.b32  	%r464, %r4, 31;
-	shr.u32 	%r2601, %r4, 5;
-	shr.u32 	%r6, %r464, 2;
-	shr.s32 	%r465, %r460, 31;
-	shr.u32 	%r466, %r465, 25;
-	add.s32 	%r467, %r460, %r466;
-	shr.s32 	%r7, %r467, 7;
-	mov.u32 	%r453, 983055;
-	mov.u32 	%r454, 1677747200;
+	and.b32  	%r460, %r4, 31;
+	shr.u32 	%r2597, %r4, 5;
+	shr.u32 	%r6, %r460, 2;
+	shr.s32 	%r461, %r458, 31;
+	shr.u32 	%r462, %r461, 25;
+	add.s32 	%r463, %r458, %r462;
+	shr.s32 	%r7, %r463, 7;
+	mov.u32 	%r451, 983055;
+	mov.u32 	%r452, 1677747200;
 	// begin inline asm
 	// end inline asm
-	setp.ge.s32 	%p1, %r2601, %r7;
+	setp.ge.s32 	%p1, %r2597, %r7;
 	@%p1 bra 	$L__BB3_2;
 
-	shl.b32 	%r519, %r2601, 4;
-	shl.b32 	%r520, %r4, 2;
-	and.b32  	%r521, %r520, 12;
-	or.b32  	%r522, %r519, %r521;
-	cvt.s64.s32 	%rd38, %r459;
-	mul.wide.s32 	%rd39, %r522, %r459;
-	and.b32  	%r523, %r4, 28;
-	mov.u32 	%r524, %ctaid.x;
-	shl.b32 	%r525, %r524, 5;
-	or.b32  	%r526, %r525, %r523;
-	cvt.s64.s32 	%rd40, %r526;
+	shl.b32 	%r515, %r2597, 4;
+	shl.b32 	%r516, %r4, 2;
+	and.b32  	%r517, %r516, 12;
+	or.b32  	%r518, %r515, %r517;
+	cvt.s64.s32 	%rd38, %r457;
+	mul.wide.s32 	%rd39, %r518, %r457;
+	and.b32  	%r519, %r4, 28;
+	mov.u32 	%r520, %ctaid.x;
+	shl.b32 	%r521, %r520, 5;
+	or.b32  	%r522, %r521, %r519;
+	cvt.s64.s32 	%rd40, %r522;
 	add.s64 	%rd41, %rd39, %rd40;
 	shl.b64 	%rd42, %rd41, 2;
 	add.s64 	%rd16, %rd11, %rd42;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2549, %r2548, %r2547, %r2546}, [%rd16];
+	ld.global.nc.v4.u32 {%r2545, %r2544, %r2543, %r2542}, [%rd16];
 	// end inline asm
-	mul.wide.s32 	%rd43, %r459, 4;
+	mul.wide.s32 	%rd43, %r457, 4;
 	add.s64 	%rd17, %rd16, %rd43;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2545, %r2544, %r2543, %r2542}, [%rd17];
+	ld.global.nc.v4.u32 {%r2541, %r2540, %r2539, %r2538}, [%rd17];
 	// end inline asm
 	add.s64 	%rd18, %rd17, %rd43;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2541, %r2540, %r2539, %r2538}, [%rd18];
+	ld.global.nc.v4.u32 {%r2537, %r2536, %r2535, %r2534}, [%rd18];
 	// end inline asm
 	add.s64 	%rd19, %rd18, %rd43;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2537, %r2536, %r2535, %r2534}, [%rd19];
+	ld.global.nc.v4.u32 {%r2533, %r2532, %r2531, %r2530}, [%rd19];
 	// end inline asm
-	mad.lo.s32 	%r527, %r2601, 112, %r522;
-	cvt.s64.s32 	%rd44, %r527;
-	add.s32 	%r528, %r458, -1;
-	min.s32 	%r529, %r6, %r528;
-	mul.wide.s32 	%rd45, %r529, %r461;
+	mad.lo.s32 	%r523, %r2597, 112, %r518;
+	cvt.s64.s32 	%rd44, %r523;
+	add.s32 	%r524, %r456, -1;
+	min.s32 	%r525, %r6, %r524;
+	mul.wide.s32 	%rd45, %r525, %r459;
 	add.s64 	%rd46, %rd45, %rd44;
 	shl.b64 	%rd47, %rd46, 1;
 	add.s64 	%rd20, %rd10, %rd47;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2533, %r2532}, [%rd20];
+	ld.global.nc.v2.u32 {%r2529, %r2528}, [%rd20];
 	// end inline asm
 	add.s64 	%rd21, %rd20, 32;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2531, %r2530}, [%rd21];
+	ld.global.nc.v2.u32 {%r2527, %r2526}, [%rd21];
 	// end inline asm
 	add.s64 	%rd22, %rd20, 64;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2529, %r2528}, [%rd22];
+	ld.global.nc.v2.u32 {%r2525, %r2524}, [%rd22];
 	// end inline asm
 	add.s64 	%rd23, %rd20, 96;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2527, %r2526}, [%rd23];
+	ld.global.nc.v2.u32 {%r2523, %r2522}, [%rd23];
 	// end inline asm
 	add.s64 	%rd24, %rd20, 128;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2525, %r2524}, [%rd24];
+	ld.global.nc.v2.u32 {%r2521, %r2520}, [%rd24];
 	// end inline asm
 	add.s64 	%rd25, %rd20, 160;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2523, %r2522}, [%rd25];
+	ld.global.nc.v2.u32 {%r2519, %r2518}, [%rd25];
 	// end inline asm
 	add.s64 	%rd26, %rd20, 192;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2521, %r2520}, [%rd26];
+	ld.global.nc.v2.u32 {%r2517, %r2516}, [%rd26];
 	// end inline asm
 	add.s64 	%rd27, %rd20, 224;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2519, %r2518}, [%rd27];
+	ld.global.nc.v2.u32 {%r2515, %r2514}, [%rd27];
 	// end inline asm
-	or.b32  	%r530, %r6, 8;
-	min.s32 	%r531, %r530, %r528;
-	mul.wide.s32 	%rd48, %r531, %r461;
+	or.b32  	%r526, %r6, 8;
+	min.s32 	%r527, %r526, %r524;
+	mul.wide.s32 	%rd48, %r527, %r459;
 	add.s64 	%rd49, %rd48, %rd44;
 	shl.b64 	%rd50, %rd49, 1;
 	add.s64 	%rd28, %rd10, %rd50;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2517, %r2516}, [%rd28];
+	ld.global.nc.v2.u32 {%r2513, %r2512}, [%rd28];
 	// end inline asm
 	add.s64 	%rd29, %rd28, 32;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2515, %r2514}, [%rd29];
+	ld.global.nc.v2.u32 {%r2511, %r2510}, [%rd29];
 	// end inline asm
 	add.s64 	%rd30, %rd28, 64;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2513, %r2512}, [%rd30];
+	ld.global.nc.v2.u32 {%r2509, %r2508}, [%rd30];
 	// end inline asm
 	add.s64 	%rd31, %rd28, 96;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2511, %r2510}, [%rd31];
+	ld.global.nc.v2.u32 {%r2507, %r2506}, [%rd31];
 	// end inline asm
 	add.s64 	%rd32, %rd28, 128;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2509, %r2508}, [%rd32];
+	ld.global.nc.v2.u32 {%r2505, %r2504}, [%rd32];
 	// end inline asm
 	add.s64 	%rd33, %rd28, 160;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2507, %r2506}, [%rd33];
+	ld.global.nc.v2.u32 {%r2503, %r2502}, [%rd33];
 	// end inline asm
 	add.s64 	%rd34, %rd28, 192;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2505, %r2504}, [%rd34];
+	ld.global.nc.v2.u32 {%r2501, %r2500}, [%rd34];
 	// end inline asm
 	add.s64 	%rd35, %rd28, 224;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2503, %r2502}, [%rd35];
+	ld.global.nc.v2.u32 {%r2499, %r2498}, [%rd35];
 	// end inline asm
-	cvt.u64.u32 	%rd51, %r2601;
+	cvt.u64.u32 	%rd51, %r2597;
 	mul.lo.s64 	%rd52, %rd38, %rd51;
 	add.s64 	%rd53, %rd52, %rd40;
 	shl.b64 	%rd54, %rd53, 1;
 	add.s64 	%rd36, %rd12, %rd54;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2501, %r2500}, [%rd36];
+	ld.global.nc.v2.u32 {%r2497, %r2496}, [%rd36];
 	// end inline asm
 	add.s64 	%rd37, %rd13, %rd53;
 	// begin inline asm
-	ld.global.nc.u32 %r2499, [%rd37];
+	ld.global.nc.u32 %r2495, [%rd37];
 	// end inline asm
 
 $L__BB3_2:
@@ -5725,239 +5725,239 @@ $L__BB3_2:
 	mov.f32 	%f678, %f663;
 	@%p1 bra 	$L__BB3_10;
 
-	add.s32 	%r533, %r458, -1;
-	min.s32 	%r534, %r6, %r533;
-	mul.wide.s32 	%rd6, %r534, %r461;
-	or.b32  	%r535, %r6, 8;
-	min.s32 	%r536, %r535, %r533;
-	mul.wide.s32 	%rd7, %r536, %r461;
+	add.s32 	%r529, %r456, -1;
+	min.s32 	%r530, %r6, %r529;
+	mul.wide.s32 	%rd6, %r530, %r459;
+	or.b32  	%r531, %r6, 8;
+	min.s32 	%r532, %r531, %r529;
+	mul.wide.s32 	%rd7, %r532, %r459;
 	mov.f32 	%f663, 0f00000000;
-	mul.wide.s32 	%rd81, %r459, 4;
+	mul.wide.s32 	%rd81, %r457, 4;
 
 $L__BB3_4:
-	mov.u32 	%r537, %ntid.x;
-	shr.u32 	%r538, %r537, 5;
-	add.s32 	%r217, %r2601, %r538;
+	mov.u32 	%r533, %ntid.x;
+	shr.u32 	%r534, %r533, 5;
+	add.s32 	%r217, %r2597, %r534;
 	setp.ge.s32 	%p3, %r217, %r7;
 	@%p3 bra 	$L__BB3_6;
 
-	shl.b32 	%r590, %r217, 4;
-	mov.u32 	%r591, %tid.x;
-	shl.b32 	%r592, %r591, 2;
-	and.b32  	%r593, %r592, 12;
-	or.b32  	%r594, %r590, %r593;
-	mul.wide.s32 	%rd77, %r594, %r459;
-	mov.u32 	%r595, %ctaid.x;
-	shl.b32 	%r596, %r595, 5;
-	and.b32  	%r597, %r591, 28;
-	or.b32  	%r598, %r596, %r597;
-	cvt.s64.s32 	%rd78, %r598;
+	shl.b32 	%r586, %r217, 4;
+	mov.u32 	%r587, %tid.x;
+	shl.b32 	%r588, %r587, 2;
+	and.b32  	%r589, %r588, 12;
+	or.b32  	%r590, %r586, %r589;
+	mul.wide.s32 	%rd77, %r590, %r457;
+	mov.u32 	%r591, %ctaid.x;
+	shl.b32 	%r592, %r591, 5;
+	and.b32  	%r593, %r587, 28;
+	or.b32  	%r594, %r592, %r593;
+	cvt.s64.s32 	%rd78, %r594;
 	add.s64 	%rd79, %rd77, %rd78;
 	shl.b64 	%rd80, %rd79, 2;
 	add.s64 	%rd55, %rd11, %rd80;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2652, %r2651, %r2650, %r2649}, [%rd55];
+	ld.global.nc.v4.u32 {%r2648, %r2647, %r2646, %r2645}, [%rd55];
 	// end inline asm
 	add.s64 	%rd56, %rd55, %rd81;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2648, %r2647, %r2646, %r2645}, [%rd56];
+	ld.global.nc.v4.u32 {%r2644, %r2643, %r2642, %r2641}, [%rd56];
 	// end inline asm
 	add.s64 	%rd57, %rd56, %rd81;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2644, %r2643, %r2642, %r2641}, [%rd57];
+	ld.global.nc.v4.u32 {%r2640, %r2639, %r2638, %r2637}, [%rd57];
 	// end inline asm
 	add.s64 	%rd58, %rd57, %rd81;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2640, %r2639, %r2638, %r2637}, [%rd58];
+	ld.global.nc.v4.u32 {%r2636, %r2635, %r2634, %r2633}, [%rd58];
 	// end inline asm
-	mad.lo.s32 	%r599, %r217, 112, %r594;
-	cvt.s64.s32 	%rd82, %r599;
+	mad.lo.s32 	%r595, %r217, 112, %r590;
+	cvt.s64.s32 	%rd82, %r595;
 	add.s64 	%rd83, %rd6, %rd82;
 	shl.b64 	%rd84, %rd83, 1;
 	add.s64 	%rd59, %rd10, %rd84;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2636, %r2635}, [%rd59];
+	ld.global.nc.v2.u32 {%r2632, %r2631}, [%rd59];
 	// end inline asm
 	add.s64 	%rd60, %rd59, 32;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2634, %r2633}, [%rd60];
+	ld.global.nc.v2.u32 {%r2630, %r2629}, [%rd60];
 	// end inline asm
 	add.s64 	%rd61, %rd59, 64;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2632, %r2631}, [%rd61];
+	ld.global.nc.v2.u32 {%r2628, %r2627}, [%rd61];
 	// end inline asm
 	add.s64 	%rd62, %rd59, 96;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2630, %r2629}, [%rd62];
+	ld.global.nc.v2.u32 {%r2626, %r2625}, [%rd62];
 	// end inline asm
 	add.s64 	%rd63, %rd59, 128;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2628, %r2627}, [%rd63];
+	ld.global.nc.v2.u32 {%r2624, %r2623}, [%rd63];
 	// end inline asm
 	add.s64 	%rd64, %rd59, 160;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2626, %r2625}, [%rd64];
+	ld.global.nc.v2.u32 {%r2622, %r2621}, [%rd64];
 	// end inline asm
 	add.s64 	%rd65, %rd59, 192;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2624, %r2623}, [%rd65];
+	ld.global.nc.v2.u32 {%r2620, %r2619}, [%rd65];
 	// end inline asm
 	add.s64 	%rd66, %rd59, 224;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2622, %r2621}, [%rd66];
+	ld.global.nc.v2.u32 {%r2618, %r2617}, [%rd66];
 	// end inline asm
 	add.s64 	%rd85, %rd7, %rd82;
 	shl.b64 	%rd86, %rd85, 1;
 	add.s64 	%rd67, %rd10, %rd86;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2620, %r2619}, [%rd67];
+	ld.global.nc.v2.u32 {%r2616, %r2615}, [%rd67];
 	// end inline asm
 	add.s64 	%rd68, %rd67, 32;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2618, %r2617}, [%rd68];
+	ld.global.nc.v2.u32 {%r2614, %r2613}, [%rd68];
 	// end inline asm
 	add.s64 	%rd69, %rd67, 64;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2616, %r2615}, [%rd69];
+	ld.global.nc.v2.u32 {%r2612, %r2611}, [%rd69];
 	// end inline asm
 	add.s64 	%rd70, %rd67, 96;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2614, %r2613}, [%rd70];
+	ld.global.nc.v2.u32 {%r2610, %r2609}, [%rd70];
 	// end inline asm
 	add.s64 	%rd71, %rd67, 128;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2612, %r2611}, [%rd71];
+	ld.global.nc.v2.u32 {%r2608, %r2607}, [%rd71];
 	// end inline asm
 	add.s64 	%rd72, %rd67, 160;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2610, %r2609}, [%rd72];
+	ld.global.nc.v2.u32 {%r2606, %r2605}, [%rd72];
 	// end inline asm
 	add.s64 	%rd73, %rd67, 192;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2608, %r2607}, [%rd73];
+	ld.global.nc.v2.u32 {%r2604, %r2603}, [%rd73];
 	// end inline asm
 	add.s64 	%rd74, %rd67, 224;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2606, %r2605}, [%rd74];
+	ld.global.nc.v2.u32 {%r2602, %r2601}, [%rd74];
 	// end inline asm
-	mul.wide.s32 	%rd87, %r217, %r459;
+	mul.wide.s32 	%rd87, %r217, %r457;
 	add.s64 	%rd88, %rd87, %rd78;
 	shl.b64 	%rd89, %rd88, 1;
 	add.s64 	%rd75, %rd12, %rd89;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2604, %r2603}, [%rd75];
+	ld.global.nc.v2.u32 {%r2600, %r2599}, [%rd75];
 	// end inline asm
 	add.s64 	%rd76, %rd13, %rd88;
 	// begin inline asm
-	ld.global.nc.u32 %r2602, [%rd76];
+	ld.global.nc.u32 %r2598, [%rd76];
 	// end inline asm
 
 $L__BB3_6:
-	and.b32  	%r1432, %r2499, 255;
-	or.b32  	%r1433, %r1432, 58368;
-	mul.lo.s32 	%r1367, %r1433, 65537;
-	cvt.u16.u32 	%rs1, %r2501;
+	and.b32  	%r1428, %r2495, 255;
+	or.b32  	%r1429, %r1428, 58368;
+	mul.lo.s32 	%r1363, %r1429, 65537;
+	cvt.u16.u32 	%rs1, %r2497;
 	// begin inline asm
 	cvt.f32.f16 %f109, %rs1;
 	// end inline asm
-	shr.u32 	%r1434, %r2499, 8;
-	and.b32  	%r1435, %r1434, 255;
-	or.b32  	%r1436, %r1435, 58368;
-	mul.lo.s32 	%r1375, %r1436, 65537;
-	shr.u32 	%r1437, %r2501, 16;
-	cvt.u16.u32 	%rs2, %r1437;
+	shr.u32 	%r1430, %r2495, 8;
+	and.b32  	%r1431, %r1430, 255;
+	or.b32  	%r1432, %r1431, 58368;
+	mul.lo.s32 	%r1371, %r1432, 65537;
+	shr.u32 	%r1433, %r2497, 16;
+	cvt.u16.u32 	%rs2, %r1433;
 	// begin inline asm
 	cvt.f32.f16 %f110, %rs2;
 	// end inline asm
-	shr.u32 	%r1438, %r2499, 16;
-	and.b32  	%r1439, %r1438, 255;
-	or.b32  	%r1440, %r1439, 58368;
-	mul.lo.s32 	%r1399, %r1440, 65537;
-	cvt.u16.u32 	%rs3, %r2500;
+	shr.u32 	%r1434, %r2495, 16;
+	and.b32  	%r1435, %r1434, 255;
+	or.b32  	%r1436, %r1435, 58368;
+	mul.lo.s32 	%r1395, %r1436, 65537;
+	cvt.u16.u32 	%rs3, %r2496;
 	// begin inline asm
 	cvt.f32.f16 %f111, %rs3;
 	// end inline asm
-	shr.u32 	%r1441, %r2499, 24;
-	or.b32  	%r1442, %r1441, 58368;
-	mul.lo.s32 	%r1407, %r1442, 65537;
-	shr.u32 	%r1443, %r2500, 16;
-	cvt.u16.u32 	%rs4, %r1443;
+	shr.u32 	%r1437, %r2495, 24;
+	or.b32  	%r1438, %r1437, 58368;
+	mul.lo.s32 	%r1403, %r1438, 65537;
+	shr.u32 	%r1439, %r2496, 16;
+	cvt.u16.u32 	%rs4, %r1439;
 	// begin inline asm
 	cvt.f32.f16 %f112, %rs4;
 	// end inline asm
-	mov.u32 	%r631, 17408;
+	mov.u32 	%r627, 17408;
 	// begin inline asm
-	prmt.b32 %r600, %r2549, %r2545, %r631;
+	prmt.b32 %r596, %r2545, %r2541, %r627;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r604, %r2548, %r2544, %r631;
+	prmt.b32 %r600, %r2544, %r2540, %r627;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r608, %r2541, %r2537, %r631;
+	prmt.b32 %r604, %r2537, %r2533, %r627;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r612, %r2540, %r2536, %r631;
+	prmt.b32 %r608, %r2536, %r2532, %r627;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r616, %r2547, %r2543, %r631;
+	prmt.b32 %r612, %r2543, %r2539, %r627;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r620, %r2546, %r2542, %r631;
+	prmt.b32 %r616, %r2542, %r2538, %r627;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r624, %r2539, %r2535, %r631;
+	prmt.b32 %r620, %r2535, %r2531, %r627;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r628, %r2538, %r2534, %r631;
+	prmt.b32 %r624, %r2534, %r2530, %r627;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r632, %r600, %r453, %r454, 0xEA;
+	lop3.b32 %r628, %r596, %r451, %r452, 0xEA;
 	// end inline asm
-	mov.u32 	%r1406, 1006648320;
+	mov.u32 	%r1402, 1006648320;
 	// begin inline asm
-	fma.rn.f16x2 %r636, %r632, %r1406, %r1367;
-	// end inline asm
-	// begin inline asm
-	lop3.b32 %r640, %r604, %r453, %r454, 0xEA;
+	fma.rn.f16x2 %r632, %r628, %r1402, %r1363;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r644, %r640, %r1406, %r1375;
+	lop3.b32 %r636, %r600, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r648, %r608, %r453, %r454, 0xEA;
+	fma.rn.f16x2 %r640, %r636, %r1402, %r1371;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r652, %r648, %r1406, %r1367;
+	lop3.b32 %r644, %r604, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r656, %r612, %r453, %r454, 0xEA;
+	fma.rn.f16x2 %r648, %r644, %r1402, %r1363;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r660, %r656, %r1406, %r1375;
+	lop3.b32 %r652, %r608, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r664, %r616, %r453, %r454, 0xEA;
+	fma.rn.f16x2 %r656, %r652, %r1402, %r1371;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r668, %r664, %r1406, %r1399;
+	lop3.b32 %r660, %r612, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r672, %r620, %r453, %r454, 0xEA;
+	fma.rn.f16x2 %r664, %r660, %r1402, %r1395;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r676, %r672, %r1406, %r1407;
+	lop3.b32 %r668, %r616, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r680, %r624, %r453, %r454, 0xEA;
+	fma.rn.f16x2 %r672, %r668, %r1402, %r1403;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r684, %r680, %r1406, %r1399;
+	lop3.b32 %r676, %r620, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r688, %r628, %r453, %r454, 0xEA;
+	fma.rn.f16x2 %r680, %r676, %r1402, %r1395;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r692, %r688, %r1406, %r1407;
+	lop3.b32 %r684, %r624, %r451, %r452, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r688, %r684, %r1402, %r1403;
 	// end inline asm
 	mov.f32 	%f169, 0f00000000;
 	mov.f32 	%f145, %f169;
@@ -5965,554 +5965,554 @@ $L__BB3_6:
 	mov.f32 	%f147, %f169;
 	mov.f32 	%f148, %f169;
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f145, %f146, %f147, %f148}, {%r636, %r644, %r652, %r660}, {%r2533, %r2532}, {%f145, %f146, %f147, %f148};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f145, %f146, %f147, %f148}, {%r632, %r640, %r648, %r656}, {%r2529, %r2528}, {%f145, %f146, %f147, %f148};
 	// end inline asm
 	mov.f32 	%f153, %f169;
 	mov.f32 	%f154, %f169;
 	mov.f32 	%f155, %f169;
 	mov.f32 	%f156, %f169;
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f153, %f154, %f155, %f156}, {%r668, %r676, %r684, %r692}, {%r2533, %r2532}, {%f153, %f154, %f155, %f156};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f153, %f154, %f155, %f156}, {%r664, %r672, %r680, %r688}, {%r2529, %r2528}, {%f153, %f154, %f155, %f156};
 	// end inline asm
 	mov.f32 	%f161, %f169;
 	mov.f32 	%f162, %f169;
 	mov.f32 	%f163, %f169;
 	mov.f32 	%f164, %f169;
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f161, %f162, %f163, %f164}, {%r636, %r644, %r652, %r660}, {%r2517, %r2516}, {%f161, %f162, %f163, %f164};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f161, %f162, %f163, %f164}, {%r632, %r640, %r648, %r656}, {%r2513, %r2512}, {%f161, %f162, %f163, %f164};
 	// end inline asm
 	mov.f32 	%f170, %f169;
 	mov.f32 	%f171, %f169;
 	mov.f32 	%f172, %f169;
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f169, %f170, %f171, %f172}, {%r668, %r676, %r684, %r692}, {%r2517, %r2516}, {%f169, %f170, %f171, %f172};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f169, %f170, %f171, %f172}, {%r664, %r672, %r680, %r688}, {%r2513, %r2512}, {%f169, %f170, %f171, %f172};
 	// end inline asm
-	shr.u32 	%r721, %r600, 4;
+	shr.u32 	%r717, %r596, 4;
 	// begin inline asm
-	lop3.b32 %r720, %r721, %r453, %r454, 0xEA;
+	lop3.b32 %r716, %r717, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r724, %r720, %r1406, %r1367;
+	fma.rn.f16x2 %r720, %r716, %r1402, %r1363;
 	// end inline asm
-	shr.u32 	%r729, %r604, 4;
+	shr.u32 	%r725, %r600, 4;
 	// begin inline asm
-	lop3.b32 %r728, %r729, %r453, %r454, 0xEA;
+	lop3.b32 %r724, %r725, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r732, %r728, %r1406, %r1375;
+	fma.rn.f16x2 %r728, %r724, %r1402, %r1371;
 	// end inline asm
-	shr.u32 	%r737, %r608, 4;
+	shr.u32 	%r733, %r604, 4;
 	// begin inline asm
-	lop3.b32 %r736, %r737, %r453, %r454, 0xEA;
+	lop3.b32 %r732, %r733, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r740, %r736, %r1406, %r1367;
+	fma.rn.f16x2 %r736, %r732, %r1402, %r1363;
 	// end inline asm
-	shr.u32 	%r745, %r612, 4;
+	shr.u32 	%r741, %r608, 4;
 	// begin inline asm
-	lop3.b32 %r744, %r745, %r453, %r454, 0xEA;
+	lop3.b32 %r740, %r741, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r748, %r744, %r1406, %r1375;
+	fma.rn.f16x2 %r744, %r740, %r1402, %r1371;
 	// end inline asm
-	shr.u32 	%r753, %r616, 4;
+	shr.u32 	%r749, %r612, 4;
 	// begin inline asm
-	lop3.b32 %r752, %r753, %r453, %r454, 0xEA;
+	lop3.b32 %r748, %r749, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r756, %r752, %r1406, %r1399;
+	fma.rn.f16x2 %r752, %r748, %r1402, %r1395;
 	// end inline asm
-	shr.u32 	%r761, %r620, 4;
+	shr.u32 	%r757, %r616, 4;
 	// begin inline asm
-	lop3.b32 %r760, %r761, %r453, %r454, 0xEA;
+	lop3.b32 %r756, %r757, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r764, %r760, %r1406, %r1407;
+	fma.rn.f16x2 %r760, %r756, %r1402, %r1403;
 	// end inline asm
-	shr.u32 	%r769, %r624, 4;
+	shr.u32 	%r765, %r620, 4;
 	// begin inline asm
-	lop3.b32 %r768, %r769, %r453, %r454, 0xEA;
+	lop3.b32 %r764, %r765, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r772, %r768, %r1406, %r1399;
+	fma.rn.f16x2 %r768, %r764, %r1402, %r1395;
 	// end inline asm
-	shr.u32 	%r777, %r628, 4;
+	shr.u32 	%r773, %r624, 4;
 	// begin inline asm
-	lop3.b32 %r776, %r777, %r453, %r454, 0xEA;
+	lop3.b32 %r772, %r773, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r780, %r776, %r1406, %r1407;
+	fma.rn.f16x2 %r776, %r772, %r1402, %r1403;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f145, %f146, %f147, %f148}, {%r724, %r732, %r740, %r748}, {%r2531, %r2530}, {%f145, %f146, %f147, %f148};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f145, %f146, %f147, %f148}, {%r720, %r728, %r736, %r744}, {%r2527, %r2526}, {%f145, %f146, %f147, %f148};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f153, %f154, %f155, %f156}, {%r756, %r764, %r772, %r780}, {%r2531, %r2530}, {%f153, %f154, %f155, %f156};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f153, %f154, %f155, %f156}, {%r752, %r760, %r768, %r776}, {%r2527, %r2526}, {%f153, %f154, %f155, %f156};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f161, %f162, %f163, %f164}, {%r724, %r732, %r740, %r748}, {%r2515, %r2514}, {%f161, %f162, %f163, %f164};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f161, %f162, %f163, %f164}, {%r720, %r728, %r736, %r744}, {%r2511, %r2510}, {%f161, %f162, %f163, %f164};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f169, %f170, %f171, %f172}, {%r756, %r764, %r772, %r780}, {%r2515, %r2514}, {%f169, %f170, %f171, %f172};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f169, %f170, %f171, %f172}, {%r752, %r760, %r768, %r776}, {%r2511, %r2510}, {%f169, %f170, %f171, %f172};
 	// end inline asm
-	mov.u32 	%r839, 21777;
+	mov.u32 	%r835, 21777;
 	// begin inline asm
-	prmt.b32 %r808, %r2549, %r2545, %r839;
+	prmt.b32 %r804, %r2545, %r2541, %r835;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r812, %r2548, %r2544, %r839;
+	prmt.b32 %r808, %r2544, %r2540, %r835;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r816, %r2541, %r2537, %r839;
+	prmt.b32 %r812, %r2537, %r2533, %r835;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r820, %r2540, %r2536, %r839;
+	prmt.b32 %r816, %r2536, %r2532, %r835;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r824, %r2547, %r2543, %r839;
+	prmt.b32 %r820, %r2543, %r2539, %r835;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r828, %r2546, %r2542, %r839;
+	prmt.b32 %r824, %r2542, %r2538, %r835;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r832, %r2539, %r2535, %r839;
+	prmt.b32 %r828, %r2535, %r2531, %r835;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r836, %r2538, %r2534, %r839;
+	prmt.b32 %r832, %r2534, %r2530, %r835;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r840, %r808, %r453, %r454, 0xEA;
+	lop3.b32 %r836, %r804, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r844, %r840, %r1406, %r1367;
+	fma.rn.f16x2 %r840, %r836, %r1402, %r1363;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r848, %r812, %r453, %r454, 0xEA;
+	lop3.b32 %r844, %r808, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r852, %r848, %r1406, %r1375;
+	fma.rn.f16x2 %r848, %r844, %r1402, %r1371;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r856, %r816, %r453, %r454, 0xEA;
+	lop3.b32 %r852, %r812, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r860, %r856, %r1406, %r1367;
+	fma.rn.f16x2 %r856, %r852, %r1402, %r1363;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r864, %r820, %r453, %r454, 0xEA;
+	lop3.b32 %r860, %r816, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r868, %r864, %r1406, %r1375;
+	fma.rn.f16x2 %r864, %r860, %r1402, %r1371;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r872, %r824, %r453, %r454, 0xEA;
+	lop3.b32 %r868, %r820, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r876, %r872, %r1406, %r1399;
+	fma.rn.f16x2 %r872, %r868, %r1402, %r1395;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r880, %r828, %r453, %r454, 0xEA;
+	lop3.b32 %r876, %r824, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r884, %r880, %r1406, %r1407;
+	fma.rn.f16x2 %r880, %r876, %r1402, %r1403;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r888, %r832, %r453, %r454, 0xEA;
+	lop3.b32 %r884, %r828, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r892, %r888, %r1406, %r1399;
+	fma.rn.f16x2 %r888, %r884, %r1402, %r1395;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r896, %r836, %r453, %r454, 0xEA;
+	lop3.b32 %r892, %r832, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r900, %r896, %r1406, %r1407;
+	fma.rn.f16x2 %r896, %r892, %r1402, %r1403;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f145, %f146, %f147, %f148}, {%r844, %r852, %r860, %r868}, {%r2529, %r2528}, {%f145, %f146, %f147, %f148};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f145, %f146, %f147, %f148}, {%r840, %r848, %r856, %r864}, {%r2525, %r2524}, {%f145, %f146, %f147, %f148};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f153, %f154, %f155, %f156}, {%r876, %r884, %r892, %r900}, {%r2529, %r2528}, {%f153, %f154, %f155, %f156};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f153, %f154, %f155, %f156}, {%r872, %r880, %r888, %r896}, {%r2525, %r2524}, {%f153, %f154, %f155, %f156};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f161, %f162, %f163, %f164}, {%r844, %r852, %r860, %r868}, {%r2513, %r2512}, {%f161, %f162, %f163, %f164};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f161, %f162, %f163, %f164}, {%r840, %r848, %r856, %r864}, {%r2509, %r2508}, {%f161, %f162, %f163, %f164};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f169, %f170, %f171, %f172}, {%r876, %r884, %r892, %r900}, {%r2513, %r2512}, {%f169, %f170, %f171, %f172};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f169, %f170, %f171, %f172}, {%r872, %r880, %r888, %r896}, {%r2509, %r2508}, {%f169, %f170, %f171, %f172};
 	// end inline asm
-	shr.u32 	%r929, %r808, 4;
+	shr.u32 	%r925, %r804, 4;
 	// begin inline asm
-	lop3.b32 %r928, %r929, %r453, %r454, 0xEA;
+	lop3.b32 %r924, %r925, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r932, %r928, %r1406, %r1367;
+	fma.rn.f16x2 %r928, %r924, %r1402, %r1363;
 	// end inline asm
-	shr.u32 	%r937, %r812, 4;
+	shr.u32 	%r933, %r808, 4;
 	// begin inline asm
-	lop3.b32 %r936, %r937, %r453, %r454, 0xEA;
+	lop3.b32 %r932, %r933, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r940, %r936, %r1406, %r1375;
+	fma.rn.f16x2 %r936, %r932, %r1402, %r1371;
 	// end inline asm
-	shr.u32 	%r945, %r816, 4;
+	shr.u32 	%r941, %r812, 4;
 	// begin inline asm
-	lop3.b32 %r944, %r945, %r453, %r454, 0xEA;
+	lop3.b32 %r940, %r941, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r948, %r944, %r1406, %r1367;
+	fma.rn.f16x2 %r944, %r940, %r1402, %r1363;
 	// end inline asm
-	shr.u32 	%r953, %r820, 4;
+	shr.u32 	%r949, %r816, 4;
 	// begin inline asm
-	lop3.b32 %r952, %r953, %r453, %r454, 0xEA;
+	lop3.b32 %r948, %r949, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r956, %r952, %r1406, %r1375;
+	fma.rn.f16x2 %r952, %r948, %r1402, %r1371;
 	// end inline asm
-	shr.u32 	%r961, %r824, 4;
+	shr.u32 	%r957, %r820, 4;
 	// begin inline asm
-	lop3.b32 %r960, %r961, %r453, %r454, 0xEA;
+	lop3.b32 %r956, %r957, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r964, %r960, %r1406, %r1399;
+	fma.rn.f16x2 %r960, %r956, %r1402, %r1395;
 	// end inline asm
-	shr.u32 	%r969, %r828, 4;
+	shr.u32 	%r965, %r824, 4;
 	// begin inline asm
-	lop3.b32 %r968, %r969, %r453, %r454, 0xEA;
+	lop3.b32 %r964, %r965, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r972, %r968, %r1406, %r1407;
+	fma.rn.f16x2 %r968, %r964, %r1402, %r1403;
 	// end inline asm
-	shr.u32 	%r977, %r832, 4;
+	shr.u32 	%r973, %r828, 4;
 	// begin inline asm
-	lop3.b32 %r976, %r977, %r453, %r454, 0xEA;
+	lop3.b32 %r972, %r973, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r980, %r976, %r1406, %r1399;
+	fma.rn.f16x2 %r976, %r972, %r1402, %r1395;
 	// end inline asm
-	shr.u32 	%r985, %r836, 4;
+	shr.u32 	%r981, %r832, 4;
 	// begin inline asm
-	lop3.b32 %r984, %r985, %r453, %r454, 0xEA;
+	lop3.b32 %r980, %r981, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r988, %r984, %r1406, %r1407;
+	fma.rn.f16x2 %r984, %r980, %r1402, %r1403;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f145, %f146, %f147, %f148}, {%r932, %r940, %r948, %r956}, {%r2527, %r2526}, {%f145, %f146, %f147, %f148};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f145, %f146, %f147, %f148}, {%r928, %r936, %r944, %r952}, {%r2523, %r2522}, {%f145, %f146, %f147, %f148};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f153, %f154, %f155, %f156}, {%r964, %r972, %r980, %r988}, {%r2527, %r2526}, {%f153, %f154, %f155, %f156};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f153, %f154, %f155, %f156}, {%r960, %r968, %r976, %r984}, {%r2523, %r2522}, {%f153, %f154, %f155, %f156};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f161, %f162, %f163, %f164}, {%r932, %r940, %r948, %r956}, {%r2511, %r2510}, {%f161, %f162, %f163, %f164};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f161, %f162, %f163, %f164}, {%r928, %r936, %r944, %r952}, {%r2507, %r2506}, {%f161, %f162, %f163, %f164};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f169, %f170, %f171, %f172}, {%r964, %r972, %r980, %r988}, {%r2511, %r2510}, {%f169, %f170, %f171, %f172};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f169, %f170, %f171, %f172}, {%r960, %r968, %r976, %r984}, {%r2507, %r2506}, {%f169, %f170, %f171, %f172};
 	// end inline asm
-	mov.u32 	%r1047, 26146;
+	mov.u32 	%r1043, 26146;
 	// begin inline asm
-	prmt.b32 %r1016, %r2549, %r2545, %r1047;
+	prmt.b32 %r1012, %r2545, %r2541, %r1043;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1020, %r2548, %r2544, %r1047;
+	prmt.b32 %r1016, %r2544, %r2540, %r1043;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1024, %r2541, %r2537, %r1047;
+	prmt.b32 %r1020, %r2537, %r2533, %r1043;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1028, %r2540, %r2536, %r1047;
+	prmt.b32 %r1024, %r2536, %r2532, %r1043;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1032, %r2547, %r2543, %r1047;
+	prmt.b32 %r1028, %r2543, %r2539, %r1043;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1036, %r2546, %r2542, %r1047;
+	prmt.b32 %r1032, %r2542, %r2538, %r1043;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1040, %r2539, %r2535, %r1047;
+	prmt.b32 %r1036, %r2535, %r2531, %r1043;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1044, %r2538, %r2534, %r1047;
+	prmt.b32 %r1040, %r2534, %r2530, %r1043;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1048, %r1016, %r453, %r454, 0xEA;
+	lop3.b32 %r1044, %r1012, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1052, %r1048, %r1406, %r1367;
+	fma.rn.f16x2 %r1048, %r1044, %r1402, %r1363;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1056, %r1020, %r453, %r454, 0xEA;
+	lop3.b32 %r1052, %r1016, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1060, %r1056, %r1406, %r1375;
+	fma.rn.f16x2 %r1056, %r1052, %r1402, %r1371;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1064, %r1024, %r453, %r454, 0xEA;
+	lop3.b32 %r1060, %r1020, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1068, %r1064, %r1406, %r1367;
+	fma.rn.f16x2 %r1064, %r1060, %r1402, %r1363;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1072, %r1028, %r453, %r454, 0xEA;
+	lop3.b32 %r1068, %r1024, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1076, %r1072, %r1406, %r1375;
+	fma.rn.f16x2 %r1072, %r1068, %r1402, %r1371;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1080, %r1032, %r453, %r454, 0xEA;
+	lop3.b32 %r1076, %r1028, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1084, %r1080, %r1406, %r1399;
+	fma.rn.f16x2 %r1080, %r1076, %r1402, %r1395;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1088, %r1036, %r453, %r454, 0xEA;
+	lop3.b32 %r1084, %r1032, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1092, %r1088, %r1406, %r1407;
+	fma.rn.f16x2 %r1088, %r1084, %r1402, %r1403;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1096, %r1040, %r453, %r454, 0xEA;
+	lop3.b32 %r1092, %r1036, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1100, %r1096, %r1406, %r1399;
+	fma.rn.f16x2 %r1096, %r1092, %r1402, %r1395;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1104, %r1044, %r453, %r454, 0xEA;
+	lop3.b32 %r1100, %r1040, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1108, %r1104, %r1406, %r1407;
+	fma.rn.f16x2 %r1104, %r1100, %r1402, %r1403;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f145, %f146, %f147, %f148}, {%r1052, %r1060, %r1068, %r1076}, {%r2525, %r2524}, {%f145, %f146, %f147, %f148};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f145, %f146, %f147, %f148}, {%r1048, %r1056, %r1064, %r1072}, {%r2521, %r2520}, {%f145, %f146, %f147, %f148};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f153, %f154, %f155, %f156}, {%r1084, %r1092, %r1100, %r1108}, {%r2525, %r2524}, {%f153, %f154, %f155, %f156};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f153, %f154, %f155, %f156}, {%r1080, %r1088, %r1096, %r1104}, {%r2521, %r2520}, {%f153, %f154, %f155, %f156};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f161, %f162, %f163, %f164}, {%r1052, %r1060, %r1068, %r1076}, {%r2509, %r2508}, {%f161, %f162, %f163, %f164};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f161, %f162, %f163, %f164}, {%r1048, %r1056, %r1064, %r1072}, {%r2505, %r2504}, {%f161, %f162, %f163, %f164};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f169, %f170, %f171, %f172}, {%r1084, %r1092, %r1100, %r1108}, {%r2509, %r2508}, {%f169, %f170, %f171, %f172};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f169, %f170, %f171, %f172}, {%r1080, %r1088, %r1096, %r1104}, {%r2505, %r2504}, {%f169, %f170, %f171, %f172};
 	// end inline asm
-	shr.u32 	%r1137, %r1016, 4;
+	shr.u32 	%r1133, %r1012, 4;
 	// begin inline asm
-	lop3.b32 %r1136, %r1137, %r453, %r454, 0xEA;
+	lop3.b32 %r1132, %r1133, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1140, %r1136, %r1406, %r1367;
+	fma.rn.f16x2 %r1136, %r1132, %r1402, %r1363;
 	// end inline asm
-	shr.u32 	%r1145, %r1020, 4;
+	shr.u32 	%r1141, %r1016, 4;
 	// begin inline asm
-	lop3.b32 %r1144, %r1145, %r453, %r454, 0xEA;
+	lop3.b32 %r1140, %r1141, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1148, %r1144, %r1406, %r1375;
+	fma.rn.f16x2 %r1144, %r1140, %r1402, %r1371;
 	// end inline asm
-	shr.u32 	%r1153, %r1024, 4;
+	shr.u32 	%r1149, %r1020, 4;
 	// begin inline asm
-	lop3.b32 %r1152, %r1153, %r453, %r454, 0xEA;
+	lop3.b32 %r1148, %r1149, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1156, %r1152, %r1406, %r1367;
+	fma.rn.f16x2 %r1152, %r1148, %r1402, %r1363;
 	// end inline asm
-	shr.u32 	%r1161, %r1028, 4;
+	shr.u32 	%r1157, %r1024, 4;
 	// begin inline asm
-	lop3.b32 %r1160, %r1161, %r453, %r454, 0xEA;
+	lop3.b32 %r1156, %r1157, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1164, %r1160, %r1406, %r1375;
+	fma.rn.f16x2 %r1160, %r1156, %r1402, %r1371;
 	// end inline asm
-	shr.u32 	%r1169, %r1032, 4;
+	shr.u32 	%r1165, %r1028, 4;
 	// begin inline asm
-	lop3.b32 %r1168, %r1169, %r453, %r454, 0xEA;
+	lop3.b32 %r1164, %r1165, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1172, %r1168, %r1406, %r1399;
+	fma.rn.f16x2 %r1168, %r1164, %r1402, %r1395;
 	// end inline asm
-	shr.u32 	%r1177, %r1036, 4;
+	shr.u32 	%r1173, %r1032, 4;
 	// begin inline asm
-	lop3.b32 %r1176, %r1177, %r453, %r454, 0xEA;
+	lop3.b32 %r1172, %r1173, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1180, %r1176, %r1406, %r1407;
+	fma.rn.f16x2 %r1176, %r1172, %r1402, %r1403;
 	// end inline asm
-	shr.u32 	%r1185, %r1040, 4;
+	shr.u32 	%r1181, %r1036, 4;
 	// begin inline asm
-	lop3.b32 %r1184, %r1185, %r453, %r454, 0xEA;
+	lop3.b32 %r1180, %r1181, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1188, %r1184, %r1406, %r1399;
+	fma.rn.f16x2 %r1184, %r1180, %r1402, %r1395;
 	// end inline asm
-	shr.u32 	%r1193, %r1044, 4;
+	shr.u32 	%r1189, %r1040, 4;
 	// begin inline asm
-	lop3.b32 %r1192, %r1193, %r453, %r454, 0xEA;
+	lop3.b32 %r1188, %r1189, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1196, %r1192, %r1406, %r1407;
+	fma.rn.f16x2 %r1192, %r1188, %r1402, %r1403;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f145, %f146, %f147, %f148}, {%r1140, %r1148, %r1156, %r1164}, {%r2523, %r2522}, {%f145, %f146, %f147, %f148};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f145, %f146, %f147, %f148}, {%r1136, %r1144, %r1152, %r1160}, {%r2519, %r2518}, {%f145, %f146, %f147, %f148};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f153, %f154, %f155, %f156}, {%r1172, %r1180, %r1188, %r1196}, {%r2523, %r2522}, {%f153, %f154, %f155, %f156};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f153, %f154, %f155, %f156}, {%r1168, %r1176, %r1184, %r1192}, {%r2519, %r2518}, {%f153, %f154, %f155, %f156};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f161, %f162, %f163, %f164}, {%r1140, %r1148, %r1156, %r1164}, {%r2507, %r2506}, {%f161, %f162, %f163, %f164};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f161, %f162, %f163, %f164}, {%r1136, %r1144, %r1152, %r1160}, {%r2503, %r2502}, {%f161, %f162, %f163, %f164};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f169, %f170, %f171, %f172}, {%r1172, %r1180, %r1188, %r1196}, {%r2507, %r2506}, {%f169, %f170, %f171, %f172};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f169, %f170, %f171, %f172}, {%r1168, %r1176, %r1184, %r1192}, {%r2503, %r2502}, {%f169, %f170, %f171, %f172};
 	// end inline asm
-	mov.u32 	%r1255, 30515;
+	mov.u32 	%r1251, 30515;
 	// begin inline asm
-	prmt.b32 %r1224, %r2549, %r2545, %r1255;
+	prmt.b32 %r1220, %r2545, %r2541, %r1251;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1228, %r2548, %r2544, %r1255;
+	prmt.b32 %r1224, %r2544, %r2540, %r1251;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1232, %r2541, %r2537, %r1255;
+	prmt.b32 %r1228, %r2537, %r2533, %r1251;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1236, %r2540, %r2536, %r1255;
+	prmt.b32 %r1232, %r2536, %r2532, %r1251;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1240, %r2547, %r2543, %r1255;
+	prmt.b32 %r1236, %r2543, %r2539, %r1251;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1244, %r2546, %r2542, %r1255;
+	prmt.b32 %r1240, %r2542, %r2538, %r1251;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1248, %r2539, %r2535, %r1255;
+	prmt.b32 %r1244, %r2535, %r2531, %r1251;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1252, %r2538, %r2534, %r1255;
+	prmt.b32 %r1248, %r2534, %r2530, %r1251;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1256, %r1224, %r453, %r454, 0xEA;
+	lop3.b32 %r1252, %r1220, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1260, %r1256, %r1406, %r1367;
+	fma.rn.f16x2 %r1256, %r1252, %r1402, %r1363;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1264, %r1228, %r453, %r454, 0xEA;
+	lop3.b32 %r1260, %r1224, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1268, %r1264, %r1406, %r1375;
+	fma.rn.f16x2 %r1264, %r1260, %r1402, %r1371;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1272, %r1232, %r453, %r454, 0xEA;
+	lop3.b32 %r1268, %r1228, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1276, %r1272, %r1406, %r1367;
+	fma.rn.f16x2 %r1272, %r1268, %r1402, %r1363;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1280, %r1236, %r453, %r454, 0xEA;
+	lop3.b32 %r1276, %r1232, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1284, %r1280, %r1406, %r1375;
+	fma.rn.f16x2 %r1280, %r1276, %r1402, %r1371;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1288, %r1240, %r453, %r454, 0xEA;
+	lop3.b32 %r1284, %r1236, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1292, %r1288, %r1406, %r1399;
+	fma.rn.f16x2 %r1288, %r1284, %r1402, %r1395;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1296, %r1244, %r453, %r454, 0xEA;
+	lop3.b32 %r1292, %r1240, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1300, %r1296, %r1406, %r1407;
+	fma.rn.f16x2 %r1296, %r1292, %r1402, %r1403;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1304, %r1248, %r453, %r454, 0xEA;
+	lop3.b32 %r1300, %r1244, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1308, %r1304, %r1406, %r1399;
+	fma.rn.f16x2 %r1304, %r1300, %r1402, %r1395;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1312, %r1252, %r453, %r454, 0xEA;
+	lop3.b32 %r1308, %r1248, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1316, %r1312, %r1406, %r1407;
+	fma.rn.f16x2 %r1312, %r1308, %r1402, %r1403;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f145, %f146, %f147, %f148}, {%r1260, %r1268, %r1276, %r1284}, {%r2521, %r2520}, {%f145, %f146, %f147, %f148};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f145, %f146, %f147, %f148}, {%r1256, %r1264, %r1272, %r1280}, {%r2517, %r2516}, {%f145, %f146, %f147, %f148};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f153, %f154, %f155, %f156}, {%r1292, %r1300, %r1308, %r1316}, {%r2521, %r2520}, {%f153, %f154, %f155, %f156};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f153, %f154, %f155, %f156}, {%r1288, %r1296, %r1304, %r1312}, {%r2517, %r2516}, {%f153, %f154, %f155, %f156};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f161, %f162, %f163, %f164}, {%r1260, %r1268, %r1276, %r1284}, {%r2505, %r2504}, {%f161, %f162, %f163, %f164};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f161, %f162, %f163, %f164}, {%r1256, %r1264, %r1272, %r1280}, {%r2501, %r2500}, {%f161, %f162, %f163, %f164};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f169, %f170, %f171, %f172}, {%r1292, %r1300, %r1308, %r1316}, {%r2505, %r2504}, {%f169, %f170, %f171, %f172};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f169, %f170, %f171, %f172}, {%r1288, %r1296, %r1304, %r1312}, {%r2501, %r2500}, {%f169, %f170, %f171, %f172};
 	// end inline asm
-	shr.u32 	%r1345, %r1224, 4;
+	shr.u32 	%r1341, %r1220, 4;
 	// begin inline asm
-	lop3.b32 %r1344, %r1345, %r453, %r454, 0xEA;
+	lop3.b32 %r1340, %r1341, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1348, %r1344, %r1406, %r1367;
+	fma.rn.f16x2 %r1344, %r1340, %r1402, %r1363;
 	// end inline asm
-	shr.u32 	%r1353, %r1228, 4;
+	shr.u32 	%r1349, %r1224, 4;
 	// begin inline asm
-	lop3.b32 %r1352, %r1353, %r453, %r454, 0xEA;
+	lop3.b32 %r1348, %r1349, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1356, %r1352, %r1406, %r1375;
+	fma.rn.f16x2 %r1352, %r1348, %r1402, %r1371;
 	// end inline asm
-	shr.u32 	%r1361, %r1232, 4;
+	shr.u32 	%r1357, %r1228, 4;
 	// begin inline asm
-	lop3.b32 %r1360, %r1361, %r453, %r454, 0xEA;
+	lop3.b32 %r1356, %r1357, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1364, %r1360, %r1406, %r1367;
+	fma.rn.f16x2 %r1360, %r1356, %r1402, %r1363;
 	// end inline asm
-	shr.u32 	%r1369, %r1236, 4;
+	shr.u32 	%r1365, %r1232, 4;
 	// begin inline asm
-	lop3.b32 %r1368, %r1369, %r453, %r454, 0xEA;
+	lop3.b32 %r1364, %r1365, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1372, %r1368, %r1406, %r1375;
+	fma.rn.f16x2 %r1368, %r1364, %r1402, %r1371;
 	// end inline asm
-	shr.u32 	%r1377, %r1240, 4;
+	shr.u32 	%r1373, %r1236, 4;
 	// begin inline asm
-	lop3.b32 %r1376, %r1377, %r453, %r454, 0xEA;
+	lop3.b32 %r1372, %r1373, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1380, %r1376, %r1406, %r1399;
+	fma.rn.f16x2 %r1376, %r1372, %r1402, %r1395;
 	// end inline asm
-	shr.u32 	%r1385, %r1244, 4;
+	shr.u32 	%r1381, %r1240, 4;
 	// begin inline asm
-	lop3.b32 %r1384, %r1385, %r453, %r454, 0xEA;
+	lop3.b32 %r1380, %r1381, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1388, %r1384, %r1406, %r1407;
+	fma.rn.f16x2 %r1384, %r1380, %r1402, %r1403;
 	// end inline asm
-	shr.u32 	%r1393, %r1248, 4;
+	shr.u32 	%r1389, %r1244, 4;
 	// begin inline asm
-	lop3.b32 %r1392, %r1393, %r453, %r454, 0xEA;
+	lop3.b32 %r1388, %r1389, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1396, %r1392, %r1406, %r1399;
+	fma.rn.f16x2 %r1392, %r1388, %r1402, %r1395;
 	// end inline asm
-	shr.u32 	%r1401, %r1252, 4;
+	shr.u32 	%r1397, %r1248, 4;
 	// begin inline asm
-	lop3.b32 %r1400, %r1401, %r453, %r454, 0xEA;
+	lop3.b32 %r1396, %r1397, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1404, %r1400, %r1406, %r1407;
+	fma.rn.f16x2 %r1400, %r1396, %r1402, %r1403;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f145, %f146, %f147, %f148}, {%r1348, %r1356, %r1364, %r1372}, {%r2519, %r2518}, {%f145, %f146, %f147, %f148};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f145, %f146, %f147, %f148}, {%r1344, %r1352, %r1360, %r1368}, {%r2515, %r2514}, {%f145, %f146, %f147, %f148};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f153, %f154, %f155, %f156}, {%r1380, %r1388, %r1396, %r1404}, {%r2519, %r2518}, {%f153, %f154, %f155, %f156};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f153, %f154, %f155, %f156}, {%r1376, %r1384, %r1392, %r1400}, {%r2515, %r2514}, {%f153, %f154, %f155, %f156};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f161, %f162, %f163, %f164}, {%r1348, %r1356, %r1364, %r1372}, {%r2503, %r2502}, {%f161, %f162, %f163, %f164};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f161, %f162, %f163, %f164}, {%r1344, %r1352, %r1360, %r1368}, {%r2499, %r2498}, {%f161, %f162, %f163, %f164};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f169, %f170, %f171, %f172}, {%r1380, %r1388, %r1396, %r1404}, {%r2503, %r2502}, {%f169, %f170, %f171, %f172};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f169, %f170, %f171, %f172}, {%r1376, %r1384, %r1392, %r1400}, {%r2499, %r2498}, {%f169, %f170, %f171, %f172};
 	// end inline asm
 	fma.rn.f32 	%f678, %f109, %f145, %f678;
 	fma.rn.f32 	%f677, %f109, %f146, %f677;
@@ -6532,230 +6532,230 @@ $L__BB3_6:
 	fma.rn.f32 	%f663, %f112, %f172, %f663;
 	@%p3 bra 	$L__BB3_10;
 
-	mov.u32 	%r2447, %ntid.x;
-	shr.u32 	%r1445, %r2447, 4;
-	and.b32  	%r1446, %r1445, 268435454;
-	add.s32 	%r2601, %r2601, %r1446;
-	setp.ge.s32 	%p5, %r2601, %r7;
+	mov.u32 	%r2443, %ntid.x;
+	shr.u32 	%r1441, %r2443, 4;
+	and.b32  	%r1442, %r1441, 268435454;
+	add.s32 	%r2597, %r2597, %r1442;
+	setp.ge.s32 	%p5, %r2597, %r7;
 	@%p5 bra 	$L__BB3_9;
 
-	shl.b32 	%r1498, %r2601, 4;
-	mov.u32 	%r1499, %tid.x;
-	shl.b32 	%r1500, %r1499, 2;
-	and.b32  	%r1501, %r1500, 12;
-	or.b32  	%r1502, %r1498, %r1501;
-	mul.wide.s32 	%rd112, %r1502, %r459;
-	mov.u32 	%r1503, %ctaid.x;
-	shl.b32 	%r1504, %r1503, 5;
-	and.b32  	%r1505, %r1499, 28;
-	or.b32  	%r1506, %r1504, %r1505;
-	cvt.s64.s32 	%rd113, %r1506;
+	shl.b32 	%r1494, %r2597, 4;
+	mov.u32 	%r1495, %tid.x;
+	shl.b32 	%r1496, %r1495, 2;
+	and.b32  	%r1497, %r1496, 12;
+	or.b32  	%r1498, %r1494, %r1497;
+	mul.wide.s32 	%rd112, %r1498, %r457;
+	mov.u32 	%r1499, %ctaid.x;
+	shl.b32 	%r1500, %r1499, 5;
+	and.b32  	%r1501, %r1495, 28;
+	or.b32  	%r1502, %r1500, %r1501;
+	cvt.s64.s32 	%rd113, %r1502;
 	add.s64 	%rd114, %rd112, %rd113;
 	shl.b64 	%rd115, %rd114, 2;
 	add.s64 	%rd90, %rd11, %rd115;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2549, %r2548, %r2547, %r2546}, [%rd90];
+	ld.global.nc.v4.u32 {%r2545, %r2544, %r2543, %r2542}, [%rd90];
 	// end inline asm
 	add.s64 	%rd91, %rd90, %rd81;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2545, %r2544, %r2543, %r2542}, [%rd91];
+	ld.global.nc.v4.u32 {%r2541, %r2540, %r2539, %r2538}, [%rd91];
 	// end inline asm
 	add.s64 	%rd92, %rd91, %rd81;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2541, %r2540, %r2539, %r2538}, [%rd92];
+	ld.global.nc.v4.u32 {%r2537, %r2536, %r2535, %r2534}, [%rd92];
 	// end inline asm
 	add.s64 	%rd93, %rd92, %rd81;
 	// begin inline asm
-	ld.global.nc.v4.u32 {%r2537, %r2536, %r2535, %r2534}, [%rd93];
+	ld.global.nc.v4.u32 {%r2533, %r2532, %r2531, %r2530}, [%rd93];
 	// end inline asm
-	mad.lo.s32 	%r1507, %r2601, 112, %r1502;
-	cvt.s64.s32 	%rd117, %r1507;
+	mad.lo.s32 	%r1503, %r2597, 112, %r1498;
+	cvt.s64.s32 	%rd117, %r1503;
 	add.s64 	%rd118, %rd6, %rd117;
 	shl.b64 	%rd119, %rd118, 1;
 	add.s64 	%rd94, %rd10, %rd119;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2533, %r2532}, [%rd94];
+	ld.global.nc.v2.u32 {%r2529, %r2528}, [%rd94];
 	// end inline asm
 	add.s64 	%rd95, %rd94, 32;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2531, %r2530}, [%rd95];
+	ld.global.nc.v2.u32 {%r2527, %r2526}, [%rd95];
 	// end inline asm
 	add.s64 	%rd96, %rd94, 64;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2529, %r2528}, [%rd96];
+	ld.global.nc.v2.u32 {%r2525, %r2524}, [%rd96];
 	// end inline asm
 	add.s64 	%rd97, %rd94, 96;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2527, %r2526}, [%rd97];
+	ld.global.nc.v2.u32 {%r2523, %r2522}, [%rd97];
 	// end inline asm
 	add.s64 	%rd98, %rd94, 128;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2525, %r2524}, [%rd98];
+	ld.global.nc.v2.u32 {%r2521, %r2520}, [%rd98];
 	// end inline asm
 	add.s64 	%rd99, %rd94, 160;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2523, %r2522}, [%rd99];
+	ld.global.nc.v2.u32 {%r2519, %r2518}, [%rd99];
 	// end inline asm
 	add.s64 	%rd100, %rd94, 192;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2521, %r2520}, [%rd100];
+	ld.global.nc.v2.u32 {%r2517, %r2516}, [%rd100];
 	// end inline asm
 	add.s64 	%rd101, %rd94, 224;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2519, %r2518}, [%rd101];
+	ld.global.nc.v2.u32 {%r2515, %r2514}, [%rd101];
 	// end inline asm
 	add.s64 	%rd120, %rd7, %rd117;
 	shl.b64 	%rd121, %rd120, 1;
 	add.s64 	%rd102, %rd10, %rd121;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2517, %r2516}, [%rd102];
+	ld.global.nc.v2.u32 {%r2513, %r2512}, [%rd102];
 	// end inline asm
 	add.s64 	%rd103, %rd102, 32;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2515, %r2514}, [%rd103];
+	ld.global.nc.v2.u32 {%r2511, %r2510}, [%rd103];
 	// end inline asm
 	add.s64 	%rd104, %rd102, 64;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2513, %r2512}, [%rd104];
+	ld.global.nc.v2.u32 {%r2509, %r2508}, [%rd104];
 	// end inline asm
 	add.s64 	%rd105, %rd102, 96;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2511, %r2510}, [%rd105];
+	ld.global.nc.v2.u32 {%r2507, %r2506}, [%rd105];
 	// end inline asm
 	add.s64 	%rd106, %rd102, 128;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2509, %r2508}, [%rd106];
+	ld.global.nc.v2.u32 {%r2505, %r2504}, [%rd106];
 	// end inline asm
 	add.s64 	%rd107, %rd102, 160;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2507, %r2506}, [%rd107];
+	ld.global.nc.v2.u32 {%r2503, %r2502}, [%rd107];
 	// end inline asm
 	add.s64 	%rd108, %rd102, 192;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2505, %r2504}, [%rd108];
+	ld.global.nc.v2.u32 {%r2501, %r2500}, [%rd108];
 	// end inline asm
 	add.s64 	%rd109, %rd102, 224;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2503, %r2502}, [%rd109];
+	ld.global.nc.v2.u32 {%r2499, %r2498}, [%rd109];
 	// end inline asm
-	mul.wide.s32 	%rd122, %r2601, %r459;
+	mul.wide.s32 	%rd122, %r2597, %r457;
 	add.s64 	%rd123, %rd122, %rd113;
 	shl.b64 	%rd124, %rd123, 1;
 	add.s64 	%rd110, %rd12, %rd124;
 	// begin inline asm
-	ld.global.nc.v2.u32 {%r2501, %r2500}, [%rd110];
+	ld.global.nc.v2.u32 {%r2497, %r2496}, [%rd110];
 	// end inline asm
 	add.s64 	%rd111, %rd13, %rd123;
 	// begin inline asm
-	ld.global.nc.u32 %r2499, [%rd111];
+	ld.global.nc.u32 %r2495, [%rd111];
 	// end inline asm
 
 $L__BB3_9:
-	and.b32  	%r2340, %r2602, 255;
-	or.b32  	%r2341, %r2340, 58368;
-	mul.lo.s32 	%r2275, %r2341, 65537;
-	cvt.u16.u32 	%rs5, %r2604;
+	and.b32  	%r2336, %r2598, 255;
+	or.b32  	%r2337, %r2336, 58368;
+	mul.lo.s32 	%r2271, %r2337, 65537;
+	cvt.u16.u32 	%rs5, %r2600;
 	// begin inline asm
 	cvt.f32.f16 %f369, %rs5;
 	// end inline asm
-	shr.u32 	%r2342, %r2602, 8;
-	and.b32  	%r2343, %r2342, 255;
-	or.b32  	%r2344, %r2343, 58368;
-	mul.lo.s32 	%r2283, %r2344, 65537;
-	shr.u32 	%r2345, %r2604, 16;
-	cvt.u16.u32 	%rs6, %r2345;
+	shr.u32 	%r2338, %r2598, 8;
+	and.b32  	%r2339, %r2338, 255;
+	or.b32  	%r2340, %r2339, 58368;
+	mul.lo.s32 	%r2279, %r2340, 65537;
+	shr.u32 	%r2341, %r2600, 16;
+	cvt.u16.u32 	%rs6, %r2341;
 	// begin inline asm
 	cvt.f32.f16 %f370, %rs6;
 	// end inline asm
-	shr.u32 	%r2346, %r2602, 16;
-	and.b32  	%r2347, %r2346, 255;
-	or.b32  	%r2348, %r2347, 58368;
-	mul.lo.s32 	%r2307, %r2348, 65537;
-	cvt.u16.u32 	%rs7, %r2603;
+	shr.u32 	%r2342, %r2598, 16;
+	and.b32  	%r2343, %r2342, 255;
+	or.b32  	%r2344, %r2343, 58368;
+	mul.lo.s32 	%r2303, %r2344, 65537;
+	cvt.u16.u32 	%rs7, %r2599;
 	// begin inline asm
 	cvt.f32.f16 %f371, %rs7;
 	// end inline asm
-	shr.u32 	%r2349, %r2602, 24;
-	or.b32  	%r2350, %r2349, 58368;
-	mul.lo.s32 	%r2315, %r2350, 65537;
-	shr.u32 	%r2351, %r2603, 16;
-	cvt.u16.u32 	%rs8, %r2351;
+	shr.u32 	%r2345, %r2598, 24;
+	or.b32  	%r2346, %r2345, 58368;
+	mul.lo.s32 	%r2311, %r2346, 65537;
+	shr.u32 	%r2347, %r2599, 16;
+	cvt.u16.u32 	%rs8, %r2347;
 	// begin inline asm
 	cvt.f32.f16 %f372, %rs8;
 	// end inline asm
-	mov.u32 	%r1539, 17408;
+	mov.u32 	%r1535, 17408;
 	// begin inline asm
-	prmt.b32 %r1508, %r2652, %r2648, %r1539;
+	prmt.b32 %r1504, %r2648, %r2644, %r1535;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1512, %r2651, %r2647, %r1539;
+	prmt.b32 %r1508, %r2647, %r2643, %r1535;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1516, %r2644, %r2640, %r1539;
+	prmt.b32 %r1512, %r2640, %r2636, %r1535;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1520, %r2643, %r2639, %r1539;
+	prmt.b32 %r1516, %r2639, %r2635, %r1535;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1524, %r2650, %r2646, %r1539;
+	prmt.b32 %r1520, %r2646, %r2642, %r1535;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1528, %r2649, %r2645, %r1539;
+	prmt.b32 %r1524, %r2645, %r2641, %r1535;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1532, %r2642, %r2638, %r1539;
+	prmt.b32 %r1528, %r2638, %r2634, %r1535;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1536, %r2641, %r2637, %r1539;
+	prmt.b32 %r1532, %r2637, %r2633, %r1535;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1540, %r1508, %r453, %r454, 0xEA;
+	lop3.b32 %r1536, %r1504, %r451, %r452, 0xEA;
 	// end inline asm
-	mov.u32 	%r2314, 1006648320;
+	mov.u32 	%r2310, 1006648320;
 	// begin inline asm
-	fma.rn.f16x2 %r1544, %r1540, %r2314, %r2275;
-	// end inline asm
-	// begin inline asm
-	lop3.b32 %r1548, %r1512, %r453, %r454, 0xEA;
+	fma.rn.f16x2 %r1540, %r1536, %r2310, %r2271;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1552, %r1548, %r2314, %r2283;
+	lop3.b32 %r1544, %r1508, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1556, %r1516, %r453, %r454, 0xEA;
+	fma.rn.f16x2 %r1548, %r1544, %r2310, %r2279;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1560, %r1556, %r2314, %r2275;
+	lop3.b32 %r1552, %r1512, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1564, %r1520, %r453, %r454, 0xEA;
+	fma.rn.f16x2 %r1556, %r1552, %r2310, %r2271;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1568, %r1564, %r2314, %r2283;
+	lop3.b32 %r1560, %r1516, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1572, %r1524, %r453, %r454, 0xEA;
+	fma.rn.f16x2 %r1564, %r1560, %r2310, %r2279;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1576, %r1572, %r2314, %r2307;
+	lop3.b32 %r1568, %r1520, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1580, %r1528, %r453, %r454, 0xEA;
+	fma.rn.f16x2 %r1572, %r1568, %r2310, %r2303;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1584, %r1580, %r2314, %r2315;
+	lop3.b32 %r1576, %r1524, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1588, %r1532, %r453, %r454, 0xEA;
+	fma.rn.f16x2 %r1580, %r1576, %r2310, %r2311;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1592, %r1588, %r2314, %r2307;
+	lop3.b32 %r1584, %r1528, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1596, %r1536, %r453, %r454, 0xEA;
+	fma.rn.f16x2 %r1588, %r1584, %r2310, %r2303;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1600, %r1596, %r2314, %r2315;
+	lop3.b32 %r1592, %r1532, %r451, %r452, 0xEA;
+	// end inline asm
+	// begin inline asm
+	fma.rn.f16x2 %r1596, %r1592, %r2310, %r2311;
 	// end inline asm
 	mov.f32 	%f429, 0f00000000;
 	mov.f32 	%f405, %f429;
@@ -6763,554 +6763,554 @@ $L__BB3_9:
 	mov.f32 	%f407, %f429;
 	mov.f32 	%f408, %f429;
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f405, %f406, %f407, %f408}, {%r1544, %r1552, %r1560, %r1568}, {%r2636, %r2635}, {%f405, %f406, %f407, %f408};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f405, %f406, %f407, %f408}, {%r1540, %r1548, %r1556, %r1564}, {%r2632, %r2631}, {%f405, %f406, %f407, %f408};
 	// end inline asm
 	mov.f32 	%f413, %f429;
 	mov.f32 	%f414, %f429;
 	mov.f32 	%f415, %f429;
 	mov.f32 	%f416, %f429;
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f413, %f414, %f415, %f416}, {%r1576, %r1584, %r1592, %r1600}, {%r2636, %r2635}, {%f413, %f414, %f415, %f416};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f413, %f414, %f415, %f416}, {%r1572, %r1580, %r1588, %r1596}, {%r2632, %r2631}, {%f413, %f414, %f415, %f416};
 	// end inline asm
 	mov.f32 	%f421, %f429;
 	mov.f32 	%f422, %f429;
 	mov.f32 	%f423, %f429;
 	mov.f32 	%f424, %f429;
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f421, %f422, %f423, %f424}, {%r1544, %r1552, %r1560, %r1568}, {%r2620, %r2619}, {%f421, %f422, %f423, %f424};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f421, %f422, %f423, %f424}, {%r1540, %r1548, %r1556, %r1564}, {%r2616, %r2615}, {%f421, %f422, %f423, %f424};
 	// end inline asm
 	mov.f32 	%f430, %f429;
 	mov.f32 	%f431, %f429;
 	mov.f32 	%f432, %f429;
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f429, %f430, %f431, %f432}, {%r1576, %r1584, %r1592, %r1600}, {%r2620, %r2619}, {%f429, %f430, %f431, %f432};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f429, %f430, %f431, %f432}, {%r1572, %r1580, %r1588, %r1596}, {%r2616, %r2615}, {%f429, %f430, %f431, %f432};
 	// end inline asm
-	shr.u32 	%r1629, %r1508, 4;
+	shr.u32 	%r1625, %r1504, 4;
 	// begin inline asm
-	lop3.b32 %r1628, %r1629, %r453, %r454, 0xEA;
+	lop3.b32 %r1624, %r1625, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1632, %r1628, %r2314, %r2275;
+	fma.rn.f16x2 %r1628, %r1624, %r2310, %r2271;
 	// end inline asm
-	shr.u32 	%r1637, %r1512, 4;
+	shr.u32 	%r1633, %r1508, 4;
 	// begin inline asm
-	lop3.b32 %r1636, %r1637, %r453, %r454, 0xEA;
+	lop3.b32 %r1632, %r1633, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1640, %r1636, %r2314, %r2283;
+	fma.rn.f16x2 %r1636, %r1632, %r2310, %r2279;
 	// end inline asm
-	shr.u32 	%r1645, %r1516, 4;
+	shr.u32 	%r1641, %r1512, 4;
 	// begin inline asm
-	lop3.b32 %r1644, %r1645, %r453, %r454, 0xEA;
+	lop3.b32 %r1640, %r1641, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1648, %r1644, %r2314, %r2275;
+	fma.rn.f16x2 %r1644, %r1640, %r2310, %r2271;
 	// end inline asm
-	shr.u32 	%r1653, %r1520, 4;
+	shr.u32 	%r1649, %r1516, 4;
 	// begin inline asm
-	lop3.b32 %r1652, %r1653, %r453, %r454, 0xEA;
+	lop3.b32 %r1648, %r1649, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1656, %r1652, %r2314, %r2283;
+	fma.rn.f16x2 %r1652, %r1648, %r2310, %r2279;
 	// end inline asm
-	shr.u32 	%r1661, %r1524, 4;
+	shr.u32 	%r1657, %r1520, 4;
 	// begin inline asm
-	lop3.b32 %r1660, %r1661, %r453, %r454, 0xEA;
+	lop3.b32 %r1656, %r1657, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1664, %r1660, %r2314, %r2307;
+	fma.rn.f16x2 %r1660, %r1656, %r2310, %r2303;
 	// end inline asm
-	shr.u32 	%r1669, %r1528, 4;
+	shr.u32 	%r1665, %r1524, 4;
 	// begin inline asm
-	lop3.b32 %r1668, %r1669, %r453, %r454, 0xEA;
+	lop3.b32 %r1664, %r1665, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1672, %r1668, %r2314, %r2315;
+	fma.rn.f16x2 %r1668, %r1664, %r2310, %r2311;
 	// end inline asm
-	shr.u32 	%r1677, %r1532, 4;
+	shr.u32 	%r1673, %r1528, 4;
 	// begin inline asm
-	lop3.b32 %r1676, %r1677, %r453, %r454, 0xEA;
+	lop3.b32 %r1672, %r1673, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1680, %r1676, %r2314, %r2307;
+	fma.rn.f16x2 %r1676, %r1672, %r2310, %r2303;
 	// end inline asm
-	shr.u32 	%r1685, %r1536, 4;
+	shr.u32 	%r1681, %r1532, 4;
 	// begin inline asm
-	lop3.b32 %r1684, %r1685, %r453, %r454, 0xEA;
+	lop3.b32 %r1680, %r1681, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1688, %r1684, %r2314, %r2315;
+	fma.rn.f16x2 %r1684, %r1680, %r2310, %r2311;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f405, %f406, %f407, %f408}, {%r1632, %r1640, %r1648, %r1656}, {%r2634, %r2633}, {%f405, %f406, %f407, %f408};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f405, %f406, %f407, %f408}, {%r1628, %r1636, %r1644, %r1652}, {%r2630, %r2629}, {%f405, %f406, %f407, %f408};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f413, %f414, %f415, %f416}, {%r1664, %r1672, %r1680, %r1688}, {%r2634, %r2633}, {%f413, %f414, %f415, %f416};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f413, %f414, %f415, %f416}, {%r1660, %r1668, %r1676, %r1684}, {%r2630, %r2629}, {%f413, %f414, %f415, %f416};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f421, %f422, %f423, %f424}, {%r1632, %r1640, %r1648, %r1656}, {%r2618, %r2617}, {%f421, %f422, %f423, %f424};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f421, %f422, %f423, %f424}, {%r1628, %r1636, %r1644, %r1652}, {%r2614, %r2613}, {%f421, %f422, %f423, %f424};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f429, %f430, %f431, %f432}, {%r1664, %r1672, %r1680, %r1688}, {%r2618, %r2617}, {%f429, %f430, %f431, %f432};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f429, %f430, %f431, %f432}, {%r1660, %r1668, %r1676, %r1684}, {%r2614, %r2613}, {%f429, %f430, %f431, %f432};
 	// end inline asm
-	mov.u32 	%r1747, 21777;
+	mov.u32 	%r1743, 21777;
 	// begin inline asm
-	prmt.b32 %r1716, %r2652, %r2648, %r1747;
+	prmt.b32 %r1712, %r2648, %r2644, %r1743;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1720, %r2651, %r2647, %r1747;
+	prmt.b32 %r1716, %r2647, %r2643, %r1743;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1724, %r2644, %r2640, %r1747;
+	prmt.b32 %r1720, %r2640, %r2636, %r1743;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1728, %r2643, %r2639, %r1747;
+	prmt.b32 %r1724, %r2639, %r2635, %r1743;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1732, %r2650, %r2646, %r1747;
+	prmt.b32 %r1728, %r2646, %r2642, %r1743;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1736, %r2649, %r2645, %r1747;
+	prmt.b32 %r1732, %r2645, %r2641, %r1743;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1740, %r2642, %r2638, %r1747;
+	prmt.b32 %r1736, %r2638, %r2634, %r1743;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1744, %r2641, %r2637, %r1747;
+	prmt.b32 %r1740, %r2637, %r2633, %r1743;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1748, %r1716, %r453, %r454, 0xEA;
+	lop3.b32 %r1744, %r1712, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1752, %r1748, %r2314, %r2275;
+	fma.rn.f16x2 %r1748, %r1744, %r2310, %r2271;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1756, %r1720, %r453, %r454, 0xEA;
+	lop3.b32 %r1752, %r1716, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1760, %r1756, %r2314, %r2283;
+	fma.rn.f16x2 %r1756, %r1752, %r2310, %r2279;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1764, %r1724, %r453, %r454, 0xEA;
+	lop3.b32 %r1760, %r1720, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1768, %r1764, %r2314, %r2275;
+	fma.rn.f16x2 %r1764, %r1760, %r2310, %r2271;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1772, %r1728, %r453, %r454, 0xEA;
+	lop3.b32 %r1768, %r1724, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1776, %r1772, %r2314, %r2283;
+	fma.rn.f16x2 %r1772, %r1768, %r2310, %r2279;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1780, %r1732, %r453, %r454, 0xEA;
+	lop3.b32 %r1776, %r1728, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1784, %r1780, %r2314, %r2307;
+	fma.rn.f16x2 %r1780, %r1776, %r2310, %r2303;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1788, %r1736, %r453, %r454, 0xEA;
+	lop3.b32 %r1784, %r1732, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1792, %r1788, %r2314, %r2315;
+	fma.rn.f16x2 %r1788, %r1784, %r2310, %r2311;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1796, %r1740, %r453, %r454, 0xEA;
+	lop3.b32 %r1792, %r1736, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1800, %r1796, %r2314, %r2307;
+	fma.rn.f16x2 %r1796, %r1792, %r2310, %r2303;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1804, %r1744, %r453, %r454, 0xEA;
+	lop3.b32 %r1800, %r1740, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1808, %r1804, %r2314, %r2315;
+	fma.rn.f16x2 %r1804, %r1800, %r2310, %r2311;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f405, %f406, %f407, %f408}, {%r1752, %r1760, %r1768, %r1776}, {%r2632, %r2631}, {%f405, %f406, %f407, %f408};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f405, %f406, %f407, %f408}, {%r1748, %r1756, %r1764, %r1772}, {%r2628, %r2627}, {%f405, %f406, %f407, %f408};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f413, %f414, %f415, %f416}, {%r1784, %r1792, %r1800, %r1808}, {%r2632, %r2631}, {%f413, %f414, %f415, %f416};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f413, %f414, %f415, %f416}, {%r1780, %r1788, %r1796, %r1804}, {%r2628, %r2627}, {%f413, %f414, %f415, %f416};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f421, %f422, %f423, %f424}, {%r1752, %r1760, %r1768, %r1776}, {%r2616, %r2615}, {%f421, %f422, %f423, %f424};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f421, %f422, %f423, %f424}, {%r1748, %r1756, %r1764, %r1772}, {%r2612, %r2611}, {%f421, %f422, %f423, %f424};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f429, %f430, %f431, %f432}, {%r1784, %r1792, %r1800, %r1808}, {%r2616, %r2615}, {%f429, %f430, %f431, %f432};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f429, %f430, %f431, %f432}, {%r1780, %r1788, %r1796, %r1804}, {%r2612, %r2611}, {%f429, %f430, %f431, %f432};
 	// end inline asm
-	shr.u32 	%r1837, %r1716, 4;
+	shr.u32 	%r1833, %r1712, 4;
 	// begin inline asm
-	lop3.b32 %r1836, %r1837, %r453, %r454, 0xEA;
+	lop3.b32 %r1832, %r1833, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1840, %r1836, %r2314, %r2275;
+	fma.rn.f16x2 %r1836, %r1832, %r2310, %r2271;
 	// end inline asm
-	shr.u32 	%r1845, %r1720, 4;
+	shr.u32 	%r1841, %r1716, 4;
 	// begin inline asm
-	lop3.b32 %r1844, %r1845, %r453, %r454, 0xEA;
+	lop3.b32 %r1840, %r1841, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1848, %r1844, %r2314, %r2283;
+	fma.rn.f16x2 %r1844, %r1840, %r2310, %r2279;
 	// end inline asm
-	shr.u32 	%r1853, %r1724, 4;
+	shr.u32 	%r1849, %r1720, 4;
 	// begin inline asm
-	lop3.b32 %r1852, %r1853, %r453, %r454, 0xEA;
+	lop3.b32 %r1848, %r1849, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1856, %r1852, %r2314, %r2275;
+	fma.rn.f16x2 %r1852, %r1848, %r2310, %r2271;
 	// end inline asm
-	shr.u32 	%r1861, %r1728, 4;
+	shr.u32 	%r1857, %r1724, 4;
 	// begin inline asm
-	lop3.b32 %r1860, %r1861, %r453, %r454, 0xEA;
+	lop3.b32 %r1856, %r1857, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1864, %r1860, %r2314, %r2283;
+	fma.rn.f16x2 %r1860, %r1856, %r2310, %r2279;
 	// end inline asm
-	shr.u32 	%r1869, %r1732, 4;
+	shr.u32 	%r1865, %r1728, 4;
 	// begin inline asm
-	lop3.b32 %r1868, %r1869, %r453, %r454, 0xEA;
+	lop3.b32 %r1864, %r1865, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1872, %r1868, %r2314, %r2307;
+	fma.rn.f16x2 %r1868, %r1864, %r2310, %r2303;
 	// end inline asm
-	shr.u32 	%r1877, %r1736, 4;
+	shr.u32 	%r1873, %r1732, 4;
 	// begin inline asm
-	lop3.b32 %r1876, %r1877, %r453, %r454, 0xEA;
+	lop3.b32 %r1872, %r1873, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1880, %r1876, %r2314, %r2315;
+	fma.rn.f16x2 %r1876, %r1872, %r2310, %r2311;
 	// end inline asm
-	shr.u32 	%r1885, %r1740, 4;
+	shr.u32 	%r1881, %r1736, 4;
 	// begin inline asm
-	lop3.b32 %r1884, %r1885, %r453, %r454, 0xEA;
+	lop3.b32 %r1880, %r1881, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1888, %r1884, %r2314, %r2307;
+	fma.rn.f16x2 %r1884, %r1880, %r2310, %r2303;
 	// end inline asm
-	shr.u32 	%r1893, %r1744, 4;
+	shr.u32 	%r1889, %r1740, 4;
 	// begin inline asm
-	lop3.b32 %r1892, %r1893, %r453, %r454, 0xEA;
+	lop3.b32 %r1888, %r1889, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1896, %r1892, %r2314, %r2315;
+	fma.rn.f16x2 %r1892, %r1888, %r2310, %r2311;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f405, %f406, %f407, %f408}, {%r1840, %r1848, %r1856, %r1864}, {%r2630, %r2629}, {%f405, %f406, %f407, %f408};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f405, %f406, %f407, %f408}, {%r1836, %r1844, %r1852, %r1860}, {%r2626, %r2625}, {%f405, %f406, %f407, %f408};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f413, %f414, %f415, %f416}, {%r1872, %r1880, %r1888, %r1896}, {%r2630, %r2629}, {%f413, %f414, %f415, %f416};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f413, %f414, %f415, %f416}, {%r1868, %r1876, %r1884, %r1892}, {%r2626, %r2625}, {%f413, %f414, %f415, %f416};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f421, %f422, %f423, %f424}, {%r1840, %r1848, %r1856, %r1864}, {%r2614, %r2613}, {%f421, %f422, %f423, %f424};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f421, %f422, %f423, %f424}, {%r1836, %r1844, %r1852, %r1860}, {%r2610, %r2609}, {%f421, %f422, %f423, %f424};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f429, %f430, %f431, %f432}, {%r1872, %r1880, %r1888, %r1896}, {%r2614, %r2613}, {%f429, %f430, %f431, %f432};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f429, %f430, %f431, %f432}, {%r1868, %r1876, %r1884, %r1892}, {%r2610, %r2609}, {%f429, %f430, %f431, %f432};
 	// end inline asm
-	mov.u32 	%r1955, 26146;
+	mov.u32 	%r1951, 26146;
 	// begin inline asm
-	prmt.b32 %r1924, %r2652, %r2648, %r1955;
+	prmt.b32 %r1920, %r2648, %r2644, %r1951;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1928, %r2651, %r2647, %r1955;
+	prmt.b32 %r1924, %r2647, %r2643, %r1951;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1932, %r2644, %r2640, %r1955;
+	prmt.b32 %r1928, %r2640, %r2636, %r1951;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1936, %r2643, %r2639, %r1955;
+	prmt.b32 %r1932, %r2639, %r2635, %r1951;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1940, %r2650, %r2646, %r1955;
+	prmt.b32 %r1936, %r2646, %r2642, %r1951;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1944, %r2649, %r2645, %r1955;
+	prmt.b32 %r1940, %r2645, %r2641, %r1951;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1948, %r2642, %r2638, %r1955;
+	prmt.b32 %r1944, %r2638, %r2634, %r1951;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r1952, %r2641, %r2637, %r1955;
+	prmt.b32 %r1948, %r2637, %r2633, %r1951;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1956, %r1924, %r453, %r454, 0xEA;
+	lop3.b32 %r1952, %r1920, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1960, %r1956, %r2314, %r2275;
+	fma.rn.f16x2 %r1956, %r1952, %r2310, %r2271;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1964, %r1928, %r453, %r454, 0xEA;
+	lop3.b32 %r1960, %r1924, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1968, %r1964, %r2314, %r2283;
+	fma.rn.f16x2 %r1964, %r1960, %r2310, %r2279;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1972, %r1932, %r453, %r454, 0xEA;
+	lop3.b32 %r1968, %r1928, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1976, %r1972, %r2314, %r2275;
+	fma.rn.f16x2 %r1972, %r1968, %r2310, %r2271;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1980, %r1936, %r453, %r454, 0xEA;
+	lop3.b32 %r1976, %r1932, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1984, %r1980, %r2314, %r2283;
+	fma.rn.f16x2 %r1980, %r1976, %r2310, %r2279;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1988, %r1940, %r453, %r454, 0xEA;
+	lop3.b32 %r1984, %r1936, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r1992, %r1988, %r2314, %r2307;
+	fma.rn.f16x2 %r1988, %r1984, %r2310, %r2303;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r1996, %r1944, %r453, %r454, 0xEA;
+	lop3.b32 %r1992, %r1940, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2000, %r1996, %r2314, %r2315;
+	fma.rn.f16x2 %r1996, %r1992, %r2310, %r2311;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r2004, %r1948, %r453, %r454, 0xEA;
+	lop3.b32 %r2000, %r1944, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2008, %r2004, %r2314, %r2307;
+	fma.rn.f16x2 %r2004, %r2000, %r2310, %r2303;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r2012, %r1952, %r453, %r454, 0xEA;
+	lop3.b32 %r2008, %r1948, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2016, %r2012, %r2314, %r2315;
+	fma.rn.f16x2 %r2012, %r2008, %r2310, %r2311;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f405, %f406, %f407, %f408}, {%r1960, %r1968, %r1976, %r1984}, {%r2628, %r2627}, {%f405, %f406, %f407, %f408};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f405, %f406, %f407, %f408}, {%r1956, %r1964, %r1972, %r1980}, {%r2624, %r2623}, {%f405, %f406, %f407, %f408};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f413, %f414, %f415, %f416}, {%r1992, %r2000, %r2008, %r2016}, {%r2628, %r2627}, {%f413, %f414, %f415, %f416};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f413, %f414, %f415, %f416}, {%r1988, %r1996, %r2004, %r2012}, {%r2624, %r2623}, {%f413, %f414, %f415, %f416};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f421, %f422, %f423, %f424}, {%r1960, %r1968, %r1976, %r1984}, {%r2612, %r2611}, {%f421, %f422, %f423, %f424};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f421, %f422, %f423, %f424}, {%r1956, %r1964, %r1972, %r1980}, {%r2608, %r2607}, {%f421, %f422, %f423, %f424};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f429, %f430, %f431, %f432}, {%r1992, %r2000, %r2008, %r2016}, {%r2612, %r2611}, {%f429, %f430, %f431, %f432};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f429, %f430, %f431, %f432}, {%r1988, %r1996, %r2004, %r2012}, {%r2608, %r2607}, {%f429, %f430, %f431, %f432};
 	// end inline asm
-	shr.u32 	%r2045, %r1924, 4;
+	shr.u32 	%r2041, %r1920, 4;
 	// begin inline asm
-	lop3.b32 %r2044, %r2045, %r453, %r454, 0xEA;
+	lop3.b32 %r2040, %r2041, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2048, %r2044, %r2314, %r2275;
+	fma.rn.f16x2 %r2044, %r2040, %r2310, %r2271;
 	// end inline asm
-	shr.u32 	%r2053, %r1928, 4;
+	shr.u32 	%r2049, %r1924, 4;
 	// begin inline asm
-	lop3.b32 %r2052, %r2053, %r453, %r454, 0xEA;
+	lop3.b32 %r2048, %r2049, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2056, %r2052, %r2314, %r2283;
+	fma.rn.f16x2 %r2052, %r2048, %r2310, %r2279;
 	// end inline asm
-	shr.u32 	%r2061, %r1932, 4;
+	shr.u32 	%r2057, %r1928, 4;
 	// begin inline asm
-	lop3.b32 %r2060, %r2061, %r453, %r454, 0xEA;
+	lop3.b32 %r2056, %r2057, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2064, %r2060, %r2314, %r2275;
+	fma.rn.f16x2 %r2060, %r2056, %r2310, %r2271;
 	// end inline asm
-	shr.u32 	%r2069, %r1936, 4;
+	shr.u32 	%r2065, %r1932, 4;
 	// begin inline asm
-	lop3.b32 %r2068, %r2069, %r453, %r454, 0xEA;
+	lop3.b32 %r2064, %r2065, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2072, %r2068, %r2314, %r2283;
+	fma.rn.f16x2 %r2068, %r2064, %r2310, %r2279;
 	// end inline asm
-	shr.u32 	%r2077, %r1940, 4;
+	shr.u32 	%r2073, %r1936, 4;
 	// begin inline asm
-	lop3.b32 %r2076, %r2077, %r453, %r454, 0xEA;
+	lop3.b32 %r2072, %r2073, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2080, %r2076, %r2314, %r2307;
+	fma.rn.f16x2 %r2076, %r2072, %r2310, %r2303;
 	// end inline asm
-	shr.u32 	%r2085, %r1944, 4;
+	shr.u32 	%r2081, %r1940, 4;
 	// begin inline asm
-	lop3.b32 %r2084, %r2085, %r453, %r454, 0xEA;
+	lop3.b32 %r2080, %r2081, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2088, %r2084, %r2314, %r2315;
+	fma.rn.f16x2 %r2084, %r2080, %r2310, %r2311;
 	// end inline asm
-	shr.u32 	%r2093, %r1948, 4;
+	shr.u32 	%r2089, %r1944, 4;
 	// begin inline asm
-	lop3.b32 %r2092, %r2093, %r453, %r454, 0xEA;
+	lop3.b32 %r2088, %r2089, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2096, %r2092, %r2314, %r2307;
+	fma.rn.f16x2 %r2092, %r2088, %r2310, %r2303;
 	// end inline asm
-	shr.u32 	%r2101, %r1952, 4;
+	shr.u32 	%r2097, %r1948, 4;
 	// begin inline asm
-	lop3.b32 %r2100, %r2101, %r453, %r454, 0xEA;
+	lop3.b32 %r2096, %r2097, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2104, %r2100, %r2314, %r2315;
+	fma.rn.f16x2 %r2100, %r2096, %r2310, %r2311;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f405, %f406, %f407, %f408}, {%r2048, %r2056, %r2064, %r2072}, {%r2626, %r2625}, {%f405, %f406, %f407, %f408};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f405, %f406, %f407, %f408}, {%r2044, %r2052, %r2060, %r2068}, {%r2622, %r2621}, {%f405, %f406, %f407, %f408};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f413, %f414, %f415, %f416}, {%r2080, %r2088, %r2096, %r2104}, {%r2626, %r2625}, {%f413, %f414, %f415, %f416};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f413, %f414, %f415, %f416}, {%r2076, %r2084, %r2092, %r2100}, {%r2622, %r2621}, {%f413, %f414, %f415, %f416};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f421, %f422, %f423, %f424}, {%r2048, %r2056, %r2064, %r2072}, {%r2610, %r2609}, {%f421, %f422, %f423, %f424};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f421, %f422, %f423, %f424}, {%r2044, %r2052, %r2060, %r2068}, {%r2606, %r2605}, {%f421, %f422, %f423, %f424};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f429, %f430, %f431, %f432}, {%r2080, %r2088, %r2096, %r2104}, {%r2610, %r2609}, {%f429, %f430, %f431, %f432};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f429, %f430, %f431, %f432}, {%r2076, %r2084, %r2092, %r2100}, {%r2606, %r2605}, {%f429, %f430, %f431, %f432};
 	// end inline asm
-	mov.u32 	%r2163, 30515;
+	mov.u32 	%r2159, 30515;
 	// begin inline asm
-	prmt.b32 %r2132, %r2652, %r2648, %r2163;
+	prmt.b32 %r2128, %r2648, %r2644, %r2159;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r2136, %r2651, %r2647, %r2163;
+	prmt.b32 %r2132, %r2647, %r2643, %r2159;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r2140, %r2644, %r2640, %r2163;
+	prmt.b32 %r2136, %r2640, %r2636, %r2159;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r2144, %r2643, %r2639, %r2163;
+	prmt.b32 %r2140, %r2639, %r2635, %r2159;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r2148, %r2650, %r2646, %r2163;
+	prmt.b32 %r2144, %r2646, %r2642, %r2159;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r2152, %r2649, %r2645, %r2163;
+	prmt.b32 %r2148, %r2645, %r2641, %r2159;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r2156, %r2642, %r2638, %r2163;
+	prmt.b32 %r2152, %r2638, %r2634, %r2159;
 	// end inline asm
 	// begin inline asm
-	prmt.b32 %r2160, %r2641, %r2637, %r2163;
+	prmt.b32 %r2156, %r2637, %r2633, %r2159;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r2164, %r2132, %r453, %r454, 0xEA;
+	lop3.b32 %r2160, %r2128, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2168, %r2164, %r2314, %r2275;
+	fma.rn.f16x2 %r2164, %r2160, %r2310, %r2271;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r2172, %r2136, %r453, %r454, 0xEA;
+	lop3.b32 %r2168, %r2132, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2176, %r2172, %r2314, %r2283;
+	fma.rn.f16x2 %r2172, %r2168, %r2310, %r2279;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r2180, %r2140, %r453, %r454, 0xEA;
+	lop3.b32 %r2176, %r2136, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2184, %r2180, %r2314, %r2275;
+	fma.rn.f16x2 %r2180, %r2176, %r2310, %r2271;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r2188, %r2144, %r453, %r454, 0xEA;
+	lop3.b32 %r2184, %r2140, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2192, %r2188, %r2314, %r2283;
+	fma.rn.f16x2 %r2188, %r2184, %r2310, %r2279;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r2196, %r2148, %r453, %r454, 0xEA;
+	lop3.b32 %r2192, %r2144, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2200, %r2196, %r2314, %r2307;
+	fma.rn.f16x2 %r2196, %r2192, %r2310, %r2303;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r2204, %r2152, %r453, %r454, 0xEA;
+	lop3.b32 %r2200, %r2148, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2208, %r2204, %r2314, %r2315;
+	fma.rn.f16x2 %r2204, %r2200, %r2310, %r2311;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r2212, %r2156, %r453, %r454, 0xEA;
+	lop3.b32 %r2208, %r2152, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2216, %r2212, %r2314, %r2307;
+	fma.rn.f16x2 %r2212, %r2208, %r2310, %r2303;
 	// end inline asm
 	// begin inline asm
-	lop3.b32 %r2220, %r2160, %r453, %r454, 0xEA;
+	lop3.b32 %r2216, %r2156, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2224, %r2220, %r2314, %r2315;
+	fma.rn.f16x2 %r2220, %r2216, %r2310, %r2311;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f405, %f406, %f407, %f408}, {%r2168, %r2176, %r2184, %r2192}, {%r2624, %r2623}, {%f405, %f406, %f407, %f408};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f405, %f406, %f407, %f408}, {%r2164, %r2172, %r2180, %r2188}, {%r2620, %r2619}, {%f405, %f406, %f407, %f408};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f413, %f414, %f415, %f416}, {%r2200, %r2208, %r2216, %r2224}, {%r2624, %r2623}, {%f413, %f414, %f415, %f416};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f413, %f414, %f415, %f416}, {%r2196, %r2204, %r2212, %r2220}, {%r2620, %r2619}, {%f413, %f414, %f415, %f416};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f421, %f422, %f423, %f424}, {%r2168, %r2176, %r2184, %r2192}, {%r2608, %r2607}, {%f421, %f422, %f423, %f424};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f421, %f422, %f423, %f424}, {%r2164, %r2172, %r2180, %r2188}, {%r2604, %r2603}, {%f421, %f422, %f423, %f424};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f429, %f430, %f431, %f432}, {%r2200, %r2208, %r2216, %r2224}, {%r2608, %r2607}, {%f429, %f430, %f431, %f432};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f429, %f430, %f431, %f432}, {%r2196, %r2204, %r2212, %r2220}, {%r2604, %r2603}, {%f429, %f430, %f431, %f432};
 	// end inline asm
-	shr.u32 	%r2253, %r2132, 4;
+	shr.u32 	%r2249, %r2128, 4;
 	// begin inline asm
-	lop3.b32 %r2252, %r2253, %r453, %r454, 0xEA;
+	lop3.b32 %r2248, %r2249, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2256, %r2252, %r2314, %r2275;
+	fma.rn.f16x2 %r2252, %r2248, %r2310, %r2271;
 	// end inline asm
-	shr.u32 	%r2261, %r2136, 4;
+	shr.u32 	%r2257, %r2132, 4;
 	// begin inline asm
-	lop3.b32 %r2260, %r2261, %r453, %r454, 0xEA;
+	lop3.b32 %r2256, %r2257, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2264, %r2260, %r2314, %r2283;
+	fma.rn.f16x2 %r2260, %r2256, %r2310, %r2279;
 	// end inline asm
-	shr.u32 	%r2269, %r2140, 4;
+	shr.u32 	%r2265, %r2136, 4;
 	// begin inline asm
-	lop3.b32 %r2268, %r2269, %r453, %r454, 0xEA;
+	lop3.b32 %r2264, %r2265, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2272, %r2268, %r2314, %r2275;
+	fma.rn.f16x2 %r2268, %r2264, %r2310, %r2271;
 	// end inline asm
-	shr.u32 	%r2277, %r2144, 4;
+	shr.u32 	%r2273, %r2140, 4;
 	// begin inline asm
-	lop3.b32 %r2276, %r2277, %r453, %r454, 0xEA;
+	lop3.b32 %r2272, %r2273, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2280, %r2276, %r2314, %r2283;
+	fma.rn.f16x2 %r2276, %r2272, %r2310, %r2279;
 	// end inline asm
-	shr.u32 	%r2285, %r2148, 4;
+	shr.u32 	%r2281, %r2144, 4;
 	// begin inline asm
-	lop3.b32 %r2284, %r2285, %r453, %r454, 0xEA;
+	lop3.b32 %r2280, %r2281, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2288, %r2284, %r2314, %r2307;
+	fma.rn.f16x2 %r2284, %r2280, %r2310, %r2303;
 	// end inline asm
-	shr.u32 	%r2293, %r2152, 4;
+	shr.u32 	%r2289, %r2148, 4;
 	// begin inline asm
-	lop3.b32 %r2292, %r2293, %r453, %r454, 0xEA;
+	lop3.b32 %r2288, %r2289, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2296, %r2292, %r2314, %r2315;
+	fma.rn.f16x2 %r2292, %r2288, %r2310, %r2311;
 	// end inline asm
-	shr.u32 	%r2301, %r2156, 4;
+	shr.u32 	%r2297, %r2152, 4;
 	// begin inline asm
-	lop3.b32 %r2300, %r2301, %r453, %r454, 0xEA;
+	lop3.b32 %r2296, %r2297, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2304, %r2300, %r2314, %r2307;
+	fma.rn.f16x2 %r2300, %r2296, %r2310, %r2303;
 	// end inline asm
-	shr.u32 	%r2309, %r2160, 4;
+	shr.u32 	%r2305, %r2156, 4;
 	// begin inline asm
-	lop3.b32 %r2308, %r2309, %r453, %r454, 0xEA;
+	lop3.b32 %r2304, %r2305, %r451, %r452, 0xEA;
 	// end inline asm
 	// begin inline asm
-	fma.rn.f16x2 %r2312, %r2308, %r2314, %r2315;
+	fma.rn.f16x2 %r2308, %r2304, %r2310, %r2311;
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f405, %f406, %f407, %f408}, {%r2256, %r2264, %r2272, %r2280}, {%r2622, %r2621}, {%f405, %f406, %f407, %f408};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f405, %f406, %f407, %f408}, {%r2252, %r2260, %r2268, %r2276}, {%r2618, %r2617}, {%f405, %f406, %f407, %f408};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f413, %f414, %f415, %f416}, {%r2288, %r2296, %r2304, %r2312}, {%r2622, %r2621}, {%f413, %f414, %f415, %f416};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f413, %f414, %f415, %f416}, {%r2284, %r2292, %r2300, %r2308}, {%r2618, %r2617}, {%f413, %f414, %f415, %f416};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f421, %f422, %f423, %f424}, {%r2256, %r2264, %r2272, %r2280}, {%r2606, %r2605}, {%f421, %f422, %f423, %f424};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f421, %f422, %f423, %f424}, {%r2252, %r2260, %r2268, %r2276}, {%r2602, %r2601}, {%f421, %f422, %f423, %f424};
 	// end inline asm
 	// begin inline asm
-	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f429, %f430, %f431, %f432}, {%r2288, %r2296, %r2304, %r2312}, {%r2606, %r2605}, {%f429, %f430, %f431, %f432};
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f429, %f430, %f431, %f432}, {%r2284, %r2292, %r2300, %r2308}, {%r2602, %r2601}, {%f429, %f430, %f431, %f432};
 	// end inline asm
 	fma.rn.f32 	%f678, %f369, %f405, %f678;
 	fma.rn.f32 	%f677, %f369, %f406, %f677;
@@ -7328,85 +7328,85 @@ $L__BB3_9:
 	fma.rn.f32 	%f665, %f371, %f430, %f665;
 	fma.rn.f32 	%f664, %f372, %f431, %f664;
 	fma.rn.f32 	%f663, %f372, %f432, %f663;
-	setp.lt.s32 	%p6, %r2601, %r7;
+	setp.lt.s32 	%p6, %r2597, %r7;
 	@%p6 bra 	$L__BB3_4;
 
 $L__BB3_10:
-	mov.u32 	%r2445, %tid.x;
-	and.b32  	%r2444, %r2445, 31;
-	shr.u32 	%r2353, %r2445, 5;
-	bfi.b32 	%r2355, %r2353, %r2444, 9, 23;
-	shl.b32 	%r2356, %r2355, 2;
-	mov.u32 	%r2357, _ZN9lmd_w4a164sumsE;
-	add.s32 	%r2358, %r2357, %r2356;
-	st.shared.f32 	[%r2358], %f678;
-	st.shared.f32 	[%r2358+128], %f677;
-	st.shared.f32 	[%r2358+256], %f676;
-	st.shared.f32 	[%r2358+384], %f675;
-	st.shared.f32 	[%r2358+512], %f674;
-	st.shared.f32 	[%r2358+640], %f673;
-	st.shared.f32 	[%r2358+768], %f672;
-	st.shared.f32 	[%r2358+896], %f671;
-	st.shared.f32 	[%r2358+1024], %f670;
-	st.shared.f32 	[%r2358+1152], %f669;
-	st.shared.f32 	[%r2358+1280], %f668;
-	st.shared.f32 	[%r2358+1408], %f667;
-	st.shared.f32 	[%r2358+1536], %f666;
-	st.shared.f32 	[%r2358+1664], %f665;
-	st.shared.f32 	[%r2358+1792], %f664;
-	st.shared.f32 	[%r2358+1920], %f663;
+	mov.u32 	%r2441, %tid.x;
+	and.b32  	%r2440, %r2441, 31;
+	shr.u32 	%r2349, %r2441, 5;
+	bfi.b32 	%r2351, %r2349, %r2440, 9, 23;
+	shl.b32 	%r2352, %r2351, 2;
+	mov.u32 	%r2353, _ZN9lmd_w4a164sumsE;
+	add.s32 	%r2354, %r2353, %r2352;
+	st.shared.f32 	[%r2354], %f678;
+	st.shared.f32 	[%r2354+128], %f677;
+	st.shared.f32 	[%r2354+256], %f676;
+	st.shared.f32 	[%r2354+384], %f675;
+	st.shared.f32 	[%r2354+512], %f674;
+	st.shared.f32 	[%r2354+640], %f673;
+	st.shared.f32 	[%r2354+768], %f672;
+	st.shared.f32 	[%r2354+896], %f671;
+	st.shared.f32 	[%r2354+1024], %f670;
+	st.shared.f32 	[%r2354+1152], %f669;
+	st.shared.f32 	[%r2354+1280], %f668;
+	st.shared.f32 	[%r2354+1408], %f667;
+	st.shared.f32 	[%r2354+1536], %f666;
+	st.shared.f32 	[%r2354+1664], %f665;
+	st.shared.f32 	[%r2354+1792], %f664;
+	st.shared.f32 	[%r2354+1920], %f663;
 	bar.sync 	0;
-	setp.gt.s32 	%p7, %r2445, 511;
+	setp.gt.s32 	%p7, %r2441, 511;
 	@%p7 bra 	$L__BB3_32;
 
 	mov.u32 	%r423, %ntid.x;
-	shr.u32 	%r2359, %r423, 5;
-	setp.eq.s32 	%p8, %r2359, 0;
-	cvt.s64.s32 	%rd9, %r459;
+	shr.u32 	%r2355, %r423, 5;
+	setp.eq.s32 	%p8, %r2355, 0;
+	cvt.s64.s32 	%rd9, %r457;
 	@%p8 bra 	$L__BB3_25;
 
-	add.s32 	%r424, %r2359, -1;
-	and.b32  	%r425, %r2359, 3;
-	sub.s32 	%r426, %r2359, %r425;
-	mov.u32 	%r2704, %tid.x;
-	mov.u32 	%r2362, %ctaid.x;
-	shl.b32 	%r428, %r2362, 5;
+	add.s32 	%r424, %r2355, -1;
+	and.b32  	%r425, %r2355, 3;
+	sub.s32 	%r426, %r2355, %r425;
+	mov.u32 	%r2700, %tid.x;
+	mov.u32 	%r2358, %ctaid.x;
+	shl.b32 	%r428, %r2358, 5;
 	cvta.to.global.u64 	%rd125, %rd14;
 
 $L__BB3_13:
-	shr.s32 	%r2364, %r2704, 31;
-	shr.u32 	%r2365, %r2364, 27;
-	add.s32 	%r2366, %r2704, %r2365;
-	shr.s32 	%r430, %r2366, 5;
-	and.b32  	%r2367, %r2366, -32;
-	sub.s32 	%r431, %r2704, %r2367;
+	shr.s32 	%r2360, %r2700, 31;
+	shr.u32 	%r2361, %r2360, 27;
+	add.s32 	%r2362, %r2700, %r2361;
+	shr.s32 	%r430, %r2362, 5;
+	and.b32  	%r2363, %r2362, -32;
+	sub.s32 	%r431, %r2700, %r2363;
 	setp.lt.u32 	%p9, %r424, 3;
 	mov.f32 	%f682, 0f00000000;
-	mov.u32 	%r2707, 0;
+	mov.u32 	%r2703, 0;
 	@%p9 bra 	$L__BB3_16;
 
 	mov.f32 	%f682, 0f00000000;
-	mov.u32 	%r2707, 0;
-	mov.u32 	%r2706, %r426;
+	mov.u32 	%r2703, 0;
+	mov.u32 	%r2702, %r426;
 
 $L__BB3_15:
-	shl.b32 	%r2369, %r2707, 4;
-	add.s32 	%r2370, %r2369, %r430;
-	shl.b32 	%r2371, %r2370, 5;
-	add.s32 	%r2372, %r2371, %r431;
-	shl.b32 	%r2373, %r2372, 2;
-	add.s32 	%r2375, %r2357, %r2373;
-	ld.shared.f32 	%f632, [%r2375];
+	shl.b32 	%r2365, %r2703, 4;
+	add.s32 	%r2366, %r2365, %r430;
+	shl.b32 	%r2367, %r2366, 5;
+	add.s32 	%r2368, %r2367, %r431;
+	shl.b32 	%r2369, %r2368, 2;
+	add.s32 	%r2371, %r2353, %r2369;
+	ld.shared.f32 	%f632, [%r2371];
 	add.f32 	%f633, %f682, %f632;
-	ld.shared.f32 	%f634, [%r2375+2048];
+	ld.shared.f32 	%f634, [%r2371+2048];
 	add.f32 	%f635, %f633, %f634;
-	ld.shared.f32 	%f636, [%r2375+4096];
+	ld.shared.f32 	%f636, [%r2371+4096];
 	add.f32 	%f637, %f635, %f636;
-	ld.shared.f32 	%f638, [%r2375+6144];
+	ld.shared.f32 	%f638, [%r2371+6144];
 	add.f32 	%f682, %f637, %f638;
-	add.s32 	%r2707, %r2707, 4;
-	add.s32 	%r2706, %r2706, -4;
-	setp.ne.s32 	%p10, %r2706, 0;
+	add.s32 	%r2703, %r2703, 4;
+	add.s32 	%r2702, %r2702, -4;
+	setp.ne.s32 	%p10, %r2702, 0;
 	@%p10 bra 	$L__BB3_15;
 
 $L__BB3_16:
@@ -7414,12 +7414,12 @@ $L__BB3_16:
 	@%p11 bra 	$L__BB3_20;
 
 	setp.eq.s32 	%p12, %r425, 1;
-	shl.b32 	%r2376, %r2707, 4;
-	add.s32 	%r2377, %r2376, %r430;
-	shl.b32 	%r2378, %r2377, 5;
-	add.s32 	%r2379, %r2378, %r431;
-	shl.b32 	%r2380, %r2379, 2;
-	add.s32 	%r437, %r2357, %r2380;
+	shl.b32 	%r2372, %r2703, 4;
+	add.s32 	%r2373, %r2372, %r430;
+	shl.b32 	%r2374, %r2373, 5;
+	add.s32 	%r2375, %r2374, %r431;
+	shl.b32 	%r2376, %r2375, 2;
+	add.s32 	%r437, %r2353, %r2376;
 	ld.shared.f32 	%f639, [%r437];
 	add.f32 	%f682, %f682, %f639;
 	@%p12 bra 	$L__BB3_20;
@@ -7433,36 +7433,36 @@ $L__BB3_16:
 	add.f32 	%f682, %f682, %f641;
 
 $L__BB3_20:
-	shr.u32 	%r2383, %r2364, 25;
-	add.s32 	%r2384, %r2704, %r2383;
-	shr.u32 	%r2385, %r2384, 31;
-	shr.s32 	%r2386, %r2384, 7;
-	add.s32 	%r2387, %r2386, %r2385;
-	and.b32  	%r2388, %r2387, 2147483646;
-	sub.s32 	%r2389, %r2386, %r2388;
-	shr.u32 	%r2390, %r2364, 24;
-	add.s32 	%r2391, %r2704, %r2390;
-	shr.s32 	%r2392, %r2391, 8;
-	shl.b32 	%r2393, %r2392, 3;
-	shl.b32 	%r2394, %r431, 1;
-	and.b32  	%r2395, %r2394, 6;
-	or.b32  	%r2396, %r2395, %r2393;
-	shr.s32 	%r2397, %r430, 31;
-	shr.u32 	%r2398, %r2397, 30;
-	add.s32 	%r2399, %r430, %r2398;
-	and.b32  	%r2400, %r2399, -4;
-	sub.s32 	%r2401, %r430, %r2400;
-	and.b32  	%r2402, %r2401, 1;
-	or.b32  	%r438, %r2396, %r2402;
-	and.b32  	%r2403, %r431, -4;
-	add.s32 	%r2404, %r2403, %r428;
-	shl.b32 	%r2405, %r2389, 1;
-	add.s32 	%r2406, %r2404, %r2405;
-	shr.u32 	%r2407, %r2401, 31;
-	add.s32 	%r2408, %r2401, %r2407;
-	shr.s32 	%r2409, %r2408, 1;
-	add.s32 	%r439, %r2406, %r2409;
-	setp.ge.s32 	%p14, %r438, %r458;
+	shr.u32 	%r2379, %r2360, 25;
+	add.s32 	%r2380, %r2700, %r2379;
+	shr.u32 	%r2381, %r2380, 31;
+	shr.s32 	%r2382, %r2380, 7;
+	add.s32 	%r2383, %r2382, %r2381;
+	and.b32  	%r2384, %r2383, 2147483646;
+	sub.s32 	%r2385, %r2382, %r2384;
+	shr.u32 	%r2386, %r2360, 24;
+	add.s32 	%r2387, %r2700, %r2386;
+	shr.s32 	%r2388, %r2387, 8;
+	shl.b32 	%r2389, %r2388, 3;
+	shl.b32 	%r2390, %r431, 1;
+	and.b32  	%r2391, %r2390, 6;
+	or.b32  	%r2392, %r2391, %r2389;
+	shr.s32 	%r2393, %r430, 31;
+	shr.u32 	%r2394, %r2393, 30;
+	add.s32 	%r2395, %r430, %r2394;
+	and.b32  	%r2396, %r2395, -4;
+	sub.s32 	%r2397, %r430, %r2396;
+	and.b32  	%r2398, %r2397, 1;
+	or.b32  	%r438, %r2392, %r2398;
+	and.b32  	%r2399, %r431, -4;
+	add.s32 	%r2400, %r2399, %r428;
+	shl.b32 	%r2401, %r2385, 1;
+	add.s32 	%r2402, %r2400, %r2401;
+	shr.u32 	%r2403, %r2397, 31;
+	add.s32 	%r2404, %r2397, %r2403;
+	shr.s32 	%r2405, %r2404, 1;
+	add.s32 	%r439, %r2402, %r2405;
+	setp.ge.s32 	%p14, %r438, %r456;
 	@%p14 bra 	$L__BB3_24;
 
 	setp.eq.s64 	%p15, %rd14, 0;
@@ -7489,54 +7489,54 @@ $L__BB3_23:
 	st.global.u16 	[%rd133], %rs10;
 
 $L__BB3_24:
-	add.s32 	%r2704, %r2704, %r423;
-	setp.lt.s32 	%p16, %r2704, 512;
+	add.s32 	%r2700, %r2700, %r423;
+	setp.lt.s32 	%p16, %r2700, 512;
 	@%p16 bra 	$L__BB3_13;
 	bra.uni 	$L__BB3_32;
 
 $L__BB3_25:
-	mov.u32 	%r2708, %tid.x;
-	mov.u32 	%r2410, %ctaid.x;
-	shl.b32 	%r442, %r2410, 5;
+	mov.u32 	%r2704, %tid.x;
+	mov.u32 	%r2406, %ctaid.x;
+	shl.b32 	%r442, %r2406, 5;
 	cvta.to.global.u64 	%rd134, %rd14;
 
 $L__BB3_26:
-	shr.s32 	%r2411, %r2708, 31;
-	shr.u32 	%r2412, %r2411, 25;
-	add.s32 	%r2413, %r2708, %r2412;
-	shr.u32 	%r2414, %r2413, 31;
-	shr.s32 	%r2415, %r2413, 7;
-	add.s32 	%r2416, %r2415, %r2414;
-	and.b32  	%r2417, %r2416, 2147483646;
-	sub.s32 	%r2418, %r2415, %r2417;
-	shr.u32 	%r2419, %r2411, 27;
-	add.s32 	%r2420, %r2708, %r2419;
-	shr.s32 	%r2421, %r2420, 5;
-	shr.u32 	%r2422, %r2411, 24;
-	add.s32 	%r2423, %r2708, %r2422;
-	shr.s32 	%r2424, %r2423, 8;
-	shl.b32 	%r2425, %r2424, 3;
-	and.b32  	%r2426, %r2420, -32;
-	sub.s32 	%r2427, %r2708, %r2426;
-	shl.b32 	%r2428, %r2427, 1;
-	and.b32  	%r2429, %r2428, 6;
-	or.b32  	%r2430, %r2429, %r2425;
-	shr.s32 	%r2431, %r2420, 31;
-	shr.u32 	%r2432, %r2431, 30;
-	add.s32 	%r2433, %r2421, %r2432;
-	and.b32  	%r2434, %r2433, -4;
-	sub.s32 	%r2435, %r2421, %r2434;
-	and.b32  	%r2436, %r2435, 1;
-	or.b32  	%r444, %r2430, %r2436;
-	and.b32  	%r2437, %r2427, -4;
-	add.s32 	%r2438, %r2437, %r442;
-	shl.b32 	%r2439, %r2418, 1;
-	add.s32 	%r2440, %r2438, %r2439;
-	shr.u32 	%r2441, %r2435, 31;
-	add.s32 	%r2442, %r2435, %r2441;
-	shr.s32 	%r2443, %r2442, 1;
-	add.s32 	%r445, %r2440, %r2443;
-	setp.ge.s32 	%p17, %r444, %r458;
+	shr.s32 	%r2407, %r2704, 31;
+	shr.u32 	%r2408, %r2407, 25;
+	add.s32 	%r2409, %r2704, %r2408;
+	shr.u32 	%r2410, %r2409, 31;
+	shr.s32 	%r2411, %r2409, 7;
+	add.s32 	%r2412, %r2411, %r2410;
+	and.b32  	%r2413, %r2412, 2147483646;
+	sub.s32 	%r2414, %r2411, %r2413;
+	shr.u32 	%r2415, %r2407, 27;
+	add.s32 	%r2416, %r2704, %r2415;
+	shr.s32 	%r2417, %r2416, 5;
+	shr.u32 	%r2418, %r2407, 24;
+	add.s32 	%r2419, %r2704, %r2418;
+	shr.s32 	%r2420, %r2419, 8;
+	shl.b32 	%r2421, %r2420, 3;
+	and.b32  	%r2422, %r2416, -32;
+	sub.s32 	%r2423, %r2704, %r2422;
+	shl.b32 	%r2424, %r2423, 1;
+	and.b32  	%r2425, %r2424, 6;
+	or.b32  	%r2426, %r2425, %r2421;
+	shr.s32 	%r2427, %r2416, 31;
+	shr.u32 	%r2428, %r2427, 30;
+	add.s32 	%r2429, %r2417, %r2428;
+	and.b32  	%r2430, %r2429, -4;
+	sub.s32 	%r2431, %r2417, %r2430;
+	and.b32  	%r2432, %r2431, 1;
+	or.b32  	%r444, %r2426, %r2432;
+	and.b32  	%r2433, %r2423, -4;
+	add.s32 	%r2434, %r2433, %r442;
+	shl.b32 	%r2435, %r2414, 1;
+	add.s32 	%r2436, %r2434, %r2435;
+	shr.u32 	%r2437, %r2431, 31;
+	add.s32 	%r2438, %r2431, %r2437;
+	shr.s32 	%r2439, %r2438, 1;
+	add.s32 	%r445, %r2436, %r2439;
+	setp.ge.s32 	%p17, %r444, %r456;
 	@%p17 bra 	$L__BB3_31;
 
 	setp.eq.s64 	%p18, %rd14, 0;
@@ -7567,8 +7567,8 @@ $L__BB3_30:
 	st.global.u16 	[%rd142], %rs12;
 
 $L__BB3_31:
-	add.s32 	%r2708, %r2708, %r423;
-	setp.lt.s32 	%p19, %r2708, 512;
+	add.s32 	%r2704, %r2704, %r423;
+	setp.lt.s32 	%p19, %r2704, 512;
 	@%p19 bra 	$L__BB3_26;
 
 $L__BB3_32:

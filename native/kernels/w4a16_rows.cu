@@ -6,8 +6,8 @@
 //     scales [K / 128, N] (x's dtype), zeros [K / 128, N] uint8; W = (q - zero) * scale
 //
 // Tensor cores, one mma.sync.m16n8k16 per 16 inputs: W is the 16 x 16 A operand (16
-// output columns by 16 inputs), x the 16 x 8 B operand (a row of x per column of B, rows
-// past M zero). The inputs of a step may be taken in any order as long as A and B agree,
+// output columns by 16 inputs), x the 16 x 8 B operand (a row of x per column of B;
+// columns past M repeat row M - 1, and their outputs are not stored). The inputs of a step may be taken in any order as long as A and B agree,
 // so step j of a block takes nibble j of the block's 16 word rows, and A's input column
 // kappa is word row r(kappa): lane (g, t) of the warp holds A's columns 2t, 2t+1, 2t+8,
 // 2t+9, mapped to word rows 4t .. 4t+3, and B's matching rows are x's four consecutive
@@ -50,7 +50,6 @@ struct W4a16Rows {
   const uint16_t* bias;  // [n] or null
   uint16_t* y;           // [m, n]
   int m, n, k, x_stride;
-  int unused[2];
 };
 
 namespace lmd_w4a16 {  // named: an anonymous one mangles in a hash of the path
