@@ -27,9 +27,12 @@ struct RoundedX {
   std::vector<float> sums;           // [rows, k / group]
 };
 
-RoundedX round_x(const PanelGemm& a) {
+// Into `out`, whose vectors keep their capacity from call to call (every element is
+// written below).
+void round_x(const PanelGemm& a, RoundedX& out) {
   const std::int64_t half = a.k / 2, groups = a.k / a.group;
-  RoundedX out{std::vector<std::uint32_t>(a.rows * half), std::vector<float>(a.rows * groups)};
+  out.pairs.resize(a.rows * half);
+  out.sums.resize(a.rows * groups);
   for (std::int64_t m = 0; m < a.rows; m++) {
     const float* x = a.x + m * a.x_stride;
     std::uint16_t* bf = reinterpret_cast<std::uint16_t*>(out.pairs.data() + m * half);
@@ -48,7 +51,6 @@ RoundedX round_x(const PanelGemm& a) {
       out.sums[m * groups + g] = sum;
     }
   }
-  return out;
 }
 
 // Inputs 2i and 2i + 1 of the 16 outputs as bf16 pairs, lane j output j's (input 2i low).
@@ -153,7 +155,9 @@ bool pair_gemm_supported() {
 }
 
 void pair_gemm(const PanelGemm& args, int threads) {
-  const RoundedX xr = round_x(args);
+  thread_local RoundedX rounded;  // the calling thread's, reused from call to call
+  round_x(args, rounded);
+  const RoundedX& xr = rounded;  // named here: inside the team, `rounded` is each thread's own
   const std::int64_t pairs = (args.n + kPairWidth - 1) / kPairWidth;
   for_shares(pairs, threads, [&args, &xr](std::int64_t first, std::int64_t last) {
     if (args.bits == 4) {
