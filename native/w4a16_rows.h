@@ -1,5 +1,5 @@
 // The W4A16 product for decode rows on the tensor cores (native/kernels/w4a16_rows.cu):
-// its PTX is embedded (native/w4a16_rows_ptx.cpp) and JIT-compiled by the driver into
+// its PTX is embedded (native/kernels/w4a16_rows.ptx, by setup.py) and JIT-compiled into
 // the device's primary context, the one PyTorch uses, so its tensors' addresses and
 // streams are valid here and a launch on PyTorch's stream is captured in its CUDA
 // graphs like any of PyTorch's own.

@@ -5,7 +5,7 @@
 // whose ChunkList must match this one) and launches as often as needed. 16-byte loads
 // and stores where source and destination are 16-byte aligned, bytes otherwise.
 //
-// Not compiled by setup.py: the PTX is embedded in native/copy_chunks_ptx.cpp and JIT-
+// Not compiled by setup.py: its PTX (native/kernels/copy_chunks.ptx) is embedded and JIT-
 // compiled by the driver at run time, so lmd builds without nvcc. After editing, run
 // native/kernels/make_ptx.sh (needs nvcc) to regenerate that file.
 #define LMD_MAX_CHUNKS 192

@@ -37,7 +37,7 @@
 // selected to zero. Nothing is synchronized with the host: decode steps capture it in
 // their CUDA graphs.
 //
-// Not compiled by setup.py: the PTX is embedded in native/w4a16_rows_ptx.cpp and JIT-
+// Not compiled by setup.py: its PTX (native/kernels/w4a16_rows.ptx) is embedded and JIT-
 // compiled by the driver at run time (native/w4a16_rows.cpp). After editing, run
 // native/kernels/make_ptx.sh (needs nvcc) to regenerate that file.
 #include <stdint.h>

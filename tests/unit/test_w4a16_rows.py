@@ -28,8 +28,8 @@ LLAMA3_8B = {
 
 
 def embedded_ptx() -> str:
-    source = (NATIVE / "w4a16_rows_ptx.cpp").read_text()
-    return source.split('R"ptx(\n', 1)[1].rsplit(')ptx"', 1)[0]
+    """What setup.py embeds in lmd._native (make_ptx.sh's output)."""
+    return (NATIVE / "kernels" / "w4a16_rows.ptx").read_text()
 
 
 @pytest.mark.parametrize(

@@ -43,39 +43,6 @@ def ready(device: torch.device) -> bool:
     return _ready[index]
 
 
-def takes(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds them
-    x: Tensor,
-    qweight: Tensor,
-    scales: Tensor,
-    zeros: Tensor,
-    group_size: int,
-    bias: Tensor | None,
-) -> bool:
-    """Does the native kernel take this product (without loading it)? Besides the shapes,
-    its loads need x's rows 8-byte aligned, the weight's tensors contiguous and aligned."""
-    m, k = x.shape
-    n = qweight.shape[1]
-    contiguous = all(
-        t.is_contiguous() and t.data_ptr() % align == 0
-        for t, align in ((qweight, 16), (scales, 8), (zeros, 4))
-    )
-    return (
-        NATIVE_ROWS
-        and x.is_cuda
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and scales.dtype == x.dtype
-        and group_size == GROUP
-        and 1 <= m <= MAX_ROWS
-        and n % COLUMNS == 0
-        and k % GROUP == 0
-        and x.stride(1) == 1
-        and x.stride(0) % 4 == 0
-        and x.data_ptr() % 8 == 0
-        and contiguous
-        and (bias is None or (bias.is_contiguous() and bias.dtype == x.dtype))
-    )
-
-
 def default_warps(m: int, n: int, k: int, num_sms: int) -> int:
     """Warps a CTA, each taking every warps-th block of K: the most (a power of two) that
     keep all N / 32 CTAs resident in one wave, but at least 4. Measured at M = 1 on an
@@ -101,11 +68,31 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
 ) -> bool:
     """y [M, N] = x W^T (+ b) through the native kernel when it takes the product and is
     loaded on x's device; False (y untouched) otherwise. Shapes as w4a16_matmul's;
-    `warps` (a CTA) overrides default_warps (scripts/w4a16_switches.py)."""
-    if not takes(x, qweight, scales, zeros, group_size, bias) or not ready(x.device):
-        return False
+    `warps` (a CTA) overrides default_warps (scripts/w4a16_switches.py). Besides the
+    shapes, its loads need x's rows 8-byte aligned, the weight's tensors contiguous and
+    aligned."""
     m, k = x.shape
     n = qweight.shape[1]
+    takes = (
+        NATIVE_ROWS
+        and x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and scales.dtype == x.dtype
+        and group_size == GROUP
+        and 1 <= m <= MAX_ROWS
+        and n % COLUMNS == 0
+        and k % GROUP == 0
+        and x.stride(1) == 1
+        and x.stride(0) % 4 == 0
+        and x.data_ptr() % 8 == 0
+        and all(
+            t.is_contiguous() and t.data_ptr() % align == 0
+            for t, align in ((qweight, 16), (scales, 8), (zeros, 4))
+        )
+        and (bias is None or (bias.is_contiguous() and bias.dtype == x.dtype))
+    )
+    if not takes or not ready(x.device):
+        return False
     if warps is None:
         num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         warps = default_warps(m, n, k, num_sms)
