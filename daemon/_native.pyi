@@ -48,6 +48,26 @@ def w4a16_rows(
 ) -> None:
     """y = x W^T (+ b) for 1-16 rows on the tensor cores, enqueued on a CUstream."""
 
+def w4a16_wide(
+    device: int,
+    x: int,
+    q: int,
+    s: int,
+    z: int,
+    bias: int,
+    y: int,
+    work: int,
+    counters: int,
+    rows: int,
+    n: int,
+    k: int,
+    x_stride: int,
+    splits: int,
+    bf16: bool,
+    stream: int,
+) -> None:
+    """y = x W^T (+ b) for up to 64 rows, K split over `splits` ranges, on a CUstream."""
+
 class Region(Buffer):
     """Local memory registered with a transport; a CPU region is a writable uint8 buffer."""
 

@@ -10,16 +10,22 @@
 namespace lmd {
 namespace {
 
-// The four kernels: {bf16, fp16} x {up to 8, up to 16 rows}.
+// The kernels of each module: {fp16, bf16} x {fewer, more rows}.
 constexpr const char* kNames[2][2] = {
     {"lmd_w4a16_rows_f16_m8", "lmd_w4a16_rows_f16_m16"},
     {"lmd_w4a16_rows_bf16_m8", "lmd_w4a16_rows_bf16_m16"},
+};
+constexpr const char* kWideNames[2][2] = {
+    {"lmd_w4a16_wide_f16_m32", "lmd_w4a16_wide_f16_m64"},
+    {"lmd_w4a16_wide_bf16_m32", "lmd_w4a16_wide_bf16_m64"},
 };
 
 struct Loaded {
   cu::Context context = nullptr;  // the primary context, retained for the process
   cu::Module module = nullptr;
+  cu::Module wide_module = nullptr;
   cu::Function kernels[2][2] = {};
+  cu::Function wide[2][2] = {};
   std::string error;  // why not loaded; "" when loaded
 };
 
@@ -35,10 +41,14 @@ Loaded load(int ordinal) {
     d.check(d.cuDevicePrimaryCtxRetain(&out.context, device), "cuDevicePrimaryCtxRetain");
     ScopedContext scope(d, out.context);
     d.check(d.cuModuleLoadData(&out.module, kW4a16RowsPtx), "cuModuleLoadData(w4a16_rows)");
+    d.check(d.cuModuleLoadData(&out.wide_module, kW4a16WidePtx), "cuModuleLoadData(w4a16_wide)");
     for (int bf16 = 0; bf16 < 2; ++bf16) {
-      for (int wide = 0; wide < 2; ++wide) {
-        d.check(d.cuModuleGetFunction(&out.kernels[bf16][wide], out.module, kNames[bf16][wide]),
-                kNames[bf16][wide]);
+      for (int more = 0; more < 2; ++more) {
+        d.check(d.cuModuleGetFunction(&out.kernels[bf16][more], out.module, kNames[bf16][more]),
+                kNames[bf16][more]);
+        d.check(d.cuModuleGetFunction(&out.wide[bf16][more], out.wide_module,
+                                      kWideNames[bf16][more]),
+                kWideNames[bf16][more]);
       }
     }
   } catch (const std::exception& e) {
@@ -94,6 +104,39 @@ void launch_w4a16_rows(int ordinal, const W4a16RowsArgs& args, bool bf16, int wa
                            static_cast<unsigned>(warps) * 32, 1, 1, sums,
                            reinterpret_cast<cu::Stream>(stream), params, nullptr),
           "cuLaunchKernel(w4a16_rows)");
+}
+
+std::string w4a16_wide_check(const W4a16WideArgs& a) {
+  if (a.m < 1 || a.m > kW4a16WideMaxRows || a.n < 1 || a.n % 32 || a.k < 128 || a.k % 128 ||
+      a.x_stride < a.k) {
+    return "w4a16_wide: m must be 1..64, n a multiple of 32, k of 128 and x_stride >= k";
+  }
+  if (a.splits < 1 || a.splits > a.k / 128) {
+    return "w4a16_wide: splits must be 1.." + std::to_string(a.k / 128) + " (k / 128)";
+  }
+  // 16-byte word and x loads (cp.async), 8-byte scale, bias and y, 16-byte work.
+  if (!a.x || !a.q || !a.s || !a.z || !a.y || a.x % 16 || a.x_stride % 8 || a.q % 16 ||
+      a.s % 8 || a.z % 4 || a.y % 8 || a.bias % 8 ||
+      (a.splits > 1 && (!a.work || a.work % 16 || !a.counters || a.counters % 4))) {
+    return "w4a16_wide: a null or misaligned address";
+  }
+  return "";
+}
+
+void launch_w4a16_wide(int ordinal, const W4a16WideArgs& args, bool bf16, std::uintptr_t stream) {
+  const std::string wrong = w4a16_wide_check(args);
+  if (!wrong.empty()) throw std::invalid_argument(wrong);
+  const Loaded& l = loaded_on(ordinal);
+  if (!l.error.empty()) throw std::runtime_error(l.error);
+  const CudaDriver& d = cuda_driver();
+  cu::Function kernel = l.wide[bf16 ? 1 : 0][args.m > 32 ? 1 : 0];
+  W4a16WideArgs copy = args;
+  void* params[] = {&copy};
+  ScopedContext scope(d, l.context);
+  const unsigned spans = static_cast<unsigned>((args.n + kW4a16WideColumns - 1) / kW4a16WideColumns);
+  d.check(d.cuLaunchKernel(kernel, spans, static_cast<unsigned>(args.splits), 1, 128, 1, 1, 0,
+                           reinterpret_cast<cu::Stream>(stream), params, nullptr),
+          "cuLaunchKernel(w4a16_wide)");
 }
 
 }  // namespace lmd

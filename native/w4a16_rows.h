@@ -1,5 +1,6 @@
-// The W4A16 product for decode rows on the tensor cores (native/kernels/w4a16_rows.cu):
-// its PTX is embedded (native/kernels/w4a16_rows.ptx, by setup.py) and JIT-compiled into
+// The W4A16 products of decode steps on the tensor cores: 1-16 rows
+// (native/kernels/w4a16_rows.cu) and 17-64 rows (native/kernels/w4a16_wide.cu). Their PTX
+// is embedded (native/kernels/*.ptx, by setup.py) and JIT-compiled into
 // the device's primary context, the one PyTorch uses, so its tensors' addresses and
 // streams are valid here and a launch on PyTorch's stream is captured in its CUDA
 // graphs like any of PyTorch's own.
@@ -11,6 +12,7 @@
 namespace lmd {
 
 extern const char kW4a16RowsPtx[];
+extern const char kW4a16WidePtx[];
 
 // The kernel's parameter, byte for byte (W4a16Rows in the .cu).
 struct W4a16RowsArgs {
@@ -24,6 +26,16 @@ constexpr int kW4a16RowsColumns = 32;  // output columns of a CTA
 // The most warps a CTA may have for m rows (the kernels' __launch_bounds__).
 inline int w4a16_rows_max_warps(int m) { return m <= 8 ? 16 : 8; }
 
+// The wide kernel's parameter, byte for byte (W4a16Wide in w4a16_wide.cu).
+struct W4a16WideArgs {
+  std::uint64_t x, q, s, z, bias, y, work, counters;  // work 0 for one split
+  std::int32_t m, n, k, x_stride, splits;
+};
+static_assert(sizeof(W4a16WideArgs) == 88, "must match W4a16Wide in w4a16_wide.cu");
+
+constexpr int kW4a16WideColumns = 128;  // output columns of a CTA (a span)
+constexpr int kW4a16WideMaxRows = 64;
+
 // "" once the kernels are loaded on device `ordinal` (loading them on the first call),
 // else why they cannot be: no CUDA, a driver that rejects the PTX, a GPU before sm_80.
 std::string w4a16_rows_ready(int ordinal);
@@ -36,5 +48,13 @@ std::string w4a16_rows_check(const W4a16RowsArgs& args, int warps);
 // fails, std::invalid_argument for what w4a16_rows_check refuses.
 void launch_w4a16_rows(int ordinal, const W4a16RowsArgs& args, bool bf16, int warps,
                        std::uintptr_t stream);
+
+// What is wrong with a wide launch's arguments, or "".
+std::string w4a16_wide_check(const W4a16WideArgs& args);
+
+// Enqueues y = x W^T (+ b) for up to 64 rows on `stream`: ceil(N / 128) x splits CTAs;
+// with splits > 1, work holds [splits, m, n] float32 and counters ceil(n / 128) zeros
+// (zero again after the launch). Throws as launch_w4a16_rows.
+void launch_w4a16_wide(int ordinal, const W4a16WideArgs& args, bool bf16, std::uintptr_t stream);
 
 }  // namespace lmd

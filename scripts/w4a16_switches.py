@@ -1,14 +1,16 @@
 """The W4A16 decode path's switches A/B'd in rotation, so that the machine's drift falls
-on every setting alike (kernels/w4a16_rows.py: NATIVE_ROWS, the native CUDA kernel for
-up to 16 rows; kernels/w4a16.py: PACKED_NIBBLES, and WIDE_N, where decode tiles go 128
+on every setting alike (kernels/w4a16_rows.py: NATIVE_ROWS, the native CUDA kernels for
+up to 64 rows; kernels/w4a16.py: PACKED_NIBBLES, and WIDE_N, where decode tiles go 128
 columns wide). CUDA only.
 
     python3 scripts/w4a16_switches.py [MODEL_DIR] [--rounds 5] [--step-rounds 2]
-        [--rows 1,16] [--settings NAME ...] [--warps]
+        [--rows 1,16] [--settings NAME ...] [--warps] [--splits M]
 
 First each Llama-3-8B product at each of `--rows` (w4a16_tiles.py's weights and graph
-timing), every setting once a round for `--rounds` rounds: the median and the spread of
-each. With --warps, the native kernel's time at every warp count a CTA (M = 1). Then,
+timing), every setting once a round for `--rounds` rounds, and cuBLAS on the 16-bit
+weights as a reference: the median and the spread of each. With --warps, the rows
+kernel's time at every warp count a CTA (M = 1); with --splits M, the wide kernel's at
+every split count of K (M rows). Then,
 given a model directory, one W4A16 engine's batch-1 decode step (families_bench.py's
 measure, graphs recaptured at each switch) for each setting, in turn, `--step-rounds`
 times. Settings: the SWITCHES below (default: the native kernel and the Triton tiles).
@@ -76,12 +78,35 @@ def warps_sweep() -> None:
                               "us": round(time_us(calls), 2)}), flush=True)  # fmt: skip
 
 
+def splits_sweep(m: int) -> None:
+    """The wide kernel at M = m with each count of splits of K."""
+    setting("native rows")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for n, k in SHAPES:
+        packed = copies_of(n, k)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        chosen = w4a16_rows.default_splits(n, k, sms)
+        for splits in sorted({s for s in (1, 2, 3, 4, 6, 8, 12, 16, chosen) if s <= k // 128}):
+            calls: list[Callable[[], object]] = [
+                partial(w4a16_rows.native_rows, x, *p, 128, None, y, splits=splits) for p in packed
+            ]
+            print(json.dumps({"n": n, "k": k, "m": m, "splits": splits,
+                              "default": splits == chosen, "us": round(time_us(calls), 2)}),
+                  flush=True)  # fmt: skip
+
+
 def products(rounds: int, rows: list[int], settings: list[str]) -> None:
     for (n, k), m in ((shape, m) for shape in SHAPES for m in rows):
         packed = copies_of(n, k)
+        dense = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
+        denses = [dense] + [dense.clone() for _ in range(max(0, L2_BYTES // dense.nbytes - 1))]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         times: dict[str, list[float]] = {}
         for _ in range(rounds):
+            times.setdefault("cuBLAS, 16-bit weights", []).append(
+                time_us([partial(torch.nn.functional.linear, x, d) for d in denses])
+            )
             for switch in settings:
                 setting(switch)
                 us = time_us([partial(w4a16_matmul, x, *p, 128) for p in packed])
@@ -122,13 +147,16 @@ def main() -> None:
     parser.add_argument("--step-rounds", type=int, default=2)
     parser.add_argument("--rows", default="1,16", help="rows of x, comma-separated")
     parser.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS, choices=list(SWITCHES))
-    parser.add_argument("--warps", action="store_true", help="the native kernel's warps sweep")
+    parser.add_argument("--warps", action="store_true", help="the rows kernel's warps sweep")
+    parser.add_argument("--splits", type=int, metavar="M", help="the wide kernel's splits sweep")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("w4a16_switches.py needs a CUDA GPU")
     torch.manual_seed(0)
     if args.warps:
         warps_sweep()
+    if args.splits:
+        splits_sweep(args.splits)
     products(args.rounds, [int(m) for m in args.rows.split(",")], args.settings)
     if args.model is not None:
         steps(args.model, args.step_rounds, args.settings)

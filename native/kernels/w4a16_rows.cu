@@ -7,8 +7,8 @@
 //
 // Tensor cores, one mma.sync.m16n8k16 per 16 inputs: W is the 16 x 16 A operand (16
 // output columns by 16 inputs), x the 16 x 8 B operand (a row of x per column of B;
-// columns past M repeat row M - 1, and their outputs are not stored). The inputs of a step may be taken in any order as long as A and B agree,
-// so step j of a block takes nibble j of the block's 16 word rows, and A's input column
+// columns past M repeat row M - 1, and their outputs are not stored). The inputs of a
+// step may be taken in any order as long as A and B agree, so step j of a block takes nibble j of the block's 16 word rows, and A's input column
 // kappa is word row r(kappa): lane (g, t) of the warp holds A's columns 2t, 2t+1, 2t+8,
 // 2t+9, mapped to word rows 4t .. 4t+3, and B's matching rows are x's four consecutive
 // inputs 16 j + 4t .. 4t+3 (one 8-byte load). A's rows g and g+8 may likewise be any two
@@ -18,12 +18,9 @@
 // eight lanes. A block of 128 inputs is then 4 loads a lane (2 KB a warp) and makes 8
 // steps of two A tiles.
 //
-// A nibble becomes a 16-bit float by its bits: in bf16 0x4300 | q is 128 + q exactly (in
-// fp16 0x6400 | q is 1024 + q), two at a time in a 32-bit register (one prmt gathers the
-// byte holding nibble j from two words, a shift for odd j, one lop3 masks and ORs in the
-// magic), and one packed fma subtracts magic + zero, exactly. The tensor cores sum a
-// block's (a group's) products in float32; the sum is scaled in float32. Exact products, so
-// this agrees with the float32 product of the dequantized weights to float32 rounding.
+// The codes become operands as w4a16_ops.cuh says. The tensor cores sum a block's (a
+// group's) products in float32; the sum is scaled in float32. Exact products, so this
+// agrees with the float32 product of the dequantized weights to float32 rounding.
 //
 // A CTA is 32 columns by all of K, its WARPS warps taking every WARPS-th block of K,
 // loading the next block (words, x, scales, zeros) into registers while they multiply
@@ -42,6 +39,8 @@
 // native/kernels/make_ptx.sh (needs nvcc) to regenerate that file.
 #include <stdint.h>
 
+#include "w4a16_ops.cuh"
+
 struct W4a16Rows {
   const uint16_t* x;     // [m, k], row stride x_stride elements; 8-byte aligned rows
   const uint32_t* q;     // [k / 8, n]
@@ -52,93 +51,9 @@ struct W4a16Rows {
   int m, n, k, x_stride;
 };
 
-namespace lmd_w4a16 {  // named: an anonymous one mangles in a hash of the path
+namespace lmd_w4a16 {
 
 constexpr int kColumns = 32;  // output columns a CTA
-
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
-
-__device__ __forceinline__ uint4 load16(const uint32_t* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ uint2 load8(const void* p) {
-  uint2 v;
-  asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ uint32_t load4(const void* p) {
-  uint32_t v;
-  asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-
-// (v & mask) | bits in one lop3: with both constants as immediates it takes two.
-__device__ __forceinline__ uint32_t and_or(uint32_t v, uint32_t mask, uint32_t bits) {
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(v), "r"(mask), "r"(bits));
-  return d;
-}
-
-__device__ __forceinline__ uint32_t lane_of(const uint4& v, int c) {
-  return c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w;
-}
-
-template <bool kBf16>
-__device__ __forceinline__ float to_float(uint32_t bits16) {
-  if (kBf16) return __uint_as_float(bits16 << 16);
-  float f;
-  const uint16_t h = static_cast<uint16_t>(bits16);
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-}
-
-template <bool kBf16>
-__device__ __forceinline__ uint16_t from_float(float f) {
-  uint16_t h;
-  if (kBf16) {
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-  } else {
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-  }
-  return h;
-}
-
-// v - (magic + zero) in both halves, exact: v * 1 + (-(magic + zero)).
-template <bool kBf16>
-__device__ __forceinline__ uint32_t minus(uint32_t v, uint32_t neg) {
-  uint32_t d;
-  if (kBf16) {
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(v), "r"(0x3F803F80u), "r"(neg));
-  } else {
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(v), "r"(0x3C003C00u), "r"(neg));
-  }
-  return d;
-}
-
-template <bool kBf16>
-__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint2 b) {
-  if (kBf16) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.x), "r"(b.y));
-  } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.x), "r"(b.y));
-  }
-}
 
 // One block of 128 inputs as a lane holds it: word rows 4t .. 4t+3 at its 4 columns, its
 // x rows' inputs 16 j + 4t .. 4t+3 for each step j, and its columns' scales and zeros.
@@ -173,42 +88,19 @@ __device__ __forceinline__ void load_block(Block<kTiles>& b, const W4a16Rows& a,
 template <bool kBf16, int kTiles>
 __device__ __forceinline__ void multiply_block(const Block<kTiles>& b, uint32_t mask,
                                                uint32_t magic, float (&acc)[kTiles][2][4]) {
-  constexpr uint32_t kNegMagic = kBf16 ? 0xC300u : 0xE400u;  // -(magic), one half
   uint32_t neg[4];
   float scale[4];
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    neg[c] = (kNegMagic | ((b.z >> (8 * c)) & 0xFFu)) * 0x10001u;
-    const uint32_t pair = c < 2 ? b.s.x : b.s.y;
-    scale[c] = to_float<kBf16>(c % 2 ? pair >> 16 : pair & 0xFFFFu);
-  }
+  column_constants<kBf16>(b.s, b.z, neg, scale);
   float part[kTiles][2][4] = {};
 #pragma unroll
   for (int byte = 0; byte < 4; ++byte) {  // steps 2 byte (low nibbles), 2 byte + 1 (high)
-    // byte `byte` of word rows 4t + 2p (low half) and 4t + 2p + 1 (high half)
-    const uint32_t sel = byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12);
     uint32_t pairs[2][4];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {  // A's registers: (row, inputs) = (c0, p0), (c1, p0),
-        const int c = 2 * h + (r & 1);  //   (c0, p1), (c1, p1) of the tile's columns
-        const int p = r >> 1;
-        pairs[h][r] = prmt(lane_of(b.w[2 * p], c), lane_of(b.w[2 * p + 1], c), sel);
-      }
-    }
+    gather_pairs(b.w, byte, pairs);
 #pragma unroll
     for (int odd = 0; odd < 2; ++odd) {
       const int j = 2 * byte + odd;
       uint32_t a[2][4];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const uint32_t v = and_or(odd ? pairs[h][r] >> 4 : pairs[h][r], mask, magic);
-          a[h][r] = minus<kBf16>(v, neg[2 * h + (r & 1)]);
-        }
-      }
+      operands<kBf16>(pairs, odd, mask, magic, neg, a);
 #pragma unroll
       for (int nt = 0; nt < kTiles; ++nt) {
         mma<kBf16>(part[nt][0], a[0], b.x[nt][j]);

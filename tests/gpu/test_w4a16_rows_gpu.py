@@ -1,7 +1,8 @@
-"""The native W4A16 decode kernel (native/kernels/w4a16_rows.cu through
-kernels/w4a16_rows.py) on a GPU: against the float64 product of the dequantized weights,
-against the Triton tiles it replaces, batch-invariant, captured in a CUDA graph, and
-declined where it does not apply. Skipped without CUDA.
+"""The native W4A16 decode kernels (native/kernels/w4a16_rows.cu for 1-16 rows,
+w4a16_wide.cu for 17-64, through kernels/w4a16_rows.py) on a GPU: against the float64
+product of the dequantized weights, against the Triton tiles they replace, batch-invariant
+(rows) or the same at every split of K (wide), captured in a CUDA graph, and declined where
+they do not apply. Skipped without CUDA.
 
 Bound: its products are exact ((q - z) is an integer in the dtype) and summed in float32,
 so each output is the reference rounded once to the dtype: within half an ulp of it
@@ -118,17 +119,96 @@ def test_captured_in_a_cuda_graph() -> None:
 
 
 def test_declines_what_it_does_not_take() -> None:
-    """Groups of 64, 17 rows, 48 columns, float32: the Triton tiles' products."""
-    y = torch.empty(17, 4096, device="cuda", dtype=torch.bfloat16)
+    """Groups of 64, 65 rows, 48 columns, float32: the Triton tiles' products."""
+    y = torch.empty(65, 4096, device="cuda", dtype=torch.bfloat16)
     w64 = weight(4096, 4096, torch.bfloat16, group=64)
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     assert not native_rows(x, w64.qweight, w64.scales, w64.zeros, 64, None, y[:1])
     w = weight(4096, 4096, torch.bfloat16)
-    x17 = torch.randn(17, 4096, device="cuda", dtype=torch.bfloat16)
-    assert not native_rows(x17, w.qweight, w.scales, w.zeros, 128, None, y)
+    x65 = torch.randn(65, 4096, device="cuda", dtype=torch.bfloat16)
+    assert not native_rows(x65, w.qweight, w.scales, w.zeros, 128, None, y)
     w48 = weight(48, 4096, torch.bfloat16)
     assert not native_rows(x, w48.qweight, w48.scales, w48.zeros, 128, None, y[:1, :48])
     assert not native_rows(x.float(), w.qweight, w.scales, w.zeros, 128, None, y[:1].float())
     # and w4a16_matmul still multiplies them
     out = w4a16_matmul(x, w64.qweight, w64.scales, w64.zeros, 64)
     torch.testing.assert_close(out.double(), reference(x, w64, None), rtol=2.0**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [17, 24, 32, 33, 57, 64])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336), (96, 256)])
+def test_wide_against_float64(n: int, k: int, rows: int, dtype: torch.dtype) -> None:
+    """(96, 256): one span of 128 columns whose last warp is past N, two blocks of K."""
+    w = weight(n, k, dtype)
+    x = torch.randn(rows, k, device="cuda").to(dtype)
+    bias = torch.randn(n, device="cuda").to(dtype)
+    for b in (None, bias):
+        y = native(x, w, b)
+        torch.testing.assert_close(y.double(), reference(x, w, b), rtol=RTOL[dtype], atol=ATOL)
+
+
+def test_wide_every_split_of_k() -> None:
+    """Each split count (uneven ones too) gives the product, the same bits every launch:
+    the last CTA of a span adds the splits in order, and leaves its counter at zero."""
+    w = weight(4096, 4096, torch.bfloat16)
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    ref = reference(x, w, bias)
+    for splits in (1, 2, 3, 5, 8, 32):
+        y = native(x, w, bias, splits=splits)
+        torch.testing.assert_close(y.double(), ref, rtol=RTOL[torch.bfloat16], atol=ATOL)
+        for _ in range(3):
+            assert torch.equal(native(x, w, bias, splits=splits), y)
+
+
+def test_wide_rows_do_not_depend_on_the_rows_past_them() -> None:
+    """Rows 0..16 alone (17 rows) and among 64 (the 64-row kernel): same splits, same bits."""
+    w = weight(4096, 4096, torch.bfloat16)
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    together = native(x, w, splits=4)
+    assert torch.equal(native(x[:33], w, splits=4), together[:33])
+    assert torch.equal(native(x[:17], w, splits=4), together[:17])
+
+
+def test_wide_strided_rows_and_the_tiles_fallback() -> None:
+    """x may be rows of a wider buffer; rows that are not 16-byte aligned go to the Triton
+    tiles, which give the product too."""
+    w = weight(4096, 4096, torch.bfloat16)
+    buffer = torch.randn(40, 4096 + 512, device="cuda", dtype=torch.bfloat16)
+    x = buffer[:, :4096]
+    torch.testing.assert_close(
+        native(x, w).double(), reference(x, w, None), rtol=RTOL[torch.bfloat16], atol=ATOL
+    )
+    skewed = buffer[:, 4:4100]  # 8-byte aligned rows
+    y = torch.empty(40, 4096, device="cuda", dtype=torch.bfloat16)
+    assert not native_rows(skewed, w.qweight, w.scales, w.zeros, 128, None, y)
+    out = w4a16_matmul(skewed, w.qweight, w.scales, w.zeros, 128)
+    torch.testing.assert_close(out.double(), reference(skewed, w, None), rtol=2.0**-7, atol=1e-3)
+
+
+def test_wide_agrees_with_the_triton_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = weight(28672, 4096, torch.bfloat16)
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    y = w4a16_matmul(x, w.qweight, w.scales, w.zeros, 128)
+    assert torch.equal(y, native(x, w))  # w4a16_matmul took the native kernel
+    monkeypatch.setattr(w4a16_rows, "NATIVE_ROWS", False)
+    tiles = w4a16_matmul(x, w.qweight, w.scales, w.zeros, 128)
+    torch.testing.assert_close(y.float(), tiles.float(), rtol=2.0**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize("splits", [1, 8])
+def test_wide_captured_in_a_cuda_graph(splits: int) -> None:
+    """Replayed twice with new rows: split sums, counters and all live in the graph."""
+    w = weight(4096, 14336, torch.bfloat16)
+    x = torch.randn(48, 14336, device="cuda", dtype=torch.bfloat16)
+    native(x, w, splits=splits)  # loads the module outside the capture
+    y = torch.empty(48, 4096, device="cuda", dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert native_rows(x, w.qweight, w.scales, w.zeros, 128, None, y, splits=splits)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(y.double(), reference(x, w, None), rtol=2.0**-8, atol=ATOL)

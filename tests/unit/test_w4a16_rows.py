@@ -1,8 +1,9 @@
-"""The native W4A16 decode kernel's host side (engine/turbo/kernels/w4a16_rows.py and
-lmd._native.w4a16_rows) on a machine without a GPU: the warps it picks, its argument
-checks before any CUDA call, and its embedded PTX, which ptxas must assemble for sm_80
-and sm_90 without spilling and which must be what native/kernels/w4a16_rows.cu compiles
-to. Its products are tests/gpu/test_w4a16_rows_gpu.py's."""
+"""The native W4A16 decode kernels' host side (engine/turbo/kernels/w4a16_rows.py,
+lmd._native.w4a16_rows and w4a16_wide) on a machine without a GPU: the warps and splits
+they pick, their argument checks before any CUDA call, and their embedded PTX, which
+ptxas must assemble for sm_80 and sm_90 without spilling and which must be what
+native/kernels/w4a16_rows.cu and w4a16_wide.cu compile to. Their products are
+tests/gpu/test_w4a16_rows_gpu.py's."""
 
 from __future__ import annotations
 
@@ -27,9 +28,12 @@ LLAMA3_8B = {
 }
 
 
-def embedded_ptx() -> str:
+KERNELS = ["w4a16_rows", "w4a16_wide"]
+
+
+def embedded_ptx(name: str) -> str:
     """What setup.py embeds in lmd._native (make_ptx.sh's output)."""
-    return (NATIVE / "kernels" / "w4a16_rows.ptx").read_text()
+    return (NATIVE / "kernels" / f"{name}.ptx").read_text()
 
 
 @pytest.mark.parametrize(
@@ -50,6 +54,13 @@ def test_warps_never_exceed_the_blocks_of_k_or_the_registers() -> None:
     assert w4a16_rows.default_warps(1, 32, 512, 132) == 4
     assert w4a16_rows.default_warps(16, 32, 1 << 16, 132) == 8  # 16 rows: 8 warps at most
     assert w4a16_rows.default_warps(1, 128256, 4096, 132) == 4  # an lm_head: several waves
+
+
+def test_splits_give_two_ctas_a_multiprocessor() -> None:
+    got = {name: w4a16_rows.default_splits(n, k, 132) for name, (n, k) in LLAMA3_8B.items()}
+    assert got == {"qkv": 5, "o": 8, "gate|up": 1, "down": 8}
+    assert w4a16_rows.default_splits(96, 256, 132) == 2  # at most a block of K each
+    assert w4a16_rows.default_splits(128256, 4096, 132) == 1
 
 
 def test_cpu_tensors_stay_with_the_triton_tiles() -> None:
@@ -90,18 +101,50 @@ def test_misaligned_addresses_are_refused() -> None:
         _native.w4a16_rows(0, 64, 64, 64, 64, 0, 64, 1, 64, 256, 258, True, 4, 0)  # stride
 
 
+WIDE_SHAPES = "m must be 1..64, n a multiple of 32, k of 128 and x_stride >= k"
+
+
+@pytest.mark.parametrize(
+    ("launch", "message"),
+    [
+        ((65, 64, 256, 256, 2), WIDE_SHAPES),
+        ((17, 48, 256, 256, 2), WIDE_SHAPES),
+        ((17, 64, 256, 128, 2), WIDE_SHAPES),
+        ((17, 64, 256, 256, 3), "splits must be 1..2 (k / 128)"),
+        ((17, 64, 256, 256, 0), "splits must be 1..2 (k / 128)"),
+        ((17, 64, 256, 260, 2), "misaligned"),  # a row stride not a multiple of 8
+    ],
+)
+def test_bad_wide_launches_are_refused_before_cuda(
+    launch: tuple[int, int, int, int, int], message: str
+) -> None:
+    rows, n, k, stride, splits = launch
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _native.w4a16_wide(0, 64, 64, 64, 64, 0, 64, 64, 64, rows, n, k, stride, splits, True, 0)
+
+
+def test_wide_needs_aligned_x_and_work_for_splits() -> None:
+    with pytest.raises(ValueError, match="misaligned"):  # x 8-byte aligned only
+        _native.w4a16_wide(0, 72, 64, 64, 64, 0, 64, 64, 64, 17, 64, 256, 256, 1, True, 0)
+    with pytest.raises(ValueError, match="misaligned"):  # two splits, no work
+        _native.w4a16_wide(0, 64, 64, 64, 64, 0, 64, 0, 64, 17, 64, 256, 256, 2, True, 0)
+
+
 @pytest.mark.skipif(_native.probe_cuda()["available"], reason="this machine has CUDA")
 def test_without_cuda_it_says_why() -> None:
     assert "CUDA" in _native.w4a16_rows_ready(0)
     with pytest.raises(RuntimeError, match="CUDA"):
         _native.w4a16_rows(0, 64, 64, 64, 64, 0, 64, 1, 64, 256, 256, True, 4, 0)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        _native.w4a16_wide(0, 64, 64, 64, 64, 0, 64, 0, 0, 17, 64, 256, 256, 1, True, 0)
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="no ptxas (CUDA toolkit)")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_embedded_ptx_assembles_without_spills(tmp_path: Path, arch: str) -> None:
-    ptx = tmp_path / "w4a16_rows.ptx"
-    ptx.write_text(embedded_ptx())
+@pytest.mark.parametrize("name", KERNELS)
+def test_embedded_ptx_assembles_without_spills(tmp_path: Path, arch: str, name: str) -> None:
+    ptx = tmp_path / f"{name}.ptx"
+    ptx.write_text(embedded_ptx(name))
     done = subprocess.run(
         ["ptxas", f"-arch={arch}", "-v", str(ptx), "-o", str(tmp_path / "out.cubin")],
         capture_output=True,
@@ -115,17 +158,19 @@ def test_embedded_ptx_assembles_without_spills(tmp_path: Path, arch: str) -> Non
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc (CUDA toolkit)")
-def test_embedded_ptx_is_what_the_source_compiles_to(tmp_path: Path) -> None:
-    """native/kernels/make_ptx.sh was run after the last edit of the .cu (for the nvcc
-    release that made the embedded PTX; another release may word it differently)."""
-    ptx = embedded_ptx()
+@pytest.mark.parametrize("name", KERNELS)
+def test_embedded_ptx_is_what_the_source_compiles_to(tmp_path: Path, name: str) -> None:
+    """native/kernels/make_ptx.sh was run after the last edit of the .cu or of
+    w4a16_ops.cuh (for the nvcc release that made the embedded PTX; another release may
+    word it differently)."""
+    ptx = embedded_ptx(name)
     made_by = re.search(r"Cuda compilation tools, release ([\d.]+)", ptx)
     version = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, check=True)
     if made_by is None or f"release {made_by.group(1)}," not in version.stdout:
         pytest.skip("another nvcc release than the one that made the embedded PTX")
-    out = tmp_path / "w4a16_rows.ptx"
+    out = tmp_path / f"{name}.ptx"
     subprocess.run(
-        ["nvcc", "-ptx", "-arch=compute_80", "-O3", str(NATIVE / "kernels" / "w4a16_rows.cu"),
+        ["nvcc", "-ptx", "-arch=compute_80", "-O3", str(NATIVE / "kernels" / f"{name}.cu"),
          "-o", str(out)],
         check=True,
     )  # fmt: skip

@@ -1,13 +1,15 @@
-"""The W4A16 product of a decode step's few rows through lmd._native's CUDA kernel
-(native/kernels/w4a16_rows.cu): mma.sync on the tensor cores with the codes made into
-16-bit operands two at a time in registers, 16-byte loads of the packed weights, the
-next block of K loaded while the current one is multiplied.
+"""The W4A16 product of a decode step's rows through lmd._native's CUDA kernels: 1-16
+rows by native/kernels/w4a16_rows.cu, 17-64 by native/kernels/w4a16_wide.cu. Both run
+mma.sync on the tensor cores with the codes made into 16-bit operands two at a time in
+registers, 16-byte loads of the packed weights, the next block of K loaded while the
+current one is multiplied; the wide one shares x among a CTA's 128 columns through
+shared memory and splits K over CTAs, summed in split order by the last CTA of a span.
 
-It reads the layout that kernels/w4a16.py's Triton tiles read (quant/w4a16.py), so it
-needs no copy of the weights; it takes 1-16 rows of bf16 or fp16, groups of 128 inputs
-and a multiple of 32 output columns, and `native_rows` says False for anything else
-(the caller then runs the Triton tiles). The launch goes on PyTorch's current stream,
-so a decode step's CUDA graph captures it.
+They read the layout that kernels/w4a16.py's Triton tiles read (quant/w4a16.py), so
+they need no copy of the weights; they take 1-64 rows of bf16 or fp16, groups of 128
+inputs and a multiple of 32 output columns, and `native_rows` says False for anything
+else (the caller then runs the Triton tiles). The launch goes on PyTorch's current
+stream, so a decode step's CUDA graph captures it.
 """
 
 from __future__ import annotations
@@ -17,17 +19,22 @@ import logging
 import torch
 from torch import Tensor
 
-from lmd._native import w4a16_rows, w4a16_rows_ready
+from lmd._native import w4a16_rows, w4a16_rows_ready, w4a16_wide
 
 log = logging.getLogger(__name__)
 
 NATIVE_ROWS = True  # off: decode rows go to the Triton tiles (scripts' A/B runs)
-MAX_ROWS = 16
+MAX_ROWS = 16  # the rows kernel's; the wide kernel's is WIDE_MAX_ROWS
+WIDE_MAX_ROWS = 64
 GROUP = 128
-COLUMNS = 32  # output columns of a CTA
+COLUMNS = 32  # output columns of a rows kernel's CTA
+SPAN = 128  # output columns of a wide kernel's CTA
+MAX_SPANS = 4096  # a wide product's spans, so N <= 524,288 (each has a counter)
 WARPS_PER_SM = 16  # what the kernels' registers leave room for at up to 8 rows (8 above)
+WIDE_CTAS_PER_SM = 2  # the wide kernel's (its __launch_bounds__)
 
 _ready: dict[int, bool] = {}
+_counters: dict[tuple[int, int], Tensor] = {}  # by (device, stream): launches there are ordered
 
 
 def ready(device: torch.device) -> bool:
@@ -55,6 +62,20 @@ def default_warps(m: int, n: int, k: int, num_sms: int) -> int:
     return max(1, min(warps, budget, k // GROUP))
 
 
+def default_splits(n: int, k: int, num_sms: int) -> int:
+    """Ranges of K for the wide kernel: as many as give every multiprocessor its two CTAs
+    (rounded down), at most one a block of K."""
+    spans = -(-n // SPAN)
+    return max(1, min(k // GROUP, WIDE_CTAS_PER_SM * num_sms // spans))
+
+
+def _span_counters(device: torch.device, stream: int) -> Tensor:
+    key = (device.index or 0, stream)
+    if key not in _counters:
+        _counters[key] = torch.zeros(MAX_SPANS, dtype=torch.int32, device=device)
+    return _counters[key]
+
+
 def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds them
     x: Tensor,
     qweight: Tensor,
@@ -65,39 +86,76 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
     y: Tensor,
     *,
     warps: int | None = None,
+    splits: int | None = None,
 ) -> bool:
-    """y [M, N] = x W^T (+ b) through the native kernel when it takes the product and is
-    loaded on x's device; False (y untouched) otherwise. Shapes as w4a16_matmul's;
-    `warps` (a CTA) overrides default_warps (scripts/w4a16_switches.py). Besides the
-    shapes, its loads need x's rows 8-byte aligned, the weight's tensors contiguous and
-    aligned."""
+    """y [M, N] (contiguous) = x W^T (+ b) through a native kernel when one takes the
+    product and is loaded on x's device; False (y untouched) otherwise. Shapes as
+    w4a16_matmul's; `warps` (a rows kernel's CTA) overrides default_warps, `splits` (the
+    wide kernel's) default_splits (scripts/w4a16_switches.py). Besides the shapes, their
+    loads need x's rows 8-byte aligned (16 from 17 rows on), the weight's tensors
+    contiguous and aligned."""
     m, k = x.shape
     n = qweight.shape[1]
+    wide = m > MAX_ROWS
     takes = (
         NATIVE_ROWS
         and x.is_cuda
         and x.dtype in (torch.bfloat16, torch.float16)
         and scales.dtype == x.dtype
         and group_size == GROUP
-        and 1 <= m <= MAX_ROWS
+        and 1 <= m <= WIDE_MAX_ROWS
         and n % COLUMNS == 0
+        and -(-n // SPAN) <= MAX_SPANS
         and k % GROUP == 0
         and x.stride(1) == 1
-        and x.stride(0) % 4 == 0
-        and x.data_ptr() % 8 == 0
+        and x.stride(0) % (8 if wide else 4) == 0
+        and x.data_ptr() % (16 if wide else 8) == 0
+        and y.is_contiguous()
+        and y.data_ptr() % 8 == 0
         and all(
             t.is_contiguous() and t.data_ptr() % align == 0
             for t, align in ((qweight, 16), (scales, 8), (zeros, 4))
         )
-        and (bias is None or (bias.is_contiguous() and bias.dtype == x.dtype))
+        and (
+            bias is None
+            or (bias.is_contiguous() and bias.dtype == x.dtype and bias.data_ptr() % 8 == 0)
+        )
     )
     if not takes or not ready(x.device):
         return False
+    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    if wide:
+        if splits is None:
+            num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+            splits = default_splits(n, k, num_sms)
+        work = None
+        if splits > 1:  # the splits' float32 sums, added by the last CTA of each span
+            work = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+        w4a16_wide(
+            device,
+            x.data_ptr(),
+            qweight.data_ptr(),
+            scales.data_ptr(),
+            zeros.data_ptr(),
+            bias.data_ptr() if bias is not None else 0,
+            y.data_ptr(),
+            work.data_ptr() if work is not None else 0,
+            _span_counters(x.device, stream).data_ptr() if work is not None else 0,
+            m,
+            n,
+            k,
+            x.stride(0),
+            splits,
+            x.dtype == torch.bfloat16,
+            stream,
+        )
+        return True
     if warps is None:
         num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         warps = default_warps(m, n, k, num_sms)
     w4a16_rows(
-        x.device.index if x.device.index is not None else torch.cuda.current_device(),
+        device,
         x.data_ptr(),
         qweight.data_ptr(),
         scales.data_ptr(),
@@ -110,6 +168,6 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
         x.stride(0),
         x.dtype == torch.bfloat16,
         warps,
-        torch.cuda.current_stream(x.device).cuda_stream,
+        stream,
     )
     return True

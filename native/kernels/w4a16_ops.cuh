@@ -1,0 +1,151 @@
+// Device helpers of the W4A16 kernels (w4a16_rows.cu, w4a16_wide.cu): loads, the
+// conversions of 4-bit codes into 16-bit tensor-core operands, and the mma itself.
+//
+// Both kernels take W as the 16 x 16 A operand of mma.sync.m16n8k16 (16 output columns
+// by 16 inputs) and a lane's four columns 4g .. 4g+3 as two 16-row tiles (rows g, g+8 of
+// tile h are columns 4g + 2h, 4g + 2h + 1). A lane loads four word rows of a block of 128
+// inputs, 16 bytes each (its four columns); word row r holds nibble j of input 16 j + r,
+// so step j of the block is nibble j of those rows. Which four rows a lane loads decides
+// the order of the inputs within a step (A's column order), and the B operand (x) must
+// follow it: see each kernel.
+//
+// A nibble becomes a 16-bit float by its bits: in bf16 0x4300 | q is 128 + q exactly (in
+// fp16 0x6400 | q is 1024 + q), two at a time in a 32-bit register (one prmt gathers the
+// byte holding nibble j from two words, a shift for odd j, one lop3 masks and ORs in the
+// magic), and one packed fma subtracts magic + zero, exactly.
+#pragma once
+
+#include <stdint.h>
+
+namespace lmd_w4a16 {  // named: an anonymous one mangles in a hash of the path
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+__device__ __forceinline__ uint4 load16(const uint32_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint2 load8(const void* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t load4(const void* p) {
+  uint32_t v;
+  asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// (v & mask) | bits in one lop3: with both constants as immediates it takes two.
+__device__ __forceinline__ uint32_t and_or(uint32_t v, uint32_t mask, uint32_t bits) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(v), "r"(mask), "r"(bits));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t lane_of(const uint4& v, int c) {
+  return c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w;
+}
+
+template <bool kBf16>
+__device__ __forceinline__ float to_float(uint32_t bits16) {
+  if (kBf16) return __uint_as_float(bits16 << 16);
+  float f;
+  const uint16_t h = static_cast<uint16_t>(bits16);
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+template <bool kBf16>
+__device__ __forceinline__ uint16_t from_float(float f) {
+  uint16_t h;
+  if (kBf16) {
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  } else {
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  }
+  return h;
+}
+
+// v - (magic + zero) in both halves, exact: v * 1 + (-(magic + zero)).
+template <bool kBf16>
+__device__ __forceinline__ uint32_t minus(uint32_t v, uint32_t neg) {
+  uint32_t d;
+  if (kBf16) {
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(v), "r"(0x3F803F80u), "r"(neg));
+  } else {
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(v), "r"(0x3C003C00u), "r"(neg));
+  }
+  return d;
+}
+
+template <bool kBf16>
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint2 b) {
+  if (kBf16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.x), "r"(b.y));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.x), "r"(b.y));
+  }
+}
+
+// A lane's four columns' constants of a block: -(magic + zero) in both halves of a
+// register, and the scale in float32.
+template <bool kBf16>
+__device__ __forceinline__ void column_constants(uint2 s, uint32_t z, uint32_t (&neg)[4],
+                                                 float (&scale)[4]) {
+  constexpr uint32_t kNegMagic = kBf16 ? 0xC300u : 0xE400u;  // -(magic), one half
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    neg[c] = (kNegMagic | ((z >> (8 * c)) & 0xFFu)) * 0x10001u;
+    const uint32_t pair = c < 2 ? s.x : s.y;
+    scale[c] = to_float<kBf16>(c % 2 ? pair >> 16 : pair & 0xFFFFu);
+  }
+}
+
+// Byte `byte` of the lane's word rows 2p (low half) and 2p + 1 (high half) for A's
+// register r = 2p + (column parity) of tile h: nibbles 2 byte and 2 byte + 1 of each.
+__device__ __forceinline__ void gather_pairs(const uint4 (&w)[4], int byte,
+                                             uint32_t (&pairs)[2][4]) {
+  const uint32_t sel = byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // A's registers: (row, inputs) = (c0, p0), (c1, p0),
+      const int c = 2 * h + (r & 1);  //   (c0, p1), (c1, p1) of the tile's columns
+      const int p = r >> 1;
+      pairs[h][r] = prmt(lane_of(w[2 * p], c), lane_of(w[2 * p + 1], c), sel);
+    }
+  }
+}
+
+// The two A tiles of step 2 byte + odd from gather_pairs' registers: q - zero, exact.
+template <bool kBf16>
+__device__ __forceinline__ void operands(const uint32_t (&pairs)[2][4], int odd, uint32_t mask,
+                                         uint32_t magic, const uint32_t (&neg)[4],
+                                         uint32_t (&a)[2][4]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const uint32_t v = and_or(odd ? pairs[h][r] >> 4 : pairs[h][r], mask, magic);
+      a[h][r] = minus<kBf16>(v, neg[2 * h + (r & 1)]);
+    }
+  }
+}
+
+}  // namespace lmd_w4a16
