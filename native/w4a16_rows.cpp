@@ -19,15 +19,38 @@ constexpr const char* kWideNames[2][2] = {
     {"lmd_w4a16_wide_f16_m32", "lmd_w4a16_wide_f16_m64"},
     {"lmd_w4a16_wide_bf16_m32", "lmd_w4a16_wide_bf16_m64"},
 };
+constexpr const char* kWgmmaNames[2][2] = {
+    {"lmd_w4a16_wgmma_f16_m32", "lmd_w4a16_wgmma_f16_m64"},
+    {"lmd_w4a16_wgmma_bf16_m32", "lmd_w4a16_wgmma_bf16_m64"},
+};
 
 struct Loaded {
   cu::Context context = nullptr;  // the primary context, retained for the process
   cu::Module module = nullptr;
   cu::Module wide_module = nullptr;
   cu::Function kernels[2][2] = {};
+  cu::Module wgmma_module = nullptr;
   cu::Function wide[2][2] = {};
-  std::string error;  // why not loaded; "" when loaded
+  cu::Function wgmma[2][2] = {};
+  std::string error;        // why not loaded; "" when loaded
+  std::string wgmma_error;  // why the wgmma kernels are not, when the others are
 };
+
+// The sm_90a module, which only a compute capability 9.0 GPU's driver takes.
+void load_wgmma(const CudaDriver& d, Loaded& out) {
+  try {
+    d.check(d.cuModuleLoadData(&out.wgmma_module, kW4a16WgmmaPtx), "cuModuleLoadData(w4a16_wgmma)");
+    for (int bf16 = 0; bf16 < 2; ++bf16) {
+      for (int more = 0; more < 2; ++more) {
+        d.check(d.cuModuleGetFunction(&out.wgmma[bf16][more], out.wgmma_module,
+                                      kWgmmaNames[bf16][more]),
+                kWgmmaNames[bf16][more]);
+      }
+    }
+  } catch (const std::exception& e) {
+    out.wgmma_error = std::string(e.what()) + " (the wgmma kernels need an sm_90 GPU)";
+  }
+}
 
 std::mutex mu;
 std::map<int, Loaded> loaded;  // by device ordinal; entries are never removed
@@ -51,6 +74,7 @@ Loaded load(int ordinal) {
                 kWideNames[bf16][more]);
       }
     }
+    load_wgmma(d, out);
   } catch (const std::exception& e) {
     out.error = e.what();
   }
@@ -69,6 +93,11 @@ const Loaded& loaded_on(int ordinal) {
 std::string w4a16_rows_ready(int ordinal) {
   if (ordinal < 0) return "w4a16_rows: no such CUDA device " + std::to_string(ordinal);
   return loaded_on(ordinal).error;
+}
+
+std::string w4a16_wgmma_ready(int ordinal) {
+  const std::string why = w4a16_rows_ready(ordinal);
+  return why.empty() ? loaded_on(ordinal).wgmma_error : why;
 }
 
 std::string w4a16_rows_check(const W4a16RowsArgs& a, int warps) {
@@ -123,13 +152,15 @@ std::string w4a16_wide_check(const W4a16WideArgs& a) {
   return "";
 }
 
-void launch_w4a16_wide(int ordinal, const W4a16WideArgs& args, bool bf16, std::uintptr_t stream) {
+void launch_w4a16_wide(int ordinal, const W4a16WideArgs& args, bool bf16, bool wgmma,
+                       std::uintptr_t stream) {
   const std::string wrong = w4a16_wide_check(args);
   if (!wrong.empty()) throw std::invalid_argument(wrong);
   const Loaded& l = loaded_on(ordinal);
   if (!l.error.empty()) throw std::runtime_error(l.error);
+  if (wgmma && !l.wgmma_error.empty()) throw std::runtime_error(l.wgmma_error);
   const CudaDriver& d = cuda_driver();
-  cu::Function kernel = l.wide[bf16 ? 1 : 0][args.m > 32 ? 1 : 0];
+  cu::Function kernel = (wgmma ? l.wgmma : l.wide)[bf16 ? 1 : 0][args.m > 32 ? 1 : 0];
   W4a16WideArgs copy = args;
   void* params[] = {&copy};
   ScopedContext scope(d, l.context);

@@ -13,6 +13,7 @@ namespace lmd {
 
 extern const char kW4a16RowsPtx[];
 extern const char kW4a16WidePtx[];
+extern const char kW4a16WgmmaPtx[];
 
 // The kernel's parameter, byte for byte (W4a16Rows in the .cu).
 struct W4a16RowsArgs {
@@ -49,12 +50,20 @@ std::string w4a16_rows_check(const W4a16RowsArgs& args, int warps);
 void launch_w4a16_rows(int ordinal, const W4a16RowsArgs& args, bool bf16, int warps,
                        std::uintptr_t stream);
 
+// "" once the wgmma kernels for 17-64 rows (w4a16_wgmma.cu, sm_90a) are loaded on device
+// `ordinal`, else why not (not a compute capability 9.0 GPU, or what w4a16_rows_ready
+// says). The other kernels do not need them.
+std::string w4a16_wgmma_ready(int ordinal);
+
 // What is wrong with a wide launch's arguments, or "".
 std::string w4a16_wide_check(const W4a16WideArgs& args);
 
-// Enqueues y = x W^T (+ b) for up to 64 rows on `stream`: ceil(N / 128) x splits CTAs;
-// with splits > 1, work holds [splits, m, n] float32 and counters ceil(n / 128) zeros
-// (zero again after the launch). Throws as launch_w4a16_rows.
-void launch_w4a16_wide(int ordinal, const W4a16WideArgs& args, bool bf16, std::uintptr_t stream);
+// Enqueues y = x W^T (+ b) for up to 64 rows on `stream`: ceil(N / 128) x splits CTAs of
+// w4a16_wgmma.cu's kernel when `wgmma`, else w4a16_wide.cu's; with splits > 1, work holds
+// [splits, m, n] float32 and counters ceil(n / 128) zeros (zero again after the launch).
+// Throws as launch_w4a16_rows (std::runtime_error for wgmma when w4a16_wgmma_ready is not
+// "").
+void launch_w4a16_wide(int ordinal, const W4a16WideArgs& args, bool bf16, bool wgmma,
+                       std::uintptr_t stream);
 
 }  // namespace lmd

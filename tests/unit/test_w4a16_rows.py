@@ -28,7 +28,8 @@ LLAMA3_8B = {
 }
 
 
-KERNELS = ["w4a16_rows", "w4a16_wide"]
+# name: (the virtual architecture it is compiled for, the PTX ISA it is stamped with)
+KERNELS = {"w4a16_rows": ("80", "7.0"), "w4a16_wide": ("80", "7.0"), "w4a16_wgmma": ("90a", "8.0")}
 
 
 def embedded_ptx(name: str) -> str:
@@ -120,28 +121,34 @@ def test_bad_wide_launches_are_refused_before_cuda(
 ) -> None:
     rows, n, k, stride, splits = launch
     with pytest.raises(ValueError, match=re.escape(message)):
-        _native.w4a16_wide(0, 64, 64, 64, 64, 0, 64, 64, 64, rows, n, k, stride, splits, True, 0)
+        _native.w4a16_wide(
+            0, 64, 64, 64, 64, 0, 64, 64, 64, rows, n, k, stride, splits, True, False, 0
+        )
 
 
 def test_wide_needs_aligned_x_and_work_for_splits() -> None:
     with pytest.raises(ValueError, match="misaligned"):  # x 8-byte aligned only
-        _native.w4a16_wide(0, 72, 64, 64, 64, 0, 64, 64, 64, 17, 64, 256, 256, 1, True, 0)
+        _native.w4a16_wide(0, 72, 64, 64, 64, 0, 64, 64, 64, 17, 64, 256, 256, 1, True, False, 0)
     with pytest.raises(ValueError, match="misaligned"):  # two splits, no work
-        _native.w4a16_wide(0, 64, 64, 64, 64, 0, 64, 0, 64, 17, 64, 256, 256, 2, True, 0)
+        _native.w4a16_wide(0, 64, 64, 64, 64, 0, 64, 0, 64, 17, 64, 256, 256, 2, True, False, 0)
 
 
 @pytest.mark.skipif(_native.probe_cuda()["available"], reason="this machine has CUDA")
 def test_without_cuda_it_says_why() -> None:
     assert "CUDA" in _native.w4a16_rows_ready(0)
+    assert "CUDA" in _native.w4a16_wgmma_ready(0)
     with pytest.raises(RuntimeError, match="CUDA"):
         _native.w4a16_rows(0, 64, 64, 64, 64, 0, 64, 1, 64, 256, 256, True, 4, 0)
     with pytest.raises(RuntimeError, match="CUDA"):
-        _native.w4a16_wide(0, 64, 64, 64, 64, 0, 64, 0, 0, 17, 64, 256, 256, 1, True, 0)
+        _native.w4a16_wide(0, 64, 64, 64, 64, 0, 64, 0, 0, 17, 64, 256, 256, 1, True, False, 0)
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="no ptxas (CUDA toolkit)")
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("name", KERNELS)
+@pytest.mark.parametrize(
+    ("name", "arch"),
+    [("w4a16_rows", "sm_80"), ("w4a16_rows", "sm_90"), ("w4a16_wide", "sm_80"),
+     ("w4a16_wide", "sm_90"), ("w4a16_wgmma", "sm_90a")],
+)  # fmt: skip
 def test_embedded_ptx_assembles_without_spills(tmp_path: Path, arch: str, name: str) -> None:
     ptx = tmp_path / f"{name}.ptx"
     ptx.write_text(embedded_ptx(name))
@@ -164,16 +171,17 @@ def test_embedded_ptx_is_what_the_source_compiles_to(tmp_path: Path, name: str) 
     w4a16_ops.cuh (for the nvcc release that made the embedded PTX; another release may
     word it differently)."""
     ptx = embedded_ptx(name)
+    arch, isa = KERNELS[name]
     made_by = re.search(r"Cuda compilation tools, release ([\d.]+)", ptx)
     version = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, check=True)
     if made_by is None or f"release {made_by.group(1)}," not in version.stdout:
         pytest.skip("another nvcc release than the one that made the embedded PTX")
     out = tmp_path / f"{name}.ptx"
     subprocess.run(
-        ["nvcc", "-ptx", "-arch=compute_80", "-O3", str(NATIVE / "kernels" / f"{name}.cu"),
+        ["nvcc", "-ptx", f"-arch=compute_{arch}", "-O3", str(NATIVE / "kernels" / f"{name}.cu"),
          "-o", str(out)],
         check=True,
     )  # fmt: skip
-    fresh = re.sub(r"(?m)^\.version .*$", ".version 7.0", out.read_text())
+    fresh = re.sub(r"(?m)^\.version .*$", f".version {isa}", out.read_text())
     fresh = re.sub(r"(?m)^// Compiler Build ID.*\n", "", fresh)
     assert fresh == ptx
