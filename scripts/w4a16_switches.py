@@ -1,7 +1,7 @@
 """The W4A16 decode path's switches A/B'd in rotation, so that the machine's drift falls
 on every setting alike (kernels/w4a16_rows.py: NATIVE_ROWS, the native CUDA kernels for
-up to 64 rows, and WGMMA, Hopper's for 17-64; kernels/w4a16.py: PACKED_NIBBLES, and WIDE_N, where decode tiles go 128
-columns wide). CUDA only.
+up to 64 rows, and WGMMA, Hopper's for 17-64; kernels/w4a16.py: PACKED_NIBBLES, and
+WIDE_N, where decode tiles go 128 columns wide). CUDA only.
 
     python3 scripts/w4a16_switches.py [MODEL_DIR] [--rounds 5] [--step-rounds 2]
         [--rows 1,16] [--settings NAME ...] [--warps] [--splits M]
