@@ -36,15 +36,23 @@ struct Loaded {
   std::string wgmma_error;  // why the wgmma kernels are not, when the others are
 };
 
+// A wide kernel of module `module`, allowed its shared memory (over the 48 KB default).
+cu::Function wide_kernel(const CudaDriver& d, cu::Module module, const char* name, int more) {
+  cu::Function f = nullptr;
+  d.check(d.cuModuleGetFunction(&f, module, name), name);
+  d.check(d.cuFuncSetAttribute(f, cu::kFuncMaxDynamicSharedBytes,
+                               static_cast<int>(w4a16_wide_smem(more ? 64 : 32))),
+          "cuFuncSetAttribute(w4a16_wide)");
+  return f;
+}
+
 // The sm_90a module, which only a compute capability 9.0 GPU's driver takes.
 void load_wgmma(const CudaDriver& d, Loaded& out) {
   try {
     d.check(d.cuModuleLoadData(&out.wgmma_module, kW4a16WgmmaPtx), "cuModuleLoadData(w4a16_wgmma)");
     for (int bf16 = 0; bf16 < 2; ++bf16) {
       for (int more = 0; more < 2; ++more) {
-        d.check(d.cuModuleGetFunction(&out.wgmma[bf16][more], out.wgmma_module,
-                                      kWgmmaNames[bf16][more]),
-                kWgmmaNames[bf16][more]);
+        out.wgmma[bf16][more] = wide_kernel(d, out.wgmma_module, kWgmmaNames[bf16][more], more);
       }
     }
   } catch (const std::exception& e) {
@@ -69,9 +77,7 @@ Loaded load(int ordinal) {
       for (int more = 0; more < 2; ++more) {
         d.check(d.cuModuleGetFunction(&out.kernels[bf16][more], out.module, kNames[bf16][more]),
                 kNames[bf16][more]);
-        d.check(d.cuModuleGetFunction(&out.wide[bf16][more], out.wide_module,
-                                      kWideNames[bf16][more]),
-                kWideNames[bf16][more]);
+        out.wide[bf16][more] = wide_kernel(d, out.wide_module, kWideNames[bf16][more], more);
       }
     }
     load_wgmma(d, out);
@@ -165,7 +171,8 @@ void launch_w4a16_wide(int ordinal, const W4a16WideArgs& args, bool bf16, bool w
   void* params[] = {&copy};
   ScopedContext scope(d, l.context);
   const unsigned spans = static_cast<unsigned>((args.n + kW4a16WideColumns - 1) / kW4a16WideColumns);
-  d.check(d.cuLaunchKernel(kernel, spans, static_cast<unsigned>(args.splits), 1, 128, 1, 1, 0,
+  d.check(d.cuLaunchKernel(kernel, spans, static_cast<unsigned>(args.splits), 1, 128, 1, 1,
+                           w4a16_wide_smem(args.m > 32 ? 64 : 32),
                            reinterpret_cast<cu::Stream>(stream), params, nullptr),
           "cuLaunchKernel(w4a16_wide)");
 }

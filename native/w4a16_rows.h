@@ -37,6 +37,13 @@ static_assert(sizeof(W4a16WideArgs) == 88, "must match W4a16Wide in w4a16_wide.c
 constexpr int kW4a16WideColumns = 128;  // output columns of a CTA (a span)
 constexpr int kW4a16WideMaxRows = 64;
 
+// The dynamic shared memory of a wide kernel of 32 or 64 rows: three stages of x (rows x
+// 256 bytes) and the span's words, scales and zeros (w4a16_wide.cuh's Stage).
+constexpr unsigned w4a16_wide_smem(int rows) {
+  return 3u * static_cast<unsigned>(rows * 256 + 16 * kW4a16WideColumns * 4 +
+                                    kW4a16WideColumns * 2 + kW4a16WideColumns);
+}
+
 // "" once the kernels are loaded on device `ordinal` (loading them on the first call),
 // else why they cannot be: no CUDA, a driver that rejects the PTX, a GPU before sm_80.
 std::string w4a16_rows_ready(int ordinal);

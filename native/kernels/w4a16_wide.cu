@@ -1,38 +1,14 @@
-// W4A16 product for 17-64 rows (a decode step of a larger batch): y = x W^T (+ b), x
-// [M <= 64, K] in bf16 or fp16, W 4-bit in groups of 128 inputs in the layout that
-// w4a16_rows.cu reads (daemon/engine/turbo/quant/w4a16.py).
-//
-// The weights are mma.sync.m16n8k16's A operand as in w4a16_rows.cu (w4a16_ops.cuh: a
-// warp's 32 columns as two 16-row tiles, the codes made into operands in registers), x
-// the B operand, 8 rows a tile, 4 or 8 tiles. Here a lane loads word rows 2t, 2t+1,
-// 2t+8, 2t+9 (still four 16-byte loads), so A's column kappa is input 16 j + kappa: the
-// inputs of a step in their own order, which is the order ldmatrix hands B's fragments
-// out of a row-major tile of x in shared memory (one ldmatrix.x4 is two tiles' B).
-//
-// At 64 rows each CTA reading all of x for itself (as w4a16_rows.cu's lanes do) would
-// read 8 times the weights' bytes from L2; so a CTA is 4 warps side by side, 128
-// columns, and x goes once a CTA through shared memory: a block of 128 inputs of all
-// rows (rows past M repeat row M - 1; their outputs are not stored) by cp.async, two
-// stages, the next block's weights into a second set of registers while the current one
-// is multiplied. Float32 sums of exact products, scaled once a group, as w4a16_rows.cu.
-//
-// Grid: N / 128 column spans by `splits` ranges of K (enough CTAs for every
-// multiprocessor to hold two). With one split a CTA writes y. With more, each writes its
-// float32 sums to work [splits, M, N], and the last CTA of a span to finish (a counter
-// per span, reset by that CTA for the next launch) adds the splits in split order, adds
-// the bias and writes y: deterministic, and nothing for the host to synchronize (decode
-// steps capture it in their CUDA graphs). A span's counter is in use only during a launch;
-// launches that share a counter array must be ordered (one stream).
+// W4A16 product for 17-64 rows with mma.sync.m16n8k16 (any GPU from sm_80): the feed of
+// w4a16_wide.cuh's kernel. The weights are the A operand (w4a16_ops.cuh: a warp's 32
+// columns as two 16-row tiles), x the B operand, 8 rows a tile, 4 or 8 tiles: one
+// ldmatrix.x4 out of the stage's core matrices is two tiles' B fragments of a step.
 //
 // Not compiled by setup.py: its PTX (native/kernels/w4a16_wide.ptx) is embedded and JIT-
-// compiled by the driver at run time (native/w4a16_rows.cpp). After editing, run
-// native/kernels/make_ptx.sh (needs nvcc) to regenerate that file.
+// compiled by the driver at run time (native/w4a16_rows.cpp). After editing it or the
+// .cuh files, run native/kernels/make_ptx.sh (needs nvcc) to regenerate that file.
 #include "w4a16_wide.cuh"
 
 namespace lmd_w4a16 {
-
-constexpr int kPitch = 136;  // a staged row of x in 16-bit words: ldmatrix's 8 rows hit
-                             // 8 distinct 16-byte bank groups (272 bytes apart)
 
 __device__ __forceinline__ void ldmatrix4(uint32_t (&r)[4], uint32_t at) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
@@ -40,124 +16,56 @@ __device__ __forceinline__ void ldmatrix4(uint32_t (&r)[4], uint32_t at) {
                : "r"(at));
 }
 
-// Block kb of x, all kRows rows, into a stage: 16 bytes a cp.async.
-template <int kRows>
-__device__ __forceinline__ void stage_x(uint32_t stage, const W4a16Wide& a, int kb) {
-#pragma unroll
-  for (int i = 0; i < kRows * 16 / (32 * kWarps); ++i) {
-    const int c = threadIdx.x + 32 * kWarps * i;
-    const int row = c >> 4;
-    const int piece = c & 15;
-    const uint16_t* from =
-        a.x + static_cast<size_t>(min(row, a.m - 1)) * a.x_stride + 128 * kb + 8 * piece;
-    cp_async16(stage + 2 * (row * kPitch + 8 * piece), from);
-  }
-}
+struct MmaSync {
+  static constexpr bool kAsyncProxy = false;
 
-// acc[nt][h][d]: tile h's column 4g + 2h + d / 2 for x row 8 nt + 2t + d % 2.
-template <bool kBf16, int kTiles>
-__device__ __forceinline__ void multiply_block(const Weights& b, uint32_t stage, int lane,
-                                               uint32_t mask, uint32_t magic,
-                                               float (&acc)[kTiles][2][4]) {
-  uint32_t neg[4];
-  float scale[4];
-  column_constants<kBf16>(b.s, b.z, neg, scale);
-  // ldmatrix.x4: lane l points at row l % 8 of matrix l / 8 = (tile 2i + l / 16, inputs
-  // 16 j + 8 (l / 8 % 2) ..); registers 0, 1 are tile 2i's B fragment, 2, 3 tile 2i+1's.
-  const uint32_t rows = stage + 2 * ((8 * (lane >> 4) + (lane & 7)) * kPitch + 8 * ((lane >> 3) & 1));
-  float part[kTiles][2][4] = {};
+  // acc[nt][h][d] += tile h's A x tile nt's B, step by step.
+  template <bool kBf16, int kTiles, typename Mid>
+  __device__ __forceinline__ void block(const Weights& b, uint32_t stage, int lane, uint32_t mask,
+                                        uint32_t magic, float (&acc)[kTiles][2][4],
+                                        const Mid& mid) const {
+    uint32_t neg[4];
+    uint32_t scale[4];
+    block_constants<kBf16>(b, neg, scale);
+    // ldmatrix.x4: lane l points at row l % 8 of matrix l / 8 = (tile 2i + l / 16, inputs
+    // 16 j + 8 (l / 8 % 2) ..): core matrix (2i + l / 16, 2j + l / 8 % 2). Registers 0, 1
+    // are tile 2i's B fragment, 2, 3 tile 2i+1's.
+    const uint32_t rows = stage + ((lane >> 4) * 16 + ((lane >> 3) & 1)) * 128 + (lane & 7) * 16;
 #pragma unroll
-  for (int byte = 0; byte < 4; ++byte) {
-    uint32_t pairs[2][4];
-    gather_pairs(b.w, byte, pairs);
+    for (int byte = 0; byte < 4; ++byte) {
+      uint32_t pairs[2][4];
+      gather_pairs(b.w, byte, pairs);
 #pragma unroll
-    for (int odd = 0; odd < 2; ++odd) {
-      const int j = 2 * byte + odd;
-      uint32_t a[2][4];
-      operands<kBf16>(pairs, odd, mask, magic, neg, a);
+      for (int odd = 0; odd < 2; ++odd) {
+        const int j = 2 * byte + odd;
+        uint32_t a[2][4];
+        scaled_operands<kBf16>(pairs, odd, mask, magic, neg, scale, a);
 #pragma unroll
-      for (int i = 0; i < kTiles / 2; ++i) {
-        uint32_t bx[4];
-        ldmatrix4(bx, rows + 2 * (16 * i * kPitch + 16 * j));
-        const uint2 lo = make_uint2(bx[0], bx[1]);
-        const uint2 hi = make_uint2(bx[2], bx[3]);
-        mma<kBf16>(part[2 * i][0], a[0], lo);
-        mma<kBf16>(part[2 * i][1], a[1], lo);
-        mma<kBf16>(part[2 * i + 1][0], a[0], hi);
-        mma<kBf16>(part[2 * i + 1][1], a[1], hi);
+        for (int i = 0; i < kTiles / 2; ++i) {
+          uint32_t bx[4];
+          ldmatrix4(bx, rows + 32 * 128 * i + 256 * j);
+          const uint2 lo = make_uint2(bx[0], bx[1]);
+          const uint2 hi = make_uint2(bx[2], bx[3]);
+          mma<kBf16>(acc[2 * i][0], a[0], lo);
+          mma<kBf16>(acc[2 * i][1], a[1], lo);
+          mma<kBf16>(acc[2 * i + 1][0], a[0], hi);
+          mma<kBf16>(acc[2 * i + 1][1], a[1], hi);
+        }
+        if (j == 1) mid();
       }
     }
   }
-#pragma unroll
-  for (int nt = 0; nt < kTiles; ++nt) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int d = 0; d < 4; ++d) acc[nt][h][d] += scale[2 * h + d / 2] * part[nt][h][d];
-    }
-  }
-}
 
-template <bool kBf16, int kTiles>
-__device__ __forceinline__ void w4a16_wide(const W4a16Wide& a) {
-  constexpr int kRows = 8 * kTiles;
-  __shared__ __align__(16) uint16_t xs[2][kRows * kPitch];
-  __shared__ bool last;
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int g = lane >> 2;
-  const int t = lane & 3;
-  const int span = blockIdx.x;
-  const int col = span * kSpan + 32 * warp + 4 * g;
-  const bool stores = col < a.n;            // a warp's 32 columns are all in or all out
-  const int load_col = stores ? col : 4 * g;  // a span's last warps past N load span 0's
-  const int blocks = a.k / 128;
-  const int first = static_cast<int>(static_cast<long long>(blockIdx.y) * blocks / a.splits);
-  const int end = static_cast<int>(static_cast<long long>(blockIdx.y + 1) * blocks / a.splits);
-  const uint32_t stages[2] = {shared_address(xs[0]), shared_address(xs[1])};
-  uint32_t mask = 0x000F000Fu;  // in registers, not immediates (w4a16_ops.cuh's and_or)
-  uint32_t magic = kBf16 ? 0x43004300u : 0x64006400u;
-  asm("" : "+r"(mask), "+r"(magic));
-
-  float acc[kTiles][2][4] = {};
-  Weights even;
-  Weights odd;
-  stage_x<kRows>(stages[0], a, first);
-  commit();
-  load_weights(even, a, first, load_col, t);
-  for (int kb = first; kb < end; kb += 2) {
-    // Blocks first, first + 2, ... in `even` and stage 0; the others in `odd` and stage 1.
-    if (kb + 1 < end) {
-      stage_x<kRows>(stages[1], a, kb + 1);
-      load_weights(odd, a, kb + 1, load_col, t);
-    }
-    commit();
-    wait_all_but_one();
-    __syncthreads();
-    multiply_block<kBf16>(even, stages[0], lane, mask, magic, acc);
-    __syncthreads();  // stage 0 is free again
-    if (kb + 1 >= end) break;
-    if (kb + 2 < end) {
-      stage_x<kRows>(stages[0], a, kb + 2);
-      load_weights(even, a, kb + 2, load_col, t);
-    }
-    commit();
-    wait_all_but_one();
-    __syncthreads();
-    multiply_block<kBf16>(odd, stages[1], lane, mask, magic, acc);
-    __syncthreads();
-  }
-
-  finish<kBf16, kTiles>(a, acc, span, col, stores, t, &last);
-}
+  __device__ __forceinline__ void drain() const {}
+};
 
 }  // namespace lmd_w4a16
 
-// Two CTAs a multiprocessor: at most 255 registers a thread.
+// Three CTAs a multiprocessor: at most 168 registers a thread.
 #define LMD_W4A16_WIDE(dtype, bf16, rows, tiles)                                          \
-  extern "C" __global__ void __launch_bounds__(32 * lmd_w4a16::kWarps, 2)                \
+  extern "C" __global__ void __launch_bounds__(32 * lmd_w4a16::kWarps, 3)                \
       lmd_w4a16_wide_##dtype##_m##rows(const W4a16Wide a) {                              \
-    lmd_w4a16::w4a16_wide<bf16, tiles>(a);                                               \
+    lmd_w4a16::w4a16_wide<bf16, tiles, lmd_w4a16::MmaSync>(a);                           \
   }
 
 LMD_W4A16_WIDE(bf16, true, 32, 4)

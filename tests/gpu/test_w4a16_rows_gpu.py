@@ -1,13 +1,14 @@
 """The native W4A16 decode kernels (native/kernels/w4a16_rows.cu for 1-16 rows,
-w4a16_wide.cu for 17-64, through kernels/w4a16_rows.py) on a GPU: against the float64
-product of the dequantized weights, against the Triton tiles they replace, batch-invariant
-(rows) or the same at every split of K (wide), captured in a CUDA graph, and declined where
-they do not apply. Skipped without CUDA.
+w4a16_wgmma.cu and w4a16_wide.cu for 17-64, through kernels/w4a16_rows.py) on a GPU:
+against the float64 product of the dequantized weights, against the Triton tiles they
+replace, batch-invariant (rows) or the same at every split of K (17-64), captured in a
+CUDA graph, and declined where they do not apply. Skipped without CUDA.
 
-Bound: their products are exact ((q - z) is an integer in the dtype; the wgmma kernels'
-W = (q - z) * s is rounded to the dtype first, and held to that W) and summed in float32,
-so each output is the reference rounded once to the dtype: within half an ulp of it
-(2^-9 relative in bf16, 2^-12 in fp16) plus float32 summation error, which ATOL covers.
+Bound: their products are exact ((q - z) is an integer in the dtype; the 17-64-row
+kernels' W = (q - z) * s is rounded to the dtype first, and held to that W) and summed
+in float32, so each output is the reference rounded once to the dtype: within half an
+ulp of it (2^-9 relative in bf16, 2^-12 in fp16) plus float32 summation error, which
+ATOL covers.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def weight(n: int, k: int, dtype: torch.dtype, group: int = 128) -> W4A16Weight:
 def reference(
     x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None, *, rounded: bool = False
 ) -> torch.Tensor:
-    """x W^T (+ b) in float64; `rounded`: W rounded to x's dtype first (the wgmma kernels
-    make W so)."""
+    """x W^T (+ b) in float64; `rounded`: W rounded to x's dtype first (the 17-64-row
+    kernels make W so)."""
     weight = w.dequantize()
     if rounded:
         weight = weight.to(x.dtype)
@@ -143,15 +144,11 @@ def test_declines_what_it_does_not_take() -> None:
     torch.testing.assert_close(out.double(), reference(x, w64, None), rtol=2.0**-7, atol=1e-3)
 
 
-def uses_wgmma() -> bool:
-    return w4a16_rows.WGMMA and w4a16_rows.wgmma_ready(torch.cuda.current_device())
-
-
 @pytest.fixture(params=[True, False], ids=["wgmma", "mma.sync"])
 def wgmma(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
     """Both kernels for 17-64 rows (wgmma only on an sm_90 GPU; elsewhere mma.sync twice)."""
     monkeypatch.setattr(w4a16_rows, "WGMMA", request.param)
-    return uses_wgmma()
+    return bool(request.param)
 
 
 def test_wgmma_loads_on_hopper() -> None:
@@ -169,7 +166,7 @@ def test_wide_against_float64(n: int, k: int, rows: int, dtype: torch.dtype, wgm
     bias = torch.randn(n, device="cuda").to(dtype)
     for b in (None, bias):
         y = native(x, w, b)
-        ref = reference(x, w, b, rounded=wgmma)
+        ref = reference(x, w, b, rounded=True)
         torch.testing.assert_close(y.double(), ref, rtol=RTOL[dtype], atol=ATOL)
 
 
@@ -179,7 +176,7 @@ def test_wide_every_split_of_k(wgmma: bool) -> None:
     w = weight(4096, 4096, torch.bfloat16)
     x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
-    ref = reference(x, w, bias, rounded=wgmma)
+    ref = reference(x, w, bias, rounded=True)
     for splits in (1, 2, 3, 5, 8, 32):
         y = native(x, w, bias, splits=splits)
         torch.testing.assert_close(y.double(), ref, rtol=RTOL[torch.bfloat16], atol=ATOL)
@@ -202,7 +199,7 @@ def test_wide_strided_rows_and_the_tiles_fallback() -> None:
     w = weight(4096, 4096, torch.bfloat16)
     buffer = torch.randn(40, 4096 + 512, device="cuda", dtype=torch.bfloat16)
     x = buffer[:, :4096]
-    ref = reference(x, w, None, rounded=uses_wgmma())
+    ref = reference(x, w, None, rounded=True)
     torch.testing.assert_close(native(x, w).double(), ref, rtol=RTOL[torch.bfloat16], atol=ATOL)
     skewed = buffer[:, 4:4100]  # 8-byte aligned rows
     y = torch.empty(40, 4096, device="cuda", dtype=torch.bfloat16)
@@ -235,5 +232,5 @@ def test_wide_captured_in_a_cuda_graph(splits: int, wgmma: bool) -> None:
         x.copy_(torch.randn_like(x))
         graph.replay()
         torch.cuda.synchronize()
-        ref = reference(x, w, None, rounded=wgmma)
+        ref = reference(x, w, None, rounded=True)
         torch.testing.assert_close(y.double(), ref, rtol=2.0**-8, atol=ATOL)

@@ -33,7 +33,7 @@ COLUMNS = 32  # output columns of a rows kernel's CTA
 SPAN = 128  # output columns of a wide kernel's CTA
 MAX_SPANS = 4096  # a wide product's spans, so N <= 524,288 (each has a counter)
 WARPS_PER_SM = 16  # what the kernels' registers leave room for at up to 8 rows (8 above)
-WIDE_CTAS_PER_SM = 2  # the wide kernel's (its __launch_bounds__)
+WIDE_CTAS_PER_SM = 3  # the wide kernels' (their __launch_bounds__)
 
 _ready: dict[int, bool] = {}
 _wgmma: dict[int, bool] = {}
@@ -76,8 +76,8 @@ def default_warps(m: int, n: int, k: int, num_sms: int) -> int:
 
 
 def default_splits(n: int, k: int, num_sms: int) -> int:
-    """Ranges of K for the wide kernel: as many as give every multiprocessor its two CTAs
-    (rounded down), at most one a block of K."""
+    """Ranges of K for the wide kernels: as many as give every multiprocessor its three
+    CTAs (rounded down), at most one a block of K."""
     spans = -(-n // SPAN)
     return max(1, min(k // GROUP, WIDE_CTAS_PER_SM * num_sms // spans))
 
