@@ -34,7 +34,7 @@ struct W4a16WideArgs {
 };
 static_assert(sizeof(W4a16WideArgs) == 88, "must match W4a16Wide in w4a16_wide.cu");
 
-constexpr int kW4a16WideColumns = 128;  // output columns of a CTA (a span)
+constexpr int kW4a16WideColumns = 256;  // output columns of a CTA (a span), 32 a warp
 constexpr int kW4a16WideMaxRows = 64;
 
 // The dynamic shared memory of a wide kernel of 32 or 64 rows: three stages of x (rows x

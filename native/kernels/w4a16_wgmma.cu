@@ -7,8 +7,7 @@
 // rows 16 w .. 16 w + 15 of the warpgroup's two m64 A operands, whose register layout a
 // warp holds as mma.m16n8k16's A, and the accumulators come back in mma's D layout, so
 // w4a16_wide.cuh's finish stores them. B is the stage's x, K-major core matrices without
-// swizzle. Each step is one wgmma group (the two A tiles); at most two are in flight, so
-// a step's A registers live until the step after next is issued.
+// swizzle.
 //
 // Not compiled by setup.py: its PTX (native/kernels/w4a16_wgmma.ptx, ISA 8.0, sm_90a) is
 // embedded and JIT-compiled by the driver at run time (native/w4a16_rows.cpp), on a GPU
@@ -85,13 +84,17 @@ __device__ __forceinline__ void wgmma(float (&acc)[kTiles][2][4], int h, const u
   }
 }
 
+// A block's 8 steps made into operands first (64 registers, a set for each parity), then
+// its 16 wgmmas in one group; the group before is waited on after this one is issued, so
+// the tensor cores run one block while the next block's operands are made.
 struct Wgmma {
   static constexpr bool kAsyncProxy = true;
+  uint32_t a[2][8][2][4];
 
-  template <bool kBf16, int kTiles, typename Mid>
+  template <bool kBf16, int kTiles, int kParity, typename Mid>
   __device__ __forceinline__ void block(const Weights& b, uint32_t stage, int, uint32_t mask,
                                         uint32_t magic, float (&acc)[kTiles][2][4],
-                                        const Mid& mid) const {
+                                        const Mid& mid) {
     uint32_t neg[4];
     uint32_t scale[4];
     block_constants<kBf16>(b, neg, scale);
@@ -101,17 +104,18 @@ struct Wgmma {
       gather_pairs(b.w, byte, pairs);
 #pragma unroll
       for (int odd = 0; odd < 2; ++odd) {
-        const int j = 2 * byte + odd;
-        uint32_t a[2][4];
-        scaled_operands<kBf16>(pairs, odd, mask, magic, neg, scale, a);
-        wgmma_fence();
-        wgmma<kBf16, kTiles>(acc, 0, a[0], b_descriptor(stage, j));
-        wgmma<kBf16, kTiles>(acc, 1, a[1], b_descriptor(stage, j));
-        wgmma_commit();
-        wgmma_wait<1>();
-        if (j == 1) mid();  // block kb - 1's groups are done
+        scaled_operands<kBf16>(pairs, odd, mask, magic, neg, scale, a[kParity][2 * byte + odd]);
       }
     }
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      wgmma<kBf16, kTiles>(acc, 0, a[kParity][j][0], b_descriptor(stage, j));
+      wgmma<kBf16, kTiles>(acc, 1, a[kParity][j][1], b_descriptor(stage, j));
+    }
+    wgmma_commit();
+    wgmma_wait<1>();  // the block before: its operands and its stage are free
+    mid();
   }
 
   __device__ __forceinline__ void drain() const { wgmma_wait<0>(); }
@@ -121,7 +125,7 @@ struct Wgmma {
 
 // Three CTAs a multiprocessor: at most 168 registers a thread.
 #define LMD_W4A16_WGMMA(dtype, bf16, rows, tiles)                                         \
-  extern "C" __global__ void __launch_bounds__(32 * lmd_w4a16::kWarps, 3)                \
+  extern "C" __global__ void __launch_bounds__(32 * lmd_w4a16::kWarps, 1)                \
       lmd_w4a16_wgmma_##dtype##_m##rows(const W4a16Wide a) {                             \
     lmd_w4a16::w4a16_wide<bf16, tiles, lmd_w4a16::Wgmma>(a);                             \
   }

@@ -20,7 +20,7 @@ struct MmaSync {
   static constexpr bool kAsyncProxy = false;
 
   // acc[nt][h][d] += tile h's A x tile nt's B, step by step.
-  template <bool kBf16, int kTiles, typename Mid>
+  template <bool kBf16, int kTiles, int kParity, typename Mid>
   __device__ __forceinline__ void block(const Weights& b, uint32_t stage, int lane, uint32_t mask,
                                         uint32_t magic, float (&acc)[kTiles][2][4],
                                         const Mid& mid) const {
@@ -51,7 +51,7 @@ struct MmaSync {
           mma<kBf16>(acc[2 * i + 1][0], a[0], hi);
           mma<kBf16>(acc[2 * i + 1][1], a[1], hi);
         }
-        if (j == 1) mid();
+        if (j == 1) mid();  // every warp is past the block before
       }
     }
   }
@@ -63,7 +63,7 @@ struct MmaSync {
 
 // Three CTAs a multiprocessor: at most 168 registers a thread.
 #define LMD_W4A16_WIDE(dtype, bf16, rows, tiles)                                          \
-  extern "C" __global__ void __launch_bounds__(32 * lmd_w4a16::kWarps, 3)                \
+  extern "C" __global__ void __launch_bounds__(32 * lmd_w4a16::kWarps, 1)                \
       lmd_w4a16_wide_##dtype##_m##rows(const W4a16Wide a) {                              \
     lmd_w4a16::w4a16_wide<bf16, tiles, lmd_w4a16::MmaSync>(a);                           \
   }

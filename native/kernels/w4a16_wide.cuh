@@ -49,9 +49,9 @@ struct W4a16Wide {
 
 namespace lmd_w4a16 {
 
-constexpr int kWarps = 4;
+constexpr int kWarps = 8;  // two warpgroups
 constexpr int kSpan = 32 * kWarps;  // output columns a CTA
-constexpr int kStages = 3;
+constexpr int kStages = 4;
 
 // A stage's bytes: x, the words (16 rows of the span's 128 columns), scales, zeros.
 template <int kRows>
@@ -72,8 +72,9 @@ __device__ __forceinline__ void cp_async16(uint32_t to, const void* from) {
 
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;"); }
 
-__device__ __forceinline__ void wait_all_but_one() {
-  asm volatile("cp.async.wait_group 1;" ::: "memory");
+// Every cp.async group but the newest kStages - 2 done.
+__device__ __forceinline__ void wait_for_oldest() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 2) : "memory");
 }
 
 __device__ __forceinline__ uint4 lds16(uint32_t at) {
@@ -112,8 +113,8 @@ __device__ __forceinline__ void fetch(uint32_t stage, const W4a16Wide& a, int kb
 #pragma unroll
   for (int i = 0; i < 16 * kSpan / 4 / kThreads; ++i) {
     const int c = threadIdx.x + kThreads * i;
-    const int row = c >> 5;
-    const int col = col0 + 4 * (c & 31);
+    const int row = c / (kSpan / 4);
+    const int col = col0 + 4 * (c % (kSpan / 4));
     if (col < a.n) {
       cp_async16(stage + Stage<kRows>::kQ + 16 * c,
                  a.q + (16 * static_cast<size_t>(kb) + row) * n + col);
@@ -263,9 +264,10 @@ __device__ __forceinline__ void finish(const W4a16Wide& a, const float (&acc)[kT
   if (threadIdx.x == 0) a.counters[span] = 0;  // for the next launch
 }
 
-// The kernel: Feed::block<kBf16, kTiles>(weights, stage, lane, mask, magic, acc, mid)
-// multiplies one block (calling mid() after its step 1), Feed::drain() waits for what it
-// left in flight, Feed::kAsyncProxy says whether the tensor cores read shared memory
+// The kernel: Feed::block<kBf16, kTiles, kParity>(weights, stage, lane, mask, magic, acc,
+// mid) multiplies one block (of parity kParity in the CTA's order) and calls mid() once
+// no read of the block before it is in flight, Feed::drain() waits for what it left in
+// flight, Feed::kAsyncProxy says whether the tensor cores read shared memory
 // through the async proxy (wgmma), which cp.async's writes must be fenced for.
 template <bool kBf16, int kTiles, typename Feed>
 __device__ __forceinline__ void w4a16_wide(const W4a16Wide& a) {
@@ -282,33 +284,46 @@ __device__ __forceinline__ void w4a16_wide(const W4a16Wide& a) {
   const int first = static_cast<int>(static_cast<long long>(blockIdx.y) * blocks / a.splits);
   const int end = static_cast<int>(static_cast<long long>(blockIdx.y + 1) * blocks / a.splits);
   const uint32_t base = shared_address(smem);
-  const auto stage_of = [&](int kb) {
-    return base + ((kb - first) % kStages) * Stage<kRows>::kBytes;
-  };
+  // Block i of this CTA's range, i = 0 .. count - 1: the spans start at different blocks
+  // (rotated by the span), so that they do not all read the same block of x at once.
+  const int count = end - first;
+  const int rotation = span % count;
+  const auto block_of = [&](int i) { return first + (i + rotation) % count; };
+  const auto stage_of = [&](int i) { return base + (i % kStages) * Stage<kRows>::kBytes; };
   uint32_t mask = 0x000F000Fu;  // in registers, not immediates (w4a16_ops.cuh's and_or)
   uint32_t magic = kBf16 ? 0x43004300u : 0x64006400u;
   asm("" : "+r"(mask), "+r"(magic));
 
-  fetch<kRows>(stage_of(first), a, first, span);
-  commit();
-  if (first + 1 < end) fetch<kRows>(stage_of(first + 1), a, first + 1, span);
-  commit();
-  int next = first + 2;  // fetched during block next - 2, into block next - 3's stage
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < count) fetch<kRows>(stage_of(i), a, block_of(i), span);
+    commit();
+  }
+  // Block next is fetched during block next - (kStages - 1), into block next - kStages's
+  // stage, once the feed says that block's reads are done (mid).
+  int next = kStages - 1;
   const auto mid = [&]() {
     __syncthreads();
-    if (next < end) fetch<kRows>(stage_of(next), a, next, span);
+    if (next < count) fetch<kRows>(stage_of(next), a, block_of(next), span);
     commit();
     ++next;
   };
   float acc[kTiles][2][4] = {};
-  const Feed feed;
-  for (int kb = first; kb < end; ++kb) {
-    wait_all_but_one();  // block kb's group (one group a block, the newest may be kb + 1's)
+  Feed feed;
+  // Two blocks an iteration: a feed may keep a block's operands by its parity.
+  for (int i = 0; i < count; i += 2) {
+    Weights b;
+    wait_for_oldest();  // block i's group (one group a block)
     if constexpr (Feed::kAsyncProxy) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncthreads();
-    Weights b;
-    read_weights<kRows>(b, stage_of(kb), warp, g, t);
-    feed.template block<kBf16, kTiles>(b, stage_of(kb), lane, mask, magic, acc, mid);
+    read_weights<kRows>(b, stage_of(i), warp, g, t);
+    feed.template block<kBf16, kTiles, 0>(b, stage_of(i), lane, mask, magic, acc, mid);
+    if (i + 1 >= count) break;
+    wait_for_oldest();
+    if constexpr (Feed::kAsyncProxy) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    read_weights<kRows>(b, stage_of(i + 1), warp, g, t);
+    feed.template block<kBf16, kTiles, 1>(b, stage_of(i + 1), lane, mask, magic, acc, mid);
   }
   feed.drain();
   __syncthreads();  // every stage read: the first bytes hold the span's flag

@@ -30,10 +30,10 @@ MAX_ROWS = 16  # the rows kernel's; the wide kernel's is WIDE_MAX_ROWS
 WIDE_MAX_ROWS = 64
 GROUP = 128
 COLUMNS = 32  # output columns of a rows kernel's CTA
-SPAN = 128  # output columns of a wide kernel's CTA
+SPAN = 256  # output columns of a wide kernel's CTA
 MAX_SPANS = 4096  # a wide product's spans, so N <= 524,288 (each has a counter)
 WARPS_PER_SM = 16  # what the kernels' registers leave room for at up to 8 rows (8 above)
-WIDE_CTAS_PER_SM = 3  # the wide kernels' (their __launch_bounds__)
+WIDE_CTAS_PER_SM = 1  # the wide kernels' (their __launch_bounds__)
 
 _ready: dict[int, bool] = {}
 _wgmma: dict[int, bool] = {}
