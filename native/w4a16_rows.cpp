@@ -172,7 +172,7 @@ void launch_w4a16_wide(int ordinal, const W4a16WideArgs& args, bool bf16, bool w
   ScopedContext scope(d, l.context);
   const unsigned spans = static_cast<unsigned>((args.n + kW4a16WideColumns - 1) / kW4a16WideColumns);
   d.check(d.cuLaunchKernel(kernel, spans, static_cast<unsigned>(args.splits), 1,
-                           kW4a16WideColumns, 1, 1,
+                           kW4a16WideThreads, 1, 1,
                            w4a16_wide_smem(args.m > 32 ? 64 : 32),
                            reinterpret_cast<cu::Stream>(stream), params, nullptr),
           "cuLaunchKernel(w4a16_wide)");

@@ -37,11 +37,16 @@ static_assert(sizeof(W4a16WideArgs) == 88, "must match W4a16Wide in w4a16_wide.c
 constexpr int kW4a16WideColumns = 256;  // output columns of a CTA (a span), 32 a warp
 constexpr int kW4a16WideMaxRows = 64;
 
-// The dynamic shared memory of a wide kernel of 32 or 64 rows: three stages of x (rows x
-// 256 bytes) and the span's words, scales and zeros (w4a16_wide.cuh's Stage).
+constexpr int kW4a16WideThreads = 256;  // 8 warps of 32 columns
+constexpr int kW4a16WideBlocksStaged = 3 * 2;  // w4a16_wide.cuh's kStages x kPerStage
+
+// The dynamic shared memory of a wide kernel of 32 or 64 rows: its staged blocks of x
+// (rows x 256 bytes) and the span's words (16 rows padded by 16 bytes), scales and zeros
+// (w4a16_wide.cuh's Stage).
 constexpr unsigned w4a16_wide_smem(int rows) {
-  return 3u * static_cast<unsigned>(rows * 256 + 16 * kW4a16WideColumns * 4 +
-                                    kW4a16WideColumns * 2 + kW4a16WideColumns);
+  return kW4a16WideBlocksStaged *
+         static_cast<unsigned>(rows * 256 + 16 * (kW4a16WideColumns * 4 + 16) +
+                               kW4a16WideColumns * 2 + kW4a16WideColumns);
 }
 
 // "" once the kernels are loaded on device `ordinal` (loading them on the first call),

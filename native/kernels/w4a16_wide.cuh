@@ -51,13 +51,17 @@ namespace lmd_w4a16 {
 
 constexpr int kWarps = 8;  // two warpgroups
 constexpr int kSpan = 32 * kWarps;  // output columns a CTA
-constexpr int kStages = 4;
+constexpr int kStages = 3;
+constexpr int kPerStage = 2;  // blocks of K a stage: one wait and two barriers for both
 
-// A stage's bytes: x, the words (16 rows of the span's 128 columns), scales, zeros.
+// A block's bytes in a stage: x, the words (16 rows of the span's columns, each row 16
+// bytes longer than the words, so that a quarter-warp's 16-byte reads of rows 2t ..
+// fall in distinct banks), scales, zeros.
 template <int kRows>
 struct Stage {
   static constexpr int kQ = kRows * 256;
-  static constexpr int kS = kQ + 16 * kSpan * 4;
+  static constexpr int kPitch = kSpan * 4 + 16;
+  static constexpr int kS = kQ + 16 * kPitch;
   static constexpr int kZ = kS + kSpan * 2;
   static constexpr int kBytes = kZ + kSpan;
 };
@@ -72,7 +76,7 @@ __device__ __forceinline__ void cp_async16(uint32_t to, const void* from) {
 
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;"); }
 
-// Every cp.async group but the newest kStages - 2 done.
+// Every cp.async group but the newest kStages - 2 done (one group a stage).
 __device__ __forceinline__ void wait_for_oldest() {
   asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 2) : "memory");
 }
@@ -116,7 +120,7 @@ __device__ __forceinline__ void fetch(uint32_t stage, const W4a16Wide& a, int kb
     const int row = c / (kSpan / 4);
     const int col = col0 + 4 * (c % (kSpan / 4));
     if (col < a.n) {
-      cp_async16(stage + Stage<kRows>::kQ + 16 * c,
+      cp_async16(stage + Stage<kRows>::kQ + row * Stage<kRows>::kPitch + 4 * (col - col0),
                  a.q + (16 * static_cast<size_t>(kb) + row) * n + col);
     }
   }
@@ -142,11 +146,12 @@ struct Weights {
 template <int kRows>
 __device__ __forceinline__ void read_weights(Weights& b, uint32_t stage, int warp, int g, int t) {
   const int c = 32 * warp + 4 * g;
+  constexpr int kPitch = Stage<kRows>::kPitch;
   const uint32_t q = stage + Stage<kRows>::kQ + 4 * c;
-  b.w[0] = lds16(q + (2 * t) * kSpan * 4);
-  b.w[1] = lds16(q + (2 * t + 1) * kSpan * 4);
-  b.w[2] = lds16(q + (2 * t + 8) * kSpan * 4);
-  b.w[3] = lds16(q + (2 * t + 9) * kSpan * 4);
+  b.w[0] = lds16(q + (2 * t) * kPitch);
+  b.w[1] = lds16(q + (2 * t + 1) * kPitch);
+  b.w[2] = lds16(q + (2 * t + 8) * kPitch);
+  b.w[3] = lds16(q + (2 * t + 9) * kPitch);
   asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];"
                : "=r"(b.s.x), "=r"(b.s.y)
                : "r"(stage + Stage<kRows>::kS + 2 * c));
@@ -265,8 +270,8 @@ __device__ __forceinline__ void finish(const W4a16Wide& a, const float (&acc)[kT
 }
 
 // The kernel: Feed::block<kBf16, kTiles, kParity>(weights, stage, lane, mask, magic, acc,
-// mid) multiplies one block (of parity kParity in the CTA's order) and calls mid() once
-// no read of the block before it is in flight, Feed::drain() waits for what it left in
+// mid) multiplies one block (of parity kParity in the CTA's order, which alternates) and
+// calls mid() once no read of the block before it is in flight, Feed::drain() waits for what it left in
 // flight, Feed::kAsyncProxy says whether the tensor cores read shared memory
 // through the async proxy (wgmma), which cp.async's writes must be fenced for.
 template <bool kBf16, int kTiles, typename Feed>
@@ -289,41 +294,60 @@ __device__ __forceinline__ void w4a16_wide(const W4a16Wide& a) {
   const int count = end - first;
   const int rotation = span % count;
   const auto block_of = [&](int i) { return first + (i + rotation) % count; };
-  const auto stage_of = [&](int i) { return base + (i % kStages) * Stage<kRows>::kBytes; };
+  // Stage i % kStages holds this CTA's blocks kPerStage i .. kPerStage i + kPerStage - 1.
+  const int chunks = (count + kPerStage - 1) / kPerStage;
+  const auto stage_of = [&](int i, int sub) {
+    return base + ((i % kStages) * kPerStage + sub) * Stage<kRows>::kBytes;
+  };
+  const auto fetch_chunk = [&](int i) {
+#pragma unroll
+    for (int sub = 0; sub < kPerStage; ++sub) {
+      if (kPerStage * i + sub < count) {
+        fetch<kRows>(stage_of(i, sub), a, block_of(kPerStage * i + sub), span);
+      }
+    }
+    commit();
+  };
   uint32_t mask = 0x000F000Fu;  // in registers, not immediates (w4a16_ops.cuh's and_or)
   uint32_t magic = kBf16 ? 0x43004300u : 0x64006400u;
   asm("" : "+r"(mask), "+r"(magic));
 
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) {
-    if (i < count) fetch<kRows>(stage_of(i), a, block_of(i), span);
-    commit();
+    if (i < chunks) {
+      fetch_chunk(i);
+    } else {
+      commit();
+    }
   }
-  // Block next is fetched during block next - (kStages - 1), into block next - kStages's
-  // stage, once the feed says that block's reads are done (mid).
+  // Chunk next is fetched during chunk next - (kStages - 1), into chunk next - kStages's
+  // stage, once the feed says that chunk's reads are done (mid, in the first block).
   int next = kStages - 1;
   const auto mid = [&]() {
     __syncthreads();
-    if (next < count) fetch<kRows>(stage_of(next), a, block_of(next), span);
-    commit();
+    if (next < chunks) {
+      fetch_chunk(next);
+    } else {
+      commit();
+    }
     ++next;
   };
+  const auto nothing = []() {};
   float acc[kTiles][2][4] = {};
   Feed feed;
-  // Two blocks an iteration: a feed may keep a block's operands by its parity.
-  for (int i = 0; i < count; i += 2) {
+  for (int i = 0; i < chunks; ++i) {
     Weights b;
-    wait_for_oldest();  // block i's group (one group a block)
+    wait_for_oldest();  // chunk i's group
     if constexpr (Feed::kAsyncProxy) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncthreads();
-    read_weights<kRows>(b, stage_of(i), warp, g, t);
-    feed.template block<kBf16, kTiles, 0>(b, stage_of(i), lane, mask, magic, acc, mid);
-    if (i + 1 >= count) break;
-    wait_for_oldest();
-    if constexpr (Feed::kAsyncProxy) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    __syncthreads();
-    read_weights<kRows>(b, stage_of(i + 1), warp, g, t);
-    feed.template block<kBf16, kTiles, 1>(b, stage_of(i + 1), lane, mask, magic, acc, mid);
+    read_weights<kRows>(b, stage_of(i, 0), warp, g, t);
+    feed.template block<kBf16, kTiles, 0>(b, stage_of(i, 0), lane, mask, magic, acc, mid);
+    if (kPerStage * i + 1 < count) {  // a parity a block of the chunk (kPerStage 2)
+      read_weights<kRows>(b, stage_of(i, 1), warp, g, t);
+      feed.template block<kBf16, kTiles, 1>(b, stage_of(i, 1), lane, mask, magic, acc, nothing);
+    } else {
+      feed.drain();  // the range's last block, alone in its chunk
+    }
   }
   feed.drain();
   __syncthreads();  // every stage read: the first bytes hold the span's flag
@@ -333,4 +357,5 @@ __device__ __forceinline__ void w4a16_wide(const W4a16Wide& a) {
 }  // namespace lmd_w4a16
 
 // The shared memory a kernel of `rows` (32 or 64) rows takes, for its launch.
-#define LMD_W4A16_WIDE_SMEM(rows) (lmd_w4a16::kStages * lmd_w4a16::Stage<rows>::kBytes)
+#define LMD_W4A16_WIDE_SMEM(rows) \
+  (lmd_w4a16::kStages * lmd_w4a16::kPerStage * lmd_w4a16::Stage<rows>::kBytes)
