@@ -64,14 +64,9 @@ def w4a16_wide(
     x_stride: int,
     splits: int,
     bf16: bool,
-    wgmma: bool,
     stream: int,
 ) -> None:
-    """y = x W^T (+ b) for up to 64 rows, K split over `splits` ranges, on a CUstream;
-    wgmma: Hopper's kernel (w4a16_wgmma_ready says whether it is loaded)."""
-
-def w4a16_wgmma_ready(device: int) -> str:
-    """ "" when the wgmma kernels (sm_90) are loaded on a CUDA device, else why not."""
+    """y = x W^T (+ b) for up to 32 rows, K split over `splits` ranges, on a CUstream."""
 
 class Region(Buffer):
     """Local memory registered with a transport; a CPU region is a writable uint8 buffer."""

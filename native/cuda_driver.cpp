@@ -60,7 +60,6 @@ bool resolve_all(void* lib, CudaDriver& d, std::string& missing) {
   LMD_RESOLVE(cuModuleLoadData, "cuModuleLoadData")
   LMD_RESOLVE(cuModuleUnload, "cuModuleUnload")
   LMD_RESOLVE(cuModuleGetFunction, "cuModuleGetFunction")
-  LMD_RESOLVE(cuFuncSetAttribute, "cuFuncSetAttribute")
   LMD_RESOLVE(cuLaunchKernel, "cuLaunchKernel")
 #undef LMD_RESOLVE
   return true;

@@ -33,7 +33,6 @@ constexpr unsigned kMemoryTypeDevice = 2;          // CU_MEMORYTYPE_DEVICE
 constexpr unsigned kStreamNonBlocking = 1;         // CU_STREAM_NON_BLOCKING
 constexpr unsigned kEventDisableTiming = 2;        // CU_EVENT_DISABLE_TIMING
 constexpr unsigned kIpcMemLazyEnablePeerAccess = 1;  // CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
-constexpr int kFuncMaxDynamicSharedBytes = 8;  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 }  // namespace cu
 
@@ -66,7 +65,6 @@ struct CudaDriver {
   cu::Result (*cuModuleLoadData)(cu::Module*, const void*) = nullptr;
   cu::Result (*cuModuleUnload)(cu::Module) = nullptr;
   cu::Result (*cuModuleGetFunction)(cu::Function*, cu::Module, const char*) = nullptr;
-  cu::Result (*cuFuncSetAttribute)(cu::Function, int, int) = nullptr;
   cu::Result (*cuLaunchKernel)(cu::Function, unsigned, unsigned, unsigned, unsigned, unsigned,
                                unsigned, unsigned, cu::Stream, void**, void**) = nullptr;
 

@@ -166,27 +166,16 @@ PYBIND11_MODULE(_native, m) {
       "CTAs of `warps` warps (1-16 up to 8 rows, 1-8 above) splitting K. ValueError for bad\n"
       "arguments, RuntimeError when the kernels are not loaded or the launch fails.");
   m.def(
-      "w4a16_wgmma_ready",
-      [](int device) {
-        py::gil_scoped_release release;
-        return lmd::w4a16_wgmma_ready(device);
-      },
-      py::arg("device"),
-      "\"\" when the wgmma kernels for 17-64 rows are loaded on CUDA device `device`\n"
-      "(loading them on the first call), else why not. Never raises.");
-  m.def(
       "w4a16_wide",
       [](int device, std::uintptr_t x, std::uintptr_t q, std::uintptr_t s, std::uintptr_t z,
          std::uintptr_t bias, std::uintptr_t y, std::uintptr_t work, std::uintptr_t counters,
-         int rows, int n, int k, int x_stride, int splits, bool bf16, bool wgmma,
-         std::uintptr_t stream) {
+         int rows, int n, int k, int x_stride, int splits, bool bf16, std::uintptr_t stream) {
         const lmd::W4a16WideArgs args{x, q, s, z, bias, y, work, counters,
                                       rows, n, k, x_stride, splits};
-        lmd::launch_w4a16_wide(device, args, bf16, wgmma, stream);
+        lmd::launch_w4a16_wide(device, args, bf16, stream);
       },
-      "y = x W^T (+ b) for up to 64 rows of x on the tensor cores\n"
-      "(native/kernels/w4a16_wgmma.cu when `wgmma`, an sm_90 GPU's; else w4a16_wide.cu),\n"
-      "addresses as w4a16_rows' (x 16-byte aligned, its row\n"
+      "y = x W^T (+ b) for up to 32 rows of x on the tensor cores\n"
+      "(native/kernels/w4a16_wide.cu), addresses as w4a16_rows' (x 16-byte aligned, its row\n"
       "stride a multiple of 8): ceil(n / 128) x splits CTAs. With splits > 1 (at most\n"
       "k / 128), work is [splits, rows, n] float32 and counters ceil(n / 128) uint32 zeros,\n"
       "zero again when the launch is done; launches sharing counters go on one stream.\n"

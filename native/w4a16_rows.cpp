@@ -15,50 +15,16 @@ constexpr const char* kNames[2][2] = {
     {"lmd_w4a16_rows_f16_m8", "lmd_w4a16_rows_f16_m16"},
     {"lmd_w4a16_rows_bf16_m8", "lmd_w4a16_rows_bf16_m16"},
 };
-constexpr const char* kWideNames[2][2] = {
-    {"lmd_w4a16_wide_f16_m32", "lmd_w4a16_wide_f16_m64"},
-    {"lmd_w4a16_wide_bf16_m32", "lmd_w4a16_wide_bf16_m64"},
-};
-constexpr const char* kWgmmaNames[2][2] = {
-    {"lmd_w4a16_wgmma_f16_m32", "lmd_w4a16_wgmma_f16_m64"},
-    {"lmd_w4a16_wgmma_bf16_m32", "lmd_w4a16_wgmma_bf16_m64"},
-};
+constexpr const char* kWideNames[2] = {"lmd_w4a16_wide_f16_m32", "lmd_w4a16_wide_bf16_m32"};
 
 struct Loaded {
   cu::Context context = nullptr;  // the primary context, retained for the process
   cu::Module module = nullptr;
   cu::Module wide_module = nullptr;
   cu::Function kernels[2][2] = {};
-  cu::Module wgmma_module = nullptr;
-  cu::Function wide[2][2] = {};
-  cu::Function wgmma[2][2] = {};
-  std::string error;        // why not loaded; "" when loaded
-  std::string wgmma_error;  // why the wgmma kernels are not, when the others are
+  cu::Function wide[2] = {};
+  std::string error;  // why not loaded; "" when loaded
 };
-
-// A wide kernel of module `module`, allowed its shared memory (over the 48 KB default).
-cu::Function wide_kernel(const CudaDriver& d, cu::Module module, const char* name, int more) {
-  cu::Function f = nullptr;
-  d.check(d.cuModuleGetFunction(&f, module, name), name);
-  d.check(d.cuFuncSetAttribute(f, cu::kFuncMaxDynamicSharedBytes,
-                               static_cast<int>(w4a16_wide_smem(more ? 64 : 32))),
-          "cuFuncSetAttribute(w4a16_wide)");
-  return f;
-}
-
-// The sm_90a module, which only a compute capability 9.0 GPU's driver takes.
-void load_wgmma(const CudaDriver& d, Loaded& out) {
-  try {
-    d.check(d.cuModuleLoadData(&out.wgmma_module, kW4a16WgmmaPtx), "cuModuleLoadData(w4a16_wgmma)");
-    for (int bf16 = 0; bf16 < 2; ++bf16) {
-      for (int more = 0; more < 2; ++more) {
-        out.wgmma[bf16][more] = wide_kernel(d, out.wgmma_module, kWgmmaNames[bf16][more], more);
-      }
-    }
-  } catch (const std::exception& e) {
-    out.wgmma_error = std::string(e.what()) + " (the wgmma kernels need an sm_90 GPU)";
-  }
-}
 
 std::mutex mu;
 std::map<int, Loaded> loaded;  // by device ordinal; entries are never removed
@@ -77,10 +43,10 @@ Loaded load(int ordinal) {
       for (int more = 0; more < 2; ++more) {
         d.check(d.cuModuleGetFunction(&out.kernels[bf16][more], out.module, kNames[bf16][more]),
                 kNames[bf16][more]);
-        out.wide[bf16][more] = wide_kernel(d, out.wide_module, kWideNames[bf16][more], more);
       }
+      d.check(d.cuModuleGetFunction(&out.wide[bf16], out.wide_module, kWideNames[bf16]),
+              kWideNames[bf16]);
     }
-    load_wgmma(d, out);
   } catch (const std::exception& e) {
     out.error = e.what();
   }
@@ -99,11 +65,6 @@ const Loaded& loaded_on(int ordinal) {
 std::string w4a16_rows_ready(int ordinal) {
   if (ordinal < 0) return "w4a16_rows: no such CUDA device " + std::to_string(ordinal);
   return loaded_on(ordinal).error;
-}
-
-std::string w4a16_wgmma_ready(int ordinal) {
-  const std::string why = w4a16_rows_ready(ordinal);
-  return why.empty() ? loaded_on(ordinal).wgmma_error : why;
 }
 
 std::string w4a16_rows_check(const W4a16RowsArgs& a, int warps) {
@@ -144,7 +105,7 @@ void launch_w4a16_rows(int ordinal, const W4a16RowsArgs& args, bool bf16, int wa
 std::string w4a16_wide_check(const W4a16WideArgs& a) {
   if (a.m < 1 || a.m > kW4a16WideMaxRows || a.n < 1 || a.n % 32 || a.k < 128 || a.k % 128 ||
       a.x_stride < a.k) {
-    return "w4a16_wide: m must be 1..64, n a multiple of 32, k of 128 and x_stride >= k";
+    return "w4a16_wide: m must be 1..32, n a multiple of 32, k of 128 and x_stride >= k";
   }
   if (a.splits < 1 || a.splits > a.k / 128) {
     return "w4a16_wide: splits must be 1.." + std::to_string(a.k / 128) + " (k / 128)";
@@ -158,22 +119,18 @@ std::string w4a16_wide_check(const W4a16WideArgs& a) {
   return "";
 }
 
-void launch_w4a16_wide(int ordinal, const W4a16WideArgs& args, bool bf16, bool wgmma,
-                       std::uintptr_t stream) {
+void launch_w4a16_wide(int ordinal, const W4a16WideArgs& args, bool bf16, std::uintptr_t stream) {
   const std::string wrong = w4a16_wide_check(args);
   if (!wrong.empty()) throw std::invalid_argument(wrong);
   const Loaded& l = loaded_on(ordinal);
   if (!l.error.empty()) throw std::runtime_error(l.error);
-  if (wgmma && !l.wgmma_error.empty()) throw std::runtime_error(l.wgmma_error);
   const CudaDriver& d = cuda_driver();
-  cu::Function kernel = (wgmma ? l.wgmma : l.wide)[bf16 ? 1 : 0][args.m > 32 ? 1 : 0];
+  cu::Function kernel = l.wide[bf16 ? 1 : 0];
   W4a16WideArgs copy = args;
   void* params[] = {&copy};
   ScopedContext scope(d, l.context);
   const unsigned spans = static_cast<unsigned>((args.n + kW4a16WideColumns - 1) / kW4a16WideColumns);
-  d.check(d.cuLaunchKernel(kernel, spans, static_cast<unsigned>(args.splits), 1,
-                           kW4a16WideThreads, 1, 1,
-                           w4a16_wide_smem(args.m > 32 ? 64 : 32),
+  d.check(d.cuLaunchKernel(kernel, spans, static_cast<unsigned>(args.splits), 1, 128, 1, 1, 0,
                            reinterpret_cast<cu::Stream>(stream), params, nullptr),
           "cuLaunchKernel(w4a16_wide)");
 }

@@ -1,5 +1,5 @@
 // The W4A16 products of decode steps on the tensor cores: 1-16 rows
-// (native/kernels/w4a16_rows.cu) and 17-64 rows (native/kernels/w4a16_wide.cu). Their PTX
+// (native/kernels/w4a16_rows.cu) and 17-32 rows (native/kernels/w4a16_wide.cu). Their PTX
 // is embedded (native/kernels/*.ptx, by setup.py) and JIT-compiled into
 // the device's primary context, the one PyTorch uses, so its tensors' addresses and
 // streams are valid here and a launch on PyTorch's stream is captured in its CUDA
@@ -13,7 +13,6 @@ namespace lmd {
 
 extern const char kW4a16RowsPtx[];
 extern const char kW4a16WidePtx[];
-extern const char kW4a16WgmmaPtx[];
 
 // The kernel's parameter, byte for byte (W4a16Rows in the .cu).
 struct W4a16RowsArgs {
@@ -34,20 +33,8 @@ struct W4a16WideArgs {
 };
 static_assert(sizeof(W4a16WideArgs) == 88, "must match W4a16Wide in w4a16_wide.cu");
 
-constexpr int kW4a16WideColumns = 256;  // output columns of a CTA (a span), 32 a warp
-constexpr int kW4a16WideMaxRows = 64;
-
-constexpr int kW4a16WideThreads = 256;  // 8 warps of 32 columns
-constexpr int kW4a16WideBlocksStaged = 3 * 2;  // w4a16_wide.cuh's kStages x kPerStage
-
-// The dynamic shared memory of a wide kernel of 32 or 64 rows: its staged blocks of x
-// (rows x 256 bytes) and the span's words (16 rows padded by 16 bytes), scales and zeros
-// (w4a16_wide.cuh's Stage).
-constexpr unsigned w4a16_wide_smem(int rows) {
-  return kW4a16WideBlocksStaged *
-         static_cast<unsigned>(rows * 256 + 16 * (kW4a16WideColumns * 4 + 16) +
-                               kW4a16WideColumns * 2 + kW4a16WideColumns);
-}
+constexpr int kW4a16WideColumns = 128;  // output columns of a CTA (a span)
+constexpr int kW4a16WideMaxRows = 32;
 
 // "" once the kernels are loaded on device `ordinal` (loading them on the first call),
 // else why they cannot be: no CUDA, a driver that rejects the PTX, a GPU before sm_80.
@@ -62,20 +49,12 @@ std::string w4a16_rows_check(const W4a16RowsArgs& args, int warps);
 void launch_w4a16_rows(int ordinal, const W4a16RowsArgs& args, bool bf16, int warps,
                        std::uintptr_t stream);
 
-// "" once the wgmma kernels for 17-64 rows (w4a16_wgmma.cu, sm_90a) are loaded on device
-// `ordinal`, else why not (not a compute capability 9.0 GPU, or what w4a16_rows_ready
-// says). The other kernels do not need them.
-std::string w4a16_wgmma_ready(int ordinal);
-
 // What is wrong with a wide launch's arguments, or "".
 std::string w4a16_wide_check(const W4a16WideArgs& args);
 
-// Enqueues y = x W^T (+ b) for up to 64 rows on `stream`: ceil(N / 128) x splits CTAs of
-// w4a16_wgmma.cu's kernel when `wgmma`, else w4a16_wide.cu's; with splits > 1, work holds
-// [splits, m, n] float32 and counters ceil(n / 128) zeros (zero again after the launch).
-// Throws as launch_w4a16_rows (std::runtime_error for wgmma when w4a16_wgmma_ready is not
-// "").
-void launch_w4a16_wide(int ordinal, const W4a16WideArgs& args, bool bf16, bool wgmma,
-                       std::uintptr_t stream);
+// Enqueues y = x W^T (+ b) for up to 32 rows on `stream`: ceil(N / 128) x splits CTAs;
+// with splits > 1, work holds [splits, m, n] float32 and counters ceil(n / 128) zeros
+// (zero again after the launch). Throws as launch_w4a16_rows.
+void launch_w4a16_wide(int ordinal, const W4a16WideArgs& args, bool bf16, std::uintptr_t stream);
 
 }  // namespace lmd

@@ -1,7 +1,7 @@
 """The W4A16 decode path's switches A/B'd in rotation, so that the machine's drift falls
 on every setting alike (kernels/w4a16_rows.py: NATIVE_ROWS, the native CUDA kernels for
-up to 64 rows, and WGMMA, Hopper's for 17-64; kernels/w4a16.py: PACKED_NIBBLES, and
-WIDE_N, where decode tiles go 128 columns wide). CUDA only.
+up to 64 rows; kernels/w4a16.py: PACKED_NIBBLES, and WIDE_N, where decode tiles go 128
+columns wide). CUDA only.
 
     python3 scripts/w4a16_switches.py [MODEL_DIR] [--rounds 5] [--step-rounds 2]
         [--rows 1,16] [--settings NAME ...] [--warps] [--splits M]
@@ -37,25 +37,19 @@ from lmd.engine.turbo.kernels import w4a16_rows
 from lmd.engine.turbo.kernels.w4a16 import w4a16_matmul
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
 
-# name -> (NATIVE_ROWS, WGMMA, PACKED_NIBBLES, WIDE_N)
+# name -> (NATIVE_ROWS, PACKED_NIBBLES, WIDE_N)
 SWITCHES = {
-    "native rows": (True, True, True, w4a16_kernels.WIDE_N),
-    "native, mma.sync": (True, False, True, w4a16_kernels.WIDE_N),
-    "packed, wide gate|up": (False, True, True, w4a16_kernels.WIDE_N),
-    "packed, 64 wide": (False, True, True, 1 << 30),
-    "one by one, wide gate|up": (False, True, False, w4a16_kernels.WIDE_N),
-    "one by one, 64 wide": (False, True, False, 1 << 30),
+    "native rows": (True, True, w4a16_kernels.WIDE_N),
+    "packed, wide gate|up": (False, True, w4a16_kernels.WIDE_N),
+    "packed, 64 wide": (False, True, 1 << 30),
+    "one by one, wide gate|up": (False, False, w4a16_kernels.WIDE_N),
+    "one by one, 64 wide": (False, False, 1 << 30),
 }
 DEFAULT_SETTINGS = ["native rows", "packed, wide gate|up"]
 
 
 def setting(name: str) -> None:
-    (
-        w4a16_rows.NATIVE_ROWS,
-        w4a16_rows.WGMMA,
-        w4a16_kernels.PACKED_NIBBLES,
-        w4a16_kernels.WIDE_N,
-    ) = SWITCHES[name]
+    w4a16_rows.NATIVE_ROWS, w4a16_kernels.PACKED_NIBBLES, w4a16_kernels.WIDE_N = SWITCHES[name]
 
 
 def copies_of(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

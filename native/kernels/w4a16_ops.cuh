@@ -148,16 +148,4 @@ __device__ __forceinline__ void operands(const uint32_t (&pairs)[2][4], int odd,
   }
 }
 
-// v * s in both halves, rounded once (v * s + -0).
-template <bool kBf16>
-__device__ __forceinline__ uint32_t times(uint32_t v, uint32_t s) {
-  uint32_t d;
-  if (kBf16) {
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(v), "r"(s), "r"(0x80008000u));
-  } else {
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(v), "r"(s), "r"(0x80008000u));
-  }
-  return d;
-}
-
 }  // namespace lmd_w4a16

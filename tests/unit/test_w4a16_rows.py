@@ -28,8 +28,7 @@ LLAMA3_8B = {
 }
 
 
-# name: (the virtual architecture it is compiled for, the PTX ISA it is stamped with)
-KERNELS = {"w4a16_rows": ("80", "7.0"), "w4a16_wide": ("80", "7.0"), "w4a16_wgmma": ("90a", "8.0")}
+KERNELS = ["w4a16_rows", "w4a16_wide"]
 
 
 def embedded_ptx(name: str) -> str:
@@ -102,13 +101,13 @@ def test_misaligned_addresses_are_refused() -> None:
         _native.w4a16_rows(0, 64, 64, 64, 64, 0, 64, 1, 64, 256, 258, True, 4, 0)  # stride
 
 
-WIDE_SHAPES = "m must be 1..64, n a multiple of 32, k of 128 and x_stride >= k"
+WIDE_SHAPES = "m must be 1..32, n a multiple of 32, k of 128 and x_stride >= k"
 
 
 @pytest.mark.parametrize(
     ("launch", "message"),
     [
-        ((65, 64, 256, 256, 2), WIDE_SHAPES),
+        ((33, 64, 256, 256, 2), WIDE_SHAPES),
         ((17, 48, 256, 256, 2), WIDE_SHAPES),
         ((17, 64, 256, 128, 2), WIDE_SHAPES),
         ((17, 64, 256, 256, 3), "splits must be 1..2 (k / 128)"),
@@ -121,34 +120,28 @@ def test_bad_wide_launches_are_refused_before_cuda(
 ) -> None:
     rows, n, k, stride, splits = launch
     with pytest.raises(ValueError, match=re.escape(message)):
-        _native.w4a16_wide(
-            0, 64, 64, 64, 64, 0, 64, 64, 64, rows, n, k, stride, splits, True, False, 0
-        )
+        _native.w4a16_wide(0, 64, 64, 64, 64, 0, 64, 64, 64, rows, n, k, stride, splits, True, 0)
 
 
 def test_wide_needs_aligned_x_and_work_for_splits() -> None:
     with pytest.raises(ValueError, match="misaligned"):  # x 8-byte aligned only
-        _native.w4a16_wide(0, 72, 64, 64, 64, 0, 64, 64, 64, 17, 64, 256, 256, 1, True, False, 0)
+        _native.w4a16_wide(0, 72, 64, 64, 64, 0, 64, 64, 64, 17, 64, 256, 256, 1, True, 0)
     with pytest.raises(ValueError, match="misaligned"):  # two splits, no work
-        _native.w4a16_wide(0, 64, 64, 64, 64, 0, 64, 0, 64, 17, 64, 256, 256, 2, True, False, 0)
+        _native.w4a16_wide(0, 64, 64, 64, 64, 0, 64, 0, 64, 17, 64, 256, 256, 2, True, 0)
 
 
 @pytest.mark.skipif(_native.probe_cuda()["available"], reason="this machine has CUDA")
 def test_without_cuda_it_says_why() -> None:
     assert "CUDA" in _native.w4a16_rows_ready(0)
-    assert "CUDA" in _native.w4a16_wgmma_ready(0)
     with pytest.raises(RuntimeError, match="CUDA"):
         _native.w4a16_rows(0, 64, 64, 64, 64, 0, 64, 1, 64, 256, 256, True, 4, 0)
     with pytest.raises(RuntimeError, match="CUDA"):
-        _native.w4a16_wide(0, 64, 64, 64, 64, 0, 64, 0, 0, 17, 64, 256, 256, 1, True, False, 0)
+        _native.w4a16_wide(0, 64, 64, 64, 64, 0, 64, 0, 0, 17, 64, 256, 256, 1, True, 0)
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="no ptxas (CUDA toolkit)")
-@pytest.mark.parametrize(
-    ("name", "arch"),
-    [("w4a16_rows", "sm_80"), ("w4a16_rows", "sm_90"), ("w4a16_wide", "sm_80"),
-     ("w4a16_wide", "sm_90"), ("w4a16_wgmma", "sm_90a")],
-)  # fmt: skip
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("name", KERNELS)
 def test_embedded_ptx_assembles_without_spills(tmp_path: Path, arch: str, name: str) -> None:
     ptx = tmp_path / f"{name}.ptx"
     ptx.write_text(embedded_ptx(name))
@@ -159,7 +152,7 @@ def test_embedded_ptx_assembles_without_spills(tmp_path: Path, arch: str, name: 
         check=True,
     )
     report = done.stderr
-    assert report.count("Compiling entry function") == 4, report
+    assert report.count("Compiling entry function") == {"w4a16_rows": 4, "w4a16_wide": 2}[name]
     assert "bytes spill stores" in report and " 0 bytes spill stores" in report
     assert not re.search(r"[1-9]\d* bytes spill", report), report
 
@@ -171,17 +164,16 @@ def test_embedded_ptx_is_what_the_source_compiles_to(tmp_path: Path, name: str) 
     w4a16_ops.cuh (for the nvcc release that made the embedded PTX; another release may
     word it differently)."""
     ptx = embedded_ptx(name)
-    arch, isa = KERNELS[name]
     made_by = re.search(r"Cuda compilation tools, release ([\d.]+)", ptx)
     version = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, check=True)
     if made_by is None or f"release {made_by.group(1)}," not in version.stdout:
         pytest.skip("another nvcc release than the one that made the embedded PTX")
     out = tmp_path / f"{name}.ptx"
     subprocess.run(
-        ["nvcc", "-ptx", f"-arch=compute_{arch}", "-O3", str(NATIVE / "kernels" / f"{name}.cu"),
+        ["nvcc", "-ptx", "-arch=compute_80", "-O3", str(NATIVE / "kernels" / f"{name}.cu"),
          "-o", str(out)],
         check=True,
     )  # fmt: skip
-    fresh = re.sub(r"(?m)^\.version .*$", f".version {isa}", out.read_text())
+    fresh = re.sub(r"(?m)^\.version .*$", ".version 7.0", out.read_text())
     fresh = re.sub(r"(?m)^// Compiler Build ID.*\n", "", fresh)
     assert fresh == ptx

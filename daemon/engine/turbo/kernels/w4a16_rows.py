@@ -1,13 +1,12 @@
 """The W4A16 product of a decode step's rows through lmd._native's CUDA kernels: 1-16
-rows by native/kernels/w4a16_rows.cu, 17-64 by native/kernels/w4a16_wgmma.cu on Hopper
-(w4a16_wide.cu elsewhere). They feed the tensor cores with the codes made into 16-bit
-operands two at a time in registers, 16-byte loads of the packed weights, the next block
-of K loaded while the current one is multiplied; the 17-64-row ones share x among a
-CTA's 128 columns through shared memory and split K over CTAs, summed in split order by
-the last CTA of a span.
+rows by native/kernels/w4a16_rows.cu, 17-32 by native/kernels/w4a16_wide.cu. Both run
+mma.sync on the tensor cores with the codes made into 16-bit operands two at a time in
+registers, 16-byte loads of the packed weights, the next block of K loaded while the
+current one is multiplied; the wide one shares x among a CTA's 128 columns through
+shared memory and splits K over CTAs, summed in split order by the last CTA of a span.
 
 They read the layout that kernels/w4a16.py's Triton tiles read (quant/w4a16.py), so
-they need no copy of the weights; they take 1-64 rows of bf16 or fp16, groups of 128
+they need no copy of the weights; they take 1-32 rows of bf16 or fp16, groups of 128
 inputs and a multiple of 32 output columns, and `native_rows` says False for anything
 else (the caller then runs the Triton tiles). The launch goes on PyTorch's current
 stream, so a decode step's CUDA graph captures it.
@@ -20,23 +19,21 @@ import logging
 import torch
 from torch import Tensor
 
-from lmd._native import w4a16_rows, w4a16_rows_ready, w4a16_wgmma_ready, w4a16_wide
+from lmd._native import w4a16_rows, w4a16_rows_ready, w4a16_wide
 
 log = logging.getLogger(__name__)
 
 NATIVE_ROWS = True  # off: decode rows go to the Triton tiles (scripts' A/B runs)
-WGMMA = True  # off: 17-64 rows go to w4a16_wide.cu's mma.sync on Hopper too (A/B, tests)
 MAX_ROWS = 16  # the rows kernel's; the wide kernel's is WIDE_MAX_ROWS
-WIDE_MAX_ROWS = 64
+WIDE_MAX_ROWS = 32  # from 33 rows the Triton tiles were as fast (docs/benchmarks.md)
 GROUP = 128
 COLUMNS = 32  # output columns of a rows kernel's CTA
-SPAN = 256  # output columns of a wide kernel's CTA
+SPAN = 128  # output columns of a wide kernel's CTA
 MAX_SPANS = 4096  # a wide product's spans, so N <= 524,288 (each has a counter)
 WARPS_PER_SM = 16  # what the kernels' registers leave room for at up to 8 rows (8 above)
-WIDE_CTAS_PER_SM = 1  # the wide kernels' (their __launch_bounds__)
+WIDE_CTAS_PER_SM = 2  # the wide kernel's (its __launch_bounds__)
 
 _ready: dict[int, bool] = {}
-_wgmma: dict[int, bool] = {}
 _counters: dict[tuple[int, int], Tensor] = {}  # by (device, stream): launches there are ordered
 
 
@@ -53,16 +50,6 @@ def ready(device: torch.device) -> bool:
     return _ready[index]
 
 
-def wgmma_ready(index: int) -> bool:
-    """Are the wgmma kernels loaded on cuda:index (an sm_90 GPU)? Logs once why not."""
-    if index not in _wgmma:
-        why = w4a16_wgmma_ready(index)
-        if why:
-            log.info("W4A16 17-64 rows on cuda:%d take mma.sync, not wgmma: %s", index, why)
-        _wgmma[index] = not why
-    return _wgmma[index]
-
-
 def default_warps(m: int, n: int, k: int, num_sms: int) -> int:
     """Warps a CTA, each taking every warps-th block of K: the most (a power of two) that
     keep all N / 32 CTAs resident in one wave, but at least 4. Measured at M = 1 on an
@@ -76,8 +63,8 @@ def default_warps(m: int, n: int, k: int, num_sms: int) -> int:
 
 
 def default_splits(n: int, k: int, num_sms: int) -> int:
-    """Ranges of K for the wide kernels: as many as give every multiprocessor its three
-    CTAs (rounded down), at most one a block of K."""
+    """Ranges of K for the wide kernel: as many as give every multiprocessor its two CTAs
+    (rounded down), at most one a block of K."""
     spans = -(-n // SPAN)
     return max(1, min(k // GROUP, WIDE_CTAS_PER_SM * num_sms // spans))
 
@@ -161,7 +148,6 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
             x.stride(0),
             splits,
             x.dtype == torch.bfloat16,
-            WGMMA and wgmma_ready(device),
             stream,
         )
         return True
