@@ -213,31 +213,27 @@ __device__ __forceinline__ void w4a16_wide(const W4a16Wide& a) {
   uint32_t magic = kBf16 ? 0x43004300u : 0x64006400u;
   asm("" : "+r"(mask), "+r"(magic));
 
-  // The CTA's blocks i = 0 .. count - 1 in an order rotated by the span, so that the spans
-  // do not all read the same block of x from L2 at once (with 64-row stages: 1.4x faster).
-  const int count = end - first;
-  const auto block_of = [&](int i) { return first + (i + span) % count; };
   float acc[kTiles][2][4] = {};
   Weights even;
   Weights odd;
-  stage_x<kRows>(stages[0], a, block_of(0));
+  stage_x<kRows>(stages[0], a, first);
   commit();
-  load_weights(even, a, block_of(0), load_col, t);
-  for (int i = 0; i < count; i += 2) {
-    // Blocks 0, 2, ... in `even` and stage 0; the others in `odd` and stage 1.
-    if (i + 1 < count) {
-      stage_x<kRows>(stages[1], a, block_of(i + 1));
-      load_weights(odd, a, block_of(i + 1), load_col, t);
+  load_weights(even, a, first, load_col, t);
+  for (int kb = first; kb < end; kb += 2) {
+    // Blocks first, first + 2, ... in `even` and stage 0; the others in `odd` and stage 1.
+    if (kb + 1 < end) {
+      stage_x<kRows>(stages[1], a, kb + 1);
+      load_weights(odd, a, kb + 1, load_col, t);
     }
     commit();
     wait_all_but_one();
     __syncthreads();
     multiply_block<kBf16>(even, stages[0], lane, mask, magic, acc);
     __syncthreads();  // stage 0 is free again
-    if (i + 1 >= count) break;
-    if (i + 2 < count) {
-      stage_x<kRows>(stages[0], a, block_of(i + 2));
-      load_weights(even, a, block_of(i + 2), load_col, t);
+    if (kb + 1 >= end) break;
+    if (kb + 2 < end) {
+      stage_x<kRows>(stages[0], a, kb + 2);
+      load_weights(even, a, kb + 2, load_col, t);
     }
     commit();
     wait_all_but_one();
@@ -290,7 +286,7 @@ __device__ __forceinline__ void w4a16_wide(const W4a16Wide& a) {
 
 }  // namespace lmd_w4a16
 
-// Three CTAs a multiprocessor: at most 168 registers a thread (ptxas: 164 at 32 rows).
+// Three CTAs a multiprocessor: at most 168 registers a thread (ptxas: 163).
 #define LMD_W4A16_WIDE(dtype, bf16, rows, tiles)                                          \
   extern "C" __global__ void __launch_bounds__(32 * lmd_w4a16::kWarps, 3)                \
       lmd_w4a16_wide_##dtype##_m##rows(const W4a16Wide a) {                              \

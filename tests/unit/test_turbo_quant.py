@@ -23,6 +23,7 @@ from lmd.engine.backend import BackendError
 
 from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.kv_pool import KVPool
+from lmd.engine.turbo.kernels import fp8 as fp8_kernels
 from lmd.engine.turbo.backend import TurboBackend
 from lmd.engine.turbo.quant.fp8 import Fp8Weight, fp8_supported
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
@@ -163,17 +164,24 @@ def test_quantized_kv_blocks_copied_byte_for_byte_continue_the_same_decode(
 
 
 @pytest.mark.skipif(fp8_supported(DEVICE) is not None, reason="FP8 GEMMs need Hopper")
-def test_fp8_at_load_stays_close_to_the_dequantized_model(llama_dir: Path) -> None:
-    """FP8 also quantizes each token's activations (e4m3: 3 mantissa bits), so it is
-    not the dequantized model's math: logits within 6% (measured ~2%), same top-1."""
+def test_fp8_at_load_stays_close_to_the_dequantized_model(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The weights' path alone (activations kept 16-bit, as up to SMALL_ROWS rows) is the
+    dequantized model's math to bf16 rounding: measured 0.7% (H200, 2026-11-29), bound 2%.
+    With each token's activations rounded to e4m3 before each GEMM (3 mantissa bits: ~3.6%
+    rms a value), as for these 60 rows packed in one forward, it is not: measured 5.0% and
+    6.4% on two H200 runs, bound 10%."""
     turbo = TurboBackend(llama_dir, DEVICE, torch.bfloat16, quantization="fp8")
     assert turbo.quantization == "fp8 (per channel, at load)"
     ref = dequantized_reference(llama_dir, turbo)
     prompts = random_prompts([3, 17, 40], turbo.vocab_size, seed=4)
-    ours = all_logits(turbo, prompts, pool(turbo))
-    theirs = reference_logits(ref, prompts)
-    rel = float(torch.cat(ours).sub(torch.cat(theirs)).norm() / torch.cat(theirs).norm())
-    assert rel < 6e-2, f"relative error {rel:.2e}"
+    theirs = torch.cat(reference_logits(ref, prompts))
+    for small_rows, bound in ((1 << 30, 2e-2), (fp8_kernels.SMALL_ROWS, 1e-1)):
+        monkeypatch.setattr(fp8_kernels, "SMALL_ROWS", small_rows)
+        ours = torch.cat(all_logits(turbo, prompts, pool(turbo)))
+        rel = float(ours.sub(theirs).norm() / theirs.norm())
+        assert rel < bound, f"relative error {rel:.2e} with SMALL_ROWS {small_rows}"
 
 
 def test_w4a16_pads_inputs_off_its_layout(tmp_path: Path) -> None:
