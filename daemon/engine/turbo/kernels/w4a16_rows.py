@@ -31,21 +31,25 @@ COLUMNS = 32  # output columns of a rows kernel's CTA
 SPAN = 128  # output columns of a wide kernel's CTA
 MAX_SPANS = 4096  # a wide product's spans, so N <= 524,288 (each has a counter)
 WARPS_PER_SM = 16  # what the kernels' registers leave room for at up to 8 rows (8 above)
-WIDE_CTAS_PER_SM = 2  # the wide kernel's (its __launch_bounds__)
+WIDE_CTAS_PER_SM = 2  # what default_splits plans for (3 fit; 2 measured best at 64 rows)
 
 _ready: dict[int, bool] = {}
-_counters: dict[tuple[int, int], Tensor] = {}  # by (device, stream): launches there are ordered
+# A device's span counters for the wide kernel, zero between launches: its launches must
+# not overlap in time (one stream; lmd runs one forward at a time a process).
+_counters: dict[int, Tensor] = {}
 
 
 def ready(device: torch.device) -> bool:
     """Are the kernels loaded on this CUDA device? Loads them on the first call (the
-    driver compiles the PTX: call it before a CUDA graph is captured); logs once why
-    not."""
+    driver compiles the PTX, and the wide kernel's counters are allocated: call it
+    before a CUDA graph is captured); logs once why not."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _ready:
         why = w4a16_rows_ready(index)
         if why:
             log.warning("W4A16 decode rows go to the Triton tiles on cuda:%d: %s", index, why)
+        else:
+            _counters[index] = torch.zeros(MAX_SPANS, dtype=torch.int32, device=device)
         _ready[index] = not why
     return _ready[index]
 
@@ -69,13 +73,6 @@ def default_splits(n: int, k: int, num_sms: int) -> int:
     return max(1, min(k // GROUP, WIDE_CTAS_PER_SM * num_sms // spans))
 
 
-def _span_counters(device: torch.device, stream: int) -> Tensor:
-    key = (device.index or 0, stream)
-    if key not in _counters:
-        _counters[key] = torch.zeros(MAX_SPANS, dtype=torch.int32, device=device)
-    return _counters[key]
-
-
 def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds them
     x: Tensor,
     qweight: Tensor,
@@ -92,8 +89,8 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
     product and is loaded on x's device; False (y untouched) otherwise. Shapes as
     w4a16_matmul's; `warps` (a rows kernel's CTA) overrides default_warps, `splits` (the
     wide kernel's) default_splits (scripts/w4a16_switches.py). Besides the shapes, their
-    loads need x's rows 8-byte aligned (16 from 17 rows on), the weight's tensors
-    contiguous and aligned."""
+    loads need x's rows 8-byte aligned (16 from 17 rows on, and y and the bias 8), the
+    weight's tensors contiguous and aligned."""
     m, k = x.shape
     n = qweight.shape[1]
     wide = m > MAX_ROWS
@@ -111,14 +108,18 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
         and x.stride(0) % (8 if wide else 4) == 0
         and x.data_ptr() % (16 if wide else 8) == 0
         and y.is_contiguous()
-        and y.data_ptr() % 8 == 0
+        and y.data_ptr() % (8 if wide else 2) == 0
         and all(
             t.is_contiguous() and t.data_ptr() % align == 0
             for t, align in ((qweight, 16), (scales, 8), (zeros, 4))
         )
         and (
             bias is None
-            or (bias.is_contiguous() and bias.dtype == x.dtype and bias.data_ptr() % 8 == 0)
+            or (
+                bias.is_contiguous()
+                and bias.dtype == x.dtype
+                and bias.data_ptr() % (8 if wide else 2) == 0
+            )
         )
     )
     if not takes or not ready(x.device):
@@ -141,7 +142,7 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
             bias.data_ptr() if bias is not None else 0,
             y.data_ptr(),
             work.data_ptr() if work is not None else 0,
-            _span_counters(x.device, stream).data_ptr() if work is not None else 0,
+            _counters[device].data_ptr() if work is not None else 0,
             m,
             n,
             k,
