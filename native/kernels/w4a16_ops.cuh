@@ -148,4 +148,49 @@ __device__ __forceinline__ void operands(const uint32_t (&pairs)[2][4], int odd,
   }
 }
 
+// acc[nt][h][d] += a block of 128 inputs for a lane: tile h's (columns 4g + 2h, 4g + 2h +
+// 1) mma output d for x rows of tile nt (d 0, 1 column 4g + 2h at rows 8 nt + 2t, +1; d 2,
+// 3 column 4g + 2h + 1). w: the lane's four word rows, s and z its columns' scales and
+// zeros; step_b(j, i, bx) sets bx[u] to B's fragment of tile kPer i + u at step j (kPer
+// tiles a fetch). The group's exact products are summed in float32 and scaled once.
+template <bool kBf16, int kTiles, int kPer, typename StepB>
+__device__ __forceinline__ void multiply_steps(const uint4 (&w)[4], uint2 s, uint32_t z,
+                                               uint32_t mask, uint32_t magic,
+                                               const StepB& step_b,
+                                               float (&acc)[kTiles][2][4]) {
+  uint32_t neg[4];
+  float scale[4];
+  column_constants<kBf16>(s, z, neg, scale);
+  float part[kTiles][2][4] = {};
+#pragma unroll
+  for (int byte = 0; byte < 4; ++byte) {  // steps 2 byte (low nibbles), 2 byte + 1 (high)
+    uint32_t pairs[2][4];
+    gather_pairs(w, byte, pairs);
+#pragma unroll
+    for (int odd = 0; odd < 2; ++odd) {
+      const int j = 2 * byte + odd;
+      uint32_t a[2][4];
+      operands<kBf16>(pairs, odd, mask, magic, neg, a);
+#pragma unroll
+      for (int i = 0; i < kTiles / kPer; ++i) {
+        uint2 bx[kPer];
+        step_b(j, i, bx);
+#pragma unroll
+        for (int u = 0; u < kPer; ++u) {
+          mma<kBf16>(part[kPer * i + u][0], a[0], bx[u]);
+          mma<kBf16>(part[kPer * i + u][1], a[1], bx[u]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < kTiles; ++nt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int d = 0; d < 4; ++d) acc[nt][h][d] += scale[2 * h + d / 2] * part[nt][h][d];
+    }
+  }
+}
+
 }  // namespace lmd_w4a16

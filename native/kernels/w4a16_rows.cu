@@ -83,39 +83,11 @@ __device__ __forceinline__ void load_block(Block<kTiles>& b, const W4a16Rows& a,
   b.z = load4(a.z + at);
 }
 
-// acc[nt][h][d]: tile h's (columns 4g + 2h, 4g + 2h + 1) mma output d for x rows of tile
-// nt: d 0, 1 column 4g + 2h at rows 8 nt + 2t, +1; d 2, 3 column 4g + 2h + 1.
 template <bool kBf16, int kTiles>
 __device__ __forceinline__ void multiply_block(const Block<kTiles>& b, uint32_t mask,
                                                uint32_t magic, float (&acc)[kTiles][2][4]) {
-  uint32_t neg[4];
-  float scale[4];
-  column_constants<kBf16>(b.s, b.z, neg, scale);
-  float part[kTiles][2][4] = {};
-#pragma unroll
-  for (int byte = 0; byte < 4; ++byte) {  // steps 2 byte (low nibbles), 2 byte + 1 (high)
-    uint32_t pairs[2][4];
-    gather_pairs(b.w, byte, pairs);
-#pragma unroll
-    for (int odd = 0; odd < 2; ++odd) {
-      const int j = 2 * byte + odd;
-      uint32_t a[2][4];
-      operands<kBf16>(pairs, odd, mask, magic, neg, a);
-#pragma unroll
-      for (int nt = 0; nt < kTiles; ++nt) {
-        mma<kBf16>(part[nt][0], a[0], b.x[nt][j]);
-        mma<kBf16>(part[nt][1], a[1], b.x[nt][j]);
-      }
-    }
-  }
-#pragma unroll
-  for (int nt = 0; nt < kTiles; ++nt) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int d = 0; d < 4; ++d) acc[nt][h][d] += scale[2 * h + d / 2] * part[nt][h][d];
-    }
-  }
+  const auto step_b = [&](int j, int nt, uint2 (&bx)[1]) { bx[0] = b.x[nt][j]; };
+  multiply_steps<kBf16, kTiles, 1>(b.w, b.s, b.z, mask, magic, step_b, acc);
 }
 
 template <bool kBf16, int kTiles>

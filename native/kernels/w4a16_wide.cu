@@ -113,48 +113,22 @@ __device__ __forceinline__ void stage_x(uint32_t stage, const W4a16Wide& a, int 
   }
 }
 
-// acc[nt][h][d]: tile h's column 4g + 2h + d / 2 for x row 8 nt + 2t + d % 2.
+// B out of the stage: ldmatrix.x4's lane l points at row l % 8 of matrix l / 8 = (tile 2i
+// + l / 16, inputs 16 j + 8 (l / 8 % 2) ..); registers 0, 1 are tile 2i's B fragment, 2,
+// 3 tile 2i+1's.
 template <bool kBf16, int kTiles>
 __device__ __forceinline__ void multiply_block(const Weights& b, uint32_t stage, int lane,
                                                uint32_t mask, uint32_t magic,
                                                float (&acc)[kTiles][2][4]) {
-  uint32_t neg[4];
-  float scale[4];
-  column_constants<kBf16>(b.s, b.z, neg, scale);
-  // ldmatrix.x4: lane l points at row l % 8 of matrix l / 8 = (tile 2i + l / 16, inputs
-  // 16 j + 8 (l / 8 % 2) ..); registers 0, 1 are tile 2i's B fragment, 2, 3 tile 2i+1's.
-  const uint32_t rows = stage + 2 * ((8 * (lane >> 4) + (lane & 7)) * kPitch + 8 * ((lane >> 3) & 1));
-  float part[kTiles][2][4] = {};
-#pragma unroll
-  for (int byte = 0; byte < 4; ++byte) {
-    uint32_t pairs[2][4];
-    gather_pairs(b.w, byte, pairs);
-#pragma unroll
-    for (int odd = 0; odd < 2; ++odd) {
-      const int j = 2 * byte + odd;
-      uint32_t a[2][4];
-      operands<kBf16>(pairs, odd, mask, magic, neg, a);
-#pragma unroll
-      for (int i = 0; i < kTiles / 2; ++i) {
-        uint32_t bx[4];
-        ldmatrix4(bx, rows + 2 * (16 * i * kPitch + 16 * j));
-        const uint2 lo = make_uint2(bx[0], bx[1]);
-        const uint2 hi = make_uint2(bx[2], bx[3]);
-        mma<kBf16>(part[2 * i][0], a[0], lo);
-        mma<kBf16>(part[2 * i][1], a[1], lo);
-        mma<kBf16>(part[2 * i + 1][0], a[0], hi);
-        mma<kBf16>(part[2 * i + 1][1], a[1], hi);
-      }
-    }
-  }
-#pragma unroll
-  for (int nt = 0; nt < kTiles; ++nt) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int d = 0; d < 4; ++d) acc[nt][h][d] += scale[2 * h + d / 2] * part[nt][h][d];
-    }
-  }
+  const uint32_t rows =
+      stage + 2 * ((8 * (lane >> 4) + (lane & 7)) * kPitch + 8 * ((lane >> 3) & 1));
+  const auto step_b = [&](int j, int i, uint2 (&bx)[2]) {
+    uint32_t r[4];
+    ldmatrix4(r, rows + 2 * (16 * i * kPitch + 16 * j));
+    bx[0] = make_uint2(r[0], r[1]);
+    bx[1] = make_uint2(r[2], r[3]);
+  };
+  multiply_steps<kBf16, kTiles, 2>(b.w, b.s, b.z, mask, magic, step_b, acc);
 }
 
 template <bool kBf16>
@@ -219,46 +193,27 @@ __device__ __forceinline__ void w4a16_wide(const W4a16Wide& a) {
   stage_x<kRows>(stages[0], a, first);
   commit();
   load_weights(even, a, first, load_col, t);
-  for (int kb = first; kb < end; kb += 2) {
-    // Blocks first, first + 2, ... in `even` and stage 0; the others in `odd` and stage 1.
+  // Block kb in `cur` and stage s: block kb + 1's x and weights fetched into the others
+  // first, then kb multiplied.
+  const auto turn = [&](Weights& cur, Weights& next, int s, int kb) {
     if (kb + 1 < end) {
-      stage_x<kRows>(stages[1], a, kb + 1);
-      load_weights(odd, a, kb + 1, load_col, t);
+      stage_x<kRows>(stages[s ^ 1], a, kb + 1);
+      load_weights(next, a, kb + 1, load_col, t);
     }
     commit();
     wait_all_but_one();
     __syncthreads();
-    multiply_block<kBf16>(even, stages[0], lane, mask, magic, acc);
-    __syncthreads();  // stage 0 is free again
+    multiply_block<kBf16>(cur, stages[s], lane, mask, magic, acc);
+    __syncthreads();  // stage s is free again
+  };
+  for (int kb = first; kb < end; kb += 2) {  // blocks first, first + 2, ... in `even`
+    turn(even, odd, 0, kb);
     if (kb + 1 >= end) break;
-    if (kb + 2 < end) {
-      stage_x<kRows>(stages[0], a, kb + 2);
-      load_weights(even, a, kb + 2, load_col, t);
-    }
-    commit();
-    wait_all_but_one();
-    __syncthreads();
-    multiply_block<kBf16>(odd, stages[1], lane, mask, magic, acc);
-    __syncthreads();
+    turn(odd, even, 1, kb + 1);
   }
 
-  // A lane holds, for x row 8 nt + 2t + e, columns col .. col + 3.
-  if (a.splits == 1) {
-    if (!stores) return;
-#pragma unroll
-    for (int nt = 0; nt < kTiles; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int row = 8 * nt + 2 * t + e;
-        if (row >= a.m) continue;
-        const float4 v = plus_bias<kBf16>(
-            make_float4(acc[nt][0][e], acc[nt][0][2 + e], acc[nt][1][e], acc[nt][1][2 + e]), a,
-            col);
-        store8(a.y + static_cast<size_t>(row) * a.n + col, pack4<kBf16>(v.x, v.y, v.z, v.w));
-      }
-    }
-    return;
-  }
+  // A lane holds, for x row 8 nt + 2t + e, columns col .. col + 3: y's with one split,
+  // else this split's float32 sums in work.
   if (stores) {
 #pragma unroll
     for (int nt = 0; nt < kTiles; ++nt) {
@@ -266,17 +221,26 @@ __device__ __forceinline__ void w4a16_wide(const W4a16Wide& a) {
       for (int e = 0; e < 2; ++e) {
         const int row = 8 * nt + 2 * t + e;
         if (row >= a.m) continue;
-        float* to = a.work + (static_cast<size_t>(blockIdx.y) * a.m + row) * a.n + col;
-        asm volatile("st.global.cg.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(to),
-                     "f"(acc[nt][0][e]), "f"(acc[nt][0][2 + e]), "f"(acc[nt][1][e]),
-                     "f"(acc[nt][1][2 + e])
-                     : "memory");
+        float4 v =
+            make_float4(acc[nt][0][e], acc[nt][0][2 + e], acc[nt][1][e], acc[nt][1][2 + e]);
+        if (a.splits == 1) {
+          v = plus_bias<kBf16>(v, a, col);
+          store8(a.y + static_cast<size_t>(row) * a.n + col, pack4<kBf16>(v.x, v.y, v.z, v.w));
+        } else {
+          float* to = a.work + (static_cast<size_t>(blockIdx.y) * a.m + row) * a.n + col;
+          asm volatile("st.global.cg.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(to), "f"(v.x),
+                       "f"(v.y), "f"(v.z), "f"(v.w)
+                       : "memory");
+        }
       }
     }
   }
+  if (a.splits == 1) return;
   __threadfence();  // this CTA's sums are visible before its count is
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(a.counters + span, 1u) == static_cast<unsigned>(a.splits) - 1;
+  if (threadIdx.x == 0) {
+    last = atomicAdd(a.counters + span, 1u) == static_cast<unsigned>(a.splits) - 1;
+  }
   __syncthreads();
   if (!last) return;
   __threadfence();
@@ -286,7 +250,7 @@ __device__ __forceinline__ void w4a16_wide(const W4a16Wide& a) {
 
 }  // namespace lmd_w4a16
 
-// Three CTAs a multiprocessor: at most 168 registers a thread (ptxas: 163).
+// Three CTAs a multiprocessor: at most 168 registers a thread (ptxas: 158).
 #define LMD_W4A16_WIDE(dtype, bf16, rows, tiles)                                          \
   extern "C" __global__ void __launch_bounds__(32 * lmd_w4a16::kWarps, 3)                \
       lmd_w4a16_wide_##dtype##_m##rows(const W4a16Wide a) {                              \
