@@ -48,6 +48,9 @@ def embedded_ptx(out_dir: str = "build/ptx") -> list[str]:
 native = Pybind11Extension(
     "lmd._native",
     sorted(glob("native/*.cpp")) + embedded_ptx(),
+    # A changed header rebuilds the module (without it, a stale .so once launched a new
+    # kernel with an old header's sizes).
+    depends=sorted(glob("native/*.h")),
     include_dirs=["native"],
     cxx_std=17,
     extra_compile_args=["-O3", "-Wall"],

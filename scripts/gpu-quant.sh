@@ -23,7 +23,7 @@ tests)  # tests [PYTEST FILES...]: default the quantization tests, compiled
   [[ -f .gpu-assets/smol-part-aa ]] && cp .gpu-assets/smol-part-aa /tmp/
   shift
   files=("$@")
-  ((${#files[@]})) || files=(tests/gpu/test_w4a16_gpu.py tests/gpu/test_fp8_gpu.py
+  ((${#files[@]})) || files=(tests/gpu/test_w4a16_gpu.py tests/gpu/test_w4a16_rows_gpu.py tests/gpu/test_fp8_gpu.py
     tests/gpu/test_kv_quant_gpu.py tests/unit/test_turbo_quant.py tests/unit/test_turbo_w4a16.py
     tests/unit/test_turbo_fp8.py tests/unit/test_turbo_kv_quant.py)
   timeout 300 python3 -m pytest -q -ra -p no:cacheprovider --timeout 200 "${files[@]}" 2>&1 \
