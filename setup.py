@@ -48,9 +48,7 @@ def embedded_ptx(out_dir: str = "build/ptx") -> list[str]:
 native = Pybind11Extension(
     "lmd._native",
     sorted(glob("native/*.cpp")) + embedded_ptx(),
-    # A changed header rebuilds the module (without it, a stale .so once launched a new
-    # kernel with an old header's sizes).
-    depends=sorted(glob("native/*.h")),
+    depends=sorted(glob("native/*.h")),  # a changed header rebuilds the module
     include_dirs=["native"],
     cxx_std=17,
     extra_compile_args=["-O3", "-Wall"],

@@ -60,6 +60,26 @@ const Loaded& loaded_on(int ordinal) {
   return it->second;
 }
 
+const Loaded& loaded_or_throw(int ordinal) {
+  const Loaded& l = loaded_on(ordinal);
+  if (!l.error.empty()) throw std::runtime_error(l.error);
+  return l;
+}
+
+// Enqueues `kernel` with `args` as its one parameter on `stream`, in the primary context.
+template <typename Args>
+void launch(const Loaded& l, cu::Function kernel, const Args& args, unsigned grid_x,
+            unsigned grid_y, unsigned threads, unsigned shared_bytes, std::uintptr_t stream,
+            const char* what) {
+  const CudaDriver& d = cuda_driver();
+  Args copy = args;
+  void* params[] = {&copy};
+  ScopedContext scope(d, l.context);
+  d.check(d.cuLaunchKernel(kernel, grid_x, grid_y, 1, threads, 1, 1, shared_bytes,
+                           reinterpret_cast<cu::Stream>(stream), params, nullptr),
+          what);
+}
+
 }  // namespace
 
 std::string w4a16_rows_ready(int ordinal) {
@@ -87,24 +107,16 @@ void launch_w4a16_rows(int ordinal, const W4a16RowsArgs& args, bool bf16, int wa
                        std::uintptr_t stream) {
   const std::string wrong = w4a16_rows_check(args, warps);
   if (!wrong.empty()) throw std::invalid_argument(wrong);
-  const Loaded& l = loaded_on(ordinal);
-  if (!l.error.empty()) throw std::runtime_error(l.error);
-  const CudaDriver& d = cuda_driver();
-  cu::Function kernel = l.kernels[bf16 ? 1 : 0][args.m > 8 ? 1 : 0];
+  const Loaded& l = loaded_or_throw(ordinal);
   const unsigned sums = static_cast<unsigned>(warps) * (args.m > 8 ? 16 : 8) * 32 * 4;
-  W4a16RowsArgs copy = args;
-  void* params[] = {&copy};
-  ScopedContext scope(d, l.context);
-  const unsigned grid = static_cast<unsigned>(args.n / kW4a16RowsColumns);
-  d.check(d.cuLaunchKernel(kernel, grid, 1, 1,
-                           static_cast<unsigned>(warps) * 32, 1, 1, sums,
-                           reinterpret_cast<cu::Stream>(stream), params, nullptr),
-          "cuLaunchKernel(w4a16_rows)");
+  launch(l, l.kernels[bf16 ? 1 : 0][args.m > 8 ? 1 : 0], args,
+         static_cast<unsigned>(args.n / kW4a16RowsColumns), 1,
+         static_cast<unsigned>(warps) * 32, sums, stream, "cuLaunchKernel(w4a16_rows)");
 }
 
 std::string w4a16_wide_check(const W4a16WideArgs& a) {
-  if (a.m < 1 || a.m > kW4a16WideMaxRows || a.n < 1 || a.n % 32 || a.k < 128 || a.k % 128 ||
-      a.x_stride < a.k) {
+  if (a.m < 1 || a.m > kW4a16WideMaxRows || a.n < 1 || a.n % kW4a16RowsColumns || a.k < 128 ||
+      a.k % 128 || a.x_stride < a.k) {
     return "w4a16_wide: m must be 1..32, n a multiple of 32, k of 128 and x_stride >= k";
   }
   if (a.splits < 1 || a.splits > a.k / 128) {
@@ -122,17 +134,11 @@ std::string w4a16_wide_check(const W4a16WideArgs& a) {
 void launch_w4a16_wide(int ordinal, const W4a16WideArgs& args, bool bf16, std::uintptr_t stream) {
   const std::string wrong = w4a16_wide_check(args);
   if (!wrong.empty()) throw std::invalid_argument(wrong);
-  const Loaded& l = loaded_on(ordinal);
-  if (!l.error.empty()) throw std::runtime_error(l.error);
-  const CudaDriver& d = cuda_driver();
-  cu::Function kernel = l.wide[bf16 ? 1 : 0];
-  W4a16WideArgs copy = args;
-  void* params[] = {&copy};
-  ScopedContext scope(d, l.context);
-  const unsigned spans = static_cast<unsigned>((args.n + kW4a16WideColumns - 1) / kW4a16WideColumns);
-  d.check(d.cuLaunchKernel(kernel, spans, static_cast<unsigned>(args.splits), 1, 128, 1, 1, 0,
-                           reinterpret_cast<cu::Stream>(stream), params, nullptr),
-          "cuLaunchKernel(w4a16_wide)");
+  const Loaded& l = loaded_or_throw(ordinal);
+  const int spans = (args.n + kW4a16WideColumns - 1) / kW4a16WideColumns;
+  launch(l, l.wide[bf16 ? 1 : 0], args, static_cast<unsigned>(spans),
+         static_cast<unsigned>(args.splits), kW4a16WideThreads, 0, stream,
+         "cuLaunchKernel(w4a16_wide)");
 }
 
 }  // namespace lmd

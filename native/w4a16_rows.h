@@ -34,6 +34,7 @@ struct W4a16WideArgs {
 static_assert(sizeof(W4a16WideArgs) == 88, "must match W4a16Wide in w4a16_wide.cu");
 
 constexpr int kW4a16WideColumns = 128;  // output columns of a CTA (a span)
+constexpr int kW4a16WideThreads = 128;  // 4 warps of 32 columns
 constexpr int kW4a16WideMaxRows = 32;
 
 // "" once the kernels are loaded on device `ordinal` (loading them on the first call),

@@ -1,6 +1,6 @@
 """The W4A16 decode path's switches A/B'd in rotation, so that the machine's drift falls
 on every setting alike (kernels/w4a16_rows.py: NATIVE_ROWS, the native CUDA kernels for
-up to 64 rows; kernels/w4a16.py: PACKED_NIBBLES, and WIDE_N, where decode tiles go 128
+up to 32 rows; kernels/w4a16.py: PACKED_NIBBLES, and WIDE_N, where decode tiles go 128
 columns wide). CUDA only.
 
     python3 scripts/w4a16_switches.py [MODEL_DIR] [--rounds 5] [--step-rounds 2]

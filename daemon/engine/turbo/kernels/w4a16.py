@@ -16,7 +16,7 @@ its own tl.dot, and the loads feed the dots the way Triton pipelines. (Packed al
 plain order, k = 8 r + j as GPTQ does, the 8 nibbles of a word would have to be
 interleaved back into K order, a shuffle through shared memory per tile: 4x slower.)
 
-On CUDA, 1 to 16 rows in bf16 or fp16 with groups of 128 go to lmd._native's CUDA kernel
+On CUDA, 1 to 32 rows in bf16 or fp16 with groups of 128 go to lmd._native's CUDA kernels
 instead (kernels/w4a16_rows.py: mma.sync on this layout; the batch-1 decode step of an
 8B model 3.45 -> 2.32 ms on an H200, docs/benchmarks.md); the tiles below take the rest.
 

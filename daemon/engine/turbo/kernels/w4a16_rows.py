@@ -129,17 +129,22 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     bf16 = x.dtype == torch.bfloat16
     b = 0 if bias is None else bias.data_ptr()
-    addresses = (x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), b)
+    addresses = (
+        x.data_ptr(),
+        qweight.data_ptr(),
+        scales.data_ptr(),
+        zeros.data_ptr(),
+        b,
+        y.data_ptr(),
+    )
     if not wide:
         warps = default_warps(m, n, k, num_sms) if warps is None else warps
-        w4a16_rows(device, *addresses, y.data_ptr(), m, n, k, x.stride(0), bf16, warps, stream)
+        w4a16_rows(device, *addresses, m, n, k, x.stride(0), bf16, warps, stream)
         return True
     splits = default_splits(n, k, num_sms) if splits is None else splits
     work = counters = 0
     if splits > 1:  # the splits' float32 sums, added by the last CTA of each span
         buffer = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
         work, counters = buffer.data_ptr(), _counters[device].data_ptr()
-    w4a16_wide(
-        device, *addresses, y.data_ptr(), work, counters, m, n, k, x.stride(0), splits, bf16, stream
-    )
+    w4a16_wide(device, *addresses, work, counters, m, n, k, x.stride(0), splits, bf16, stream)
     return True
