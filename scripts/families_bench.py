@@ -4,7 +4,7 @@ against the HBM floor (docs/benchmarks.md, "turbo for Qwen3 and mixtures of expe
     python3 scripts/families_bench.py MODEL_DIR [--batches 1,64,512] [--input-len 512]
         [--output-len 256] [--backend turbo] [--quantization w4a16|fp8]
         [--kv-cache-dtype int8|fp8] [--separate-batch1] [--separate-activation]
-        [--separate-experts]
+        [--separate-experts] [--wide-max-rows 16]
 
 One Engine for every batch (max_batch_size = the largest), the prompts and the timing of
 `lmd-bench offline` (random ids, greedy, ignore_eos, prefill included), after a warm-up
@@ -32,6 +32,7 @@ from lmd.bench.offline import random_prompts, time_engine
 from lmd.engine.config import EngineConfig
 from lmd.engine.engine import Engine
 from lmd.engine.kv_pool import block_bytes_of
+from lmd.engine.turbo.kernels import w4a16_rows
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -111,7 +112,15 @@ def main() -> None:
         action="store_true",
         help="the batch-1 step again with a layer of experts through kernels/moe.py",
     )
+    parser.add_argument(
+        "--wide-max-rows",
+        type=int,
+        default=None,
+        help="W4A16: the most rows the native wide kernel takes (16: the Triton tiles past 16)",
+    )
     args = parser.parse_args()
+    if args.wide_max_rows is not None:
+        w4a16_rows.WIDE_MAX_ROWS = args.wide_max_rows
     batches = [int(b) for b in args.batches.split(",")]
     config = EngineConfig(
         max_batch_size=max(batches),
