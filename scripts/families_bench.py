@@ -4,7 +4,7 @@ against the HBM floor (docs/benchmarks.md, "turbo for Qwen3 and mixtures of expe
     python3 scripts/families_bench.py MODEL_DIR [--batches 1,64,512] [--input-len 512]
         [--output-len 256] [--backend turbo] [--quantization w4a16|fp8]
         [--kv-cache-dtype int8|fp8] [--separate-batch1] [--separate-activation]
-        [--separate-experts] [--wide-max-rows 16]
+        [--separate-experts] [--wide-max-rows 16] [--no-fp8-codes]
 
 One Engine for every batch (max_batch_size = the largest), the prompts and the timing of
 `lmd-bench offline` (random ids, greedy, ignore_eos, prefill included), after a warm-up
@@ -113,6 +113,11 @@ def main() -> None:
         help="the batch-1 step again with a layer of experts through kernels/moe.py",
     )
     parser.add_argument(
+        "--no-fp8-codes",
+        action="store_true",
+        help="FP8: each product quantizes its input in a launch of its own (fp8_codes off)",
+    )
+    parser.add_argument(
         "--wide-max-rows",
         type=int,
         default=None,
@@ -128,6 +133,8 @@ def main() -> None:
         kv_cache_dtype=args.kv_cache_dtype,
     )
     engine = Engine.build(args.model, config, device="cuda", dtype="bfloat16", backend=args.backend)
+    if args.no_fp8_codes:
+        engine.backend.model.fp8_codes = False  # type: ignore[attr-defined]  # turbo's
     vocab = engine.backend.vocab_size
     time_engine(engine, random_prompts(1, args.input_len, vocab, 1), 4)  # warm-up
     for batch in batches:

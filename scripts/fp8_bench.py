@@ -38,6 +38,7 @@ if importlib.util.find_spec("lmd") is None:  # run from a checkout: daemon/ is l
     _spec.loader.exec_module(sys.modules["lmd"])
 
 from lmd.engine.turbo.kernels import fp8 as fp8_kernels
+from lmd.engine.turbo.kernels import fp8_quant
 from lmd.engine.turbo.kernels.gemv import MAX_ROWS, gemv
 from lmd.engine.turbo.quant.fp8 import Fp8Weight, fp8_supported
 
@@ -80,7 +81,7 @@ def time_us(calls: list[Callable[[], object]], reps: int, eager: bool) -> float:
 
 def triton_block(x: Tensor, w: Fp8Weight) -> Tensor:
     """The block-scaled product through the Triton kernel (where cuBLAS cannot run it)."""
-    xq, xs = fp8_kernels.quantize_per_token_group(x)
+    xq, xs = fp8_quant.quantize_per_token_group(x)
     return fp8_kernels.fp8_gemm(
         xq, xs, w.weight, w.scale, out_dtype=torch.bfloat16, block_scaled=True
     )

@@ -1,7 +1,7 @@
 """Where a prefill step's time goes, kernel by kernel (a GPU-machine tool).
 
     python3 scripts/prefill_profile.py MODEL_DIR [--prompts 16] [--input-len 512]
-        [--quantization fp8|w4a16] [--kv-cache-dtype int8|fp8] [--top 15]
+        [--quantization fp8|w4a16] [--kv-cache-dtype int8|fp8] [--top 15] [--no-fp8-codes]
 
 Builds the engine as `lmd-bench offline` does (turbo, bf16) and runs rounds of one
 prefill step each: `--prompts` random prompts of `--input-len` tokens, one output token
@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--no-fp8-codes", action="store_true", help="TurboModel.fp8_codes off")
     args = parser.parse_args()
     tokens = args.prompts * args.input_len
     config = EngineConfig(
@@ -46,6 +47,7 @@ def main() -> None:
         kv_cache_dtype=args.kv_cache_dtype,
     )
     engine = Engine.build(args.model, config, device="cuda", dtype="bfloat16", backend="turbo")
+    engine.backend.model.fp8_codes = not args.no_fp8_codes  # type: ignore[attr-defined]
     vocab = engine.backend.vocab_size
 
     def prefill_round(seed: int) -> None:

@@ -22,6 +22,7 @@ if torch.cuda.get_device_capability() < (8, 9):
 pytest.importorskip("triton")
 
 from lmd.engine.turbo.kernels import fp8 as fp8_kernels
+from lmd.engine.turbo.kernels import fp8_quant
 from lmd.engine.turbo.quant.fp8 import Fp8Weight, quantize_per_token_ref
 from tests.unit.test_turbo_fp8 import check_codes, matmul_ref
 
@@ -76,9 +77,9 @@ def test_triton_fp8_kernel(m: int, block: bool) -> None:
     w = weights(n, k, block)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     if block:
-        xq, xs = fp8_kernels.quantize_per_token_group(x)
+        xq, xs = fp8_quant.quantize_per_token_group(x)
     else:
-        xq, xs = fp8_kernels.quantize_per_token(x)
+        xq, xs = fp8_quant.quantize_per_token(x)
         xs = xs.view(-1)
     y = fp8_kernels.fp8_gemm(xq, xs, w.weight, w.scale, out_dtype=x.dtype, block_scaled=block)
     check(y, x, w, None)
@@ -87,11 +88,11 @@ def test_triton_fp8_kernel(m: int, block: bool) -> None:
 @pytest.mark.parametrize(("m", "k"), [(1, 4096), (512, 14336), (8192, 4096), (33, 200)])
 def test_quantizers_match_torch(m: int, k: int) -> None:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
-    q, s = fp8_kernels.quantize_per_token(x)
+    q, s = fp8_quant.quantize_per_token(x)
     ref_q, ref_s = quantize_per_token_ref(x)
     torch.testing.assert_close(s, ref_s, rtol=0, atol=0)
     check_codes(q, ref_q)
-    q, s = fp8_kernels.quantize_per_token_group(x)
+    q, s = fp8_quant.quantize_per_token_group(x)
     ref_q, ref_s = quantize_per_token_ref(x, 128)
     torch.testing.assert_close(s, ref_s, rtol=0, atol=0)
     check_codes(q, ref_q)

@@ -22,6 +22,9 @@ from tests.unit.test_turbo_kernels import DEVICE, ON_CUDA, rel_err
 pytest.importorskip("triton")
 
 from lmd.engine.turbo.kernels import fp8 as fp8_kernels
+from lmd.engine.turbo.kernels import fp8_quant
+from lmd.engine.turbo.kernels.activation import silu_and_mul, silu_and_mul_fp8
+from lmd.engine.turbo.kernels.norm import rms_norm, rms_norm_fp8
 from lmd.engine.turbo.quant.e4m3 import FP8_MAX
 from lmd.engine.turbo.quant.fp8 import Fp8Weight, fp8_supported, quantize_per_token_ref
 
@@ -100,7 +103,7 @@ def test_round_to_e4m3_matches_torch_on_every_value_and_tie() -> None:
     row = torch.cat([row, torch.tensor([127.99, 464.0, 2.0**-10, 3 * 2.0**-11, 1e-30])])
     row = torch.cat([row, -row]).clamp(-FP8_MAX, FP8_MAX)
     x = row[None, :].to(DEVICE)  # float32
-    q, s = fp8_kernels.quantize_per_token(x)
+    q, s = fp8_quant.quantize_per_token(x)
     assert float(s) == 1.0
     check_codes(q, row.to(torch.float8_e4m3fn)[None].to(DEVICE))
 
@@ -111,18 +114,18 @@ def test_activation_quantizers_match_the_torch_reference(m: int, k: int, dtype) 
     torch.manual_seed(m * k)
     x = (torch.randn(m, k) * torch.logspace(-2, 2, m)[:, None]).to(dtype).to(DEVICE)
     x[0, :] = 0.0  # an all-zero row: a tiny positive scale, codes 0
-    q, s = fp8_kernels.quantize_per_token(x)
+    q, s = fp8_quant.quantize_per_token(x)
     ref_q, ref_s = quantize_per_token_ref(x)
     assert s.shape == (m, 1) and torch.equal(s, ref_s) and float(s[0]) > 0
     check_codes(q, ref_q)
-    q, s = fp8_kernels.quantize_per_token_group(x)
+    q, s = fp8_quant.quantize_per_token_group(x)
     ref_q, ref_s = quantize_per_token_ref(x, 128)
     assert s.shape == (m, -(-k // 128)) and torch.equal(s, ref_s)
     assert s.stride(0) == 1  # column-major: one K group's scales are contiguous
     check_codes(q, ref_q)
     x_back = dequantized_x(x, 128)
     assert ((x_back - x.float()).abs() <= error_bound(x.float(), ref_s.max())).all()
-    q, s = fp8_kernels.quantize_per_token_group(x, 4)  # zero rows up to a multiple of 4
+    q, s = fp8_quant.quantize_per_token_group(x, 4)  # zero rows up to a multiple of 4
     rows = -(-m // 4) * 4
     assert q.shape == (rows, k) and s.shape == (rows, -(-k // 128)) and s.stride() == (1, rows)
     check_codes(q[:m], ref_q)
@@ -228,3 +231,51 @@ def test_rejects_wrong_blocks_and_scales() -> None:
         fp8_kernels.fp8_matmul(torch.ones(1, 8), codes, torch.ones(1, 1), None, (64, 64))
     with pytest.raises(ValueError, match="128, 128"):
         Fp8Weight.quantize(torch.randn(8, 8), torch.bfloat16, (1, 128))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_fp8_makes_the_quantizers_codes(dtype: torch.dtype, with_residual: bool) -> None:
+    """The norm's codes in its own launch: bit for bit what the 16-bit norm then the
+    per-token quantizer give, and the residual stream added the same."""
+    torch.manual_seed(3)
+    m, k = 19, 300
+    x = (torch.randn(m, k) * 4).to(dtype).to(DEVICE)
+    weight = torch.randn(k).to(dtype).to(DEVICE)
+    residual = torch.randn(m, k).to(dtype).to(DEVICE) if with_residual else None
+    theirs_res = residual.clone() if residual is not None else None
+    ours = rms_norm_fp8(x, weight, 1e-6, residual)
+    ref_q, ref_s = fp8_quant.quantize_per_token(rms_norm(x, weight, 1e-6, theirs_res))
+    assert ours.scale.shape == (m, 1) and torch.equal(ours.scale, ref_s)
+    check_codes(ours.codes, ref_q)
+    if residual is not None and theirs_res is not None:
+        assert torch.equal(residual, theirs_res)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_and_mul_fp8_makes_the_quantizers_codes(activation: str, dtype) -> None:
+    """Two chunks of a row and a ragged end (width 2,100 > FP8_BLOCK), a zero row."""
+    torch.manual_seed(4)
+    x = (torch.randn(5, 4200) * 2).to(dtype).to(DEVICE)
+    x[2] = 0.0
+    ours = silu_and_mul_fp8(x, activation)
+    ref_q, ref_s = fp8_quant.quantize_per_token(silu_and_mul(x, activation))
+    assert torch.equal(ours.scale, ref_s) and float(ours.scale[2]) > 0
+    check_codes(ours.codes, ref_q)
+
+
+def test_a_product_takes_the_codes_as_it_would_make_them() -> None:
+    """fp8_matmul_rows on codes made before equals fp8_matmul quantizing x itself; only
+    a per-channel weight past SMALL_ROWS rows takes codes."""
+    torch.manual_seed(5)
+    fw = Fp8Weight.quantize(torch.randn(272, 320, device=DEVICE), torch.float16)
+    x = torch.randn(40, 320, device=DEVICE).to(torch.float16)
+    xq, xs = fp8_quant.quantize_per_token(x)
+    ours = fp8_kernels.fp8_matmul_rows(xq, xs, fw.weight, fw.scale, None, out_dtype=x.dtype)
+    assert torch.equal(ours, fp8_kernels.fp8_matmul(x, fw.weight, fw.scale))
+    blocks = Fp8Weight.quantize(torch.randn(256, 256, device=DEVICE), torch.float16, (128, 128))
+    small = fp8_kernels.SMALL_ROWS
+    assert fp8_kernels.takes_codes(fw, small + 1) and not fp8_kernels.takes_codes(fw, small)
+    assert not fp8_kernels.takes_codes(blocks, 64)
+    assert not fp8_kernels.takes_codes(torch.ones(8, 8), 64)

@@ -184,6 +184,18 @@ def test_fp8_at_load_stays_close_to_the_dequantized_model(
         assert rel < bound, f"relative error {rel:.2e} with SMALL_ROWS {small_rows}"
 
 
+@pytest.mark.skipif(fp8_supported(DEVICE) is not None, reason="FP8 GEMMs need Hopper")
+def test_fp8_codes_made_by_the_norms_change_no_logit(llama_dir: Path) -> None:
+    """The RMSNorms and the activation making the FP8 products' codes in their launches
+    (TurboModel.fp8_codes) give the logits of the quantizer's own launches, bit for bit:
+    60 rows packed in one forward, then one-row decode steps."""
+    turbo = TurboBackend(llama_dir, DEVICE, torch.bfloat16, quantization="fp8")
+    prompts = random_prompts([3, 17, 40], turbo.vocab_size, seed=4)
+    ours = torch.cat(all_logits(turbo, prompts, pool(turbo)))
+    turbo.model.fp8_codes = False
+    assert torch.equal(ours, torch.cat(all_logits(turbo, prompts, pool(turbo))))
+
+
 def test_w4a16_pads_inputs_off_its_layout(tmp_path: Path) -> None:
     """Hidden 96 (SmolLM2's 576 is not a multiple of 128 either): zero columns at load,
     zero inputs at run time, the dequantized model's logits."""

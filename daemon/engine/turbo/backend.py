@@ -34,10 +34,11 @@ from lmd.engine.turbo import kernels
 from lmd.engine.turbo.config import TurboConfig, UnsupportedModel
 from lmd.engine.turbo.exchange import PeerExchange
 from lmd.engine.turbo.graphs import DecodeGraphs
-from lmd.engine.turbo.model import StepInputs, TurboModel
+from lmd.engine.turbo.model import TurboModel
 from lmd.engine.turbo.quant.fp8 import fp8_supported
 from lmd.engine.turbo.quant.scheme import read_scheme
 from lmd.engine.turbo.rope import layer_rope_tables
+from lmd.engine.turbo.step_inputs import StepInputs
 from lmd.engine.turbo.weights import eos_token_ids, load_weights
 
 log = logging.getLogger(__name__)

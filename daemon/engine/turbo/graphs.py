@@ -30,7 +30,7 @@ from torch import Tensor
 
 from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.turbo import kernels
-from lmd.engine.turbo.model import StepInputs
+from lmd.engine.turbo.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 

@@ -35,73 +35,21 @@ and read by the same kernels, given its scales.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from lmd.engine.backend import mm_has_float_output
-from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.parallel import SINGLE, TensorParallel
 from lmd.engine.turbo import kernels
 from lmd.engine.turbo.config import TurboConfig
 from lmd.engine.turbo.exchange import PeerExchange, Point
+from lmd.engine.turbo.quant.fp8 import Fp8Rows, Fp8Weight
 from lmd.engine.turbo.quant.load import Linear
+from lmd.engine.turbo.step_inputs import StepInputs
 from lmd.engine.turbo.weights import LayerWeights, ModelWeights
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-
-
-@dataclass(slots=True)
-class StepInputs:
-    """One step's inputs on the model's device (static buffers when a graph replays)."""
-
-    input_ids: Tensor  # [T] int64 (int32 in a graph)
-    positions: Tensor  # [T] int64 (int32 in a graph)
-    slot_mapping: Tensor  # [T] int64 (int32 in a graph), < 0 = padding row (no write)
-    block_tables: Tensor  # [B, W] int32
-    context_lens: Tensor  # [B] int32, 0 = padding row
-    cu_seqlens: Tensor | None  # [B + 1] int32; None for a decode step (one token each)
-    logits_indices: Tensor | None  # [R] int64 rows to return; None = every row
-    max_seq_len: int  # longest run of new tokens of one sequence; 1 = decode step
-    num_splits: int  # decode attention's context splits
-
-    @property
-    def is_decode(self) -> bool:
-        return self.max_seq_len == 1
-
-    @classmethod
-    def from_batch(
-        cls, batch: ForwardBatch, device: torch.device, num_kv_heads: int, num_sms: int
-    ) -> StepInputs:
-        """Move a packed batch to the device; the host-side decisions are made here."""
-        seq_lens = batch.seq_lens
-        max_seq_len = int(seq_lens.max())
-        rows = batch.logits_indices
-        every_row = rows.shape[0] == batch.num_tokens and (
-            rows.device.type != "cpu" or torch.equal(rows, torch.arange(batch.num_tokens))
-        )
-        is_decode = max_seq_len == 1
-        splits = 1
-        if is_decode:
-            max_context = int(batch.context_lens.max())
-            splits = kernels.decode_splits(batch.num_seqs, num_kv_heads, max_context, num_sms)
-
-        def dev(t: Tensor, dtype: torch.dtype) -> Tensor:
-            return t.to(device=device, dtype=dtype, non_blocking=True)
-
-        return cls(
-            input_ids=dev(batch.input_ids, torch.int64),
-            positions=dev(batch.positions, torch.int64),
-            slot_mapping=dev(batch.slot_mapping, torch.int64),
-            block_tables=dev(batch.block_tables, torch.int32),
-            context_lens=dev(batch.context_lens, torch.int32),
-            cu_seqlens=None if is_decode else dev(batch.cu_seqlens, torch.int32),
-            logits_indices=None if every_row else dev(rows, torch.int64),
-            max_seq_len=max_seq_len,
-            num_splits=splits,
-        )
 
 
 class TurboModel:
@@ -137,6 +85,9 @@ class TurboModel:
         # ... and a layer of experts in 4 launches (kernels/moe_vector.py) instead of 8
         # (scripts/families_bench.py --separate-experts measures it).
         self.vector_experts = True
+        # Past 16 rows, an FP8 product's input quantized per token by the RMSNorm or the
+        # activation before it, in their launches (no quantizer launch a product).
+        self.fp8_codes = True
         # A group's batch-1 all-reduces over peer memory (turbo/exchange.py), set by the
         # backend where exchange_fits().
         self.exchange: PeerExchange | None = None
@@ -247,7 +198,7 @@ class TurboModel:
 
     def _row_parallel(
         self,
-        x: Tensor,
+        x: Tensor | Fp8Rows,
         weight: Linear,
         bias: Tensor | None,
         exchange: PeerExchange | None,
@@ -255,7 +206,7 @@ class TurboModel:
     ) -> Tensor:
         """x @ weight^T summed over the group: through NCCL, or through point `index` of
         the exchange (the product's own programs)."""
-        if exchange is not None and isinstance(weight, Tensor):
+        if exchange is not None and isinstance(weight, Tensor) and isinstance(x, Tensor):
             return kernels.gemv(x, weight, bias, send=Point(exchange, index))
         return self.tp.all_reduce(self._linear(x, weight, bias))
 
@@ -297,15 +248,17 @@ class TurboModel:
             return self.tp.all_reduce(out), residual
         if layer.gate_up is None or layer.down is None:
             raise ValueError("a dense layer without its MLP weights")
-        act, residual = self._norm_linear(  # [T, I]
+        activation, codes = self.config.activation, self._codes(layer.down, hidden)
+        act, residual = self._norm_linear(  # [T, I], or gate | up [T, 2I] for codes
             hidden,
             residual,
             layer.post_norm,
             layer.gate_up,
             layer.gate_up_bias,
-            activation=self.config.activation,
+            activation=None if codes else activation,
         )
-        return self._row_parallel(act, layer.down, layer.down_bias, exchange, index), residual
+        down_in = kernels.silu_and_mul_fp8(act, activation) if codes else act
+        return self._row_parallel(down_in, layer.down, layer.down_bias, exchange, index), residual
 
     def _norm_linear(
         self,
@@ -333,17 +286,27 @@ class TurboModel:
             )
             residual = summed if summed is not None else residual
         else:
-            y = self._linear(kernels.rms_norm(x, norm, eps, res), weight, bias)
+            normed = kernels.rms_norm_fp8 if self._codes(weight, x) else kernels.rms_norm
+            y = self._linear(normed(x, norm, eps, res), weight, bias)
         if activation is not None and folded is None:
             y = kernels.silu_and_mul(y, activation)
         return y, residual
+
+    def _codes(self, weight: Linear, x: Tensor) -> bool:
+        """Whether x's product by `weight` takes x as per-token codes made in the launch
+        that makes x (see fp8_codes)."""
+        return self.fp8_codes and kernels.takes_codes(weight, x.shape[0])
 
     def _vector(self, x: Tensor) -> bool:
         """Whether this step's products take kernels/vector_gemv.py (see fused_batch1)."""
         return self.fused_batch1 and self.skinny and x.shape[0] == 1 and x.is_contiguous()
 
-    def _linear(self, x: Tensor, weight: Linear, bias: Tensor | None) -> Tensor:
-        if not isinstance(weight, Tensor):  # quantized: its own GEMMs (quant/)
+    def _linear(self, x: Tensor | Fp8Rows, weight: Linear, bias: Tensor | None) -> Tensor:
+        if isinstance(weight, Fp8Weight):  # quantized: its own GEMMs (quant/)
+            return weight.matmul(x, bias)
+        if isinstance(x, Fp8Rows):
+            raise TypeError("fp8 codes reach only an fp8 weight (TurboModel._codes)")
+        if not isinstance(weight, Tensor):
             return weight.matmul(x, bias)
         if self.skinny and x.shape[0] <= kernels.GEMV_MAX_ROWS:
             return kernels.gemv(x, weight, bias)

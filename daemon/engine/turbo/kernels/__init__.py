@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import os
 
-from lmd.engine.turbo.kernels.activation import silu_and_mul
+from lmd.engine.turbo.kernels.activation import silu_and_mul, silu_and_mul_fp8
 from lmd.engine.turbo.kernels.cache_write import cache_write
 from lmd.engine.turbo.kernels.decode_attention import decode_attention, decode_splits
+from lmd.engine.turbo.kernels.fp8 import takes_codes
 from lmd.engine.turbo.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from lmd.engine.turbo.kernels.gemv import gemv
 from lmd.engine.turbo.kernels.kv_quant import scales_of
 from lmd.engine.turbo.kernels.moe import fused_moe
 from lmd.engine.turbo.kernels.moe_vector import experts_vector
-from lmd.engine.turbo.kernels.norm import rms_norm
+from lmd.engine.turbo.kernels.norm import rms_norm, rms_norm_fp8
 from lmd.engine.turbo.kernels.prefill_attention import prefill_attention
 from lmd.engine.turbo.kernels.rotary import rotary_and_cache_write
 from lmd.engine.turbo.kernels.vector_gemv import Norm, vector_gemv
@@ -35,9 +36,12 @@ __all__ = [
     "interpreting",
     "prefill_attention",
     "rms_norm",
+    "rms_norm_fp8",
     "rotary_and_cache_write",
     "scales_of",
     "silu_and_mul",
+    "silu_and_mul_fp8",
+    "takes_codes",
     "vector_gemv",
 ]
 

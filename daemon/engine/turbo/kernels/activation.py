@@ -1,5 +1,6 @@
 """The gated MLP's activation in one pass: silu(gate) * up, or (Gemma) the tanh form
-of GELU, gelu(gate) * up (transformers' gelu_pytorch_tanh)."""
+of GELU, gelu(gate) * up (transformers' gelu_pytorch_tanh); silu_and_mul_fp8 makes the
+result's per-token e4m3 codes for an FP8 down projection in the same launch."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lmd.engine.turbo.kernels.fp8_quant import e4m3_codes, row_scale
+from lmd.engine.turbo.quant.fp8 import Fp8Rows
+
 BLOCK = 1024
+FP8_BLOCK = 2048  # a row's chunk in silu_and_mul_fp8's program (one program a row)
 
 
 @triton.jit
@@ -31,6 +36,45 @@ def _silu_and_mul_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
 
 
 @triton.jit
+def _silu_and_mul_fp8_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
+    x_ptr,
+    codes_ptr,
+    scale_ptr,
+    stride_x,
+    stride_codes,
+    width,
+    GELU: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """A program per row: the activation's absmax over the row, then (computed again,
+    the row's gate | up read back from L2) its codes."""
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros([BLOCK], tl.float32)
+    for c0 in range(0, width, BLOCK):
+        y = _rounded(x_ptr + row * stride_x, c0, width, GELU, BLOCK)
+        amax = tl.maximum(amax, tl.abs(y))
+    scale = row_scale(tl.max(amax, axis=0))
+    tl.store(scale_ptr + row, scale)
+    for c0 in range(0, width, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        codes = e4m3_codes(_rounded(x_ptr + row * stride_x, c0, width, GELU, BLOCK), scale)
+        tl.store(
+            codes_ptr + row * stride_codes + cols,
+            codes.to(codes_ptr.dtype.element_ty),
+            mask=cols < width,
+        )
+
+
+@triton.jit
+def _rounded(row_ptr, c0, width, GELU: tl.constexpr, BLOCK: tl.constexpr):
+    """act(gate) * up of columns c0.. as silu_and_mul stores it (x's dtype), in float32."""
+    cols = c0 + tl.arange(0, BLOCK)
+    gate = tl.load(row_ptr + cols, mask=cols < width, other=0.0)
+    up = tl.load(row_ptr + width + cols, mask=cols < width, other=0.0)
+    return gated(gate, up, GELU).to(row_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def gated(gate, up, GELU: tl.constexpr):
     """act(gate) * up in float32 (kernels/vector_gemv.py also applies it to its output)."""
     gate = gate.to(tl.float32)
@@ -50,11 +94,7 @@ def check_activation(activation: str) -> None:
 def silu_and_mul(x: Tensor, activation: str = "silu") -> Tensor:
     """x: [T, 2I] (gate | up, the fused projection's output) -> [T, I];
     `activation`: "silu" or "gelu_tanh"."""
-    check_activation(activation)
-    num_rows, double = x.shape
-    if double % 2 or x.stride(1) != 1:
-        raise ValueError("silu_and_mul needs [T, 2I] with unit-stride rows")
-    width = double // 2
+    num_rows, width = _checked(x, activation)
     out = torch.empty(num_rows, width, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
@@ -69,3 +109,35 @@ def silu_and_mul(x: Tensor, activation: str = "silu") -> Tensor:
         BLOCK=BLOCK,
     )
     return out
+
+
+def silu_and_mul_fp8(x: Tensor, activation: str = "silu") -> Fp8Rows:
+    """silu_and_mul's output quantized per token in the same launch: what
+    fp8_quant.quantize_per_token(silu_and_mul(x, activation)) returns, bit for bit."""
+    num_rows, width = _checked(x, activation)
+    out = Fp8Rows(
+        torch.empty(num_rows, width, dtype=torch.float8_e4m3fn, device=x.device),
+        torch.empty(num_rows, 1, dtype=torch.float32, device=x.device),
+    )
+    if num_rows:
+        _silu_and_mul_fp8_kernel[(num_rows,)](
+            x,
+            out.codes,
+            out.scale,
+            x.stride(0),
+            out.codes.stride(0),
+            width,
+            GELU=activation == "gelu_tanh",
+            BLOCK=FP8_BLOCK,
+            num_warps=8,
+        )
+    return out
+
+
+def _checked(x: Tensor, activation: str) -> tuple[int, int]:
+    """(T, I) of gate | up x [T, 2I]."""
+    check_activation(activation)
+    num_rows, double = x.shape
+    if double % 2 or x.stride(1) != 1:
+        raise ValueError("silu_and_mul needs [T, 2I] with unit-stride rows")
+    return num_rows, double // 2

@@ -12,12 +12,10 @@ runs on fp8 tensor cores, summed in float32: through torch._scaled_mm (cuBLAS) w
 row-wise or 1x128 x 128x128 block scales where it takes them (Hopper), else through the
 Triton kernel here, which scales each 128-deep step's dot before adding it to its float32
 accumulator. Up to SMALL_ROWS rows (decode: memory-bound) the Triton kernel reads x as it
-is and widens each W tile to x's dtype (no quantizer launch).
-
-The quantizers divide with IEEE rounding (tl.math.div_rn; `/` may be approximate) and
-round to e4m3's grid in float32 (ties to even), so the cast after is exact: torch's codes
-(`.to(float8_e4m3fn)` after a clamp), also in Triton's CPU interpreter, whose own fp32 ->
-fp8 cast rounds some values wrongly (127.99 -> 64). Nothing here syncs with the host.
+is and widens each W tile to x's dtype (no quantizer launch). The activations' quantizers
+are kernels/fp8_quant.py's; a per-channel product also takes codes the kernel before it
+made (`fp8_matmul_rows`: the RMSNorm's or the activation's). Nothing here syncs with the
+host.
 """
 
 from __future__ import annotations
@@ -27,96 +25,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lmd.engine.turbo.quant.e4m3 import AMAX_FLOOR, FP8_MAX
+from lmd.engine.turbo.kernels.fp8_quant import quantize_per_token, quantize_per_token_group
 from lmd.engine.turbo.quant.e4m3 import BLOCK as GROUP  # K groups, and weight blocks along N
-
-_MAX, _FLOOR = tl.constexpr(FP8_MAX), tl.constexpr(AMAX_FLOOR)  # Triton reads constexprs
-_INV_MAX = tl.constexpr(1.0 / FP8_MAX)  # scale = absmax * (1/448), as torch's `/ 448` on CUDA
+from lmd.engine.turbo.quant.fp8 import Fp8Weight
 
 Tiles = tuple[int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
 SMALL_ROWS = 16  # up to this many rows, x stays 16-bit (fp8_matmul)
-
-
-@triton.jit
-def _round_e4m3(v):
-    """v: float32 in [-448, 448] -> the nearest e4m3 value (ties to even), as float32."""
-    a = tl.abs(v)
-    bits = a.to(tl.int32, bitcast=True)
-    # normal numbers (>= 2^-6): keep 3 of float32's 23 mantissa bits, rounding to even
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    # subnormals: multiples of 2^-9; adding 2^14 rounds to float32's ulp there, 2^-9
-    tiny = (a + 16384.0) - 16384.0
-    r = tl.where(a < 0.015625, tiny, normal)
-    return tl.where(v < 0, -r, r)
-
-
-@triton.jit
-def _quant_rows_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
-    x_ptr,
-    q_ptr,
-    scale_ptr,
-    k,
-    stride_x,
-    stride_q,
-    ONE_PASS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """One program per row: its absmax, then its codes. A row of up to BLOCK_K is read
-    once into registers (ONE_PASS); a longer one twice."""
-    row = tl.program_id(0).to(tl.int64)
-    if ONE_PASS:
-        ks = tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + row * stride_x + ks, mask=ks < k, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), _FLOOR) * _INV_MAX
-        q = _round_e4m3(tl.clamp(tl.math.div_rn(x, scale), -_MAX, _MAX))
-        tl.store(q_ptr + row * stride_q + ks, q.to(q_ptr.dtype.element_ty), mask=ks < k)
-    else:
-        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k0 in range(0, k, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + row * stride_x + ks, mask=ks < k, other=0.0)
-            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        scale = tl.maximum(tl.max(amax, axis=0), _FLOOR) * _INV_MAX
-        for k0 in range(0, k, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + row * stride_x + ks, mask=ks < k, other=0.0).to(tl.float32)
-            q = _round_e4m3(tl.clamp(tl.math.div_rn(x, scale), -_MAX, _MAX))
-            tl.store(q_ptr + row * stride_q + ks, q.to(q_ptr.dtype.element_ty), mask=ks < k)
-    tl.store(scale_ptr + row, scale)
-
-
-@triton.jit
-def _quant_groups_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
-    x_ptr,
-    q_ptr,
-    scale_ptr,
-    m,
-    m_out,
-    k,
-    stride_x,
-    stride_q,
-    stride_s,
-    BLOCK_M: tl.constexpr,
-    GROUP_K: tl.constexpr,
-):
-    """A program per (BLOCK_M rows, one K group): the rows' absmax over the group. Rows
-    m..m_out (padding) get zero codes."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    group = tl.program_id(1)
-    ks = group * GROUP_K + tl.arange(0, GROUP_K)
-    x = tl.load(
-        x_ptr + rows.to(tl.int64)[:, None] * stride_x + ks[None, :],
-        mask=(rows[:, None] < m) & (ks[None, :] < k),
-        other=0.0,
-    ).to(tl.float32)  # [BLOCK_M, GROUP_K]
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), _FLOOR) * _INV_MAX  # [BLOCK_M]
-    tl.store(scale_ptr + group * stride_s + rows, scale, mask=rows < m_out)
-    q = _round_e4m3(tl.clamp(tl.math.div_rn(x, scale[:, None]), -_MAX, _MAX))
-    tl.store(
-        q_ptr + rows.to(tl.int64)[:, None] * stride_q + ks[None, :],
-        q.to(q_ptr.dtype.element_ty),
-        mask=(rows[:, None] < m_out) & (ks[None, :] < k),
-    )
 
 
 @triton.jit
@@ -200,46 +114,6 @@ def _fp8_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional argumen
     )
 
 
-def quantize_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
-    """x: [M, K] half -> (codes [M, K] float8_e4m3fn, scale [M, 1] float32), x ~= codes *
-    scale; scale = max(row absmax, AMAX_FLOOR) * (1/448)."""
-    num_rows, k = x.shape
-    if x.stride(1) != 1:
-        raise ValueError("quantize_per_token takes rows of unit stride")
-    q = torch.empty(num_rows, k, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
-    if num_rows:
-        one_pass = k <= 4096  # longer rows in registers ran slower on an H100 (K = 14336)
-        block_k = triton.next_power_of_2(k) if one_pass else 4096
-        _quant_rows_kernel[(num_rows,)](
-            x, q, scale, k, x.stride(0), q.stride(0), ONE_PASS=one_pass, BLOCK_K=block_k,
-            num_warps=8 if k > 2048 else 4,
-        )  # fmt: skip
-    return q, scale
-
-
-def quantize_per_token_group(x: Tensor, row_multiple: int = 1) -> tuple[Tensor, Tensor]:
-    """x: [M, K] half -> (codes [M', K] float8_e4m3fn, scale [M', ceil(K/128)] float32),
-    x[:, 128-group g] ~= codes[:, g] * scale[:, g], M' = M rounded up to row_multiple
-    (zero rows). The scales are column-major (stride (1, M')): the GEMM reads a K block's
-    scales for consecutive rows in one load, and cuBLAS's 1x128 scales want exactly that,
-    with 16-byte aligned columns (row_multiple 4)."""
-    num_rows, k = x.shape
-    if x.stride(1) != 1:
-        raise ValueError("quantize_per_token_group takes rows of unit stride")
-    padded = -(-num_rows // row_multiple) * row_multiple
-    num_groups = triton.cdiv(k, GROUP)
-    q = torch.empty(padded, k, dtype=torch.float8_e4m3fn, device=x.device)
-    scale_t = torch.empty(num_groups, padded, dtype=torch.float32, device=x.device)
-    if padded:
-        block_m = 16
-        _quant_groups_kernel[(triton.cdiv(padded, block_m), num_groups)](
-            x, q, scale_t, num_rows, padded, k, x.stride(0), q.stride(0), scale_t.stride(0),
-            BLOCK_M=block_m, GROUP_K=GROUP, num_warps=4,
-        )  # fmt: skip
-    return q, scale_t.t()
-
-
 def default_tiles(num_rows: int, n: int, a_fp8: bool, block_scaled: bool) -> Tiles:
     """BLOCK_M, BLOCK_N, BLOCK_K, warps, stages: the fastest of sweeps on an H100 at
     Llama-3-8B's shapes. 16-bit a (decode's few rows): narrow, deep tiles, so that many
@@ -299,14 +173,14 @@ def fp8_gemm(
     return out
 
 
-def scaled_mm_fits(x: Tensor, weight: Tensor) -> bool:
+def scaled_mm_fits(weight: Tensor, out_dtype: torch.dtype) -> bool:
     """Whether torch._scaled_mm takes this with row-wise scales: Hopper or newer, bf16 or
     fp16 out, K and N multiples of 16 (cuBLASLt's fp8 alignment; M is free). Elsewhere
     (Ada's 8.9, odd shapes, the CPU interpreter) the Triton kernel runs."""
     n, k = weight.shape
-    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+    if not (weight.is_cuda and out_dtype in (torch.bfloat16, torch.float16)):
         return False
-    return k % 16 == 0 and n % 16 == 0 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return k % 16 == 0 and n % 16 == 0 and torch.cuda.get_device_capability(weight.device) >= (9, 0)
 
 
 def scaled_mm_blocks_fit(x: Tensor, weight: Tensor) -> bool:
@@ -383,17 +257,38 @@ def fp8_matmul(
         return fp8_gemm(
             x, None, weight_fp8, weight_scale, bias, out_dtype=x.dtype, block_scaled=block_scaled
         )
-    if block_scaled:
-        cublas = scaled_mm_blocks_fit(x, weight_fp8)
-        xq, xs = quantize_per_token_group(x, 4 if cublas else 1)
-        if cublas:
-            y = scaled_mm_blocks(xq, xs, weight_fp8, weight_scale, x.dtype)[: x.shape[0]]
-            return y if bias is None else y.add_(bias)
-    else:
+    if not block_scaled:
         xq, xs = quantize_per_token(x)
-        if scaled_mm_fits(x, weight_fp8):
-            return scaled_mm_rows(xq, xs, weight_fp8, weight_scale, bias=bias, out_dtype=x.dtype)
-        xs = xs.view(-1)
+        return fp8_matmul_rows(xq, xs, weight_fp8, weight_scale, bias, out_dtype=x.dtype)
+    cublas = scaled_mm_blocks_fit(x, weight_fp8)
+    xq, xs = quantize_per_token_group(x, 4 if cublas else 1)
+    if cublas:
+        y = scaled_mm_blocks(xq, xs, weight_fp8, weight_scale, x.dtype)[: x.shape[0]]
+        return y if bias is None else y.add_(bias)
+    return fp8_gemm(xq, xs, weight_fp8, weight_scale, bias, out_dtype=x.dtype, block_scaled=True)
+
+
+def takes_codes(weight: object, num_rows: int) -> bool:
+    """Whether `weight` multiplies `num_rows` rows as per-token codes (`fp8_matmul_rows`):
+    a per-channel Fp8Weight past SMALL_ROWS. The kernel that makes its input can then
+    make them in its own launch (rms_norm_fp8, silu_and_mul_fp8)."""
+    return isinstance(weight, Fp8Weight) and weight.block_size is None and num_rows > SMALL_ROWS
+
+
+def fp8_matmul_rows(
+    xq: Tensor,
+    xs: Tensor,
+    weight_fp8: Tensor,
+    weight_scale: Tensor,
+    bias: Tensor | None,
+    *,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """x quantized per token (xq [M, K] e4m3, xs [M, 1] float32: quantize_per_token's, or
+    rms_norm_fp8's and silu_and_mul_fp8's) by a per-channel weight ([N, K] e4m3, scale
+    [N] float32) -> [M, N] in out_dtype: cuBLAS where it fits, else the Triton kernel."""
+    if scaled_mm_fits(weight_fp8, out_dtype):
+        return scaled_mm_rows(xq, xs, weight_fp8, weight_scale, bias=bias, out_dtype=out_dtype)
     return fp8_gemm(
-        xq, xs, weight_fp8, weight_scale, bias, out_dtype=x.dtype, block_scaled=block_scaled
+        xq, xs.view(-1), weight_fp8, weight_scale, bias, out_dtype=out_dtype, block_scaled=False
     )

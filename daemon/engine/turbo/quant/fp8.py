@@ -69,6 +69,16 @@ def _block_scale_shape(n: int, k: int) -> tuple[int, int]:
 
 
 @dataclass(slots=True)
+class Fp8Rows:
+    """Activations quantized per token by the kernel that made them (kernels/norm.py's
+    rms_norm_fp8, kernels/activation.py's silu_and_mul_fp8): codes [M, K] float8_e4m3fn,
+    scale [M, 1] float32, x ~= codes * scale."""
+
+    codes: Tensor
+    scale: Tensor
+
+
+@dataclass(slots=True)
 class Fp8Weight:
     """weight: [N, K] float8_e4m3fn; scale: float32 [N] (per channel) or [ceil(N/128),
     ceil(K/128)] (block_size (128, 128)); dtype: the activations' (and output's) dtype."""
@@ -117,23 +127,34 @@ class Fp8Weight:
     def device(self) -> torch.device:
         return self.weight.device
 
-    def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+    def matmul(self, x: Tensor | Fp8Rows, bias: Tensor | None = None) -> Tensor:
         """x: [..., K] in `dtype` -> x @ W^T (+ bias): [..., N] in `dtype`, with x quantized
-        per token. Raises RuntimeError where fp8 GEMMs cannot run (`fp8_supported`)."""
-        reason = fp8_supported(x.device)
+        per token; or x as codes already (Fp8Rows, [M, K]: per-channel weights only).
+        Raises RuntimeError where fp8 GEMMs cannot run (`fp8_supported`)."""
+        rows = x.codes if isinstance(x, Fp8Rows) else x
+        reason = fp8_supported(rows.device)
         if reason is not None:
             raise RuntimeError(reason)
-        from lmd.engine.turbo.kernels.fp8 import fp8_matmul  # triton, imported on first use
+        from lmd.engine.turbo.kernels import fp8  # triton, imported on first use
 
         n, k = self.shape
+        if isinstance(x, Fp8Rows):
+            if self.block_size is not None or x.codes.shape[-1] != k or x.codes.dim() != 2:
+                raise ValueError(
+                    f"fp8 codes {tuple(x.codes.shape)} for a [N={n}, K={k}] weight with "
+                    f"blocks {self.block_size} (per-token codes take [M, K], per channel)"
+                )
+            return fp8.fp8_matmul_rows(
+                x.codes, x.scale, self.weight, self.scale, bias, out_dtype=self.dtype
+            )
         if x.shape[-1] != k or x.dtype != self.dtype:
             raise ValueError(
                 f"fp8 matmul of [N={n}, K={k}] in {self.dtype} got x {tuple(x.shape)} in {x.dtype}"
             )
-        rows = x.reshape(-1, k)
-        if rows.stride(1) != 1:
-            rows = rows.contiguous()
-        y = fp8_matmul(rows, self.weight, self.scale, bias, self.block_size)
+        flat = x.reshape(-1, k)
+        if flat.stride(1) != 1:
+            flat = flat.contiguous()
+        y = fp8.fp8_matmul(flat, self.weight, self.scale, bias, self.block_size)
         return y.view(*x.shape[:-1], n)
 
     def dequantize(self) -> Tensor:
