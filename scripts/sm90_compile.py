@@ -1,4 +1,4 @@
-"""Compile turbo's decode kernels for an H100/H200 (sm_90) without a GPU: a check to run
+"""Compile turbo's decode (and FP8 activation) kernels for an H100/H200 (sm_90) without a GPU: a check to run
 before a device call, with the device's Triton version where it differs from ours.
 
     pip install --target /tmp/t36 --no-deps triton==3.6.0     # the GPU machine's, once
@@ -84,6 +84,19 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
         out.append(case(gemv._gemv_kernel, flags, sends, run | {"num_stages": 4}))
     flags = {"GELU": False, "BLOCK": 1024}
     out.append(case(activation._silu_and_mul_kernel, flags, {}, run))
+    codes = {"codes_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
+    for one_pass, block, warps in ((True, 16384, 16), (False, 2048, 4)):
+        flags = {"GELU": False, "ONE_PASS": one_pass, "BLOCK": block}
+        options = {"num_warps": warps, "num_stages": 3}
+        out.append(case(activation._silu_and_mul_fp8_kernel, flags, codes, options))
+    flags = {"HAS_RESIDUAL": True, "FP8": True, "BLOCK": 4096}
+    types = {"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
+    norm = kernels_of("norm")
+    out.append(case(norm._rms_norm_kernel, flags, types, {"num_warps": 16, "num_stages": 3}))
+    types = {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
+    flags = {"ONE_PASS": True, "BLOCK_K": 4096}
+    quant = kernels_of("fp8_quant")
+    out.append(case(quant._quant_rows_kernel, flags, types, {"num_warps": 8, "num_stages": 3}))
     for kv, warps, splits in (("*bf16", 4, 8), ("*i8", 2, 8), ("*bf16", 4, 1)):
         flags = {"GROUP": 4, "HEAD_DIM": 128, "NUM_SPLITS": splits, "BLOCK_G": 16,
                  "BLOCK_D": 128, "BLOCK_N": 64, "DOT_PRECISION": "tf32", "HEADS_FIRST": True,

@@ -21,9 +21,9 @@ from tests.unit.test_turbo_kernels import DEVICE, ON_CUDA, rel_err
 
 pytest.importorskip("triton")
 
+from lmd.engine.turbo.kernels import activation as activation_kernels
 from lmd.engine.turbo.kernels import fp8 as fp8_kernels
 from lmd.engine.turbo.kernels import fp8_quant
-from lmd.engine.turbo.kernels.activation import silu_and_mul, silu_and_mul_fp8
 from lmd.engine.turbo.kernels.norm import rms_norm, rms_norm_fp8
 from lmd.engine.turbo.quant.e4m3 import FP8_MAX
 from lmd.engine.turbo.quant.fp8 import Fp8Weight, fp8_supported, quantize_per_token_ref
@@ -254,13 +254,19 @@ def test_rms_norm_fp8_makes_the_quantizers_codes(dtype: torch.dtype, with_residu
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_silu_and_mul_fp8_makes_the_quantizers_codes(activation: str, dtype) -> None:
-    """Two chunks of a row and a ragged end (width 2,100 > FP8_BLOCK), a zero row."""
+@pytest.mark.parametrize("one_pass", [True, False], ids=["registers", "chunks"])
+def test_silu_and_mul_fp8_makes_the_quantizers_codes(
+    activation: str, dtype: torch.dtype, one_pass: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row in registers, or (a narrower bound) in two chunks with a ragged end; a zero
+    row."""
+    if not one_pass:
+        monkeypatch.setattr(activation_kernels, "FP8_ONE_PASS", 1024)
     torch.manual_seed(4)
-    x = (torch.randn(5, 4200) * 2).to(dtype).to(DEVICE)
+    x = (torch.randn(5, 4200) * 2).to(dtype).to(DEVICE)  # width 2,100
     x[2] = 0.0
-    ours = silu_and_mul_fp8(x, activation)
-    ref_q, ref_s = fp8_quant.quantize_per_token(silu_and_mul(x, activation))
+    ours = activation_kernels.silu_and_mul_fp8(x, activation)
+    ref_q, ref_s = fp8_quant.quantize_per_token(activation_kernels.silu_and_mul(x, activation))
     assert torch.equal(ours.scale, ref_s) and float(ours.scale[2]) > 0
     check_codes(ours.codes, ref_q)
 

@@ -8,10 +8,9 @@ check them; production runs them on CUDA only.
 
 from __future__ import annotations
 
-import os
-
 from lmd.engine.turbo.kernels.activation import silu_and_mul, silu_and_mul_fp8
 from lmd.engine.turbo.kernels.cache_write import cache_write
+from lmd.engine.turbo.kernels.common import interpreting
 from lmd.engine.turbo.kernels.decode_attention import decode_attention, decode_splits
 from lmd.engine.turbo.kernels.fp8 import takes_codes
 from lmd.engine.turbo.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
@@ -44,8 +43,3 @@ __all__ = [
     "takes_codes",
     "vector_gemv",
 ]
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels through its CPU interpreter (tests only)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -13,7 +13,11 @@ from lmd.engine.turbo.kernels.fp8_quant import e4m3_codes, row_scale
 from lmd.engine.turbo.quant.fp8 import Fp8Rows
 
 BLOCK = 1024
-FP8_BLOCK = 2048  # a row's chunk in silu_and_mul_fp8's program (one program a row)
+# silu_and_mul_fp8 holds a row of up to this many outputs in its program's registers
+# (16 warps); a wider one goes in chunks of FP8_CHUNK, twice (the second read of a row
+# from HBM, since ~1,000 programs' rows in flight do not fit L2).
+FP8_ONE_PASS = 16384
+FP8_CHUNK = 2048
 
 
 @triton.jit
@@ -44,25 +48,29 @@ def _silu_and_mul_fp8_kernel(  # noqa: PLR0917  # Triton kernels take positional
     stride_codes,
     width,
     GELU: tl.constexpr,
+    ONE_PASS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """A program per row: the activation's absmax over the row, then (computed again,
-    the row's gate | up read back from L2) its codes."""
+    """A program per row. ONE_PASS (BLOCK >= width): the row's activation in registers,
+    its absmax, its codes. Else the absmax chunk by chunk, then each chunk's activation
+    again for its codes (gate | up read twice)."""
     row = tl.program_id(0).to(tl.int64)
-    amax = tl.zeros([BLOCK], tl.float32)
-    for c0 in range(0, width, BLOCK):
-        y = _rounded(x_ptr + row * stride_x, c0, width, GELU, BLOCK)
-        amax = tl.maximum(amax, tl.abs(y))
-    scale = row_scale(tl.max(amax, axis=0))
+    row_ptr = x_ptr + row * stride_x
+    if ONE_PASS:
+        cols = tl.arange(0, BLOCK)
+        y = _rounded(row_ptr, 0, width, GELU, BLOCK)
+        scale = row_scale(tl.max(tl.abs(y), axis=0))
+        tl.store(codes_ptr + row * stride_codes + cols, e4m3_codes(y, scale), mask=cols < width)
+    else:
+        amax = tl.zeros([BLOCK], tl.float32)
+        for c0 in range(0, width, BLOCK):
+            amax = tl.maximum(amax, tl.abs(_rounded(row_ptr, c0, width, GELU, BLOCK)))
+        scale = row_scale(tl.max(amax, axis=0))
+        for c0 in range(0, width, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            codes = e4m3_codes(_rounded(row_ptr, c0, width, GELU, BLOCK), scale)
+            tl.store(codes_ptr + row * stride_codes + cols, codes, mask=cols < width)
     tl.store(scale_ptr + row, scale)
-    for c0 in range(0, width, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        codes = e4m3_codes(_rounded(x_ptr + row * stride_x, c0, width, GELU, BLOCK), scale)
-        tl.store(
-            codes_ptr + row * stride_codes + cols,
-            codes.to(codes_ptr.dtype.element_ty),
-            mask=cols < width,
-        )
 
 
 @triton.jit
@@ -119,6 +127,8 @@ def silu_and_mul_fp8(x: Tensor, activation: str = "silu") -> Fp8Rows:
         torch.empty(num_rows, width, dtype=torch.float8_e4m3fn, device=x.device),
         torch.empty(num_rows, 1, dtype=torch.float32, device=x.device),
     )
+    one_pass = width <= FP8_ONE_PASS
+    block = triton.next_power_of_2(width) if one_pass else FP8_CHUNK
     if num_rows:
         _silu_and_mul_fp8_kernel[(num_rows,)](
             x,
@@ -128,8 +138,9 @@ def silu_and_mul_fp8(x: Tensor, activation: str = "silu") -> Fp8Rows:
             out.codes.stride(0),
             width,
             GELU=activation == "gelu_tanh",
-            BLOCK=FP8_BLOCK,
-            num_warps=8,
+            ONE_PASS=one_pass,
+            BLOCK=block,
+            num_warps=min(16, max(4, block // 512)),
         )
     return out
 

@@ -1,12 +1,19 @@
-"""Small things the attention kernels share."""
+"""Small things the kernels share."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634  # scores are scaled by log2(e) so that exp2 replaces exp
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels through its CPU interpreter (tests only)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -3,11 +3,12 @@ scale is its absmax / 448 (AMAX_FLOOR for a zero row), over the whole row or eac
 128-group, and its codes x / scale rounded to e4m3.
 
 The quantizers divide with IEEE rounding (tl.math.div_rn; `/` may be approximate) and
-round to e4m3's grid in float32 (ties to even), so the cast after is exact: torch's codes
-(`.to(float8_e4m3fn)` after a clamp), also in Triton's CPU interpreter, whose own fp32 ->
-fp8 cast rounds some values wrongly (127.99 -> 64). `row_scale` and `e4m3_codes` are
-what the RMSNorm and the gated activation use to make these codes in their own launch
-(kernels/norm.py, kernels/activation.py).
+round to nearest, ties to even: torch's codes (`.to(float8_e4m3fn)` after a clamp). On a
+GPU that is the hardware's conversion (cvt.rn.satfinite, one instruction for two
+values); Triton's CPU interpreter converts some values wrongly (127.99 -> 64), so there
+the value is rounded to e4m3's grid in float32 first and the cast after is exact.
+`row_scale` and `e4m3_codes` are what the RMSNorm and the gated activation use to make
+these codes in their own launch (kernels/norm.py, kernels/activation.py).
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lmd.engine.turbo.kernels.common import interpreting
 from lmd.engine.turbo.quant.e4m3 import AMAX_FLOOR, FP8_MAX
 from lmd.engine.turbo.quant.e4m3 import BLOCK as GROUP
 
 _MAX, _FLOOR = tl.constexpr(FP8_MAX), tl.constexpr(AMAX_FLOOR)  # Triton reads constexprs
 _INV_MAX = tl.constexpr(1.0 / FP8_MAX)  # scale = absmax * (1/448), as torch's `/ 448` on CUDA
+_BY_HARDWARE = tl.constexpr(not interpreting())  # e4m3_codes: the GPU's own conversion
 
 
 @triton.jit
@@ -45,8 +48,11 @@ def row_scale(amax):
 
 @triton.jit
 def e4m3_codes(x, scale):
-    """float32 x / scale -> its e4m3 codes' values in float32 (saturated at +-448)."""
-    return _round_e4m3(tl.clamp(tl.math.div_rn(x, scale), -_MAX, _MAX))
+    """float32 x / scale -> its e4m3 codes (float8e4nv), saturated at +-448."""
+    v = tl.clamp(tl.math.div_rn(x, scale), -_MAX, _MAX)
+    if _BY_HARDWARE:
+        return v.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    return _round_e4m3(v).to(tl.float8e4nv)
 
 
 @triton.jit
