@@ -30,3 +30,27 @@ def pool_scales(kv_ptr, stride_kv_block, HEAD_DIM: tl.constexpr):
     kernels take no pointer or strides of their own for them."""
     data_bytes = stride_kv_block // (HEAD_DIM + 2) * HEAD_DIM
     return (kv_ptr + data_bytes).to(tl.pointer_type(tl.float16))
+
+
+@triton.jit
+def code_query(q):
+    """q as a quantized pool's dots take it: float16 (saturated at its range), since e4m3
+    and int8 codes become float16 in one instruction a pair where bfloat16 went through
+    float32 (three; ~16% of the fp8 decode kernel's instructions on sm_90). A float32
+    model's q stays float32 (exact dots, as dot_precision says)."""
+    if q.dtype == tl.float32:
+        return q
+    return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+
+
+@triton.jit
+def add_code_values(acc, alpha, p, v, v_scale, PRECISION: tl.constexpr):  # noqa: PLR0917
+    """acc * alpha + p @ (v codes, each key's row times its v_scale), the dot in float16
+    (float32 where PRECISION is "ieee": a float32 model). p is scaled by each key's
+    v_scale over the tile's largest, so its values stay in [0, 1] (under float16's normal
+    range only for terms < 6e-5 of the tile's largest: absolute errors ~3e-8), and the
+    product by that largest after."""
+    DOT: tl.constexpr = tl.float32 if PRECISION == "ieee" else tl.float16
+    top = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
+    pv = (p * (v_scale / top)[None, :]).to(DOT)
+    return acc * alpha[:, None] + tl.dot(pv, v.to(DOT), input_precision=PRECISION) * top

@@ -29,7 +29,13 @@ import triton.language as tl
 from torch import Tensor
 
 from lmd.engine.turbo.kernels import kv_quant
-from lmd.engine.turbo.kernels.common import LOG2E, dot_precision, pool_scales
+from lmd.engine.turbo.kernels.common import (
+    LOG2E,
+    add_code_values,
+    code_query,
+    dot_precision,
+    pool_scales,
+)
 
 BLOCK_N = 64  # keys per tile
 MAX_SPLITS = 16
@@ -107,6 +113,7 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
     if QUANTIZED:
         scale_ptr = pool_scales(kv_ptr, stride_kv_block, HEAD_DIM)
         scale_ptr += layer * (stride_kv_layer // HEAD_DIM) + kv_head
+        q_codes = code_query(q)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = (n >= first) & (n < end)
@@ -127,7 +134,7 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
         else:
             srows = block * (stride_kv_block // 2) + slot * (stride_kv_slot // HEAD_DIM)
             k_scale = tl.load(scale_ptr + srows, mask=nmask, other=0.0).to(tl.float32)
-            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+            scores = tl.dot(q_codes, tl.trans(k.to(q_codes.dtype)), input_precision=DOT_PRECISION)
             scores = scores * (k_scale * scale_log2)[None, :]
         scores = tl.where(nmask[None, :], scores, float("-inf"))
         # Every tile holds at least one visible key, so m_new is finite.
@@ -142,8 +149,7 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
             v_scale = tl.load(
                 scale_ptr + stride_kv_kv // HEAD_DIM + srows, mask=nmask, other=0.0
             ).to(tl.float32)
-            pv = (p * v_scale[None, :]).to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(pv, v.to(q.dtype), input_precision=DOT_PRECISION)
+            acc = add_code_values(acc, alpha, p, v, v_scale, DOT_PRECISION)
         m_i = m_new
 
     omask = gmask[:, None] & dmask[None, :]

@@ -18,7 +18,13 @@ import triton.language as tl
 from torch import Tensor
 
 from lmd.engine.turbo.kernels import kv_quant
-from lmd.engine.turbo.kernels.common import LOG2E, dot_precision, pool_scales
+from lmd.engine.turbo.kernels.common import (
+    LOG2E,
+    add_code_values,
+    code_query,
+    dot_precision,
+    pool_scales,
+)
 
 
 @triton.jit
@@ -86,6 +92,7 @@ def _prefill_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional ar
     if QUANTIZED:
         scale_ptr = pool_scales(kv_ptr, stride_kv_block, HEAD_DIM)
         scale_ptr += layer * (stride_kv_layer // HEAD_DIM) + head // GROUP
+        q_codes = code_query(q)
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < hi
@@ -102,7 +109,7 @@ def _prefill_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional ar
                 stride_kv_slot // HEAD_DIM
             )
             k_scale = tl.load(scale_ptr + srows, mask=nmask, other=0.0).to(tl.float32)
-            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+            scores = tl.dot(q_codes, tl.trans(k.to(q_codes.dtype)), input_precision=DOT_PRECISION)
             scores = scores * (k_scale * scale_log2)[None, :]
         visible = nmask[None, :] & (n[None, :] <= pos[:, None])
         if window > 0:
@@ -121,8 +128,7 @@ def _prefill_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional ar
             v_scale = tl.load(
                 scale_ptr + stride_kv_kv // HEAD_DIM + srows, mask=nmask, other=0.0
             ).to(tl.float32)
-            pv = (p * v_scale[None, :]).to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(pv, v.to(q.dtype), input_precision=DOT_PRECISION)
+            acc = add_code_values(acc, alpha, p, v, v_scale, DOT_PRECISION)
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
