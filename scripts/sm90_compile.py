@@ -1,5 +1,6 @@
-"""Compile turbo's decode (and FP8 activation) kernels for an H100/H200 (sm_90) without a GPU: a check to run
-before a device call, with the device's Triton version where it differs from ours.
+"""Compile turbo's decode, attention and FP8 activation kernels for an H100/H200 (sm_90)
+without a GPU: a check to run before a device call, with the device's Triton version
+where it differs from ours.
 
     pip install --target /tmp/t36 --no-deps triton==3.6.0     # the GPU machine's, once
     PYTHONPATH=/tmp/t36 python3 scripts/sm90_compile.py [--ptx DIR]
@@ -97,14 +98,26 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
     flags = {"ONE_PASS": True, "BLOCK_K": 4096}
     quant = kernels_of("fp8_quant")
     out.append(case(quant._quant_rows_kernel, flags, types, {"num_warps": 8, "num_stages": 3}))
-    for kv, warps, splits in (("*bf16", 4, 8), ("*i8", 2, 8), ("*bf16", 4, 1)):
+    for kv, warps, splits, q in (("*bf16", 4, 8, "*bf16"), ("*i8", 2, 8, "*bf16"),
+                                 ("*bf16", 4, 1, "*bf16"), ("*fp8e4nv", 2, 1, "*bf16"),
+                                 ("*fp8e4nv", 2, 1, "*fp32")):  # fmt: skip
+        precision = "ieee" if q == "*fp32" else "tf32"
         flags = {"GROUP": 4, "HEAD_DIM": 128, "NUM_SPLITS": splits, "BLOCK_G": 16,
-                 "BLOCK_D": 128, "BLOCK_N": 64, "DOT_PRECISION": "tf32", "HEADS_FIRST": True,
-                 "IN_BLOCK": True}  # fmt: skip
-        types = {"kv_ptr": kv, "tables_ptr": "*i32", "context_lens_ptr": "*i32",
-                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}  # fmt: skip
+                 "BLOCK_D": 128, "BLOCK_N": 64, "DOT_PRECISION": precision,
+                 "HEADS_FIRST": True, "IN_BLOCK": True}  # fmt: skip
+        types = {"kv_ptr": kv, "tables_ptr": "*i32", "context_lens_ptr": "*i32", "q_ptr": q,
+                 "out_ptr": q, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}  # fmt: skip
         options = {"num_warps": warps, "num_stages": 2}
         out.append(case(decode_attention._decode_kernel, flags, types, options))
+    prefill = kernels_of("prefill_attention")
+    for kv, q in (("*bf16", "*bf16"), ("*fp8e4nv", "*bf16"), ("*i8", "*fp32")):
+        precision = "ieee" if q == "*fp32" else "tf32"
+        flags = {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 128,
+                 "DOT_PRECISION": precision}  # fmt: skip
+        types = {"kv_ptr": kv, "q_ptr": q, "out_ptr": q, "tables_ptr": "*i32",
+                 "cu_seqlens_ptr": "*i32", "context_lens_ptr": "*i32"}  # fmt: skip
+        options = {"num_warps": 4, "num_stages": 2}
+        out.append(case(prefill._prefill_kernel, flags, types, options))
     flags = {"NUM_HEADS": 32, "HEAD_DIM": 128, "NUM_SPLITS": 16, "BLOCK_D": 128}
     out.append(case(decode_attention._merge_kernel, flags, {"part_out_ptr": "*fp32",
                     "part_lse_ptr": "*fp32"}, run | {"num_warps": 1}))  # fmt: skip

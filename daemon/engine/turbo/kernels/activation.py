@@ -59,16 +59,16 @@ def _silu_and_mul_fp8_kernel(  # noqa: PLR0917  # Triton kernels take positional
     if ONE_PASS:
         cols = tl.arange(0, BLOCK)
         y = _rounded(row_ptr, 0, width, GELU, BLOCK)
-        scale = row_scale(tl.max(tl.abs(y), axis=0))
-        tl.store(codes_ptr + row * stride_codes + cols, e4m3_codes(y, scale), mask=cols < width)
+        scale, inverse = row_scale(tl.max(tl.abs(y), axis=0))
+        tl.store(codes_ptr + row * stride_codes + cols, e4m3_codes(y, inverse), mask=cols < width)
     else:
         amax = tl.zeros([BLOCK], tl.float32)
         for c0 in range(0, width, BLOCK):
             amax = tl.maximum(amax, tl.abs(_rounded(row_ptr, c0, width, GELU, BLOCK)))
-        scale = row_scale(tl.max(amax, axis=0))
+        scale, inverse = row_scale(tl.max(amax, axis=0))
         for c0 in range(0, width, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
-            codes = e4m3_codes(_rounded(row_ptr, c0, width, GELU, BLOCK), scale)
+            codes = e4m3_codes(_rounded(row_ptr, c0, width, GELU, BLOCK), inverse)
             tl.store(codes_ptr + row * stride_codes + cols, codes, mask=cols < width)
     tl.store(scale_ptr + row, scale)
 

@@ -38,9 +38,11 @@ def code_query(q):
     and int8 codes become float16 in one instruction a pair where bfloat16 went through
     float32 (three; ~16% of the fp8 decode kernel's instructions on sm_90). A float32
     model's q stays float32 (exact dots, as dot_precision says)."""
-    if q.dtype == tl.float32:
-        return q
-    return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    if q.dtype == tl.float32:  # one return: compiled, both would be typed (Triton 3.6)
+        codes = q
+    else:
+        codes = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return codes
 
 
 @triton.jit

@@ -1,9 +1,11 @@
 """Activations quantized to e4m3 per token (kernels/fp8.py's GEMMs take them): a row's
 scale is its absmax / 448 (AMAX_FLOOR for a zero row), over the whole row or each
-128-group, and its codes x / scale rounded to e4m3.
+128-group, and its codes x * (1 / scale) rounded to e4m3.
 
-The quantizers divide with IEEE rounding (tl.math.div_rn; `/` may be approximate) and
-round to nearest, ties to even: torch's codes (`.to(float8_e4m3fn)` after a clamp). On a
+The reciprocal is one IEEE division a row (tl.math.div_rn; `/` may be approximate), each
+value one multiply (an IEEE division a value was ~15 of the fused activation's ~42
+instructions a value on sm_90, with a branch), rounded to nearest, ties to even:
+quant/fp8.py's quantize_per_token_ref to the bit (`.to(float8_e4m3fn)` after a clamp). On a
 GPU that is the hardware's conversion (cvt.rn.satfinite, one instruction for two
 values); Triton's CPU interpreter converts some values wrongly (127.99 -> 64), so there
 the value is rounded to e4m3's grid in float32 first and the cast after is exact.
@@ -42,14 +44,16 @@ def _round_e4m3(v):
 
 @triton.jit
 def row_scale(amax):
-    """A row's (or group's) scale from its float32 absmax."""
-    return tl.maximum(amax, _FLOOR) * _INV_MAX
+    """A row's (or group's) scale from its float32 absmax, and the scale's reciprocal."""
+    scale = tl.maximum(amax, _FLOOR) * _INV_MAX
+    return scale, tl.math.div_rn(1.0, scale)
 
 
 @triton.jit
-def e4m3_codes(x, scale):
-    """float32 x / scale -> its e4m3 codes (float8e4nv), saturated at +-448."""
-    v = tl.clamp(tl.math.div_rn(x, scale), -_MAX, _MAX)
+def e4m3_codes(x, inverse):
+    """float32 x times its scale's reciprocal -> e4m3 codes (float8e4nv), saturated at
+    +-448."""
+    v = tl.clamp(x * inverse, -_MAX, _MAX)
     if _BY_HARDWARE:
         return v.to(tl.float8e4nv, fp_downcast_rounding="rtne")
     return _round_e4m3(v).to(tl.float8e4nv)
@@ -72,8 +76,8 @@ def _quant_rows_kernel(  # noqa: PLR0917  # Triton kernels take positional argum
     if ONE_PASS:
         ks = tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + row * stride_x + ks, mask=ks < k, other=0.0).to(tl.float32)
-        scale = row_scale(tl.max(tl.abs(x), axis=0))
-        q = e4m3_codes(x, scale)
+        scale, inverse = row_scale(tl.max(tl.abs(x), axis=0))
+        q = e4m3_codes(x, inverse)
         tl.store(q_ptr + row * stride_q + ks, q.to(q_ptr.dtype.element_ty), mask=ks < k)
     else:
         amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -81,11 +85,11 @@ def _quant_rows_kernel(  # noqa: PLR0917  # Triton kernels take positional argum
             ks = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + row * stride_x + ks, mask=ks < k, other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        scale = row_scale(tl.max(amax, axis=0))
+        scale, inverse = row_scale(tl.max(amax, axis=0))
         for k0 in range(0, k, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + row * stride_x + ks, mask=ks < k, other=0.0).to(tl.float32)
-            q = e4m3_codes(x, scale)
+            q = e4m3_codes(x, inverse)
             tl.store(q_ptr + row * stride_q + ks, q.to(q_ptr.dtype.element_ty), mask=ks < k)
     tl.store(scale_ptr + row, scale)
 
@@ -114,9 +118,9 @@ def _quant_groups_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
         mask=(rows[:, None] < m) & (ks[None, :] < k),
         other=0.0,
     ).to(tl.float32)  # [BLOCK_M, GROUP_K]
-    scale = row_scale(tl.max(tl.abs(x), axis=1))  # [BLOCK_M]
+    scale, inverse = row_scale(tl.max(tl.abs(x), axis=1))  # [BLOCK_M]
     tl.store(scale_ptr + group * stride_s + rows, scale, mask=rows < m_out)
-    q = e4m3_codes(x, scale[:, None])
+    q = e4m3_codes(x, inverse[:, None])
     tl.store(
         q_ptr + rows.to(tl.int64)[:, None] * stride_q + ks[None, :],
         q.to(q_ptr.dtype.element_ty),

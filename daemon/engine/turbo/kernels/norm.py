@@ -43,9 +43,9 @@ def _rms_norm_kernel(  # noqa: PLR0917  # Triton kernels take positional argumen
     y = x * tl.rsqrt(variance + eps) * w
     if FP8:  # the codes of y as rms_norm would store it: quantize_per_token's, to the bit
         y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-        scale = row_scale(tl.max(tl.abs(y), axis=0))
+        scale, inverse = row_scale(tl.max(tl.abs(y), axis=0))
         tl.store(scale_ptr + row, scale)
-        y = e4m3_codes(y, scale)
+        y = e4m3_codes(y, inverse)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -51,7 +51,7 @@ def to_e4m3(values: Tensor) -> Tensor:
 
 
 def quantize_per_token_ref(x: Tensor, group: int | None = None) -> tuple[Tensor, Tensor]:
-    """What kernels/fp8.py's activation quantizers compute, in plain torch. x: [M, K] ->
+    """What kernels/fp8_quant.py's quantizers compute, in plain torch. x: [M, K] ->
     (codes [M, K] e4m3, scale [M, 1] float32, or [M, ceil(K/group)] with `group`)."""
     xf = x.float()
     num_rows, k = xf.shape
@@ -60,7 +60,7 @@ def quantize_per_token_ref(x: Tensor, group: int | None = None) -> tuple[Tensor,
     padded = F.pad(xf, (0, num_groups * width - k))
     grouped = padded.view(num_rows, num_groups, width)  # [M, G, width]
     scale = grouped.abs().amax(dim=2).clamp(min=AMAX_FLOOR) * (1 / FP8_MAX)  # [M, G]
-    codes = to_e4m3(grouped / scale[:, :, None]).view(num_rows, -1)[:, :k]
+    codes = to_e4m3(grouped * (1 / scale)[:, :, None]).view(num_rows, -1)[:, :k]
     return codes, scale
 
 
