@@ -295,7 +295,7 @@ class TurboModel:
     def _codes(self, weight: Linear, x: Tensor) -> bool:
         """Whether x's product by `weight` takes x as per-token codes made in the launch
         that makes x (see fp8_codes)."""
-        return self.fp8_codes and kernels.takes_codes(weight, x.shape[0])
+        return self.fp8_codes and isinstance(weight, Fp8Weight) and weight.takes_codes(x.shape[0])
 
     def _vector(self, x: Tensor) -> bool:
         """Whether this step's products take kernels/vector_gemv.py (see fused_batch1)."""

@@ -12,7 +12,6 @@ from lmd.engine.turbo.kernels.activation import silu_and_mul, silu_and_mul_fp8
 from lmd.engine.turbo.kernels.cache_write import cache_write
 from lmd.engine.turbo.kernels.common import interpreting
 from lmd.engine.turbo.kernels.decode_attention import decode_attention, decode_splits
-from lmd.engine.turbo.kernels.fp8 import takes_codes
 from lmd.engine.turbo.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from lmd.engine.turbo.kernels.gemv import gemv
 from lmd.engine.turbo.kernels.kv_quant import scales_of
@@ -40,6 +39,5 @@ __all__ = [
     "scales_of",
     "silu_and_mul",
     "silu_and_mul_fp8",
-    "takes_codes",
     "vector_gemv",
 ]

@@ -27,7 +27,6 @@ from torch import Tensor
 
 from lmd.engine.turbo.kernels.fp8_quant import quantize_per_token, quantize_per_token_group
 from lmd.engine.turbo.quant.e4m3 import BLOCK as GROUP  # K groups, and weight blocks along N
-from lmd.engine.turbo.quant.fp8 import Fp8Weight
 
 Tiles = tuple[int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
 SMALL_ROWS = 16  # up to this many rows, x stays 16-bit (fp8_matmul)
@@ -266,13 +265,6 @@ def fp8_matmul(
         y = scaled_mm_blocks(xq, xs, weight_fp8, weight_scale, x.dtype)[: x.shape[0]]
         return y if bias is None else y.add_(bias)
     return fp8_gemm(xq, xs, weight_fp8, weight_scale, bias, out_dtype=x.dtype, block_scaled=True)
-
-
-def takes_codes(weight: object, num_rows: int) -> bool:
-    """Whether `weight` multiplies `num_rows` rows as per-token codes (`fp8_matmul_rows`):
-    a per-channel Fp8Weight past SMALL_ROWS. The kernel that makes its input can then
-    make them in its own launch (rms_norm_fp8, silu_and_mul_fp8)."""
-    return isinstance(weight, Fp8Weight) and weight.block_size is None and num_rows > SMALL_ROWS
 
 
 def fp8_matmul_rows(

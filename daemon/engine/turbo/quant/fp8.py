@@ -127,6 +127,14 @@ class Fp8Weight:
     def device(self) -> torch.device:
         return self.weight.device
 
+    def takes_codes(self, num_rows: int) -> bool:
+        """Whether `num_rows` rows multiply as per-token codes (Fp8Rows, which the kernel
+        that makes them can make in its own launch: rms_norm_fp8, silu_and_mul_fp8):
+        per-channel scales, more rows than kernels/fp8.py's SMALL_ROWS."""
+        from lmd.engine.turbo.kernels import fp8  # triton, imported on first use
+
+        return self.block_size is None and num_rows > fp8.SMALL_ROWS
+
     def matmul(self, x: Tensor | Fp8Rows, bias: Tensor | None = None) -> Tensor:
         """x: [..., K] in `dtype` -> x @ W^T (+ bias): [..., N] in `dtype`, with x quantized
         per token; or x as codes already (Fp8Rows, [M, K]: per-channel weights only).
