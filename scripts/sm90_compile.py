@@ -110,11 +110,12 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
         options = {"num_warps": warps, "num_stages": 2}
         out.append(case(decode_attention._decode_kernel, flags, types, options))
     prefill = kernels_of("prefill_attention")
-    for kv, q in (("*bf16", "*bf16"), ("*fp8e4nv", "*bf16"), ("*i8", "*fp32")):
+    for kv, q, new_kv in (("*bf16", "*bf16", False), ("*fp8e4nv", "*bf16", True),
+                          ("*fp8e4nv", "*bf16", False), ("*i8", "*fp32", True)):  # fmt: skip
         precision = "ieee" if q == "*fp32" else "tf32"
         flags = {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 128,
-                 "DOT_PRECISION": precision}  # fmt: skip
-        types = {"kv_ptr": kv, "q_ptr": q, "out_ptr": q, "tables_ptr": "*i32",
+                 "DOT_PRECISION": precision, "NEW_KV": new_kv}  # fmt: skip
+        types = {"kv_ptr": kv, "q_ptr": q, "out_ptr": q, "new_k_ptr": q, "tables_ptr": "*i32",
                  "cu_seqlens_ptr": "*i32", "context_lens_ptr": "*i32"}  # fmt: skip
         options = {"num_warps": 4, "num_stages": 2}
         out.append(case(prefill._prefill_kernel, flags, types, options))

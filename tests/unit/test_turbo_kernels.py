@@ -230,10 +230,14 @@ def test_rotary_and_cache_write(shape: Attention, dtype: torch.dtype, qk_norm: b
     k_ref = rotate_ref(k_in, positions, table)
     v_ref = parts[:, heads + kv_heads :]
     assert rel_err(qkv.view_as(parts)[:, :heads], q_ref) < TOLERANCE[dtype]
-    assert torch.equal(qkv.view_as(parts)[:, heads:], parts[:, heads:])  # k, v untouched
+    rotated = qkv.view_as(parts)
+    assert torch.equal(rotated[:, heads + kv_heads :], v_ref)  # v untouched
     real = slots >= 0
     blocks, offsets = slots[real] // block_size, slots[real] % block_size
     assert rel_err(kv[blocks, layer, 0, offsets], k_ref[real]) < TOLERANCE[dtype]
+    # k rotated in place too, as stored (padding rows included)
+    assert torch.equal(rotated[real, heads : heads + kv_heads], kv[blocks, layer, 0, offsets])
+    assert rel_err(rotated[:, heads : heads + kv_heads], k_ref) < TOLERANCE[dtype]
     assert torch.equal(kv[blocks, layer, 1, offsets], v_ref[real])
     written = torch.zeros(num_blocks, block_size, dtype=torch.bool, device=DEVICE)
     written[blocks, offsets] = True
@@ -383,6 +387,30 @@ def check_prefill(case: PrefillCase, dtype: torch.dtype) -> None:
         window=case.window,
     )
     assert rel_err(out, ref) < TOLERANCE[dtype]
+    # The new tokens' K and V read from a qkv-shaped tensor instead (as the model passes
+    # them for a quantized pool): the same values, the same attention.
+    fresh = torch.empty(sum(new), shape.heads + 2 * shape.kv_heads, shape.head_dim).to(DEVICE)
+    fresh = fresh.to(dtype)
+    token = 0
+    for table, n, c in zip(tables, new, case.cached, strict=True):
+        for j in range(c, c + n):
+            block, offset = table[j // shape.block_size], j % shape.block_size
+            fresh[token, shape.heads :] = kv[block, layer, :, offset].reshape(-1, shape.head_dim)
+            token += 1
+    kv_heads = (fresh[:, shape.heads : -shape.kv_heads], fresh[:, -shape.kv_heads :])
+    read_new = kernels.prefill_attention(
+        q,
+        kv,
+        layer=layer,
+        block_tables=padded,
+        cu_seqlens=cu,
+        context_lens=torch.tensor(contexts, dtype=torch.int32, device=DEVICE),
+        max_seq_len=max(new),
+        scale=scale,
+        window=case.window,
+        new_kv=kv_heads,
+    )
+    assert rel_err(read_new, ref) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -156,7 +156,7 @@ def test_rotary_write_quantizes_like_the_reference(
     _, kv, scales = kv_quant.quantized_pool(num_blocks, L, S, kv_heads, head_dim, kind, DEVICE)
     kernels.rotary_and_cache_write(quant_qkv, kv=kv, kv_scales=scales, **args)
 
-    assert torch.equal(quant_qkv, plain_qkv)  # q rotated as before, k and v left alone
+    assert torch.equal(quant_qkv, plain_qkv)  # q and k rotated in place in either pool
     real = slots >= 0
     blocks, offsets = slots[real] // S, slots[real] % S
     codes, ref_scales = kv_quant.quantize_heads(plain[blocks, layer, :, offsets], kind)
@@ -233,7 +233,7 @@ def test_prefill_over_a_quantized_pool(
     contexts = [n + c for n, c in zip(new, cached, strict=True)]
     num_blocks = sum(-(-c // S) for c in contexts) + 1
     kv, scales, deq = quantized_pair(kind, num_blocks, seed=window)
-    _, tables = random_tables(contexts, S, num_blocks, seed=sum(new))
+    blocks, tables = random_tables(contexts, S, num_blocks, seed=sum(new))
     q = torch.randn(sum(new), H, D, device=DEVICE)
     cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
     args: dict[str, Any] = {
@@ -247,6 +247,19 @@ def test_prefill_over_a_quantized_pool(
     }
     out = kernels.prefill_attention(q, kv, kv_scales=scales, **args)
     assert rel_err(out, kernels.prefill_attention(q, deq, **args)) < TOLERANCE[torch.float32]
+    # The prompt's own K and V unquantized (new_kv, as the model passes them): the cached
+    # prefix read back from the codes, the new tokens exact.
+    fresh = torch.randn(sum(new), 3 * HKV, D, device=DEVICE)[:, HKV:]  # k | v heads
+    exact = deq.clone()
+    token = 0
+    for table, n, c in zip(blocks, new, cached, strict=True):
+        for j in range(c, c + n):
+            exact[table[j // S], 0, :, j % S] = fresh[token].view(2, HKV, D)
+            token += 1
+    out = kernels.prefill_attention(
+        q, kv, kv_scales=scales, new_kv=(fresh[:, :HKV], fresh[:, HKV:]), **args
+    )
+    assert rel_err(out, kernels.prefill_attention(q, exact, **args)) < TOLERANCE[torch.float32]
 
 
 @pytest.mark.parametrize(("kind", "bound"), [("int8", 0.02), ("fp8", 0.08)])

@@ -128,8 +128,8 @@ class TurboModel:
                 eps=c.rms_norm_eps,
                 kv_scales=scales,
             )
-            q = qkv.view(num_tokens, -1, c.head_dim)[:, : c.num_heads]  # [T, H, D], strided
-            attn = self._attention(q, kv, scales, i, step)  # [T, H, D]
+            heads = qkv.view(num_tokens, -1, c.head_dim)  # [T, H + 2 Hkv, D], rotated
+            attn = self._attention(heads, kv, scales, i, step)  # [T, H, D]
             # [T, hidden]: the sum over every rank's heads
             hidden = self._row_parallel(
                 attn.view(num_tokens, -1), layer.o, layer.o_bias, exchange, 2 * i
@@ -313,9 +313,12 @@ class TurboModel:
         return F.linear(x, weight, bias)
 
     def _attention(
-        self, q: Tensor, kv: Tensor, scales: Tensor | None, layer: int, step: StepInputs
+        self, heads: Tensor, kv: Tensor, scales: Tensor | None, layer: int, step: StepInputs
     ) -> Tensor:
-        window = self.config.windows[layer]
+        """Attention of the step's q heads (heads: qkv as [T, H + 2 Hkv, D]); a prompt over
+        a quantized pool reads its own K and V from `heads`, unquantized."""
+        window, h, hkv = self.config.windows[layer], self.config.num_heads, self.config.num_kv_heads
+        q = heads[:, :h]  # [T, H, D], strided
         if step.is_decode:
             return kernels.decode_attention(
                 q,
@@ -341,6 +344,7 @@ class TurboModel:
             scale=self.scale,
             window=window,
             kv_scales=scales,
+            new_kv=None if scales is None else (heads[:, h : h + hkv], heads[:, h + hkv :]),
         )
 
 

@@ -1,9 +1,10 @@
 """Rotary embedding of q and k, fused with the write of k and v into the paged KV pool.
 
-One program per token: q is rotated in place inside the fused qkv projection output
-(attention reads it from there), k is rotated and stored with v into the token's slot of
-this layer in the block-major pool. With per-head norm weights (Qwen3, Gemma 3), each
-q and k head is first RMS-normalized over head_dim and scaled by its weight. Rotation
+One program per token: q and k are rotated in place inside the fused qkv projection
+output (attention reads q from there, and a prompt its own k and v), and k is stored
+rotated with v into the token's slot of this layer in the block-major pool. With
+per-head norm weights (Qwen3, Gemma 3), each q and k head is first RMS-normalized over
+head_dim and scaled by its weight. Rotation
 is transformers' "rotate half" form: for a head x = [x1, x2] (halves of head_dim) and
 frequency i,
     out1 = x1 * cos - x2 * sin,   out2 = x2 * cos + x1 * sin.
@@ -89,7 +90,7 @@ def _store_quantized(dst, scale_dst, x1, x2, mask, scale_mask, HALF: tl.constexp
 
 
 @triton.jit
-def _rotary_cache_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
+def _rotary_cache_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arguments, one body
     qkv_ptr,
     positions_ptr,
     slots_ptr,
@@ -150,6 +151,11 @@ def _rotary_cache_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
     if HAS_QK_NORM:
         k1, k2 = _head_norm(k1, k2, k_norm_ptr, i, im, eps, HEAD_DIM, HALF)
     o1, o2 = _rotate(k1, k2, cos, sin)
+    # k rotated in place too: a prompt's attention reads its own keys from qkv
+    # (prefill_attention's new_kv) rather than back from a quantized pool.
+    heads_mask = (kh < NUM_KV_HEADS)[:, None] & im[None, :]
+    tl.store(k1_ptr, o1.to(qkv_ptr.dtype.element_ty), mask=heads_mask)
+    tl.store(k1_ptr + HALF, o2.to(qkv_ptr.dtype.element_ty), mask=heads_mask)
     k_dst = dst + kh[:, None] * stride_kv_head + i[None, :]
     if kv_ptr.dtype.element_ty.primitive_bitwidth != 8:
         tl.store(k_dst, o1.to(kv_ptr.dtype.element_ty), mask=kmask)
@@ -190,7 +196,7 @@ def rotary_and_cache_write(
     eps: float = 1e-6,
     kv_scales: Tensor | None = None,
 ) -> None:
-    """Rotate q in place and store rotated k and v into the pool.
+    """Rotate q and k in place and store rotated k and v into the pool.
 
     qkv: [T, (H + 2 Hkv) * D], rows q heads | k heads | v heads (the fused projection);
     positions: [T] int64; slot_mapping: [T] int64, block * block_size + offset (< 0:
