@@ -13,6 +13,7 @@ import random
 import sys
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import pytest
 import torch
@@ -365,17 +366,16 @@ def check_prefill(case: PrefillCase, dtype: torch.dtype) -> None:
     q = torch.randn(sum(new), shape.heads, shape.head_dim, device=DEVICE).to(dtype)
     cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     scale = shape.head_dim**-0.5
-    out = kernels.prefill_attention(
-        q,
-        kv,
-        layer=layer,
-        block_tables=padded,
-        cu_seqlens=cu,
-        context_lens=torch.tensor(contexts, dtype=torch.int32, device=DEVICE),
-        max_seq_len=max(new),
-        scale=scale,
-        window=case.window,
-    )
+    args: dict[str, Any] = {
+        "layer": layer,
+        "block_tables": padded,
+        "cu_seqlens": cu,
+        "context_lens": torch.tensor(contexts, dtype=torch.int32, device=DEVICE),
+        "max_seq_len": max(new),
+        "scale": scale,
+        "window": case.window,
+    }
+    out = kernels.prefill_attention(q, kv, **args)
     ref = attention_ref(
         q,
         kv,
@@ -397,19 +397,8 @@ def check_prefill(case: PrefillCase, dtype: torch.dtype) -> None:
             block, offset = table[j // shape.block_size], j % shape.block_size
             fresh[token, shape.heads :] = kv[block, layer, :, offset].reshape(-1, shape.head_dim)
             token += 1
-    kv_heads = (fresh[:, shape.heads : -shape.kv_heads], fresh[:, -shape.kv_heads :])
-    read_new = kernels.prefill_attention(
-        q,
-        kv,
-        layer=layer,
-        block_tables=padded,
-        cu_seqlens=cu,
-        context_lens=torch.tensor(contexts, dtype=torch.int32, device=DEVICE),
-        max_seq_len=max(new),
-        scale=scale,
-        window=case.window,
-        new_kv=kv_heads,
-    )
+    new_kv = (fresh[:, shape.heads : -shape.kv_heads], fresh[:, -shape.kv_heads :])
+    read_new = kernels.prefill_attention(q, kv, new_kv=new_kv, **args)
     assert rel_err(read_new, ref) < TOLERANCE[dtype]
 
 
