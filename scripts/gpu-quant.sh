@@ -13,6 +13,8 @@
 #   scripts/gpu-quant.sh bench SHAPE BATCHES [FLAGS...]
 #       scripts/families_bench.py on a random_models.py shape, FLAGS e.g.
 #       --quantization w4a16 or --kv-cache-dtype int8.
+#   scripts/gpu-quant.sh profile SHAPE [FLAGS...]
+#       scripts/prefill_profile.py (a 16 x 512 prefill step's kernels) on that shape.
 # Carry .whl (device-wheels.sh setproctitle gguf accelerate). Results in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,16 +43,23 @@ quality)
     | tee "$out/quality.jsonl"
   tail -5 "$out/quality-stderr.txt"
   ;;
-bench)
+bench|profile)
   python3 setup.py -q build_ext --inplace 2>&1 | tail -3  # lmd-bench imports lmd._native
-  shape=$2 batches=$3
-  shift 3
+  shape=$2
+  shift 2
   model=/tmp/$shape
   if [[ ! -f $model/config.json ]]; then
     python3 scripts/random_models.py "$shape" --out-dir /tmp 2>&1 | grep -v "^Writing" | tail -2
   fi
-  timeout 560 python3 scripts/families_bench.py "$model" --batches "$batches" "$@" \
-    2>>"$out/bench-stderr.txt" | tee -a "$out/quant-bench.jsonl"
+  if [[ $what == profile ]]; then
+    timeout 200 python3 scripts/prefill_profile.py "$model" --top 10 "$@" \
+      2>>"$out/bench-stderr.txt" | tee -a "$out/prefill-profile.txt"
+  else
+    batches=$1
+    shift
+    timeout 560 python3 scripts/families_bench.py "$model" --batches "$batches" "$@" \
+      2>>"$out/bench-stderr.txt" | tee -a "$out/quant-bench.jsonl"
+  fi
   grep -E "Error|error" "$out/bench-stderr.txt" | tail -5
   ;;
 esac
