@@ -60,6 +60,28 @@ def case(
     return label, ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), options
 
 
+def fp8_cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
+    """The kernels that make FP8 activation codes."""
+    activation, norm, quant = kernels_of("activation"), kernels_of("norm"), kernels_of("fp8_quant")
+    run = {"num_warps": 4, "num_stages": 3}
+    out = []
+    codes = {"codes_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
+    for one_pass, block, warps in ((True, 16384, 16), (False, 2048, 4)):
+        flags = {"GELU": False, "ONE_PASS": one_pass, "BLOCK": block}
+        options = {"num_warps": warps, "num_stages": 3}
+        out.append(case(activation._silu_and_mul_fp8_kernel, flags, codes, options))
+    flags = {"GELU": False, "BLOCK": 2048}
+    out.append(case(activation._silu_and_mul_groups_kernel, flags, codes, run))
+    types = {"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
+    for groups in (False, True):
+        flags = {"HAS_RESIDUAL": True, "FP8": True, "GROUPS": groups, "BLOCK": 4096}
+        out.append(case(norm._rms_norm_kernel, flags, types, {"num_warps": 16, "num_stages": 3}))
+    types = {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
+    flags = {"ONE_PASS": True, "BLOCK_K": 4096}
+    out.append(case(quant._quant_rows_kernel, flags, types, {"num_warps": 8, "num_stages": 3}))
+    return out
+
+
 def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
     activation, decode_attention = kernels_of("activation"), kernels_of("decode_attention")
     gemv, moe, vector_gemv = kernels_of("gemv"), kernels_of("moe"), kernels_of("vector_gemv")
@@ -85,19 +107,7 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
         out.append(case(gemv._gemv_kernel, flags, sends, run | {"num_stages": 4}))
     flags = {"GELU": False, "BLOCK": 1024}
     out.append(case(activation._silu_and_mul_kernel, flags, {}, run))
-    codes = {"codes_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
-    for one_pass, block, warps in ((True, 16384, 16), (False, 2048, 4)):
-        flags = {"GELU": False, "ONE_PASS": one_pass, "BLOCK": block}
-        options = {"num_warps": warps, "num_stages": 3}
-        out.append(case(activation._silu_and_mul_fp8_kernel, flags, codes, options))
-    flags = {"HAS_RESIDUAL": True, "FP8": True, "BLOCK": 4096}
-    types = {"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
-    norm = kernels_of("norm")
-    out.append(case(norm._rms_norm_kernel, flags, types, {"num_warps": 16, "num_stages": 3}))
-    types = {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
-    flags = {"ONE_PASS": True, "BLOCK_K": 4096}
-    quant = kernels_of("fp8_quant")
-    out.append(case(quant._quant_rows_kernel, flags, types, {"num_warps": 8, "num_stages": 3}))
+    out += fp8_cases()
     for kv, warps, splits, q in (("*bf16", 4, 8, "*bf16"), ("*i8", 2, 8, "*bf16"),
                                  ("*bf16", 4, 1, "*bf16"), ("*fp8e4nv", 2, 1, "*bf16"),
                                  ("*fp8e4nv", 2, 1, "*fp32")):  # fmt: skip

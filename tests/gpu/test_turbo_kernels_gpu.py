@@ -19,12 +19,11 @@ from tests.unit.test_turbo_kernels import (
     TOLERANCE,
     Attention,
     DecodeCase,
-    PrefillCase,
     check_decode,
-    check_prefill,
     rel_err,
     rms_norm_ref,
 )
+from tests.unit.test_turbo_prefill import PrefillCase, check_prefill
 
 pytestmark = pytest.mark.gpu
 HALF = [torch.bfloat16, torch.float16]

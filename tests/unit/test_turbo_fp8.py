@@ -26,7 +26,12 @@ from lmd.engine.turbo.kernels import fp8 as fp8_kernels
 from lmd.engine.turbo.kernels import fp8_quant
 from lmd.engine.turbo.kernels.norm import rms_norm, rms_norm_fp8
 from lmd.engine.turbo.quant.e4m3 import FP8_MAX
-from lmd.engine.turbo.quant.fp8 import Fp8Weight, fp8_supported, quantize_per_token_ref
+from lmd.engine.turbo.quant.fp8 import (
+    Fp8Rows,
+    Fp8Weight,
+    fp8_supported,
+    quantize_per_token_ref,
+)
 
 # The output is rounded once to its dtype (2^-9 bf16, 2^-12 fp16 relative: ~0.6 of that
 # in norm); the rest is float32 sums in another order, and on the 16-bit path W's tiles
@@ -235,52 +240,79 @@ def test_rejects_wrong_blocks_and_scales() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_fp8_makes_the_quantizers_codes(dtype: torch.dtype, with_residual: bool) -> None:
+@pytest.mark.parametrize("group", [None, 128], ids=["token", "group"])
+def test_rms_norm_fp8_makes_the_quantizers_codes(
+    dtype: torch.dtype, with_residual: bool, group: int | None
+) -> None:
     """The norm's codes in its own launch: bit for bit what the 16-bit norm then the
-    per-token quantizer give, and the residual stream added the same."""
+    quantizer give (per group: zero rows up to a multiple of 4), and the residual stream
+    added the same."""
     torch.manual_seed(3)
     m, k = 19, 300
     x = (torch.randn(m, k) * 4).to(dtype).to(DEVICE)
     weight = torch.randn(k).to(dtype).to(DEVICE)
     residual = torch.randn(m, k).to(dtype).to(DEVICE) if with_residual else None
     theirs_res = residual.clone() if residual is not None else None
-    ours = rms_norm_fp8(x, weight, 1e-6, residual)
-    ref_q, ref_s = fp8_quant.quantize_per_token(rms_norm(x, weight, 1e-6, theirs_res))
-    assert ours.scale.shape == (m, 1) and torch.equal(ours.scale, ref_s)
-    check_codes(ours.codes, ref_q)
+    ours = rms_norm_fp8(x, weight, 1e-6, residual, group=group)
+    check_made_codes(ours, rms_norm(x, weight, 1e-6, theirs_res), group)
     if residual is not None and theirs_res is not None:
         assert torch.equal(residual, theirs_res)
 
 
+def check_made_codes(ours: Fp8Rows, y: Tensor, group: int | None) -> None:
+    """`ours` as the quantizers make them of y: per token, or per group padded to 4 rows
+    (the zero rows included)."""
+    if group is None:
+        ref_q, ref_s = fp8_quant.quantize_per_token(y)
+    else:
+        ref_q, ref_s = fp8_quant.quantize_per_token_group(y, 4)
+        assert ours.scale.stride(0) == 1  # column-major, as cuBLAS takes them
+    assert ours.num_rows == y.shape[0] and ours.group == group
+    assert ours.scale.shape == ref_s.shape and torch.equal(ours.scale, ref_s)
+    check_codes(ours.codes, ref_q)
+
+
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("one_pass", [True, False], ids=["registers", "chunks"])
+@pytest.mark.parametrize(
+    ("one_pass", "group"),
+    [(True, None), (False, None), (False, 128)],
+    ids=["registers", "chunks", "group"],
+)
 def test_silu_and_mul_fp8_makes_the_quantizers_codes(
-    activation: str, dtype: torch.dtype, one_pass: bool, monkeypatch: pytest.MonkeyPatch
+    activation: str,
+    dtype: torch.dtype,
+    one_pass: bool,
+    group: int | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A row in registers, or (a narrower bound) in two chunks with a ragged end; a zero
-    row."""
+    """A row in registers, or (a narrower bound) in two chunks with a ragged end, or per
+    group in chunks; a zero row."""
     if not one_pass:
         monkeypatch.setattr(activation_kernels, "FP8_ONE_PASS", 1024)
     torch.manual_seed(4)
     x = (torch.randn(5, 4200) * 2).to(dtype).to(DEVICE)  # width 2,100
     x[2] = 0.0
-    ours = activation_kernels.silu_and_mul_fp8(x, activation)
-    ref_q, ref_s = fp8_quant.quantize_per_token(activation_kernels.silu_and_mul(x, activation))
-    assert torch.equal(ours.scale, ref_s) and float(ours.scale[2]) > 0
-    check_codes(ours.codes, ref_q)
+    ours = activation_kernels.silu_and_mul_fp8(x, activation, group=group)
+    check_made_codes(ours, activation_kernels.silu_and_mul(x, activation), group)
+    assert float(ours.scale[2].min()) > 0
 
 
-def test_a_product_takes_the_codes_as_it_would_make_them() -> None:
-    """fp8_matmul_rows on codes made before equals fp8_matmul quantizing x itself; only
-    a per-channel weight past SMALL_ROWS rows takes codes."""
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=["channel", "block"])
+def test_a_product_takes_the_codes_as_it_would_make_them(block) -> None:
+    """Fp8Weight's product of codes made before (fp8_matmul_rows, or per group
+    fp8_matmul_groups on rows padded to 4) equals fp8_matmul quantizing x itself; past
+    SMALL_ROWS rows a weight takes codes."""
     torch.manual_seed(5)
-    fw = Fp8Weight.quantize(torch.randn(272, 320, device=DEVICE), torch.float16)
-    x = torch.randn(40, 320, device=DEVICE).to(torch.float16)
-    xq, xs = fp8_quant.quantize_per_token(x)
-    ours = fp8_kernels.fp8_matmul_rows(xq, xs, fw.weight, fw.scale, None, out_dtype=x.dtype)
-    assert torch.equal(ours, fp8_kernels.fp8_matmul(x, fw.weight, fw.scale))
-    blocks = Fp8Weight.quantize(torch.randn(256, 256, device=DEVICE), torch.float16, (128, 128))
+    fw = Fp8Weight.quantize(torch.randn(256, 384, device=DEVICE), torch.float16, block)
+    x = torch.randn(41, 384, device=DEVICE).to(torch.float16)
+    if block is None:
+        xq, xs = fp8_quant.quantize_per_token(x)
+        ours = fp8_kernels.fp8_matmul_rows(xq, xs, fw.weight, fw.scale, None, out_dtype=x.dtype)
+    else:
+        xq, xs = fp8_quant.quantize_per_token_group(x, 4)
+        ours = fp8_kernels.fp8_matmul_groups(xq, xs, fw.weight, fw.scale, x.dtype)[:41]
+    assert torch.equal(ours, fp8_kernels.fp8_matmul(x, fw.weight, fw.scale, None, block))
+    assert fw.code_group == (None if block is None else 128)
     small = fp8_kernels.SMALL_ROWS
     assert fw.takes_codes(small + 1) and not fw.takes_codes(small)
-    assert not blocks.takes_codes(64)

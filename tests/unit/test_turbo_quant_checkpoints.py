@@ -18,6 +18,7 @@ from tests.unit.test_turbo_kernels import ON_CUDA  # noqa: I001  (first: the int
 
 from lmd.engine.turbo.backend import TurboBackend
 from lmd.engine.turbo.config import TurboConfig
+from lmd.engine.turbo.quant.fp8 import fp8_supported
 from lmd.engine.turbo.quant.scheme import read_scheme
 from lmd.engine.turbo.weights import load_weights
 from tests.models import random_prompts
@@ -132,3 +133,20 @@ def test_an_awq_model_computes_its_dequantized_weights(
         reference_logits(ref, prompts),
         2e-2 if ON_CUDA else 1e-4,
     )
+
+
+@pytest.mark.skipif(fp8_supported(DEVICE) is not None, reason="FP8 GEMMs need Hopper")
+def test_fp8_block_codes_made_by_the_norms_change_no_logit(
+    llama_dir: Path,  # noqa: F811  (the fixture)
+    tmp_path: Path,
+) -> None:
+    """A block-scaled FP8 checkpoint: the norms and the activation making the products'
+    per-group codes (TurboModel.fp8_codes) give the logits of the quantizer's launches,
+    bit for bit (60 rows packed in one forward, then one-row decode steps)."""
+    model = tmp_path / "fp8"
+    write_checkpoint(llama_dir, model, FORMATS["fp8"], "fp8")
+    turbo = TurboBackend(model, DEVICE, torch.bfloat16)
+    prompts = random_prompts([3, 17, 40], turbo.vocab_size, seed=4)
+    ours = torch.cat(all_logits(turbo, prompts, pool(turbo)))
+    turbo.model.fp8_codes = False
+    assert torch.equal(ours, torch.cat(all_logits(turbo, prompts, pool(turbo))))

@@ -257,7 +257,9 @@ class TurboModel:
             layer.gate_up_bias,
             activation=None if codes else activation,
         )
-        down_in = kernels.silu_and_mul_fp8(act, activation) if codes else act
+        down_in: Tensor | Fp8Rows = act
+        if codes is not None:
+            down_in = kernels.silu_and_mul_fp8(act, activation, group=codes.code_group)
         return self._row_parallel(down_in, layer.down, layer.down_bias, exchange, index), residual
 
     def _norm_linear(
@@ -286,16 +288,23 @@ class TurboModel:
             )
             residual = summed if summed is not None else residual
         else:
-            normed = kernels.rms_norm_fp8 if self._codes(weight, x) else kernels.rms_norm
-            y = self._linear(normed(x, norm, eps, res), weight, bias)
+            codes = self._codes(weight, x)
+            h = (
+                kernels.rms_norm(x, norm, eps, res)
+                if codes is None
+                else kernels.rms_norm_fp8(x, norm, eps, res, group=codes.code_group)
+            )
+            y = self._linear(h, weight, bias)
         if activation is not None and folded is None:
             y = kernels.silu_and_mul(y, activation)
         return y, residual
 
-    def _codes(self, weight: Linear, x: Tensor) -> bool:
-        """Whether x's product by `weight` takes x as per-token codes made in the launch
-        that makes x (see fp8_codes)."""
-        return self.fp8_codes and isinstance(weight, Fp8Weight) and weight.takes_codes(x.shape[0])
+    def _codes(self, weight: Linear, x: Tensor) -> Fp8Weight | None:
+        """`weight` where its product takes x as codes made in the launch that makes x
+        (see fp8_codes), else None."""
+        if self.fp8_codes and isinstance(weight, Fp8Weight) and weight.takes_codes(len(x)):
+            return weight
+        return None
 
     def _vector(self, x: Tensor) -> bool:
         """Whether this step's products take kernels/vector_gemv.py (see fused_batch1)."""

@@ -9,13 +9,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lmd.engine.turbo.kernels.fp8_quant import e4m3_codes, row_scale
+from lmd.engine.turbo.kernels.fp8_quant import e4m3_codes, group_codes, padded_rows, row_scale
 from lmd.engine.turbo.quant.fp8 import Fp8Rows
 
 BLOCK = 1024
 # silu_and_mul_fp8 holds a row of up to this many outputs in its program's registers
 # (16 warps); a wider one goes in chunks of FP8_CHUNK, twice (the second read of a row
-# from HBM, since ~1,000 programs' rows in flight do not fit L2).
+# from HBM, since ~1,000 programs' rows in flight do not fit L2). Per-group codes go
+# in chunks, once (a chunk is a whole number of 128-groups).
 FP8_ONE_PASS = 16384
 FP8_CHUNK = 2048
 
@@ -58,28 +59,57 @@ def _silu_and_mul_fp8_kernel(  # noqa: PLR0917  # Triton kernels take positional
     row_ptr = x_ptr + row * stride_x
     if ONE_PASS:
         cols = tl.arange(0, BLOCK)
-        y = _rounded(row_ptr, 0, width, GELU, BLOCK)
+        y = _rounded(row_ptr, 0, width, width, GELU, BLOCK)
         scale, inverse = row_scale(tl.max(tl.abs(y), axis=0))
         tl.store(codes_ptr + row * stride_codes + cols, e4m3_codes(y, inverse), mask=cols < width)
     else:
         amax = tl.zeros([BLOCK], tl.float32)
         for c0 in range(0, width, BLOCK):
-            amax = tl.maximum(amax, tl.abs(_rounded(row_ptr, c0, width, GELU, BLOCK)))
+            amax = tl.maximum(amax, tl.abs(_rounded(row_ptr, c0, width, width, GELU, BLOCK)))
         scale, inverse = row_scale(tl.max(amax, axis=0))
         for c0 in range(0, width, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
-            codes = e4m3_codes(_rounded(row_ptr, c0, width, GELU, BLOCK), inverse)
+            codes = e4m3_codes(_rounded(row_ptr, c0, width, width, GELU, BLOCK), inverse)
             tl.store(codes_ptr + row * stride_codes + cols, codes, mask=cols < width)
     tl.store(scale_ptr + row, scale)
 
 
 @triton.jit
-def _rounded(row_ptr, c0, width, GELU: tl.constexpr, BLOCK: tl.constexpr):
-    """act(gate) * up of columns c0.. as silu_and_mul stores it (x's dtype), in float32."""
+def _rounded(row_ptr, c0, width, limit, GELU: tl.constexpr, BLOCK: tl.constexpr):  # noqa: PLR0917
+    """act(gate) * up of columns c0.. as silu_and_mul stores it (x's dtype), in float32;
+    zeros from column `limit` on (width, or 0 for a padding row)."""
     cols = c0 + tl.arange(0, BLOCK)
-    gate = tl.load(row_ptr + cols, mask=cols < width, other=0.0)
-    up = tl.load(row_ptr + width + cols, mask=cols < width, other=0.0)
+    mask = cols < limit
+    gate = tl.load(row_ptr + cols, mask=mask, other=0.0)
+    up = tl.load(row_ptr + width + cols, mask=mask, other=0.0)
     return gated(gate, up, GELU).to(row_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _silu_and_mul_groups_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
+    x_ptr,
+    codes_ptr,
+    scale_ptr,
+    num_rows,
+    stride_x,
+    stride_codes,
+    stride_scale,
+    width,
+    GELU: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """A program per row of codes (zeros from num_rows on), one pass: each chunk of BLOCK
+    outputs (a multiple of 128) is a whole number of groups, with its groups' scales."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = x_ptr + row * stride_x
+    limit = tl.where(row < num_rows, width, 0)
+    for c0 in range(0, width, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        y = _rounded(row_ptr, c0, width, limit, GELU, BLOCK)
+        codes, scale = group_codes(y, BLOCK)
+        tl.store(codes_ptr + row * stride_codes + cols, codes, mask=cols < width)
+        g = c0 // 128 + tl.arange(0, BLOCK // 128)
+        tl.store(scale_ptr + g * stride_scale + row, scale, mask=g * 128 < width)
 
 
 @triton.jit
@@ -119,30 +149,33 @@ def silu_and_mul(x: Tensor, activation: str = "silu") -> Tensor:
     return out
 
 
-def silu_and_mul_fp8(x: Tensor, activation: str = "silu") -> Fp8Rows:
-    """silu_and_mul's output quantized per token in the same launch: what
-    fp8_quant.quantize_per_token(silu_and_mul(x, activation)) returns, bit for bit."""
+def silu_and_mul_fp8(x: Tensor, activation: str = "silu", *, group: int | None) -> Fp8Rows:
+    """silu_and_mul's output quantized in the same launch, per token (group None) or per
+    128-group (group 128): what fp8_quant.quantize_per_token(silu_and_mul(x, activation)),
+    or quantize_per_token_group(..., 4), returns, bit for bit."""
     num_rows, width = _checked(x, activation)
-    out = Fp8Rows(
-        torch.empty(num_rows, width, dtype=torch.float8_e4m3fn, device=x.device),
-        torch.empty(num_rows, 1, dtype=torch.float32, device=x.device),
-    )
+    gelu = activation == "gelu_tanh"
+    if group not in (None, 128):
+        raise ValueError(f"fp8 codes come per token or per 128-group, not per {group}")
+    rows = num_rows if group is None else padded_rows(num_rows)
+    codes = torch.empty(rows, width, dtype=torch.float8_e4m3fn, device=x.device)
+    if group is not None:
+        scale = torch.empty(-(-width // group), rows, dtype=torch.float32, device=x.device).t()
+        if rows:
+            _silu_and_mul_groups_kernel[(rows,)](
+                x, codes, scale, num_rows, x.stride(0), codes.stride(0), scale.stride(1), width,
+                GELU=gelu, BLOCK=FP8_CHUNK, num_warps=4,
+            )  # fmt: skip
+        return Fp8Rows(codes, scale, num_rows, group)
+    scale = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
     one_pass = width <= FP8_ONE_PASS
     block = triton.next_power_of_2(width) if one_pass else FP8_CHUNK
     if num_rows:
         _silu_and_mul_fp8_kernel[(num_rows,)](
-            x,
-            out.codes,
-            out.scale,
-            x.stride(0),
-            out.codes.stride(0),
-            width,
-            GELU=activation == "gelu_tanh",
-            ONE_PASS=one_pass,
-            BLOCK=block,
-            num_warps=min(16, max(4, block // 512)),
-        )
-    return out
+            x, codes, scale, x.stride(0), codes.stride(0), width,
+            GELU=gelu, ONE_PASS=one_pass, BLOCK=block, num_warps=min(16, max(4, block // 512)),
+        )  # fmt: skip
+    return Fp8Rows(codes, scale, num_rows)
 
 
 def _checked(x: Tensor, activation: str) -> tuple[int, int]:

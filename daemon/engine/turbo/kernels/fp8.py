@@ -182,15 +182,16 @@ def scaled_mm_fits(weight: Tensor, out_dtype: torch.dtype) -> bool:
     return k % 16 == 0 and n % 16 == 0 and torch.cuda.get_device_capability(weight.device) >= (9, 0)
 
 
-def scaled_mm_blocks_fit(x: Tensor, weight: Tensor) -> bool:
+def scaled_mm_blocks_fit(weight: Tensor, out_dtype: torch.dtype) -> bool:
     """Whether torch._scaled_mm takes 1x128 activation and 128x128 weight scales here:
     cuBLAS 12.9+ has that recipe on Hopper only, for bf16 out, with 16-byte aligned scale
     columns (K a multiple of 512, N of 128). Tried once per device, outside graph capture
     (torch 2.11 takes it; older ones may not)."""
     n, k = weight.shape
-    if not (x.is_cuda and x.dtype == torch.bfloat16 and k % 512 == 0 and n % GROUP == 0):
+    if not (weight.is_cuda and out_dtype == torch.bfloat16 and k % 512 == 0 and n % GROUP == 0):
         return False
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    index = weight.device.index
+    index = index if index is not None else torch.cuda.current_device()
     if index not in _CUBLAS_BLOCKS:
         if torch.cuda.is_current_stream_capturing():
             return False  # the Triton kernel runs this once
@@ -259,12 +260,22 @@ def fp8_matmul(
     if not block_scaled:
         xq, xs = quantize_per_token(x)
         return fp8_matmul_rows(xq, xs, weight_fp8, weight_scale, bias, out_dtype=x.dtype)
-    cublas = scaled_mm_blocks_fit(x, weight_fp8)
+    cublas = scaled_mm_blocks_fit(weight_fp8, x.dtype)
     xq, xs = quantize_per_token_group(x, 4 if cublas else 1)
-    if cublas:
-        y = scaled_mm_blocks(xq, xs, weight_fp8, weight_scale, x.dtype)[: x.shape[0]]
-        return y if bias is None else y.add_(bias)
-    return fp8_gemm(xq, xs, weight_fp8, weight_scale, bias, out_dtype=x.dtype, block_scaled=True)
+    y = fp8_matmul_groups(xq, xs, weight_fp8, weight_scale, x.dtype)[: x.shape[0]]
+    return y if bias is None else y.add_(bias)
+
+
+def fp8_matmul_groups(
+    xq: Tensor, xs: Tensor, weight_fp8: Tensor, weight_scale: Tensor, out_dtype: torch.dtype
+) -> Tensor:
+    """x quantized per 128-group (xq [M', K] e4m3, xs [M', K/128] column-major:
+    quantize_per_token_group's, or rms_norm_fp8's and silu_and_mul_fp8's with group 128)
+    by a block-scaled weight -> [M', N] (no bias): cuBLAS where it fits (M' a multiple of
+    4), else the Triton kernel."""
+    if xq.shape[0] % 4 == 0 and scaled_mm_blocks_fit(weight_fp8, out_dtype):
+        return scaled_mm_blocks(xq, xs, weight_fp8, weight_scale, out_dtype)
+    return fp8_gemm(xq, xs, weight_fp8, weight_scale, out_dtype=out_dtype, block_scaled=True)
 
 
 def fp8_matmul_rows(

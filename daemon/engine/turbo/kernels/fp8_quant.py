@@ -27,6 +27,7 @@ from lmd.engine.turbo.quant.e4m3 import BLOCK as GROUP
 _MAX, _FLOOR = tl.constexpr(FP8_MAX), tl.constexpr(AMAX_FLOOR)  # Triton reads constexprs
 _INV_MAX = tl.constexpr(1.0 / FP8_MAX)  # scale = absmax * (1/448), as torch's `/ 448` on CUDA
 _BY_HARDWARE = tl.constexpr(not interpreting())  # e4m3_codes: the GPU's own conversion
+_GROUP = tl.constexpr(GROUP)
 
 
 @triton.jit
@@ -57,6 +58,21 @@ def e4m3_codes(x, inverse):
     if _BY_HARDWARE:
         return v.to(tl.float8e4nv, fp_downcast_rounding="rtne")
     return _round_e4m3(v).to(tl.float8e4nv)
+
+
+@triton.jit
+def group_codes(y, BLOCK: tl.constexpr):
+    """A row's values y [BLOCK] (float32; BLOCK a multiple of 128) -> (their codes
+    [BLOCK], the scales of its 128-groups [BLOCK // 128])."""
+    groups = tl.reshape(y, (BLOCK // _GROUP, _GROUP))
+    scale, inverse = row_scale(tl.max(tl.abs(groups), axis=1))
+    return tl.reshape(e4m3_codes(groups, inverse[:, None]), (BLOCK,)), scale
+
+
+def padded_rows(num_rows: int) -> int:
+    """Rows of per-group codes made for a product (a multiple of 4: cuBLAS's 1x128
+    scales want 16-byte aligned columns; zero rows past num_rows)."""
+    return -(-num_rows // 4) * 4
 
 
 @triton.jit

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lmd.engine.turbo.kernels.fp8_quant import e4m3_codes, row_scale
+from lmd.engine.turbo.kernels.fp8_quant import e4m3_codes, group_codes, padded_rows, row_scale
 from lmd.engine.turbo.quant.fp8 import Fp8Rows
 
 
@@ -19,33 +19,43 @@ def _rms_norm_kernel(  # noqa: PLR0917  # Triton kernels take positional argumen
     w_ptr,
     out_ptr,
     scale_ptr,
+    num_rows,
     stride_x,
     stride_res,
     stride_out,
+    stride_scale,
     num_cols,
     eps,
     HAS_RESIDUAL: tl.constexpr,
     FP8: tl.constexpr,
+    GROUPS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """A program a row; rows from num_rows on (FP8 codes padded for a product) are zeros."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    live = cols < tl.where(row < num_rows, num_cols, 0)  # a padding row reads nothing
+    x = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+        res = tl.load(res_ptr + row * stride_res + cols, mask=live, other=0.0).to(tl.float32)
         summed = (x + res).to(res_ptr.dtype.element_ty)
-        tl.store(res_ptr + row * stride_res + cols, summed, mask=mask)
+        tl.store(res_ptr + row * stride_res + cols, summed, mask=live)
         # Normalize the residual stream as stored, as transformers does.
         x = summed.to(tl.float32)
     variance = tl.sum(x * x, axis=0) / num_cols
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = x * tl.rsqrt(variance + eps) * w
-    if FP8:  # the codes of y as rms_norm would store it: quantize_per_token's, to the bit
+    if FP8:  # the codes of y as rms_norm would store it: the quantizers', to the bit
         y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-        scale, inverse = row_scale(tl.max(tl.abs(y), axis=0))
-        tl.store(scale_ptr + row, scale)
-        y = e4m3_codes(y, inverse)
+        if GROUPS:  # a scale a 128-group, column-major [groups, rows]
+            y, scale = group_codes(y, BLOCK)
+            g = tl.arange(0, BLOCK // 128)
+            tl.store(scale_ptr + g * stride_scale + row, scale, mask=g * 128 < num_cols)
+        else:
+            scale, inverse = row_scale(tl.max(tl.abs(y), axis=0))
+            tl.store(scale_ptr + row, scale)
+            y = e4m3_codes(y, inverse)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -60,16 +70,24 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     return out
 
 
-def rms_norm_fp8(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Fp8Rows:
-    """rms_norm's output quantized per token in the same launch: what
-    fp8_quant.quantize_per_token(rms_norm(...)) returns, bit for bit, without the
-    16-bit row's round trip through memory and the quantizer's launch."""
-    out = Fp8Rows(
-        torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
-        torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device),
-    )
-    _launch(x, weight, eps, residual, out=out.codes, scale=out.scale)
-    return out
+def rms_norm_fp8(
+    x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None, *, group: int | None
+) -> Fp8Rows:
+    """rms_norm's output quantized in the same launch, per token (group None) or per
+    128-group (group 128): what fp8_quant.quantize_per_token(rms_norm(...)), or
+    quantize_per_token_group(rms_norm(...), 4), returns, bit for bit, without the 16-bit
+    row's round trip through memory and the quantizer's launch."""
+    num_rows, num_cols = x.shape
+    rows = num_rows if group is None else padded_rows(num_rows)
+    codes = torch.empty(rows, num_cols, dtype=torch.float8_e4m3fn, device=x.device)
+    if group is None:
+        scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    elif group == 128:
+        scale = torch.empty(-(-num_cols // group), rows, dtype=torch.float32, device=x.device).t()
+    else:
+        raise ValueError(f"fp8 codes come per token or per 128-group, not per {group}")
+    _launch(x, weight, eps, residual, out=codes, scale=scale, groups=group is not None)
+    return Fp8Rows(codes, scale, num_rows, group)
 
 
 def _launch(
@@ -80,26 +98,32 @@ def _launch(
     *,
     out: Tensor,
     scale: Tensor | None,
+    groups: bool = False,
 ) -> None:
+    """The kernel over out's rows (x's, or more: zero codes past them); scale: None
+    (16-bit out), [rows, 1], or (groups) column-major [rows, groups]."""
     num_rows, num_cols = x.shape
     if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
         raise ValueError("rms_norm needs rows with unit stride")
-    if num_rows == 0:
+    if out.shape[0] == 0:
         return
-    block = triton.next_power_of_2(num_cols)
-    _rms_norm_kernel[(num_rows,)](
+    block = max(triton.next_power_of_2(num_cols), 128 if groups else 1)
+    _rms_norm_kernel[(out.shape[0],)](
         x,
         residual if residual is not None else x,
         weight,
         out,
         scale if scale is not None else out,
+        num_rows,
         x.stride(0),
         residual.stride(0) if residual is not None else 0,
         out.stride(0),
+        scale.stride(1) if scale is not None else 0,
         num_cols,
         eps,
         HAS_RESIDUAL=residual is not None,
         FP8=scale is not None,
+        GROUPS=groups,
         BLOCK=block,
         num_warps=min(16, max(1, block // 256)),
     )

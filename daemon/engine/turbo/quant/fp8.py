@@ -70,12 +70,16 @@ def _block_scale_shape(n: int, k: int) -> tuple[int, int]:
 
 @dataclass(slots=True)
 class Fp8Rows:
-    """Activations quantized per token by the kernel that made them (kernels/norm.py's
-    rms_norm_fp8, kernels/activation.py's silu_and_mul_fp8): codes [M, K] float8_e4m3fn,
-    scale [M, 1] float32, x ~= codes * scale."""
+    """M rows of activations quantized by the kernel that made them (kernels/norm.py's
+    rms_norm_fp8, kernels/activation.py's silu_and_mul_fp8), x ~= codes * scale: per
+    token (group None: codes [M, K] float8_e4m3fn, scale [M, 1] float32) or per 128-group
+    (group 128, for block-scaled weights: codes [M', K] with zero rows up to M' a multiple
+    of 4, scale [M', ceil(K/128)] column-major, as fp8_quant.quantize_per_token_group)."""
 
     codes: Tensor
     scale: Tensor
+    num_rows: int
+    group: int | None = None
 
 
 @dataclass(slots=True)
@@ -128,12 +132,17 @@ class Fp8Weight:
         return self.weight.device
 
     def takes_codes(self, num_rows: int) -> bool:
-        """Whether `num_rows` rows multiply as per-token codes (Fp8Rows, which the kernel
-        that makes them can make in its own launch: rms_norm_fp8, silu_and_mul_fp8):
-        per-channel scales, more rows than kernels/fp8.py's SMALL_ROWS."""
+        """Whether `num_rows` rows multiply as codes (Fp8Rows, which the kernel that makes
+        them can make in its own launch: rms_norm_fp8, silu_and_mul_fp8, with
+        `code_group`): more rows than kernels/fp8.py's SMALL_ROWS."""
         from lmd.engine.turbo.kernels import fp8  # triton, imported on first use
 
-        return self.block_size is None and num_rows > fp8.SMALL_ROWS
+        return num_rows > fp8.SMALL_ROWS
+
+    @property
+    def code_group(self) -> int | None:
+        """The codes this weight multiplies: per token (None) or per 128-group (blocks)."""
+        return None if self.block_size is None else BLOCK
 
     def matmul(self, x: Tensor | Fp8Rows, bias: Tensor | None = None) -> Tensor:
         """x: [..., K] in `dtype` -> x @ W^T (+ bias): [..., N] in `dtype`, with x quantized
@@ -147,14 +156,19 @@ class Fp8Weight:
 
         n, k = self.shape
         if isinstance(x, Fp8Rows):
-            if self.block_size is not None or x.codes.shape[-1] != k or x.codes.dim() != 2:
+            if x.group != self.code_group or x.codes.shape[-1] != k or x.codes.dim() != 2:
                 raise ValueError(
-                    f"fp8 codes {tuple(x.codes.shape)} for a [N={n}, K={k}] weight with "
-                    f"blocks {self.block_size} (per-token codes take [M, K], per channel)"
+                    f"fp8 codes {tuple(x.codes.shape)} by group {x.group} for a [N={n}, "
+                    f"K={k}] weight with blocks {self.block_size} (it takes [M, K] codes "
+                    f"by group {self.code_group})"
                 )
-            return fp8.fp8_matmul_rows(
-                x.codes, x.scale, self.weight, self.scale, bias, out_dtype=self.dtype
-            )
+            if x.group is None:
+                return fp8.fp8_matmul_rows(
+                    x.codes, x.scale, self.weight, self.scale, bias, out_dtype=self.dtype
+                )
+            y = fp8.fp8_matmul_groups(x.codes, x.scale, self.weight, self.scale, self.dtype)
+            y = y[: x.num_rows]
+            return y if bias is None else y.add_(bias)
         if x.shape[-1] != k or x.dtype != self.dtype:
             raise ValueError(
                 f"fp8 matmul of [N={n}, K={k}] in {self.dtype} got x {tuple(x.shape)} in {x.dtype}"
