@@ -1,6 +1,7 @@
 """The gated MLP's activation in one pass: silu(gate) * up, or (Gemma) the tanh form
 of GELU, gelu(gate) * up (transformers' gelu_pytorch_tanh); silu_and_mul_fp8 makes the
-result's per-token e4m3 codes for an FP8 down projection in the same launch."""
+result's e4m3 codes (per token, or per 128-group) for an FP8 down projection in the
+same launch."""
 
 from __future__ import annotations
 

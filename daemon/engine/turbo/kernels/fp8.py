@@ -13,9 +13,9 @@ row-wise or 1x128 x 128x128 block scales where it takes them (Hopper), else thro
 Triton kernel here, which scales each 128-deep step's dot before adding it to its float32
 accumulator. Up to SMALL_ROWS rows (decode: memory-bound) the Triton kernel reads x as it
 is and widens each W tile to x's dtype (no quantizer launch). The activations' quantizers
-are kernels/fp8_quant.py's; a per-channel product also takes codes the kernel before it
-made (`fp8_matmul_rows`: the RMSNorm's or the activation's). Nothing here syncs with the
-host.
+are kernels/fp8_quant.py's; a product also takes codes the kernel before it made (the
+RMSNorm's or the activation's: `fp8_matmul_rows` per token, `fp8_matmul_groups` per
+group). Nothing here syncs with the host.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """RMSNorm, optionally fused with the residual add before it (one pass over the row), and
-optionally making its output's per-token e4m3 codes for an FP8 product (rms_norm_fp8)."""
+optionally making its output's e4m3 codes (per token, or per 128-group) for an FP8
+product (rms_norm_fp8)."""
 
 from __future__ import annotations
 
