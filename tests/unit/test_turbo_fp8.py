@@ -311,7 +311,9 @@ def test_a_product_takes_the_codes_as_it_would_make_them(block) -> None:
         ours = fp8_kernels.fp8_matmul_rows(xq, xs, fw.weight, fw.scale, None, out_dtype=x.dtype)
     else:
         xq, xs = fp8_quant.quantize_per_token_group(x, 4)
-        ours = fp8_kernels.fp8_matmul_groups(xq, xs, fw.weight, fw.scale, x.dtype)[:41]
+        ours = fp8_kernels.fp8_matmul_groups(
+            xq, xs, 41, fw.weight, fw.scale, None, out_dtype=x.dtype
+        )
     assert torch.equal(ours, fp8_kernels.fp8_matmul(x, fw.weight, fw.scale, None, block))
     assert fw.code_group == (None if block is None else 128)
     small = fp8_kernels.SMALL_ROWS

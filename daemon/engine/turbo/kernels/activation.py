@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lmd.engine.turbo.kernels.fp8_quant import e4m3_codes, group_codes, padded_rows, row_scale
+from lmd.engine.turbo.kernels.fp8_quant import e4m3_codes, group_codes, row_scale
 from lmd.engine.turbo.quant.fp8 import Fp8Rows
 
 BLOCK = 1024
@@ -156,27 +156,21 @@ def silu_and_mul_fp8(x: Tensor, activation: str = "silu", *, group: int | None) 
     or quantize_per_token_group(..., 4), returns, bit for bit."""
     num_rows, width = _checked(x, activation)
     gelu = activation == "gelu_tanh"
-    if group not in (None, 128):
-        raise ValueError(f"fp8 codes come per token or per 128-group, not per {group}")
-    rows = num_rows if group is None else padded_rows(num_rows)
-    codes = torch.empty(rows, width, dtype=torch.float8_e4m3fn, device=x.device)
-    if group is not None:
-        scale = torch.empty(-(-width // group), rows, dtype=torch.float32, device=x.device).t()
-        if rows:
-            _silu_and_mul_groups_kernel[(rows,)](
-                x, codes, scale, num_rows, x.stride(0), codes.stride(0), scale.stride(1), width,
-                GELU=gelu, BLOCK=FP8_CHUNK, num_warps=4,
-            )  # fmt: skip
-        return Fp8Rows(codes, scale, num_rows, group)
-    scale = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
-    one_pass = width <= FP8_ONE_PASS
-    block = triton.next_power_of_2(width) if one_pass else FP8_CHUNK
-    if num_rows:
+    out = Fp8Rows.empty(num_rows, width, group, x.device)
+    codes, scale = out.codes, out.scale
+    if group is not None and len(codes):
+        _silu_and_mul_groups_kernel[(len(codes),)](
+            x, codes, scale, num_rows, x.stride(0), codes.stride(0), scale.stride(1), width,
+            GELU=gelu, BLOCK=FP8_CHUNK, num_warps=4,
+        )  # fmt: skip
+    elif group is None and num_rows:
+        one_pass = width <= FP8_ONE_PASS
+        block = triton.next_power_of_2(width) if one_pass else FP8_CHUNK
         _silu_and_mul_fp8_kernel[(num_rows,)](
             x, codes, scale, x.stride(0), codes.stride(0), width,
             GELU=gelu, ONE_PASS=one_pass, BLOCK=block, num_warps=min(16, max(4, block // 512)),
         )  # fmt: skip
-    return Fp8Rows(codes, scale, num_rows)
+    return out
 
 
 def _checked(x: Tensor, activation: str) -> tuple[int, int]:

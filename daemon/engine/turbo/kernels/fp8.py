@@ -262,20 +262,29 @@ def fp8_matmul(
         return fp8_matmul_rows(xq, xs, weight_fp8, weight_scale, bias, out_dtype=x.dtype)
     cublas = scaled_mm_blocks_fit(weight_fp8, x.dtype)
     xq, xs = quantize_per_token_group(x, 4 if cublas else 1)
-    y = fp8_matmul_groups(xq, xs, weight_fp8, weight_scale, x.dtype)[: x.shape[0]]
-    return y if bias is None else y.add_(bias)
+    return fp8_matmul_groups(xq, xs, len(x), weight_fp8, weight_scale, bias, out_dtype=x.dtype)
 
 
-def fp8_matmul_groups(
-    xq: Tensor, xs: Tensor, weight_fp8: Tensor, weight_scale: Tensor, out_dtype: torch.dtype
+def fp8_matmul_groups(  # noqa: PLR0917  # the codes' and the weight's tensors
+    xq: Tensor,
+    xs: Tensor,
+    num_rows: int,
+    weight_fp8: Tensor,
+    weight_scale: Tensor,
+    bias: Tensor | None,
+    *,
+    out_dtype: torch.dtype,
 ) -> Tensor:
     """x quantized per 128-group (xq [M', K] e4m3, xs [M', K/128] column-major:
-    quantize_per_token_group's, or rms_norm_fp8's and silu_and_mul_fp8's with group 128)
-    by a block-scaled weight -> [M', N] (no bias): cuBLAS where it fits (M' a multiple of
-    4), else the Triton kernel."""
+    quantize_per_token_group's, or rms_norm_fp8's and silu_and_mul_fp8's with group 128;
+    rows from num_rows on are padding) by a block-scaled weight -> [num_rows, N]: cuBLAS
+    where it fits (M' a multiple of 4), else the Triton kernel."""
     if xq.shape[0] % 4 == 0 and scaled_mm_blocks_fit(weight_fp8, out_dtype):
-        return scaled_mm_blocks(xq, xs, weight_fp8, weight_scale, out_dtype)
-    return fp8_gemm(xq, xs, weight_fp8, weight_scale, out_dtype=out_dtype, block_scaled=True)
+        y = scaled_mm_blocks(xq, xs, weight_fp8, weight_scale, out_dtype)
+    else:
+        y = fp8_gemm(xq, xs, weight_fp8, weight_scale, out_dtype=out_dtype, block_scaled=True)
+    y = y[:num_rows]
+    return y if bias is None else y.add_(bias)
 
 
 def fp8_matmul_rows(

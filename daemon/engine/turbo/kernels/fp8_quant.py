@@ -69,12 +69,6 @@ def group_codes(y, BLOCK: tl.constexpr):
     return tl.reshape(e4m3_codes(groups, inverse[:, None]), (BLOCK,)), scale
 
 
-def padded_rows(num_rows: int) -> int:
-    """Rows of per-group codes made for a product (a multiple of 4: cuBLAS's 1x128
-    scales want 16-byte aligned columns; zero rows past num_rows)."""
-    return -(-num_rows // 4) * 4
-
-
 @triton.jit
 def _quant_rows_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     x_ptr,

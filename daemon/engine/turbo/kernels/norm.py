@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lmd.engine.turbo.kernels.fp8_quant import e4m3_codes, group_codes, padded_rows, row_scale
+from lmd.engine.turbo.kernels.fp8_quant import e4m3_codes, group_codes, row_scale
 from lmd.engine.turbo.quant.fp8 import Fp8Rows
 
 
@@ -78,17 +78,9 @@ def rms_norm_fp8(
     128-group (group 128): what fp8_quant.quantize_per_token(rms_norm(...)), or
     quantize_per_token_group(rms_norm(...), 4), returns, bit for bit, without the 16-bit
     row's round trip through memory and the quantizer's launch."""
-    num_rows, num_cols = x.shape
-    rows = num_rows if group is None else padded_rows(num_rows)
-    codes = torch.empty(rows, num_cols, dtype=torch.float8_e4m3fn, device=x.device)
-    if group is None:
-        scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    elif group == 128:
-        scale = torch.empty(-(-num_cols // group), rows, dtype=torch.float32, device=x.device).t()
-    else:
-        raise ValueError(f"fp8 codes come per token or per 128-group, not per {group}")
-    _launch(x, weight, eps, residual, out=codes, scale=scale, groups=group is not None)
-    return Fp8Rows(codes, scale, num_rows, group)
+    out = Fp8Rows.empty(x.shape[0], x.shape[1], group, x.device)
+    _launch(x, weight, eps, residual, out=out.codes, scale=out.scale, groups=group is not None)
+    return out
 
 
 def _launch(

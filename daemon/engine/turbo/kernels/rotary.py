@@ -90,7 +90,7 @@ def _store_quantized(dst, scale_dst, x1, x2, mask, scale_mask, HALF: tl.constexp
 
 
 @triton.jit
-def _rotary_cache_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arguments, one body
+def _rotary_cache_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     qkv_ptr,
     positions_ptr,
     slots_ptr,
@@ -143,17 +143,16 @@ def _rotary_cache_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: position
     offset = tl.maximum(slot, 0) % block_size
     dst = kv_ptr + block * stride_kv_block + layer * stride_kv_layer + offset * stride_kv_slot
     kh = tl.arange(0, BLOCK_KVH)
-    kmask = (kh < NUM_KV_HEADS)[:, None] & im[None, :]
+    heads_mask = (kh < NUM_KV_HEADS)[:, None] & im[None, :]
     k1_ptr = row + NUM_HEADS * HEAD_DIM + kh[:, None] * HEAD_DIM + i[None, :]
-    k1 = tl.load(k1_ptr, mask=kmask, other=0.0).to(tl.float32)
-    k2 = tl.load(k1_ptr + HALF, mask=kmask, other=0.0).to(tl.float32)
-    kmask = kmask & ((kh * 0 + slot) >= 0)[:, None]  # stores only for a real slot
+    k1 = tl.load(k1_ptr, mask=heads_mask, other=0.0).to(tl.float32)
+    k2 = tl.load(k1_ptr + HALF, mask=heads_mask, other=0.0).to(tl.float32)
+    kmask = heads_mask & ((kh * 0 + slot) >= 0)[:, None]  # stores only for a real slot
     if HAS_QK_NORM:
         k1, k2 = _head_norm(k1, k2, k_norm_ptr, i, im, eps, HEAD_DIM, HALF)
     o1, o2 = _rotate(k1, k2, cos, sin)
     # k rotated in place too: a prompt's attention reads its own keys from qkv
     # (prefill_attention's new_kv) rather than back from a quantized pool.
-    heads_mask = (kh < NUM_KV_HEADS)[:, None] & im[None, :]
     tl.store(k1_ptr, o1.to(qkv_ptr.dtype.element_ty), mask=heads_mask)
     tl.store(k1_ptr + HALF, o2.to(qkv_ptr.dtype.element_ty), mask=heads_mask)
     k_dst = dst + kh[:, None] * stride_kv_head + i[None, :]

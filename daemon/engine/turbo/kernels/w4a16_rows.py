@@ -34,6 +34,7 @@ WARPS_PER_SM = 16  # what the kernels' registers leave room for at up to 8 rows 
 WIDE_CTAS_PER_SM = 2  # what default_splits plans for (3 fit; 2 measured best at 64 rows)
 
 _ready: dict[int, bool] = {}
+_num_sms: dict[int, int] = {}  # a device's multiprocessors, for the default warps and splits
 # A device's span counters for the wide kernel, zero between launches: its launches must
 # not overlap in time (one stream; lmd runs one forward at a time a process).
 _counters: dict[int, Tensor] = {}
@@ -50,6 +51,7 @@ def ready(device: torch.device) -> bool:
             log.warning("W4A16 decode rows go to the Triton tiles on cuda:%d: %s", index, why)
         else:
             _counters[index] = torch.zeros(MAX_SPANS, dtype=torch.int32, device=device)
+            _num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
         _ready[index] = not why
     return _ready[index]
 
@@ -126,7 +128,7 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
         return False
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    num_sms = _num_sms[device]
     bf16 = x.dtype == torch.bfloat16
     b = 0 if bias is None else bias.data_ptr()
     addresses = (

@@ -81,6 +81,21 @@ class Fp8Rows:
     num_rows: int
     group: int | None = None
 
+    @classmethod
+    def empty(cls, num_rows: int, k: int, group: int | None, device: torch.device) -> Fp8Rows:
+        """Room for the codes of num_rows x k values by `group` (None or 128); per group
+        the rows are padded to a multiple of 4 (cuBLAS's 1x128 scales want 16-byte
+        aligned columns) and the scales are column-major."""
+        if group is None:
+            scale = torch.empty(num_rows, 1, dtype=torch.float32, device=device)
+        elif group == BLOCK:
+            num_rows_4 = -(-num_rows // 4) * 4
+            scale = torch.empty(-(-k // BLOCK), num_rows_4, dtype=torch.float32, device=device).t()
+        else:
+            raise ValueError(f"fp8 codes come per token or per {BLOCK}-group, not per {group}")
+        codes = torch.empty(scale.shape[0], k, dtype=torch.float8_e4m3fn, device=device)
+        return cls(codes, scale, num_rows, group)
+
 
 @dataclass(slots=True)
 class Fp8Weight:
@@ -166,9 +181,9 @@ class Fp8Weight:
                 return fp8.fp8_matmul_rows(
                     x.codes, x.scale, self.weight, self.scale, bias, out_dtype=self.dtype
                 )
-            y = fp8.fp8_matmul_groups(x.codes, x.scale, self.weight, self.scale, self.dtype)
-            y = y[: x.num_rows]
-            return y if bias is None else y.add_(bias)
+            return fp8.fp8_matmul_groups(
+                x.codes, x.scale, x.num_rows, self.weight, self.scale, bias, out_dtype=self.dtype
+            )
         if x.shape[-1] != k or x.dtype != self.dtype:
             raise ValueError(
                 f"fp8 matmul of [N={n}, K={k}] in {self.dtype} got x {tuple(x.shape)} in {x.dtype}"
