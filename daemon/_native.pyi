@@ -68,6 +68,27 @@ def w4a16_wide(
 ) -> None:
     """y = x W^T (+ b) for up to 32 rows, K split over `splits` ranges, on a CUstream."""
 
+def fp8_rows_ready(device: int) -> str:
+    """Load the FP8 decode kernels on a CUDA device (sm_89+); "" when loaded, else why not."""
+
+def fp8_rows(
+    device: int,
+    x: int,
+    w: int,
+    s: int,
+    bias: int,
+    y: int,
+    rows: int,
+    n: int,
+    k: int,
+    x_stride: int,
+    s_stride: int,
+    bf16: bool,
+    warps: int,
+    stream: int,
+) -> None:
+    """y = x W^T (+ b) for 1-16 rows of x by e4m3 W on the tensor cores, on a CUstream."""
+
 class Region(Buffer):
     """Local memory registered with a transport; a CPU region is a writable uint8 buffer."""
 

@@ -11,7 +11,7 @@
 #include "paged_attention.h"
 #include "pair_gemm.h"
 #include "panel_gemm.h"
-#include "w4a16_rows.h"
+#include "decode_rows.h"
 
 namespace py = pybind11;
 
@@ -180,6 +180,31 @@ PYBIND11_MODULE(_native, m) {
       "k / 128), work is [splits, rows, n] float32 and counters ceil(n / 128) uint32 zeros,\n"
       "zero again when the launch is done; launches sharing counters go on one stream.\n"
       "ValueError for bad arguments, RuntimeError as w4a16_rows.");
+
+  m.def(
+      "fp8_rows_ready",
+      [](int device) {
+        py::gil_scoped_release release;  // the driver compiles the PTX on first use
+        return lmd::fp8_rows_ready(device);
+      },
+      py::arg("device"),
+      "Load the FP8 decode kernels on CUDA device `device` (once; they need sm_89 or\n"
+      "newer); returns \"\" when they are loaded, else why not. Never raises.");
+  m.def(
+      "fp8_rows",
+      [](int device, std::uintptr_t x, std::uintptr_t w, std::uintptr_t s, std::uintptr_t bias,
+         std::uintptr_t y, int rows, int n, int k, int x_stride, int s_stride, bool bf16,
+         int warps, std::uintptr_t stream) {
+        const lmd::Fp8RowsArgs args{x, w, s, bias, y, rows, n, k, x_stride, s_stride, 0};
+        lmd::launch_fp8_rows(device, args, bf16, warps, stream);
+      },
+      "y = x W^T (+ b) for 1-16 rows of x on the tensor cores (native/kernels/fp8_rows.cu),\n"
+      "enqueued on `stream` (a CUstream of device `device`), on addresses: x [rows, k]\n"
+      "(16-byte aligned, row stride x_stride a multiple of 8) and y [rows, n] in bf16 (or\n"
+      "fp16), W [n, k] e4m3, scales float32 [n] (s_stride 0) or [ceil(n / 128), k / 128]\n"
+      "at row stride s_stride, bias [n] or 0; n / 32 CTAs of `warps` warps (1-16 up to 8\n"
+      "rows, 1-8 above) splitting K. ValueError for bad arguments, RuntimeError when the\n"
+      "kernels are not loaded or the launch fails.");
 
   lmd::bind_transport(m);
 }

@@ -5,10 +5,12 @@
 Each row times, in microseconds, y = x @ W^T for x [M, K] bf16:
 - bf16: F.linear on a bf16 W (cuBLAS); gemv: the turbo backend's bf16 gemv (M <= 16);
 - chan, block: Fp8Weight.matmul with per-channel and 128x128-block scales, as the model
-  calls it: up to 16 rows the Triton kernel on bf16 x; past that x quantized per token
-  (per 128-group for blocks; the quantizer's time included) and torch._scaled_mm (cuBLAS)
-  where it takes the scales, else the Triton kernel;
-- triton-block: the Triton kernel on quantized x (M > 16), cuBLAS's stand-in elsewhere.
+  calls it: up to 16 rows the native kernel on bf16 x (kernels/fp8_rows.py); past that x
+  quantized per token (per 128-group for blocks; the quantizer's time included) and
+  torch._scaled_mm (cuBLAS) where it takes the scales, else the Triton kernel;
+- triton: the Triton kernel where the model calls another: up to 16 rows the per-channel
+  product on bf16 x (the native kernel's stand-in), past that the block-scaled one on
+  quantized x (cuBLAS's stand-in).
 Then TFLOP/s of the faster fp8 path and its speed-up over the faster bf16 one. The calls
 run in a CUDA graph (no launch overhead, as the turbo backend's decode steps), cycling
 through enough copies of W that each call reads its weights from HBM, not from the 50 MB
@@ -87,6 +89,11 @@ def triton_block(x: Tensor, w: Fp8Weight) -> Tensor:
     )
 
 
+def triton_rows(x: Tensor, w: Fp8Weight) -> Tensor:
+    """The per-channel product of a few 16-bit rows through the Triton kernel."""
+    return fp8_kernels.fp8_gemm(x, None, w.weight, w.scale, out_dtype=x.dtype, block_scaled=False)
+
+
 def bench_shape(n: int, k: int, rows: list[int], reps: int, eager: bool) -> None:
     dev = torch.device("cuda")
     copies = max(1, -(-ROTATE_BYTES // (n * k * 2)))
@@ -99,13 +106,14 @@ def bench_shape(n: int, k: int, rows: list[int], reps: int, eager: bool) -> None
         t_gemv = time_us([partial(gemv, x, w) for w in w16], reps, eager) if m <= MAX_ROWS else 0.0
         t_chan = time_us([partial(w.matmul, x) for w in chan], reps, eager)
         t_block = time_us([partial(w.matmul, x) for w in block], reps, eager)
-        t_triton = 0.0
         if m > fp8_kernels.SMALL_ROWS:
             t_triton = time_us([partial(triton_block, x, w) for w in block], reps, eager)
+        else:
+            t_triton = time_us([partial(triton_rows, x, w) for w in chan], reps, eager)
         best = min(t_chan, t_block)
         base = min(t_bf16, t_gemv or t_bf16)
         cells = [f"{t:{width}.1f}" if t else f"{'-':>{width}}" for t, width in
-                 [(t_bf16, 9), (t_gemv, 9), (t_chan, 9), (t_block, 9), (t_triton, 12)]]  # fmt: skip
+                 [(t_bf16, 9), (t_gemv, 9), (t_chan, 9), (t_block, 9), (t_triton, 9)]]  # fmt: skip
         tflops = 2 * m * n * k / best / 1e6
         print(f"{n:6d} {k:6d} {m:5d} " + " ".join(cells) + f" {tflops:7.0f} {base / best:6.2f}x")
 
@@ -124,7 +132,7 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     header = f"{'N':>6} {'K':>6} {'M':>5} {'bf16':>9} {'gemv':>9} {'chan':>9} {'block':>9}"
-    print(header + f" {'triton-block':>12} {'TFLOP/s':>7} {'speedup':>7}")
+    print(header + f" {'triton':>9} {'TFLOP/s':>7} {'speedup':>7}")
     for n, k in SHAPES:
         bench_shape(n, k, rows, args.reps, args.eager)
 

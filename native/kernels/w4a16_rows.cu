@@ -35,7 +35,7 @@
 // their CUDA graphs.
 //
 // Not compiled by setup.py: its PTX (native/kernels/w4a16_rows.ptx) is embedded and JIT-
-// compiled by the driver at run time (native/w4a16_rows.cpp). After editing, run
+// compiled by the driver at run time (native/decode_rows.cpp). After editing, run
 // native/kernels/make_ptx.sh (needs nvcc) to regenerate that file.
 #include <stdint.h>
 

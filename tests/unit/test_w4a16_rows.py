@@ -1,16 +1,11 @@
 """The native W4A16 decode kernels' host side (engine/turbo/kernels/w4a16_rows.py,
 lmd._native.w4a16_rows and w4a16_wide) on a machine without a GPU: the warps and splits
-they pick, their argument checks before any CUDA call, and their embedded PTX, which
-ptxas must assemble for sm_80 and sm_90 without spilling and which must be what
-native/kernels/w4a16_rows.cu and w4a16_wide.cu compile to. Their products are
-tests/gpu/test_w4a16_rows_gpu.py's."""
+they pick and their argument checks before any CUDA call. Their PTX is
+test_native_ptx.py's, their products tests/gpu/test_w4a16_rows_gpu.py's."""
 
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,21 +14,12 @@ from lmd import _native
 from lmd.engine.turbo.kernels import w4a16_rows
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
 
-NATIVE = Path(__file__).resolve().parents[2] / "native"
 LLAMA3_8B = {
     "qkv": (6144, 4096),
     "o": (4096, 4096),
     "gate|up": (28672, 4096),
     "down": (4096, 14336),
 }
-
-
-KERNELS = ["w4a16_rows", "w4a16_wide"]
-
-
-def embedded_ptx(name: str) -> str:
-    """What setup.py embeds in lmd._native (make_ptx.sh's output)."""
-    return (NATIVE / "kernels" / f"{name}.ptx").read_text()
 
 
 @pytest.mark.parametrize(
@@ -137,43 +123,3 @@ def test_without_cuda_it_says_why() -> None:
         _native.w4a16_rows(0, 64, 64, 64, 64, 0, 64, 1, 64, 256, 256, True, 4, 0)
     with pytest.raises(RuntimeError, match="CUDA"):
         _native.w4a16_wide(0, 64, 64, 64, 64, 0, 64, 0, 0, 17, 64, 256, 256, 1, True, 0)
-
-
-@pytest.mark.skipif(shutil.which("ptxas") is None, reason="no ptxas (CUDA toolkit)")
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("name", KERNELS)
-def test_embedded_ptx_assembles_without_spills(tmp_path: Path, arch: str, name: str) -> None:
-    ptx = tmp_path / f"{name}.ptx"
-    ptx.write_text(embedded_ptx(name))
-    done = subprocess.run(
-        ["ptxas", f"-arch={arch}", "-v", str(ptx), "-o", str(tmp_path / "out.cubin")],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    report = done.stderr
-    assert report.count("Compiling entry function") == {"w4a16_rows": 4, "w4a16_wide": 2}[name]
-    assert "bytes spill stores" in report and " 0 bytes spill stores" in report
-    assert not re.search(r"[1-9]\d* bytes spill", report), report
-
-
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc (CUDA toolkit)")
-@pytest.mark.parametrize("name", KERNELS)
-def test_embedded_ptx_is_what_the_source_compiles_to(tmp_path: Path, name: str) -> None:
-    """native/kernels/make_ptx.sh was run after the last edit of the .cu or of
-    w4a16_ops.cuh (for the nvcc release that made the embedded PTX; another release may
-    word it differently)."""
-    ptx = embedded_ptx(name)
-    made_by = re.search(r"Cuda compilation tools, release ([\d.]+)", ptx)
-    version = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, check=True)
-    if made_by is None or f"release {made_by.group(1)}," not in version.stdout:
-        pytest.skip("another nvcc release than the one that made the embedded PTX")
-    out = tmp_path / f"{name}.ptx"
-    subprocess.run(
-        ["nvcc", "-ptx", "-arch=compute_80", "-O3", str(NATIVE / "kernels" / f"{name}.cu"),
-         "-o", str(out)],
-        check=True,
-    )  # fmt: skip
-    fresh = re.sub(r"(?m)^\.version .*$", ".version 7.0", out.read_text())
-    fresh = re.sub(r"(?m)^// Compiler Build ID.*\n", "", fresh)
-    assert fresh == ptx

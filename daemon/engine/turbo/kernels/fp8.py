@@ -11,11 +11,12 @@ absmax / 448 (e4m3's largest value), over the whole row ([M, 1]) or each 128-gro
 runs on fp8 tensor cores, summed in float32: through torch._scaled_mm (cuBLAS) with
 row-wise or 1x128 x 128x128 block scales where it takes them (Hopper), else through the
 Triton kernel here, which scales each 128-deep step's dot before adding it to its float32
-accumulator. Up to SMALL_ROWS rows (decode: memory-bound) the Triton kernel reads x as it
-is and widens each W tile to x's dtype (no quantizer launch). The activations' quantizers
-are kernels/fp8_quant.py's; a product also takes codes the kernel before it made (the
-RMSNorm's or the activation's: `fp8_matmul_rows` per token, `fp8_matmul_groups` per
-group). Nothing here syncs with the host.
+accumulator. Up to SMALL_ROWS rows (decode: memory-bound) x is not quantized: the native
+kernel (kernels/fp8_rows.py), or else the Triton kernel here, which reads x as it is and
+widens each W tile to x's dtype. The activations' quantizers are kernels/fp8_quant.py's;
+a product also takes codes the kernel before it made (the RMSNorm's or the activation's:
+`fp8_matmul_rows` per token, `fp8_matmul_groups` per group). Nothing here syncs with the
+host.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from lmd.engine.turbo.kernels.fp8_quant import quantize_per_token, quantize_per_token_group
+from lmd.engine.turbo.kernels.fp8_rows import native_rows
 from lmd.engine.turbo.quant.e4m3 import BLOCK as GROUP  # K groups, and weight blocks along N
 
 Tiles = tuple[int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
@@ -247,13 +249,17 @@ def fp8_matmul(
     (block_size None) or [ceil(N/128), ceil(K/128)] (block_size (128, 128)); bias: [N] in
     x's dtype -> [M, N] in x's dtype.
 
-    Up to SMALL_ROWS rows (decode): the Triton kernel on 16-bit x, W widened as it streams
-    (memory-bound: no quantizer launch). More rows: x quantized per token (per 128-group
+    Up to SMALL_ROWS rows (decode, memory-bound: no quantizer launch): the native kernel
+    (kernels/fp8_rows.py) where it takes the product, else the Triton kernel on 16-bit x,
+    W widened as it streams. More rows: x quantized per token (per 128-group
     for blocks), then cuBLAS through torch._scaled_mm where it fits, else the Triton kernel."""
     block_scaled = block_size is not None
     if block_size is not None and tuple(block_size) != (GROUP, GROUP):
         raise ValueError(f"fp8_matmul takes 128x128 weight blocks, not {block_size}")
     if x.shape[0] <= SMALL_ROWS:
+        y = native_rows(x, weight_fp8, weight_scale, bias, block_scaled=block_scaled)
+        if y is not None:
+            return y
         return fp8_gemm(
             x, None, weight_fp8, weight_scale, bias, out_dtype=x.dtype, block_scaled=block_scaled
         )

@@ -1,5 +1,6 @@
-// The W4A16 products of decode steps on the tensor cores: 1-16 rows
-// (native/kernels/w4a16_rows.cu) and 17-32 rows (native/kernels/w4a16_wide.cu). Their PTX
+// The products of decode steps' few rows on the tensor cores: W4A16 for 1-16 rows
+// (native/kernels/w4a16_rows.cu) and 17-32 rows (native/kernels/w4a16_wide.cu), FP8
+// weights for 1-16 rows (native/kernels/fp8_rows.cu). Their PTX
 // is embedded (native/kernels/*.ptx, by setup.py) and JIT-compiled into
 // the device's primary context, the one PyTorch uses, so its tensors' addresses and
 // streams are valid here and a launch on PyTorch's stream is captured in its CUDA
@@ -13,6 +14,7 @@ namespace lmd {
 
 extern const char kW4a16RowsPtx[];
 extern const char kW4a16WidePtx[];
+extern const char kFp8RowsPtx[];
 
 // The kernel's parameter, byte for byte (W4a16Rows in the .cu).
 struct W4a16RowsArgs {
@@ -57,5 +59,25 @@ std::string w4a16_wide_check(const W4a16WideArgs& args);
 // with splits > 1, work holds [splits, m, n] float32 and counters ceil(n / 128) zeros
 // (zero again after the launch). Throws as launch_w4a16_rows.
 void launch_w4a16_wide(int ordinal, const W4a16WideArgs& args, bool bf16, std::uintptr_t stream);
+
+// The FP8 rows kernel's parameter, byte for byte (Fp8Rows in fp8_rows.cu).
+struct Fp8RowsArgs {
+  std::uint64_t x, w, s, bias, y;  // addresses; bias 0 for none
+  std::int32_t m, n, k, x_stride, s_stride, pad;  // s_stride 0: per-channel scales
+};
+static_assert(sizeof(Fp8RowsArgs) == 64, "must match Fp8Rows in fp8_rows.cu");
+
+// "" once the FP8 kernels are loaded on device `ordinal` (loading them on the first
+// call), else why not: no CUDA, a driver before CUDA 12.1, a GPU before sm_89. Separate
+// from w4a16_rows_ready: an sm_80 GPU runs the W4A16 kernels and not these.
+std::string fp8_rows_ready(int ordinal);
+
+// What is wrong with an FP8 launch's arguments, or "" (shapes, warps, alignment).
+std::string fp8_rows_check(const Fp8RowsArgs& args, int warps);
+
+// Enqueues y = x W^T (+ b) for 1-16 rows on `stream`: N / 32 CTAs of `warps` warps (as
+// many as w4a16_rows_max_warps allows). Throws as launch_w4a16_rows.
+void launch_fp8_rows(int ordinal, const Fp8RowsArgs& args, bool bf16, int warps,
+                     std::uintptr_t stream);
 
 }  // namespace lmd

@@ -1,4 +1,4 @@
-#include "w4a16_rows.h"
+#include "decode_rows.h"
 
 #include <map>
 #include <mutex>
@@ -16,6 +16,10 @@ constexpr const char* kNames[2][2] = {
     {"lmd_w4a16_rows_bf16_m8", "lmd_w4a16_rows_bf16_m16"},
 };
 constexpr const char* kWideNames[2] = {"lmd_w4a16_wide_f16_m32", "lmd_w4a16_wide_bf16_m32"};
+constexpr const char* kFp8Names[2][2] = {
+    {"lmd_fp8_rows_f16_m8", "lmd_fp8_rows_f16_m16"},
+    {"lmd_fp8_rows_bf16_m8", "lmd_fp8_rows_bf16_m16"},
+};
 
 struct Loaded {
   cu::Context context = nullptr;  // the primary context, retained for the process
@@ -24,7 +28,21 @@ struct Loaded {
   cu::Function kernels[2][2] = {};
   cu::Function wide[2] = {};
   std::string error;  // why not loaded; "" when loaded
+  cu::Module fp8_module = nullptr;  // loaded apart: it needs sm_89 where W4A16 needs sm_80
+  cu::Function fp8[2][2] = {};
+  std::string fp8_error;
 };
+
+// The four kernels {fp16, bf16} x {fewer, more rows} named `names` of `module`.
+void get_functions(const CudaDriver& d, cu::Module module, const char* const (&names)[2][2],
+                   cu::Function (&out)[2][2]) {
+  for (int bf16 = 0; bf16 < 2; ++bf16) {
+    for (int more = 0; more < 2; ++more) {
+      d.check(d.cuModuleGetFunction(&out[bf16][more], module, names[bf16][more]),
+              names[bf16][more]);
+    }
+  }
+}
 
 std::mutex mu;
 std::map<int, Loaded> loaded;  // by device ordinal; entries are never removed
@@ -39,16 +57,23 @@ Loaded load(int ordinal) {
     ScopedContext scope(d, out.context);
     d.check(d.cuModuleLoadData(&out.module, kW4a16RowsPtx), "cuModuleLoadData(w4a16_rows)");
     d.check(d.cuModuleLoadData(&out.wide_module, kW4a16WidePtx), "cuModuleLoadData(w4a16_wide)");
+    get_functions(d, out.module, kNames, out.kernels);
     for (int bf16 = 0; bf16 < 2; ++bf16) {
-      for (int more = 0; more < 2; ++more) {
-        d.check(d.cuModuleGetFunction(&out.kernels[bf16][more], out.module, kNames[bf16][more]),
-                kNames[bf16][more]);
-      }
       d.check(d.cuModuleGetFunction(&out.wide[bf16], out.wide_module, kWideNames[bf16]),
               kWideNames[bf16]);
     }
   } catch (const std::exception& e) {
     out.error = e.what();
+    out.fp8_error = out.error;
+    return out;
+  }
+  try {
+    const CudaDriver& d = cuda_driver();
+    ScopedContext scope(d, out.context);
+    d.check(d.cuModuleLoadData(&out.fp8_module, kFp8RowsPtx), "cuModuleLoadData(fp8_rows)");
+    get_functions(d, out.fp8_module, kFp8Names, out.fp8);
+  } catch (const std::exception& e) {
+    out.fp8_error = e.what();
   }
   return out;
 }
@@ -60,9 +85,10 @@ const Loaded& loaded_on(int ordinal) {
   return it->second;
 }
 
-const Loaded& loaded_or_throw(int ordinal) {
+const Loaded& loaded_or_throw(int ordinal, bool fp8 = false) {
   const Loaded& l = loaded_on(ordinal);
-  if (!l.error.empty()) throw std::runtime_error(l.error);
+  const std::string& error = fp8 ? l.fp8_error : l.error;
+  if (!error.empty()) throw std::runtime_error(error);
   return l;
 }
 
@@ -139,6 +165,39 @@ void launch_w4a16_wide(int ordinal, const W4a16WideArgs& args, bool bf16, std::u
   launch(l, l.wide[bf16 ? 1 : 0], args, static_cast<unsigned>(spans),
          static_cast<unsigned>(args.splits), kW4a16WideThreads, 0, stream,
          "cuLaunchKernel(w4a16_wide)");
+}
+
+std::string fp8_rows_ready(int ordinal) {
+  if (ordinal < 0) return "fp8_rows: no such CUDA device " + std::to_string(ordinal);
+  return loaded_on(ordinal).fp8_error;
+}
+
+std::string fp8_rows_check(const Fp8RowsArgs& a, int warps) {
+  if (a.m < 1 || a.m > 16 || a.n < 1 || a.n % kW4a16RowsColumns || a.k < 128 || a.k % 128 ||
+      a.x_stride < a.k || (a.s_stride != 0 && a.s_stride < a.k / 128)) {
+    return "fp8_rows: m must be 1..16, n a multiple of 32, k of 128, x_stride >= k and "
+           "s_stride 0 or >= k / 128";
+  }
+  if (warps < 1 || warps > w4a16_rows_max_warps(a.m)) {
+    return "fp8_rows: warps must be 1.." + std::to_string(w4a16_rows_max_warps(a.m));
+  }
+  // 16-byte weight and x loads, 4-byte scales, 2-byte bias and y.
+  if (!a.x || !a.w || !a.s || !a.y || a.x % 16 || a.x_stride % 8 || a.w % 16 || a.s % 4 ||
+      a.y % 2 || a.bias % 2) {
+    return "fp8_rows: a null or misaligned address";
+  }
+  return "";
+}
+
+void launch_fp8_rows(int ordinal, const Fp8RowsArgs& args, bool bf16, int warps,
+                     std::uintptr_t stream) {
+  const std::string wrong = fp8_rows_check(args, warps);
+  if (!wrong.empty()) throw std::invalid_argument(wrong);
+  const Loaded& l = loaded_or_throw(ordinal, true);
+  const unsigned sums = static_cast<unsigned>(warps) * (args.m > 8 ? 16 : 8) * 32 * 4;
+  launch(l, l.fp8[bf16 ? 1 : 0][args.m > 8 ? 1 : 0], args,
+         static_cast<unsigned>(args.n / kW4a16RowsColumns), 1,
+         static_cast<unsigned>(warps) * 32, sums, stream, "cuLaunchKernel(fp8_rows)");
 }
 
 }  // namespace lmd
