@@ -11,7 +11,10 @@ Each row times, in microseconds, y = x @ W^T for x [M, K] bf16:
 - triton: the Triton kernel where the model calls another: up to 16 rows the per-channel
   product on bf16 x (the native kernel's stand-in), past that the block-scaled one on
   quantized x (cuBLAS's stand-in).
-Then TFLOP/s of the faster fp8 path and its speed-up over the faster bf16 one. The calls
+Then TFLOP/s of the faster fp8 path and its speed-up over the faster bf16 one. With
+--fast-accum, past 16 rows: the per-channel product again with cuBLAS's fast
+accumulation (kernels/fp8.py FAST_ACCUM), its time and both paths' error against the
+float32 product of what was multiplied (norm of the difference over the reference's). The calls
 run in a CUDA graph (no launch overhead, as the turbo backend's decode steps), cycling
 through enough copies of W that each call reads its weights from HBM, not from the 50 MB
 of L2. Needs CUDA only (torch + triton).
@@ -94,7 +97,24 @@ def triton_rows(x: Tensor, w: Fp8Weight) -> Tensor:
     return fp8_kernels.fp8_gemm(x, None, w.weight, w.scale, out_dtype=x.dtype, block_scaled=False)
 
 
-def bench_shape(n: int, k: int, rows: list[int], reps: int, eager: bool) -> None:
+def fast_accum(x: Tensor, chan: list[Fp8Weight], reps: int, eager: bool) -> str:
+    """The per-channel product with fast accumulation: its time, and the error of both."""
+    w = chan[0]
+    xq, xs = fp8_quant.quantize_per_token(x)
+    ref = (xq.float() * xs) @ w.dequantize().t()
+    out = []
+    for fast in (False, True):
+        fp8_kernels.FAST_ACCUM = fast
+        y = w.matmul(x).float()
+        out.append(float((y - ref).norm() / ref.norm()))
+    t_fast = time_us([partial(w.matmul, x) for w in chan], reps, eager)  # captured fast
+    fp8_kernels.FAST_ACCUM = False
+    return f" fast {t_fast:.1f} us, error {out[0]:.2e} -> {out[1]:.2e}"
+
+
+def bench_shape(  # noqa: PLR0917  # the command line's values
+    n: int, k: int, rows: list[int], reps: int, eager: bool, fast: bool
+) -> None:
     dev = torch.device("cuda")
     copies = max(1, -(-ROTATE_BYTES // (n * k * 2)))
     w16 = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
@@ -115,7 +135,10 @@ def bench_shape(n: int, k: int, rows: list[int], reps: int, eager: bool) -> None
         cells = [f"{t:{width}.1f}" if t else f"{'-':>{width}}" for t, width in
                  [(t_bf16, 9), (t_gemv, 9), (t_chan, 9), (t_block, 9), (t_triton, 9)]]  # fmt: skip
         tflops = 2 * m * n * k / best / 1e6
-        print(f"{n:6d} {k:6d} {m:5d} " + " ".join(cells) + f" {tflops:7.0f} {base / best:6.2f}x")
+        line = f"{n:6d} {k:6d} {m:5d} " + " ".join(cells) + f" {tflops:7.0f} {base / best:6.2f}x"
+        if fast and m > fp8_kernels.SMALL_ROWS:
+            line += fast_accum(x, chan, reps, eager)
+        print(line)
 
 
 def main() -> None:
@@ -123,6 +146,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,64,512,8192", help="M values, comma-separated")
     parser.add_argument("--reps", type=int, default=20, help="rounds over the weight copies")
     parser.add_argument("--eager", action="store_true", help="time without a CUDA graph")
+    parser.add_argument("--fast-accum", action="store_true", help="also cuBLAS's fast sums")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("fp8_bench needs a CUDA GPU")
@@ -134,7 +158,7 @@ def main() -> None:
     header = f"{'N':>6} {'K':>6} {'M':>5} {'bf16':>9} {'gemv':>9} {'chan':>9} {'block':>9}"
     print(header + f" {'triton':>9} {'TFLOP/s':>7} {'speedup':>7}")
     for n, k in SHAPES:
-        bench_shape(n, k, rows, args.reps, args.eager)
+        bench_shape(n, k, rows, args.reps, args.eager, args.fast_accum)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,10 @@ from lmd.engine.turbo.quant.e4m3 import BLOCK as GROUP  # K groups, and weight b
 
 Tiles = tuple[int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
 SMALL_ROWS = 16  # up to this many rows, x stays 16-bit (fp8_matmul)
+# cuBLAS's fp8 sums without its periodic promotion to float32 (torch._scaled_mm's
+# use_fast_accum), per-channel products only: off until measured (scripts/fp8_bench.py
+# --fast-accum times it and prints its error).
+FAST_ACCUM = False
 
 
 @triton.jit
@@ -234,8 +238,9 @@ def scaled_mm_rows(
     [1, N]); W^T is column-major as cuBLASLt's fp8 kernels want; bias in out_dtype."""
     scale_b = weight_scale.view(1, -1)
     return torch._scaled_mm(
-        xq, weight.t(), scale_a=xs, scale_b=scale_b, bias=bias, out_dtype=out_dtype
-    )
+        xq, weight.t(), scale_a=xs, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
+        use_fast_accum=FAST_ACCUM,
+    )  # fmt: skip
 
 
 def fp8_matmul(
