@@ -4,7 +4,7 @@ against the HBM floor (docs/benchmarks.md, "turbo for Qwen3 and mixtures of expe
     python3 scripts/families_bench.py MODEL_DIR [--batches 1,64,512] [--input-len 512]
         [--output-len 256] [--backend turbo] [--quantization w4a16|fp8]
         [--kv-cache-dtype int8|fp8] [--separate-batch1] [--separate-activation]
-        [--separate-experts] [--wide-max-rows 16] [--no-fp8-codes] [--fast-accum]
+        [--separate-experts] [--wide-max-rows 16] [--no-fp8-codes] [--exact-accum]
 
 One Engine for every batch (max_batch_size = the largest), the prompts and the timing of
 `lmd-bench offline` (random ids, greedy, ignore_eos, prefill included), after a warm-up
@@ -124,12 +124,12 @@ def main() -> None:
         help="W4A16: the most rows the native wide kernel takes (16: the Triton tiles past 16)",
     )
     parser.add_argument(
-        "--fast-accum",
+        "--exact-accum",
         action="store_true",
-        help="FP8: cuBLAS's fast accumulation in the per-channel products (fp8.FAST_ACCUM)",
+        help="FP8: cuBLAS's sums promoted to float32 (fp8.FAST_ACCUM off)",
     )
     args = parser.parse_args()
-    fp8.FAST_ACCUM = args.fast_accum
+    fp8.FAST_ACCUM = not args.exact_accum
     if args.wide_max_rows is not None:
         w4a16_rows.WIDE_MAX_ROWS = args.wide_max_rows
     batches = [int(b) for b in args.batches.split(",")]

@@ -11,9 +11,9 @@ Each row times, in microseconds, y = x @ W^T for x [M, K] bf16:
 - triton: the Triton kernel where the model calls another: up to 16 rows the per-channel
   product on bf16 x (the native kernel's stand-in), past that the block-scaled one on
   quantized x (cuBLAS's stand-in).
-Then TFLOP/s of the faster fp8 path and its speed-up over the faster bf16 one. With
---fast-accum, past 16 rows: the per-channel product again with cuBLAS's fast
-accumulation (kernels/fp8.py FAST_ACCUM), its time and both paths' error against the
+Then TFLOP/s of the faster fp8 path and its speed-up over the faster bf16 one. The
+columns run kernels/fp8.py's FAST_ACCUM as set (on); with --fast-accum, past 16 rows:
+the per-channel product timed with it on and the error of both settings against the
 float32 product of what was multiplied (norm of the difference over the reference's). The calls
 run in a CUDA graph (no launch overhead, as the turbo backend's decode steps), cycling
 through enough copies of W that each call reads its weights from HBM, not from the 50 MB
@@ -99,7 +99,7 @@ def triton_rows(x: Tensor, w: Fp8Weight) -> Tensor:
 
 def fast_accum(x: Tensor, chan: list[Fp8Weight], reps: int, eager: bool) -> str:
     """The per-channel product with fast accumulation: its time, and the error of both."""
-    w = chan[0]
+    w, setting = chan[0], fp8_kernels.FAST_ACCUM
     xq, xs = fp8_quant.quantize_per_token(x)
     ref = (xq.float() * xs) @ w.dequantize().t()
     out = []
@@ -108,7 +108,7 @@ def fast_accum(x: Tensor, chan: list[Fp8Weight], reps: int, eager: bool) -> str:
         y = w.matmul(x).float()
         out.append(float((y - ref).norm() / ref.norm()))
     t_fast = time_us([partial(w.matmul, x) for w in chan], reps, eager)  # captured fast
-    fp8_kernels.FAST_ACCUM = False
+    fp8_kernels.FAST_ACCUM = setting
     return f" fast {t_fast:.1f} us, error {out[0]:.2e} -> {out[1]:.2e}"
 
 
