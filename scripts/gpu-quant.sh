@@ -15,6 +15,8 @@
 #       --quantization w4a16 or --kv-cache-dtype int8.
 #   scripts/gpu-quant.sh profile SHAPE [FLAGS...]
 #       scripts/prefill_profile.py (a 16 x 512 prefill step's kernels) on that shape.
+#   scripts/gpu-quant.sh step SHAPE BATCH [FLAGS...]
+#       scripts/step_profile.py (a decode step's phases and its 12 costliest kernels).
 # Carry .whl (device-wheels.sh setproctitle gguf accelerate). Results in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +46,7 @@ quality)
     | tee "$out/quality.jsonl"
   tail -5 "$out/quality-stderr.txt"
   ;;
-bench|profile)
+bench|profile|step)
   python3 setup.py -q build_ext --inplace 2>&1 | tail -3  # lmd-bench imports lmd._native
   shape=$2
   shift 2
@@ -55,6 +57,11 @@ bench|profile)
   if [[ $what == profile ]]; then
     timeout 200 python3 scripts/prefill_profile.py "$model" --top 10 "$@" \
       2>>"$out/bench-stderr.txt" | tee -a "$out/prefill-profile.txt"
+  elif [[ $what == step ]]; then
+    batch=$1
+    shift
+    timeout 200 python3 scripts/step_profile.py "$model" --batch "$batch" --kernels 12 "$@" \
+      2>>"$out/bench-stderr.txt" | tee -a "$out/step-profile.txt"
   else
     batches=$1
     shift
