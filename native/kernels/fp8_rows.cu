@@ -47,11 +47,11 @@ struct Fp8Rows {
 
 namespace lmd_fp8 {
 
-using lmd_w4a16::from_float;
 using lmd_w4a16::lane_of;
 using lmd_w4a16::load16;
 using lmd_w4a16::mma;
-using lmd_w4a16::to_float;
+using lmd_w4a16::over_blocks;
+using lmd_w4a16::store_sums;
 
 constexpr int kColumns = 32;  // output columns a CTA
 
@@ -166,49 +166,18 @@ __device__ __forceinline__ void fp8_rows(const Fp8Rows& a) {
       a.s_stride ? a.s + static_cast<size_t>(blockIdx.x * kColumns / 128) * a.s_stride : nullptr;
 
   float acc[kTiles][2][4] = {};
-  Block<kTiles> even;
-  Block<kTiles> odd;
-  if (warp < blocks) load_block(even, a, warp, g, t);
-  for (int kb = warp; kb < blocks; kb += 2 * warps) {
-    if (kb + warps < blocks) load_block(odd, a, kb + warps, g, t);
-    multiply_block<kBf16>(even, block_scales ? block_scales[kb] : 1.0f, acc);
-    if (kb + warps >= blocks) break;
-    if (kb + 2 * warps < blocks) load_block(even, a, kb + 2 * warps, g, t);
-    multiply_block<kBf16>(odd, block_scales ? block_scales[kb + warps] : 1.0f, acc);
-  }
-
-  constexpr int kSums = kTiles * 8;
-  const float* flat = &acc[0][0][0];
-#pragma unroll
-  for (int e = 0; e < kSums; ++e) sums[(warp * kSums + e) * 32 + lane] = flat[e];
-  __syncthreads();
-  for (int i = threadIdx.x; i < kSums * 32; i += blockDim.x) {
-    const int e = i / 32;
-    const int l = i % 32;
-    float v = 0.0f;
-    for (int w = 0; w < warps; ++w) v += sums[(w * kSums + e) * 32 + l];
-    const int nt = e / 8;
-    const int h = (e / 4) % 2;
-    const int d = e % 4;
-    const int row = 8 * nt + 2 * (l & 3) + (d & 1);
-    const int n = blockIdx.x * kColumns + 16 * h + 8 * (d / 2) + (l >> 2);
-    if (row >= a.m) continue;
-    if (!a.s_stride) v *= a.s[n];
-    if (a.bias != nullptr) v += to_float<kBf16>(a.bias[n]);
-    a.y[static_cast<size_t>(row) * a.n + n] = from_float<kBf16>(v);
-  }
+  over_blocks<Block<kTiles>>(
+      warp, warps, blocks, [&](Block<kTiles>& b, int kb) { load_block(b, a, kb, g, t); },
+      [&](const Block<kTiles>& b, int kb) {
+        multiply_block<kBf16>(b, block_scales ? block_scales[kb] : 1.0f, acc);
+      });
+  // Lane (g, ...)'s tile h holds columns 16 h + g (d 0, 1) and 16 h + 8 + g (d 2, 3).
+  store_sums<kBf16, kTiles>(
+      sums, acc, a.m, a.n, a.bias, a.y,
+      [&](int l, int h, int d) { return blockIdx.x * kColumns + 16 * h + 8 * (d / 2) + (l >> 2); },
+      [&](float v, int n) { return a.s_stride ? v : v * a.s[n]; });
 }
 
 }  // namespace lmd_fp8
 
-// Up to 16 warps a CTA at 8 rows, 8 at 16 (their registers: two blocks in flight).
-#define LMD_FP8_ROWS(dtype, bf16, rows, tiles)                                            \
-  extern "C" __global__ void __launch_bounds__(512 / tiles)                              \
-      lmd_fp8_rows_##dtype##_m##rows(const Fp8Rows a) {                                  \
-    lmd_fp8::fp8_rows<bf16, tiles>(a);                                                   \
-  }
-
-LMD_FP8_ROWS(bf16, true, 8, 1)
-LMD_FP8_ROWS(bf16, true, 16, 2)
-LMD_FP8_ROWS(f16, false, 8, 1)
-LMD_FP8_ROWS(f16, false, 16, 2)
+LMD_ROWS_ENTRIES(lmd_fp8_rows, Fp8Rows, lmd_fp8::fp8_rows)

@@ -1,5 +1,6 @@
-// Device helpers of the W4A16 kernels (w4a16_rows.cu, w4a16_wide.cu): loads, the
-// conversions of 4-bit codes into 16-bit tensor-core operands, and the mma itself.
+// Device helpers of the tensor-core decode kernels (w4a16_rows.cu, w4a16_wide.cu,
+// fp8_rows.cu): loads, the conversions of 4-bit codes into 16-bit tensor-core operands,
+// the mma itself, and the rows kernels' loop over K and their warps' sums.
 //
 // Both kernels take W as the 16 x 16 A operand of mma.sync.m16n8k16 (16 output columns
 // by 16 inputs) and a lane's four columns 4g .. 4g+3 as two 16-row tiles (rows g, g+8 of
@@ -193,4 +194,69 @@ __device__ __forceinline__ void multiply_steps(const uint4 (&w)[4], uint2 s, uin
   }
 }
 
+// A CTA's warps over K, warp w taking blocks w, w + warps, ...: two blocks in turn, each
+// loaded while the other is multiplied (no copy between them). load(b, kb) fills a
+// Block, multiply(b, kb) adds it to the warp's sums.
+template <typename Block, typename Load, typename Multiply>
+__device__ __forceinline__ void over_blocks(int warp, int warps, int blocks, const Load& load,
+                                            const Multiply& multiply) {
+  Block even;
+  Block odd;
+  if (warp < blocks) load(even, warp);
+  for (int kb = warp; kb < blocks; kb += 2 * warps) {
+    if (kb + warps < blocks) load(odd, kb + warps);
+    multiply(even, kb);
+    if (kb + warps >= blocks) break;
+    if (kb + 2 * warps < blocks) load(even, kb + 2 * warps);
+    multiply(odd, kb + warps);
+  }
+}
+
+// The warps' sums acc[nt][h][d] (mma output d of tile h for x tile nt) added in warp
+// order through shared memory `sums` ([warps][kTiles * 8][32] floats), and each output
+// of a row under m written to y [m, n]: column(lane, h, d) is its output column, finish(v,
+// column) its value in float32 before the bias and the rounding to x's dtype.
+template <bool kBf16, int kTiles, typename Column, typename Finish>
+__device__ __forceinline__ void store_sums(float* sums, const float (&acc)[kTiles][2][4],
+                                           int m, int n, const uint16_t* bias, uint16_t* y,
+                                           const Column& column, const Finish& finish) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int warps = blockDim.x >> 5;
+  constexpr int kSums = kTiles * 8;
+  const float* flat = &acc[0][0][0];
+#pragma unroll
+  for (int e = 0; e < kSums; ++e) sums[(warp * kSums + e) * 32 + lane] = flat[e];
+  __syncthreads();
+  for (int i = threadIdx.x; i < kSums * 32; i += blockDim.x) {
+    const int e = i / 32;
+    const int l = i % 32;
+    float v = 0.0f;
+    for (int w = 0; w < warps; ++w) v += sums[(w * kSums + e) * 32 + l];
+    const int nt = e / 8;
+    const int h = (e / 4) % 2;
+    const int d = e % 4;
+    const int row = 8 * nt + 2 * (l & 3) + (d & 1);
+    const int col = column(l, h, d);
+    if (row >= m) continue;
+    v = finish(v, col);
+    if (bias != nullptr) v += to_float<kBf16>(bias[col]);
+    y[static_cast<size_t>(row) * n + col] = from_float<kBf16>(v);
+  }
+}
+
 }  // namespace lmd_w4a16
+
+// The four entry points of a rows kernel, NAME_{bf16,f16}_m{8,16}(const ARGS a) running
+// FN<bf16, tiles>(a): up to 8 rows one x tile and 16 warps a CTA, up to 16 two and 8
+// (their registers: two blocks in flight).
+#define LMD_ROWS_ENTRY(name, args, fn, dtype, bf16, rows, tiles)                         \
+  extern "C" __global__ void __launch_bounds__(512 / tiles)                              \
+      name##_##dtype##_m##rows(const args a) {                                           \
+    fn<bf16, tiles>(a);                                                                  \
+  }
+#define LMD_ROWS_ENTRIES(name, args, fn)          \
+  LMD_ROWS_ENTRY(name, args, fn, bf16, true, 8, 1)  \
+  LMD_ROWS_ENTRY(name, args, fn, bf16, true, 16, 2) \
+  LMD_ROWS_ENTRY(name, args, fn, f16, false, 8, 1)  \
+  LMD_ROWS_ENTRY(name, args, fn, f16, false, 16, 2)

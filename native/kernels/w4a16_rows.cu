@@ -105,50 +105,18 @@ __device__ __forceinline__ void w4a16_rows(const W4a16Rows& a) {
   uint32_t magic = kBf16 ? 0x43004300u : 0x64006400u;
   asm("" : "+r"(mask), "+r"(magic));
 
-  // Two blocks in turn, each loaded while the other is multiplied (no copy between them).
   float acc[kTiles][2][4] = {};
-  Block<kTiles> even;
-  Block<kTiles> odd;
-  if (warp < blocks) load_block(even, a, warp, col, g, t);
-  for (int kb = warp; kb < blocks; kb += 2 * warps) {
-    if (kb + warps < blocks) load_block(odd, a, kb + warps, col, g, t);
-    multiply_block<kBf16>(even, mask, magic, acc);
-    if (kb + warps >= blocks) break;
-    if (kb + 2 * warps < blocks) load_block(even, a, kb + 2 * warps, col, g, t);
-    multiply_block<kBf16>(odd, mask, magic, acc);
-  }
-
-  constexpr int kSums = kTiles * 8;
-  const float* flat = &acc[0][0][0];
-#pragma unroll
-  for (int e = 0; e < kSums; ++e) sums[(warp * kSums + e) * 32 + lane] = flat[e];
-  __syncthreads();
-  for (int i = threadIdx.x; i < kSums * 32; i += blockDim.x) {
-    const int e = i / 32;
-    const int l = i % 32;
-    float v = 0.0f;
-    for (int w = 0; w < warps; ++w) v += sums[(w * kSums + e) * 32 + l];
-    const int nt = e / 8;
-    const int h = (e / 4) % 2;
-    const int d = e % 4;
-    const int row = 8 * nt + 2 * (l & 3) + (d & 1);
-    const int n = blockIdx.x * kColumns + 4 * (l >> 2) + 2 * h + d / 2;
-    if (row >= a.m) continue;
-    if (a.bias != nullptr) v += to_float<kBf16>(a.bias[n]);
-    a.y[static_cast<size_t>(row) * a.n + n] = from_float<kBf16>(v);
-  }
+  over_blocks<Block<kTiles>>(
+      warp, warps, blocks,
+      [&](Block<kTiles>& b, int kb) { load_block(b, a, kb, col, g, t); },
+      [&](const Block<kTiles>& b, int) { multiply_block<kBf16>(b, mask, magic, acc); });
+  // Lane (g, ...)'s tile h holds columns 4g + 2h (d 0, 1) and 4g + 2h + 1 (d 2, 3).
+  store_sums<kBf16, kTiles>(
+      sums, acc, a.m, a.n, a.bias, a.y,
+      [&](int l, int h, int d) { return blockIdx.x * kColumns + 4 * (l >> 2) + 2 * h + d / 2; },
+      [](float v, int) { return v; });
 }
 
 }  // namespace lmd_w4a16
 
-// Up to 16 warps a CTA at 8 rows, 8 at 16 (their registers: two blocks in flight).
-#define LMD_W4A16_ROWS(dtype, bf16, rows, tiles)                                          \
-  extern "C" __global__ void __launch_bounds__(512 / tiles)                              \
-      lmd_w4a16_rows_##dtype##_m##rows(const W4a16Rows a) {                              \
-    lmd_w4a16::w4a16_rows<bf16, tiles>(a);                                               \
-  }
-
-LMD_W4A16_ROWS(bf16, true, 8, 1)
-LMD_W4A16_ROWS(bf16, true, 16, 2)
-LMD_W4A16_ROWS(f16, false, 8, 1)
-LMD_W4A16_ROWS(f16, false, 16, 2)
+LMD_ROWS_ENTRIES(lmd_w4a16_rows, W4a16Rows, lmd_w4a16::w4a16_rows)
