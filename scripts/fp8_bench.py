@@ -14,7 +14,9 @@ Each row times, in microseconds, y = x @ W^T for x [M, K] bf16:
 Then TFLOP/s of the faster fp8 path and its speed-up over the faster bf16 one. The
 columns run kernels/fp8.py's FAST_ACCUM as set (on); with --fast-accum, past 16 rows:
 the per-channel product timed with it on and the error of both settings against the
-float32 product of what was multiplied (norm of the difference over the reference's). The calls
+float32 product of what was multiplied (norm of the difference over the reference's).
+With --native-warps 4,8,16, up to 16 rows: the native per-channel product at each of
+those warps a CTA (kernels/fp8_rows.py; its default is w4a16_rows.default_warps'). The calls
 run in a CUDA graph (no launch overhead, as the turbo backend's decode steps), cycling
 through enough copies of W that each call reads its weights from HBM, not from the 50 MB
 of L2. Needs CUDA only (torch + triton).
@@ -43,7 +45,7 @@ if importlib.util.find_spec("lmd") is None:  # run from a checkout: daemon/ is l
     _spec.loader.exec_module(sys.modules["lmd"])
 
 from lmd.engine.turbo.kernels import fp8 as fp8_kernels
-from lmd.engine.turbo.kernels import fp8_quant
+from lmd.engine.turbo.kernels import fp8_quant, fp8_rows
 from lmd.engine.turbo.kernels.gemv import MAX_ROWS, gemv
 from lmd.engine.turbo.quant.fp8 import Fp8Weight, fp8_supported
 
@@ -112,8 +114,22 @@ def fast_accum(x: Tensor, chan: list[Fp8Weight], reps: int, eager: bool) -> str:
     return f" fast {t_fast:.1f} us, error {out[0]:.2e} -> {out[1]:.2e}"
 
 
+def native_warps(x: Tensor, chan: list[Fp8Weight], warps: list[int], reps: int, eager: bool) -> str:
+    """The native kernel's time at each count of warps a CTA (that its registers allow)."""
+    times = []
+    for w in warps:
+        if w > (16 if len(x) <= 8 else 8):
+            continue
+        calls: list[Callable[[], object]] = [
+            partial(fp8_rows.native_rows, x, c.weight, c.scale, None, block_scaled=False, warps=w)
+            for c in chan
+        ]
+        times.append(f"{w}: {time_us(calls, reps, eager):.1f}")
+    return " warps " + ", ".join(times)
+
+
 def bench_shape(  # noqa: PLR0917  # the command line's values
-    n: int, k: int, rows: list[int], reps: int, eager: bool, fast: bool
+    n: int, k: int, rows: list[int], reps: int, eager: bool, fast: bool, warps: list[int]
 ) -> None:
     dev = torch.device("cuda")
     copies = max(1, -(-ROTATE_BYTES // (n * k * 2)))
@@ -138,6 +154,8 @@ def bench_shape(  # noqa: PLR0917  # the command line's values
         line = f"{n:6d} {k:6d} {m:5d} " + " ".join(cells) + f" {tflops:7.0f} {base / best:6.2f}x"
         if fast and m > fp8_kernels.SMALL_ROWS:
             line += fast_accum(x, chan, reps, eager)
+        if warps and m <= fp8_rows.MAX_ROWS:
+            line += native_warps(x, chan, warps, reps, eager)
         print(line)
 
 
@@ -147,6 +165,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20, help="rounds over the weight copies")
     parser.add_argument("--eager", action="store_true", help="time without a CUDA graph")
     parser.add_argument("--fast-accum", action="store_true", help="also cuBLAS's fast sums")
+    parser.add_argument("--native-warps", default="", help="e.g. 4,8,16: the native kernel's")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("fp8_bench needs a CUDA GPU")
@@ -158,7 +177,8 @@ def main() -> None:
     header = f"{'N':>6} {'K':>6} {'M':>5} {'bf16':>9} {'gemv':>9} {'chan':>9} {'block':>9}"
     print(header + f" {'triton':>9} {'TFLOP/s':>7} {'speedup':>7}")
     for n, k in SHAPES:
-        bench_shape(n, k, rows, args.reps, args.eager, args.fast_accum)
+        warps = [int(w) for w in args.native_warps.split(",") if w]
+        bench_shape(n, k, rows, args.reps, args.eager, args.fast_accum, warps)
 
 
 if __name__ == "__main__":
