@@ -106,6 +106,24 @@ void launch(const Loaded& l, cu::Function kernel, const Args& args, unsigned gri
           what);
 }
 
+// What is wrong with a rows kernel's count of warps for m rows, or "".
+std::string rows_warps_error(const char* name, int m, int warps) {
+  if (warps >= 1 && warps <= w4a16_rows_max_warps(m)) return "";
+  return std::string(name) + ": warps must be 1.." + std::to_string(w4a16_rows_max_warps(m));
+}
+
+// Enqueues one of a rows kernel's four entries ({fp16, bf16} x {up to 8, up to 16 rows}):
+// N / 32 CTAs of `warps` warps, with room for their warps' sums in shared memory.
+template <typename Args>
+void launch_rows(const Loaded& l, const cu::Function (&kernels)[2][2], const Args& args,
+                 bool bf16, int warps, std::uintptr_t stream, const char* what) {
+  const int tiles = args.m > 8 ? 2 : 1;
+  const unsigned sums = static_cast<unsigned>(warps) * tiles * 8 * 32 * sizeof(float);
+  launch(l, kernels[bf16 ? 1 : 0][tiles - 1], args,
+         static_cast<unsigned>(args.n / kW4a16RowsColumns), 1,
+         static_cast<unsigned>(warps) * 32, sums, stream, what);
+}
+
 }  // namespace
 
 std::string w4a16_rows_ready(int ordinal) {
@@ -118,9 +136,8 @@ std::string w4a16_rows_check(const W4a16RowsArgs& a, int warps) {
       a.x_stride < a.k) {
     return "w4a16_rows: m must be 1..16, n a multiple of 32, k of 128 and x_stride >= k";
   }
-  if (warps < 1 || warps > w4a16_rows_max_warps(a.m)) {
-    return "w4a16_rows: warps must be 1.." + std::to_string(w4a16_rows_max_warps(a.m));
-  }
+  const std::string warps_error = rows_warps_error("w4a16_rows", a.m, warps);
+  if (!warps_error.empty()) return warps_error;
   // 16-byte word loads, 8-byte x, scale and bias loads, 4-byte zero loads.
   if (!a.x || !a.q || !a.s || !a.z || !a.y || a.x % 8 || a.x_stride % 4 || a.q % 16 ||
       a.s % 8 || a.z % 4 || a.y % 2 || a.bias % 2) {
@@ -134,10 +151,7 @@ void launch_w4a16_rows(int ordinal, const W4a16RowsArgs& args, bool bf16, int wa
   const std::string wrong = w4a16_rows_check(args, warps);
   if (!wrong.empty()) throw std::invalid_argument(wrong);
   const Loaded& l = loaded_or_throw(ordinal);
-  const unsigned sums = static_cast<unsigned>(warps) * (args.m > 8 ? 16 : 8) * 32 * 4;
-  launch(l, l.kernels[bf16 ? 1 : 0][args.m > 8 ? 1 : 0], args,
-         static_cast<unsigned>(args.n / kW4a16RowsColumns), 1,
-         static_cast<unsigned>(warps) * 32, sums, stream, "cuLaunchKernel(w4a16_rows)");
+  launch_rows(l, l.kernels, args, bf16, warps, stream, "cuLaunchKernel(w4a16_rows)");
 }
 
 std::string w4a16_wide_check(const W4a16WideArgs& a) {
@@ -178,9 +192,8 @@ std::string fp8_rows_check(const Fp8RowsArgs& a, int warps) {
     return "fp8_rows: m must be 1..16, n a multiple of 32, k of 128, x_stride >= k and "
            "s_stride 0 or >= k / 128";
   }
-  if (warps < 1 || warps > w4a16_rows_max_warps(a.m)) {
-    return "fp8_rows: warps must be 1.." + std::to_string(w4a16_rows_max_warps(a.m));
-  }
+  const std::string warps_error = rows_warps_error("fp8_rows", a.m, warps);
+  if (!warps_error.empty()) return warps_error;
   // 16-byte weight and x loads, 4-byte scales, 2-byte bias and y.
   if (!a.x || !a.w || !a.s || !a.y || a.x % 16 || a.x_stride % 8 || a.w % 16 || a.s % 4 ||
       a.y % 2 || a.bias % 2) {
@@ -194,10 +207,7 @@ void launch_fp8_rows(int ordinal, const Fp8RowsArgs& args, bool bf16, int warps,
   const std::string wrong = fp8_rows_check(args, warps);
   if (!wrong.empty()) throw std::invalid_argument(wrong);
   const Loaded& l = loaded_or_throw(ordinal, true);
-  const unsigned sums = static_cast<unsigned>(warps) * (args.m > 8 ? 16 : 8) * 32 * 4;
-  launch(l, l.fp8[bf16 ? 1 : 0][args.m > 8 ? 1 : 0], args,
-         static_cast<unsigned>(args.n / kW4a16RowsColumns), 1,
-         static_cast<unsigned>(warps) * 32, sums, stream, "cuLaunchKernel(fp8_rows)");
+  launch_rows(l, l.fp8, args, bf16, warps, stream, "cuLaunchKernel(fp8_rows)");
 }
 
 }  // namespace lmd

@@ -154,7 +154,7 @@ def bench_shape(  # noqa: PLR0917  # the command line's values
         line = f"{n:6d} {k:6d} {m:5d} " + " ".join(cells) + f" {tflops:7.0f} {base / best:6.2f}x"
         if fast and m > fp8_kernels.SMALL_ROWS:
             line += fast_accum(x, chan, reps, eager)
-        if warps and m <= fp8_rows.MAX_ROWS:
+        if warps and m <= fp8_kernels.SMALL_ROWS:
             line += native_warps(x, chan, warps, reps, eager)
         print(line)
 

@@ -14,37 +14,23 @@ decode step's CUDA graph captures it.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import Tensor
 
 from lmd._native import fp8_rows, fp8_rows_ready
-from lmd.engine.turbo.kernels.w4a16_rows import default_warps
-
-log = logging.getLogger(__name__)
+from lmd.engine.turbo.kernels.native_kernels import NativeKernels, device_index
+from lmd.engine.turbo.kernels.w4a16_rows import COLUMNS, MAX_ROWS, default_warps
+from lmd.engine.turbo.quant.e4m3 import BLOCK as GROUP  # K's blocks, the scales' blocks
 
 NATIVE_ROWS = True  # off: decode rows go to the Triton kernel (scripts' A/B runs)
-MAX_ROWS = 16
-COLUMNS = 32  # output columns of a CTA
-GROUP = 128  # K is taken in blocks of 128 (and block scales are 128 x 128)
 
-_ready: dict[int, bool] = {}
-_num_sms: dict[int, int] = {}
+_kernels = NativeKernels(fp8_rows_ready, "FP8 decode rows go to the Triton kernel")
 
 
 def ready(device: torch.device) -> bool:
     """Is the kernel loaded on this CUDA device? Loads it on the first call (the driver
     compiles the PTX: call it before a CUDA graph is captured); logs once why not."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _ready:
-        why = fp8_rows_ready(index)
-        if why:
-            log.warning("FP8 decode rows go to the Triton kernel on cuda:%d: %s", index, why)
-        else:
-            _num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        _ready[index] = not why
-    return _ready[index]
+    return _kernels.ready(device_index(device))
 
 
 def native_rows(
@@ -81,11 +67,13 @@ def native_rows(
         and scale.dim() == (2 if block_scaled else 1)
         and (bias is None or (bias.is_contiguous() and bias.dtype == x.dtype))
     )
-    if not takes or not ready(x.device):
+    if not takes:
         return None
-    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    device = device_index(x.device)
+    if not _kernels.ready(device):
+        return None
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    warps = default_warps(m, n, k, _num_sms[device]) if warps is None else warps
+    warps = default_warps(m, n, k, _kernels.num_sms(device)) if warps is None else warps
     fp8_rows(
         device,
         x.data_ptr(),

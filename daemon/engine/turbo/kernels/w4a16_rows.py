@@ -14,14 +14,11 @@ stream, so a decode step's CUDA graph captures it.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import Tensor
 
 from lmd._native import w4a16_rows, w4a16_rows_ready, w4a16_wide
-
-log = logging.getLogger(__name__)
+from lmd.engine.turbo.kernels.native_kernels import NativeKernels, device_index
 
 NATIVE_ROWS = True  # off: decode rows go to the Triton tiles (scripts' A/B runs)
 MAX_ROWS = 16  # the rows kernel's; the wide kernel's is WIDE_MAX_ROWS
@@ -33,8 +30,7 @@ MAX_SPANS = 4096  # a wide product's spans, so N <= 524,288 (each has a counter)
 WARPS_PER_SM = 16  # what the kernels' registers leave room for at up to 8 rows (8 above)
 WIDE_CTAS_PER_SM = 2  # what default_splits plans for (3 fit; 2 measured best at 64 rows)
 
-_ready: dict[int, bool] = {}
-_num_sms: dict[int, int] = {}  # a device's multiprocessors, for the default warps and splits
+_kernels = NativeKernels(w4a16_rows_ready, "W4A16 decode rows go to the Triton tiles")
 # A device's span counters for the wide kernel, zero between launches: its launches must
 # not overlap in time (one stream; lmd runs one forward at a time a process).
 _counters: dict[int, Tensor] = {}
@@ -44,16 +40,12 @@ def ready(device: torch.device) -> bool:
     """Are the kernels loaded on this CUDA device? Loads them on the first call (the
     driver compiles the PTX, and the wide kernel's counters are allocated: call it
     before a CUDA graph is captured); logs once why not."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _ready:
-        why = w4a16_rows_ready(index)
-        if why:
-            log.warning("W4A16 decode rows go to the Triton tiles on cuda:%d: %s", index, why)
-        else:
-            _counters[index] = torch.zeros(MAX_SPANS, dtype=torch.int32, device=device)
-            _num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        _ready[index] = not why
-    return _ready[index]
+    index = device_index(device)
+    if not _kernels.ready(index):
+        return False
+    if index not in _counters:
+        _counters[index] = torch.zeros(MAX_SPANS, dtype=torch.int32, device=device)
+    return True
 
 
 def default_warps(m: int, n: int, k: int, num_sms: int) -> int:
@@ -126,9 +118,9 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
     )
     if not takes or not ready(x.device):
         return False
-    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    device = device_index(x.device)
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    num_sms = _num_sms[device]
+    num_sms = _kernels.num_sms(device)
     bf16 = x.dtype == torch.bfloat16
     b = 0 if bias is None else bias.data_ptr()
     addresses = (
