@@ -299,7 +299,7 @@ def test_silu_and_mul_fp8_makes_the_quantizers_codes(
 
 
 @pytest.mark.parametrize("block", [None, (128, 128)], ids=["channel", "block"])
-def test_a_product_takes_the_codes_as_it_would_make_them(block) -> None:
+def test_a_product_takes_the_codes_as_it_would_make_them(block: tuple[int, int] | None) -> None:
     """Fp8Weight's product of codes made before (fp8_matmul_rows, or per group
     fp8_matmul_groups on rows padded to 4) equals fp8_matmul quantizing x itself; past
     SMALL_ROWS rows a weight takes codes."""
