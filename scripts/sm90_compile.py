@@ -146,10 +146,6 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
                  "SWAP_AB": swap, "PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": 128,
                  "BLOCK_K": 128}  # fmt: skip
         out.append(case(w4a16._w4a16_kernel, flags, types, run))
-    prefetch = kernels_of("l2_prefetch")
-    flags = {"CHUNK": 16384, "LANES": 32}
-    types = {"ptr": "*u8", "nbytes": "i64"}
-    out.append(case(prefetch._prefetch_kernel, flags, types, {"num_warps": 1, "num_stages": 1}))
     return out
 
 

@@ -88,10 +88,6 @@ class TurboModel:
         # Past 16 rows, an FP8 product's input quantized per token by the RMSNorm or the
         # activation before it, in their launches (no quantizer launch a product).
         self.fp8_codes = True
-        # Small decode steps ask L2 for the o product's weights before rotary and attention,
-        # which leave the memory bus idle (kernels/l2_prefetch.py; scripts/families_bench.py
-        # --no-prefetch measures it).
-        self.l2_prefetch = True
         # A group's batch-1 all-reduces over peer memory (turbo/exchange.py), set by the
         # backend where exchange_fits().
         self.exchange: PeerExchange | None = None
@@ -119,8 +115,6 @@ class TurboModel:
             qkv, residual = self._norm_linear(
                 hidden, residual, layer.input_norm, layer.qkv, layer.qkv_bias
             )
-            if self.l2_prefetch and self.skinny and num_tokens <= kernels.GEMV_MAX_ROWS:
-                kernels.prefetch_l2(*tensors_of(layer.o))
             kernels.rotary_and_cache_write(
                 qkv,
                 positions=step.positions,
@@ -361,15 +355,6 @@ class TurboModel:
             kv_scales=scales,
             new_kv=None if scales is None else (heads[:, h : h + hkv], heads[:, h + hkv :]),
         )
-
-
-def tensors_of(weight: Linear) -> tuple[Tensor, ...]:
-    """The tensors a product of `weight` reads."""
-    if isinstance(weight, Tensor):
-        return (weight,)
-    if isinstance(weight, Fp8Weight):
-        return (weight.weight, weight.scale)
-    return (weight.qweight, weight.scales, weight.zeros)
 
 
 def _plain_dense(layer: LayerWeights) -> bool:

@@ -15,7 +15,6 @@ from lmd.engine.turbo.kernels.decode_attention import decode_attention, decode_s
 from lmd.engine.turbo.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from lmd.engine.turbo.kernels.gemv import gemv
 from lmd.engine.turbo.kernels.kv_quant import scales_of
-from lmd.engine.turbo.kernels.l2_prefetch import prefetch_l2
 from lmd.engine.turbo.kernels.moe import fused_moe
 from lmd.engine.turbo.kernels.moe_vector import experts_vector
 from lmd.engine.turbo.kernels.norm import rms_norm, rms_norm_fp8
@@ -33,7 +32,6 @@ __all__ = [
     "fused_moe",
     "gemv",
     "interpreting",
-    "prefetch_l2",
     "prefill_attention",
     "rms_norm",
     "rms_norm_fp8",
