@@ -5,11 +5,13 @@ Llama-3-8B's and Qwen3-8B's shapes, whole and as one rank of two (tensor paralle
 CUDA only.
 
     python3 scripts/gemv_bench.py [--dtype bf16] [--shapes llama,llama-tp2,qwen3]
+    python3 scripts/gemv_bench.py --plain [--plain-shapes 4096x4096,4096x12288,...]
 
 Each time is the median of CUDA-graph replays over enough copies of the weights to
 overflow the L2 cache (scripts/w4a16_tiles.py's time_us); every tiling is checked against
 the separate kernels first. Also the plain product (no prologue) of both kernels, to tell
-the kernel's own speed from the fusion's.
+the kernel's own speed from the fusion's. `--plain`: the products that take no norm (o,
+down) at one row, gemv's tilings against vector_gemv's, each checked against F.linear.
 """
 
 from __future__ import annotations
@@ -38,9 +40,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--shapes", default="llama,llama-tp2,qwen3")
+    p.add_argument("--plain", action="store_true")
+    p.add_argument("--plain-shapes", default="4096x4096,4096x12288,4096x14336,2048x4096")
     args = p.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     print(torch.cuda.get_device_name(0))
+    if args.plain:
+        for shape in args.plain_shapes.split(","):
+            n, k = (int(d) for d in shape.split("x"))
+            bench_plain(n, k, dtype)
+        return
     for name in args.shapes.split(","):
         total_sep = total_best = 0.0
         for n, k in SHAPES[name]:
@@ -90,6 +99,40 @@ def bench(n: int, k: int, dtype: torch.dtype) -> tuple[float, float]:
         print(f"  fused {tiles}: {us:8.1f} us {gb / us:6.0f} GB/s x{sep_us / us:5.2f}"
               f"  err {err:.1e}{flag}")  # fmt: skip
     return sep_us, rows[0][0] if rows else float("nan")
+
+
+GEMV_TILES = [  # BLOCK_N, BLOCK_K, warps, stages
+    (32, 512, 4, 4), (16, 512, 4, 4), (16, 256, 4, 4), (16, 512, 8, 4), (32, 256, 4, 5),
+    (16, 1024, 4, 3), (32, 512, 8, 3), (64, 256, 4, 4),
+]  # fmt: skip
+
+PLAIN_TILES = [  # vector_gemv's, past TILES
+    (2, 2048, 4, 3), (4, 2048, 8, 2), (8, 1024, 8, 3), (4, 512, 4, 4), (2, 1024, 4, 4),
+    (1, 4096, 4, 2), (8, 2048, 8, 2),
+]  # fmt: skip
+
+
+def bench_plain(n: int, k: int, dtype: torch.dtype) -> None:
+    """One row times [N, K]: gemv's tilings and vector_gemv's (TILES), fastest first."""
+    dense = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
+    weights = [dense] + [dense.clone() for _ in range(max(0, L2_BYTES // dense.nbytes - 1))]
+    x = torch.randn(1, k, device="cuda").to(dtype)
+    ref = torch.nn.functional.linear(x.float(), dense.float())
+    rows = []
+    for bn, bk, warps, stages in GEMV_TILES:
+        call = partial(kernels.gemv, x, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+        rows.append((time_us([partial(call, w) for w in weights]), "gemv", (bn, bk, warps, stages),
+                     rel_err(call(dense), ref)))  # fmt: skip
+    for tiles in TILES + PLAIN_TILES:
+        call = partial(kernels.vector_gemv, x, tiles=tiles)
+        rows.append((time_us([partial(call, w) for w in weights]), "vector_gemv", tiles,
+                     rel_err(call(dense), ref)))  # fmt: skip
+    rows.sort()
+    print(f"N={n} K={k} ({dense.nbytes / 1e6:.1f} MB), one row:")
+    for us, kernel, tiles, err in rows:
+        flag = " !! ERROR" if err > 2e-2 else ""
+        print(f"  {kernel:11s} {tiles}: {us:7.2f} us {dense.nbytes / us / 1e3:6.0f} GB/s"
+              f"  err {err:.1e}{flag}")  # fmt: skip
 
 
 if __name__ == "__main__":

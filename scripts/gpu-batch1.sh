@@ -15,6 +15,10 @@
 #       (kernels/moe_vector.py), then the batch-1 step of the first LAYERS (default 12)
 #       layers of the Qwen3-30B-A3B shape with it and through kernels/moe.py's path
 #       (families_bench.py --separate-experts).
+#   scripts/gpu-batch1.sh products [TESTS...]
+#       nvidia-h200, ~5 minutes: TESTS (GPU tests), scripts/gemv_bench.py --plain (o and
+#       down at one row, gemv's tilings against vector_gemv's), then the Qwen3-8B
+#       shape's batch-1 step phase by phase with its 16 costliest kernels.
 # Carry .whl and .gpu-assets/smollm2-tokenizer. Results in $OUT: batch1-tests.txt,
 # batch1.jsonl (or tp-step.jsonl), batch1-stderr.txt.
 set -uo pipefail
@@ -25,6 +29,20 @@ if [[ ${1:-} == tp ]]; then
     --separate-activation --nccl-batch1 --variant-tp 2 --kernels 8
 fi
 source scripts/gpu-env.sh
+if [[ ${1:-} == products ]]; then
+  shift
+  python3 setup.py -q build_ext --inplace 2>&1 | tail -3
+  if (($#)); then
+    timeout 300 python3 -m pytest -q -ra -p no:cacheprovider --timeout 200 "$@" 2>&1 \
+      | grep -v "^Writing" | tee "$out/batch1-tests.txt" | tail -25
+  fi
+  timeout 150 python3 scripts/gemv_bench.py --plain 2>&1 | tee "$out/gemv-plain.txt"
+  python3 scripts/random_models.py qwen3-8b-shape --out-dir /tmp 2>&1 | grep -v "^Writing" | tail -2
+  timeout 150 python3 scripts/step_profile.py /tmp/qwen3-8b-shape --batch 1 --kernels 16 \
+    2>>"$out/batch1-stderr.txt" | tee "$out/step-profile.txt"
+  grep -E "Error|error" "$out/batch1-stderr.txt" | tail -5
+  exit 0
+fi
 if [[ ${1:-} == experts ]]; then
   { timeout 80 python3 -m pytest -q -ra -p no:cacheprovider tests/unit/test_turbo_moe_vector.py \
       tests/unit/test_turbo_moe.py 2>&1 | tail -4
