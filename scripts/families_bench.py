@@ -4,7 +4,8 @@ against the HBM floor (docs/benchmarks.md, "turbo for Qwen3 and mixtures of expe
     python3 scripts/families_bench.py MODEL_DIR [--batches 1,64,512] [--input-len 512]
         [--output-len 256] [--backend turbo] [--quantization w4a16|fp8]
         [--kv-cache-dtype int8|fp8] [--separate-batch1] [--separate-activation]
-        [--separate-experts] [--wide-max-rows 16] [--no-fp8-codes] [--exact-accum]
+        [--separate-experts] [--gemv-plain] [--wide-max-rows 16] [--no-fp8-codes]
+        [--exact-accum]
 
 One Engine for every batch (max_batch_size = the largest), the prompts and the timing of
 `lmd-bench offline` (random ids, greedy, ignore_eos, prefill included), after a warm-up
@@ -113,6 +114,11 @@ def main() -> None:
         help="the batch-1 step again with a layer of experts through kernels/moe.py",
     )
     parser.add_argument(
+        "--gemv-plain",
+        action="store_true",
+        help="the batch-1 step again with o and down through gemv (vector_plain off)",
+    )
+    parser.add_argument(
         "--no-fp8-codes",
         action="store_true",
         help="FP8: each product quantizes its input in a launch of its own (fp8_codes off)",
@@ -173,6 +179,11 @@ def main() -> None:
         "separate_experts_batch1_step_ms": (
             args.separate_experts,
             lambda on: setattr(backend.model, "vector_experts", not on),
+        ),
+        # o and down through kernels/gemv.py (vector_plain off)
+        "gemv_plain_batch1_step_ms": (
+            args.gemv_plain,
+            lambda on: setattr(backend.model, "vector_plain", not on),
         ),
     }
     for name, (asked, switch) in switches.items():

@@ -29,6 +29,7 @@ SHAPES = {
     "llama": [(6144, 4096), (28672, 4096), (128256, 4096)],
     "llama-tp2": [(3072, 4096), (14336, 4096), (64128, 4096)],
     "qwen3": [(6144, 4096), (24576, 4096), (151936, 4096)],
+    "qwen3moe": [(5120, 2048), (151936, 2048)],
 }
 TILES = [  # BLOCK_N, BLOCK_K, warps, stages
     (16, 256, 4, 3), (16, 512, 4, 3), (8, 512, 4, 3), (32, 256, 4, 3), (32, 128, 4, 4),
@@ -85,7 +86,7 @@ def bench(n: int, k: int, dtype: torch.dtype) -> tuple[float, float]:
           f"({gb / gemv_us:.0f} GB/s), plain vector_gemv {vec_us:.1f} us")  # fmt: skip
     fused = partial(kernels.vector_gemv, hidden, norm=norm, out_dtype=out_dtype)
     rows = []
-    for tiles in TILES:
+    for tiles in TILES + PLAIN_TILES:
         try:
             err = rel_err(fused(dense, tiles=tiles), ref)
             us = time_us([partial(fused, w, tiles=tiles) for w in weights])

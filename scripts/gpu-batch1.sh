@@ -19,6 +19,11 @@
 #       nvidia-h200, ~5 minutes: TESTS (GPU tests), scripts/gemv_bench.py --plain (o and
 #       down at one row, gemv's tilings against vector_gemv's), then the Qwen3-8B
 #       shape's batch-1 step phase by phase with its 16 costliest kernels.
+#   scripts/gpu-batch1.sh plain [TESTS...]
+#       nvidia-h200, ~8 minutes: TESTS, scripts/gemv_bench.py's sweep of the normed
+#       products at Qwen3's shapes, then the batch-1 step with o and down through
+#       vector_gemv and through gemv (families_bench.py --gemv-plain) on the Qwen3-8B
+#       shape and the first 12 layers of the Qwen3-30B-A3B shape.
 # Carry .whl and .gpu-assets/smollm2-tokenizer. Results in $OUT: batch1-tests.txt,
 # batch1.jsonl (or tp-step.jsonl), batch1-stderr.txt.
 set -uo pipefail
@@ -40,6 +45,26 @@ if [[ ${1:-} == products ]]; then
   python3 scripts/random_models.py qwen3-8b-shape --out-dir /tmp 2>&1 | grep -v "^Writing" | tail -2
   timeout 150 python3 scripts/step_profile.py /tmp/qwen3-8b-shape --batch 1 --kernels 16 \
     2>>"$out/batch1-stderr.txt" | tee "$out/step-profile.txt"
+  grep -E "Error|error" "$out/batch1-stderr.txt" | tail -5
+  exit 0
+fi
+if [[ ${1:-} == plain ]]; then
+  shift
+  python3 setup.py -q build_ext --inplace 2>&1 | tail -3
+  if (($#)); then
+    timeout 300 python3 -m pytest -q -ra -p no:cacheprovider --timeout 200 "$@" 2>&1 \
+      | grep -v "^Writing" | tee "$out/batch1-tests.txt" | tail -25
+  fi
+  timeout 150 python3 scripts/gemv_bench.py --shapes qwen3,qwen3moe 2>&1 | tee "$out/gemv-normed.txt"
+  for shape in qwen3-8b-shape "qwen3-30b-a3b-shape --layers 12"; do
+    read -r name flags <<<"$shape"
+    # shellcheck disable=SC2086  # flags: words
+    python3 scripts/random_models.py $name $flags --out-dir /tmp 2>&1 | grep -v "^Writing" | tail -2
+  done
+  for model in /tmp/qwen3-8b-shape /tmp/qwen3-30b-a3b-shape-12l; do
+    timeout 200 python3 scripts/families_bench.py "$model" --batches 1 --gemv-plain \
+      2>>"$out/batch1-stderr.txt" | tee -a "$out/batch1.jsonl"
+  done
   grep -E "Error|error" "$out/batch1-stderr.txt" | tail -5
   exit 0
 fi

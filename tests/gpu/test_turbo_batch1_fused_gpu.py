@@ -1,7 +1,9 @@
 """A batch-1 decode step's MLP activation made in gate|up's launch (kernels/vector_gemv.py,
 TurboModel.fused_activation), bit for bit against the activation's own kernel: turbo's
 decode steps (CUDA graphs) of one sequence, logits equal, on a Llama and on each newer
-family (Gemma 3's tanh GELU among them). Skipped without CUDA.
+family (Gemma 3's tanh GELU among them). Also o and down through vector_gemv
+(TurboModel.vector_plain) against gemv, teacher-forced: logits within bf16's rounding.
+Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -25,13 +27,16 @@ pytestmark = pytest.mark.gpu
 STEPS = 24
 
 
-def decode_logits(model_dir: Path, fused: bool) -> list[torch.Tensor]:
+def decode_logits(
+    model_dir: Path, fused: bool, switch: str = "fused_activation", force: bool = False
+) -> list[torch.Tensor]:
     backend = TurboBackend(model_dir, torch.device("cuda"), torch.bfloat16)
-    backend.model.fused_activation = fused
+    setattr(backend.model, switch, fused)
     kv = new_pool(backend, 512, 16)
     backend.capture_graphs(kv, max_batch_size=8)
     logits: list[torch.Tensor] = []
-    greedy(backend, random_prompts([37], 1000, seed=5), STEPS, kv=kv, logits=logits)
+    forced = random_prompts([STEPS], 1000, seed=6) if force else None
+    greedy(backend, random_prompts([37], 1000, seed=5), STEPS, kv=kv, logits=logits, force=forced)
     return logits
 
 
@@ -57,3 +62,17 @@ def test_each_family_decodes_with_the_activation_folded_as_without(
     torch.manual_seed(5)
     model_class(config).to(torch.bfloat16).save_pretrained(tmp_path)  # type: ignore[arg-type]
     same_logits_fused(tmp_path)
+
+
+def test_o_and_down_through_vector_gemv_give_gemvs_logits(tmp_path: Path) -> None:
+    shape = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16}
+    model_dir = save_bf16(
+        tmp_path, vocab_size=4096, num_hidden_layers=4, num_key_value_heads=4, **shape
+    )
+    vector = decode_logits(model_dir, True, "vector_plain", force=True)
+    tiled = decode_logits(model_dir, False, "vector_plain", force=True)
+    assert len(vector) == len(tiled) == STEPS - 1
+    for step, (got, want) in enumerate(zip(vector, tiled, strict=True)):
+        assert float((got - want).norm() / want.norm()) < 1e-2, step
+    # the switch reached the model: the two kernels sum in different orders
+    assert any(not torch.equal(got, want) for got, want in zip(vector, tiled, strict=True))

@@ -90,6 +90,19 @@ def test_vector_gemv(n: int, k: int, prologue: str, out_float: bool, dtype: torc
     check_vector_gemv(n, k, dtype, prologue, out_float)
 
 
+@pytest.mark.parametrize(("n", "k"), [(33, 300), (8, 4096), (6, 4100)])
+def test_vector_gemv_with_the_plain_products_tiles(n: int, k: int) -> None:
+    """o and down at one row (TurboModel.vector_plain): plain_tiles' two rows a program,
+    K past 4096 on default_tiles'."""
+    tiles = kernels.plain_tiles(n, k)
+    assert tiles[0] == (2 if k <= 4096 else 4)
+    w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(torch.bfloat16)
+    b = torch.randn(n, device=DEVICE).to(torch.bfloat16)
+    x = torch.randn(1, k, device=DEVICE).to(torch.bfloat16)
+    y = kernels.vector_gemv(x, w, b, tiles=tiles)
+    assert rel_err(y, x.float() @ w.float().t() + b.float()) < 2 * TOLERANCE[torch.bfloat16]
+
+
 def test_vector_gemv_refuses_what_it_cannot_take() -> None:
     w = torch.zeros(4, 8, device=DEVICE)
     with pytest.raises(ValueError, match="one contiguous row"):

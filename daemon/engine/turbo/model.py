@@ -82,6 +82,12 @@ class TurboModel:
         # ... and the MLP's activation made in gate|up's launch (one kernel fewer a
         # layer; scripts/families_bench.py --separate-activation measures it).
         self.fused_activation = True
+        # ... and the products without a norm (o, down) in vector_gemv too, with their
+        # own tiles: faster than gemv's tl.dot at one row (scripts/gemv_bench.py --plain;
+        # scripts/families_bench.py --gemv-plain measures the step without it). Not in a
+        # group, whose peer exchange sums what gemv's programs make (turbo/exchange.py)
+        # and whose NCCL path must give the same sums.
+        self.vector_plain = not tp.enabled
         # ... and a layer of experts in 4 launches (kernels/moe_vector.py) instead of 8
         # (scripts/families_bench.py --separate-experts measures it).
         self.vector_experts = True
@@ -317,6 +323,9 @@ class TurboModel:
             raise TypeError("fp8 codes reach only an fp8 weight (TurboModel._codes)")
         if not isinstance(weight, Tensor):
             return weight.matmul(x, bias)
+        if self.vector_plain and self._vector(x):
+            n, k = weight.shape
+            return kernels.vector_gemv(x, weight, bias, tiles=kernels.plain_tiles(n, k))
         if self.skinny and x.shape[0] <= kernels.GEMV_MAX_ROWS:
             return kernels.gemv(x, weight, bias)
         return F.linear(x, weight, bias)

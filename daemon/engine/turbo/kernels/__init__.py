@@ -20,7 +20,7 @@ from lmd.engine.turbo.kernels.moe_vector import experts_vector
 from lmd.engine.turbo.kernels.norm import rms_norm, rms_norm_fp8
 from lmd.engine.turbo.kernels.prefill_attention import prefill_attention
 from lmd.engine.turbo.kernels.rotary import rotary_and_cache_write
-from lmd.engine.turbo.kernels.vector_gemv import Norm, vector_gemv
+from lmd.engine.turbo.kernels.vector_gemv import Norm, plain_tiles, vector_gemv
 
 __all__ = [
     "GEMV_MAX_ROWS",
@@ -32,6 +32,7 @@ __all__ = [
     "fused_moe",
     "gemv",
     "interpreting",
+    "plain_tiles",
     "prefill_attention",
     "rms_norm",
     "rms_norm_fp8",
