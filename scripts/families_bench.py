@@ -4,8 +4,8 @@ against the HBM floor (docs/benchmarks.md, "turbo for Qwen3 and mixtures of expe
     python3 scripts/families_bench.py MODEL_DIR [--batches 1,64,512] [--input-len 512]
         [--output-len 256] [--backend turbo] [--quantization w4a16|fp8]
         [--kv-cache-dtype int8|fp8] [--separate-batch1] [--separate-activation]
-        [--separate-experts] [--gemv-plain] [--wide-max-rows 16] [--no-fp8-codes]
-        [--exact-accum]
+        [--separate-experts] [--gemv-plain] [--rotary-whole] [--wide-max-rows 16]
+        [--no-fp8-codes] [--exact-accum]
 
 One Engine for every batch (max_batch_size = the largest), the prompts and the timing of
 `lmd-bench offline` (random ids, greedy, ignore_eos, prefill included), after a warm-up
@@ -33,7 +33,7 @@ from lmd.bench.offline import random_prompts, time_engine
 from lmd.engine.config import EngineConfig
 from lmd.engine.engine import Engine
 from lmd.engine.kv_pool import block_bytes_of
-from lmd.engine.turbo.kernels import fp8, w4a16_rows
+from lmd.engine.turbo.kernels import fp8, rotary, w4a16_rows
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -119,6 +119,11 @@ def main() -> None:
         help="the batch-1 step again with o and down through gemv (vector_plain off)",
     )
     parser.add_argument(
+        "--rotary-whole",
+        action="store_true",
+        help="the batch-1 step again with a token's heads rotated in one program",
+    )
+    parser.add_argument(
         "--no-fp8-codes",
         action="store_true",
         help="FP8: each product quantizes its input in a launch of its own (fp8_codes off)",
@@ -164,6 +169,7 @@ def main() -> None:
                           "output_tokens_per_s": rate}), flush=True)  # fmt: skip
     step = batch1_step(engine, args.input_len, args.output_len)
     backend: Any = engine.backend  # turbo's model, for the first
+    q_heads = rotary.Q_HEADS_A_PROGRAM
     switches: dict[str, tuple[bool, Callable[[bool], None]]] = {
         # the norms in kernels of their own
         "separate_batch1_step_ms": (
@@ -179,6 +185,11 @@ def main() -> None:
         "separate_experts_batch1_step_ms": (
             args.separate_experts,
             lambda on: setattr(backend.model, "vector_experts", not on),
+        ),
+        # a token's heads rotated in one program (rotary.Q_HEADS_A_PROGRAM 0)
+        "rotary_whole_batch1_step_ms": (
+            args.rotary_whole,
+            lambda on: setattr(rotary, "Q_HEADS_A_PROGRAM", 0 if on else q_heads),
         ),
         # o and down through kernels/gemv.py (vector_plain off)
         "gemv_plain_batch1_step_ms": (

@@ -22,6 +22,7 @@ from functools import partial
 import torch
 
 from lmd.engine.turbo import kernels
+from lmd.engine.turbo.kernels.vector_gemv import default_tiles
 from scripts.w4a16_tiles import L2_BYTES, rel_err, time_us
 
 # name -> [(N, K)]: qkv, gate|up and lm_head, each after a norm.
@@ -30,6 +31,9 @@ SHAPES = {
     "llama-tp2": [(3072, 4096), (14336, 4096), (64128, 4096)],
     "qwen3": [(6144, 4096), (24576, 4096), (151936, 4096)],
     "qwen3moe": [(5120, 2048), (151936, 2048)],
+    # gate|up with the activation made in the launch too (TurboModel.fused_activation)
+    "llama-gated": [(28672, 4096)],
+    "qwen3-gated": [(24576, 4096)],
 }
 TILES = [  # BLOCK_N, BLOCK_K, warps, stages
     (16, 256, 4, 3), (16, 512, 4, 3), (8, 512, 4, 3), (32, 256, 4, 3), (32, 128, 4, 4),
@@ -54,15 +58,16 @@ def main() -> None:
     for name in args.shapes.split(","):
         total_sep = total_best = 0.0
         for n, k in SHAPES[name]:
-            sep, best = bench(n, k, dtype)
+            sep, best = bench(n, k, dtype, "silu" if name.endswith("-gated") else None)
             total_sep += sep
             total_best += best
         print(f"{name}: a layer's two + lm_head: separate {total_sep:.1f} us, "
               f"fused best {total_best:.1f} us")  # fmt: skip
 
 
-def bench(n: int, k: int, dtype: torch.dtype) -> tuple[float, float]:
-    """Prints one block of rows; returns (separate kernels' us, best fused us)."""
+def bench(n: int, k: int, dtype: torch.dtype, activation: str | None) -> tuple[float, float]:
+    """Prints one block of rows; returns (separate kernels' us, best fused us). With
+    `activation`, the weight is gate | up and the launch makes act(gate) * up."""
     dense = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
     weights = [dense] + [dense.clone() for _ in range(max(0, L2_BYTES // dense.nbytes - 1))]
     out_dtype = torch.float32 if n > 50000 else None  # lm_head: float32 logits
@@ -75,7 +80,8 @@ def bench(n: int, k: int, dtype: torch.dtype) -> tuple[float, float]:
 
     def separate(w: torch.Tensor) -> torch.Tensor:
         x = kernels.rms_norm(hidden, weight, 1e-5, stream)
-        return kernels.gemv(x, w, out_dtype=out_dtype)
+        y = kernels.gemv(x, w, out_dtype=out_dtype)
+        return y if activation is None else kernels.silu_and_mul(y, activation)
 
     ref = separate(dense)
     sep_us = time_us([partial(separate, w) for w in weights])
@@ -84,9 +90,13 @@ def bench(n: int, k: int, dtype: torch.dtype) -> tuple[float, float]:
     gb = dense.nbytes / 1e3
     print(f"N={n} K={k}: separate {sep_us:.1f} us; plain gemv {gemv_us:.1f} us "
           f"({gb / gemv_us:.0f} GB/s), plain vector_gemv {vec_us:.1f} us")  # fmt: skip
-    fused = partial(kernels.vector_gemv, hidden, norm=norm, out_dtype=out_dtype)
+    fused = partial(
+        kernels.vector_gemv, hidden, norm=norm, out_dtype=out_dtype, activation=activation
+    )
     rows = []
     for tiles in TILES + PLAIN_TILES:
+        if activation is not None and tiles[0] < 2:  # a program makes BLOCK_N / 2 outputs
+            continue
         try:
             err = rel_err(fused(dense, tiles=tiles), ref)
             us = time_us([partial(fused, w, tiles=tiles) for w in weights])
@@ -95,10 +105,12 @@ def bench(n: int, k: int, dtype: torch.dtype) -> tuple[float, float]:
             continue
         rows.append((us, tiles, err))
     rows.sort()
-    for us, tiles, err in rows[:5]:
+    default = default_tiles(n, k)
+    for us, tiles, err in rows[:5] + [row for row in rows[5:] if row[1] == default]:
         flag = " !! ERROR" if err > 2e-2 else ""
+        mark = " (default)" if tiles == default else ""
         print(f"  fused {tiles}: {us:8.1f} us {gb / us:6.0f} GB/s x{sep_us / us:5.2f}"
-              f"  err {err:.1e}{flag}")  # fmt: skip
+              f"  err {err:.1e}{flag}{mark}")  # fmt: skip
     return sep_us, rows[0][0] if rows else float("nan")
 
 

@@ -24,6 +24,12 @@
 #       products at Qwen3's shapes, then the batch-1 step with o and down through
 #       vector_gemv and through gemv (families_bench.py --gemv-plain) on the Qwen3-8B
 #       shape and the first 12 layers of the Qwen3-30B-A3B shape.
+#   scripts/gpu-batch1.sh rotary [TESTS...]
+#       nvidia-h200, ~6 minutes: TESTS, gemv_bench.py's sweep of gate|up with its
+#       activation (Qwen3-8B, Llama-3-8B) and of Llama-3-8B's normed products, then the
+#       batch-1 step with a token's heads rotated in one program and spread over five
+#       (families_bench.py --rotary-whole) on the Qwen3-8B shape and the first 12
+#       layers of the Qwen3-30B-A3B shape.
 # Carry .whl and .gpu-assets/smollm2-tokenizer. Results in $OUT: batch1-tests.txt,
 # batch1.jsonl (or tp-step.jsonl), batch1-stderr.txt.
 set -uo pipefail
@@ -48,21 +54,24 @@ if [[ ${1:-} == products ]]; then
   grep -E "Error|error" "$out/batch1-stderr.txt" | tail -5
   exit 0
 fi
-if [[ ${1:-} == plain ]]; then
+if [[ ${1:-} == plain || ${1:-} == rotary ]]; then
+  mode=$1
   shift
   python3 setup.py -q build_ext --inplace 2>&1 | tail -3
   if (($#)); then
     timeout 300 python3 -m pytest -q -ra -p no:cacheprovider --timeout 200 "$@" 2>&1 \
       | grep -v "^Writing" | tee "$out/batch1-tests.txt" | tail -25
   fi
-  timeout 150 python3 scripts/gemv_bench.py --shapes qwen3,qwen3moe 2>&1 | tee "$out/gemv-normed.txt"
+  sweep=qwen3,qwen3moe switch=--gemv-plain
+  [[ $mode == rotary ]] && sweep=qwen3-gated,llama-gated,llama switch=--rotary-whole
+  timeout 150 python3 scripts/gemv_bench.py --shapes $sweep 2>&1 | tee "$out/gemv-normed.txt"
   for shape in qwen3-8b-shape "qwen3-30b-a3b-shape --layers 12"; do
     read -r name flags <<<"$shape"
     # shellcheck disable=SC2086  # flags: words
     python3 scripts/random_models.py $name $flags --out-dir /tmp 2>&1 | grep -v "^Writing" | tail -2
   done
   for model in /tmp/qwen3-8b-shape /tmp/qwen3-30b-a3b-shape-12l; do
-    timeout 200 python3 scripts/families_bench.py "$model" --batches 1 --gemv-plain \
+    timeout 200 python3 scripts/families_bench.py "$model" --batches 1 $switch \
       2>>"$out/batch1-stderr.txt" | tee -a "$out/batch1.jsonl"
   done
   grep -E "Error|error" "$out/batch1-stderr.txt" | tail -5

@@ -44,7 +44,7 @@ if not ON_CUDA:
 pytest.importorskip("triton")
 
 from lmd.engine.turbo import kernels  # noqa: E402
-from lmd.engine.turbo.kernels import kv_quant  # noqa: E402
+from lmd.engine.turbo.kernels import kv_quant, rotary  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 DTYPES = [torch.float16, torch.bfloat16] if ON_CUDA else [torch.float32, torch.float16]
@@ -184,12 +184,22 @@ def test_gated_activation(dtype: torch.dtype, rows: int, width: int, activation:
     assert rel_err(kernels.silu_and_mul(x, activation), act * up) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("q_heads", [8, 2, 0], ids=["q8", "q2", "q-all"])
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk-norm"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "shape", [Attention(4, 2, 16, 4), Attention(9, 3, 64, 64), Attention(8, 8, 128, 16)]
 )
-def test_rotary_and_cache_write(shape: Attention, dtype: torch.dtype, qk_norm: bool) -> None:
+def test_rotary_and_cache_write(
+    shape: Attention,
+    dtype: torch.dtype,
+    qk_norm: bool,
+    q_heads: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Also with a token's q heads spread over programs of 2 or 8 (k and v in one more)
+    and all in one program (rotary.Q_HEADS_A_PROGRAM)."""
+    monkeypatch.setattr(rotary, "Q_HEADS_A_PROGRAM", q_heads)
     heads, kv_heads, head_dim, block_size = (
         shape.heads,
         shape.kv_heads,

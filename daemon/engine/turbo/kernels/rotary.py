@@ -1,11 +1,11 @@
 """Rotary embedding of q and k, fused with the write of k and v into the paged KV pool.
 
-One program per token: q and k are rotated in place inside the fused qkv projection
-output (attention reads q from there, and a prompt its own k and v), and k is stored
-rotated with v into the token's slot of this layer in the block-major pool. With
-per-head norm weights (Qwen3, Gemma 3), each q and k head is first RMS-normalized over
-head_dim and scaled by its weight. Rotation
-is transformers' "rotate half" form: for a head x = [x1, x2] (halves of head_dim) and
+Programs per token (its q heads in groups, then its k and v): q and k are rotated in
+place inside the fused qkv projection output (attention reads q from there, and a
+prompt its own k and v), and k is stored rotated with v into the token's slot of this
+layer in the block-major pool. With per-head norm weights (Qwen3, Gemma 3), each q and
+k head is first RMS-normalized over head_dim and scaled by its weight. Rotation is
+transformers' "rotate half" form: for a head x = [x1, x2] (halves of head_dim) and
 frequency i,
     out1 = x1 * cos - x2 * sin,   out2 = x2 * cos + x1 * sin.
 Into a quantized pool (kv_quant.py) each k and v head is quantized from float32 as it
@@ -23,6 +23,10 @@ from lmd.engine.turbo.kernels import kv_quant
 from lmd.engine.turbo.kernels.common import pool_scales
 
 SCALE_MIN = tl.constexpr(kv_quant.SCALE_MIN)
+# A token's q heads are spread over programs of this many (a power of two; 0: all in
+# one), and its k and v take one more: at batch 1 one program did all of a token's
+# heads one after another (~3 us a layer on an H200, docs/benchmarks.md).
+Q_HEADS_A_PROGRAM = 8
 
 
 @triton.jit
@@ -38,6 +42,24 @@ def _head_norm(x1, x2, w_ptr, i, im, eps, HEAD_DIM: tl.constexpr, HALF: tl.const
     w1 = tl.load(w_ptr + i, mask=im, other=0.0).to(tl.float32)[None, :]
     w2 = tl.load(w_ptr + HALF + i, mask=im, other=0.0).to(tl.float32)[None, :]
     return x1 * inv * w1, x2 * inv * w2
+
+
+@triton.jit
+def _rotate_heads(  # noqa: PLR0917  # Triton functions take positional arguments
+    row, h, hm, cos, sin, w_ptr, i, im, eps, HEAD_DIM: tl.constexpr, NORM: tl.constexpr
+):
+    """Heads h (mask hm) of a token's qkv row rotated in place ([BLOCK_H, BLOCK_HALF] a
+    half), RMS-normalized first with weight w where NORM."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    mask = hm[:, None] & im[None, :]
+    x1_ptr = row + h[:, None] * HEAD_DIM + i[None, :]
+    x1 = tl.load(x1_ptr, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x1_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        x1, x2 = _head_norm(x1, x2, w_ptr, i, im, eps, HEAD_DIM, HALF)
+    o1, o2 = _rotate(x1, x2, cos, sin)
+    tl.store(x1_ptr, o1.to(row.dtype.element_ty), mask=mask)
+    tl.store(x1_ptr + HALF, o2.to(row.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -115,9 +137,12 @@ def _rotary_cache_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
     BLOCK_KVH: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HAS_QK_NORM: tl.constexpr,
+    Q_PROGRAMS: tl.constexpr,  # programs a token for its q heads, BLOCK_H each
+    KV_APART: tl.constexpr,  # k and v in a program of their own (after them), else the first's
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
     pos = tl.load(positions_ptr + token)
     i = tl.arange(0, BLOCK_HALF)
     im = i < HALF
@@ -125,60 +150,56 @@ def _rotary_cache_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
     sin = tl.load(rope_ptr + pos * stride_rope + HALF + i, mask=im, other=0.0)[None, :]
     row = qkv_ptr + token * stride_qkv
 
-    # q heads, rotated in place: [BLOCK_H, BLOCK_HALF] per half.
-    h = tl.arange(0, BLOCK_H)
-    qmask = (h < NUM_HEADS)[:, None] & im[None, :]
-    q1_ptr = row + h[:, None] * HEAD_DIM + i[None, :]
-    q1 = tl.load(q1_ptr, mask=qmask, other=0.0).to(tl.float32)
-    q2 = tl.load(q1_ptr + HALF, mask=qmask, other=0.0).to(tl.float32)
-    if HAS_QK_NORM:
-        q1, q2 = _head_norm(q1, q2, q_norm_ptr, i, im, eps, HEAD_DIM, HALF)
-    o1, o2 = _rotate(q1, q2, cos, sin)
-    tl.store(q1_ptr, o1.to(qkv_ptr.dtype.element_ty), mask=qmask)
-    tl.store(q1_ptr + HALF, o2.to(qkv_ptr.dtype.element_ty), mask=qmask)
-
-    # k (rotated) and v into the slot; a negative slot is a padding row (CUDA graphs).
-    slot = tl.load(slots_ptr + token).to(tl.int64)  # block * stride needs 64 bits
-    block = tl.maximum(slot, 0) // block_size
-    offset = tl.maximum(slot, 0) % block_size
-    dst = kv_ptr + block * stride_kv_block + layer * stride_kv_layer + offset * stride_kv_slot
-    kh = tl.arange(0, BLOCK_KVH)
-    heads_mask = (kh < NUM_KV_HEADS)[:, None] & im[None, :]
-    k1_ptr = row + NUM_HEADS * HEAD_DIM + kh[:, None] * HEAD_DIM + i[None, :]
-    k1 = tl.load(k1_ptr, mask=heads_mask, other=0.0).to(tl.float32)
-    k2 = tl.load(k1_ptr + HALF, mask=heads_mask, other=0.0).to(tl.float32)
-    kmask = heads_mask & ((kh * 0 + slot) >= 0)[:, None]  # stores only for a real slot
-    if HAS_QK_NORM:
-        k1, k2 = _head_norm(k1, k2, k_norm_ptr, i, im, eps, HEAD_DIM, HALF)
-    o1, o2 = _rotate(k1, k2, cos, sin)
-    # k rotated in place too: a prompt's attention reads its own keys from qkv
-    # (prefill_attention's new_kv) rather than back from a quantized pool.
-    tl.store(k1_ptr, o1.to(qkv_ptr.dtype.element_ty), mask=heads_mask)
-    tl.store(k1_ptr + HALF, o2.to(qkv_ptr.dtype.element_ty), mask=heads_mask)
-    k_dst = dst + kh[:, None] * stride_kv_head + i[None, :]
-    if kv_ptr.dtype.element_ty.primitive_bitwidth != 8:
-        tl.store(k_dst, o1.to(kv_ptr.dtype.element_ty), mask=kmask)
-        tl.store(k_dst + HALF, o2.to(kv_ptr.dtype.element_ty), mask=kmask)
-        v_src = k1_ptr + NUM_KV_HEADS * HEAD_DIM
-        v_dst = k_dst + stride_kv_kv
-        tl.store(v_dst, tl.load(v_src, mask=kmask), mask=kmask)
-        tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=kmask), mask=kmask)
-    else:
-        # Into a quantized pool (kv_quant.py): codes, and each head's scale.
-        scale_dst = (
-            pool_scales(kv_ptr, stride_kv_block, HEAD_DIM)
-            + block * (stride_kv_block // 2)
-            + layer * (stride_kv_layer // HEAD_DIM)
-            + offset * (stride_kv_slot // HEAD_DIM)
-            + kh
+    if part < Q_PROGRAMS:
+        h = part * BLOCK_H + tl.arange(0, BLOCK_H)
+        _rotate_heads(
+            row, h, h < NUM_HEADS, cos, sin, q_norm_ptr, i, im, eps, HEAD_DIM, HAS_QK_NORM
         )
-        smask = (kh < NUM_KV_HEADS) & ((kh * 0 + slot) >= 0)
-        v_src = k1_ptr + NUM_KV_HEADS * HEAD_DIM
-        v_dst = k_dst + stride_kv_kv
-        v1 = tl.load(v_src, mask=kmask, other=0.0).to(tl.float32)
-        v2 = tl.load(v_src + HALF, mask=kmask, other=0.0).to(tl.float32)
-        _store_quantized(k_dst, scale_dst, o1, o2, kmask, smask, HALF)
-        _store_quantized(v_dst, scale_dst + stride_kv_kv // HEAD_DIM, v1, v2, kmask, smask, HALF)
+    if part == Q_PROGRAMS - 1 + KV_APART:
+        # k (rotated) and v into the slot; a negative slot is a padding row (CUDA graphs).
+        slot = tl.load(slots_ptr + token).to(tl.int64)  # block * stride needs 64 bits
+        block = tl.maximum(slot, 0) // block_size
+        offset = tl.maximum(slot, 0) % block_size
+        dst = kv_ptr + block * stride_kv_block + layer * stride_kv_layer + offset * stride_kv_slot
+        kh = tl.arange(0, BLOCK_KVH)
+        heads_mask = (kh < NUM_KV_HEADS)[:, None] & im[None, :]
+        k1_ptr = row + NUM_HEADS * HEAD_DIM + kh[:, None] * HEAD_DIM + i[None, :]
+        k1 = tl.load(k1_ptr, mask=heads_mask, other=0.0).to(tl.float32)
+        k2 = tl.load(k1_ptr + HALF, mask=heads_mask, other=0.0).to(tl.float32)
+        kmask = heads_mask & ((kh * 0 + slot) >= 0)[:, None]  # stores only for a real slot
+        if HAS_QK_NORM:
+            k1, k2 = _head_norm(k1, k2, k_norm_ptr, i, im, eps, HEAD_DIM, HALF)
+        o1, o2 = _rotate(k1, k2, cos, sin)
+        # k rotated in place too: a prompt's attention reads its own keys from qkv
+        # (prefill_attention's new_kv) rather than back from a quantized pool.
+        tl.store(k1_ptr, o1.to(qkv_ptr.dtype.element_ty), mask=heads_mask)
+        tl.store(k1_ptr + HALF, o2.to(qkv_ptr.dtype.element_ty), mask=heads_mask)
+        k_dst = dst + kh[:, None] * stride_kv_head + i[None, :]
+        if kv_ptr.dtype.element_ty.primitive_bitwidth != 8:
+            tl.store(k_dst, o1.to(kv_ptr.dtype.element_ty), mask=kmask)
+            tl.store(k_dst + HALF, o2.to(kv_ptr.dtype.element_ty), mask=kmask)
+            v_src = k1_ptr + NUM_KV_HEADS * HEAD_DIM
+            v_dst = k_dst + stride_kv_kv
+            tl.store(v_dst, tl.load(v_src, mask=kmask), mask=kmask)
+            tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=kmask), mask=kmask)
+        else:
+            # Into a quantized pool (kv_quant.py): codes, and each head's scale.
+            scale_dst = (
+                pool_scales(kv_ptr, stride_kv_block, HEAD_DIM)
+                + block * (stride_kv_block // 2)
+                + layer * (stride_kv_layer // HEAD_DIM)
+                + offset * (stride_kv_slot // HEAD_DIM)
+                + kh
+            )
+            smask = (kh < NUM_KV_HEADS) & ((kh * 0 + slot) >= 0)
+            v_src = k1_ptr + NUM_KV_HEADS * HEAD_DIM
+            v_dst = k_dst + stride_kv_kv
+            v1 = tl.load(v_src, mask=kmask, other=0.0).to(tl.float32)
+            v2 = tl.load(v_src + HALF, mask=kmask, other=0.0).to(tl.float32)
+            _store_quantized(k_dst, scale_dst, o1, o2, kmask, smask, HALF)
+            _store_quantized(
+                v_dst, scale_dst + stride_kv_kv // HEAD_DIM, v1, v2, kmask, smask, HALF
+            )
 
 
 def rotary_and_cache_write(
@@ -220,7 +241,12 @@ def rotary_and_cache_write(
         raise kv_quant.missing_scales(kv)
     if num_tokens == 0:
         return
-    _rotary_cache_kernel[(num_tokens,)](
+    block_h = triton.next_power_of_2(num_heads)
+    if Q_HEADS_A_PROGRAM:
+        block_h = min(block_h, Q_HEADS_A_PROGRAM)
+    q_programs = triton.cdiv(num_heads, block_h)
+    kv_apart = q_programs > 1
+    _rotary_cache_kernel[(num_tokens, q_programs + kv_apart)](
         qkv,
         positions,
         slot_mapping,
@@ -237,9 +263,11 @@ def rotary_and_cache_write(
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_H=block_h,
         BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         HAS_QK_NORM=q_norm is not None,
+        Q_PROGRAMS=q_programs,
+        KV_APART=kv_apart,
         num_warps=4,
     )
