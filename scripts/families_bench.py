@@ -4,8 +4,8 @@ against the HBM floor (docs/benchmarks.md, "turbo for Qwen3 and mixtures of expe
     python3 scripts/families_bench.py MODEL_DIR [--batches 1,64,512] [--input-len 512]
         [--output-len 256] [--backend turbo] [--quantization w4a16|fp8]
         [--kv-cache-dtype int8|fp8] [--separate-batch1] [--separate-activation]
-        [--separate-experts] [--gemv-plain] [--rotary-whole] [--wide-max-rows 16]
-        [--no-fp8-codes] [--exact-accum]
+        [--separate-experts] [--gemv-plain] [--rotary-whole] [--h100-tiles]
+        [--wide-max-rows 16] [--no-fp8-codes] [--exact-accum]
 
 One Engine for every batch (max_batch_size = the largest), the prompts and the timing of
 `lmd-bench offline` (random ids, greedy, ignore_eos, prefill included), after a warm-up
@@ -20,6 +20,7 @@ not use; plus the KV of 512 tokens), the device's copy bandwidth (read + write o
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import time
@@ -34,6 +35,9 @@ from lmd.engine.config import EngineConfig
 from lmd.engine.engine import Engine
 from lmd.engine.kv_pool import block_bytes_of
 from lmd.engine.turbo.kernels import fp8, rotary, w4a16_rows
+
+# the module (the package's `vector_gemv` is its function)
+vector_gemv: Any = importlib.import_module("lmd.engine.turbo.kernels.vector_gemv")
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -124,6 +128,11 @@ def main() -> None:
         help="the batch-1 step again with a token's heads rotated in one program",
     )
     parser.add_argument(
+        "--h100-tiles",
+        action="store_true",
+        help="the batch-1 step again with vector_gemv's tiles as an H100 takes them",
+    )
+    parser.add_argument(
         "--no-fp8-codes",
         action="store_true",
         help="FP8: each product quantizes its input in a launch of its own (fp8_codes off)",
@@ -169,7 +178,7 @@ def main() -> None:
                           "output_tokens_per_s": rate}), flush=True)  # fmt: skip
     step = batch1_step(engine, args.input_len, args.output_len)
     backend: Any = engine.backend  # turbo's model, for the first
-    q_heads = rotary.Q_HEADS_A_PROGRAM
+    q_heads, is_h200 = rotary.Q_HEADS_A_PROGRAM, vector_gemv._is_h200
     switches: dict[str, tuple[bool, Callable[[bool], None]]] = {
         # the norms in kernels of their own
         "separate_batch1_step_ms": (
@@ -190,6 +199,11 @@ def main() -> None:
         "rotary_whole_batch1_step_ms": (
             args.rotary_whole,
             lambda on: setattr(rotary, "Q_HEADS_A_PROGRAM", 0 if on else q_heads),
+        ),
+        # vector_gemv's tiles as swept on an H100, on any device
+        "h100_tiles_batch1_step_ms": (
+            args.h100_tiles,
+            lambda on: setattr(vector_gemv, "_is_h200", (lambda _: False) if on else is_h200),
         ),
         # o and down through kernels/gemv.py (vector_plain off)
         "gemv_plain_batch1_step_ms": (

@@ -105,7 +105,7 @@ def bench(n: int, k: int, dtype: torch.dtype, activation: str | None) -> tuple[f
             continue
         rows.append((us, tiles, err))
     rows.sort()
-    default = default_tiles(n, k)
+    default = default_tiles(n, k, torch.device("cuda"))
     for us, tiles, err in rows[:5] + [row for row in rows[5:] if row[1] == default]:
         flag = " !! ERROR" if err > 2e-2 else ""
         mark = " (default)" if tiles == default else ""

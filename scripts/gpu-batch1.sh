@@ -30,6 +30,9 @@
 #       batch-1 step with a token's heads rotated in one program and spread over five
 #       (families_bench.py --rotary-whole) on the Qwen3-8B shape and the first 12
 #       layers of the Qwen3-30B-A3B shape.
+#   scripts/gpu-batch1.sh tiles [TESTS...]
+#       nvidia-h200, ~4 minutes: TESTS, then the batch-1 step with vector_gemv's H200
+#       tiles and with the H100's (families_bench.py --h100-tiles) on the same two shapes.
 # Carry .whl and .gpu-assets/smollm2-tokenizer. Results in $OUT: batch1-tests.txt,
 # batch1.jsonl (or tp-step.jsonl), batch1-stderr.txt.
 set -uo pipefail
@@ -54,7 +57,7 @@ if [[ ${1:-} == products ]]; then
   grep -E "Error|error" "$out/batch1-stderr.txt" | tail -5
   exit 0
 fi
-if [[ ${1:-} == plain || ${1:-} == rotary ]]; then
+if [[ ${1:-} == plain || ${1:-} == rotary || ${1:-} == tiles ]]; then
   mode=$1
   shift
   python3 setup.py -q build_ext --inplace 2>&1 | tail -3
@@ -64,7 +67,9 @@ if [[ ${1:-} == plain || ${1:-} == rotary ]]; then
   fi
   sweep=qwen3,qwen3moe switch=--gemv-plain
   [[ $mode == rotary ]] && sweep=qwen3-gated,llama-gated,llama switch=--rotary-whole
-  timeout 150 python3 scripts/gemv_bench.py --shapes $sweep 2>&1 | tee "$out/gemv-normed.txt"
+  [[ $mode == tiles ]] && sweep="" switch=--h100-tiles
+  [[ -n $sweep ]] &&
+    timeout 150 python3 scripts/gemv_bench.py --shapes $sweep 2>&1 | tee "$out/gemv-normed.txt"
   for shape in qwen3-8b-shape "qwen3-30b-a3b-shape --layers 12"; do
     read -r name flags <<<"$shape"
     # shellcheck disable=SC2086  # flags: words

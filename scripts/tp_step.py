@@ -143,8 +143,10 @@ def use_tiles(layer_tiles: Tiles, gemv_tiles: Tiles) -> None:
     gemv's tiles, or each kernel's own (None). The modules' default_tiles, which each
     launch looks up, are replaced."""
 
-    def vector_tiles(n: int, k: int) -> tuple[int, int, int, int]:
-        block_n, block_k, warps, stages = _default_tiles(n, k)
+    def vector_tiles(
+        n: int, k: int, device: torch.device | None = None
+    ) -> tuple[int, int, int, int]:
+        block_n, block_k, warps, stages = _default_tiles(n, k, device)
         if layer_tiles is not None and n < 50000:  # the vocabulary's product keeps its own
             block_n, block_k = layer_tiles
         return block_n, min(block_k, triton.next_power_of_2(k)), warps, stages

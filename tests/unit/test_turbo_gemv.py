@@ -7,6 +7,8 @@ compiled on a GPU; skipped where triton is not installed.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,9 @@ from tests.unit.test_turbo_kernels import DEVICE, DTYPES, TOLERANCE, rel_err, rm
 pytest.importorskip("triton")
 
 from lmd.engine.turbo import kernels
+
+# the module (the package's `vector_gemv` is its function)
+vector_gemv_module = importlib.import_module("lmd.engine.turbo.kernels.vector_gemv")
 
 
 def check_gemv(
@@ -101,6 +106,19 @@ def test_vector_gemv_with_the_plain_products_tiles(n: int, k: int) -> None:
     x = torch.randn(1, k, device=DEVICE).to(torch.bfloat16)
     y = kernels.vector_gemv(x, w, b, tiles=tiles)
     assert rel_err(y, x.float() @ w.float().t() + b.float()) < 2 * TOLERANCE[torch.bfloat16]
+
+
+def test_vector_gemv_tiles_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An H100's sweep's tiles anywhere but on an H200, whose own differ for qkv-sized
+    products and vocabularies."""
+    h100 = [vector_gemv_module.default_tiles(n, 4096, torch.device("cpu")) for n in (6144, 128256)]
+    assert h100 == [(4, 1024, 4, 3), (16, 512, 4, 3)]
+    monkeypatch.setattr(vector_gemv_module, "_device_name", lambda _: "NVIDIA H200")
+    cuda = torch.device("cuda", 0)
+    assert vector_gemv_module.default_tiles(6144, 4096, cuda) == (8, 512, 4, 3)
+    assert vector_gemv_module.default_tiles(128256, 4096, cuda) == (4, 1024, 4, 3)
+    assert vector_gemv_module.default_tiles(4096, 4096, cuda) == (4, 1024, 4, 3)  # o: H100's
+    assert vector_gemv_module.default_tiles(6144, 4096) == (4, 1024, 4, 3)  # no device: H100's
 
 
 def test_vector_gemv_refuses_what_it_cannot_take() -> None:
