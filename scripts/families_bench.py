@@ -5,7 +5,7 @@ against the HBM floor (docs/benchmarks.md, "turbo for Qwen3 and mixtures of expe
         [--output-len 256] [--backend turbo] [--quantization w4a16|fp8]
         [--kv-cache-dtype int8|fp8] [--separate-batch1] [--separate-activation]
         [--separate-experts] [--gemv-plain] [--rotary-whole] [--h100-tiles]
-        [--wide-max-rows 16] [--no-fp8-codes] [--exact-accum]
+        [--rope-in-attention] [--wide-max-rows 16] [--no-fp8-codes] [--exact-accum]
 
 One Engine for every batch (max_batch_size = the largest), the prompts and the timing of
 `lmd-bench offline` (random ids, greedy, ignore_eos, prefill included), after a warm-up
@@ -133,6 +133,11 @@ def main() -> None:
         help="the batch-1 step again with vector_gemv's tiles as an H100 takes them",
     )
     parser.add_argument(
+        "--rope-in-attention",
+        action="store_true",
+        help="the batch-1 step again with decode attention rotating and writing K/V",
+    )
+    parser.add_argument(
         "--no-fp8-codes",
         action="store_true",
         help="FP8: each product quantizes its input in a launch of its own (fp8_codes off)",
@@ -204,6 +209,11 @@ def main() -> None:
         "h100_tiles_batch1_step_ms": (
             args.h100_tiles,
             lambda on: setattr(vector_gemv, "_is_h200", (lambda _: False) if on else is_h200),
+        ),
+        # q and k rotated and the new K/V written by decode attention (rope_in_attention on)
+        "rope_in_attention_batch1_step_ms": (
+            args.rope_in_attention,
+            lambda on: setattr(backend.model, "rope_in_attention", on),
         ),
         # o and down through kernels/gemv.py (vector_plain off)
         "gemv_plain_batch1_step_ms": (

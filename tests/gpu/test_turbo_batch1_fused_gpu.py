@@ -2,8 +2,9 @@
 TurboModel.fused_activation), bit for bit against the activation's own kernel: turbo's
 decode steps (CUDA graphs) of one sequence, logits equal, on a Llama and on each newer
 family (Gemma 3's tanh GELU among them). Also o and down through vector_gemv
-(TurboModel.vector_plain) against gemv, teacher-forced: logits within bf16's rounding.
-Skipped without CUDA.
+(TurboModel.vector_plain) against gemv, and q, k rotated and the new K/V written by
+decode attention (TurboModel.rope_in_attention) against the rotary kernel, at one and
+three sequences, teacher-forced: logits within bf16's rounding. Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -28,15 +29,20 @@ STEPS = 24
 
 
 def decode_logits(
-    model_dir: Path, fused: bool, switch: str = "fused_activation", force: bool = False
+    model_dir: Path,
+    fused: bool,
+    switch: str = "fused_activation",
+    force: bool = False,
+    lengths: tuple[int, ...] = (37,),
 ) -> list[torch.Tensor]:
     backend = TurboBackend(model_dir, torch.device("cuda"), torch.bfloat16)
     setattr(backend.model, switch, fused)
     kv = new_pool(backend, 512, 16)
     backend.capture_graphs(kv, max_batch_size=8)
     logits: list[torch.Tensor] = []
-    forced = random_prompts([STEPS], 1000, seed=6) if force else None
-    greedy(backend, random_prompts([37], 1000, seed=5), STEPS, kv=kv, logits=logits, force=forced)
+    forced = random_prompts([STEPS] * len(lengths), 1000, seed=6) if force else None
+    prompts = random_prompts(list(lengths), 1000, seed=5)
+    greedy(backend, prompts, STEPS, kv=kv, logits=logits, force=forced)
     return logits
 
 
@@ -64,15 +70,35 @@ def test_each_family_decodes_with_the_activation_folded_as_without(
     same_logits_fused(tmp_path)
 
 
+def close_logits(model_dir: Path, switch: str, lengths: tuple[int, ...] = (37,)) -> None:
+    """Teacher-forced decode logits with `switch` on within bf16's rounding of those with
+    it off, and not all equal (the switch reached the model)."""
+    on = decode_logits(model_dir, True, switch, force=True, lengths=lengths)
+    off = decode_logits(model_dir, False, switch, force=True, lengths=lengths)
+    assert len(on) == len(off) == STEPS - 1
+    for step, (got, want) in enumerate(zip(on, off, strict=True)):
+        assert float((got - want).norm() / want.norm()) < 1e-2, step
+    assert any(not torch.equal(got, want) for got, want in zip(on, off, strict=True))
+
+
 def test_o_and_down_through_vector_gemv_give_gemvs_logits(tmp_path: Path) -> None:
     shape = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16}
     model_dir = save_bf16(
         tmp_path, vocab_size=4096, num_hidden_layers=4, num_key_value_heads=4, **shape
     )
-    vector = decode_logits(model_dir, True, "vector_plain", force=True)
-    tiled = decode_logits(model_dir, False, "vector_plain", force=True)
-    assert len(vector) == len(tiled) == STEPS - 1
-    for step, (got, want) in enumerate(zip(vector, tiled, strict=True)):
-        assert float((got - want).norm() / want.norm()) < 1e-2, step
-    # the switch reached the model: the two kernels sum in different orders
-    assert any(not torch.equal(got, want) for got, want in zip(vector, tiled, strict=True))
+    close_logits(model_dir, "vector_plain")
+
+
+@pytest.mark.parametrize("lengths", [(37,), (37, 5, 90)])
+@pytest.mark.parametrize("family", ["llama", *sorted(FAMILIES)])
+def test_rope_in_attention_gives_the_rotary_kernels_logits(
+    tmp_path: Path, family: str, lengths: tuple[int, ...]
+) -> None:
+    if family == "llama":
+        shape = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16}
+        save_bf16(tmp_path, vocab_size=4096, num_hidden_layers=4, num_key_value_heads=4, **shape)
+    else:
+        model_class, config = FAMILIES[family]
+        torch.manual_seed(5)
+        model_class(config).to(torch.bfloat16).save_pretrained(tmp_path)  # type: ignore[arg-type]
+    close_logits(tmp_path, "rope_in_attention", lengths)
