@@ -6,22 +6,30 @@ CUDA only.
 
     python3 scripts/gemv_bench.py [--dtype bf16] [--shapes llama,llama-tp2,qwen3]
     python3 scripts/gemv_bench.py --plain [--plain-shapes 4096x4096,4096x12288,...]
+    python3 scripts/gemv_bench.py --experts
 
 Each time is the median of CUDA-graph replays over enough copies of the weights to
 overflow the L2 cache (scripts/w4a16_tiles.py's time_us); every tiling is checked against
 the separate kernels first. Also the plain product (no prologue) of both kernels, to tell
 the kernel's own speed from the fusion's. `--plain`: the products that take no norm (o,
 down) at one row, gemv's tilings against vector_gemv's, each checked against F.linear.
+`--experts`: a layer of experts at one token (kernels/moe_vector.py) at Qwen3-30B-A3B's
+shape (128 experts of 768, hidden 2048, top 8): the router's product with its norm,
+gate|up of the 8 chosen with the activation, down and the mix, each kernel's tilings
+(8 other experts chosen in each graph call, so the weights come from HBM).
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 
 from lmd.engine.turbo import kernels
+from lmd.engine.turbo.kernels import moe_vector
 from lmd.engine.turbo.kernels.vector_gemv import default_tiles
 from scripts.w4a16_tiles import L2_BYTES, rel_err, time_us
 
@@ -46,10 +54,14 @@ def main() -> None:
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--shapes", default="llama,llama-tp2,qwen3")
     p.add_argument("--plain", action="store_true")
+    p.add_argument("--experts", action="store_true")
     p.add_argument("--plain-shapes", default="4096x4096,4096x12288,4096x14336,2048x4096")
     args = p.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     print(torch.cuda.get_device_name(0))
+    if args.experts:
+        bench_experts(dtype)
+        return
     if args.plain:
         for shape in args.plain_shapes.split(","):
             n, k = (int(d) for d in shape.split("x"))
@@ -146,6 +158,44 @@ def bench_plain(n: int, k: int, dtype: torch.dtype) -> None:
         flag = " !! ERROR" if err > 2e-2 else ""
         print(f"  {kernel:11s} {tiles}: {us:7.2f} us {dense.nbytes / us / 1e3:6.0f} GB/s"
               f"  err {err:.1e}{flag}")  # fmt: skip
+
+
+def bench_experts(dtype: torch.dtype, num: int = 128, hidden: int = 2048, inner: int = 768) -> None:
+    """Prints each of a layer of experts' three products at its tilings, fastest first."""
+    gen = torch.Generator().manual_seed(0)
+    choices = [torch.randperm(num, generator=gen)[:8].int().cuda() for _ in range(32)]
+    router = (torch.randn(num, hidden, device="cuda") / hidden**0.5).to(dtype)
+    gate_up = (torch.randn(num, 2 * inner, hidden, device="cuda") / hidden**0.5).to(dtype)
+    down = (torch.randn(num, hidden, inner, device="cuda") / inner**0.5).to(dtype)
+    x = torch.randn(1, hidden, device="cuda").to(dtype)
+    act = torch.randn(8, inner, device="cuda").to(dtype)
+    weights = torch.full((8,), 0.125, device="cuda")
+    norm = kernels.Norm((1 + 0.1 * torch.randn(hidden, device="cuda")).to(dtype), 1e-6)
+    products: dict[str, Callable[[torch.Tensor, Any], torch.Tensor]] = {
+        "router 128 x 2048 (norm, float32 out)": lambda ids, tiles: kernels.vector_gemv(
+            x, router, norm=norm, out_dtype=torch.float32, tiles=tiles
+        ),
+        "gate|up 8 x 1536 x 2048 (norm, activation)": lambda ids, tiles: kernels.vector_gemv(
+            x, gate_up, norm=norm, activation="silu", experts=ids, tiles=tiles
+        ),
+        "down + mix 8 x 2048 x 768": lambda ids, tiles: moe_vector.mix_down(
+            act, down, ids, weights, tiles
+        ),
+    }
+    for name, product in products.items():
+        ref = product(choices[0], None)
+        rows: list[tuple[float, str, float]] = []
+        options: list[tuple[int, int, int, int] | None] = [None, *TILES, *PLAIN_TILES]
+        for tiles in options:
+            if tiles is not None and tiles[0] < 2 and "gate" in name:
+                continue
+            err = rel_err(product(choices[0], tiles), ref)
+            us = time_us([partial(product, ids, tiles) for ids in choices])
+            rows.append((us, str(tiles or "default"), err))
+        rows.sort()
+        print(name)
+        for us, label, err in rows[:6] + [r for r in rows[6:] if r[1] == "default"]:
+            print(f"  {label}: {us:7.2f} us  err {err:.1e}")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,11 @@
 #   scripts/gpu-batch1.sh tiles [TESTS...]
 #       nvidia-h200, ~4 minutes: TESTS, then the batch-1 step with vector_gemv's H200
 #       tiles and with the H100's (families_bench.py --h100-tiles) on the same two shapes.
+#   scripts/gpu-batch1.sh rope [TESTS...]
+#       nvidia-h200, ~6 minutes: TESTS (e.g. tests/unit/test_turbo_decode_rope.py
+#       tests/gpu/test_turbo_batch1_fused_gpu.py), gemv_bench.py --experts (the MoE vector
+#       kernels' tilings), then the batch-1 step with rotary in decode attention and
+#       without (families_bench.py --rope-in-attention) on the same two shapes.
 # Carry .whl and .gpu-assets/smollm2-tokenizer. Results in $OUT: batch1-tests.txt,
 # batch1.jsonl (or tp-step.jsonl), batch1-stderr.txt.
 set -uo pipefail
@@ -57,7 +62,7 @@ if [[ ${1:-} == products ]]; then
   grep -E "Error|error" "$out/batch1-stderr.txt" | tail -5
   exit 0
 fi
-if [[ ${1:-} == plain || ${1:-} == rotary || ${1:-} == tiles ]]; then
+if [[ ${1:-} =~ ^(plain|rotary|tiles|rope)$ ]]; then
   mode=$1
   shift
   python3 setup.py -q build_ext --inplace 2>&1 | tail -3
@@ -65,11 +70,13 @@ if [[ ${1:-} == plain || ${1:-} == rotary || ${1:-} == tiles ]]; then
     timeout 300 python3 -m pytest -q -ra -p no:cacheprovider --timeout 200 "$@" 2>&1 \
       | grep -v "^Writing" | tee "$out/batch1-tests.txt" | tail -25
   fi
-  sweep=qwen3,qwen3moe switch=--gemv-plain
-  [[ $mode == rotary ]] && sweep=qwen3-gated,llama-gated,llama switch=--rotary-whole
+  sweep="--shapes qwen3,qwen3moe" switch=--gemv-plain
+  [[ $mode == rotary ]] && sweep="--shapes qwen3-gated,llama-gated,llama" switch=--rotary-whole
   [[ $mode == tiles ]] && sweep="" switch=--h100-tiles
+  [[ $mode == rope ]] && sweep=--experts switch=--rope-in-attention
+  # shellcheck disable=SC2086  # sweep: words
   [[ -n $sweep ]] &&
-    timeout 150 python3 scripts/gemv_bench.py --shapes $sweep 2>&1 | tee "$out/gemv-normed.txt"
+    timeout 150 python3 scripts/gemv_bench.py $sweep 2>&1 | tee "$out/gemv-sweep.txt"
   for shape in qwen3-8b-shape "qwen3-30b-a3b-shape --layers 12"; do
     read -r name flags <<<"$shape"
     # shellcheck disable=SC2086  # flags: words

@@ -84,14 +84,17 @@ def test_each_experts_row_is_the_product_with_that_expert_alone(dtype: torch.dty
         assert torch.equal(plain[c : c + 1], vector_gemv(hidden, gate_up[e])), c
 
 
+@pytest.mark.parametrize("tiles", [None, (2, 16, 4, 2)], ids=["default", "tiles"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_mix_down_sums_the_weighted_experts(dtype: torch.dtype) -> None:
+def test_mix_down_sums_the_weighted_experts(
+    dtype: torch.dtype, tiles: tuple[int, int, int, int] | None
+) -> None:
     *_, down = layer(dtype, 5, 10)
     gen = torch.Generator().manual_seed(11)
     act = torch.randn(3, INTER, generator=gen).to(dtype).to(DEVICE)
     experts = torch.tensor([2, 4, 0], dtype=torch.int32, device=DEVICE)
     weights = torch.tensor([0.5, 0.3, 0.2], device=DEVICE)
-    out = moe_vector.mix_down(act, down, experts, weights)
+    out = moe_vector.mix_down(act, down, experts, weights, tiles)
     ref = sum(
         w * (down[e].float() @ a.float())
         for w, e, a in zip(weights.tolist(), experts.tolist(), act, strict=True)

@@ -64,10 +64,17 @@ def _mix_down_kernel(  # noqa: PLR0917  # Triton kernels take positional argumen
     tl.store(y_ptr + cols, total.to(dtype), mask=valid)
 
 
-def mix_down(act: Tensor, down: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+def mix_down(
+    act: Tensor,
+    down: Tensor,
+    experts: Tensor,
+    weights: Tensor,
+    tiles: tuple[int, int, int, int] | None = None,
+) -> Tensor:
     """act: [k, I] (row j: expert experts[j]'s activation), down: [E, H, I], experts:
     [k] int32, weights: [k] float32 -> [1, H]: sum over j of weights[j] * down[experts[j]]
-    @ act[j], each term rounded to act's dtype."""
+    @ act[j], each term rounded to act's dtype. tiles: (BLOCK_N, BLOCK_K, warps, stages)
+    instead of vector_gemv's default_tiles."""
     top_k, inner = act.shape
     _, n, k = down.shape
     if k != inner or experts.shape != (top_k,) or weights.shape != (top_k,):
@@ -75,7 +82,7 @@ def mix_down(act: Tensor, down: Tensor, experts: Tensor, weights: Tensor) -> Ten
     if not act.is_contiguous() or down.stride(2) != 1:
         raise ValueError("mix_down takes contiguous activations and rows of down")
     y = torch.empty(1, n, dtype=act.dtype, device=act.device)
-    block_n, block_k, num_warps, num_stages = default_tiles(n, k)
+    block_n, block_k, num_warps, num_stages = tiles or default_tiles(n, k)
     _mix_down_kernel[(triton.cdiv(n, block_n),)](
         act,
         down,
