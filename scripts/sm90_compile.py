@@ -152,10 +152,10 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
                  "BLOCK_K": 128}  # fmt: skip
         out.append(case(w4a16._w4a16_kernel, flags, types, run))
     rotary = kernels_of("rotary")
-    for kv, q_programs, apart in (("*bf16", 4, True), ("*bf16", 1, False), ("*i8", 4, True)):
+    for kv, q_programs in (("*bf16", 4), ("*bf16", 1), ("*i8", 4)):
         flags = {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_H": 32 // q_programs,
-                 "BLOCK_KVH": 8, "BLOCK_HALF": 64, "HAS_QK_NORM": True, "Q_PROGRAMS": q_programs,
-                 "KV_APART": apart}  # fmt: skip
+                 "BLOCK_KVH": 8, "BLOCK_HALF": 64, "HAS_QK_NORM": True,
+                 "Q_PROGRAMS": q_programs}  # fmt: skip
         types = {"positions_ptr": "*i64", "slots_ptr": "*i64", "rope_ptr": "*fp32", "kv_ptr": kv}
         out.append(case(rotary._rotary_cache_kernel, flags, types, run))
     return out

@@ -138,9 +138,10 @@ def _rotary_cache_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
     BLOCK_HALF: tl.constexpr,
     HAS_QK_NORM: tl.constexpr,
     Q_PROGRAMS: tl.constexpr,  # programs a token for its q heads, BLOCK_H each
-    KV_APART: tl.constexpr,  # k and v in a program of their own (after them), else the first's
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
+    # k and v in a program of their own after the q heads' where these take several
+    KV_PROGRAM: tl.constexpr = Q_PROGRAMS if Q_PROGRAMS > 1 else 0
     token = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     pos = tl.load(positions_ptr + token)
@@ -155,7 +156,7 @@ def _rotary_cache_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
         _rotate_heads(
             row, h, h < NUM_HEADS, cos, sin, q_norm_ptr, i, im, eps, HEAD_DIM, HAS_QK_NORM
         )
-    if part == Q_PROGRAMS - 1 + KV_APART:
+    if part == KV_PROGRAM:
         # k (rotated) and v into the slot; a negative slot is a padding row (CUDA graphs).
         slot = tl.load(slots_ptr + token).to(tl.int64)  # block * stride needs 64 bits
         block = tl.maximum(slot, 0) // block_size
@@ -245,8 +246,7 @@ def rotary_and_cache_write(
     if Q_HEADS_A_PROGRAM:
         block_h = min(block_h, Q_HEADS_A_PROGRAM)
     q_programs = triton.cdiv(num_heads, block_h)
-    kv_apart = q_programs > 1
-    _rotary_cache_kernel[(num_tokens, q_programs + kv_apart)](
+    _rotary_cache_kernel[(num_tokens, q_programs + (q_programs > 1))](
         qkv,
         positions,
         slot_mapping,
@@ -268,6 +268,5 @@ def rotary_and_cache_write(
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         HAS_QK_NORM=q_norm is not None,
         Q_PROGRAMS=q_programs,
-        KV_APART=kv_apart,
         num_warps=4,
     )

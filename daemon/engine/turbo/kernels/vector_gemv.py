@@ -37,6 +37,7 @@ import triton.language as tl
 from torch import Tensor
 
 from lmd.engine.turbo.kernels.activation import check_activation, gated
+from lmd.engine.turbo.kernels.native_kernels import device_index
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +226,7 @@ def default_tiles(n: int, k: int, device: torch.device | None = None) -> tuple[i
 
 
 def _is_h200(device: torch.device) -> bool:
-    return device.type == "cuda" and _device_name(device.index or 0).startswith("NVIDIA H200")
+    return device.type == "cuda" and _device_name(device_index(device)).startswith("NVIDIA H200")
 
 
 @functools.cache
