@@ -46,6 +46,19 @@ def decode_logits(
     return logits
 
 
+def model_of(tmp_path: Path, family: str) -> Path:
+    """A bf16 model in tmp_path: a 4-layer Llama ("llama"), or one of FAMILIES."""
+    if family == "llama":
+        shape = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16}
+        return save_bf16(
+            tmp_path, vocab_size=4096, num_hidden_layers=4, num_key_value_heads=4, **shape
+        )
+    model_class, config = FAMILIES[family]
+    torch.manual_seed(5)
+    model_class(config).to(torch.bfloat16).save_pretrained(tmp_path)  # type: ignore[arg-type]
+    return tmp_path
+
+
 def same_logits_fused(model_dir: Path) -> None:
     fused, separate = decode_logits(model_dir, True), decode_logits(model_dir, False)
     assert len(fused) == len(separate) == STEPS - 1  # the first token is the prefill's
@@ -54,20 +67,14 @@ def same_logits_fused(model_dir: Path) -> None:
 
 
 def test_a_llama_decodes_with_the_activation_folded_as_without(tmp_path: Path) -> None:
-    shape = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16}
-    same_logits_fused(
-        save_bf16(tmp_path, vocab_size=4096, num_hidden_layers=4, num_key_value_heads=4, **shape)
-    )
+    same_logits_fused(model_of(tmp_path, "llama"))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_each_family_decodes_with_the_activation_folded_as_without(
     tmp_path: Path, family: str
 ) -> None:
-    model_class, config = FAMILIES[family]
-    torch.manual_seed(5)
-    model_class(config).to(torch.bfloat16).save_pretrained(tmp_path)  # type: ignore[arg-type]
-    same_logits_fused(tmp_path)
+    same_logits_fused(model_of(tmp_path, family))
 
 
 def close_logits(model_dir: Path, switch: str, lengths: tuple[int, ...] = (37,)) -> None:
@@ -82,11 +89,7 @@ def close_logits(model_dir: Path, switch: str, lengths: tuple[int, ...] = (37,))
 
 
 def test_o_and_down_through_vector_gemv_give_gemvs_logits(tmp_path: Path) -> None:
-    shape = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16}
-    model_dir = save_bf16(
-        tmp_path, vocab_size=4096, num_hidden_layers=4, num_key_value_heads=4, **shape
-    )
-    close_logits(model_dir, "vector_plain")
+    close_logits(model_of(tmp_path, "llama"), "vector_plain")
 
 
 @pytest.mark.parametrize("lengths", [(37,), (37, 5, 90)])
@@ -94,11 +97,4 @@ def test_o_and_down_through_vector_gemv_give_gemvs_logits(tmp_path: Path) -> Non
 def test_rope_in_attention_gives_the_rotary_kernels_logits(
     tmp_path: Path, family: str, lengths: tuple[int, ...]
 ) -> None:
-    if family == "llama":
-        shape = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16}
-        save_bf16(tmp_path, vocab_size=4096, num_hidden_layers=4, num_key_value_heads=4, **shape)
-    else:
-        model_class, config = FAMILIES[family]
-        torch.manual_seed(5)
-        model_class(config).to(torch.bfloat16).save_pretrained(tmp_path)  # type: ignore[arg-type]
-    close_logits(tmp_path, "rope_in_attention", lengths)
+    close_logits(model_of(tmp_path, family), "rope_in_attention", lengths)

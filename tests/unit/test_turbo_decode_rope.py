@@ -101,11 +101,12 @@ def test_decode_attention_rotates_and_writes_as_the_rotary_kernel(
     written = slots[slots >= 0]
     blocks, offsets = written // block_size, written % block_size
     assert torch.equal(pool[blocks, 1, 1, offsets], pool_ref[blocks, 1, 1, offsets])  # v
+    # k as the rotary kernel makes it, up to the order of float32 sums (the head's norm)
     assert rel_err(pool[blocks, 1, 0, offsets], pool_ref[blocks, 1, 0, offsets]) < 1e-2
-    # k as the rotary kernel rounds it, to a unit in the last place at most
+    # nothing else written: the other slots of every layer, and layer 0's
     rest = torch.ones(pool.shape[0], pool.shape[3], dtype=torch.bool, device=DEVICE)
     rest[blocks, offsets] = False
-    assert torch.equal(pool[:, :, :, :].transpose(1, 3)[rest], pool_ref.transpose(1, 3)[rest])
+    assert torch.equal(pool.transpose(1, 3)[rest], pool_ref.transpose(1, 3)[rest])
     assert torch.equal(pool[:, [0]], pool_ref[:, [0]])
 
 
