@@ -25,6 +25,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,46 @@ from lmd.engine.turbo.kernels import fp8, rotary, w4a16_rows
 
 # the module (the package's `vector_gemv` is its function)
 vector_gemv: Any = importlib.import_module("lmd.engine.turbo.kernels.vector_gemv")
+
+ROTARY_HEADS, IS_H200 = rotary.Q_HEADS_A_PROGRAM, vector_gemv._is_h200
+
+
+def model_flag(name: str, on_value: bool) -> Callable[[Any, bool], None]:
+    """A switch that sets TurboModel.`name` to on_value, and back to its opposite."""
+    return lambda model, on: setattr(model, name, on_value if on else not on_value)
+
+
+# --FLAG: (what it measures, switch(turbo's model, on)); its line's key FLAG_batch1_step_ms
+STEP_SWITCHES: dict[str, tuple[str, Callable[[Any, bool], None]]] = {
+    "separate-batch1": (
+        "with TurboModel.fused_batch1 off (the norms' own kernels)",
+        model_flag("fused_batch1", False),
+    ),
+    "separate-activation": (
+        "with the MLP's activation in a kernel of its own (fused_activation off)",
+        model_flag("fused_activation", False),
+    ),
+    "separate-experts": (
+        "with a layer of experts through kernels/moe.py's 8 launches (vector_experts off)",
+        model_flag("vector_experts", False),
+    ),
+    "gemv-plain": (
+        "with o and down through kernels/gemv.py (vector_plain off)",
+        model_flag("vector_plain", False),
+    ),
+    "rotary-whole": (
+        "with a token's heads rotated in one program (rotary.Q_HEADS_A_PROGRAM 0)",
+        lambda _, on: setattr(rotary, "Q_HEADS_A_PROGRAM", 0 if on else ROTARY_HEADS),
+    ),
+    "h100-tiles": (
+        "with vector_gemv's tiles as swept on an H100, on any device",
+        lambda _, on: setattr(vector_gemv, "_is_h200", (lambda _d: False) if on else IS_H200),
+    ),
+    "rope-in-attention": (
+        "with q, k rotated and the new K/V written by decode attention (rope_in_attention)",
+        model_flag("rope_in_attention", True),
+    ),
+}
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -102,41 +143,8 @@ def main() -> None:
     parser.add_argument("--backend", default="turbo")
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--kv-cache-dtype", default="auto")
-    parser.add_argument(
-        "--separate-batch1",
-        action="store_true",
-        help="the batch-1 step again with TurboModel.fused_batch1 off (the norms' own kernels)",
-    )
-    parser.add_argument(
-        "--separate-activation",
-        action="store_true",
-        help="the batch-1 step again with the MLP's activation in a kernel of its own",
-    )
-    parser.add_argument(
-        "--separate-experts",
-        action="store_true",
-        help="the batch-1 step again with a layer of experts through kernels/moe.py",
-    )
-    parser.add_argument(
-        "--gemv-plain",
-        action="store_true",
-        help="the batch-1 step again with o and down through gemv (vector_plain off)",
-    )
-    parser.add_argument(
-        "--rotary-whole",
-        action="store_true",
-        help="the batch-1 step again with a token's heads rotated in one program",
-    )
-    parser.add_argument(
-        "--h100-tiles",
-        action="store_true",
-        help="the batch-1 step again with vector_gemv's tiles as an H100 takes them",
-    )
-    parser.add_argument(
-        "--rope-in-attention",
-        action="store_true",
-        help="the batch-1 step again with decode attention rotating and writing K/V",
-    )
+    for flag, (what, _) in STEP_SWITCHES.items():
+        parser.add_argument(f"--{flag}", action="store_true", help=f"the batch-1 step again {what}")
     parser.add_argument(
         "--no-fp8-codes",
         action="store_true",
@@ -182,50 +190,13 @@ def main() -> None:
                           "batch": batch, "seconds": round(seconds, 3),
                           "output_tokens_per_s": rate}), flush=True)  # fmt: skip
     step = batch1_step(engine, args.input_len, args.output_len)
-    backend: Any = engine.backend  # turbo's model, for the first
-    q_heads, is_h200 = rotary.Q_HEADS_A_PROGRAM, vector_gemv._is_h200
-    switches: dict[str, tuple[bool, Callable[[bool], None]]] = {
-        # the norms in kernels of their own
-        "separate_batch1_step_ms": (
-            args.separate_batch1,
-            lambda on: setattr(backend.model, "fused_batch1", not on),
-        ),
-        # the activation in a kernel of its own (TurboModel.fused_activation off)
-        "separate_activation_batch1_step_ms": (
-            args.separate_activation,
-            lambda on: setattr(backend.model, "fused_activation", not on),
-        ),
-        # a layer of experts through kernels/moe.py's 8 launches (vector_experts off)
-        "separate_experts_batch1_step_ms": (
-            args.separate_experts,
-            lambda on: setattr(backend.model, "vector_experts", not on),
-        ),
-        # a token's heads rotated in one program (rotary.Q_HEADS_A_PROGRAM 0)
-        "rotary_whole_batch1_step_ms": (
-            args.rotary_whole,
-            lambda on: setattr(rotary, "Q_HEADS_A_PROGRAM", 0 if on else q_heads),
-        ),
-        # vector_gemv's tiles as swept on an H100, on any device
-        "h100_tiles_batch1_step_ms": (
-            args.h100_tiles,
-            lambda on: setattr(vector_gemv, "_is_h200", (lambda _: False) if on else is_h200),
-        ),
-        # q and k rotated and the new K/V written by decode attention (rope_in_attention on)
-        "rope_in_attention_batch1_step_ms": (
-            args.rope_in_attention,
-            lambda on: setattr(backend.model, "rope_in_attention", on),
-        ),
-        # o and down through kernels/gemv.py (vector_plain off)
-        "gemv_plain_batch1_step_ms": (
-            args.gemv_plain,
-            lambda on: setattr(backend.model, "vector_plain", not on),
-        ),
-    }
-    for name, (asked, switch) in switches.items():
-        if asked:
-            again = step_with(engine, switch, args, max(batches))
+    model = getattr(engine.backend, "model", None)  # turbo's, which the switches set
+    for flag, (_, switch) in STEP_SWITCHES.items():
+        name = flag.replace("-", "_")
+        if getattr(args, name):
+            again = step_with(engine, partial(switch, model), args, max(batches))
             line = {"model": args.model.name, "batch1_step_ms": round(step * 1e3, 3),
-                    name: round(again * 1e3, 3)}  # fmt: skip
+                    f"{name}_batch1_step_ms": round(again * 1e3, 3)}  # fmt: skip
             print(json.dumps(line), flush=True)
     if engine.backend.name != "turbo":  # the floor's bytes are counted on turbo's weights
         print(json.dumps({"model": args.model.name, "backend": engine.backend.name,
