@@ -48,27 +48,21 @@ if [[ ${1:-} == tp ]]; then
     --separate-activation --nccl-batch1 --variant-tp 2 --kernels 8
 fi
 source scripts/gpu-env.sh
-if [[ ${1:-} == products ]]; then
-  shift
-  python3 setup.py -q build_ext --inplace 2>&1 | tail -3
-  if (($#)); then
-    timeout 300 python3 -m pytest -q -ra -p no:cacheprovider --timeout 200 "$@" 2>&1 \
-      | grep -v "^Writing" | tee "$out/batch1-tests.txt" | tail -25
-  fi
-  timeout 150 python3 scripts/gemv_bench.py --plain 2>&1 | tee "$out/gemv-plain.txt"
-  python3 scripts/random_models.py qwen3-8b-shape --out-dir /tmp 2>&1 | grep -v "^Writing" | tail -2
-  timeout 150 python3 scripts/step_profile.py /tmp/qwen3-8b-shape --batch 1 --kernels 16 \
-    2>>"$out/batch1-stderr.txt" | tee "$out/step-profile.txt"
-  grep -E "Error|error" "$out/batch1-stderr.txt" | tail -5
-  exit 0
-fi
-if [[ ${1:-} =~ ^(plain|rotary|tiles|rope)$ ]]; then
+if [[ ${1:-} =~ ^(products|plain|rotary|tiles|rope)$ ]]; then
   mode=$1
   shift
   python3 setup.py -q build_ext --inplace 2>&1 | tail -3
   if (($#)); then
     timeout 300 python3 -m pytest -q -ra -p no:cacheprovider --timeout 200 "$@" 2>&1 \
       | grep -v "^Writing" | tee "$out/batch1-tests.txt" | tail -25
+  fi
+  if [[ $mode == products ]]; then
+    timeout 150 python3 scripts/gemv_bench.py --plain 2>&1 | tee "$out/gemv-plain.txt"
+    python3 scripts/random_models.py qwen3-8b-shape --out-dir /tmp 2>&1 | grep -v "^Writing" | tail -2
+    timeout 150 python3 scripts/step_profile.py /tmp/qwen3-8b-shape --batch 1 --kernels 16 \
+      2>>"$out/batch1-stderr.txt" | tee "$out/step-profile.txt"
+    grep -E "Error|error" "$out/batch1-stderr.txt" | tail -5
+    exit 0
   fi
   sweep="--shapes qwen3,qwen3moe" switch=--gemv-plain
   [[ $mode == rotary ]] && sweep="--shapes qwen3-gated,llama-gated,llama" switch=--rotary-whole
