@@ -77,11 +77,17 @@ def main() -> None:
               f"fused best {total_best:.1f} us")  # fmt: skip
 
 
+def past_l2(n: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A random [N, K] weight, and it with enough copies to overflow L2 (time_us's calls
+    go over them in turn)."""
+    dense = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
+    return dense, [dense] + [dense.clone() for _ in range(max(0, L2_BYTES // dense.nbytes - 1))]
+
+
 def bench(n: int, k: int, dtype: torch.dtype, activation: str | None) -> tuple[float, float]:
     """Prints one block of rows; returns (separate kernels' us, best fused us). With
     `activation`, the weight is gate | up and the launch makes act(gate) * up."""
-    dense = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
-    weights = [dense] + [dense.clone() for _ in range(max(0, L2_BYTES // dense.nbytes - 1))]
+    dense, weights = past_l2(n, k, dtype)
     out_dtype = torch.float32 if n > 50000 else None  # lm_head: float32 logits
     hidden = torch.randn(1, k, device="cuda").to(dtype)
     residual = torch.randn(1, k, device="cuda").to(dtype)
@@ -139,8 +145,7 @@ PLAIN_TILES = [  # vector_gemv's, past TILES
 
 def bench_plain(n: int, k: int, dtype: torch.dtype) -> None:
     """One row times [N, K]: gemv's tilings and vector_gemv's (TILES), fastest first."""
-    dense = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
-    weights = [dense] + [dense.clone() for _ in range(max(0, L2_BYTES // dense.nbytes - 1))]
+    dense, weights = past_l2(n, k, dtype)
     x = torch.randn(1, k, device="cuda").to(dtype)
     ref = torch.nn.functional.linear(x.float(), dense.float())
     rows = []
