@@ -33,6 +33,8 @@ from lmd.engine.turbo.kernels import kv_quant
 CASES = [
     *DECODE_CASES,
     DecodeCase(Attention(8, 2, 64, 16), [2, 9, 40], window=1, splits=2),  # only the new key
+    # ... with tiles aligned to blocks: the tile before the new key has no visible key
+    DecodeCase(Attention(8, 2, 64, 64), [2, 70, 130], window=1, splits=2),
     DecodeCase(Attention(4, 4, 32, 16), [16, 17, 33], splits=4),  # new key at a split's start
 ]
 

@@ -124,6 +124,8 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
         cos, sin = rope_row(rope_ptr + tl.load(positions_ptr + seq) * stride_rope, d, HEAD_DIM)
         q = roped(q_rows, gmask, d, cos, sin, q_norm_ptr, eps, HEAD_DIM, QK_NORM).to(q.dtype)
         keys_end = tl.minimum(end, context - 1)  # the new key: after the loop, from qkv
+        # no tile where no key before the new one is visible (a window of one key)
+        keys_end = tl.where(first < keys_end, keys_end, start)
     else:
         keys_end = end
 
@@ -159,11 +161,8 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
             scores = tl.dot(q_codes, tl.trans(k.to(q_codes.dtype)), input_precision=DOT_PRECISION)
             scores = scores * (k_scale * scale_log2)[None, :]
         scores = tl.where(nmask[None, :], scores, float("-inf"))
-        # Every tile holds at least one visible key, so m_new is finite (but with ROPE and
-        # a window of one key, whose only key is the new one, after the loop).
+        # Every tile holds at least one visible key, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        if ROPE:
-            m_new = tl.maximum(m_new, -1e30)
         p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
