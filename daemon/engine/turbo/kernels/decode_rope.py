@@ -43,7 +43,10 @@ def rope_row(row_ptr, d, HEAD_DIM: tl.constexpr):
 @triton.jit
 def roped(rows, rmask, d, cos, sin, w_ptr, eps, HEAD_DIM: tl.constexpr, NORM: tl.constexpr):  # noqa: PLR0917
     """Heads at `rows` ([R, 1] pointers, mask rmask) rotated "rotate half" in float32,
-    RMS-normalized first with weight w where NORM: [R, BLOCK_D]."""
+    RMS-normalized first with weight w where NORM: [R, BLOCK_D]. rotary.py's _head_norm
+    and _rotate, on whole rows (each element beside its partner in the other half)
+    rather than two halves: the layout tl.dot takes q in, which two halves of a head_dim
+    that is not a power of two (96) cannot be joined into."""
     HALF: tl.constexpr = HEAD_DIM // 2
     mask = rmask[:, None] & (d < HEAD_DIM)[None, :]
     x = tl.load(rows + d[None, :], mask=mask, other=0.0).to(tl.float32)
