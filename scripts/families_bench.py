@@ -5,7 +5,7 @@ against the HBM floor (docs/benchmarks.md, "turbo for Qwen3 and mixtures of expe
         [--output-len 256] [--backend turbo] [--quantization w4a16|fp8]
         [--kv-cache-dtype int8|fp8] [--separate-batch1] [--separate-activation]
         [--separate-experts] [--gemv-plain] [--rotary-whole] [--h100-tiles]
-        [--rope-in-attention] [--wide-max-rows 16] [--no-fp8-codes] [--exact-accum]
+        [--wide-max-rows 16] [--no-fp8-codes] [--exact-accum]
 
 One Engine for every batch (max_batch_size = the largest), the prompts and the timing of
 `lmd-bench offline` (random ids, greedy, ignore_eos, prefill included), after a warm-up
@@ -73,10 +73,6 @@ STEP_SWITCHES: dict[str, tuple[str, Callable[[Any, bool], None]]] = {
     "h100-tiles": (
         "with vector_gemv's tiles as swept on an H100, on any device",
         lambda _, on: setattr(vector_gemv, "_is_h200", (lambda _d: False) if on else IS_H200),
-    ),
-    "rope-in-attention": (
-        "with q, k rotated and the new K/V written by decode attention (rope_in_attention)",
-        model_flag("rope_in_attention", True),
     ),
 }
 

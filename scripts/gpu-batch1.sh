@@ -33,11 +33,6 @@
 #   scripts/gpu-batch1.sh tiles [TESTS...]
 #       nvidia-h200, ~4 minutes: TESTS, then the batch-1 step with vector_gemv's H200
 #       tiles and with the H100's (families_bench.py --h100-tiles) on the same two shapes.
-#   scripts/gpu-batch1.sh rope [TESTS...]
-#       nvidia-h200, ~6 minutes: TESTS (e.g. tests/unit/test_turbo_decode_rope.py
-#       tests/gpu/test_turbo_batch1_fused_gpu.py), gemv_bench.py --experts (the MoE vector
-#       kernels' tilings), then the batch-1 step with rotary in decode attention and
-#       without (families_bench.py --rope-in-attention) on the same two shapes.
 # Carry .whl and .gpu-assets/smollm2-tokenizer. Results in $OUT: batch1-tests.txt,
 # batch1.jsonl (or tp-step.jsonl), batch1-stderr.txt.
 set -uo pipefail
@@ -48,7 +43,7 @@ if [[ ${1:-} == tp ]]; then
     --separate-activation --nccl-batch1 --variant-tp 2 --kernels 8
 fi
 source scripts/gpu-env.sh
-if [[ ${1:-} =~ ^(products|plain|rotary|tiles|rope)$ ]]; then
+if [[ ${1:-} =~ ^(products|plain|rotary|tiles)$ ]]; then
   mode=$1
   shift
   python3 setup.py -q build_ext --inplace 2>&1 | tail -3
@@ -67,7 +62,6 @@ if [[ ${1:-} =~ ^(products|plain|rotary|tiles|rope)$ ]]; then
   sweep="--shapes qwen3,qwen3moe" switch=--gemv-plain
   [[ $mode == rotary ]] && sweep="--shapes qwen3-gated,llama-gated,llama" switch=--rotary-whole
   [[ $mode == tiles ]] && sweep="" switch=--h100-tiles
-  [[ $mode == rope ]] && sweep=--experts switch=--rope-in-attention
   # shellcheck disable=SC2086  # sweep: words
   [[ -n $sweep ]] &&
     timeout 150 python3 scripts/gemv_bench.py $sweep 2>&1 | tee "$out/gemv-sweep.txt"

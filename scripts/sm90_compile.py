@@ -108,20 +108,15 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
     flags = {"GELU": False, "BLOCK": 1024}
     out.append(case(activation._silu_and_mul_kernel, flags, {}, run))
     out += fp8_cases()
-    for kv, warps, splits, q, rope in (("*bf16", 4, 8, "*bf16", False),
-                                       ("*i8", 2, 8, "*bf16", False),
-                                       ("*bf16", 4, 1, "*bf16", False),
-                                       ("*fp8e4nv", 2, 1, "*bf16", False),
-                                       ("*fp8e4nv", 2, 1, "*fp32", False),
-                                       ("*bf16", 4, 8, "*bf16", True),
-                                       ("*bf16", 4, 1, "*bf16", True)):  # fmt: skip
+    for kv, warps, splits, q in (("*bf16", 4, 8, "*bf16"), ("*i8", 2, 8, "*bf16"),
+                                 ("*bf16", 4, 1, "*bf16"), ("*fp8e4nv", 2, 1, "*bf16"),
+                                 ("*fp8e4nv", 2, 1, "*fp32")):  # fmt: skip
         precision = "ieee" if q == "*fp32" else "tf32"
         flags = {"GROUP": 4, "HEAD_DIM": 128, "NUM_SPLITS": splits, "BLOCK_G": 16,
                  "BLOCK_D": 128, "BLOCK_N": 64, "DOT_PRECISION": precision,
-                 "HEADS_FIRST": True, "IN_BLOCK": True, "ROPE": rope, "QK_NORM": rope}  # fmt: skip
+                 "HEADS_FIRST": True, "IN_BLOCK": True}  # fmt: skip
         types = {"kv_ptr": kv, "tables_ptr": "*i32", "context_lens_ptr": "*i32", "q_ptr": q,
-                 "out_ptr": q, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-                 "positions_ptr": "*i64", "slots_ptr": "*i64", "rope_ptr": "*fp32"}  # fmt: skip
+                 "out_ptr": q, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}  # fmt: skip
         options = {"num_warps": warps, "num_stages": 2}
         out.append(case(decode_attention._decode_kernel, flags, types, options))
     prefill = kernels_of("prefill_attention")

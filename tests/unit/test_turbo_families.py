@@ -183,19 +183,6 @@ def test_greedy_equals_transformers_generate(
         assert tokens == hf_greedy(reference, prompt, NEW_TOKENS)
 
 
-def test_rope_in_decode_attention_equals_transformers_generate(
-    model_dir: Path, reference: PreTrainedModel
-) -> None:
-    """Decode steps whose q and k are rotated and whose new K/V are written by decode
-    attention (TurboModel.rope_in_attention, kernels/decode_rope.py): transformers'
-    greedy tokens, windows and per-head norms included."""
-    roped = TurboBackend(model_dir, DEVICE, torch.float32)
-    roped.model.rope_in_attention = True
-    prompts = random_prompts([5, 14, 27], roped.vocab_size, seed=22)
-    for prompt, tokens in zip(prompts, greedy(roped, prompts, NEW_TOKENS, chunk=8), strict=True):
-        assert tokens == hf_greedy(reference, prompt, NEW_TOKENS)
-
-
 @pytest.mark.skipif(
     DEVICE.type == "cuda", reason="gemv's tl.dot is TF32 in float32 on CUDA (tests/gpu: bf16)"
 )

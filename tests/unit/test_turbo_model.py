@@ -212,21 +212,6 @@ def test_one_row_steps_with_the_norms_fused_in(llama_dir: Path) -> None:
         assert forced == tokens
 
 
-def test_rope_in_decode_attention_equals_the_rotary_kernel(llama_dir: Path) -> None:
-    """Decode steps whose q and k are rotated and whose new K/V are written by decode
-    attention (rope_in_attention, kernels/decode_rope.py): the rotary kernel's logits
-    and greedy tokens, several sequences at once."""
-    plain = TurboBackend(llama_dir, DEVICE, torch.float32)
-    roped = TurboBackend(llama_dir, DEVICE, torch.float32)
-    roped.model.rope_in_attention = True
-    prompts = random_prompts([9, 1, 30], plain.vocab_size, seed=15)
-    plain_logits: list[Tensor] = []
-    roped_logits: list[Tensor] = []
-    tokens = greedy(plain, prompts, 8, logits=plain_logits)
-    assert greedy(roped, prompts, 8, force=tokens, logits=roped_logits) == tokens
-    assert_logits_match(roped_logits, plain_logits, 1e-4)
-
-
 def test_packed_batch_equals_each_sequence_alone(turbo: TurboBackend) -> None:
     # A fresh prompt, a chunk after a prefix, decode steps after short and long contexts.
     seqs = random_prompts([9, 14, 3, 11, 31], turbo.vocab_size, seed=13)

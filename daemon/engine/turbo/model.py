@@ -94,10 +94,6 @@ class TurboModel:
         # Past 16 rows, an FP8 product's input quantized per token by the RMSNorm or the
         # activation before it, in their launches (no quantizer launch a product).
         self.fp8_codes = True
-        # Decode steps into a 16-bit pool rotate q and k and write the new K/V in decode
-        # attention's launch (kernels/decode_rope.py), one kernel fewer a layer. Off until
-        # measured on a GPU (scripts/families_bench.py --rope-in-attention).
-        self.rope_in_attention = False
         # A group's batch-1 all-reduces over peer memory (turbo/exchange.py), set by the
         # backend where exchange_fits().
         self.exchange: PeerExchange | None = None
@@ -125,33 +121,21 @@ class TurboModel:
             qkv, residual = self._norm_linear(
                 hidden, residual, layer.input_norm, layer.qkv, layer.qkv_bias
             )
-            heads = qkv.view(num_tokens, -1, c.head_dim)  # [T, H + 2 Hkv, D]
-            rope = None  # rotated and K/V written by decode attention (rope_in_attention)
-            if self.rope_in_attention and step.is_decode and scales is None:
-                rope = kernels.RopeWrite(
-                    heads[:, c.num_heads :],
-                    step.positions,
-                    step.slot_mapping,
-                    self.ropes[i],
-                    layer.q_norm,
-                    layer.k_norm,
-                    c.rms_norm_eps,
-                )
-            else:
-                kernels.rotary_and_cache_write(
-                    qkv,
-                    positions=step.positions,
-                    slot_mapping=step.slot_mapping,
-                    rope=self.ropes[i],
-                    kv=kv,
-                    layer=i,
-                    num_heads=c.num_heads,
-                    q_norm=layer.q_norm,
-                    k_norm=layer.k_norm,
-                    eps=c.rms_norm_eps,
-                    kv_scales=scales,
-                )
-            attn = self._attention(heads, kv, scales, i, step, rope=rope)  # [T, H, D]
+            kernels.rotary_and_cache_write(
+                qkv,
+                positions=step.positions,
+                slot_mapping=step.slot_mapping,
+                rope=self.ropes[i],
+                kv=kv,
+                layer=i,
+                num_heads=c.num_heads,
+                q_norm=layer.q_norm,
+                k_norm=layer.k_norm,
+                eps=c.rms_norm_eps,
+                kv_scales=scales,
+            )
+            heads = qkv.view(num_tokens, -1, c.head_dim)  # [T, H + 2 Hkv, D], rotated
+            attn = self._attention(heads, kv, scales, i, step)  # [T, H, D]
             # [T, hidden]: the sum over every rank's heads
             hidden = self._row_parallel(
                 attn.view(num_tokens, -1), layer.o, layer.o_bias, exchange, 2 * i
@@ -347,18 +331,10 @@ class TurboModel:
         return F.linear(x, weight, bias)
 
     def _attention(
-        self,
-        heads: Tensor,
-        kv: Tensor,
-        scales: Tensor | None,
-        layer: int,
-        step: StepInputs,
-        *,
-        rope: kernels.RopeWrite | None,
+        self, heads: Tensor, kv: Tensor, scales: Tensor | None, layer: int, step: StepInputs
     ) -> Tensor:
-        """Attention of the step's q heads (heads: qkv as [T, H + 2 Hkv, D], rotated unless
-        `rope`); a prompt over a quantized pool reads its own K and V from `heads`,
-        unquantized."""
+        """Attention of the step's q heads (heads: qkv as [T, H + 2 Hkv, D]); a prompt over
+        a quantized pool reads its own K and V from `heads`, unquantized."""
         window, h, hkv = self.config.windows[layer], self.config.num_heads, self.config.num_kv_heads
         q = heads[:, :h]  # [T, H, D], strided
         if step.is_decode:
@@ -372,7 +348,6 @@ class TurboModel:
                 window=window,
                 num_splits=step.num_splits,
                 kv_scales=scales,
-                rope=rope,
             )
         if step.cu_seqlens is None:
             raise ValueError("a step with several new tokens per sequence needs cu_seqlens")

@@ -36,14 +36,6 @@ from lmd.engine.turbo.kernels.common import (
     dot_precision,
     pool_scales,
 )
-from lmd.engine.turbo.kernels.decode_rope import (
-    RopeWrite,
-    check_rope,
-    new_key,
-    rope_args,
-    rope_row,
-    roped,
-)
 
 BLOCK_N = 64  # keys per tile
 MAX_SPLITS = 16
@@ -72,15 +64,6 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
     stride_kv_head,
     scale_log2,  # softmax scale * log2(e): scores in base 2
     window,  # 0 = full attention
-    new_ptr,  # ROPE: the step's k | v heads in its qkv rows, [B, 2 Hkv, D]
-    positions_ptr,  # ROPE: [B] int64
-    slots_ptr,  # ROPE: [B] int64, the new token's slot (< 0: none)
-    rope_ptr,  # ROPE: [max_positions, D] float32, cos | sin
-    q_norm_ptr,  # ROPE with QK_NORM: [D] each
-    k_norm_ptr,
-    eps,
-    stride_new_seq,
-    stride_rope,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -90,8 +73,6 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
     DOT_PRECISION: tl.constexpr,
     HEADS_FIRST: tl.constexpr,  # grid (Hkv, B, splits) instead of (B, Hkv, splits)
     IN_BLOCK: tl.constexpr,  # BLOCK_N divides block_size: a tile lies in one block
-    ROPE: tl.constexpr,  # q and the new k rotated here, the new k and v written (RopeWrite)
-    QK_NORM: tl.constexpr,
 ):
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -118,16 +99,11 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
     gmask = g < GROUP
     dmask = d < HEAD_DIM
     heads = kv_head * GROUP + g
-    q_rows = q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head
-    q = tl.load(q_rows + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
-    if ROPE:  # [BLOCK_G, BLOCK_D], rounded to q's dtype as the rotary kernel stores it
-        cos, sin = rope_row(rope_ptr + tl.load(positions_ptr + seq) * stride_rope, d, HEAD_DIM)
-        q = roped(q_rows, gmask, d, cos, sin, q_norm_ptr, eps, HEAD_DIM, QK_NORM).to(q.dtype)
-        keys_end = tl.minimum(end, context - 1)  # the new key: after the loop, from qkv
-        # no tile where no key before the new one is visible (a window of one key)
-        keys_end = tl.where(first < keys_end, keys_end, start)
-    else:
-        keys_end = end
+    q = tl.load(
+        q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + d[None, :],
+        mask=gmask[:, None] & dmask[None, :],
+        other=0.0,
+    )  # [BLOCK_G, BLOCK_D]
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -138,9 +114,9 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
         scale_ptr = pool_scales(kv_ptr, stride_kv_block, HEAD_DIM)
         scale_ptr += layer * (stride_kv_layer // HEAD_DIM) + kv_head
         q_codes = code_query(q)
-    for n0 in range(start, keys_end, BLOCK_N):
+    for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        nmask = (n >= first) & (n < keys_end)
+        nmask = (n >= first) & (n < end)
         if IN_BLOCK:
             block = tl.load(tables_ptr + seq * stride_tables + n0 // block_size).to(tl.int64)
             slot = n0 % block_size + tl.arange(0, BLOCK_N)
@@ -175,14 +151,6 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
             ).to(tl.float32)
             acc = add_code_values(acc, alpha, p, v, v_scale, DOT_PRECISION)
         m_i = m_new
-    if ROPE:  # noqa: SIM102  # a static if around a runtime one
-        if (start <= context - 1) & (context - 1 < end):  # this split holds the new key
-            m_i, l_i, acc = new_key(
-                m_i, l_i, acc, q, new_ptr + seq * stride_new_seq, kv_head, num_kv_heads,
-                tl.load(slots_ptr + seq).to(tl.int64), layer_ptr, block_size, stride_kv_block,
-                stride_kv_slot, stride_kv_kv, d, cos, sin, k_norm_ptr, eps, scale_log2,
-                HEAD_DIM, QK_NORM,
-            )  # fmt: skip
 
     omask = gmask[:, None] & dmask[None, :]
     safe_l = tl.where(l_i > 0, l_i, 1.0)
@@ -248,7 +216,6 @@ def decode_attention(
     kv_scales: Tensor | None = None,
     tiles: tuple[int, int, int] | None = None,
     heads_first: bool = True,
-    rope: RopeWrite | None = None,
 ) -> Tensor:
     """Attention of one new token per sequence over its paged context.
 
@@ -263,8 +230,6 @@ def decode_attention(
     reading the same slots, a key's heads being adjacent in the pool: 1.02x (bf16) and
     1.09x (int8) over (B, Hkv, splits) at batch 256 on an H100, equal at 64
     (docs/benchmarks.md, quantization: `kv_quant_bench.py --orders`); False: that order.
-    rope: q is not yet rotated and the new tokens' K/V not yet written: the kernel does
-    what rotary_and_cache_write would (RopeWrite), into a 16-bit pool.
     """
     num_seqs, num_heads, head_dim = q.shape
     _, _, _, block_size, num_kv_heads, kv_dim = kv.shape
@@ -276,8 +241,6 @@ def decode_attention(
         kv_quant.check_scales(kv, kv_scales)
     elif kv.dtype in kv_quant.CODE_DTYPES:
         raise kv_quant.missing_scales(kv)
-    if rope is not None:
-        check_rope(rope, q, kv, kv_scales)
     group = num_heads // num_kv_heads
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_seqs == 0:
@@ -314,7 +277,6 @@ def decode_attention(
         *kv.stride()[:5],  # block, layer, k/v, slot, head (head_dim is contiguous)
         scale * LOG2E,
         window,
-        *rope_args(rope, q),
         GROUP=group,
         HEAD_DIM=head_dim,
         NUM_SPLITS=num_splits,
@@ -324,8 +286,6 @@ def decode_attention(
         DOT_PRECISION=dot_precision(q.dtype),
         HEADS_FIRST=heads_first,
         IN_BLOCK=block_size % block_n == 0,
-        ROPE=rope is not None,
-        QK_NORM=rope is not None and rope.q_norm is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
