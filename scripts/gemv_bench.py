@@ -14,7 +14,8 @@ the separate kernels first. Also the plain product (no prologue) of both kernels
 the kernel's own speed from the fusion's. `--plain`: the products that take no norm (o,
 down) at one row, gemv's tilings against vector_gemv's, each checked against F.linear.
 `--experts`: a layer of experts at one token (kernels/moe_vector.py) at Qwen3-30B-A3B's
-shape (128 experts of 768, hidden 2048, top 8): the router's product with its norm,
+shape (128 experts of 768, hidden 2048, top 8): the router's product with its norm and
+the choice of the experts in its launch (against the product, then the top-k kernel),
 gate|up of the 8 chosen with the activation, down and the mix, each kernel's tilings
 (8 other experts chosen in each graph call, so the weights come from HBM).
 """
@@ -29,8 +30,8 @@ from typing import Any
 import torch
 
 from lmd.engine.turbo import kernels
-from lmd.engine.turbo.kernels import moe_vector
-from lmd.engine.turbo.kernels.vector_gemv import default_tiles
+from lmd.engine.turbo.kernels import moe, moe_vector
+from lmd.engine.turbo.kernels.vector_gemv import Route, default_tiles
 from scripts.w4a16_tiles import L2_BYTES, rel_err, time_us
 
 # name -> [(N, K)]: qkv, gate|up and lm_head, each after a norm.
@@ -141,6 +142,10 @@ PLAIN_TILES = [  # vector_gemv's, past TILES
     (2, 2048, 4, 3), (4, 2048, 8, 2), (8, 1024, 8, 3), (4, 512, 4, 4), (2, 1024, 4, 4),
     (1, 4096, 4, 2), (8, 2048, 8, 2),
 ]  # fmt: skip
+MIX_TILES = [  # moe_vector.mix_down's: [8, BLOCK_N, BLOCK_K] accumulators
+    (1, 256, 4, 3), (1, 1024, 4, 2), (2, 128, 4, 4), (2, 256, 4, 3), (2, 256, 8, 3),
+    (2, 512, 4, 2), (2, 512, 8, 2), (4, 128, 4, 3), (4, 256, 8, 3), (1, 512, 4, 3),
+]  # fmt: skip
 
 
 def bench_plain(n: int, k: int, dtype: torch.dtype) -> None:
@@ -176,10 +181,17 @@ def bench_experts(dtype: torch.dtype, num: int = 128, hidden: int = 2048, inner:
     act = torch.randn(8, inner, device="cuda").to(dtype)
     weights = torch.full((8,), 0.125, device="cuda")
     norm = kernels.Norm((1 + 0.1 * torch.randn(hidden, device="cuda")).to(dtype), 1e-6)
+    count = torch.zeros(1, dtype=torch.int32, device="cuda")
+    route = Route(count, weights.clone(), choices[0].clone(), True)
     products: dict[str, Callable[[torch.Tensor, Any], torch.Tensor]] = {
-        "router 128 x 2048 (norm, float32 out)": lambda ids, tiles: kernels.vector_gemv(
-            x, router, norm=norm, out_dtype=torch.float32, tiles=tiles
+        "router 128 x 2048 (norm, float32 out), experts chosen": lambda ids, tiles: (
+            kernels.vector_gemv(
+                x, router, norm=norm, out_dtype=torch.float32, tiles=tiles, route=route
+            )
         ),
+        "router 128 x 2048, then top-k": lambda ids, tiles: moe.top_k_of(
+            kernels.vector_gemv(x, router, norm=norm, out_dtype=torch.float32, tiles=tiles), 8, True
+        )[0],
         "gate|up 8 x 1536 x 2048 (norm, activation)": lambda ids, tiles: kernels.vector_gemv(
             x, gate_up, norm=norm, activation="silu", experts=ids, tiles=tiles
         ),
@@ -190,7 +202,10 @@ def bench_experts(dtype: torch.dtype, num: int = 128, hidden: int = 2048, inner:
     for name, product in products.items():
         ref = product(choices[0], None)
         rows: list[tuple[float, str, float]] = []
-        options: list[tuple[int, int, int, int] | None] = [None, *TILES, *PLAIN_TILES]
+        mix = "mix" in name
+        options: list[tuple[int, int, int, int] | None] = [
+            None, *(MIX_TILES if mix else [*TILES, *PLAIN_TILES])
+        ]  # fmt: skip
         for tiles in options:
             if tiles is not None and tiles[0] < 2 and "gate" in name:
                 continue
@@ -201,6 +216,7 @@ def bench_experts(dtype: torch.dtype, num: int = 128, hidden: int = 2048, inner:
         print(name)
         for us, label, err in rows[:6] + [r for r in rows[6:] if r[1] == "default"]:
             print(f"  {label}: {us:7.2f} us  err {err:.1e}")
+    print(f"the router's counter after the runs: {count.item()} (0 expected)")
 
 
 if __name__ == "__main__":

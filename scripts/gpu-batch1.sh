@@ -11,10 +11,11 @@
 #       TP 1 and TP 2; at TP 2 also with the activation in its own kernel and through
 #       NCCL; every rank's kernel table (issue 23's 0.65x).
 #   scripts/gpu-batch1.sh experts [LAYERS]
-#       nvidia-h200, ~4 minutes: the GPU tests of a layer of experts at batch 1
-#       (kernels/moe_vector.py), then the batch-1 step of the first LAYERS (default 12)
-#       layers of the Qwen3-30B-A3B shape with it and through kernels/moe.py's path
-#       (families_bench.py --separate-experts).
+#       nvidia-h200, ~6 minutes: the GPU tests of a layer of experts at batch 1
+#       (kernels/moe_vector.py), gemv_bench.py --experts (its kernels' tilings), then the
+#       batch-1 step of the first LAYERS (default 12) layers of the Qwen3-30B-A3B shape
+#       with it and through kernels/moe.py's path (families_bench.py --separate-experts),
+#       and its kernels (step_profile.py).
 #   scripts/gpu-batch1.sh products [TESTS...]
 #       nvidia-h200, ~5 minutes: TESTS (GPU tests), scripts/gemv_bench.py --plain (o and
 #       down at one row, gemv's tilings against vector_gemv's), then the Qwen3-8B
@@ -84,10 +85,14 @@ if [[ ${1:-} == experts ]]; then
       tests/gpu/test_turbo_batch1_fused_gpu.py -k "moe or mixtral" 2>&1 | tail -6
   } | tee "$out/batch1-tests.txt"
   python3 setup.py -q build_ext --inplace 2>&1 | tail -3
+  timeout 150 python3 scripts/gemv_bench.py --experts 2>&1 | tee "$out/gemv-sweep.txt"
   python3 scripts/random_models.py qwen3-30b-a3b-shape --layers "${2:-12}" --out-dir /tmp 2>&1 |
     grep -v "^Writing" | tail -2
-  timeout 150 python3 scripts/families_bench.py "/tmp/qwen3-30b-a3b-shape-${2:-12}l" --batches 1 \
+  model=/tmp/qwen3-30b-a3b-shape-${2:-12}l
+  timeout 150 python3 scripts/families_bench.py "$model" --batches 1 \
     --separate-experts 2>>"$out/batch1-stderr.txt" | tee -a "$out/batch1.jsonl"
+  timeout 120 python3 scripts/step_profile.py "$model" --batch 1 --kernels 16 \
+    2>>"$out/batch1-stderr.txt" | tee "$out/step-profile.txt"
   grep -E "Error|error" "$out/batch1-stderr.txt" | tail -5
   exit 0
 fi

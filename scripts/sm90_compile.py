@@ -90,17 +90,27 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
     flags: dict[str, Any]
     run = {"num_warps": 4, "num_stages": 3}
     ids = {"experts_ptr": "*i32"}
-    for block_n, block_k, gated, experts in (
-        (4, 1024, False, False), (4, 1024, True, False), (8, 512, True, False),
-        (4, 1024, True, True)
+    routes = {"y_ptr": "*fp32", "count_ptr": "*i32", "chosen_w_ptr": "*fp32",
+              "chosen_e_ptr": "*i32"}  # fmt: skip
+    for block_n, block_k, gated, experts, route in (
+        (4, 1024, False, False, False), (4, 1024, True, False, False),
+        (8, 512, True, False, False), (4, 1024, True, True, False), (1, 4096, False, False, True)
     ):  # fmt: skip
         flags = {"EXPERTS": experts, "HAS_BIAS": False, "NORM": True, "HAS_RESIDUAL": True,
-                 "HAS_SUMMED": True, "GATED": gated, "GELU": False, "BLOCK_N": block_n,
+                 "HAS_SUMMED": True, "GATED": gated, "GELU": False, "ROUTE": route,
+                 "TOP_K": 8 if route else 1, "NORMALIZE": route, "BLOCK_E": 128 if route else 1,
+                 "BLOCK_TOP": 8 if route else 1, "BLOCK_N": block_n,
                  "BLOCK_K": block_k}  # fmt: skip
-        out.append(case(vector_gemv._vector_gemv_kernel, flags, ids, run))
-    flags = {"TOP_K": 8, "BLOCK_N": 4, "BLOCK_K": 1024}
-    types = ids | {"weights_ptr": "*fp32"}
-    out.append(case(moe_vector._mix_down_kernel, flags, types, run))
+        types = ids | routes if route else ids
+        out.append(case(vector_gemv._vector_gemv_kernel, flags, types, run))
+    for block_n, block_k in ((2, 256), (4, 512)):
+        flags = {"TOP_K": 8, "BLOCK_J": 8, "BLOCK_N": block_n, "BLOCK_K": block_k}
+        types = ids | {"weights_ptr": "*fp32"}
+        out.append(case(moe_vector._mix_down_kernel, flags, types, run))
+    for top_k, block_e in ((8, 128), (2, 8)):
+        flags = {"TOP_K": top_k, "NORMALIZE": True, "BLOCK_E": block_e, "BLOCK_K": top_k}
+        types = {"logits_ptr": "*fp32", "weights_ptr": "*fp32", "experts_ptr": "*i32"}
+        out.append(case(moe._top_k_kernel, flags, types, run | {"num_warps": 4}))
     sends = {"word_ptrs": "*i64", "step_ptr": "*i64"}
     for peers, rank in ((0, 0), (2, 0), (2, 1)):
         flags = {"HAS_BIAS": False, "PEERS": peers, "RANK": rank, "BLOCK_N": 32, "BLOCK_K": 512}

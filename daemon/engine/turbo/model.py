@@ -88,9 +88,11 @@ class TurboModel:
         # group, whose peer exchange sums what gemv's programs make (turbo/exchange.py)
         # and whose NCCL path must give the same sums.
         self.vector_plain = not tp.enabled
-        # ... and a layer of experts in 4 launches (kernels/moe_vector.py) instead of 8
-        # (scripts/families_bench.py --separate-experts measures it).
+        # ... and a layer of experts in 3 launches (kernels/moe_vector.py) instead of 8
+        # (scripts/families_bench.py --separate-experts measures it), its router's
+        # programs counting themselves done on this (at 0 between launches).
         self.vector_experts = True
+        self.route_count = torch.zeros(1, dtype=torch.int32, device=weights.embed.device)
         # Past 16 rows, an FP8 product's input quantized per token by the RMSNorm or the
         # activation before it, in their launches (no quantizer launch a product).
         self.fp8_codes = True
@@ -239,6 +241,7 @@ class TurboModel:
                     x.down,
                     top_k=moe.top_k,
                     normalize=moe.normalize_top_k,
+                    count=self.route_count,
                 )
                 return self.tp.all_reduce(out), summed
             h = kernels.rms_norm(hidden, layer.post_norm, eps, residual)

@@ -84,6 +84,68 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
 
 
 @triton.jit
+def choose(  # noqa: PLR0917  # a Triton function: positional arguments
+    logits_ptr,
+    num_experts,
+    TOP_K: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """A token's routing from its float32 logits: (weights [BLOCK_K], experts [BLOCK_K]),
+    slot j the expert with the j-th largest logit (the lowest id among equals) and its
+    softmax probability, the first TOP_K scaled to sum to 1 if NORMALIZE (slots past
+    TOP_K: weight 0). Each expert's rank is how many come before it, counted over all
+    pairs at once in chunks of experts, instead of TOP_K rounds of a maximum. The loads
+    are volatile: a router's programs may have written the logits in the same launch."""
+    e = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + e, mask=e < num_experts, other=-float("inf"), volatile=True)
+    x = tl.exp(logits - tl.max(logits, axis=0))
+    probs = x / tl.sum(x, axis=0)
+    CHUNK: tl.constexpr = min(BLOCK_E, 16)  # [BLOCK_E, CHUNK] compares a round
+    rank = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c0 in tl.static_range(0, BLOCK_E, CHUNK):
+        o = c0 + tl.arange(0, CHUNK)
+        other = tl.load(logits_ptr + o, mask=o < num_experts, other=-float("inf"), volatile=True)
+        ahead = (other[None, :] > logits[:, None]) | (
+            (other[None, :] == logits[:, None]) & (o[None, :] < e[:, None])
+        )
+        rank += tl.sum(ahead.to(tl.int32), axis=1)
+    slots = tl.arange(0, BLOCK_K)
+    mine = (rank[None, :] == slots[:, None]) & (slots < TOP_K)[:, None]  # [BLOCK_K, BLOCK_E]
+    experts = tl.sum(tl.where(mine, e[None, :], 0), axis=1)
+    weights = tl.sum(tl.where(mine, probs[None, :], 0.0), axis=1)
+    if NORMALIZE:
+        weights = weights / tl.sum(weights, axis=0)
+    return weights, experts
+
+
+@triton.jit
+def choose_when_last(  # noqa: PLR0917  # a Triton function: positional arguments
+    logits_ptr,
+    num_experts,
+    count_ptr,
+    weights_ptr,
+    experts_ptr,
+    TOP_K: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """In a launch whose programs each write part of a token's logits: after its part,
+    each program counts itself done on count_ptr (an int32 at 0); the one that counts
+    last chooses the experts from all of them (`choose`), writes them and resets the
+    count for the next launch."""
+    tl.debug_barrier()  # every thread's logits stored before the count
+    if tl.atomic_add(count_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        weights, experts = choose(logits_ptr, num_experts, TOP_K, NORMALIZE, BLOCK_E, BLOCK_K)
+        slots = tl.arange(0, BLOCK_K)
+        tl.store(weights_ptr + slots, weights, mask=slots < TOP_K)
+        tl.store(experts_ptr + slots, experts, mask=slots < TOP_K)
+        tl.store(count_ptr, 0)
+
+
+@triton.jit
 def _top_k_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     logits_ptr,
     weights_ptr,
@@ -95,24 +157,13 @@ def _top_k_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     BLOCK_K: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, BLOCK_E)
-    x = tl.load(logits_ptr + token * num_experts + e, mask=e < num_experts, other=-float("inf"))
-    x = tl.exp(x - tl.max(x, axis=0))
-    probs = x / tl.sum(x, axis=0)
+    weights, experts = choose(
+        logits_ptr + token * num_experts, num_experts, TOP_K, NORMALIZE, BLOCK_E, BLOCK_K
+    )
     slots = tl.arange(0, BLOCK_K)
-    chosen_p = tl.zeros([BLOCK_K], dtype=tl.float32)
-    chosen_e = tl.zeros([BLOCK_K], dtype=tl.int32)
-    for j in tl.static_range(TOP_K):  # the largest left, the lowest id among equals
-        best = tl.max(probs, axis=0)
-        pick = tl.min(tl.where(probs == best, e, BLOCK_E), axis=0)
-        chosen_p = tl.where(slots == j, best, chosen_p)
-        chosen_e = tl.where(slots == j, pick, chosen_e)
-        probs = tl.where(e == pick, -1.0, probs)
-    if NORMALIZE:
-        chosen_p = chosen_p / tl.sum(chosen_p, axis=0)
     out = token * TOP_K + slots
-    tl.store(weights_ptr + out, chosen_p, mask=slots < TOP_K)
-    tl.store(experts_ptr + out, chosen_e, mask=slots < TOP_K)
+    tl.store(weights_ptr + out, weights, mask=slots < TOP_K)
+    tl.store(experts_ptr + out, experts, mask=slots < TOP_K)
 
 
 @triton.jit

@@ -1,13 +1,16 @@
-"""A layer of experts for one token (a batch-1 decode step), in four launches:
+"""A layer of experts for one token (a batch-1 decode step), in three launches:
 
     1. the router's product with the layer's RMSNorm (and the residual add) folded in,
-       float32 logits (kernels/vector_gemv.py with a `Norm`);
-    2. softmax + top-k (kernels/moe.py's);
-    3. gate|up of the k chosen experts with the activation folded in, one launch for all
+       float32 logits, and the token's k experts chosen from them (softmax + top-k,
+       kernels/moe.py's `choose`) by the last of its programs to finish
+       (kernels/vector_gemv.py with a `Norm` and a `Route`);
+    2. gate|up of the k chosen experts with the activation folded in, one launch for all
        of them (vector_gemv with `experts` and `activation`): [k, I];
-    4. down of the k experts and their mix (`_mix_down_kernel`): each program owns
-       BLOCK_N output columns, streams those rows of each chosen expert's down in turn
-       and adds its product, scaled by the routing weight, to the token's output.
+    3. down of the k experts and their mix (`_mix_down_kernel`): each program owns
+       BLOCK_N output columns and streams those rows of all k chosen experts' down at
+       once (a [k, BLOCK_N, BLOCK_K] tile a slice of K, the loads of every expert in
+       flight together), each expert's product scaled by its routing weight and added
+       to the token's output.
 
 kernels/moe.py's path (router GEMM, top-k, the block layout, two grouped GEMMs padded to
 tl.dot's 16 rows, SiLU, the sum over k, and the norm before it: 8 launches) gives the
@@ -23,8 +26,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lmd.engine.turbo.kernels.moe import top_k_of
-from lmd.engine.turbo.kernels.vector_gemv import Norm, default_tiles, vector_gemv
+from lmd.engine.turbo.kernels.vector_gemv import Norm, Route, vector_gemv
+
+# The mix's tiles (BLOCK_N, BLOCK_K, warps, stages): a program's k experts make a
+# [k, BLOCK_N, BLOCK_K] float32 accumulator, so narrower than vector_gemv's.
+MIX_TILES = (2, 256, 4, 3)
 
 
 @triton.jit
@@ -39,28 +45,29 @@ def _mix_down_kernel(  # noqa: PLR0917  # Triton kernels take positional argumen
     stride_e,
     stride_w,
     TOP_K: tl.constexpr,
+    BLOCK_J: tl.constexpr,  # TOP_K to a power of two
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = cols < n
+    j = tl.arange(0, BLOCK_J)
+    chosen = j < TOP_K
+    ids = tl.load(experts_ptr + j, mask=chosen, other=0).to(tl.int64)
+    rows = w_ptr + ids[:, None, None] * stride_e + cols[None, :, None].to(tl.int64) * stride_w
+    live = chosen[:, None, None] & valid[None, :, None]  # [J, N, 1]
+    acc = tl.zeros((BLOCK_J, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < k
+        w = tl.load(rows + ks[None, None, :], mask=live & kmask[None, None, :], other=0.0)
+        x = tl.load(
+            act_ptr + j[:, None] * k + ks[None, :], mask=chosen[:, None] & kmask[None, :], other=0.0
+        )  # [J, BLOCK_K]: each expert's activation
+        acc += w.to(tl.float32) * x.to(tl.float32)[:, None, :]
+    share = tl.sum(acc, axis=2) * tl.load(weights_ptr + j, mask=chosen, other=0.0)[:, None]
     dtype: tl.constexpr = y_ptr.dtype.element_ty
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        rows = w_ptr + tl.load(experts_ptr + j).to(tl.int64) * stride_e
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, k, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            kmask = ks < k
-            w = tl.load(
-                rows + cols[:, None].to(tl.int64) * stride_w + ks[None, :],
-                mask=valid[:, None] & kmask[None, :],
-                other=0.0,
-            )  # [BLOCK_N, BLOCK_K]
-            x = tl.load(act_ptr + j * k + ks, mask=kmask, other=0.0).to(tl.float32)
-            acc += w.to(tl.float32) * x[None, :]
-        share = tl.sum(acc, axis=1) * tl.load(weights_ptr + j)
-        total += share.to(dtype).to(tl.float32)  # each expert's share rounded, as moe.py's
+    total = tl.sum(share.to(dtype).to(tl.float32), axis=0)  # each share rounded, as moe.py's
     tl.store(y_ptr + cols, total.to(dtype), mask=valid)
 
 
@@ -74,7 +81,7 @@ def mix_down(
     """act: [k, I] (row j: expert experts[j]'s activation), down: [E, H, I], experts:
     [k] int32, weights: [k] float32 -> [1, H]: sum over j of weights[j] * down[experts[j]]
     @ act[j], each term rounded to act's dtype. tiles: (BLOCK_N, BLOCK_K, warps, stages)
-    instead of vector_gemv's default_tiles."""
+    instead of MIX_TILES."""
     top_k, inner = act.shape
     _, n, k = down.shape
     if k != inner or experts.shape != (top_k,) or weights.shape != (top_k,):
@@ -82,7 +89,7 @@ def mix_down(
     if not act.is_contiguous() or down.stride(2) != 1:
         raise ValueError("mix_down takes contiguous activations and rows of down")
     y = torch.empty(1, n, dtype=act.dtype, device=act.device)
-    block_n, block_k, num_warps, num_stages = tiles or default_tiles(n, k)
+    block_n, block_k, num_warps, num_stages = tiles or MIX_TILES
     _mix_down_kernel[(triton.cdiv(n, block_n),)](
         act,
         down,
@@ -94,8 +101,9 @@ def mix_down(
         down.stride(0),
         down.stride(1),
         TOP_K=top_k,
+        BLOCK_J=triton.next_power_of_2(top_k),
         BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        BLOCK_K=min(block_k, triton.next_power_of_2(k)),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -111,14 +119,21 @@ def experts_vector(
     *,
     top_k: int,
     normalize: bool,
+    count: Tensor,
 ) -> Tensor:
     """hidden: [1, H] -> the layer of experts on RMSNorm(hidden (+ norm.residual)) [1, H]
     (the module docstring); norm.summed, if given, receives hidden + residual. router:
-    [E, H]; gate_up: [E, 2I, H] (gate | up); down: [E, H, I]; the activation SiLU."""
-    logits = vector_gemv(hidden, router, norm=norm, out_dtype=torch.float32)  # [1, E]
-    weights, experts = top_k_of(logits, top_k, normalize)  # [1, k] each
-    experts = experts.view(top_k)
+    [E, H]; gate_up: [E, 2I, H] (gate | up); down: [E, H, I]; the activation SiLU.
+    count: [1] int32 at 0, the router's launch's counter (vector_gemv's `Route`)."""
+    device = hidden.device
+    route = Route(
+        count,
+        torch.empty(top_k, dtype=torch.float32, device=device),
+        torch.empty(top_k, dtype=torch.int32, device=device),
+        normalize,
+    )
+    vector_gemv(hidden, router, norm=norm, out_dtype=torch.float32, route=route)  # [1, E]
     if norm.summed is not None:  # the experts' input: the stream after the add, normed
         hidden, norm = norm.summed, Norm(norm.weight, norm.eps)
-    act = vector_gemv(hidden, gate_up, norm=norm, activation="silu", experts=experts)
-    return mix_down(act, down, experts, weights.view(top_k))
+    act = vector_gemv(hidden, gate_up, norm=norm, activation="silu", experts=route.experts)
+    return mix_down(act, down, route.experts, route.weights)

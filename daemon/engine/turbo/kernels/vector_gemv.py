@@ -23,7 +23,11 @@ no faster than the two kernels: 0.97-1.00x, H100; docs/benchmarks.md.)
 With `experts` (a layer of experts at batch 1, kernels/moe_vector.py) the weight is
 [E, N, K] and the launch makes one row for each of the token's chosen experts: a
 second grid axis over the choices, each program reading the id of its choice's expert
-and streaming that expert's rows.
+and streaming that expert's rows. With a `Route` (the router's product, float32 logits)
+the last program to finish also chooses the token's experts from all the logits
+(kernels/moe.py's `choose`) and writes their ids and weights, where a top-k kernel of
+its own took a launch: each program counts itself done on an atomic counter after its
+logits are stored, and the one that counts last reads them back from L2 and resets it.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import triton.language as tl
 from torch import Tensor
 
 from lmd.engine.turbo.kernels.activation import check_activation, gated
+from lmd.engine.turbo.kernels.moe import choose_when_last
 from lmd.engine.turbo.kernels.native_kernels import device_index
 
 
@@ -51,6 +56,19 @@ class Norm:
     summed: Tensor | None = None  # [1, K]: the stream after the add, for the next layer
 
 
+@dataclass(frozen=True, slots=True)
+class Route:
+    """A router's product: after the logits, its experts chosen into `experts` ([k]
+    int32, largest first) and `weights` ([k] float32, the softmax's, scaled to sum to 1
+    if `normalize`). `count`: an int32 counter at 0, left at 0 (the launch's programs
+    count themselves done on it)."""
+
+    count: Tensor  # [1] int32
+    weights: Tensor  # [k] float32
+    experts: Tensor  # [k] int32
+    normalize: bool
+
+
 @triton.jit
 def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     x_ptr,
@@ -61,6 +79,9 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
     summed_ptr,
     norm_ptr,
     experts_ptr,
+    count_ptr,  # ROUTE: [1] int32, 0 before and after
+    chosen_w_ptr,  # ROUTE: [TOP_K] float32
+    chosen_e_ptr,  # ROUTE: [TOP_K] int32
     eps,
     n,
     k,
@@ -73,6 +94,11 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
     HAS_SUMMED: tl.constexpr,
     GATED: tl.constexpr,  # W is gate | up, n = 2 I: write act(gate) * up
     GELU: tl.constexpr,  # (the activation: gelu_tanh, else silu)
+    ROUTE: tl.constexpr,  # y is a router's float32 logits: choose TOP_K experts of them
+    TOP_K: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,  # ROUTE: n, and TOP_K, to powers of two
+    BLOCK_TOP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -123,17 +149,25 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
         tl.store(y_ptr + half, act, mask=half < n // 2)
     else:
         tl.store(y_ptr + cols, y, mask=valid)
+    if ROUTE:
+        choose_when_last(
+            y_ptr, n, count_ptr, chosen_w_ptr, chosen_e_ptr, TOP_K, NORMALIZE, BLOCK_E, BLOCK_TOP
+        )
     # The summed stream, once, after the weights. Two ifs: the first is decided when the
     # kernel compiles, the second at run time.
     if HAS_SUMMED:  # noqa: SIM102
         if pid == 0 and choice == 0:
-            for k0 in range(0, k, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                kmask = ks < k
-                x = tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
-                res = tl.load(res_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
-                summed = (x + res).to(summed_ptr.dtype.element_ty)
-                tl.store(summed_ptr + ks, summed, mask=kmask)
+            _write_summed(x_ptr, res_ptr, summed_ptr, k, BLOCK_K)
+
+
+@triton.jit
+def _write_summed(x_ptr, res_ptr, summed_ptr, k, BLOCK_K: tl.constexpr):
+    for k0 in range(0, k, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < k
+        x = tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+        res = tl.load(res_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+        tl.store(summed_ptr + ks, (x + res).to(summed_ptr.dtype.element_ty), mask=kmask)
 
 
 def vector_gemv(
@@ -146,6 +180,7 @@ def vector_gemv(
     tiles: tuple[int, int, int, int] | None = None,
     activation: str | None = None,
     experts: Tensor | None = None,
+    route: Route | None = None,
 ) -> Tensor:
     """x: [1, K], weight: [N, K], bias: [N] -> [1, N] in `out_dtype` (default: x's),
     from a float32 accumulator. `norm` makes the product's input first (the module
@@ -153,7 +188,8 @@ def vector_gemv(
     `activation` ("silu" or "gelu_tanh"): weight is gate | up
     [2I, K] and the result act(gate) * up [1, I] (the module docstring). `experts`
     ([C] int32, ids < E): weight is [E, N, K] and the result [C, N] (or [C, I]), row c
-    the product with expert experts[c]'s weights."""
+    the product with expert experts[c]'s weights. `route`: weight is a router's [E, K]
+    and out_dtype float32; its experts are chosen too (the module docstring)."""
     if experts is not None:
         if weight.dim() != 3 or experts.dim() != 1 or experts.dtype != torch.int32:
             raise ValueError("vector_gemv's experts: int32 ids [C] against weights [E, N, K]")
@@ -174,11 +210,15 @@ def vector_gemv(
     if norm is not None:
         _check(norm, x, k)
         residual, summed = norm.residual, norm.summed
+    top_k = 1
+    if route is not None:
+        _check_route(route, out_dtype, experts, activation)
+        top_k = route.experts.shape[0]
     width = n if activation is None else n // 2
     y = torch.empty(num_rows, width, dtype=out_dtype or x.dtype, device=x.device)
-    # (a layer of experts keeps the H100's tiles: not swept on an H200)
-    device = x.device if experts is None else None
-    block_n, block_k, num_warps, num_stages = tiles or default_tiles(n, k, device)
+    if tiles is None and experts is not None:
+        tiles = EXPERT_TILES_H200 if _is_h200(x.device) else default_tiles(n, k)
+    block_n, block_k, num_warps, num_stages = tiles or default_tiles(n, k, x.device)
     grid = (triton.cdiv(n, block_n), num_rows)  # gated: BLOCK_N / 2 outputs a program
     _vector_gemv_kernel[grid](
         x,
@@ -189,6 +229,9 @@ def vector_gemv(
         summed if summed is not None else x,
         norm.weight if norm is not None else weight,
         experts if experts is not None else weight,
+        route.count if route is not None else weight,
+        route.weights if route is not None else weight,
+        route.experts if route is not None else weight,
         norm.eps if norm is not None else 0.0,
         n,
         k,
@@ -201,6 +244,11 @@ def vector_gemv(
         HAS_SUMMED=summed is not None,
         GATED=activation is not None,
         GELU=activation == "gelu_tanh",
+        ROUTE=route is not None,
+        TOP_K=top_k,
+        NORMALIZE=route is not None and route.normalize,
+        BLOCK_E=triton.next_power_of_2(n) if route is not None else 1,
+        BLOCK_TOP=triton.next_power_of_2(top_k),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=num_warps,
@@ -223,6 +271,11 @@ def default_tiles(n: int, k: int, device: torch.device | None = None) -> tuple[i
     else:
         block_n, block_k = (8, 512) if h200 and 4096 < n <= 8192 else (4, 1024)
     return block_n, min(block_k, triton.next_power_of_2(k)), 4, 3
+
+
+# A layer of experts' gate|up at one token on an H200 (scripts/gemv_bench.py --experts at
+# Qwen3-30B-A3B's shape, 8 x 1536 x 2048): 14.7 us against 16.4 for default_tiles'.
+EXPERT_TILES_H200 = (16, 256, 4, 3)
 
 
 def _is_h200(device: torch.device) -> bool:
@@ -252,3 +305,20 @@ def _check(norm: Norm, x: Tensor, k: int) -> None:
             raise ValueError("vector_gemv's residual and summed are contiguous rows of x's shape")
     if norm.summed is not None and (norm.residual is None or norm.summed is norm.residual):
         raise ValueError("vector_gemv's summed is a separate `summed` tensor beside a residual")
+
+
+def _check_route(
+    route: Route, out_dtype: torch.dtype | None, experts: Tensor | None, activation: str | None
+) -> None:
+    if out_dtype != torch.float32 or experts is not None or activation is not None:
+        raise ValueError("vector_gemv's route takes a router's float32 logits, one product")
+    w, e, count = route.weights, route.experts, route.count
+    if (
+        e.dim() != 1
+        or w.shape != e.shape
+        or (w.dtype, e.dtype, count.dtype) != (torch.float32, torch.int32, torch.int32)
+        or count.shape != (1,)
+    ):
+        raise ValueError(
+            "vector_gemv's route: experts [k] int32, weights [k] float32, count [1] int32"
+        )
