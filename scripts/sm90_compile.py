@@ -99,7 +99,7 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
         flags = {"EXPERTS": experts, "HAS_BIAS": False, "NORM": True, "HAS_RESIDUAL": True,
                  "HAS_SUMMED": True, "GATED": gated, "GELU": False, "ROUTE": route,
                  "TOP_K": 8 if route else 1, "NORMALIZE": route, "BLOCK_E": 128 if route else 1,
-                 "BLOCK_TOP": 8 if route else 1, "BLOCK_N": block_n,
+                 "BLOCK_N": block_n,
                  "BLOCK_K": block_k}  # fmt: skip
         types = ids | routes if route else ids
         out.append(case(vector_gemv._vector_gemv_kernel, flags, types, run))
@@ -108,7 +108,7 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
         types = ids | {"weights_ptr": "*fp32"}
         out.append(case(moe_vector._mix_down_kernel, flags, types, run))
     for top_k, block_e in ((8, 128), (2, 8)):
-        flags = {"TOP_K": top_k, "NORMALIZE": True, "BLOCK_E": block_e, "BLOCK_K": top_k}
+        flags = {"TOP_K": top_k, "NORMALIZE": True, "BLOCK_E": block_e}
         types = {"logits_ptr": "*fp32", "weights_ptr": "*fp32", "experts_ptr": "*i32"}
         out.append(case(moe._top_k_kernel, flags, types, run | {"num_warps": 4}))
     sends = {"word_ptrs": "*i64", "step_ptr": "*i64"}

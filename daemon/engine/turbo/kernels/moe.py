@@ -87,37 +87,36 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
 def choose(  # noqa: PLR0917  # a Triton function: positional arguments
     logits_ptr,
     num_experts,
+    weights_ptr,
+    experts_ptr,
     TOP_K: tl.constexpr,
     NORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr,
 ):
-    """A token's routing from its float32 logits: (weights [BLOCK_K], experts [BLOCK_K]),
-    slot j the expert with the j-th largest logit (the lowest id among equals) and its
-    softmax probability, the first TOP_K scaled to sum to 1 if NORMALIZE (slots past
-    TOP_K: weight 0). Each expert's rank is how many come before it, counted over all
-    pairs at once in chunks of experts, instead of TOP_K rounds of a maximum. The loads
-    are volatile: a router's programs may have written the logits in the same launch."""
+    """A token's routing from its float32 logits, written to experts_ptr ([TOP_K] int32)
+    and weights_ptr ([TOP_K] float32): slot j the expert with the j-th largest logit
+    (the lowest id among equals) and its softmax probability, the TOP_K of them scaled
+    to sum to 1 if NORMALIZE. Each expert's rank is how many logits come before it: the
+    logits read one at a time (uniform loads, all in flight together) against the
+    program's vector of them, and each of the TOP_K first writes itself at its rank, so
+    no reduction between threads but the softmax's. The loads read L2 (.cg): a
+    router's other programs may have written the logits in the same launch."""
     e = tl.arange(0, BLOCK_E)
-    logits = tl.load(logits_ptr + e, mask=e < num_experts, other=-float("inf"), volatile=True)
+    real = e < num_experts
+    logits = tl.load(logits_ptr + e, mask=real, other=-float("inf"), cache_modifier=".cg")
+    rank = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for j in tl.static_range(BLOCK_E):
+        other = tl.load(
+            logits_ptr + j, mask=j < num_experts, other=-float("inf"), cache_modifier=".cg"
+        )
+        rank += ((other > logits) | ((other == logits) & (j < e))).to(tl.int32)
     x = tl.exp(logits - tl.max(logits, axis=0))
     probs = x / tl.sum(x, axis=0)
-    CHUNK: tl.constexpr = min(BLOCK_E, 16)  # [BLOCK_E, CHUNK] compares a round
-    rank = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for c0 in tl.static_range(0, BLOCK_E, CHUNK):
-        o = c0 + tl.arange(0, CHUNK)
-        other = tl.load(logits_ptr + o, mask=o < num_experts, other=-float("inf"), volatile=True)
-        ahead = (other[None, :] > logits[:, None]) | (
-            (other[None, :] == logits[:, None]) & (o[None, :] < e[:, None])
-        )
-        rank += tl.sum(ahead.to(tl.int32), axis=1)
-    slots = tl.arange(0, BLOCK_K)
-    mine = (rank[None, :] == slots[:, None]) & (slots < TOP_K)[:, None]  # [BLOCK_K, BLOCK_E]
-    experts = tl.sum(tl.where(mine, e[None, :], 0), axis=1)
-    weights = tl.sum(tl.where(mine, probs[None, :], 0.0), axis=1)
+    chosen = real & (rank < TOP_K)
     if NORMALIZE:
-        weights = weights / tl.sum(weights, axis=0)
-    return weights, experts
+        probs = probs / tl.sum(tl.where(chosen, probs, 0.0), axis=0)
+    tl.store(weights_ptr + rank, probs, mask=chosen)
+    tl.store(experts_ptr + rank, e, mask=chosen)
 
 
 @triton.jit
@@ -130,18 +129,14 @@ def choose_when_last(  # noqa: PLR0917  # a Triton function: positional argument
     TOP_K: tl.constexpr,
     NORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr,
 ):
     """In a launch whose programs each write part of a token's logits: after its part,
     each program counts itself done on count_ptr (an int32 at 0); the one that counts
-    last chooses the experts from all of them (`choose`), writes them and resets the
-    count for the next launch."""
+    last chooses the experts from all of them (`choose`) and resets the count for the
+    next launch."""
     tl.debug_barrier()  # every thread's logits stored before the count
     if tl.atomic_add(count_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        weights, experts = choose(logits_ptr, num_experts, TOP_K, NORMALIZE, BLOCK_E, BLOCK_K)
-        slots = tl.arange(0, BLOCK_K)
-        tl.store(weights_ptr + slots, weights, mask=slots < TOP_K)
-        tl.store(experts_ptr + slots, experts, mask=slots < TOP_K)
+        choose(logits_ptr, num_experts, weights_ptr, experts_ptr, TOP_K, NORMALIZE, BLOCK_E)
         tl.store(count_ptr, 0)
 
 
@@ -154,16 +149,17 @@ def _top_k_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     TOP_K: tl.constexpr,
     NORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    weights, experts = choose(
-        logits_ptr + token * num_experts, num_experts, TOP_K, NORMALIZE, BLOCK_E, BLOCK_K
+    choose(
+        logits_ptr + token * num_experts,
+        num_experts,
+        weights_ptr + token * TOP_K,
+        experts_ptr + token * TOP_K,
+        TOP_K,
+        NORMALIZE,
+        BLOCK_E,
     )
-    slots = tl.arange(0, BLOCK_K)
-    out = token * TOP_K + slots
-    tl.store(weights_ptr + out, weights, mask=slots < TOP_K)
-    tl.store(experts_ptr + out, experts, mask=slots < TOP_K)
 
 
 @triton.jit
@@ -249,7 +245,6 @@ def top_k_of(logits: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Tenso
         TOP_K=top_k,
         NORMALIZE=normalize,
         BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK_K=triton.next_power_of_2(top_k),
     )
     return weights, experts
 

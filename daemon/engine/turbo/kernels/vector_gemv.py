@@ -97,8 +97,7 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
     ROUTE: tl.constexpr,  # y is a router's float32 logits: choose TOP_K experts of them
     TOP_K: tl.constexpr,
     NORMALIZE: tl.constexpr,
-    BLOCK_E: tl.constexpr,  # ROUTE: n, and TOP_K, to powers of two
-    BLOCK_TOP: tl.constexpr,
+    BLOCK_E: tl.constexpr,  # ROUTE: n to a power of two
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -150,9 +149,7 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
     else:
         tl.store(y_ptr + cols, y, mask=valid)
     if ROUTE:
-        choose_when_last(
-            y_ptr, n, count_ptr, chosen_w_ptr, chosen_e_ptr, TOP_K, NORMALIZE, BLOCK_E, BLOCK_TOP
-        )
+        choose_when_last(y_ptr, n, count_ptr, chosen_w_ptr, chosen_e_ptr, TOP_K, NORMALIZE, BLOCK_E)
     # The summed stream, once, after the weights. Two ifs: the first is decided when the
     # kernel compiles, the second at run time.
     if HAS_SUMMED:  # noqa: SIM102
@@ -248,7 +245,6 @@ def vector_gemv(
         TOP_K=top_k,
         NORMALIZE=route is not None and route.normalize,
         BLOCK_E=triton.next_power_of_2(n) if route is not None else 1,
-        BLOCK_TOP=triton.next_power_of_2(top_k),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=num_warps,
