@@ -60,6 +60,35 @@ def case(
     return label, ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), options
 
 
+def moe_cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
+    """The experts' kernels past vector_gemv's (kernels/moe.py, kernels/moe_vector.py)."""
+    moe, moe_vector = kernels_of("moe"), kernels_of("moe_vector")
+    out = []
+    flags: dict[str, Any]
+    run = {"num_warps": 4, "num_stages": 3}
+    ids = {"experts_ptr": "*i32"}
+    for block_n, block_k in ((2, 256), (4, 512)):
+        flags = {"TOP_K": 8, "BLOCK_J": 8, "BLOCK_N": block_n, "BLOCK_K": block_k}
+        types = ids | {"weights_ptr": "*fp32"}
+        out.append(case(moe_vector._mix_down_kernel, flags, types, run))
+    for top_k, block_e in ((8, 128), (2, 8)):
+        flags = {"TOP_K": top_k, "NORMALIZE": True, "BLOCK_E": block_e}
+        types = {"logits_ptr": "*fp32", "weights_ptr": "*fp32", "experts_ptr": "*i32"}
+        out.append(case(moe._top_k_kernel, flags, types, run | {"num_warps": 4}))
+    flags = {"A_ROW_DIV": 8, "HAS_SCALE": True, "PRECISION": "tf32", "BLOCK_M": 16,
+             "BLOCK_N": 64, "BLOCK_K": 128}  # fmt: skip
+    ints = {"scale_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}
+    out.append(case(moe._grouped_gemm_kernel, flags, ints, run))
+    layout = {"experts_ptr": "*i32", "counts_ptr": "*i32", "ranks_ptr": "*i32",
+              "ends_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}  # fmt: skip
+    for block_m in (16, 128):
+        flags = {"BLOCK_M": block_m, "BLOCK_E": 128, "BLOCK": moe.ALIGN_PAIRS}
+        out.append(case(moe._count_kernel, flags, layout, run))
+        flags |= {"BLOCK_B": moe.PLACE_SLOTS // block_m}
+        out.append(case(moe._place_kernel, flags, layout, run))
+    return out
+
+
 def fp8_cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
     """The kernels that make FP8 activation codes."""
     activation, norm, quant = kernels_of("activation"), kernels_of("norm"), kernels_of("fp8_quant")
@@ -84,8 +113,7 @@ def fp8_cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
 
 def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
     activation, decode_attention = kernels_of("activation"), kernels_of("decode_attention")
-    gemv, moe, vector_gemv = kernels_of("gemv"), kernels_of("moe"), kernels_of("vector_gemv")
-    moe_vector = kernels_of("moe_vector")
+    gemv, vector_gemv = kernels_of("gemv"), kernels_of("vector_gemv")
     out = []
     flags: dict[str, Any]
     run = {"num_warps": 4, "num_stages": 3}
@@ -103,14 +131,6 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
                  "BLOCK_K": block_k}  # fmt: skip
         types = ids | routes if route else ids
         out.append(case(vector_gemv._vector_gemv_kernel, flags, types, run))
-    for block_n, block_k in ((2, 256), (4, 512)):
-        flags = {"TOP_K": 8, "BLOCK_J": 8, "BLOCK_N": block_n, "BLOCK_K": block_k}
-        types = ids | {"weights_ptr": "*fp32"}
-        out.append(case(moe_vector._mix_down_kernel, flags, types, run))
-    for top_k, block_e in ((8, 128), (2, 8)):
-        flags = {"TOP_K": top_k, "NORMALIZE": True, "BLOCK_E": block_e}
-        types = {"logits_ptr": "*fp32", "weights_ptr": "*fp32", "experts_ptr": "*i32"}
-        out.append(case(moe._top_k_kernel, flags, types, run | {"num_warps": 4}))
     sends = {"word_ptrs": "*i64", "step_ptr": "*i64"}
     for peers, rank in ((0, 0), (2, 0), (2, 1)):
         flags = {"HAS_BIAS": False, "PEERS": peers, "RANK": rank, "BLOCK_N": 32, "BLOCK_K": 512}
@@ -118,6 +138,7 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
     flags = {"GELU": False, "BLOCK": 1024}
     out.append(case(activation._silu_and_mul_kernel, flags, {}, run))
     out += fp8_cases()
+    out += moe_cases()
     for kv, warps, splits, q in (("*bf16", 4, 8, "*bf16"), ("*i8", 2, 8, "*bf16"),
                                  ("*bf16", 4, 1, "*bf16"), ("*fp8e4nv", 2, 1, "*bf16"),
                                  ("*fp8e4nv", 2, 1, "*fp32")):  # fmt: skip
@@ -142,10 +163,6 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
     flags = {"NUM_HEADS": 32, "HEAD_DIM": 128, "NUM_SPLITS": 16, "BLOCK_D": 128}
     out.append(case(decode_attention._merge_kernel, flags, {"part_out_ptr": "*fp32",
                     "part_lse_ptr": "*fp32"}, run | {"num_warps": 1}))  # fmt: skip
-    flags = {"A_ROW_DIV": 8, "HAS_SCALE": True, "PRECISION": "tf32", "BLOCK_M": 16,
-             "BLOCK_N": 64, "BLOCK_K": 128}  # fmt: skip
-    ints = {"scale_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}
-    out.append(case(moe._grouped_gemm_kernel, flags, ints, run))
     w4a16 = kernels_of("w4a16")
     types = {"q_ptr": "*i32", "z_ptr": "*u8"}
     for packed, block_m, group, swap in ((True, 16, 128, False), (False, 16, 128, False),

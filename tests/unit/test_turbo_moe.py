@@ -40,7 +40,15 @@ def moe_ref(  # noqa: PLR0917
 
 @pytest.mark.parametrize(
     ("num_tokens", "num_experts", "top_k", "block_m"),
-    [(1, 8, 2, 16), (3, 128, 8, 16), (40, 4, 2, 16), (200, 16, 4, 32), (64, 8, 1, 64)],
+    [
+        (1, 8, 2, 16),
+        (3, 128, 8, 16),
+        (40, 4, 2, 16),
+        (200, 16, 4, 32),
+        (64, 8, 1, 64),
+        (300, 128, 8, 128),  # 2,400 pairs: 10 programs count, 10 place and pad
+        (700, 8, 2, 16),
+    ],
 )
 def test_align_places_every_pair_once_in_blocks_of_one_expert(
     num_tokens: int, num_experts: int, top_k: int, block_m: int
