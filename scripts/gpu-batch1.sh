@@ -34,6 +34,11 @@
 #   scripts/gpu-batch1.sh tiles [TESTS...]
 #       nvidia-h200, ~4 minutes: TESTS, then the batch-1 step with vector_gemv's H200
 #       tiles and with the H100's (families_bench.py --h100-tiles) on the same two shapes.
+#   scripts/gpu-batch1.sh moe48
+#       nvidia-h200, ~5 minutes: the whole Qwen3-30B-A3B shape written streamed into
+#       /dev/shm (57 GB, ~85 s), then families_bench.py at batch 1 (the step against its
+#       floor) and at 256 (each in an engine of its own), and step_profile.py at 256 and
+#       prefill_profile.py at 16 x 512 tokens (where a batch-256 run's time goes).
 # Carry .whl and .gpu-assets/smollm2-tokenizer. Results in $OUT: batch1-tests.txt,
 # batch1.jsonl (or tp-step.jsonl), batch1-stderr.txt.
 set -uo pipefail
@@ -44,6 +49,22 @@ if [[ ${1:-} == tp ]]; then
     --separate-activation --nccl-batch1 --variant-tp 2 --kernels 8
 fi
 source scripts/gpu-env.sh
+if [[ ${1:-} == moe48 ]]; then
+  python3 setup.py -q build_ext --inplace 2>&1 | tail -3
+  model=/dev/shm/qwen3-30b-a3b-shape
+  [[ -f $model/config.json ]] || python3 scripts/random_models.py qwen3-30b-a3b-shape --streamed \
+    --out-dir /dev/shm 2>&1 | grep -v "^Writing" | tail -2
+  for batch in 1 256; do
+    timeout 200 python3 scripts/families_bench.py "$model" --batches $batch \
+      2>>"$out/batch1-stderr.txt" | tee -a "$out/moe48.jsonl"
+  done
+  timeout 120 python3 scripts/step_profile.py "$model" --batch 256 --kernels 12 \
+    2>>"$out/batch1-stderr.txt" | tee "$out/step256-profile.txt"
+  timeout 120 python3 scripts/prefill_profile.py "$model" --prompts 16 --top 12 \
+    2>>"$out/batch1-stderr.txt" | tee "$out/prefill-profile.txt"
+  grep -E "Error|error" "$out/batch1-stderr.txt" | tail -5
+  exit 0
+fi
 if [[ ${1:-} =~ ^(products|plain|rotary|tiles)$ ]]; then
   mode=$1
   shift
