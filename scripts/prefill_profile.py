@@ -2,6 +2,7 @@
 
     python3 scripts/prefill_profile.py MODEL_DIR [--prompts 16] [--input-len 512]
         [--quantization fp8|w4a16] [--kv-cache-dtype int8|fp8] [--top 15] [--no-fp8-codes]
+        [--separate-moe-activation]
 
 Builds the engine as `lmd-bench offline` does (turbo, bf16) and runs rounds of one
 prefill step each: `--prompts` random prompts of `--input-len` tokens, one output token
@@ -24,6 +25,7 @@ from lmd.bench.offline import random_prompts
 from lmd.engine.config import EngineConfig
 from lmd.engine.engine import Engine
 from lmd.engine.sequence import SamplingParams, Sequence
+from lmd.engine.turbo.kernels import moe
 
 ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
@@ -37,7 +39,13 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--no-fp8-codes", action="store_true", help="TurboModel.fp8_codes off")
+    parser.add_argument(
+        "--separate-moe-activation",
+        action="store_true",
+        help="experts: SiLU-and-multiply in a kernel of its own (moe.GATED_GEMM off)",
+    )
     args = parser.parse_args()
+    moe.GATED_GEMM = not args.separate_moe_activation
     tokens = args.prompts * args.input_len
     config = EngineConfig(
         max_batch_size=args.prompts,
@@ -71,6 +79,8 @@ def main() -> None:
         times.append(time.perf_counter() - start)
     step_ms = statistics.median(times) * 1e3
     label = f"quantization={args.quantization} kv={args.kv_cache_dtype}"
+    if args.separate_moe_activation:
+        label += " separate-moe-activation"
     print(f"{label}: prefill step of {tokens} tokens {step_ms:.1f} ms, "
           f"{tokens / step_ms * 1e3:,.0f} tok/s", flush=True)  # fmt: skip
     print_kernels(kernel_table(lambda n: prefill_round(7 + n), 3), args.top, step_ms)

@@ -75,10 +75,13 @@ def moe_cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
         flags = {"TOP_K": top_k, "NORMALIZE": True, "BLOCK_E": block_e}
         types = {"logits_ptr": "*fp32", "weights_ptr": "*fp32", "experts_ptr": "*i32"}
         out.append(case(moe._top_k_kernel, flags, types, run | {"num_warps": 4}))
-    flags = {"A_ROW_DIV": 8, "HAS_SCALE": True, "PRECISION": "tf32", "BLOCK_M": 16,
-             "BLOCK_N": 64, "BLOCK_K": 128}  # fmt: skip
     ints = {"scale_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}
-    out.append(case(moe._grouped_gemm_kernel, flags, ints, run))
+    for block_m, block_n, block_k, warps, gated in ((16, 64, 128, 4, False),
+                                                    (16, 64, 128, 4, True),
+                                                    (128, 256, 64, 8, True)):  # fmt: skip
+        flags = {"A_ROW_DIV": 8, "HAS_SCALE": not gated, "GATED": gated, "PRECISION": "tf32",
+                 "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}  # fmt: skip
+        out.append(case(moe._grouped_gemm_kernel, flags, ints, run | {"num_warps": warps}))
     layout = {"experts_ptr": "*i32", "counts_ptr": "*i32", "ranks_ptr": "*i32",
               "ends_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}  # fmt: skip
     for block_m in (16, 128):

@@ -2,7 +2,9 @@
 
 `align` must place every (token, choice) pair exactly once, in blocks of one expert
 each; the grouped GEMMs and `fused_moe` must equal running each token through its k
-experts one by one. Through Triton's interpreter without CUDA, compiled with it.
+experts one by one, and gate|up's GEMM with the activation made in its launch the two
+launches' values bit for bit. Through Triton's interpreter without CUDA, compiled with
+it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from tests.unit.test_turbo_kernels import DEVICE, DTYPES, TOLERANCE, rel_err
 
 pytest.importorskip("triton")
 
-from lmd.engine.turbo.kernels import moe
+from lmd.engine.turbo.kernels import moe, silu_and_mul
 
 
 def moe_ref(  # noqa: PLR0917
@@ -95,6 +97,28 @@ def test_fused_moe_equals_the_loop_over_experts(
     ref = moe_ref(h, router, gate_up, down, top_k, norm)
     # Rounded at the expert boundaries (gate/up, the activation) as well as at the end.
     assert rel_err(out, ref) < 4 * TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_tokens", "tiles"), [(6, None), (300, None), (40, (32, 32, 4, 2))])
+def test_gate_up_with_its_activation_gives_the_two_launches_values(
+    dtype: torch.dtype, num_tokens: int, tiles: tuple[int, int, int, int] | None
+) -> None:
+    num_experts, top_k, hidden, inter = 8, 2, 64, 40  # 2I = 80: a partial column tile
+    torch.manual_seed(num_tokens)
+    h = torch.randn(num_tokens, hidden, device=DEVICE).to(dtype)
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden, device=DEVICE) / 8).to(dtype)
+    experts = torch.randint(0, num_experts, (num_tokens, top_k), device=DEVICE)
+    num_pairs = num_tokens * top_k
+    block_m = moe.block_rows(num_pairs, num_experts)
+    layout = moe.align(experts, num_experts, block_m)
+    shape = {"num_pairs": num_pairs, "a_row_div": top_k, "block_m": block_m, "tiles": tiles}
+    both = moe.grouped_gemm(h, gate_up, *layout, **shape)  # [P, 2I]
+    act = moe.grouped_gemm(h, gate_up, *layout, gated=True, **shape)
+    assert act.shape == (num_pairs, inter)
+    assert torch.equal(act, silu_and_mul(both))
+    with pytest.raises(ValueError, match="gated"):
+        moe.grouped_gemm(h, gate_up[:, 1:], *layout, gated=True, **shape)
 
 
 def test_fused_moe_of_no_tokens_is_empty() -> None:

@@ -8,14 +8,14 @@ The T * k (token, choice) pairs are numbered `t * k + j`. `align` sorts them by 
 and pads each expert's run to a multiple of BLOCK_M, so that every block of BLOCK_M
 sorted pairs belongs to one expert; the grouped GEMM then runs all experts in one
 launch, a program per (block, BLOCK_N output columns), each reading its expert's weight
-tile once for all the block's rows. Gate/up and down are two such launches with the
-SiLU-and-multiply between; the down launch scales each row by its routing weight and
-the k rows of a token are summed.
+tile once for all the block's rows. Gate/up and down are two such launches, the first
+writing SiLU(gate) * up (`GATED_GEMM`); the down launch scales each row by its routing
+weight and the k rows of a token are summed.
 
 Everything runs on the device without a host sync (the padded layout is sized for the
 worst case), so a decode step with experts is captured in a CUDA graph as any other. A
-layer of experts is 7 launches: the router's GEMM, softmax + top-k, the layout, two
-grouped GEMMs, SiLU, the sum over k.
+layer of experts is 8 launches: the router's GEMM, softmax + top-k, the layout (the
+counts' zeroing and two kernels), two grouped GEMMs, the sum over k.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lmd.engine.turbo.kernels.activation import silu_and_mul
+from lmd.engine.turbo.kernels.activation import gated, silu_and_mul
 
 
 @triton.jit
@@ -46,6 +46,7 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
     stride_c,
     A_ROW_DIV: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    GATED: tl.constexpr,  # w is gate | up [E, 2I, K]: write silu(gate) * up, [P, I]
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -58,7 +59,12 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
     pair = tl.load(sorted_ptr + rows)  # (token, choice) pair ids; num_pairs = padding
     real = pair < num_pairs
     a_row = (pair // A_ROW_DIV).to(tl.int64)  # gate/up reads token t = pair // k
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GATED:  # columns gate_0, up_0, gate_1, up_1, ... of BLOCK_N / 2 outputs
+        r = tl.arange(0, BLOCK_N)
+        outs = tl.program_id(1) * (BLOCK_N // 2) + r // 2
+        cols = tl.where(outs < n // 2, outs + (r % 2) * (n // 2), n)  # n: masked off
+    else:
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_base = w_ptr + expert * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
@@ -76,11 +82,15 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + pair, mask=real, other=0.0).to(tl.float32)[:, None]
-    tl.store(
-        c_ptr + pair.to(tl.int64)[:, None] * stride_c + cols[None, :],
-        acc.to(c_ptr.dtype.element_ty),
-        mask=real[:, None] & (cols[None, :] < n),
-    )
+    dtype: tl.constexpr = c_ptr.dtype.element_ty
+    c_rows = c_ptr + pair.to(tl.int64)[:, None] * stride_c
+    if GATED:  # each product rounded first, as silu_and_mul reads it
+        gate, up = tl.split(tl.reshape(acc.to(dtype), (BLOCK_M, BLOCK_N // 2, 2)))
+        half = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        act = gated(gate, up, False).to(dtype)
+        tl.store(c_rows + half[None, :], act, mask=real[:, None] & (half[None, :] < n // 2))
+    else:
+        tl.store(c_rows + cols[None, :], acc.to(dtype), mask=real[:, None] & (cols[None, :] < n))
 
 
 @triton.jit
@@ -329,18 +339,23 @@ def grouped_gemm(
     block_m: int,
     scale: Tensor | None = None,
     tiles: tuple[int, int, int, int] | None = None,
+    gated: bool = False,
 ) -> Tensor:
     """out[p] = a[p // a_row_div] @ weight[expert of p]^T (* scale[p]) for every pair p.
 
     a: [R, K]; weight: [E, N, K]; scale: [P] float32 or None -> out [num_pairs, N] in
     a's dtype. Rows of pairs no block holds are left unwritten (there are none when
     `sorted_pairs` comes from `align`). `tiles`: (BLOCK_N, BLOCK_K, warps, stages), to
-    try others than the default.
+    try others than the default. `gated`: weight is gate | up (N = 2I) and out [P, I]
+    is silu_and_mul of the product, made in the same launch (a program's columns are
+    its outputs' gate and up rows side by side), bit for bit the two launches' values.
     """
     _, n, k = weight.shape
     if a.shape[1] != k or a.stride(1) != 1 or weight.stride(2) != 1:
         raise ValueError(f"grouped_gemm: a {tuple(a.shape)} against weights {tuple(weight.shape)}")
-    out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
+    if gated and (n % 2 or scale is not None):
+        raise ValueError("grouped_gemm's gated takes gate | up rows and no scale")
+    out = torch.empty(num_pairs, n // 2 if gated else n, dtype=a.dtype, device=a.device)
     # The fastest at Qwen3-30B-A3B's shapes on an H200 (scripts/moe_tiles.py): 64 x 128
     # for decode's few rows per expert (~4 TB/s), 128 x 64 for 64-row blocks, 256 x 64
     # on 8 warps for a prefill's 128-row blocks (1.2x 64-row blocks at 4-8k tokens).
@@ -368,6 +383,7 @@ def grouped_gemm(
         out.stride(0),
         A_ROW_DIV=a_row_div,
         HAS_SCALE=scale is not None,
+        GATED=gated,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",  # float32: no TF32 rounding
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -386,6 +402,12 @@ def block_rows(num_pairs: int, num_experts: int) -> int:
     if per_expert <= 48:
         return 16 if per_expert <= 16 else 32
     return 64 if per_expert <= 128 else 128
+
+
+# SiLU-and-multiply made in gate|up's grouped GEMM (`gated`), one launch and a [T k, 2I]
+# round trip through memory fewer a layer (scripts/families_bench.py
+# --separate-moe-activation measures it without).
+GATED_GEMM = True
 
 
 def fused_moe(
@@ -409,7 +431,7 @@ def fused_moe(
     num_pairs = num_tokens * top_k
     block_m = block_rows(num_pairs, num_experts)
     sorted_pairs, block_expert = align(experts, num_experts, block_m)
-    up = grouped_gemm(
+    act = grouped_gemm(
         h,
         gate_up,
         sorted_pairs,
@@ -417,9 +439,10 @@ def fused_moe(
         num_pairs=num_pairs,
         a_row_div=top_k,
         block_m=block_m,
-    )  # [T k, 2I]
+        gated=GATED_GEMM,
+    )  # [T k, I] (gate | up [T k, 2I] without GATED_GEMM)
     mixed = grouped_gemm(
-        silu_and_mul(up),
+        act if GATED_GEMM else silu_and_mul(act),
         down,
         sorted_pairs,
         block_expert,
