@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from lmd.engine.turbo import kernels
-from lmd.engine.turbo.kernels import moe, moe_vector
+from lmd.engine.turbo.kernels import moe_vector, routing
 from lmd.engine.turbo.kernels.vector_gemv import Route, default_tiles
 from scripts.w4a16_tiles import L2_BYTES, rel_err, time_us
 
@@ -189,7 +189,7 @@ def bench_experts(dtype: torch.dtype, num: int = 128, hidden: int = 2048, inner:
                 x, router, norm=norm, out_dtype=torch.float32, tiles=tiles, route=route
             )
         ),
-        "router 128 x 2048, then top-k": lambda ids, tiles: moe.top_k_of(
+        "router 128 x 2048, then top-k": lambda ids, tiles: routing.top_k_of(
             kernels.vector_gemv(x, router, norm=norm, out_dtype=torch.float32, tiles=tiles), 8, True
         )[0],
         "gate|up 8 x 1536 x 2048 (norm, activation)": lambda ids, tiles: kernels.vector_gemv(

@@ -17,7 +17,7 @@ from functools import partial
 import torch
 import triton
 
-from lmd.engine.turbo.kernels import moe
+from lmd.engine.turbo.kernels import moe, routing
 
 E, K, HIDDEN, INTER = 128, 8, 2048, 768
 TILES = [None, (32, 128, 4, 3), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 3),
@@ -45,7 +45,7 @@ def main() -> None:
     expert_bytes = (gate_up[0].numel() + down[0].numel()) * 2
     for tokens in (int(t) for t in args.tokens.split(",")):
         h = torch.randn(tokens, HIDDEN, device=dev, dtype=torch.bfloat16)
-        weights, experts = moe.route(h, router, K, True, float_out=True)
+        weights, experts = routing.route(h, router, K, True, float_out=True)
         gb = int(torch.unique(experts).numel()) * expert_bytes / 1e3  # in kB: GB/s from us
         block_m = args.block_m or moe.block_rows(tokens * K, E)
         layout = moe.align(experts, E, block_m)
@@ -54,13 +54,15 @@ def main() -> None:
                               normalize=True, float_out=True))  # fmt: skip
         print(f"T={tokens}: block_m {block_m}, fused_moe {whole:.1f} us, "
               f"{gb / whole:.0f} GB/s of the experts hit")  # fmt: skip
-        common = {"num_pairs": tokens * K, "block_m": block_m}
+        pairs = tokens * K
         for tiles in TILES:
-            try:
+            try:  # gate|up as the model runs it (with its activation under GATED_GEMM)
                 up = bench(partial(moe.grouped_gemm, h, gate_up, *layout, a_row_div=K,
-                                   tiles=tiles, **common))  # fmt: skip
+                                   tiles=tiles, num_pairs=pairs, block_m=block_m,
+                                   gated=moe.GATED_GEMM))  # fmt: skip
                 dn = bench(partial(moe.grouped_gemm, act, down, *layout, a_row_div=1,
-                                   scale=weights.flatten(), tiles=tiles, **common))  # fmt: skip
+                                   scale=weights.flatten(), tiles=tiles, num_pairs=pairs,
+                                   block_m=block_m))  # fmt: skip
             except Exception as exc:  # a tiling that does not compile is a result too
                 print(f"  tiles {tiles}: {type(exc).__name__} {str(exc)[:80]}")
                 continue

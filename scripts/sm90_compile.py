@@ -63,6 +63,7 @@ def case(
 def moe_cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
     """The experts' kernels past vector_gemv's (kernels/moe.py, kernels/moe_vector.py)."""
     moe, moe_vector = kernels_of("moe"), kernels_of("moe_vector")
+    routing = kernels_of("routing")
     out = []
     flags: dict[str, Any]
     run = {"num_warps": 4, "num_stages": 3}
@@ -74,7 +75,7 @@ def moe_cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
     for top_k, block_e in ((8, 128), (2, 8)):
         flags = {"TOP_K": top_k, "NORMALIZE": True, "BLOCK_E": block_e}
         types = {"logits_ptr": "*fp32", "weights_ptr": "*fp32", "experts_ptr": "*i32"}
-        out.append(case(moe._top_k_kernel, flags, types, run | {"num_warps": 4}))
+        out.append(case(routing._top_k_kernel, flags, types, run | {"num_warps": 4}))
     ints = {"scale_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}
     for block_m, block_n, block_k, warps, gated in ((16, 64, 128, 4, False),
                                                     (16, 64, 128, 4, True),

@@ -9,6 +9,8 @@ it.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -112,13 +114,15 @@ def test_gate_up_with_its_activation_gives_the_two_launches_values(
     num_pairs = num_tokens * top_k
     block_m = moe.block_rows(num_pairs, num_experts)
     layout = moe.align(experts, num_experts, block_m)
-    shape = {"num_pairs": num_pairs, "a_row_div": top_k, "block_m": block_m, "tiles": tiles}
-    both = moe.grouped_gemm(h, gate_up, *layout, **shape)  # [P, 2I]
-    act = moe.grouped_gemm(h, gate_up, *layout, gated=True, **shape)
+    gemm = partial(
+        moe.grouped_gemm, num_pairs=num_pairs, a_row_div=top_k, block_m=block_m, tiles=tiles
+    )
+    both = gemm(h, gate_up, *layout)  # [P, 2I]
+    act = gemm(h, gate_up, *layout, gated=True)
     assert act.shape == (num_pairs, inter)
     assert torch.equal(act, silu_and_mul(both))
     with pytest.raises(ValueError, match="gated"):
-        moe.grouped_gemm(h, gate_up[:, 1:], *layout, gated=True, **shape)
+        gemm(h, gate_up[:, 1:], *layout, gated=True)
 
 
 def test_fused_moe_of_no_tokens_is_empty() -> None:

@@ -18,7 +18,7 @@ from tests.unit.test_turbo_kernels import DEVICE, DTYPES, TOLERANCE, rel_err
 
 pytest.importorskip("triton")
 
-from lmd.engine.turbo.kernels import moe, moe_vector, rms_norm
+from lmd.engine.turbo.kernels import moe, moe_vector, rms_norm, routing
 from lmd.engine.turbo.kernels.vector_gemv import Norm, Route, vector_gemv
 from tests.unit.test_turbo_moe import moe_ref
 
@@ -127,7 +127,7 @@ def test_the_routers_launch_chooses_the_top_k_kernels_experts(
     route = new_route(top_k, normalize)
     logits = vector_gemv(hidden, router, norm=fold, out_dtype=torch.float32, route=route)
     assert torch.equal(logits, vector_gemv(hidden, router, norm=fold, out_dtype=torch.float32))
-    weights, experts = moe.top_k_of(logits, top_k, normalize)
+    weights, experts = routing.top_k_of(logits, top_k, normalize)
     assert torch.equal(route.experts, experts[0]) and torch.equal(route.weights, weights[0])
     assert route.count.item() == 0  # left for the next launch
     vector_gemv(hidden, router, norm=fold, out_dtype=torch.float32, route=route, tiles=tiles)
@@ -140,7 +140,7 @@ def test_top_k_is_the_softmaxs_largest_the_lowest_id_first_among_equals(normaliz
     logits = torch.randn(5, 128, generator=gen)
     logits[1, [3, 70, 9, 100]] = 7.0  # four equal largest: ids 3, 9, 70, 100 in that order
     logits[2] = 0.5  # all equal
-    weights, experts = moe.top_k_of(logits.to(DEVICE), 8, normalize)
+    weights, experts = routing.top_k_of(logits.to(DEVICE), 8, normalize)
     probs = torch.softmax(logits, dim=-1)
     order = sorted(range(128), key=lambda e: (-float(logits[1, e]), e))
     assert experts[1].tolist() == order[:8] and experts[2].tolist() == list(range(8))

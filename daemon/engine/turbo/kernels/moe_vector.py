@@ -2,7 +2,7 @@
 
     1. the router's product with the layer's RMSNorm (and the residual add) folded in,
        float32 logits, and the token's k experts chosen from them (softmax + top-k,
-       kernels/moe.py's `choose`) by the last of its programs to finish
+       kernels/routing.py's `choose`) by the last of its programs to finish
        (kernels/vector_gemv.py with a `Norm` and a `Route`);
     2. gate|up of the k chosen experts with the activation folded in, one launch for all
        of them (vector_gemv with `experts` and `activation`): [k, I];

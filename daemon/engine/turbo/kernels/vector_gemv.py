@@ -25,7 +25,7 @@ With `experts` (a layer of experts at batch 1, kernels/moe_vector.py) the weight
 second grid axis over the choices, each program reading the id of its choice's expert
 and streaming that expert's rows. With a `Route` (the router's product, float32 logits)
 the last program to finish also chooses the token's experts from all the logits
-(kernels/moe.py's `choose`) and writes their ids and weights, where a top-k kernel of
+(kernels/routing.py's `choose`) and writes their ids and weights, where a top-k kernel of
 its own took a launch: each program counts itself done on an atomic counter after its
 logits are stored, and the one that counts last reads them back from L2 and resets it.
 """
@@ -41,8 +41,8 @@ import triton.language as tl
 from torch import Tensor
 
 from lmd.engine.turbo.kernels.activation import check_activation, gated
-from lmd.engine.turbo.kernels.moe import choose_when_last
 from lmd.engine.turbo.kernels.native_kernels import device_index
+from lmd.engine.turbo.kernels.routing import choose_when_last
 
 
 @dataclass(frozen=True, slots=True)
