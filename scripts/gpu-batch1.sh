@@ -38,7 +38,8 @@
 #       nvidia-h200, ~5 minutes: the whole Qwen3-30B-A3B shape written streamed into
 #       /dev/shm (57 GB, ~85 s), then families_bench.py at batch 1 (the step against its
 #       floor) and at 256 (each in an engine of its own), and step_profile.py at 256 and
-#       prefill_profile.py at 16 x 512 tokens (where a batch-256 run's time goes).
+#       prefill_profile.py at 16 x 512 tokens (where a batch-256 run's time goes), the
+#       latter again with the experts' activation in its own kernel.
 # Carry .whl and .gpu-assets/smollm2-tokenizer. Results in $OUT: batch1-tests.txt,
 # batch1.jsonl (or tp-step.jsonl), batch1-stderr.txt.
 set -uo pipefail
@@ -60,8 +61,11 @@ if [[ ${1:-} == moe48 ]]; then
   done
   timeout 120 python3 scripts/step_profile.py "$model" --batch 256 --kernels 12 \
     2>>"$out/batch1-stderr.txt" | tee "$out/step256-profile.txt"
-  timeout 120 python3 scripts/prefill_profile.py "$model" --prompts 16 --top 12 \
-    2>>"$out/batch1-stderr.txt" | tee "$out/prefill-profile.txt"
+  for flags in "" --separate-moe-activation; do
+    # shellcheck disable=SC2086  # flags: a word or none
+    timeout 120 python3 scripts/prefill_profile.py "$model" --prompts 16 --top 12 $flags \
+      2>>"$out/batch1-stderr.txt" | tee -a "$out/prefill-profile.txt"
+  done
   grep -E "Error|error" "$out/batch1-stderr.txt" | tail -5
   exit 0
 fi
