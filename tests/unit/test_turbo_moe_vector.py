@@ -166,6 +166,10 @@ def test_bad_shapes_are_refused() -> None:
     bad = dataclasses.replace(new_route(2, True), count=torch.zeros(1, device=DEVICE))
     with pytest.raises(ValueError, match="route"):  # a float counter
         vector_gemv(hidden, router, out_dtype=torch.float32, route=bad)
+    with pytest.raises(ValueError, match="route"):  # more choices than experts
+        vector_gemv(hidden, router, out_dtype=torch.float32, route=new_route(5, True))
+    with pytest.raises(ValueError, match="top_k"):
+        routing.top_k_of(torch.zeros(1, 4, device=DEVICE), 5, True)
     act = torch.zeros(2, INTER + 1, device=DEVICE)
     with pytest.raises(ValueError, match="mix_down"):
         moe_vector.mix_down(act, down, experts, torch.ones(2, device=DEVICE))

@@ -116,6 +116,8 @@ def route(
 def top_k_of(logits: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Tensor]:
     """Router logits [T, E] float32 -> route's (weights [T, k], experts [T, k])."""
     num_tokens, num_experts = logits.shape
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"top_k {top_k} of {num_experts} experts")
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
     experts = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
     _top_k_kernel[(num_tokens,)](

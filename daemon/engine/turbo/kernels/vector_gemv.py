@@ -209,7 +209,7 @@ def vector_gemv(
         residual, summed = norm.residual, norm.summed
     top_k = 1
     if route is not None:
-        _check_route(route, out_dtype, experts, activation)
+        _check_route(route, n, out_dtype, experts, activation)
         top_k = route.experts.shape[0]
     width = n if activation is None else n // 2
     y = torch.empty(num_rows, width, dtype=out_dtype or x.dtype, device=x.device)
@@ -304,13 +304,18 @@ def _check(norm: Norm, x: Tensor, k: int) -> None:
 
 
 def _check_route(
-    route: Route, out_dtype: torch.dtype | None, experts: Tensor | None, activation: str | None
+    route: Route,
+    n: int,
+    out_dtype: torch.dtype | None,
+    experts: Tensor | None,
+    activation: str | None,
 ) -> None:
     if out_dtype != torch.float32 or experts is not None or activation is not None:
         raise ValueError("vector_gemv's route takes a router's float32 logits, one product")
     w, e, count = route.weights, route.experts, route.count
     if (
         e.dim() != 1
+        or not 0 < e.shape[0] <= n
         or w.shape != e.shape
         or (w.dtype, e.dtype, count.dtype) != (torch.float32, torch.int32, torch.int32)
         or count.shape != (1,)
