@@ -88,7 +88,7 @@ class TurboModel:
         # group, whose peer exchange sums what gemv's programs make (turbo/exchange.py)
         # and whose NCCL path must give the same sums.
         self.vector_plain = not tp.enabled
-        # ... and a layer of experts in 3 launches (kernels/moe_vector.py) instead of 9
+        # ... and a layer of experts in 3 launches (kernels/moe_vector.py) instead of 10
         # (scripts/families_bench.py --separate-experts measures it), its router's
         # programs counting themselves done on this (at 0 between launches).
         self.vector_experts = True

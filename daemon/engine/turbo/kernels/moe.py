@@ -8,14 +8,14 @@ The T * k (token, choice) pairs are numbered `t * k + j`. `align` sorts them by 
 and pads each expert's run to a multiple of BLOCK_M, so that every block of BLOCK_M
 sorted pairs belongs to one expert; the grouped GEMM then runs all experts in one
 launch, a program per (block, BLOCK_N output columns), each reading its expert's weight
-tile once for all the block's rows. Gate/up and down are two such launches, the first
-writing SiLU(gate) * up (`GATED_GEMM`); the down launch scales each row by its routing
-weight and the k rows of a token are summed.
+tile once for all the block's rows. Gate/up and down are two such launches with the
+SiLU-and-multiply between (or made in the first, `GATED_GEMM`); the down launch scales
+each row by its routing weight and the k rows of a token are summed.
 
 Everything runs on the device without a host sync (the padded layout is sized for the
 worst case), so a decode step with experts is captured in a CUDA graph as any other. A
-layer of experts is 8 launches: the router's GEMM, softmax + top-k, the layout (the
-counts' zeroing and two kernels), two grouped GEMMs, the sum over k.
+layer of experts is 9 launches (8 with GATED_GEMM): the router's GEMM, softmax + top-k,
+the layout (the counts' zeroing and two kernels), two grouped GEMMs, SiLU, the sum over k.
 """
 
 from __future__ import annotations
@@ -292,9 +292,10 @@ def block_rows(num_pairs: int, num_experts: int) -> int:
 
 
 # SiLU-and-multiply made in gate|up's grouped GEMM (`gated`), one launch and a [T k, 2I]
-# round trip through memory fewer a layer (scripts/families_bench.py
-# --separate-moe-activation measures it without).
-GATED_GEMM = True
+# round trip through memory fewer a layer: bit for bit the two launches' values under
+# the interpreter, compiled for sm_90, but off until run and timed on a GPU
+# (scripts/prefill_profile.py times it on, and off with --separate-moe-activation).
+GATED_GEMM = False
 
 
 def fused_moe(

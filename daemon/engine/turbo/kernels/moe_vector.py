@@ -13,7 +13,7 @@
        to the token's output.
 
 kernels/moe.py's path (router GEMM, top-k, the block layout, two grouped GEMMs padded to
-tl.dot's 16 rows, the sum over k, and the norm before it: 9 launches) gives the
+tl.dot's 16 rows, SiLU, the sum over k, and the norm before it: 10 launches) gives the
 same values up to the order of float32 sums: each expert's product is scaled by its
 weight and rounded to the activations' dtype before the k of them are added in float32
 and rounded once, as there.
