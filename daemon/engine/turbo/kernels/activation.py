@@ -114,6 +114,17 @@ def _silu_and_mul_groups_kernel(  # noqa: PLR0917  # Triton kernels take positio
 
 
 @triton.jit
+def gate_up_rows(pid, n, BLOCK_N: tl.constexpr):
+    """The rows of a gate | up weight (n = 2I rows) for program `pid`'s BLOCK_N / 2
+    outputs, each output's gate and up side by side (gate_0, up_0, gate_1, ...):
+    (rows [BLOCK_N], valid: the row's output exists). A product over them yields pairs
+    to split (tl.reshape(..., 2)) into act(gate) * up, in one launch."""
+    r = tl.arange(0, BLOCK_N)
+    outs = pid * (BLOCK_N // 2) + r // 2
+    return outs + (r % 2) * (n // 2), outs < n // 2
+
+
+@triton.jit
 def gated(gate, up, GELU: tl.constexpr):
     """act(gate) * up in float32 (kernels/vector_gemv.py also applies it to its output)."""
     gate = gate.to(tl.float32)

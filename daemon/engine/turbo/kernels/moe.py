@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lmd.engine.turbo.kernels.activation import gated, silu_and_mul
+from lmd.engine.turbo.kernels.activation import gate_up_rows, gated, silu_and_mul
 from lmd.engine.turbo.kernels.routing import route
 
 
@@ -60,11 +60,10 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
     real = pair < num_pairs
     a_row = (pair // A_ROW_DIV).to(tl.int64)  # gate/up reads token t = pair // k
     if GATED:  # columns gate_0, up_0, gate_1, up_1, ... of BLOCK_N / 2 outputs
-        r = tl.arange(0, BLOCK_N)
-        outs = tl.program_id(1) * (BLOCK_N // 2) + r // 2
-        cols = tl.where(outs < n // 2, outs + (r % 2) * (n // 2), n)  # n: masked off
+        cols, valid = gate_up_rows(tl.program_id(1), n, BLOCK_N)
     else:
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = cols < n
     w_base = w_ptr + expert * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
@@ -76,7 +75,7 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
         )  # [BLOCK_M, BLOCK_K]
         w = tl.load(
             w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
-            mask=(cols[None, :] < n) & (ks[:, None] < k),
+            mask=valid[None, :] & (ks[:, None] < k),
             other=0.0,
         )  # [BLOCK_K, BLOCK_N]
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
@@ -90,7 +89,7 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
         act = gated(gate, up, False).to(dtype)
         tl.store(c_rows + half[None, :], act, mask=real[:, None] & (half[None, :] < n // 2))
     else:
-        tl.store(c_rows + cols[None, :], acc.to(dtype), mask=real[:, None] & (cols[None, :] < n))
+        tl.store(c_rows + cols[None, :], acc.to(dtype), mask=real[:, None] & valid[None, :])
 
 
 @triton.jit

@@ -30,11 +30,8 @@ def choose(  # noqa: PLR0917  # a Triton function: positional arguments
     """A token's routing from its float32 logits, written to experts_ptr ([TOP_K] int32)
     and weights_ptr ([TOP_K] float32): slot j the expert with the j-th largest logit
     (the lowest id among equals) and its softmax probability, the TOP_K of them scaled
-    to sum to 1 if NORMALIZE. Each expert's rank is how many logits come before it: the
-    logits read one at a time (uniform loads, all in flight together) against the
-    program's vector of them, and each of the TOP_K first writes itself at its rank, so
-    no reduction between threads but the softmax's. The loads read L2 (.cg): a
-    router's other programs may have written the logits in the same launch."""
+    to sum to 1 if NORMALIZE (ranked as the module docstring says). The loads read L2
+    (.cg): a router's other programs may have written the logits in the same launch."""
     e = tl.arange(0, BLOCK_E)
     real = e < num_experts
     logits = tl.load(logits_ptr + e, mask=real, other=-float("inf"), cache_modifier=".cg")

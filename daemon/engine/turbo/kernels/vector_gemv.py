@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lmd.engine.turbo.kernels.activation import check_activation, gated
+from lmd.engine.turbo.kernels.activation import check_activation, gate_up_rows, gated
 from lmd.engine.turbo.kernels.native_kernels import device_index
 from lmd.engine.turbo.kernels.routing import choose_when_last
 
@@ -107,10 +107,7 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
         w_ptr += tl.load(experts_ptr + choice).to(tl.int64) * stride_e
         y_ptr += choice * (n // 2 if GATED else n)
     if GATED:  # W rows gate_0, up_0, gate_1, up_1, ... of this program's outputs
-        r = tl.arange(0, BLOCK_N)
-        outs = pid * (BLOCK_N // 2) + r // 2
-        cols = outs + (r % 2) * (n // 2)
-        valid = outs < n // 2
+        cols, valid = gate_up_rows(pid, n, BLOCK_N)
     else:
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = W rows
         valid = cols < n
@@ -213,8 +210,8 @@ def vector_gemv(
         top_k = route.experts.shape[0]
     width = n if activation is None else n // 2
     y = torch.empty(num_rows, width, dtype=out_dtype or x.dtype, device=x.device)
-    if tiles is None and experts is not None:
-        tiles = EXPERT_TILES_H200 if _is_h200(x.device) else default_tiles(n, k)
+    if tiles is None and experts is not None and _is_h200(x.device):
+        tiles = EXPERT_TILES_H200
     block_n, block_k, num_warps, num_stages = tiles or default_tiles(n, k, x.device)
     grid = (triton.cdiv(n, block_n), num_rows)  # gated: BLOCK_N / 2 outputs a program
     _vector_gemv_kernel[grid](
