@@ -4,7 +4,8 @@ against the HBM floor (docs/benchmarks.md, "turbo for Qwen3 and mixtures of expe
     python3 scripts/families_bench.py MODEL_DIR [--batches 1,64,512] [--input-len 512]
         [--output-len 256] [--backend turbo] [--quantization w4a16|fp8]
         [--kv-cache-dtype int8|fp8] [--separate-batch1] [--separate-activation]
-        [--separate-experts] [--gemv-plain] [--rotary-whole] [--h100-tiles]
+        [--separate-experts] [--separate-rotary] [--separate-merge] [--gemv-plain]
+        [--rotary-whole] [--h100-tiles]
         [--wide-max-rows 16] [--no-fp8-codes] [--exact-accum]
 
 One Engine for every batch (max_batch_size = the largest), the prompts and the timing of
@@ -61,6 +62,14 @@ STEP_SWITCHES: dict[str, tuple[str, Callable[[Any, bool], None]]] = {
     "separate-experts": (
         "with a layer of experts through kernels/moe.py's 8 launches (vector_experts off)",
         model_flag("vector_experts", False),
+    ),
+    "separate-rotary": (
+        "with the rotary and K/V write in a kernel of its own (fused_rotary off)",
+        model_flag("fused_rotary", False),
+    ),
+    "separate-merge": (
+        "with decode attention's splits merged in a kernel of its own (fused_merge off)",
+        model_flag("fused_merge", False),
     ),
     "gemv-plain": (
         "with o and down through kernels/gemv.py (vector_plain off)",

@@ -34,6 +34,10 @@
 #   scripts/gpu-batch1.sh tiles [TESTS...]
 #       nvidia-h200, ~4 minutes: TESTS, then the batch-1 step with vector_gemv's H200
 #       tiles and with the H100's (families_bench.py --h100-tiles) on the same two shapes.
+#   scripts/gpu-batch1.sh fused [TESTS...]
+#       nvidia-h200, ~6 minutes: TESTS, then the batch-1 step with the rotary in qkv's
+#       launch and the merge in decode attention's, and with each in a kernel of its own
+#       (families_bench.py --separate-rotary --separate-merge) on the same two shapes.
 #   scripts/gpu-batch1.sh moe48
 #       nvidia-h200, ~5 minutes: the whole Qwen3-30B-A3B shape written streamed into
 #       /dev/shm (57 GB, ~85 s), then families_bench.py at batch 1 (the step against its
@@ -69,7 +73,7 @@ if [[ ${1:-} == moe48 ]]; then
   grep -E "Error|error" "$out/batch1-stderr.txt" | tail -5
   exit 0
 fi
-if [[ ${1:-} =~ ^(products|plain|rotary|tiles)$ ]]; then
+if [[ ${1:-} =~ ^(products|plain|rotary|tiles|fused)$ ]]; then
   mode=$1
   shift
   python3 setup.py -q build_ext --inplace 2>&1 | tail -3
@@ -88,6 +92,7 @@ if [[ ${1:-} =~ ^(products|plain|rotary|tiles)$ ]]; then
   sweep="--shapes qwen3,qwen3moe" switch=--gemv-plain
   [[ $mode == rotary ]] && sweep="--shapes qwen3-gated,llama-gated,llama" switch=--rotary-whole
   [[ $mode == tiles ]] && sweep="" switch=--h100-tiles
+  [[ $mode == fused ]] && sweep="" switch="--separate-rotary --separate-merge"
   # shellcheck disable=SC2086  # sweep: words
   [[ -n $sweep ]] &&
     timeout 150 python3 scripts/gemv_bench.py $sweep 2>&1 | tee "$out/gemv-sweep.txt"

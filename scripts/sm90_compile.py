@@ -35,8 +35,9 @@ def kernels_of(module: str) -> Any:
     return importlib.import_module(f"lmd.engine.turbo.kernels.{module}")
 
 
-FLOATS = ("eps", "scale", "scale_log2")  # float32 scalars
-NOT_ALIGNED = ("eps", "scale", "scale_log2", "num_rows", "point", "layer", "window", "num_pairs")
+FLOATS = ("eps", "scale", "scale_log2", "head_eps")  # float32 scalars
+NOT_ALIGNED = ("eps", "scale", "scale_log2", "num_rows", "point", "layer", "window", "num_pairs",
+               "head_eps")  # fmt: skip
 
 
 def case(
@@ -124,16 +125,24 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
     ids = {"experts_ptr": "*i32"}
     routes = {"y_ptr": "*fp32", "count_ptr": "*i32", "chosen_w_ptr": "*fp32",
               "chosen_e_ptr": "*i32"}  # fmt: skip
-    for block_n, block_k, gated, experts, route in (
-        (4, 1024, False, False, False), (4, 1024, True, False, False),
-        (8, 512, True, False, False), (4, 1024, True, True, False), (1, 4096, False, False, True)
+    rotaries = {"count_ptr": "*i32", "positions_ptr": "*i64", "slots_ptr": "*i64",
+                "rope_ptr": "*fp32"}  # fmt: skip
+    for block_n, block_k, gated, experts, route, pool in (
+        (4, 1024, False, False, False, ""), (4, 1024, True, False, False, ""),
+        (8, 512, True, False, False, ""), (4, 1024, True, True, False, ""),
+        (1, 4096, False, False, True, ""), (8, 512, False, False, False, "*bf16"),
+        (4, 1024, False, False, False, "*i8"),
     ):  # fmt: skip
         flags = {"EXPERTS": experts, "HAS_BIAS": False, "NORM": True, "HAS_RESIDUAL": True,
                  "HAS_SUMMED": True, "GATED": gated, "GELU": False, "ROUTE": route,
                  "TOP_K": 8 if route else 1, "NORMALIZE": route, "BLOCK_E": 128 if route else 1,
-                 "BLOCK_N": block_n,
+                 "ROTARY": bool(pool), "NUM_HEADS": 32 if pool else 0,
+                 "NUM_KV_HEADS": 4 if pool else 0, "HEAD_DIM": 128 if pool else 0,
+                 "HAS_QK_NORM": bool(pool), "BLOCK_N": block_n,
                  "BLOCK_K": block_k}  # fmt: skip
         types = ids | routes if route else ids
+        if pool:
+            types = types | rotaries | {"kv_ptr": pool}
         out.append(case(vector_gemv._vector_gemv_kernel, flags, types, run))
     sends = {"word_ptrs": "*i64", "step_ptr": "*i64"}
     for peers, rank in ((0, 0), (2, 0), (2, 1)):
@@ -143,15 +152,19 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
     out.append(case(activation._silu_and_mul_kernel, flags, {}, run))
     out += fp8_cases()
     out += moe_cases()
-    for kv, warps, splits, q in (("*bf16", 4, 8, "*bf16"), ("*i8", 2, 8, "*bf16"),
-                                 ("*bf16", 4, 1, "*bf16"), ("*fp8e4nv", 2, 1, "*bf16"),
-                                 ("*fp8e4nv", 2, 1, "*fp32")):  # fmt: skip
+    for kv, warps, splits, q, merge in (("*bf16", 4, 8, "*bf16", True),
+                                        ("*i8", 2, 8, "*bf16", True),
+                                        ("*bf16", 4, 8, "*bf16", False),
+                                        ("*bf16", 4, 1, "*bf16", False),
+                                        ("*fp8e4nv", 2, 1, "*bf16", False),
+                                        ("*fp8e4nv", 2, 1, "*fp32", False)):  # fmt: skip
         precision = "ieee" if q == "*fp32" else "tf32"
         flags = {"GROUP": 4, "HEAD_DIM": 128, "NUM_SPLITS": splits, "BLOCK_G": 16,
                  "BLOCK_D": 128, "BLOCK_N": 64, "DOT_PRECISION": precision,
-                 "HEADS_FIRST": True, "IN_BLOCK": True}  # fmt: skip
+                 "HEADS_FIRST": True, "IN_BLOCK": True, "MERGE_LAST": merge}  # fmt: skip
         types = {"kv_ptr": kv, "tables_ptr": "*i32", "context_lens_ptr": "*i32", "q_ptr": q,
-                 "out_ptr": q, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}  # fmt: skip
+                 "out_ptr": q, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+                 "counts_ptr": "*i32"}  # fmt: skip
         options = {"num_warps": warps, "num_stages": 2}
         out.append(case(decode_attention._decode_kernel, flags, types, options))
     prefill = kernels_of("prefill_attention")

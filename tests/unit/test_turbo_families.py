@@ -190,16 +190,14 @@ def test_one_row_steps_through_the_vector_kernels_equal_transformers(
     case: str, model_dir: Path, reference: PreTrainedModel
 ) -> None:
     """Decode steps of one sequence as CUDA runs them in half precision (fused_batch1:
-    kernels/vector_gemv.py; a layer of experts in kernels/moe_vector.py), here in float32:
-    transformers' greedy tokens, and per-step logits of the path of many rows (the
-    mixtures of experts: test_turbo_model.py checks the dense path)."""
-    if "moe" not in case and "mixtral" not in case:
-        pytest.skip("no experts: tests/unit/test_turbo_model.py checks the dense layers")
+    kernels/vector_gemv.py, the rotary and K/V write in qkv's launch; a layer of experts
+    in kernels/moe_vector.py), here in float32: transformers' greedy tokens, and per-step
+    logits of the separate kernels' (moe.py's experts, rotary_and_cache_write)."""
     fused = TurboBackend(model_dir, DEVICE, torch.float32, cuda_graphs=False)
     fused.model.skinny = fused.model.fused_batch1 = True
     assert fused.model.vector_experts
     plain = TurboBackend(model_dir, DEVICE, torch.float32, cuda_graphs=False)
-    plain.model.vector_experts = False
+    plain.model.vector_experts = plain.model.fused_rotary = False
     plain.model.skinny = plain.model.fused_batch1 = True
     prompt = random_prompts([13], fused.vocab_size, seed=24)[0]  # past the window
     fused_logits: list[torch.Tensor] = []

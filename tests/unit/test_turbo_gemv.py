@@ -12,14 +12,23 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 # First: without CUDA this switches Triton to its interpreter before turbo is imported
 # (and skips this module where triton is not installed, as the next line says).
-from tests.unit.test_turbo_kernels import DEVICE, DTYPES, TOLERANCE, rel_err, rms_norm_ref
+from tests.unit.test_turbo_kernels import (
+    DEVICE,
+    DTYPES,
+    TOLERANCE,
+    rel_err,
+    rms_norm_ref,
+    rope_table,
+)
 
 pytest.importorskip("triton")
 
 from lmd.engine.turbo import kernels
+from lmd.engine.turbo.kernels import kv_quant
 
 # the module (the package's `vector_gemv` is its function)
 vector_gemv_module = importlib.import_module("lmd.engine.turbo.kernels.vector_gemv")
@@ -159,3 +168,77 @@ def test_vector_gemv_folds_the_gated_activation(
     gate, up = h.chunk(2, dim=-1)
     act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
     assert rel_err(y, act * up) < 2 * TOLERANCE[dtype]
+
+
+def _rotary(
+    kind: str, qk_norm: bool, slot: int, dtype: torch.dtype
+) -> tuple[kernels.Rotary, Tensor]:
+    """A Rotary of one token at position 37 into layer 1 of a random 3-layer pool of
+    `kind` ("16-bit": `dtype`, or "int8" codes) with 4 q heads and 2 KV heads of 16;
+    and the pool's raw bytes (for a quantized pool: codes and scales both)."""
+    blocks, layers, block_size, kv_heads, head_dim = 6, 3, 4, 2, 16
+    if kind == "int8":
+        raw, kv, scales = kv_quant.quantized_pool(
+            blocks, layers, block_size, kv_heads, head_dim, "int8", DEVICE
+        )
+        raw.copy_(torch.randint(0, 100, raw.shape, dtype=torch.uint8))
+    else:
+        kv = torch.randn(blocks, layers, 2, block_size, kv_heads, head_dim, device=DEVICE)
+        kv = raw = kv.to(dtype)
+        scales = None
+    seeded = torch.Generator().manual_seed(3)  # the same head norms each call
+    norms = [torch.rand(head_dim, generator=seeded).add(0.5).to(DEVICE, dtype) for _ in "qk"]
+    rotary = kernels.Rotary(
+        torch.tensor([37], device=DEVICE),
+        torch.tensor([slot], device=DEVICE),
+        rope_table(64, head_dim).to(DEVICE),
+        kv,
+        1,
+        4,
+        norms[0] if qk_norm else None,
+        norms[1] if qk_norm else None,
+        1e-6,
+        scales,
+        torch.zeros(8, dtype=torch.int32, device=DEVICE),
+    )
+    return rotary, raw
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("kind", "qk_norm", "slot", "block_n"),
+    [
+        ("16-bit", True, 9, 4),
+        ("16-bit", False, 22, 16),
+        ("int8", True, 5, 8),
+        ("16-bit", True, -1, 2),
+    ],
+)
+def test_vector_gemv_does_a_qkv_products_rotary(
+    kind: str, qk_norm: bool, slot: int, block_n: int, dtype: torch.dtype
+) -> None:
+    """One token's qkv product with its rotary and K/V write in its launch (the last
+    program of each head does it, counting on rotary.counts): the product, the pool (a
+    negative slot: untouched) and the counters as the product followed by
+    rotary_and_cache_write's launch leave them, bit for bit."""
+    k = 48
+    w = (torch.randn(8 * 16, k, device=DEVICE) / k**0.5).to(dtype)
+    b = torch.randn(8 * 16, device=DEVICE).to(dtype)
+    x, residual = (torch.randn(1, k, device=DEVICE).to(dtype) for _ in range(2))
+    norm = kernels.Norm(torch.ones(k, device=DEVICE).to(dtype), 1e-6, residual, None)
+    tiles = (block_n, 32, 4, 3)
+    fused, raw = _rotary(kind, qk_norm, slot, dtype)
+    before = raw.clone()
+    y = kernels.vector_gemv(x, w, b, norm=norm, tiles=tiles, rotary=fused)
+    apart, raw_apart = _rotary(kind, qk_norm, slot, dtype)
+    raw_apart.copy_(before)
+    expected = kernels.vector_gemv(x, w, b, norm=norm, tiles=tiles)
+    apart.apply(expected)
+    assert torch.equal(y, expected) and not fused.counts.any()
+    assert torch.equal(raw, raw_apart)
+    assert torch.equal(raw, before) == (slot < 0)
+    for misfit in ((32, 32, 4, 3), (3, 32, 4, 3)):  # across heads
+        with pytest.raises(ValueError, match="columns a program"):
+            kernels.vector_gemv(x, w, b, norm=norm, tiles=misfit, rotary=fused)
+    with pytest.raises(ValueError, match="plain qkv product"):
+        kernels.vector_gemv(x, w, norm=norm, activation="silu", rotary=fused)

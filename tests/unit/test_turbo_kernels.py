@@ -321,6 +321,30 @@ def test_decode_attention_in_either_grid_order(kind: str, splits: int) -> None:
     """A sequence's KV heads launched side by side (heads_first, the default) compute
     what the sequences-first order does, to the bit: the same programs, numbered
     otherwise."""
+    call = _decode_call(kind, splits)
+    assert torch.equal(call(), call(heads_first=False))
+
+
+@pytest.mark.parametrize("kind", ["float16", "int8"])
+@pytest.mark.parametrize("splits", [2, 8])
+def test_decode_attention_merged_by_the_last_split(kind: str, splits: int) -> None:
+    """Given counters, each group's last split to finish merges the splits in the decode
+    launch: the merge kernel's output to the bit, the counters left at 0 (twice over, as
+    a graph replays them); too few counters for the groups: the merge kernel."""
+    call = _decode_call(kind, splits)
+    merged = call()
+    counts = torch.zeros(4 * 3, dtype=torch.int32, device=DEVICE)  # sequences x KV heads
+    for heads_first in (True, False, True):
+        assert torch.equal(call(counts=counts, heads_first=heads_first), merged)
+        assert not counts.any()
+    assert torch.equal(call(counts=counts[:11]), merged)
+    with pytest.raises(ValueError, match="counts"):
+        call(counts=counts.long())
+
+
+def _decode_call(kind: str, splits: int) -> partial[Tensor]:
+    """decode_attention over 4 sequences (one a padding row) of a 3-KV-head pool, `kind`
+    float16 or int8 codes, in `splits`."""
     contexts = [130, 7, 0, 64]
     shape = Attention(9, 3, 64, 16)
     num_blocks = sum(-(-c // 16) for c in contexts) + 3
@@ -334,7 +358,7 @@ def test_decode_attention_in_either_grid_order(kind: str, splits: int) -> None:
         kv = shape.pool(num_blocks, 2, torch.float16)
     _, tables = random_tables(contexts, 16, num_blocks, seed=5)
     q = torch.randn(len(contexts), 9, 64, device=DEVICE).to(torch.float16)
-    call = partial(
+    return partial(
         kernels.decode_attention,
         q,
         kv,
@@ -345,7 +369,6 @@ def test_decode_attention_in_either_grid_order(kind: str, splits: int) -> None:
         num_splits=splits,
         kv_scales=scales,
     )
-    assert torch.equal(call(), call(heads_first=False))
 
 
 def test_decode_splits_fill_the_gpu_and_stay_powers_of_two() -> None:

@@ -93,6 +93,13 @@ class TurboModel:
         # programs counting themselves done on this (at 0 between launches).
         self.vector_experts = True
         self.route_count = torch.zeros(1, dtype=torch.int32, device=weights.embed.device)
+        # Counters at 0 between launches, for work the last of a launch's programs to
+        # finish does: a one-row qkv product's rotary and K/V write (`fused_rotary`), and
+        # decode attention's merge of its splits (`fused_merge`; decode_splits splits only
+        # below two groups of sequence x KV head a multiprocessor). families_bench.py
+        # --separate-rotary / --separate-merge measure the step without each.
+        self.counts = torch.zeros(1024, dtype=torch.int32, device=weights.embed.device)
+        self.fused_rotary = self.fused_merge = True
         # Past 16 rows, an FP8 product's input quantized per token by the RMSNorm or the
         # activation before it, in their launches (no quantizer launch a product).
         self.fp8_codes = True
@@ -119,22 +126,13 @@ class TurboModel:
             exchange.begin_step()
         hidden: Tensor | None = None
         for i, layer in enumerate(w.layers):
-            # [T, (H + 2 Hkv) D]; residual += hidden first (but in layer 0)
+            rotary = kernels.Rotary(step.positions, step.slot_mapping, self.ropes[i], kv, i,
+                                    c.num_heads, layer.q_norm, layer.k_norm, c.rms_norm_eps,
+                                    scales, self.counts)  # fmt: skip
+            # [T, (H + 2 Hkv) D], rotated and k, v written; residual += hidden first (but
+            # in layer 0)
             qkv, residual = self._norm_linear(
-                hidden, residual, layer.input_norm, layer.qkv, layer.qkv_bias
-            )
-            kernels.rotary_and_cache_write(
-                qkv,
-                positions=step.positions,
-                slot_mapping=step.slot_mapping,
-                rope=self.ropes[i],
-                kv=kv,
-                layer=i,
-                num_heads=c.num_heads,
-                q_norm=layer.q_norm,
-                k_norm=layer.k_norm,
-                eps=c.rms_norm_eps,
-                kv_scales=scales,
+                hidden, residual, layer.input_norm, layer.qkv, layer.qkv_bias, rotary=rotary
             )
             heads = qkv.view(num_tokens, -1, c.head_dim)  # [T, H + 2 Hkv, D], rotated
             attn = self._attention(heads, kv, scales, i, step)  # [T, H, D]
@@ -280,22 +278,33 @@ class TurboModel:
         bias: Tensor | None,
         *,
         activation: str | None = None,
+        rotary: kernels.Rotary | None = None,
     ) -> tuple[Tensor, Tensor]:
         """RMSNorm(residual += hidden) @ weight (RMSNorm(residual) with no hidden yet),
         and the residual stream after the add: a new tensor when vector_gemv does both
         in one launch, else `residual`, added to in place. With `activation` the weight
         is gate | up and the result act(gate) * up (in vector_gemv's launch too, where
-        fused_activation)."""
+        fused_activation). With `rotary` the weight is qkv's and its work is done too
+        (in vector_gemv's launch, where fused_rotary)."""
         eps = self.config.rms_norm_eps
         x, res = (residual, None) if hidden is None else (hidden, residual)
         folded = None  # the activation vector_gemv made
         if self._vector(x) and isinstance(weight, Tensor):
             summed = torch.empty_like(residual) if res is not None else None
             folded = activation if self.fused_activation else None
+            tiles = kernels.default_tiles(weight.shape[0], weight.shape[1], x.device)
+            in_launch = rotary if self._folds(rotary, tiles[0]) else None
             y = kernels.vector_gemv(
-                x, weight, bias, norm=kernels.Norm(norm, eps, res, summed), activation=folded
+                x,
+                weight,
+                bias,
+                norm=kernels.Norm(norm, eps, res, summed),
+                activation=folded,
+                tiles=tiles,
+                rotary=in_launch,
             )
             residual = summed if summed is not None else residual
+            rotary = None if in_launch is not None else rotary
         else:
             codes = self._codes(weight, x)
             h = (
@@ -306,7 +315,12 @@ class TurboModel:
             y = self._linear(h, weight, bias)
         if activation is not None and folded is None:
             y = kernels.silu_and_mul(y, activation)
+        if rotary is not None:
+            rotary.apply(y)
         return y, residual
+
+    def _folds(self, rotary: kernels.Rotary | None, block_n: int) -> bool:
+        return rotary is not None and self.fused_rotary and rotary.folds(block_n)
 
     def _codes(self, weight: Linear, x: Tensor) -> Fp8Weight | None:
         """`weight` where its product takes x as codes made in the launch that makes x
@@ -351,6 +365,7 @@ class TurboModel:
                 window=window,
                 num_splits=step.num_splits,
                 kv_scales=scales,
+                counts=self.counts if self.fused_merge else None,
             )
         if step.cu_seqlens is None:
             raise ValueError("a step with several new tokens per sequence needs cu_seqlens")

@@ -19,15 +19,17 @@ from lmd.engine.turbo.kernels.moe import fused_moe
 from lmd.engine.turbo.kernels.moe_vector import experts_vector
 from lmd.engine.turbo.kernels.norm import rms_norm, rms_norm_fp8
 from lmd.engine.turbo.kernels.prefill_attention import prefill_attention
-from lmd.engine.turbo.kernels.rotary import rotary_and_cache_write
-from lmd.engine.turbo.kernels.vector_gemv import Norm, plain_tiles, vector_gemv
+from lmd.engine.turbo.kernels.rotary import Rotary, rotary_and_cache_write
+from lmd.engine.turbo.kernels.vector_gemv import Norm, default_tiles, plain_tiles, vector_gemv
 
 __all__ = [
     "GEMV_MAX_ROWS",
     "Norm",
+    "Rotary",
     "cache_write",
     "decode_attention",
     "decode_splits",
+    "default_tiles",
     "experts_vector",
     "fused_moe",
     "gemv",

@@ -3,8 +3,10 @@
 Grid (B, Hkv, splits): a program takes the G = H / Hkv query heads that share one KV
 head (GQA: each K/V tile is loaded once for the group, and the group's [G, D] queries
 make one small matrix product with it) over one split of the context. Splits let a few
-long sequences fill the GPU; a second kernel merges the splits' partial outputs by their
-log-sum-exp. With one split the first kernel writes the output itself.
+long sequences fill the GPU; their partial outputs are merged by their log-sum-exp,
+given `counts`, by the last of a group's splits to finish (each counts itself done on
+the group's counter, as vector_gemv's router does: a launch fewer, ~1.5 us a layer at
+batch 1), else by a second kernel. With one split the first kernel writes the output.
 
 Tokens are gathered through the block table (key j: block `block_tables[b, j // S]`,
 offset `j % S`), so any block size works; the rows of one key are head_dim contiguous
@@ -50,6 +52,7 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    counts_ptr,  # MERGE_LAST: [B Hkv] int32 at 0, left at 0
     stride_q_seq,
     stride_q_head,
     stride_tables,
@@ -73,6 +76,7 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
     DOT_PRECISION: tl.constexpr,
     HEADS_FIRST: tl.constexpr,  # grid (Hkv, B, splits) instead of (B, Hkv, splits)
     IN_BLOCK: tl.constexpr,  # BLOCK_N divides block_size: a tile lies in one block
+    MERGE_LAST: tl.constexpr,  # the group's last split to finish merges (splits > 1)
 ):
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -164,6 +168,48 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
         tl.store(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], out, mask=omask)
         lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=gmask)
+        if MERGE_LAST:
+            tl.debug_barrier()  # every thread's partials stored before the count
+            counter = counts_ptr + seq * num_kv_heads + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                tl.store(counter, 0)  # for the next launch
+                for j in tl.static_range(GROUP):
+                    head = kv_head * GROUP + j
+                    _merge_head(
+                        part_out_ptr,
+                        part_lse_ptr,
+                        (seq * (num_kv_heads * GROUP) + head) * NUM_SPLITS,
+                        out_ptr + seq * stride_out_seq + head * stride_out_head,
+                        HEAD_DIM,
+                        NUM_SPLITS,
+                        BLOCK_D,
+                    )
+
+
+@triton.jit
+def _merge_head(  # noqa: PLR0917  # a Triton function: positional arguments
+    part_out_ptr,
+    part_lse_ptr,
+    first_row,
+    dst,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """A head's output at dst from its splits' partials (rows first_row...): weighted by
+    each split's share of the softmax. The loads read L2 (.cg): in the decode kernel's
+    own launch, other programs wrote them."""
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    row = first_row + s  # [NUM_SPLITS]
+    lse = tl.load(part_lse_ptr + row, cache_modifier=".cg")
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # an empty sequence (a padding row)
+    w = tl.exp2(lse - m)  # empty splits weigh 0
+    total = tl.sum(w, axis=0)
+    parts = tl.load(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], cache_modifier=".cg")
+    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(dst + d, out.to(dst.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @triton.jit
@@ -180,18 +226,15 @@ def _merge_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    s = tl.arange(0, NUM_SPLITS)
-    d = tl.arange(0, BLOCK_D)
-    row = (seq * NUM_HEADS + head) * NUM_SPLITS + s  # [NUM_SPLITS]
-    lse = tl.load(part_lse_ptr + row)
-    m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # an empty sequence (a padding row)
-    w = tl.exp2(lse - m)  # empty splits weigh 0
-    total = tl.sum(w, axis=0)
-    parts = tl.load(part_out_ptr + row[:, None] * BLOCK_D + d[None, :])
-    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    dst = out_ptr + seq * stride_out_seq + head * stride_out_head + d
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    _merge_head(
+        part_out_ptr,
+        part_lse_ptr,
+        (seq * NUM_HEADS + head) * NUM_SPLITS,
+        out_ptr + seq * stride_out_seq + head * stride_out_head,
+        HEAD_DIM,
+        NUM_SPLITS,
+        BLOCK_D,
+    )
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
@@ -216,6 +259,7 @@ def decode_attention(
     kv_scales: Tensor | None = None,
     tiles: tuple[int, int, int] | None = None,
     heads_first: bool = True,
+    counts: Tensor | None = None,
 ) -> Tensor:
     """Attention of one new token per sequence over its paged context.
 
@@ -230,6 +274,8 @@ def decode_attention(
     reading the same slots, a key's heads being adjacent in the pool: 1.02x (bf16) and
     1.09x (int8) over (B, Hkv, splits) at batch 256 on an H100, equal at 64
     (docs/benchmarks.md, quantization: `kv_quant_bench.py --orders`); False: that order.
+    counts: int32 zeros of at least B * Hkv (left at 0): with splits, the last split of
+    each group merges them in the same launch (the module docstring); else a merge launch.
     """
     num_seqs, num_heads, head_dim = q.shape
     _, _, _, block_size, num_kv_heads, kv_dim = kv.shape
@@ -258,6 +304,7 @@ def decode_attention(
         )
     else:
         part_out = part_lse = out  # unused
+    merge_last = num_splits > 1 and counts is not None and _fits(counts, num_seqs * num_kv_heads)
     grid = (num_kv_heads, num_seqs) if heads_first else (num_seqs, num_kv_heads)
     _decode_kernel[(*grid, num_splits)](
         q,
@@ -267,6 +314,7 @@ def decode_attention(
         out,
         part_out,
         part_lse,
+        counts if merge_last else context_lens,
         q.stride(0),
         q.stride(1),
         block_tables.stride(0),
@@ -286,10 +334,11 @@ def decode_attention(
         DOT_PRECISION=dot_precision(q.dtype),
         HEADS_FIRST=heads_first,
         IN_BLOCK=block_size % block_n == 0,
+        MERGE_LAST=merge_last,
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not merge_last:
         _merge_kernel[(num_seqs, num_heads)](
             part_out,
             part_lse,
@@ -303,3 +352,9 @@ def decode_attention(
             num_warps=1,
         )
     return out
+
+
+def _fits(counts: Tensor, groups: int) -> bool:
+    if counts.dtype != torch.int32 or counts.dim() != 1:
+        raise ValueError("decode_attention's counts: int32 zeros [n]")
+    return counts.shape[0] >= groups

@@ -15,6 +15,9 @@ torch rounds them (kv_quant.quantize_heads is the reference).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -53,8 +56,8 @@ def _rotate_heads(  # noqa: PLR0917  # Triton functions take positional argument
     HALF: tl.constexpr = HEAD_DIM // 2
     mask = hm[:, None] & im[None, :]
     x1_ptr = row + h[:, None] * HEAD_DIM + i[None, :]
-    x1 = tl.load(x1_ptr, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x1_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(x1_ptr, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    x2 = tl.load(x1_ptr + HALF, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     if NORM:
         x1, x2 = _head_norm(x1, x2, w_ptr, i, im, eps, HEAD_DIM, HALF)
     o1, o2 = _rotate(x1, x2, cos, sin)
@@ -157,50 +160,197 @@ def _rotary_cache_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
             row, h, h < NUM_HEADS, cos, sin, q_norm_ptr, i, im, eps, HEAD_DIM, HAS_QK_NORM
         )
     if part == KV_PROGRAM:
-        # k (rotated) and v into the slot; a negative slot is a padding row (CUDA graphs).
-        slot = tl.load(slots_ptr + token).to(tl.int64)  # block * stride needs 64 bits
-        block = tl.maximum(slot, 0) // block_size
-        offset = tl.maximum(slot, 0) % block_size
-        dst = kv_ptr + block * stride_kv_block + layer * stride_kv_layer + offset * stride_kv_slot
         kh = tl.arange(0, BLOCK_KVH)
-        heads_mask = (kh < NUM_KV_HEADS)[:, None] & im[None, :]
-        k1_ptr = row + NUM_HEADS * HEAD_DIM + kh[:, None] * HEAD_DIM + i[None, :]
-        k1 = tl.load(k1_ptr, mask=heads_mask, other=0.0).to(tl.float32)
-        k2 = tl.load(k1_ptr + HALF, mask=heads_mask, other=0.0).to(tl.float32)
-        kmask = heads_mask & ((kh * 0 + slot) >= 0)[:, None]  # stores only for a real slot
-        if HAS_QK_NORM:
-            k1, k2 = _head_norm(k1, k2, k_norm_ptr, i, im, eps, HEAD_DIM, HALF)
-        o1, o2 = _rotate(k1, k2, cos, sin)
-        # k rotated in place too: a prompt's attention reads its own keys from qkv
-        # (prefill_attention's new_kv) rather than back from a quantized pool.
-        tl.store(k1_ptr, o1.to(qkv_ptr.dtype.element_ty), mask=heads_mask)
-        tl.store(k1_ptr + HALF, o2.to(qkv_ptr.dtype.element_ty), mask=heads_mask)
-        k_dst = dst + kh[:, None] * stride_kv_head + i[None, :]
-        if kv_ptr.dtype.element_ty.primitive_bitwidth != 8:
-            tl.store(k_dst, o1.to(kv_ptr.dtype.element_ty), mask=kmask)
-            tl.store(k_dst + HALF, o2.to(kv_ptr.dtype.element_ty), mask=kmask)
-            v_src = k1_ptr + NUM_KV_HEADS * HEAD_DIM
-            v_dst = k_dst + stride_kv_kv
-            tl.store(v_dst, tl.load(v_src, mask=kmask), mask=kmask)
-            tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=kmask), mask=kmask)
+        _write_kv_heads(  # all of the token's k and v heads
+            row, kh, cos, sin, slots_ptr + token, kv_ptr, k_norm_ptr, i, im, eps, layer,
+            block_size, stride_kv_block, stride_kv_layer, stride_kv_kv, stride_kv_slot,
+            stride_kv_head, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HAS_QK_NORM,
+        )  # fmt: skip
+
+
+@triton.jit
+def _write_kv_heads(  # noqa: PLR0917  # Triton functions take positional arguments
+    row,
+    kh,
+    cos,
+    sin,
+    slot_ptr,
+    kv_ptr,
+    k_norm_ptr,
+    i,
+    im,
+    eps,
+    layer,
+    block_size,
+    stride_kv_block,
+    stride_kv_layer,
+    stride_kv_kv,
+    stride_kv_slot,
+    stride_kv_head,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_QK_NORM: tl.constexpr,
+):
+    """KV heads kh (a vector; those < NUM_KV_HEADS) of a token's qkv row: k normed,
+    rotated in place and stored with v into the token's slot of the pool (quantized into
+    a pool of codes). The loads read L2 (.cg): where the qkv product's own programs wrote
+    the row in the same launch, not L1."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    # a negative slot is a padding row (CUDA graphs): nothing stored into the pool
+    slot = tl.load(slot_ptr).to(tl.int64)  # block * stride needs 64 bits
+    block = tl.maximum(slot, 0) // block_size
+    offset = tl.maximum(slot, 0) % block_size
+    dst = kv_ptr + block * stride_kv_block + layer * stride_kv_layer + offset * stride_kv_slot
+    heads_mask = (kh < NUM_KV_HEADS)[:, None] & im[None, :]
+    k1_ptr = row + NUM_HEADS * HEAD_DIM + kh[:, None] * HEAD_DIM + i[None, :]
+    k1 = tl.load(k1_ptr, mask=heads_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    k2 = tl.load(k1_ptr + HALF, mask=heads_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    kmask = heads_mask & ((kh * 0 + slot) >= 0)[:, None]  # stores only for a real slot
+    if HAS_QK_NORM:
+        k1, k2 = _head_norm(k1, k2, k_norm_ptr, i, im, eps, HEAD_DIM, HALF)
+    o1, o2 = _rotate(k1, k2, cos, sin)
+    # k rotated in place too: a prompt's attention reads its own keys from qkv
+    # (prefill_attention's new_kv) rather than back from a quantized pool.
+    tl.store(k1_ptr, o1.to(row.dtype.element_ty), mask=heads_mask)
+    tl.store(k1_ptr + HALF, o2.to(row.dtype.element_ty), mask=heads_mask)
+    k_dst = dst + kh[:, None] * stride_kv_head + i[None, :]
+    v_src = k1_ptr + NUM_KV_HEADS * HEAD_DIM
+    v_dst = k_dst + stride_kv_kv
+    if kv_ptr.dtype.element_ty.primitive_bitwidth != 8:
+        tl.store(k_dst, o1.to(kv_ptr.dtype.element_ty), mask=kmask)
+        tl.store(k_dst + HALF, o2.to(kv_ptr.dtype.element_ty), mask=kmask)
+        tl.store(v_dst, tl.load(v_src, mask=kmask, cache_modifier=".cg"), mask=kmask)
+        tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=kmask, cache_modifier=".cg"), mask=kmask)
+    else:
+        # Into a quantized pool (kv_quant.py): codes, and each head's scale.
+        scale_dst = (
+            pool_scales(kv_ptr, stride_kv_block, HEAD_DIM)
+            + block * (stride_kv_block // 2)
+            + layer * (stride_kv_layer // HEAD_DIM)
+            + offset * (stride_kv_slot // HEAD_DIM)
+            + kh
+        )
+        smask = (kh < NUM_KV_HEADS) & ((kh * 0 + slot) >= 0)
+        v1 = tl.load(v_src, mask=kmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        v2 = tl.load(v_src + HALF, mask=kmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        _store_quantized(k_dst, scale_dst, o1, o2, kmask, smask, HALF)
+        _store_quantized(v_dst, scale_dst + stride_kv_kv // HEAD_DIM, v1, v2, kmask, smask, HALF)
+
+
+@triton.jit
+def rotate_head_when_last(  # noqa: PLR0917  # Triton functions take positional arguments
+    row,
+    first_col,
+    counts_ptr,
+    positions_ptr,
+    slots_ptr,
+    rope_ptr,
+    kv_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    eps,
+    layer,
+    block_size,
+    stride_kv_block,
+    stride_kv_layer,
+    stride_kv_kv,
+    stride_kv_slot,
+    stride_kv_head,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_QK_NORM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """In a one-token qkv product whose programs each write BLOCK_N columns (from
+    first_col) of the row, a divisor of HEAD_DIM: after its columns, each program
+    counts itself done on its head's counter (q head h: counts[h]; KV head j's k and v:
+    counts[NUM_HEADS + j], int32s at 0), and the one that counts last does
+    `rotary_and_cache_write`'s work for that head (a KV head's k and v together), then
+    resets the counter for the next launch."""
+    head = first_col // HEAD_DIM
+    is_q = head < NUM_HEADS
+    kv_head = (head - NUM_HEADS) % NUM_KV_HEADS
+    counter = counts_ptr + tl.where(is_q, head, NUM_HEADS + kv_head)
+    parts = tl.where(is_q, 1, 2) * (HEAD_DIM // BLOCK_N)
+    tl.debug_barrier()  # every thread's columns stored before the count
+    if tl.atomic_add(counter, 1, sem="acq_rel") == parts - 1:
+        tl.store(counter, 0)
+        HALF: tl.constexpr = HEAD_DIM // 2
+        i = tl.arange(0, HALF)
+        im = i < HALF
+        pos = tl.load(positions_ptr)
+        cos = tl.load(rope_ptr + pos * HEAD_DIM + i)[None, :]
+        sin = tl.load(rope_ptr + pos * HEAD_DIM + HALF + i)[None, :]
+        if is_q:
+            h = head + tl.arange(0, 1)
+            _rotate_heads(
+                row, h, h < NUM_HEADS, cos, sin, q_norm_ptr, i, im, eps, HEAD_DIM, HAS_QK_NORM
+            )
         else:
-            # Into a quantized pool (kv_quant.py): codes, and each head's scale.
-            scale_dst = (
-                pool_scales(kv_ptr, stride_kv_block, HEAD_DIM)
-                + block * (stride_kv_block // 2)
-                + layer * (stride_kv_layer // HEAD_DIM)
-                + offset * (stride_kv_slot // HEAD_DIM)
-                + kh
-            )
-            smask = (kh < NUM_KV_HEADS) & ((kh * 0 + slot) >= 0)
-            v_src = k1_ptr + NUM_KV_HEADS * HEAD_DIM
-            v_dst = k_dst + stride_kv_kv
-            v1 = tl.load(v_src, mask=kmask, other=0.0).to(tl.float32)
-            v2 = tl.load(v_src + HALF, mask=kmask, other=0.0).to(tl.float32)
-            _store_quantized(k_dst, scale_dst, o1, o2, kmask, smask, HALF)
-            _store_quantized(
-                v_dst, scale_dst + stride_kv_kv // HEAD_DIM, v1, v2, kmask, smask, HALF
-            )
+            _write_kv_heads(
+                row, kv_head + tl.arange(0, 1), cos, sin, slots_ptr, kv_ptr, k_norm_ptr, i, im,
+                eps, layer, block_size, stride_kv_block, stride_kv_layer, stride_kv_kv,
+                stride_kv_slot, stride_kv_head, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HAS_QK_NORM,
+            )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Rotary:
+    """`rotary_and_cache_write`'s arguments for a one-token qkv product that does its
+    work in its own launch (vector_gemv's `rotary`, `rotate_head_when_last`), and
+    `counts`: int32 zeros of at least H + Hkv, left at 0."""
+
+    positions: Tensor
+    slot_mapping: Tensor
+    rope: Tensor
+    kv: Tensor
+    layer: int
+    num_heads: int
+    q_norm: Tensor | None
+    k_norm: Tensor | None
+    eps: float
+    kv_scales: Tensor | None
+    counts: Tensor
+
+    def apply(self, qkv: Tensor) -> None:
+        """The same work in a launch of its own, after the product."""
+        rotary_and_cache_write(
+            qkv,
+            positions=self.positions,
+            slot_mapping=self.slot_mapping,
+            rope=self.rope,
+            kv=self.kv,
+            layer=self.layer,
+            num_heads=self.num_heads,
+            q_norm=self.q_norm,
+            k_norm=self.k_norm,
+            eps=self.eps,
+            kv_scales=self.kv_scales,
+        )
+
+    def folds(self, block_n: int) -> bool:
+        """Whether a one-token product whose programs write block_n columns each can do
+        this work in its launch: one token, heads of a power of two that block_n
+        divides, contiguous rope rows, a counter for each q head and KV head."""
+        _, _, _, _, num_kv_heads, head_dim = self.kv.shape
+        return (
+            self.positions.shape == self.slot_mapping.shape == (1,)
+            and head_dim & (head_dim - 1) == 0
+            and head_dim % block_n == 0
+            and self.rope.stride(0) == head_dim
+            and self.counts.dtype == torch.int32
+            and self.counts.shape[0] >= self.num_heads + num_kv_heads
+        )
+
+    def check(self, width: int, block_n: int) -> tuple[int, int]:
+        """(Hkv, D) of a qkv product `width` wide whose programs write block_n columns
+        each, where it `folds` this work, else ValueError."""
+        num_kv_heads, head_dim = _check(self, width)
+        if not self.folds(block_n):
+            raise ValueError(f"a Rotary that a product of {block_n} columns a program cannot do")
+        return num_kv_heads, head_dim
 
 
 def rotary_and_cache_write(
@@ -228,18 +378,13 @@ def rotary_and_cache_write(
     [N, L, 2, S, Hkv] float16 of the same quantized pool (kv_quant.pool_views): k and v
     are quantized per head as they are stored.
     """
-    if (q_norm is None) != (k_norm is None):
-        raise ValueError("q_norm and k_norm come together")
+    if qkv.stride(1) != 1:
+        raise ValueError("qkv's rows need unit stride")
     num_tokens = qkv.shape[0]
-    _, _, _, block_size, num_kv_heads, head_dim = kv.shape
-    if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
-        raise ValueError(f"qkv {tuple(qkv.shape)} does not hold {num_heads} q heads + k + v")
-    if kv.stride(5) != 1 or kv.stride(4) != head_dim or rope.stride(1) != 1:
-        raise ValueError("the KV pool and the rope table need contiguous heads")
-    if kv_scales is not None:  # the kernel finds them through kv (common.pool_scales)
-        kv_quant.check_scales(kv, kv_scales)
-    elif kv.dtype in kv_quant.CODE_DTYPES:
-        raise kv_quant.missing_scales(kv)
+    pool = Rotary(positions, slot_mapping, rope, kv, layer, num_heads, q_norm, k_norm, eps,
+                  kv_scales, positions)  # fmt: skip
+    num_kv_heads, head_dim = _check(pool, qkv.shape[1])
+    block_size = kv.shape[3]
     if num_tokens == 0:
         return
     block_h = triton.next_power_of_2(num_heads)
@@ -270,3 +415,19 @@ def rotary_and_cache_write(
         Q_PROGRAMS=q_programs,
         num_warps=4,
     )
+
+
+def _check(r: Rotary, width: int) -> tuple[int, int]:
+    """(Hkv, D) of the pool where a qkv row `width` wide fits it, else ValueError."""
+    if (r.q_norm is None) != (r.k_norm is None):
+        raise ValueError("q_norm and k_norm come together")
+    _, _, _, _, num_kv_heads, head_dim = r.kv.shape
+    if width != (r.num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"qkv of {width} does not hold {r.num_heads} q heads + k + v")
+    if r.kv.stride(5) != 1 or r.kv.stride(4) != head_dim or r.rope.stride(1) != 1:
+        raise ValueError("the KV pool and the rope table need contiguous heads")
+    if r.kv_scales is not None:  # the kernel finds them through kv (common.pool_scales)
+        kv_quant.check_scales(r.kv, r.kv_scales)
+    elif r.kv.dtype in kv_quant.CODE_DTYPES:
+        raise kv_quant.missing_scales(r.kv)
+    return num_kv_heads, head_dim

@@ -28,6 +28,10 @@ the last program to finish also chooses the token's experts from all the logits
 (kernels/routing.py's `choose`) and writes their ids and weights, where a top-k kernel of
 its own took a launch: each program counts itself done on an atomic counter after its
 logits are stored, and the one that counts last reads them back from L2 and resets it.
+With a `Rotary` (the qkv product of one token) the same on a counter a head: the last
+program to finish a q head rotates it, the last of a KV head's k and v writes them into
+the pool (kernels/rotary.py's `rotate_head_when_last`), where rotary_and_cache_write took
+a launch.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from torch import Tensor
 
 from lmd.engine.turbo.kernels.activation import check_activation, gate_up_rows, gated
 from lmd.engine.turbo.kernels.native_kernels import device_index
+from lmd.engine.turbo.kernels.rotary import Rotary, rotate_head_when_last
 from lmd.engine.turbo.kernels.routing import choose_when_last
 
 
@@ -79,14 +84,28 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
     summed_ptr,
     norm_ptr,
     experts_ptr,
-    count_ptr,  # ROUTE: [1] int32, 0 before and after
+    count_ptr,  # ROUTE: [1] int32, 0 before and after; ROTARY: [H + Hkv]
     chosen_w_ptr,  # ROUTE: [TOP_K] float32
     chosen_e_ptr,  # ROUTE: [TOP_K] int32
+    positions_ptr,  # ROTARY: the token's position, slot, rope table, pool, head norms
+    slots_ptr,
+    rope_ptr,
+    kv_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
     eps,
     n,
     k,
     stride_w,
     stride_e,
+    head_eps,  # ROTARY: the head norms' epsilon, the pool's layer and strides
+    layer,
+    block_size,
+    stride_kv_block,
+    stride_kv_layer,
+    stride_kv_kv,
+    stride_kv_slot,
+    stride_kv_head,
     EXPERTS: tl.constexpr,  # w is [E, N, K]: the expert of choice program_id(1)
     HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr,
@@ -98,6 +117,11 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
     TOP_K: tl.constexpr,
     NORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,  # ROUTE: n to a power of two
+    ROTARY: tl.constexpr,  # y is one token's qkv: rotate it and write its k and v
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_QK_NORM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -147,6 +171,13 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
         tl.store(y_ptr + cols, y, mask=valid)
     if ROUTE:
         choose_when_last(y_ptr, n, count_ptr, chosen_w_ptr, chosen_e_ptr, TOP_K, NORMALIZE, BLOCK_E)
+    if ROTARY:
+        rotate_head_when_last(
+            y_ptr, pid * BLOCK_N, count_ptr, positions_ptr, slots_ptr, rope_ptr, kv_ptr,
+            q_norm_ptr, k_norm_ptr, head_eps, layer, block_size, stride_kv_block,
+            stride_kv_layer, stride_kv_kv, stride_kv_slot, stride_kv_head, NUM_HEADS,
+            NUM_KV_HEADS, HEAD_DIM, HAS_QK_NORM, BLOCK_N,
+        )  # fmt: skip
     # The summed stream, once, after the weights. Two ifs: the first is decided when the
     # kernel compiles, the second at run time.
     if HAS_SUMMED:  # noqa: SIM102
@@ -175,6 +206,7 @@ def vector_gemv(
     activation: str | None = None,
     experts: Tensor | None = None,
     route: Route | None = None,
+    rotary: Rotary | None = None,
 ) -> Tensor:
     """x: [1, K], weight: [N, K], bias: [N] -> [1, N] in `out_dtype` (default: x's),
     from a float32 accumulator. `norm` makes the product's input first (the module
@@ -183,7 +215,9 @@ def vector_gemv(
     [2I, K] and the result act(gate) * up [1, I] (the module docstring). `experts`
     ([C] int32, ids < E): weight is [E, N, K] and the result [C, N] (or [C, I]), row c
     the product with expert experts[c]'s weights. `route`: weight is a router's [E, K]
-    and out_dtype float32; its experts are chosen too (the module docstring)."""
+    and out_dtype float32; its experts are chosen too (the module docstring). `rotary`:
+    weight is a qkv projection's, and the result is rotated and its k and v stored as
+    rotary.apply would (the module docstring), where rotary.folds(BLOCK_N)."""
     if experts is not None:
         if weight.dim() != 3 or experts.dim() != 1 or experts.dtype != torch.int32:
             raise ValueError("vector_gemv's experts: int32 ids [C] against weights [E, N, K]")
@@ -208,11 +242,15 @@ def vector_gemv(
     if route is not None:
         _check_route(route, n, out_dtype, experts, activation)
         top_k = route.experts.shape[0]
+    if rotary is not None and (experts is not None or activation is not None or route):
+        raise ValueError("vector_gemv's rotary takes a plain qkv product")
     width = n if activation is None else n // 2
     y = torch.empty(num_rows, width, dtype=out_dtype or x.dtype, device=x.device)
     if tiles is None and experts is not None and _is_h200(x.device):
         tiles = EXPERT_TILES_H200
     block_n, block_k, num_warps, num_stages = tiles or default_tiles(n, k, x.device)
+    num_kv_heads, head_dim = rotary.check(n, block_n) if rotary is not None else (0, 0)
+    kv = rotary.kv if rotary is not None else None
     grid = (triton.cdiv(n, block_n), num_rows)  # gated: BLOCK_N / 2 outputs a program
     _vector_gemv_kernel[grid](
         x,
@@ -223,14 +261,19 @@ def vector_gemv(
         summed if summed is not None else x,
         norm.weight if norm is not None else weight,
         experts if experts is not None else weight,
-        route.count if route is not None else weight,
+        route.count if route is not None else rotary.counts if rotary is not None else weight,
         route.weights if route is not None else weight,
         route.experts if route is not None else weight,
+        *_rotary_tensors(rotary, weight),
         norm.eps if norm is not None else 0.0,
         n,
         k,
         weight.stride(0),
         stride_e,
+        rotary.eps if rotary is not None else 0.0,
+        rotary.layer if rotary is not None else 0,
+        kv.shape[3] if kv is not None else 0,
+        *(kv.stride()[:5] if kv is not None else (0,) * 5),
         EXPERTS=experts is not None,
         HAS_BIAS=bias is not None,
         NORM=norm is not None,
@@ -242,12 +285,26 @@ def vector_gemv(
         TOP_K=top_k,
         NORMALIZE=route is not None and route.normalize,
         BLOCK_E=triton.next_power_of_2(n) if route is not None else 1,
+        ROTARY=rotary is not None,
+        NUM_HEADS=rotary.num_heads if rotary is not None else 0,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HAS_QK_NORM=rotary is not None and rotary.q_norm is not None,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=num_warps,
         num_stages=num_stages,
     )
     return y
+
+
+def _rotary_tensors(r: Rotary | None, unused: Tensor) -> tuple[Tensor, ...]:
+    """The kernel's positions, slots, rope, kv, q_norm and k_norm arguments."""
+    if r is None:
+        return (unused,) * 6
+    q_norm = r.q_norm if r.q_norm is not None else r.rope
+    k_norm = r.k_norm if r.k_norm is not None else r.rope
+    return r.positions, r.slot_mapping, r.rope, r.kv, q_norm, k_norm
 
 
 def default_tiles(n: int, k: int, device: torch.device | None = None) -> tuple[int, int, int, int]:
