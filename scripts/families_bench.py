@@ -4,7 +4,8 @@ against the HBM floor (docs/benchmarks.md, "turbo for Qwen3 and mixtures of expe
     python3 scripts/families_bench.py MODEL_DIR [--batches 1,64,512] [--input-len 512]
         [--output-len 256] [--backend turbo] [--quantization w4a16|fp8]
         [--kv-cache-dtype int8|fp8] [--separate-batch1] [--separate-activation]
-        [--separate-experts] [--separate-rotary] [--separate-merge] [--gemv-plain]
+        [--separate-experts] [--separate-rotary] [--separate-merge]
+        [--separate-rotary-merge] [--gemv-plain]
         [--rotary-whole] [--h100-tiles]
         [--wide-max-rows 16] [--no-fp8-codes] [--exact-accum]
 
@@ -70,6 +71,10 @@ STEP_SWITCHES: dict[str, tuple[str, Callable[[Any, bool], None]]] = {
     "separate-merge": (
         "with decode attention's splits merged in a kernel of its own (fused_merge off)",
         model_flag("fused_merge", False),
+    ),
+    "separate-rotary-merge": (
+        "with both of the last two in kernels of their own",
+        lambda model, on: model.__dict__.update(fused_rotary=not on, fused_merge=not on),
     ),
     "gemv-plain": (
         "with o and down through kernels/gemv.py (vector_plain off)",

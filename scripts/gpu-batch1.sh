@@ -37,7 +37,8 @@
 #   scripts/gpu-batch1.sh fused [TESTS...]
 #       nvidia-h200, ~6 minutes: TESTS, then the batch-1 step with the rotary in qkv's
 #       launch and the merge in decode attention's, and with each in a kernel of its own
-#       (families_bench.py --separate-rotary --separate-merge) on the same two shapes.
+#       (families_bench.py --separate-rotary --separate-merge --separate-rotary-merge) on
+#       the same two shapes.
 #   scripts/gpu-batch1.sh moe48
 #       nvidia-h200, ~5 minutes: the whole Qwen3-30B-A3B shape written streamed into
 #       /dev/shm (57 GB, ~85 s), then families_bench.py at batch 1 (the step against its
@@ -92,7 +93,7 @@ if [[ ${1:-} =~ ^(products|plain|rotary|tiles|fused)$ ]]; then
   sweep="--shapes qwen3,qwen3moe" switch=--gemv-plain
   [[ $mode == rotary ]] && sweep="--shapes qwen3-gated,llama-gated,llama" switch=--rotary-whole
   [[ $mode == tiles ]] && sweep="" switch=--h100-tiles
-  [[ $mode == fused ]] && sweep="" switch="--separate-rotary --separate-merge"
+  [[ $mode == fused ]] && sweep="" switch="--separate-rotary --separate-merge --separate-rotary-merge"
   # shellcheck disable=SC2086  # sweep: words
   [[ -n $sweep ]] &&
     timeout 150 python3 scripts/gemv_bench.py $sweep 2>&1 | tee "$out/gemv-sweep.txt"

@@ -161,7 +161,8 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
         precision = "ieee" if q == "*fp32" else "tf32"
         flags = {"GROUP": 4, "HEAD_DIM": 128, "NUM_SPLITS": splits, "BLOCK_G": 16,
                  "BLOCK_D": 128, "BLOCK_N": 64, "DOT_PRECISION": precision,
-                 "HEADS_FIRST": True, "IN_BLOCK": True, "MERGE_LAST": merge}  # fmt: skip
+                 "HEADS_FIRST": True, "IN_BLOCK": True, "MERGE_LAST": merge,
+                 "MERGE_G": 4}  # fmt: skip
         types = {"kv_ptr": kv, "tables_ptr": "*i32", "context_lens_ptr": "*i32", "q_ptr": q,
                  "out_ptr": q, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
                  "counts_ptr": "*i32"}  # fmt: skip
@@ -177,9 +178,9 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
                  "cu_seqlens_ptr": "*i32", "context_lens_ptr": "*i32"}  # fmt: skip
         options = {"num_warps": 4, "num_stages": 2}
         out.append(case(prefill._prefill_kernel, flags, types, options))
-    flags = {"NUM_HEADS": 32, "HEAD_DIM": 128, "NUM_SPLITS": 16, "BLOCK_D": 128}
+    flags = {"GROUP": 8, "HEAD_DIM": 128, "NUM_SPLITS": 16, "BLOCK_G": 8, "BLOCK_D": 128}
     out.append(case(decode_attention._merge_kernel, flags, {"part_out_ptr": "*fp32",
-                    "part_lse_ptr": "*fp32"}, run | {"num_warps": 1}))  # fmt: skip
+                    "part_lse_ptr": "*fp32"}, run))  # fmt: skip
     w4a16 = kernels_of("w4a16")
     types = {"q_ptr": "*i32", "z_ptr": "*u8"}
     for packed, block_m, group, swap in ((True, 16, 128, False), (False, 16, 128, False),

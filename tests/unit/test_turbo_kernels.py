@@ -329,8 +329,9 @@ def test_decode_attention_in_either_grid_order(kind: str, splits: int) -> None:
 @pytest.mark.parametrize("splits", [2, 8])
 def test_decode_attention_merged_by_the_last_split(kind: str, splits: int) -> None:
     """Given counters, each group's last split to finish merges the splits in the decode
-    launch: the merge kernel's output to the bit, the counters left at 0 (twice over, as
-    a graph replays them); too few counters for the groups: the merge kernel."""
+    launch (a 16-bit pool's): the merge kernel's output to the bit, the counters left at
+    0 (twice over, as a graph replays them); too few counters for the groups, or a pool
+    of codes: the merge kernel."""
     call = _decode_call(kind, splits)
     merged = call()
     counts = torch.zeros(4 * 3, dtype=torch.int32, device=DEVICE)  # sequences x KV heads

@@ -77,6 +77,7 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
     HEADS_FIRST: tl.constexpr,  # grid (Hkv, B, splits) instead of (B, Hkv, splits)
     IN_BLOCK: tl.constexpr,  # BLOCK_N divides block_size: a tile lies in one block
     MERGE_LAST: tl.constexpr,  # the group's last split to finish merges (splits > 1)
+    MERGE_G: tl.constexpr,  # GROUP to a power of two
 ):
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -173,43 +174,51 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
             counter = counts_ptr + seq * num_kv_heads + kv_head
             if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
                 tl.store(counter, 0)  # for the next launch
-                for j in tl.static_range(GROUP):
-                    head = kv_head * GROUP + j
-                    _merge_head(
-                        part_out_ptr,
-                        part_lse_ptr,
-                        (seq * (num_kv_heads * GROUP) + head) * NUM_SPLITS,
-                        out_ptr + seq * stride_out_seq + head * stride_out_head,
-                        HEAD_DIM,
-                        NUM_SPLITS,
-                        BLOCK_D,
-                    )
+                _merge_group(
+                    part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_kv_heads,
+                    stride_out_seq, stride_out_head, GROUP, HEAD_DIM, NUM_SPLITS, MERGE_G, BLOCK_D,
+                )  # fmt: skip
 
 
 @triton.jit
-def _merge_head(  # noqa: PLR0917  # a Triton function: positional arguments
+def _merge_group(  # noqa: PLR0917  # a Triton function: positional arguments
     part_out_ptr,
     part_lse_ptr,
-    first_row,
-    dst,
+    out_ptr,
+    seq,
+    kv_head,
+    num_kv_heads,
+    stride_out_seq,
+    stride_out_head,
+    GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """A head's output at dst from its splits' partials (rows first_row...): weighted by
-    each split's share of the softmax. The loads read L2 (.cg): in the decode kernel's
-    own launch, other programs wrote them."""
+    """The outputs of a (sequence, KV head) group's q heads from their splits' partials,
+    each split weighted by its share of the softmax; the group's partials loaded at once.
+    The loads read L2 (.cg): in the decode kernel's own launch, other programs wrote them."""
+    g = tl.arange(0, BLOCK_G)
     s = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, BLOCK_D)
-    row = first_row + s  # [NUM_SPLITS]
-    lse = tl.load(part_lse_ptr + row, cache_modifier=".cg")
-    m = tl.max(lse, axis=0)
+    gmask = g < GROUP
+    heads = kv_head * GROUP + g
+    rows = (seq * (num_kv_heads * GROUP) + heads)[:, None] * NUM_SPLITS + s[None, :]  # [G, S]
+    lse = tl.load(part_lse_ptr + rows, mask=gmask[:, None], other=0.0, cache_modifier=".cg")
+    m = tl.max(lse, axis=1)
     m = tl.where(m == float("-inf"), 0.0, m)  # an empty sequence (a padding row)
-    w = tl.exp2(lse - m)  # empty splits weigh 0
-    total = tl.sum(w, axis=0)
-    parts = tl.load(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], cache_modifier=".cg")
-    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(dst + d, out.to(dst.dtype.element_ty), mask=d < HEAD_DIM)
+    w = tl.exp2(lse - m[:, None])  # empty splits weigh 0
+    total = tl.sum(w, axis=1)
+    parts = tl.load(
+        part_out_ptr + rows[:, :, None] * BLOCK_D + d[None, None, :],
+        mask=gmask[:, None, None],
+        other=0.0,
+        cache_modifier=".cg",
+    )  # [G, S, D]
+    out = tl.sum(parts * w[:, :, None], axis=1) / tl.where(total > 0, total, 1.0)[:, None]
+    dst = out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + d[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & (d < HEAD_DIM)[None, :])
 
 
 @triton.jit
@@ -219,22 +228,17 @@ def _merge_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     out_ptr,
     stride_out_seq,
     stride_out_head,
-    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    _merge_head(
-        part_out_ptr,
-        part_lse_ptr,
-        (seq * NUM_HEADS + head) * NUM_SPLITS,
-        out_ptr + seq * stride_out_seq + head * stride_out_head,
-        HEAD_DIM,
-        NUM_SPLITS,
-        BLOCK_D,
-    )
+    _merge_group(
+        part_out_ptr, part_lse_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1),
+        tl.num_programs(1), stride_out_seq, stride_out_head, GROUP, HEAD_DIM, NUM_SPLITS,
+        BLOCK_G, BLOCK_D,
+    )  # fmt: skip
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
@@ -274,8 +278,9 @@ def decode_attention(
     reading the same slots, a key's heads being adjacent in the pool: 1.02x (bf16) and
     1.09x (int8) over (B, Hkv, splits) at batch 256 on an H100, equal at 64
     (docs/benchmarks.md, quantization: `kv_quant_bench.py --orders`); False: that order.
-    counts: int32 zeros of at least B * Hkv (left at 0): with splits, the last split of
-    each group merges them in the same launch (the module docstring); else a merge launch.
+    counts: int32 zeros of at least B * Hkv (left at 0): with splits over a 16-bit pool,
+    the last split of each group merges them in the same launch (the module docstring);
+    else a merge launch.
     """
     num_seqs, num_heads, head_dim = q.shape
     _, _, _, block_size, num_kv_heads, kv_dim = kv.shape
@@ -304,7 +309,13 @@ def decode_attention(
         )
     else:
         part_out = part_lse = out  # unused
-    merge_last = num_splits > 1 and counts is not None and _fits(counts, num_seqs * num_kv_heads)
+    # (not over a pool of codes: its kernel's 2 warps would spill holding the partials)
+    merge_last = (
+        num_splits > 1
+        and counts is not None
+        and _fits(counts, num_seqs * num_kv_heads)
+        and kv_scales is None
+    )
     grid = (num_kv_heads, num_seqs) if heads_first else (num_seqs, num_kv_heads)
     _decode_kernel[(*grid, num_splits)](
         q,
@@ -335,21 +346,23 @@ def decode_attention(
         HEADS_FIRST=heads_first,
         IN_BLOCK=block_size % block_n == 0,
         MERGE_LAST=merge_last,
+        MERGE_G=triton.next_power_of_2(group),
         num_warps=num_warps,
         num_stages=num_stages,
     )
     if num_splits > 1 and not merge_last:
-        _merge_kernel[(num_seqs, num_heads)](
+        _merge_kernel[(num_seqs, num_kv_heads)](
             part_out,
             part_lse,
             out,
             out.stride(0),
             out.stride(1),
-            NUM_HEADS=num_heads,
+            GROUP=group,
             HEAD_DIM=head_dim,
             NUM_SPLITS=num_splits,
+            BLOCK_G=triton.next_power_of_2(group),
             BLOCK_D=block_d,
-            num_warps=1,
+            num_warps=4,
         )
     return out
 
