@@ -8,6 +8,10 @@ import torch
 import triton
 import triton.language as tl
 
+from lmd.engine.turbo.kernels.kv_quant import SCALE_MIN as _SCALE_MIN
+
+SCALE_MIN = tl.constexpr(_SCALE_MIN)
+
 LOG2E = 1.4426950408889634  # scores are scaled by log2(e) so that exp2 replaces exp
 
 
@@ -56,3 +60,52 @@ def add_code_values(acc, alpha, p, v, v_scale, PRECISION: tl.constexpr):  # noqa
     top = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
     pv = (p * (v_scale / top)[None, :]).to(DOT)
     return acc * alpha[:, None] + tl.dot(pv, v.to(DOT), input_precision=PRECISION) * top
+
+
+@triton.jit
+def _round_half_even(a):
+    """a >= 0 rounded to an integer, ties to even (a - floor(a) is exact for a >= 0)."""
+    r = tl.floor(a)
+    frac = a - r
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where((frac > 0.5) | ((frac == 0.5) & odd), r + 1.0, r)
+
+
+@triton.jit
+def _pow2(e):
+    """2^e as float32 for an int32 e in the normal range, built from its exponent bits."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _codes(x, scale, CODE: tl.constexpr):
+    """x / scale as int8 or float8e4nv codes (CODE), rounded to nearest even.
+
+    e4m3 is rounded on its grid in float32 (3 mantissa bits from 2^-6 on, steps of 2^-9
+    below) and then cast, exactly: the cast of an inexact value rounds differently in
+    Triton's interpreter than on a GPU.
+    """
+    y = tl.div_rn(x, scale)
+    sign = y.to(tl.int32, bitcast=True) & -0x80000000  # its bit, so -0.0 stays -0.0
+    a = tl.abs(y)
+    if CODE.is_int8():
+        r = tl.minimum(_round_half_even(a), 127.0)
+    else:
+        a = tl.minimum(a, 448.0)
+        e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+        r = _round_half_even(a * _pow2(3 - e)) * _pow2(e - 3)
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True).to(CODE)
+
+
+@triton.jit
+def store_codes(dst, scale_dst, x1, x2, mask, scale_mask, HALF: tl.constexpr):  # noqa: PLR0917
+    """Quantize heads (rows of halves x1 | x2, float32) into codes at dst and one float16
+    scale per head at scale_dst."""
+    CODE: tl.constexpr = dst.dtype.element_ty
+    QMAX: tl.constexpr = 127.0 if CODE.is_int8() else 448.0
+    amax = tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1))
+    scale = tl.maximum(tl.div_rn(amax, QMAX), SCALE_MIN).to(tl.float16)
+    s = scale.to(tl.float32)[:, None]
+    tl.store(dst, _codes(x1, s, CODE), mask=mask)
+    tl.store(dst + HALF, _codes(x2, s, CODE), mask=mask)
+    tl.store(scale_dst, scale, mask=scale_mask)

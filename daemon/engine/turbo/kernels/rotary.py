@@ -11,6 +11,10 @@ frequency i,
 Into a quantized pool (kv_quant.py) each k and v head is quantized from float32 as it
 is stored: its float16 scale, then its int8 or e4m3 codes, both rounded half to even as
 torch rounds them (kv_quant.quantize_heads is the reference).
+
+For one token (a batch-1 step) the same functions run inside the qkv product's launch
+instead (`Rotary`, vector_gemv's `rotary`): the last program to finish each head's
+columns does that head (`rotate_head_when_last`), one launch fewer a layer.
 """
 
 from __future__ import annotations
@@ -23,9 +27,8 @@ import triton.language as tl
 from torch import Tensor
 
 from lmd.engine.turbo.kernels import kv_quant
-from lmd.engine.turbo.kernels.common import pool_scales
+from lmd.engine.turbo.kernels.common import pool_scales, store_codes
 
-SCALE_MIN = tl.constexpr(kv_quant.SCALE_MIN)
 # A token's q heads are spread over programs of this many (a power of two; 0: all in
 # one), and its k and v take one more: at batch 1 one program did all of a token's
 # heads one after another (~3 us a layer on an H200, docs/benchmarks.md).
@@ -63,55 +66,6 @@ def _rotate_heads(  # noqa: PLR0917  # Triton functions take positional argument
     o1, o2 = _rotate(x1, x2, cos, sin)
     tl.store(x1_ptr, o1.to(row.dtype.element_ty), mask=mask)
     tl.store(x1_ptr + HALF, o2.to(row.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _round_half_even(a):
-    """a >= 0 rounded to an integer, ties to even (a - floor(a) is exact for a >= 0)."""
-    r = tl.floor(a)
-    frac = a - r
-    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
-    return tl.where((frac > 0.5) | ((frac == 0.5) & odd), r + 1.0, r)
-
-
-@triton.jit
-def _pow2(e):
-    """2^e as float32 for an int32 e in the normal range, built from its exponent bits."""
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _codes(x, scale, CODE: tl.constexpr):
-    """x / scale as int8 or float8e4nv codes (CODE), rounded to nearest even.
-
-    e4m3 is rounded on its grid in float32 (3 mantissa bits from 2^-6 on, steps of 2^-9
-    below) and then cast, exactly: the cast of an inexact value rounds differently in
-    Triton's interpreter than on a GPU.
-    """
-    y = tl.div_rn(x, scale)
-    sign = y.to(tl.int32, bitcast=True) & -0x80000000  # its bit, so -0.0 stays -0.0
-    a = tl.abs(y)
-    if CODE.is_int8():
-        r = tl.minimum(_round_half_even(a), 127.0)
-    else:
-        a = tl.minimum(a, 448.0)
-        e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
-        r = _round_half_even(a * _pow2(3 - e)) * _pow2(e - 3)
-    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True).to(CODE)
-
-
-@triton.jit
-def _store_quantized(dst, scale_dst, x1, x2, mask, scale_mask, HALF: tl.constexpr):  # noqa: PLR0917
-    """Quantize heads (rows of halves x1 | x2, float32) into codes at dst and one float16
-    scale per head at scale_dst."""
-    CODE: tl.constexpr = dst.dtype.element_ty
-    QMAX: tl.constexpr = 127.0 if CODE.is_int8() else 448.0
-    amax = tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1))
-    scale = tl.maximum(tl.div_rn(amax, QMAX), SCALE_MIN).to(tl.float16)
-    s = scale.to(tl.float32)[:, None]
-    tl.store(dst, _codes(x1, s, CODE), mask=mask)
-    tl.store(dst + HALF, _codes(x2, s, CODE), mask=mask)
-    tl.store(scale_dst, scale, mask=scale_mask)
 
 
 @triton.jit
@@ -234,8 +188,8 @@ def _write_kv_heads(  # noqa: PLR0917  # Triton functions take positional argume
         smask = (kh < NUM_KV_HEADS) & ((kh * 0 + slot) >= 0)
         v1 = tl.load(v_src, mask=kmask, other=0.0, cache_modifier=".cg").to(tl.float32)
         v2 = tl.load(v_src + HALF, mask=kmask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        _store_quantized(k_dst, scale_dst, o1, o2, kmask, smask, HALF)
-        _store_quantized(v_dst, scale_dst + stride_kv_kv // HEAD_DIM, v1, v2, kmask, smask, HALF)
+        store_codes(k_dst, scale_dst, o1, o2, kmask, smask, HALF)
+        store_codes(v_dst, scale_dst + stride_kv_kv // HEAD_DIM, v1, v2, kmask, smask, HALF)
 
 
 @triton.jit
