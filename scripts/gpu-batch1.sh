@@ -43,8 +43,7 @@
 #       nvidia-h200, ~5 minutes: the whole Qwen3-30B-A3B shape written streamed into
 #       /dev/shm (57 GB, ~85 s), then families_bench.py at batch 1 (the step against its
 #       floor) and at 256 (each in an engine of its own), and step_profile.py at 256 and
-#       prefill_profile.py at 16 x 512 tokens (where a batch-256 run's time goes), the
-#       latter again with the experts' activation in its own kernel.
+#       at 1 and prefill_profile.py at 16 x 512 tokens (where each run's time goes).
 # Carry .whl and .gpu-assets/smollm2-tokenizer. Results in $OUT: batch1-tests.txt,
 # batch1.jsonl (or tp-step.jsonl), batch1-stderr.txt.
 set -uo pipefail
@@ -64,13 +63,12 @@ if [[ ${1:-} == moe48 ]]; then
     timeout 200 python3 scripts/families_bench.py "$model" --batches $batch \
       2>>"$out/batch1-stderr.txt" | tee -a "$out/moe48.jsonl"
   done
-  timeout 120 python3 scripts/step_profile.py "$model" --batch 256 --kernels 12 \
-    2>>"$out/batch1-stderr.txt" | tee "$out/step256-profile.txt"
-  for flags in "" --separate-moe-activation; do
-    # shellcheck disable=SC2086  # flags: a word or none
-    timeout 120 python3 scripts/prefill_profile.py "$model" --prompts 16 --top 12 $flags \
-      2>>"$out/batch1-stderr.txt" | tee -a "$out/prefill-profile.txt"
+  for batch in 256 1; do
+    timeout 120 python3 scripts/step_profile.py "$model" --batch $batch --kernels 14 \
+      2>>"$out/batch1-stderr.txt" | tee "$out/step$batch-profile.txt"
   done
+  timeout 120 python3 scripts/prefill_profile.py "$model" --prompts 16 --top 14 \
+    2>>"$out/batch1-stderr.txt" | tee -a "$out/prefill-profile.txt"
   grep -E "Error|error" "$out/batch1-stderr.txt" | tail -5
   exit 0
 fi
