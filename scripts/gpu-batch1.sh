@@ -44,7 +44,7 @@
 #       /dev/shm (57 GB, ~85 s), then families_bench.py at batch 1 (the step against its
 #       floor) and at 256 (each in an engine of its own), and step_profile.py at 256 and
 #       at 1 and prefill_profile.py at 16 x 512 tokens (where each run's time goes).
-# Carry .whl and .gpu-assets/smollm2-tokenizer. Results in $OUT: batch1-tests.txt,
+# Carry .whl and .gpu-assets (scripts/gpu-assets.sh makes it). Results in $OUT: batch1-tests.txt,
 # batch1.jsonl (or tp-step.jsonl), batch1-stderr.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
