@@ -45,40 +45,45 @@ vector_gemv: Any = importlib.import_module("lmd.engine.turbo.kernels.vector_gemv
 ROTARY_HEADS, IS_H200 = rotary.Q_HEADS_A_PROGRAM, vector_gemv._is_h200
 
 
-def model_flag(name: str, on_value: bool) -> Callable[[Any, bool], None]:
-    """A switch that sets TurboModel.`name` to on_value, and back to its opposite."""
-    return lambda model, on: setattr(model, name, on_value if on else not on_value)
+def model_flag(*names: str, on_value: bool) -> Callable[[Any, bool], None]:
+    """A switch that sets TurboModel's `names` to on_value, and back to its opposite."""
+
+    def switch(model: Any, on: bool) -> None:
+        for name in names:
+            setattr(model, name, on_value if on else not on_value)
+
+    return switch
 
 
 # --FLAG: (what it measures, switch(turbo's model, on)); its line's key FLAG_batch1_step_ms
 STEP_SWITCHES: dict[str, tuple[str, Callable[[Any, bool], None]]] = {
     "separate-batch1": (
         "with TurboModel.fused_batch1 off (the norms' own kernels)",
-        model_flag("fused_batch1", False),
+        model_flag("fused_batch1", on_value=False),
     ),
     "separate-activation": (
         "with the MLP's activation in a kernel of its own (fused_activation off)",
-        model_flag("fused_activation", False),
+        model_flag("fused_activation", on_value=False),
     ),
     "separate-experts": (
         "with a layer of experts through kernels/moe.py's 8 launches (vector_experts off)",
-        model_flag("vector_experts", False),
+        model_flag("vector_experts", on_value=False),
     ),
     "separate-rotary": (
         "with the rotary and K/V write in a kernel of its own (fused_rotary off)",
-        model_flag("fused_rotary", False),
+        model_flag("fused_rotary", on_value=False),
     ),
     "separate-merge": (
         "with decode attention's splits merged in a kernel of its own (fused_merge off)",
-        model_flag("fused_merge", False),
+        model_flag("fused_merge", on_value=False),
     ),
     "separate-rotary-merge": (
         "with both of the last two in kernels of their own",
-        lambda model, on: model.__dict__.update(fused_rotary=not on, fused_merge=not on),
+        model_flag("fused_rotary", "fused_merge", on_value=False),
     ),
     "gemv-plain": (
         "with o and down through kernels/gemv.py (vector_plain off)",
-        model_flag("vector_plain", False),
+        model_flag("vector_plain", on_value=False),
     ),
     "rotary-whole": (
         "with a token's heads rotated in one program (rotary.Q_HEADS_A_PROGRAM 0)",

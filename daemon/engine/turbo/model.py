@@ -90,14 +90,15 @@ class TurboModel:
         self.vector_plain = not tp.enabled
         # ... and a layer of experts in 3 launches (kernels/moe_vector.py) instead of 10
         # (scripts/families_bench.py --separate-experts measures it), its router's
-        # programs counting themselves done on this (at 0 between launches).
+        # programs counting themselves done on counts[0].
         self.vector_experts = True
-        self.route_count = torch.zeros(1, dtype=torch.int32, device=weights.embed.device)
         # Counters at 0 between launches, for work the last of a launch's programs to
-        # finish does: a one-row qkv product's rotary and K/V write (`fused_rotary`), and
-        # decode attention's merge of its splits (`fused_merge`; decode_splits splits only
-        # below two groups of sequence x KV head a multiprocessor). families_bench.py
-        # --separate-rotary / --separate-merge measure the step without each.
+        # finish does: the experts' choice, a one-row qkv product's rotary and K/V write
+        # (`fused_rotary`), and decode attention's merge of its splits (`fused_merge`;
+        # decode_splits splits only below two groups of sequence x KV head a
+        # multiprocessor). The launches run one after another, each leaving its counters
+        # at 0. families_bench.py --separate-rotary / --separate-merge measure the step
+        # without each.
         self.counts = torch.zeros(1024, dtype=torch.int32, device=weights.embed.device)
         self.fused_rotary = self.fused_merge = True
         # Past 16 rows, an FP8 product's input quantized per token by the RMSNorm or the
@@ -239,7 +240,7 @@ class TurboModel:
                     x.down,
                     top_k=moe.top_k,
                     normalize=moe.normalize_top_k,
-                    count=self.route_count,
+                    count=self.counts[:1],
                 )
                 return self.tp.all_reduce(out), summed
             h = kernels.rms_norm(hidden, layer.post_norm, eps, residual)

@@ -252,9 +252,10 @@ def rotate_head_when_last(  # noqa: PLR0917  # Triton functions take positional 
 
 @dataclass(frozen=True, slots=True)
 class Rotary:
-    """`rotary_and_cache_write`'s arguments for a one-token qkv product that does its
-    work in its own launch (vector_gemv's `rotary`, `rotate_head_when_last`), and
-    `counts`: int32 zeros of at least H + Hkv, left at 0."""
+    """What a step's qkv rows are rotated with and where their k and v go (the arguments
+    of `rotary_and_cache_write`, which the module docstring and `apply` describe), and
+    `counts`: int32 zeros of at least H + Hkv, left at 0, where a one-token product does
+    the work in its own launch (vector_gemv's `rotary`, `rotate_head_when_last`)."""
 
     positions: Tensor
     slot_mapping: Tensor
@@ -262,27 +263,66 @@ class Rotary:
     kv: Tensor
     layer: int
     num_heads: int
-    q_norm: Tensor | None
-    k_norm: Tensor | None
-    eps: float
-    kv_scales: Tensor | None
-    counts: Tensor
+    q_norm: Tensor | None = None
+    k_norm: Tensor | None = None
+    eps: float = 1e-6
+    kv_scales: Tensor | None = None
+    counts: Tensor | None = None
 
     def apply(self, qkv: Tensor) -> None:
-        """The same work in a launch of its own, after the product."""
-        rotary_and_cache_write(
+        """Rotate q and k in place and store rotated k and v into the pool, in a launch
+        of its own.
+
+        qkv: [T, (H + 2 Hkv) * D], rows q heads | k heads | v heads (the fused
+        projection); positions: [T] int64; slot_mapping: [T] int64, block * block_size +
+        offset (< 0: skip); rope: [max_positions, D] float32, cos of the D/2 frequencies
+        | their sin; kv: [N, L, 2, S, Hkv, D] (the pool; written at `layer`); q_norm,
+        k_norm: [D] each or both None, the weights of an RMSNorm (epsilon `eps`) over
+        each head before rotation. kv_scales: None, or with kv int8 | float8_e4m3fn the
+        scales view [N, L, 2, S, Hkv] float16 of the same quantized pool
+        (kv_quant.pool_views): k and v are quantized per head as they are stored."""
+        if qkv.stride(1) != 1:
+            raise ValueError("qkv's rows need unit stride")
+        num_tokens = qkv.shape[0]
+        num_kv_heads, head_dim = self.heads_of(qkv.shape[1])
+        if num_tokens == 0:
+            return
+        block_h = triton.next_power_of_2(self.num_heads)
+        if Q_HEADS_A_PROGRAM:
+            block_h = min(block_h, Q_HEADS_A_PROGRAM)
+        q_programs = triton.cdiv(self.num_heads, block_h)
+        _rotary_cache_kernel[(num_tokens, q_programs + (q_programs > 1))](
             qkv,
-            positions=self.positions,
-            slot_mapping=self.slot_mapping,
-            rope=self.rope,
-            kv=self.kv,
-            layer=self.layer,
-            num_heads=self.num_heads,
-            q_norm=self.q_norm,
-            k_norm=self.k_norm,
-            eps=self.eps,
-            kv_scales=self.kv_scales,
+            *self.tensor_args(),
+            self.eps,
+            qkv.stride(0),
+            self.rope.stride(0),
+            *self.pool_args(),
+            NUM_HEADS=self.num_heads,
+            NUM_KV_HEADS=num_kv_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_H=block_h,
+            BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
+            BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+            HAS_QK_NORM=self.q_norm is not None,
+            Q_PROGRAMS=q_programs,
+            num_warps=4,
         )
+
+    def heads_of(self, width: int) -> tuple[int, int]:
+        """(Hkv, D) of the pool where a qkv row `width` wide fits it, else ValueError."""
+        if (self.q_norm is None) != (self.k_norm is None):
+            raise ValueError("q_norm and k_norm come together")
+        _, _, _, _, num_kv_heads, head_dim = self.kv.shape
+        if width != (self.num_heads + 2 * num_kv_heads) * head_dim:
+            raise ValueError(f"qkv of {width} does not hold {self.num_heads} q heads + k + v")
+        if self.kv.stride(5) != 1 or self.kv.stride(4) != head_dim or self.rope.stride(1) != 1:
+            raise ValueError("the KV pool and the rope table need contiguous heads")
+        if self.kv_scales is not None:  # the kernel finds them through kv (pool_scales)
+            kv_quant.check_scales(self.kv, self.kv_scales)
+        elif self.kv.dtype in kv_quant.CODE_DTYPES:
+            raise kv_quant.missing_scales(self.kv)
+        return num_kv_heads, head_dim
 
     def folds(self, block_n: int) -> bool:
         """Whether a one-token product whose programs write block_n columns each can do
@@ -294,17 +334,30 @@ class Rotary:
             and head_dim & (head_dim - 1) == 0
             and head_dim % block_n == 0
             and self.rope.stride(0) == head_dim
+            and self.counts is not None
             and self.counts.dtype == torch.int32
             and self.counts.shape[0] >= self.num_heads + num_kv_heads
         )
 
     def check(self, width: int, block_n: int) -> tuple[int, int]:
-        """(Hkv, D) of a qkv product `width` wide whose programs write block_n columns
+        """`heads_of` a qkv product `width` wide whose programs write block_n columns
         each, where it `folds` this work, else ValueError."""
-        num_kv_heads, head_dim = _check(self, width)
+        heads = self.heads_of(width)
         if not self.folds(block_n):
             raise ValueError(f"a Rotary that a product of {block_n} columns a program cannot do")
-        return num_kv_heads, head_dim
+        return heads
+
+    def tensor_args(self) -> tuple[Tensor, ...]:
+        """The kernels' positions, slots, rope, kv, q_norm and k_norm arguments (the
+        rope table for absent norms: not read)."""
+        q_norm = self.q_norm if self.q_norm is not None else self.rope
+        k_norm = self.k_norm if self.k_norm is not None else self.rope
+        return self.positions, self.slot_mapping, self.rope, self.kv, q_norm, k_norm
+
+    def pool_args(self) -> tuple[int, ...]:
+        """The kernels' layer, block size and pool strides (block, layer, k/v, slot,
+        head; head_dim is contiguous)."""
+        return self.layer, self.kv.shape[3], *self.kv.stride()[:5]
 
 
 def rotary_and_cache_write(
@@ -321,67 +374,8 @@ def rotary_and_cache_write(
     eps: float = 1e-6,
     kv_scales: Tensor | None = None,
 ) -> None:
-    """Rotate q and k in place and store rotated k and v into the pool.
-
-    qkv: [T, (H + 2 Hkv) * D], rows q heads | k heads | v heads (the fused projection);
-    positions: [T] int64; slot_mapping: [T] int64, block * block_size + offset (< 0:
-    skip); rope: [max_positions, D] float32, cos of the D/2 frequencies | their sin;
-    kv: [N, L, 2, S, Hkv, D] (the pool; written at `layer`); q_norm, k_norm: [D] each
-    or both None, the weights of an RMSNorm (epsilon `eps`) over each head before
-    rotation. kv_scales: None, or with kv int8 | float8_e4m3fn the scales view
-    [N, L, 2, S, Hkv] float16 of the same quantized pool (kv_quant.pool_views): k and v
-    are quantized per head as they are stored.
-    """
-    if qkv.stride(1) != 1:
-        raise ValueError("qkv's rows need unit stride")
-    num_tokens = qkv.shape[0]
-    pool = Rotary(positions, slot_mapping, rope, kv, layer, num_heads, q_norm, k_norm, eps,
-                  kv_scales, positions)  # fmt: skip
-    num_kv_heads, head_dim = _check(pool, qkv.shape[1])
-    block_size = kv.shape[3]
-    if num_tokens == 0:
-        return
-    block_h = triton.next_power_of_2(num_heads)
-    if Q_HEADS_A_PROGRAM:
-        block_h = min(block_h, Q_HEADS_A_PROGRAM)
-    q_programs = triton.cdiv(num_heads, block_h)
-    _rotary_cache_kernel[(num_tokens, q_programs + (q_programs > 1))](
-        qkv,
-        positions,
-        slot_mapping,
-        rope,
-        kv,
-        q_norm if q_norm is not None else rope,
-        k_norm if k_norm is not None else rope,
-        eps,
-        qkv.stride(0),
-        rope.stride(0),
-        layer,
-        block_size,
-        *kv.stride()[:5],  # block, layer, k/v, slot, head (head_dim is contiguous)
-        NUM_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_H=block_h,
-        BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
-        HAS_QK_NORM=q_norm is not None,
-        Q_PROGRAMS=q_programs,
-        num_warps=4,
-    )
-
-
-def _check(r: Rotary, width: int) -> tuple[int, int]:
-    """(Hkv, D) of the pool where a qkv row `width` wide fits it, else ValueError."""
-    if (r.q_norm is None) != (r.k_norm is None):
-        raise ValueError("q_norm and k_norm come together")
-    _, _, _, _, num_kv_heads, head_dim = r.kv.shape
-    if width != (r.num_heads + 2 * num_kv_heads) * head_dim:
-        raise ValueError(f"qkv of {width} does not hold {r.num_heads} q heads + k + v")
-    if r.kv.stride(5) != 1 or r.kv.stride(4) != head_dim or r.rope.stride(1) != 1:
-        raise ValueError("the KV pool and the rope table need contiguous heads")
-    if r.kv_scales is not None:  # the kernel finds them through kv (common.pool_scales)
-        kv_quant.check_scales(r.kv, r.kv_scales)
-    elif r.kv.dtype in kv_quant.CODE_DTYPES:
-        raise kv_quant.missing_scales(r.kv)
-    return num_kv_heads, head_dim
+    """Rotate q and k in place and store rotated k and v into the pool (Rotary.apply
+    says how)."""
+    rotary = Rotary(positions, slot_mapping, rope, kv, layer, num_heads, q_norm, k_norm, eps,
+                    kv_scales)  # fmt: skip
+    rotary.apply(qkv)

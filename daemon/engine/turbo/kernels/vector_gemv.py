@@ -250,7 +250,6 @@ def vector_gemv(
         tiles = EXPERT_TILES_H200
     block_n, block_k, num_warps, num_stages = tiles or default_tiles(n, k, x.device)
     num_kv_heads, head_dim = rotary.check(n, block_n) if rotary is not None else (0, 0)
-    kv = rotary.kv if rotary is not None else None
     grid = (triton.cdiv(n, block_n), num_rows)  # gated: BLOCK_N / 2 outputs a program
     _vector_gemv_kernel[grid](
         x,
@@ -264,16 +263,14 @@ def vector_gemv(
         route.count if route is not None else rotary.counts if rotary is not None else weight,
         route.weights if route is not None else weight,
         route.experts if route is not None else weight,
-        *_rotary_tensors(rotary, weight),
+        *(rotary.tensor_args() if rotary is not None else (weight,) * 6),
         norm.eps if norm is not None else 0.0,
         n,
         k,
         weight.stride(0),
         stride_e,
         rotary.eps if rotary is not None else 0.0,
-        rotary.layer if rotary is not None else 0,
-        kv.shape[3] if kv is not None else 0,
-        *(kv.stride()[:5] if kv is not None else (0,) * 5),
+        *(rotary.pool_args() if rotary is not None else (0,) * 7),
         EXPERTS=experts is not None,
         HAS_BIAS=bias is not None,
         NORM=norm is not None,
@@ -296,15 +293,6 @@ def vector_gemv(
         num_stages=num_stages,
     )
     return y
-
-
-def _rotary_tensors(r: Rotary | None, unused: Tensor) -> tuple[Tensor, ...]:
-    """The kernel's positions, slots, rope, kv, q_norm and k_norm arguments."""
-    if r is None:
-        return (unused,) * 6
-    q_norm = r.q_norm if r.q_norm is not None else r.rope
-    k_norm = r.k_norm if r.k_norm is not None else r.rope
-    return r.positions, r.slot_mapping, r.rope, r.kv, q_norm, k_norm
 
 
 def default_tiles(n: int, k: int, device: torch.device | None = None) -> tuple[int, int, int, int]:
