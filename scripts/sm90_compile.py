@@ -91,8 +91,6 @@ def moe_cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
         out.append(case(moe._count_kernel, flags, layout, run))
         flags |= {"BLOCK_B": moe.PLACE_SLOTS // block_m}
         out.append(case(moe._place_kernel, flags, layout, run))
-    flags = {"TOP_K": 8, "BLOCK_J": 8, "BLOCK_H": 512}
-    out.append(case(moe._sum_choices_kernel, flags, {}, run))
     return out
 
 

@@ -150,14 +150,3 @@ def test_block_rows_grow_with_the_rows_per_expert() -> None:
     assert moe.block_rows(64 * 8, 8) == 64  # a short prefill: many
     assert moe.block_rows(4096 * 8, 128) == 128  # a prefill chunk of Qwen3-30B-A3B
     assert moe.block_rows(3 * 128, 8) == 32
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("tokens", "top_k", "hidden"), [(5, 8, 96), (3, 2, 1030), (1, 3, 64)])
-def test_sum_choices_adds_each_tokens_rows(
-    tokens: int, top_k: int, hidden: int, dtype: torch.dtype
-) -> None:
-    """A token's k rows summed in float32 and rounded once, as torch's sum over k."""
-    rows = torch.randn(tokens * top_k, hidden, device=DEVICE).to(dtype)
-    expected = rows.view(tokens, top_k, hidden).float().sum(dim=1).to(dtype)
-    torch.testing.assert_close(moe.sum_choices(rows, top_k), expected)  # dtype's tolerance

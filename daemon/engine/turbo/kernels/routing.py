@@ -26,21 +26,19 @@ def choose(  # noqa: PLR0917  # a Triton function: positional arguments
     TOP_K: tl.constexpr,
     NORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    CACHE: tl.constexpr,  # the loads' cache modifier
 ):
     """A token's routing from its float32 logits, written to experts_ptr ([TOP_K] int32)
     and weights_ptr ([TOP_K] float32): slot j the expert with the j-th largest logit
     (the lowest id among equals) and its softmax probability, the TOP_K of them scaled
-    to sum to 1 if NORMALIZE (ranked as the module docstring says). CACHE ".cg" (L2)
-    where a router's other programs may have written the logits in the same launch;
-    "" (L1 too: each logit is read BLOCK_E + 1 times) where a launch before did."""
+    to sum to 1 if NORMALIZE (ranked as the module docstring says). The loads read L2
+    (.cg): a router's other programs may have written the logits in the same launch."""
     e = tl.arange(0, BLOCK_E)
     real = e < num_experts
-    logits = tl.load(logits_ptr + e, mask=real, other=-float("inf"), cache_modifier=CACHE)
+    logits = tl.load(logits_ptr + e, mask=real, other=-float("inf"), cache_modifier=".cg")
     rank = tl.zeros([BLOCK_E], dtype=tl.int32)
     for j in tl.static_range(BLOCK_E):
         other = tl.load(
-            logits_ptr + j, mask=j < num_experts, other=-float("inf"), cache_modifier=CACHE
+            logits_ptr + j, mask=j < num_experts, other=-float("inf"), cache_modifier=".cg"
         )
         rank += ((other > logits) | ((other == logits) & (j < e))).to(tl.int32)
     x = tl.exp(logits - tl.max(logits, axis=0))
@@ -69,7 +67,7 @@ def choose_when_last(  # noqa: PLR0917  # a Triton function: positional argument
     next launch."""
     tl.debug_barrier()  # every thread's logits stored before the count
     if tl.atomic_add(count_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        choose(logits_ptr, num_experts, weights_ptr, experts_ptr, TOP_K, NORMALIZE, BLOCK_E, ".cg")
+        choose(logits_ptr, num_experts, weights_ptr, experts_ptr, TOP_K, NORMALIZE, BLOCK_E)
         tl.store(count_ptr, 0)
 
 
@@ -92,7 +90,6 @@ def _top_k_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
         TOP_K,
         NORMALIZE,
         BLOCK_E,
-        "",
     )
 
 
