@@ -84,7 +84,7 @@ def test_an_engine_sized_by_its_budget_never_holds_more(model_dir: Path, backend
     assert memory["kv_bytes"] == engine.pool.nbytes
     assert memory["kv_blocks"] == engine.pool.num_blocks
     assert memory["activation_bytes"] > 0
-    assert (memory["graph_bytes"] > 0) == (backend == "turbo")
+    assert memory["graph_bytes"] > 0  # both backends capture a Llama's decode steps on CUDA
     # its pool is cache_max_entry_count (0.8) of its share, or what the measured peak left
     assert engine.pool.nbytes <= 0.8 * budget.share_bytes + engine.pool.block_nbytes
     torch.cuda.reset_peak_memory_stats()
