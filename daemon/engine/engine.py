@@ -42,7 +42,7 @@ from lmd.engine.group_backend import OpLink
 from lmd.engine.inflight import InFlight
 from lmd.engine.kv_pool import KVPool, PoolBuffer, block_bytes_of, size_pool
 from lmd.engine.memory_plan import Budget, StepOutOfMemory, describe
-from lmd.engine.memory_profile import cap_allocator, size_in_budget
+from lmd.engine.memory_profile import cap_allocator, forward_retrying, size_in_budget
 from lmd.engine.parallel import SINGLE, TensorParallel
 from lmd.engine.prefill_scheduler import PrefillBatch, PrefillScheduler
 from lmd.engine.sampler import Sampler, TokenLogprobs
@@ -203,12 +203,12 @@ class Engine:
         try:
             return self._step_once()
         except torch.OutOfMemoryError as exc:
-            failed = self._drop_failed_step()
-            raise StepOutOfMemory(failed, str(exc).splitlines()[0] if str(exc) else "") from None
+            detail = str(exc).splitlines()[0] if str(exc) else ""
+        raise StepOutOfMemory(self._drop_failed_step(), detail) from None
 
     def _drop_failed_step(self) -> list[str]:
-        """After an allocation failed in a step: abort the requests of that step (and of
-        the step in flight, which fed it), freeing their blocks; their ids."""
+        """After a step's allocation failed (out of its handler: the step's tensors freed
+        before the cache is): abort its and the step in flight's requests; their ids."""
         seqs = self._stepping
         if self._inflight is not None:
             self._inflight.wait()
@@ -321,7 +321,7 @@ class Engine:
             self.pool.block_size,
         )
         if self.overlap:
-            logits = self.backend.forward(forward, self.pool.kv)  # [B, V]
+            logits = forward_retrying(self.backend, forward, self.pool.kv)  # [B, V]
             self._inflight = InFlight.launch(batch, self.sampler.sample(logits, seqs))
             return []  # read back by the next step() call
         token_ids, logprobs = self._sample(forward, seqs)
@@ -352,7 +352,7 @@ class Engine:
         )
         forward.input_ids = tokens
         self.num_ahead_steps += 1
-        return self.backend.forward(forward, self.pool.kv)
+        return forward_retrying(self.backend, forward, self.pool.kv)
 
     def _read_back(self, inflight: InFlight, *, pending: bool) -> list[TokenEvent]:
         """Wait for `inflight`, append its tokens and return their events; `pending`: a
@@ -377,7 +377,7 @@ class Engine:
     def _sample(
         self, forward: ForwardBatch, seqs: list[Sequence]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        logits = self.backend.forward(forward, self.pool.kv)  # [R, V]
+        logits = forward_retrying(self.backend, forward, self.pool.kv)  # [R, V]
         if not seqs:
             return [], []
         return self.sampler.sample(logits, seqs).tolist()

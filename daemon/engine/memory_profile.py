@@ -72,6 +72,22 @@ def cap_allocator(budget: Budget, device: torch.device) -> None:
     torch.cuda.set_per_process_memory_fraction(fraction, index)
 
 
+def forward_retrying(backend: Backend, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
+    """backend.forward, tried once more after torch's cache is given back when an
+    allocation fails under the cap: freed memory cached in a large segment that the
+    step's first allocations split cannot be released, and a small allocation that then
+    needs a segment of its own fails at the cap with GiBs free in that one. A forward
+    only writes its own tokens' K/V and its outputs, so running it again is safe."""
+    try:
+        return backend.forward(batch, kv)
+    except torch.OutOfMemoryError:
+        if kv.device.type != "cuda":
+            raise
+    # Out of the handler: the failed try's tensors are freed, so its segments can go too.
+    torch.cuda.empty_cache()
+    return backend.forward(batch, kv)
+
+
 def profile_batches(
     config: EngineConfig, role: Role, block_size: int
 ) -> tuple[int, list[tuple[ForwardBatch, int]]]:

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
 
+from lmd.engine.backend import Backend
 from lmd.engine.config import EngineConfig, read_hf_config
 from lmd.engine.engine import Engine
+from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.memory_needs import engine_needs, weight_bytes
 from lmd.engine.memory_plan import Budget, StepOutOfMemory, plan_device
+from lmd.engine.memory_profile import forward_retrying
 from lmd.engine.sequence import SamplingParams, Sequence
 from lmd.protocol.roles import Role
 from tests.models import GPU_LLAMA, random_prompts, save_tiny_llama
@@ -24,6 +28,7 @@ pytestmark = [
 ]
 SETTINGS = EngineConfig(max_batch_size=64, max_prefill_token_num=2048, block_size=64)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+OUT_OF_MEMORY: list[str] = []  # drive's last run: why its failed steps failed
 
 
 @pytest.fixture(scope="module")
@@ -60,15 +65,19 @@ def build(model_dir: Path, budget: Budget, backend: str = "turbo") -> Engine:
 
 
 def drive(engine: Engine, prompts: list[list[int]], tag: str) -> tuple[dict[str, int], list[str]]:
+    """Each request's token count, and the requests a failed step dropped (their steps'
+    reasons in OUT_OF_MEMORY, for an assertion's message)."""
     for i, prompt in enumerate(prompts):
         engine.add(Sequence(f"{tag}{i}", prompt, GREEDY))
     counts: dict[str, int] = {}
     failed: list[str] = []
+    OUT_OF_MEMORY.clear()
     while engine.has_work:
         try:
             events = engine.step()
         except StepOutOfMemory as exc:
             failed += exc.request_ids
+            OUT_OF_MEMORY.append(exc.detail)
             continue
         for e in events:
             counts[e.request_id] = counts.get(e.request_id, 0) + 1
@@ -114,4 +123,28 @@ def test_an_allocation_that_fails_in_a_step_costs_its_requests_not_the_engine(
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
     del filler
     counts, failed = drive(engine, prompts, "ref")
-    assert failed == [] and counts == reference
+    assert failed == [], (OUT_OF_MEMORY, torch.cuda.memory_summary(abbreviated=True))
+    assert counts == reference
+
+
+class FailingForwards:
+    """A backend whose first `failures` forwards fail to allocate."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures, self.calls = failures, 0
+
+    def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB.")
+        return kv
+
+
+def test_a_forward_that_cannot_allocate_runs_once_more_then_fails() -> None:
+    kv, batch = torch.zeros(4, device="cuda"), ForwardBatch.pack([[1]], [0], [[0]], 4)
+    once = FailingForwards(1)
+    assert forward_retrying(cast(Backend, once), batch, kv) is kv and once.calls == 2
+    always = FailingForwards(3)
+    with pytest.raises(torch.OutOfMemoryError):
+        forward_retrying(cast(Backend, always), batch, kv)
+    assert always.calls == 2
