@@ -77,10 +77,15 @@ def forward_retrying(backend: Backend, batch: ForwardBatch, kv: torch.Tensor) ->
     allocation fails under the cap: freed memory cached in a large segment that the
     step's first allocations split cannot be released, and a small allocation that then
     needs a segment of its own fails at the cap with GiBs free in that one. A forward
-    only writes its own tokens' K/V and its outputs, so running it again is safe."""
+    only writes its own tokens' K/V and its outputs, so running it again is safe. Not in
+    a tensor-parallel group: its other ranks are inside the same forward's collectives,
+    which a second forward (or the next step's) would meet out of step, so the failure
+    is the group's (a RuntimeError: the worker fails its requests and is restarted)."""
     try:
         return backend.forward(batch, kv)
-    except torch.OutOfMemoryError:
+    except torch.OutOfMemoryError as exc:
+        if backend.tp.enabled:
+            raise RuntimeError(f"out of memory in a tensor-parallel forward: {exc}") from None
         if kv.device.type != "cuda":
             raise
     # Out of the handler: the failed try's tensors are freed, so its segments can go too.

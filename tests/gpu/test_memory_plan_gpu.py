@@ -6,18 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import cast
 
 import pytest
 import torch
 
-from lmd.engine.backend import Backend
 from lmd.engine.config import EngineConfig, read_hf_config
 from lmd.engine.engine import Engine
-from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.memory_needs import engine_needs, weight_bytes
 from lmd.engine.memory_plan import Budget, StepOutOfMemory, plan_device
-from lmd.engine.memory_profile import forward_retrying
 from lmd.engine.sequence import SamplingParams, Sequence
 from lmd.protocol.roles import Role
 from tests.models import GPU_LLAMA, random_prompts, save_tiny_llama
@@ -125,26 +121,3 @@ def test_an_allocation_that_fails_in_a_step_costs_its_requests_not_the_engine(
     counts, failed = drive(engine, prompts, "ref")
     assert failed == [], (OUT_OF_MEMORY, torch.cuda.memory_summary(abbreviated=True))
     assert counts == reference
-
-
-class FailingForwards:
-    """A backend whose first `failures` forwards fail to allocate."""
-
-    def __init__(self, failures: int) -> None:
-        self.failures, self.calls = failures, 0
-
-    def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        if self.calls <= self.failures:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB.")
-        return kv
-
-
-def test_a_forward_that_cannot_allocate_runs_once_more_then_fails() -> None:
-    kv, batch = torch.zeros(4, device="cuda"), ForwardBatch.pack([[1]], [0], [[0]], 4)
-    once = FailingForwards(1)
-    assert forward_retrying(cast(Backend, once), batch, kv) is kv and once.calls == 2
-    always = FailingForwards(3)
-    with pytest.raises(torch.OutOfMemoryError):
-        forward_retrying(cast(Backend, always), batch, kv)
-    assert always.calls == 2

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
 
+from lmd.engine.backend import Backend
 from lmd.engine.config import EngineConfig, read_hf_config
+from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.kv_layout import bytes_per_block
 from lmd.engine.memory_needs import (
     engine_needs,
@@ -20,7 +23,14 @@ from lmd.engine.memory_needs import (
     weight_bytes,
 )
 from lmd.engine.memory_plan import EngineNeeds, plan_device
-from lmd.engine.memory_profile import StepMemory, kv_bytes, profile_batches, run_steps
+from lmd.engine.memory_profile import (
+    StepMemory,
+    forward_retrying,
+    kv_bytes,
+    profile_batches,
+    run_steps,
+)
+from lmd.engine.parallel import SINGLE, TensorParallel
 from lmd.engine.torch_backend import TorchBackend
 from lmd.protocol.roles import Role
 from tests.models import TINY_SHAPE, load_reference, save_tiny_llama
@@ -141,3 +151,46 @@ def test_kv_bytes_take_the_share_or_what_the_budget_leaves_whichever_is_less() -
     assert kv_bytes(alone, 1.0, held, steps, 64 * GiB) == alone.allocator_bytes - held - (
         steps.reserve_bytes
     )
+
+
+class FailingForwards:
+    """A backend whose first `failures` forwards fail to allocate."""
+
+    def __init__(self, failures: int, tp: TensorParallel = SINGLE) -> None:
+        self.failures, self.calls, self.tp = failures, 0, tp
+
+    def forward(self, batch: ForwardBatch, kv: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB.")
+        return kv
+
+
+BATCH = ForwardBatch.pack([[1]], [0], [[0]], 4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_forward_that_cannot_allocate_runs_once_more_then_fails() -> None:
+    kv = torch.zeros(4, device="cuda")
+    once = FailingForwards(1)
+    assert forward_retrying(cast(Backend, once), BATCH, kv) is kv and once.calls == 2
+    always = FailingForwards(3)
+    with pytest.raises(torch.OutOfMemoryError):
+        forward_retrying(cast(Backend, always), BATCH, kv)
+    assert always.calls == 2
+
+
+def test_a_forward_out_of_memory_is_not_retried_on_a_cpu_pool() -> None:
+    backend = FailingForwards(1)
+    with pytest.raises(torch.OutOfMemoryError):
+        forward_retrying(cast(Backend, backend), BATCH, torch.zeros(4))
+    assert backend.calls == 1
+
+
+def test_a_tensor_parallel_forward_out_of_memory_fails_the_group() -> None:
+    """Its other ranks are inside the same forward's collectives: no second forward, and
+    not a StepOutOfMemory the engine would serve on after (a RuntimeError: restart)."""
+    backend = FailingForwards(1, TensorParallel(rank=0, size=2))
+    with pytest.raises(RuntimeError, match="tensor-parallel"):
+        forward_retrying(cast(Backend, backend), BATCH, torch.zeros(4))
+    assert backend.calls == 1
