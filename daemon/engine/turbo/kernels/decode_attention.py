@@ -165,8 +165,10 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=omask)
     else:
         # part_out: [B, H, NUM_SPLITS, BLOCK_D] float32, part_lse: [B, H, NUM_SPLITS].
+        # Columns past HEAD_DIM too (zeros: v's were loaded as 0), so that the merge's
+        # loads of whole rows never read memory nothing wrote.
         row = (seq * (num_kv_heads * GROUP) + heads) * NUM_SPLITS + split
-        tl.store(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], out, mask=omask)
+        tl.store(part_out_ptr + row[:, None] * BLOCK_D + d[None, :], out, mask=gmask[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=gmask)
         if MERGE_LAST:
