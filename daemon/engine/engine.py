@@ -207,8 +207,8 @@ class Engine:
         raise StepOutOfMemory(self._drop_failed_step(), detail) from None
 
     def _drop_failed_step(self) -> list[str]:
-        """After a step's allocation failed (out of its handler: the step's tensors freed
-        before the cache is): abort its and the step in flight's requests; their ids."""
+        """After an allocation failed in a step (called out of its handler, so the step's
+        tensors are freed first): abort its and the in-flight step's requests; their ids."""
         seqs = self._stepping
         if self._inflight is not None:
             self._inflight.wait()

@@ -24,7 +24,6 @@ pytestmark = [
 ]
 SETTINGS = EngineConfig(max_batch_size=64, max_prefill_token_num=2048, block_size=64)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-OUT_OF_MEMORY: list[str] = []  # drive's last run: why its failed steps failed
 
 
 @pytest.fixture(scope="module")
@@ -60,24 +59,26 @@ def build(model_dir: Path, budget: Budget, backend: str = "turbo") -> Engine:
     )
 
 
-def drive(engine: Engine, prompts: list[list[int]], tag: str) -> tuple[dict[str, int], list[str]]:
-    """Each request's token count, and the requests a failed step dropped (their steps'
-    reasons in OUT_OF_MEMORY, for an assertion's message)."""
+def drive(
+    engine: Engine, prompts: list[list[int]], tag: str
+) -> tuple[dict[str, int], list[str], list[str]]:
+    """Each request's token count, the requests a failed step dropped, and why each failed
+    step failed (for an assertion's message)."""
     for i, prompt in enumerate(prompts):
         engine.add(Sequence(f"{tag}{i}", prompt, GREEDY))
     counts: dict[str, int] = {}
     failed: list[str] = []
-    OUT_OF_MEMORY.clear()
+    reasons: list[str] = []
     while engine.has_work:
         try:
             events = engine.step()
         except StepOutOfMemory as exc:
             failed += exc.request_ids
-            OUT_OF_MEMORY.append(exc.detail)
+            reasons.append(exc.detail)
             continue
         for e in events:
             counts[e.request_id] = counts.get(e.request_id, 0) + 1
-    return counts, failed
+    return counts, failed, reasons
 
 
 @pytest.mark.parametrize("backend", ["turbo", "torch"])
@@ -95,7 +96,7 @@ def test_an_engine_sized_by_its_budget_never_holds_more(model_dir: Path, backend
     torch.cuda.reset_peak_memory_stats()
     prompts = random_prompts([20 + 4 * i for i in range(64)], GPU_LLAMA["vocab_size"], seed=1)
     prompts.append([7] * 2000)  # one prompt of a whole prefill step
-    counts, failed = drive(engine, prompts, "r")
+    counts, failed, _ = drive(engine, prompts, "r")
     assert failed == [] and all(n == GREEDY.max_tokens for n in counts.values())
     assert torch.cuda.max_memory_reserved() <= budget.allocator_bytes
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
@@ -107,17 +108,17 @@ def test_an_allocation_that_fails_in_a_step_costs_its_requests_not_the_engine(
     budget = shared_budget(model_dir, 0.5)
     engine = build(model_dir, budget)
     prompts = random_prompts([20 + 10 * i for i in range(8)], GPU_LLAMA["vocab_size"], seed=2)
-    reference, _ = drive(engine, prompts, "ref")
+    reference, _, _ = drive(engine, prompts, "ref")
     # Something else in the process takes all the budget leaves: the next steps cannot
     # allocate their activations.
     torch.cuda.empty_cache()
     left = budget.allocator_bytes - torch.cuda.memory_reserved()
     filler = torch.empty(left - (2 << 20), dtype=torch.uint8, device="cuda")
     big = [[9] * 1500 for _ in range(4)]
-    _counts, failed = drive(engine, big, "big")
+    _counts, failed, _ = drive(engine, big, "big")
     assert sorted(failed) == [f"big{i}" for i in range(4)]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
     del filler
-    counts, failed = drive(engine, prompts, "ref")
-    assert failed == [], (OUT_OF_MEMORY, torch.cuda.memory_summary(abbreviated=True))
+    counts, failed, reasons = drive(engine, prompts, "ref")
+    assert failed == [], (reasons, torch.cuda.memory_summary(abbreviated=True))
     assert counts == reference
