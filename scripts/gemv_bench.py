@@ -7,6 +7,7 @@ CUDA only.
     python3 scripts/gemv_bench.py [--dtype bf16] [--shapes llama,llama-tp2,qwen3]
     python3 scripts/gemv_bench.py --plain [--plain-shapes 4096x4096,4096x12288,...]
     python3 scripts/gemv_bench.py --experts
+    ... [--tiles 8x1024x8x1,...]     more vector_gemv tilings (BLOCK_N x BLOCK_K x warps x stages)
 
 Each time is the median of CUDA-graph replays over enough copies of the weights to
 overflow the L2 cache (scripts/w4a16_tiles.py's time_us); every tiling is checked against
@@ -57,7 +58,12 @@ def main() -> None:
     p.add_argument("--plain", action="store_true")
     p.add_argument("--experts", action="store_true")
     p.add_argument("--plain-shapes", default="4096x4096,4096x12288,4096x14336,2048x4096")
+    p.add_argument(
+        "--tiles", default="", help="more vector_gemv tilings to try: NxKxWARPSxSTAGES,..."
+    )
     args = p.parse_args()
+    for t in filter(None, args.tiles.split(",")):
+        EXTRA_TILES.append(tuple(int(d) for d in t.split("x")))  # type: ignore[arg-type]
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     print(torch.cuda.get_device_name(0))
     if args.experts:
@@ -113,7 +119,7 @@ def bench(n: int, k: int, dtype: torch.dtype, activation: str | None) -> tuple[f
         kernels.vector_gemv, hidden, norm=norm, out_dtype=out_dtype, activation=activation
     )
     rows = []
-    for tiles in TILES + PLAIN_TILES:
+    for tiles in TILES + PLAIN_TILES + EXTRA_TILES:
         if activation is not None and tiles[0] < 2:  # a program makes BLOCK_N / 2 outputs
             continue
         try:
@@ -142,6 +148,7 @@ PLAIN_TILES = [  # vector_gemv's, past TILES
     (2, 2048, 4, 3), (4, 2048, 8, 2), (8, 1024, 8, 3), (4, 512, 4, 4), (2, 1024, 4, 4),
     (1, 4096, 4, 2), (8, 2048, 8, 2),
 ]  # fmt: skip
+EXTRA_TILES: list[tuple[int, int, int, int]] = []  # --tiles
 MIX_TILES = [  # moe_vector.mix_down's: [8, BLOCK_N, BLOCK_K] accumulators
     (1, 256, 4, 3), (1, 1024, 4, 2), (2, 128, 4, 4), (2, 256, 4, 3), (2, 256, 8, 3),
     (2, 512, 4, 2), (2, 512, 8, 2), (4, 128, 4, 3), (4, 256, 8, 3), (1, 512, 4, 3),
@@ -158,7 +165,7 @@ def bench_plain(n: int, k: int, dtype: torch.dtype) -> None:
         call = partial(kernels.gemv, x, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
         rows.append((time_us([partial(call, w) for w in weights]), "gemv", (bn, bk, warps, stages),
                      rel_err(call(dense), ref)))  # fmt: skip
-    for tiles in TILES + PLAIN_TILES:
+    for tiles in TILES + PLAIN_TILES + EXTRA_TILES:
         call = partial(kernels.vector_gemv, x, tiles=tiles)
         rows.append((time_us([partial(call, w) for w in weights]), "vector_gemv", tiles,
                      rel_err(call(dense), ref)))  # fmt: skip

@@ -1,0 +1,138 @@
+"""How fast one GPU reads memory it only reads (no writes), against the copy figure the
+batch-1 floors divide by (scripts/families_bench.py: read + written bytes of a 2 GiB
+copy). CUDA only.
+
+    python3 scripts/read_bw_bench.py [--gib 2]
+
+Each kernel streams a buffer past the L2 cache once and XORs the words a program reads
+(nothing the compiler can drop): Triton's plain loads, loads marked evict-first, and
+16-byte loads in PTX that skip L1 and ask L2 to fetch 256 bytes a miss
+(`ld.global.nc.L1::no_allocate.L2::256B.v4`), each at several program counts, block
+sizes and warps. Also torch's sum of the buffer as bf16 and the copy itself. Medians of
+CUDA-graph replays; one JSON line a setting, and a summary table, on stdout and in
+$OUT/read_bw.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_256b(ptrs):
+    """16 bytes at each pointer (of int32 words, 16-byte aligned), as four int32 tensors."""
+    return tl.inline_asm_elementwise(
+        "ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,l",
+        [ptrs],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _read_kernel(src, out, chunk, BLOCK: tl.constexpr, HOW: tl.constexpr):
+    """XOR of the program's chunk of int32 words, BLOCK words a step. HOW: 0 plain
+    tl.load, 1 evict-first, 2 the PTX 16-byte loads (BLOCK / 4 of them a step)."""
+    start = tl.program_id(0).to(tl.int64) * chunk
+    if HOW == 2:
+        acc = tl.zeros([BLOCK // 4], dtype=tl.int32)
+        lanes = tl.arange(0, BLOCK // 4) * 4
+        for off in range(start, start + chunk, BLOCK):
+            a, b, c, d = _load_256b(src + off + lanes)
+            acc ^= a ^ b ^ c ^ d
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        for off in range(start, start + chunk, BLOCK):
+            ptrs = src + off + tl.arange(0, BLOCK)
+            if HOW == 1:
+                acc ^= tl.load(ptrs, eviction_policy="evict_first")
+            else:
+                acc ^= tl.load(ptrs)
+    tl.store(out + tl.program_id(0), tl.xor_sum(acc, axis=0))
+
+
+def graph_us(call: Callable[[], object], replays: int = 20) -> float:
+    """Median microseconds of one call, replayed in a CUDA graph."""
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return float(statistics.median(times))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--gib", type=float, default=2.0)
+    p.add_argument("--programs", default="2,4,8,16", help="programs a multiprocessor")
+    p.add_argument("--blocks", default="1024,2048,4096", help="int32 words a program step")
+    p.add_argument("--warps", default="4,8")
+    args = p.parse_args()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    words = int(args.gib * (1 << 30)) // 4
+    src = torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32, device="cuda")
+    nbytes = words * 4
+    rows = []
+
+    def record(label: str, us: float, moved: int) -> None:
+        row = {"kernel": label, "us": round(us, 1), "tb_s": round(moved / us / 1e6, 3)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    copy_to = torch.empty_like(src)
+    record("torch copy (read + written)", graph_us(lambda: copy_to.copy_(src)), 2 * nbytes)
+    copy_to.resize_(0)  # its memory back for the rest
+    as_bf16 = src.view(torch.bfloat16)
+    record("torch sum, bf16", graph_us(lambda: as_bf16.sum(dtype=torch.float32)), nbytes)
+    out = torch.empty(16 * sms * 16, dtype=torch.int32, device="cuda")
+    for how, name in ((0, "plain"), (1, "evict_first"), (2, "ptx L2::256B")):
+        for per_sm in map(int, args.programs.split(",")):
+            programs = per_sm * sms
+            for block in map(int, args.blocks.split(",")):
+                chunk = words // programs // block * block  # whole steps; the rest unread
+                for warps in map(int, args.warps.split(",")):
+                    call = partial(
+                        _read_kernel[(programs,)], src, out, chunk, BLOCK=block, HOW=how,
+                        num_warps=warps,
+                    )  # fmt: skip
+
+                    label = f"{name} {per_sm}/SM block {block} warps {warps}"
+                    record(label, graph_us(call), programs * chunk * 4)
+    best: dict[str, dict[str, object]] = {}
+    for row in rows:
+        family = str(row["kernel"]).split(" ")[0]
+        if family not in best or float(row["tb_s"]) > float(best[family]["tb_s"]):  # type: ignore[arg-type]
+            best[family] = row
+    print("best of each:", flush=True)
+    for row in best.values():
+        print(f"  {row['kernel']}: {row['tb_s']} TB/s", flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "read_bw.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
