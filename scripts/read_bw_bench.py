@@ -3,6 +3,10 @@ batch-1 floors divide by (scripts/families_bench.py: read + written bytes of a 2
 copy). CUDA only.
 
     python3 scripts/read_bw_bench.py [--gib 2]
+    python3 scripts/read_bw_bench.py --sizes 201.3,100.7,50.3,33.6
+
+`--sizes` (MB): the plain loads' best settings on buffers of a product's size instead,
+over copies past L2 (what one launch of that many bytes takes, ramp and tail included).
 
 Each kernel streams a buffer past the L2 cache once and XORs the words a program reads
 (nothing the compiler can drop): Triton's plain loads, loads marked evict-first, and
@@ -84,13 +88,49 @@ def graph_us(call: Callable[[], object], replays: int = 20) -> float:
     return float(statistics.median(times))
 
 
+SIZE_SETTINGS = [(8, 1024, 4), (16, 1024, 8), (16, 2048, 8), (4, 2048, 8), (8, 2048, 4)]
+
+
+def stream_sizes(sizes: list[float]) -> None:
+    """Plain loads of a buffer of each size (MB), rotated over copies past L2."""
+    from scripts.w4a16_tiles import L2_BYTES, time_us
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = torch.empty(16 * sms, dtype=torch.int32, device="cuda")
+    for mb in sizes:
+        words = int(mb * 1e6) // 4
+        copies = [
+            torch.randint(0, 2**31 - 1, (words,), dtype=torch.int32, device="cuda")
+            for _ in range(max(2, L2_BYTES // (words * 4)))
+        ]
+        best = []
+        for per_sm, block, warps in SIZE_SETTINGS:
+            programs = per_sm * sms
+            chunk = words // programs // block * block  # whole steps; the rest unread
+            us = time_us([
+                partial(_read_kernel[(programs,)], src, out, chunk, BLOCK=block, HOW=0,
+                        num_warps=warps)
+                for src in copies
+            ])  # fmt: skip
+            best.append((us, per_sm, block, warps, programs * chunk * 4 / 1e6))
+        best.sort()
+        us, per_sm, block, warps, read_mb = best[0]
+        row = {"mb": round(read_mb, 1), "us": round(us, 2), "tb_s": round(read_mb / us, 3),
+               "setting": f"{per_sm}/SM block {block} warps {warps}"}  # fmt: skip
+        print(json.dumps(row), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gib", type=float, default=2.0)
     p.add_argument("--programs", default="2,4,8,16", help="programs a multiprocessor")
     p.add_argument("--blocks", default="1024,2048,4096", help="int32 words a program step")
     p.add_argument("--warps", default="4,8")
+    p.add_argument("--sizes", default="", help="MB: time streams of these sizes instead")
     args = p.parse_args()
+    if args.sizes:
+        stream_sizes([float(mb) for mb in args.sizes.split(",")])
+        return
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     words = int(args.gib * (1 << 30)) // 4
     src = torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32, device="cuda")
