@@ -63,6 +63,43 @@ def _stream_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
 
 
+@triton.jit
+def _prefetch_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
+    x_ptr, w_ptr, y_ptr, n, k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):  # fmt: skip
+    """vector_gemv's plain loop (a program a block of rows, all of K), its weights loaded
+    a slice ahead into registers instead of through shared memory (launched with one
+    stage, so Triton adds no pipeline of its own)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = rows < n
+    ks = tl.arange(0, BLOCK_K)
+    base = w_ptr + rows[:, None].to(tl.int64) * k + ks[None, :]
+    ahead = tl.load(base, mask=live[:, None], other=0.0)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        w = ahead
+        nxt = k0 + BLOCK_K
+        ahead = tl.load(base + nxt, mask=live[:, None] & (nxt < k), other=0.0)
+        x = tl.load(x_ptr + k0 + ks)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=live)
+
+
+def prefetch_gemv(
+    x: torch.Tensor, w: torch.Tensor, *, per_sm: int, block_n: int, block_k: int,
+    warps: int, stages: int,
+) -> torch.Tensor:  # fmt: skip
+    """x: [1, K], w: [N, K] -> [1, N] by _prefetch_gemv_kernel (per_sm unused: a program
+    a block of rows; stages: Triton's own pipeline on top, 1 for none)."""
+    del per_sm
+    n, k = w.shape
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _prefetch_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, w, y, n, k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages
+    )
+    return y
+
+
 def stream_gemv(
     x: torch.Tensor, w: torch.Tensor, *, per_sm: int, block_n: int, block_k: int,
     warps: int, stages: int,
@@ -88,10 +125,22 @@ SETTINGS = [  # programs a multiprocessor, BLOCK_N, BLOCK_K, warps, stages
 ]
 
 
+PREFETCH_SETTINGS = [  # (unused), BLOCK_N, BLOCK_K, warps, stages
+    (0, bn, bk, w, s)
+    for bn, bk in ((2, 1024), (4, 1024), (4, 512), (8, 512), (8, 256), (16, 256), (2, 2048))
+    for w in (4, 8)
+    for s in (1, 2)
+]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="24576x4096,4096x12288,6144x4096,4096x4096")
+    p.add_argument("--prefetch", action="store_true", help="_prefetch_gemv_kernel instead")
     args = p.parse_args()
+    kernel, settings = (
+        (prefetch_gemv, PREFETCH_SETTINGS) if args.prefetch else (stream_gemv, SETTINGS)
+    )
     print(torch.cuda.get_device_name(0), flush=True)
     results = []
     for shape in args.shapes.split(","):
@@ -102,8 +151,8 @@ def main() -> None:
         base_tiles = kernels.plain_tiles(n, k)
         base = time_us([partial(kernels.vector_gemv, x, w, tiles=base_tiles) for w in weights])
         rows = []
-        for setting in SETTINGS:
-            call = partial(stream_gemv, x, per_sm=setting[0], block_n=setting[1],
+        for setting in settings:
+            call = partial(kernel, x, per_sm=setting[0], block_n=setting[1],
                            block_k=setting[2], warps=setting[3], stages=setting[4])  # fmt: skip
             try:
                 err = rel_err(call(dense), ref)
@@ -118,7 +167,8 @@ def main() -> None:
               f"({mb / base:.2f} TB/s)", flush=True)  # fmt: skip
         for us, setting, err in rows[:6]:
             flag = " !! ERROR" if err > 2e-2 else ""
-            print(f"  stream {setting}: {us:7.2f} us {mb / us:.2f} TB/s err {err:.1e}{flag}",
+            name = kernel.__name__
+            print(f"  {name} {setting}: {us:7.2f} us {mb / us:.2f} TB/s err {err:.1e}{flag}",
                   flush=True)  # fmt: skip
         results.append({"n": n, "k": k, "vector_gemv_us": base, "best": rows[:6]})
     if os.environ.get("OUT"):
