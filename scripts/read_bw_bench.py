@@ -22,13 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-from collections.abc import Callable
 from functools import partial
 
 import torch
 import triton
 import triton.language as tl
+
+from scripts.w4a16_tiles import L2_BYTES, time_us
 
 
 @triton.jit
@@ -66,35 +66,11 @@ def _read_kernel(src, out, chunk, BLOCK: tl.constexpr, HOW: tl.constexpr):
     tl.store(out + tl.program_id(0), tl.xor_sum(acc, axis=0))
 
 
-def graph_us(call: Callable[[], object], replays: int = 20) -> float:
-    """Median microseconds of one call, replayed in a CUDA graph."""
-    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return float(statistics.median(times))
-
-
 SIZE_SETTINGS = [(8, 1024, 4), (16, 1024, 8), (16, 2048, 8), (4, 2048, 8), (8, 2048, 4)]
 
 
 def stream_sizes(sizes: list[float]) -> None:
     """Plain loads of a buffer of each size (MB), rotated over copies past L2."""
-    from scripts.w4a16_tiles import L2_BYTES, time_us
-
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = torch.empty(16 * sms, dtype=torch.int32, device="cuda")
     for mb in sizes:
@@ -143,10 +119,14 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
     copy_to = torch.empty_like(src)
-    record("torch copy (read + written)", graph_us(lambda: copy_to.copy_(src)), 2 * nbytes)
+    record(
+        "torch copy (read + written)", time_us([lambda: copy_to.copy_(src)], replays=20), 2 * nbytes
+    )
     copy_to.resize_(0)  # its memory back for the rest
     as_bf16 = src.view(torch.bfloat16)
-    record("torch sum, bf16", graph_us(lambda: as_bf16.sum(dtype=torch.float32)), nbytes)
+    record(
+        "torch sum, bf16", time_us([lambda: as_bf16.sum(dtype=torch.float32)], replays=20), nbytes
+    )
     out = torch.empty(16 * sms * 16, dtype=torch.int32, device="cuda")
     for how, name in ((0, "plain"), (1, "evict_first"), (2, "ptx L2::256B")):
         for per_sm in map(int, args.programs.split(",")):
@@ -160,7 +140,7 @@ def main() -> None:
                     )  # fmt: skip
 
                     label = f"{name} {per_sm}/SM block {block} warps {warps}"
-                    record(label, graph_us(call), programs * chunk * 4)
+                    record(label, time_us([call], replays=20), programs * chunk * 4)
     best: dict[str, dict[str, object]] = {}
     for row in rows:
         family = str(row["kernel"]).split(" ")[0]

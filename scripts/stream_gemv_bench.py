@@ -31,17 +31,9 @@ from scripts.w4a16_tiles import rel_err, time_us
 
 @triton.jit
 def _stream_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
-    x_ptr,
-    w_ptr,
-    y_ptr,
-    n,
-    k,
-    blocks_per_program,
-    K_STEPS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr,
-):
+    x_ptr, w_ptr, y_ptr, n, k, blocks_per_program, K_STEPS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     ks = tl.arange(0, BLOCK_K)
