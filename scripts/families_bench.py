@@ -6,7 +6,7 @@ against the HBM floor (docs/benchmarks.md, "turbo for Qwen3 and mixtures of expe
         [--kv-cache-dtype int8|fp8] [--separate-batch1] [--separate-activation]
         [--separate-experts] [--separate-rotary] [--separate-merge]
         [--separate-rotary-merge] [--gemv-plain]
-        [--rotary-whole] [--h100-tiles] [--wide-tiles]
+        [--rotary-whole] [--h100-tiles]
         [--wide-max-rows 16] [--no-fp8-codes] [--exact-accum]
 
 One Engine for every batch (max_batch_size = the largest), the prompts and the timing of
@@ -37,29 +37,12 @@ from lmd.bench.offline import random_prompts, time_engine
 from lmd.engine.config import EngineConfig
 from lmd.engine.engine import Engine
 from lmd.engine.kv_pool import block_bytes_of
-from lmd.engine.turbo import kernels
 from lmd.engine.turbo.kernels import fp8, rotary, w4a16_rows
 
 # the module (the package's `vector_gemv` is its function)
 vector_gemv: Any = importlib.import_module("lmd.engine.turbo.kernels.vector_gemv")
 
 ROTARY_HEADS, IS_H200 = rotary.Q_HEADS_A_PROGRAM, vector_gemv._is_h200
-TILES = kernels.default_tiles, kernels.plain_tiles
-
-
-def wide_tiles(_: Any, on: bool) -> None:
-    """The candidates of gemv_bench.py --tiles (H200, 2026-11-30) in the model's products:
-    8 x 1024 in 2 stages for a normed product of 8193-49999 outputs (gate|up), 16 x 1024
-    on 8 warps in 2 stages for the plain ones (o, down)."""
-    default, plain = TILES
-
-    def normed(n: int, k: int, device: torch.device | None = None) -> tuple[int, int, int, int]:
-        return (8, 1024, 4, 2) if 8192 < n < 50000 and k >= 1024 else default(n, k, device)
-
-    def plain_wide(n: int, k: int) -> tuple[int, int, int, int]:
-        return (16, 1024, 8, 2) if k >= 1024 and n < 50000 else plain(n, k)
-
-    kernels.default_tiles, kernels.plain_tiles = (normed, plain_wide) if on else TILES
 
 
 def model_flag(*names: str, on_value: bool) -> Callable[[Any, bool], None]:
@@ -105,10 +88,6 @@ STEP_SWITCHES: dict[str, tuple[str, Callable[[Any, bool], None]]] = {
     "rotary-whole": (
         "with a token's heads rotated in one program (rotary.Q_HEADS_A_PROGRAM 0)",
         lambda _, on: setattr(rotary, "Q_HEADS_A_PROGRAM", 0 if on else ROTARY_HEADS),
-    ),
-    "wide-tiles": (
-        "with gemv_bench.py --tiles' candidates for gate|up, o and down (wide_tiles)",
-        wide_tiles,
     ),
     "h100-tiles": (
         "with vector_gemv's tiles as swept on an H100, on any device",

@@ -104,12 +104,13 @@ def test_vector_gemv(n: int, k: int, prologue: str, out_float: bool, dtype: torc
     check_vector_gemv(n, k, dtype, prologue, out_float)
 
 
-@pytest.mark.parametrize(("n", "k"), [(33, 300), (8, 4096), (6, 4100)])
-def test_vector_gemv_with_the_plain_products_tiles(n: int, k: int) -> None:
+@pytest.mark.parametrize(("n", "k", "h200"), [(33, 300, False), (8, 4096, False), (6, 4100, False),
+                                              (40, 2048, True)])  # fmt: skip
+def test_vector_gemv_with_the_plain_products_tiles(n: int, k: int, h200: bool) -> None:
     """o and down at one row (TurboModel.vector_plain): plain_tiles' two rows a program,
-    K past 4096 on default_tiles'."""
-    tiles = kernels.plain_tiles(n, k)
-    assert tiles[0] == (2 if k <= 4096 else 4)
+    K past 4096 on default_tiles'; and the H200's 16 x 1024 on 8 warps in two stages."""
+    tiles = (16, 1024, 8, 2) if h200 else kernels.plain_tiles(n, k)
+    assert h200 or tiles[0] == (2 if k <= 4096 else 4)
     w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(torch.bfloat16)
     b = torch.randn(n, device=DEVICE).to(torch.bfloat16)
     x = torch.randn(1, k, device=DEVICE).to(torch.bfloat16)
@@ -127,7 +128,11 @@ def test_vector_gemv_tiles_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
     assert vector_gemv_module.default_tiles(6144, 4096, cuda) == (8, 512, 4, 3)
     assert vector_gemv_module.default_tiles(128256, 4096, cuda) == (4, 1024, 4, 3)
     assert vector_gemv_module.default_tiles(4096, 4096, cuda) == (4, 1024, 4, 3)  # o: H100's
+    assert vector_gemv_module.default_tiles(24576, 4096, cuda) == (8, 1024, 4, 2)  # gate|up
     assert vector_gemv_module.default_tiles(6144, 4096) == (4, 1024, 4, 3)  # no device: H100's
+    assert vector_gemv_module.plain_tiles(4096, 12288, cuda) == (16, 1024, 8, 2)  # down
+    assert vector_gemv_module.plain_tiles(2048, 4096, cuda) == (2, 1024, 4, 4)  # < 256 programs
+    assert vector_gemv_module.plain_tiles(4096, 4096) == (2, 1024, 4, 4)  # no device
 
 
 def test_vector_gemv_refuses_what_it_cannot_take() -> None:
@@ -149,7 +154,10 @@ def test_vector_gemv_refuses_what_it_cannot_take() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize(("width", "k", "tiles"), [(35, 200, None), (24, 600, (8, 256, 4, 3))])
+@pytest.mark.parametrize(
+    ("width", "k", "tiles"),
+    [(35, 200, None), (24, 600, (8, 256, 4, 3)), (20, 2048, (8, 1024, 4, 2))],  # last: H200's
+)
 def test_vector_gemv_folds_the_gated_activation(
     width: int, k: int, tiles: tuple[int, int, int, int] | None, activation: str, dtype: torch.dtype
 ) -> None:

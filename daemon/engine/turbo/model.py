@@ -343,7 +343,7 @@ class TurboModel:
             return weight.matmul(x, bias)
         if self.vector_plain and self._vector(x):
             n, k = weight.shape
-            return kernels.vector_gemv(x, weight, bias, tiles=kernels.plain_tiles(n, k))
+            return kernels.vector_gemv(x, weight, bias, tiles=kernels.plain_tiles(n, k, x.device))
         if self.skinny and x.shape[0] <= kernels.GEMV_MAX_ROWS:
             return kernels.gemv(x, weight, bias)
         return F.linear(x, weight, bias)

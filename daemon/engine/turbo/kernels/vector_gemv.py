@@ -300,12 +300,15 @@ def default_tiles(n: int, k: int, device: torch.device | None = None) -> tuple[i
     shapes, whole and one rank of two (H100, bf16): 4 rows x 1024 of K for the layers'
     products, 16 x 512 for a vocabulary's (more programs than SMs either way). On an
     H200 (`device`; the same 132 multiprocessors, 1.4x the memory bandwidth) its own
-    sweep's where they differ: 8 x 512 for 4097-8192 outputs (qkv: 768 programs at
-    6144, one wave; 15.7 against 17.0 us) and 4 x 1024 for a vocabulary's (Llama-3-8B's
-    lm_head 241.8 against 256.4 us)."""
+    sweeps' where they differ: 8 x 512 for 4097-8192 outputs (qkv: 768 programs at
+    6144, one wave; 15.7 against 17.0 us), 8 x 1024 in two stages for 8193-49999 (gate|up
+    with its activation: 53.8 us against 54.2-57.4 in two sweeps, Qwen3-8B) and 4 x 1024
+    for a vocabulary's (Llama-3-8B's lm_head 241.8 against 256.4 us)."""
     h200 = device is not None and _is_h200(device)
     if n >= 50000:
         block_n, block_k = (4, 1024) if h200 else (16, 512)
+    elif h200 and n > 8192:
+        return 8, min(1024, triton.next_power_of_2(k)), 4, 2
     else:
         block_n, block_k = (8, 512) if h200 and 4096 < n <= 8192 else (4, 1024)
     return block_n, min(block_k, triton.next_power_of_2(k)), 4, 3
@@ -325,11 +328,15 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def plain_tiles(n: int, k: int) -> tuple[int, int, int, int]:
+def plain_tiles(n: int, k: int, device: torch.device | None = None) -> tuple[int, int, int, int]:
     """Tiles for a product without a norm (o, down) at one row: the fastest of
     `gemv_bench.py --plain` (H200, bf16): 2 rows x 1024 of K in four stages where K is
     at most 4096 (o: 11.5 us against 12.1 for 4 x 1024 at 4096 x 4096, 6.7 against 8.2
-    at 2048 x 4096), default_tiles' for a longer K (down: 29.0 us against 30.5)."""
+    at 2048 x 4096), default_tiles' for a longer K (down: 29.0 us against 30.5). On an
+    H200 (`device`) with 4096-49999 outputs, 16 x 1024 on 8 warps in two stages (o 11.03
+    against 11.31 us, down 26.63 against 27.46, Qwen3-8B; 256 programs or more)."""
+    if device is not None and _is_h200(device) and 4096 <= n < 50000 and k >= 1024:
+        return 16, 1024, 8, 2
     if k > 4096 or n >= 50000:
         return default_tiles(n, k)
     return 2, min(1024, triton.next_power_of_2(k)), 4, 4
