@@ -132,6 +132,8 @@ def test_vector_gemv_tiles_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
     assert vector_gemv_module.default_tiles(6144, 4096) == (4, 1024, 4, 3)  # no device: H100's
     assert vector_gemv_module.plain_tiles(4096, 12288, cuda) == (16, 1024, 8, 2)  # down
     assert vector_gemv_module.plain_tiles(2048, 4096, cuda) == (2, 1024, 4, 4)  # < 256 programs
+    assert vector_gemv_module.plain_tiles(4096, 2048, cuda) == (2, 1024, 4, 4)  # K unswept
+    assert vector_gemv_module.default_tiles(17920, 1536, cuda) == (4, 1024, 4, 3)  # K unswept
     assert vector_gemv_module.plain_tiles(4096, 4096) == (2, 1024, 4, 4)  # no device
 
 

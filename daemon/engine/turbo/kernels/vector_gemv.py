@@ -301,14 +301,15 @@ def default_tiles(n: int, k: int, device: torch.device | None = None) -> tuple[i
     products, 16 x 512 for a vocabulary's (more programs than SMs either way). On an
     H200 (`device`; the same 132 multiprocessors, 1.4x the memory bandwidth) its own
     sweeps' where they differ: 8 x 512 for 4097-8192 outputs (qkv: 768 programs at
-    6144, one wave; 15.7 against 17.0 us), 8 x 1024 in two stages for 8193-49999 (gate|up
-    with its activation: 53.8 us against 54.2-57.4 in two sweeps, Qwen3-8B) and 4 x 1024
-    for a vocabulary's (Llama-3-8B's lm_head 241.8 against 256.4 us)."""
+    6144, one wave; 15.7 against 17.0 us), 8 x 1024 in two stages for 8193-49999 with K
+    of 4096 or more (gate|up with its activation: 53.8 us against 54.2-57.4 in two
+    sweeps, Qwen3-8B) and 4 x 1024 for a vocabulary's (Llama-3-8B's lm_head 241.8
+    against 256.4 us)."""
     h200 = device is not None and _is_h200(device)
     if n >= 50000:
         block_n, block_k = (4, 1024) if h200 else (16, 512)
-    elif h200 and n > 8192:
-        return 8, min(1024, triton.next_power_of_2(k)), 4, 2
+    elif h200 and n > 8192 and k >= 4096:
+        return 8, 1024, 4, 2
     else:
         block_n, block_k = (8, 512) if h200 and 4096 < n <= 8192 else (4, 1024)
     return block_n, min(block_k, triton.next_power_of_2(k)), 4, 3
@@ -333,9 +334,10 @@ def plain_tiles(n: int, k: int, device: torch.device | None = None) -> tuple[int
     `gemv_bench.py --plain` (H200, bf16): 2 rows x 1024 of K in four stages where K is
     at most 4096 (o: 11.5 us against 12.1 for 4 x 1024 at 4096 x 4096, 6.7 against 8.2
     at 2048 x 4096), default_tiles' for a longer K (down: 29.0 us against 30.5). On an
-    H200 (`device`) with 4096-49999 outputs, 16 x 1024 on 8 warps in two stages (o 11.03
-    against 11.31 us, down 26.63 against 27.46, Qwen3-8B; 256 programs or more)."""
-    if device is not None and _is_h200(device) and 4096 <= n < 50000 and k >= 1024:
+    H200 (`device`) with 4096-49999 outputs and K of 4096 or more, 16 x 1024 on 8 warps
+    in two stages (o 11.03 against 11.31 us, down 26.63 against 27.46, Qwen3-8B; 256
+    programs or more, each 4 steps of K or more: the shapes swept)."""
+    if device is not None and _is_h200(device) and 4096 <= n < 50000 and k >= 4096:
         return 16, 1024, 8, 2
     if k > 4096 or n >= 50000:
         return default_tiles(n, k)
