@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from lmd.engine.turbo import kernels
-from scripts.read_bw_bench import _read_kernel
+from scripts.read_bw_bench import read_call
 
 N, K = 24576, 4096
 TILES = [(4, 1024, 4, 3), (8, 1024, 4, 2)]  # the model's, gemv_bench's best (2026-11-30)
@@ -28,14 +28,11 @@ def main() -> None:
         for _ in range(2):
             w = (torch.randn(N, K, device="cuda") / K**0.5).to(dtype)
             kernels.vector_gemv(x, w, norm=norm, activation="silu", tiles=tiles)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    words = N * K // 2  # the same bytes as int32 words
-    out = torch.empty(8 * sms, dtype=torch.int32, device="cuda")
-    block = 2048
-    for _ in range(2):
-        src = torch.randint(0, 2**31 - 1, (words,), dtype=torch.int32, device="cuda")
-        chunk = words // (8 * sms) // block * block
-        _read_kernel[(8 * sms,)](src, out, chunk, BLOCK=block, HOW=0, num_warps=4)
+    out = torch.empty(8 * torch.cuda.get_device_properties(0).multi_processor_count,
+                      dtype=torch.int32, device="cuda")  # fmt: skip
+    for _ in range(2):  # the same bytes as int32 words
+        src = torch.randint(0, 2**31 - 1, (N * K // 2,), dtype=torch.int32, device="cuda")
+        read_call(src, out, per_sm=8, block=2048, warps=4)[0]()
     torch.cuda.synchronize()
 
 

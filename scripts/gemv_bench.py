@@ -62,8 +62,7 @@ def main() -> None:
         "--tiles", default="", help="more vector_gemv tilings to try: NxKxWARPSxSTAGES,..."
     )
     args = p.parse_args()
-    for t in filter(None, args.tiles.split(",")):
-        EXTRA_TILES.append(tuple(int(d) for d in t.split("x")))  # type: ignore[arg-type]
+    extra = [tuple(int(d) for d in t.split("x")) for t in filter(None, args.tiles.split(","))]
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     print(torch.cuda.get_device_name(0))
     if args.experts:
@@ -72,12 +71,12 @@ def main() -> None:
     if args.plain:
         for shape in args.plain_shapes.split(","):
             n, k = (int(d) for d in shape.split("x"))
-            bench_plain(n, k, dtype)
+            bench_plain(n, k, dtype, extra)
         return
     for name in args.shapes.split(","):
         total_sep = total_best = 0.0
         for n, k in SHAPES[name]:
-            sep, best = bench(n, k, dtype, "silu" if name.endswith("-gated") else None)
+            sep, best = bench(n, k, dtype, "silu" if name.endswith("-gated") else None, extra)
             total_sep += sep
             total_best += best
         print(f"{name}: a layer's two + lm_head: separate {total_sep:.1f} us, "
@@ -91,9 +90,12 @@ def past_l2(n: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, list[torc
     return dense, [dense] + [dense.clone() for _ in range(max(0, L2_BYTES // dense.nbytes - 1))]
 
 
-def bench(n: int, k: int, dtype: torch.dtype, activation: str | None) -> tuple[float, float]:
+def bench(
+    n: int, k: int, dtype: torch.dtype, activation: str | None, extra: list[Any]
+) -> tuple[float, float]:
     """Prints one block of rows; returns (separate kernels' us, best fused us). With
-    `activation`, the weight is gate | up and the launch makes act(gate) * up."""
+    `activation`, the weight is gate | up and the launch makes act(gate) * up. `extra`:
+    tilings to try past TILES and PLAIN_TILES (--tiles)."""
     dense, weights = past_l2(n, k, dtype)
     out_dtype = torch.float32 if n > 50000 else None  # lm_head: float32 logits
     hidden = torch.randn(1, k, device="cuda").to(dtype)
@@ -119,7 +121,7 @@ def bench(n: int, k: int, dtype: torch.dtype, activation: str | None) -> tuple[f
         kernels.vector_gemv, hidden, norm=norm, out_dtype=out_dtype, activation=activation
     )
     rows = []
-    for tiles in TILES + PLAIN_TILES + EXTRA_TILES:
+    for tiles in TILES + PLAIN_TILES + extra:
         if activation is not None and tiles[0] < 2:  # a program makes BLOCK_N / 2 outputs
             continue
         try:
@@ -148,15 +150,15 @@ PLAIN_TILES = [  # vector_gemv's, past TILES
     (2, 2048, 4, 3), (4, 2048, 8, 2), (8, 1024, 8, 3), (4, 512, 4, 4), (2, 1024, 4, 4),
     (1, 4096, 4, 2), (8, 2048, 8, 2),
 ]  # fmt: skip
-EXTRA_TILES: list[tuple[int, int, int, int]] = []  # --tiles
 MIX_TILES = [  # moe_vector.mix_down's: [8, BLOCK_N, BLOCK_K] accumulators
     (1, 256, 4, 3), (1, 1024, 4, 2), (2, 128, 4, 4), (2, 256, 4, 3), (2, 256, 8, 3),
     (2, 512, 4, 2), (2, 512, 8, 2), (4, 128, 4, 3), (4, 256, 8, 3), (1, 512, 4, 3),
 ]  # fmt: skip
 
 
-def bench_plain(n: int, k: int, dtype: torch.dtype) -> None:
-    """One row times [N, K]: gemv's tilings and vector_gemv's (TILES), fastest first."""
+def bench_plain(n: int, k: int, dtype: torch.dtype, extra: list[Any]) -> None:
+    """One row times [N, K]: gemv's tilings and vector_gemv's (TILES, PLAIN_TILES and
+    `extra`), fastest first."""
     dense, weights = past_l2(n, k, dtype)
     x = torch.randn(1, k, device="cuda").to(dtype)
     ref = torch.nn.functional.linear(x.float(), dense.float())
@@ -165,7 +167,7 @@ def bench_plain(n: int, k: int, dtype: torch.dtype) -> None:
         call = partial(kernels.gemv, x, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
         rows.append((time_us([partial(call, w) for w in weights]), "gemv", (bn, bk, warps, stages),
                      rel_err(call(dense), ref)))  # fmt: skip
-    for tiles in TILES + PLAIN_TILES + EXTRA_TILES:
+    for tiles in TILES + PLAIN_TILES + extra:
         call = partial(kernels.vector_gemv, x, tiles=tiles)
         rows.append((time_us([partial(call, w) for w in weights]), "vector_gemv", tiles,
                      rel_err(call(dense), ref)))  # fmt: skip

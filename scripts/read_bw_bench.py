@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -66,6 +67,19 @@ def _read_kernel(src, out, chunk, BLOCK: tl.constexpr, HOW: tl.constexpr):
     tl.store(out + tl.program_id(0), tl.xor_sum(acc, axis=0))
 
 
+def read_call(
+    src: torch.Tensor, out: torch.Tensor, *, per_sm: int, block: int, warps: int, how: int = 0
+) -> tuple[Callable[[], object], int]:
+    """A launch of _read_kernel over src (int32) at per_sm programs a multiprocessor, and
+    the bytes it reads: each program whole steps of block words, the rest left unread."""
+    programs = per_sm * torch.cuda.get_device_properties(src.device).multi_processor_count
+    chunk = src.numel() // programs // block * block
+    call = partial(
+        _read_kernel[(programs,)], src, out, chunk, BLOCK=block, HOW=how, num_warps=warps
+    )
+    return call, programs * chunk * 4
+
+
 SIZE_SETTINGS = [(8, 1024, 4), (16, 1024, 8), (16, 2048, 8), (4, 2048, 8), (8, 2048, 4)]
 
 
@@ -81,14 +95,9 @@ def stream_sizes(sizes: list[float]) -> None:
         ]
         best = []
         for per_sm, block, warps in SIZE_SETTINGS:
-            programs = per_sm * sms
-            chunk = words // programs // block * block  # whole steps; the rest unread
-            us = time_us([
-                partial(_read_kernel[(programs,)], src, out, chunk, BLOCK=block, HOW=0,
-                        num_warps=warps)
-                for src in copies
-            ])  # fmt: skip
-            best.append((us, per_sm, block, warps, programs * chunk * 4 / 1e6))
+            calls = [read_call(src, out, per_sm=per_sm, block=block, warps=warps) for src in copies]
+            us = time_us([call for call, _ in calls])
+            best.append((us, per_sm, block, warps, calls[0][1] / 1e6))
         best.sort()
         us, per_sm, block, warps, read_mb = best[0]
         row = {"mb": round(read_mb, 1), "us": round(us, 2), "tb_s": round(read_mb / us, 3),
@@ -130,17 +139,13 @@ def main() -> None:
     out = torch.empty(16 * sms * 16, dtype=torch.int32, device="cuda")
     for how, name in ((0, "plain"), (1, "evict_first"), (2, "ptx L2::256B")):
         for per_sm in map(int, args.programs.split(",")):
-            programs = per_sm * sms
             for block in map(int, args.blocks.split(",")):
-                chunk = words // programs // block * block  # whole steps; the rest unread
                 for warps in map(int, args.warps.split(",")):
-                    call = partial(
-                        _read_kernel[(programs,)], src, out, chunk, BLOCK=block, HOW=how,
-                        num_warps=warps,
-                    )  # fmt: skip
-
+                    call, read = read_call(
+                        src, out, per_sm=per_sm, block=block, warps=warps, how=how
+                    )
                     label = f"{name} {per_sm}/SM block {block} warps {warps}"
-                    record(label, time_us([call], replays=20), programs * chunk * 4)
+                    record(label, time_us([call], replays=20), read)
     best: dict[str, dict[str, object]] = {}
     for row in rows:
         family = str(row["kernel"]).split(" ")[0]

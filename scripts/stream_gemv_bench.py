@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -78,12 +79,10 @@ def _prefetch_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional ar
 
 
 def prefetch_gemv(
-    x: torch.Tensor, w: torch.Tensor, *, per_sm: int, block_n: int, block_k: int,
-    warps: int, stages: int,
-) -> torch.Tensor:  # fmt: skip
-    """x: [1, K], w: [N, K] -> [1, N] by _prefetch_gemv_kernel (per_sm unused: a program
-    a block of rows; stages: Triton's own pipeline on top, 1 for none)."""
-    del per_sm
+    x: torch.Tensor, w: torch.Tensor, *, block_n: int, block_k: int, warps: int, stages: int
+) -> torch.Tensor:
+    """x: [1, K], w: [N, K] -> [1, N] by _prefetch_gemv_kernel, a program a block of rows
+    (stages: Triton's own pipeline on top, 1 for none)."""
     n, k = w.shape
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _prefetch_gemv_kernel[(triton.cdiv(n, block_n),)](
@@ -108,17 +107,15 @@ def stream_gemv(
     return y
 
 
-SETTINGS = [  # programs a multiprocessor, BLOCK_N, BLOCK_K, warps, stages
-    (p, bn, bk, w, s)
+SETTINGS = [  # stream_gemv's keyword arguments
+    {"per_sm": p, "block_n": bn, "block_k": bk, "warps": w, "stages": s}
     for p in (2, 4, 8)
     for bn, bk in ((4, 1024), (8, 512), (16, 256), (8, 1024), (16, 512))
     for w in (4, 8)
     for s in (2, 3)
 ]
-
-
-PREFETCH_SETTINGS = [  # (unused), BLOCK_N, BLOCK_K, warps, stages
-    (0, bn, bk, w, s)
+PREFETCH_SETTINGS = [  # prefetch_gemv's
+    {"block_n": bn, "block_k": bk, "warps": w, "stages": s}
     for bn, bk in ((2, 1024), (4, 1024), (4, 512), (8, 512), (8, 256), (16, 256), (2, 2048))
     for w in (4, 8)
     for s in (1, 2)
@@ -130,9 +127,8 @@ def main() -> None:
     p.add_argument("--shapes", default="24576x4096,4096x12288,6144x4096,4096x4096")
     p.add_argument("--prefetch", action="store_true", help="_prefetch_gemv_kernel instead")
     args = p.parse_args()
-    kernel, settings = (
-        (prefetch_gemv, PREFETCH_SETTINGS) if args.prefetch else (stream_gemv, SETTINGS)
-    )
+    kernel: Callable[..., torch.Tensor] = prefetch_gemv if args.prefetch else stream_gemv
+    settings = PREFETCH_SETTINGS if args.prefetch else SETTINGS
     print(torch.cuda.get_device_name(0), flush=True)
     results = []
     for shape in args.shapes.split(","):
@@ -140,12 +136,12 @@ def main() -> None:
         dense, weights = past_l2(n, k, torch.bfloat16)
         x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
         ref = torch.nn.functional.linear(x.float(), dense.float())
-        base_tiles = kernels.plain_tiles(n, k)
+        base_tiles = kernels.plain_tiles(n, k, x.device)  # the model's
         base = time_us([partial(kernels.vector_gemv, x, w, tiles=base_tiles) for w in weights])
         rows = []
-        for setting in settings:
-            call = partial(kernel, x, per_sm=setting[0], block_n=setting[1],
-                           block_k=setting[2], warps=setting[3], stages=setting[4])  # fmt: skip
+        for kwargs in settings:
+            call = partial(kernel, x, **kwargs)
+            setting = tuple(kwargs.values())
             try:
                 err = rel_err(call(dense), ref)
                 us = time_us([partial(call, w=w) for w in weights])
@@ -159,9 +155,8 @@ def main() -> None:
               f"({mb / base:.2f} TB/s)", flush=True)  # fmt: skip
         for us, setting, err in rows[:6]:
             flag = " !! ERROR" if err > 2e-2 else ""
-            name = kernel.__name__
-            print(f"  {name} {setting}: {us:7.2f} us {mb / us:.2f} TB/s err {err:.1e}{flag}",
-                  flush=True)  # fmt: skip
+            print(f"  {kernel.__name__} {setting}: {us:7.2f} us {mb / us:.2f} TB/s"
+                  f" err {err:.1e}{flag}", flush=True)  # fmt: skip
         results.append({"n": n, "k": k, "vector_gemv_us": base, "best": rows[:6]})
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "stream_gemv.json"), "w") as f:

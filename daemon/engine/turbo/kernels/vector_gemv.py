@@ -306,13 +306,14 @@ def default_tiles(n: int, k: int, device: torch.device | None = None) -> tuple[i
     sweeps, Qwen3-8B) and 4 x 1024 for a vocabulary's (Llama-3-8B's lm_head 241.8
     against 256.4 us)."""
     h200 = device is not None and _is_h200(device)
+    stages = 3
     if n >= 50000:
         block_n, block_k = (4, 1024) if h200 else (16, 512)
     elif h200 and n > 8192 and k >= 4096:
-        return 8, 1024, 4, 2
+        block_n, block_k, stages = 8, 1024, 2
     else:
         block_n, block_k = (8, 512) if h200 and 4096 < n <= 8192 else (4, 1024)
-    return block_n, min(block_k, triton.next_power_of_2(k)), 4, 3
+    return block_n, min(block_k, triton.next_power_of_2(k)), 4, stages
 
 
 # A layer of experts' gate|up at one token on an H200 (scripts/gemv_bench.py --experts at
