@@ -68,6 +68,29 @@ def w4a16_wide(
 ) -> None:
     """y = x W^T (+ b) for up to 32 rows, K split over `splits` ranges, on a CUstream."""
 
+def w4a16_wgmma_ready(device: int) -> str:
+    """Load the W4A16 wgmma kernel (33-64 rows; sm_90 only); "" when loaded, else why not."""
+
+def w4a16_wgmma(
+    device: int,
+    x: int,
+    q: int,
+    s: int,
+    z: int,
+    bias: int,
+    y: int,
+    work: int,
+    counters: int,
+    rows: int,
+    n: int,
+    k: int,
+    x_stride: int,
+    splits: int,
+    bf16: bool,
+    stream: int,
+) -> None:
+    """y = x W^T (+ b) for up to 64 rows on Hopper, K split over `splits`, on a CUstream."""
+
 def fp8_rows_ready(device: int) -> str:
     """Load the FP8 decode kernels on a CUDA device (sm_89+); "" when loaded, else why not."""
 

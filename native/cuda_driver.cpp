@@ -61,6 +61,8 @@ bool resolve_all(void* lib, CudaDriver& d, std::string& missing) {
   LMD_RESOLVE(cuModuleUnload, "cuModuleUnload")
   LMD_RESOLVE(cuModuleGetFunction, "cuModuleGetFunction")
   LMD_RESOLVE(cuLaunchKernel, "cuLaunchKernel")
+  LMD_RESOLVE(cuFuncSetAttribute, "cuFuncSetAttribute")
+  LMD_RESOLVE(cuDeviceGetAttribute, "cuDeviceGetAttribute")
 #undef LMD_RESOLVE
   return true;
 }

@@ -33,6 +33,8 @@ constexpr unsigned kMemoryTypeDevice = 2;          // CU_MEMORYTYPE_DEVICE
 constexpr unsigned kStreamNonBlocking = 1;         // CU_STREAM_NON_BLOCKING
 constexpr unsigned kEventDisableTiming = 2;        // CU_EVENT_DISABLE_TIMING
 constexpr unsigned kIpcMemLazyEnablePeerAccess = 1;  // CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+constexpr int kDeviceAttributeComputeCapabilityMajor = 75;  // CU_DEVICE_ATTRIBUTE_..._MAJOR
+constexpr int kFuncAttributeMaxDynamicSharedSizeBytes = 8;  // CU_FUNC_ATTRIBUTE_...
 
 }  // namespace cu
 
@@ -67,6 +69,8 @@ struct CudaDriver {
   cu::Result (*cuModuleGetFunction)(cu::Function*, cu::Module, const char*) = nullptr;
   cu::Result (*cuLaunchKernel)(cu::Function, unsigned, unsigned, unsigned, unsigned, unsigned,
                                unsigned, unsigned, cu::Stream, void**, void**) = nullptr;
+  cu::Result (*cuFuncSetAttribute)(cu::Function, int, int) = nullptr;
+  cu::Result (*cuDeviceGetAttribute)(int*, int, cu::Device) = nullptr;
 
   // "cuFoo failed: CUDA_ERROR_X (text)" for an error code.
   std::string error(cu::Result rc, const char* call) const;

@@ -16,6 +16,7 @@ constexpr const char* kNames[2][2] = {
     {"lmd_w4a16_rows_bf16_m8", "lmd_w4a16_rows_bf16_m16"},
 };
 constexpr const char* kWideNames[2] = {"lmd_w4a16_wide_f16_m32", "lmd_w4a16_wide_bf16_m32"};
+constexpr const char* kWgmmaNames[2] = {"lmd_w4a16_wgmma_f16_m64", "lmd_w4a16_wgmma_bf16_m64"};
 constexpr const char* kFp8Names[2][2] = {
     {"lmd_fp8_rows_f16_m8", "lmd_fp8_rows_f16_m16"},
     {"lmd_fp8_rows_bf16_m8", "lmd_fp8_rows_bf16_m16"},
@@ -31,7 +32,34 @@ struct Loaded {
   cu::Module fp8_module = nullptr;  // loaded apart: it needs sm_89 where W4A16 needs sm_80
   cu::Function fp8[2][2] = {};
   std::string fp8_error;
+  cu::Module wgmma_module = nullptr;  // apart: only sm_90 runs its sm_90a PTX
+  cu::Function wgmma[2] = {};
+  std::string wgmma_error;
 };
+
+// The wgmma kernels into `out` (the context current), or why not in out.wgmma_error.
+void load_wgmma(const CudaDriver& d, cu::Device device, Loaded& out) {
+  try {
+    int major = 0;
+    d.check(d.cuDeviceGetAttribute(&major, cu::kDeviceAttributeComputeCapabilityMajor, device),
+            "cuDeviceGetAttribute");
+    if (major != 9) {
+      out.wgmma_error = "w4a16_wgmma needs a GPU of compute capability 9.0 (sm_90a), not " +
+                        std::to_string(major) + ".x";
+      return;
+    }
+    d.check(d.cuModuleLoadData(&out.wgmma_module, kW4a16WgmmaPtx), "cuModuleLoadData(w4a16_wgmma)");
+    for (int bf16 = 0; bf16 < 2; ++bf16) {
+      d.check(d.cuModuleGetFunction(&out.wgmma[bf16], out.wgmma_module, kWgmmaNames[bf16]),
+              kWgmmaNames[bf16]);
+      d.check(d.cuFuncSetAttribute(out.wgmma[bf16], cu::kFuncAttributeMaxDynamicSharedSizeBytes,
+                                   kW4a16WgmmaSharedBytes),
+              "cuFuncSetAttribute(w4a16_wgmma)");
+    }
+  } catch (const std::exception& e) {
+    out.wgmma_error = e.what();
+  }
+}
 
 // The four kernels {fp16, bf16} x {fewer, more rows} named `names` of `module`.
 void get_functions(const CudaDriver& d, cu::Module module, const char* const (&names)[2][2],
@@ -62,9 +90,11 @@ Loaded load(int ordinal) {
       d.check(d.cuModuleGetFunction(&out.wide[bf16], out.wide_module, kWideNames[bf16]),
               kWideNames[bf16]);
     }
+    load_wgmma(d, device, out);
   } catch (const std::exception& e) {
     out.error = e.what();
     out.fp8_error = out.error;
+    out.wgmma_error = out.error;
     return out;
   }
   try {
@@ -85,9 +115,13 @@ const Loaded& loaded_on(int ordinal) {
   return it->second;
 }
 
-const Loaded& loaded_or_throw(int ordinal, bool fp8 = false) {
+enum class Kernels { kW4a16, kFp8, kWgmma };
+
+const Loaded& loaded_or_throw(int ordinal, Kernels which = Kernels::kW4a16) {
   const Loaded& l = loaded_on(ordinal);
-  const std::string& error = fp8 ? l.fp8_error : l.error;
+  const std::string& error = which == Kernels::kFp8     ? l.fp8_error
+                             : which == Kernels::kWgmma ? l.wgmma_error
+                                                        : l.error;
   if (!error.empty()) throw std::runtime_error(error);
   return l;
 }
@@ -181,6 +215,40 @@ void launch_w4a16_wide(int ordinal, const W4a16WideArgs& args, bool bf16, std::u
          "cuLaunchKernel(w4a16_wide)");
 }
 
+std::string w4a16_wgmma_ready(int ordinal) {
+  if (ordinal < 0) return "w4a16_wgmma: no such CUDA device " + std::to_string(ordinal);
+  return loaded_on(ordinal).wgmma_error;
+}
+
+std::string w4a16_wgmma_check(const W4a16WideArgs& a) {
+  if (a.m < 1 || a.m > kW4a16WgmmaMaxRows || a.n < 1 || a.n % kW4a16RowsColumns ||
+      a.k < 128 || a.k % 128 || a.x_stride < a.k) {
+    return "w4a16_wgmma: m must be 1..64, n a multiple of 32, k of 128 and x_stride >= k";
+  }
+  if (a.splits < 1 || a.splits > a.k / 128) {
+    return "w4a16_wgmma: splits must be 1.." + std::to_string(a.k / 128) + " (k / 128)";
+  }
+  // 16-byte copies of x, words, scales and zeros (cp.async), 8-byte stores of y, 2-byte
+  // bias loads, 8-byte float32 pairs of work.
+  if (!a.x || !a.q || !a.s || !a.z || !a.y || a.x % 16 || a.x_stride % 8 || a.q % 16 ||
+      a.s % 16 || a.z % 16 || a.y % 8 || a.bias % 2 ||
+      (a.splits > 1 && (!a.work || a.work % 8 || !a.counters || a.counters % 4))) {
+    return "w4a16_wgmma: a null or misaligned address";
+  }
+  return "";
+}
+
+void launch_w4a16_wgmma(int ordinal, const W4a16WideArgs& args, bool bf16,
+                        std::uintptr_t stream) {
+  const std::string wrong = w4a16_wgmma_check(args);
+  if (!wrong.empty()) throw std::invalid_argument(wrong);
+  const Loaded& l = loaded_or_throw(ordinal, Kernels::kWgmma);
+  const int spans = (args.n + kW4a16WgmmaColumns - 1) / kW4a16WgmmaColumns;
+  launch(l, l.wgmma[bf16 ? 1 : 0], args, static_cast<unsigned>(spans),
+         static_cast<unsigned>(args.splits), kW4a16WgmmaThreads, kW4a16WgmmaSharedBytes, stream,
+         "cuLaunchKernel(w4a16_wgmma)");
+}
+
 std::string fp8_rows_ready(int ordinal) {
   if (ordinal < 0) return "fp8_rows: no such CUDA device " + std::to_string(ordinal);
   return loaded_on(ordinal).fp8_error;
@@ -206,7 +274,7 @@ void launch_fp8_rows(int ordinal, const Fp8RowsArgs& args, bool bf16, int warps,
                      std::uintptr_t stream) {
   const std::string wrong = fp8_rows_check(args, warps);
   if (!wrong.empty()) throw std::invalid_argument(wrong);
-  const Loaded& l = loaded_or_throw(ordinal, true);
+  const Loaded& l = loaded_or_throw(ordinal, Kernels::kFp8);
   launch_rows(l, l.fp8, args, bf16, warps, stream, "cuLaunchKernel(fp8_rows)");
 }
 

@@ -1,6 +1,7 @@
 // The products of decode steps' few rows on the tensor cores: W4A16 for 1-16 rows
-// (native/kernels/w4a16_rows.cu) and 17-32 rows (native/kernels/w4a16_wide.cu), FP8
-// weights for 1-16 rows (native/kernels/fp8_rows.cu). Their PTX
+// (native/kernels/w4a16_rows.cu), 17-32 rows (native/kernels/w4a16_wide.cu) and, on
+// Hopper, 33-64 rows (native/kernels/w4a16_wgmma.cu); FP8 weights for 1-16 rows
+// (native/kernels/fp8_rows.cu). Their PTX
 // is embedded (native/kernels/*.ptx, by setup.py) and JIT-compiled into
 // the device's primary context, the one PyTorch uses, so its tensors' addresses and
 // streams are valid here and a launch on PyTorch's stream is captured in its CUDA
@@ -15,6 +16,7 @@ namespace lmd {
 extern const char kW4a16RowsPtx[];
 extern const char kW4a16WidePtx[];
 extern const char kFp8RowsPtx[];
+extern const char kW4a16WgmmaPtx[];
 
 // The kernel's parameter, byte for byte (W4a16Rows in the .cu).
 struct W4a16RowsArgs {
@@ -39,6 +41,15 @@ constexpr int kW4a16WideColumns = 128;  // output columns of a CTA (a span)
 constexpr int kW4a16WideThreads = 128;  // 4 warps of 32 columns
 constexpr int kW4a16WideMaxRows = 32;
 
+// The wgmma kernel (w4a16_wgmma.cu) takes W4a16WideArgs as its parameter too.
+constexpr int kW4a16WgmmaColumns = 256;  // a CTA's span: wgmma's n
+constexpr int kW4a16WgmmaThreads = 640;  // two warpgroups multiplying, two filling, one loading
+constexpr int kW4a16WgmmaMaxRows = 64;   // wgmma's m
+// Four stages of x (64 rows x 64 inputs) and W (256 columns x 64 inputs) in 16 bits, a
+// ring of three blocks' words, scales and zeros (256 columns), and 1,024 bytes to align
+// the stages to the swizzle's period.
+constexpr int kW4a16WgmmaSharedBytes = 4 * (64 + 256) * 128 + 3 * 256 * (64 + 2 + 1) + 1024;
+
 // "" once the kernels are loaded on device `ordinal` (loading them on the first call),
 // else why they cannot be: no CUDA, a driver that rejects the PTX, a GPU before sm_80.
 std::string w4a16_rows_ready(int ordinal);
@@ -59,6 +70,20 @@ std::string w4a16_wide_check(const W4a16WideArgs& args);
 // with splits > 1, work holds [splits, m, n] float32 and counters ceil(n / 128) zeros
 // (zero again after the launch). Throws as launch_w4a16_rows.
 void launch_w4a16_wide(int ordinal, const W4a16WideArgs& args, bool bf16, std::uintptr_t stream);
+
+// "" once the wgmma kernel is loaded on device `ordinal` (loading it on the first call),
+// else why not: what w4a16_rows_ready says, or not a GPU of compute capability 9.0 (its
+// PTX targets sm_90a, which no other GPU runs).
+std::string w4a16_wgmma_ready(int ordinal);
+
+// What is wrong with a wgmma launch's arguments, or "".
+std::string w4a16_wgmma_check(const W4a16WideArgs& args);
+
+// Enqueues y = x W^T (+ b) for up to 64 rows on `stream`: ceil(N / 256) x splits CTAs;
+// work and counters as launch_w4a16_wide's, with a counter a span of 256 columns. Throws
+// as launch_w4a16_rows.
+void launch_w4a16_wgmma(int ordinal, const W4a16WideArgs& args, bool bf16,
+                        std::uintptr_t stream);
 
 // The FP8 rows kernel's parameter, byte for byte (Fp8Rows in fp8_rows.cu).
 struct Fp8RowsArgs {

@@ -182,6 +182,31 @@ PYBIND11_MODULE(_native, m) {
       "ValueError for bad arguments, RuntimeError as w4a16_rows.");
 
   m.def(
+      "w4a16_wgmma_ready",
+      [](int device) {
+        py::gil_scoped_release release;
+        return lmd::w4a16_wgmma_ready(device);
+      },
+      py::arg("device"),
+      "Load the W4A16 wgmma kernel for 33-64 rows on CUDA device `device` (once; it needs\n"
+      "a GPU of compute capability 9.0); returns \"\" when it is loaded, else why not.\n"
+      "Never raises.");
+  m.def(
+      "w4a16_wgmma",
+      [](int device, std::uintptr_t x, std::uintptr_t q, std::uintptr_t s, std::uintptr_t z,
+         std::uintptr_t bias, std::uintptr_t y, std::uintptr_t work, std::uintptr_t counters,
+         int rows, int n, int k, int x_stride, int splits, bool bf16, std::uintptr_t stream) {
+        const lmd::W4a16WideArgs args{x, q, s, z, bias, y, work, counters,
+                                      rows, n, k, x_stride, splits};
+        lmd::launch_w4a16_wgmma(device, args, bf16, stream);
+      },
+      "y = x W^T (+ b) for up to 64 rows of x on Hopper's tensor cores\n"
+      "(native/kernels/w4a16_wgmma.cu), arguments as w4a16_wide's (scales, zeros 16-byte\n"
+      "aligned): ceil(n / 256) x splits CTAs, counters ceil(n / 256)\n"
+      "uint32 zeros when splits > 1.\n"
+      "ValueError for bad arguments, RuntimeError as w4a16_rows.");
+
+  m.def(
       "fp8_rows_ready",
       [](int device) {
         py::gil_scoped_release release;  // the driver compiles the PTX on first use

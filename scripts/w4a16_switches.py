@@ -1,7 +1,7 @@
 """The W4A16 decode path's switches A/B'd in rotation, so that the machine's drift falls
 on every setting alike (kernels/w4a16_rows.py: NATIVE_ROWS, the native CUDA kernels for
-up to 32 rows; kernels/w4a16.py: PACKED_NIBBLES, and WIDE_N, where decode tiles go 128
-columns wide). CUDA only.
+up to 32 rows, and WGMMA, Hopper's kernel for 33-64; kernels/w4a16.py: PACKED_NIBBLES,
+and WIDE_N, where decode tiles go 128 columns wide). CUDA only.
 
     python3 scripts/w4a16_switches.py [MODEL_DIR] [--rounds 5] [--step-rounds 2]
         [--rows 1,16] [--settings NAME ...] [--warps] [--splits M]
@@ -9,8 +9,8 @@ columns wide). CUDA only.
 First each Llama-3-8B product at each of `--rows` (w4a16_tiles.py's weights and graph
 timing), every setting once a round for `--rounds` rounds, and cuBLAS on the 16-bit
 weights as a reference: the median and the spread of each. With --warps, the rows
-kernel's time at every warp count a CTA (M = 1); with --splits M, the wide kernel's at
-every split count of K (M rows). Then,
+kernel's time at every warp count a CTA (M = 1); with --splits M, the wide kernel's (the
+wgmma kernel's above 32 rows) at every split count of K (M rows). Then,
 given a model directory, one W4A16 engine's batch-1 decode step (families_bench.py's
 measure, graphs recaptured at each switch) for each setting, in turn, `--step-rounds`
 times. Settings: the SWITCHES below (default: the native kernel and the Triton tiles).
@@ -37,19 +37,21 @@ from lmd.engine.turbo.kernels import w4a16_rows
 from lmd.engine.turbo.kernels.w4a16 import w4a16_matmul
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
 
-# name -> (NATIVE_ROWS, PACKED_NIBBLES, WIDE_N)
+# name -> (NATIVE_ROWS, WGMMA, PACKED_NIBBLES, WIDE_N)
 SWITCHES = {
-    "native rows": (True, True, w4a16_kernels.WIDE_N),
-    "packed, wide gate|up": (False, True, w4a16_kernels.WIDE_N),
-    "packed, 64 wide": (False, True, 1 << 30),
-    "one by one, wide gate|up": (False, False, w4a16_kernels.WIDE_N),
-    "one by one, 64 wide": (False, False, 1 << 30),
+    "native rows": (True, True, True, w4a16_kernels.WIDE_N),
+    "native rows, no wgmma": (True, False, True, w4a16_kernels.WIDE_N),
+    "packed, wide gate|up": (False, False, True, w4a16_kernels.WIDE_N),
+    "packed, 64 wide": (False, False, True, 1 << 30),
+    "one by one, wide gate|up": (False, False, False, w4a16_kernels.WIDE_N),
+    "one by one, 64 wide": (False, False, False, 1 << 30),
 }
 DEFAULT_SETTINGS = ["native rows", "packed, wide gate|up"]
 
 
 def setting(name: str) -> None:
-    w4a16_rows.NATIVE_ROWS, w4a16_kernels.PACKED_NIBBLES, w4a16_kernels.WIDE_N = SWITCHES[name]
+    (w4a16_rows.NATIVE_ROWS, w4a16_rows.WGMMA, w4a16_kernels.PACKED_NIBBLES,
+     w4a16_kernels.WIDE_N) = SWITCHES[name]  # fmt: skip
 
 
 def copies_of(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -79,14 +81,17 @@ def warps_sweep() -> None:
 
 
 def splits_sweep(m: int) -> None:
-    """The wide kernel at M = m with each count of splits of K."""
+    """The wide kernel (wgmma above 32 rows) at M = m with each count of splits of K."""
     setting("native rows")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for n, k in SHAPES:
         packed = copies_of(n, k)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        chosen = w4a16_rows.default_splits(n, k, sms)
+        plan = (
+            w4a16_rows.wgmma_splits if m > w4a16_rows.WIDE_MAX_ROWS else w4a16_rows.default_splits
+        )
+        chosen = plan(n, k, sms)
         for splits in sorted({s for s in (1, 2, 3, 4, 6, 8, 12, 16, chosen) if s <= k // 128}):
             calls: list[Callable[[], object]] = [
                 partial(w4a16_rows.native_rows, x, *p, 128, None, y, splits=splits) for p in packed

@@ -89,6 +89,18 @@ __device__ __forceinline__ uint32_t minus(uint32_t v, uint32_t neg) {
   return d;
 }
 
+// v * s in both halves, one rounding (+ -0 leaves the product as it is).
+template <bool kBf16>
+__device__ __forceinline__ uint32_t times(uint32_t v, uint32_t s, uint32_t minus_zero) {
+  uint32_t d;
+  if (kBf16) {
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(v), "r"(s), "r"(minus_zero));
+  } else {
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(v), "r"(s), "r"(minus_zero));
+  }
+  return d;
+}
+
 template <bool kBf16>
 __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint2 b) {
   if (kBf16) {

@@ -1,12 +1,16 @@
 """The native W4A16 decode kernels (native/kernels/w4a16_rows.cu for 1-16 rows,
-w4a16_wide.cu for 17-32, through kernels/w4a16_rows.py) on a GPU: against the float64
-product of the dequantized weights, against the Triton tiles they replace, batch-invariant
-(rows) or the same at every split of K (wide), captured in a CUDA graph, and declined where
-they do not apply. Skipped without CUDA.
+w4a16_wide.cu for 17-32, w4a16_wgmma.cu for 33-64 on Hopper, through
+kernels/w4a16_rows.py) on a GPU: against the float64 product of the dequantized weights,
+against the Triton tiles they replace, batch-invariant (rows) or the same at every split
+of K (wide, wgmma), captured in a CUDA graph, and declined where they do not apply.
+Skipped without CUDA.
 
-Bound: its products are exact ((q - z) is an integer in the dtype) and summed in float32,
-so each output is the reference rounded once to the dtype: within half an ulp of it
-(2^-9 relative in bf16, 2^-12 in fp16) plus float32 summation error, which ATOL covers.
+Bound: the rows and wide kernels' products are exact ((q - z) is an integer in the
+dtype) and summed in float32, so each output is the reference rounded once to the dtype:
+within half an ulp of it (2^-9 relative in bf16, 2^-12 in fp16) plus float32 summation
+error, which ATOL covers. The wgmma kernel multiplies W rounded to the dtype ((q - z) *
+scale, one rounding, as the Triton tiles do), so its reference is the product of that
+rounded W, held to the same bound.
 """
 
 from __future__ import annotations
@@ -36,6 +40,17 @@ def weight(n: int, k: int, dtype: torch.dtype, group: int = 128) -> W4A16Weight:
 def reference(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None) -> torch.Tensor:
     y = x.double() @ w.dequantize().double().t()
     return y if bias is None else y + bias.double()
+
+
+def rounded_reference(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T with W = (q - z) * scale rounded to x's dtype (exact in float32 first)."""
+    y = x.double() @ w.dequantize().to(x.dtype).double().t()
+    return y if bias is None else y + bias.double()
+
+
+hopper = pytest.mark.skipif(
+    torch.cuda.get_device_capability() != (9, 0), reason="the wgmma kernel needs sm_90"
+)
 
 
 def native(
@@ -121,15 +136,21 @@ def test_captured_in_a_cuda_graph() -> None:
     torch.testing.assert_close(y.double(), reference(x, w, None), rtol=2.0**-8, atol=ATOL)
 
 
-def test_declines_what_it_does_not_take() -> None:
-    """Groups of 64, 33 rows, 48 columns, float32: the Triton tiles' products."""
-    y = torch.empty(33, 4096, device="cuda", dtype=torch.bfloat16)
+def test_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Groups of 64, 65 rows (33 with the wgmma kernel off or off Hopper), 48 columns,
+    float32: the Triton tiles' products."""
+    y = torch.empty(65, 4096, device="cuda", dtype=torch.bfloat16)
     w64 = weight(4096, 4096, torch.bfloat16, group=64)
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     assert not native_rows(x, w64.qweight, w64.scales, w64.zeros, 64, None, y[:1])
     w = weight(4096, 4096, torch.bfloat16)
-    x33 = torch.randn(33, 4096, device="cuda", dtype=torch.bfloat16)
-    assert not native_rows(x33, w.qweight, w.scales, w.zeros, 128, None, y)
+    x65 = torch.randn(65, 4096, device="cuda", dtype=torch.bfloat16)
+    assert not native_rows(x65, w.qweight, w.scales, w.zeros, 128, None, y)
+    monkeypatch.setattr(w4a16_rows, "WGMMA", False)
+    assert not native_rows(x65[:33], w.qweight, w.scales, w.zeros, 128, None, y[:33])
+    monkeypatch.undo()
+    on_hopper = torch.cuda.get_device_capability() == (9, 0)
+    assert native_rows(x65[:33], w.qweight, w.scales, w.zeros, 128, None, y[:33]) == on_hopper
     w48 = weight(48, 4096, torch.bfloat16)
     assert not native_rows(x, w48.qweight, w48.scales, w48.zeros, 128, None, y[:1, :48])
     assert not native_rows(x.float(), w.qweight, w.scales, w.zeros, 128, None, y[:1].float())
@@ -192,3 +213,77 @@ def test_wide_captured_in_a_cuda_graph(splits: int) -> None:
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(y.double(), reference(x, w, None), rtol=2.0**-8, atol=ATOL)
+
+
+@hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [33, 40, 63, 64])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336), (28672, 4096), (96, 256)])
+def test_wgmma_against_float64(n: int, k: int, rows: int, dtype: torch.dtype) -> None:
+    """(96, 256): one span of 256 columns, most of it past N, and two blocks of K;
+    28672: one split (its 112 spans fill the machine)."""
+    w = weight(n, k, dtype)
+    x = torch.randn(rows, k, device="cuda").to(dtype)
+    bias = torch.randn(n, device="cuda").to(dtype)
+    for b in (None, bias):
+        y = native(x, w, b)
+        ref = rounded_reference(x, w, b)
+        torch.testing.assert_close(y.double(), ref, rtol=RTOL[dtype], atol=ATOL)
+
+
+@hopper
+def test_wgmma_every_split_of_k() -> None:
+    """Each split count (uneven ones too) gives the product, the same bits every launch,
+    and the counters are left at zero for the next."""
+    w = weight(4096, 4096, torch.bfloat16)
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    ref = rounded_reference(x, w, bias)
+    for splits in (1, 2, 3, 5, 8, 32):
+        y = native(x, w, bias, splits=splits)
+        torch.testing.assert_close(y.double(), ref, rtol=RTOL[torch.bfloat16], atol=ATOL)
+        for _ in range(3):
+            assert torch.equal(native(x, w, bias, splits=splits), y)
+    assert not w4a16_rows._counters[torch.cuda.current_device()].any()
+
+
+@hopper
+def test_wgmma_rows_do_not_depend_on_the_rows_past_them() -> None:
+    """Rows 0..32 alone (33 rows) and among 64: same splits, same bits."""
+    w = weight(6144, 4096, torch.bfloat16)
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    together = native(x, w, splits=4)
+    assert torch.equal(native(x[:48], w, splits=4), together[:48])
+    assert torch.equal(native(x[:33], w, splits=4), together[:33])
+
+
+@hopper
+def test_wgmma_agrees_with_the_triton_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both multiply W rounded to bf16; they differ by their float32 summation orders."""
+    w = weight(28672, 4096, torch.bfloat16)
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    y = w4a16_matmul(x, w.qweight, w.scales, w.zeros, 128)
+    assert torch.equal(y, native(x, w))  # w4a16_matmul took the wgmma kernel
+    monkeypatch.setattr(w4a16_rows, "WGMMA", False)
+    tiles = w4a16_matmul(x, w.qweight, w.scales, w.zeros, 128)
+    torch.testing.assert_close(y.float(), tiles.float(), rtol=2.0**-7, atol=1e-3)
+
+
+@hopper
+@pytest.mark.parametrize("splits", [1, 8])
+def test_wgmma_captured_in_a_cuda_graph(splits: int) -> None:
+    """Replayed twice with new rows, a strided x among them."""
+    w = weight(4096, 14336, torch.bfloat16)
+    buffer = torch.randn(48, 14336 + 512, device="cuda", dtype=torch.bfloat16)
+    x = buffer[:, :14336]
+    native(x, w, splits=splits)  # loads the module outside the capture
+    y = torch.empty(48, 4096, device="cuda", dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert native_rows(x, w.qweight, w.scales, w.zeros, 128, None, y, splits=splits)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = rounded_reference(x, w, None)
+        torch.testing.assert_close(y.double(), ref, rtol=2.0**-8, atol=ATOL)

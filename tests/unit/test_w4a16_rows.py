@@ -49,6 +49,14 @@ def test_splits_give_two_ctas_a_multiprocessor() -> None:
     assert w4a16_rows.default_splits(128256, 4096, 132) == 1
 
 
+def test_wgmma_splits_keep_one_wave() -> None:
+    """One CTA a multiprocessor (the wgmma kernel's shared memory), spans of 256."""
+    got = {name: w4a16_rows.wgmma_splits(n, k, 132) for name, (n, k) in LLAMA3_8B.items()}
+    assert got == {"qkv": 5, "o": 8, "gate|up": 1, "down": 8}
+    assert w4a16_rows.wgmma_splits(96, 256, 132) == 2  # at most a block of K each
+    assert w4a16_rows.wgmma_splits(128256, 4096, 132) == 1
+
+
 def test_cpu_tensors_stay_with_the_triton_tiles() -> None:
     w = W4A16Weight.quantize(torch.randn(64, 256), 128)
     x = torch.randn(2, 256)
@@ -109,6 +117,33 @@ def test_bad_wide_launches_are_refused_before_cuda(
         _native.w4a16_wide(0, 64, 64, 64, 64, 0, 64, 64, 64, rows, n, k, stride, splits, True, 0)
 
 
+WGMMA_SHAPES = "m must be 1..64, n a multiple of 32, k of 128 and x_stride >= k"
+
+
+@pytest.mark.parametrize(
+    ("launch", "message"),
+    [
+        ((65, 64, 256, 256, 2), WGMMA_SHAPES),
+        ((33, 48, 256, 256, 2), WGMMA_SHAPES),
+        ((33, 64, 256, 128, 2), WGMMA_SHAPES),
+        ((33, 64, 256, 256, 3), "splits must be 1..2 (k / 128)"),
+        ((33, 64, 256, 260, 2), "misaligned"),  # a row stride not a multiple of 8
+    ],
+)
+def test_bad_wgmma_launches_are_refused_before_cuda(
+    launch: tuple[int, int, int, int, int], message: str
+) -> None:
+    rows, n, k, stride, splits = launch
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 64, 64, rows, n, k, stride, splits, True, 0)
+
+
+def test_wgmma_needs_16_byte_scales_and_zeros() -> None:
+    for s, z in ((72, 64), (64, 68)):  # scales 8-byte aligned, zeros 4-byte aligned
+        with pytest.raises(ValueError, match="misaligned"):
+            _native.w4a16_wgmma(0, 64, 64, s, z, 0, 64, 0, 0, 33, 64, 256, 256, 1, True, 0)
+
+
 def test_wide_needs_aligned_x_and_work_for_splits() -> None:
     with pytest.raises(ValueError, match="misaligned"):  # x 8-byte aligned only
         _native.w4a16_wide(0, 72, 64, 64, 64, 0, 64, 64, 64, 17, 64, 256, 256, 1, True, 0)
@@ -123,3 +158,6 @@ def test_without_cuda_it_says_why() -> None:
         _native.w4a16_rows(0, 64, 64, 64, 64, 0, 64, 1, 64, 256, 256, True, 4, 0)
     with pytest.raises(RuntimeError, match="CUDA"):
         _native.w4a16_wide(0, 64, 64, 64, 64, 0, 64, 0, 0, 17, 64, 256, 256, 1, True, 0)
+    assert "CUDA" in _native.w4a16_wgmma_ready(0)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 0, 0, 33, 64, 256, 256, 1, True, 0)

@@ -1,15 +1,18 @@
 """The W4A16 product of a decode step's rows through lmd._native's CUDA kernels: 1-16
-rows by native/kernels/w4a16_rows.cu, 17-32 by native/kernels/w4a16_wide.cu. Both run
-mma.sync on the tensor cores with the codes made into 16-bit operands two at a time in
-registers, 16-byte loads of the packed weights, the next block of K loaded while the
-current one is multiplied; the wide one shares x among a CTA's 128 columns through
-shared memory and splits K over CTAs, summed in split order by the last CTA of a span.
+rows by native/kernels/w4a16_rows.cu, 17-32 by native/kernels/w4a16_wide.cu, 33-64 on
+Hopper by native/kernels/w4a16_wgmma.cu. The first two run mma.sync on the tensor cores
+with the codes made into 16-bit operands two at a time in registers, 16-byte loads of
+the packed weights, the next block of K loaded while the current one is multiplied; the
+wide one shares x among a CTA's 128 columns through shared memory and splits K over
+CTAs, summed in split order by the last CTA of a span. The wgmma one has two warpgroups
+dequantize 256 columns into shared memory while a third runs wgmma on them (its file
+says how), and splits K the same way.
 
 They read the layout that kernels/w4a16.py's Triton tiles read (quant/w4a16.py), so
-they need no copy of the weights; they take 1-32 rows of bf16 or fp16, groups of 128
-inputs and a multiple of 32 output columns, and `native_rows` says False for anything
-else (the caller then runs the Triton tiles). The launch goes on PyTorch's current
-stream, so a decode step's CUDA graph captures it.
+they need no copy of the weights; they take 1-32 rows (1-64 on Hopper) of bf16 or fp16,
+groups of 128 inputs and a multiple of 32 output columns, and `native_rows` says False
+for anything else (the caller then runs the Triton tiles). The launch goes on PyTorch's
+current stream, so a decode step's CUDA graph captures it.
 """
 
 from __future__ import annotations
@@ -17,12 +20,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lmd._native import w4a16_rows, w4a16_rows_ready, w4a16_wide
+from lmd._native import w4a16_rows, w4a16_rows_ready, w4a16_wgmma, w4a16_wgmma_ready, w4a16_wide
 from lmd.engine.turbo.kernels.native_kernels import NativeKernels, device_index
 
 NATIVE_ROWS = True  # off: decode rows go to the Triton tiles (scripts' A/B runs)
 MAX_ROWS = 16  # the rows kernel's; the wide kernel's is WIDE_MAX_ROWS
 WIDE_MAX_ROWS = 32  # from 33 rows the Triton tiles were as fast (docs/benchmarks.md)
+WGMMA = True  # off: 33-64 rows go to the Triton tiles on Hopper too (scripts' A/B runs)
+WGMMA_MAX_ROWS = 64
+WGMMA_SPAN = 256  # output columns of a wgmma kernel's CTA
 GROUP = 128
 COLUMNS = 32  # output columns of a rows kernel's CTA
 SPAN = 128  # output columns of a wide kernel's CTA
@@ -31,6 +37,7 @@ WARPS_PER_SM = 16  # what the kernels' registers leave room for at up to 8 rows 
 WIDE_CTAS_PER_SM = 2  # what default_splits plans for (3 fit; 2 measured best at 64 rows)
 
 _kernels = NativeKernels(w4a16_rows_ready, "W4A16 decode rows go to the Triton tiles")
+_wgmma = NativeKernels(w4a16_wgmma_ready, "W4A16 decode steps of 33-64 rows take the Triton tiles")
 # A device's span counters for the wide kernel, zero between launches: its launches must
 # not overlap in time (one stream; lmd runs one forward at a time a process).
 _counters: dict[int, Tensor] = {}
@@ -67,6 +74,13 @@ def default_splits(n: int, k: int, num_sms: int) -> int:
     return max(1, min(k // GROUP, WIDE_CTAS_PER_SM * num_sms // spans))
 
 
+def wgmma_splits(n: int, k: int, num_sms: int) -> int:
+    """Ranges of K for the wgmma kernel (one CTA a multiprocessor: its stages fill shared
+    memory): as many as keep all CTAs in one wave, at most one a block of K."""
+    spans = -(-n // WGMMA_SPAN)
+    return max(1, min(k // GROUP, num_sms // spans))
+
+
 def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds them
     x: Tensor,
     qweight: Tensor,
@@ -94,7 +108,7 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
         and x.dtype in (torch.bfloat16, torch.float16)
         and scales.dtype == x.dtype
         and group_size == GROUP
-        and 1 <= m <= WIDE_MAX_ROWS
+        and 1 <= m <= (WGMMA_MAX_ROWS if WGMMA else WIDE_MAX_ROWS)
         and n % COLUMNS == 0
         and -(-n // SPAN) <= MAX_SPANS
         and k % GROUP == 0
@@ -119,6 +133,10 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
     if not takes or not ready(x.device):
         return False
     device = device_index(x.device)
+    if m > WIDE_MAX_ROWS and not (
+        _wgmma.ready(device) and scales.data_ptr() % 16 == 0 and zeros.data_ptr() % 16 == 0
+    ):  # the wgmma kernel copies scales and zeros 16 bytes at a time
+        return False
     stream = torch.cuda.current_stream(x.device).cuda_stream
     num_sms = _kernels.num_sms(device)
     bf16 = x.dtype == torch.bfloat16
@@ -135,10 +153,13 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
         warps = default_warps(m, n, k, num_sms) if warps is None else warps
         w4a16_rows(device, *addresses, m, n, k, x.stride(0), bf16, warps, stream)
         return True
-    splits = default_splits(n, k, num_sms) if splits is None else splits
+    launch = w4a16_wgmma if m > WIDE_MAX_ROWS else w4a16_wide
+    if splits is None:
+        plan = wgmma_splits if m > WIDE_MAX_ROWS else default_splits
+        splits = plan(n, k, num_sms)
     work = counters = 0
     if splits > 1:  # the splits' float32 sums, added by the last CTA of each span
         buffer = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
         work, counters = buffer.data_ptr(), _counters[device].data_ptr()
-    w4a16_wide(device, *addresses, work, counters, m, n, k, x.stride(0), splits, bf16, stream)
+    launch(device, *addresses, work, counters, m, n, k, x.stride(0), splits, bf16, stream)
     return True
