@@ -42,13 +42,13 @@ constexpr int kW4a16WideThreads = 128;  // 4 warps of 32 columns
 constexpr int kW4a16WideMaxRows = 32;
 
 // The wgmma kernel (w4a16_wgmma.cu) takes W4a16WideArgs as its parameter too.
-constexpr int kW4a16WgmmaColumns = 256;  // a CTA's span: wgmma's n
-constexpr int kW4a16WgmmaThreads = 640;  // two warpgroups multiplying, two filling, one loading
-constexpr int kW4a16WgmmaMaxRows = 64;   // wgmma's m
-// Four stages of x (64 rows x 64 inputs) and W (256 columns x 64 inputs) in 16 bits, a
-// ring of three blocks' words, scales and zeros (256 columns), and 1,024 bytes to align
-// the stages to the swizzle's period.
-constexpr int kW4a16WgmmaSharedBytes = 4 * (64 + 256) * 128 + 3 * 256 * (64 + 2 + 1) + 1024;
+constexpr int kW4a16WgmmaColumns = 256;  // a CTA's span
+constexpr int kW4a16WgmmaThreads = 640;  // four warpgroups multiplying, one loading
+constexpr int kW4a16WgmmaMaxRows = 64;   // wgmma's n
+// Eight stages of x (64 rows x 64 inputs in 16 bits), a ring of six blocks' words,
+// scales and zeros (256 columns), and 1,024 bytes to align the stages to the swizzle's
+// period.
+constexpr int kW4a16WgmmaSharedBytes = 8 * 64 * 128 + 6 * 256 * (64 + 2 + 1) + 1024;
 
 // "" once the kernels are loaded on device `ordinal` (loading them on the first call),
 // else why they cannot be: no CUDA, a driver that rejects the PTX, a GPU before sm_80.

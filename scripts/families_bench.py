@@ -7,7 +7,7 @@ against the HBM floor (docs/benchmarks.md, "turbo for Qwen3 and mixtures of expe
         [--separate-experts] [--separate-rotary] [--separate-merge]
         [--separate-rotary-merge] [--gemv-plain]
         [--rotary-whole] [--h100-tiles]
-        [--wide-max-rows 16] [--no-fp8-codes] [--exact-accum]
+        [--wide-max-rows 16] [--no-wgmma] [--no-fp8-codes] [--exact-accum]
 
 One Engine for every batch (max_batch_size = the largest), the prompts and the timing of
 `lmd-bench offline` (random ids, greedy, ignore_eos, prefill included), after a warm-up
@@ -172,6 +172,11 @@ def main() -> None:
         help="W4A16: the most rows the native wide kernel takes (16: the Triton tiles past 16)",
     )
     parser.add_argument(
+        "--no-wgmma",
+        action="store_true",
+        help="W4A16: 33-64 rows to the Triton tiles on Hopper too (w4a16_rows.WGMMA off)",
+    )
+    parser.add_argument(
         "--exact-accum",
         action="store_true",
         help="FP8: cuBLAS's sums promoted to float32 (fp8.FAST_ACCUM off)",
@@ -180,6 +185,7 @@ def main() -> None:
     fp8.FAST_ACCUM = not args.exact_accum
     if args.wide_max_rows is not None:
         w4a16_rows.WIDE_MAX_ROWS = args.wide_max_rows
+    w4a16_rows.WGMMA = not args.no_wgmma
     batches = [int(b) for b in args.batches.split(",")]
     config = EngineConfig(
         max_batch_size=max(batches),

@@ -1,5 +1,5 @@
 // Hopper (sm_90a) device helpers of native/kernels/w4a16_wgmma.cu: mbarriers, cp.async
-// into them, the async proxy's fence, shared-memory operand descriptors and wgmma itself.
+// into them, shared-memory operand descriptors and wgmma itself.
 #pragma once
 
 #include <stdint.h>
@@ -37,21 +37,10 @@ __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity) {
   } while (!done);
 }
 
-// Generic-proxy writes to shared memory (stores, cp.async) ordered before wgmma's reads.
-__device__ __forceinline__ void fence_async_proxy() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
 // 16 bytes from global memory, or 16 zero bytes when !read (`from` still a valid address).
 __device__ __forceinline__ void cp_async16(uint32_t to, const void* from, bool read = true) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(to), "l"(from),
                "r"(read ? 16 : 0)
-               : "memory");
-}
-
-__device__ __forceinline__ void store16(uint32_t to, const uint32_t (&v)[4]) {
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(to), "r"(v[0]), "r"(v[1]),
-               "r"(v[2]), "r"(v[3])
                : "memory");
 }
 
@@ -80,9 +69,9 @@ __device__ __forceinline__ void wgmma_commit() {
 // Pins the accumulators in their registers across the asynchronous products: the
 // compiler may not move or redefine them between a wgmma and its wait (ptxas would
 // serialize the wgmmas if it did).
-__device__ __forceinline__ void hold(float (&d)[64]) {
+__device__ __forceinline__ void hold(float (&d)[32]) {
 #pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 template <int kPending>
@@ -90,35 +79,30 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
 }
 
-// d = A (64 x 16, descriptor a) B (16 x 128, descriptor b) (+ d when `accumulate`): d in
-// wgmma's layout, element 4 i + e of a thread (warp w, lane l) at row 16 w + l / 4 + 8
-// (e / 2), column 8 i + 2 (l % 4) + e % 2.
-#define LMD_WGMMA_M64N128K16(T)                                                    \
+// d = A (64 x 16, registers a: a warp's 16 rows as mma.m16n8k16's A) B (16 x 64, K-major
+// in shared memory, descriptor b) (+ d when `accumulate`): d in wgmma's layout, element
+// 4 i + e of a thread (warp w, lane l) at row 16 w + l / 4 + 8 (e / 2), column 8 i +
+// 2 (l % 4) + e % 2.
+#define LMD_WGMMA_M64N64K16_RS(T)                                                   \
   asm volatile(                                                                      \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                  \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." T "." T " {"                   \
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
-      "}, %64, %65, p, 1, 1, 0, 0;\n}"                                            \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                  \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T " {"                    \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "      \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}"                               \
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
-      : "l"(a), "l"(b), "r"(accumulate))
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate))
 
 template <bool kBf16>
-__device__ __forceinline__ void wgmma(float (&d)[64], uint64_t a, uint64_t b,
+__device__ __forceinline__ void wgmma(float (&d)[32], const uint32_t (&a)[4], uint64_t b,
                                       uint32_t accumulate) {
   if constexpr (kBf16) {
-    LMD_WGMMA_M64N128K16("bf16");
+    LMD_WGMMA_M64N64K16_RS("bf16");
   } else {
-    LMD_WGMMA_M64N128K16("f16");
+    LMD_WGMMA_M64N64K16_RS("f16");
   }
 }
 

@@ -3,29 +3,28 @@
 // (word row r of a block of 128 inputs holds nibble j of input 16 j + r; scales and zeros
 // a group and column).
 //
-// wgmma.mma_async runs a warpgroup's m64 x n128 x k16 product asynchronously at the
-// tensor cores' full rate with both operands in shared memory: A is x (its 64 rows,
-// K-major), B 128 of the CTA's 256 columns of W already dequantized to x's dtype
-// (K-major: a column's 64 inputs of a stage are one 128-byte row). Both in the 128-byte
-// swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)), so that the stores and the
-// tensor cores' reads hit distinct banks.
+// wgmma.mma_async runs a warpgroup's m64 x n64 x k16 product asynchronously at the
+// tensor cores' rate with A in registers and B in shared memory. Here A is 64 output
+// columns of W, made from the codes in the warpgroup's own registers (as the rows
+// kernels make mma.sync's A, w4a16_ops.cuh: a warp's 16 rows, lane (g, t) holding
+// columns 2 g, 2 g + 1 of them at inputs 2 t, 2 t + 1, 2 t + 8, 2 t + 9 of a step, word
+// rows of the same numbers), times the scale: one rounding to x's dtype, as the Triton
+// tiles. B is x, 64 rows by 64 inputs a stage, K-major in the 128-byte swizzle (16-byte
+// chunk c of row r at chunk c ^ (r % 8)); the sums come back transposed (row = column of
+// y), 64 x 64 float32 in 32 registers a thread.
 //
-// A CTA is five warpgroups with separate roles, which meet only at mbarriers:
-// - the loader (warpgroup 4) copies by cp.async each block's words, scales and zeros into
-//   a ring of kWordSlots blocks, kWordSlots - 1 blocks ahead, and each stage's x (64 rows
-//   by 64 inputs) into its stage once the stage is free;
-// - the fillers (warpgroups 2 and 3, one column a thread) take their column's words of a
-//   block out of the ring and dequantize them into the block's two stages: (q - zero)
-//   exact, times the scale, one rounding to x's dtype, 8 chunks of 16 bytes a stage;
-// - warpgroups 0 and 1 (columns 0-127 and 128-255 of the span) wait for a stage to be
-//   full, issue its four wgmmas, and free the stage before it once those are done
-//   (wgmma.wait_group 1), so that the tensor cores have a stage queued while they wait
-//   for the next.
-// The fillers order their stores before wgmma's reads (the async proxy) with a fence
-// that waits for all their memory operations, which is why no global load of theirs is
-// in flight: the loader's copies are not theirs. The fillers' work is most of the CTA's
-// instructions, so they are two warps a scheduler; the sums are split over two
-// warpgroups (64 registers a thread each) so that 640 threads fit the registers.
+// A CTA is five warpgroups, meeting only at mbarriers:
+// - warpgroup 4 loads: by cp.async, each block's words, scales and zeros for the CTA's
+//   256 columns into a ring of kWordSlots blocks, kWordSlots - 1 blocks ahead, and each
+//   stage's x into a ring of kStages stages once the stage is free;
+// - warpgroups 0-3 (64 columns each) take their words of a block out of the ring, then
+//   for each step of 16 inputs make A in one of two register sets and issue the wgmma,
+//   waiting only for the step before (wgmma.wait_group 1) so that its registers are free
+//   again: making a step's A overlaps the tensor cores' work on the last, and the four
+//   warpgroups' steps overlap each other's. A stage is freed once a step of the next has
+//   been waited for. (Four sets and wait_group 3 measured no faster.)
+// The global loads are all the loader's, so no multiplying warp waits on memory but at a
+// barrier.
 //
 // Grid: ceil(N / 256) column spans by `splits` ranges of K; with more than one split the
 // float32 sums go to work [splits, M, N] and the last CTA of a span to finish adds them
@@ -57,23 +56,21 @@ namespace lmd_w4a16 {
 
 using namespace lmd_sm90;
 
-constexpr int kSpan = 256;  // output columns a CTA: wgmma's n
-constexpr int kRows = 64;   // wgmma's m
-constexpr int kXBytes = kRows * 128;  // a stage's x: 64 inputs of 16 bits a row
-constexpr int kWBytes = kSpan * 128;  // a stage's weights
-constexpr int kStageBytes = kXBytes + kWBytes;
-constexpr int kStages = 4;
+constexpr int kSpan = 256;  // output columns a CTA
+constexpr int kRows = 64;   // x's rows a stage: wgmma's n
+constexpr int kXBytes = kRows * 128;  // a stage: 64 inputs of 16 bits a row
+constexpr int kStages = 8;
 constexpr int kWordBytes = 16 * kSpan * 4;  // a block's words: 16 rows of the span's
 constexpr int kSlotBytes = kWordBytes + kSpan * 2 + kSpan;  // + scales + zeros
-constexpr int kWordSlots = 3;
-constexpr int kFillers = 256;  // threads 256-511; the loader's are 512-639
-constexpr int kThreads = 640;  // warpgroups 0, 1 multiply, 2, 3 fill, 4 loads
+constexpr int kWordSlots = 6;
+constexpr int kMultipliers = 512;  // warpgroups 0-3; the loader's threads are 512-639
+constexpr int kThreads = 640;  // decode_rows.h: kW4a16WgmmaThreads, kW4a16WgmmaSharedBytes
 
 struct Barriers {
-  uint64_t full[kStages];   // a stage's x and W are in: the fillers and the loader, 384
-  uint64_t empty[kStages];  // its wgmmas are done: warpgroups 0 and 1's 8 warps
+  uint64_t full[kStages];   // a stage's x is in: the loader's 128 threads
+  uint64_t empty[kStages];  // its wgmmas are done: the multiplying warpgroups' 16 warps
   uint64_t words_full[kWordSlots];   // a block's words are in: the loader's 128
-  uint64_t words_empty[kWordSlots];  // the fillers have taken them: 256
+  uint64_t words_empty[kWordSlots];  // the multiplying threads have taken them: 512
 };
 
 // A loader thread's share of every block and stage, fixed for the launch: 16 bytes a
@@ -136,56 +133,6 @@ __device__ __forceinline__ void load_x(uint32_t x_stage, const LoaderShare& l, i
   for (int i = 0; i < 4; ++i) cp_async16(x_stage + l.x_to[i], l.x[i] + 128 * kb + 64 * h);
 }
 
-// A column of a block, out of the ring: word rows 0..15, scale and zero.
-struct Column {
-  uint32_t w[16];
-  uint32_t s;
-  uint32_t z;
-};
-
-__device__ __forceinline__ void take_column(Column& c, const uint8_t* slot, int col) {
-  const uint32_t* words = reinterpret_cast<const uint32_t*>(slot);
-#pragma unroll
-  for (int r = 0; r < 16; ++r) c.w[r] = words[r * kSpan + col];
-  c.s = reinterpret_cast<const uint16_t*>(slot + kWordBytes)[col];
-  c.z = slot[kWordBytes + 2 * kSpan + col];
-}
-
-// Half h of a block (inputs 64 h .. 64 h + 63, nibbles 4 h .. 4 h + 3) of the column, in
-// x's dtype, into the stage's row `row` of W: chunk c holds inputs 8 c .. 8 c + 7 of the
-// stage, nibble 4 h + c / 2 of word rows 8 (c % 2) .. 8 (c % 2) + 7. One prmt gathers a
-// byte (two nibbles) of two word rows, so steps j and j + 1 share it.
-template <bool kBf16>
-__device__ __forceinline__ void dequantize_half(const Column& c, int h, uint32_t w_stage,
-                                                int row, uint32_t mask, uint32_t magic) {
-  constexpr uint32_t kNegMagic = kBf16 ? 0xC300u : 0xE400u;
-  const uint32_t neg = (kNegMagic | c.z) * 0x10001u;  // -(magic + zero), both halves
-  const uint32_t scale = c.s * 0x10001u;
-  const uint32_t minus_zero = 0x80008000u;
-#pragma unroll
-  for (int b = 0; b < 2; ++b) {  // byte 2 h + b: steps 4 h + 2 b (low), + 1 (high)
-    const int byte = 2 * h + b;
-    const uint32_t sel = byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {  // word rows 8 half .. 8 half + 7
-      uint32_t lo[4];
-      uint32_t hi[4];
-#pragma unroll
-      for (int p = 0; p < 4; ++p) {
-        const uint32_t pair = prmt(c.w[8 * half + 2 * p], c.w[8 * half + 2 * p + 1], sel);
-        const uint32_t v_lo = minus<kBf16>(and_or(pair, mask, magic), neg);
-        const uint32_t v_hi = minus<kBf16>(and_or(pair >> 4, mask, magic), neg);
-        lo[p] = times<kBf16>(v_lo, scale, minus_zero);
-        hi[p] = times<kBf16>(v_hi, scale, minus_zero);
-      }
-      // step 4 h + 2 b is chunk 2 (2 b) + half of the stage, step + 1 chunk 2 (2 b + 1)
-      // + half
-      store16(w_stage + swizzled(row, 4 * b + half), lo);
-      store16(w_stage + swizzled(row, 4 * b + 2 + half), hi);
-    }
-  }
-}
-
 template <bool kBf16>
 __device__ __forceinline__ uint32_t pack2(float a, float b) {
   return from_float<kBf16>(a) | (static_cast<uint32_t>(from_float<kBf16>(b)) << 16);
@@ -220,51 +167,119 @@ __device__ __forceinline__ void sum_splits(const W4a16Wgmma& a, int span) {
   }
 }
 
-// Warpgroup `group` (0, 1): every stage's wgmmas for its 128 columns, then its sums to y
-// (one split) or work.
+// A lane's share of a block: word rows 2 t, 2 t + 1, 2 t + 8, 2 t + 9 of its two
+// columns, their -(magic + zero) and scale in both halves of a register.
+struct Share {
+  uint2 w[4];
+  uint32_t neg[2];
+  uint32_t scale[2];
+};
+
 template <bool kBf16>
-__device__ __forceinline__ void multiply(const W4a16Wgmma& a, Barriers& bars, uint32_t base,
-                                         int stages, int span, int group) {
-  float d[64];  // the first product overwrites it (accumulate 0)
-  const uint32_t half = kXBytes + group * (kSpan / 2) * 128;  // its columns' rows of W
-  for (int i = 0; i < stages; ++i) {
-    const int s = i % kStages;
-    const uint32_t stage = base + s * kStageBytes;
-    wait(smem(&bars.full[s]), (i / kStages) & 1);
-    hold(d);
-    wgmma_fence();
+__device__ __forceinline__ void take_share(Share& sh, const uint8_t* slot, int col, int t) {
+  constexpr uint32_t kNegMagic = kBf16 ? 0xC300u : 0xE400u;
+  const uint32_t rows[4] = {2u * t, 2u * t + 1, 2u * t + 8, 2u * t + 9};
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {  // 16 inputs a wgmma: 32 bytes into the rows
-      wgmma<kBf16>(d, descriptor(stage + 32 * kk), descriptor(stage + half + 32 * kk),
-                   i > 0 || kk > 0);
+  for (int r = 0; r < 4; ++r) {
+    sh.w[r] = *reinterpret_cast<const uint2*>(slot + rows[r] * kSpan * 4 + 4 * col);
+  }
+  const uint32_t s = *reinterpret_cast<const uint32_t*>(slot + kWordBytes + 2 * col);
+  const uint32_t z = *reinterpret_cast<const uint16_t*>(slot + kWordBytes + 2 * kSpan + col);
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    sh.neg[c] = (kNegMagic | ((z >> (8 * c)) & 0xFFu)) * 0x10001u;
+    sh.scale[c] = ((s >> (16 * c)) & 0xFFFFu) * 0x10001u;
+  }
+}
+
+// A of step j of the block: register r is (column r % 2, inputs of pair r / 2): nibble j
+// of word rows 2 (r / 2), 2 (r / 2) + 1 of the share (one prmt, a shift for odd j, a lop3
+// for the magic), q - zero exact, then times the scale.
+template <bool kBf16>
+__device__ __forceinline__ void make_a(const Share& sh, int j, uint32_t mask, uint32_t magic,
+                                       uint32_t (&a)[4]) {
+  const int byte = j >> 1;
+  const uint32_t sel = byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12);
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int c = r & 1;
+    const int p = r >> 1;
+    const uint32_t lo = c ? sh.w[2 * p].y : sh.w[2 * p].x;
+    const uint32_t hi = c ? sh.w[2 * p + 1].y : sh.w[2 * p + 1].x;
+    uint32_t pair = prmt(lo, hi, sel);
+    if (j & 1) pair >>= 4;
+    a[r] = times<kBf16>(minus<kBf16>(and_or(pair, mask, magic), sh.neg[c]), sh.scale[c],
+                        0x80008000u);
+  }
+}
+
+__device__ __forceinline__ void hold_a(uint32_t (&a)[4]) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(a[r])::"memory");
+}
+
+// Warpgroup `group` (0-3): its 64 columns over the CTA's blocks, then its sums to y (one
+// split) or work.
+template <bool kBf16>
+__device__ __forceinline__ void multiply(const W4a16Wgmma& a, Barriers& bars, uint32_t xs,
+                                         const uint8_t* ring, int first, int end, int span) {
+  const int warp = (threadIdx.x >> 5) & 3;
+  const int lane = threadIdx.x & 31;
+  const int t = lane & 3;
+  const int col = (threadIdx.x >> 7) * 64 + 16 * warp + 2 * (lane >> 2);  // in the span
+  uint32_t mask = 0x000F000Fu;  // in registers, not immediates (w4a16_ops.cuh's and_or)
+  uint32_t magic = kBf16 ? 0x43004300u : 0x64006400u;
+  asm("" : "+r"(mask), "+r"(magic));
+  float d[32];  // the first product overwrites it (accumulate 0)
+  uint32_t sets[2][4];  // step jj of a stage's A in set jj % 2
+  const uint64_t x_desc = descriptor(xs);  // + (stage offset + 32 jj) / 16 a step
+  for (unsigned b = 0; first + static_cast<int>(b) < end; ++b) {
+    const unsigned slot = b % kWordSlots;
+    Share sh;
+    wait(smem(&bars.words_full[slot]), (b / kWordSlots) & 1);
+    take_share<kBf16>(sh, ring + slot * kSlotBytes, col, t);
+    arrive(smem(&bars.words_empty[slot]));
+#pragma unroll
+    for (unsigned h = 0; h < 2; ++h) {
+      const unsigned i = 2 * b + h;
+      const unsigned s = i % kStages;
+      wait(smem(&bars.full[s]), (i / kStages) & 1);
+#pragma unroll
+      for (unsigned jj = 0; jj < 4; ++jj) {
+        make_a<kBf16>(sh, 4 * h + jj, mask, magic, sets[jj % 2]);
+        hold(d);
+        wgmma_fence();
+        wgmma<kBf16>(d, sets[jj % 2], x_desc + ((s * kXBytes + 32 * jj) >> 4), i > 0 || jj > 0);
+        wgmma_commit();
+        wgmma_wait<1>();  // the step before is done: its registers and stage are free
+        hold(d);
+        hold_a(sets[(jj + 1) % 2]);
+        if (jj == 0 && i > 0 && lane == 0) arrive(smem(&bars.empty[(i - 1) % kStages]));
+      }
     }
-    wgmma_commit();
-    wgmma_wait<1>();  // stage i - 1's products are done: free it
-    hold(d);
-    if (i > 0 && (threadIdx.x & 31) == 0) arrive(smem(&bars.empty[(i - 1) % kStages]));
   }
   wgmma_wait<0>();
   hold(d);
-  // d[4 i + e] of warp w, lane l: row 16 w + l / 4 + 8 (e / 2), column 8 i + 2 (l % 4) +
-  // e % 2 of the warpgroup's 128.
-  const int warp = (threadIdx.x >> 5) & 3;
-  const int lane = threadIdx.x & 31;
+  // d[4 i + e]: column col + e / 2 (row 16 warp + lane / 4 + 8 (e / 2) of A), x row 8 i +
+  // 2 t + e % 2.
+  const int y_col = span * kSpan + col;
+  if (y_col >= a.n) return;
+  const float bias0 = bias_at<kBf16>(a, y_col);
+  const float bias1 = bias_at<kBf16>(a, y_col + 1);
 #pragma unroll
-  for (int i = 0; i < kSpan / 16; ++i) {
-    const int col = span * kSpan + group * (kSpan / 2) + 8 * i + 2 * (lane & 3);
-    if (col >= a.n) continue;
+  for (int i = 0; i < kRows / 8; ++i) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int row = 16 * warp + (lane >> 2) + 8 * e;
+      const int row = 8 * i + 2 * t + e;
       if (row >= a.m) continue;
-      const float v0 = d[4 * i + 2 * e];
-      const float v1 = d[4 * i + 2 * e + 1];
+      const float v0 = d[4 * i + e];
+      const float v1 = d[4 * i + 2 + e];
       if (a.splits == 1) {
-        const uint32_t v = pack2<kBf16>(v0 + bias_at<kBf16>(a, col), v1 + bias_at<kBf16>(a, col + 1));
-        uint16_t* to = a.y + static_cast<size_t>(row) * a.n + col;
+        const uint32_t v = pack2<kBf16>(v0 + bias0, v1 + bias1);
+        uint16_t* to = a.y + static_cast<size_t>(row) * a.n + y_col;
         asm volatile("st.global.b32 [%0], %1;" ::"l"(to), "r"(v) : "memory");
       } else {
-        float* to = a.work + (static_cast<size_t>(blockIdx.y) * a.m + row) * a.n + col;
+        float* to = a.work + (static_cast<size_t>(blockIdx.y) * a.m + row) * a.n + y_col;
         asm volatile("st.global.cg.v2.f32 [%0], {%1, %2};" ::"l"(to), "f"(v0), "f"(v1) : "memory");
       }
     }
@@ -278,69 +293,47 @@ __device__ __forceinline__ void w4a16_wgmma(const W4a16Wgmma& a) {
   __shared__ bool last;
   // Stages on 1,024-byte boundaries (the swizzle's period), then the ring of words; the
   // launch asks 1,024 bytes more than they take.
-  const uint32_t base = (smem(dynamic) + 1023u) & ~1023u;
-  const uint32_t ring = base + kStages * kStageBytes;
-  const uint8_t* ring_ptr = dynamic + (ring - smem(dynamic));
+  const uint32_t xs = (smem(dynamic) + 1023u) & ~1023u;
+  const uint32_t ring = xs + kStages * kXBytes;
   const int span = blockIdx.x;
   const int blocks = a.k / 128;
   const int first = static_cast<int>(static_cast<long long>(blockIdx.y) * blocks / a.splits);
   const int end = static_cast<int>(static_cast<long long>(blockIdx.y + 1) * blocks / a.splits);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      barrier_init(smem(&bars.full[s]), 384);
-      barrier_init(smem(&bars.empty[s]), 8);
+      barrier_init(smem(&bars.full[s]), 128);
+      barrier_init(smem(&bars.empty[s]), 16);
     }
     for (int s = 0; s < kWordSlots; ++s) {
       barrier_init(smem(&bars.words_full[s]), 128);
-      barrier_init(smem(&bars.words_empty[s]), 256);
+      barrier_init(smem(&bars.words_empty[s]), kMultipliers);
     }
   }
   __syncthreads();
 
-  if (threadIdx.x >= 256 + kFillers) {
-    const LoaderShare share = loader_share(a, span, threadIdx.x - 256 - kFillers);
-    // Block first + t goes to slot t % kWordSlots, its stages 2 t, 2 t + 1.
-    const auto words = [&](int t) {
-      const int slot = t % kWordSlots;
-      wait(smem(&bars.words_empty[slot]), ((t / kWordSlots) & 1) ^ 1);
-      load_words(ring + slot * kSlotBytes, share, a, first + t);
+  if (threadIdx.x >= kMultipliers) {
+    const LoaderShare share = loader_share(a, span, threadIdx.x - kMultipliers);
+    // Block first + b goes to slot b % kWordSlots, its stages 2 b, 2 b + 1.
+    const auto words = [&](int b) {
+      const int slot = b % kWordSlots;
+      wait(smem(&bars.words_empty[slot]), ((b / kWordSlots) & 1) ^ 1);
+      load_words(ring + slot * kSlotBytes, share, a, first + b);
       arrive_after_copies(smem(&bars.words_full[slot]));
     };
-    for (int t = 0; t < kWordSlots - 1 && first + t < end; ++t) words(t);
-    for (int t = 0; first + t < end; ++t) {
-      if (first + t + kWordSlots - 1 < end) words(t + kWordSlots - 1);
+    for (int b = 0; b < kWordSlots - 1 && first + b < end; ++b) words(b);
+    for (int b = 0; first + b < end; ++b) {
+      if (first + b + kWordSlots - 1 < end) words(b + kWordSlots - 1);
       for (int h = 0; h < 2; ++h) {
-        const int i = 2 * t + h;
+        const int i = 2 * b + h;
         const int s = i % kStages;
         wait(smem(&bars.empty[s]), ((i / kStages) & 1) ^ 1);
-        load_x(base + s * kStageBytes, share, first + t, h);
+        load_x(xs + s * kXBytes, share, first + b, h);
         arrive_after_copies(smem(&bars.full[s]));
       }
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
-  } else if (threadIdx.x >= 256) {
-    const int col = threadIdx.x - 256;
-    uint32_t mask = 0x000F000Fu;  // in registers, not immediates (w4a16_ops.cuh's and_or)
-    uint32_t magic = kBf16 ? 0x43004300u : 0x64006400u;
-    asm("" : "+r"(mask), "+r"(magic));
-    for (int t = 0; first + t < end; ++t) {
-      const int slot = t % kWordSlots;
-      Column c;
-      wait(smem(&bars.words_full[slot]), (t / kWordSlots) & 1);
-      take_column(c, ring_ptr + slot * kSlotBytes, col);
-      arrive(smem(&bars.words_empty[slot]));
-      for (int h = 0; h < 2; ++h) {
-        const int i = 2 * t + h;
-        const int s = i % kStages;
-        const uint32_t stage = base + s * kStageBytes;
-        wait(smem(&bars.empty[s]), ((i / kStages) & 1) ^ 1);
-        dequantize_half<kBf16>(c, h, stage + kXBytes, col, mask, magic);
-        fence_async_proxy();
-        arrive(smem(&bars.full[s]));
-      }
-    }
   } else {
-    multiply<kBf16>(a, bars, base, 2 * (end - first), span, threadIdx.x >> 7);
+    multiply<kBf16>(a, bars, xs, dynamic + (ring - smem(dynamic)), first, end, span);
   }
   if (a.splits == 1) return;
   __threadfence();  // this CTA's sums are visible before its count is
@@ -357,8 +350,8 @@ __device__ __forceinline__ void w4a16_wgmma(const W4a16Wgmma& a) {
 
 }  // namespace lmd_w4a16
 
-// One CTA a multiprocessor (its stages and ring take 211 KiB of shared memory): up to 96
-// registers a thread.
+// One CTA a multiprocessor (its rings take 166 KiB of shared memory): up to 96 registers
+// a thread.
 #define LMD_W4A16_WGMMA(dtype, bf16)                                                     \
   extern "C" __global__ void __launch_bounds__(lmd_w4a16::kThreads, 1)                 \
       lmd_w4a16_wgmma_##dtype##_m64(const W4a16Wgmma a) {                               \
