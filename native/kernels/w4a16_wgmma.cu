@@ -40,18 +40,6 @@
 #include "sm90_ops.cuh"
 #include "w4a16_ops.cuh"
 
-struct W4a16Wgmma {  // the same fields as W4a16Wide (w4a16_wide.cu)
-  const uint16_t* x;     // [m, k], row stride x_stride elements; 16-byte aligned rows
-  const uint32_t* q;     // [k / 8, n]
-  const uint16_t* s;     // [k / 128, n]
-  const uint8_t* z;      // [k / 128, n]
-  const uint16_t* bias;  // [n] or null
-  uint16_t* y;           // [m, n]
-  float* work;           // [splits, m, n] when splits > 1
-  unsigned* counters;    // [ceil(n / 256)], zero between launches
-  int m, n, k, x_stride, splits;
-};
-
 namespace lmd_w4a16 {
 
 using namespace lmd_sm90;
@@ -88,7 +76,7 @@ struct LoaderShare {
   uint32_t x_to[4];       // offsets in a stage
 };
 
-__device__ __forceinline__ LoaderShare loader_share(const W4a16Wgmma& a, int span, int t) {
+__device__ __forceinline__ LoaderShare loader_share(const W4a16Wide& a, int span, int t) {
   LoaderShare l;
   const int col = span * kSpan + 4 * (t & 63);
   l.words_in = col < a.n;
@@ -114,7 +102,7 @@ __device__ __forceinline__ LoaderShare loader_share(const W4a16Wgmma& a, int spa
 
 // The loader: block kb's words, scales and zeros into a ring slot.
 __device__ __forceinline__ void load_words(uint32_t slot, const LoaderShare& l,
-                                           const W4a16Wgmma& a, int kb) {
+                                           const W4a16Wide& a, int kb) {
   const size_t n = static_cast<size_t>(a.n);
   const uint32_t* from = l.words + 16 * kb * n;
 #pragma unroll
@@ -139,14 +127,14 @@ __device__ __forceinline__ uint32_t pack2(float a, float b) {
 }
 
 template <bool kBf16>
-__device__ __forceinline__ float bias_at(const W4a16Wgmma& a, int col) {
+__device__ __forceinline__ float bias_at(const W4a16Wide& a, int col) {
   return a.bias == nullptr ? 0.0f : to_float<kBf16>(a.bias[col]);
 }
 
 // The last CTA of a span: y = the splits' sums in split order (+ bias), 4 columns a
 // thread at a time, the splits' loads independent of each other.
 template <bool kBf16>
-__device__ __forceinline__ void sum_splits(const W4a16Wgmma& a, int span) {
+__device__ __forceinline__ void sum_splits(const W4a16Wide& a, int span) {
   for (int e = threadIdx.x; e < a.m * (kSpan / 4); e += kThreads) {
     const int row = e / (kSpan / 4);
     const int col = span * kSpan + 4 * (e % (kSpan / 4));
@@ -221,7 +209,7 @@ __device__ __forceinline__ void hold_a(uint32_t (&a)[4]) {
 // Warpgroup `group` (0-3): its 64 columns over the CTA's blocks, then its sums to y (one
 // split) or work.
 template <bool kBf16>
-__device__ __forceinline__ void multiply(const W4a16Wgmma& a, Barriers& bars, uint32_t xs,
+__device__ __forceinline__ void multiply(const W4a16Wide& a, Barriers& bars, uint32_t xs,
                                          const uint8_t* ring, int first, int end, int span) {
   const int warp = (threadIdx.x >> 5) & 3;
   const int lane = threadIdx.x & 31;
@@ -287,7 +275,7 @@ __device__ __forceinline__ void multiply(const W4a16Wgmma& a, Barriers& bars, ui
 }
 
 template <bool kBf16>
-__device__ __forceinline__ void w4a16_wgmma(const W4a16Wgmma& a) {
+__device__ __forceinline__ void w4a16_wgmma(const W4a16Wide& a) {
   extern __shared__ __align__(1024) uint8_t dynamic[];
   __shared__ Barriers bars;
   __shared__ bool last;
@@ -336,16 +324,7 @@ __device__ __forceinline__ void w4a16_wgmma(const W4a16Wgmma& a) {
     multiply<kBf16>(a, bars, xs, dynamic + (ring - smem(dynamic)), first, end, span);
   }
   if (a.splits == 1) return;
-  __threadfence();  // this CTA's sums are visible before its count is
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    last = atomicAdd(a.counters + span, 1u) == static_cast<unsigned>(a.splits) - 1;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  sum_splits<kBf16>(a, span);
-  if (threadIdx.x == 0) a.counters[span] = 0;  // for the next launch
+  last_of_span_sums(a.counters + span, a.splits, last, [&] { sum_splits<kBf16>(a, span); });
 }
 
 }  // namespace lmd_w4a16
@@ -354,7 +333,7 @@ __device__ __forceinline__ void w4a16_wgmma(const W4a16Wgmma& a) {
 // a thread.
 #define LMD_W4A16_WGMMA(dtype, bf16)                                                     \
   extern "C" __global__ void __launch_bounds__(lmd_w4a16::kThreads, 1)                 \
-      lmd_w4a16_wgmma_##dtype##_m64(const W4a16Wgmma a) {                               \
+      lmd_w4a16_wgmma_##dtype##_m64(const W4a16Wide a) {                               \
     lmd_w4a16::w4a16_wgmma<bf16>(a);                                                     \
   }
 

@@ -31,18 +31,6 @@
 
 #include "w4a16_ops.cuh"
 
-struct W4a16Wide {
-  const uint16_t* x;     // [m, k], row stride x_stride elements; 16-byte aligned rows
-  const uint32_t* q;     // [k / 8, n]
-  const uint16_t* s;     // [k / 128, n]
-  const uint8_t* z;      // [k / 128, n]
-  const uint16_t* bias;  // [n] or null
-  uint16_t* y;           // [m, n]
-  float* work;           // [splits, m, n] when splits > 1
-  unsigned* counters;    // [n / 128 rounded up], zero between launches
-  int m, n, k, x_stride, splits;
-};
-
 namespace lmd_w4a16 {
 
 constexpr int kWarps = 4;
@@ -236,16 +224,7 @@ __device__ __forceinline__ void w4a16_wide(const W4a16Wide& a) {
     }
   }
   if (a.splits == 1) return;
-  __threadfence();  // this CTA's sums are visible before its count is
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    last = atomicAdd(a.counters + span, 1u) == static_cast<unsigned>(a.splits) - 1;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  sum_splits<kBf16>(a, span);
-  if (threadIdx.x == 0) a.counters[span] = 0;  // for the next launch
+  last_of_span_sums(a.counters + span, a.splits, last, [&] { sum_splits<kBf16>(a, span); });
 }
 
 }  // namespace lmd_w4a16

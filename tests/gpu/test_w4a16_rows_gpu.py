@@ -159,27 +159,36 @@ def test_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None
     torch.testing.assert_close(out.double(), reference(x, w64, None), rtol=2.0**-7, atol=1e-3)
 
 
-def test_wide_every_split_of_k() -> None:
-    """Each split count (uneven ones too) gives the product, the same bits every launch:
-    the last CTA of a span adds the splits in order, and leaves its counter at zero."""
+@pytest.mark.parametrize("rows", [32, 64])
+def test_every_split_of_k(rows: int) -> None:
+    """The wide kernel (32 rows) and the wgmma one (64, Hopper): each split count (uneven
+    ones too) gives the product, the same bits every launch; the last CTA of a span adds
+    the splits in order and leaves its counter at zero."""
+    if rows > w4a16_rows.WIDE_MAX_ROWS and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel needs sm_90")
     w = weight(4096, 4096, torch.bfloat16)
-    x = torch.randn(32, 4096, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
-    ref = reference(x, w, bias)
+    ref = (reference if rows <= w4a16_rows.WIDE_MAX_ROWS else rounded_reference)(x, w, bias)
     for splits in (1, 2, 3, 5, 8, 32):
         y = native(x, w, bias, splits=splits)
         torch.testing.assert_close(y.double(), ref, rtol=RTOL[torch.bfloat16], atol=ATOL)
         for _ in range(3):
             assert torch.equal(native(x, w, bias, splits=splits), y)
+    assert not w4a16_rows._counters[torch.cuda.current_device()].any()
 
 
-def test_wide_rows_do_not_depend_on_the_rows_past_them() -> None:
-    """Rows 0..16 alone (17 rows) and among 32: same splits, same bits."""
-    w = weight(4096, 4096, torch.bfloat16)
-    x = torch.randn(32, 4096, device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize(("rows", "fewer"), [(32, (24, 17)), (64, (48, 33))])
+def test_split_rows_do_not_depend_on_the_rows_past_them(rows: int, fewer: tuple[int, int]) -> None:
+    """The wide kernel's rows 0..16 alone (17 rows) and among 32, the wgmma one's (Hopper)
+    0..32 and among 64: same splits, same bits."""
+    if rows > w4a16_rows.WIDE_MAX_ROWS and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel needs sm_90")
+    w = weight(6144, 4096, torch.bfloat16)
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
     together = native(x, w, splits=4)
-    assert torch.equal(native(x[:24], w, splits=4), together[:24])
-    assert torch.equal(native(x[:17], w, splits=4), together[:17])
+    for m in fewer:
+        assert torch.equal(native(x[:m], w, splits=4), together[:m])
 
 
 def test_wide_strided_rows_and_the_tiles_fallback() -> None:
@@ -199,12 +208,17 @@ def test_wide_strided_rows_and_the_tiles_fallback() -> None:
 
 
 @pytest.mark.parametrize("splits", [1, 8])
-def test_wide_captured_in_a_cuda_graph(splits: int) -> None:
-    """Replayed twice with new rows: split sums, counters and all live in the graph."""
+@pytest.mark.parametrize("rows", [24, 48])
+def test_split_kernels_captured_in_a_cuda_graph(rows: int, splits: int) -> None:
+    """The wide kernel (24 rows) and the wgmma one (48, Hopper), x strided rows of a wider
+    buffer: replayed twice with new rows, split sums, counters and all live in the graph."""
+    wgmma = rows > w4a16_rows.WIDE_MAX_ROWS
+    if wgmma and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel needs sm_90")
     w = weight(4096, 14336, torch.bfloat16)
-    x = torch.randn(24, 14336, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, 14336 + 512, device="cuda", dtype=torch.bfloat16)[:, :14336]
     native(x, w, splits=splits)  # loads the module outside the capture
-    y = torch.empty(24, 4096, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(rows, 4096, device="cuda", dtype=torch.bfloat16)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         assert native_rows(x, w.qweight, w.scales, w.zeros, 128, None, y, splits=splits)
@@ -212,7 +226,8 @@ def test_wide_captured_in_a_cuda_graph(splits: int) -> None:
         x.copy_(torch.randn_like(x))
         graph.replay()
         torch.cuda.synchronize()
-        torch.testing.assert_close(y.double(), reference(x, w, None), rtol=2.0**-8, atol=ATOL)
+        ref = (rounded_reference if wgmma else reference)(x, w, None)
+        torch.testing.assert_close(y.double(), ref, rtol=2.0**-8, atol=ATOL)
 
 
 @hopper
@@ -232,32 +247,6 @@ def test_wgmma_against_float64(n: int, k: int, rows: int, dtype: torch.dtype) ->
 
 
 @hopper
-def test_wgmma_every_split_of_k() -> None:
-    """Each split count (uneven ones too) gives the product, the same bits every launch,
-    and the counters are left at zero for the next."""
-    w = weight(4096, 4096, torch.bfloat16)
-    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
-    bias = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
-    ref = rounded_reference(x, w, bias)
-    for splits in (1, 2, 3, 5, 8, 32):
-        y = native(x, w, bias, splits=splits)
-        torch.testing.assert_close(y.double(), ref, rtol=RTOL[torch.bfloat16], atol=ATOL)
-        for _ in range(3):
-            assert torch.equal(native(x, w, bias, splits=splits), y)
-    assert not w4a16_rows._counters[torch.cuda.current_device()].any()
-
-
-@hopper
-def test_wgmma_rows_do_not_depend_on_the_rows_past_them() -> None:
-    """Rows 0..32 alone (33 rows) and among 64: same splits, same bits."""
-    w = weight(6144, 4096, torch.bfloat16)
-    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
-    together = native(x, w, splits=4)
-    assert torch.equal(native(x[:48], w, splits=4), together[:48])
-    assert torch.equal(native(x[:33], w, splits=4), together[:33])
-
-
-@hopper
 def test_wgmma_agrees_with_the_triton_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     """Both multiply W rounded to bf16; they differ by their float32 summation orders."""
     w = weight(28672, 4096, torch.bfloat16)
@@ -267,23 +256,3 @@ def test_wgmma_agrees_with_the_triton_tiles(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(w4a16_rows, "WGMMA", False)
     tiles = w4a16_matmul(x, w.qweight, w.scales, w.zeros, 128)
     torch.testing.assert_close(y.float(), tiles.float(), rtol=2.0**-7, atol=1e-3)
-
-
-@hopper
-@pytest.mark.parametrize("splits", [1, 8])
-def test_wgmma_captured_in_a_cuda_graph(splits: int) -> None:
-    """Replayed twice with new rows, a strided x among them."""
-    w = weight(4096, 14336, torch.bfloat16)
-    buffer = torch.randn(48, 14336 + 512, device="cuda", dtype=torch.bfloat16)
-    x = buffer[:, :14336]
-    native(x, w, splits=splits)  # loads the module outside the capture
-    y = torch.empty(48, 4096, device="cuda", dtype=torch.bfloat16)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        assert native_rows(x, w.qweight, w.scales, w.zeros, 128, None, y, splits=splits)
-    for _ in range(2):
-        x.copy_(torch.randn_like(x))
-        graph.replay()
-        torch.cuda.synchronize()
-        ref = rounded_reference(x, w, None)
-        torch.testing.assert_close(y.double(), ref, rtol=2.0**-8, atol=ATOL)
