@@ -26,3 +26,30 @@ async def test_front_load_counts_every_unit_of_concurrent_workers() -> None:
 
     _, latencies, units, failures = await _drive(200, list(range(16)), one)
     assert (units, failures, len(latencies)) == (600, 0, 200)
+
+
+async def test_front_requests_ask_every_token_they_count() -> None:
+    """The front benchmark counts max_tokens a request: an EOS sampled early (the fake
+    engine at temperature 1 samples nearly uniformly) must not end one."""
+    from collections.abc import AsyncIterator
+
+    import orjson
+
+    from lmd.bench.front import _requester, _streamer
+
+    sent: list[bytes] = []
+
+    class Conn:
+        async def send(self, request: bytes) -> bytes:
+            sent.append(request)
+            return b'{"usage": {"completion_tokens": 1}}'
+
+        async def stream(self, request: bytes) -> AsyncIterator[bytes]:
+            sent.append(request)
+            yield b'data: {"choices": []}\n\ndata: {"usage":{"completion_tokens": 2}}\n\n'
+
+    assert await _requester(1.0)(Conn()) == 1  # type: ignore[arg-type]
+    assert await _streamer(2, 1.0)(Conn()) == 2  # type: ignore[arg-type]
+    for request in sent:
+        body = orjson.loads(request.split(b"\r\n\r\n", 1)[1])
+        assert body["ignore_eos"] is True
