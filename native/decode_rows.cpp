@@ -188,31 +188,70 @@ void launch_w4a16_rows(int ordinal, const W4a16RowsArgs& args, bool bf16, int wa
   launch_rows(l, l.kernels, args, bf16, warps, stream, "cuLaunchKernel(w4a16_rows)");
 }
 
-std::string w4a16_wide_check(const W4a16WideArgs& a) {
-  if (a.m < 1 || a.m > kW4a16WideMaxRows || a.n < 1 || a.n % kW4a16RowsColumns || a.k < 128 ||
+namespace {
+
+// What a kernel that splits K over CTAs (w4a16_wide, w4a16_wgmma) takes: its name (its
+// messages' prefix) and its launch's, the most rows, a CTA's columns, threads and
+// dynamic shared memory, the alignments (bytes) its loads and stores ask of scales,
+// zeros, y, bias and work (x and the words are copied 16 bytes at a time by both), and
+// where Loaded keeps it.
+struct SplitKernel {
+  const char* name;
+  const char* launch;
+  int max_rows, columns, threads, shared_bytes;
+  int s_align, z_align, y_align, bias_align, work_align;
+  Kernels module;
+  cu::Function (Loaded::*functions)[2];
+};
+
+// w4a16_wide: 8-byte scale, bias and y loads and stores, 4-byte zeros, 16-byte work.
+constexpr SplitKernel kWide{"w4a16_wide", "cuLaunchKernel(w4a16_wide)",
+                            kW4a16WideMaxRows, kW4a16WideColumns, kW4a16WideThreads, 0,
+                            8, 4, 8, 8, 16, Kernels::kW4a16, &Loaded::wide};
+// w4a16_wgmma: scales and zeros copied 16 bytes at a time, 8-byte y stores, 2-byte bias
+// loads, float32 pairs of work.
+constexpr SplitKernel kWgmma{"w4a16_wgmma", "cuLaunchKernel(w4a16_wgmma)",
+                             kW4a16WgmmaMaxRows, kW4a16WgmmaColumns, kW4a16WgmmaThreads,
+                             kW4a16WgmmaSharedBytes, 16, 16, 8, 2, 8, Kernels::kWgmma,
+                             &Loaded::wgmma};
+
+std::string split_check(const SplitKernel& kernel, const W4a16WideArgs& a) {
+  const std::string name = kernel.name;
+  if (a.m < 1 || a.m > kernel.max_rows || a.n < 1 || a.n % kW4a16RowsColumns || a.k < 128 ||
       a.k % 128 || a.x_stride < a.k) {
-    return "w4a16_wide: m must be 1..32, n a multiple of 32, k of 128 and x_stride >= k";
+    return name + ": m must be 1.." + std::to_string(kernel.max_rows) +
+           ", n a multiple of 32, k of 128 and x_stride >= k";
   }
   if (a.splits < 1 || a.splits > a.k / 128) {
-    return "w4a16_wide: splits must be 1.." + std::to_string(a.k / 128) + " (k / 128)";
+    return name + ": splits must be 1.." + std::to_string(a.k / 128) + " (k / 128)";
   }
-  // 16-byte word and x loads (cp.async), 8-byte scale, bias and y, 16-byte work.
   if (!a.x || !a.q || !a.s || !a.z || !a.y || a.x % 16 || a.x_stride % 8 || a.q % 16 ||
-      a.s % 8 || a.z % 4 || a.y % 8 || a.bias % 8 ||
-      (a.splits > 1 && (!a.work || a.work % 16 || !a.counters || a.counters % 4))) {
-    return "w4a16_wide: a null or misaligned address";
+      a.s % kernel.s_align || a.z % kernel.z_align || a.y % kernel.y_align ||
+      a.bias % kernel.bias_align ||
+      (a.splits > 1 && (!a.work || a.work % kernel.work_align || !a.counters || a.counters % 4))) {
+    return name + ": a null or misaligned address";
   }
   return "";
 }
 
-void launch_w4a16_wide(int ordinal, const W4a16WideArgs& args, bool bf16, std::uintptr_t stream) {
-  const std::string wrong = w4a16_wide_check(args);
+// Enqueues `kernel` for `args`: ceil(N / its columns) x splits CTAs.
+void launch_split(const SplitKernel& kernel, int ordinal, const W4a16WideArgs& args, bool bf16,
+                  std::uintptr_t stream) {
+  const std::string wrong = split_check(kernel, args);
   if (!wrong.empty()) throw std::invalid_argument(wrong);
-  const Loaded& l = loaded_or_throw(ordinal);
-  const int spans = (args.n + kW4a16WideColumns - 1) / kW4a16WideColumns;
-  launch(l, l.wide[bf16 ? 1 : 0], args, static_cast<unsigned>(spans),
-         static_cast<unsigned>(args.splits), kW4a16WideThreads, 0, stream,
-         "cuLaunchKernel(w4a16_wide)");
+  const Loaded& l = loaded_or_throw(ordinal, kernel.module);
+  const int spans = (args.n + kernel.columns - 1) / kernel.columns;
+  launch(l, (l.*kernel.functions)[bf16 ? 1 : 0], args, static_cast<unsigned>(spans),
+         static_cast<unsigned>(args.splits), static_cast<unsigned>(kernel.threads),
+         static_cast<unsigned>(kernel.shared_bytes), stream, kernel.launch);
+}
+
+}  // namespace
+
+std::string w4a16_wide_check(const W4a16WideArgs& a) { return split_check(kWide, a); }
+
+void launch_w4a16_wide(int ordinal, const W4a16WideArgs& args, bool bf16, std::uintptr_t stream) {
+  launch_split(kWide, ordinal, args, bf16, stream);
 }
 
 std::string w4a16_wgmma_ready(int ordinal) {
@@ -220,33 +259,11 @@ std::string w4a16_wgmma_ready(int ordinal) {
   return loaded_on(ordinal).wgmma_error;
 }
 
-std::string w4a16_wgmma_check(const W4a16WideArgs& a) {
-  if (a.m < 1 || a.m > kW4a16WgmmaMaxRows || a.n < 1 || a.n % kW4a16RowsColumns ||
-      a.k < 128 || a.k % 128 || a.x_stride < a.k) {
-    return "w4a16_wgmma: m must be 1..64, n a multiple of 32, k of 128 and x_stride >= k";
-  }
-  if (a.splits < 1 || a.splits > a.k / 128) {
-    return "w4a16_wgmma: splits must be 1.." + std::to_string(a.k / 128) + " (k / 128)";
-  }
-  // 16-byte copies of x, words, scales and zeros (cp.async), 8-byte stores of y, 2-byte
-  // bias loads, 8-byte float32 pairs of work.
-  if (!a.x || !a.q || !a.s || !a.z || !a.y || a.x % 16 || a.x_stride % 8 || a.q % 16 ||
-      a.s % 16 || a.z % 16 || a.y % 8 || a.bias % 2 ||
-      (a.splits > 1 && (!a.work || a.work % 8 || !a.counters || a.counters % 4))) {
-    return "w4a16_wgmma: a null or misaligned address";
-  }
-  return "";
-}
+std::string w4a16_wgmma_check(const W4a16WideArgs& a) { return split_check(kWgmma, a); }
 
 void launch_w4a16_wgmma(int ordinal, const W4a16WideArgs& args, bool bf16,
                         std::uintptr_t stream) {
-  const std::string wrong = w4a16_wgmma_check(args);
-  if (!wrong.empty()) throw std::invalid_argument(wrong);
-  const Loaded& l = loaded_or_throw(ordinal, Kernels::kWgmma);
-  const int spans = (args.n + kW4a16WgmmaColumns - 1) / kW4a16WgmmaColumns;
-  launch(l, l.wgmma[bf16 ? 1 : 0], args, static_cast<unsigned>(spans),
-         static_cast<unsigned>(args.splits), kW4a16WgmmaThreads, kW4a16WgmmaSharedBytes, stream,
-         "cuLaunchKernel(w4a16_wgmma)");
+  launch_split(kWgmma, ordinal, args, bf16, stream);
 }
 
 std::string fp8_rows_ready(int ordinal) {

@@ -95,47 +95,30 @@ def test_misaligned_addresses_are_refused() -> None:
         _native.w4a16_rows(0, 64, 64, 64, 64, 0, 64, 1, 64, 256, 258, True, 4, 0)  # stride
 
 
-WIDE_SHAPES = "m must be 1..32, n a multiple of 32, k of 128 and x_stride >= k"
+# (rows past the kernel's most, None for its most; n, k, x_stride, splits) a kernel that
+# splits K refuses, and the message's end; None: the kernel's own one for shapes.
+BAD_SPLIT_LAUNCHES = [
+    ((1, 64, 256, 256, 2), None),
+    ((None, 48, 256, 256, 2), None),
+    ((None, 64, 256, 128, 2), None),
+    ((None, 64, 256, 256, 3), "splits must be 1..2 (k / 128)"),
+    ((None, 64, 256, 256, 0), "splits must be 1..2 (k / 128)"),
+    ((None, 64, 256, 260, 2), "misaligned"),  # a row stride not a multiple of 8
+]
 
 
-@pytest.mark.parametrize(
-    ("launch", "message"),
-    [
-        ((33, 64, 256, 256, 2), WIDE_SHAPES),
-        ((17, 48, 256, 256, 2), WIDE_SHAPES),
-        ((17, 64, 256, 128, 2), WIDE_SHAPES),
-        ((17, 64, 256, 256, 3), "splits must be 1..2 (k / 128)"),
-        ((17, 64, 256, 256, 0), "splits must be 1..2 (k / 128)"),
-        ((17, 64, 256, 260, 2), "misaligned"),  # a row stride not a multiple of 8
-    ],
-)
-def test_bad_wide_launches_are_refused_before_cuda(
-    launch: tuple[int, int, int, int, int], message: str
+@pytest.mark.parametrize(("name", "max_rows"), [("w4a16_wide", 32), ("w4a16_wgmma", 64)])
+@pytest.mark.parametrize(("launch", "message"), BAD_SPLIT_LAUNCHES)
+def test_bad_split_launches_are_refused_before_cuda(
+    name: str, max_rows: int, launch: tuple[int | None, int, int, int, int], message: str | None
 ) -> None:
-    rows, n, k, stride, splits = launch
-    with pytest.raises(ValueError, match=re.escape(message)):
-        _native.w4a16_wide(0, 64, 64, 64, 64, 0, 64, 64, 64, rows, n, k, stride, splits, True, 0)
-
-
-WGMMA_SHAPES = "m must be 1..64, n a multiple of 32, k of 128 and x_stride >= k"
-
-
-@pytest.mark.parametrize(
-    ("launch", "message"),
-    [
-        ((65, 64, 256, 256, 2), WGMMA_SHAPES),
-        ((33, 48, 256, 256, 2), WGMMA_SHAPES),
-        ((33, 64, 256, 128, 2), WGMMA_SHAPES),
-        ((33, 64, 256, 256, 3), "splits must be 1..2 (k / 128)"),
-        ((33, 64, 256, 260, 2), "misaligned"),  # a row stride not a multiple of 8
-    ],
-)
-def test_bad_wgmma_launches_are_refused_before_cuda(
-    launch: tuple[int, int, int, int, int], message: str
-) -> None:
-    rows, n, k, stride, splits = launch
-    with pytest.raises(ValueError, match=re.escape(message)):
-        _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 64, 64, rows, n, k, stride, splits, True, 0)
+    past, n, k, stride, splits = launch
+    rows = max_rows + (past or 0)
+    shapes = f"m must be 1..{max_rows}, n a multiple of 32, k of 128 and x_stride >= k"
+    with pytest.raises(ValueError, match=re.escape(message or shapes)):
+        getattr(_native, name)(
+            0, 64, 64, 64, 64, 0, 64, 64, 64, rows, n, k, stride, splits, True, 0
+        )
 
 
 def test_wgmma_needs_16_byte_scales_and_zeros() -> None:

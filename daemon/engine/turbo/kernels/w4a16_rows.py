@@ -4,9 +4,9 @@ Hopper by native/kernels/w4a16_wgmma.cu. The first two run mma.sync on the tenso
 with the codes made into 16-bit operands two at a time in registers, 16-byte loads of
 the packed weights, the next block of K loaded while the current one is multiplied; the
 wide one shares x among a CTA's 128 columns through shared memory and splits K over
-CTAs, summed in split order by the last CTA of a span. The wgmma one has two warpgroups
-dequantize 256 columns into shared memory while a third runs wgmma on them (its file
-says how), and splits K the same way.
+CTAs, summed in split order by the last CTA of a span. The wgmma one makes the same
+operands in the registers of four warpgroups that run wgmma on them while a fifth copies
+the words and x into shared memory (its file says how), and splits K the same way.
 
 They read the layout that kernels/w4a16.py's Triton tiles read (quant/w4a16.py), so
 they need no copy of the weights; they take 1-32 rows (1-64 on Hopper) of bf16 or fp16,
@@ -133,7 +133,8 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
     if not takes or not ready(x.device):
         return False
     device = device_index(x.device)
-    if m > WIDE_MAX_ROWS and not (
+    wgmma = m > WIDE_MAX_ROWS
+    if wgmma and not (
         _wgmma.ready(device) and scales.data_ptr() % 16 == 0 and zeros.data_ptr() % 16 == 0
     ):  # the wgmma kernel copies scales and zeros 16 bytes at a time
         return False
@@ -153,13 +154,12 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
         warps = default_warps(m, n, k, num_sms) if warps is None else warps
         w4a16_rows(device, *addresses, m, n, k, x.stride(0), bf16, warps, stream)
         return True
-    launch = w4a16_wgmma if m > WIDE_MAX_ROWS else w4a16_wide
     if splits is None:
-        plan = wgmma_splits if m > WIDE_MAX_ROWS else default_splits
-        splits = plan(n, k, num_sms)
+        splits = (wgmma_splits if wgmma else default_splits)(n, k, num_sms)
     work = counters = 0
     if splits > 1:  # the splits' float32 sums, added by the last CTA of each span
         buffer = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
         work, counters = buffer.data_ptr(), _counters[device].data_ptr()
+    launch = w4a16_wgmma if wgmma else w4a16_wide
     launch(device, *addresses, work, counters, m, n, k, x.stride(0), splits, bf16, stream)
     return True
