@@ -14,8 +14,8 @@
 // y), 64 x 64 float32 in 32 registers a thread.
 //
 // A CTA is five warpgroups, meeting only at mbarriers:
-// - warpgroup 4 loads: by cp.async, each block's words, scales and zeros for the CTA's
-//   256 columns into a ring of kWordSlots blocks, kWordSlots - 1 blocks ahead, and each
+// - warpgroup 4 loads by cp.async: two warps each block's words, scales and zeros for the
+//   CTA's 256 columns into a ring of kWordSlots blocks as slots free up, two warps each
 //   stage's x into a ring of kStages stages once the stage is free;
 // - warpgroups 0-3 (64 columns each) take their words of a block out of the ring, then
 //   for each step of 16 inputs make A in one of two register sets and issue the wgmma,
@@ -55,33 +55,34 @@ constexpr int kMultipliers = 512;  // warpgroups 0-3; the loader's threads are 5
 constexpr int kThreads = 640;  // decode_rows.h: kW4a16WgmmaThreads, kW4a16WgmmaSharedBytes
 
 struct Barriers {
-  uint64_t full[kStages];   // a stage's x is in: the loader's 128 threads
+  uint64_t full[kStages];   // a stage's x is in: the loader's 64 x threads
   uint64_t empty[kStages];  // its wgmmas are done: the multiplying warpgroups' 16 warps
-  uint64_t words_full[kWordSlots];   // a block's words are in: the loader's 128
+  uint64_t words_full[kWordSlots];   // a block's words are in: its 64 words threads
   uint64_t words_empty[kWordSlots];  // the multiplying threads have taken them: 512
 };
 
-// A loader thread's share of every block and stage, fixed for the launch: 16 bytes a
-// copy. Words: rows parity, parity + 2, .. of the block, 4 columns (n is a multiple of
-// 32, so a copy is all in N or all past it; those past it are zeros). One copy of 8
-// scales or 16 zeros for threads 0-47. x: chunk t % 8 of rows t / 8 + 16 i.
-struct LoaderShare {
-  const uint32_t* words;  // block 0's first row of the thread's copies
-  uint32_t words_to;      // offset in a ring slot
-  bool words_in;
+// The loader's threads 0-63 copy words, 64-127 x, so that a stage's x arrival (an
+// L2 hit) tracks x's copies only: cp.async.mbarrier.arrive waits for every copy the
+// thread issued before it, and the words run blocks ahead from DRAM.
+// A words thread's share of every block, fixed for the launch: 16 bytes a copy, the
+// block's 16 rows at 4 columns (n is a multiple of 32, so a copy is all in N or all
+// past it; those past it are zeros), and one copy of 8 scales or 16 zeros for threads
+// 0-47.
+struct WordsShare {
+  const uint32_t* words;  // block 0's first row at the thread's columns
+  uint32_t to;            // offset in a ring slot
+  bool in;
   const uint8_t* extra;   // block 0's scales or zeros, or null
   uint32_t extra_to;
   bool extra_in;
-  const uint16_t* x[4];   // the rows' first 8 inputs of the chunk
-  uint32_t x_to[4];       // offsets in a stage
 };
 
-__device__ __forceinline__ LoaderShare loader_share(const W4a16Wide& a, int span, int t) {
-  LoaderShare l;
-  const int col = span * kSpan + 4 * (t & 63);
-  l.words_in = col < a.n;
-  l.words = a.q + static_cast<size_t>(t >> 6) * a.n + (l.words_in ? col : 0);
-  l.words_to = (t >> 6) * kSpan * 4 + 16 * (t & 63);
+__device__ __forceinline__ WordsShare words_share(const W4a16Wide& a, int span, int t) {
+  WordsShare l;
+  const int col = span * kSpan + 4 * t;
+  l.in = col < a.n;
+  l.words = a.q + (l.in ? col : 0);
+  l.to = 16 * t;
   l.extra = nullptr;
   if (t < 48) {
     const bool zeros = t >= 32;
@@ -91,34 +92,43 @@ __device__ __forceinline__ LoaderShare loader_share(const W4a16Wide& a, int span
                     : reinterpret_cast<const uint8_t*>(a.s + (l.extra_in ? at : 0));
     l.extra_to = kWordBytes + (zeros ? 2 * kSpan + 16 * (t - 32) : 16 * t);
   }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int row = (t >> 3) + 16 * i;
-    l.x[i] = a.x + static_cast<size_t>(min(row, a.m - 1)) * a.x_stride + 8 * (t & 7);
-    l.x_to[i] = swizzled(row, t & 7);
-  }
   return l;
 }
 
-// The loader: block kb's words, scales and zeros into a ring slot.
-__device__ __forceinline__ void load_words(uint32_t slot, const LoaderShare& l,
+// Block kb's words, scales and zeros into a ring slot.
+__device__ __forceinline__ void load_words(uint32_t slot, const WordsShare& l,
                                            const W4a16Wide& a, int kb) {
   const size_t n = static_cast<size_t>(a.n);
   const uint32_t* from = l.words + 16 * kb * n;
 #pragma unroll
-  for (int r = 0; r < 8; ++r) {
-    cp_async16(slot + l.words_to + r * 2 * kSpan * 4, from + 2 * r * n, l.words_in);
-  }
+  for (int r = 0; r < 16; ++r) cp_async16(slot + l.to + r * kSpan * 4, from + r * n, l.in);
   if (l.extra != nullptr) {
     const size_t bytes = l.extra_to < kWordBytes + 2 * kSpan ? 2 : 1;  // scales : zeros
     cp_async16(slot + l.extra_to, l.extra + kb * n * bytes, l.extra_in);
   }
 }
 
-// The loader: inputs 64 h .. 64 h + 63 of block kb, all 64 rows, into a stage's x.
-__device__ __forceinline__ void load_x(uint32_t x_stage, const LoaderShare& l, int kb, int h) {
+// An x thread's share of every stage: chunk t % 8 of rows t / 8 + 8 i.
+struct XShare {
+  const uint16_t* x[8];  // the rows' first 8 inputs of the chunk
+  uint32_t to[8];        // offsets in a stage
+};
+
+__device__ __forceinline__ XShare x_share(const W4a16Wide& a, int t) {
+  XShare l;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) cp_async16(x_stage + l.x_to[i], l.x[i] + 128 * kb + 64 * h);
+  for (int i = 0; i < 8; ++i) {
+    const int row = (t >> 3) + 8 * i;
+    l.x[i] = a.x + static_cast<size_t>(min(row, a.m - 1)) * a.x_stride + 8 * (t & 7);
+    l.to[i] = swizzled(row, t & 7);
+  }
+  return l;
+}
+
+// Inputs 64 h .. 64 h + 63 of block kb, all 64 rows, into a stage's x.
+__device__ __forceinline__ void load_x(uint32_t x_stage, const XShare& l, int kb, int h) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) cp_async16(x_stage + l.to[i], l.x[i] + 128 * kb + 64 * h);
 }
 
 template <bool kBf16>
@@ -289,35 +299,32 @@ __device__ __forceinline__ void w4a16_wgmma(const W4a16Wide& a) {
   const int end = static_cast<int>(static_cast<long long>(blockIdx.y + 1) * blocks / a.splits);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      barrier_init(smem(&bars.full[s]), 128);
+      barrier_init(smem(&bars.full[s]), 64);
       barrier_init(smem(&bars.empty[s]), 16);
     }
     for (int s = 0; s < kWordSlots; ++s) {
-      barrier_init(smem(&bars.words_full[s]), 128);
+      barrier_init(smem(&bars.words_full[s]), 64);
       barrier_init(smem(&bars.words_empty[s]), kMultipliers);
     }
   }
   __syncthreads();
 
-  if (threadIdx.x >= kMultipliers) {
-    const LoaderShare share = loader_share(a, span, threadIdx.x - kMultipliers);
-    // Block first + b goes to slot b % kWordSlots, its stages 2 b, 2 b + 1.
-    const auto words = [&](int b) {
+  if (threadIdx.x >= kMultipliers + 64) {  // x, a stage once it is free
+    const XShare share = x_share(a, threadIdx.x - kMultipliers - 64);
+    for (int i = 0; first + i / 2 < end; ++i) {
+      const int s = i % kStages;
+      wait(smem(&bars.empty[s]), ((i / kStages) & 1) ^ 1);
+      load_x(xs + s * kXBytes, share, first + i / 2, i % 2);
+      arrive_after_copies(smem(&bars.full[s]));
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+  } else if (threadIdx.x >= kMultipliers) {  // words, a block once its slot is free
+    const WordsShare share = words_share(a, span, threadIdx.x - kMultipliers);
+    for (int b = 0; first + b < end; ++b) {
       const int slot = b % kWordSlots;
       wait(smem(&bars.words_empty[slot]), ((b / kWordSlots) & 1) ^ 1);
       load_words(ring + slot * kSlotBytes, share, a, first + b);
       arrive_after_copies(smem(&bars.words_full[slot]));
-    };
-    for (int b = 0; b < kWordSlots - 1 && first + b < end; ++b) words(b);
-    for (int b = 0; first + b < end; ++b) {
-      if (first + b + kWordSlots - 1 < end) words(b + kWordSlots - 1);
-      for (int h = 0; h < 2; ++h) {
-        const int i = 2 * b + h;
-        const int s = i % kStages;
-        wait(smem(&bars.empty[s]), ((i / kStages) & 1) ^ 1);
-        load_x(xs + s * kXBytes, share, first + b, h);
-        arrive_after_copies(smem(&bars.full[s]));
-      }
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
   } else {
