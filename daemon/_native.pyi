@@ -89,7 +89,11 @@ def w4a16_wgmma(
     bf16: bool,
     stream: int,
 ) -> None:
-    """y = x W^T (+ b) for up to 64 rows on Hopper, K split over `splits`, on a CUstream."""
+    """y = x W^T (+ b) for up to 64 rows on Hopper, K split over `splits` (at most 8, a
+    cluster a span; work and counters unused), on a CUstream."""
+
+def w4a16_wgmma_clusters(device: int) -> list[int]:
+    """For s = 1..8: clusters of s CTAs of the wgmma kernel the device runs at once."""
 
 def fp8_rows_ready(device: int) -> str:
     """Load the FP8 decode kernels on a CUDA device (sm_89+); "" when loaded, else why not."""

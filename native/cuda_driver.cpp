@@ -63,6 +63,8 @@ bool resolve_all(void* lib, CudaDriver& d, std::string& missing) {
   LMD_RESOLVE(cuLaunchKernel, "cuLaunchKernel")
   LMD_RESOLVE(cuFuncSetAttribute, "cuFuncSetAttribute")
   LMD_RESOLVE(cuDeviceGetAttribute, "cuDeviceGetAttribute")
+  LMD_RESOLVE(cuLaunchKernelEx, "cuLaunchKernelEx")
+  LMD_RESOLVE(cuOccupancyMaxActiveClusters, "cuOccupancyMaxActiveClusters")
 #undef LMD_RESOLVE
   return true;
 }

@@ -35,6 +35,29 @@ constexpr unsigned kEventDisableTiming = 2;        // CU_EVENT_DISABLE_TIMING
 constexpr unsigned kIpcMemLazyEnablePeerAccess = 1;  // CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 constexpr int kDeviceAttributeComputeCapabilityMajor = 75;  // CU_DEVICE_ATTRIBUTE_..._MAJOR
 constexpr int kFuncAttributeMaxDynamicSharedSizeBytes = 8;  // CU_FUNC_ATTRIBUTE_...
+constexpr int kLaunchAttributeClusterDimension = 4;  // CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+
+struct Dim3 {
+  unsigned x, y, z;
+};
+
+struct alignas(8) LaunchAttribute {  // CUlaunchAttribute
+  int id;
+  char pad[4];
+  union {
+    char bytes[64];
+    Dim3 cluster;  // kLaunchAttributeClusterDimension's value
+  } value;
+};
+static_assert(sizeof(LaunchAttribute) == 72, "CUlaunchAttribute is 72 bytes");
+
+struct LaunchConfig {  // CUlaunchConfig
+  Dim3 grid, block;
+  unsigned shared_bytes;
+  Stream stream;
+  LaunchAttribute* attrs;
+  unsigned num_attrs;
+};
 
 }  // namespace cu
 
@@ -71,6 +94,8 @@ struct CudaDriver {
                                unsigned, unsigned, cu::Stream, void**, void**) = nullptr;
   cu::Result (*cuFuncSetAttribute)(cu::Function, int, int) = nullptr;
   cu::Result (*cuDeviceGetAttribute)(int*, int, cu::Device) = nullptr;
+  cu::Result (*cuLaunchKernelEx)(const cu::LaunchConfig*, cu::Function, void**, void**) = nullptr;
+  cu::Result (*cuOccupancyMaxActiveClusters)(int*, cu::Function, const cu::LaunchConfig*) = nullptr;
 
   // "cuFoo failed: CUDA_ERROR_X (text)" for an error code.
   std::string error(cu::Result rc, const char* call) const;

@@ -1,5 +1,6 @@
 #include "decode_rows.h"
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -35,6 +36,7 @@ struct Loaded {
   cu::Module wgmma_module = nullptr;  // apart: only sm_90 runs its sm_90a PTX
   cu::Function wgmma[2] = {};
   std::string wgmma_error;
+  std::vector<int> wgmma_clusters;  // w4a16_wgmma_clusters
 };
 
 // The wgmma kernels into `out` (the context current), or why not in out.wgmma_error.
@@ -55,6 +57,17 @@ void load_wgmma(const CudaDriver& d, cu::Device device, Loaded& out) {
       d.check(d.cuFuncSetAttribute(out.wgmma[bf16], cu::kFuncAttributeMaxDynamicSharedSizeBytes,
                                    kW4a16WgmmaSharedBytes),
               "cuFuncSetAttribute(w4a16_wgmma)");
+    }
+    for (unsigned s = 1; s <= kW4a16WgmmaMaxSplits; ++s) {
+      cu::LaunchAttribute cluster{};
+      cluster.id = cu::kLaunchAttributeClusterDimension;
+      cluster.value.cluster = {1, s, 1};
+      const cu::LaunchConfig config{{1, s, 1}, {kW4a16WgmmaThreads, 1, 1},
+                                    kW4a16WgmmaSharedBytes, nullptr, &cluster, 1};
+      int clusters = 0;
+      d.check(d.cuOccupancyMaxActiveClusters(&clusters, out.wgmma[1], &config),
+              "cuOccupancyMaxActiveClusters(w4a16_wgmma)");
+      out.wgmma_clusters.push_back(clusters);
     }
   } catch (const std::exception& e) {
     out.wgmma_error = e.what();
@@ -126,18 +139,28 @@ const Loaded& loaded_or_throw(int ordinal, Kernels which = Kernels::kW4a16) {
   return l;
 }
 
-// Enqueues `kernel` with `args` as its one parameter on `stream`, in the primary context.
+// Enqueues `kernel` with `args` as its one parameter on `stream`, in the primary context;
+// with cluster_y > 1, each cluster_y CTAs of a column of the grid one cluster.
 template <typename Args>
 void launch(const Loaded& l, cu::Function kernel, const Args& args, unsigned grid_x,
             unsigned grid_y, unsigned threads, unsigned shared_bytes, std::uintptr_t stream,
-            const char* what) {
+            const char* what, unsigned cluster_y = 1) {
   const CudaDriver& d = cuda_driver();
   Args copy = args;
   void* params[] = {&copy};
   ScopedContext scope(d, l.context);
-  d.check(d.cuLaunchKernel(kernel, grid_x, grid_y, 1, threads, 1, 1, shared_bytes,
-                           reinterpret_cast<cu::Stream>(stream), params, nullptr),
-          what);
+  if (cluster_y == 1) {
+    d.check(d.cuLaunchKernel(kernel, grid_x, grid_y, 1, threads, 1, 1, shared_bytes,
+                             reinterpret_cast<cu::Stream>(stream), params, nullptr),
+            what);
+    return;
+  }
+  cu::LaunchAttribute cluster{};
+  cluster.id = cu::kLaunchAttributeClusterDimension;
+  cluster.value.cluster = {1, cluster_y, 1};
+  const cu::LaunchConfig config{{grid_x, grid_y, 1}, {threads, 1, 1}, shared_bytes,
+                                reinterpret_cast<cu::Stream>(stream), &cluster, 1};
+  d.check(d.cuLaunchKernelEx(&config, kernel, params, nullptr), what);
 }
 
 // What is wrong with a rows kernel's count of warps for m rows, or "".
@@ -193,8 +216,9 @@ namespace {
 // What a kernel that splits K over CTAs (w4a16_wide, w4a16_wgmma) takes: its name (its
 // messages' prefix) and its launch's, the most rows, a CTA's columns, threads and
 // dynamic shared memory, the alignments (bytes) its loads and stores ask of scales,
-// zeros, y, bias and work (x and the words are copied 16 bytes at a time by both), and
-// where Loaded keeps it.
+// zeros, y, bias and work (0: a span's splits are a cluster that needs no work, at most
+// kW4a16WgmmaMaxSplits of them; x and the words are copied 16 bytes at a time by both),
+// and where Loaded keeps it.
 struct SplitKernel {
   const char* name;
   const char* launch;
@@ -209,10 +233,10 @@ constexpr SplitKernel kWide{"w4a16_wide", "cuLaunchKernel(w4a16_wide)",
                             kW4a16WideMaxRows, kW4a16WideColumns, kW4a16WideThreads, 0,
                             8, 4, 8, 8, 16, Kernels::kW4a16, &Loaded::wide};
 // w4a16_wgmma: scales and zeros copied 16 bytes at a time, 8-byte y stores, 2-byte bias
-// loads, float32 pairs of work.
+// loads, clusters.
 constexpr SplitKernel kWgmma{"w4a16_wgmma", "cuLaunchKernel(w4a16_wgmma)",
                              kW4a16WgmmaMaxRows, kW4a16WgmmaColumns, kW4a16WgmmaThreads,
-                             kW4a16WgmmaSharedBytes, 16, 16, 8, 2, 8, Kernels::kWgmma,
+                             kW4a16WgmmaSharedBytes, 16, 16, 8, 2, 0, Kernels::kWgmma,
                              &Loaded::wgmma};
 
 std::string split_check(const SplitKernel& kernel, const W4a16WideArgs& a) {
@@ -222,13 +246,17 @@ std::string split_check(const SplitKernel& kernel, const W4a16WideArgs& a) {
     return name + ": m must be 1.." + std::to_string(kernel.max_rows) +
            ", n a multiple of 32, k of 128 and x_stride >= k";
   }
-  if (a.splits < 1 || a.splits > a.k / 128) {
-    return name + ": splits must be 1.." + std::to_string(a.k / 128) + " (k / 128)";
+  const bool clusters = kernel.work_align == 0;
+  const int max_splits = clusters ? std::min(a.k / 128, kW4a16WgmmaMaxSplits) : a.k / 128;
+  if (a.splits < 1 || a.splits > max_splits) {
+    return name + ": splits must be 1.." + std::to_string(max_splits) + " (k / 128" +
+           (clusters ? ", at most " + std::to_string(kW4a16WgmmaMaxSplits) + ")" : ")");
   }
   if (!a.x || !a.q || !a.s || !a.z || !a.y || a.x % 16 || a.x_stride % 8 || a.q % 16 ||
       a.s % kernel.s_align || a.z % kernel.z_align || a.y % kernel.y_align ||
       a.bias % kernel.bias_align ||
-      (a.splits > 1 && (!a.work || a.work % kernel.work_align || !a.counters || a.counters % 4))) {
+      (a.splits > 1 && !clusters &&
+       (!a.work || a.work % kernel.work_align || !a.counters || a.counters % 4))) {
     return name + ": a null or misaligned address";
   }
   return "";
@@ -243,7 +271,8 @@ void launch_split(const SplitKernel& kernel, int ordinal, const W4a16WideArgs& a
   const int spans = (args.n + kernel.columns - 1) / kernel.columns;
   launch(l, (l.*kernel.functions)[bf16 ? 1 : 0], args, static_cast<unsigned>(spans),
          static_cast<unsigned>(args.splits), static_cast<unsigned>(kernel.threads),
-         static_cast<unsigned>(kernel.shared_bytes), stream, kernel.launch);
+         static_cast<unsigned>(kernel.shared_bytes), stream, kernel.launch,
+         kernel.work_align == 0 ? static_cast<unsigned>(args.splits) : 1u);
 }
 
 }  // namespace
@@ -260,6 +289,10 @@ std::string w4a16_wgmma_ready(int ordinal) {
 }
 
 std::string w4a16_wgmma_check(const W4a16WideArgs& a) { return split_check(kWgmma, a); }
+
+std::vector<int> w4a16_wgmma_clusters(int ordinal) {
+  return loaded_or_throw(ordinal, Kernels::kWgmma).wgmma_clusters;
+}
 
 void launch_w4a16_wgmma(int ordinal, const W4a16WideArgs& args, bool bf16,
                         std::uintptr_t stream) {

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace lmd {
 
@@ -45,9 +46,10 @@ constexpr int kW4a16WideMaxRows = 32;
 constexpr int kW4a16WgmmaColumns = 256;  // a CTA's span
 constexpr int kW4a16WgmmaThreads = 640;  // four warpgroups multiplying, one loading
 constexpr int kW4a16WgmmaMaxRows = 64;   // wgmma's n
+constexpr int kW4a16WgmmaMaxSplits = 8;  // a span's CTAs are a cluster: 8 at most (portable)
 // Eight stages of x (64 rows x 64 inputs in 16 bits), a ring of six blocks' words,
 // scales and zeros (256 columns), and 1,024 bytes to align the stages to the swizzle's
-// period.
+// period; a split CTA's float32 sums take their place after its products.
 constexpr int kW4a16WgmmaSharedBytes = 8 * 64 * 128 + 6 * 256 * (64 + 2 + 1) + 1024;
 
 // "" once the kernels are loaded on device `ordinal` (loading them on the first call),
@@ -79,9 +81,14 @@ std::string w4a16_wgmma_ready(int ordinal);
 // What is wrong with a wgmma launch's arguments, or "".
 std::string w4a16_wgmma_check(const W4a16WideArgs& args);
 
-// Enqueues y = x W^T (+ b) for up to 64 rows on `stream`: ceil(N / 256) x splits CTAs;
-// work and counters as launch_w4a16_wide's, with a counter a span of 256 columns. Throws
-// as launch_w4a16_rows.
+// For s = 1..kW4a16WgmmaMaxSplits, how many clusters of s CTAs (a span's splits) the
+// device runs at once (cuOccupancyMaxActiveClusters); throws as launch_w4a16_rows when
+// the kernel is not ready.
+std::vector<int> w4a16_wgmma_clusters(int ordinal);
+
+// Enqueues y = x W^T (+ b) for up to 64 rows on `stream`: ceil(N / 256) x splits CTAs,
+// a span's splits (at most kW4a16WgmmaMaxSplits) one cluster that adds their sums in
+// shared memory (work and counters unused). Throws as launch_w4a16_rows.
 void launch_w4a16_wgmma(int ordinal, const W4a16WideArgs& args, bool bf16,
                         std::uintptr_t stream);
 

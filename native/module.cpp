@@ -1,6 +1,7 @@
 // The single PYBIND11_MODULE of lmd._native. Each transport or helper lives in its
 // own file; this one only binds them.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <stdexcept>
@@ -198,9 +199,12 @@ PYBIND11_MODULE(_native, m) {
       "w4a16_wgmma", &split_launch<lmd::launch_w4a16_wgmma>,
       "y = x W^T (+ b) for up to 64 rows of x on Hopper's tensor cores\n"
       "(native/kernels/w4a16_wgmma.cu), arguments as w4a16_wide's (scales, zeros 16-byte\n"
-      "aligned): ceil(n / 256) x splits CTAs, counters ceil(n / 256)\n"
-      "uint32 zeros when splits > 1.\n"
+      "aligned; work and counters unused): ceil(n / 256) x splits CTAs, a span's splits\n"
+      "(at most 8) one cluster.\n"
       "ValueError for bad arguments, RuntimeError as w4a16_rows.");
+  m.def("w4a16_wgmma_clusters", &lmd::w4a16_wgmma_clusters, py::arg("device"),
+        "For s = 1..8, how many clusters of s CTAs of the wgmma kernel (a span's splits)\n"
+        "CUDA device `device` runs at once; RuntimeError when the kernel is not ready.");
 
   m.def(
       "fp8_rows_ready",

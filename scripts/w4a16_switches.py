@@ -88,11 +88,14 @@ def splits_sweep(m: int) -> None:
         packed = copies_of(n, k)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        plan = (
-            w4a16_rows.wgmma_splits if m > w4a16_rows.WIDE_MAX_ROWS else w4a16_rows.default_splits
-        )
-        chosen = plan(n, k, sms)
-        for splits in sorted({s for s in (1, 2, 3, 4, 6, 8, 12, 16, chosen) if s <= k // 128}):
+        wgmma = m > w4a16_rows.WIDE_MAX_ROWS
+        if wgmma:
+            assert w4a16_rows.native_rows(x, *packed[0], 128, None, y)  # loads the kernel
+            chosen = w4a16_rows.wgmma_splits(n, k, w4a16_rows.wgmma_clusters(0))
+        else:
+            chosen = w4a16_rows.default_splits(n, k, sms)
+        most = min(k // 128, 8 if wgmma else k // 128)
+        for splits in sorted({s for s in (1, 2, 3, 4, 6, 8, 12, 16, chosen) if s <= most}):
             calls: list[Callable[[], object]] = [
                 partial(w4a16_rows.native_rows, x, *p, 128, None, y, splits=splits) for p in packed
             ]

@@ -1,5 +1,6 @@
 // Hopper (sm_90a) device helpers of native/kernels/w4a16_wgmma.cu: mbarriers, cp.async
-// into them, shared-memory operand descriptors and wgmma itself.
+// into them, shared-memory operand descriptors, wgmma itself and a cluster's barrier and
+// shared memory.
 #pragma once
 
 #include <stdint.h>
@@ -95,6 +96,24 @@ __device__ __forceinline__ void wgmma_wait() {
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate))
+
+// Every thread of the cluster's CTAs: what each wrote to shared memory before it is
+// visible to all after it.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
+// 16 bytes at shared address `at` of the cluster's CTA of rank `rank`.
+__device__ __forceinline__ float4 load_cluster16(uint32_t at, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(at), "r"(rank));
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(remote)
+               : "memory");
+  return v;
+}
 
 template <bool kBf16>
 __device__ __forceinline__ void wgmma(float (&d)[32], const uint32_t (&a)[4], uint64_t b,

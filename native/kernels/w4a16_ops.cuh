@@ -19,7 +19,7 @@
 #include <stdint.h>
 
 // The parameter of the kernels that split K over CTAs (w4a16_wide.cu, w4a16_wgmma.cu;
-// native/decode_rows.h: W4a16WideArgs).
+// native/decode_rows.h: W4a16WideArgs); work and counters are the wide kernel's.
 struct W4a16Wide {
   const uint16_t* x;     // [m, k], row stride x_stride elements; 16-byte aligned rows
   const uint32_t* q;     // [k / 8, n]
@@ -269,23 +269,6 @@ __device__ __forceinline__ void store_sums(float* sums, const float (&acc)[kTile
     if (bias != nullptr) v += to_float<kBf16>(bias[col]);
     y[static_cast<size_t>(row) * n + col] = from_float<kBf16>(v);
   }
-}
-
-// The end of a CTA of a launch split over K (w4a16_wide.cu, w4a16_wgmma.cu), its float32
-// sums already in work: the last CTA of its span to get here (a counter a span, `last`
-// in shared memory) runs sum(), the splits' sums added in split order, and resets the
-// counter for the next launch. Every thread of the CTA calls it.
-template <typename Sum>
-__device__ __forceinline__ void last_of_span_sums(unsigned* counter, int splits, bool& last,
-                                                  const Sum& sum) {
-  __threadfence();  // this CTA's sums are visible before its count is
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == static_cast<unsigned>(splits) - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  sum();
-  if (threadIdx.x == 0) *counter = 0;
 }
 
 }  // namespace lmd_w4a16

@@ -26,10 +26,11 @@
 // The global loads are all the loader's, so no multiplying warp waits on memory but at a
 // barrier.
 //
-// Grid: ceil(N / 256) column spans by `splits` ranges of K; with more than one split the
-// float32 sums go to work [splits, M, N] and the last CTA of a span to finish adds them
-// in split order, as w4a16_wide.cu does (a counter a span, reset by that CTA). Rows past
-// M repeat row M - 1 in the stages, their outputs not stored; columns past N are zero.
+// Grid: ceil(N / 256) column spans by `splits` (at most 8) ranges of K; with more than
+// one split a span's CTAs are a cluster (the launch's, native/decode_rows.cpp): each
+// leaves its float32 sums in its shared memory, and each adds a share of the span's
+// outputs over all of them (distributed shared memory) in split order. Rows past M
+// repeat row M - 1 in the stages, their outputs not stored; columns past N are zero.
 //
 // Not compiled by setup.py: its PTX (native/kernels/w4a16_wgmma.ptx, ISA 8.0, target
 // sm_90a) is embedded and JIT-compiled by the driver at run time on a GPU of compute
@@ -53,6 +54,10 @@ constexpr int kSlotBytes = kWordBytes + kSpan * 2 + kSpan;  // + scales + zeros
 constexpr int kWordSlots = 6;
 constexpr int kMultipliers = 512;  // warpgroups 0-3; the loader's threads are 512-639
 constexpr int kThreads = 640;  // decode_rows.h: kW4a16WgmmaThreads, kW4a16WgmmaSharedBytes
+constexpr int kMaxSplits = 8;  // a cluster's CTAs (portable); decode_rows.h: kW4a16WgmmaMaxSplits
+constexpr int kSumsStride = kSpan + 8;  // floats a row of a CTA's sums: stores 2 wavefronts
+static_assert(kRows * kSumsStride * 4 <= kStages * kXBytes + kWordSlots * kSlotBytes,
+              "a CTA's sums take the place of its rings");
 
 struct Barriers {
   uint64_t full[kStages];   // a stage's x is in: the loader's 64 x threads
@@ -141,28 +146,44 @@ __device__ __forceinline__ float bias_at(const W4a16Wide& a, int col) {
   return a.bias == nullptr ? 0.0f : to_float<kBf16>(a.bias[col]);
 }
 
-// The last CTA of a span: y = the splits' sums in split order (+ bias), 4 columns a
-// thread at a time, the splits' loads independent of each other.
+// The splits' sums of a cluster (a span's CTAs, one a split, cluster rank = split): in
+// each CTA's shared memory at `sums`, row r's 256 at r * kSumsStride floats. This CTA
+// (rank `split`) adds its share of the span's rows x 4-column groups over all the
+// splits in split order (+ bias) into y; then waits until every CTA has read its sums
+// before leaving. Every thread of the cluster calls it after writing its sums.
 template <bool kBf16>
-__device__ __forceinline__ void sum_splits(const W4a16Wide& a, int span) {
-  for (int e = threadIdx.x; e < a.m * (kSpan / 4); e += kThreads) {
+__device__ __forceinline__ void sum_cluster(const W4a16Wide& a, uint32_t sums, int span,
+                                            int split) {
+  cluster_sync();
+  const int groups = a.m * (kSpan / 4);
+  const int share = (groups + a.splits - 1) / a.splits;
+  const int end = min(groups, (split + 1) * share);
+  for (int e = split * share + threadIdx.x; e < end; e += kThreads) {
     const int row = e / (kSpan / 4);
-    const int col = span * kSpan + 4 * (e % (kSpan / 4));
+    const int in_span = 4 * (e % (kSpan / 4));
+    const int col = span * kSpan + in_span;
     if (col >= a.n) continue;
-    const float4* p = reinterpret_cast<const float4*>(a.work + static_cast<size_t>(row) * a.n + col);
-    const size_t stride = static_cast<size_t>(a.m) * a.n / 4;
-    float4 v = __ldcg(p);
-#pragma unroll 4
-    for (int sp = 1; sp < a.splits; ++sp) {
-      const float4 t = __ldcg(p + sp * stride);
-      v = make_float4(v.x + t.x, v.y + t.y, v.z + t.z, v.w + t.w);
+    const uint32_t at = sums + 4 * (row * kSumsStride + in_span);
+    float4 part[kMaxSplits];
+#pragma unroll
+    for (int sp = 0; sp < kMaxSplits; ++sp) {
+      if (sp < a.splits) part[sp] = load_cluster16(at, sp);
     }
-    const uint32_t lo = pack2<kBf16>(v.x + bias_at<kBf16>(a, col), v.y + bias_at<kBf16>(a, col + 1));
+    float4 v = part[0];
+#pragma unroll
+    for (int sp = 1; sp < kMaxSplits; ++sp) {
+      if (sp < a.splits) {
+        v = make_float4(v.x + part[sp].x, v.y + part[sp].y, v.z + part[sp].z, v.w + part[sp].w);
+      }
+    }
+    const uint32_t lo =
+        pack2<kBf16>(v.x + bias_at<kBf16>(a, col), v.y + bias_at<kBf16>(a, col + 1));
     const uint32_t hi =
         pack2<kBf16>(v.z + bias_at<kBf16>(a, col + 2), v.w + bias_at<kBf16>(a, col + 3));
     uint16_t* to = a.y + static_cast<size_t>(row) * a.n + col;
     asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(to), "r"(lo), "r"(hi) : "memory");
   }
+  cluster_sync();
 }
 
 // A lane's share of a block: word rows 2 t, 2 t + 1, 2 t + 8, 2 t + 9 of its two
@@ -217,7 +238,8 @@ __device__ __forceinline__ void hold_a(uint32_t (&a)[4]) {
 }
 
 // Warpgroup `group` (0-3): its 64 columns over the CTA's blocks, then its sums to y (one
-// split) or work.
+// split) or, once all four warpgroups' wgmmas are done, to shared memory at xs (the x
+// stages, then the ring) for sum_cluster.
 template <bool kBf16>
 __device__ __forceinline__ void multiply(const W4a16Wide& a, Barriers& bars, uint32_t xs,
                                          const uint8_t* ring, int first, int end, int span) {
@@ -260,6 +282,20 @@ __device__ __forceinline__ void multiply(const W4a16Wide& a, Barriers& bars, uin
   hold(d);
   // d[4 i + e]: column col + e / 2 (row 16 warp + lane / 4 + 8 (e / 2) of A), x row 8 i +
   // 2 t + e % 2.
+  if (a.splits > 1) {  // as float[kRows][kSumsStride]
+    asm volatile("bar.sync 1, %0;" ::"n"(kMultipliers) : "memory");
+#pragma unroll
+    for (int i = 0; i < kRows / 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const uint32_t at = xs + 4 * ((8 * i + 2 * t + e) * kSumsStride + col);
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(at), "f"(d[4 * i + e]),
+                     "f"(d[4 * i + 2 + e])
+                     : "memory");
+      }
+    }
+    return;
+  }
   const int y_col = span * kSpan + col;
   if (y_col >= a.n) return;
   const float bias0 = bias_at<kBf16>(a, y_col);
@@ -272,14 +308,9 @@ __device__ __forceinline__ void multiply(const W4a16Wide& a, Barriers& bars, uin
       if (row >= a.m) continue;
       const float v0 = d[4 * i + e];
       const float v1 = d[4 * i + 2 + e];
-      if (a.splits == 1) {
-        const uint32_t v = pack2<kBf16>(v0 + bias0, v1 + bias1);
-        uint16_t* to = a.y + static_cast<size_t>(row) * a.n + y_col;
-        asm volatile("st.global.b32 [%0], %1;" ::"l"(to), "r"(v) : "memory");
-      } else {
-        float* to = a.work + (static_cast<size_t>(blockIdx.y) * a.m + row) * a.n + y_col;
-        asm volatile("st.global.cg.v2.f32 [%0], {%1, %2};" ::"l"(to), "f"(v0), "f"(v1) : "memory");
-      }
+      const uint32_t v = pack2<kBf16>(v0 + bias0, v1 + bias1);
+      uint16_t* to = a.y + static_cast<size_t>(row) * a.n + y_col;
+      asm volatile("st.global.b32 [%0], %1;" ::"l"(to), "r"(v) : "memory");
     }
   }
 }
@@ -288,7 +319,6 @@ template <bool kBf16>
 __device__ __forceinline__ void w4a16_wgmma(const W4a16Wide& a) {
   extern __shared__ __align__(1024) uint8_t dynamic[];
   __shared__ Barriers bars;
-  __shared__ bool last;
   // Stages on 1,024-byte boundaries (the swizzle's period), then the ring of words; the
   // launch asks 1,024 bytes more than they take.
   const uint32_t xs = (smem(dynamic) + 1023u) & ~1023u;
@@ -330,8 +360,7 @@ __device__ __forceinline__ void w4a16_wgmma(const W4a16Wide& a) {
   } else {
     multiply<kBf16>(a, bars, xs, dynamic + (ring - smem(dynamic)), first, end, span);
   }
-  if (a.splits == 1) return;
-  last_of_span_sums(a.counters + span, a.splits, last, [&] { sum_splits<kBf16>(a, span); });
+  if (a.splits > 1) sum_cluster<kBf16>(a, xs, span, blockIdx.y);
 }
 
 }  // namespace lmd_w4a16

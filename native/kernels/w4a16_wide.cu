@@ -224,7 +224,18 @@ __device__ __forceinline__ void w4a16_wide(const W4a16Wide& a) {
     }
   }
   if (a.splits == 1) return;
-  last_of_span_sums(a.counters + span, a.splits, last, [&] { sum_splits<kBf16>(a, span); });
+  // The last CTA of the span to get here (a counter a span) adds the splits' sums in
+  // split order and resets the counter for the next launch.
+  __threadfence();  // this CTA's sums are visible before its count is
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(a.counters + span, 1u) == static_cast<unsigned>(a.splits) - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  sum_splits<kBf16>(a, span);
+  if (threadIdx.x == 0) a.counters[span] = 0;
 }
 
 }  // namespace lmd_w4a16

@@ -22,6 +22,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
+from lmd import _native
 from lmd.engine.turbo.kernels import w4a16_rows
 from lmd.engine.turbo.kernels.w4a16 import w4a16_matmul
 from lmd.engine.turbo.kernels.w4a16_rows import native_rows
@@ -159,18 +160,32 @@ def test_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None
     torch.testing.assert_close(out.double(), reference(x, w64, None), rtol=2.0**-7, atol=1e-3)
 
 
+@hopper
+def test_wgmma_clusters_fit_the_device() -> None:
+    """Clusters of 1..8 CTAs that run at once: one CTA a multiprocessor (its shared
+    memory), so s of them take s multiprocessors; printed for the unit tests' table."""
+    assert _native.w4a16_wgmma_ready(0) == ""
+    clusters = w4a16_rows.wgmma_clusters(0)
+    print("w4a16_wgmma_clusters", clusters)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert len(clusters) == 8
+    assert clusters[0] == sms
+    assert all(c >= 1 and c * s <= sms for s, c in enumerate(clusters, 1))
+
+
 @pytest.mark.parametrize("rows", [32, 64])
 def test_every_split_of_k(rows: int) -> None:
     """The wide kernel (32 rows) and the wgmma one (64, Hopper): each split count (uneven
-    ones too) gives the product, the same bits every launch; the last CTA of a span adds
-    the splits in order and leaves its counter at zero."""
+    ones too; the wgmma kernel's at most 8, a cluster) gives the product, the same bits
+    every launch; the wide kernel's last CTA of a span adds the splits in order and leaves
+    its counter at zero."""
     if rows > w4a16_rows.WIDE_MAX_ROWS and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernel needs sm_90")
     w = weight(4096, 4096, torch.bfloat16)
     x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     ref = (reference if rows <= w4a16_rows.WIDE_MAX_ROWS else rounded_reference)(x, w, bias)
-    for splits in (1, 2, 3, 5, 8, 32):
+    for splits in (1, 2, 3, 5, 8, 32) if rows <= w4a16_rows.WIDE_MAX_ROWS else (1, 2, 3, 5, 7, 8):
         y = native(x, w, bias, splits=splits)
         torch.testing.assert_close(y.double(), ref, rtol=RTOL[torch.bfloat16], atol=ATOL)
         for _ in range(3):

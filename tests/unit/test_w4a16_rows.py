@@ -49,12 +49,20 @@ def test_splits_give_two_ctas_a_multiprocessor() -> None:
     assert w4a16_rows.default_splits(128256, 4096, 132) == 1
 
 
-def test_wgmma_splits_keep_one_wave() -> None:
-    """One CTA a multiprocessor (the wgmma kernel's shared memory), spans of 256."""
-    got = {name: w4a16_rows.wgmma_splits(n, k, 132) for name, (n, k) in LLAMA3_8B.items()}
-    assert got == {"qkv": 5, "o": 8, "gate|up": 1, "down": 8}
-    assert w4a16_rows.wgmma_splits(96, 256, 132) == 2  # at most a block of K each
-    assert w4a16_rows.wgmma_splits(128256, 4096, 132) == 1
+# w4a16_wgmma_clusters on an H200 (132 multiprocessors): clusters of 1..8 CTAs at once
+# (tests/gpu/test_w4a16_rows_gpu.py prints it; measured 2026-11-30).
+H200_CLUSTERS = [132, 66, 39, 30, 22, 17, 15, 15]
+
+
+def test_wgmma_splits_keep_one_wave_of_clusters() -> None:
+    """A span's splits one cluster, spans of 256: the most splits whose clusters all run at
+    once, at most 8 and one a block of K."""
+    got = {name: w4a16_rows.wgmma_splits(n, k, H200_CLUSTERS) for name, (n, k) in LLAMA3_8B.items()}
+    # qkv's 24 spans: 22 clusters of 5 fit, 30 of 4; o's and down's 16: 15 of 8, 17 of 6.
+    assert got == {"qkv": 4, "o": 6, "gate|up": 1, "down": 6}
+    assert w4a16_rows.wgmma_splits(96, 256, H200_CLUSTERS) == 2  # at most a block of K each
+    assert w4a16_rows.wgmma_splits(2048, 8192, H200_CLUSTERS) == 8  # at most a cluster of 8
+    assert w4a16_rows.wgmma_splits(128256, 4096, H200_CLUSTERS) == 1  # several waves
 
 
 def test_cpu_tensors_stay_with_the_triton_tiles() -> None:
@@ -101,8 +109,8 @@ BAD_SPLIT_LAUNCHES = [
     ((1, 64, 256, 256, 2), None),
     ((None, 48, 256, 256, 2), None),
     ((None, 64, 256, 128, 2), None),
-    ((None, 64, 256, 256, 3), "splits must be 1..2 (k / 128)"),
-    ((None, 64, 256, 256, 0), "splits must be 1..2 (k / 128)"),
+    ((None, 64, 256, 256, 3), "splits must be 1..2 (k / 128"),
+    ((None, 64, 256, 256, 0), "splits must be 1..2 (k / 128"),
     ((None, 64, 256, 260, 2), "misaligned"),  # a row stride not a multiple of 8
 ]
 
@@ -119,6 +127,11 @@ def test_bad_split_launches_are_refused_before_cuda(
         getattr(_native, name)(
             0, 64, 64, 64, 64, 0, 64, 64, 64, rows, n, k, stride, splits, True, 0
         )
+
+
+def test_wgmma_splits_are_at_most_a_cluster_of_8() -> None:
+    with pytest.raises(ValueError, match=re.escape("splits must be 1..8 (k / 128, at most 8)")):
+        _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 0, 0, 33, 64, 2048, 2048, 9, True, 0)
 
 
 def test_wgmma_needs_16_byte_scales_and_zeros() -> None:

@@ -6,7 +6,8 @@ the packed weights, the next block of K loaded while the current one is multipli
 wide one shares x among a CTA's 128 columns through shared memory and splits K over
 CTAs, summed in split order by the last CTA of a span. The wgmma one makes the same
 operands in the registers of four warpgroups that run wgmma on them while a fifth copies
-the words and x into shared memory (its file says how), and splits K the same way.
+the words and x into shared memory (its file says how), and splits K over the CTAs of a
+cluster, which add their sums in shared memory.
 
 They read the layout that kernels/w4a16.py's Triton tiles read (quant/w4a16.py), so
 they need no copy of the weights; they take 1-32 rows (1-64 on Hopper) of bf16 or fp16,
@@ -20,7 +21,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lmd._native import w4a16_rows, w4a16_rows_ready, w4a16_wgmma, w4a16_wgmma_ready, w4a16_wide
+from lmd._native import (
+    w4a16_rows,
+    w4a16_rows_ready,
+    w4a16_wgmma,
+    w4a16_wgmma_clusters,
+    w4a16_wgmma_ready,
+    w4a16_wide,
+)
 from lmd.engine.turbo.kernels.native_kernels import NativeKernels, device_index
 
 NATIVE_ROWS = True  # off: decode rows go to the Triton tiles (scripts' A/B runs)
@@ -41,6 +49,7 @@ _wgmma = NativeKernels(w4a16_wgmma_ready, "W4A16 decode steps of 33-64 rows take
 # A device's span counters for the wide kernel, zero between launches: its launches must
 # not overlap in time (one stream; lmd runs one forward at a time a process).
 _counters: dict[int, Tensor] = {}
+_clusters: dict[int, list[int]] = {}  # a device's w4a16_wgmma_clusters
 
 
 def ready(device: torch.device) -> bool:
@@ -74,11 +83,22 @@ def default_splits(n: int, k: int, num_sms: int) -> int:
     return max(1, min(k // GROUP, WIDE_CTAS_PER_SM * num_sms // spans))
 
 
-def wgmma_splits(n: int, k: int, num_sms: int) -> int:
-    """Ranges of K for the wgmma kernel (one CTA a multiprocessor: its stages fill shared
-    memory): as many as keep all CTAs in one wave, at most one a block of K."""
+def wgmma_splits(n: int, k: int, clusters: list[int]) -> int:
+    """Ranges of K for the wgmma kernel, a span's CTAs one cluster (one CTA a
+    multiprocessor: its stages fill shared memory): the most, at most one a block of K,
+    whose clusters of all spans the device runs at once (clusters[s - 1], of s CTAs:
+    lmd._native.w4a16_wgmma_clusters, at most 8), so one wave; else 1."""
     spans = -(-n // WGMMA_SPAN)
-    return max(1, min(k // GROUP, num_sms // spans))
+    fits = [s for s in range(1, min(len(clusters), k // GROUP) + 1) if spans <= clusters[s - 1]]
+    return max(fits, default=1)
+
+
+def wgmma_clusters(device: int) -> list[int]:
+    """lmd._native.w4a16_wgmma_clusters of a device whose wgmma kernel is loaded, asked
+    once."""
+    if device not in _clusters:
+        _clusters[device] = w4a16_wgmma_clusters(device)
+    return _clusters[device]
 
 
 def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds them
@@ -155,9 +175,11 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
         w4a16_rows(device, *addresses, m, n, k, x.stride(0), bf16, warps, stream)
         return True
     if splits is None:
-        splits = (wgmma_splits if wgmma else default_splits)(n, k, num_sms)
+        splits = (
+            wgmma_splits(n, k, wgmma_clusters(device)) if wgmma else default_splits(n, k, num_sms)
+        )
     work = counters = 0
-    if splits > 1:  # the splits' float32 sums, added by the last CTA of each span
+    if splits > 1 and not wgmma:  # the splits' float32 sums, added by the last CTA of a span
         buffer = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
         work, counters = buffer.data_ptr(), _counters[device].data_ptr()
     launch = w4a16_wgmma if wgmma else w4a16_wide
