@@ -39,6 +39,16 @@ struct Loaded {
   std::vector<int> wgmma_clusters;  // w4a16_wgmma_clusters
 };
 
+// A launch of grid x `threads` on `stream` whose CTAs are clusters of cluster_y down each
+// column of the grid; `attribute` (filled here) must outlive the returned configuration.
+cu::LaunchConfig clustered(cu::Dim3 grid, unsigned threads, unsigned shared_bytes,
+                           cu::Stream stream, unsigned cluster_y, cu::LaunchAttribute& attribute) {
+  attribute = {};
+  attribute.id = cu::kLaunchAttributeClusterDimension;
+  attribute.value.cluster = {1, cluster_y, 1};
+  return {grid, {threads, 1, 1}, shared_bytes, stream, &attribute, 1};
+}
+
 // The wgmma kernels into `out` (the context current), or why not in out.wgmma_error.
 void load_wgmma(const CudaDriver& d, cu::Device device, Loaded& out) {
   try {
@@ -59,11 +69,9 @@ void load_wgmma(const CudaDriver& d, cu::Device device, Loaded& out) {
               "cuFuncSetAttribute(w4a16_wgmma)");
     }
     for (unsigned s = 1; s <= kW4a16WgmmaMaxSplits; ++s) {
-      cu::LaunchAttribute cluster{};
-      cluster.id = cu::kLaunchAttributeClusterDimension;
-      cluster.value.cluster = {1, s, 1};
-      const cu::LaunchConfig config{{1, s, 1}, {kW4a16WgmmaThreads, 1, 1},
-                                    kW4a16WgmmaSharedBytes, nullptr, &cluster, 1};
+      cu::LaunchAttribute cluster;
+      const cu::LaunchConfig config =
+          clustered({1, s, 1}, kW4a16WgmmaThreads, kW4a16WgmmaSharedBytes, nullptr, s, cluster);
       int clusters = 0;
       d.check(d.cuOccupancyMaxActiveClusters(&clusters, out.wgmma[1], &config),
               "cuOccupancyMaxActiveClusters(w4a16_wgmma)");
@@ -155,11 +163,10 @@ void launch(const Loaded& l, cu::Function kernel, const Args& args, unsigned gri
             what);
     return;
   }
-  cu::LaunchAttribute cluster{};
-  cluster.id = cu::kLaunchAttributeClusterDimension;
-  cluster.value.cluster = {1, cluster_y, 1};
-  const cu::LaunchConfig config{{grid_x, grid_y, 1}, {threads, 1, 1}, shared_bytes,
-                                reinterpret_cast<cu::Stream>(stream), &cluster, 1};
+  cu::LaunchAttribute cluster;
+  const cu::LaunchConfig config =
+      clustered({grid_x, grid_y, 1}, threads, shared_bytes,
+                reinterpret_cast<cu::Stream>(stream), cluster_y, cluster);
   d.check(d.cuLaunchKernelEx(&config, kernel, params, nullptr), what);
 }
 
@@ -216,27 +223,29 @@ namespace {
 // What a kernel that splits K over CTAs (w4a16_wide, w4a16_wgmma) takes: its name (its
 // messages' prefix) and its launch's, the most rows, a CTA's columns, threads and
 // dynamic shared memory, the alignments (bytes) its loads and stores ask of scales,
-// zeros, y, bias and work (0: a span's splits are a cluster that needs no work, at most
-// kW4a16WgmmaMaxSplits of them; x and the words are copied 16 bytes at a time by both),
-// and where Loaded keeps it.
+// zeros, y and bias (x and the words are copied 16 bytes at a time by both), how its
+// splits are added (in work, 16-byte aligned, by the last CTA of a span, or in a
+// cluster's shared memory: at most kW4a16WgmmaMaxSplits, no work), and where Loaded
+// keeps it.
 struct SplitKernel {
   const char* name;
   const char* launch;
   int max_rows, columns, threads, shared_bytes;
-  int s_align, z_align, y_align, bias_align, work_align;
+  int s_align, z_align, y_align, bias_align;
+  bool clusters;
   Kernels module;
   cu::Function (Loaded::*functions)[2];
 };
 
-// w4a16_wide: 8-byte scale, bias and y loads and stores, 4-byte zeros, 16-byte work.
+// w4a16_wide: 8-byte scale, bias and y loads and stores, 4-byte zeros.
 constexpr SplitKernel kWide{"w4a16_wide", "cuLaunchKernel(w4a16_wide)",
                             kW4a16WideMaxRows, kW4a16WideColumns, kW4a16WideThreads, 0,
-                            8, 4, 8, 8, 16, Kernels::kW4a16, &Loaded::wide};
+                            8, 4, 8, 8, false, Kernels::kW4a16, &Loaded::wide};
 // w4a16_wgmma: scales and zeros copied 16 bytes at a time, 8-byte y stores, 2-byte bias
-// loads, clusters.
+// loads.
 constexpr SplitKernel kWgmma{"w4a16_wgmma", "cuLaunchKernel(w4a16_wgmma)",
                              kW4a16WgmmaMaxRows, kW4a16WgmmaColumns, kW4a16WgmmaThreads,
-                             kW4a16WgmmaSharedBytes, 16, 16, 8, 2, 0, Kernels::kWgmma,
+                             kW4a16WgmmaSharedBytes, 16, 16, 8, 2, true, Kernels::kWgmma,
                              &Loaded::wgmma};
 
 std::string split_check(const SplitKernel& kernel, const W4a16WideArgs& a) {
@@ -246,17 +255,18 @@ std::string split_check(const SplitKernel& kernel, const W4a16WideArgs& a) {
     return name + ": m must be 1.." + std::to_string(kernel.max_rows) +
            ", n a multiple of 32, k of 128 and x_stride >= k";
   }
-  const bool clusters = kernel.work_align == 0;
-  const int max_splits = clusters ? std::min(a.k / 128, kW4a16WgmmaMaxSplits) : a.k / 128;
+  const int max_splits =
+      kernel.clusters ? std::min(a.k / 128, kW4a16WgmmaMaxSplits) : a.k / 128;
   if (a.splits < 1 || a.splits > max_splits) {
-    return name + ": splits must be 1.." + std::to_string(max_splits) + " (k / 128" +
-           (clusters ? ", at most " + std::to_string(kW4a16WgmmaMaxSplits) + ")" : ")");
+    const std::string most =
+        kernel.clusters ? ", at most " + std::to_string(kW4a16WgmmaMaxSplits) + ")" : ")";
+    return name + ": splits must be 1.." + std::to_string(max_splits) + " (k / 128" + most;
   }
   if (!a.x || !a.q || !a.s || !a.z || !a.y || a.x % 16 || a.x_stride % 8 || a.q % 16 ||
       a.s % kernel.s_align || a.z % kernel.z_align || a.y % kernel.y_align ||
       a.bias % kernel.bias_align ||
-      (a.splits > 1 && !clusters &&
-       (!a.work || a.work % kernel.work_align || !a.counters || a.counters % 4))) {
+      (a.splits > 1 && !kernel.clusters &&
+       (!a.work || a.work % 16 || !a.counters || a.counters % 4))) {
     return name + ": a null or misaligned address";
   }
   return "";
@@ -272,7 +282,7 @@ void launch_split(const SplitKernel& kernel, int ordinal, const W4a16WideArgs& a
   launch(l, (l.*kernel.functions)[bf16 ? 1 : 0], args, static_cast<unsigned>(spans),
          static_cast<unsigned>(args.splits), static_cast<unsigned>(kernel.threads),
          static_cast<unsigned>(kernel.shared_bytes), stream, kernel.launch,
-         kernel.work_align == 0 ? static_cast<unsigned>(args.splits) : 1u);
+         kernel.clusters ? static_cast<unsigned>(args.splits) : 1u);
 }
 
 }  // namespace

@@ -31,12 +31,12 @@ constexpr int kW4a16RowsColumns = 32;  // output columns of a CTA
 // The most warps a CTA may have for m rows (the kernels' __launch_bounds__).
 inline int w4a16_rows_max_warps(int m) { return m <= 8 ? 16 : 8; }
 
-// The wide kernel's parameter, byte for byte (W4a16Wide in w4a16_wide.cu).
+// The split kernels' parameter, byte for byte (W4a16Wide in w4a16_ops.cuh).
 struct W4a16WideArgs {
-  std::uint64_t x, q, s, z, bias, y, work, counters;  // work 0 for one split
+  std::uint64_t x, q, s, z, bias, y, work, counters;  // the wide kernel's, 0 for one split
   std::int32_t m, n, k, x_stride, splits;
 };
-static_assert(sizeof(W4a16WideArgs) == 88, "must match W4a16Wide in w4a16_wide.cu");
+static_assert(sizeof(W4a16WideArgs) == 88, "must match W4a16Wide in w4a16_ops.cuh");
 
 constexpr int kW4a16WideColumns = 128;  // output columns of a CTA (a span)
 constexpr int kW4a16WideThreads = 128;  // 4 warps of 32 columns

@@ -33,16 +33,6 @@ const char* wrong_args(const lmd::PanelGemm& a, bool pairs) {
   return nullptr;
 }
 
-// A W4A16 decode product split over K (w4a16_wide, w4a16_wgmma) on addresses from Python.
-template <void (*launch)(int, const lmd::W4a16WideArgs&, bool, std::uintptr_t)>
-void split_launch(int device, std::uintptr_t x, std::uintptr_t q, std::uintptr_t s,
-                  std::uintptr_t z, std::uintptr_t bias, std::uintptr_t y, std::uintptr_t work,
-                  std::uintptr_t counters, int rows, int n, int k, int x_stride, int splits,
-                  bool bf16, std::uintptr_t stream) {
-  const lmd::W4a16WideArgs args{x, q, s, z, bias, y, work, counters, rows, n, k, x_stride, splits};
-  launch(device, args, bf16, stream);
-}
-
 // panel_gemm or pair_gemm on addresses from Python, checked first, the GIL released.
 template <void (*kernel)(const lmd::PanelGemm&, int), bool pairs>
 void gemm(std::uintptr_t x, std::int64_t rows, std::int64_t k, std::int64_t x_stride,
@@ -177,7 +167,14 @@ PYBIND11_MODULE(_native, m) {
       "CTAs of `warps` warps (1-16 up to 8 rows, 1-8 above) splitting K. ValueError for bad\n"
       "arguments, RuntimeError when the kernels are not loaded or the launch fails.");
   m.def(
-      "w4a16_wide", &split_launch<lmd::launch_w4a16_wide>,
+      "w4a16_wide",
+      [](int device, std::uintptr_t x, std::uintptr_t q, std::uintptr_t s, std::uintptr_t z,
+         std::uintptr_t bias, std::uintptr_t y, std::uintptr_t work, std::uintptr_t counters,
+         int rows, int n, int k, int x_stride, int splits, bool bf16, std::uintptr_t stream) {
+        const lmd::W4a16WideArgs args{x, q, s, z, bias, y, work, counters,
+                                      rows, n, k, x_stride, splits};
+        lmd::launch_w4a16_wide(device, args, bf16, stream);
+      },
       "y = x W^T (+ b) for up to 32 rows of x on the tensor cores\n"
       "(native/kernels/w4a16_wide.cu), addresses as w4a16_rows' (x 16-byte aligned, its row\n"
       "stride a multiple of 8): ceil(n / 128) x splits CTAs. With splits > 1 (at most\n"
@@ -196,11 +193,17 @@ PYBIND11_MODULE(_native, m) {
       "a GPU of compute capability 9.0); returns \"\" when it is loaded, else why not.\n"
       "Never raises.");
   m.def(
-      "w4a16_wgmma", &split_launch<lmd::launch_w4a16_wgmma>,
+      "w4a16_wgmma",
+      [](int device, std::uintptr_t x, std::uintptr_t q, std::uintptr_t s, std::uintptr_t z,
+         std::uintptr_t bias, std::uintptr_t y, int rows, int n, int k, int x_stride,
+         int splits, bool bf16, std::uintptr_t stream) {
+        const lmd::W4a16WideArgs args{x, q, s, z, bias, y, 0, 0, rows, n, k, x_stride, splits};
+        lmd::launch_w4a16_wgmma(device, args, bf16, stream);
+      },
       "y = x W^T (+ b) for up to 64 rows of x on Hopper's tensor cores\n"
-      "(native/kernels/w4a16_wgmma.cu), arguments as w4a16_wide's (scales, zeros 16-byte\n"
-      "aligned; work and counters unused): ceil(n / 256) x splits CTAs, a span's splits\n"
-      "(at most 8) one cluster.\n"
+      "(native/kernels/w4a16_wgmma.cu), arguments as w4a16_wide's less work and counters\n"
+      "(scales, zeros 16-byte aligned): ceil(n / 256) x splits CTAs, a span's splits (at\n"
+      "most 8) one cluster that adds their sums in shared memory.\n"
       "ValueError for bad arguments, RuntimeError as w4a16_rows.");
   m.def("w4a16_wgmma_clusters", &lmd::w4a16_wgmma_clusters, py::arg("device"),
         "For s = 1..8, how many clusters of s CTAs of the wgmma kernel (a span's splits)\n"

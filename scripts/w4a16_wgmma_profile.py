@@ -1,6 +1,6 @@
 """Launches of the W4A16 64-row products to profile (under `ncu`): Llama-3-8B's gate|up
-and o through native/kernels/w4a16_wgmma.cu (gate|up in one split, o in its default
-eight), each twice on its own weights, after one launch that loads the module. CUDA
+and o through native/kernels/w4a16_wgmma.cu (each in its default splits: gate|up one,
+o six on an H200), each twice on its own weights, after one launch that loads the module. CUDA
 only, an sm_90 GPU.
 
     ncu --clock-control none --set full -k regex:wgmma --launch-skip 1 \\

@@ -178,10 +178,12 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
         splits = (
             wgmma_splits(n, k, wgmma_clusters(device)) if wgmma else default_splits(n, k, num_sms)
         )
+    if wgmma:
+        w4a16_wgmma(device, *addresses, m, n, k, x.stride(0), splits, bf16, stream)
+        return True
     work = counters = 0
-    if splits > 1 and not wgmma:  # the splits' float32 sums, added by the last CTA of a span
+    if splits > 1:  # the splits' float32 sums, added by the last CTA of each span
         buffer = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
         work, counters = buffer.data_ptr(), _counters[device].data_ptr()
-    launch = w4a16_wgmma if wgmma else w4a16_wide
-    launch(device, *addresses, work, counters, m, n, k, x.stride(0), splits, bf16, stream)
+    w4a16_wide(device, *addresses, work, counters, m, n, k, x.stride(0), splits, bf16, stream)
     return True
