@@ -264,7 +264,11 @@ __device__ __forceinline__ void multiply(const W4a16Wide& a, Barriers& bars, uin
   asm("" : "+r"(mask), "+r"(magic));
   float d[32];  // the first product overwrites it (accumulate 0)
   uint32_t sets[2][4];  // step jj of a stage's A in set jj % 2
-  const uint64_t x_desc = descriptor(xs);  // + (stage offset + 32 jj) / 16 a step
+  // x's descriptor; a step's adds (stage offset + 32 jj) / 16 to its low half, which
+  // the start address (bits 0-13) never carries out of.
+  const uint64_t x_desc = descriptor(xs);
+  const uint32_t x_lo = static_cast<uint32_t>(x_desc);
+  const uint32_t x_hi = static_cast<uint32_t>(x_desc >> 32);
   for (unsigned b = 0; first + static_cast<int>(b) < end; ++b) {
     const unsigned slot = b % kWordSlots;
     Share sh;
@@ -281,7 +285,8 @@ __device__ __forceinline__ void multiply(const W4a16Wide& a, Barriers& bars, uin
         make_a<kBf16>(sh, 4 * h + jj, mask, magic, sets[jj % 2]);
         hold(d);
         wgmma_fence();
-        wgmma<kBf16>(d, sets[jj % 2], x_desc + ((s * kXBytes + 32 * jj) >> 4), i > 0 || jj > 0);
+        wgmma<kBf16>(d, sets[jj % 2], x_lo + s * (kXBytes >> 4) + 2 * jj, x_hi,
+                     i > 0 || jj > 0);
         wgmma_commit();
         wgmma_wait<1>();  // the step before is done: its registers and stage are free
         hold(d);
