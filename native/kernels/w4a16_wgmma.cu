@@ -206,16 +206,25 @@ struct Share {
   uint32_t scale[2];
 };
 
+// A lane's addresses in the ring's slot 0 (shared memory): its word rows 2 t, its scales,
+// its zeros; slot k's are kSlotBytes k further.
+struct ShareAt {
+  uint32_t words, scales, zeros;
+};
+
 template <bool kBf16>
-__device__ __forceinline__ void take_share(Share& sh, const uint8_t* slot, int col, int t) {
+__device__ __forceinline__ void take_share(Share& sh, const ShareAt& at, uint32_t slot_offset) {
   constexpr uint32_t kNegMagic = kBf16 ? 0xC300u : 0xE400u;
-  const uint32_t rows[4] = {2u * t, 2u * t + 1, 2u * t + 8, 2u * t + 9};
+  const uint32_t rows[4] = {0, kSpan * 4, 8 * kSpan * 4, 9 * kSpan * 4};  // 2 t + 0, 1, 8, 9
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
-    sh.w[r] = *reinterpret_cast<const uint2*>(slot + rows[r] * kSpan * 4 + 4 * col);
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];"
+                 : "=r"(sh.w[r].x), "=r"(sh.w[r].y)
+                 : "r"(at.words + slot_offset + rows[r]));
   }
-  const uint32_t s = *reinterpret_cast<const uint32_t*>(slot + kWordBytes + 2 * col);
-  const uint32_t z = *reinterpret_cast<const uint16_t*>(slot + kWordBytes + 2 * kSpan + col);
+  uint32_t s, z;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(s) : "r"(at.scales + slot_offset));
+  asm volatile("ld.shared.u16 %0, [%1];" : "=r"(z) : "r"(at.zeros + slot_offset));
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
     sh.neg[c] = (kNegMagic | ((z >> (8 * c)) & 0xFFu)) * 0x10001u;
@@ -254,7 +263,7 @@ __device__ __forceinline__ void hold_a(uint32_t (&a)[4]) {
 // stages, then the ring) for sum_cluster.
 template <bool kBf16>
 __device__ __forceinline__ void multiply(const W4a16Wide& a, Barriers& bars, uint32_t xs,
-                                         const uint8_t* ring, int first, int end, int span) {
+                                         uint32_t ring, int first, int end, int span) {
   const int warp = (threadIdx.x >> 5) & 3;
   const int lane = threadIdx.x & 31;
   const int t = lane & 3;
@@ -262,6 +271,8 @@ __device__ __forceinline__ void multiply(const W4a16Wide& a, Barriers& bars, uin
   uint32_t mask = 0x000F000Fu;  // in registers, not immediates (w4a16_ops.cuh's and_or)
   uint32_t magic = kBf16 ? 0x43004300u : 0x64006400u;
   asm("" : "+r"(mask), "+r"(magic));
+  const ShareAt at{ring + 2 * t * kSpan * 4 + 4 * col, ring + kWordBytes + 2 * col,
+                   ring + kWordBytes + 2 * kSpan + col};
   float d[32];  // the first product overwrites it (accumulate 0)
   uint32_t sets[2][4];  // step jj of a stage's A in set jj % 2
   // x's descriptor; a step's adds (stage offset + 32 jj) / 16 to its low half, which
@@ -273,7 +284,7 @@ __device__ __forceinline__ void multiply(const W4a16Wide& a, Barriers& bars, uin
     const unsigned slot = b % kWordSlots;
     Share sh;
     wait(smem(&bars.words_full[slot]), (b / kWordSlots) & 1);
-    take_share<kBf16>(sh, ring + slot * kSlotBytes, col, t);
+    take_share<kBf16>(sh, at, slot * kSlotBytes);
     arrive(smem(&bars.words_empty[slot]));
 #pragma unroll
     for (unsigned h = 0; h < 2; ++h) {
@@ -375,7 +386,7 @@ __device__ __forceinline__ void w4a16_wgmma(const W4a16Wide& a) {
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
   } else {
-    multiply<kBf16>(a, bars, xs, dynamic + (ring - smem(dynamic)), first, end, span);
+    multiply<kBf16>(a, bars, xs, ring, first, end, span);
   }
   if (a.splits > 1) sum_cluster<kBf16>(a, xs, span, blockIdx.y);
 }
