@@ -280,29 +280,38 @@ __device__ __forceinline__ void multiply(const W4a16Wide& a, Barriers& bars, uin
   const uint64_t x_desc = descriptor(xs);
   const uint32_t x_lo = static_cast<uint32_t>(x_desc);
   const uint32_t x_hi = static_cast<uint32_t>(x_desc >> 32);
-  for (unsigned b = 0; first + static_cast<int>(b) < end; ++b) {
-    const unsigned slot = b % kWordSlots;
-    Share sh;
-    wait(smem(&bars.words_full[slot]), (b / kWordSlots) & 1);
-    take_share<kBf16>(sh, at, slot * kSlotBytes);
-    arrive(smem(&bars.words_empty[slot]));
+  // Four blocks a pass: each step's stage, so its descriptor's offset, is a constant.
+  static_assert(kStages == 8, "a pass is the x ring's four blocks");
+  for (unsigned b0 = 0; first + static_cast<int>(b0) < end; b0 += 4) {
+    const unsigned phase = (b0 / 4) & 1;  // of the x stages' barriers this pass
 #pragma unroll
-    for (unsigned h = 0; h < 2; ++h) {
-      const unsigned i = 2 * b + h;
-      const unsigned s = i % kStages;
-      wait(smem(&bars.full[s]), (i / kStages) & 1);
+    for (unsigned u = 0; u < 4; ++u) {
+      const unsigned b = b0 + u;
+      if (first + static_cast<int>(b) >= end) break;
+      const unsigned slot = b % kWordSlots;
+      Share sh;
+      wait(smem(&bars.words_full[slot]), (b / kWordSlots) & 1);
+      take_share<kBf16>(sh, at, slot * kSlotBytes);
+      arrive(smem(&bars.words_empty[slot]));
 #pragma unroll
-      for (unsigned jj = 0; jj < 4; ++jj) {
-        make_a<kBf16>(sh, 4 * h + jj, mask, magic, sets[jj % 2]);
-        hold(d);
-        wgmma_fence();
-        wgmma<kBf16>(d, sets[jj % 2], x_lo + s * (kXBytes >> 4) + 2 * jj, x_hi,
-                     i > 0 || jj > 0);
-        wgmma_commit();
-        wgmma_wait<1>();  // the step before is done: its registers and stage are free
-        hold(d);
-        hold_a(sets[(jj + 1) % 2]);
-        if (jj == 0 && i > 0 && lane == 0) arrive(smem(&bars.empty[(i - 1) % kStages]));
+      for (unsigned h = 0; h < 2; ++h) {
+        const unsigned s = 2 * u + h;
+        wait(smem(&bars.full[s]), phase);
+#pragma unroll
+        for (unsigned jj = 0; jj < 4; ++jj) {
+          make_a<kBf16>(sh, 4 * h + jj, mask, magic, sets[jj % 2]);
+          hold(d);
+          wgmma_fence();
+          wgmma<kBf16>(d, sets[jj % 2], x_lo + s * (kXBytes >> 4) + 2 * jj, x_hi,
+                       b > 0 || h > 0 || jj > 0);
+          wgmma_commit();
+          wgmma_wait<1>();  // the step before is done: its registers and stage are free
+          hold(d);
+          hold_a(sets[(jj + 1) % 2]);
+          if (jj == 0 && (b > 0 || h > 0) && lane == 0) {
+            arrive(smem(&bars.empty[(s + kStages - 1) % kStages]));
+          }
+        }
       }
     }
   }
