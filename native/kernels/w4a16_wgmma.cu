@@ -16,13 +16,13 @@
 // A CTA is five warpgroups, meeting only at mbarriers:
 // - warpgroup 4 loads by cp.async: two warps each block's words, scales and zeros for the
 //   CTA's 256 columns into a ring of kWordSlots blocks as slots free up, two warps each
-//   stage's x into a ring of kStages stages once the stage is free;
+//   block's x (two stages, one barrier) into a ring of kXBlocks blocks once it is free;
 // - warpgroups 0-3 (64 columns each) take their words of a block out of the ring, then
 //   for each step of 16 inputs make A in one of two register sets and issue the wgmma,
 //   waiting only for the step before (wgmma.wait_group 1) so that its registers are free
 //   again: making a step's A overlaps the tensor cores' work on the last, and the four
-//   warpgroups' steps overlap each other's. A stage is freed once a step of the next has
-//   been waited for. (Four sets and wait_group 3 measured no faster.)
+//   warpgroups' steps overlap each other's. A block's x is freed once a step of the next
+//   block has been waited for. (Four sets and wait_group 3 measured no faster.)
 // (The rings, their barriers and the loader's copies: w4a16_wgmma_load.cuh.)
 // The global loads are all the loader's, so no multiplying warp waits on memory but at a
 // barrier.
@@ -192,9 +192,9 @@ __device__ __forceinline__ void multiply(const W4a16Wide& a, Barriers& bars, uin
   const uint32_t x_lo = static_cast<uint32_t>(x_desc);
   const uint32_t x_hi = static_cast<uint32_t>(x_desc >> 32);
   // Four blocks a pass: each step's stage, so its descriptor's offset, is a constant.
-  static_assert(kStages == 8, "a pass is the x ring's four blocks");
+  static_assert(kXBlocks == 4, "a pass is the x ring's four blocks");
   for (unsigned b0 = 0; first + static_cast<int>(b0) < end; b0 += 4) {
-    const unsigned phase = (b0 / 4) & 1;  // of the x stages' barriers this pass
+    const unsigned phase = (b0 / 4) & 1;  // of the x blocks' barriers this pass
 #pragma unroll
     for (unsigned u = 0; u < 4; ++u) {
       const unsigned b = b0 + u;
@@ -204,10 +204,10 @@ __device__ __forceinline__ void multiply(const W4a16Wide& a, Barriers& bars, uin
       wait(smem(&bars.words_full[slot]), (b / kWordSlots) & 1);
       take_share<kBf16>(sh, at, slot * kSlotBytes);
       arrive(smem(&bars.words_empty[slot]));
+      wait(smem(&bars.full[u]), phase);
 #pragma unroll
       for (unsigned h = 0; h < 2; ++h) {
         const unsigned s = 2 * u + h;
-        wait(smem(&bars.full[s]), phase);
 #pragma unroll
         for (unsigned jj = 0; jj < 4; ++jj) {
           make_a<kBf16>(sh, 4 * h + jj, mask, magic, sets[jj % 2]);
@@ -219,8 +219,8 @@ __device__ __forceinline__ void multiply(const W4a16Wide& a, Barriers& bars, uin
           wgmma_wait<1>();  // the step before is done: its registers and stage are free
           hold(d);
           hold_a(sets[(jj + 1) % 2]);
-          if (jj == 0 && (b > 0 || h > 0) && lane == 0) {
-            arrive(smem(&bars.empty[(s + kStages - 1) % kStages]));
+          if (jj == 0 && h == 0 && b > 0 && lane == 0) {
+            arrive(smem(&bars.empty[(u + kXBlocks - 1) % kXBlocks]));
           }
         }
       }
@@ -276,7 +276,7 @@ __device__ __forceinline__ void w4a16_wgmma(const W4a16Wide& a) {
   const int first = static_cast<int>(static_cast<long long>(blockIdx.y) * blocks / a.splits);
   const int end = static_cast<int>(static_cast<long long>(blockIdx.y + 1) * blocks / a.splits);
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < kXBlocks; ++s) {
       barrier_init(smem(&bars.full[s]), 64);
       barrier_init(smem(&bars.empty[s]), 16);
     }
@@ -287,13 +287,14 @@ __device__ __forceinline__ void w4a16_wgmma(const W4a16Wide& a) {
   }
   __syncthreads();
 
-  if (threadIdx.x >= kMultipliers + 64) {  // x, a stage once it is free
+  if (threadIdx.x >= kMultipliers + 64) {  // x, a block's two stages once they are free
     const XShare share = x_share(a, threadIdx.x - kMultipliers - 64);
-    for (int i = 0; first + i / 2 < end; ++i) {
-      const int s = i % kStages;
-      wait(smem(&bars.empty[s]), ((i / kStages) & 1) ^ 1);
-      load_x(xs + s * kXBytes, share, first + i / 2, i % 2);
-      arrive_after_copies(smem(&bars.full[s]));
+    for (int i = 0; first + i < end; ++i) {
+      const int u = i % kXBlocks;
+      wait(smem(&bars.empty[u]), ((i / kXBlocks) & 1) ^ 1);
+      load_x(xs + 2 * u * kXBytes, share, first + i, 0);
+      load_x(xs + (2 * u + 1) * kXBytes, share, first + i, 1);
+      arrive_after_copies(smem(&bars.full[u]));
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
   } else if (threadIdx.x >= kMultipliers) {  // words, a block once its slot is free

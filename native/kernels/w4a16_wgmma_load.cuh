@@ -15,7 +15,8 @@ using namespace lmd_sm90;
 constexpr int kSpan = 256;  // output columns a CTA
 constexpr int kRows = 64;   // x's rows a stage: wgmma's n
 constexpr int kXBytes = kRows * 128;  // a stage: 64 inputs of 16 bits a row
-constexpr int kStages = 8;
+constexpr int kStages = 8;  // halves of a block of x; a block's two share its barriers
+constexpr int kXBlocks = kStages / 2;
 constexpr int kWordBytes = 16 * kSpan * 4;  // a block's words: 16 rows of the span's
 constexpr int kSlotBytes = kWordBytes + kSpan * 2 + kSpan;  // + scales + zeros
 constexpr int kWordSlots = 6;
@@ -27,8 +28,8 @@ static_assert(kRows * kSumsStride * 4 <= kStages * kXBytes + kWordSlots * kSlotB
               "a CTA's sums take the place of its rings");
 
 struct Barriers {
-  uint64_t full[kStages];   // a stage's x is in: the loader's 64 x threads
-  uint64_t empty[kStages];  // its wgmmas are done: the multiplying warpgroups' 16 warps
+  uint64_t full[kXBlocks];   // a block's x is in: the loader's 64 x threads
+  uint64_t empty[kXBlocks];  // its wgmmas are done: the multiplying warpgroups' 16 warps
   uint64_t words_full[kWordSlots];   // a block's words are in: its 64 words threads
   uint64_t words_empty[kWordSlots];  // the multiplying threads have taken them: 512
 };
