@@ -314,7 +314,7 @@ __device__ __forceinline__ void w4a16_wgmma(const W4a16Wide& a) {
 
 }  // namespace lmd_w4a16
 
-// One CTA a multiprocessor (its rings take 166 KiB of shared memory): up to 96 registers
+// One CTA a multiprocessor (its rings take 198 KiB of shared memory): up to 96 registers
 // a thread.
 #define LMD_W4A16_WGMMA(dtype, bf16)                                                     \
   extern "C" __global__ void __launch_bounds__(lmd_w4a16::kThreads, 1)                 \
