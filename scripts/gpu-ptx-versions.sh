@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# One kernel's PTX from several commits, each built into lmd._native and timed in turn in
-# one device call (the host code stays the working tree's). Here, before the call:
+# The W4A16 wgmma kernel's PTX from several commits, each built into lmd._native and
+# timed in turn in one device call (the host code stays the working tree's). Here,
+# before the call:
 #   rm -rf .ptx-versions && mkdir .ptx-versions &&
 #   for r in REV...; do git show $r:native/kernels/w4a16_wgmma.ptx > .ptx-versions/$r.ptx; done
 # (git-ignored: name .ptx-versions in the device tool's carry, with .whl). There:
-#   scripts/gpu-ptx-versions.sh [KERNEL]
-# KERNEL (default w4a16_wgmma) names native/kernels/KERNEL.ptx; each version, then the
-# tree's own, replaces it for `w4a16_switches.py --rows 64 --rounds 2` (each run under a
-# timeout, its JSON lines in $OUT/NAME.jsonl), and a line a version: the products'
-# medians in us and their sum. The tree's PTX and build are what is left afterwards.
+#   scripts/gpu-ptx-versions.sh
+# Each version, then the tree's own, replaces native/kernels/w4a16_wgmma.ptx for
+# `w4a16_switches.py --rows 64 --rounds 2` (each run under a timeout, its JSON lines in
+# $OUT/NAME.jsonl), and a line a version: the products' medians in us and their sum.
+# The tree's PTX and build are what is left afterwards.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu-env.sh >/dev/null
-kernel=${1:-w4a16_wgmma}
-target=native/kernels/$kernel.ptx
+target=native/kernels/w4a16_wgmma.ptx
 [[ -d .ptx-versions ]] || { echo "no .ptx-versions: see this script's header" >&2; exit 1; }
 cp "$target" /tmp/tree.ptx
 for ptx in .ptx-versions/*.ptx /tmp/tree.ptx; do

@@ -88,13 +88,13 @@ def splits_sweep(m: int) -> None:
         packed = copies_of(n, k)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        wgmma = m > w4a16_rows.WIDE_MAX_ROWS
-        if wgmma:
-            assert w4a16_rows.native_rows(x, *packed[0], 128, None, y)  # loads the kernel
-            chosen = w4a16_rows.wgmma_splits(n, k, w4a16_rows.wgmma_clusters(0))
+        most = k // 128
+        if m > w4a16_rows.WIDE_MAX_ROWS:  # a span's splits one cluster: at most len(clusters)
+            clusters = w4a16_rows.wgmma_clusters(0)
+            chosen = w4a16_rows.wgmma_splits(n, k, clusters)
+            most = min(most, len(clusters))
         else:
             chosen = w4a16_rows.default_splits(n, k, sms)
-        most = min(k // 128, 8 if wgmma else k // 128)
         for splits in sorted({s for s in (1, 2, 3, 4, 6, 8, 12, 16, chosen) if s <= most}):
             calls: list[Callable[[], object]] = [
                 partial(w4a16_rows.native_rows, x, *p, 128, None, y, splits=splits) for p in packed

@@ -94,8 +94,8 @@ def wgmma_splits(n: int, k: int, clusters: list[int]) -> int:
 
 
 def wgmma_clusters(device: int) -> list[int]:
-    """lmd._native.w4a16_wgmma_clusters of a device whose wgmma kernel is loaded, asked
-    once."""
+    """lmd._native.w4a16_wgmma_clusters of a device (which loads the wgmma kernel there
+    if it is not yet), asked once."""
     if device not in _clusters:
         _clusters[device] = w4a16_wgmma_clusters(device)
     return _clusters[device]
