@@ -59,52 +59,40 @@ __device__ __forceinline__ float bias_at(const W4a16Wide& a, int col) {
 
 // The splits' sums of a cluster (a span's CTAs, one a split, cluster rank = split): in
 // each CTA's shared memory at `sums`, row r's 256 at r * kSumsStride floats. This CTA
-// (rank `split`) adds its share of the span's rows x 8-column groups over all the
+// (rank `split`) adds its share of the span's rows x 4-column groups over all the
 // splits in split order (+ bias) into y; then waits until every CTA has read its sums
-// before leaving. Every thread of the cluster calls it after writing its sums. A thread
-// reads its group's two 16 bytes from every rank at once: from 4 splits on, each of the
-// CTA's threads has at most one group, so the reads are one round trip.
+// before leaving. Every thread of the cluster calls it after writing its sums.
 template <bool kBf16>
 __device__ __forceinline__ void sum_cluster(const W4a16Wide& a, uint32_t sums, int span,
                                             int split) {
-  constexpr int kWidth = 8;  // columns a group
   cluster_sync();
-  const int groups = a.m * (kSpan / kWidth);
+  const int groups = a.m * (kSpan / 4);
   const int share = (groups + a.splits - 1) / a.splits;
   const int end = min(groups, (split + 1) * share);
   for (int e = split * share + threadIdx.x; e < end; e += kThreads) {
-    const int row = e / (kSpan / kWidth);
-    const int in_span = kWidth * (e % (kSpan / kWidth));
+    const int row = e / (kSpan / 4);
+    const int in_span = 4 * (e % (kSpan / 4));
     const int col = span * kSpan + in_span;
-    if (col >= a.n) continue;  // n is a multiple of 32: a group is all in N or all past it
+    if (col >= a.n) continue;
     const uint32_t at = sums + 4 * (row * kSumsStride + in_span);
-    float4 part[kMaxSplits][2];
+    float4 part[kMaxSplits];
 #pragma unroll
     for (int sp = 0; sp < kMaxSplits; ++sp) {
+      if (sp < a.splits) part[sp] = load_cluster16(at, sp);
+    }
+    float4 v = part[0];
+#pragma unroll
+    for (int sp = 1; sp < kMaxSplits; ++sp) {
       if (sp < a.splits) {
-        part[sp][0] = load_cluster16(at, sp);
-        part[sp][1] = load_cluster16(at + 16, sp);
+        v = make_float4(v.x + part[sp].x, v.y + part[sp].y, v.z + part[sp].z, v.w + part[sp].w);
       }
     }
+    const uint32_t lo =
+        pack2<kBf16>(v.x + bias_at<kBf16>(a, col), v.y + bias_at<kBf16>(a, col + 1));
+    const uint32_t hi =
+        pack2<kBf16>(v.z + bias_at<kBf16>(a, col + 2), v.w + bias_at<kBf16>(a, col + 3));
     uint16_t* to = a.y + static_cast<size_t>(row) * a.n + col;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float4 v = part[0][h];
-#pragma unroll
-      for (int sp = 1; sp < kMaxSplits; ++sp) {
-        if (sp < a.splits) {
-          const float4 p = part[sp][h];
-          v = make_float4(v.x + p.x, v.y + p.y, v.z + p.z, v.w + p.w);
-        }
-      }
-      const int c = col + 4 * h;
-      const uint32_t lo =
-          pack2<kBf16>(v.x + bias_at<kBf16>(a, c), v.y + bias_at<kBf16>(a, c + 1));
-      const uint32_t hi =
-          pack2<kBf16>(v.z + bias_at<kBf16>(a, c + 2), v.w + bias_at<kBf16>(a, c + 3));
-      asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(to + 4 * h), "r"(lo), "r"(hi)
-                   : "memory");
-    }
+    asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(to), "r"(lo), "r"(hi) : "memory");
   }
   cluster_sync();
 }
