@@ -47,10 +47,10 @@ constexpr int kW4a16WgmmaColumns = 256;  // a CTA's span
 constexpr int kW4a16WgmmaThreads = 640;  // four warpgroups multiplying, one loading
 constexpr int kW4a16WgmmaMaxRows = 64;   // wgmma's n
 constexpr int kW4a16WgmmaMaxSplits = 8;  // a span's CTAs are a cluster: 8 at most (portable)
-// Eight stages of x (64 rows x 64 inputs in 16 bits), a ring of six blocks' words,
+// Eight stages of x (64 rows x 64 inputs in 16 bits), a ring of eight blocks' words,
 // scales and zeros (256 columns), and 1,024 bytes to align the stages to the swizzle's
 // period; a split CTA's float32 sums take their place after its products.
-constexpr int kW4a16WgmmaSharedBytes = 8 * 64 * 128 + 6 * 256 * (64 + 2 + 1) + 1024;
+constexpr int kW4a16WgmmaSharedBytes = 8 * 64 * 128 + 8 * 256 * (64 + 2 + 1) + 1024;
 
 // "" once the kernels are loaded on device `ordinal` (loading them on the first call),
 // else why they cannot be: no CUDA, a driver that rejects the PTX, a GPU before sm_80.

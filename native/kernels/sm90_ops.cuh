@@ -81,21 +81,22 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 
 // d = A (64 x 16, registers a: a warp's 16 rows as mma.m16n8k16's A) B (16 x 64, K-major
-// in shared memory, descriptor b) (+ d when `accumulate`): d in wgmma's layout, element
+// in shared memory, descriptor {b_lo, b_hi}: the halves passed apart, so that a step's
+// offset is one 32-bit add) (+ d when `accumulate`): d in wgmma's layout, element
 // 4 i + e of a thread (warp w, lane l) at row 16 w + l / 4 + 8 (e / 2), column 8 i +
 // 2 (l % 4) + e % 2.
 #define LMD_WGMMA_M64N64K16_RS(T)                                                   \
   asm volatile(                                                                      \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                  \
+      "{\n.reg .pred p;\n.reg .b64 b;\nsetp.ne.b32 p, %38, 0;\nmov.b64 b, {%36, %37};\n" \
       "wgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T " {"                    \
       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "      \
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
-      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}"                               \
+      "}, {%32, %33, %34, %35}, b, p, 1, 1, 0;\n}"                                \
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate))
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b_lo), "r"(b_hi), "r"(accumulate))
 
 // Every thread of the cluster's CTAs: what each wrote to shared memory before it is
 // visible to all after it.
@@ -116,8 +117,8 @@ __device__ __forceinline__ float4 load_cluster16(uint32_t at, uint32_t rank) {
 }
 
 template <bool kBf16>
-__device__ __forceinline__ void wgmma(float (&d)[32], const uint32_t (&a)[4], uint64_t b,
-                                      uint32_t accumulate) {
+__device__ __forceinline__ void wgmma(float (&d)[32], const uint32_t (&a)[4], uint32_t b_lo,
+                                      uint32_t b_hi, uint32_t accumulate) {
   if constexpr (kBf16) {
     LMD_WGMMA_M64N64K16_RS("bf16");
   } else {

@@ -16,13 +16,14 @@
 // A CTA is five warpgroups, meeting only at mbarriers:
 // - warpgroup 4 loads by cp.async: two warps each block's words, scales and zeros for the
 //   CTA's 256 columns into a ring of kWordSlots blocks as slots free up, two warps each
-//   stage's x into a ring of kStages stages once the stage is free;
+//   block's x (two stages, one barrier) into a ring of kXBlocks blocks once it is free;
 // - warpgroups 0-3 (64 columns each) take their words of a block out of the ring, then
 //   for each step of 16 inputs make A in one of two register sets and issue the wgmma,
 //   waiting only for the step before (wgmma.wait_group 1) so that its registers are free
 //   again: making a step's A overlaps the tensor cores' work on the last, and the four
-//   warpgroups' steps overlap each other's. A stage is freed once a step of the next has
-//   been waited for. (Four sets and wait_group 3 measured no faster.)
+//   warpgroups' steps overlap each other's. A block's x is freed once a step of the next
+//   block has been waited for. (Four sets and wait_group 3 measured no faster.)
+// (The rings, their barriers and the loader's copies: w4a16_wgmma_load.cuh.)
 // The global loads are all the loader's, so no multiplying warp waits on memory but at a
 // barrier.
 //
@@ -40,101 +41,11 @@
 
 #include "sm90_ops.cuh"
 #include "w4a16_ops.cuh"
+#include "w4a16_wgmma_load.cuh"
 
 namespace lmd_w4a16 {
 
 using namespace lmd_sm90;
-
-constexpr int kSpan = 256;  // output columns a CTA
-constexpr int kRows = 64;   // x's rows a stage: wgmma's n
-constexpr int kXBytes = kRows * 128;  // a stage: 64 inputs of 16 bits a row
-constexpr int kStages = 8;
-constexpr int kWordBytes = 16 * kSpan * 4;  // a block's words: 16 rows of the span's
-constexpr int kSlotBytes = kWordBytes + kSpan * 2 + kSpan;  // + scales + zeros
-constexpr int kWordSlots = 6;
-constexpr int kMultipliers = 512;  // warpgroups 0-3; the loader's threads are 512-639
-constexpr int kThreads = 640;  // decode_rows.h: kW4a16WgmmaThreads, kW4a16WgmmaSharedBytes
-constexpr int kMaxSplits = 8;  // a cluster's CTAs (portable); decode_rows.h: kW4a16WgmmaMaxSplits
-constexpr int kSumsStride = kSpan + 8;  // floats a row of a CTA's sums: stores 2 wavefronts
-static_assert(kRows * kSumsStride * 4 <= kStages * kXBytes + kWordSlots * kSlotBytes,
-              "a CTA's sums take the place of its rings");
-
-struct Barriers {
-  uint64_t full[kStages];   // a stage's x is in: the loader's 64 x threads
-  uint64_t empty[kStages];  // its wgmmas are done: the multiplying warpgroups' 16 warps
-  uint64_t words_full[kWordSlots];   // a block's words are in: its 64 words threads
-  uint64_t words_empty[kWordSlots];  // the multiplying threads have taken them: 512
-};
-
-// The loader's threads 0-63 copy words, 64-127 x, so that a stage's x arrival (an
-// L2 hit) tracks x's copies only: cp.async.mbarrier.arrive waits for every copy the
-// thread issued before it, and the words run blocks ahead from DRAM.
-// A words thread's share of every block, fixed for the launch: 16 bytes a copy, the
-// block's 16 rows at 4 columns (n is a multiple of 32, so a copy is all in N or all
-// past it; those past it are zeros), and one copy of 8 scales or 16 zeros for threads
-// 0-47.
-struct WordsShare {
-  const uint32_t* words;  // block 0's first row at the thread's columns
-  uint32_t to;            // offset in a ring slot
-  bool in;
-  const uint8_t* extra;   // block 0's scales or zeros, or null
-  uint32_t extra_to;
-  bool extra_in;
-};
-
-__device__ __forceinline__ WordsShare words_share(const W4a16Wide& a, int span, int t) {
-  WordsShare l;
-  const int col = span * kSpan + 4 * t;
-  l.in = col < a.n;
-  l.words = a.q + (l.in ? col : 0);
-  l.to = 16 * t;
-  l.extra = nullptr;
-  if (t < 48) {
-    const bool zeros = t >= 32;
-    const int at = span * kSpan + (zeros ? 16 * (t - 32) : 8 * t);
-    l.extra_in = at < a.n;
-    l.extra = zeros ? a.z + (l.extra_in ? at : 0)
-                    : reinterpret_cast<const uint8_t*>(a.s + (l.extra_in ? at : 0));
-    l.extra_to = kWordBytes + (zeros ? 2 * kSpan + 16 * (t - 32) : 16 * t);
-  }
-  return l;
-}
-
-// Block kb's words, scales and zeros into a ring slot.
-__device__ __forceinline__ void load_words(uint32_t slot, const WordsShare& l,
-                                           const W4a16Wide& a, int kb) {
-  const size_t n = static_cast<size_t>(a.n);
-  const uint32_t* from = l.words + 16 * kb * n;
-#pragma unroll
-  for (int r = 0; r < 16; ++r) cp_async16(slot + l.to + r * kSpan * 4, from + r * n, l.in);
-  if (l.extra != nullptr) {
-    const size_t bytes = l.extra_to < kWordBytes + 2 * kSpan ? 2 : 1;  // scales : zeros
-    cp_async16(slot + l.extra_to, l.extra + kb * n * bytes, l.extra_in);
-  }
-}
-
-// An x thread's share of every stage: chunk t % 8 of rows t / 8 + 8 i.
-struct XShare {
-  const uint16_t* x[8];  // the rows' first 8 inputs of the chunk
-  uint32_t to[8];        // offsets in a stage
-};
-
-__device__ __forceinline__ XShare x_share(const W4a16Wide& a, int t) {
-  XShare l;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int row = (t >> 3) + 8 * i;
-    l.x[i] = a.x + static_cast<size_t>(min(row, a.m - 1)) * a.x_stride + 8 * (t & 7);
-    l.to[i] = swizzled(row, t & 7);
-  }
-  return l;
-}
-
-// Inputs 64 h .. 64 h + 63 of block kb, all 64 rows, into a stage's x.
-__device__ __forceinline__ void load_x(uint32_t x_stage, const XShare& l, int kb, int h) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) cp_async16(x_stage + l.to[i], l.x[i] + 128 * kb + 64 * h);
-}
 
 template <bool kBf16>
 __device__ __forceinline__ uint32_t pack2(float a, float b) {
@@ -194,16 +105,25 @@ struct Share {
   uint32_t scale[2];
 };
 
+// A lane's addresses in the ring's slot 0 (shared memory): its word rows 2 t, its scales,
+// its zeros; slot k's are kSlotBytes k further.
+struct ShareAt {
+  uint32_t words, scales, zeros;
+};
+
 template <bool kBf16>
-__device__ __forceinline__ void take_share(Share& sh, const uint8_t* slot, int col, int t) {
+__device__ __forceinline__ void take_share(Share& sh, const ShareAt& at, uint32_t slot_offset) {
   constexpr uint32_t kNegMagic = kBf16 ? 0xC300u : 0xE400u;
-  const uint32_t rows[4] = {2u * t, 2u * t + 1, 2u * t + 8, 2u * t + 9};
+  const uint32_t rows[4] = {0, kSpan * 4, 8 * kSpan * 4, 9 * kSpan * 4};  // 2 t + 0, 1, 8, 9
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
-    sh.w[r] = *reinterpret_cast<const uint2*>(slot + rows[r] * kSpan * 4 + 4 * col);
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];"
+                 : "=r"(sh.w[r].x), "=r"(sh.w[r].y)
+                 : "r"(at.words + slot_offset + rows[r]));
   }
-  const uint32_t s = *reinterpret_cast<const uint32_t*>(slot + kWordBytes + 2 * col);
-  const uint32_t z = *reinterpret_cast<const uint16_t*>(slot + kWordBytes + 2 * kSpan + col);
+  uint32_t s, z;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(s) : "r"(at.scales + slot_offset));
+  asm volatile("ld.shared.u16 %0, [%1];" : "=r"(z) : "r"(at.zeros + slot_offset));
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
     sh.neg[c] = (kNegMagic | ((z >> (8 * c)) & 0xFFu)) * 0x10001u;
@@ -242,7 +162,7 @@ __device__ __forceinline__ void hold_a(uint32_t (&a)[4]) {
 // stages, then the ring) for sum_cluster.
 template <bool kBf16>
 __device__ __forceinline__ void multiply(const W4a16Wide& a, Barriers& bars, uint32_t xs,
-                                         const uint8_t* ring, int first, int end, int span) {
+                                         uint32_t ring, int first, int end, int span) {
   const int warp = (threadIdx.x >> 5) & 3;
   const int lane = threadIdx.x & 31;
   const int t = lane & 3;
@@ -250,31 +170,47 @@ __device__ __forceinline__ void multiply(const W4a16Wide& a, Barriers& bars, uin
   uint32_t mask = 0x000F000Fu;  // in registers, not immediates (w4a16_ops.cuh's and_or)
   uint32_t magic = kBf16 ? 0x43004300u : 0x64006400u;
   asm("" : "+r"(mask), "+r"(magic));
+  const ShareAt at{ring + 2 * t * kSpan * 4 + 4 * col, ring + kWordBytes + 2 * col,
+                   ring + kWordBytes + 2 * kSpan + col};
   float d[32];  // the first product overwrites it (accumulate 0)
   uint32_t sets[2][4];  // step jj of a stage's A in set jj % 2
-  const uint64_t x_desc = descriptor(xs);  // + (stage offset + 32 jj) / 16 a step
-  for (unsigned b = 0; first + static_cast<int>(b) < end; ++b) {
-    const unsigned slot = b % kWordSlots;
-    Share sh;
-    wait(smem(&bars.words_full[slot]), (b / kWordSlots) & 1);
-    take_share<kBf16>(sh, ring + slot * kSlotBytes, col, t);
-    arrive(smem(&bars.words_empty[slot]));
+  // x's descriptor; a step's adds (stage offset + 32 jj) / 16 to its low half, which
+  // the start address (bits 0-13) never carries out of.
+  const uint64_t x_desc = descriptor(xs);
+  const uint32_t x_lo = static_cast<uint32_t>(x_desc);
+  const uint32_t x_hi = static_cast<uint32_t>(x_desc >> 32);
+  // Four blocks a pass: each step's stage, so its descriptor's offset, is a constant.
+  static_assert(kXBlocks == 4, "a pass is the x ring's four blocks");
+  for (unsigned b0 = 0; first + static_cast<int>(b0) < end; b0 += 4) {
+    const unsigned phase = (b0 / 4) & 1;  // of the x blocks' barriers this pass
 #pragma unroll
-    for (unsigned h = 0; h < 2; ++h) {
-      const unsigned i = 2 * b + h;
-      const unsigned s = i % kStages;
-      wait(smem(&bars.full[s]), (i / kStages) & 1);
+    for (unsigned u = 0; u < 4; ++u) {
+      const unsigned b = b0 + u;
+      if (first + static_cast<int>(b) >= end) break;
+      const unsigned slot = b % kWordSlots;
+      Share sh;
+      wait(smem(&bars.words_full[slot]), (b / kWordSlots) & 1);
+      take_share<kBf16>(sh, at, slot * kSlotBytes);
+      arrive(smem(&bars.words_empty[slot]));
+      wait(smem(&bars.full[u]), phase);
 #pragma unroll
-      for (unsigned jj = 0; jj < 4; ++jj) {
-        make_a<kBf16>(sh, 4 * h + jj, mask, magic, sets[jj % 2]);
-        hold(d);
-        wgmma_fence();
-        wgmma<kBf16>(d, sets[jj % 2], x_desc + ((s * kXBytes + 32 * jj) >> 4), i > 0 || jj > 0);
-        wgmma_commit();
-        wgmma_wait<1>();  // the step before is done: its registers and stage are free
-        hold(d);
-        hold_a(sets[(jj + 1) % 2]);
-        if (jj == 0 && i > 0 && lane == 0) arrive(smem(&bars.empty[(i - 1) % kStages]));
+      for (unsigned h = 0; h < 2; ++h) {
+        const unsigned s = 2 * u + h;
+#pragma unroll
+        for (unsigned jj = 0; jj < 4; ++jj) {
+          make_a<kBf16>(sh, 4 * h + jj, mask, magic, sets[jj % 2]);
+          hold(d);
+          wgmma_fence();
+          wgmma<kBf16>(d, sets[jj % 2], x_lo + s * (kXBytes >> 4) + 2 * jj, x_hi,
+                       b > 0 || h > 0 || jj > 0);
+          wgmma_commit();
+          wgmma_wait<1>();  // the step before is done: its registers and stage are free
+          hold(d);
+          hold_a(sets[(jj + 1) % 2]);
+          if (jj == 0 && h == 0 && b > 0 && lane == 0) {
+            arrive(smem(&bars.empty[(u + kXBlocks - 1) % kXBlocks]));
+          }
+        }
       }
     }
   }
@@ -328,7 +264,7 @@ __device__ __forceinline__ void w4a16_wgmma(const W4a16Wide& a) {
   const int first = static_cast<int>(static_cast<long long>(blockIdx.y) * blocks / a.splits);
   const int end = static_cast<int>(static_cast<long long>(blockIdx.y + 1) * blocks / a.splits);
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < kXBlocks; ++s) {
       barrier_init(smem(&bars.full[s]), 64);
       barrier_init(smem(&bars.empty[s]), 16);
     }
@@ -339,13 +275,14 @@ __device__ __forceinline__ void w4a16_wgmma(const W4a16Wide& a) {
   }
   __syncthreads();
 
-  if (threadIdx.x >= kMultipliers + 64) {  // x, a stage once it is free
+  if (threadIdx.x >= kMultipliers + 64) {  // x, a block's two stages once they are free
     const XShare share = x_share(a, threadIdx.x - kMultipliers - 64);
-    for (int i = 0; first + i / 2 < end; ++i) {
-      const int s = i % kStages;
-      wait(smem(&bars.empty[s]), ((i / kStages) & 1) ^ 1);
-      load_x(xs + s * kXBytes, share, first + i / 2, i % 2);
-      arrive_after_copies(smem(&bars.full[s]));
+    for (int i = 0; first + i < end; ++i) {
+      const int u = i % kXBlocks;
+      wait(smem(&bars.empty[u]), ((i / kXBlocks) & 1) ^ 1);
+      load_x(xs + 2 * u * kXBytes, share, first + i, 0);
+      load_x(xs + (2 * u + 1) * kXBytes, share, first + i, 1);
+      arrive_after_copies(smem(&bars.full[u]));
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
   } else if (threadIdx.x >= kMultipliers) {  // words, a block once its slot is free
@@ -358,14 +295,14 @@ __device__ __forceinline__ void w4a16_wgmma(const W4a16Wide& a) {
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
   } else {
-    multiply<kBf16>(a, bars, xs, dynamic + (ring - smem(dynamic)), first, end, span);
+    multiply<kBf16>(a, bars, xs, ring, first, end, span);
   }
   if (a.splits > 1) sum_cluster<kBf16>(a, xs, span, blockIdx.y);
 }
 
 }  // namespace lmd_w4a16
 
-// One CTA a multiprocessor (its rings take 166 KiB of shared memory): up to 96 registers
+// One CTA a multiprocessor (its rings take 198 KiB of shared memory): up to 96 registers
 // a thread.
 #define LMD_W4A16_WGMMA(dtype, bf16)                                                     \
   extern "C" __global__ void __launch_bounds__(lmd_w4a16::kThreads, 1)                 \
