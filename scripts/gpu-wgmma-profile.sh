@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Hopper's W4A16 wgmma kernel under Nsight Compute (the device tool; carry .whl): the
+# four 64-row products of a Llama-3-8B layer, each launch twice (scripts/wgmma_profile.py).
+#   scripts/gpu-wgmma-profile.sh
+# In $OUT: wgmma-ncu.txt (per launch: speed of light, shared memory's bank conflicts and
+# wavefronts, the tensor pipe's use, the warps' stall reasons, issue slots).
+# `--clock-control none`: the device notes ask that ncu leave the clocks alone.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/gpu-env.sh >/dev/null
+python3 setup.py -q build_ext --inplace 2>&1 | tail -3
+metrics=l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,\
+l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,\
+l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,\
+l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum,\
+l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,\
+sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,\
+sm__inst_executed_pipe_lsu.sum,\
+smsp__inst_executed.sum,\
+smsp__issue_active.avg.pct_of_peak_sustained_active
+timeout 300 ncu --clock-control none --kernel-name regex:lmd_w4a16_wgmma \
+  --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+  --section WarpStateStats --section SchedulerStats --section Occupancy --metrics "$metrics" \
+  python3 scripts/wgmma_profile.py >"$out/wgmma-ncu.txt" 2>&1
+echo "ncu rc $?"
+grep -E "lmd_w4a16_wgmma|Duration|bank_conflicts|wavefronts|gmma_cycles|issue_active|Stall|Memory Throughput|Compute \(SM\)" \
+  "$out/wgmma-ncu.txt" | head -120
