@@ -280,8 +280,7 @@ __device__ __forceinline__ void w4a16_wgmma(const W4a16Wide& a) {
     for (int i = 0; first + i < end; ++i) {
       const int u = i % kXBlocks;
       wait(smem(&bars.empty[u]), ((i / kXBlocks) & 1) ^ 1);
-      load_x(xs + 2 * u * kXBytes, share, first + i, 0);
-      load_x(xs + (2 * u + 1) * kXBytes, share, first + i, 1);
+      load_x(xs + 2 * u * kXBytes, share, first + i);
       arrive_after_copies(smem(&bars.full[u]));
     }
     asm volatile("cp.async.wait_all;" ::: "memory");

@@ -5,6 +5,7 @@
 
 #include <stdint.h>
 
+#include "../decode_rows.h"  // the host's launch constants, checked against these below
 #include "sm90_ops.cuh"
 #include "w4a16_ops.cuh"
 
@@ -21,11 +22,17 @@ constexpr int kWordBytes = 16 * kSpan * 4;  // a block's words: 16 rows of the s
 constexpr int kSlotBytes = kWordBytes + kSpan * 2 + kSpan;  // + scales + zeros
 constexpr int kWordSlots = 8;
 constexpr int kMultipliers = 512;  // warpgroups 0-3; the loader's threads are 512-639
-constexpr int kThreads = 640;  // decode_rows.h: kW4a16WgmmaThreads, kW4a16WgmmaSharedBytes
-constexpr int kMaxSplits = 8;  // a cluster's CTAs (portable); decode_rows.h: kW4a16WgmmaMaxSplits
+constexpr int kThreads = 640;
+constexpr int kMaxSplits = 8;  // a cluster's CTAs (portable)
 constexpr int kSumsStride = kSpan + 8;  // floats a row of a CTA's sums: stores 2 wavefronts
 static_assert(kRows * kSumsStride * 4 <= kStages * kXBytes + kWordSlots * kSlotBytes,
               "a CTA's sums take the place of its rings");
+// What native/decode_rows.cpp launches with: the rings and 1,024 bytes to align them.
+static_assert(kThreads == lmd::kW4a16WgmmaThreads && kSpan == lmd::kW4a16WgmmaColumns &&
+                  kRows == lmd::kW4a16WgmmaMaxRows && kMaxSplits == lmd::kW4a16WgmmaMaxSplits,
+              "decode_rows.h's wgmma constants");
+static_assert(kStages * kXBytes + kWordSlots * kSlotBytes + 1024 == lmd::kW4a16WgmmaSharedBytes,
+              "decode_rows.h's kW4a16WgmmaSharedBytes");
 
 struct Barriers {
   uint64_t full[kXBlocks];   // a block's x is in: the loader's 64 x threads
@@ -98,10 +105,16 @@ __device__ __forceinline__ XShare x_share(const W4a16Wide& a, int t) {
   return l;
 }
 
-// Inputs 64 h .. 64 h + 63 of block kb, all 64 rows, into a stage's x.
-__device__ __forceinline__ void load_x(uint32_t x_stage, const XShare& l, int kb, int h) {
+// Block kb's x, all 64 rows, into a block of the ring: inputs 64 h .. 64 h + 63 into
+// its stage h.
+__device__ __forceinline__ void load_x(uint32_t x_block, const XShare& l, int kb) {
 #pragma unroll
-  for (int i = 0; i < 8; ++i) cp_async16(x_stage + l.to[i], l.x[i] + 128 * kb + 64 * h);
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      cp_async16(x_block + h * kXBytes + l.to[i], l.x[i] + 128 * kb + 64 * h);
+    }
+  }
 }
 
 }  // namespace lmd_w4a16
