@@ -67,7 +67,9 @@ def test_a_mixture_of_experts_runs_eagerly_and_says_why(
 ) -> None:
     model_class, config = FAMILIES["qwen3-moe"]
     model_class(config).save_pretrained(tmp_path)
-    with caplog.at_level("INFO"):
+    # The "lmd" logger's own level: an lmd.pipeline made earlier in the session sets it
+    # (to WARNING by default), which the root's level alone would not override.
+    with caplog.at_level("INFO", logger="lmd"):
         backend = TorchBackend(tmp_path, CUDA, torch.bfloat16)
     assert not backend.use_cuda_graphs
     assert "experts are chosen with a host sync" in caplog.text
