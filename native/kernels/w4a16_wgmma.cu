@@ -47,6 +47,14 @@ namespace lmd_w4a16 {
 
 using namespace lmd_sm90;
 
+// PROBE: the splits' float32 sums through L2, in a module global (one CTA a
+// multiprocessor, so at most 132 CTAs' sums), not through distributed shared memory.
+__device__ float g_partials[132 * kRows * kSpan];
+
+__device__ __forceinline__ float* partial_of(int span, int splits, int split) {
+  return g_partials + (static_cast<size_t>(span) * splits + split) * kRows * kSpan;
+}
+
 template <bool kBf16>
 __device__ __forceinline__ uint32_t pack2(float a, float b) {
   return from_float<kBf16>(a) | (static_cast<uint32_t>(from_float<kBf16>(b)) << 16);
@@ -74,11 +82,16 @@ __device__ __forceinline__ void sum_cluster(const W4a16Wide& a, uint32_t sums, i
     const int in_span = 4 * (e % (kSpan / 4));
     const int col = span * kSpan + in_span;
     if (col >= a.n) continue;
-    const uint32_t at = sums + 4 * (row * kSumsStride + in_span);
     float4 part[kMaxSplits];
 #pragma unroll
     for (int sp = 0; sp < kMaxSplits; ++sp) {
-      if (sp < a.splits) part[sp] = load_cluster16(at, sp);
+      if (sp < a.splits) {
+        const float* from = partial_of(span, a.splits, sp) + row * kSpan + in_span;
+        asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
+                     : "=f"(part[sp].x), "=f"(part[sp].y), "=f"(part[sp].z), "=f"(part[sp].w)
+                     : "l"(from)
+                     : "memory");
+      }
     }
     float4 v = part[0];
 #pragma unroll
@@ -94,7 +107,7 @@ __device__ __forceinline__ void sum_cluster(const W4a16Wide& a, uint32_t sums, i
     uint16_t* to = a.y + static_cast<size_t>(row) * a.n + col;
     asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(to), "r"(lo), "r"(hi) : "memory");
   }
-  cluster_sync();
+  (void)sums;
 }
 
 // A lane's share of a block: word rows 2 t, 2 t + 1, 2 t + 8, 2 t + 9 of its two
@@ -218,14 +231,14 @@ __device__ __forceinline__ void multiply(const W4a16Wide& a, Barriers& bars, uin
   hold(d);
   // d[4 i + e]: column col + e / 2 (row 16 warp + lane / 4 + 8 (e / 2) of A), x row 8 i +
   // 2 t + e % 2.
-  if (a.splits > 1) {  // as float[kRows][kSumsStride]
-    asm volatile("bar.sync 1, %0;" ::"n"(kMultipliers) : "memory");
+  if (a.splits > 1) {  // as float[kRows][kSpan] in L2
+    float* part = partial_of(span, a.splits, blockIdx.y);
 #pragma unroll
     for (int i = 0; i < kRows / 8; ++i) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const uint32_t at = xs + 4 * ((8 * i + 2 * t + e) * kSumsStride + col);
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(at), "f"(d[4 * i + e]),
+        float* to = part + (8 * i + 2 * t + e) * kSpan + col;
+        asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(to), "f"(d[4 * i + e]),
                      "f"(d[4 * i + 2 + e])
                      : "memory");
       }
