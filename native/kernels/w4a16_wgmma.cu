@@ -29,9 +29,10 @@
 //
 // Grid: ceil(N / 256) column spans by `splits` (at most 8) ranges of K; with more than
 // one split a span's CTAs are a cluster (the launch's, native/decode_rows.cpp): each
-// leaves its float32 sums in its shared memory, and each adds a share of the span's
-// outputs over all of them (distributed shared memory) in split order. Rows past M
-// repeat row M - 1 in the stages, their outputs not stored; columns past N are zero.
+// stores its float32 sums to work ([spans x splits, 64, 256]), and after the cluster's
+// barrier each adds a share of the span's outputs over all of them in split order. Rows
+// past M repeat row M - 1 in the stages, their outputs not stored; columns past N are
+// zero.
 //
 // Not compiled by setup.py: its PTX (native/kernels/w4a16_wgmma.ptx, ISA 8.0, target
 // sm_90a) is embedded and JIT-compiled by the driver at run time on a GPU of compute
@@ -47,12 +48,9 @@ namespace lmd_w4a16 {
 
 using namespace lmd_sm90;
 
-// PROBE: the splits' float32 sums through L2, in a module global (one CTA a
-// multiprocessor, so at most 132 CTAs' sums), not through distributed shared memory.
-__device__ float g_partials[132 * kRows * kSpan];
-
-__device__ __forceinline__ float* partial_of(int span, int splits, int split) {
-  return g_partials + (static_cast<size_t>(span) * splits + split) * kRows * kSpan;
+// Split `split` of span `span`'s float32 sums in work: kRows x kSpan, row-major.
+__device__ __forceinline__ float* sums_of(const W4a16Wide& a, int span, int split) {
+  return a.work + (static_cast<size_t>(span) * a.splits + split) * kRows * kSpan;
 }
 
 template <bool kBf16>
@@ -65,14 +63,14 @@ __device__ __forceinline__ float bias_at(const W4a16Wide& a, int col) {
   return a.bias == nullptr ? 0.0f : to_float<kBf16>(a.bias[col]);
 }
 
-// The splits' sums of a cluster (a span's CTAs, one a split, cluster rank = split): in
-// each CTA's shared memory at `sums`, row r's 256 at r * kSumsStride floats. This CTA
-// (rank `split`) adds its share of the span's rows x 4-column groups over all the
-// splits in split order (+ bias) into y; then waits until every CTA has read its sums
-// before leaving. Every thread of the cluster calls it after writing its sums.
+// The splits' sums of a cluster (a span's CTAs, one a split, cluster rank = split), in
+// work (sums_of): once every CTA of the cluster has stored its own, this CTA (rank
+// `split`) adds its share of the span's rows x 4-column groups over all the splits in
+// split order (+ bias) into y. Every thread of the cluster calls it after storing its
+// sums. (Through L2 rather than the cluster's distributed shared memory: 2 us a layer
+// less, docs/benchmarks.md.)
 template <bool kBf16>
-__device__ __forceinline__ void sum_cluster(const W4a16Wide& a, uint32_t sums, int span,
-                                            int split) {
+__device__ __forceinline__ void sum_cluster(const W4a16Wide& a, int span, int split) {
   cluster_sync();
   const int groups = a.m * (kSpan / 4);
   const int share = (groups + a.splits - 1) / a.splits;
@@ -86,7 +84,7 @@ __device__ __forceinline__ void sum_cluster(const W4a16Wide& a, uint32_t sums, i
 #pragma unroll
     for (int sp = 0; sp < kMaxSplits; ++sp) {
       if (sp < a.splits) {
-        const float* from = partial_of(span, a.splits, sp) + row * kSpan + in_span;
+        const float* from = sums_of(a, span, sp) + row * kSpan + in_span;
         asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
                      : "=f"(part[sp].x), "=f"(part[sp].y), "=f"(part[sp].z), "=f"(part[sp].w)
                      : "l"(from)
@@ -107,7 +105,6 @@ __device__ __forceinline__ void sum_cluster(const W4a16Wide& a, uint32_t sums, i
     uint16_t* to = a.y + static_cast<size_t>(row) * a.n + col;
     asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(to), "r"(lo), "r"(hi) : "memory");
   }
-  (void)sums;
 }
 
 // A lane's share of a block: word rows 2 t, 2 t + 1, 2 t + 8, 2 t + 9 of its two
@@ -171,8 +168,7 @@ __device__ __forceinline__ void hold_a(uint32_t (&a)[4]) {
 }
 
 // Warpgroup `group` (0-3): its 64 columns over the CTA's blocks, then its sums to y (one
-// split) or, once all four warpgroups' wgmmas are done, to shared memory at xs (the x
-// stages, then the ring) for sum_cluster.
+// split) or to work (sums_of) for sum_cluster.
 template <bool kBf16>
 __device__ __forceinline__ void multiply(const W4a16Wide& a, Barriers& bars, uint32_t xs,
                                          uint32_t ring, int first, int end, int span) {
@@ -231,13 +227,13 @@ __device__ __forceinline__ void multiply(const W4a16Wide& a, Barriers& bars, uin
   hold(d);
   // d[4 i + e]: column col + e / 2 (row 16 warp + lane / 4 + 8 (e / 2) of A), x row 8 i +
   // 2 t + e % 2.
-  if (a.splits > 1) {  // as float[kRows][kSpan] in L2
-    float* part = partial_of(span, a.splits, blockIdx.y);
+  if (a.splits > 1) {
+    float* sums = sums_of(a, span, blockIdx.y);
 #pragma unroll
     for (int i = 0; i < kRows / 8; ++i) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float* to = part + (8 * i + 2 * t + e) * kSpan + col;
+        float* to = sums + (8 * i + 2 * t + e) * kSpan + col;
         asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(to), "f"(d[4 * i + e]),
                      "f"(d[4 * i + 2 + e])
                      : "memory");
@@ -309,7 +305,7 @@ __device__ __forceinline__ void w4a16_wgmma(const W4a16Wide& a) {
   } else {
     multiply<kBf16>(a, bars, xs, ring, first, end, span);
   }
-  if (a.splits > 1) sum_cluster<kBf16>(a, xs, span, blockIdx.y);
+  if (a.splits > 1) sum_cluster<kBf16>(a, span, blockIdx.y);
 }
 
 }  // namespace lmd_w4a16
