@@ -83,13 +83,7 @@ __device__ __forceinline__ void sum_cluster(const W4a16Wide& a, int span, int sp
     float4 part[kMaxSplits];
 #pragma unroll
     for (int sp = 0; sp < kMaxSplits; ++sp) {
-      if (sp < a.splits) {
-        const float* from = sums_of(a, span, sp) + row * kSpan + in_span;
-        asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
-                     : "=f"(part[sp].x), "=f"(part[sp].y), "=f"(part[sp].z), "=f"(part[sp].w)
-                     : "l"(from)
-                     : "memory");
-      }
+      if (sp < a.splits) part[sp] = load_l2_16(sums_of(a, span, sp) + row * kSpan + in_span);
     }
     float4 v = part[0];
 #pragma unroll
