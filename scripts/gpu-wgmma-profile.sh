@@ -3,7 +3,8 @@
 # four 64-row products of a Llama-3-8B layer, each launch twice (scripts/wgmma_profile.py).
 #   scripts/gpu-wgmma-profile.sh
 # In $OUT: wgmma-ncu.txt (per launch: speed of light, shared memory's bank conflicts and
-# wavefronts, the tensor pipe's use, the warps' stall reasons, issue slots).
+# wavefronts, the tensor pipe's use, warp states, issue slots) and wgmma-stalls.txt (the
+# warps' stall reasons, cycles per issued instruction).
 # `--clock-control none`: the device notes ask that ncu leave the clocks alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,3 +26,15 @@ timeout 300 ncu --clock-control none --kernel-name regex:lmd_w4a16_wgmma \
 echo "ncu rc $?"
 grep -E "lmd_w4a16_wgmma|Duration|bank_conflicts|wavefronts|gmma_cycles|issue_active|Stall|Memory Throughput|Compute \(SM\)" \
   "$out/wgmma-ncu.txt" | head -120
+# The warps' stall reasons (cycles a warp spent stalled for each, per instruction
+# issued), in a run of their own: an unknown metric name fails only this one.
+stalls=""
+for reason in barrier long_scoreboard short_scoreboard wait math_pipe_throttle mio_throttle \
+  not_selected selected dispatch_stall sleeping membar lg_throttle no_instruction \
+  branch_resolving misc drain imc_miss tex_throttle; do
+  stalls+="${stalls:+,}smsp__average_warps_issue_stalled_${reason}_per_issue_active.ratio"
+done
+timeout 200 ncu --clock-control none --kernel-name regex:lmd_w4a16_wgmma --metrics "$stalls" \
+  python3 scripts/wgmma_profile.py >"$out/wgmma-stalls.txt" 2>&1
+echo "ncu (stalls) rc $?"
+grep -E "lmd_w4a16_wgmma|stalled|ERROR" "$out/wgmma-stalls.txt" | sed 's/smsp__average_warps_issue_//' | head -160

@@ -17,7 +17,8 @@ Life cycle of a generation request in the api (POST /v1/chat/completions, /v1/co
      (/v1/chat/interactive: one JSON object per line, LMDeploy's framing).
   5. Closed however it ends (last token, error, client gone): the request leaves the
      table; if the tokenizer still holds it (client gone first), an Abort goes down.
-If the tokenizer stops, every open request fails with 503 at once instead of hanging.
+If the tokenizer stops, every open request fails with 503 at once instead of hanging; so
+does each one still open when the daemon stops (the drain timed out), instead of dropping.
 An interactive `cancel` or session end is a SessionControl to the tokenizer, answered at
 once (the session's history lives in the tokenizer, see tokenizer/sessions.py).
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -122,6 +124,10 @@ class ApiWorker(Worker):
         self.watch(self.server.task, "the HTTP server")
 
     async def stop(self) -> None:
+        # What is still open (the drain timed out) gets its answer now: a 503, whole or at
+        # the end of its stream, before the server closes its connections (the supervisor
+        # kills what is alive 5 s after Stop, which would drop them unanswered).
+        self.end_open(self._open.values(), "the server is stopping; retry")
         await self.server.stop()
 
     def on_reconfigure(self, keys: set[str]) -> None:
@@ -141,11 +147,16 @@ class ApiWorker(Worker):
     def missing_roles(self, roles: list[str]) -> None:
         self._missing_roles = roles
         if Role.TOKENIZER in roles:  # it died: what it held is lost
-            lost = protocol.RequestError("", "service_unavailable", "the tokenizer stopped; retry")
-            for request in self._open.values():
-                if not request.ended:
-                    request.ended = True
-                    request.events.put(lost)
+            self.end_open(self._open.values(), "the tokenizer stopped; retry")
+
+    @staticmethod
+    def end_open(requests: Iterable[OpenRequest], reason: str) -> None:
+        """End each of `requests` not ended yet with a 503 service_unavailable (`reason`)."""
+        error = protocol.RequestError("", "service_unavailable", reason)
+        for request in requests:
+            if not request.ended:
+                request.ended = True
+                request.events.put(error)
 
     def tokenizer_for(self, session_id: int | None = None) -> str:
         """The tokenizer for a new request (tokenizers.py: in turn; a session's: its own)."""
@@ -156,11 +167,8 @@ class ApiWorker(Worker):
         took the requests it held."""
         self.tokenizers.update(self.workers)
         self.calls.fail_lost(self.workers, self.missing_roles)
-        lost = protocol.RequestError("", "service_unavailable", "the tokenizer stopped; retry")
-        for request in self._open.values():
-            if not request.ended and request.tokenizer not in self.workers:
-                request.ended = True
-                request.events.put(lost)
+        held = (r for r in self._open.values() if r.tokenizer not in self.workers)
+        self.end_open(held, "the tokenizer stopped; retry")
 
     def health(self) -> tuple[int, dict[str, Any]]:
         return readiness.health(self.draining, self.cluster_state, self.missing_roles)

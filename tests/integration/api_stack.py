@@ -154,6 +154,11 @@ class Stack:
         if running:
             await self.tell(protocol.ClusterState("running", []))
 
+    @property
+    def worker_task(self) -> asyncio.Task[int | None]:
+        """api-0's Worker.run (after start): it ends when the worker stops."""
+        return self._tasks[0]
+
     async def tell(self, state: protocol.ClusterState) -> None:
         """Send api-0 the cluster's state, as the supervisor does; wait till it has it."""
         await self.supervisor.send(state)
@@ -169,7 +174,7 @@ class Stack:
         await self.openai.close()
         with contextlib.suppress(Exception):
             await self.supervisor.send(protocol.Stop())
-            await asyncio.wait_for(self._tasks[0], 10)
+            await asyncio.wait_for(self.worker_task, 10)
         for task in self._tasks:
             task.cancel()
         self.tokenizer.close()

@@ -116,6 +116,39 @@ async def test_tokenizer_loss_fails_open_requests(stack: Stack) -> None:
     assert "tokenizer" in assert_error(r, 503)["message"]
 
 
+async def test_stop_answers_what_is_still_open(stack: Stack) -> None:
+    """Stop with requests in flight (the supervisor's drain timed out): each gets a 503,
+    whole or as its stream's last event, and api-0 ends well within the 5 s the supervisor
+    gives it before killing it (which dropped the connections unanswered)."""
+    body = chat_body("slow", max_tokens=1000)
+    whole = asyncio.create_task(stack.http.post("/v1/chat/completions", json=body))
+
+    flowing = asyncio.Event()  # the stream's 200 and first chunk are out
+
+    async def streamed() -> str:
+        r = stack.http.stream("POST", "/v1/chat/completions", json={**body, "stream": True})
+        async with r as response:
+            assert response.status_code == 200
+            chunks = []
+            async for chunk in response.aiter_text():
+                chunks.append(chunk)
+                flowing.set()
+            return "".join(chunks)
+
+    stream = asyncio.create_task(streamed())
+    await asyncio.wait_for(flowing.wait(), 5)
+    await wait_for(lambda: stack.worker.inflight() == 2, "two requests in flight")
+    await stack.supervisor.send(protocol.Stop())
+    r = await asyncio.wait_for(whole, 3)
+    err = assert_error(r, 503)
+    assert err["type"] == "service_unavailable" and "stopping" in err["message"]
+    text = await asyncio.wait_for(stream, 3)
+    last = [line for line in text.splitlines() if line.startswith("data: {")][-1]
+    assert "stopping" in json.loads(last[len("data: ") :])["error"]["message"]
+    await asyncio.wait_for(stack.worker_task, 3)
+    assert stack.worker.inflight() == 0
+
+
 async def test_api_keys() -> None:
     s = Stack(api_keys=(KEY, "other-key"))
     await s.start()
