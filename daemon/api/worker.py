@@ -125,9 +125,9 @@ class ApiWorker(Worker):
 
     async def stop(self) -> None:
         # What is still open (the drain timed out) gets a 503 now, whole or as its stream's
-        # end, not a connection dropped by the supervisor's kill 5 s after Stop; an Abort
-        # of each lets the engines free it (an api scaled down).
-        self.end_open(self._open.values(), "the server is stopping; retry", abort=True)
+        # end, not a connection dropped by the supervisor's kill 5 s after Stop; closing it
+        # sends the Abort that lets the engines free it (an api scaled down).
+        self.end_open(self._open.values(), "the server is stopping; retry", held=True)
         await self.server.stop()
 
     def on_reconfigure(self, keys: set[str]) -> None:
@@ -149,15 +149,15 @@ class ApiWorker(Worker):
         if Role.TOKENIZER in roles:  # it died: what it held is lost
             self.end_open(self._open.values(), "the tokenizer stopped; retry")
 
-    def end_open(self, requests: Iterable[OpenRequest], reason: str, abort: bool = False) -> None:
-        """End each of `requests` not ended with a 503 (`reason`); `abort`: tell its tokenizer."""
+    @staticmethod
+    def end_open(requests: Iterable[OpenRequest], reason: str, held: bool = False) -> None:
+        """Answer each of `requests` not ended with a 503 (`reason`); `held`: its tokenizer
+        still holds it, so _close sends it an Abort."""
         error = protocol.RequestError("", "service_unavailable", reason)
-        for request in list(requests):
+        for request in requests:
             if not request.ended:
-                request.ended = True
+                request.ended = not held
                 request.events.put(error)
-                if abort:
-                    self.push(request.tokenizer, protocol.Abort(request.id))
 
     def tokenizer_for(self, session_id: int | None = None) -> str:
         """The tokenizer for a new request (tokenizers.py: in turn; a session's: its own)."""
