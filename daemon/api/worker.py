@@ -124,10 +124,10 @@ class ApiWorker(Worker):
         self.watch(self.server.task, "the HTTP server")
 
     async def stop(self) -> None:
-        # What is still open (the drain timed out) gets its answer now: a 503, whole or at
-        # the end of its stream, before the server closes its connections (the supervisor
-        # kills what is alive 5 s after Stop, which would drop them unanswered).
-        self.end_open(self._open.values(), "the server is stopping; retry")
+        # What is still open (the drain timed out) gets a 503 now, whole or as its stream's
+        # end, not a connection dropped by the supervisor's kill 5 s after Stop; closing it
+        # sends the Abort that lets the engines free it (an api scaled down).
+        self.end_open(self._open.values(), "the server is stopping; retry", held=True)
         await self.server.stop()
 
     def on_reconfigure(self, keys: set[str]) -> None:
@@ -150,12 +150,13 @@ class ApiWorker(Worker):
             self.end_open(self._open.values(), "the tokenizer stopped; retry")
 
     @staticmethod
-    def end_open(requests: Iterable[OpenRequest], reason: str) -> None:
-        """End each of `requests` not ended yet with a 503 service_unavailable (`reason`)."""
+    def end_open(requests: Iterable[OpenRequest], reason: str, held: bool = False) -> None:
+        """Answer each of `requests` not ended with a 503 (`reason`); `held`: its tokenizer
+        still holds it, so _close sends it an Abort."""
         error = protocol.RequestError("", "service_unavailable", reason)
         for request in requests:
             if not request.ended:
-                request.ended = True
+                request.ended = not held
                 request.events.put(error)
 
     def tokenizer_for(self, session_id: int | None = None) -> str:

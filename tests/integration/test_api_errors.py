@@ -118,8 +118,9 @@ async def test_tokenizer_loss_fails_open_requests(stack: Stack) -> None:
 
 async def test_stop_answers_what_is_still_open(stack: Stack) -> None:
     """Stop with requests in flight (the supervisor's drain timed out): each gets a 503,
-    whole or as its stream's last event, and api-0 ends well within the 5 s the supervisor
-    gives it before killing it (which dropped the connections unanswered)."""
+    whole or as its stream's last event, the tokenizer an Abort of each, and api-0 ends
+    well within the 5 s the supervisor gives it before killing it (which dropped the
+    connections unanswered)."""
     body = chat_body("slow", max_tokens=1000)
     whole = asyncio.create_task(stack.http.post("/v1/chat/completions", json=body))
 
@@ -147,6 +148,8 @@ async def test_stop_answers_what_is_still_open(stack: Stack) -> None:
     assert "stopping" in json.loads(last[len("data: ") :])["error"]["message"]
     await asyncio.wait_for(stack.worker_task, 3)
     assert stack.worker.inflight() == 0
+    held = {r.request_id for r in stack.tokenizer.requests}
+    await wait_for(lambda: stack.tokenizer.aborted == held, "an Abort of each")
 
 
 async def test_api_keys() -> None:
