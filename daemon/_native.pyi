@@ -79,6 +79,7 @@ def w4a16_wgmma(
     z: int,
     bias: int,
     y: int,
+    work: int,
     rows: int,
     n: int,
     k: int,
@@ -88,7 +89,8 @@ def w4a16_wgmma(
     stream: int,
 ) -> None:
     """y = x W^T (+ b) for up to 64 rows on Hopper, K split over `splits` (at most 8, a
-    cluster a span), on a CUstream."""
+    cluster a span; work [ceil(n / 256) * splits, 64, 256] float32 when more than one), on
+    a CUstream."""
 
 def w4a16_wgmma_clusters(device: int) -> list[int]:
     """For s = 1..8: clusters of s CTAs of the wgmma kernel the device runs at once."""

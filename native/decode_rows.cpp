@@ -224,9 +224,9 @@ namespace {
 // messages' prefix) and its launch's, the most rows, a CTA's columns, threads and
 // dynamic shared memory, the alignments (bytes) its loads and stores ask of scales,
 // zeros, y and bias (x and the words are copied 16 bytes at a time by both), how its
-// splits are added (in work, 16-byte aligned, by the last CTA of a span, or in a
-// cluster's shared memory: at most kW4a16WgmmaMaxSplits, no work), and where Loaded
-// keeps it.
+// splits' sums in work (16-byte aligned) are added (by the last CTA of a span, counted
+// in counters; or by a span's cluster of CTAs, each a share, so at most
+// kW4a16WgmmaMaxSplits and no counters), and where Loaded keeps it.
 struct SplitKernel {
   const char* name;
   const char* launch;
@@ -265,8 +265,8 @@ std::string split_check(const SplitKernel& kernel, const W4a16WideArgs& a) {
   if (!a.x || !a.q || !a.s || !a.z || !a.y || a.x % 16 || a.x_stride % 8 || a.q % 16 ||
       a.s % kernel.s_align || a.z % kernel.z_align || a.y % kernel.y_align ||
       a.bias % kernel.bias_align ||
-      (a.splits > 1 && !kernel.clusters &&
-       (!a.work || a.work % 16 || !a.counters || a.counters % 4))) {
+      (a.splits > 1 &&
+       (!a.work || a.work % 16 || (!kernel.clusters && (!a.counters || a.counters % 4))))) {
     return name + ": a null or misaligned address";
   }
   return "";

@@ -33,7 +33,7 @@ inline int w4a16_rows_max_warps(int m) { return m <= 8 ? 16 : 8; }
 
 // The split kernels' parameter, byte for byte (W4a16Wide in w4a16_ops.cuh).
 struct W4a16WideArgs {
-  std::uint64_t x, q, s, z, bias, y, work, counters;  // the wide kernel's, 0 for one split
+  std::uint64_t x, q, s, z, bias, y, work, counters;  // 0 for one split; counters: wide's
   std::int32_t m, n, k, x_stride, splits;
 };
 static_assert(sizeof(W4a16WideArgs) == 88, "must match W4a16Wide in w4a16_ops.cuh");
@@ -49,8 +49,8 @@ constexpr int kW4a16WgmmaMaxRows = 64;   // wgmma's n
 constexpr int kW4a16WgmmaMaxSplits = 8;  // a span's CTAs are a cluster: 8 at most (portable)
 // Eight stages of x (64 rows x 64 inputs in 16 bits), a ring of eight blocks' words,
 // scales and zeros (256 columns), and 1,024 bytes to align the stages to the swizzle's
-// period; a split CTA's float32 sums take their place after its products. (The kernel's
-// w4a16_wgmma_load.cuh asserts these wgmma constants against its own.)
+// period. (The kernel's w4a16_wgmma_load.cuh asserts these wgmma constants against its
+// own.)
 constexpr int kW4a16WgmmaSharedBytes = 8 * 64 * 128 + 8 * 256 * (64 + 2 + 1) + 1024;
 
 // "" once the kernels are loaded on device `ordinal` (loading them on the first call),

@@ -195,15 +195,16 @@ PYBIND11_MODULE(_native, m) {
   m.def(
       "w4a16_wgmma",
       [](int device, std::uintptr_t x, std::uintptr_t q, std::uintptr_t s, std::uintptr_t z,
-         std::uintptr_t bias, std::uintptr_t y, int rows, int n, int k, int x_stride,
-         int splits, bool bf16, std::uintptr_t stream) {
-        const lmd::W4a16WideArgs args{x, q, s, z, bias, y, 0, 0, rows, n, k, x_stride, splits};
+         std::uintptr_t bias, std::uintptr_t y, std::uintptr_t work, int rows, int n, int k,
+         int x_stride, int splits, bool bf16, std::uintptr_t stream) {
+        const lmd::W4a16WideArgs args{x, q, s, z, bias, y, work, 0, rows, n, k, x_stride, splits};
         lmd::launch_w4a16_wgmma(device, args, bf16, stream);
       },
       "y = x W^T (+ b) for up to 64 rows of x on Hopper's tensor cores\n"
-      "(native/kernels/w4a16_wgmma.cu), arguments as w4a16_wide's less work and counters\n"
-      "(scales, zeros 16-byte aligned): ceil(n / 256) x splits CTAs, a span's splits (at\n"
-      "most 8) one cluster that adds their sums in shared memory.\n"
+      "(native/kernels/w4a16_wgmma.cu), arguments as w4a16_wide's less counters (scales,\n"
+      "zeros 16-byte aligned): ceil(n / 256) x splits CTAs, a span's splits (at most 8) one\n"
+      "cluster that adds their sums. With splits > 1, work is [ceil(n / 256) * splits, 64,\n"
+      "256] float32 (each CTA's sums), else 0.\n"
       "ValueError for bad arguments, RuntimeError as w4a16_rows.");
   m.def("w4a16_wgmma_clusters", &lmd::w4a16_wgmma_clusters, py::arg("device"),
         "For s = 1..8, how many clusters of s CTAs of the wgmma kernel (a span's splits)\n"

@@ -1,15 +1,26 @@
 #!/usr/bin/env bash
 # Hopper's W4A16 wgmma kernel under Nsight Compute (the device tool; carry .whl): the
 # four 64-row products of a Llama-3-8B layer, each launch twice (scripts/wgmma_profile.py).
-#   scripts/gpu-wgmma-profile.sh
+#   scripts/gpu-wgmma-profile.sh [source]
 # In $OUT: wgmma-ncu.txt (per launch: speed of light, shared memory's bank conflicts and
 # wavefronts, the tensor pipe's use, warp states, issue slots) and wgmma-stalls.txt (the
 # warps' stall reasons, cycles per issued instruction).
+# With `source`, only the warps' stall samples per SASS instruction of gate|up's second
+# launch and both of down's: $OUT/wgmma-sass.csv (ncu's source page) and the report.
 # `--clock-control none`: the device notes ask that ncu leave the clocks alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu-env.sh >/dev/null
 python3 setup.py -q build_ext --inplace 2>&1 | tail -3
+if [[ ${1:-} == source ]]; then
+  timeout 300 ncu --clock-control none --kernel-name regex:lmd_w4a16_wgmma --launch-skip 5 \
+    --launch-count 3 --section SourceCounters --section WarpStateStats -f -o "$out/wgmma-src" \
+    python3 scripts/wgmma_profile.py >"$out/wgmma-src.log" 2>&1
+  echo "ncu (source) rc $?"
+  ncu -i "$out/wgmma-src.ncu-rep" --page source --csv --print-source sass >"$out/wgmma-sass.csv" 2>&1
+  echo "source page rc $?, $(wc -l <"$out/wgmma-sass.csv") lines"
+  exit 0
+fi
 metrics=l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,\
 l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,\
 l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,\

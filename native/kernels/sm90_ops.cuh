@@ -98,20 +98,18 @@ __device__ __forceinline__ void wgmma_wait() {
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b_lo), "r"(b_hi), "r"(accumulate))
 
-// Every thread of the cluster's CTAs: what each wrote to shared memory before it is
-// visible to all after it.
+// Every thread of the cluster's CTAs: what each wrote (shared or global memory) before
+// it is visible to all after it.
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
 }
 
-// 16 bytes at shared address `at` of the cluster's CTA of rank `rank`.
-__device__ __forceinline__ float4 load_cluster16(uint32_t at, uint32_t rank) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(at), "r"(rank));
+// 16 bytes of global memory from L2 (not L1, which may hold another CTA's stale lines).
+__device__ __forceinline__ float4 load_l2_16(const float* from) {
   float4 v;
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
                : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "r"(remote)
+               : "l"(from)
                : "memory");
   return v;
 }

@@ -29,9 +29,10 @@
 //
 // Grid: ceil(N / 256) column spans by `splits` (at most 8) ranges of K; with more than
 // one split a span's CTAs are a cluster (the launch's, native/decode_rows.cpp): each
-// leaves its float32 sums in its shared memory, and each adds a share of the span's
-// outputs over all of them (distributed shared memory) in split order. Rows past M
-// repeat row M - 1 in the stages, their outputs not stored; columns past N are zero.
+// stores its float32 sums to work ([spans x splits, 64, 256]), and after the cluster's
+// barrier each adds a share of the span's outputs over all of them in split order. Rows
+// past M repeat row M - 1 in the stages, their outputs not stored; columns past N are
+// zero.
 //
 // Not compiled by setup.py: its PTX (native/kernels/w4a16_wgmma.ptx, ISA 8.0, target
 // sm_90a) is embedded and JIT-compiled by the driver at run time on a GPU of compute
@@ -47,6 +48,11 @@ namespace lmd_w4a16 {
 
 using namespace lmd_sm90;
 
+// Split `split` of span `span`'s float32 sums in work: kRows x kSpan, row-major.
+__device__ __forceinline__ float* sums_of(const W4a16Wide& a, int span, int split) {
+  return a.work + (static_cast<size_t>(span) * a.splits + split) * kRows * kSpan;
+}
+
 template <bool kBf16>
 __device__ __forceinline__ uint32_t pack2(float a, float b) {
   return from_float<kBf16>(a) | (static_cast<uint32_t>(from_float<kBf16>(b)) << 16);
@@ -57,14 +63,14 @@ __device__ __forceinline__ float bias_at(const W4a16Wide& a, int col) {
   return a.bias == nullptr ? 0.0f : to_float<kBf16>(a.bias[col]);
 }
 
-// The splits' sums of a cluster (a span's CTAs, one a split, cluster rank = split): in
-// each CTA's shared memory at `sums`, row r's 256 at r * kSumsStride floats. This CTA
-// (rank `split`) adds its share of the span's rows x 4-column groups over all the
-// splits in split order (+ bias) into y; then waits until every CTA has read its sums
-// before leaving. Every thread of the cluster calls it after writing its sums.
+// The splits' sums of a cluster (a span's CTAs, one a split, cluster rank = split), in
+// work (sums_of): once every CTA of the cluster has stored its own, this CTA (rank
+// `split`) adds its share of the span's rows x 4-column groups over all the splits in
+// split order (+ bias) into y. Every thread of the cluster calls it after storing its
+// sums. (Through L2 rather than the cluster's distributed shared memory: 2 us a layer
+// less, docs/benchmarks.md.)
 template <bool kBf16>
-__device__ __forceinline__ void sum_cluster(const W4a16Wide& a, uint32_t sums, int span,
-                                            int split) {
+__device__ __forceinline__ void sum_cluster(const W4a16Wide& a, int span, int split) {
   cluster_sync();
   const int groups = a.m * (kSpan / 4);
   const int share = (groups + a.splits - 1) / a.splits;
@@ -74,11 +80,10 @@ __device__ __forceinline__ void sum_cluster(const W4a16Wide& a, uint32_t sums, i
     const int in_span = 4 * (e % (kSpan / 4));
     const int col = span * kSpan + in_span;
     if (col >= a.n) continue;
-    const uint32_t at = sums + 4 * (row * kSumsStride + in_span);
     float4 part[kMaxSplits];
 #pragma unroll
     for (int sp = 0; sp < kMaxSplits; ++sp) {
-      if (sp < a.splits) part[sp] = load_cluster16(at, sp);
+      if (sp < a.splits) part[sp] = load_l2_16(sums_of(a, span, sp) + row * kSpan + in_span);
     }
     float4 v = part[0];
 #pragma unroll
@@ -94,7 +99,6 @@ __device__ __forceinline__ void sum_cluster(const W4a16Wide& a, uint32_t sums, i
     uint16_t* to = a.y + static_cast<size_t>(row) * a.n + col;
     asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(to), "r"(lo), "r"(hi) : "memory");
   }
-  cluster_sync();
 }
 
 // A lane's share of a block: word rows 2 t, 2 t + 1, 2 t + 8, 2 t + 9 of its two
@@ -158,8 +162,7 @@ __device__ __forceinline__ void hold_a(uint32_t (&a)[4]) {
 }
 
 // Warpgroup `group` (0-3): its 64 columns over the CTA's blocks, then its sums to y (one
-// split) or, once all four warpgroups' wgmmas are done, to shared memory at xs (the x
-// stages, then the ring) for sum_cluster.
+// split) or to work (sums_of) for sum_cluster.
 template <bool kBf16>
 __device__ __forceinline__ void multiply(const W4a16Wide& a, Barriers& bars, uint32_t xs,
                                          uint32_t ring, int first, int end, int span) {
@@ -218,14 +221,14 @@ __device__ __forceinline__ void multiply(const W4a16Wide& a, Barriers& bars, uin
   hold(d);
   // d[4 i + e]: column col + e / 2 (row 16 warp + lane / 4 + 8 (e / 2) of A), x row 8 i +
   // 2 t + e % 2.
-  if (a.splits > 1) {  // as float[kRows][kSumsStride]
-    asm volatile("bar.sync 1, %0;" ::"n"(kMultipliers) : "memory");
+  if (a.splits > 1) {
+    float* sums = sums_of(a, span, blockIdx.y);
 #pragma unroll
     for (int i = 0; i < kRows / 8; ++i) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const uint32_t at = xs + 4 * ((8 * i + 2 * t + e) * kSumsStride + col);
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(at), "f"(d[4 * i + e]),
+        float* to = sums + (8 * i + 2 * t + e) * kSpan + col;
+        asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(to), "f"(d[4 * i + e]),
                      "f"(d[4 * i + 2 + e])
                      : "memory");
       }
@@ -296,7 +299,7 @@ __device__ __forceinline__ void w4a16_wgmma(const W4a16Wide& a) {
   } else {
     multiply<kBf16>(a, bars, xs, ring, first, end, span);
   }
-  if (a.splits > 1) sum_cluster<kBf16>(a, xs, span, blockIdx.y);
+  if (a.splits > 1) sum_cluster<kBf16>(a, span, blockIdx.y);
 }
 
 }  // namespace lmd_w4a16

@@ -24,9 +24,6 @@ constexpr int kWordSlots = 8;
 constexpr int kMultipliers = 512;  // warpgroups 0-3; the loader's threads are 512-639
 constexpr int kThreads = 640;
 constexpr int kMaxSplits = 8;  // a cluster's CTAs (portable)
-constexpr int kSumsStride = kSpan + 8;  // floats a row of a CTA's sums: stores 2 wavefronts
-static_assert(kRows * kSumsStride * 4 <= kStages * kXBytes + kWordSlots * kSlotBytes,
-              "a CTA's sums take the place of its rings");
 // What native/decode_rows.cpp launches with: the rings and 1,024 bytes to align them.
 static_assert(kThreads == lmd::kW4a16WgmmaThreads && kSpan == lmd::kW4a16WgmmaColumns &&
                   kRows == lmd::kW4a16WgmmaMaxRows && kMaxSplits == lmd::kW4a16WgmmaMaxSplits,

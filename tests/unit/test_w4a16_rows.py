@@ -123,20 +123,30 @@ def test_bad_split_launches_are_refused_before_cuda(
     past, n, k, stride, splits = launch
     rows = max_rows + (past or 0)
     shapes = f"m must be 1..{max_rows}, n a multiple of 32, k of 128 and x_stride >= k"
-    work = (64, 64) if name == "w4a16_wide" else ()  # the wgmma kernel takes none
+    work = (64, 64) if name == "w4a16_wide" else (64,)  # the wgmma kernel takes no counters
     with pytest.raises(ValueError, match=re.escape(message or shapes)):
         getattr(_native, name)(0, 64, 64, 64, 64, 0, 64, *work, rows, n, k, stride, splits, True, 0)
 
 
 def test_wgmma_splits_are_at_most_a_cluster_of_8() -> None:
     with pytest.raises(ValueError, match=re.escape("splits must be 1..8 (k / 128, at most 8)")):
-        _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 33, 64, 2048, 2048, 9, True, 0)
+        _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 64, 33, 64, 2048, 2048, 9, True, 0)
 
 
 def test_wgmma_needs_16_byte_scales_and_zeros() -> None:
     for s, z in ((72, 64), (64, 68)):  # scales 8-byte aligned, zeros 4-byte aligned
         with pytest.raises(ValueError, match="misaligned"):
-            _native.w4a16_wgmma(0, 64, 64, s, z, 0, 64, 33, 64, 256, 256, 1, True, 0)
+            _native.w4a16_wgmma(0, 64, 64, s, z, 0, 64, 0, 33, 64, 256, 256, 1, True, 0)
+
+
+def test_wgmma_needs_work_for_splits_and_no_counters() -> None:
+    with pytest.raises(ValueError, match="misaligned"):  # two splits, no work
+        _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 0, 33, 64, 256, 256, 2, True, 0)
+    with pytest.raises(ValueError, match="misaligned"):  # work 8-byte aligned only
+        _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 72, 33, 64, 256, 256, 2, True, 0)
+    if not _native.probe_cuda()["available"]:  # refused for want of CUDA, not of counters
+        with pytest.raises(RuntimeError, match="CUDA"):
+            _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 64, 33, 64, 256, 256, 2, True, 0)
 
 
 def test_wide_needs_aligned_x_and_work_for_splits() -> None:
@@ -155,4 +165,4 @@ def test_without_cuda_it_says_why() -> None:
         _native.w4a16_wide(0, 64, 64, 64, 64, 0, 64, 0, 0, 17, 64, 256, 256, 1, True, 0)
     assert "CUDA" in _native.w4a16_wgmma_ready(0)
     with pytest.raises(RuntimeError, match="CUDA"):
-        _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 33, 64, 256, 256, 1, True, 0)
+        _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 0, 33, 64, 256, 256, 1, True, 0)

@@ -178,10 +178,15 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
         splits = (
             wgmma_splits(n, k, wgmma_clusters(device)) if wgmma else default_splits(n, k, num_sms)
         )
-    if wgmma:
-        w4a16_wgmma(device, *addresses, m, n, k, x.stride(0), splits, bf16, stream)
-        return True
     work = counters = 0
+    if wgmma:
+        if splits > 1:  # each CTA's float32 sums, added by its span's cluster
+            spans = -(-n // WGMMA_SPAN)
+            shape = (spans * splits, WGMMA_MAX_ROWS, WGMMA_SPAN)
+            buffer = torch.empty(shape, dtype=torch.float32, device=x.device)
+            work = buffer.data_ptr()
+        w4a16_wgmma(device, *addresses, work, m, n, k, x.stride(0), splits, bf16, stream)
+        return True
     if splits > 1:  # the splits' float32 sums, added by the last CTA of each span
         buffer = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
         work, counters = buffer.data_ptr(), _counters[device].data_ptr()
