@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 from typing import Any
 
 import uvloop
@@ -63,6 +62,4 @@ def worker_main(spec_dict: dict[str, Any]) -> None:
     configure_logging(config.log_level, spec.name)
     worker = worker_class(spec.role)(spec, config)
     code: int = uvloop.run(worker.run())
-    if spec.tp > 1:  # rank 0 of a group
-        exit_without_teardown(code)
-    sys.exit(code)
+    exit_without_teardown(code, run_atexit=spec.tp == 1)  # tp > 1: rank 0 of a group
