@@ -82,8 +82,12 @@ def served(daemon: Daemon) -> Iterator[Daemon]:
 
 
 def alive(pid: int) -> bool:
+    """Is the process still running, or still closing its files? A killed process's main
+    thread shows as a zombie while its other threads are still exiting, and the files
+    they share (a listening socket) close only with the last of them."""
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        process = psutil.Process(pid)
+        return process.status() != psutil.STATUS_ZOMBIE or process.num_threads() > 1
     except psutil.NoSuchProcess:
         return False
 
