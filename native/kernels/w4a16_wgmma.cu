@@ -67,15 +67,13 @@ __device__ __forceinline__ float bias_at(const W4a16Wide& a, int col) {
 // thread its own before): counters[2 span] counts the arrivals.
 __device__ __forceinline__ void span_arrive(const W4a16Wide& a, int span) {
   __syncthreads();
-  if (threadIdx.x == 0) {  // as cooperative groups' grid barrier: fences both sides
+  if (threadIdx.x == 0) {  // the CTA's stores, ordered before by the barrier, released
     unsigned* arrived = a.counters + 2 * span;
-    __threadfence();
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(arrived) : "memory");
     unsigned seen = 0;
     do {
       asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(arrived) : "memory");
     } while (seen < static_cast<unsigned>(a.splits));
-    __threadfence();
   }
   __syncthreads();
 }
