@@ -80,6 +80,7 @@ def w4a16_wgmma(
     bias: int,
     y: int,
     work: int,
+    counters: int,
     rows: int,
     n: int,
     k: int,
@@ -88,12 +89,12 @@ def w4a16_wgmma(
     bf16: bool,
     stream: int,
 ) -> None:
-    """y = x W^T (+ b) for up to 64 rows on Hopper, K split over `splits` (at most 8, a
-    cluster a span; work [ceil(n / 256) * splits, 64, 256] float32 when more than one), on
-    a CUstream."""
+    """y = x W^T (+ b) for up to 64 rows on Hopper, K split over `splits` (at most 8, all
+    CTAs resident at once; work [ceil(n / 256) * splits, 64, 256] float32 and counters
+    2 ceil(n / 256) uint32 zeros when more than one), on a CUstream."""
 
-def w4a16_wgmma_clusters(device: int) -> list[int]:
-    """For s = 1..8: clusters of s CTAs of the wgmma kernel the device runs at once."""
+def w4a16_wgmma_ctas(device: int) -> int:
+    """How many CTAs of the wgmma kernel the device runs at once."""
 
 def fp8_rows_ready(device: int) -> str:
     """Load the FP8 decode kernels on a CUDA device (sm_89+); "" when loaded, else why not."""

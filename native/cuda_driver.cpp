@@ -64,7 +64,8 @@ bool resolve_all(void* lib, CudaDriver& d, std::string& missing) {
   LMD_RESOLVE(cuFuncSetAttribute, "cuFuncSetAttribute")
   LMD_RESOLVE(cuDeviceGetAttribute, "cuDeviceGetAttribute")
   LMD_RESOLVE(cuLaunchKernelEx, "cuLaunchKernelEx")
-  LMD_RESOLVE(cuOccupancyMaxActiveClusters, "cuOccupancyMaxActiveClusters")
+  LMD_RESOLVE(cuOccupancyMaxActiveBlocksPerMultiprocessor,
+              "cuOccupancyMaxActiveBlocksPerMultiprocessor")
 #undef LMD_RESOLVE
   return true;
 }

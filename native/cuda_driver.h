@@ -35,7 +35,8 @@ constexpr unsigned kEventDisableTiming = 2;        // CU_EVENT_DISABLE_TIMING
 constexpr unsigned kIpcMemLazyEnablePeerAccess = 1;  // CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 constexpr int kDeviceAttributeComputeCapabilityMajor = 75;  // CU_DEVICE_ATTRIBUTE_..._MAJOR
 constexpr int kFuncAttributeMaxDynamicSharedSizeBytes = 8;  // CU_FUNC_ATTRIBUTE_...
-constexpr int kLaunchAttributeClusterDimension = 4;  // CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+constexpr int kDeviceAttributeMultiprocessorCount = 16;  // CU_DEVICE_ATTRIBUTE_..._COUNT
+constexpr int kLaunchAttributeCooperative = 2;  // CU_LAUNCH_ATTRIBUTE_COOPERATIVE
 
 struct Dim3 {
   unsigned x, y, z;
@@ -46,7 +47,7 @@ struct alignas(8) LaunchAttribute {  // CUlaunchAttribute
   char pad[4];
   union {
     char bytes[64];
-    Dim3 cluster;  // kLaunchAttributeClusterDimension's value
+    int cooperative;  // kLaunchAttributeCooperative's value
   } value;
 };
 static_assert(sizeof(LaunchAttribute) == 72, "CUlaunchAttribute is 72 bytes");
@@ -95,7 +96,8 @@ struct CudaDriver {
   cu::Result (*cuFuncSetAttribute)(cu::Function, int, int) = nullptr;
   cu::Result (*cuDeviceGetAttribute)(int*, int, cu::Device) = nullptr;
   cu::Result (*cuLaunchKernelEx)(const cu::LaunchConfig*, cu::Function, void**, void**) = nullptr;
-  cu::Result (*cuOccupancyMaxActiveClusters)(int*, cu::Function, const cu::LaunchConfig*) = nullptr;
+  cu::Result (*cuOccupancyMaxActiveBlocksPerMultiprocessor)(int*, cu::Function, int,
+                                                            std::size_t) = nullptr;
 
   // "cuFoo failed: CUDA_ERROR_X (text)" for an error code.
   std::string error(cu::Result rc, const char* call) const;

@@ -36,18 +36,8 @@ struct Loaded {
   cu::Module wgmma_module = nullptr;  // apart: only sm_90 runs its sm_90a PTX
   cu::Function wgmma[2] = {};
   std::string wgmma_error;
-  std::vector<int> wgmma_clusters;  // w4a16_wgmma_clusters
+  int wgmma_ctas = 0;  // w4a16_wgmma_ctas
 };
-
-// A launch of grid x `threads` on `stream` whose CTAs are clusters of cluster_y down each
-// column of the grid; `attribute` (filled here) must outlive the returned configuration.
-cu::LaunchConfig clustered(cu::Dim3 grid, unsigned threads, unsigned shared_bytes,
-                           cu::Stream stream, unsigned cluster_y, cu::LaunchAttribute& attribute) {
-  attribute = {};
-  attribute.id = cu::kLaunchAttributeClusterDimension;
-  attribute.value.cluster = {1, cluster_y, 1};
-  return {grid, {threads, 1, 1}, shared_bytes, stream, &attribute, 1};
-}
 
 // The wgmma kernels into `out` (the context current), or why not in out.wgmma_error.
 void load_wgmma(const CudaDriver& d, cu::Device device, Loaded& out) {
@@ -68,15 +58,14 @@ void load_wgmma(const CudaDriver& d, cu::Device device, Loaded& out) {
                                    kW4a16WgmmaSharedBytes),
               "cuFuncSetAttribute(w4a16_wgmma)");
     }
-    for (unsigned s = 1; s <= kW4a16WgmmaMaxSplits; ++s) {
-      cu::LaunchAttribute cluster;
-      const cu::LaunchConfig config =
-          clustered({1, s, 1}, kW4a16WgmmaThreads, kW4a16WgmmaSharedBytes, nullptr, s, cluster);
-      int clusters = 0;
-      d.check(d.cuOccupancyMaxActiveClusters(&clusters, out.wgmma[1], &config),
-              "cuOccupancyMaxActiveClusters(w4a16_wgmma)");
-      out.wgmma_clusters.push_back(clusters);
-    }
+    int per_sm = 0, sms = 0;
+    d.check(d.cuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, out.wgmma[1],
+                                                          kW4a16WgmmaThreads,
+                                                          kW4a16WgmmaSharedBytes),
+            "cuOccupancyMaxActiveBlocksPerMultiprocessor(w4a16_wgmma)");
+    d.check(d.cuDeviceGetAttribute(&sms, cu::kDeviceAttributeMultiprocessorCount, device),
+            "cuDeviceGetAttribute");
+    out.wgmma_ctas = per_sm * sms;
   } catch (const std::exception& e) {
     out.wgmma_error = e.what();
   }
@@ -148,25 +137,26 @@ const Loaded& loaded_or_throw(int ordinal, Kernels which = Kernels::kW4a16) {
 }
 
 // Enqueues `kernel` with `args` as its one parameter on `stream`, in the primary context;
-// with cluster_y > 1, each cluster_y CTAs of a column of the grid one cluster.
+// `cooperative`: all its CTAs resident at once, or the driver refuses the launch.
 template <typename Args>
 void launch(const Loaded& l, cu::Function kernel, const Args& args, unsigned grid_x,
             unsigned grid_y, unsigned threads, unsigned shared_bytes, std::uintptr_t stream,
-            const char* what, unsigned cluster_y = 1) {
+            const char* what, bool cooperative = false) {
   const CudaDriver& d = cuda_driver();
   Args copy = args;
   void* params[] = {&copy};
   ScopedContext scope(d, l.context);
-  if (cluster_y == 1) {
+  if (!cooperative) {
     d.check(d.cuLaunchKernel(kernel, grid_x, grid_y, 1, threads, 1, 1, shared_bytes,
                              reinterpret_cast<cu::Stream>(stream), params, nullptr),
             what);
     return;
   }
-  cu::LaunchAttribute cluster;
-  const cu::LaunchConfig config =
-      clustered({grid_x, grid_y, 1}, threads, shared_bytes,
-                reinterpret_cast<cu::Stream>(stream), cluster_y, cluster);
+  cu::LaunchAttribute attribute = {};
+  attribute.id = cu::kLaunchAttributeCooperative;
+  attribute.value.cooperative = 1;
+  const cu::LaunchConfig config{{grid_x, grid_y, 1}, {threads, 1, 1}, shared_bytes,
+                                reinterpret_cast<cu::Stream>(stream), &attribute, 1};
   d.check(d.cuLaunchKernelEx(&config, kernel, params, nullptr), what);
 }
 
@@ -224,15 +214,16 @@ namespace {
 // messages' prefix) and its launch's, the most rows, a CTA's columns, threads and
 // dynamic shared memory, the alignments (bytes) its loads and stores ask of scales,
 // zeros, y and bias (x and the words are copied 16 bytes at a time by both), how its
-// splits' sums in work (16-byte aligned) are added (by the last CTA of a span, counted
-// in counters; or by a span's cluster of CTAs, each a share, so at most
-// kW4a16WgmmaMaxSplits and no counters), and where Loaded keeps it.
+// splits' sums in work (16-byte aligned) are added (counted in counters: by the last CTA
+// of a span; or, `cooperative`, by all of a span's CTAs, each a share once all have
+// arrived, so at most kW4a16WgmmaMaxSplits and every CTA resident at once), and where
+// Loaded keeps it.
 struct SplitKernel {
   const char* name;
   const char* launch;
   int max_rows, columns, threads, shared_bytes;
   int s_align, z_align, y_align, bias_align;
-  bool clusters;
+  bool cooperative;
   Kernels module;
   cu::Function (Loaded::*functions)[2];
 };
@@ -243,7 +234,7 @@ constexpr SplitKernel kWide{"w4a16_wide", "cuLaunchKernel(w4a16_wide)",
                             8, 4, 8, 8, false, Kernels::kW4a16, &Loaded::wide};
 // w4a16_wgmma: scales and zeros copied 16 bytes at a time, 8-byte y stores, 2-byte bias
 // loads.
-constexpr SplitKernel kWgmma{"w4a16_wgmma", "cuLaunchKernel(w4a16_wgmma)",
+constexpr SplitKernel kWgmma{"w4a16_wgmma", "cuLaunchKernelEx(w4a16_wgmma)",
                              kW4a16WgmmaMaxRows, kW4a16WgmmaColumns, kW4a16WgmmaThreads,
                              kW4a16WgmmaSharedBytes, 16, 16, 8, 2, true, Kernels::kWgmma,
                              &Loaded::wgmma};
@@ -256,17 +247,16 @@ std::string split_check(const SplitKernel& kernel, const W4a16WideArgs& a) {
            ", n a multiple of 32, k of 128 and x_stride >= k";
   }
   const int max_splits =
-      kernel.clusters ? std::min(a.k / 128, kW4a16WgmmaMaxSplits) : a.k / 128;
+      kernel.cooperative ? std::min(a.k / 128, kW4a16WgmmaMaxSplits) : a.k / 128;
   if (a.splits < 1 || a.splits > max_splits) {
     const std::string most =
-        kernel.clusters ? ", at most " + std::to_string(kW4a16WgmmaMaxSplits) + ")" : ")";
+        kernel.cooperative ? ", at most " + std::to_string(kW4a16WgmmaMaxSplits) + ")" : ")";
     return name + ": splits must be 1.." + std::to_string(max_splits) + " (k / 128" + most;
   }
   if (!a.x || !a.q || !a.s || !a.z || !a.y || a.x % 16 || a.x_stride % 8 || a.q % 16 ||
       a.s % kernel.s_align || a.z % kernel.z_align || a.y % kernel.y_align ||
       a.bias % kernel.bias_align ||
-      (a.splits > 1 &&
-       (!a.work || a.work % 16 || (!kernel.clusters && (!a.counters || a.counters % 4))))) {
+      (a.splits > 1 && (!a.work || a.work % 16 || !a.counters || a.counters % 4))) {
     return name + ": a null or misaligned address";
   }
   return "";
@@ -279,10 +269,16 @@ void launch_split(const SplitKernel& kernel, int ordinal, const W4a16WideArgs& a
   if (!wrong.empty()) throw std::invalid_argument(wrong);
   const Loaded& l = loaded_or_throw(ordinal, kernel.module);
   const int spans = (args.n + kernel.columns - 1) / kernel.columns;
+  const bool cooperative = kernel.cooperative && args.splits > 1;
+  if (cooperative && spans * args.splits > l.wgmma_ctas) {
+    throw std::invalid_argument(std::string(kernel.name) + ": " + std::to_string(spans) +
+                                " spans x " + std::to_string(args.splits) +
+                                " splits are more CTAs than the device runs at once (" +
+                                std::to_string(l.wgmma_ctas) + ")");
+  }
   launch(l, (l.*kernel.functions)[bf16 ? 1 : 0], args, static_cast<unsigned>(spans),
          static_cast<unsigned>(args.splits), static_cast<unsigned>(kernel.threads),
-         static_cast<unsigned>(kernel.shared_bytes), stream, kernel.launch,
-         kernel.clusters ? static_cast<unsigned>(args.splits) : 1u);
+         static_cast<unsigned>(kernel.shared_bytes), stream, kernel.launch, cooperative);
 }
 
 }  // namespace
@@ -300,9 +296,7 @@ std::string w4a16_wgmma_ready(int ordinal) {
 
 std::string w4a16_wgmma_check(const W4a16WideArgs& a) { return split_check(kWgmma, a); }
 
-std::vector<int> w4a16_wgmma_clusters(int ordinal) {
-  return loaded_or_throw(ordinal, Kernels::kWgmma).wgmma_clusters;
-}
+int w4a16_wgmma_ctas(int ordinal) { return loaded_or_throw(ordinal, Kernels::kWgmma).wgmma_ctas; }
 
 void launch_w4a16_wgmma(int ordinal, const W4a16WideArgs& args, bool bf16,
                         std::uintptr_t stream) {

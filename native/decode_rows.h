@@ -46,7 +46,7 @@ constexpr int kW4a16WideMaxRows = 32;
 constexpr int kW4a16WgmmaColumns = 256;  // a CTA's span
 constexpr int kW4a16WgmmaThreads = 640;  // four warpgroups multiplying, one loading
 constexpr int kW4a16WgmmaMaxRows = 64;   // wgmma's n
-constexpr int kW4a16WgmmaMaxSplits = 8;  // a span's CTAs are a cluster: 8 at most (portable)
+constexpr int kW4a16WgmmaMaxSplits = 8;  // a CTA adds a share of its span's splits' sums
 // Eight stages of x (64 rows x 64 inputs in 16 bits), a ring of eight blocks' words,
 // scales and zeros (256 columns), and 1,024 bytes to align the stages to the swizzle's
 // period. (The kernel's w4a16_wgmma_load.cuh asserts these wgmma constants against its
@@ -82,14 +82,16 @@ std::string w4a16_wgmma_ready(int ordinal);
 // What is wrong with a wgmma launch's arguments, or "".
 std::string w4a16_wgmma_check(const W4a16WideArgs& args);
 
-// For s = 1..kW4a16WgmmaMaxSplits, how many clusters of s CTAs (a span's splits) the
-// device runs at once (cuOccupancyMaxActiveClusters); throws as launch_w4a16_rows when
-// the kernel is not ready.
-std::vector<int> w4a16_wgmma_clusters(int ordinal);
+// How many CTAs of the wgmma kernel the device runs at once (its occupancy a
+// multiprocessor times their number): a launch of splits > 1 takes at most that many,
+// all resident together; throws as launch_w4a16_rows when the kernel is not ready.
+int w4a16_wgmma_ctas(int ordinal);
 
-// Enqueues y = x W^T (+ b) for up to 64 rows on `stream`: ceil(N / 256) x splits CTAs,
-// a span's splits (at most kW4a16WgmmaMaxSplits) one cluster that adds their sums in
-// shared memory (work and counters unused). Throws as launch_w4a16_rows.
+// Enqueues y = x W^T (+ b) for up to 64 rows on `stream`: ceil(N / 256) x splits CTAs.
+// With splits > 1 (at most kW4a16WgmmaMaxSplits) a cooperative launch of at most
+// w4a16_wgmma_ctas CTAs, whose span's CTAs each add a share of their sums (in work) once
+// all have stored theirs (counted in counters, zero again after). Throws as
+// launch_w4a16_rows.
 void launch_w4a16_wgmma(int ordinal, const W4a16WideArgs& args, bool bf16,
                         std::uintptr_t stream);
 

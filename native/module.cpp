@@ -195,20 +195,23 @@ PYBIND11_MODULE(_native, m) {
   m.def(
       "w4a16_wgmma",
       [](int device, std::uintptr_t x, std::uintptr_t q, std::uintptr_t s, std::uintptr_t z,
-         std::uintptr_t bias, std::uintptr_t y, std::uintptr_t work, int rows, int n, int k,
-         int x_stride, int splits, bool bf16, std::uintptr_t stream) {
-        const lmd::W4a16WideArgs args{x, q, s, z, bias, y, work, 0, rows, n, k, x_stride, splits};
+         std::uintptr_t bias, std::uintptr_t y, std::uintptr_t work, std::uintptr_t counters,
+         int rows, int n, int k, int x_stride, int splits, bool bf16, std::uintptr_t stream) {
+        const lmd::W4a16WideArgs args{x, q, s, z, bias, y, work, counters,
+                                      rows, n, k, x_stride, splits};
         lmd::launch_w4a16_wgmma(device, args, bf16, stream);
       },
       "y = x W^T (+ b) for up to 64 rows of x on Hopper's tensor cores\n"
-      "(native/kernels/w4a16_wgmma.cu), arguments as w4a16_wide's less counters (scales,\n"
-      "zeros 16-byte aligned): ceil(n / 256) x splits CTAs, a span's splits (at most 8) one\n"
-      "cluster that adds their sums. With splits > 1, work is [ceil(n / 256) * splits, 64,\n"
-      "256] float32 (each CTA's sums), else 0.\n"
+      "(native/kernels/w4a16_wgmma.cu), arguments as w4a16_wide's (scales, zeros 16-byte\n"
+      "aligned): ceil(n / 256) x splits CTAs. With splits > 1 (at most 8, and at most\n"
+      "w4a16_wgmma_ctas CTAs in all: they wait for each other), work is [ceil(n / 256) *\n"
+      "splits, 64, 256] float32 (each CTA's sums) and counters 2 ceil(n / 256) uint32\n"
+      "zeros, zero again when the launch is done; else both 0.\n"
       "ValueError for bad arguments, RuntimeError as w4a16_rows.");
-  m.def("w4a16_wgmma_clusters", &lmd::w4a16_wgmma_clusters, py::arg("device"),
-        "For s = 1..8, how many clusters of s CTAs of the wgmma kernel (a span's splits)\n"
-        "CUDA device `device` runs at once; RuntimeError when the kernel is not ready.");
+  m.def("w4a16_wgmma_ctas", &lmd::w4a16_wgmma_ctas, py::arg("device"),
+        "How many CTAs of the wgmma kernel CUDA device `device` runs at once (a launch\n"
+        "with splits > 1 takes at most that many); RuntimeError when the kernel is not\n"
+        "ready.");
 
   m.def(
       "fp8_rows_ready",

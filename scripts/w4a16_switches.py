@@ -89,10 +89,11 @@ def splits_sweep(m: int) -> None:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         most = k // 128
-        if m > w4a16_rows.WIDE_MAX_ROWS:  # a span's splits one cluster: at most len(clusters)
-            clusters = w4a16_rows.wgmma_clusters(0)
-            chosen = w4a16_rows.wgmma_splits(n, k, clusters)
-            most = min(most, len(clusters))
+        if m > w4a16_rows.WIDE_MAX_ROWS:  # at most 8, every CTA resident at once
+            ctas = w4a16_rows.wgmma_ctas(0)
+            chosen = w4a16_rows.wgmma_splits(n, k, ctas)
+            spans = -(-n // w4a16_rows.WGMMA_SPAN)
+            most = min(most, w4a16_rows.WGMMA_MAX_SPLITS, ctas // spans)
         else:
             chosen = w4a16_rows.default_splits(n, k, sms)
         for splits in sorted({s for s in (1, 2, 3, 4, 6, 8, 12, 16, chosen) if s <= most}):

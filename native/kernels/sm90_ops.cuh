@@ -1,6 +1,5 @@
 // Hopper (sm_90a) device helpers of native/kernels/w4a16_wgmma.cu: mbarriers, cp.async
-// into them, shared-memory operand descriptors, wgmma itself and a cluster's barrier and
-// shared memory.
+// into them, shared-memory operand descriptors, wgmma itself and loads through L2.
 #pragma once
 
 #include <stdint.h>
@@ -97,12 +96,6 @@ __device__ __forceinline__ void wgmma_wait() {
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b_lo), "r"(b_hi), "r"(accumulate))
-
-// Every thread of the cluster's CTAs: what each wrote (shared or global memory) before
-// it is visible to all after it.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
-}
 
 // 16 bytes of global memory from L2 (not L1, which may hold another CTA's stale lines).
 __device__ __forceinline__ float4 load_l2_16(const float* from) {

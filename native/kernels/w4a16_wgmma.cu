@@ -28,11 +28,11 @@
 // barrier.
 //
 // Grid: ceil(N / 256) column spans by `splits` (at most 8) ranges of K; with more than
-// one split a span's CTAs are a cluster (the launch's, native/decode_rows.cpp): each
-// stores its float32 sums to work ([spans x splits, 64, 256]), and after the cluster's
-// barrier each adds a share of the span's outputs over all of them in split order. Rows
-// past M repeat row M - 1 in the stages, their outputs not stored; columns past N are
-// zero.
+// one split every CTA is resident at once (a cooperative launch, native/decode_rows.cpp):
+// each stores its float32 sums to work ([spans x splits, 64, 256]), and once all of its
+// span's CTAs have (counted in counters) each adds a share of the span's outputs over
+// all of them in split order. Rows past M repeat row M - 1 in the stages, their outputs
+// not stored; columns past N are zero.
 //
 // Not compiled by setup.py: its PTX (native/kernels/w4a16_wgmma.ptx, ISA 8.0, target
 // sm_90a) is embedded and JIT-compiled by the driver at run time on a GPU of compute
@@ -63,15 +63,43 @@ __device__ __forceinline__ float bias_at(const W4a16Wide& a, int col) {
   return a.bias == nullptr ? 0.0f : to_float<kBf16>(a.bias[col]);
 }
 
-// The splits' sums of a cluster (a span's CTAs, one a split, cluster rank = split), in
-// work (sums_of): once every CTA of the cluster has stored its own, this CTA (rank
-// `split`) adds its share of the span's rows x 4-column groups over all the splits in
-// split order (+ bias) into y. Every thread of the cluster calls it after storing its
-// sums. (Through L2 rather than the cluster's distributed shared memory: 2 us a layer
-// less, docs/benchmarks.md.)
+// Every CTA of span `span` waits here until all a.splits have stored their sums (each
+// thread its own before): counters[2 span] counts the arrivals.
+__device__ __forceinline__ void span_arrive(const W4a16Wide& a, int span) {
+  __syncthreads();
+  if (threadIdx.x == 0) {  // the CTA's stores, ordered before by the barrier, released
+    unsigned* arrived = a.counters + 2 * span;
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(arrived) : "memory");
+    unsigned seen = 0;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(arrived) : "memory");
+    } while (seen < static_cast<unsigned>(a.splits));
+  }
+  __syncthreads();
+}
+
+// Once this CTA has read its share: counters[2 span + 1] counts the departures, and the
+// last of the span's CTAs zeroes both (all have passed span_arrive by then).
+__device__ __forceinline__ void span_leave(const W4a16Wide& a, int span) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned* arrived = a.counters + 2 * span;
+    if (atomicAdd(arrived + 1, 1u) == static_cast<unsigned>(a.splits) - 1) {
+      arrived[0] = 0;
+      arrived[1] = 0;
+    }
+  }
+}
+
+// The splits' sums of span `span` (its CTAs, one a split), in work (sums_of): once every
+// CTA of the span has stored its own, this one (split `split`) adds its share of the
+// span's rows x 4-column groups over all the splits in split order (+ bias) into y.
+// Every thread calls it after storing its sums. (Through L2, with a wait on counters
+// rather than a cluster's barrier, so the splits need not fit the clusters a GPU
+// co-schedules: docs/benchmarks.md.)
 template <bool kBf16>
-__device__ __forceinline__ void sum_cluster(const W4a16Wide& a, int span, int split) {
-  cluster_sync();
+__device__ __forceinline__ void sum_span(const W4a16Wide& a, int span, int split) {
+  span_arrive(a, span);
   const int groups = a.m * (kSpan / 4);
   const int share = (groups + a.splits - 1) / a.splits;
   const int end = min(groups, (split + 1) * share);
@@ -99,6 +127,7 @@ __device__ __forceinline__ void sum_cluster(const W4a16Wide& a, int span, int sp
     uint16_t* to = a.y + static_cast<size_t>(row) * a.n + col;
     asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(to), "r"(lo), "r"(hi) : "memory");
   }
+  span_leave(a, span);
 }
 
 // A lane's share of a block: word rows 2 t, 2 t + 1, 2 t + 8, 2 t + 9 of its two
@@ -162,7 +191,7 @@ __device__ __forceinline__ void hold_a(uint32_t (&a)[4]) {
 }
 
 // Warpgroup `group` (0-3): its 64 columns over the CTA's blocks, then its sums to y (one
-// split) or to work (sums_of) for sum_cluster.
+// split) or to work (sums_of) for sum_span.
 template <bool kBf16>
 __device__ __forceinline__ void multiply(const W4a16Wide& a, Barriers& bars, uint32_t xs,
                                          uint32_t ring, int first, int end, int span) {
@@ -299,7 +328,7 @@ __device__ __forceinline__ void w4a16_wgmma(const W4a16Wide& a) {
   } else {
     multiply<kBf16>(a, bars, xs, ring, first, end, span);
   }
-  if (a.splits > 1) sum_cluster<kBf16>(a, span, blockIdx.y);
+  if (a.splits > 1) sum_span<kBf16>(a, span, blockIdx.y);
 }
 
 }  // namespace lmd_w4a16

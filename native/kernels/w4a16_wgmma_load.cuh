@@ -23,7 +23,7 @@ constexpr int kSlotBytes = kWordBytes + kSpan * 2 + kSpan;  // + scales + zeros
 constexpr int kWordSlots = 8;
 constexpr int kMultipliers = 512;  // warpgroups 0-3; the loader's threads are 512-639
 constexpr int kThreads = 640;
-constexpr int kMaxSplits = 8;  // a cluster's CTAs (portable)
+constexpr int kMaxSplits = 8;  // a span's CTAs (sum_span holds a share of each)
 // What native/decode_rows.cpp launches with: the rings and 1,024 bytes to align them.
 static_assert(kThreads == lmd::kW4a16WgmmaThreads && kSpan == lmd::kW4a16WgmmaColumns &&
                   kRows == lmd::kW4a16WgmmaMaxRows && kMaxSplits == lmd::kW4a16WgmmaMaxSplits,

@@ -161,24 +161,23 @@ def test_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 @hopper
-def test_wgmma_clusters_fit_the_device() -> None:
-    """Clusters of 1..8 CTAs that run at once: one CTA a multiprocessor (its shared
-    memory), so s of them take s multiprocessors; printed for the unit tests' table."""
+def test_wgmma_runs_one_cta_a_multiprocessor_and_refuses_more_splits_than_fit() -> None:
+    """Its shared memory leaves room for one CTA a multiprocessor; a launch whose split
+    CTAs would not all be resident at once (they wait for each other) is refused."""
     assert _native.w4a16_wgmma_ready(0) == ""
-    clusters = w4a16_rows.wgmma_clusters(0)
-    print("w4a16_wgmma_clusters", clusters)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert len(clusters) == 8
-    assert clusters[0] == sms
-    assert all(c >= 1 and c * s <= sms for s, c in enumerate(clusters, 1))
+    assert w4a16_rows.wgmma_ctas(0) == sms
+    w = weight(28672, 256, torch.bfloat16)  # 112 spans: two splits are 224 CTAs
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="more CTAs than the device runs at once"):
+        native(x, w, splits=2)
 
 
 @pytest.mark.parametrize("rows", [32, 64])
 def test_every_split_of_k(rows: int) -> None:
     """The wide kernel (32 rows) and the wgmma one (64, Hopper): each split count (uneven
-    ones too; the wgmma kernel's at most 8, a cluster) gives the product, the same bits
-    every launch; the wide kernel's last CTA of a span adds the splits in order and leaves
-    its counter at zero."""
+    ones too; the wgmma kernel's at most 8) gives the product, the same bits every launch;
+    the span counters are zero again after either."""
     if rows > w4a16_rows.WIDE_MAX_ROWS and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernel needs sm_90")
     w = weight(4096, 4096, torch.bfloat16)

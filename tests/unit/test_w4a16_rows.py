@@ -49,20 +49,15 @@ def test_splits_give_two_ctas_a_multiprocessor() -> None:
     assert w4a16_rows.default_splits(128256, 4096, 132) == 1
 
 
-# w4a16_wgmma_clusters on an H200 (132 multiprocessors): clusters of 1..8 CTAs at once
-# (tests/gpu/test_w4a16_rows_gpu.py prints it; measured 2026-11-30).
-H200_CLUSTERS = [132, 66, 39, 30, 22, 17, 15, 15]
-
-
-def test_wgmma_splits_keep_one_wave_of_clusters() -> None:
-    """A span's splits one cluster, spans of 256: the most splits whose clusters all run at
-    once, at most 8 and one a block of K."""
-    got = {name: w4a16_rows.wgmma_splits(n, k, H200_CLUSTERS) for name, (n, k) in LLAMA3_8B.items()}
-    # qkv's 24 spans: 22 clusters of 5 fit, 30 of 4; o's and down's 16: 15 of 8, 17 of 6.
-    assert got == {"qkv": 4, "o": 6, "gate|up": 1, "down": 6}
-    assert w4a16_rows.wgmma_splits(96, 256, H200_CLUSTERS) == 2  # at most a block of K each
-    assert w4a16_rows.wgmma_splits(2048, 8192, H200_CLUSTERS) == 8  # at most a cluster of 8
-    assert w4a16_rows.wgmma_splits(128256, 4096, H200_CLUSTERS) == 1  # several waves
+def test_wgmma_splits_keep_every_cta_resident() -> None:
+    """Spans of 256: the most splits whose CTAs all run at once (w4a16_wgmma_ctas: 132 on
+    an H200, one a multiprocessor), at most 8 and one a block of K."""
+    got = {name: w4a16_rows.wgmma_splits(n, k, 132) for name, (n, k) in LLAMA3_8B.items()}
+    # qkv's 24 spans: 5 splits are 120 CTAs, 6 would be 144; o's and down's 16: 8 are 128.
+    assert got == {"qkv": 5, "o": 8, "gate|up": 1, "down": 8}
+    assert w4a16_rows.wgmma_splits(96, 256, 132) == 2  # at most a block of K each
+    assert w4a16_rows.wgmma_splits(2048, 8192, 132) == 8  # at most 8
+    assert w4a16_rows.wgmma_splits(128256, 4096, 132) == 1  # several waves
 
 
 def test_cpu_tensors_stay_with_the_triton_tiles() -> None:
@@ -123,30 +118,32 @@ def test_bad_split_launches_are_refused_before_cuda(
     past, n, k, stride, splits = launch
     rows = max_rows + (past or 0)
     shapes = f"m must be 1..{max_rows}, n a multiple of 32, k of 128 and x_stride >= k"
-    work = (64, 64) if name == "w4a16_wide" else (64,)  # the wgmma kernel takes no counters
     with pytest.raises(ValueError, match=re.escape(message or shapes)):
-        getattr(_native, name)(0, 64, 64, 64, 64, 0, 64, *work, rows, n, k, stride, splits, True, 0)
+        kernel = getattr(_native, name)
+        kernel(0, 64, 64, 64, 64, 0, 64, 64, 64, rows, n, k, stride, splits, True, 0)
 
 
-def test_wgmma_splits_are_at_most_a_cluster_of_8() -> None:
+def test_wgmma_splits_are_at_most_8() -> None:
     with pytest.raises(ValueError, match=re.escape("splits must be 1..8 (k / 128, at most 8)")):
-        _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 64, 33, 64, 2048, 2048, 9, True, 0)
+        _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 64, 64, 33, 64, 2048, 2048, 9, True, 0)
 
 
 def test_wgmma_needs_16_byte_scales_and_zeros() -> None:
     for s, z in ((72, 64), (64, 68)):  # scales 8-byte aligned, zeros 4-byte aligned
         with pytest.raises(ValueError, match="misaligned"):
-            _native.w4a16_wgmma(0, 64, 64, s, z, 0, 64, 0, 33, 64, 256, 256, 1, True, 0)
+            _native.w4a16_wgmma(0, 64, 64, s, z, 0, 64, 0, 0, 33, 64, 256, 256, 1, True, 0)
 
 
-def test_wgmma_needs_work_for_splits_and_no_counters() -> None:
+def test_wgmma_needs_work_and_counters_for_splits() -> None:
     with pytest.raises(ValueError, match="misaligned"):  # two splits, no work
-        _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 0, 33, 64, 256, 256, 2, True, 0)
+        _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 0, 64, 33, 64, 256, 256, 2, True, 0)
     with pytest.raises(ValueError, match="misaligned"):  # work 8-byte aligned only
-        _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 72, 33, 64, 256, 256, 2, True, 0)
-    if not _native.probe_cuda()["available"]:  # refused for want of CUDA, not of counters
+        _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 72, 64, 33, 64, 256, 256, 2, True, 0)
+    with pytest.raises(ValueError, match="misaligned"):  # two splits, no counters
+        _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 64, 0, 33, 64, 256, 256, 2, True, 0)
+    if not _native.probe_cuda()["available"]:  # refused for want of CUDA, not of addresses
         with pytest.raises(RuntimeError, match="CUDA"):
-            _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 64, 33, 64, 256, 256, 2, True, 0)
+            _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 64, 64, 33, 64, 256, 256, 2, True, 0)
 
 
 def test_wide_needs_aligned_x_and_work_for_splits() -> None:
@@ -165,4 +162,4 @@ def test_without_cuda_it_says_why() -> None:
         _native.w4a16_wide(0, 64, 64, 64, 64, 0, 64, 0, 0, 17, 64, 256, 256, 1, True, 0)
     assert "CUDA" in _native.w4a16_wgmma_ready(0)
     with pytest.raises(RuntimeError, match="CUDA"):
-        _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 0, 33, 64, 256, 256, 1, True, 0)
+        _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 0, 0, 33, 64, 256, 256, 1, True, 0)

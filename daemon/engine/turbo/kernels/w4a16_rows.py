@@ -6,8 +6,9 @@ the packed weights, the next block of K loaded while the current one is multipli
 wide one shares x among a CTA's 128 columns through shared memory and splits K over
 CTAs, summed in split order by the last CTA of a span. The wgmma one makes the same
 operands in the registers of four warpgroups that run wgmma on them while a fifth copies
-the words and x into shared memory (its file says how), and splits K over the CTAs of a
-cluster, which add their sums in shared memory.
+the words and x into shared memory (its file says how), and splits K over CTAs all
+resident at once, a span's CTAs each adding a share of their sums once all have stored
+theirs.
 
 They read the layout that kernels/w4a16.py's Triton tiles read (quant/w4a16.py), so
 they need no copy of the weights; they take 1-32 rows (1-64 on Hopper) of bf16 or fp16,
@@ -25,7 +26,7 @@ from lmd._native import (
     w4a16_rows,
     w4a16_rows_ready,
     w4a16_wgmma,
-    w4a16_wgmma_clusters,
+    w4a16_wgmma_ctas,
     w4a16_wgmma_ready,
     w4a16_wide,
 )
@@ -37,6 +38,7 @@ WIDE_MAX_ROWS = 32  # from 33 rows the Triton tiles were as fast (docs/benchmark
 WGMMA = True  # off: 33-64 rows go to the Triton tiles on Hopper too (scripts' A/B runs)
 WGMMA_MAX_ROWS = 64
 WGMMA_SPAN = 256  # output columns of a wgmma kernel's CTA
+WGMMA_MAX_SPLITS = 8  # a CTA adds a share of each of its span's splits' sums
 GROUP = 128
 COLUMNS = 32  # output columns of a rows kernel's CTA
 SPAN = 128  # output columns of a wide kernel's CTA
@@ -46,10 +48,11 @@ WIDE_CTAS_PER_SM = 2  # what default_splits plans for (3 fit; 2 measured best at
 
 _kernels = NativeKernels(w4a16_rows_ready, "W4A16 decode rows go to the Triton tiles")
 _wgmma = NativeKernels(w4a16_wgmma_ready, "W4A16 decode steps of 33-64 rows take the Triton tiles")
-# A device's span counters for the wide kernel, zero between launches: its launches must
-# not overlap in time (one stream; lmd runs one forward at a time a process).
+# A device's span counters for the split kernels (the wide one's one a span, the wgmma
+# one's two), zero between launches: their launches must not overlap in time (one
+# stream; lmd runs one forward at a time a process).
 _counters: dict[int, Tensor] = {}
-_clusters: dict[int, list[int]] = {}  # a device's w4a16_wgmma_clusters
+_wgmma_ctas: dict[int, int] = {}  # a device's w4a16_wgmma_ctas
 
 
 def ready(device: torch.device) -> bool:
@@ -83,22 +86,22 @@ def default_splits(n: int, k: int, num_sms: int) -> int:
     return max(1, min(k // GROUP, WIDE_CTAS_PER_SM * num_sms // spans))
 
 
-def wgmma_splits(n: int, k: int, clusters: list[int]) -> int:
-    """Ranges of K for the wgmma kernel, a span's CTAs one cluster (one CTA a
-    multiprocessor: its stages fill shared memory): the most, at most one a block of K,
-    whose clusters of all spans the device runs at once (clusters[s - 1], of s CTAs:
-    lmd._native.w4a16_wgmma_clusters, at most 8), so one wave; else 1."""
+def wgmma_splits(n: int, k: int, ctas: int) -> int:
+    """Ranges of K for the wgmma kernel (one CTA a multiprocessor: its stages fill shared
+    memory): the most, at most one a block of K and WGMMA_MAX_SPLITS, whose CTAs of all
+    spans the device runs at once (`ctas`: lmd._native.w4a16_wgmma_ctas), as a launch of
+    more than one split must; else 1. On an H200 (132): qkv 5, o and down 8, gate|up 1."""
     spans = -(-n // WGMMA_SPAN)
-    fits = [s for s in range(1, min(len(clusters), k // GROUP) + 1) if spans <= clusters[s - 1]]
+    fits = [s for s in range(1, min(WGMMA_MAX_SPLITS, k // GROUP) + 1) if spans * s <= ctas]
     return max(fits, default=1)
 
 
-def wgmma_clusters(device: int) -> list[int]:
-    """lmd._native.w4a16_wgmma_clusters of a device (which loads the wgmma kernel there
-    if it is not yet), asked once."""
-    if device not in _clusters:
-        _clusters[device] = w4a16_wgmma_clusters(device)
-    return _clusters[device]
+def wgmma_ctas(device: int) -> int:
+    """lmd._native.w4a16_wgmma_ctas of a device (which loads the wgmma kernel there if it
+    is not yet), asked once."""
+    if device not in _wgmma_ctas:
+        _wgmma_ctas[device] = w4a16_wgmma_ctas(device)
+    return _wgmma_ctas[device]
 
 
 def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds them
@@ -175,17 +178,15 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
         w4a16_rows(device, *addresses, m, n, k, x.stride(0), bf16, warps, stream)
         return True
     if splits is None:
-        splits = (
-            wgmma_splits(n, k, wgmma_clusters(device)) if wgmma else default_splits(n, k, num_sms)
-        )
+        splits = wgmma_splits(n, k, wgmma_ctas(device)) if wgmma else default_splits(n, k, num_sms)
     work = counters = 0
     if wgmma:
-        if splits > 1:  # each CTA's float32 sums, added by its span's cluster
+        if splits > 1:  # each CTA's float32 sums, added by its span's CTAs, a share each
             spans = -(-n // WGMMA_SPAN)
             shape = (spans * splits, WGMMA_MAX_ROWS, WGMMA_SPAN)
             buffer = torch.empty(shape, dtype=torch.float32, device=x.device)
-            work = buffer.data_ptr()
-        w4a16_wgmma(device, *addresses, work, m, n, k, x.stride(0), splits, bf16, stream)
+            work, counters = buffer.data_ptr(), _counters[device].data_ptr()
+        w4a16_wgmma(device, *addresses, work, counters, m, n, k, x.stride(0), splits, bf16, stream)
         return True
     if splits > 1:  # the splits' float32 sums, added by the last CTA of each span
         buffer = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
