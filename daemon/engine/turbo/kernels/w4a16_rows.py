@@ -19,6 +19,8 @@ current stream, so a decode step's CUDA graph captures it.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -31,6 +33,7 @@ from lmd._native import (
     w4a16_wide,
 )
 from lmd.engine.turbo.kernels.native_kernels import NativeKernels, device_index
+from lmd.gpu_sharing import SHARE_ENV
 
 NATIVE_ROWS = True  # off: decode rows go to the Triton tiles (scripts' A/B runs)
 MAX_ROWS = 16  # the rows kernel's; the wide kernel's is WIDE_MAX_ROWS
@@ -98,9 +101,13 @@ def wgmma_splits(n: int, k: int, ctas: int) -> int:
 
 def wgmma_ctas(device: int) -> int:
     """lmd._native.w4a16_wgmma_ctas of a device (which loads the wgmma kernel there if it
-    is not yet), asked once."""
+    is not yet), asked once; in a process held to a share of the multiprocessors by MPS
+    (a prefill worker's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, gpu_sharing.py), that share
+    of it: a launch's split CTAs wait for each other, so all must be resident at once."""
     if device not in _wgmma_ctas:
-        _wgmma_ctas[device] = w4a16_wgmma_ctas(device)
+        share = os.environ.get(SHARE_ENV, "").strip()
+        percent = int(share) if share.isdigit() else 100
+        _wgmma_ctas[device] = w4a16_wgmma_ctas(device) * min(percent, 100) // 100
     return _wgmma_ctas[device]
 
 
