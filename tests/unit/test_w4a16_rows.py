@@ -60,19 +60,6 @@ def test_wgmma_splits_keep_every_cta_resident() -> None:
     assert w4a16_rows.wgmma_splits(128256, 4096, 132) == 1  # several waves
 
 
-def test_wgmma_ctas_under_mps_are_the_process_s_share(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A prefill worker held to 50% of the multiprocessors plans its splits for half the
-    CTAs the device runs at once (they wait for each other: all must be resident)."""
-    monkeypatch.setattr(w4a16_rows, "w4a16_wgmma_ctas", lambda device: 132)
-    monkeypatch.setattr(w4a16_rows, "_wgmma_ctas", {})
-    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50")
-    assert w4a16_rows.wgmma_ctas(0) == 66
-    assert w4a16_rows.wgmma_splits(4096, 14336, 66) == 4  # down: 16 spans x 4
-    monkeypatch.setattr(w4a16_rows, "_wgmma_ctas", {})
-    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
-    assert w4a16_rows.wgmma_ctas(0) == 132
-
-
 def test_cpu_tensors_stay_with_the_triton_tiles() -> None:
     w = W4A16Weight.quantize(torch.randn(64, 256), 128)
     x = torch.randn(2, 256)

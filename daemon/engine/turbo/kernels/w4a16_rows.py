@@ -19,8 +19,6 @@ current stream, so a decode step's CUDA graph captures it.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
@@ -33,7 +31,6 @@ from lmd._native import (
     w4a16_wide,
 )
 from lmd.engine.turbo.kernels.native_kernels import NativeKernels, device_index
-from lmd.gpu_sharing import SHARE_ENV
 
 NATIVE_ROWS = True  # off: decode rows go to the Triton tiles (scripts' A/B runs)
 MAX_ROWS = 16  # the rows kernel's; the wide kernel's is WIDE_MAX_ROWS
@@ -101,13 +98,9 @@ def wgmma_splits(n: int, k: int, ctas: int) -> int:
 
 def wgmma_ctas(device: int) -> int:
     """lmd._native.w4a16_wgmma_ctas of a device (which loads the wgmma kernel there if it
-    is not yet), asked once; in a process held to a share of the multiprocessors by MPS
-    (a prefill worker's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, gpu_sharing.py), that share
-    of it: a launch's split CTAs wait for each other, so all must be resident at once."""
+    is not yet), asked once."""
     if device not in _wgmma_ctas:
-        share = os.environ.get(SHARE_ENV, "").strip()
-        percent = int(share) if share.isdigit() else 100
-        _wgmma_ctas[device] = w4a16_wgmma_ctas(device) * min(percent, 100) // 100
+        _wgmma_ctas[device] = w4a16_wgmma_ctas(device)
     return _wgmma_ctas[device]
 
 
