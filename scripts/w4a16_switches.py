@@ -96,7 +96,7 @@ def splits_sweep(m: int) -> None:
             most = min(most, w4a16_rows.WGMMA_MAX_SPLITS, ctas // spans)
         else:
             chosen = w4a16_rows.default_splits(n, k, sms)
-        for splits in sorted({s for s in (1, 2, 3, 4, 6, 8, 12, 16, chosen) if s <= most}):
+        for splits in sorted({s for s in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, chosen) if s <= most}):
             calls: list[Callable[[], object]] = [
                 partial(w4a16_rows.native_rows, x, *p, 128, None, y, splits=splits) for p in packed
             ]
