@@ -215,15 +215,15 @@ namespace {
 // dynamic shared memory, the alignments (bytes) its loads and stores ask of scales,
 // zeros, y and bias (x and the words are copied 16 bytes at a time by both), how its
 // splits' sums in work (16-byte aligned) are added (counted in counters: by the last CTA
-// of a span; or, `cooperative`, by all of a span's CTAs, each a share once all have
-// arrived, so at most kW4a16WgmmaMaxSplits and every CTA resident at once), and where
-// Loaded keeps it.
+// of a span; or, with `resident`, by all of a span's CTAs, each a share once all have
+// arrived, so at most kW4a16WgmmaMaxSplits and a cooperative launch of at most
+// Loaded::*resident CTAs), and where Loaded keeps it.
 struct SplitKernel {
   const char* name;
   const char* launch;
   int max_rows, columns, threads, shared_bytes;
   int s_align, z_align, y_align, bias_align;
-  bool cooperative;
+  int Loaded::*resident;  // the CTAs the device holds at once; null: not cooperative
   Kernels module;
   cu::Function (Loaded::*functions)[2];
 };
@@ -231,12 +231,12 @@ struct SplitKernel {
 // w4a16_wide: 8-byte scale, bias and y loads and stores, 4-byte zeros.
 constexpr SplitKernel kWide{"w4a16_wide", "cuLaunchKernel(w4a16_wide)",
                             kW4a16WideMaxRows, kW4a16WideColumns, kW4a16WideThreads, 0,
-                            8, 4, 8, 8, false, Kernels::kW4a16, &Loaded::wide};
+                            8, 4, 8, 8, nullptr, Kernels::kW4a16, &Loaded::wide};
 // w4a16_wgmma: scales and zeros copied 16 bytes at a time, 8-byte y stores, 2-byte bias
 // loads.
 constexpr SplitKernel kWgmma{"w4a16_wgmma", "cuLaunchKernelEx(w4a16_wgmma)",
                              kW4a16WgmmaMaxRows, kW4a16WgmmaColumns, kW4a16WgmmaThreads,
-                             kW4a16WgmmaSharedBytes, 16, 16, 8, 2, true, Kernels::kWgmma,
+                             kW4a16WgmmaSharedBytes, 16, 16, 8, 2, &Loaded::wgmma_ctas, Kernels::kWgmma,
                              &Loaded::wgmma};
 
 std::string split_check(const SplitKernel& kernel, const W4a16WideArgs& a) {
@@ -247,10 +247,10 @@ std::string split_check(const SplitKernel& kernel, const W4a16WideArgs& a) {
            ", n a multiple of 32, k of 128 and x_stride >= k";
   }
   const int max_splits =
-      kernel.cooperative ? std::min(a.k / 128, kW4a16WgmmaMaxSplits) : a.k / 128;
+      kernel.resident ? std::min(a.k / 128, kW4a16WgmmaMaxSplits) : a.k / 128;
   if (a.splits < 1 || a.splits > max_splits) {
     const std::string most =
-        kernel.cooperative ? ", at most " + std::to_string(kW4a16WgmmaMaxSplits) + ")" : ")";
+        kernel.resident ? ", at most " + std::to_string(kW4a16WgmmaMaxSplits) + ")" : ")";
     return name + ": splits must be 1.." + std::to_string(max_splits) + " (k / 128" + most;
   }
   if (!a.x || !a.q || !a.s || !a.z || !a.y || a.x % 16 || a.x_stride % 8 || a.q % 16 ||
@@ -269,12 +269,12 @@ void launch_split(const SplitKernel& kernel, int ordinal, const W4a16WideArgs& a
   if (!wrong.empty()) throw std::invalid_argument(wrong);
   const Loaded& l = loaded_or_throw(ordinal, kernel.module);
   const int spans = (args.n + kernel.columns - 1) / kernel.columns;
-  const bool cooperative = kernel.cooperative && args.splits > 1;
-  if (cooperative && spans * args.splits > l.wgmma_ctas) {
+  const bool cooperative = kernel.resident && args.splits > 1;
+  if (cooperative && spans * args.splits > l.*kernel.resident) {
     throw std::invalid_argument(std::string(kernel.name) + ": " + std::to_string(spans) +
                                 " spans x " + std::to_string(args.splits) +
                                 " splits are more CTAs than the device runs at once (" +
-                                std::to_string(l.wgmma_ctas) + ")");
+                                std::to_string(l.*kernel.resident) + ")");
   }
   launch(l, (l.*kernel.functions)[bf16 ? 1 : 0], args, static_cast<unsigned>(spans),
          static_cast<unsigned>(args.splits), static_cast<unsigned>(kernel.threads),

@@ -10,7 +10,6 @@
 
 #include <cstdint>
 #include <string>
-#include <vector>
 
 namespace lmd {
 
@@ -33,7 +32,7 @@ inline int w4a16_rows_max_warps(int m) { return m <= 8 ? 16 : 8; }
 
 // The split kernels' parameter, byte for byte (W4a16Wide in w4a16_ops.cuh).
 struct W4a16WideArgs {
-  std::uint64_t x, q, s, z, bias, y, work, counters;  // 0 for one split; counters: wide's
+  std::uint64_t x, q, s, z, bias, y, work, counters;  // work and counters: 0 for one split
   std::int32_t m, n, k, x_stride, splits;
 };
 static_assert(sizeof(W4a16WideArgs) == 88, "must match W4a16Wide in w4a16_ops.cuh");

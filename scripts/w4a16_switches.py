@@ -88,14 +88,10 @@ def splits_sweep(m: int) -> None:
         packed = copies_of(n, k)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        most = k // 128
-        if m > w4a16_rows.WIDE_MAX_ROWS:  # at most 8, every CTA resident at once
-            ctas = w4a16_rows.wgmma_ctas(0)
-            chosen = w4a16_rows.wgmma_splits(n, k, ctas)
-            spans = -(-n // w4a16_rows.WGMMA_SPAN)
-            most = min(most, w4a16_rows.WGMMA_MAX_SPLITS, ctas // spans)
+        if m > w4a16_rows.WIDE_MAX_ROWS:  # the default is the most whose CTAs all fit
+            most = chosen = w4a16_rows.wgmma_splits(n, k, w4a16_rows.wgmma_ctas(0))
         else:
-            chosen = w4a16_rows.default_splits(n, k, sms)
+            most, chosen = k // 128, w4a16_rows.default_splits(n, k, sms)
         for splits in sorted({s for s in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, chosen) if s <= most}):
             calls: list[Callable[[], object]] = [
                 partial(w4a16_rows.native_rows, x, *p, 128, None, y, splits=splits) for p in packed
