@@ -213,7 +213,7 @@ namespace {
 // What a kernel that splits K over CTAs (w4a16_wide, w4a16_wgmma) takes: its name (its
 // messages' prefix) and its launch's, the most rows, a CTA's columns, threads and
 // dynamic shared memory, the alignments (bytes) its loads and stores ask of scales,
-// zeros, y and bias (x and the words are copied 16 bytes at a time by both), how its
+// zeros, y, bias and counters (x and the words are copied 16 bytes at a time by both), how its
 // splits' sums in work (16-byte aligned) are added (counted in counters: by the last CTA
 // of a span; or, with `resident`, by all of a span's CTAs, each a share once all have
 // arrived, so at most kW4a16WgmmaMaxSplits and a cooperative launch of at most
@@ -222,22 +222,22 @@ struct SplitKernel {
   const char* name;
   const char* launch;
   int max_rows, columns, threads, shared_bytes;
-  int s_align, z_align, y_align, bias_align;
+  int s_align, z_align, y_align, bias_align, counters_align;
   int Loaded::*resident;  // the CTAs the device holds at once; null: not cooperative
   Kernels module;
   cu::Function (Loaded::*functions)[2];
 };
 
-// w4a16_wide: 8-byte scale, bias and y loads and stores, 4-byte zeros.
+// w4a16_wide: 8-byte scale, bias and y loads and stores, 4-byte zeros, 32-bit counters.
 constexpr SplitKernel kWide{"w4a16_wide", "cuLaunchKernel(w4a16_wide)",
                             kW4a16WideMaxRows, kW4a16WideColumns, kW4a16WideThreads, 0,
-                            8, 4, 8, 8, nullptr, Kernels::kW4a16, &Loaded::wide};
+                            8, 4, 8, 8, 4, nullptr, Kernels::kW4a16, &Loaded::wide};
 // w4a16_wgmma: scales and zeros copied 16 bytes at a time, 8-byte y stores, 2-byte bias
-// loads.
+// loads, 64-bit counters.
 constexpr SplitKernel kWgmma{"w4a16_wgmma", "cuLaunchKernelEx(w4a16_wgmma)",
                              kW4a16WgmmaMaxRows, kW4a16WgmmaColumns, kW4a16WgmmaThreads,
-                             kW4a16WgmmaSharedBytes, 16, 16, 8, 2, &Loaded::wgmma_ctas, Kernels::kWgmma,
-                             &Loaded::wgmma};
+                             kW4a16WgmmaSharedBytes, 16, 16, 8, 2, 8, &Loaded::wgmma_ctas,
+                             Kernels::kWgmma, &Loaded::wgmma};
 
 std::string split_check(const SplitKernel& kernel, const W4a16WideArgs& a) {
   const std::string name = kernel.name;
@@ -256,7 +256,8 @@ std::string split_check(const SplitKernel& kernel, const W4a16WideArgs& a) {
   if (!a.x || !a.q || !a.s || !a.z || !a.y || a.x % 16 || a.x_stride % 8 || a.q % 16 ||
       a.s % kernel.s_align || a.z % kernel.z_align || a.y % kernel.y_align ||
       a.bias % kernel.bias_align ||
-      (a.splits > 1 && (!a.work || a.work % 16 || !a.counters || a.counters % 4))) {
+      (a.splits > 1 && (!a.work || a.work % 16 || !a.counters ||
+                          a.counters % kernel.counters_align))) {
     return name + ": a null or misaligned address";
   }
   return "";

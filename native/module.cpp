@@ -205,8 +205,9 @@ PYBIND11_MODULE(_native, m) {
       "(native/kernels/w4a16_wgmma.cu), arguments as w4a16_wide's (scales, zeros 16-byte\n"
       "aligned): ceil(n / 256) x splits CTAs. With splits > 1 (at most 8, and at most\n"
       "w4a16_wgmma_ctas CTAs in all: they wait for each other), work is [ceil(n / 256) *\n"
-      "splits, 64, 256] float32 (each CTA's sums) and counters 2 ceil(n / 256) uint32\n"
-      "zeros, zero again when the launch is done; else both 0.\n"
+      "splits, 64, 256] float32 (each CTA's sums) and counters ceil(n / 256) uint64\n"
+      "multiples of 840 (zeros at first: each launch adds 840 to a span's; never reset);\n"
+      "else both 0.\n"
       "ValueError for bad arguments, RuntimeError as w4a16_rows.");
   m.def("w4a16_wgmma_ctas", &lmd::w4a16_wgmma_ctas, py::arg("device"),
         "How many CTAs of the wgmma kernel CUDA device `device` runs at once (a launch\n"

@@ -19,7 +19,7 @@
 #include <stdint.h>
 
 // The parameter of the kernels that split K over CTAs (w4a16_wide.cu, w4a16_wgmma.cu;
-// native/decode_rows.h: W4a16WideArgs); work and counters are the wide kernel's.
+// native/decode_rows.h: W4a16WideArgs); work and counters serve the splits' sums.
 struct W4a16Wide {
   const uint16_t* x;     // [m, k], row stride x_stride elements; 16-byte aligned rows
   const uint32_t* q;     // [k / 8, n]
@@ -28,7 +28,8 @@ struct W4a16Wide {
   const uint16_t* bias;  // [n] or null
   uint16_t* y;           // [m, n]
   float* work;           // [splits, m, n] when splits > 1
-  unsigned* counters;    // [a span's], zero between launches
+  unsigned* counters;    // [a span's]: w4a16_wide's zero between launches, w4a16_wgmma's
+                         // 64-bit (w4a16_wgmma.cu: span_wait)
   int m, n, k, x_stride, splits;
 };
 

@@ -64,31 +64,25 @@ __device__ __forceinline__ float bias_at(const W4a16Wide& a, int col) {
 }
 
 // Every CTA of span `span` waits here until all a.splits have stored their sums (each
-// thread its own before): counters[2 span] counts the arrivals.
-__device__ __forceinline__ void span_arrive(const W4a16Wide& a, int span) {
+// thread its own before). The span's counter (64 bits, never reset) gains kSpanRound a
+// launch, kSpanRound / splits a CTA, so it is a multiple of kSpanRound between launches
+// and a CTA knows its launch's total from the count it added to.
+__device__ __forceinline__ void span_wait(const W4a16Wide& a, int span) {
   __syncthreads();
   if (threadIdx.x == 0) {  // the CTA's stores, ordered before by the barrier, released
-    unsigned* arrived = a.counters + 2 * span;
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(arrived) : "memory");
-    unsigned seen = 0;
-    do {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(arrived) : "memory");
-    } while (seen < static_cast<unsigned>(a.splits));
-  }
-  __syncthreads();
-}
-
-// Once this CTA has read its share: counters[2 span + 1] counts the departures, and the
-// last of the span's CTAs zeroes both (all have passed span_arrive by then).
-__device__ __forceinline__ void span_leave(const W4a16Wide& a, int span) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned* arrived = a.counters + 2 * span;
-    if (atomicAdd(arrived + 1, 1u) == static_cast<unsigned>(a.splits) - 1) {
-      arrived[0] = 0;
-      arrived[1] = 0;
+    unsigned long long* arrived = reinterpret_cast<unsigned long long*>(a.counters) + span;
+    const unsigned long long share = kSpanRound / a.splits;
+    unsigned long long seen;
+    asm volatile("atom.release.gpu.global.add.u64 %0, [%1], %2;"
+                 : "=l"(seen)
+                 : "l"(arrived), "l"(share)
+                 : "memory");
+    const unsigned long long all = seen - seen % kSpanRound + kSpanRound;
+    for (seen += share; seen < all;) {
+      asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(seen) : "l"(arrived) : "memory");
     }
   }
+  __syncthreads();
 }
 
 // The splits' sums of span `span` (its CTAs, one a split), in work (sums_of): once every
@@ -99,7 +93,7 @@ __device__ __forceinline__ void span_leave(const W4a16Wide& a, int span) {
 // co-schedules: docs/benchmarks.md.)
 template <bool kBf16>
 __device__ __forceinline__ void sum_span(const W4a16Wide& a, int span, int split) {
-  span_arrive(a, span);
+  span_wait(a, span);
   const int groups = a.m * (kSpan / 4);
   const int share = (groups + a.splits - 1) / a.splits;
   const int end = min(groups, (split + 1) * share);
@@ -127,7 +121,6 @@ __device__ __forceinline__ void sum_span(const W4a16Wide& a, int span, int split
     uint16_t* to = a.y + static_cast<size_t>(row) * a.n + col;
     asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(to), "r"(lo), "r"(hi) : "memory");
   }
-  span_leave(a, span);
 }
 
 // A lane's share of a block: word rows 2 t, 2 t + 1, 2 t + 8, 2 t + 9 of its two
@@ -295,6 +288,20 @@ __device__ __forceinline__ void w4a16_wgmma(const W4a16Wide& a) {
   const int blocks = a.k / 128;
   const int first = static_cast<int>(static_cast<long long>(blockIdx.y) * blocks / a.splits);
   const int end = static_cast<int>(static_cast<long long>(blockIdx.y + 1) * blocks / a.splits);
+  // The loader asks for its first block of x and of words before the barriers are set up,
+  // so that their latency runs under that and the barrier; arrive_after_copies, after it,
+  // counts them in as it does the later blocks'. (Each CTA has a block: splits <= blocks.)
+  const bool x_loader = threadIdx.x >= kMultipliers + 64;
+  const bool words_loader = !x_loader && threadIdx.x >= kMultipliers;
+  XShare x_at;
+  WordsShare words_at;
+  if (x_loader) {
+    x_at = x_share(a, threadIdx.x - kMultipliers - 64);
+    load_x(xs, x_at, first);
+  } else if (words_loader) {
+    words_at = words_share(a, span, threadIdx.x - kMultipliers);
+    load_words(ring, words_at, a, first);
+  }
   if (threadIdx.x == 0) {
     for (int s = 0; s < kXBlocks; ++s) {
       barrier_init(smem(&bars.full[s]), 64);
@@ -307,21 +314,23 @@ __device__ __forceinline__ void w4a16_wgmma(const W4a16Wide& a) {
   }
   __syncthreads();
 
-  if (threadIdx.x >= kMultipliers + 64) {  // x, a block's two stages once they are free
-    const XShare share = x_share(a, threadIdx.x - kMultipliers - 64);
+  if (x_loader) {  // x, a block's two stages once they are free
     for (int i = 0; first + i < end; ++i) {
       const int u = i % kXBlocks;
-      wait(smem(&bars.empty[u]), ((i / kXBlocks) & 1) ^ 1);
-      load_x(xs + 2 * u * kXBytes, share, first + i);
+      if (i > 0) {
+        wait(smem(&bars.empty[u]), ((i / kXBlocks) & 1) ^ 1);
+        load_x(xs + 2 * u * kXBytes, x_at, first + i);
+      }
       arrive_after_copies(smem(&bars.full[u]));
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
-  } else if (threadIdx.x >= kMultipliers) {  // words, a block once its slot is free
-    const WordsShare share = words_share(a, span, threadIdx.x - kMultipliers);
+  } else if (words_loader) {  // words, a block once its slot is free
     for (int b = 0; first + b < end; ++b) {
       const int slot = b % kWordSlots;
-      wait(smem(&bars.words_empty[slot]), ((b / kWordSlots) & 1) ^ 1);
-      load_words(ring + slot * kSlotBytes, share, a, first + b);
+      if (b > 0) {
+        wait(smem(&bars.words_empty[slot]), ((b / kWordSlots) & 1) ^ 1);
+        load_words(ring + slot * kSlotBytes, words_at, a, first + b);
+      }
       arrive_after_copies(smem(&bars.words_full[slot]));
     }
     asm volatile("cp.async.wait_all;" ::: "memory");

@@ -141,6 +141,8 @@ def test_wgmma_needs_work_and_counters_for_splits() -> None:
         _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 72, 64, 33, 64, 256, 256, 2, True, 0)
     with pytest.raises(ValueError, match="misaligned"):  # two splits, no counters
         _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 64, 0, 33, 64, 256, 256, 2, True, 0)
+    with pytest.raises(ValueError, match="misaligned"):  # 64-bit counters 4-byte aligned
+        _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 64, 68, 33, 64, 256, 256, 2, True, 0)
     if not _native.probe_cuda()["available"]:  # refused for want of CUDA, not of addresses
         with pytest.raises(RuntimeError, match="CUDA"):
             _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 64, 64, 33, 64, 256, 256, 2, True, 0)

@@ -48,10 +48,12 @@ WIDE_CTAS_PER_SM = 2  # what default_splits plans for (3 fit; 2 measured best at
 
 _kernels = NativeKernels(w4a16_rows_ready, "W4A16 decode rows go to the Triton tiles")
 _wgmma = NativeKernels(w4a16_wgmma_ready, "W4A16 decode steps of 33-64 rows take the Triton tiles")
-# A device's span counters for the split kernels (the wide one's one a span, the wgmma
-# one's two), zero between launches: their launches must not overlap in time (one
-# stream; lmd runs one forward at a time a process).
+# A device's span counters for the split kernels: the wide one's 32 bits a span, zero
+# between launches; the wgmma one's 64 bits a span, a multiple of 840 between launches
+# (each adds 840; never reset). Their launches must not overlap in time (one stream; lmd
+# runs one forward at a time a process).
 _counters: dict[int, Tensor] = {}
+_wgmma_counters: dict[int, Tensor] = {}
 _wgmma_ctas: dict[int, int] = {}  # a device's w4a16_wgmma_ctas
 
 
@@ -64,6 +66,7 @@ def ready(device: torch.device) -> bool:
         return False
     if index not in _counters:
         _counters[index] = torch.zeros(MAX_SPANS, dtype=torch.int32, device=device)
+        _wgmma_counters[index] = torch.zeros(MAX_SPANS, dtype=torch.int64, device=device)
     return True
 
 
@@ -185,7 +188,7 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
             spans = -(-n // WGMMA_SPAN)
             shape = (spans * splits, WGMMA_MAX_ROWS, WGMMA_SPAN)
             buffer = torch.empty(shape, dtype=torch.float32, device=x.device)
-            work, counters = buffer.data_ptr(), _counters[device].data_ptr()
+            work, counters = buffer.data_ptr(), _wgmma_counters[device].data_ptr()
         w4a16_wgmma(device, *addresses, work, counters, m, n, k, x.stride(0), splits, bf16, stream)
         return True
     if splits > 1:  # the splits' float32 sums, added by the last CTA of each span
