@@ -3,8 +3,8 @@
 `align` must place every (token, choice) pair exactly once, in blocks of one expert
 each; the grouped GEMMs and `fused_moe` must equal running each token through its k
 experts one by one, and gate|up's GEMM with the activation made in its launch the two
-launches' values bit for bit. Through Triton's interpreter without CUDA, compiled with
-it.
+launches' values, bit for bit when compiled (one rounding apart in the interpreter).
+Through Triton's interpreter without CUDA, compiled with it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 # First: without CUDA this switches Triton to its interpreter before turbo is imported.
-from tests.unit.test_turbo_kernels import DEVICE, DTYPES, TOLERANCE, rel_err
+from tests.unit.test_turbo_kernels import DEVICE, DTYPES, ON_CUDA, TOLERANCE, rel_err
 
 pytest.importorskip("triton")
 
@@ -127,7 +127,14 @@ def test_gate_up_with_its_activation_gives_the_two_launches_values(
     both = gemm(h, gate_up, *layout)  # [P, 2I]
     act = gemm(h, gate_up, *layout, gated=True)
     assert act.shape == (num_pairs, inter)
-    assert torch.equal(act, silu_and_mul(both))
+    ref = silu_and_mul(both)
+    if ON_CUDA:  # compiled: a column's sums are the same tiles' either way
+        assert torch.equal(act, ref)
+    else:  # the interpreter's dots are numpy's matmul, whose BLAS may add a column's
+        # products in another order where gate and up columns are interleaved: one
+        # rounding of the sums apart (seen on OpenBLAS 0.3.31, 2026-12-01)
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(act, ref, rtol=8 * eps, atol=8 * eps * float(ref.abs().max()))
     with pytest.raises(ValueError, match="gated"):
         gemm(h, gate_up[:, 1:], *layout, gated=True)
 
