@@ -59,7 +59,7 @@ _wgmma_ctas: dict[int, int] = {}  # a device's w4a16_wgmma_ctas
 
 def ready(device: torch.device) -> bool:
     """Are the kernels loaded on this CUDA device? Loads them on the first call (the
-    driver compiles the PTX, and the wide kernel's counters are allocated: call it
+    driver compiles the PTX, and the split kernels' counters are allocated: call it
     before a CUDA graph is captured); logs once why not."""
     index = device_index(device)
     if not _kernels.ready(index):
