@@ -90,8 +90,7 @@ int w4a16_wgmma_ctas(int ordinal);
 // With splits > 1 (at most kW4a16WgmmaMaxSplits) a cooperative launch of at most
 // w4a16_wgmma_ctas CTAs, whose span's CTAs each add a share of their sums (in work) once
 // all have stored theirs (counted in counters: 64 bits a span, 840 more after each
-// launch, never reset). Throws as
-// launch_w4a16_rows.
+// launch, never reset). Throws as launch_w4a16_rows.
 void launch_w4a16_wgmma(int ordinal, const W4a16WideArgs& args, bool bf16,
                         std::uintptr_t stream);
 

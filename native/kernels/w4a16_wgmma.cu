@@ -315,22 +315,20 @@ __device__ __forceinline__ void w4a16_wgmma(const W4a16Wide& a) {
   __syncthreads();
 
   if (x_loader) {  // x, a block's two stages once they are free
-    for (int i = 0; first + i < end; ++i) {
+    arrive_after_copies(smem(&bars.full[0]));
+    for (int i = 1; first + i < end; ++i) {
       const int u = i % kXBlocks;
-      if (i > 0) {
-        wait(smem(&bars.empty[u]), ((i / kXBlocks) & 1) ^ 1);
-        load_x(xs + 2 * u * kXBytes, x_at, first + i);
-      }
+      wait(smem(&bars.empty[u]), ((i / kXBlocks) & 1) ^ 1);
+      load_x(xs + 2 * u * kXBytes, x_at, first + i);
       arrive_after_copies(smem(&bars.full[u]));
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
   } else if (words_loader) {  // words, a block once its slot is free
-    for (int b = 0; first + b < end; ++b) {
+    arrive_after_copies(smem(&bars.words_full[0]));
+    for (int b = 1; first + b < end; ++b) {
       const int slot = b % kWordSlots;
-      if (b > 0) {
-        wait(smem(&bars.words_empty[slot]), ((b / kWordSlots) & 1) ^ 1);
-        load_words(ring + slot * kSlotBytes, words_at, a, first + b);
-      }
+      wait(smem(&bars.words_empty[slot]), ((b / kWordSlots) & 1) ^ 1);
+      load_words(ring + slot * kSlotBytes, words_at, a, first + b);
       arrive_after_copies(smem(&bars.words_full[slot]));
     }
     asm volatile("cp.async.wait_all;" ::: "memory");

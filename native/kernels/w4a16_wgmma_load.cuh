@@ -25,9 +25,10 @@ constexpr int kMultipliers = 512;  // warpgroups 0-3; the loader's threads are 5
 constexpr int kThreads = 640;
 constexpr int kMaxSplits = 8;  // a span's CTAs (sum_span holds a share of each)
 constexpr unsigned long long kSpanRound = 840;  // what a launch adds to a span's counter
-static_assert(kSpanRound % 8 == 0 && kSpanRound % 7 == 0 && kSpanRound % 6 == 0 &&
-                  kSpanRound % 5 == 0 && kMaxSplits == 8,
-              "every count of splits divides kSpanRound");
+constexpr bool divides_by_each(unsigned long long v, int up_to) {
+  return up_to == 0 || (v % up_to == 0 && divides_by_each(v, up_to - 1));
+}
+static_assert(divides_by_each(kSpanRound, kMaxSplits), "every count of splits divides kSpanRound");
 // What native/decode_rows.cpp launches with: the rings and 1,024 bytes to align them.
 static_assert(kThreads == lmd::kW4a16WgmmaThreads && kSpan == lmd::kW4a16WgmmaColumns &&
                   kRows == lmd::kW4a16WgmmaMaxRows && kMaxSplits == lmd::kW4a16WgmmaMaxSplits,

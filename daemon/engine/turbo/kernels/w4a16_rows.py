@@ -66,7 +66,8 @@ def ready(device: torch.device) -> bool:
         return False
     if index not in _counters:
         _counters[index] = torch.zeros(MAX_SPANS, dtype=torch.int32, device=device)
-        _wgmma_counters[index] = torch.zeros(MAX_SPANS, dtype=torch.int64, device=device)
+        wgmma_spans = MAX_SPANS * SPAN // WGMMA_SPAN
+        _wgmma_counters[index] = torch.zeros(wgmma_spans, dtype=torch.int64, device=device)
     return True
 
 
