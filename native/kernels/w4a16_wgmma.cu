@@ -192,19 +192,9 @@ __device__ __forceinline__ void multiply(const W4a16Wide& a, Barriers& bars, uin
   if (y_col >= a.n) return;
   const float bias0 = bias_at<kBf16>(a, y_col);
   const float bias1 = bias_at<kBf16>(a, y_col + 1);
-#pragma unroll
-  for (int i = 0; i < kRows / 8; ++i) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int row = 8 * i + 2 * t + e;
-      if (row >= a.m) continue;
-      const float v0 = d[4 * i + e];
-      const float v1 = d[4 * i + 2 + e];
-      const uint32_t v = pack2<kBf16>(v0 + bias0, v1 + bias1);
-      uint16_t* to = a.y + static_cast<size_t>(row) * a.n + y_col;
-      asm volatile("st.global.b32 [%0], %1;" ::"l"(to), "r"(v) : "memory");
-    }
-  }
+  store_pairs(a, a.n, y_col, [&](int i, int e) {
+    return pack2<kBf16>(d[4 * i + e] + bias0, d[4 * i + 2 + e] + bias1);
+  });
 }
 
 template <bool kBf16>

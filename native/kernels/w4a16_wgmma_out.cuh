@@ -88,6 +88,24 @@ __device__ __forceinline__ void sum_span(const W4a16Wide& a, int span, int split
   }
 }
 
+// A multiplying thread's outputs to y (rows `stride` apart): for each of its rows
+// 8 i + 2 t + e under m, the two columns y_col, y_col + 1 that pair(i, e) packs.
+template <typename Pair>
+__device__ __forceinline__ void store_pairs(const W4a16Wide& a, int stride, int y_col,
+                                            Pair pair) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int i = 0; i < kRows / 8; ++i) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int row = 8 * i + 2 * t + e;
+      if (row >= a.m) continue;
+      uint16_t* to = a.y + static_cast<size_t>(row) * stride + y_col;
+      asm volatile("st.global.b32 [%0], %1;" ::"l"(to), "r"(pair(i, e)) : "memory");
+    }
+  }
+}
+
 // With a.gated (one split): warpgroups 2-3 hold up's sums for the columns whose gate's
 // sums warpgroups 0-1 hold (thread i + 256 those of thread i); they hand them over through
 // the x ring, free once every multiplying warpgroup's wgmmas are done, and threads 0-255
@@ -114,24 +132,16 @@ __device__ __forceinline__ void store_gated(const W4a16Wide& a, const float (&d)
   for (int r = 0; r < 32; ++r) {
     asm volatile("ld.shared.f32 %0, [%1];" : "=f"(up[r]) : "r"(mine + r * 1024) : "memory");
   }
-  const int t = threadIdx.x & 3;
+  store_pairs(a, half, y_col, [&](int i, int e) {
+    float v[2];
 #pragma unroll
-  for (int i = 0; i < kRows / 8; ++i) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int row = 8 * i + 2 * t + e;
-      if (row >= a.m) continue;
-      float v[2];
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const float g = to_float<kBf16>(from_float<kBf16>(d[4 * i + 2 * c + e]));
-        const float u = to_float<kBf16>(from_float<kBf16>(up[4 * i + 2 * c + e]));
-        v[c] = g / (1.0f + __expf(-g)) * u;
-      }
-      uint16_t* to = a.y + static_cast<size_t>(row) * half + y_col;
-      asm volatile("st.global.b32 [%0], %1;" ::"l"(to), "r"(pack2<kBf16>(v[0], v[1])) : "memory");
+    for (int c = 0; c < 2; ++c) {
+      const float g = to_float<kBf16>(from_float<kBf16>(d[4 * i + 2 * c + e]));
+      const float u = to_float<kBf16>(from_float<kBf16>(up[4 * i + 2 * c + e]));
+      v[c] = g / (1.0f + __expf(-g)) * u;
     }
-  }
+    return pack2<kBf16>(v[0], v[1]);
+  });
 }
 
 }  // namespace lmd_w4a16
