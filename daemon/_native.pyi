@@ -88,10 +88,13 @@ def w4a16_wgmma(
     splits: int,
     bf16: bool,
     stream: int,
+    gated: bool = False,
 ) -> None:
     """y = x W^T (+ b) for up to 64 rows on Hopper, K split over `splits` (at most 8, all
     CTAs resident at once; work [ceil(n / 256) * splits, 64, 256] float32 and counters
-    2 ceil(n / 256) uint32 zeros when more than one), on a CUstream."""
+    ceil(n / 256) uint64 multiples of 840 when more than one), on a CUstream. `gated`: W
+    is gate | up and y [rows, n / 2] = silu(x gate^T) * (x up^T) (one split, no bias, n a
+    multiple of 64)."""
 
 def w4a16_wgmma_ctas(device: int) -> int:
     """How many CTAs of the wgmma kernel the device runs at once."""

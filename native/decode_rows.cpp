@@ -260,6 +260,9 @@ std::string split_check(const SplitKernel& kernel, const W4a16WideArgs& a) {
                           a.counters % kernel.counters_align))) {
     return name + ": a null or misaligned address";
   }
+  if (a.gated && (!kernel.resident || a.splits != 1 || a.bias || a.n % 64)) {
+    return name + ": gated takes the wgmma kernel, one split, no bias and n a multiple of 64";
+  }
   return "";
 }
 

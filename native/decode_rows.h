@@ -34,6 +34,7 @@ inline int w4a16_rows_max_warps(int m) { return m <= 8 ? 16 : 8; }
 struct W4a16WideArgs {
   std::uint64_t x, q, s, z, bias, y, work, counters;  // work and counters: 0 for one split
   std::int32_t m, n, k, x_stride, splits;
+  std::int32_t gated;  // w4a16_wgmma only (0 for w4a16_wide): y = silu(gate) * up
 };
 static_assert(sizeof(W4a16WideArgs) == 88, "must match W4a16Wide in w4a16_ops.cuh");
 

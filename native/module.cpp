@@ -196,18 +196,24 @@ PYBIND11_MODULE(_native, m) {
       "w4a16_wgmma",
       [](int device, std::uintptr_t x, std::uintptr_t q, std::uintptr_t s, std::uintptr_t z,
          std::uintptr_t bias, std::uintptr_t y, std::uintptr_t work, std::uintptr_t counters,
-         int rows, int n, int k, int x_stride, int splits, bool bf16, std::uintptr_t stream) {
+         int rows, int n, int k, int x_stride, int splits, bool bf16, std::uintptr_t stream,
+         bool gated) {
         const lmd::W4a16WideArgs args{x, q, s, z, bias, y, work, counters,
-                                      rows, n, k, x_stride, splits};
+                                      rows, n, k, x_stride, splits, gated ? 1 : 0};
         lmd::launch_w4a16_wgmma(device, args, bf16, stream);
       },
+      py::arg("device"), py::arg("x"), py::arg("q"), py::arg("s"), py::arg("z"), py::arg("bias"),
+      py::arg("y"), py::arg("work"), py::arg("counters"), py::arg("rows"), py::arg("n"),
+      py::arg("k"), py::arg("x_stride"), py::arg("splits"), py::arg("bf16"), py::arg("stream"),
+      py::arg("gated") = false,
       "y = x W^T (+ b) for up to 64 rows of x on Hopper's tensor cores\n"
       "(native/kernels/w4a16_wgmma.cu), arguments as w4a16_wide's (scales, zeros 16-byte\n"
       "aligned): ceil(n / 256) x splits CTAs. With splits > 1 (at most 8, and at most\n"
       "w4a16_wgmma_ctas CTAs in all: they wait for each other), work is [ceil(n / 256) *\n"
       "splits, 64, 256] float32 (each CTA's sums) and counters ceil(n / 256) uint64\n"
       "multiples of 840 (zeros at first: each launch adds 840 to a span's; never reset);\n"
-      "else both 0.\n"
+      "else both 0. gated: W is gate | up and y [rows, n / 2] = silu(x gate^T) * (x up^T)\n"
+      "(one split, no bias, n a multiple of 64).\n"
       "ValueError for bad arguments, RuntimeError as w4a16_rows.");
   m.def("w4a16_wgmma_ctas", &lmd::w4a16_wgmma_ctas, py::arg("device"),
         "How many CTAs of the wgmma kernel CUDA device `device` runs at once (a launch\n"

@@ -31,6 +31,7 @@ struct W4a16Wide {
   unsigned* counters;    // [a span's]: w4a16_wide's zero between launches, w4a16_wgmma's
                          // 64-bit (w4a16_wgmma.cu: span_wait)
   int m, n, k, x_stride, splits;
+  int gated;  // w4a16_wgmma: y [m, n / 2] = silu(x gate^T) * (x up^T), W = gate | up
 };
 
 namespace lmd_w4a16 {  // named: an anonymous one mangles in a hash of the path

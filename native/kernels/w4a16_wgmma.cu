@@ -23,7 +23,8 @@
 //   again: making a step's A overlaps the tensor cores' work on the last, and the four
 //   warpgroups' steps overlap each other's. A block's x is freed once a step of the next
 //   block has been waited for. (Four sets and wait_group 3 measured no faster.)
-// (The rings, their barriers and the loader's copies: w4a16_wgmma_load.cuh.)
+// (The rings, their barriers and the loader's copies: w4a16_wgmma_load.cuh; what the
+// CTAs do with their sums: w4a16_wgmma_out.cuh.)
 // The global loads are all the loader's, so no multiplying warp waits on memory but at a
 // barrier.
 //
@@ -43,85 +44,11 @@
 #include "sm90_ops.cuh"
 #include "w4a16_ops.cuh"
 #include "w4a16_wgmma_load.cuh"
+#include "w4a16_wgmma_out.cuh"
 
 namespace lmd_w4a16 {
 
 using namespace lmd_sm90;
-
-// Split `split` of span `span`'s float32 sums in work: kRows x kSpan, row-major.
-__device__ __forceinline__ float* sums_of(const W4a16Wide& a, int span, int split) {
-  return a.work + (static_cast<size_t>(span) * a.splits + split) * kRows * kSpan;
-}
-
-template <bool kBf16>
-__device__ __forceinline__ uint32_t pack2(float a, float b) {
-  return from_float<kBf16>(a) | (static_cast<uint32_t>(from_float<kBf16>(b)) << 16);
-}
-
-template <bool kBf16>
-__device__ __forceinline__ float bias_at(const W4a16Wide& a, int col) {
-  return a.bias == nullptr ? 0.0f : to_float<kBf16>(a.bias[col]);
-}
-
-// Every CTA of span `span` waits here until all a.splits have stored their sums (each
-// thread its own before). The span's counter (64 bits, never reset) gains kSpanRound a
-// launch, kSpanRound / splits a CTA, so it is a multiple of kSpanRound between launches
-// and a CTA knows its launch's total from the count it added to.
-__device__ __forceinline__ void span_wait(const W4a16Wide& a, int span) {
-  __syncthreads();
-  if (threadIdx.x == 0) {  // the CTA's stores, ordered before by the barrier, released
-    unsigned long long* arrived = reinterpret_cast<unsigned long long*>(a.counters) + span;
-    const unsigned long long share = kSpanRound / a.splits;
-    unsigned long long seen;
-    asm volatile("atom.release.gpu.global.add.u64 %0, [%1], %2;"
-                 : "=l"(seen)
-                 : "l"(arrived), "l"(share)
-                 : "memory");
-    const unsigned long long all = seen - seen % kSpanRound + kSpanRound;
-    for (seen += share; seen < all;) {
-      asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(seen) : "l"(arrived) : "memory");
-    }
-  }
-  __syncthreads();
-}
-
-// The splits' sums of span `span` (its CTAs, one a split), in work (sums_of): once every
-// CTA of the span has stored its own, this one (split `split`) adds its share of the
-// span's rows x 4-column groups over all the splits in split order (+ bias) into y.
-// Every thread calls it after storing its sums. (Through L2, with a wait on counters
-// rather than a cluster's barrier, so the splits need not fit the clusters a GPU
-// co-schedules: docs/benchmarks.md.)
-template <bool kBf16>
-__device__ __forceinline__ void sum_span(const W4a16Wide& a, int span, int split) {
-  span_wait(a, span);
-  const int groups = a.m * (kSpan / 4);
-  const int share = (groups + a.splits - 1) / a.splits;
-  const int end = min(groups, (split + 1) * share);
-  for (int e = split * share + threadIdx.x; e < end; e += kThreads) {
-    const int row = e / (kSpan / 4);
-    const int in_span = 4 * (e % (kSpan / 4));
-    const int col = span * kSpan + in_span;
-    if (col >= a.n) continue;
-    float4 part[kMaxSplits];
-#pragma unroll
-    for (int sp = 0; sp < kMaxSplits; ++sp) {
-      if (sp < a.splits) part[sp] = load_l2_16(sums_of(a, span, sp) + row * kSpan + in_span);
-    }
-    float4 v = part[0];
-#pragma unroll
-    for (int sp = 1; sp < kMaxSplits; ++sp) {
-      if (sp < a.splits) {
-        v = make_float4(v.x + part[sp].x, v.y + part[sp].y, v.z + part[sp].z, v.w + part[sp].w);
-      }
-    }
-    const uint32_t lo =
-        pack2<kBf16>(v.x + bias_at<kBf16>(a, col), v.y + bias_at<kBf16>(a, col + 1));
-    const uint32_t hi =
-        pack2<kBf16>(v.z + bias_at<kBf16>(a, col + 2), v.w + bias_at<kBf16>(a, col + 3));
-    uint16_t* to = a.y + static_cast<size_t>(row) * a.n + col;
-    asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(to), "r"(lo), "r"(hi) : "memory");
-  }
-}
 
 // A lane's share of a block: word rows 2 t, 2 t + 1, 2 t + 8, 2 t + 9 of its two
 // columns, their -(magic + zero) and scale in both halves of a register.
@@ -257,23 +184,17 @@ __device__ __forceinline__ void multiply(const W4a16Wide& a, Barriers& bars, uin
     }
     return;
   }
+  if (a.gated) {
+    store_gated<kBf16>(a, d, xs, span, col);
+    return;
+  }
   const int y_col = span * kSpan + col;
   if (y_col >= a.n) return;
   const float bias0 = bias_at<kBf16>(a, y_col);
   const float bias1 = bias_at<kBf16>(a, y_col + 1);
-#pragma unroll
-  for (int i = 0; i < kRows / 8; ++i) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int row = 8 * i + 2 * t + e;
-      if (row >= a.m) continue;
-      const float v0 = d[4 * i + e];
-      const float v1 = d[4 * i + 2 + e];
-      const uint32_t v = pack2<kBf16>(v0 + bias0, v1 + bias1);
-      uint16_t* to = a.y + static_cast<size_t>(row) * a.n + y_col;
-      asm volatile("st.global.b32 [%0], %1;" ::"l"(to), "r"(v) : "memory");
-    }
-  }
+  store_pairs(a, a.n, y_col, [&](int i, int e) {
+    return pack2<kBf16>(d[4 * i + e] + bias0, d[4 * i + 2 + e] + bias1);
+  });
 }
 
 template <bool kBf16>

@@ -47,9 +47,9 @@ struct Barriers {
 // L2 hit) tracks x's copies only: cp.async.mbarrier.arrive waits for every copy the
 // thread issued before it, and the words run blocks ahead from DRAM.
 // A words thread's share of every block, fixed for the launch: 16 bytes a copy, the
-// block's 16 rows at 4 columns (n is a multiple of 32, so a copy is all in N or all
-// past it; those past it are zeros), and one copy of 8 scales or 16 zeros for threads
-// 0-47.
+// block's 16 rows at 4 columns (n is a multiple of 32, gated of 64, so a copy is all
+// in W or all past it; those past it are zeros), and one copy of 8 scales or 16 zeros for
+// threads 0-47.
 struct WordsShare {
   const uint32_t* words;  // block 0's first row at the thread's columns
   uint32_t to;            // offset in a ring slot
@@ -59,19 +59,29 @@ struct WordsShare {
   bool extra_in;
 };
 
+// W's column for column c (0..255) of span `span`, and whether it is in W: with a.gated,
+// the span's first half is gate's columns (W's first n / 2) and its second half up's, the
+// same outputs of both.
+__device__ __forceinline__ int2 weight_column(const W4a16Wide& a, int span, int c) {
+  if (!a.gated) return make_int2(span * kSpan + c, span * kSpan + c < a.n);
+  const int half = a.n / 2;
+  const int out = span * (kSpan / 2) + c % (kSpan / 2);
+  return make_int2((c >= kSpan / 2 ? half : 0) + out, out < half);
+}
+
 __device__ __forceinline__ WordsShare words_share(const W4a16Wide& a, int span, int t) {
   WordsShare l;
-  const int col = span * kSpan + 4 * t;
-  l.in = col < a.n;
-  l.words = a.q + (l.in ? col : 0);
+  const int2 col = weight_column(a, span, 4 * t);
+  l.in = col.y;
+  l.words = a.q + (l.in ? col.x : 0);
   l.to = 16 * t;
   l.extra = nullptr;
   if (t < 48) {
     const bool zeros = t >= 32;
-    const int at = span * kSpan + (zeros ? 16 * (t - 32) : 8 * t);
-    l.extra_in = at < a.n;
-    l.extra = zeros ? a.z + (l.extra_in ? at : 0)
-                    : reinterpret_cast<const uint8_t*>(a.s + (l.extra_in ? at : 0));
+    const int2 at = weight_column(a, span, zeros ? 16 * (t - 32) : 8 * t);
+    l.extra_in = at.y;
+    l.extra = zeros ? a.z + (l.extra_in ? at.x : 0)
+                    : reinterpret_cast<const uint8_t*>(a.s + (l.extra_in ? at.x : 0));
     l.extra_to = kWordBytes + (zeros ? 2 * kSpan + 16 * (t - 32) : 16 * t);
   }
   return l;

@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from lmd import _native
-from lmd.engine.turbo.kernels import w4a16_rows
+from lmd.engine.turbo.kernels import silu_and_mul, w4a16_rows
 from lmd.engine.turbo.kernels.w4a16 import w4a16_matmul
 from lmd.engine.turbo.kernels.w4a16_rows import native_rows
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
@@ -55,10 +55,18 @@ hopper = pytest.mark.skipif(
 
 
 def native(
-    x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = None, **kw: int
+    x: torch.Tensor,
+    w: W4A16Weight,
+    bias: torch.Tensor | None = None,
+    *,
+    warps: int | None = None,
+    splits: int | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
-    y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device="cuda")
-    assert native_rows(x, w.qweight, w.scales, w.zeros, w.group_size, bias, y, **kw)
+    """The product through native_rows (asserted taken); gated: silu(gate) * up."""
+    y = torch.empty(x.shape[0], w.shape[0] // (2 if gated else 1), dtype=x.dtype, device="cuda")
+    weight = (w.qweight, w.scales, w.zeros, w.group_size)
+    assert native_rows(x, *weight, bias, y, warps=warps, splits=splits, gated=gated)
     return y
 
 
@@ -273,3 +281,37 @@ def test_wgmma_agrees_with_the_triton_tiles(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(w4a16_rows, "WGMMA", False)
     tiles = w4a16_matmul(x, w.qweight, w.scales, w.zeros, 128)
     torch.testing.assert_close(y.float(), tiles.float(), rtol=2.0**-7, atol=1e-3)
+
+
+@hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [33, 48, 64])
+@pytest.mark.parametrize(("n", "k"), [(28672, 4096), (192, 256)])
+def test_wgmma_gated_is_silu_and_mul_of_the_product(
+    n: int, k: int, rows: int, dtype: torch.dtype
+) -> None:
+    """W = gate | up: the gated launch equals silu_and_mul of the same kernel's product
+    within a rounding of the dtype (its sigmoid is the kernel's own). (192, 256): one span
+    whose 128 outputs run past I = 96."""
+    w = weight(n, k, dtype)
+    x = torch.randn(rows, k, device="cuda").to(dtype)
+    y = native(x, w, splits=1, gated=True)
+    ref = silu_and_mul(native(x, w, splits=1))
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(y, ref, rtol=2 * eps, atol=2 * eps * float(ref.abs().max()))
+    assert torch.equal(native(x, w, splits=1, gated=True), y)
+
+
+def test_gated_is_refused_where_the_wgmma_kernel_does_not_take_it() -> None:
+    """Rows the wgmma kernel does not take, a bias, and several splits: native_rows says
+    no (y untouched) and W4A16Weight.matmul takes the two launches instead."""
+    w = weight(512, 256, torch.bfloat16)
+    bias = torch.randn(512, device="cuda", dtype=torch.bfloat16)
+    for rows, b, splits in ((16, None, 1), (64, bias, 1), (64, None, 2)):
+        x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
+        y = torch.zeros(rows, 256, device="cuda", dtype=torch.bfloat16)
+        weights = (w.qweight, w.scales, w.zeros, w.group_size)
+        assert not native_rows(x, *weights, b, y, splits=splits, gated=True)
+        assert not y.any()
+        out = w.matmul(x, b, "silu")
+        torch.testing.assert_close(out, silu_and_mul(w.matmul(x, b)), rtol=0, atol=0)

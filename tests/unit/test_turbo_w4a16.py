@@ -145,6 +145,19 @@ def test_matmul_takes_leading_dims_and_falls_back_without_triton(
         weight.matmul(x.float() if dtype != torch.float32 else x.half(), bias)
 
 
+def test_matmul_with_an_activation_gives_act_gate_times_up() -> None:
+    """W = gate | up: matmul(x, activation=...) is silu_and_mul of the product, [..., N / 2]
+    (on a GPU at 33-64 rows the wgmma kernel's own launch: tests/gpu/test_w4a16_rows_gpu.py)."""
+    dtype = DTYPES[-1]
+    weight = random_weight(64, 256, 128, dtype)
+    x = (torch.randn(2, 3, 256, device=DEVICE) / 16).to(dtype)  # gate within exp's range
+    for activation in ("silu", "gelu_tanh"):
+        y = weight.matmul(x, activation=activation)
+        assert y.shape == (2, 3, 32)
+        ref = kernels.silu_and_mul(weight.matmul(x).view(6, 64), activation)
+        assert torch.equal(y.view(6, 32), ref)
+
+
 def weight_steps(weight: W4A16Weight) -> Tensor:
     """Each weight's quantization step (its group's scale) as [N, packed K] float32."""
     return weight.scales.float().repeat_interleave(weight.group_size, dim=0).t()

@@ -165,3 +165,14 @@ def test_without_cuda_it_says_why() -> None:
     assert "CUDA" in _native.w4a16_wgmma_ready(0)
     with pytest.raises(RuntimeError, match="CUDA"):
         _native.w4a16_wgmma(0, 64, 64, 64, 64, 0, 64, 0, 0, 33, 64, 256, 256, 1, True, 0)
+
+
+@pytest.mark.parametrize(
+    ("bias", "n", "splits"),
+    [(64, 256, 1), (0, 96, 1), (0, 256, 2)],  # a bias; n not a multiple of 64; two splits
+)
+def test_wgmma_gated_takes_one_split_no_bias_and_n_of_64s(bias: int, n: int, splits: int) -> None:
+    with pytest.raises(ValueError, match="gated takes the wgmma kernel, one split"):
+        _native.w4a16_wgmma(
+            0, 64, 64, 64, 64, bias, 64, 64, 64, 33, n, 256, 256, splits, True, 0, gated=True
+        )

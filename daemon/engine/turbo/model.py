@@ -46,6 +46,7 @@ from lmd.engine.turbo.config import TurboConfig
 from lmd.engine.turbo.exchange import PeerExchange, Point
 from lmd.engine.turbo.quant.fp8 import Fp8Rows, Fp8Weight
 from lmd.engine.turbo.quant.load import Linear
+from lmd.engine.turbo.quant.w4a16 import W4A16Weight
 from lmd.engine.turbo.step_inputs import StepInputs
 from lmd.engine.turbo.weights import LayerWeights, ModelWeights
 
@@ -313,7 +314,10 @@ class TurboModel:
                 if codes is None
                 else kernels.rms_norm_fp8(x, norm, eps, res, group=codes.code_group)
             )
-            y = self._linear(h, weight, bias)
+            if activation and isinstance(weight, W4A16Weight) and isinstance(h, Tensor):
+                y, folded = weight.matmul(h, bias, activation), activation  # in its launch
+            else:
+                y = self._linear(h, weight, bias)
         if activation is not None and folded is None:
             y = kernels.silu_and_mul(y, activation)
         if rotary is not None:

@@ -36,6 +36,7 @@ NATIVE_ROWS = True  # off: decode rows go to the Triton tiles (scripts' A/B runs
 MAX_ROWS = 16  # the rows kernel's; the wide kernel's is WIDE_MAX_ROWS
 WIDE_MAX_ROWS = 32  # from 33 rows the Triton tiles were as fast (docs/benchmarks.md)
 WGMMA = True  # off: 33-64 rows go to the Triton tiles on Hopper too (scripts' A/B runs)
+GATED = True  # off: gate|up's activation in a launch of its own (scripts' A/B runs)
 WGMMA_MAX_ROWS = 64
 WGMMA_SPAN = 256  # output columns of a wgmma kernel's CTA
 WGMMA_MAX_SPLITS = 8  # a CTA adds a share of each of its span's splits' sums
@@ -119,16 +120,21 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
     *,
     warps: int | None = None,
     splits: int | None = None,
+    gated: bool = False,
 ) -> bool:
     """y [M, N] (contiguous) = x W^T (+ b) through a native kernel when one takes the
     product and is loaded on x's device; False (y untouched) otherwise. Shapes as
     w4a16_matmul's; `warps` (a rows kernel's CTA) overrides default_warps, `splits` (the
     wide kernel's) default_splits (scripts/w4a16_switches.py). Besides the shapes, their
     loads need x's rows 8-byte aligned (16 from 17 rows on, and y and the bias 8), the
-    weight's tensors contiguous and aligned."""
+    weight's tensors contiguous and aligned. `gated`: W is gate | up and y [M, N / 2] =
+    silu(x gate^T) * (x up^T), taken by the wgmma kernel alone (33-64 rows) in one split,
+    with no bias."""
     m, k = x.shape
     n = qweight.shape[1]
     wide = m > MAX_ROWS
+    if gated and not (GATED and m > WIDE_MAX_ROWS and bias is None and n % 64 == 0):
+        return False
     takes = (
         NATIVE_ROWS
         and x.is_cuda
@@ -183,6 +189,8 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
         return True
     if splits is None:
         splits = wgmma_splits(n, k, wgmma_ctas(device)) if wgmma else default_splits(n, k, num_sms)
+    if gated and splits > 1:  # its sums are added across CTAs, past the activation
+        return False
     work = counters = 0
     if wgmma:
         if splits > 1:  # each CTA's float32 sums, added by its span's CTAs, a share each
@@ -190,7 +198,9 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
             shape = (spans * splits, WGMMA_MAX_ROWS, WGMMA_SPAN)
             buffer = torch.empty(shape, dtype=torch.float32, device=x.device)
             work, counters = buffer.data_ptr(), _wgmma_counters[device].data_ptr()
-        w4a16_wgmma(device, *addresses, work, counters, m, n, k, x.stride(0), splits, bf16, stream)
+        w4a16_wgmma(
+            device, *addresses, work, counters, m, n, k, x.stride(0), splits, bf16, stream, gated
+        )
         return True
     if splits > 1:  # the splits' float32 sums, added by the last CTA of each span
         buffer = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)

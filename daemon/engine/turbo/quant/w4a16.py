@@ -133,8 +133,12 @@ class W4A16Weight:
         """The activations' (and output's) dtype: the scales'."""
         return self.scales.dtype
 
-    def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        """x: [..., K] in `dtype` -> x @ W^T (+ bias): [..., N] in `dtype`.
+    def matmul(
+        self, x: Tensor, bias: Tensor | None = None, activation: str | None = None
+    ) -> Tensor:
+        """x: [..., K] in `dtype` -> x @ W^T (+ bias): [..., N] in `dtype`; with
+        `activation` W is gate | up and the result act(gate) * up, [..., N / 2] (SiLU made
+        in the product's own launch where the wgmma kernel takes it: 33-64 rows).
 
         The Triton kernel on a GPU, and on CPU under Triton's interpreter (tests); on CPU
         without it, dequantize() and F.linear (slow: a reference, not a serving path)."""
@@ -146,6 +150,8 @@ class W4A16Weight:
                 f"W4A16 matmul of [N={n}, K={k}] in {self.dtype} got x {tuple(x.shape)} "
                 f"in {x.dtype}"
             )
+        if activation is not None:
+            return self._gated(x, bias, activation)
         if not x.is_cuda and not interpreting():
             return F.linear(x, self.dequantize().to(x.dtype), bias)
         from lmd.engine.turbo.kernels.w4a16 import w4a16_matmul
@@ -158,6 +164,21 @@ class W4A16Weight:
             rows = F.pad(rows, (0, padded))
         y = w4a16_matmul(rows, self.qweight, self.scales, self.zeros, self.group_size, bias)
         return y.view(*x.shape[:-1], n)
+
+    def _gated(self, x: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+        """act(gate) * up of W = gate | up: [..., N / 2]."""
+        from lmd.engine.turbo.kernels import silu_and_mul
+        from lmd.engine.turbo.kernels.w4a16_rows import native_rows
+
+        n, k = self.shape
+        rows = x.reshape(-1, k)
+        if activation == "silu" and rows.is_cuda and k == self.packed_shape[1]:
+            y = rows.new_empty(rows.shape[0], n // 2)
+            weight = (self.qweight, self.scales, self.zeros, self.group_size)
+            if native_rows(rows, *weight, bias, y, gated=True):
+                return y.view(*x.shape[:-1], n // 2)
+        y = silu_and_mul(self.matmul(rows, bias), activation)
+        return y.view(*x.shape[:-1], n // 2)
 
     def dequantize(self) -> Tensor:
         """W as float32 [N, K]: (q - zero) * scale, the reference the kernel is held to."""
