@@ -152,20 +152,24 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
     out.append(case(activation._silu_and_mul_kernel, flags, {}, run))
     out += fp8_cases()
     out += moe_cases()
-    for kv, warps, splits, q, merge in (("*bf16", 4, 8, "*bf16", True),
-                                        ("*i8", 2, 8, "*bf16", True),
-                                        ("*bf16", 4, 8, "*bf16", False),
-                                        ("*bf16", 4, 1, "*bf16", False),
-                                        ("*fp8e4nv", 2, 1, "*bf16", False),
-                                        ("*fp8e4nv", 2, 1, "*fp32", False)):  # fmt: skip
+    for kv, warps, splits, q, merge, rope in (("*bf16", 4, 8, "*bf16", True, False),
+                                              ("*i8", 2, 8, "*bf16", True, False),
+                                              ("*bf16", 4, 8, "*bf16", False, False),
+                                              ("*bf16", 4, 1, "*bf16", False, False),
+                                              ("*fp8e4nv", 2, 1, "*bf16", False, False),
+                                              ("*fp8e4nv", 2, 1, "*fp32", False, False),
+                                              ("*bf16", 4, 1, "*bf16", False, True),
+                                              ("*bf16", 4, 4, "*bf16", True, True),
+                                              ("*i8", 2, 1, "*bf16", False, True)):  # fmt: skip
         precision = "ieee" if q == "*fp32" else "tf32"
         flags = {"GROUP": 4, "HEAD_DIM": 128, "NUM_SPLITS": splits, "BLOCK_G": 16,
                  "BLOCK_D": 128, "BLOCK_N": 64, "DOT_PRECISION": precision,
                  "HEADS_FIRST": True, "IN_BLOCK": True, "MERGE_LAST": merge,
-                 "MERGE_G": 4}  # fmt: skip
+                 "MERGE_G": 4, "ROTARY": rope, "KV_HEADS": 8, "HAS_QK_NORM": rope}  # fmt: skip
         types = {"kv_ptr": kv, "tables_ptr": "*i32", "context_lens_ptr": "*i32", "q_ptr": q,
                  "out_ptr": q, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-                 "counts_ptr": "*i32"}  # fmt: skip
+                 "counts_ptr": "*i32", "positions_ptr": "*i64", "slots_ptr": "*i64",
+                 "rope_ptr": "*fp32"}  # fmt: skip
         options = {"num_warps": warps, "num_stages": 2}
         out.append(case(decode_attention._decode_kernel, flags, types, options))
     prefill = kernels_of("prefill_attention")
@@ -179,7 +183,7 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
         options = {"num_warps": 4, "num_stages": 2}
         out.append(case(prefill._prefill_kernel, flags, types, options))
     flags = {"GROUP": 8, "HEAD_DIM": 128, "NUM_SPLITS": 16, "BLOCK_G": 8, "BLOCK_D": 128}
-    out.append(case(decode_attention._merge_kernel, flags, {"part_out_ptr": "*fp32",
+    out.append(case(kernels_of("decode_merge").merge_kernel, flags, {"part_out_ptr": "*fp32",
                     "part_lse_ptr": "*fp32"}, run))  # fmt: skip
     w4a16 = kernels_of("w4a16")
     types = {"q_ptr": "*i32", "z_ptr": "*u8"}

@@ -6,8 +6,8 @@ One step runs the packed batch of T new tokens (ForwardBatch) through every laye
     per layer:
         h = rms_norm(residual)  (layer 0)  |  rms_norm(out, residual += out)
         qkv = h @ Wqkv (+ b)                             # [T, (H + 2 Hkv) D]
-        (Qwen3: RMSNorm each q and k head,) rotate q in place, write rotated k and v
-        into the pool (one kernel)
+        (Qwen3: RMSNorm each q and k head,) rotate q and k, write k and v into the
+        pool (in qkv's launch at one row, in attention's in a decode step)
         attn = decode or prefill paged attention         # [T, H, D]
         out = attn @ Wo
         (Gemma: out = rms_norm(out) first)
@@ -76,30 +76,25 @@ class TurboModel:
         # kernel's tl.dot would round it to TF32); CPU (the interpreter tests) keeps F.linear.
         self.skinny = weights.embed.is_cuda and weights.embed.dtype in HALF_DTYPES
         # One-row steps through kernels/vector_gemv.py, the norms made in the products'
-        # launches (2 kernels fewer a layer): ~0.15 ms of Qwen3-8B's kernels on an H100,
-        # a batch-1 step 5.98 -> 5.94 ms in one A/B and equal within its noise in another
+        # launches (2 kernels fewer a layer): ~0.15 ms of Qwen3-8B's kernels on an H100
         # (docs/benchmarks.md; scripts/families_bench.py --separate-batch1).
         self.fused_batch1 = True
         # ... and the MLP's activation made in gate|up's launch (one kernel fewer a
         # layer; scripts/families_bench.py --separate-activation measures it).
         self.fused_activation = True
-        # ... and the products without a norm (o, down) in vector_gemv too, with their
-        # own tiles: faster than gemv's tl.dot at one row (scripts/gemv_bench.py --plain;
-        # scripts/families_bench.py --gemv-plain measures the step without it). Not in a
-        # group, whose peer exchange sums what gemv's programs make (turbo/exchange.py)
-        # and whose NCCL path must give the same sums.
+        # ... and o and down there too, with their own tiles: faster than gemv's tl.dot
+        # (gemv_bench.py --plain; families_bench.py --gemv-plain). Not in a group, whose
+        # peer exchange sums what gemv's programs make and whose NCCL path must match.
         self.vector_plain = not tp.enabled
         # ... and a layer of experts in 3 launches (kernels/moe_vector.py) instead of 10
         # (scripts/families_bench.py --separate-experts measures it), its router's
         # programs counting themselves done on counts[0].
         self.vector_experts = True
-        # Counters at 0 between launches, for work the last of a launch's programs to
-        # finish does: the experts' choice, a one-row qkv product's rotary and K/V write
-        # (`fused_rotary`), and decode attention's merge of its splits (`fused_merge`;
-        # decode_splits splits only below two groups of sequence x KV head a
-        # multiprocessor). The launches run one after another, each leaving its counters
-        # at 0. families_bench.py --separate-rotary / --separate-merge measure the step
-        # without each.
+        # `fused_rotary`: the rotary and K/V write in a one-row qkv product's launch (by
+        # the last of its programs to finish a head), else in a decode step's attention's;
+        # `fused_merge`: decode attention's splits merged by a group's last split. The
+        # counters (at 0 between launches) are the last-to-finish counts, the experts'
+        # choice's too. families_bench.py --separate-rotary / --separate-merge measure each.
         self.counts = torch.zeros(1024, dtype=torch.int32, device=weights.embed.device)
         self.fused_rotary = self.fused_merge = True
         # Past 16 rows, an FP8 product's input quantized per token by the RMSNorm or the
@@ -131,13 +126,13 @@ class TurboModel:
             rotary = kernels.Rotary(step.positions, step.slot_mapping, self.ropes[i], kv, i,
                                     c.num_heads, layer.q_norm, layer.k_norm, c.rms_norm_eps,
                                     scales, self.counts)  # fmt: skip
-            # [T, (H + 2 Hkv) D], rotated and k, v written; residual += hidden first (but
-            # in layer 0)
+            now = None if self._rotary_in_attention(step, hidden, residual) else rotary
+            # [T, (H + 2 Hkv) D], rotated if `now`; residual += hidden first (but in layer 0)
             qkv, residual = self._norm_linear(
-                hidden, residual, layer.input_norm, layer.qkv, layer.qkv_bias, rotary=rotary
+                hidden, residual, layer.input_norm, layer.qkv, layer.qkv_bias, rotary=now
             )
-            heads = qkv.view(num_tokens, -1, c.head_dim)  # [T, H + 2 Hkv, D], rotated
-            attn = self._attention(heads, kv, scales, i, step)  # [T, H, D]
+            heads = qkv.view(num_tokens, -1, c.head_dim)  # [T, H + 2 Hkv, D]
+            attn = self._attention(heads, step, rotary, later=now is None)  # [T, H, D]
             # [T, hidden]: the sum over every rank's heads
             hidden = self._row_parallel(
                 attn.view(num_tokens, -1), layer.o, layer.o_bias, exchange, 2 * i
@@ -352,11 +347,19 @@ class TurboModel:
             return kernels.gemv(x, weight, bias)
         return F.linear(x, weight, bias)
 
+    def _rotary_in_attention(self, step: StepInputs, hidden: Tensor | None, res: Tensor) -> bool:
+        """Whether a decode step's rotary and K/V write go in its attention's launch (where
+        fused_rotary and the one-row qkv product of `_norm_linear`'s x does not take them)."""
+        x = res if hidden is None else hidden
+        return step.is_decode and self.fused_rotary and not self._vector(x)
+
     def _attention(
-        self, heads: Tensor, kv: Tensor, scales: Tensor | None, layer: int, step: StepInputs
+        self, heads: Tensor, step: StepInputs, rotary: kernels.Rotary, later: bool
     ) -> Tensor:
-        """Attention of the step's q heads (heads: qkv as [T, H + 2 Hkv, D]); a prompt over
+        """Attention of the step's q heads (heads: qkv as [T, H + 2 Hkv, D]) over rotary's
+        pool and layer, `rotary` applied in a decode step's launch if `later`; a prompt over
         a quantized pool reads its own K and V from `heads`, unquantized."""
+        kv, scales, layer = rotary.kv, rotary.kv_scales, rotary.layer
         window, h, hkv = self.config.windows[layer], self.config.num_heads, self.config.num_kv_heads
         q = heads[:, :h]  # [T, H, D], strided
         if step.is_decode:
@@ -371,6 +374,7 @@ class TurboModel:
                 num_splits=step.num_splits,
                 kv_scales=scales,
                 counts=self.counts if self.fused_merge else None,
+                rotary=rotary if later else None,
             )
         if step.cu_seqlens is None:
             raise ValueError("a step with several new tokens per sequence needs cu_seqlens")

@@ -15,6 +15,11 @@ multiples of BLOCK_N and each lies in one block: one table entry a tile, its row
 slot stride apart (the per-key table lookups and index arithmetic were most of the
 int8 kernel's instructions; docs/benchmarks.md).
 
+Given a `Rotary` (a decode step whose qkv product left q and k unrotated), each program
+rotates its group's q heads in registers and the split whose range holds the new key
+rotates k and writes k and v into the pool (kernels/rotary.py's functions), then a
+barrier before its loop reads them: where a launch of the rotary kernel came first.
+
 A quantized pool (kv_quant.py: int8 or e4m3 codes, a float16 scale per key and head)
 is dequantized in registers, keeping both dots in q's dtype (codes convert exactly):
 K's scale multiplies the key's score, q . (c_k s_k) = (q . c_k) s_k, and V's scale the
@@ -38,6 +43,8 @@ from lmd.engine.turbo.kernels.common import (
     dot_precision,
     pool_scales,
 )
+from lmd.engine.turbo.kernels.decode_merge import merge_group, merge_kernel
+from lmd.engine.turbo.kernels.rotary import Rotary, rotated_heads, write_kv_heads
 
 BLOCK_N = 64  # keys per tile
 MAX_SPLITS = 16
@@ -67,6 +74,13 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
     stride_kv_head,
     scale_log2,  # softmax scale * log2(e): scores in base 2
     window,  # 0 = full attention
+    positions_ptr,  # ROTARY: the tokens' positions, slots, the rope table, head norms
+    slots_ptr,
+    rope_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    head_eps,
+    stride_rope,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -78,6 +92,9 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
     IN_BLOCK: tl.constexpr,  # BLOCK_N divides block_size: a tile lies in one block
     MERGE_LAST: tl.constexpr,  # the group's last split to finish merges (splits > 1)
     MERGE_G: tl.constexpr,  # GROUP to a power of two
+    ROTARY: tl.constexpr,  # q is a qkv row's, unrotated: rotate it, write the new k and v
+    KV_HEADS: tl.constexpr,  # ROTARY: the pool's KV heads
+    HAS_QK_NORM: tl.constexpr,
 ):
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -104,11 +121,31 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
     gmask = g < GROUP
     dmask = d < HEAD_DIM
     heads = kv_head * GROUP + g
-    q = tl.load(
-        q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + d[None, :],
-        mask=gmask[:, None] & dmask[None, :],
-        other=0.0,
-    )  # [BLOCK_G, BLOCK_D]
+    if ROTARY:  # BLOCK_D is HEAD_DIM; q's heads are followed by k's and v's in its row
+        HALF: tl.constexpr = HEAD_DIM // 2
+        i = tl.arange(0, HALF)
+        pos = tl.load(positions_ptr + seq)
+        cos = tl.load(rope_ptr + pos * stride_rope + i)[None, :]
+        sin = tl.load(rope_ptr + pos * stride_rope + HALF + i)[None, :]
+        row = q_ptr + seq * stride_q_seq
+        q1, q2 = rotated_heads(row, heads, gmask, cos, sin, q_norm_ptr, i, i < HALF, head_eps,
+                               HEAD_DIM, HAS_QK_NORM)  # fmt: skip
+        q12 = tl.join(q1.to(q_ptr.dtype.element_ty), q2.to(q_ptr.dtype.element_ty))
+        q = tl.reshape(tl.permute(q12, (0, 2, 1)), (BLOCK_G, BLOCK_D))  # halves side by side
+        if (context - 1 >= start) & (context - 1 < end):  # the split that reads the new key
+            write_kv_heads(
+                row, kv_head + tl.arange(0, 1), cos, sin, slots_ptr + seq, kv_ptr, k_norm_ptr,
+                i, i < HALF, head_eps, layer, block_size, stride_kv_block, stride_kv_layer,
+                stride_kv_kv, stride_kv_slot, stride_kv_head, GROUP * KV_HEADS, KV_HEADS,
+                HEAD_DIM, HAS_QK_NORM,
+            )  # fmt: skip
+            tl.debug_barrier()  # stored before any thread's loads of the tile holding it
+    else:
+        q = tl.load(
+            q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + d[None, :],
+            mask=gmask[:, None] & dmask[None, :],
+            other=0.0,
+        )  # [BLOCK_G, BLOCK_D]
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -176,71 +213,10 @@ def _decode_kernel(  # noqa: PLR0915, PLR0917  # a Triton kernel: positional arg
             counter = counts_ptr + seq * num_kv_heads + kv_head
             if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
                 tl.store(counter, 0)  # for the next launch
-                _merge_group(
+                merge_group(
                     part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_kv_heads,
                     stride_out_seq, stride_out_head, GROUP, HEAD_DIM, NUM_SPLITS, MERGE_G, BLOCK_D,
                 )  # fmt: skip
-
-
-@triton.jit
-def _merge_group(  # noqa: PLR0917  # a Triton function: positional arguments
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    seq,
-    kv_head,
-    num_kv_heads,
-    stride_out_seq,
-    stride_out_head,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """The outputs of a (sequence, KV head) group's q heads from their splits' partials,
-    each split weighted by its share of the softmax; the group's partials loaded at once.
-    The loads read L2 (.cg): in the decode kernel's own launch, other programs wrote them."""
-    g = tl.arange(0, BLOCK_G)
-    s = tl.arange(0, NUM_SPLITS)
-    d = tl.arange(0, BLOCK_D)
-    gmask = g < GROUP
-    heads = kv_head * GROUP + g
-    rows = (seq * (num_kv_heads * GROUP) + heads)[:, None] * NUM_SPLITS + s[None, :]  # [G, S]
-    lse = tl.load(part_lse_ptr + rows, mask=gmask[:, None], other=0.0, cache_modifier=".cg")
-    m = tl.max(lse, axis=1)
-    m = tl.where(m == float("-inf"), 0.0, m)  # an empty sequence (a padding row)
-    w = tl.exp2(lse - m[:, None])  # empty splits weigh 0
-    total = tl.sum(w, axis=1)
-    parts = tl.load(
-        part_out_ptr + rows[:, :, None] * BLOCK_D + d[None, None, :],
-        mask=gmask[:, None, None],
-        other=0.0,
-        cache_modifier=".cg",
-    )  # [G, S, D]
-    out = tl.sum(parts * w[:, :, None], axis=1) / tl.where(total > 0, total, 1.0)[:, None]
-    dst = out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + d[None, :]
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & (d < HEAD_DIM)[None, :])
-
-
-@triton.jit
-def _merge_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    stride_out_seq,
-    stride_out_head,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    _merge_group(
-        part_out_ptr, part_lse_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1),
-        tl.num_programs(1), stride_out_seq, stride_out_head, GROUP, HEAD_DIM, NUM_SPLITS,
-        BLOCK_G, BLOCK_D,
-    )  # fmt: skip
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
@@ -266,6 +242,7 @@ def decode_attention(
     tiles: tuple[int, int, int] | None = None,
     heads_first: bool = True,
     counts: Tensor | None = None,
+    rotary: Rotary | None = None,
 ) -> Tensor:
     """Attention of one new token per sequence over its paged context.
 
@@ -283,11 +260,17 @@ def decode_attention(
     counts: int32 zeros of at least B * Hkv (left at 0): with splits over a 16-bit pool,
     the last split of each group merges them in the same launch (the module docstring);
     else a merge launch.
+    rotary: q is the first H heads of the step's unrotated qkv rows [B, (H + 2 Hkv) D]
+    (whose k and v follow it), and `rotary.apply`'s work on them is done in this launch
+    (the module docstring); its pool and layer are kv and `layer`.
     """
     num_seqs, num_heads, head_dim = q.shape
     _, _, _, block_size, num_kv_heads, kv_dim = kv.shape
     if kv_dim != head_dim or num_heads % num_kv_heads or q.stride(2) != 1:
         raise ValueError(f"q {tuple(q.shape)} does not fit the KV pool {tuple(kv.shape)}")
+    if rotary is not None and not _rotates(rotary, q, kv, layer):
+        rotary.apply(q.as_strided((num_seqs, q.stride(0)), (q.stride(0), 1)))  # the rows
+        rotary = None
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     if kv_scales is not None:  # the kernel finds them through kv (common.pool_scales)
@@ -338,6 +321,7 @@ def decode_attention(
         *kv.stride()[:5],  # block, layer, k/v, slot, head (head_dim is contiguous)
         scale * LOG2E,
         window,
+        *_rotary_args(rotary, context_lens),
         GROUP=group,
         HEAD_DIM=head_dim,
         NUM_SPLITS=num_splits,
@@ -349,11 +333,14 @@ def decode_attention(
         IN_BLOCK=block_size % block_n == 0,
         MERGE_LAST=merge_last,
         MERGE_G=triton.next_power_of_2(group),
+        ROTARY=rotary is not None,
+        KV_HEADS=num_kv_heads,
+        HAS_QK_NORM=rotary is not None and rotary.q_norm is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
     if num_splits > 1 and not merge_last:
-        _merge_kernel[(num_seqs, num_kv_heads)](
+        merge_kernel[(num_seqs, num_kv_heads)](
             part_out,
             part_lse,
             out,
@@ -367,6 +354,32 @@ def decode_attention(
             num_warps=4,
         )
     return out
+
+
+def _rotates(rotary: Rotary, q: Tensor, kv: Tensor, layer: int) -> bool:
+    """Whether the kernel can do `rotary`'s work for q (the heads of qkv rows, checked):
+    heads of a power of two from 16 (BLOCK_D is the head), the rotary's own pool."""
+    num_seqs, num_heads, head_dim = q.shape
+    width = q.stride(0)
+    rotary.heads_of(width)  # raises where the rows are not the pool's qkv
+    if (
+        rotary.kv is not kv
+        or rotary.layer != layer
+        or rotary.num_heads != num_heads
+        or q.stride(1) != head_dim
+        or rotary.positions.shape != (num_seqs,)
+        or rotary.slot_mapping.shape != (num_seqs,)
+    ):
+        raise ValueError("decode_attention's rotary: q the heads of its qkv rows, its pool")
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def _rotary_args(rotary: Rotary | None, unused: Tensor) -> tuple[Tensor | float | int, ...]:
+    """The kernel's positions, slots, rope, q_norm, k_norm, head_eps and stride_rope."""
+    if rotary is None:
+        return (unused,) * 5 + (0.0, 0)
+    positions, slots, rope, _, q_norm, k_norm = rotary.tensor_args()
+    return positions, slots, rope, q_norm, k_norm, rotary.eps, rope.stride(0)
 
 
 def _fits(counts: Tensor, groups: int) -> bool:

@@ -14,7 +14,8 @@ torch rounds them (kv_quant.quantize_heads is the reference).
 
 For one token (a batch-1 step) the same functions run inside the qkv product's launch
 instead (`Rotary`, vector_gemv's `rotary`): the last program to finish each head's
-columns does that head (`rotate_head_when_last`), one launch fewer a layer.
+columns does that head (`rotate_head_when_last`), one launch fewer a layer; for a decode
+step of more tokens, inside decode attention's launch (decode_attention.py).
 """
 
 from __future__ import annotations
@@ -51,11 +52,11 @@ def _head_norm(x1, x2, w_ptr, i, im, eps, HEAD_DIM: tl.constexpr, HALF: tl.const
 
 
 @triton.jit
-def _rotate_heads(  # noqa: PLR0917  # Triton functions take positional arguments
+def rotated_heads(  # noqa: PLR0917  # Triton functions take positional arguments
     row, h, hm, cos, sin, w_ptr, i, im, eps, HEAD_DIM: tl.constexpr, NORM: tl.constexpr
 ):
-    """Heads h (mask hm) of a token's qkv row rotated in place ([BLOCK_H, BLOCK_HALF] a
-    half), RMS-normalized first with weight w where NORM."""
+    """Heads h (mask hm) of a token's qkv row rotated, RMS-normalized first with weight w
+    where NORM: float32 halves [BLOCK_H, BLOCK_HALF] each, not stored."""
     HALF: tl.constexpr = HEAD_DIM // 2
     mask = hm[:, None] & im[None, :]
     x1_ptr = row + h[:, None] * HEAD_DIM + i[None, :]
@@ -63,7 +64,18 @@ def _rotate_heads(  # noqa: PLR0917  # Triton functions take positional argument
     x2 = tl.load(x1_ptr + HALF, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     if NORM:
         x1, x2 = _head_norm(x1, x2, w_ptr, i, im, eps, HEAD_DIM, HALF)
-    o1, o2 = _rotate(x1, x2, cos, sin)
+    return _rotate(x1, x2, cos, sin)
+
+
+@triton.jit
+def _rotate_heads(  # noqa: PLR0917  # Triton functions take positional arguments
+    row, h, hm, cos, sin, w_ptr, i, im, eps, HEAD_DIM: tl.constexpr, NORM: tl.constexpr
+):
+    """`rotated_heads`, stored in place."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    mask = hm[:, None] & im[None, :]
+    x1_ptr = row + h[:, None] * HEAD_DIM + i[None, :]
+    o1, o2 = rotated_heads(row, h, hm, cos, sin, w_ptr, i, im, eps, HEAD_DIM, NORM)
     tl.store(x1_ptr, o1.to(row.dtype.element_ty), mask=mask)
     tl.store(x1_ptr + HALF, o2.to(row.dtype.element_ty), mask=mask)
 
@@ -115,7 +127,7 @@ def _rotary_cache_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
         )
     if part == KV_PROGRAM:
         kh = tl.arange(0, BLOCK_KVH)
-        _write_kv_heads(  # all of the token's k and v heads
+        write_kv_heads(  # all of the token's k and v heads
             row, kh, cos, sin, slots_ptr + token, kv_ptr, k_norm_ptr, i, im, eps, layer,
             block_size, stride_kv_block, stride_kv_layer, stride_kv_kv, stride_kv_slot,
             stride_kv_head, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HAS_QK_NORM,
@@ -123,7 +135,7 @@ def _rotary_cache_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
 
 
 @triton.jit
-def _write_kv_heads(  # noqa: PLR0917  # Triton functions take positional arguments
+def write_kv_heads(  # noqa: PLR0917  # Triton functions take positional arguments
     row,
     kh,
     cos,
@@ -243,7 +255,7 @@ def rotate_head_when_last(  # noqa: PLR0917  # Triton functions take positional 
                 row, h, h < NUM_HEADS, cos, sin, q_norm_ptr, i, im, eps, HEAD_DIM, HAS_QK_NORM
             )
         else:
-            _write_kv_heads(
+            write_kv_heads(
                 row, kv_head + tl.arange(0, 1), cos, sin, slots_ptr, kv_ptr, k_norm_ptr, i, im,
                 eps, layer, block_size, stride_kv_block, stride_kv_layer, stride_kv_kv,
                 stride_kv_slot, stride_kv_head, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HAS_QK_NORM,
