@@ -2,13 +2,15 @@
 at Llama-3-8B's heads: time per call and the KV bytes it reads per second.
 
     python3 scripts/kv_quant_bench.py [--batches 1,64,256] [--context 1024] [--orders]
-                                      [--splits 2,4,8] [--sweep]
+                                      [--splits 2,4,8] [--sweep] [--rotary]
 
 CUDA only. Each sequence holds `context` tokens in shuffled blocks of one layer; q is
 bf16. "eager" is the mean of `--iters` back-to-back launches between two CUDA events
 (Python launch overhead included); "graph" replays those launches captured in a CUDA
 graph (kernel time alone). GB/s counts the K and V bytes (and scales) of the context;
-speedup is the graph time of the first kind listed over this one's.
+speedup is the graph time of the first kind listed over this one's. `--rotary`: also the
+rotary and the new token's K/V write (q the heads of qkv rows) in a launch of its own
+before the attention, and in the attention's launch (`decode_attention(rotary=)`).
 """
 
 from __future__ import annotations
@@ -94,6 +96,38 @@ def sweep(call: Callable[..., object], iters: int, nbytes: int, base: float) -> 
         print(f"      tiles {tiles}: {us:9.1f} us {nbytes / us / 1e3:7.0f} GB/s {base / us:6.2f}x")
 
 
+def rotary_variants(  # noqa: PLR0917  # the case's parts, as main has them
+    call: partial[torch.Tensor],
+    args: argparse.Namespace,
+    tables: torch.Tensor,
+    kv: torch.Tensor,
+    scales: torch.Tensor | None,
+    nbytes: int,
+    base: float,
+) -> None:
+    """Two rows: the rotary's launch then the attention, and the attention doing it."""
+    batch, d = tables.shape[0], args.head_dim
+    rows = torch.randn(batch, (args.heads + 2 * args.kv_heads) * d, device="cuda")
+    rows = rows.to(torch.bfloat16)
+    last = args.context - 1  # the new token: its position and slot
+    slots = tables[:, last // args.block_size].long() * args.block_size + last % args.block_size
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, device="cuda") / d)
+    angles = torch.arange(args.context + 1, device="cuda")[:, None] * inv_freq[None]
+    rotary = kernels.Rotary(
+        torch.full((batch,), last, device="cuda"), slots,
+        torch.cat([angles.cos(), angles.sin()], dim=-1), kv, 0, args.heads, kv_scales=scales,
+    )  # fmt: skip
+    attend = partial(kernels.decode_attention, rows.view(batch, -1, d)[:, : args.heads], kv,
+                     **call.keywords)  # fmt: skip
+
+    def apart() -> object:
+        rotary.apply(rows)
+        return attend()
+
+    variant("rotary's launch first", apart, args.iters, nbytes, base)
+    variant("rotary in the launch", partial(attend, rotary=rotary), args.iters, nbytes, base)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", default="1,64,256")
@@ -111,6 +145,9 @@ def main() -> None:
         "--sweep", action="store_true", help="also every tiling of SWEEP (graph times)"
     )
     parser.add_argument("--splits", default="", help="also these split counts, e.g. 2,4,8")
+    parser.add_argument(
+        "--rotary", action="store_true", help="also with the rotary, apart and in the launch"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kv_quant_bench needs a CUDA device")
@@ -150,6 +187,8 @@ def main() -> None:
                 variant("seqs first", partial(call, heads_first=False), args.iters, nbytes, base)
             if args.sweep:
                 sweep(call, args.iters, nbytes, base)
+            if args.rotary:
+                rotary_variants(call, args, tables, kv, scales, nbytes, base)
             del kv, scales
 
 
