@@ -23,6 +23,7 @@ import torch
 
 from lmd.engine.turbo import kernels
 from lmd.engine.turbo.kernels import kv_quant
+from lmd.engine.turbo.rope import table_of
 
 
 def time_us(fn: Callable[[], object], iters: int, graphed: bool) -> float:
@@ -111,11 +112,11 @@ def rotary_variants(  # noqa: PLR0917  # the case's parts, as main has them
     rows = rows.to(torch.bfloat16)
     last = args.context - 1  # the new token: its position and slot
     slots = tables[:, last // args.block_size].long() * args.block_size + last % args.block_size
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, device="cuda") / d)
-    angles = torch.arange(args.context + 1, device="cuda")[:, None] * inv_freq[None]
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2) / d)  # Llama's default base
     rotary = kernels.Rotary(
         torch.full((batch,), last, device="cuda"), slots,
-        torch.cat([angles.cos(), angles.sin()], dim=-1), kv, 0, args.heads, kv_scales=scales,
+        table_of(inv_freq, 1.0, args.context, torch.device("cuda")), kv, 0, args.heads,
+        kv_scales=scales,
     )  # fmt: skip
     attend = partial(kernels.decode_attention, rows.view(batch, -1, d)[:, : args.heads], kv,
                      **call.keywords)  # fmt: skip

@@ -36,7 +36,6 @@ NATIVE_ROWS = True  # off: decode rows go to the Triton tiles (scripts' A/B runs
 MAX_ROWS = 16  # the rows kernel's; the wide kernel's is WIDE_MAX_ROWS
 WIDE_MAX_ROWS = 32  # from 33 rows the Triton tiles were as fast (docs/benchmarks.md)
 WGMMA = True  # off: 33-64 rows go to the Triton tiles on Hopper too (scripts' A/B runs)
-GATED = True  # off: gate|up's activation in a launch of its own (scripts' A/B runs)
 WGMMA_MAX_ROWS = 64
 WGMMA_SPAN = 256  # output columns of a wgmma kernel's CTA
 WGMMA_MAX_SPLITS = 8  # a CTA adds a share of each of its span's splits' sums
@@ -133,7 +132,7 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
     m, k = x.shape
     n = qweight.shape[1]
     wide = m > MAX_ROWS
-    if gated and not (GATED and m > WIDE_MAX_ROWS and bias is None and n % 64 == 0):
+    if gated and not (m > WIDE_MAX_ROWS and bias is None and n % 64 == 0):
         return False
     takes = (
         NATIVE_ROWS
