@@ -12,6 +12,7 @@ an H200: outputs at most 3e-4 of their largest apart, a few k values a last bit)
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -161,3 +162,17 @@ def test_a_rotary_of_another_pool_or_q_not_of_its_rows_is_refused() -> None:
         kernels.decode_attention(q, kv, **args, rotary=rotary)
     with pytest.raises(ValueError, match="qkv"):
         kernels.decode_attention(q.contiguous(), kv, **args, rotary=kernels.Rotary(kv=kv, **fields))
+
+
+def test_more_sequences_than_the_kernel_rotates_take_the_rotary_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    module = importlib.import_module("lmd.engine.turbo.kernels.decode_attention")
+    applied = []
+    apply = kernels.Rotary.apply
+    monkeypatch.setattr(
+        kernels.Rotary, "apply", lambda self, rows: applied.append(apply(self, rows))
+    )
+    monkeypatch.setattr(module, "ROTARY_MAX_SEQS", len(CONTEXTS) - 1)
+    assert_same(*both_ways(SHAPES[0], "float16", True, num_splits=2))
+    assert len(applied) == 2  # the two launches' rotary, then decode_attention's own
