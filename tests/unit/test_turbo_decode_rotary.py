@@ -168,7 +168,7 @@ def test_more_sequences_than_the_kernel_rotates_take_the_rotary_launch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     module = importlib.import_module("lmd.engine.turbo.kernels.decode_attention")
-    applied = []
+    applied: list[None] = []
     apply = kernels.Rotary.apply
     monkeypatch.setattr(
         kernels.Rotary, "apply", lambda self, rows: applied.append(apply(self, rows))
