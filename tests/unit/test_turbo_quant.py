@@ -10,6 +10,7 @@ kernels run through Triton's interpreter in float32; FP8 needs a GPU (tests/gpu)
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from lmd.engine.backend import BackendError
 
 from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.kv_pool import KVPool
+from lmd.engine.turbo import kernels
 from lmd.engine.turbo.kernels import fp8 as fp8_kernels
 from lmd.engine.turbo.backend import TurboBackend
 from lmd.engine.turbo.quant.fp8 import Fp8Weight, fp8_supported
@@ -214,3 +216,32 @@ def test_w4a16_pads_inputs_off_its_layout(tmp_path: Path) -> None:
 def test_turbo_refuses_fp8_where_it_cannot_run(llama_dir: Path) -> None:
     with pytest.raises(BackendError, match="cannot run weights fp8"):
         TurboBackend(llama_dir, DEVICE, DTYPE, quantization="fp8")
+
+
+def test_one_row_w4a16_steps_rotate_in_decode_attention(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A one-row decode step whose qkv product vector_gemv does not make (W4A16 weights)
+    has its rotary and K/V write done in decode attention's launch: the logits and tokens
+    of the rotary's own launch (fused_rotary off)."""
+    plain = TurboBackend(llama_dir, DEVICE, torch.float16, quantization="w4a16", cuda_graphs=False)
+    fused = TurboBackend(llama_dir, DEVICE, torch.float16, quantization="w4a16", cuda_graphs=False)
+    plain.model.fused_rotary = False
+    fused.model.skinny = fused.model.fused_batch1 = True
+    rotated: list[bool] = []
+    attend = kernels.decode_attention
+
+    def spy(*args: Any, **kwargs: Any) -> Tensor:
+        rotated.append(kwargs.get("rotary") is not None)
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "decode_attention", spy)
+    for prompt in random_prompts([1, 13], plain.vocab_size, seed=15):
+        plain_logits: list[Tensor] = []
+        fused_logits: list[Tensor] = []
+        tokens = greedy(plain, [prompt], 6, logits=plain_logits)
+        rotated.clear()
+        forced = greedy(fused, [prompt], 6, force=tokens, logits=fused_logits)
+        assert rotated and all(rotated)  # every decode step's layers
+        assert_logits_match(fused_logits, plain_logits, 5e-3)
+        assert forced == tokens

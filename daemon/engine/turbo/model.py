@@ -7,7 +7,7 @@ One step runs the packed batch of T new tokens (ForwardBatch) through every laye
         h = rms_norm(residual)  (layer 0)  |  rms_norm(out, residual += out)
         qkv = h @ Wqkv (+ b)                             # [T, (H + 2 Hkv) D]
         (Qwen3: RMSNorm each q and k head,) rotate q and k, write k and v into the
-        pool (in qkv's launch at one row, in attention's in a decode step)
+        pool (in a one-row 16-bit qkv's launch, else in a decode step's attention's)
         attn = decode or prefill paged attention         # [T, H, D]
         out = attn @ Wo
         (Gemma: out = rms_norm(out) first)
@@ -126,13 +126,14 @@ class TurboModel:
             rotary = kernels.Rotary(step.positions, step.slot_mapping, self.ropes[i], kv, i,
                                     c.num_heads, layer.q_norm, layer.k_norm, c.rms_norm_eps,
                                     scales, self.counts)  # fmt: skip
-            now = None if self._rotary_in_attention(step, hidden, residual) else rotary
+            x = residual if hidden is None else hidden  # qkv's input
+            later = step.is_decode and self.fused_rotary and not self._in_qkv(rotary, x, layer.qkv)
+            now = None if later else rotary
             # [T, (H + 2 Hkv) D], rotated if `now`; residual += hidden first (but in layer 0)
-            qkv, residual = self._norm_linear(
-                hidden, residual, layer.input_norm, layer.qkv, layer.qkv_bias, rotary=now
-            )
+            qkv, residual = self._norm_linear(hidden, residual, layer.input_norm, layer.qkv,
+                                              layer.qkv_bias, rotary=now)  # fmt: skip
             heads = qkv.view(num_tokens, -1, c.head_dim)  # [T, H + 2 Hkv, D]
-            attn = self._attention(heads, step, rotary, later=now is None)  # [T, H, D]
+            attn = self._attention(heads, step, rotary, later)  # [T, H, D]
             # [T, hidden]: the sum over every rank's heads
             hidden = self._row_parallel(
                 attn.view(num_tokens, -1), layer.o, layer.o_bias, exchange, 2 * i
@@ -290,7 +291,7 @@ class TurboModel:
             summed = torch.empty_like(residual) if res is not None else None
             folded = activation if self.fused_activation else None
             tiles = kernels.default_tiles(weight.shape[0], weight.shape[1], x.device)
-            in_launch = rotary if self._folds(rotary, tiles[0]) else None
+            in_launch = rotary if self._in_qkv(rotary, x, weight) else None
             y = kernels.vector_gemv(
                 x,
                 weight,
@@ -319,8 +320,13 @@ class TurboModel:
             rotary.apply(y)
         return y, residual
 
-    def _folds(self, rotary: kernels.Rotary | None, block_n: int) -> bool:
-        return rotary is not None and self.fused_rotary and rotary.folds(block_n)
+    def _in_qkv(self, rotary: kernels.Rotary | None, x: Tensor, weight: Linear) -> bool:
+        """Whether the one-row qkv product of x and weight (vector_gemv's launch, where
+        fused_rotary) does `rotary`'s work; else a decode step's attention does it."""
+        if rotary is None or not self.fused_rotary or not isinstance(weight, Tensor):
+            return False
+        n, k = weight.shape
+        return self._vector(x) and rotary.folds(kernels.default_tiles(n, k, x.device)[0])
 
     def _codes(self, weight: Linear, x: Tensor) -> Fp8Weight | None:
         """`weight` where its product takes x as codes made in the launch that makes x
@@ -346,12 +352,6 @@ class TurboModel:
         if self.skinny and x.shape[0] <= kernels.GEMV_MAX_ROWS:
             return kernels.gemv(x, weight, bias)
         return F.linear(x, weight, bias)
-
-    def _rotary_in_attention(self, step: StepInputs, hidden: Tensor | None, res: Tensor) -> bool:
-        """Whether a decode step's rotary and K/V write go in its attention's launch (where
-        fused_rotary and the one-row qkv product of `_norm_linear`'s x does not take them)."""
-        x = res if hidden is None else hidden
-        return step.is_decode and self.fused_rotary and not self._vector(x)
 
     def _attention(
         self, heads: Tensor, step: StepInputs, rotary: kernels.Rotary, later: bool
