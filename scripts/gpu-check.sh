@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on a GPU machine (the device tool): install the carried wheels, build
 # lmd._native, run tests/gpu, and time the engine. Results land in $OUT (or ./gpu-out).
-# Needs: scripts/../.whl from ../shared/scripts/device-wheels.sh (+ pytest pluggy
-# iniconfig pytest-timeout pytest-asyncio prometheus-client packaging), carried as `.whl`.
+# Needs: scripts/../.whl from ../shared/scripts/device-wheels.sh with the extra names
+# scripts/gpu-env.sh lists (the tests' among them), carried as `.whl`.
 #   scripts/gpu-check.sh [quick|full|migration]   quick: tests only; full: also the
 #   Llama-3-8B shape; migration: the cuda_ipc tests, lmd-bench migration, and TTFT of a
 #   ~2k-token prompt on a Llama-3-8B shape, hybrid vs disaggregated (carry .gpu-assets:

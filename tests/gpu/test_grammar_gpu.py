@@ -15,6 +15,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
+pytest.importorskip("xgrammar")  # lmd's dependency; the GPU image lacks it: carry its wheel
 
 from tests.unit.test_grammar import PERSON, guided_llama, jsonschema, run
 
