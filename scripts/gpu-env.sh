@@ -4,7 +4,8 @@
 # pytest-asyncio prometheus-client packaging jsonschema referencing jsonschema-specifications
 # rpds-py attrs xgrammar apache-tvm-ffi; a run stops at once if one lmdd needs is
 # missing), point PYTHONPATH at the import packages (daemon/ is lmd, clients/ is
-# lmd_client), create $out and record the machine in $out/env.txt. Expects to run from the repository root.
+# lmd_client), create $out and record the machine in $out/env.txt. Expects to run from
+# the repository root.
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
