@@ -8,6 +8,7 @@ against the HBM floor (docs/benchmarks.md, "turbo for Qwen3 and mixtures of expe
         [--separate-rotary-merge] [--gemv-plain]
         [--rotary-whole] [--h100-tiles]
         [--wide-max-rows 16] [--no-wgmma] [--no-fp8-codes] [--exact-accum]
+        [--act-order]
 
 One Engine for every batch (max_batch_size = the largest), the prompts and the timing of
 `lmd-bench offline` (random ids, greedy, ignore_eos, prefill included), after a warm-up
@@ -16,12 +17,18 @@ line per batch, then one for the step: the batch-1 decode step (the time of 256 
 tokens less that of 1, over 255 steps: the prompt's prefill cancels), the bytes a step
 must read (weights, less the embedding table when untied, less the experts a token does
 not use; plus the KV of 512 tokens), the device's copy bandwidth (read + write of a
-2 GiB copy) and their quotient, the floor.
+2 GiB copy) and their quotient, the floor. `--act-order` (W4A16) then gives every
+layer's qkv, o and gate|up a random input order, as an act-order GPTQ checkpoint's
+(qkv's and gate|up's inputs ordered by their norms, o's gathered; down's order is
+folded into gate|up at load), and
+times the batches and the step again: the outputs change, the times are such a
+checkpoint's.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import statistics
@@ -149,6 +156,34 @@ def step_with(
     return seconds
 
 
+def run_batches(
+    engine: Engine, batches: list[int], args: argparse.Namespace, act_order: bool = False
+) -> None:
+    """A JSON line of output tokens/s per batch, after a warm-up at its shapes (other
+    prompts: no prefix-cache hits later), so that no first compile is timed."""
+    vocab = engine.backend.vocab_size
+    for batch in batches:
+        time_engine(engine, random_prompts(batch, args.input_len, vocab, 3), 2)
+        prompts = random_prompts(batch, args.input_len, vocab, 0)
+        seconds, tokens = time_engine(engine, prompts, args.output_len)
+        rate = round(tokens / seconds, 1)
+        print(json.dumps({"model": args.model.name, "backend": engine.backend.name,
+                          "quantization": engine.backend.quantization,
+                          "kv_cache_dtype": engine.backend.kv_cache_dtype,
+                          "num_blocks": engine.pool.num_blocks, "act_order": act_order,
+                          "batch": batch, "seconds": round(seconds, 3),
+                          "output_tokens_per_s": rate}), flush=True)  # fmt: skip
+
+
+def give_act_order(model: Any) -> None:
+    """Every layer's qkv, o and gate|up (W4A16) a random input order (--act-order)."""
+    for layer in model.weights.layers:
+        for name in ("qkv", "o", "gate_up"):
+            weight = getattr(layer, name)
+            perm = torch.randperm(weight.shape[1], device=weight.device)
+            setattr(layer, name, dataclasses.replace(weight, perm=perm))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("model", type=Path)
@@ -181,6 +216,11 @@ def main() -> None:
         action="store_true",
         help="FP8: cuBLAS's sums promoted to float32 (fp8.FAST_ACCUM off)",
     )
+    parser.add_argument(
+        "--act-order",
+        action="store_true",
+        help="W4A16: then everything again with act-order inputs (gathered a product)",
+    )
     args = parser.parse_args()
     fp8.FAST_ACCUM = not args.exact_accum
     if args.wide_max_rows is not None:
@@ -195,23 +235,19 @@ def main() -> None:
     engine = Engine.build(args.model, config, device="cuda", dtype="bfloat16", backend=args.backend)
     if args.no_fp8_codes:
         engine.backend.model.fp8_codes = False  # type: ignore[attr-defined]  # turbo's
-    vocab = engine.backend.vocab_size
-    time_engine(engine, random_prompts(1, args.input_len, vocab, 1), 4)  # warm-up
-    for batch in batches:
-        # Warm-up at this batch's shapes (other prompts: no prefix-cache hits later), so
-        # that Triton's first compile of a prefill tiling is not timed.
-        time_engine(engine, random_prompts(batch, args.input_len, vocab, 3), 2)
-        prompts = random_prompts(batch, args.input_len, vocab, 0)
-        seconds, tokens = time_engine(engine, prompts, args.output_len)
-        rate = round(tokens / seconds, 1)
-        print(json.dumps({"model": args.model.name, "backend": engine.backend.name,
-                          "quantization": engine.backend.quantization,
-                          "kv_cache_dtype": engine.backend.kv_cache_dtype,
-                          "num_blocks": engine.pool.num_blocks,
-                          "batch": batch, "seconds": round(seconds, 3),
-                          "output_tokens_per_s": rate}), flush=True)  # fmt: skip
+    time_engine(engine, random_prompts(1, args.input_len, engine.backend.vocab_size, 1), 4)
+    run_batches(engine, batches, args)
     step = batch1_step(engine, args.input_len, args.output_len)
     model = getattr(engine.backend, "model", None)  # turbo's, which the switches set
+    if args.act_order:
+        give_act_order(model)
+        engine.backend.capture_graphs(engine.pool.kv, max(batches))
+        run_batches(engine, batches, args, act_order=True)
+        again = batch1_step(engine, args.input_len, args.output_len)
+        line = {"model": args.model.name, "batch1_step_ms": round(step * 1e3, 3),
+                "act_order_batch1_step_ms": round(again * 1e3, 3)}  # fmt: skip
+        print(json.dumps(line), flush=True)
+        return
     for flag, (_, switch) in STEP_SWITCHES.items():
         name = flag.replace("-", "_")
         if getattr(args, name):

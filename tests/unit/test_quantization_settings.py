@@ -54,6 +54,10 @@ FP8_DYNAMIC = {
         ({**AWQ, "group_size": 64}, QuantScheme("w4a16", "awq", group_size=64)),
         (GPTQ, QuantScheme("w4a16", "gptq", sym=True, zeros_minus_one=True)),
         ({**GPTQ, "checkpoint_format": "gptq_v2", "sym": False}, QuantScheme("w4a16", "gptq")),
+        (
+            {**GPTQ, "desc_act": True},
+            QuantScheme("w4a16", "gptq", sym=True, zeros_minus_one=True, act_order=True),
+        ),
         (FP8_BLOCKS, QuantScheme("fp8", "checkpoint", block_size=(128, 128))),
         (FP8_DYNAMIC, QuantScheme("fp8", "checkpoint")),
     ],

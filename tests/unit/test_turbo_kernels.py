@@ -171,6 +171,29 @@ def test_rms_norm_adds_residual_in_place(dtype: torch.dtype, rows: int, cols: in
     assert rel_err(out, rms_norm_ref(summed, w, 1e-5)) < 2 * TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "cols"), [(1, 576), (20, 4096)])
+@pytest.mark.parametrize("add", [False, True])
+def test_rms_norm_in_an_order_and_the_gather(
+    dtype: torch.dtype, rows: int, cols: int, add: bool
+) -> None:
+    """An act-order W4A16 weight's inputs: the norm's columns in its order, bit for bit
+    what the norm makes, gathered (the residual stream as without an order)."""
+    x = torch.randn(rows, cols, device=DEVICE).to(dtype)
+    residual = torch.randn(rows, cols, device=DEVICE).to(dtype) if add else None
+    w = torch.randn(cols, device=DEVICE).to(dtype)
+    order = torch.randperm(cols, device=DEVICE)
+    plain_residual = None if residual is None else residual.clone()
+    plain = kernels.rms_norm(x, w, 1e-5, residual=plain_residual)
+    ordered = kernels.rms_norm(x, w, 1e-5, residual=residual, order=order)
+    assert torch.equal(ordered, plain[:, order])
+    if residual is not None and plain_residual is not None:
+        assert torch.equal(residual, plain_residual)
+    assert torch.equal(kernels.gather_columns(x, order), x[:, order])
+    with pytest.raises(ValueError, match="order"):
+        kernels.rms_norm(x, w, 1e-5, order=order[1:])
+
+
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("rows", "width"), [(1, 128), (5, 1536), (17, 3000)])

@@ -1,7 +1,8 @@
-"""Quantized checkpoints as published (AutoAWQ, GPTQ v1, FP8 with 128x128 block scales),
-written from a tiny Llama with known integer codes: turbo reads each fused linear as the
-checkpoint means it, and an AWQ model computes what transformers computes on the same
-weights dequantized. Without CUDA through Triton's interpreter (FP8 only loads there)."""
+"""Quantized checkpoints as published (AutoAWQ, GPTQ v1 in order and in act order, FP8
+with 128x128 block scales), written from a tiny Llama with known integer codes: turbo
+reads each fused linear as the checkpoint means it, and an AWQ or act-order GPTQ model
+computes what transformers computes on the same weights dequantized. Without CUDA
+through Triton's interpreter (FP8 only loads there)."""
 
 from __future__ import annotations
 
@@ -21,16 +22,20 @@ from lmd.engine.turbo.config import TurboConfig
 from lmd.engine.turbo.quant.fp8 import fp8_supported
 from lmd.engine.turbo.quant.scheme import read_scheme
 from lmd.engine.turbo.weights import load_weights
-from tests.models import random_prompts
+from tests.models import random_prompts, save_tiny_llama
 from tests.unit.test_turbo_model import all_logits, assert_logits_match, reference_logits
 from tests.unit.test_turbo_quant import dequantized_reference, pool
 from tests.unit.test_turbo_quant import llama_dir  # noqa: F401  (a fixture: the 16-bit model)
-from tests.unit.test_turbo_w4a16 import expected_dense, known_ints, pack_words
+from tests.unit.test_turbo_w4a16 import expected_dense, known_ints
+from tests.unit.test_turbo_w4a16_checkpoint import act_order_groups, expected_by_groups
+from tests.unit.test_turbo_w4a16_checkpoint import pack_words
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 GROUP = 128
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+INPUTS = {"q_proj": "x", "k_proj": "x", "v_proj": "x", "gate_proj": "x", "up_proj": "x"}
+INPUTS |= {"o_proj": "o", "down_proj": "down"}  # the projections that read each input
 
 
 def write_checkpoint(
@@ -44,6 +49,7 @@ def write_checkpoint(
     config["quantization_config"] = packed
     (out / "config.json").write_text(json.dumps(config))
     dense: dict[str, Tensor] = {}
+    orders: dict[str, Tensor] = {}  # act order: g_idx by the input a projection reads
     torch.manual_seed(1)
     for name in [n for n in tensors if n.rsplit(".", 2)[-2] in PROJECTIONS]:
         prefix = name.removesuffix(".weight")
@@ -65,11 +71,36 @@ def write_checkpoint(
             zeros.clamp_(min=1)
             tensors[f"{prefix}.qweight"] = pack_words(q, 0, list(range(8))).cpu()
             tensors[f"{prefix}.qzeros"] = pack_words(zeros - 1, 1, list(range(8))).cpu()
+        if fmt == "gptq_act":  # one order an input: q, k and v see the same x
+            key = prefix.rsplit(".", 1)[0] + INPUTS[prefix.rsplit(".", 1)[1]]
+            g_idx = orders.setdefault(key, act_order_groups(k, GROUP))
+            tensors[f"{prefix}.g_idx"] = g_idx.cpu().clone()
+            dense[prefix] = expected_by_groups(q, zeros, scales.half().float(), g_idx).cpu()
+        elif fmt == "gptq":
             tensors[f"{prefix}.g_idx"] = torch.arange(k, dtype=torch.int32) // GROUP
         tensors[f"{prefix}.scales"] = scales.half().cpu()
-        dense[prefix] = expected_dense(q, zeros, scales.half().float(), GROUP).cpu()
+        if fmt != "gptq_act":
+            dense[prefix] = expected_dense(q, zeros, scales.half().float(), GROUP).cpu()
     save_file(tensors, str(out / "model.safetensors"))
     return dense
+
+
+@pytest.fixture(scope="module")
+def wide_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every linear's K two or three groups of 128 (hidden 256, MLP 384): an act order
+    then moves the inputs of every product (one group would leave them in place)."""
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("wide-llama"),
+        hidden_size=256,
+        intermediate_size=384,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.05,
+    )
+
+
+def base_for(fmt: str, narrow: Path, wide: Path) -> Path:
+    return wide if fmt == "gptq_act" else narrow
 
 
 FORMATS: dict[str, dict[str, object]] = {
@@ -87,6 +118,13 @@ FORMATS: dict[str, dict[str, object]] = {
         "sym": False,
         "desc_act": False,
     },
+    "gptq_act": {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": GROUP,
+        "sym": False,
+        "desc_act": True,
+    },
     "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
 }
 
@@ -94,15 +132,18 @@ FORMATS: dict[str, dict[str, object]] = {
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_each_fused_linear_is_what_the_checkpoint_means(
     llama_dir: Path,  # noqa: F811  (the fixture)
+    wide_llama_dir: Path,
     tmp_path: Path,
     fmt: str,
 ) -> None:
     model = tmp_path / fmt
-    dense = write_checkpoint(llama_dir, model, FORMATS[fmt], fmt)
+    dense = write_checkpoint(base_for(fmt, llama_dir, wide_llama_dir), model, FORMATS[fmt], fmt)
     config = TurboConfig.load(model)
     scheme = read_scheme(json.loads((model / "config.json").read_text()), None)
-    assert scheme is not None and scheme.source == ("checkpoint" if fmt == "fp8" else fmt)
+    assert scheme is not None
+    assert scheme.source == {"fp8": "checkpoint", "gptq_act": "gptq"}.get(fmt, fmt)
     weights = load_weights(model, config, torch.device("cpu"), torch.bfloat16, scheme)
+    stored = load_file(str(model / "model.safetensors"))
     for i, layer in enumerate(weights.layers):
         attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
         fused = {
@@ -111,22 +152,42 @@ def test_each_fused_linear_is_what_the_checkpoint_means(
             "gate_up": [f"{mlp}.gate_proj", f"{mlp}.up_proj"],
             "down": [f"{mlp}.down_proj"],
         }
+        # In act order down's gather is folded into gate|up (quant/load.py): down reads
+        # its inputs in its packed order, gate|up makes them in that order.
+        order = None
+        if fmt == "gptq_act":
+            order = torch.argsort(stored[f"{mlp}.down_proj.g_idx"].long(), stable=True)
         for name, prefixes in fused.items():
             expected = torch.cat([dense[p] for p in prefixes])
+            if order is not None and name == "down":
+                expected = expected[:, order]
+            if order is not None and name == "gate_up":
+                expected = expected[torch.cat([order, order + len(order)])]
             got = getattr(layer, name).dequantize().cpu()
             assert torch.equal(got, expected), f"layer {i} {name}"
 
 
-def test_an_awq_model_computes_its_dequantized_weights(
+@pytest.mark.parametrize(
+    ("fmt", "described"),
+    [("awq", "w4a16 (awq, group 128)"), ("gptq_act", "w4a16 (gptq, group 128, act order)")],
+)
+def test_a_4_bit_model_computes_its_dequantized_weights(
     llama_dir: Path,  # noqa: F811  (the fixture)
+    wide_llama_dir: Path,
     tmp_path: Path,
+    fmt: str,
+    described: str,
 ) -> None:
-    model = tmp_path / "awq"
-    write_checkpoint(llama_dir, model, FORMATS["awq"], "awq")
+    model, base = tmp_path / fmt, base_for(fmt, llama_dir, wide_llama_dir)
+    write_checkpoint(base, model, FORMATS[fmt], fmt)
     dtype = torch.float16 if ON_CUDA else torch.float32
     turbo = TurboBackend(model, DEVICE, dtype)
-    assert turbo.quantization == "w4a16 (awq, group 128)"
-    ref = dequantized_reference(model, turbo, base=llama_dir)
+    assert turbo.quantization == described
+    if fmt == "gptq_act":  # gathered by the norms (qkv, gate|up), o's own; down's folded
+        for layer in turbo.model.weights.layers:
+            ordered = [getattr(layer, name).perm for name in ("qkv", "o", "gate_up", "down")]
+            assert [p is not None for p in ordered] == [True, True, True, False]
+    ref = dequantized_reference(model, turbo, base=base)
     prompts = random_prompts([6, 21], turbo.vocab_size, seed=2)
     assert_logits_match(
         all_logits(turbo, prompts, pool(turbo)),

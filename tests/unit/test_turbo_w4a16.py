@@ -31,8 +31,6 @@ from lmd.engine.turbo import kernels
 from lmd.engine.turbo.kernels.w4a16 import Tiles, w4a16_matmul
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
 
-AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
-
 
 def random_weight(n: int, k: int, group: int, dtype: torch.dtype) -> W4A16Weight:
     return W4A16Weight.quantize(torch.randn(n, k, device=DEVICE).to(dtype), group)
@@ -53,19 +51,6 @@ def expected_dense(q: Tensor, zeros: Tensor, scales: Tensor, group: int) -> Tens
     z = zeros.repeat_interleave(group, 0).float()
     s = scales.repeat_interleave(group, 0).float()
     return ((q.float() - z) * s).t()
-
-
-def pack_words(values: Tensor, dim: int, order: list[int]) -> Tensor:
-    """Pack 8 consecutive entries along `dim` into an int32, entry order[i] in bits 4 i,
-    in uint32 arithmetic (values may be negative, as AutoGPTQ's zeros less one)."""
-    moved = values.movedim(dim, -1).long()
-    shape = (*moved.shape[:-1], moved.shape[-1] // 8, 8)
-    grouped = moved.reshape(shape)
-    words = torch.zeros(shape[:-1], dtype=torch.long, device=values.device)
-    for i, entry in enumerate(order):
-        words |= ((grouped[..., entry] & 0xFFFFFFFF) << (4 * i)) & 0xFFFFFFFF
-    signed = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return signed.movedim(-1, dim).contiguous()
 
 
 # The kernel ------------------------------------------------------------------------
@@ -215,50 +200,6 @@ def test_quantize_refuses_what_the_layout_cannot_hold() -> None:
         W4A16Weight.quantize(torch.zeros(8, 192), 48)
     with pytest.raises(ValueError, match="zeros"):
         W4A16Weight(torch.zeros(16, 8, dtype=torch.int32), torch.zeros(1, 8), torch.zeros(2, 8))
-
-
-@pytest.mark.parametrize("group", [128, 64])
-def test_from_awq(group: int) -> None:
-    n, k = 24, 256
-    q, zeros, scales = known_ints(n, k, group)
-    qweight = pack_words(q, 1, AWQ_ORDER)  # [K, N / 8]
-    qzeros = pack_words(zeros, 1, AWQ_ORDER)  # [K / G, N / 8]
-    assert qweight.shape == (k, n // 8) and qzeros.shape == (k // group, n // 8)
-    weight = W4A16Weight.from_awq(qweight, qzeros, scales.half(), group, torch.bfloat16)
-    assert weight.dtype == torch.bfloat16 and weight.shape == (n, k)
-    assert torch.equal(weight.dequantize(), expected_dense(q, zeros, scales, group))
-    with pytest.raises(ValueError, match=rf"AWQ scales is \[{k // group}, 8\]"):
-        W4A16Weight.from_awq(qweight, qzeros, scales[:, :8].half(), group, torch.float16)
-
-
-@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2", "sym"])
-def test_from_gptq(fmt: str) -> None:
-    n, k, group = 16, 384, 128
-    q, zeros, scales = known_ints(n, k, group)
-    zeros.clamp_(min=1)  # v1 writes a zero of 0 as -1, which spills into the nibbles above,
-    zeros[0, 7] = 0  # except in a word's last: nibble 15 there
-    if fmt == "sym":
-        zeros.fill_(8)
-    stored = zeros - 1 if fmt == "gptq" else zeros
-    qweight = pack_words(q, 0, list(range(8)))  # [K / 8, N]
-    qzeros = pack_words(stored, 1, list(range(8)))  # [K / G, N / 8]
-    g_idx = torch.arange(k, device=DEVICE, dtype=torch.int32) // group
-    weight = W4A16Weight.from_gptq(
-        qweight,
-        None if fmt == "sym" else qzeros,
-        scales.half(),
-        g_idx,
-        group,
-        torch.float16,
-        fmt == "sym",
-        zeros_minus_one=fmt == "gptq",
-    )
-    assert torch.equal(weight.dequantize(), expected_dense(q, zeros, scales, group))
-    shuffled = g_idx[torch.randperm(k, device=DEVICE)]
-    with pytest.raises(ValueError, match="act-order"):
-        W4A16Weight.from_gptq(qweight, qzeros, scales, shuffled, group, torch.float16, False)
-    with pytest.raises(ValueError, match=r"GPTQ qzeros is \[3, 1\]"):
-        W4A16Weight.from_gptq(qweight, qzeros[:, :1], scales, None, group, torch.half, False)
 
 
 def test_cat_stacks_output_channels() -> None:

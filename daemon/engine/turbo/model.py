@@ -305,13 +305,16 @@ class TurboModel:
             rotary = None if in_launch is not None else rotary
         else:
             codes = self._codes(weight, x)
+            # An act-order W4A16 weight's inputs, gathered into its packed order by the norm.
+            order = weight.perm if isinstance(weight, W4A16Weight) else None
             h = (
-                kernels.rms_norm(x, norm, eps, res)
+                kernels.rms_norm(x, norm, eps, res, order=order)
                 if codes is None
                 else kernels.rms_norm_fp8(x, norm, eps, res, group=codes.code_group)
             )
-            if activation and isinstance(weight, W4A16Weight) and isinstance(h, Tensor):
-                y, folded = weight.matmul(h, bias, activation), activation  # in its launch
+            if isinstance(weight, W4A16Weight) and isinstance(h, Tensor):
+                # the activation in its launch (see matmul)
+                y, folded = weight.matmul(h, bias, activation, ordered=True), activation
             else:
                 y = self._linear(h, weight, bias)
         if activation is not None and folded is None:

@@ -28,7 +28,7 @@ from torch import Tensor
 from lmd.engine.parallel import SINGLE, TensorParallel
 from lmd.engine.turbo.checkpoint import CheckpointReader, Shard
 from lmd.engine.turbo.config import TurboConfig, UnsupportedModel
-from lmd.engine.turbo.quant.load import Linear, load_linear
+from lmd.engine.turbo.quant.load import Linear, fold_down_order, load_linear
 from lmd.engine.turbo.quant.scheme import QuantScheme
 
 
@@ -132,6 +132,13 @@ def load_weights(
             gate_up = [f"{mlp}.gate_proj", f"{mlp}.up_proj"]
             sparse = config.moe is not None and config.moe.sparse_layers[i]
             dense = not sparse
+            mlp_in, mlp_bias, mlp_out = None, None, None
+            if dense:
+                mlp_in, mlp_bias, mlp_out = fold_down_order(
+                    linear(gate_up),
+                    cat([f"{p}.bias" for p in gate_up]) if config.mlp_bias else None,
+                    linear([f"{mlp}.down_proj"]),
+                )
             layers.append(
                 LayerWeights(
                     input_norm=norm(f"{layer}.input_layernorm.weight"),
@@ -152,11 +159,9 @@ def load_weights(
                         if sandwich
                         else f"{layer}.post_attention_layernorm.weight"
                     ),
-                    gate_up=linear(gate_up) if dense else None,
-                    gate_up_bias=(
-                        cat([f"{p}.bias" for p in gate_up]) if dense and config.mlp_bias else None
-                    ),
-                    down=linear([f"{mlp}.down_proj"]) if dense else None,
+                    gate_up=mlp_in,
+                    gate_up_bias=mlp_bias,
+                    down=mlp_out,
                     down_bias=(
                         get(f"{mlp}.down_proj.bias")
                         if dense and config.mlp_bias and row_bias

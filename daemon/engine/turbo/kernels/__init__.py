@@ -17,7 +17,7 @@ from lmd.engine.turbo.kernels.gemv import gemv
 from lmd.engine.turbo.kernels.kv_quant import scales_of
 from lmd.engine.turbo.kernels.moe import fused_moe
 from lmd.engine.turbo.kernels.moe_vector import experts_vector
-from lmd.engine.turbo.kernels.norm import rms_norm, rms_norm_fp8
+from lmd.engine.turbo.kernels.norm import gather_columns, rms_norm, rms_norm_fp8
 from lmd.engine.turbo.kernels.prefill_attention import prefill_attention
 from lmd.engine.turbo.kernels.rotary import Rotary, rotary_and_cache_write
 from lmd.engine.turbo.kernels.vector_gemv import Norm, default_tiles, plain_tiles, vector_gemv
@@ -32,6 +32,7 @@ __all__ = [
     "default_tiles",
     "experts_vector",
     "fused_moe",
+    "gather_columns",
     "gemv",
     "interpreting",
     "plain_tiles",

@@ -11,6 +11,7 @@ projection the checkpoint left unquantized (its `modules_to_not_convert`) is rea
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -20,6 +21,7 @@ from lmd.engine.turbo.config import UnsupportedModel
 from lmd.engine.turbo.quant.fp8 import Fp8Weight
 from lmd.engine.turbo.quant.scheme import QuantScheme
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
+from lmd.engine.turbo.quant.w4a16_checkpoint import read_awq, read_gptq
 
 Linear = Tensor | W4A16Weight | Fp8Weight
 
@@ -53,6 +55,22 @@ def load_linear(
         raise UnsupportedModel(f"{', '.join(prefixes)}: {exc}") from None
 
 
+def fold_down_order(
+    gate_up: Linear, bias: Tensor | None, down: Linear
+) -> tuple[Linear, Tensor | None, Linear]:
+    """An act-order down's gather (W4A16Weight.perm) moved into gate|up: gate|up's
+    outputs (rows gate | up, and its bias) made in the order down packs its inputs, and
+    down reading them as they come. Exact, since act(gate) * up is elementwise over the
+    intermediate width; a layer's MLP then gathers once (gate|up's input), not twice."""
+    if not isinstance(down, W4A16Weight) or down.perm is None:
+        return gate_up, bias, down
+    if not isinstance(gate_up, W4A16Weight):
+        return gate_up, bias, down
+    outputs = torch.cat([down.perm, down.perm + down.shape[1]])  # gate's rows, then up's
+    bias = None if bias is None else bias.index_select(0, outputs)
+    return gate_up.take_outputs(outputs), bias, replace(down, perm=None)
+
+
 def quantize(dense: Tensor, scheme: QuantScheme, dtype: torch.dtype) -> W4A16Weight | Fp8Weight:
     """A 16-bit [N, K] weight quantized at load by `scheme`'s method."""
     if scheme.method == "w4a16":
@@ -82,12 +100,12 @@ def _part(
         return reader.get(f"{prefix}.{name}", as_dtype, device)
 
     if scheme.source == "awq":
-        return W4A16Weight.from_awq(
+        return read_awq(
             stored("qweight"), stored("qzeros"), stored("scales", dtype), scheme.group_size, dtype
         )
     if scheme.source == "gptq":
         g_idx = stored("g_idx") if f"{prefix}.g_idx" in reader else None
-        return W4A16Weight.from_gptq(
+        return read_gptq(
             stored("qweight"),
             stored("qzeros"),
             stored("scales", dtype),

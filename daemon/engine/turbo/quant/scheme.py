@@ -30,12 +30,14 @@ class QuantScheme:
     block_size: tuple[int, int] | None = None  # FP8 checkpoints: scale blocks (N, K)
     sym: bool = False  # GPTQ: symmetric (no stored zero points to speak of)
     zeros_minus_one: bool = False  # GPTQ v1 stores each zero point less one
+    act_order: bool = False  # GPTQ desc_act: groups by g_idx, inputs gathered a product
 
     def describe(self) -> str:
         """One line for status and logs, e.g. "w4a16 (awq, group 128)"."""
         if self.method == "w4a16":
             origin = "round to nearest at load" if self.source == "load" else self.source
-            return f"w4a16 ({origin}, group {self.group_size})"
+            order = ", act order" if self.act_order else ""
+            return f"w4a16 ({origin}, group {self.group_size}{order})"
         if self.block_size is not None:
             return f"fp8 (blocks {self.block_size[0]}x{self.block_size[1]})"
         origin = "at load" if self.source == "load" else "checkpoint"
@@ -93,6 +95,7 @@ def _four_bit(method: str, packed: Mapping[str, Any]) -> QuantScheme:
         group_size=group,
         sym=bool(packed.get("sym", True)),
         zeros_minus_one=fmt == "gptq",
+        act_order=packed.get("desc_act") is True,
     )
 
 

@@ -13,10 +13,13 @@ default), each with a scale and an integer zero point per output channel:
 
 K is a multiple of 128 and of G; G is a multiple of 16. Packed along K, the GEMM reads
 4 N contiguous bytes per row of words; the order inside a block of 128 makes each
-nibble of 16 words one contiguous slice of K (kernels/w4a16.py says why). AWQ's words
-(packed along N in its own nibble order) and GPTQ's (along K in plain order) are
-repacked once at load. `matmul` runs kernels/w4a16.py; everything else is plain torch
-on any device.
+nibble of 16 words one contiguous slice of K (kernels/w4a16.py says why). A checkpoint's
+words are repacked once at load (quant/w4a16_checkpoint.py). An act-order GPTQ
+checkpoint (desc_act) gives each input its group by its g_idx, not k // G: its inputs
+are packed sorted by group, so that each group is G consecutive packed inputs again,
+and x reaches the product in that order (`perm`: packed input i is input perm[i]),
+made so by the RMSNorm before it (TurboModel) or gathered (`matmul`). `matmul` runs
+kernels/w4a16.py; everything else is plain torch on any device.
 """
 
 from __future__ import annotations
@@ -28,8 +31,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 PACK_K = 128  # inputs per block of the layout
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's word: nibble i holds column 8 c + AWQ_ORDER[i]
-NATURAL_ORDER = tuple(range(8))  # GPTQ's qzeros: nibble i holds column 8 c + i
 _QUANTIZE_ELEMENTS = 1 << 22  # weights quantized at a time (bounds the float32 copies)
 
 
@@ -51,35 +52,21 @@ def unpack(qweight: Tensor) -> Tensor:
     return ((words >> shifts[None, :, None, None]) & 0xF).to(torch.uint8).view(rows * 8, n)
 
 
-def unpack_gptq(qweight: Tensor) -> Tensor:
-    """GPTQ's qweight [K / 8, N] int32 (input 8 r + j in bits 4 j of row r) -> [K, N] uint8."""
-    rows, n = qweight.shape
-    shifts = torch.arange(0, 32, 4, device=qweight.device, dtype=torch.int32)
-    return ((qweight[:, None, :] >> shifts[None, :, None]) & 0xF).to(torch.uint8).view(rows * 8, n)
-
-
-def unpack_along_n(packed: Tensor, order: tuple[int, ...]) -> Tensor:
-    """[R, N / 8] int32, nibble i of word c holding column 8 c + order[i] -> [R, N] uint8."""
-    rows, words = packed.shape
-    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
-    nibbles = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [R, N / 8, 8]: nibble i
-    inverse = [order.index(col) for col in range(8)]  # the nibble holding column 8 c + col
-    return nibbles[:, :, inverse].to(torch.uint8).reshape(rows, words * 8)
-
-
 @dataclass(slots=True)
 class W4A16Weight:
     """qweight [K / 8, N] int32, scales [K / G, N] in the activations' dtype, zeros
     [K / G, N] uint8, group_size G; see the module. `in_features`: the dense weight's K
     when it is less than the packed K (a weight quantized at load with zero columns
     added up to a multiple of 128: the inputs are padded with zeros to match); None =
-    the packed K."""
+    the packed K. `perm`: [K] int64, the inputs' order as packed (act order), or None
+    for the inputs in their own order."""
 
     qweight: Tensor
     scales: Tensor
     zeros: Tensor
     group_size: int = 128
     in_features: int | None = None
+    perm: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.qweight.dtype != torch.int32 or self.qweight.dim() != 2:
@@ -106,6 +93,15 @@ class W4A16Weight:
             raise ValueError(f"W4A16 zeros are uint8, not {self.zeros.dtype}")
         if not self.scales.is_floating_point():
             raise ValueError(f"W4A16 scales are floats, not {self.scales.dtype}")
+        if self.perm is not None and (
+            self.perm.dtype != torch.int64
+            or tuple(self.perm.shape) != (k,)
+            or self.in_features is not None
+        ):
+            raise ValueError(
+                f"W4A16 perm for weight [{n}, {k}] is a [{k}] int64 order of unpadded "
+                f"inputs, not {self.perm.dtype} of shape {list(self.perm.shape)}"
+            )
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -121,8 +117,9 @@ class W4A16Weight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes on the device: packed weights, scales and zero points."""
-        return self.qweight.nbytes + self.scales.nbytes + self.zeros.nbytes
+        """Bytes on the device: packed weights, scales, zero points and the order."""
+        order = 0 if self.perm is None else self.perm.nbytes
+        return self.qweight.nbytes + self.scales.nbytes + self.zeros.nbytes + order
 
     @property
     def device(self) -> torch.device:
@@ -134,11 +131,18 @@ class W4A16Weight:
         return self.scales.dtype
 
     def matmul(
-        self, x: Tensor, bias: Tensor | None = None, activation: str | None = None
+        self,
+        x: Tensor,
+        bias: Tensor | None = None,
+        activation: str | None = None,
+        *,
+        ordered: bool = False,
     ) -> Tensor:
         """x: [..., K] in `dtype` -> x @ W^T (+ bias): [..., N] in `dtype`; with
         `activation` W is gate | up and the result act(gate) * up, [..., N / 2] (SiLU made
         in the product's own launch where the wgmma kernel takes it: 33-64 rows).
+        `ordered`: x's columns are already in the packed order (perm; an RMSNorm made
+        them so), else an act-order weight gathers them first.
 
         The Triton kernel on a GPU, and on CPU under Triton's interpreter (tests); on CPU
         without it, dequantize() and F.linear (slow: a reference, not a serving path)."""
@@ -151,41 +155,58 @@ class W4A16Weight:
                 f"in {x.dtype}"
             )
         if activation is not None:
-            return self._gated(x, bias, activation)
+            return self._gated(x, bias, activation, ordered)
         if not x.is_cuda and not interpreting():
-            return F.linear(x, self.dequantize().to(x.dtype), bias)
+            dense = self.dequantize().to(x.dtype)
+            if ordered and self.perm is not None:
+                dense = dense[:, self.perm]  # packed input i is input perm[i]
+            return F.linear(x, dense, bias)
         from lmd.engine.turbo.kernels.w4a16 import w4a16_matmul
 
-        rows = x.reshape(-1, k)
-        if rows.stride(1) != 1:
-            rows = rows.contiguous()
+        rows = self._packed_rows(x, ordered)
         padded = self.packed_shape[1] - k
         if padded:  # the zero columns added at load meet zero inputs
             rows = F.pad(rows, (0, padded))
         y = w4a16_matmul(rows, self.qweight, self.scales, self.zeros, self.group_size, bias)
         return y.view(*x.shape[:-1], n)
 
-    def _gated(self, x: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+    def _gated(self, x: Tensor, bias: Tensor | None, activation: str, ordered: bool) -> Tensor:
         """act(gate) * up of W = gate | up: [..., N / 2]."""
         from lmd.engine.turbo.kernels import silu_and_mul
         from lmd.engine.turbo.kernels.w4a16_rows import native_rows
 
         n, k = self.shape
-        rows = x.reshape(-1, k)
-        if activation == "silu" and rows.is_cuda and k == self.packed_shape[1]:
+        lead, rows = x.shape[:-1], x.reshape(-1, k)
+        if activation == "silu" and x.is_cuda and k == self.packed_shape[1]:
+            rows, ordered = self._packed_rows(x, ordered), True
             y = rows.new_empty(rows.shape[0], n // 2)
             weight = (self.qweight, self.scales, self.zeros, self.group_size)
             if native_rows(rows, *weight, bias, y, gated=True):
-                return y.view(*x.shape[:-1], n // 2)
-        y = silu_and_mul(self.matmul(rows, bias), activation)
-        return y.view(*x.shape[:-1], n // 2)
+                return y.view(*lead, n // 2)
+        y = silu_and_mul(self.matmul(rows, bias, ordered=ordered), activation)
+        return y.view(*lead, n // 2)
+
+    def _packed_rows(self, x: Tensor, ordered: bool) -> Tensor:
+        """x [..., K] as the kernels read it: [M, K] rows of unit stride, the inputs in
+        the packed order (gathered, for act order, unless `ordered`)."""
+        from lmd.engine.turbo.kernels import gather_columns
+
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        return rows if self.perm is None or ordered else gather_columns(rows, self.perm)
 
     def dequantize(self) -> Tensor:
         """W as float32 [N, K]: (q - zero) * scale, the reference the kernel is held to."""
         q = unpack(self.qweight).float()  # [K, N]
         zeros = self.zeros.float().repeat_interleave(self.group_size, dim=0)
         scales = self.scales.float().repeat_interleave(self.group_size, dim=0)
-        return ((q - zeros) * scales).t()[:, : self.shape[1]].contiguous()
+        packed = ((q - zeros) * scales).t()[:, : self.shape[1]].contiguous()
+        if self.perm is None:
+            return packed
+        dense = torch.empty_like(packed)
+        dense[:, self.perm] = packed  # packed input i is input perm[i]
+        return dense
 
     @classmethod
     def quantize(cls, weight: Tensor, group_size: int = 128) -> W4A16Weight:
@@ -231,71 +252,21 @@ class W4A16Weight:
             zeros[:, r0 : r0 + step] = zero.t().to(torch.uint8)
         return cls(qweight, scales, zeros, group_size, None if k == in_features else in_features)
 
-    @classmethod
-    def from_awq(
-        cls, qweight: Tensor, qzeros: Tensor, scales: Tensor, group_size: int, dtype: torch.dtype
-    ) -> W4A16Weight:
-        """AutoAWQ's GEMM packing of one Linear: qweight [K, N / 8] and qzeros [K / G, N / 8]
-        int32 packed along N in AWQ_ORDER, scales [K / G, N] -> ours, repacked along K."""
-        _check_words("AWQ qweight", qweight)
-        k, words = qweight.shape
-        n = words * 8
-        _check_words("AWQ qzeros", qzeros)
-        _check("AWQ qzeros", qzeros, (k // group_size, words), k, n, group_size)
-        _check("AWQ scales", scales, (k // group_size, n), k, n, group_size)
-        q = unpack_along_n(qweight, AWQ_ORDER)  # [K, N]
-        zeros = unpack_along_n(qzeros, AWQ_ORDER)
-        return cls(pack(q), scales.to(dtype).contiguous(), zeros, group_size)
-
-    @classmethod
-    def from_gptq(  # noqa: PLR0917  # the checkpoint's tensors, in its order
-        cls,
-        qweight: Tensor,
-        qzeros: Tensor | None,
-        scales: Tensor,
-        g_idx: Tensor | None,
-        group_size: int,
-        dtype: torch.dtype,
-        sym: bool,
-        *,
-        zeros_minus_one: bool = True,
-    ) -> W4A16Weight:
-        """AutoGPTQ / GPTQModel's tensors of one Linear: qweight [K / 8, N] int32 packed
-        along K in plain order (repacked), qzeros [K / G, N / 8] int32 packed along N, scales
-        [K / G, N], g_idx [K] or None.
-
-        `sym`: every zero point is 8 and qzeros is not read (as vLLM's uint4b8).
-        `zeros_minus_one`: the "gptq" (v1) checkpoint format stores each zero point less
-        one; GPTQModel's "gptq_v2" stores them as they are. A v1 zero of 0 was stored as
-        -1 and reads back as nibble 15: it is taken as 0. Act-order checkpoints (desc_act:
-        g_idx other than k // G) are refused."""
-        _check_words("GPTQ qweight", qweight)
-        rows, n = qweight.shape
-        k = rows * 8
-        _check("GPTQ scales", scales, (k // group_size, n), k, n, group_size)
-        if g_idx is not None:
-            in_order = torch.arange(k, device=g_idx.device) // group_size
-            if tuple(g_idx.shape) != (k,) or not torch.equal(g_idx.long(), in_order):
-                raise ValueError(
-                    f"act-order (desc_act) GPTQ checkpoints are not supported: g_idx "
-                    f"{tuple(g_idx.shape)} is not k // {group_size} for K = {k}"
-                )
-        if sym:
-            zeros = torch.full((k // group_size, n), 8, dtype=torch.uint8, device=qweight.device)
-        elif qzeros is None:
-            raise ValueError("an asymmetric GPTQ checkpoint needs its qzeros")
-        else:
-            _check_words("GPTQ qzeros", qzeros)
-            _check("GPTQ qzeros", qzeros, (k // group_size, n // 8), k, n, group_size)
-            zeros = unpack_along_n(qzeros, NATURAL_ORDER)
-            if zeros_minus_one:
-                zeros = (zeros + 1) & 0xF
-        q = pack(unpack_gptq(qweight))
-        return cls(q, scales.to(dtype).contiguous(), zeros, group_size)
+    def take_outputs(self, index: Tensor) -> W4A16Weight:
+        """The weight of outputs `index` ([N'] int64 of 0..N-1), in that order."""
+        return W4A16Weight(
+            self.qweight.index_select(1, index),
+            self.scales.index_select(1, index),
+            self.zeros.index_select(1, index),
+            self.group_size,
+            self.in_features,
+            self.perm,
+        )
 
     @staticmethod
     def cat(parts: list[W4A16Weight]) -> W4A16Weight:
-        """The parts stacked along N (q|k|v, gate|up): same K, group size, dtype, device."""
+        """The parts stacked along N (q|k|v, gate|up): same K, group size, dtype, device
+        and inputs' order (GPTQ orders the projections of one input alike)."""
         if not parts:
             raise ValueError("W4A16Weight.cat needs at least one part")
         first = parts[0]
@@ -307,13 +278,25 @@ class W4A16Weight:
                     f"W4A16Weight.cat: parts differ in K, group size, dtype or device "
                     f"({other} vs {key})"
                 )
+            if not _same_order(first.perm, part.perm):
+                raise ValueError(
+                    "W4A16Weight.cat: the parts' act orders (g_idx) differ; turbo runs the "
+                    "projections of one input as one product and needs one order"
+                )
         return W4A16Weight(
             torch.cat([p.qweight for p in parts], dim=1),
             torch.cat([p.scales for p in parts], dim=1),
             torch.cat([p.zeros for p in parts], dim=1),
             first.group_size,
             first.in_features,
+            first.perm,
         )
+
+
+def _same_order(a: Tensor | None, b: Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return torch.equal(a, b)
 
 
 def _round_up(values: Tensor, dtype: torch.dtype) -> Tensor:
@@ -323,22 +306,3 @@ def _round_up(values: Tensor, dtype: torch.dtype) -> Tensor:
     rounded = values.clamp(min=tiny).to(dtype)
     up = torch.nextafter(rounded, torch.full_like(rounded, float("inf")))
     return torch.where(rounded.float() < values, up, rounded)
-
-
-def _check(  # noqa: PLR0917
-    name: str, tensor: Tensor, expected: tuple[int, int], k: int, n: int, group: int
-) -> None:
-    """One line naming the tensor when its shape is not the one K, N and G ask for."""
-    if group <= 0 or k % group or k % PACK_K or n % 8 or tuple(tensor.shape) != expected:
-        raise ValueError(
-            f"{name} is {list(tensor.shape)}, but weight [N={n}, K={k}] in groups of {group} "
-            f"needs {list(expected)} (K a multiple of {PACK_K} and of the group, N of 8)"
-        )
-
-
-def _check_words(name: str, tensor: Tensor) -> None:
-    if tensor.dtype != torch.int32 or tensor.dim() != 2:
-        raise ValueError(
-            f"{name} is a 2-D int32 tensor of packed nibbles, not {tensor.dtype} "
-            f"of shape {list(tensor.shape)}"
-        )
