@@ -18,27 +18,9 @@ import statistics
 from collections.abc import Callable
 
 import torch
-import triton
-import triton.language as tl
 
+from lmd.engine.turbo import kernels
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
-
-
-@triton.jit
-def _gather_kernel(x, perm, out, width, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < width
-    src = tl.load(perm + cols, mask=mask, other=0)
-    values = tl.load(x + row * width + src, mask=mask)
-    tl.store(out + row * width + cols, values, mask=mask)
-
-
-def triton_gather(x: torch.Tensor, perm: torch.Tensor, block: int) -> torch.Tensor:
-    out = torch.empty_like(x)
-    rows, width = x.shape
-    _gather_kernel[(rows, triton.cdiv(width, block))](x, perm, out, width, BLOCK=block)
-    return out
 
 
 def per_call_us(fn: Callable[[], object], calls: int) -> float:
@@ -69,8 +51,7 @@ def ways_for(x: torch.Tensor, perm: torch.Tensor) -> dict[str, Callable[[], obje
         "index_select": lambda: x.index_select(1, perm),
         "index_select_int32": lambda: x.index_select(1, perm32),
         "getitem": lambda: x[:, perm],
-        "triton_1024": lambda: triton_gather(x, perm32, 1024),
-        "triton_4096": lambda: triton_gather(x, perm32, 4096),
+        "gather_columns": lambda: kernels.gather_columns(x, perm),
     }
 
 
