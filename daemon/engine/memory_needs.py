@@ -44,6 +44,9 @@ _KEPT_ITEMSIZE = {
 _QUANTIZED_ITEMSIZE = {"w4a16": 0.5 + 4 / 128, "fp8": 1.0}
 # The layers' linear weights, which --quantization quantizes (not experts, norms, embedding).
 _LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
+# An expert's tensors (`...mlp.experts.3.gate_proj.qweight`): turbo holds experts 16-bit,
+# a quantized checkpoint's dequantized at load.
+_EXPERT = re.compile(r"model\.layers\.\d+\.\w+\.experts\.\d+\.\w+\.(\w+)")
 
 
 def weight_bytes(model_dir: Path, dtype: torch.dtype, quantization: str | None = None) -> int:
@@ -63,8 +66,19 @@ def weight_bytes(model_dir: Path, dtype: torch.dtype, quantization: str | None =
                 itemsize: float = _KEPT_ITEMSIZE.get(kind, dtype.itemsize)  # floats: as dtype
                 if quantization is not None and _LINEAR.fullmatch(name):
                     itemsize = _QUANTIZED_ITEMSIZE[quantization]
+                if expert := _EXPERT.fullmatch(name):
+                    itemsize = _expert_itemsize(expert.group(1), dtype)
                 total += math.ceil(math.prod(tensor.get_shape()) * itemsize)
     return total
+
+
+def _expert_itemsize(part: str, dtype: torch.dtype) -> int:
+    """Bytes an expert's tensor takes loaded, an element: weights 16-bit whatever the
+    checkpoint holds (an int32 of AWQ's or GPTQ's `qweight` packs 8 of them); scales,
+    zero points and g_idx are read to dequantize, then freed."""
+    if part == "qweight":
+        return 8 * dtype.itemsize
+    return dtype.itemsize if part == "weight" else 0
 
 
 def kv_bytes_per_token(

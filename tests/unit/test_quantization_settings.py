@@ -154,6 +154,24 @@ def test_the_memory_plan_counts_weights_as_they_will_load(tmp_path: Path) -> Non
     assert w4 == pytest.approx((linear + fp8) * (0.5 + 4 / 128) + 2 * embed + packed, abs=2)
 
 
+def test_the_memory_plan_counts_quantized_experts_as_16_bit(tmp_path: Path) -> None:
+    """turbo dequantizes a quantized checkpoint's experts at load: their weights count 2
+    bytes each in bf16, their scales and zero points nothing; --quantization leaves them."""
+    expert = "model.layers.0.mlp.experts.3"
+    tensors = {
+        f"{expert}.gate_proj.qweight": torch.zeros(16, 256, dtype=torch.int32),  # 128 x 256
+        f"{expert}.gate_proj.qzeros": torch.zeros(1, 32, dtype=torch.int32),
+        f"{expert}.gate_proj.scales": torch.zeros(1, 256, dtype=torch.float16),
+        f"{expert}.gate_proj.g_idx": torch.zeros(128, dtype=torch.int32),
+        f"{expert}.up_proj.weight": torch.zeros(256, 128).to(torch.float8_e4m3fn),
+        f"{expert}.up_proj.weight_scale_inv": torch.zeros(2, 1),
+        f"{expert}.down_proj.weight": torch.zeros(128, 256, dtype=torch.bfloat16),
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    assert weight_bytes(tmp_path, torch.bfloat16) == 3 * 2 * (128 * 256)
+    assert weight_bytes(tmp_path, torch.bfloat16, "w4a16") == 3 * 2 * (128 * 256)
+
+
 def test_v1_models_and_lmdctl_show_the_quantization(tmp_path: Path) -> None:
     model = tmp_path / "m"
     model.mkdir()

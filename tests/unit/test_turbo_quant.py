@@ -67,7 +67,7 @@ def dequantized_reference(
 ) -> PreTrainedModel:
     """transformers' model (from `base`, a 16-bit checkpoint of the same model, when
     `llama_dir` holds a quantized one) with turbo's quantized linears, dequantized, as
-    its weights."""
+    its weights (and a layer of experts' weights as turbo holds them: 16-bit)."""
     ref: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
         base or llama_dir, local_files_only=True, dtype=torch.float32
     )
@@ -78,6 +78,8 @@ def dequantized_reference(
             fused = {}
             for name in ("qkv", "o", "gate_up", "down"):
                 weight = getattr(weights, name)
+                if weight is None and weights.experts is not None:
+                    continue  # a layer of experts
                 assert isinstance(weight, W4A16Weight | Fp8Weight)
                 fused[name] = weight.dequantize().cpu()
             attn, mlp = layer.self_attn, layer.mlp
@@ -88,6 +90,10 @@ def dequantized_reference(
             ):
                 proj.weight.copy_(part)
             attn.o_proj.weight.copy_(fused["o"])
+            if weights.experts is not None:  # transformers' stacked experts: our layout
+                mlp.experts.gate_up_proj.copy_(weights.experts.gate_up.float().cpu())
+                mlp.experts.down_proj.copy_(weights.experts.down.float().cpu())
+                continue
             gate, up = fused["gate_up"].chunk(2)
             mlp.gate_proj.weight.copy_(gate)
             mlp.up_proj.weight.copy_(up)

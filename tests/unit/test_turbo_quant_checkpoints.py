@@ -13,16 +13,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 pytest.importorskip("triton")
 from tests.unit.test_turbo_kernels import ON_CUDA  # noqa: I001  (first: the interpreter)
 
 from lmd.engine.turbo.backend import TurboBackend
 from lmd.engine.turbo.config import TurboConfig
-from lmd.engine.turbo.quant.fp8 import fp8_supported
+from lmd.engine.turbo.quant.fp8 import Fp8Weight, fp8_supported
 from lmd.engine.turbo.quant.scheme import read_scheme
+from lmd.engine.turbo.quant.w4a16 import W4A16Weight
 from lmd.engine.turbo.weights import load_weights
-from tests.models import random_prompts, save_tiny_llama
+from tests.models import TINY_SHAPE, random_prompts, save_tiny_llama
 from tests.unit.test_turbo_model import all_logits, assert_logits_match, reference_logits
 from tests.unit.test_turbo_quant import dequantized_reference, pool
 from tests.unit.test_turbo_quant import llama_dir  # noqa: F401  (a fixture: the 16-bit model)
@@ -97,6 +99,26 @@ def wide_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         num_key_value_heads=2,
         initializer_range=0.05,
     )
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3-MoE, every K two or three groups of 128: layer 0 four experts (two a
+    token), layer 1 a dense MLP."""
+    config = Qwen3MoeConfig(
+        **{**TINY_SHAPE, "hidden_size": 256, "intermediate_size": 384},
+        head_dim=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        mlp_only_layers=[1],
+        norm_topk_prob=True,
+        initializer_range=0.05,
+    )
+    torch.manual_seed(5)
+    path = tmp_path_factory.mktemp("quant-moe")
+    Qwen3MoeForCausalLM(config).save_pretrained(path)
+    return path
 
 
 def base_for(fmt: str, narrow: Path, wide: Path) -> Path:
@@ -211,3 +233,41 @@ def test_fp8_block_codes_made_by_the_norms_change_no_logit(
     ours = torch.cat(all_logits(turbo, prompts, pool(turbo)))
     turbo.model.fp8_codes = False
     assert torch.equal(ours, torch.cat(all_logits(turbo, prompts, pool(turbo))))
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq_act", "fp8"])
+def test_quantized_experts_are_read_dequantized(moe_dir: Path, tmp_path: Path, fmt: str) -> None:
+    """turbo runs experts 16-bit: a quantized checkpoint's experts are dequantized at load
+    to what the checkpoint means; its other linears stay quantized."""
+    model = tmp_path / fmt
+    dense = write_checkpoint(moe_dir, model, FORMATS[fmt], fmt)
+    scheme = read_scheme(json.loads((model / "config.json").read_text()), None)
+    config = TurboConfig.load(model)
+    weights = load_weights(model, config, torch.device("cpu"), torch.bfloat16, scheme)
+    experts = weights.layers[0].experts
+    assert experts is not None and experts.gate_up.dtype == torch.bfloat16
+    for j in range(4):
+        expert = f"model.layers.0.mlp.experts.{j}"
+        gate_up = torch.cat([dense[f"{expert}.gate_proj"], dense[f"{expert}.up_proj"]])
+        assert torch.equal(experts.gate_up[j], gate_up.to(torch.bfloat16)), f"expert {j}"
+        assert torch.equal(experts.down[j], dense[f"{expert}.down_proj"].to(torch.bfloat16))
+    for layer in weights.layers:
+        assert isinstance(layer.qkv, W4A16Weight | Fp8Weight)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq_act"])
+def test_a_quantized_moe_model_computes_its_dequantized_weights(
+    moe_dir: Path, tmp_path: Path, fmt: str
+) -> None:
+    model = tmp_path / fmt
+    write_checkpoint(moe_dir, model, FORMATS[fmt], fmt)
+    dtype = torch.float16 if ON_CUDA else torch.float32
+    turbo = TurboBackend(model, DEVICE, dtype)
+    assert turbo.quantization is not None and turbo.quantization.endswith("; experts 16-bit")
+    ref = dequantized_reference(model, turbo, base=moe_dir)
+    prompts = random_prompts([6, 21], turbo.vocab_size, seed=2)
+    assert_logits_match(
+        all_logits(turbo, prompts, pool(turbo)),
+        reference_logits(ref, prompts),
+        2e-2 if ON_CUDA else 1e-4,
+    )

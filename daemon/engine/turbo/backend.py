@@ -159,7 +159,10 @@ class TurboBackend(GraphedDecode):
 
     @property
     def quantization(self) -> str | None:
-        return None if self.scheme is None else self.scheme.describe()
+        if self.scheme is None:
+            return None
+        experts = "; experts 16-bit" if self.config.moe is not None else ""
+        return f"{self.scheme.describe()}{experts}"
 
     @property
     def kv_window(self) -> int:

@@ -28,7 +28,7 @@ from torch import Tensor
 from lmd.engine.parallel import SINGLE, TensorParallel
 from lmd.engine.turbo.checkpoint import CheckpointReader, Shard
 from lmd.engine.turbo.config import TurboConfig, UnsupportedModel
-from lmd.engine.turbo.quant.load import Linear, fold_down_order, load_linear
+from lmd.engine.turbo.quant.load import Linear, fold_down_order, load_linear, read_dense
 from lmd.engine.turbo.quant.scheme import QuantScheme
 
 
@@ -95,8 +95,6 @@ def load_weights(
     tensors on `device` in `dtype`, the layers' linears as `scheme` has them
     (quant/load.py); rank tp.rank's shard of them with a group (ParallelError when
     `config` does not split: see TurboConfig.for_rank)."""
-    if scheme is not None and scheme.source != "load" and config.moe is not None:
-        raise UnsupportedModel(f"turbo reads no quantized experts ({scheme.describe()})")
     if scheme is not None and scheme.source != "load" and tp.enabled:
         raise UnsupportedModel(
             f"tensor parallelism splits 16-bit checkpoints only, not {scheme.describe()} ones"
@@ -170,7 +168,11 @@ def load_weights(
                     mlp_out_norm=(
                         norm(f"{layer}.post_feedforward_layernorm.weight") if sandwich else None
                     ),
-                    experts=load_experts(reader, rank, i, dtype, device) if sparse else None,
+                    experts=(
+                        load_experts(reader, rank, i, dtype, device, scheme=scheme)
+                        if sparse
+                        else None
+                    ),
                 )
             )
         embed = get("model.embed_tokens.weight")  # [V, hidden] (a rank's rows)
@@ -202,9 +204,12 @@ def load_experts(
     layer: int,
     dtype: torch.dtype,
     device: torch.device,
+    *,
+    scheme: QuantScheme | None = None,
 ) -> ExpertWeights:
     """Layer `layer`'s router and experts, stacked: per-expert tensors as published
-    (`experts.{j}.gate_proj.weight`), or the stacked form transformers 5 keeps in memory
+    (`experts.{j}.gate_proj.weight`, or quantized as `scheme` reads them, dequantized:
+    experts run 16-bit), or the stacked form transformers 5 keeps in memory
     (`experts.gate_up_proj`, `experts.down_proj`) when a checkpoint has that. `config`
     is the rank's (its part of each expert's width), as `reader` reads them."""
     moe = config.moe
@@ -222,7 +227,7 @@ def load_experts(
     e, i, hidden = moe.num_experts, moe.intermediate_size, config.hidden_size
 
     def part(name: str, shape: tuple[int, int]) -> Tensor:
-        tensor = reader.get(name, dtype, device)
+        tensor = read_dense(reader, name, scheme, dtype, device)
         if tuple(tensor.shape) != shape:
             raise UnsupportedModel(f"{name} is {tuple(tensor.shape)}, not {shape}")
         return tensor
@@ -232,9 +237,9 @@ def load_experts(
     down_all = torch.empty(e, hidden, i, dtype=dtype, device=device)
     for j in range(e):
         expert = f"{prefix}.experts.{j}"
-        gate_up[j, :i] = part(f"{expert}.{gate}.weight", (i, hidden))
-        gate_up[j, i:] = part(f"{expert}.{up}.weight", (i, hidden))
-        down_all[j] = part(f"{expert}.{down}.weight", (hidden, i))
+        gate_up[j, :i] = part(f"{expert}.{gate}", (i, hidden))
+        gate_up[j, i:] = part(f"{expert}.{up}", (i, hidden))
+        down_all[j] = part(f"{expert}.{down}", (hidden, i))
     return ExpertWeights(router=router, gate_up=gate_up, down=down_all)
 
 

@@ -4,7 +4,8 @@
 `--quantization` or the checkpoint's quantization_config; `load` reads one fused linear
 (q|k|v, gate|up, o, down) in that form; `w4a16` and `fp8` hold the weights and run their
 GEMMs (kernels/w4a16.py, kernels/fp8.py). The embedding, the output head, norms and MoE
-experts stay 16-bit.
+experts stay 16-bit: a quantized checkpoint's experts are dequantized at load
+(`load.read_dense`).
 """
 
 from __future__ import annotations

@@ -55,6 +55,23 @@ def load_linear(
         raise UnsupportedModel(f"{', '.join(prefixes)}: {exc}") from None
 
 
+def read_dense(
+    reader: Reader,
+    prefix: str,
+    scheme: QuantScheme | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Tensor:
+    """One projection as a [N, K] tensor in `dtype`, whatever form the checkpoint holds
+    it in: a quantized one is dequantized (turbo runs MoE experts 16-bit)."""
+    if scheme is None or scheme.source == "load" or not _packed(reader, prefix):
+        return reader.get(f"{prefix}.weight", dtype, device)
+    try:
+        return _part(reader, prefix, scheme, dtype, device).dequantize().to(dtype)
+    except ValueError as exc:
+        raise UnsupportedModel(f"{prefix}: {exc}") from None
+
+
 def fold_down_order(
     gate_up: Linear, bias: Tensor | None, down: Linear
 ) -> tuple[Linear, Tensor | None, Linear]:
