@@ -105,16 +105,19 @@ def wide_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen3-MoE, every K two or three groups of 128: layer 0 four experts (two a
     token), layer 1 a dense MLP."""
-    config = Qwen3MoeConfig(
-        **{**TINY_SHAPE, "hidden_size": 256, "intermediate_size": 384},
-        head_dim=64,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=256,
-        mlp_only_layers=[1],
-        norm_topk_prob=True,
-        initializer_range=0.05,
-    )
+    fields = {
+        **TINY_SHAPE,
+        "hidden_size": 256,
+        "intermediate_size": 384,
+        "head_dim": 64,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 256,
+        "mlp_only_layers": [1],
+        "norm_topk_prob": True,
+        "initializer_range": 0.05,
+    }
+    config = Qwen3MoeConfig(**fields)
     torch.manual_seed(5)
     path = tmp_path_factory.mktemp("quant-moe")
     Qwen3MoeForCausalLM(config).save_pretrained(path)
