@@ -192,6 +192,17 @@ def test_each_fused_linear_is_what_the_checkpoint_means(
             assert torch.equal(got, expected), f"layer {i} {name}"
 
 
+def assert_computes_dequantized(turbo: TurboBackend, model: Path, base: Path) -> None:
+    """turbo's logits on two prompts are transformers' on its weights, dequantized."""
+    ref = dequantized_reference(model, turbo, base=base)
+    prompts = random_prompts([6, 21], turbo.vocab_size, seed=2)
+    assert_logits_match(
+        all_logits(turbo, prompts, pool(turbo)),
+        reference_logits(ref, prompts),
+        2e-2 if ON_CUDA else 1e-4,
+    )
+
+
 @pytest.mark.parametrize(
     ("fmt", "described"),
     [("awq", "w4a16 (awq, group 128)"), ("gptq_act", "w4a16 (gptq, group 128, act order)")],
@@ -212,13 +223,7 @@ def test_a_4_bit_model_computes_its_dequantized_weights(
         for layer in turbo.model.weights.layers:
             ordered = [getattr(layer, name).perm for name in ("qkv", "o", "gate_up", "down")]
             assert [p is not None for p in ordered] == [True, True, True, False]
-    ref = dequantized_reference(model, turbo, base=base)
-    prompts = random_prompts([6, 21], turbo.vocab_size, seed=2)
-    assert_logits_match(
-        all_logits(turbo, prompts, pool(turbo)),
-        reference_logits(ref, prompts),
-        2e-2 if ON_CUDA else 1e-4,
-    )
+    assert_computes_dequantized(turbo, model, base)
 
 
 @pytest.mark.skipif(fp8_supported(DEVICE) is not None, reason="FP8 GEMMs need Hopper")
@@ -267,10 +272,4 @@ def test_a_quantized_moe_model_computes_its_dequantized_weights(
     dtype = torch.float16 if ON_CUDA else torch.float32
     turbo = TurboBackend(model, DEVICE, dtype)
     assert turbo.quantization is not None and turbo.quantization.endswith("; experts 16-bit")
-    ref = dequantized_reference(model, turbo, base=moe_dir)
-    prompts = random_prompts([6, 21], turbo.vocab_size, seed=2)
-    assert_logits_match(
-        all_logits(turbo, prompts, pool(turbo)),
-        reference_logits(ref, prompts),
-        2e-2 if ON_CUDA else 1e-4,
-    )
+    assert_computes_dequantized(turbo, model, moe_dir)
