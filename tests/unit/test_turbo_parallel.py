@@ -32,7 +32,7 @@ from lmd.engine.forward_batch import ForwardBatch
 from lmd.engine.parallel import SINGLE, ParallelError, TensorParallel
 from lmd.engine.turbo import checkpoint
 from lmd.engine.turbo.backend import TurboBackend
-from lmd.engine.turbo.config import TurboConfig, UnsupportedModel
+from lmd.engine.turbo.config import TurboConfig
 from lmd.engine.turbo.quant.scheme import QuantScheme
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
 from lmd.engine.turbo.weights import ExpertWeights, ModelWeights, load_weights
@@ -289,9 +289,3 @@ def test_a_rank_config_has_its_share_of_heads_and_widths() -> None:
     odd = _moe_config(moe_intermediate_size=33)
     with pytest.raises(ParallelError, match=r"the experts' intermediate_size \(33\) is not"):
         odd.for_rank(TensorParallel(0, 2))
-
-
-def test_quantized_checkpoints_are_refused(tmp_path: Path) -> None:
-    model_dir = save_tiny_llama(tmp_path)
-    with pytest.raises(UnsupportedModel, match=r"splits 16-bit checkpoints only, not w4a16 \(awq"):
-        _ranks_weights(model_dir, scheme=QuantScheme("w4a16", "awq"))

@@ -14,6 +14,11 @@ the torch backend makes it (torch_backend/parallel.py), by tensor name:
   rank's part of each half, down_proj [E, hidden, I] its columns;
 - embedding and output head: this rank's vocabulary rows (TensorParallel.vocab_part);
 - everything else whole: norms (q_norm, k_norm are over one head's dim), routers.
+
+A quantized checkpoint's tensors split along the same outputs or inputs, in the units
+they are stored in (`_packed_split`): AWQ's and GPTQ's words of 8 nibbles, their groups
+of G inputs (scales, zero points), FP8's 128 x 128 scale blocks; a part that does not
+fall on those units' edges is refused in one line.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torch import Tensor
 
 from lmd.engine.parallel import TensorParallel
 from lmd.engine.turbo.config import TurboConfig, UnsupportedModel
+from lmd.engine.turbo.quant.scheme import QuantScheme
 
 # Projections split by output rows (column-parallel) and by input columns (row-parallel),
 # by the name of their module, and in units of what.
@@ -62,10 +68,12 @@ class Split:
 
 @dataclass(frozen=True, slots=True)
 class Shard:
-    """Rank tp.rank's view of the checkpoint of `config` (the whole model's)."""
+    """Rank tp.rank's view of the checkpoint of `config` (the whole model's), quantized
+    as `scheme` reads it."""
 
     config: TurboConfig
     tp: TensorParallel
+    scheme: QuantScheme | None = None
 
     def split(self, name: str) -> Split | None:
         """How this rank reads tensor `name`; None: whole (or no group)."""
@@ -90,15 +98,53 @@ class Shard:
             KV: (c.num_kv_heads, c.head_dim),
             WIDTH: (width, 1),
         }
-        if module in ROWS and param in ("weight", "bias"):
+        if module in ROWS:
             dim, unit = 0, ROWS[module]
-        elif module in COLUMNS and param == "weight":  # a bias of o or down stays whole
+        elif module in COLUMNS and param != "bias":  # a bias of o or down stays whole
             dim, unit = 1, COLUMNS[module]
         else:
             return None
         count, size = units[unit]
         part = self.tp.part(count, unit)
-        return Split(dim, (slice(part.start * size, part.stop * size),), count * size)
+        mine = slice(part.start * size, part.stop * size)
+        if param in ("weight", "bias"):
+            return Split(dim, (mine,), count * size)
+        return self._packed_split(name, param, outputs=dim == 0, part=mine, full=count * size)
+
+    def _packed_split(
+        self, name: str, param: str, *, outputs: bool, part: slice, full: int
+    ) -> Split | None:
+        """A quantized tensor's split: the [part] of the layer's outputs (`outputs`) or
+        inputs, in the units of `param`'s layout (quant/w4a16_checkpoint.py, fp8.py)."""
+        scheme = self.scheme
+        if scheme is None:
+            return None
+        source, group = scheme.source, scheme.group_size
+        if param == "weight_scale":  # FP8 per output channel: [N] or [N, 1]
+            return Split(0, (part,), full) if outputs else None
+        # The unit a step of each tensor's split dimension holds, and that dimension.
+        layouts: dict[str, tuple[int, int]] = {
+            "weight_scale_inv": (128, 0 if outputs else 1),  # [N / 128, K / 128] blocks
+            "scales": (1, 1) if outputs else (group, 0),  # [K / G, N]
+            "qzeros": (8, 1) if outputs else (group, 0),  # [K / G, N / 8]
+            # GPTQ [K / 8, N] (along K), AWQ [K, N / 8] (along N)
+            "qweight": ((1, 1) if outputs else (8, 0))
+            if source == "gptq"
+            else ((8, 1) if outputs else (1, 0)),
+            "g_idx": (0, 0) if outputs else (1, 0),  # [K]: whole when outputs split
+        }
+        if param not in layouts:
+            return None
+        unit, dim = layouts[param]
+        if unit == 0:
+            return None
+        last = part.stop == full  # the last part may end in a partial FP8 block
+        if part.start % unit or (part.stop % unit and not (last and unit == 128)):
+            raise UnsupportedModel(
+                f"{name}: rank {self.tp.rank}'s part {part.start}:{part.stop} of {full} "
+                f"{'outputs' if outputs else 'inputs'} does not fall on its steps of {unit}"
+            )
+        return Split(dim, (slice(part.start // unit, -(-part.stop // unit)),), -(-full // unit))
 
 
 class CheckpointReader:
@@ -123,6 +169,10 @@ class CheckpointReader:
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
+
+    def splits(self, name: str) -> bool:
+        """Whether `get` reads only this rank's part of tensor `name`."""
+        return self.shard is not None and self.shard.split(name) is not None
 
     def get(self, name: str, dtype: torch.dtype | None, device: torch.device) -> Tensor:
         """The tensor `name` (this rank's part of it) on `device`, in `dtype` (None: as

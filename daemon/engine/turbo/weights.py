@@ -95,15 +95,16 @@ def load_weights(
     tensors on `device` in `dtype`, the layers' linears as `scheme` has them
     (quant/load.py); rank tp.rank's shard of them with a group (ParallelError when
     `config` does not split: see TurboConfig.for_rank)."""
-    if scheme is not None and scheme.source != "load" and tp.enabled:
+    if scheme is not None and scheme.act_order and tp.enabled:
         raise UnsupportedModel(
-            f"tensor parallelism splits 16-bit checkpoints only, not {scheme.describe()} ones"
+            "tensor parallelism does not split act-order (desc_act) GPTQ checkpoints: a "
+            "rank's inputs of o and down would span every group"
         )
     rank = config.for_rank(tp)
     # A row-parallel layer's bias (o, down) is added once, by rank 0, to the group's sum.
     row_bias = tp.rank == 0
     with ExitStack() as stack:
-        reader = CheckpointReader(model_dir, device, stack, Shard(config, tp))
+        reader = CheckpointReader(model_dir, device, stack, Shard(config, tp, scheme))
 
         def linear(prefixes: list[str]) -> Linear:
             return load_linear(reader, prefixes, scheme, dtype, device)

@@ -31,6 +31,8 @@ class Reader(Protocol):
 
     def get(self, name: str, dtype: torch.dtype | None, device: torch.device) -> Tensor: ...
 
+    def splits(self, name: str) -> bool: ...
+
 
 def load_linear(
     reader: Reader,
@@ -121,7 +123,12 @@ def _part(
             stored("qweight"), stored("qzeros"), stored("scales", dtype), scheme.group_size, dtype
         )
     if scheme.source == "gptq":
-        g_idx = stored("g_idx") if f"{prefix}.g_idx" in reader else None
+        # A rank's part of the inputs (o, down under tensor parallelism) is in order,
+        # act order being refused there (weights.py): its g_idx would be the whole's.
+        g_idx_name = f"{prefix}.g_idx"
+        g_idx = None
+        if g_idx_name in reader and not reader.splits(g_idx_name):
+            g_idx = stored("g_idx")
         return read_gptq(
             stored("qweight"),
             stored("qzeros"),
