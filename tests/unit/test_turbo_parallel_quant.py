@@ -1,7 +1,8 @@
 """A quantized checkpoint split over a tensor-parallel group (turbo/checkpoint.py's
 `_packed_split`): each rank reads its part of AWQ's and GPTQ's packed words, groups and
 zero points and of FP8's scale blocks, and holds what the whole model's fused linears
-hold for its heads and its part of the width, bit for bit. An act-order checkpoint, and
+hold for its heads and its part of the width (an MoE's experts, dequantized, too), bit
+for bit. An act-order checkpoint, and
 a part that does not fall on its tensor's units, are refused in one line."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 pytest.importorskip("triton")
 from tests.unit.test_turbo_kernels import ON_CUDA  # noqa: F401, I001  (first: the interpreter)
@@ -19,7 +21,7 @@ from lmd.engine.parallel import SINGLE, TensorParallel
 from lmd.engine.turbo.config import TurboConfig, UnsupportedModel
 from lmd.engine.turbo.quant.scheme import read_scheme
 from lmd.engine.turbo.weights import ModelWeights, load_weights
-from tests.models import save_tiny_llama
+from tests.models import TINY_SHAPE, save_tiny_llama
 from tests.unit.test_turbo_quant_checkpoints import FORMATS, write_checkpoint
 
 CPU = torch.device("cpu")
@@ -71,3 +73,22 @@ def test_a_part_off_the_scale_blocks_is_refused(tmp_path: Path) -> None:
     model = quantized(tmp_path, "fp8", num_key_value_heads=2)
     with pytest.raises(UnsupportedModel, match=r"k_proj.weight_scale_inv: rank 1's part 64:128"):
         load(model, TensorParallel(1, 2))
+
+
+@pytest.mark.parametrize("fmt", ["awq", "fp8"])
+def test_each_rank_holds_its_part_of_the_dequantized_experts(tmp_path: Path, fmt: str) -> None:
+    experts = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256}
+    config = Qwen3MoeConfig(**(TINY_SHAPE | SPLITS | experts | {"head_dim": 64}))
+    torch.manual_seed(5)
+    Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "base")
+    model = tmp_path / fmt
+    write_checkpoint(tmp_path / "base", model, FORMATS[fmt], fmt)
+    whole = load(model, SINGLE).layers[0].experts
+    assert whole is not None
+    for rank in range(2):
+        mine = load(model, TensorParallel(rank, 2)).layers[0].experts
+        assert mine is not None
+        part = slice(rank * 128, (rank + 1) * 128)
+        gate_up = torch.cat([whole.gate_up[:, part], whole.gate_up[:, 256:][:, part]], dim=1)
+        assert torch.equal(mine.gate_up, gate_up)
+        assert torch.equal(mine.down, whole.down[:, :, part])
