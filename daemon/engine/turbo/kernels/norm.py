@@ -99,7 +99,8 @@ def _gather_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
 
 def gather_columns(x: Tensor, order: Tensor) -> Tensor:
     """x [T, H] (unit column stride) -> out [T, H], out[:, j] = x[:, order[j]]: one
-    launch of ~1.5 us in a graph where index_select takes ~4.5 (an H200, 2026-12-02)."""
+    launch, a third of index_select's time in a graph (docs/benchmarks.md, "Act-order
+    GPTQ checkpoints")."""
     num_rows, num_cols = x.shape
     if x.stride(1) != 1 or tuple(order.shape) != (num_cols,):
         raise ValueError(f"gather_columns of x {tuple(x.shape)} by order {tuple(order.shape)}")

@@ -79,8 +79,8 @@ def fold_down_order(
 ) -> tuple[Linear, Tensor | None, Linear]:
     """An act-order down's gather (W4A16Weight.perm) moved into gate|up: gate|up's
     outputs (rows gate | up, and its bias) made in the order down packs its inputs, and
-    down reading them as they come. Exact, since act(gate) * up is elementwise over the
-    intermediate width; a layer's MLP then gathers once (gate|up's input), not twice."""
+    down reading them as they come (no gather). Exact, since act(gate) * up is
+    elementwise over the intermediate width."""
     if not isinstance(down, W4A16Weight) or down.perm is None:
         return gate_up, bias, down
     if not isinstance(gate_up, W4A16Weight):
