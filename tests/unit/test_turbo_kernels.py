@@ -179,16 +179,12 @@ def test_rms_norm_in_an_order_and_the_gather(
 ) -> None:
     """An act-order W4A16 weight's inputs: the norm's columns in its order, bit for bit
     what the norm makes, gathered (the residual stream as without an order)."""
-    x = torch.randn(rows, cols, device=DEVICE).to(dtype)
-    residual = torch.randn(rows, cols, device=DEVICE).to(dtype) if add else None
-    w = torch.randn(cols, device=DEVICE).to(dtype)
-    order = torch.randperm(cols, device=DEVICE)
-    plain_residual = None if residual is None else residual.clone()
-    plain = kernels.rms_norm(x, w, 1e-5, residual=plain_residual)
-    ordered = kernels.rms_norm(x, w, 1e-5, residual=residual, order=order)
-    assert torch.equal(ordered, plain[:, order])
-    if residual is not None and plain_residual is not None:
-        assert torch.equal(residual, plain_residual)
+    x, w = torch.randn(rows, cols, device=DEVICE).to(dtype), torch.randn(cols).to(DEVICE, dtype)
+    residual = [torch.randn(rows, cols, device=DEVICE).to(dtype)] if add else []
+    order, again = torch.randperm(cols, device=DEVICE), [r.clone() for r in residual]
+    plain = kernels.rms_norm(x, w, 1e-5, *again)
+    assert torch.equal(kernels.rms_norm(x, w, 1e-5, *residual, order=order), plain[:, order])
+    assert all(torch.equal(a, b) for a, b in zip(residual, again, strict=True))
     assert torch.equal(kernels.gather_columns(x, order), x[:, order])
     with pytest.raises(ValueError, match="order"):
         kernels.rms_norm(x, w, 1e-5, order=order[1:])

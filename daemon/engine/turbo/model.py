@@ -197,7 +197,7 @@ class TurboModel:
         half precision on CUDA, dense layers of unquantized weights without norms after
         attention or the MLP (those read the sum itself, not a product of it)."""
         w = self.weights
-        plain = isinstance(w.lm_head, Tensor) and all(map(_plain_dense, w.layers))
+        plain = isinstance(w.lm_head, Tensor) and all(x.plain_dense for x in w.layers)
         return self.tp.enabled and self.skinny and plain
 
     def _row_parallel(
@@ -281,9 +281,10 @@ class TurboModel:
         """RMSNorm(residual += hidden) @ weight (RMSNorm(residual) with no hidden yet),
         and the residual stream after the add: a new tensor when vector_gemv does both
         in one launch, else `residual`, added to in place. With `activation` the weight
-        is gate | up and the result act(gate) * up (in vector_gemv's launch too, where
-        fused_activation). With `rotary` the weight is qkv's and its work is done too
-        (in vector_gemv's launch, where fused_rotary)."""
+        is gate | up and the result act(gate) * up (in vector_gemv's launch, where
+        fused_activation, or a W4A16 product's); with `rotary` qkv's, its work done too
+        (in vector_gemv's, where fused_rotary). An act-order W4A16 weight's input comes
+        from the norm in its packed order."""
         eps = self.config.rms_norm_eps
         x, res = (residual, None) if hidden is None else (hidden, residual)
         folded = None  # the activation vector_gemv made
@@ -305,7 +306,6 @@ class TurboModel:
             rotary = None if in_launch is not None else rotary
         else:
             codes = self._codes(weight, x)
-            # An act-order W4A16 weight's inputs, gathered into its packed order by the norm.
             order = weight.perm if isinstance(weight, W4A16Weight) else None
             h = (
                 kernels.rms_norm(x, norm, eps, res, order=order)
@@ -313,7 +313,6 @@ class TurboModel:
                 else kernels.rms_norm_fp8(x, norm, eps, res, group=codes.code_group)
             )
             if isinstance(weight, W4A16Weight) and isinstance(h, Tensor):
-                # the activation in its launch (see matmul)
                 y, folded = weight.matmul(h, bias, activation, ordered=True), activation
             else:
                 y = self._linear(h, weight, bias)
@@ -394,10 +393,3 @@ class TurboModel:
             kv_scales=scales,
             new_kv=None if scales is None else (heads[:, h : h + hkv], heads[:, h + hkv :]),
         )
-
-
-def _plain_dense(layer: LayerWeights) -> bool:
-    """A dense layer of unquantized weights without norms after attention or the MLP."""
-    linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
-    no_norms = layer.attn_out_norm is None and layer.mlp_out_norm is None
-    return layer.experts is None and no_norms and all(isinstance(x, Tensor) for x in linears)

@@ -62,6 +62,13 @@ class LayerWeights:
     mlp_out_norm: Tensor | None  # [hidden], Gemma's norm of the MLP's output
     experts: ExpertWeights | None
 
+    @property
+    def plain_dense(self) -> bool:
+        """A dense layer of unquantized weights without norms after attention or the MLP."""
+        linears = (self.qkv, self.o, self.gate_up, self.down)
+        no_norms = self.attn_out_norm is None and self.mlp_out_norm is None
+        return self.experts is None and no_norms and all(isinstance(x, Tensor) for x in linears)
+
 
 @dataclass(slots=True)
 class ModelWeights:
