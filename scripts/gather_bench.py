@@ -14,34 +14,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 from collections.abc import Callable
 
 import torch
 
 from lmd.engine.turbo import kernels
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
-
-
-def per_call_us(fn: Callable[[], object], calls: int) -> float:
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+from scripts.w4a16_tiles import time_us
 
 
 def ways_for(x: torch.Tensor, perm: torch.Tensor) -> dict[str, Callable[[], object]]:
@@ -73,7 +52,7 @@ def main() -> None:
         x = torch.randn(rows, args.width, device="cuda", dtype=torch.bfloat16)
         perm = torch.randperm(args.width, device="cuda")
         for name, fn in (ways_for(x, perm) | products_for(x, perm)).items():
-            us = per_call_us(fn, args.calls)
+            us = time_us([fn] * args.calls, replays=20)
             print(json.dumps({"rows": rows, "width": args.width, "way": name,
                               "us_a_call": round(us, 2)}), flush=True)  # fmt: skip
 

@@ -28,7 +28,7 @@ from tests.models import TINY_SHAPE, random_prompts, save_tiny_llama
 from tests.unit.test_turbo_model import all_logits, assert_logits_match, reference_logits
 from tests.unit.test_turbo_quant import dequantized_reference, pool
 from tests.unit.test_turbo_quant import llama_dir  # noqa: F401  (a fixture: the 16-bit model)
-from tests.unit.test_turbo_w4a16 import expected_dense, known_ints
+from tests.unit.test_turbo_w4a16 import known_ints
 from tests.unit.test_turbo_w4a16_checkpoint import act_order_groups, expected_by_groups
 from tests.unit.test_turbo_w4a16_checkpoint import pack_words
 
@@ -73,16 +73,14 @@ def write_checkpoint(
             zeros.clamp_(min=1)
             tensors[f"{prefix}.qweight"] = pack_words(q, 0, list(range(8))).cpu()
             tensors[f"{prefix}.qzeros"] = pack_words(zeros - 1, 1, list(range(8))).cpu()
+        g_idx = (torch.arange(k, device=q.device) // GROUP).int()  # input k's group
         if fmt == "gptq_act":  # one order an input: q, k and v see the same x
-            key = prefix.rsplit(".", 1)[0] + INPUTS[prefix.rsplit(".", 1)[1]]
-            g_idx = orders.setdefault(key, act_order_groups(k, GROUP))
+            module, projection = prefix.rsplit(".", 1)
+            g_idx = orders.setdefault(module + INPUTS[projection], act_order_groups(k, GROUP))
+        if fmt != "awq":
             tensors[f"{prefix}.g_idx"] = g_idx.cpu().clone()
-            dense[prefix] = expected_by_groups(q, zeros, scales.half().float(), g_idx).cpu()
-        elif fmt == "gptq":
-            tensors[f"{prefix}.g_idx"] = torch.arange(k, dtype=torch.int32) // GROUP
         tensors[f"{prefix}.scales"] = scales.half().cpu()
-        if fmt != "gptq_act":
-            dense[prefix] = expected_dense(q, zeros, scales.half().float(), GROUP).cpu()
+        dense[prefix] = expected_by_groups(q, zeros, scales.half().float(), g_idx).cpu()
     save_file(tensors, str(out / "model.safetensors"))
     return dense
 

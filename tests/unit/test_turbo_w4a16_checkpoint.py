@@ -11,6 +11,8 @@ x against that weight.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -99,39 +101,52 @@ def expected_by_groups(q: Tensor, zeros: Tensor, scales: Tensor, g_idx: Tensor) 
     return ((q.float() - zeros[groups].float()) * scales[groups].float()).t()
 
 
+class ActOrder(NamedTuple):
+    """An act-order GPTQ v2 Linear of known codes (groups of 128): its tensors as stored
+    (qweight, qzeros, scales, g_idx) and what they mean, [N, K] float32."""
+
+    qweight: Tensor
+    qzeros: Tensor
+    scales: Tensor
+    g_idx: Tensor
+    dense: Tensor
+
+    @classmethod
+    def make(cls, n: int, k: int) -> ActOrder:
+        q, zeros, scales = known_ints(n, k, 128)
+        scales /= 64  # products of a few units: SiLU's exp stays in range
+        g_idx = act_order_groups(k, 128)
+        qweight, qzeros = pack_words(q, 0, list(range(8))), pack_words(zeros, 1, list(range(8)))
+        return cls(qweight, qzeros, scales, g_idx, expected_by_groups(q, zeros, scales, g_idx))
+
+    def read(self, dtype: torch.dtype, scales: Tensor | None = None) -> W4A16Weight:
+        scales = self.scales if scales is None else scales
+        return read_gptq(
+            self.qweight, self.qzeros, scales, self.g_idx, 128, dtype, False, zeros_minus_one=False
+        )
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_from_gptq_in_act_order(rows: int, dtype: torch.dtype) -> None:
     """desc_act: the weight means what the checkpoint means, and its products (plain and
     gated) are x against that weight, x gathered into the packed order."""
-    n, k, group = 48, 384, 128
-    q, zeros, scales = known_ints(n, k, group)
-    scales /= 64  # products of a few units: SiLU's exp stays in range
-    g_idx = act_order_groups(k, group)
-    qweight = pack_words(q, 0, list(range(8)))
-    qzeros = pack_words(zeros, 1, list(range(8)))
-
-    def read(scale: Tensor) -> W4A16Weight:
-        return read_gptq(qweight, qzeros, scale, g_idx, group, dtype, False, zeros_minus_one=False)
-
-    weight = read(scales)
-    expected = expected_by_groups(q, zeros, scales, g_idx)
+    k = 384
+    linear = ActOrder.make(48, k)
+    weight, expected = linear.read(dtype), linear.dense
     assert weight.perm is not None
     assert torch.equal(weight.dequantize(), expected)
     x = torch.randn(rows, k, device=DEVICE).to(dtype)
     assert rel_err(weight.matmul(x), x.float() @ expected.t()) < TOLERANCE[dtype]
-    gate_up = W4A16Weight.cat([weight, read(scales / 2)])  # up: half of gate, exactly
+    gate_up = W4A16Weight.cat([weight, linear.read(dtype, linear.scales / 2)])  # up: gate / 2
     product = x.float() @ expected.t()
     gated = F.silu(product) * (product * 0.5)
     assert rel_err(gate_up.matmul(x, activation="silu"), gated) < 2 * TOLERANCE[dtype]
 
 
 def test_act_order_refusals() -> None:
-    n, k, group = 16, 256, 128
-    q, zeros, scales = known_ints(n, k, group)
-    qweight = pack_words(q, 0, list(range(8)))
-    qzeros = pack_words(zeros, 1, list(range(8)))
-    g_idx = act_order_groups(k, group)
+    group = 128
+    qweight, qzeros, scales, g_idx, _ = ActOrder.make(16, 256)
     uneven = g_idx.clone()
     uneven[g_idx == 0] = 1  # every input in group 1
     with pytest.raises(ValueError, match="does not put 128 inputs in each of its 2 groups"):
@@ -144,21 +159,13 @@ def test_act_order_refusals() -> None:
         W4A16Weight.cat([ordered, plain])
 
 
-def act_order_weight(n: int, k: int, dtype: torch.dtype) -> W4A16Weight:
-    q, zeros, scales = known_ints(n, k, 128)
-    qweight = pack_words(q, 0, list(range(8)))
-    qzeros = pack_words(zeros, 1, list(range(8)))
-    g_idx = act_order_groups(k, 128)
-    return read_gptq(qweight, qzeros, scales / 64, g_idx, 128, dtype, False)
-
-
 def test_down_order_folded_into_gate_up_changes_no_output() -> None:
     """fold_down_order: down reads its inputs as gate|up now makes them (no gather), and
     the MLP's output, bias included, is what it was."""
     dtype = torch.float32
     hidden, width = 256, 384  # two and three groups of 128
-    gate_up = act_order_weight(2 * width, hidden, dtype)
-    down = act_order_weight(hidden, width, dtype)
+    gate_up = ActOrder.make(2 * width, hidden).read(dtype)
+    down = ActOrder.make(hidden, width).read(dtype)
     bias = torch.randn(2 * width, device=DEVICE)
     x = torch.randn(5, hidden, device=DEVICE)
 

@@ -120,10 +120,10 @@ class Shard:
         if scheme is None:
             return None
         source, group = scheme.source, scheme.group_size
-        if param == "weight_scale":  # FP8 per output channel: [N] or [N, 1]
-            return Split(0, (part,), full) if outputs else None
-        # The unit a step of each tensor's split dimension holds, and that dimension.
-        layouts: dict[str, tuple[int, int]] = {
+        # The outputs or inputs a step of the split dimension holds, and that dimension;
+        # None: the tensor is read whole.
+        layouts: dict[str, tuple[int, int] | None] = {
+            "weight_scale": (1, 0) if outputs else None,  # FP8 per output channel: [N]
             "weight_scale_inv": (128, 0 if outputs else 1),  # [N / 128, K / 128] blocks
             "scales": (1, 1) if outputs else (group, 0),  # [K / G, N]
             "qzeros": (8, 1) if outputs else (group, 0),  # [K / G, N / 8]
@@ -131,13 +131,12 @@ class Shard:
             "qweight": ((1, 1) if outputs else (8, 0))
             if source == "gptq"
             else ((8, 1) if outputs else (1, 0)),
-            "g_idx": (0, 0) if outputs else (1, 0),  # [K]: whole when outputs split
+            "g_idx": None if outputs else (1, 0),  # [K]
         }
-        if param not in layouts:
+        layout = layouts.get(param)
+        if layout is None:
             return None
-        unit, dim = layouts[param]
-        if unit == 0:
-            return None
+        unit, dim = layout
         last = part.stop == full  # the last part may end in a partial FP8 block
         if part.start % unit or (part.stop % unit and not (last and unit == 128)):
             raise UnsupportedModel(

@@ -30,7 +30,7 @@ class QuantScheme:
     block_size: tuple[int, int] | None = None  # FP8 checkpoints: scale blocks (N, K)
     sym: bool = False  # GPTQ: symmetric (no stored zero points to speak of)
     zeros_minus_one: bool = False  # GPTQ v1 stores each zero point less one
-    act_order: bool = False  # GPTQ desc_act: groups by g_idx, inputs gathered a product
+    act_order: bool = False  # GPTQ desc_act: groups by g_idx, x in the packed order
 
     def describe(self) -> str:
         """One line for status and logs, e.g. "w4a16 (awq, group 128)"."""
