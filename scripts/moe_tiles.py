@@ -1,9 +1,10 @@
 """The grouped GEMMs of a layer of experts (kernels/moe.py) at Qwen3-30B-A3B's shape over
 a few tilings, at decode and prefill sizes: which tiles to take where.
 
-    python3 scripts/moe_tiles.py [--tokens 1,8,64,256,4096]
+    python3 scripts/moe_tiles.py [--tokens 1,8,64,256,4096] [--fp8 rows|blocks]
 
-Random bf16 inputs, E = 128 experts, k = 8, hidden 2,048, I = 768. Times are
+Random bf16 inputs, E = 128 experts, k = 8, hidden 2,048, I = 768; with --fp8 the experts
+quantized (quant/fp8_experts.py: a scale a row, or 128x128 blocks). Times are
 `triton.testing.do_bench_cudagraph` medians (no launch overhead), with the bytes of the
 experts the tokens hit over that time.
 """
@@ -18,6 +19,8 @@ import torch
 import triton
 
 from lmd.engine.turbo.kernels import moe, routing
+from lmd.engine.turbo.quant.fp8 import Fp8Weight
+from lmd.engine.turbo.quant.fp8_experts import Fp8Experts
 
 E, K, HIDDEN, INTER = 128, 8, 2048, 768
 TILES = [None, (32, 128, 4, 3), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 3),
@@ -31,19 +34,33 @@ def bench(fn: Callable[[], object]) -> float:
     return float(triton.testing.do_bench_cudagraph(fn)) * 1e3
 
 
+def fp8_experts(stack: torch.Tensor, blocks: tuple[int, int] | None) -> Fp8Experts:
+    e, n, k = stack.shape
+    out = Fp8Experts.empty((e, n, k), blocks, stack.dtype, stack.device)
+    for j in range(stack.shape[0]):
+        out.put(j, 0, Fp8Weight.quantize(stack[j], stack.dtype, blocks))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", default="1,8,64,256,4096")
     parser.add_argument(
         "--block-m", type=int, default=0, help="rows per block (default: moe.block_rows)"
     )
+    parser.add_argument("--fp8", choices=["rows", "blocks"], default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
     router = torch.randn(E, HIDDEN, device=dev, dtype=torch.bfloat16)
+    gate_up: torch.Tensor | Fp8Experts
+    down: torch.Tensor | Fp8Experts
     gate_up = torch.randn(E, 2 * INTER, HIDDEN, device=dev, dtype=torch.bfloat16) / 32
     down = torch.randn(E, HIDDEN, INTER, device=dev, dtype=torch.bfloat16) / 32
-    expert_bytes = (gate_up[0].numel() + down[0].numel()) * 2
+    expert_bytes = (2 * INTER * HIDDEN + HIDDEN * INTER) * (1 if args.fp8 else 2)
+    if args.fp8:
+        blocks = (128, 128) if args.fp8 == "blocks" else None
+        gate_up, down = fp8_experts(gate_up, blocks), fp8_experts(down, blocks)
     for tokens in (int(t) for t in args.tokens.split(",")):
         h = torch.randn(tokens, HIDDEN, device=dev, dtype=torch.bfloat16)
         weights, experts = routing.route(h, router, K, True, float_out=True)

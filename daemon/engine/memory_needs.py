@@ -44,8 +44,9 @@ _KEPT_ITEMSIZE = {
 _QUANTIZED_ITEMSIZE = {"w4a16": 0.5 + 4 / 128, "fp8": 1.0}
 # The layers' linear weights, which --quantization quantizes (not experts, norms, embedding).
 _LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
-# An expert's tensors (`...mlp.experts.3.gate_proj.qweight`): turbo holds experts 16-bit,
-# a quantized checkpoint's dequantized at load.
+# An expert's tensors (`...mlp.experts.3.gate_proj.qweight`): turbo holds experts FP8
+# under FP8 (the checkpoint's, or quantized at load) and 16-bit otherwise, a 4-bit
+# checkpoint's dequantized at load.
 _EXPERT = re.compile(r"model\.layers\.\d+\.\w+\.experts\.\d+\.\w+\.(\w+)")
 
 
@@ -67,18 +68,24 @@ def weight_bytes(model_dir: Path, dtype: torch.dtype, quantization: str | None =
                 if quantization is not None and _LINEAR.fullmatch(name):
                     itemsize = _QUANTIZED_ITEMSIZE[quantization]
                 if expert := _EXPERT.fullmatch(name):
-                    itemsize = _expert_itemsize(expert.group(1), dtype)
+                    itemsize = _expert_itemsize(expert.group(1), kind, dtype, quantization)
                 total += math.ceil(math.prod(tensor.get_shape()) * itemsize)
     return total
 
 
-def _expert_itemsize(part: str, dtype: torch.dtype) -> int:
-    """Bytes an expert's tensor takes loaded, an element: weights 16-bit whatever the
-    checkpoint holds (an int32 of AWQ's or GPTQ's `qweight` packs 8 of them); scales,
-    zero points and g_idx are read to dequantize, then freed."""
+def _expert_itemsize(part: str, kind: str, dtype: torch.dtype, quantization: str | None) -> float:
+    """Bytes an expert's tensor takes loaded, an element: FP8 weights (an FP8 checkpoint's,
+    or quantized at load: 1 byte and a float32 scale a row) as they are with their
+    scales; otherwise weights 16-bit whatever the checkpoint holds (an int32 of AWQ's or
+    GPTQ's `qweight` packs 8 of them), their scales, zero points and g_idx read to
+    dequantize, then freed."""
+    if kind == "F8_E4M3" or part.startswith("weight_scale"):
+        return _KEPT_ITEMSIZE.get(kind, 4)
     if part == "qweight":
         return 8 * dtype.itemsize
-    return dtype.itemsize if part == "weight" else 0
+    if part != "weight":
+        return 0
+    return _QUANTIZED_ITEMSIZE["fp8"] if quantization == "fp8" else dtype.itemsize
 
 
 def kv_bytes_per_token(

@@ -154,9 +154,10 @@ def test_the_memory_plan_counts_weights_as_they_will_load(tmp_path: Path) -> Non
     assert w4 == pytest.approx((linear + fp8) * (0.5 + 4 / 128) + 2 * embed + packed, abs=2)
 
 
-def test_the_memory_plan_counts_quantized_experts_as_16_bit(tmp_path: Path) -> None:
-    """turbo dequantizes a quantized checkpoint's experts at load: their weights count 2
-    bytes each in bf16, their scales and zero points nothing; --quantization leaves them."""
+def test_the_memory_plan_counts_experts_as_they_will_load(tmp_path: Path) -> None:
+    """turbo dequantizes a 4-bit checkpoint's experts at load (2 bytes a weight in bf16,
+    their scales and zero points nothing), keeps an FP8 checkpoint's (1 byte and its
+    float32 scales), and --quantization fp8 makes 16-bit experts 1 byte a weight."""
     expert = "model.layers.0.mlp.experts.3"
     tensors = {
         f"{expert}.gate_proj.qweight": torch.zeros(16, 256, dtype=torch.int32),  # 128 x 256
@@ -164,12 +165,15 @@ def test_the_memory_plan_counts_quantized_experts_as_16_bit(tmp_path: Path) -> N
         f"{expert}.gate_proj.scales": torch.zeros(1, 256, dtype=torch.float16),
         f"{expert}.gate_proj.g_idx": torch.zeros(128, dtype=torch.int32),
         f"{expert}.up_proj.weight": torch.zeros(256, 128).to(torch.float8_e4m3fn),
-        f"{expert}.up_proj.weight_scale_inv": torch.zeros(2, 1),
+        f"{expert}.up_proj.weight_scale_inv": torch.zeros(2, 1, dtype=torch.bfloat16),
         f"{expert}.down_proj.weight": torch.zeros(128, 256, dtype=torch.bfloat16),
     }
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    assert weight_bytes(tmp_path, torch.bfloat16) == 3 * 2 * (128 * 256)
-    assert weight_bytes(tmp_path, torch.bfloat16, "w4a16") == 3 * 2 * (128 * 256)
+    size = 128 * 256
+    fp8_up = size + 2 * 4
+    assert weight_bytes(tmp_path, torch.bfloat16) == 2 * size + fp8_up + 2 * size
+    assert weight_bytes(tmp_path, torch.bfloat16, "w4a16") == 2 * size + fp8_up + 2 * size
+    assert weight_bytes(tmp_path, torch.bfloat16, "fp8") == 2 * size + fp8_up + size
 
 
 def test_v1_models_and_lmdctl_show_the_quantization(tmp_path: Path) -> None:

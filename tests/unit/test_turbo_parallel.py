@@ -38,6 +38,7 @@ from lmd.engine.turbo.quant.w4a16 import W4A16Weight
 from lmd.engine.turbo.weights import ExpertWeights, ModelWeights, load_weights
 from tests.models import save_tiny_llama
 from tests.parallel import run_group
+from tests.unit.test_turbo_weights import sixteen
 
 BLOCK = 8  # the first prompt spans two blocks; few tokens: the interpreter is slow
 CPU = torch.device("cpu")
@@ -225,10 +226,11 @@ def test_each_rank_holds_its_part_of_every_expert(tmp_path: Path, stacked: bool)
     ranks = _ranks_weights(model_dir)
     x, parts = _experts(whole), [_experts(r) for r in ranks]
     assert parts[0].gate_up.shape == (8, 32, 64)  # 8 experts: gate | up, 16 rows each of 32
-    halves = [torch.chunk(p.gate_up, 2, dim=1) for p in parts]
+    halves = [torch.chunk(sixteen(p.gate_up), 2, dim=1) for p in parts]
     gate_up = torch.cat([halves[0][0], halves[1][0], halves[0][1], halves[1][1]], dim=1)
-    assert torch.equal(gate_up, x.gate_up)
-    assert torch.equal(torch.cat([parts[0].down, parts[1].down], dim=2), x.down)
+    assert torch.equal(gate_up, sixteen(x.gate_up))
+    downs = [sixteen(p.down) for p in parts]
+    assert torch.equal(torch.cat(downs, dim=2), sixteen(x.down))
     assert all(torch.equal(p.router, x.router) for p in parts)  # the router stays whole
     dense = ranks[0].layers[1]  # layer 1's dense MLP: its own intermediate_size, split
     assert dense.gate_up is not None and dense.gate_up.shape == (128, 64)

@@ -1,8 +1,8 @@
 """A quantized checkpoint split over a tensor-parallel group (turbo/checkpoint.py's
 `_packed_split`): each rank reads its part of AWQ's and GPTQ's packed words, groups and
 zero points and of FP8's scale blocks, and holds what the whole model's fused linears
-hold for its heads and its part of the width (an MoE's experts, dequantized, too), bit
-for bit. An act-order checkpoint, and
+hold for its heads and its part of the width (an MoE's experts too: 16-bit from AWQ, FP8
+from FP8), bit for bit. An act-order checkpoint, and
 a part that does not fall on its tensor's units, are refused in one line."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from lmd.engine.turbo.config import TurboConfig, UnsupportedModel
 from lmd.engine.turbo.quant.scheme import read_scheme
 from lmd.engine.turbo.weights import ModelWeights, load_weights
 from tests.models import TINY_SHAPE, save_tiny_llama
+from tests.unit.test_turbo_quant import experts_dense
 from tests.unit.test_turbo_quant_checkpoints import FORMATS, write_checkpoint
 
 CPU = torch.device("cpu")
@@ -89,6 +90,7 @@ def test_each_rank_holds_its_part_of_the_dequantized_experts(tmp_path: Path, fmt
         mine = load(model, TensorParallel(rank, 2)).layers[0].experts
         assert mine is not None
         part = slice(rank * 128, (rank + 1) * 128)
-        gate_up = torch.cat([whole.gate_up[:, part], whole.gate_up[:, 256:][:, part]], dim=1)
-        assert torch.equal(mine.gate_up, gate_up)
-        assert torch.equal(mine.down, whole.down[:, :, part])
+        whole_gate_up, whole_down = experts_dense(whole.gate_up), experts_dense(whole.down)
+        gate_up = torch.cat([whole_gate_up[:, part], whole_gate_up[:, 256:][:, part]], dim=1)
+        assert torch.equal(experts_dense(mine.gate_up), gate_up)
+        assert torch.equal(experts_dense(mine.down), whole_down[:, :, part])

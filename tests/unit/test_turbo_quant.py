@@ -28,6 +28,7 @@ from lmd.engine.turbo import kernels
 from lmd.engine.turbo.kernels import fp8 as fp8_kernels
 from lmd.engine.turbo.backend import TurboBackend
 from lmd.engine.turbo.quant.fp8 import Fp8Weight, fp8_supported
+from lmd.engine.turbo.quant.fp8_experts import Fp8Experts
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
 from tests.models import random_prompts, save_tiny_llama
 from tests.unit.test_turbo_model import (
@@ -67,7 +68,7 @@ def dequantized_reference(
 ) -> PreTrainedModel:
     """transformers' model (from `base`, a 16-bit checkpoint of the same model, when
     `llama_dir` holds a quantized one) with turbo's quantized linears, dequantized, as
-    its weights (and a layer of experts' weights as turbo holds them: 16-bit)."""
+    its weights (and a layer of experts' weights as turbo holds them: 16-bit or FP8)."""
     ref: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
         base or llama_dir, local_files_only=True, dtype=torch.float32
     )
@@ -91,14 +92,19 @@ def dequantized_reference(
                 proj.weight.copy_(part)
             attn.o_proj.weight.copy_(fused["o"])
             if weights.experts is not None:  # transformers' stacked experts: our layout
-                mlp.experts.gate_up_proj.copy_(weights.experts.gate_up.float().cpu())
-                mlp.experts.down_proj.copy_(weights.experts.down.float().cpu())
+                mlp.experts.gate_up_proj.copy_(experts_dense(weights.experts.gate_up))
+                mlp.experts.down_proj.copy_(experts_dense(weights.experts.down))
                 continue
             gate, up = fused["gate_up"].chunk(2)
             mlp.gate_proj.weight.copy_(gate)
             mlp.up_proj.weight.copy_(up)
             mlp.down_proj.weight.copy_(fused["down"])
     return on_device(ref)
+
+
+def experts_dense(stack: Tensor | Fp8Experts) -> Tensor:
+    """A layer of experts' weights of one projection as float32 on the CPU."""
+    return (stack.dequantize() if isinstance(stack, Fp8Experts) else stack.float()).cpu()
 
 
 def test_w4a16_at_load_computes_the_dequantized_model(llama_dir: Path) -> None:

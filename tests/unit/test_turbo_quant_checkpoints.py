@@ -21,12 +21,13 @@ from tests.unit.test_turbo_kernels import ON_CUDA  # noqa: I001  (first: the int
 from lmd.engine.turbo.backend import TurboBackend
 from lmd.engine.turbo.config import TurboConfig
 from lmd.engine.turbo.quant.fp8 import Fp8Weight, fp8_supported
+from lmd.engine.turbo.quant.fp8_experts import Fp8Experts
 from lmd.engine.turbo.quant.scheme import read_scheme
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
 from lmd.engine.turbo.weights import load_weights
 from tests.models import TINY_SHAPE, random_prompts, save_tiny_llama
 from tests.unit.test_turbo_model import all_logits, assert_logits_match, reference_logits
-from tests.unit.test_turbo_quant import dequantized_reference, pool
+from tests.unit.test_turbo_quant import dequantized_reference, experts_dense, pool
 from tests.unit.test_turbo_quant import llama_dir  # noqa: F401  (a fixture: the 16-bit model)
 from tests.unit.test_turbo_w4a16 import known_ints
 from tests.unit.test_turbo_w4a16_checkpoint import act_order_groups, expected_by_groups
@@ -242,32 +243,60 @@ def test_fp8_block_codes_made_by_the_norms_change_no_logit(
 
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq_act", "fp8"])
-def test_quantized_experts_are_read_dequantized(moe_dir: Path, tmp_path: Path, fmt: str) -> None:
-    """turbo runs experts 16-bit: a quantized checkpoint's experts are dequantized at load
-    to what the checkpoint means; its other linears stay quantized."""
+def test_quantized_experts_are_read_as_the_checkpoint_means(
+    moe_dir: Path, tmp_path: Path, fmt: str
+) -> None:
+    """A 4-bit checkpoint's experts are dequantized at load (turbo runs them 16-bit), an
+    FP8 checkpoint's kept as its codes and 128x128 block scales; either way each expert is
+    what the checkpoint means, and the other linears stay quantized."""
     model = tmp_path / fmt
     dense = write_checkpoint(moe_dir, model, FORMATS[fmt], fmt)
     scheme = read_scheme(json.loads((model / "config.json").read_text()), None)
     config = TurboConfig.load(model)
     weights = load_weights(model, config, torch.device("cpu"), torch.bfloat16, scheme)
     experts = weights.layers[0].experts
-    assert experts is not None and experts.gate_up.dtype == torch.bfloat16
+    assert experts is not None
+    if fmt == "fp8":
+        assert isinstance(experts.gate_up, Fp8Experts) and experts.gate_up.block_size == (128, 128)
+    else:
+        assert isinstance(experts.gate_up, Tensor) and experts.gate_up.dtype == torch.bfloat16
+
+    def rounded(t: Tensor) -> Tensor:  # as turbo holds it: FP8's exact, 4-bit's to bf16
+        return t if fmt == "fp8" else t.to(torch.bfloat16).float()
+
     for j in range(4):
         expert = f"model.layers.0.mlp.experts.{j}"
         gate_up = torch.cat([dense[f"{expert}.gate_proj"], dense[f"{expert}.up_proj"]])
-        assert torch.equal(experts.gate_up[j], gate_up.to(torch.bfloat16)), f"expert {j}"
-        assert torch.equal(experts.down[j], dense[f"{expert}.down_proj"].to(torch.bfloat16))
+        assert torch.equal(experts_dense(experts.gate_up)[j], rounded(gate_up)), f"expert {j}"
+        assert torch.equal(experts_dense(experts.down)[j], rounded(dense[f"{expert}.down_proj"]))
     for layer in weights.layers:
         assert isinstance(layer.qkv, W4A16Weight | Fp8Weight)
 
 
-@pytest.mark.parametrize("fmt", ["awq", "gptq_act"])
+@pytest.mark.parametrize(
+    ("fmt", "described"),
+    [
+        ("awq", "w4a16 (awq, group 128); experts 16-bit"),
+        ("gptq_act", "w4a16 (gptq, group 128, act order); experts 16-bit"),
+        pytest.param(
+            "fp8",
+            "fp8 (blocks 128x128)",
+            marks=pytest.mark.skipif(fp8_supported(DEVICE) is not None, reason="needs Hopper"),
+        ),
+    ],
+)
 def test_a_quantized_moe_model_computes_its_dequantized_weights(
-    moe_dir: Path, tmp_path: Path, fmt: str
+    moe_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, described: str
 ) -> None:
+    """FP8: with the dense products' activations kept 16-bit (as up to SMALL_ROWS rows),
+    their e4m3 rounding being test_fp8_at_load_stays_close_to_the_dequantized_model's."""
+    if fmt == "fp8":
+        from lmd.engine.turbo.kernels import fp8 as fp8_kernels
+
+        monkeypatch.setattr(fp8_kernels, "SMALL_ROWS", 1 << 30)
     model = tmp_path / fmt
     write_checkpoint(moe_dir, model, FORMATS[fmt], fmt)
     dtype = torch.float16 if ON_CUDA else torch.float32
     turbo = TurboBackend(model, DEVICE, dtype)
-    assert turbo.quantization is not None and turbo.quantization.endswith("; experts 16-bit")
+    assert turbo.quantization == described
     assert_computes_dequantized(turbo, model, moe_dir)

@@ -16,11 +16,18 @@ from transformers import AutoConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeF
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from lmd.engine.turbo import TurboConfig, UnsupportedModel
+from lmd.engine.turbo.quant.fp8_experts import Fp8Experts
 from lmd.engine.turbo.rope import rope_table
 from lmd.engine.turbo.weights import eos_token_ids, load_weights
 from tests.models import TINY_EOS, TINY_SHAPE, save_tiny_llama
 
 CPU = torch.device("cpu")
+
+
+def sixteen(stack: Tensor | Fp8Experts) -> Tensor:
+    """A layer of experts' 16-bit (or float32) weights of one projection."""
+    assert isinstance(stack, Tensor)
+    return stack
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +89,8 @@ def test_experts_are_stacked_in_expert_order(moe_dir: Path) -> None:
         gate_up = torch.cat(
             [tensors[f"{expert}.gate_proj.weight"], tensors[f"{expert}.up_proj.weight"]]
         )
-        assert torch.equal(sparse.experts.gate_up[j], gate_up)
-        assert torch.equal(sparse.experts.down[j], tensors[f"{expert}.down_proj.weight"])
+        assert torch.equal(sixteen(sparse.experts.gate_up)[j], gate_up)
+        assert torch.equal(sixteen(sparse.experts.down)[j], tensors[f"{expert}.down_proj.weight"])
     assert torch.equal(sparse.experts.router, tensors["model.layers.0.mlp.gate.weight"])
     assert sparse.q_norm is not None and torch.equal(
         sparse.q_norm, tensors["model.layers.0.self_attn.q_norm.weight"]
@@ -109,8 +116,9 @@ def test_experts_already_stacked_load_as_they_are(moe_dir: Path, tmp_path: Path)
     stacked = load_weights(tmp_path, TurboConfig.load(tmp_path), CPU, torch.float32)
     per_expert = load_weights(moe_dir, TurboConfig.load(moe_dir), CPU, torch.float32)
     assert stacked.layers[0].experts is not None and per_expert.layers[0].experts is not None
-    assert torch.equal(stacked.layers[0].experts.gate_up, per_expert.layers[0].experts.gate_up)
-    assert torch.equal(stacked.layers[0].experts.down, per_expert.layers[0].experts.down)
+    ours, theirs = stacked.layers[0].experts, per_expert.layers[0].experts
+    assert torch.equal(sixteen(ours.gate_up), sixteen(theirs.gate_up))
+    assert torch.equal(sixteen(ours.down), sixteen(theirs.down))
 
 
 def test_missing_tensor_is_named(llama_dir: Path, tmp_path: Path) -> None:

@@ -161,7 +161,8 @@ class TurboBackend(GraphedDecode):
     def quantization(self) -> str | None:
         if self.scheme is None:
             return None
-        experts = "; experts 16-bit" if self.config.moe is not None else ""
+        sixteen = self.config.moe is not None and self.scheme.method != "fp8"
+        experts = "; experts 16-bit" if sixteen else ""  # W4A16 experts run dequantized
         return f"{self.scheme.describe()}{experts}"
 
     @property

@@ -28,15 +28,17 @@ from torch import Tensor
 from lmd.engine.parallel import SINGLE, TensorParallel
 from lmd.engine.turbo.checkpoint import CheckpointReader, Shard
 from lmd.engine.turbo.config import TurboConfig, UnsupportedModel
-from lmd.engine.turbo.quant.load import Linear, fold_down_order, load_linear, read_dense
+from lmd.engine.turbo.quant.fp8 import Fp8Weight
+from lmd.engine.turbo.quant.fp8_experts import Fp8Experts
+from lmd.engine.turbo.quant.load import Linear, fold_down_order, load_linear, quantize, read_dense
 from lmd.engine.turbo.quant.scheme import QuantScheme
 
 
 @dataclass(slots=True)
 class ExpertWeights:
     router: Tensor  # [E, hidden]
-    gate_up: Tensor  # [E, 2 I, hidden], each expert's rows gate | up
-    down: Tensor  # [E, hidden, I]
+    gate_up: Tensor | Fp8Experts  # [E, 2 I, hidden], each expert's rows gate | up
+    down: Tensor | Fp8Experts  # [E, hidden, I]
 
     @property
     def nbytes(self) -> int:
@@ -216,39 +218,87 @@ def load_experts(
     scheme: QuantScheme | None = None,
 ) -> ExpertWeights:
     """Layer `layer`'s router and experts, stacked: per-expert tensors as published
-    (`experts.{j}.gate_proj.weight`, or quantized as `scheme` reads them, dequantized:
-    experts run 16-bit), or the stacked form transformers 5 keeps in memory
-    (`experts.gate_up_proj`, `experts.down_proj`) when a checkpoint has that. `config`
-    is the rank's (its part of each expert's width), as `reader` reads them."""
+    (`experts.{j}.gate_proj.weight`, or quantized as `scheme` reads them), or the
+    stacked form transformers 5 keeps in memory (`experts.gate_up_proj`,
+    `experts.down_proj`) when a checkpoint has that. Under an FP8 scheme the experts are
+    FP8 (Fp8Experts: a checkpoint's codes and scales, or quantized here per channel);
+    under W4A16 they are 16-bit (a checkpoint's dequantized). `config` is the rank's
+    (its part of each expert's width), as `reader` reads them."""
     moe = config.moe
     if moe is None:
         raise ValueError("a dense model has no experts")
     block, router_name, (gate, up, down) = EXPERT_NAMES[config.architecture]
     prefix = f"model.layers.{layer}.{block}"
-    router = reader.get(f"{prefix}.{router_name}.weight", dtype, device)
-    if f"{prefix}.experts.gate_up_proj" in reader:
-        return ExpertWeights(
-            router=router,
-            gate_up=reader.get(f"{prefix}.experts.gate_up_proj", dtype, device),
-            down=reader.get(f"{prefix}.experts.down_proj", dtype, device),
-        )
+    router = read_dense(reader, f"{prefix}.{router_name}", scheme, dtype, device)
     e, i, hidden = moe.num_experts, moe.intermediate_size, config.hidden_size
-
-    def part(name: str, shape: tuple[int, int]) -> Tensor:
-        tensor = read_dense(reader, name, scheme, dtype, device)
-        if tuple(tensor.shape) != shape:
-            raise UnsupportedModel(f"{name} is {tuple(tensor.shape)}, not {shape}")
-        return tensor
-
+    fp8 = scheme if scheme is not None and scheme.method == "fp8" else None
+    if f"{prefix}.experts.gate_up_proj" in reader:
+        gate_up, down_all = (
+            reader.get(f"{prefix}.experts.{name}", dtype, device)
+            for name in ("gate_up_proj", "down_proj")
+        )
+        if fp8 is None:
+            return ExpertWeights(router, gate_up, down_all)
+        return ExpertWeights(
+            router, _fp8_stack(gate_up, fp8, dtype), _fp8_stack(down_all, fp8, dtype)
+        )
     # Filled in place: a torch.stack of the experts would hold the layer twice.
-    gate_up = torch.empty(e, 2 * i, hidden, dtype=dtype, device=device)
-    down_all = torch.empty(e, hidden, i, dtype=dtype, device=device)
+    stacks = (
+        _empty_experts((e, 2 * i, hidden), fp8, dtype, device),
+        _empty_experts((e, hidden, i), fp8, dtype, device),
+    )
     for j in range(e):
         expert = f"{prefix}.experts.{j}"
-        gate_up[j, :i] = part(f"{expert}.{gate}", (i, hidden))
-        gate_up[j, i:] = part(f"{expert}.{up}", (i, hidden))
-        down_all[j] = part(f"{expert}.{down}", (hidden, i))
-    return ExpertWeights(router=router, gate_up=gate_up, down=down_all)
+        for name, stack, row, shape in (
+            (gate, 0, 0, (i, hidden)),
+            (up, 0, i, (i, hidden)),
+            (down, 1, 0, (hidden, i)),
+        ):
+            at = f"{expert}.{name}"
+            part: Linear = (
+                read_dense(reader, at, scheme, dtype, device)
+                if fp8 is None
+                else load_linear(reader, [at], fp8, dtype, device)
+            )
+            _put(stacks[stack], j, row, part, name=at, shape=shape)
+    return ExpertWeights(router, *stacks)
+
+
+def _empty_experts(
+    shape: tuple[int, int, int],
+    fp8: QuantScheme | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Tensor | Fp8Experts:
+    """Room for a layer's experts of one projection: FP8 under an fp8 scheme (per channel
+    when quantized here, as the checkpoint's otherwise), else 16-bit."""
+    if fp8 is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    blocks = None if fp8.source == "load" else fp8.block_size
+    return Fp8Experts.empty(shape, blocks, dtype, device)
+
+
+def _put(
+    stack: Tensor | Fp8Experts, j: int, row: int, part: Linear, *, name: str, shape: tuple[int, int]
+) -> None:
+    """Expert j's rows from `row` are `part`'s, read from `name` and expected of `shape`."""
+    if tuple(part.shape) != shape:
+        raise UnsupportedModel(f"{name} is {tuple(part.shape)}, not {shape}")
+    if isinstance(stack, Fp8Experts) and isinstance(part, Fp8Weight):
+        stack.put(j, row, part)
+    elif isinstance(stack, Tensor) and isinstance(part, Tensor):
+        stack[j, row : row + shape[0]] = part
+    else:
+        raise UnsupportedModel(f"{name}: a {type(part).__name__} among {type(stack).__name__}")
+
+
+def _fp8_stack(stacked: Tensor, fp8: QuantScheme, dtype: torch.dtype) -> Tensor | Fp8Experts:
+    """A 16-bit [E, N, K] stack of experts quantized one by one."""
+    e, n, k = stacked.shape
+    out = _empty_experts((e, n, k), fp8, dtype, stacked.device)
+    for j in range(e):
+        _put(out, j, 0, quantize(stacked[j], fp8, dtype), name=f"expert {j}", shape=(n, k))
+    return out
 
 
 def check_shapes(weights: ModelWeights, config: TurboConfig, tp: TensorParallel = SINGLE) -> None:
@@ -284,7 +334,7 @@ def check_shapes(weights: ModelWeights, config: TurboConfig, tp: TensorParallel 
             "experts_down": (e, c.hidden_size, i),
         }
     for n, layer in enumerate(weights.layers):
-        tensors: dict[str, Linear | None] = {
+        tensors: dict[str, Linear | Fp8Experts | None] = {
             name: getattr(layer, name) for name in per_layer if hasattr(layer, name)
         }
         if layer.experts is not None:

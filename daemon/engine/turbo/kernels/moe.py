@@ -26,7 +26,9 @@ import triton.language as tl
 from torch import Tensor
 
 from lmd.engine.turbo.kernels.activation import gate_up_rows, gated, silu_and_mul
+from lmd.engine.turbo.kernels.common import expert_scales
 from lmd.engine.turbo.kernels.routing import route
+from lmd.engine.turbo.quant.fp8_experts import Fp8Experts, kernel_operands
 
 
 @triton.jit
@@ -44,8 +46,16 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
     stride_we,
     stride_wn,
     stride_c,
+    ws_ptr,  # FP8: the codes' scales and where they are (fp8_experts.kernel_operands)
+    stride_se,
+    stride_sn,
+    stride_sk,
+    scale_rows,
+    scale_cols,
     A_ROW_DIV: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    FP8: tl.constexpr,  # w is e4m3 codes: widened to a's dtype, each slice's product scaled
+    SCALE_ONCE: tl.constexpr,  # FP8 with one scale a row (K one block): the sum scaled
     GATED: tl.constexpr,  # w is gate | up [E, 2I, K]: write silu(gate) * up, [P, I]
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -65,6 +75,7 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = cols < n
     w_base = w_ptr + expert * stride_we
+    ws_at = ws_ptr + expert * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -78,7 +89,13 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
             mask=valid[None, :] & (ks[:, None] < k),
             other=0.0,
         )  # [BLOCK_K, BLOCK_N]
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if FP8 and not SCALE_ONCE:  # each block of K its own scale
+            ws = expert_scales(ws_at, cols, k0, stride_sn, stride_sk, scale_rows, scale_cols, valid)
+            acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION) * ws[None, :]
+        else:
+            acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
+    if FP8 and SCALE_ONCE:  # a scale a row: the whole sum scaled once
+        acc *= expert_scales(ws_at, cols, 0, stride_sn, 0, scale_rows, 1, valid)[None, :]
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + pair, mask=real, other=0.0).to(tl.float32)[:, None]
     dtype: tl.constexpr = c_ptr.dtype.element_ty
@@ -216,7 +233,7 @@ def align(experts: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tens
 
 def grouped_gemm(
     a: Tensor,
-    weight: Tensor,
+    weight: Tensor | Fp8Experts,
     sorted_pairs: Tensor,
     block_expert: Tensor,
     *,
@@ -235,9 +252,13 @@ def grouped_gemm(
     try others than the default. `gated`: weight is gate | up (N = 2I) and out [P, I]
     is silu_and_mul of the product, made in the same launch (a program's columns are
     its outputs' gate and up rows side by side), bit for bit the two launches' values.
+    Fp8Experts: each BLOCK_K slice's product with the codes is scaled by its block's (or
+    row's) scale, BLOCK_K at most 128.
     """
     _, n, k = weight.shape
-    if a.shape[1] != k or a.stride(1) != 1 or weight.stride(2) != 1:
+    fp8 = isinstance(weight, Fp8Experts)
+    codes, scale_args = kernel_operands(weight, a)
+    if a.shape[1] != k or a.stride(1) != 1 or codes.stride(2) != 1:
         raise ValueError(f"grouped_gemm: a {tuple(a.shape)} against weights {tuple(weight.shape)}")
     if gated and (n % 2 or scale is not None):
         raise ValueError("grouped_gemm's gated takes gate | up rows and no scale")
@@ -252,10 +273,12 @@ def grouped_gemm(
     else:
         default = (64 if n >= 1024 else 32, 128, 4, 3)
     block_n, block_k, num_warps, num_stages = tiles or default
+    if fp8 and scale_args[-1] < k:
+        block_k = min(block_k, scale_args[-1])  # a slice within one block
     grid = (block_expert.shape[0], triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a,
-        weight,
+        codes,
         out,
         scale if scale is not None else a,
         sorted_pairs,
@@ -264,11 +287,14 @@ def grouped_gemm(
         n,
         k,
         a.stride(0),
-        weight.stride(0),
-        weight.stride(1),
+        codes.stride(0),
+        codes.stride(1),
         out.stride(0),
+        *scale_args,
         A_ROW_DIV=a_row_div,
         HAS_SCALE=scale is not None,
+        FP8=fp8,
+        SCALE_ONCE=fp8 and scale_args[-1] >= k,
         GATED=gated,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",  # float32: no TF32 rounding
         BLOCK_M=block_m,
@@ -300,16 +326,16 @@ GATED_GEMM = True
 def fused_moe(
     h: Tensor,
     router: Tensor,
-    gate_up: Tensor,
-    down: Tensor,
+    gate_up: Tensor | Fp8Experts,
+    down: Tensor | Fp8Experts,
     *,
     top_k: int,
     normalize: bool,
     float_out: bool = False,
 ) -> Tensor:
     """h: [T, hidden]; router: [E, hidden]; gate_up: [E, 2 I, hidden]; down:
-    [E, hidden, I] -> [T, hidden] in h's dtype. `float_out`: torch.mm can take the
-    router's product straight to float32 (route)."""
+    [E, hidden, I] (16-bit as h, or FP8) -> [T, hidden] in h's dtype. `float_out`:
+    torch.mm can take the router's product straight to float32 (route)."""
     num_tokens, hidden = h.shape
     num_experts = router.shape[0]
     if num_tokens == 0:

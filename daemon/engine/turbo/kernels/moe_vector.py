@@ -26,7 +26,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lmd.engine.turbo.kernels.common import expert_scales
 from lmd.engine.turbo.kernels.vector_gemv import Norm, Route, vector_gemv
+from lmd.engine.turbo.quant.fp8_experts import Fp8Experts, kernel_operands
 
 # The mix's tiles (BLOCK_N, BLOCK_K, warps, stages): a program's k experts make a
 # [k, BLOCK_N, BLOCK_K] float32 accumulator, so narrower than vector_gemv's. The
@@ -46,6 +48,13 @@ def _mix_down_kernel(  # noqa: PLR0917  # Triton kernels take positional argumen
     k,
     stride_e,
     stride_w,
+    ws_ptr,  # FP8: the codes' scales and where they are (fp8_experts.kernel_operands)
+    stride_se,
+    stride_sn,
+    stride_sk,
+    scale_rows,
+    scale_cols,
+    FP8: tl.constexpr,
     TOP_K: tl.constexpr,
     BLOCK_J: tl.constexpr,  # TOP_K to a power of two
     BLOCK_N: tl.constexpr,
@@ -57,7 +66,9 @@ def _mix_down_kernel(  # noqa: PLR0917  # Triton kernels take positional argumen
     chosen = j < TOP_K
     ids = tl.load(experts_ptr + j, mask=chosen, other=0).to(tl.int64)
     rows = w_ptr + ids[:, None, None] * stride_e + cols[None, :, None].to(tl.int64) * stride_w
-    live = chosen[:, None, None] & valid[None, :, None]  # [J, N, 1]
+    ws_at = ws_ptr + ids[:, None] * stride_se  # FP8: each expert's scales, [J, 1]
+    live_n = chosen[:, None] & valid[None, :]  # [J, N]
+    live = live_n[:, :, None]
     acc = tl.zeros((BLOCK_J, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -66,7 +77,14 @@ def _mix_down_kernel(  # noqa: PLR0917  # Triton kernels take positional argumen
         x = tl.load(
             act_ptr + j[:, None] * k + ks[None, :], mask=chosen[:, None] & kmask[None, :], other=0.0
         )  # [J, BLOCK_K]: each expert's activation
-        acc += w.to(tl.float32) * x.to(tl.float32)[:, None, :]
+        w = w.to(tl.float32)
+        if FP8:  # [J, BLOCK_N] scales of this slice
+            n_at = cols[None, :]
+            scales = expert_scales(
+                ws_at, n_at, k0, stride_sn, stride_sk, scale_rows, scale_cols, live_n
+            )
+            w *= scales[:, :, None]
+        acc += w * x.to(tl.float32)[:, None, :]
     share = tl.sum(acc, axis=2) * tl.load(weights_ptr + j, mask=chosen, other=0.0)[:, None]
     dtype: tl.constexpr = y_ptr.dtype.element_ty
     total = tl.sum(share.to(dtype).to(tl.float32), axis=0)  # each share rounded, as moe.py's
@@ -75,23 +93,27 @@ def _mix_down_kernel(  # noqa: PLR0917  # Triton kernels take positional argumen
 
 def mix_down(
     act: Tensor,
-    down: Tensor,
+    down: Tensor | Fp8Experts,
     experts: Tensor,
     weights: Tensor,
     tiles: tuple[int, int, int, int] | None = None,
 ) -> Tensor:
     """act: [k, I] (row j: expert experts[j]'s activation), down: [E, H, I], experts:
     [k] int32, weights: [k] float32 -> [1, H]: sum over j of weights[j] * down[experts[j]]
-    @ act[j], each term rounded to act's dtype. tiles: (BLOCK_N, BLOCK_K, warps, stages)
-    instead of MIX_TILES."""
+    @ act[j], each term rounded to act's dtype (down 16-bit as act, or Fp8Experts).
+    tiles: (BLOCK_N, BLOCK_K, warps, stages) instead of MIX_TILES."""
     top_k, inner = act.shape
     _, n, k = down.shape
+    fp8 = isinstance(down, Fp8Experts)
+    down, scale_args = kernel_operands(down, act)
     if k != inner or experts.shape != (top_k,) or weights.shape != (top_k,):
         raise ValueError(f"mix_down: act {tuple(act.shape)} against down {tuple(down.shape)}")
     if not act.is_contiguous() or down.stride(2) != 1:
         raise ValueError("mix_down takes contiguous activations and rows of down")
     y = torch.empty(1, n, dtype=act.dtype, device=act.device)
     block_n, block_k, num_warps, num_stages = tiles or MIX_TILES
+    if fp8 and scale_args[-1] < k:  # a slice within one block
+        block_k = min(block_k, scale_args[-1])
     _mix_down_kernel[(triton.cdiv(n, block_n),)](
         act,
         down,
@@ -102,6 +124,8 @@ def mix_down(
         k,
         down.stride(0),
         down.stride(1),
+        *scale_args,
+        FP8=fp8,
         TOP_K=top_k,
         BLOCK_J=triton.next_power_of_2(top_k),
         BLOCK_N=block_n,
@@ -116,8 +140,8 @@ def experts_vector(
     hidden: Tensor,
     norm: Norm,
     router: Tensor,
-    gate_up: Tensor,
-    down: Tensor,
+    gate_up: Tensor | Fp8Experts,
+    down: Tensor | Fp8Experts,
     *,
     top_k: int,
     normalize: bool,
@@ -125,7 +149,8 @@ def experts_vector(
 ) -> Tensor:
     """hidden: [1, H] -> the layer of experts on RMSNorm(hidden (+ norm.residual)) [1, H]
     (the module docstring); norm.summed, if given, receives hidden + residual. router:
-    [E, H]; gate_up: [E, 2I, H] (gate | up); down: [E, H, I]; the activation SiLU.
+    [E, H]; gate_up: [E, 2I, H] (gate | up); down: [E, H, I] (16-bit, or both FP8); the
+    activation SiLU.
     count: [1] int32 at 0, the router's launch's counter (vector_gemv's `Route`)."""
     device = hidden.device
     route = Route(

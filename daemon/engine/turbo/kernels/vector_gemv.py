@@ -9,7 +9,7 @@ columns, streams their weight rows [BLOCK_N, K] in BLOCK_K slices (contiguous al
 multiplies them by the slice of x in float32 and sums along K once at the end. With a
 `Norm`, x = RMSNorm(hidden + residual) is made on BLOCK_K elements a slice: the row's
 squares summed as it streams, the accumulator scaled by 1/rms at the end; the
-normalized values rounded to the weights' dtype before that scale (kernels.rms_norm
+normalized values rounded to x's (the weights') dtype before that scale (kernels.rms_norm
 rounds after it: the same size of error). Program 0 writes the summed stream after its
 loop, when asked (`Norm.summed`).
 
@@ -45,9 +45,11 @@ import triton.language as tl
 from torch import Tensor
 
 from lmd.engine.turbo.kernels.activation import check_activation, gate_up_rows, gated
+from lmd.engine.turbo.kernels.common import expert_scales
 from lmd.engine.turbo.kernels.native_kernels import device_index
 from lmd.engine.turbo.kernels.rotary import Rotary, rotate_head_when_last
 from lmd.engine.turbo.kernels.routing import choose_when_last
+from lmd.engine.turbo.quant.fp8_experts import Fp8Experts, kernel_operands
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +100,12 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
     k,
     stride_w,
     stride_e,
+    ws_ptr,  # FP8: the codes' scales and where they are (fp8_experts.kernel_operands)
+    stride_se,
+    stride_sn,
+    stride_sk,
+    scale_rows,
+    scale_cols,
     head_eps,  # ROTARY: the head norms' epsilon, the pool's layer and strides
     layer,
     block_size,
@@ -107,6 +115,7 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
     stride_kv_slot,
     stride_kv_head,
     EXPERTS: tl.constexpr,  # w is [E, N, K]: the expert of choice program_id(1)
+    FP8: tl.constexpr,  # w is e4m3 codes (experts): each slice scaled by its block's scale
     HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -128,7 +137,8 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
     pid = tl.program_id(0)
     choice = tl.program_id(1)
     if EXPERTS:  # this choice's expert's weights, its own output row
-        w_ptr += tl.load(experts_ptr + choice).to(tl.int64) * stride_e
+        expert = tl.load(experts_ptr + choice).to(tl.int64)
+        w_ptr, ws_ptr = w_ptr + expert * stride_e, ws_ptr + expert * stride_se
         y_ptr += choice * (n // 2 if GATED else n)
     if GATED:  # W rows gate_0, up_0, gate_1, up_1, ... of this program's outputs
         cols, valid = gate_up_rows(pid, n, BLOCK_N)
@@ -154,7 +164,12 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
             if HAS_RESIDUAL:
                 x = (x + res).to(res_ptr.dtype.element_ty).to(tl.float32)
             squares += x * x
-            x = (x * scale).to(w_ptr.dtype.element_ty).to(tl.float32)
+            x = (x * scale).to(x_ptr.dtype.element_ty).to(tl.float32)
+        if FP8:  # each row's scale of this slice
+            ws = expert_scales(
+                ws_ptr, cols, k0, stride_sn, stride_sk, scale_rows, scale_cols, valid
+            )
+            w = w.to(tl.float32) * ws[:, None]
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)  # [BLOCK_N]
     if NORM:
@@ -197,7 +212,7 @@ def _write_summed(x_ptr, res_ptr, summed_ptr, k, BLOCK_K: tl.constexpr):
 
 def vector_gemv(
     x: Tensor,
-    weight: Tensor,
+    weight: Tensor | Fp8Experts,
     bias: Tensor | None = None,
     *,
     norm: Norm | None = None,
@@ -211,13 +226,15 @@ def vector_gemv(
     """x: [1, K], weight: [N, K], bias: [N] -> [1, N] in `out_dtype` (default: x's),
     from a float32 accumulator. `norm` makes the product's input first (the module
     docstring). tiles: (BLOCK_N, BLOCK_K, warps, stages) instead of default_tiles'.
-    `activation` ("silu" or "gelu_tanh"): weight is gate | up
-    [2I, K] and the result act(gate) * up [1, I] (the module docstring). `experts`
-    ([C] int32, ids < E): weight is [E, N, K] and the result [C, N] (or [C, I]), row c
-    the product with expert experts[c]'s weights. `route`: weight is a router's [E, K]
-    and out_dtype float32; its experts are chosen too (the module docstring). `rotary`:
-    weight is a qkv projection's, and the result is rotated and its k and v stored as
+    `activation` ("silu" or "gelu_tanh"): weight is gate | up [2I, K] and the result
+    act(gate) * up [1, I] (the module docstring). `experts` ([C] int32, ids < E):
+    weight is [E, N, K] (16-bit as x, or Fp8Experts) and the result [C, N] (or [C, I]),
+    row c the product with expert experts[c]'s weights. `route`: weight is a router's
+    [E, K] and out_dtype float32; its experts are chosen too (the module docstring).
+    `rotary`: weight is a qkv projection's, and the result is rotated and its k and v stored as
     rotary.apply would (the module docstring), where rotary.folds(BLOCK_N)."""
+    fp8 = isinstance(weight, Fp8Experts)
+    weight, scale_args = kernel_operands(weight, x)
     if experts is not None:
         if weight.dim() != 3 or experts.dim() != 1 or experts.dtype != torch.int32:
             raise ValueError("vector_gemv's experts: int32 ids [C] against weights [E, N, K]")
@@ -225,6 +242,8 @@ def vector_gemv(
             raise ValueError("vector_gemv's experts take no bias")
         stride_e, num_rows = weight.stride(0), experts.shape[0]
         weight = weight[0]  # the shape and row stride of every expert's
+    elif fp8:
+        raise ValueError("vector_gemv takes fp8 codes for experts only")
     else:
         stride_e, num_rows = 0, 1
     n, k = weight.shape
@@ -249,6 +268,8 @@ def vector_gemv(
     if tiles is None and experts is not None and _is_h200(x.device):
         tiles = EXPERT_TILES_H200
     block_n, block_k, num_warps, num_stages = tiles or default_tiles(n, k, x.device)
+    if fp8 and scale_args[-1] < k:  # a slice within one block
+        block_k = min(block_k, scale_args[-1])
     num_kv_heads, head_dim = rotary.check(n, block_n) if rotary is not None else (0, 0)
     grid = (triton.cdiv(n, block_n), num_rows)  # gated: BLOCK_N / 2 outputs a program
     _vector_gemv_kernel[grid](
@@ -269,9 +290,11 @@ def vector_gemv(
         k,
         weight.stride(0),
         stride_e,
+        *scale_args,
         rotary.eps if rotary is not None else 0.0,
         *(rotary.pool_args() if rotary is not None else (0,) * 7),
         EXPERTS=experts is not None,
+        FP8=fp8,
         HAS_BIAS=bias is not None,
         NORM=norm is not None,
         HAS_RESIDUAL=residual is not None,
