@@ -2,6 +2,7 @@
 a few tilings, at decode and prefill sizes: which tiles to take where.
 
     python3 scripts/moe_tiles.py [--tokens 1,8,64,256,4096] [--fp8 rows|blocks]
+        [--codes-rows N]
 
 Random bf16 inputs, E = 128 experts, k = 8, hidden 2,048, I = 768; with --fp8 the experts
 quantized (quant/fp8_experts.py: a scale a row, or 128x128 blocks). Times are
@@ -49,7 +50,11 @@ def main() -> None:
         "--block-m", type=int, default=0, help="rows per block (default: moe.block_rows)"
     )
     parser.add_argument("--fp8", choices=["rows", "blocks"], default=None)
+    parser.add_argument(
+        "--codes-rows", type=int, default=0, help="moe.FP8_CODES_ROWS (default: as it is)"
+    )
     args = parser.parse_args()
+    moe.FP8_CODES_ROWS = args.codes_rows or moe.FP8_CODES_ROWS
     torch.manual_seed(0)
     dev = torch.device("cuda")
     router = torch.randn(E, HIDDEN, device=dev, dtype=torch.bfloat16)
@@ -68,6 +73,8 @@ def main() -> None:
         block_m = args.block_m or moe.block_rows(tokens * K, E)
         layout = moe.align(experts, E, block_m)
         act = torch.randn(tokens * K, INTER, device=dev, dtype=torch.bfloat16)
+        h_in, h_scale = moe.fp8_input(h, gate_up, block_m)  # codes past FP8_CODES_ROWS
+        act_in, act_scale = moe.fp8_input(act, down, block_m)
         whole = bench(partial(moe.fused_moe, h, router, gate_up, down, top_k=K,
                               normalize=True, float_out=True))  # fmt: skip
         print(f"T={tokens}: block_m {block_m}, fused_moe {whole:.1f} us, "
@@ -75,12 +82,12 @@ def main() -> None:
         pairs = tokens * K
         for tiles in TILES:
             try:  # gate|up as the model runs it (with its activation under GATED_GEMM)
-                up = bench(partial(moe.grouped_gemm, h, gate_up, *layout, a_row_div=K,
+                up = bench(partial(moe.grouped_gemm, h_in, gate_up, *layout, a_row_div=K,
                                    tiles=tiles, num_pairs=pairs, block_m=block_m,
-                                   gated=moe.GATED_GEMM))  # fmt: skip
-                dn = bench(partial(moe.grouped_gemm, act, down, *layout, a_row_div=1,
+                                   gated=moe.GATED_GEMM, a_scale=h_scale))  # fmt: skip
+                dn = bench(partial(moe.grouped_gemm, act_in, down, *layout, a_row_div=1,
                                    scale=weights.flatten(), tiles=tiles, num_pairs=pairs,
-                                   block_m=block_m))  # fmt: skip
+                                   block_m=block_m, a_scale=act_scale))  # fmt: skip
             except Exception as exc:  # a tiling that does not compile is a result too
                 print(f"  tiles {tiles}: {type(exc).__name__} {str(exc)[:80]}")
                 continue

@@ -63,34 +63,47 @@ def case(
 
 def moe_cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
     """The experts' kernels past vector_gemv's (kernels/moe.py, kernels/moe_vector.py)."""
-    moe, moe_vector = kernels_of("moe"), kernels_of("moe_vector")
+    moe, moe_vector, moe_align = (
+        kernels_of("moe"),
+        kernels_of("moe_vector"),
+        kernels_of("moe_align"),
+    )
     routing = kernels_of("routing")
     out = []
     flags: dict[str, Any]
     run = {"num_warps": 4, "num_stages": 3}
     ids = {"experts_ptr": "*i32"}
-    for block_n, block_k in ((2, 256), (4, 512)):
-        flags = {"TOP_K": 8, "BLOCK_J": 8, "BLOCK_N": block_n, "BLOCK_K": block_k}
-        types = ids | {"weights_ptr": "*fp32"}
+    codes = {"w_ptr": "*fp8e4nv", "ws_ptr": "*fp32"}  # FP8 experts (quant/fp8_experts.py)
+    for block_n, block_k, fp8 in ((2, 256, False), (4, 512, False), (2, 128, True)):
+        flags = {"FP8": fp8, "TOP_K": 8, "BLOCK_J": 8, "BLOCK_N": block_n, "BLOCK_K": block_k}
+        types = ids | {"weights_ptr": "*fp32"} | (codes if fp8 else {})
         out.append(case(moe_vector._mix_down_kernel, flags, types, run))
     for top_k, block_e in ((8, 128), (2, 8)):
         flags = {"TOP_K": top_k, "NORMALIZE": True, "BLOCK_E": block_e}
         types = {"logits_ptr": "*fp32", "weights_ptr": "*fp32", "experts_ptr": "*i32"}
         out.append(case(routing._top_k_kernel, flags, types, run | {"num_warps": 4}))
     ints = {"scale_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}
-    for block_m, block_n, block_k, warps, gated in ((16, 64, 128, 4, False),
-                                                    (16, 64, 128, 4, True),
-                                                    (128, 256, 64, 8, True)):  # fmt: skip
-        flags = {"A_ROW_DIV": 8, "HAS_SCALE": not gated, "GATED": gated, "PRECISION": "tf32",
-                 "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}  # fmt: skip
-        out.append(case(moe._grouped_gemm_kernel, flags, ints, run | {"num_warps": warps}))
+    # FP8: "" (16-bit), or the experts' scales ("rows", "blocks"), with a as codes ("+a")
+    for block_m, block_n, block_k, warps, gated, fp8 in (
+        (16, 64, 128, 4, False, ""), (16, 64, 128, 4, True, ""), (128, 256, 64, 8, True, ""),
+        (16, 64, 128, 4, True, "rows"), (16, 64, 128, 4, True, "blocks+a"),
+        (128, 64, 64, 8, True, "rows+a"), (128, 128, 128, 8, False, "blocks+a"),
+    ):  # fmt: skip
+        flags = {"A_ROW_DIV": 8, "HAS_SCALE": not gated, "FP8": bool(fp8),
+                 "SCALE_ONCE": fp8.startswith("rows"), "A_FP8": fp8.endswith("+a"),
+                 "GATED": gated, "PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n,
+                 "BLOCK_K": block_k}  # fmt: skip
+        types = ints | (codes | {"as_ptr": "*fp32"} if fp8 else {})
+        if fp8.endswith("+a"):
+            types |= {"a_ptr": "*fp8e4nv"}
+        out.append(case(moe._grouped_gemm_kernel, flags, types, run | {"num_warps": warps}))
     layout = {"experts_ptr": "*i32", "counts_ptr": "*i32", "ranks_ptr": "*i32",
               "ends_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}  # fmt: skip
     for block_m in (16, 128):
-        flags = {"BLOCK_M": block_m, "BLOCK_E": 128, "BLOCK": moe.ALIGN_PAIRS}
-        out.append(case(moe._count_kernel, flags, layout, run))
-        flags |= {"BLOCK_B": moe.PLACE_SLOTS // block_m}
-        out.append(case(moe._place_kernel, flags, layout, run))
+        flags = {"BLOCK_M": block_m, "BLOCK_E": 128, "BLOCK": moe_align.ALIGN_PAIRS}
+        out.append(case(moe_align._count_kernel, flags, layout, run))
+        flags |= {"BLOCK_B": moe_align.PLACE_SLOTS // block_m}
+        out.append(case(moe_align._place_kernel, flags, layout, run))
     return out
 
 
@@ -108,7 +121,13 @@ def fp8_cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
     out.append(case(activation._silu_and_mul_groups_kernel, flags, codes, run))
     types = {"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
     for groups in (False, True):
-        flags = {"HAS_RESIDUAL": True, "FP8": True, "GROUPS": groups, "BLOCK": 4096}
+        flags = {
+            "HAS_RESIDUAL": True,
+            "FP8": True,
+            "GROUPS": groups,
+            "ORDERED": False,
+            "BLOCK": 4096,
+        }
         out.append(case(norm._rms_norm_kernel, flags, types, {"num_warps": 16, "num_stages": 3}))
     types = {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
     flags = {"ONE_PASS": True, "BLOCK_K": 4096}
@@ -133,8 +152,9 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
         (1, 4096, False, False, True, ""), (8, 512, False, False, False, "*bf16"),
         (4, 1024, False, False, False, "*i8"),
     ):  # fmt: skip
-        flags = {"EXPERTS": experts, "HAS_BIAS": False, "NORM": True, "HAS_RESIDUAL": True,
-                 "HAS_SUMMED": True, "GATED": gated, "GELU": False, "ROUTE": route,
+        flags = {"EXPERTS": experts, "FP8": False, "HAS_BIAS": False, "NORM": True,
+                 "HAS_RESIDUAL": True, "HAS_SUMMED": True, "GATED": gated, "GELU": False,
+                 "ROUTE": route,
                  "TOP_K": 8 if route else 1, "NORMALIZE": route, "BLOCK_E": 128 if route else 1,
                  "ROTARY": bool(pool), "NUM_HEADS": 32 if pool else 0,
                  "NUM_KV_HEADS": 4 if pool else 0, "HEAD_DIM": 128 if pool else 0,
@@ -144,6 +164,10 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
         if pool:
             types = types | rotaries | {"kv_ptr": pool}
         out.append(case(vector_gemv._vector_gemv_kernel, flags, types, run))
+        if experts and gated:  # FP8 experts' gate|up
+            flags = flags | {"FP8": True}
+            types = types | {"w_ptr": "*fp8e4nv", "ws_ptr": "*fp32"}
+            out.append(case(vector_gemv._vector_gemv_kernel, flags, types, run))
     sends = {"word_ptrs": "*i64", "step_ptr": "*i64"}
     for peers, rank in ((0, 0), (2, 0), (2, 1)):
         flags = {"HAS_BIAS": False, "PEERS": peers, "RANK": rank, "BLOCK_N": 32, "BLOCK_K": 512}

@@ -288,12 +288,15 @@ def test_quantized_experts_are_read_as_the_checkpoint_means(
 def test_a_quantized_moe_model_computes_its_dequantized_weights(
     moe_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, described: str
 ) -> None:
-    """FP8: with the dense products' activations kept 16-bit (as up to SMALL_ROWS rows),
-    their e4m3 rounding being test_fp8_at_load_stays_close_to_the_dequantized_model's."""
+    """FP8: with the products' inputs kept 16-bit (as up to SMALL_ROWS rows, and the
+    experts' past FP8_CODES_ROWS), their e4m3 rounding being tested on its own
+    (test_fp8_at_load_stays_close_to_the_dequantized_model, test_turbo_fp8_experts.py)."""
     if fmt == "fp8":
         from lmd.engine.turbo.kernels import fp8 as fp8_kernels
+        from lmd.engine.turbo.kernels import moe
 
         monkeypatch.setattr(fp8_kernels, "SMALL_ROWS", 1 << 30)
+        monkeypatch.setattr(moe, "FP8_CODES_ROWS", 1 << 30)
     model = tmp_path / fmt
     write_checkpoint(moe_dir, model, FORMATS[fmt], fmt)
     dtype = torch.float16 if ON_CUDA else torch.float32

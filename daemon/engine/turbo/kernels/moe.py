@@ -16,9 +16,13 @@ Everything runs on the device without a host sync (the padded layout is sized fo
 worst case), so a decode step with experts is captured in a CUDA graph as any other. A
 layer of experts is 9 launches (8 with GATED_GEMM): the router's GEMM, softmax + top-k,
 the layout (the counts' zeroing and two kernels), two grouped GEMMs, SiLU, the sum over k.
+FP8 experts (quant/fp8_experts.py) are read as codes; past FP8_CODES_ROWS rows a block
+each GEMM's input is quantized too (a launch) and the products run on fp8 tensor cores.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import triton
@@ -27,6 +31,8 @@ from torch import Tensor
 
 from lmd.engine.turbo.kernels.activation import gate_up_rows, gated, silu_and_mul
 from lmd.engine.turbo.kernels.common import expert_scales
+from lmd.engine.turbo.kernels.fp8_quant import quantize_per_token, quantize_per_token_group
+from lmd.engine.turbo.kernels.moe_align import align
 from lmd.engine.turbo.kernels.routing import route
 from lmd.engine.turbo.quant.fp8_experts import Fp8Experts, kernel_operands
 
@@ -52,10 +58,14 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
     stride_sk,
     scale_rows,
     scale_cols,
+    as_ptr,  # A_FP8: a's scales, a token's (stride_ag 0) or its 128-groups'
+    stride_ar,
+    stride_ag,
     A_ROW_DIV: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     FP8: tl.constexpr,  # w is e4m3 codes: widened to a's dtype, each slice's product scaled
     SCALE_ONCE: tl.constexpr,  # FP8 with one scale a row (K one block): the sum scaled
+    A_FP8: tl.constexpr,  # a is e4m3 codes too (FP8 only): fp8 tensor-core dots
     GATED: tl.constexpr,  # w is gate | up [E, 2I, K]: write silu(gate) * up, [P, I]
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -76,6 +86,7 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
         valid = cols < n
     w_base = w_ptr + expert * stride_we
     ws_at = ws_ptr + expert * stride_se
+    as_at = as_ptr + a_row * stride_ar
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -89,13 +100,20 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
             mask=valid[None, :] & (ks[:, None] < k),
             other=0.0,
         )  # [BLOCK_K, BLOCK_N]
-        if FP8 and not SCALE_ONCE:  # each block of K its own scale
+        if FP8 and not SCALE_ONCE:  # each block of K its own scale (and a's group's)
             ws = expert_scales(ws_at, cols, k0, stride_sn, stride_sk, scale_rows, scale_cols, valid)
-            acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION) * ws[None, :]
-        else:
+            both = ws[None, :]
+            if A_FP8:
+                both *= tl.load(as_at + (k0 // scale_cols) * stride_ag, mask=real, other=0.0)[
+                    :, None
+                ]
+            acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION) * both
+        else:  # (A_FP8: w already e4m3, a's dtype)
             acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
     if FP8 and SCALE_ONCE:  # a scale a row: the whole sum scaled once
         acc *= expert_scales(ws_at, cols, 0, stride_sn, 0, scale_rows, 1, valid)[None, :]
+        if A_FP8:
+            acc *= tl.load(as_at, mask=real, other=0.0)[:, None]
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + pair, mask=real, other=0.0).to(tl.float32)[:, None]
     dtype: tl.constexpr = c_ptr.dtype.element_ty
@@ -107,128 +125,6 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
         tl.store(c_rows + half[None, :], act, mask=real[:, None] & (half[None, :] < n // 2))
     else:
         tl.store(c_rows + cols[None, :], acc.to(dtype), mask=real[:, None] & valid[None, :])
-
-
-@triton.jit
-def _count_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
-    experts_ptr,
-    counts_ptr,
-    ranks_ptr,
-    ends_ptr,
-    num_pairs,
-    num_experts,
-    BLOCK_M: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """align's first launch: each pair's rank among its expert's pairs (atomic adds on
-    counts_ptr: E counts and a count of finished programs after them, all 0 before);
-    the last program to finish writes where each expert's run ends, the runs in expert
-    order and each padded to a multiple of BLOCK_M."""
-    pair = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    real = pair < num_pairs
-    expert = tl.load(experts_ptr + pair, mask=real, other=0)
-    rank = tl.atomic_add(counts_ptr + expert, 1, mask=real, sem="relaxed")
-    tl.store(ranks_ptr + pair, rank, mask=real)
-    tl.debug_barrier()  # every thread's adds returned before the program counts itself
-    if tl.atomic_add(counts_ptr + num_experts, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        e = tl.arange(0, BLOCK_E)
-        counts = tl.load(counts_ptr + e, mask=e < num_experts, other=0, cache_modifier=".cg")
-        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        tl.store(ends_ptr + e, tl.cumsum(padded, axis=0), mask=e < num_experts)
-
-
-@triton.jit
-def _run_start(end, count, BLOCK_M: tl.constexpr):
-    """Where an expert's run starts: its end less its count padded to BLOCK_M."""
-    return end - (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-
-
-@triton.jit
-def _place_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
-    experts_ptr,
-    counts_ptr,
-    ranks_ptr,
-    ends_ptr,
-    sorted_ptr,
-    block_expert_ptr,
-    num_pairs,
-    num_experts,
-    num_blocks,
-    BLOCK_M: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-):
-    """align's second launch: a program places BLOCK pairs at their run's start plus
-    their rank, and for BLOCK_B blocks writes the block's expert (runs ending at or
-    before it; -1 past the last) and the padding id into the slots past its run's
-    pairs: every slot written once, by one program."""
-    pid = tl.program_id(0)
-    pair = pid * BLOCK + tl.arange(0, BLOCK)
-    real = pair < num_pairs
-    expert = tl.load(experts_ptr + pair, mask=real, other=0)
-    count = tl.load(counts_ptr + expert, mask=real, other=0)
-    start = _run_start(tl.load(ends_ptr + expert, mask=real, other=0), count, BLOCK_M)
-    rank = tl.load(ranks_ptr + pair, mask=real, other=0)
-    tl.store(sorted_ptr + start + rank, pair.to(tl.int32), mask=real)
-    e = tl.arange(0, BLOCK_E)
-    real_e = e < num_experts
-    ends = tl.load(ends_ptr + e, mask=real_e, other=0)
-    block = pid * BLOCK_B + tl.arange(0, BLOCK_B)
-    live = block < num_blocks
-    before = (ends[None, :] <= (block * BLOCK_M)[:, None]) & real_e[None, :]
-    owner = tl.sum(before.to(tl.int32), axis=1)
-    owner = tl.where(owner < num_experts, owner, -1)
-    tl.store(block_expert_ptr + block, owner, mask=live)
-    o = tl.maximum(owner, 0)
-    count = tl.load(counts_ptr + o, mask=live, other=0)
-    run_end = tl.load(ends_ptr + o, mask=live, other=0)
-    taken = _run_start(run_end, count, BLOCK_M) + count  # past its pairs
-    taken = tl.where(owner >= 0, taken, 0)  # past the last run: all padding
-    slot = block[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]  # [BLOCK_B, BLOCK_M]
-    pad = tl.zeros([BLOCK_B, BLOCK_M], dtype=tl.int32) + num_pairs
-    tl.store(sorted_ptr + slot, pad, mask=live[:, None] & (slot >= taken[:, None]))
-
-
-ALIGN_PAIRS = 256  # pairs a program of align's launches
-PLACE_SLOTS = 1024  # sorted slots a program of the second pads (whole blocks)
-
-
-def align(experts: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
-    """experts: [T, k] int32 -> (sorted pairs [P] int32, expert of each block [P / block_m]).
-
-    `sorted` lists the pair ids t * k + j by expert, each expert's run padded with the
-    id T * k to a multiple of block_m; P is the worst case's length (each of the
-    min(E, T k) experts that can be hit padded by block_m - 1), rounded up to a block.
-    Blocks past the last run have expert -1. Within a run the pairs come in any order
-    (ranks are taken by atomic adds). Two launches after the counts' zeroing, spread
-    over programs of ALIGN_PAIRS pairs (one program took 248 us a layer at 65,536
-    pairs, docs/benchmarks.md); no host sync.
-    """
-    flat = experts.flatten()  # [T k]
-    num_pairs = flat.numel()
-    worst = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    num_blocks = triton.cdiv(worst, block_m)
-    length = num_blocks * block_m
-    device = flat.device
-    sorted_pairs = torch.empty(length, dtype=torch.int32, device=device)
-    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)  # + programs done
-    ends = torch.empty(num_experts, dtype=torch.int32, device=device)
-    ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    block_e = triton.next_power_of_2(num_experts)
-    block_b = max(1, PLACE_SLOTS // block_m)
-    _count_kernel[(triton.cdiv(num_pairs, ALIGN_PAIRS),)](
-        flat, counts, ranks, ends, num_pairs, num_experts,
-        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK=ALIGN_PAIRS,
-    )  # fmt: skip
-    grid = max(triton.cdiv(num_pairs, ALIGN_PAIRS), triton.cdiv(num_blocks, block_b))
-    _place_kernel[(grid,)](
-        flat, counts, ranks, ends, sorted_pairs, block_expert, num_pairs, num_experts,
-        num_blocks, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK=ALIGN_PAIRS, BLOCK_B=block_b,
-    )  # fmt: skip
-    return sorted_pairs, block_expert
 
 
 def grouped_gemm(
@@ -243,6 +139,7 @@ def grouped_gemm(
     scale: Tensor | None = None,
     tiles: tuple[int, int, int, int] | None = None,
     gated: bool = False,
+    a_scale: Tensor | None = None,
 ) -> Tensor:
     """out[p] = a[p // a_row_div] @ weight[expert of p]^T (* scale[p]) for every pair p.
 
@@ -253,7 +150,10 @@ def grouped_gemm(
     is silu_and_mul of the product, made in the same launch (a program's columns are
     its outputs' gate and up rows side by side), bit for bit the two launches' values.
     Fp8Experts: each BLOCK_K slice's product with the codes is scaled by its block's (or
-    row's) scale, BLOCK_K at most 128.
+    row's) scale, BLOCK_K at most 128. `a_scale` (Fp8Experts only): a is e4m3 codes,
+    a ~= codes * a_scale, a_scale [R, 1] (per token, for a scale a row) or [R, ceil(K /
+    128)] (per 128-group, for blocks), as `fp8_input` makes them; out in the experts'
+    dtype.
     """
     _, n, k = weight.shape
     fp8 = isinstance(weight, Fp8Experts)
@@ -262,11 +162,23 @@ def grouped_gemm(
         raise ValueError(f"grouped_gemm: a {tuple(a.shape)} against weights {tuple(weight.shape)}")
     if gated and (n % 2 or scale is not None):
         raise ValueError("grouped_gemm's gated takes gate | up rows and no scale")
-    out = torch.empty(num_pairs, n // 2 if gated else n, dtype=a.dtype, device=a.device)
+    if a_scale is not None and not isinstance(weight, Fp8Experts):
+        raise ValueError("grouped_gemm takes fp8 codes for a against FP8 experts only")
+    out_dtype = weight.dtype if isinstance(weight, Fp8Experts) else a.dtype
+    out = torch.empty(num_pairs, n // 2 if gated else n, dtype=out_dtype, device=a.device)
     # The fastest at Qwen3-30B-A3B's shapes on an H200 (scripts/moe_tiles.py): 64 x 128
     # for decode's few rows per expert (~4 TB/s), 128 x 64 for 64-row blocks, 256 x 64
     # on 8 warps for a prefill's 128-row blocks (1.2x 64-row blocks at 4-8k tokens).
-    if block_m >= 128:
+    # FP8 codes against FP8 experts from 64-row blocks: 128 x 128 on 8 warps in 4 stages
+    # for blocks (1.6 against 3.6 ms at 4,096 tokens), 128 x 64 so for a scale a row.
+    if block_m >= 64 and a_scale is not None:
+        default = (
+            128,
+            64 if isinstance(weight, Fp8Experts) and weight.block_size is None else 128,
+            8,
+            4,
+        )
+    elif block_m >= 128:
         default = (min(256, triton.next_power_of_2(n)), 64, 8, 3)
     elif block_m >= 64:
         default = (128, 64, 4, 3)
@@ -291,10 +203,14 @@ def grouped_gemm(
         codes.stride(1),
         out.stride(0),
         *scale_args,
+        a_scale if a_scale is not None else a,
+        a_scale.stride(0) if a_scale is not None else 0,
+        a_scale.stride(1) if a_scale is not None else 0,
         A_ROW_DIV=a_row_div,
         HAS_SCALE=scale is not None,
         FP8=fp8,
         SCALE_ONCE=fp8 and scale_args[-1] >= k,
+        A_FP8=a_scale is not None,
         GATED=gated,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",  # float32: no TF32 rounding
         BLOCK_M=block_m,
@@ -314,6 +230,26 @@ def block_rows(num_pairs: int, num_experts: int) -> int:
     if per_expert <= 48:
         return 16 if per_expert <= 16 else 32
     return 64 if per_expert <= 128 else 128
+
+
+# FP8 experts' inputs as e4m3 codes too (fp8 tensor cores) from this many rows a block up:
+# every grouped GEMM (one token takes kernels/moe_vector.py's path). The codes took a layer
+# of Qwen3-30B-A3B's experts at 64 / 256 / 4,096 tokens 216 / 302 / 1,413 -> 180 / 196 /
+# 772 us (a scale a row), 253 / 363 / 3,565 -> 191 / 244 / 3,742 (blocks; H200,
+# scripts/moe_tiles.py --codes-rows; 16-bit experts: 296 / 342 / 934). Codes widened to
+# 16 bits instead: set it past block_rows' 128.
+FP8_CODES_ROWS = 16
+
+
+def fp8_input(x: Tensor, weight: Tensor | Fp8Experts, block_m: int) -> tuple[Tensor, Tensor | None]:
+    """A grouped GEMM's input as it takes it: x (16-bit), or for FP8 experts at
+    FP8_CODES_ROWS rows a block or more, x's e4m3 codes and scales, per token for a scale
+    a row, per 128-group for blocks (kernels/fp8_quant.py)."""
+    if not isinstance(weight, Fp8Experts) or block_m < FP8_CODES_ROWS:
+        return x, None
+    if weight.block_size is None:
+        return quantize_per_token(x)
+    return quantize_per_token_group(x)
 
 
 # SiLU-and-multiply made in gate|up's grouped GEMM (`gated`), one launch and a [T k, 2I]
@@ -344,24 +280,11 @@ def fused_moe(
     num_pairs = num_tokens * top_k
     block_m = block_rows(num_pairs, num_experts)
     sorted_pairs, block_expert = align(experts, num_experts, block_m)
-    act = grouped_gemm(
-        h,
-        gate_up,
-        sorted_pairs,
-        block_expert,
-        num_pairs=num_pairs,
-        a_row_div=top_k,
-        block_m=block_m,
-        gated=GATED_GEMM,
-    )  # [T k, I] (gate | up [T k, 2I] without GATED_GEMM)
-    mixed = grouped_gemm(
-        act if GATED_GEMM else silu_and_mul(act),
-        down,
-        sorted_pairs,
-        block_expert,
-        num_pairs=num_pairs,
-        a_row_div=1,
-        block_m=block_m,
-        scale=weights.flatten(),
-    )  # [T k, hidden], each row times its routing weight
+    layout = partial(grouped_gemm, sorted_pairs=sorted_pairs, block_expert=block_expert,
+                     num_pairs=num_pairs, block_m=block_m)  # fmt: skip
+    a, a_scale = fp8_input(h, gate_up, block_m)
+    act = layout(a, gate_up, a_row_div=top_k, gated=GATED_GEMM, a_scale=a_scale)
+    act = act if GATED_GEMM else silu_and_mul(act)  # [T k, I]
+    a, a_scale = fp8_input(act, down, block_m)  # each row times its routing weight:
+    mixed = layout(a, down, a_row_div=1, scale=weights.flatten(), a_scale=a_scale)
     return mixed.view(num_tokens, top_k, hidden).sum(dim=1)
