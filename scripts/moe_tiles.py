@@ -19,7 +19,7 @@ from functools import partial
 import torch
 import triton
 
-from lmd.engine.turbo.kernels import moe, routing
+from lmd.engine.turbo.kernels import moe, moe_align, routing
 from lmd.engine.turbo.quant.fp8 import Fp8Weight
 from lmd.engine.turbo.quant.fp8_experts import Fp8Experts
 
@@ -71,7 +71,7 @@ def main() -> None:
         weights, experts = routing.route(h, router, K, True, float_out=True)
         gb = int(torch.unique(experts).numel()) * expert_bytes / 1e3  # in kB: GB/s from us
         block_m = args.block_m or moe.block_rows(tokens * K, E)
-        layout = moe.align(experts, E, block_m)
+        layout = moe_align.align(experts, E, block_m)
         act = torch.randn(tokens * K, INTER, device=dev, dtype=torch.bfloat16)
         h_in, h_scale = moe.fp8_input(h, gate_up, block_m)  # codes past FP8_CODES_ROWS
         act_in, act_scale = moe.fp8_input(act, down, block_m)

@@ -83,18 +83,18 @@ def moe_cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
         types = {"logits_ptr": "*fp32", "weights_ptr": "*fp32", "experts_ptr": "*i32"}
         out.append(case(routing._top_k_kernel, flags, types, run | {"num_warps": 4}))
     ints = {"scale_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}
-    # FP8: "" (16-bit), or the experts' scales ("rows", "blocks"), with a as codes ("+a")
-    for block_m, block_n, block_k, warps, gated, fp8 in (
+    # kind: "" (16-bit), or the experts' scales ("rows", "blocks"), with a as codes ("+a")
+    for block_m, block_n, block_k, warps, gated, kind in (
         (16, 64, 128, 4, False, ""), (16, 64, 128, 4, True, ""), (128, 256, 64, 8, True, ""),
         (16, 64, 128, 4, True, "rows"), (16, 64, 128, 4, True, "blocks+a"),
         (128, 64, 64, 8, True, "rows+a"), (128, 128, 128, 8, False, "blocks+a"),
     ):  # fmt: skip
-        flags = {"A_ROW_DIV": 8, "HAS_SCALE": not gated, "FP8": bool(fp8),
-                 "SCALE_ONCE": fp8.startswith("rows"), "A_FP8": fp8.endswith("+a"),
+        flags = {"A_ROW_DIV": 8, "HAS_SCALE": not gated, "FP8": bool(kind),
+                 "SCALE_ONCE": kind.startswith("rows"), "A_FP8": kind.endswith("+a"),
                  "GATED": gated, "PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n,
                  "BLOCK_K": block_k}  # fmt: skip
-        types = ints | (codes | {"as_ptr": "*fp32"} if fp8 else {})
-        if fp8.endswith("+a"):
+        types = ints | (codes | {"as_ptr": "*fp32"} if kind else {})
+        if kind.endswith("+a"):
             types |= {"a_ptr": "*fp8e4nv"}
         out.append(case(moe._grouped_gemm_kernel, flags, types, run | {"num_warps": warps}))
     layout = {"experts_ptr": "*i32", "counts_ptr": "*i32", "ranks_ptr": "*i32",

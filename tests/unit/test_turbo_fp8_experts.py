@@ -23,7 +23,7 @@ from tests.unit.test_turbo_kernels import DEVICE, ON_CUDA, TOLERANCE, rel_err
 pytest.importorskip("triton")
 
 from lmd.engine.turbo.config import TurboConfig
-from lmd.engine.turbo.kernels import moe, moe_vector
+from lmd.engine.turbo.kernels import moe, moe_align, moe_vector
 from lmd.engine.turbo.kernels.vector_gemv import Norm, vector_gemv
 from lmd.engine.turbo.quant.fp8 import Fp8Weight, quantize_per_token_ref
 from lmd.engine.turbo.quant.fp8_experts import Fp8Experts
@@ -94,7 +94,7 @@ def test_the_grouped_gemm_of_fp8_experts_is_their_meaning(
     experts = torch.randint(0, num_experts, (num_tokens, top_k), generator=gen).to(DEVICE)
     num_pairs = num_tokens * top_k
     block_m = moe.block_rows(num_pairs, num_experts)
-    layout = moe.align(experts, num_experts, block_m)
+    layout = moe_align.align(experts, num_experts, block_m)
     flat = experts.flatten().cpu()
     act = torch.randn(num_pairs, inter, generator=gen).to(dtype).to(DEVICE)  # down's input
     for weight, rows, div in ((gate_up, h, top_k), (down, act, 1)):
@@ -234,7 +234,7 @@ def test_fp8_codes_in_and_out_of_the_grouped_gemm(
     gen = torch.Generator().manual_seed(12)
     h = torch.randn(20, hidden, generator=gen).to(dtype).to(DEVICE)
     experts = torch.randint(0, 4, (20, 2), generator=gen).to(DEVICE)
-    layout = moe.align(experts, 4, 16)
+    layout = moe_align.align(experts, 4, 16)
     codes, scale = moe.fp8_input(h, gate_up, 16)
     assert scale is not None and codes.dtype == torch.float8_e4m3fn
     group = None if blocks is None else 128

@@ -21,7 +21,7 @@ from tests.unit.test_turbo_kernels import DEVICE, DTYPES, ON_CUDA, TOLERANCE, re
 
 pytest.importorskip("triton")
 
-from lmd.engine.turbo.kernels import moe, silu_and_mul
+from lmd.engine.turbo.kernels import moe, moe_align, silu_and_mul
 
 
 def moe_ref(  # noqa: PLR0917
@@ -60,7 +60,7 @@ def test_align_places_every_pair_once_in_blocks_of_one_expert(
     generator = torch.Generator().manual_seed(num_tokens)
     scores = torch.rand(num_tokens, num_experts, generator=generator)
     experts = scores.topk(top_k, dim=-1).indices.to(DEVICE)  # distinct per token
-    sorted_pairs, block_expert = moe.align(experts, num_experts, block_m)
+    sorted_pairs, block_expert = moe_align.align(experts, num_experts, block_m)
     num_pairs = num_tokens * top_k
     assert sorted_pairs.shape[0] == block_expert.shape[0] * block_m
     pairs = sorted_pairs.cpu().view(-1, block_m)
@@ -120,7 +120,7 @@ def test_gate_up_with_its_activation_gives_the_two_launches_values(
     experts = torch.randint(0, num_experts, (num_tokens, top_k), device=DEVICE)
     num_pairs = num_tokens * top_k
     block_m = moe.block_rows(num_pairs, num_experts)
-    layout = moe.align(experts, num_experts, block_m)
+    layout = moe_align.align(experts, num_experts, block_m)
     gemm = partial(
         moe.grouped_gemm, num_pairs=num_pairs, a_row_div=top_k, block_m=block_m, tiles=tiles
     )
