@@ -2,13 +2,16 @@
 of experts through kernels/moe.py and through the one-token path (kernels/moe_vector.py),
 each against the same math in float32 on the codes times their scales (the weights as
 they are meant). With 128x128 blocks (K of two and three blocks, so that a slice's block
-changes along K) and with a scale per row (K not a multiple of 128). Through Triton's
-interpreter without CUDA (float16: the interpreter's dots take no bfloat16).
+changes along K) and with a scale per row (K not a multiple of 128); with the inputs
+16-bit and as e4m3 codes. And the loading: `--quantization fp8` quantizes each expert
+per row (one by one or stacked), a block checkpoint off whole blocks is refused. Through
+Triton's interpreter without CUDA (float16: the interpreter's dots take no bfloat16).
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import shutil
 from pathlib import Path
 
@@ -16,21 +19,27 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 # First: without CUDA this switches Triton to its interpreter before turbo is imported.
 from tests.unit.test_turbo_kernels import DEVICE, ON_CUDA, TOLERANCE, rel_err
 
 pytest.importorskip("triton")
 
-from lmd.engine.turbo.config import TurboConfig
+from lmd.engine.turbo.config import TurboConfig, UnsupportedModel
 from lmd.engine.turbo.kernels import moe, moe_align, moe_vector
 from lmd.engine.turbo.kernels.vector_gemv import Norm, vector_gemv
 from lmd.engine.turbo.quant.fp8 import Fp8Weight, quantize_per_token_ref
 from lmd.engine.turbo.quant.fp8_experts import Fp8Experts
-from lmd.engine.turbo.quant.scheme import QuantScheme
+from lmd.engine.turbo.quant.scheme import QuantScheme, read_scheme
 from lmd.engine.turbo.weights import load_weights
+from tests.models import TINY_SHAPE
 from tests.unit.test_turbo_moe import moe_ref
-from tests.unit.test_turbo_quant_checkpoints import moe_dir  # noqa: F401  (a fixture)
+from tests.unit.test_turbo_quant_checkpoints import (
+    FORMATS,
+    moe_dir,  # noqa: F401  (a fixture)
+    write_checkpoint,
+)
 
 CPU = torch.device("cpu")
 
@@ -254,3 +263,17 @@ def test_fp8_codes_in_and_out_of_the_grouped_gemm(
     with pytest.raises(ValueError, match="codes for a against FP8 experts only"):
         moe.grouped_gemm(codes, gate_up.dequantize().to(dtype), *layout, num_pairs=40,
                          a_row_div=2, block_m=16, a_scale=scale)  # fmt: skip
+
+
+def test_block_experts_off_whole_blocks_are_refused_in_one_line(tmp_path: Path) -> None:
+    """A block-scaled checkpoint whose experts' width (here 192) is no whole number of
+    128-row blocks cannot stack gate | up by blocks: refused in one line, naming it."""
+    shape = {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 192}
+    heads = {"num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32}  # k: 128 rows
+    config = Qwen3MoeConfig(**(TINY_SHAPE | shape | heads | {"hidden_size": 128}))
+    Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "base")
+    model = tmp_path / "fp8"
+    write_checkpoint(tmp_path / "base", model, FORMATS["fp8"], "fp8")
+    scheme = read_scheme(json.loads((model / "config.json").read_text()), None)
+    with pytest.raises(UnsupportedModel, match=r"experts\.0\.gate_proj: .*not a multiple of 128"):
+        load_weights(model, TurboConfig.load(model), CPU, torch.bfloat16, scheme)

@@ -285,7 +285,7 @@ def _put(
     if tuple(part.shape) != shape:
         raise UnsupportedModel(f"{name} is {tuple(part.shape)}, not {shape}")
     if isinstance(stack, Fp8Experts) and isinstance(part, Fp8Weight):
-        stack.put(j, row, part)
+        stack.put(j, row, part)  # whole blocks: load_linear refused a part off them
     elif isinstance(stack, Tensor) and isinstance(part, Tensor):
         stack[j, row : row + shape[0]] = part
     else:
