@@ -9,8 +9,8 @@ columns, streams their weight rows [BLOCK_N, K] in BLOCK_K slices (contiguous al
 multiplies them by the slice of x in float32 and sums along K once at the end. With a
 `Norm`, x = RMSNorm(hidden + residual) is made on BLOCK_K elements a slice: the row's
 squares summed as it streams, the accumulator scaled by 1/rms at the end; the
-normalized values rounded to x's (the weights') dtype before that scale (kernels.rms_norm
-rounds after it: the same size of error). Program 0 writes the summed stream after its
+normalized values rounded to x's dtype before that scale (kernels.rms_norm rounds
+after it: the same size of error). Program 0 writes the summed stream after its
 loop, when asked (`Norm.summed`).
 
 With `activation` (the MLP's gate|up product, weight [2I, K]) a program owns BLOCK_N / 2
@@ -23,7 +23,7 @@ no faster than the two kernels: 0.97-1.00x, H100; docs/benchmarks.md.)
 With `experts` (a layer of experts at batch 1, kernels/moe_vector.py) the weight is
 [E, N, K] and the launch makes one row for each of the token's chosen experts: a
 second grid axis over the choices, each program reading the id of its choice's expert
-and streaming that expert's rows. With a `Route` (the router's product, float32 logits)
+and streaming that expert's rows (FP8 experts: codes, each slice's scaled). With a `Route` (the router's product, float32 logits)
 the last program to finish also chooses the token's experts from all the logits
 (kernels/routing.py's `choose`) and writes their ids and weights, where a top-k kernel of
 its own took a launch: each program counts itself done on an atomic counter after its
@@ -231,8 +231,8 @@ def vector_gemv(
     weight is [E, N, K] (16-bit as x, or Fp8Experts) and the result [C, N] (or [C, I]),
     row c the product with expert experts[c]'s weights. `route`: weight is a router's
     [E, K] and out_dtype float32; its experts are chosen too (the module docstring).
-    `rotary`: weight is a qkv projection's, and the result is rotated and its k and v stored as
-    rotary.apply would (the module docstring), where rotary.folds(BLOCK_N)."""
+    `rotary`: weight is a qkv projection's, and the result is rotated and its k and v
+    stored as rotary.apply would (the module docstring), where rotary.folds(BLOCK_N)."""
     fp8 = isinstance(weight, Fp8Experts)
     weight, scale_args = kernel_operands(weight, x)
     if experts is not None:
