@@ -20,18 +20,18 @@ as kernels/activation.py reads them: the same values as the product and silu_and
 one launch fewer a layer. (The activation folded into down instead, its input, measured
 no faster than the two kernels: 0.97-1.00x, H100; docs/benchmarks.md.)
 
-With `experts` (a layer of experts at batch 1, kernels/moe_vector.py) the weight is
-[E, N, K] and the launch makes one row for each of the token's chosen experts: a
-second grid axis over the choices, each program reading the id of its choice's expert
-and streaming that expert's rows (FP8 experts: codes, each slice's scaled). With a `Route` (the router's product, float32 logits)
-the last program to finish also chooses the token's experts from all the logits
-(kernels/routing.py's `choose`) and writes their ids and weights, where a top-k kernel of
-its own took a launch: each program counts itself done on an atomic counter after its
-logits are stored, and the one that counts last reads them back from L2 and resets it.
-With a `Rotary` (the qkv product of one token) the same on a counter a head: the last
-program to finish a q head rotates it, the last of a KV head's k and v writes them into
-the pool (kernels/rotary.py's `rotate_head_when_last`), where rotary_and_cache_write took
-a launch.
+With `experts` (a layer of experts at batch 1, kernels/moe_vector.py) the weight is [E,
+N, K] and the launch makes one row for each of the token's chosen experts: a second grid
+axis over the choices, each program reading the id of its choice's expert and streaming
+that expert's rows (FP8 experts: codes, each slice's product scaled). With a `Route`
+(the router's product, float32 logits) the last program to finish also chooses the
+token's experts from all the logits (kernels/routing.py's `choose`) and writes their ids
+and weights, where a top-k kernel of its own took a launch: each program counts itself
+done on an atomic counter after its logits are stored, and the one that counts last
+reads them back from L2 and resets it. With a `Rotary` (the qkv product of one token)
+the same on a counter a head: the last program to finish a q head rotates it, the last
+of a KV head's k and v writes them into the pool (kernels/rotary.py's
+`rotate_head_when_last`), where rotary_and_cache_write took a launch.
 """
 
 from __future__ import annotations
