@@ -42,7 +42,7 @@ _KEPT_ITEMSIZE = {
 # Bytes per weight of a linear layer quantized at load (--quantization): 4 bits + a scale
 # and a zero per group of 128 (W4A16); 1 byte + a float32 scale per row (FP8, rounded up).
 _QUANTIZED_ITEMSIZE = {"w4a16": 0.5 + 4 / 128, "fp8": 1.0}
-# The layers' linear weights, which --quantization quantizes (not experts, norms, embedding).
+# The layers' linear weights, which --quantization quantizes (experts: _expert_itemsize).
 _LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
 # An expert's tensors (`...mlp.experts.3.gate_proj.qweight`): turbo holds experts FP8
 # under FP8 (the checkpoint's, or quantized at load) and 16-bit otherwise, a 4-bit
