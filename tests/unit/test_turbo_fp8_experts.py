@@ -93,8 +93,8 @@ def test_experts_hold_their_parts_codes_and_scales() -> None:
 def test_the_grouped_gemm_of_fp8_experts_is_their_meaning(
     dtype: torch.dtype, blocks: tuple[int, int] | None, num_tokens: int
 ) -> None:
-    """Both launches (gate|up with its activation, and down scaled by the routing
-    weights) against float32 products with the dequantized experts."""
+    """gate|up's and down's products with 16-bit inputs against float32 products with the
+    dequantized experts (the activation and the routing weights: fused_moe's tests)."""
     num_experts, top_k = 4, 2
     _, gate_up, down = experts_layer(blocks, dtype, num_experts, num_tokens)
     hidden, inter = SHAPES[blocks]
