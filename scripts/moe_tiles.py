@@ -20,7 +20,6 @@ import torch
 import triton
 
 from lmd.engine.turbo.kernels import moe, moe_align, routing
-from lmd.engine.turbo.quant.fp8 import Fp8Weight
 from lmd.engine.turbo.quant.fp8_experts import Fp8Experts
 
 E, K, HIDDEN, INTER = 128, 8, 2048, 768
@@ -33,14 +32,6 @@ TILES = [None, (32, 128, 4, 3), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 3)
 def bench(fn: Callable[[], object]) -> float:
     """Median microseconds of fn inside a CUDA graph."""
     return float(triton.testing.do_bench_cudagraph(fn)) * 1e3
-
-
-def fp8_experts(stack: torch.Tensor, blocks: tuple[int, int] | None) -> Fp8Experts:
-    e, n, k = stack.shape
-    out = Fp8Experts.empty((e, n, k), blocks, stack.dtype, stack.device)
-    for j in range(stack.shape[0]):
-        out.put(j, 0, Fp8Weight.quantize(stack[j], stack.dtype, blocks))
-    return out
 
 
 def main() -> None:
@@ -65,7 +56,7 @@ def main() -> None:
     expert_bytes = (2 * INTER * HIDDEN + HIDDEN * INTER) * (1 if args.fp8 else 2)
     if args.fp8:
         blocks = (128, 128) if args.fp8 == "blocks" else None
-        gate_up, down = fp8_experts(gate_up, blocks), fp8_experts(down, blocks)
+        gate_up, down = (Fp8Experts.quantize(t, t.dtype, blocks) for t in (gate_up, down))
     for tokens in (int(t) for t in args.tokens.split(",")):
         h = torch.randn(tokens, HIDDEN, device=dev, dtype=torch.bfloat16)
         weights, experts = routing.route(h, router, K, True, float_out=True)

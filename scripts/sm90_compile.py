@@ -74,27 +74,28 @@ def moe_cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
     run = {"num_warps": 4, "num_stages": 3}
     ids = {"experts_ptr": "*i32"}
     codes = {"w_ptr": "*fp8e4nv", "ws_ptr": "*fp32"}  # FP8 experts (quant/fp8_experts.py)
-    for block_n, block_k, fp8 in ((2, 256, False), (4, 512, False), (2, 128, True)):
-        flags = {"FP8": fp8, "TOP_K": 8, "BLOCK_J": 8, "BLOCK_N": block_n, "BLOCK_K": block_k}
-        types = ids | {"weights_ptr": "*fp32"} | (codes if fp8 else {})
+    for block_n, block_k, scales in ((2, 256, 0), (4, 512, 0), (2, 128, 128), (2, 128, 1)):
+        flags = {"SCALES": scales, "TOP_K": 8, "BLOCK_J": 8, "BLOCK_N": block_n,
+                 "BLOCK_K": block_k}  # fmt: skip
+        types = ids | {"weights_ptr": "*fp32"} | (codes if scales else {})
         out.append(case(moe_vector._mix_down_kernel, flags, types, run))
     for top_k, block_e in ((8, 128), (2, 8)):
         flags = {"TOP_K": top_k, "NORMALIZE": True, "BLOCK_E": block_e}
         types = {"logits_ptr": "*fp32", "weights_ptr": "*fp32", "experts_ptr": "*i32"}
         out.append(case(routing._top_k_kernel, flags, types, run | {"num_warps": 4}))
     ints = {"scale_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}
-    # kind: "" (16-bit), or the experts' scales ("rows", "blocks"), with a as codes ("+a")
-    for block_m, block_n, block_k, warps, gated, kind in (
-        (16, 64, 128, 4, False, ""), (16, 64, 128, 4, True, ""), (128, 256, 64, 8, True, ""),
-        (16, 64, 128, 4, True, "rows"), (16, 64, 128, 4, True, "blocks+a"),
-        (128, 64, 64, 8, True, "rows+a"), (128, 128, 128, 8, False, "blocks+a"),
+    # SCALES: 0 (16-bit), 1 (a scale a row), 128 (blocks); a_fp8: the inputs as codes
+    for block_m, block_n, block_k, warps, gated, scales, a_fp8 in (
+        (16, 64, 128, 4, False, 0, False), (16, 64, 128, 4, True, 0, False),
+        (128, 256, 64, 8, True, 0, False), (16, 64, 128, 4, True, 1, False),
+        (16, 64, 128, 4, True, 128, True), (128, 64, 64, 8, True, 1, True),
+        (128, 128, 128, 8, False, 128, True),
     ):  # fmt: skip
-        flags = {"A_ROW_DIV": 8, "HAS_SCALE": not gated, "FP8": bool(kind),
-                 "SCALE_ONCE": kind.startswith("rows"), "A_FP8": kind.endswith("+a"),
+        flags = {"A_ROW_DIV": 8, "HAS_SCALE": not gated, "SCALES": scales, "A_FP8": a_fp8,
                  "GATED": gated, "PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n,
                  "BLOCK_K": block_k}  # fmt: skip
-        types = ints | (codes | {"as_ptr": "*fp32"} if kind else {})
-        if kind.endswith("+a"):
+        types = ints | (codes | {"as_ptr": "*fp32"} if scales else {})
+        if a_fp8:
             types |= {"a_ptr": "*fp8e4nv"}
         out.append(case(moe._grouped_gemm_kernel, flags, types, run | {"num_warps": warps}))
     layout = {"experts_ptr": "*i32", "counts_ptr": "*i32", "ranks_ptr": "*i32",
@@ -152,7 +153,7 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
         (1, 4096, False, False, True, ""), (8, 512, False, False, False, "*bf16"),
         (4, 1024, False, False, False, "*i8"),
     ):  # fmt: skip
-        flags = {"EXPERTS": experts, "FP8": False, "HAS_BIAS": False, "NORM": True,
+        flags = {"EXPERTS": experts, "SCALES": 0, "HAS_BIAS": False, "NORM": True,
                  "HAS_RESIDUAL": True, "HAS_SUMMED": True, "GATED": gated, "GELU": False,
                  "ROUTE": route,
                  "TOP_K": 8 if route else 1, "NORMALIZE": route, "BLOCK_E": 128 if route else 1,
@@ -164,10 +165,12 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
         if pool:
             types = types | rotaries | {"kv_ptr": pool}
         out.append(case(vector_gemv._vector_gemv_kernel, flags, types, run))
-        if experts and gated:  # FP8 experts' gate|up
-            flags = flags | {"FP8": True}
-            types = types | {"w_ptr": "*fp8e4nv", "ws_ptr": "*fp32"}
-            out.append(case(vector_gemv._vector_gemv_kernel, flags, types, run))
+        if experts and gated:  # FP8 experts' gate|up: blocks, a scale a row
+            for scales in (128, 1):
+                fp8 = types | {"w_ptr": "*fp8e4nv", "ws_ptr": "*fp32"}
+                out.append(
+                    case(vector_gemv._vector_gemv_kernel, flags | {"SCALES": scales}, fp8, run)
+                )
     sends = {"word_ptrs": "*i64", "step_ptr": "*i64"}
     for peers, rank in ((0, 0), (2, 0), (2, 1)):
         flags = {"HAS_BIAS": False, "PEERS": peers, "RANK": rank, "BLOCK_N": 32, "BLOCK_K": 512}

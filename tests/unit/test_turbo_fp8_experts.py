@@ -56,11 +56,10 @@ def fp8_experts(
     """E random experts of [N, K] quantized one by one (as a checkpoint's or at load)."""
     e, n, k = shape
     gen = torch.Generator().manual_seed(seed)
-    out = Fp8Experts.empty((e, n, k), blocks, dtype, DEVICE)
-    for j in range(e):
-        rows = torch.randn(n, k, generator=gen) / 8 * (1 + j)  # each expert its own range
-        out.put(j, 0, Fp8Weight.quantize(rows.to(DEVICE), dtype, blocks))
-    return out
+    ranges = torch.arange(1, e + 1)[:, None, None] / 8  # each expert its own range
+    return Fp8Experts.quantize(
+        (torch.randn(e, n, k, generator=gen) * ranges).to(DEVICE), dtype, blocks
+    )
 
 
 def experts_layer(

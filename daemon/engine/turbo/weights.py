@@ -30,7 +30,7 @@ from lmd.engine.turbo.checkpoint import CheckpointReader, Shard
 from lmd.engine.turbo.config import TurboConfig, UnsupportedModel
 from lmd.engine.turbo.quant.fp8 import Fp8Weight
 from lmd.engine.turbo.quant.fp8_experts import Fp8Experts
-from lmd.engine.turbo.quant.load import Linear, fold_down_order, load_linear, quantize, read_dense
+from lmd.engine.turbo.quant.load import Linear, fold_down_order, load_linear, read_dense
 from lmd.engine.turbo.quant.scheme import QuantScheme
 
 
@@ -239,9 +239,8 @@ def load_experts(
         )
         if fp8 is None:
             return ExpertWeights(router, gate_up, down_all)
-        return ExpertWeights(
-            router, _fp8_stack(gate_up, fp8, dtype), _fp8_stack(down_all, fp8, dtype)
-        )
+        quantized = [Fp8Experts.quantize(t, dtype, fp8.block_size) for t in (gate_up, down_all)]
+        return ExpertWeights(router, *quantized)
     # Filled in place: a torch.stack of the experts would hold the layer twice.
     stacks = (
         _empty_experts((e, 2 * i, hidden), fp8, dtype, device),
@@ -270,12 +269,11 @@ def _empty_experts(
     dtype: torch.dtype,
     device: torch.device,
 ) -> Tensor | Fp8Experts:
-    """Room for a layer's experts of one projection: FP8 under an fp8 scheme (per channel
-    when quantized here, as the checkpoint's otherwise), else 16-bit."""
+    """Room for a layer's experts of one projection: FP8 under an fp8 scheme (its blocks,
+    none when quantized at load), else 16-bit."""
     if fp8 is None:
         return torch.empty(shape, dtype=dtype, device=device)
-    blocks = None if fp8.source == "load" else fp8.block_size
-    return Fp8Experts.empty(shape, blocks, dtype, device)
+    return Fp8Experts.empty(shape, fp8.block_size, dtype, device)
 
 
 def _put(
@@ -290,15 +288,6 @@ def _put(
         stack[j, row : row + shape[0]] = part
     else:
         raise UnsupportedModel(f"{name}: a {type(part).__name__} among {type(stack).__name__}")
-
-
-def _fp8_stack(stacked: Tensor, fp8: QuantScheme, dtype: torch.dtype) -> Tensor | Fp8Experts:
-    """A 16-bit [E, N, K] stack of experts quantized one by one."""
-    e, n, k = stacked.shape
-    out = _empty_experts((e, n, k), fp8, dtype, stacked.device)
-    for j in range(e):
-        _put(out, j, 0, quantize(stacked[j], fp8, dtype), name=f"expert {j}", shape=(n, k))
-    return out
 
 
 def check_shapes(weights: ModelWeights, config: TurboConfig, tp: TensorParallel = SINGLE) -> None:

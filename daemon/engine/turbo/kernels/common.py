@@ -112,8 +112,12 @@ def store_codes(dst, scale_dst, x1, x2, mask, scale_mask, HALF: tl.constexpr):  
 
 
 @triton.jit
-def expert_scales(ws_ptr, rows, k0, stride_sn, stride_sk, scale_rows, scale_cols, mask):  # noqa: PLR0917
+def expert_scales(ws_ptr, rows, k0, stride_sn, stride_sk, mask, SCALES: tl.constexpr):  # noqa: PLR0917
     """An FP8 expert's scales (ws_ptr at the expert's) of weight rows `rows` (any shape)
-    in the K slice from k0: quant/fp8_experts.py's kernel_operands says where they are."""
-    at = ws_ptr + (rows // scale_rows).to(tl.int64) * stride_sn + (k0 // scale_cols) * stride_sk
+    in the K slice from k0: SCALES 1, a scale a row; 128, 128x128 blocks
+    (quant/fp8_experts.py's Operands)."""
+    if SCALES == 1:
+        at = ws_ptr + rows.to(tl.int64) * stride_sn
+    else:
+        at = ws_ptr + (rows // SCALES).to(tl.int64) * stride_sn + (k0 // SCALES) * stride_sk
     return tl.load(at, mask=mask, other=0.0)

@@ -52,19 +52,16 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
     stride_we,
     stride_wn,
     stride_c,
-    ws_ptr,  # FP8: the codes' scales and where they are (fp8_experts.kernel_operands)
+    ws_ptr,  # FP8: the codes' scales and their strides (fp8_experts.Operands)
     stride_se,
     stride_sn,
     stride_sk,
-    scale_rows,
-    scale_cols,
     as_ptr,  # A_FP8: a's scales, a token's (stride_ag 0) or its 128-groups'
     stride_ar,
     stride_ag,
     A_ROW_DIV: tl.constexpr,
     HAS_SCALE: tl.constexpr,
-    FP8: tl.constexpr,  # w is e4m3 codes: widened to a's dtype, each slice's product scaled
-    SCALE_ONCE: tl.constexpr,  # FP8 with one scale a row (K one block): the sum scaled
+    SCALES: tl.constexpr,  # w: 16-bit (0), or e4m3 codes, a scale a row (1) or blocks (128)
     A_FP8: tl.constexpr,  # a is e4m3 codes too (FP8 only): fp8 tensor-core dots
     GATED: tl.constexpr,  # w is gate | up [E, 2I, K]: write silu(gate) * up, [P, I]
     PRECISION: tl.constexpr,
@@ -100,18 +97,15 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
             mask=valid[None, :] & (ks[:, None] < k),
             other=0.0,
         )  # [BLOCK_K, BLOCK_N]
-        if FP8 and not SCALE_ONCE:  # each block of K its own scale (and a's group's)
-            ws = expert_scales(ws_at, cols, k0, stride_sn, stride_sk, scale_rows, scale_cols, valid)
-            both = ws[None, :]
+        if SCALES > 1:  # each block of K its own scale (and a's group's)
+            both = expert_scales(ws_at, cols, k0, stride_sn, stride_sk, valid, SCALES)[None, :]
             if A_FP8:
-                both *= tl.load(as_at + (k0 // scale_cols) * stride_ag, mask=real, other=0.0)[
-                    :, None
-                ]
+                both *= tl.load(as_at + (k0 // SCALES) * stride_ag, mask=real, other=0.0)[:, None]
             acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION) * both
         else:  # (A_FP8: w already e4m3, a's dtype)
             acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
-    if FP8 and SCALE_ONCE:  # a scale a row: the whole sum scaled once
-        acc *= expert_scales(ws_at, cols, 0, stride_sn, 0, scale_rows, 1, valid)[None, :]
+    if SCALES == 1:  # a scale a row: the whole sum scaled once
+        acc *= expert_scales(ws_at, cols, 0, stride_sn, 0, valid, SCALES)[None, :]
         if A_FP8:
             acc *= tl.load(as_at, mask=real, other=0.0)[:, None]
     if HAS_SCALE:
@@ -156,9 +150,8 @@ def grouped_gemm(
     dtype.
     """
     _, n, k = weight.shape
-    fp8 = isinstance(weight, Fp8Experts)
-    codes, scale_args = kernel_operands(weight, a)
-    if a.shape[1] != k or a.stride(1) != 1 or codes.stride(2) != 1:
+    ops = kernel_operands(weight, a)
+    if a.shape[1] != k or a.stride(1) != 1 or ops.codes.stride(2) != 1:
         raise ValueError(f"grouped_gemm: a {tuple(a.shape)} against weights {tuple(weight.shape)}")
     if gated and (n % 2 or scale is not None):
         raise ValueError("grouped_gemm's gated takes gate | up rows and no scale")
@@ -172,12 +165,7 @@ def grouped_gemm(
     # FP8 codes against FP8 experts from 64-row blocks: 128 x 128 on 8 warps in 4 stages
     # for blocks (1.6 against 3.6 ms at 4,096 tokens), 128 x 64 so for a scale a row.
     if block_m >= 64 and a_scale is not None:
-        default = (
-            128,
-            64 if isinstance(weight, Fp8Experts) and weight.block_size is None else 128,
-            8,
-            4,
-        )
+        default = (128, 128 if ops.scales > 1 else 64, 8, 4)
     elif block_m >= 128:
         default = (min(256, triton.next_power_of_2(n)), 64, 8, 3)
     elif block_m >= 64:
@@ -185,12 +173,10 @@ def grouped_gemm(
     else:
         default = (64 if n >= 1024 else 32, 128, 4, 3)
     block_n, block_k, num_warps, num_stages = tiles or default
-    if fp8 and scale_args[-1] < k:
-        block_k = min(block_k, scale_args[-1])  # a slice within one block
     grid = (block_expert.shape[0], triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a,
-        codes,
+        ops.codes,
         out,
         scale if scale is not None else a,
         sorted_pairs,
@@ -199,23 +185,22 @@ def grouped_gemm(
         n,
         k,
         a.stride(0),
-        codes.stride(0),
-        codes.stride(1),
+        ops.codes.stride(0),
+        ops.codes.stride(1),
         out.stride(0),
-        *scale_args,
+        *ops.scale_args,
         a_scale if a_scale is not None else a,
         a_scale.stride(0) if a_scale is not None else 0,
         a_scale.stride(1) if a_scale is not None else 0,
         A_ROW_DIV=a_row_div,
         HAS_SCALE=scale is not None,
-        FP8=fp8,
-        SCALE_ONCE=fp8 and scale_args[-1] >= k,
+        SCALES=ops.scales,
         A_FP8=a_scale is not None,
         GATED=gated,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",  # float32: no TF32 rounding
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        BLOCK_K=ops.block_k(block_k),
         num_warps=num_warps,
         num_stages=num_stages,
     )

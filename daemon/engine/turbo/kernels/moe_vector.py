@@ -48,13 +48,11 @@ def _mix_down_kernel(  # noqa: PLR0917  # Triton kernels take positional argumen
     k,
     stride_e,
     stride_w,
-    ws_ptr,  # FP8: the codes' scales and where they are (fp8_experts.kernel_operands)
+    ws_ptr,  # FP8: the codes' scales and their strides (fp8_experts.Operands)
     stride_se,
     stride_sn,
     stride_sk,
-    scale_rows,
-    scale_cols,
-    FP8: tl.constexpr,
+    SCALES: tl.constexpr,  # 0: 16-bit; FP8 codes, a scale a row (1) or blocks (128)
     TOP_K: tl.constexpr,
     BLOCK_J: tl.constexpr,  # TOP_K to a power of two
     BLOCK_N: tl.constexpr,
@@ -78,12 +76,9 @@ def _mix_down_kernel(  # noqa: PLR0917  # Triton kernels take positional argumen
             act_ptr + j[:, None] * k + ks[None, :], mask=chosen[:, None] & kmask[None, :], other=0.0
         )  # [J, BLOCK_K]: each expert's activation
         w = w.to(tl.float32)
-        if FP8:  # [J, BLOCK_N] scales of this slice
-            n_at = cols[None, :]
-            scales = expert_scales(
-                ws_at, n_at, k0, stride_sn, stride_sk, scale_rows, scale_cols, live_n
-            )
-            w *= scales[:, :, None]
+        if SCALES:  # [J, BLOCK_N] scales of this slice
+            ws = expert_scales(ws_at, cols[None, :], k0, stride_sn, stride_sk, live_n, SCALES)
+            w *= ws[:, :, None]
         acc += w * x.to(tl.float32)[:, None, :]
     share = tl.sum(acc, axis=2) * tl.load(weights_ptr + j, mask=chosen, other=0.0)[:, None]
     dtype: tl.constexpr = y_ptr.dtype.element_ty
@@ -104,16 +99,14 @@ def mix_down(
     tiles: (BLOCK_N, BLOCK_K, warps, stages) instead of MIX_TILES."""
     top_k, inner = act.shape
     _, n, k = down.shape
-    fp8 = isinstance(down, Fp8Experts)
-    down, scale_args = kernel_operands(down, act)
+    ops = kernel_operands(down, act)
+    down = ops.codes
     if k != inner or experts.shape != (top_k,) or weights.shape != (top_k,):
         raise ValueError(f"mix_down: act {tuple(act.shape)} against down {tuple(down.shape)}")
     if not act.is_contiguous() or down.stride(2) != 1:
         raise ValueError("mix_down takes contiguous activations and rows of down")
     y = torch.empty(1, n, dtype=act.dtype, device=act.device)
     block_n, block_k, num_warps, num_stages = tiles or MIX_TILES
-    if fp8 and scale_args[-1] < k:  # a slice within one block
-        block_k = min(block_k, scale_args[-1])
     _mix_down_kernel[(triton.cdiv(n, block_n),)](
         act,
         down,
@@ -124,12 +117,12 @@ def mix_down(
         k,
         down.stride(0),
         down.stride(1),
-        *scale_args,
-        FP8=fp8,
+        *ops.scale_args,
+        SCALES=ops.scales,
         TOP_K=top_k,
         BLOCK_J=triton.next_power_of_2(top_k),
         BLOCK_N=block_n,
-        BLOCK_K=min(block_k, triton.next_power_of_2(k)),
+        BLOCK_K=ops.block_k(min(block_k, triton.next_power_of_2(k))),
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -100,12 +100,10 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
     k,
     stride_w,
     stride_e,
-    ws_ptr,  # FP8: the codes' scales and where they are (fp8_experts.kernel_operands)
+    ws_ptr,  # FP8 experts: the codes' scales and their strides (fp8_experts.Operands)
     stride_se,
     stride_sn,
     stride_sk,
-    scale_rows,
-    scale_cols,
     head_eps,  # ROTARY: the head norms' epsilon, the pool's layer and strides
     layer,
     block_size,
@@ -115,7 +113,7 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
     stride_kv_slot,
     stride_kv_head,
     EXPERTS: tl.constexpr,  # w is [E, N, K]: the expert of choice program_id(1)
-    FP8: tl.constexpr,  # w is e4m3 codes (experts): each slice scaled by its block's scale
+    SCALES: tl.constexpr,  # experts: 16-bit (0), e4m3 codes with a scale a row (1), blocks (128)
     HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -165,10 +163,8 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
                 x = (x + res).to(res_ptr.dtype.element_ty).to(tl.float32)
             squares += x * x
             x = (x * scale).to(x_ptr.dtype.element_ty).to(tl.float32)
-        if FP8:  # each row's scale of this slice
-            ws = expert_scales(
-                ws_ptr, cols, k0, stride_sn, stride_sk, scale_rows, scale_cols, valid
-            )
+        if SCALES:  # each row's scale of this slice
+            ws = expert_scales(ws_ptr, cols, k0, stride_sn, stride_sk, valid, SCALES)
             w = w.to(tl.float32) * ws[:, None]
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)  # [BLOCK_N]
@@ -233,8 +229,8 @@ def vector_gemv(
     [E, K] and out_dtype float32; its experts are chosen too (the module docstring).
     `rotary`: weight is a qkv projection's, and the result is rotated and its k and v
     stored as rotary.apply would (the module docstring), where rotary.folds(BLOCK_N)."""
-    fp8 = isinstance(weight, Fp8Experts)
-    weight, scale_args = kernel_operands(weight, x)
+    ops = kernel_operands(weight, x)
+    weight = ops.codes
     if experts is not None:
         if weight.dim() != 3 or experts.dim() != 1 or experts.dtype != torch.int32:
             raise ValueError("vector_gemv's experts: int32 ids [C] against weights [E, N, K]")
@@ -242,7 +238,7 @@ def vector_gemv(
             raise ValueError("vector_gemv's experts take no bias")
         stride_e, num_rows = weight.stride(0), experts.shape[0]
         weight = weight[0]  # the shape and row stride of every expert's
-    elif fp8:
+    elif ops.scales:
         raise ValueError("vector_gemv takes fp8 codes for experts only")
     else:
         stride_e, num_rows = 0, 1
@@ -268,8 +264,6 @@ def vector_gemv(
     if tiles is None and experts is not None and _is_h200(x.device):
         tiles = EXPERT_TILES_H200
     block_n, block_k, num_warps, num_stages = tiles or default_tiles(n, k, x.device)
-    if fp8 and scale_args[-1] < k:  # a slice within one block
-        block_k = min(block_k, scale_args[-1])
     num_kv_heads, head_dim = rotary.check(n, block_n) if rotary is not None else (0, 0)
     grid = (triton.cdiv(n, block_n), num_rows)  # gated: BLOCK_N / 2 outputs a program
     _vector_gemv_kernel[grid](
@@ -290,11 +284,11 @@ def vector_gemv(
         k,
         weight.stride(0),
         stride_e,
-        *scale_args,
+        *ops.scale_args,
         rotary.eps if rotary is not None else 0.0,
         *(rotary.pool_args() if rotary is not None else (0,) * 7),
         EXPERTS=experts is not None,
-        FP8=fp8,
+        SCALES=ops.scales,
         HAS_BIAS=bias is not None,
         NORM=norm is not None,
         HAS_RESIDUAL=residual is not None,
@@ -311,7 +305,7 @@ def vector_gemv(
         HEAD_DIM=head_dim,
         HAS_QK_NORM=rotary is not None and rotary.q_norm is not None,
         BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        BLOCK_K=ops.block_k(block_k),
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -64,7 +64,8 @@ def quantize_per_token_ref(x: Tensor, group: int | None = None) -> tuple[Tensor,
     return codes, scale
 
 
-def _block_scale_shape(n: int, k: int) -> tuple[int, int]:
+def block_scale_shape(n: int, k: int) -> tuple[int, int]:
+    """The scales of a [N, K] weight in 128x128 blocks."""
     return (-(-n // BLOCK), -(-k // BLOCK))
 
 
@@ -120,7 +121,7 @@ class Fp8Weight:
             expected: tuple[int, ...] = (n,)
         elif tuple(self.block_size) == (BLOCK, BLOCK):
             self.block_size = (BLOCK, BLOCK)
-            expected = _block_scale_shape(n, k)
+            expected = block_scale_shape(n, k)
         else:
             raise ValueError(f"fp8 weight blocks must be (128, 128), not {self.block_size}")
         if tuple(self.scale.shape) != expected:
@@ -219,7 +220,7 @@ class Fp8Weight:
         if block_size is None:
             scale = torch.empty(n, dtype=torch.float32, device=weight.device)
         else:
-            scale = torch.empty(_block_scale_shape(n, k), dtype=torch.float32, device=weight.device)
+            scale = torch.empty(block_scale_shape(n, k), dtype=torch.float32, device=weight.device)
         for r0 in range(0, n, _QUANTIZE_ROWS):  # a multiple of 128 rows at a time
             rows = weight[r0 : r0 + _QUANTIZE_ROWS].float()
             num_rows = rows.shape[0]
@@ -228,7 +229,7 @@ class Fp8Weight:
                 codes[r0 : r0 + num_rows] = to_e4m3(rows / s[:, None])
                 scale[r0 : r0 + num_rows] = s
                 continue
-            nb, kb = _block_scale_shape(num_rows, k)
+            nb, kb = block_scale_shape(num_rows, k)
             padded = F.pad(rows, (0, kb * BLOCK - k, 0, nb * BLOCK - num_rows))
             blocks = padded.view(nb, BLOCK, kb, BLOCK)
             s = blocks.abs().amax(dim=(1, 3)).clamp(min=AMAX_FLOOR) / FP8_MAX  # [nb, kb]
@@ -273,8 +274,8 @@ class Fp8Weight:
                     f"a per-channel fp8 scale for weight [{n}, {k}] is [{n}], [{n}, 1] or a "
                     f"scalar, not {list(scale.shape)}"
                 )
-        elif tuple(scale.shape) != _block_scale_shape(n, k):
-            expected = list(_block_scale_shape(n, k))
+        elif tuple(scale.shape) != block_scale_shape(n, k):
+            expected = list(block_scale_shape(n, k))
             raise ValueError(
                 f"weight_scale_inv for weight [{n}, {k}] in {blocks} blocks is {expected}, "
                 f"not {list(scale.shape)}"

@@ -13,12 +13,13 @@ activations, half the weight bytes of a 16-bit expert.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from lmd.engine.turbo.quant.e4m3 import BLOCK
-from lmd.engine.turbo.quant.fp8 import Fp8Weight
+from lmd.engine.turbo.quant.fp8 import Fp8Weight, block_scale_shape
 
 
 @dataclass(slots=True)
@@ -43,14 +44,23 @@ class Fp8Experts:
     ) -> Fp8Experts:
         """Room for E experts of [N, K], filled by `put`."""
         e, n, k = shape
-        if block_size is None:
-            scale_shape: tuple[int, ...] = (e, n)
-        else:
-            scale_shape = (e, -(-n // BLOCK), -(-k // BLOCK))
+        scale_shape = (e, n) if block_size is None else (e, *block_scale_shape(n, k))
         weight = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
         return cls(
             weight, torch.empty(scale_shape, dtype=torch.float32, device=device), block_size, dtype
         )
+
+    @classmethod
+    def quantize(
+        cls, stacked: Tensor, dtype: torch.dtype, block_size: tuple[int, int] | None = None
+    ) -> Fp8Experts:
+        """A 16-bit [E, N, K] stack of experts quantized expert by expert
+        (Fp8Weight.quantize: a scale a row, or 128x128 blocks)."""
+        e, n, k = stacked.shape
+        out = cls.empty((e, n, k), block_size, dtype, stacked.device)
+        for j in range(e):
+            out.put(j, 0, Fp8Weight.quantize(stacked[j], dtype, block_size))
+        return out
 
     def put(self, expert: int, row: int, part: Fp8Weight) -> None:
         """Expert `expert`'s rows from `row` (gate at 0, up at I) are `part`'s; for blocks
@@ -87,18 +97,27 @@ class Fp8Experts:
         return torch.stack([self.expert(j).dequantize() for j in range(self.shape[0])])
 
 
-ScaleArgs = tuple[Tensor, int, int, int, int, int]
+class Operands(NamedTuple):
+    """What the experts' kernels take for a weight: `codes` (the weight itself when
+    16-bit), `scale_args` (the scales and their expert, row and K-block strides: the
+    scale of expert e's row n in the K slice from k0 is scale[e * s_e + n * s_n] for a
+    scale a row, scale[e * s_e + (n // 128) * s_n + (k0 // 128) * s_k] for blocks) and
+    `scales`, the kernels' SCALES: 0 none (16-bit), 1 a scale a row, 128 blocks."""
+
+    codes: Tensor
+    scale_args: tuple[Tensor, int, int, int]
+    scales: int
+
+    def block_k(self, block_k: int) -> int:
+        """A kernel's K slice, within one block for blocks."""
+        return min(block_k, BLOCK) if self.scales == BLOCK else block_k
 
 
-def kernel_operands(weight: Tensor | Fp8Experts, unread: Tensor) -> tuple[Tensor, ScaleArgs]:
-    """A kernel's weight operand and what it takes to find the scale of expert e's row
-    n, K-slice k0: scale[e * s_e + (n // rows) * s_n + (k0 // cols) * s_k], as
-    (scale, s_e, s_n, s_k, rows, cols). A K slice must not span two blocks: BLOCK_K at
-    most `cols` where `cols` < K. A 16-bit weight is its own operand, with `unread` for
-    the scale the kernel does not read."""
+def kernel_operands(weight: Tensor | Fp8Experts, unread: Tensor) -> Operands:
+    """`weight`'s Operands; a 16-bit weight's scale arguments are `unread` and zeros."""
     if not isinstance(weight, Fp8Experts):
-        return weight, (unread, 0, 0, 0, 1, 1)
-    s, k = weight.scale, weight.weight.shape[2]
+        return Operands(weight, (unread, 0, 0, 0), 0)
+    s = weight.scale
     if weight.block_size is None:  # one scale a row, whatever the slice
-        return weight.weight, (s, s.stride(0), s.stride(1), 0, 1, k)
-    return weight.weight, (s, s.stride(0), s.stride(1), s.stride(2), BLOCK, BLOCK)
+        return Operands(weight.weight, (s, s.stride(0), s.stride(1), 0), 1)
+    return Operands(weight.weight, (s, s.stride(0), s.stride(1), s.stride(2)), BLOCK)
