@@ -17,6 +17,11 @@
 #       scripts/prefill_profile.py (a 16 x 512 prefill step's kernels) on that shape.
 #   scripts/gpu-quant.sh step SHAPE BATCH [FLAGS...]
 #       scripts/step_profile.py (a decode step's phases and its 12 costliest kernels).
+#   scripts/gpu-quant.sh experts [TOKENS]
+#       ~6 minutes: the FP8 experts' tests compiled, scripts/moe_tiles.py at TOKENS
+#       (default 512,1024) with 16-bit experts, FP8 rows and FP8 blocks, then a 1 x 512
+#       prefill of 12 layers of the Qwen3-30B-A3B shape profiled, bf16 and fp8
+#       (scripts/prefill_profile.py). Carry .gpu-assets too.
 # Carry .whl (device-wheels.sh setproctitle gguf accelerate). Results in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,6 +50,26 @@ quality)
   timeout 500 python3 scripts/quant_quality.py /tmp/smollm2.gguf 2>"$out/quality-stderr.txt" \
     | tee "$out/quality.jsonl"
   tail -5 "$out/quality-stderr.txt"
+  ;;
+experts)
+  python3 setup.py -q build_ext --inplace 2>&1 | tail -3
+  timeout 240 python3 -m pytest -q -ra -p no:cacheprovider --timeout 200 \
+    tests/unit/test_turbo_fp8_experts.py tests/unit/test_turbo_quant_checkpoints.py \
+    tests/unit/test_turbo_moe.py tests/unit/test_turbo_moe_vector.py \
+    tests/unit/test_turbo_parallel_quant.py 2>&1 | tee "$out/experts-tests.txt" | tail -15
+  for fp8 in "" "--fp8 rows" "--fp8 blocks"; do
+    # shellcheck disable=SC2086  # $fp8: none, or the flag and its value
+    timeout 90 python3 scripts/moe_tiles.py --tokens "${2:-512,1024}" $fp8 2>&1 \
+      | tee -a "$out/moe-tiles.txt" | tail -12
+  done
+  model=/dev/shm/qwen3-30b-a3b-shape-12l
+  python3 scripts/random_models.py qwen3-30b-a3b-shape --layers 12 --out-dir /dev/shm \
+    --tokenizer .gpu-assets/qwen3-tokenizer 2>&1 | grep -v "^Writing" | tail -2
+  for quant in "" "--quantization fp8"; do
+    # shellcheck disable=SC2086
+    timeout 100 python3 scripts/prefill_profile.py "$model" --prompts 1 --top 12 $quant \
+      2>>"$out/bench-stderr.txt" | tee -a "$out/prefill-profile.txt"
+  done
   ;;
 bench|profile|step)
   python3 setup.py -q build_ext --inplace 2>&1 | tail -3  # lmd-bench imports lmd._native
