@@ -2,10 +2,12 @@
 a few tilings, at decode and prefill sizes: which tiles to take where.
 
     python3 scripts/moe_tiles.py [--tokens 1,8,64,256,4096] [--fp8 rows|blocks]
-        [--codes-rows N]
+        [--codes-rows N] [--w4a16 GROUP] [--w4-rows N]
 
 Random bf16 inputs, E = 128 experts, k = 8, hidden 2,048, I = 768; with --fp8 the experts
-quantized (quant/fp8_experts.py: a scale a row, or 128x128 blocks). Times are
+quantized (quant/fp8_experts.py: a scale a row, or 128x128 blocks), with --w4a16 rounded
+to 4 bits in groups of GROUP (quant/w4a16_experts.py; tiles' BLOCK_K is then 128), blocks
+of up to --w4-rows rows in the decode form (moe.W4_SCALE_AFTER_ROWS). Times are
 `triton.testing.do_bench_cudagraph` medians (no launch overhead), with the bytes of the
 experts the tokens hit over that time.
 """
@@ -21,6 +23,8 @@ import triton
 
 from lmd.engine.turbo.kernels import moe, moe_align, routing
 from lmd.engine.turbo.quant.fp8_experts import Fp8Experts
+from lmd.engine.turbo.quant.load import Experts
+from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
 
 E, K, HIDDEN, INTER = 128, 8, 2048, 768
 TILES = [None, (32, 128, 4, 3), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 3),
@@ -41,22 +45,29 @@ def main() -> None:
         "--block-m", type=int, default=0, help="rows per block (default: moe.block_rows)"
     )
     parser.add_argument("--fp8", choices=["rows", "blocks"], default=None)
+    parser.add_argument("--w4a16", type=int, default=0, help="4-bit experts in groups of this")
+    parser.add_argument("--w4-rows", type=int, default=-1, help="moe.W4_SCALE_AFTER_ROWS")
     parser.add_argument(
         "--codes-rows", type=int, default=0, help="moe.FP8_CODES_ROWS (default: as it is)"
     )
     args = parser.parse_args()
     moe.FP8_CODES_ROWS = args.codes_rows or moe.FP8_CODES_ROWS
+    if args.w4_rows >= 0:
+        moe.W4_SCALE_AFTER_ROWS = args.w4_rows
     torch.manual_seed(0)
     dev = torch.device("cuda")
     router = torch.randn(E, HIDDEN, device=dev, dtype=torch.bfloat16)
-    gate_up: torch.Tensor | Fp8Experts
-    down: torch.Tensor | Fp8Experts
+    gate_up: Experts
+    down: Experts
     gate_up = torch.randn(E, 2 * INTER, HIDDEN, device=dev, dtype=torch.bfloat16) / 32
     down = torch.randn(E, HIDDEN, INTER, device=dev, dtype=torch.bfloat16) / 32
     expert_bytes = (2 * INTER * HIDDEN + HIDDEN * INTER) * (1 if args.fp8 else 2)
     if args.fp8:
         blocks = (128, 128) if args.fp8 == "blocks" else None
         gate_up, down = (Fp8Experts.quantize(t, t.dtype, blocks) for t in (gate_up, down))
+    elif args.w4a16:
+        gate_up, down = (W4A16Experts.quantize(t, args.w4a16) for t in (gate_up, down))
+        expert_bytes //= 4
     for tokens in (int(t) for t in args.tokens.split(",")):
         h = torch.randn(tokens, HIDDEN, device=dev, dtype=torch.bfloat16)
         weights, experts = routing.route(h, router, K, True, float_out=True)

@@ -84,19 +84,27 @@ def moe_cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
         types = {"logits_ptr": "*fp32", "weights_ptr": "*fp32", "experts_ptr": "*i32"}
         out.append(case(routing._top_k_kernel, flags, types, run | {"num_warps": 4}))
     ints = {"scale_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}
-    # SCALES: 0 (16-bit), 1 (a scale a row), 128 (blocks); a_fp8: the inputs as codes
-    for block_m, block_n, block_k, warps, gated, scales, a_fp8 in (
-        (16, 64, 128, 4, False, 0, False), (16, 64, 128, 4, True, 0, False),
-        (128, 256, 64, 8, True, 0, False), (16, 64, 128, 4, True, 1, False),
-        (16, 64, 128, 4, True, 128, True), (128, 64, 64, 8, True, 1, True),
-        (128, 128, 128, 8, False, 128, True),
+    # SCALES: 0 (16-bit), 1 (a scale a row), 128 (blocks); a_fp8: the inputs as codes;
+    # w4: 4-bit experts' group (quant/w4a16_experts.py), their nibbles made in PTX, in
+    # the decode form up to moe.W4_SCALE_AFTER_ROWS rows a block
+    for block_m, block_n, block_k, warps, gated, scales, a_fp8, w4 in (
+        (16, 64, 128, 4, False, 0, False, 0), (16, 64, 128, 4, True, 0, False, 0),
+        (128, 256, 64, 8, True, 0, False, 0), (16, 64, 128, 4, True, 1, False, 0),
+        (16, 64, 128, 4, True, 128, True, 0), (128, 64, 64, 8, True, 1, True, 0),
+        (128, 128, 128, 8, False, 128, True, 0), (16, 64, 128, 4, True, 0, False, 128),
+        (16, 64, 128, 4, False, 0, False, 64), (32, 64, 128, 4, True, 0, False, 128),
+        (64, 128, 128, 4, False, 0, False, 64), (128, 128, 128, 8, True, 0, False, 128),
     ):  # fmt: skip
         flags = {"A_ROW_DIV": 8, "HAS_SCALE": not gated, "SCALES": scales, "A_FP8": a_fp8,
-                 "GATED": gated, "PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n,
+                 "GATED": gated, "W4_GROUP": w4, "PACKED": bool(w4),
+                 "W4_SCALE_AFTER": bool(w4) and block_m <= moe.W4_SCALE_AFTER_ROWS,
+                 "PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n,
                  "BLOCK_K": block_k}  # fmt: skip
         types = ints | (codes | {"as_ptr": "*fp32"} if scales else {})
         if a_fp8:
             types |= {"a_ptr": "*fp8e4nv"}
+        if w4:
+            types |= {"w_ptr": "*i32", "zs_ptr": "*u8"}
         out.append(case(moe._grouped_gemm_kernel, flags, types, run | {"num_warps": warps}))
     layout = {"experts_ptr": "*i32", "counts_ptr": "*i32", "ranks_ptr": "*i32",
               "ends_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}  # fmt: skip

@@ -18,9 +18,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from lmd.engine.config import EngineConfig, context_len, text_config
+from lmd.engine.config import EngineConfig, context_len, read_hf_config, text_config
 from lmd.engine.kv_layout import bytes_per_block
 from lmd.engine.memory_plan import EngineNeeds
+from lmd.engine.turbo.config import TurboConfig, UnsupportedModel
+from lmd.engine.turbo.quant.scheme import four_bit_experts, read_scheme
 from lmd.protocol.roles import Role
 
 # cuBLAS workspaces, Triton's scratch, the allocator's rounding: beyond the activations.
@@ -45,8 +47,9 @@ _QUANTIZED_ITEMSIZE = {"w4a16": 0.5 + 4 / 128, "fp8": 1.0}
 # The layers' linear weights, which --quantization quantizes (experts: _expert_itemsize).
 _LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
 # An expert's tensors (`...mlp.experts.3.gate_proj.qweight`): turbo holds experts FP8
-# under FP8 (the checkpoint's, or quantized at load) and 16-bit otherwise, a 4-bit
-# checkpoint's dequantized at load.
+# under FP8 (the checkpoint's, or quantized at load), 4-bit under W4A16 where
+# quant/scheme.py's four_bit_experts allows (else a 4-bit checkpoint's dequantized at
+# load), and 16-bit otherwise.
 _EXPERT = re.compile(r"model\.layers\.\d+\.\w+\.experts\.\d+\.\w+\.(\w+)")
 
 
@@ -58,6 +61,7 @@ def weight_bytes(model_dir: Path, dtype: torch.dtype, quantization: str | None =
     if not files:
         other = [*Path(model_dir).glob("*.bin"), *Path(model_dir).glob("*.pt")]
         return sum(f.stat().st_size for f in other)
+    four_bit = _four_bit_experts(Path(model_dir), quantization)
     total = 0
     for path in files:
         with safe_open(str(path), framework="pt") as f:
@@ -68,24 +72,41 @@ def weight_bytes(model_dir: Path, dtype: torch.dtype, quantization: str | None =
                 if quantization is not None and _LINEAR.fullmatch(name):
                     itemsize = _QUANTIZED_ITEMSIZE[quantization]
                 if expert := _EXPERT.fullmatch(name):
-                    itemsize = _expert_itemsize(expert.group(1), kind, dtype, quantization)
+                    part = expert.group(1)
+                    itemsize = _expert_itemsize(part, kind, dtype, quantization, four_bit)
                 total += math.ceil(math.prod(tensor.get_shape()) * itemsize)
     return total
 
 
-def _expert_itemsize(part: str, kind: str, dtype: torch.dtype, quantization: str | None) -> float:
+def _expert_itemsize(
+    part: str, kind: str, dtype: torch.dtype, quantization: str | None, four_bit: bool
+) -> float:
     """Bytes an expert's tensor takes loaded, an element: FP8 weights (an FP8 checkpoint's,
     or quantized at load: 1 byte and a float32 scale a row) as they are with their
-    scales; otherwise weights 16-bit whatever the checkpoint holds (an int32 of AWQ's or
-    GPTQ's `qweight` packs 8 of them), their scales, zero points and g_idx read to
-    dequantize, then freed."""
+    scales; 4-bit ones (`four_bit`: a checkpoint's, or rounded at load) as they are, their
+    scales in `dtype` and a byte a zero point (8 in an int32 of `qzeros`); otherwise
+    weights 16-bit whatever the checkpoint holds (an int32 of AWQ's or GPTQ's `qweight`
+    packs 8 of them), their scales, zero points and g_idx read to dequantize, then
+    freed."""
     if kind == "F8_E4M3" or part.startswith("weight_scale"):
         return _KEPT_ITEMSIZE.get(kind, 4)
+    if four_bit:
+        four_bits = {"qweight": 4, "scales": dtype.itemsize, "qzeros": 8, "weight": 0.5 + 3 / 128}
+        return four_bits.get(part, 0)
     if part == "qweight":
         return 8 * dtype.itemsize
     if part != "weight":
         return 0
     return _QUANTIZED_ITEMSIZE["fp8"] if quantization == "fp8" else dtype.itemsize
+
+
+def _four_bit_experts(model_dir: Path, quantization: str | None) -> bool:
+    """Whether turbo will hold this model's experts 4-bit (quant/scheme.py)."""
+    try:
+        scheme = read_scheme(read_hf_config(model_dir), quantization)
+        return scheme is not None and four_bit_experts(scheme, TurboConfig.load(model_dir))
+    except (UnsupportedModel, OSError, ValueError):
+        return False
 
 
 def kv_bytes_per_token(

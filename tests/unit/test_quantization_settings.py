@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import save_file
+from transformers import Qwen3MoeConfig
 
 from lmd.api.models import model_card
 from lmd.config import ConfigError, ServeConfig
@@ -22,8 +23,10 @@ from lmd.engine.turbo.config import UnsupportedModel
 from lmd.engine.turbo.quant.scheme import QuantScheme, read_scheme
 from lmd.pipeline.config import PytorchEngineConfig
 from lmd_client.lmdctl import quantized
+from tests.models import TINY_SHAPE
 
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+ARCH = "Qwen3MoeForCausalLM"
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False}
 FP8_BLOCKS = {
     "quant_method": "fp8",
@@ -174,6 +177,37 @@ def test_the_memory_plan_counts_experts_as_they_will_load(tmp_path: Path) -> Non
     assert weight_bytes(tmp_path, torch.bfloat16) == 2 * size + fp8_up + 2 * size
     assert weight_bytes(tmp_path, torch.bfloat16, "w4a16") == 2 * size + fp8_up + 2 * size
     assert weight_bytes(tmp_path, torch.bfloat16, "fp8") == 2 * size + fp8_up + size
+
+
+def test_the_memory_plan_counts_four_bit_experts_kept_four_bit(tmp_path: Path) -> None:
+    """A Qwen3-MoE whose widths are whole groups keeps a GPTQ checkpoint's experts 4-bit
+    (4 bytes a qweight int32, the scales in bf16, a byte a zero point) and rounds 16-bit
+    experts to 4 bits at --quantization w4a16; an act-order checkpoint's stay 16-bit."""
+    fields = {
+        "hidden_size": 128,
+        "moe_intermediate_size": 256,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+    }
+    config = Qwen3MoeConfig(**(TINY_SHAPE | fields)).to_dict() | {"architectures": [ARCH]}
+    expert = "model.layers.0.mlp.experts.3"
+    tensors = {
+        f"{expert}.gate_proj.qweight": torch.zeros(16, 256, dtype=torch.int32),  # 128 x 256
+        f"{expert}.gate_proj.qzeros": torch.zeros(1, 32, dtype=torch.int32),
+        f"{expert}.gate_proj.scales": torch.zeros(1, 256, dtype=torch.float16),
+        f"{expert}.gate_proj.g_idx": torch.zeros(128, dtype=torch.int32),
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    size = 128 * 256
+    for quant, kept in ((GPTQ, size // 2 + 2 * 256 + 256), (GPTQ | {"desc_act": True}, 2 * size)):
+        (tmp_path / "config.json").write_text(json.dumps(config | {"quantization_config": quant}))
+        assert weight_bytes(tmp_path, torch.bfloat16) == kept
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file(
+        {f"{expert}.up_proj.weight": torch.zeros(256, 128)}, str(tmp_path / "model.safetensors")
+    )
+    assert weight_bytes(tmp_path, torch.bfloat16, "w4a16") == size * (0.5 + 3 / 128)
+    assert weight_bytes(tmp_path, torch.bfloat16) == 2 * size
 
 
 def test_v1_models_and_lmdctl_show_the_quantization(tmp_path: Path) -> None:

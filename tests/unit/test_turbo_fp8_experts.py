@@ -185,6 +185,30 @@ def test_fp8_codes_go_to_experts_only() -> None:
         vector_gemv(x, codes)
 
 
+def experts_checkpoint(base: Path, tmp_path: Path, stacked: bool) -> tuple[Path, dict[str, Tensor]]:
+    """`base` (moe_dir's checkpoint), or (`stacked`) a copy with layer 0's four experts
+    stacked as transformers 5 keeps them in memory; and their gate_proj, up_proj and
+    down_proj weights stacked [E, N, K]."""
+    tensors = load_file(str(base / "model.safetensors"))
+    prefix = "model.layers.0.mlp.experts"
+    names = ("gate_proj", "up_proj", "down_proj")
+    per_expert = {
+        p: torch.stack([tensors[f"{prefix}.{j}.{p}.weight"] for j in range(4)]) for p in names
+    }
+    if not stacked:
+        return base, per_expert
+    model = tmp_path / "stacked"
+    shutil.copytree(base, model)
+    for j, p in itertools.product(range(4), names):
+        del tensors[f"{prefix}.{j}.{p}.weight"]
+    tensors[f"{prefix}.gate_up_proj"] = torch.cat(
+        [per_expert["gate_proj"], per_expert["up_proj"]], 1
+    )
+    tensors[f"{prefix}.down_proj"] = per_expert["down_proj"]
+    save_file(tensors, str(model / "model.safetensors"))
+    return model, per_expert
+
+
 @pytest.mark.parametrize("stacked", [False, True], ids=["per-expert", "stacked"])
 def test_fp8_at_load_quantizes_each_expert_per_row(
     moe_dir: Path,  # noqa: F811  (the fixture)
@@ -194,23 +218,7 @@ def test_fp8_at_load_quantizes_each_expert_per_row(
     """--quantization fp8 on a 16-bit MoE checkpoint: each expert's projections become FP8
     with a scale a row, exactly Fp8Weight.quantize of its 16-bit rows, whether the
     checkpoint holds the experts one by one or stacked (transformers 5's in-memory form)."""
-    model = moe_dir
-    tensors = load_file(str(moe_dir / "model.safetensors"))
-    prefix = "model.layers.0.mlp.experts"
-    names = ("gate_proj", "up_proj", "down_proj")
-    per_expert = {
-        p: torch.stack([tensors[f"{prefix}.{j}.{p}.weight"] for j in range(4)]) for p in names
-    }
-    if stacked:
-        model = tmp_path / "stacked"
-        shutil.copytree(moe_dir, model)
-        for j, p in itertools.product(range(4), names):
-            del tensors[f"{prefix}.{j}.{p}.weight"]
-        tensors[f"{prefix}.gate_up_proj"] = torch.cat(
-            [per_expert["gate_proj"], per_expert["up_proj"]], 1
-        )
-        tensors[f"{prefix}.down_proj"] = per_expert["down_proj"]
-        save_file(tensors, str(model / "model.safetensors"))
+    model, per_expert = experts_checkpoint(moe_dir, tmp_path, stacked)
     config = TurboConfig.load(model)
     weights = load_weights(model, config, CPU, torch.bfloat16, QuantScheme("fp8", "load"))
     experts = weights.layers[0].experts

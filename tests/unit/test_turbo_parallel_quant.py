@@ -1,7 +1,7 @@
 """A quantized checkpoint split over a tensor-parallel group (turbo/checkpoint.py's
 `_packed_split`): each rank reads its part of AWQ's and GPTQ's packed words, groups and
 zero points and of FP8's scale blocks, and holds what the whole model's fused linears
-hold for its heads and its part of the width (an MoE's experts too: 16-bit from AWQ, FP8
+hold for its heads and its part of the width (an MoE's experts too: 4-bit from AWQ, FP8
 from FP8), bit for bit. An act-order checkpoint, and
 a part that does not fall on its tensor's units, are refused in one line."""
 

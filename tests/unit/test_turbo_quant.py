@@ -28,7 +28,7 @@ from lmd.engine.turbo import kernels
 from lmd.engine.turbo.kernels import fp8 as fp8_kernels
 from lmd.engine.turbo.backend import TurboBackend
 from lmd.engine.turbo.quant.fp8 import Fp8Weight, fp8_supported
-from lmd.engine.turbo.quant.fp8_experts import Fp8Experts
+from lmd.engine.turbo.quant.load import Experts
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
 from tests.models import random_prompts, save_tiny_llama
 from tests.unit.test_turbo_model import (
@@ -102,9 +102,9 @@ def dequantized_reference(
     return on_device(ref)
 
 
-def experts_dense(stack: Tensor | Fp8Experts) -> Tensor:
+def experts_dense(stack: Experts) -> Tensor:
     """A layer of experts' weights of one projection as float32 on the CPU."""
-    return (stack.dequantize() if isinstance(stack, Fp8Experts) else stack.float()).cpu()
+    return (stack.float() if isinstance(stack, Tensor) else stack.dequantize()).cpu()
 
 
 def test_w4a16_at_load_computes_the_dequantized_model(llama_dir: Path) -> None:

@@ -24,6 +24,7 @@ from lmd.engine.turbo.quant.fp8 import Fp8Weight, fp8_supported
 from lmd.engine.turbo.quant.fp8_experts import Fp8Experts
 from lmd.engine.turbo.quant.scheme import read_scheme
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
+from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
 from lmd.engine.turbo.weights import load_weights
 from tests.models import TINY_SHAPE, random_prompts, save_tiny_llama
 from tests.unit.test_turbo_model import all_logits, assert_logits_match, reference_logits
@@ -246,9 +247,10 @@ def test_fp8_block_codes_made_by_the_norms_change_no_logit(
 def test_quantized_experts_are_read_as_the_checkpoint_means(
     moe_dir: Path, tmp_path: Path, fmt: str
 ) -> None:
-    """A 4-bit checkpoint's experts are dequantized at load (turbo runs them 16-bit), an
-    FP8 checkpoint's kept as its codes and 128x128 block scales; either way each expert is
-    what the checkpoint means, and the other linears stay quantized."""
+    """An AWQ checkpoint's experts are kept as its 4-bit words (W4A16Experts), an act-order
+    GPTQ one's dequantized at load (turbo runs them 16-bit), an FP8 checkpoint's kept as
+    its codes and 128x128 block scales; either way each expert is what the checkpoint
+    means, and the other linears stay quantized."""
     model = tmp_path / fmt
     dense = write_checkpoint(moe_dir, model, FORMATS[fmt], fmt)
     scheme = read_scheme(json.loads((model / "config.json").read_text()), None)
@@ -258,11 +260,13 @@ def test_quantized_experts_are_read_as_the_checkpoint_means(
     assert experts is not None
     if fmt == "fp8":
         assert isinstance(experts.gate_up, Fp8Experts) and experts.gate_up.block_size == (128, 128)
+    elif fmt == "awq":
+        assert isinstance(experts.gate_up, W4A16Experts) and experts.gate_up.group_size == 128
     else:
         assert isinstance(experts.gate_up, Tensor) and experts.gate_up.dtype == torch.bfloat16
 
-    def rounded(t: Tensor) -> Tensor:  # as turbo holds it: FP8's exact, 4-bit's to bf16
-        return t if fmt == "fp8" else t.to(torch.bfloat16).float()
+    def rounded(t: Tensor) -> Tensor:  # as turbo holds it: kept exact, dequantized to bf16
+        return t.to(torch.bfloat16).float() if fmt == "gptq_act" else t
 
     for j in range(4):
         expert = f"model.layers.0.mlp.experts.{j}"
@@ -276,7 +280,7 @@ def test_quantized_experts_are_read_as_the_checkpoint_means(
 @pytest.mark.parametrize(
     ("fmt", "described"),
     [
-        ("awq", "w4a16 (awq, group 128); experts 16-bit"),
+        ("awq", "w4a16 (awq, group 128)"),
         ("gptq_act", "w4a16 (gptq, group 128, act order); experts 16-bit"),
         pytest.param(
             "fp8",

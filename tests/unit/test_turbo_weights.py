@@ -16,7 +16,7 @@ from transformers import AutoConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeF
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from lmd.engine.turbo import TurboConfig, UnsupportedModel
-from lmd.engine.turbo.quant.fp8_experts import Fp8Experts
+from lmd.engine.turbo.quant.load import Experts
 from lmd.engine.turbo.rope import rope_table
 from lmd.engine.turbo.weights import eos_token_ids, load_weights
 from tests.models import TINY_EOS, TINY_SHAPE, save_tiny_llama
@@ -24,7 +24,7 @@ from tests.models import TINY_EOS, TINY_SHAPE, save_tiny_llama
 CPU = torch.device("cpu")
 
 
-def sixteen(stack: Tensor | Fp8Experts) -> Tensor:
+def sixteen(stack: Experts) -> Tensor:
     """A layer of experts' 16-bit (or float32) weights of one projection."""
     assert isinstance(stack, Tensor)
     return stack

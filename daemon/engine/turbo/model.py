@@ -47,6 +47,7 @@ from lmd.engine.turbo.exchange import PeerExchange, Point
 from lmd.engine.turbo.quant.fp8 import Fp8Rows, Fp8Weight
 from lmd.engine.turbo.quant.load import Linear
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
+from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
 from lmd.engine.turbo.step_inputs import StepInputs
 from lmd.engine.turbo.weights import LayerWeights, ModelWeights
 
@@ -227,7 +228,8 @@ class TurboModel:
         the residual stream after the add)."""
         if layer.experts is not None and self.config.moe is not None:
             x, moe, eps = layer.experts, self.config.moe, self.config.rms_norm_eps
-            if self.vector_experts and self._vector(hidden):
+            four_bit = isinstance(x.gate_up, W4A16Experts)  # moe.py's path, even at one token
+            if self.vector_experts and self._vector(hidden) and not four_bit:
                 summed = torch.empty_like(residual)
                 out = kernels.experts_vector(
                     hidden,

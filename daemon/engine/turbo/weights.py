@@ -30,15 +30,17 @@ from lmd.engine.turbo.checkpoint import CheckpointReader, Shard
 from lmd.engine.turbo.config import TurboConfig, UnsupportedModel
 from lmd.engine.turbo.quant.fp8 import Fp8Weight
 from lmd.engine.turbo.quant.fp8_experts import Fp8Experts
-from lmd.engine.turbo.quant.load import Linear, fold_down_order, load_linear, read_dense
-from lmd.engine.turbo.quant.scheme import QuantScheme
+from lmd.engine.turbo.quant.load import Experts, Linear, fold_down_order, load_linear, read_dense
+from lmd.engine.turbo.quant.scheme import QuantScheme, four_bit_experts
+from lmd.engine.turbo.quant.w4a16 import W4A16Weight
+from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
 
 
 @dataclass(slots=True)
 class ExpertWeights:
     router: Tensor  # [E, hidden]
-    gate_up: Tensor | Fp8Experts  # [E, 2 I, hidden], each expert's rows gate | up
-    down: Tensor | Fp8Experts  # [E, hidden, I]
+    gate_up: Experts  # [E, 2 I, hidden], each expert's rows gate | up
+    down: Experts  # [E, hidden, I]
 
     @property
     def nbytes(self) -> int:
@@ -222,8 +224,9 @@ def load_experts(
     stacked form transformers 5 keeps in memory (`experts.gate_up_proj`,
     `experts.down_proj`) when a checkpoint has that. Under an FP8 scheme the experts are
     FP8 (Fp8Experts: a checkpoint's codes and scales, or quantized here per channel);
-    under W4A16 they are 16-bit (a checkpoint's dequantized). `config` is the rank's
-    (its part of each expert's width), as `reader` reads them."""
+    under W4A16 4-bit (W4A16Experts: a checkpoint's words, or rounded here) where
+    `four_bit_experts` allows, else 16-bit (a checkpoint's dequantized). `config` is the
+    rank's (its part of each expert's width), as `reader` reads them."""
     moe = config.moe
     if moe is None:
         raise ValueError("a dense model has no experts")
@@ -231,20 +234,25 @@ def load_experts(
     prefix = f"model.layers.{layer}.{block}"
     router = read_dense(reader, f"{prefix}.{router_name}", scheme, dtype, device)
     e, i, hidden = moe.num_experts, moe.intermediate_size, config.hidden_size
-    fp8 = scheme if scheme is not None and scheme.method == "fp8" else None
+    kept = scheme if scheme is not None and scheme.method == "fp8" else None
+    if scheme is not None and four_bit_experts(scheme, config):
+        kept = scheme
     if f"{prefix}.experts.gate_up_proj" in reader:
         gate_up, down_all = (
             reader.get(f"{prefix}.experts.{name}", dtype, device)
             for name in ("gate_up_proj", "down_proj")
         )
-        if fp8 is None:
+        if kept is None:
             return ExpertWeights(router, gate_up, down_all)
-        quantized = [Fp8Experts.quantize(t, dtype, fp8.block_size) for t in (gate_up, down_all)]
+        if kept.method == "w4a16":
+            four_bit = [W4A16Experts.quantize(t, kept.group_size) for t in (gate_up, down_all)]
+            return ExpertWeights(router, *four_bit)
+        quantized = [Fp8Experts.quantize(t, dtype, kept.block_size) for t in (gate_up, down_all)]
         return ExpertWeights(router, *quantized)
     # Filled in place: a torch.stack of the experts would hold the layer twice.
     stacks = (
-        _empty_experts((e, 2 * i, hidden), fp8, dtype, device),
-        _empty_experts((e, hidden, i), fp8, dtype, device),
+        _empty_experts((e, 2 * i, hidden), kept, dtype, device),
+        _empty_experts((e, hidden, i), kept, dtype, device),
     )
     for j in range(e):
         expert = f"{prefix}.experts.{j}"
@@ -256,8 +264,8 @@ def load_experts(
             at = f"{expert}.{name}"
             part: Linear = (
                 read_dense(reader, at, scheme, dtype, device)
-                if fp8 is None
-                else load_linear(reader, [at], fp8, dtype, device)
+                if kept is None
+                else load_linear(reader, [at], kept, dtype, device)
             )
             _put(stacks[stack], j, row, part, name=at, shape=shape)
     return ExpertWeights(router, *stacks)
@@ -265,25 +273,32 @@ def load_experts(
 
 def _empty_experts(
     shape: tuple[int, int, int],
-    fp8: QuantScheme | None,
+    kept: QuantScheme | None,
     dtype: torch.dtype,
     device: torch.device,
-) -> Tensor | Fp8Experts:
-    """Room for a layer's experts of one projection: FP8 under an fp8 scheme (its blocks,
-    none when quantized at load), else 16-bit."""
-    if fp8 is None:
+) -> Experts:
+    """Room for a layer's experts of one projection in the form `kept` keeps them: FP8
+    (its blocks, none when quantized at load), W4A16 (its groups), or 16-bit."""
+    if kept is None:
         return torch.empty(shape, dtype=dtype, device=device)
-    return Fp8Experts.empty(shape, fp8.block_size, dtype, device)
+    if kept.method == "w4a16":
+        return W4A16Experts.empty(shape, kept.group_size, dtype, device)
+    return Fp8Experts.empty(shape, kept.block_size, dtype, device)
 
 
 def _put(
-    stack: Tensor | Fp8Experts, j: int, row: int, part: Linear, *, name: str, shape: tuple[int, int]
+    stack: Experts, j: int, row: int, part: Linear, *, name: str, shape: tuple[int, int]
 ) -> None:
     """Expert j's rows from `row` are `part`'s, read from `name` and expected of `shape`."""
     if tuple(part.shape) != shape:
         raise UnsupportedModel(f"{name} is {tuple(part.shape)}, not {shape}")
     if isinstance(stack, Fp8Experts) and isinstance(part, Fp8Weight):
         stack.put(j, row, part)  # whole blocks: load_linear refused a part off them
+    elif isinstance(stack, W4A16Experts) and isinstance(part, W4A16Weight):
+        try:
+            stack.put(j, row, part)
+        except ValueError as exc:  # groups or an order other than the scheme's
+            raise UnsupportedModel(f"{name}: {exc}") from None
     elif isinstance(stack, Tensor) and isinstance(part, Tensor):
         stack[j, row : row + shape[0]] = part
     else:
@@ -323,7 +338,7 @@ def check_shapes(weights: ModelWeights, config: TurboConfig, tp: TensorParallel 
             "experts_down": (e, c.hidden_size, i),
         }
     for n, layer in enumerate(weights.layers):
-        tensors: dict[str, Linear | Fp8Experts | None] = {
+        tensors: dict[str, Linear | Experts | None] = {
             name: getattr(layer, name) for name in per_layer if hasattr(layer, name)
         }
         if layer.experts is not None:

@@ -18,6 +18,9 @@ layer of experts is 9 launches (8 with GATED_GEMM): the router's GEMM, softmax +
 the layout (the counts' zeroing and two kernels), two grouped GEMMs, SiLU, the sum over k.
 FP8 experts (quant/fp8_experts.py) are read as codes; past FP8_CODES_ROWS rows a block
 each GEMM's input is quantized too (a launch) and the products run on fp8 tensor cores.
+W4A16 experts (quant/w4a16_experts.py) are read as 4-bit words, made 16-bit weights in
+registers (a dot per nibble's 16 inputs in small blocks, one per 128 inputs in large
+ones), the products on 16-bit tensor cores.
 """
 
 from __future__ import annotations
@@ -34,7 +37,44 @@ from lmd.engine.turbo.kernels.common import expert_scales
 from lmd.engine.turbo.kernels.fp8_quant import quantize_per_token, quantize_per_token_group
 from lmd.engine.turbo.kernels.moe_align import align
 from lmd.engine.turbo.kernels.routing import route
-from lmd.engine.turbo.quant.fp8_experts import Fp8Experts, kernel_operands
+from lmd.engine.turbo.kernels.w4a16 import PACKED_NIBBLES, scaled_after_dots
+from lmd.engine.turbo.kernels.w4a16_nibbles import block_weights, block_words
+from lmd.engine.turbo.quant.fp8_experts import Fp8Experts, Operands, kernel_operands
+from lmd.engine.turbo.quant.load import Experts
+from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
+
+
+@triton.jit
+def _four_bit_slice(  # noqa: PLR0917  # Triton functions take positional arguments
+    acc,
+    a_rows,
+    real,
+    w_base,
+    stride_wn,
+    ws_at,
+    zs_at,
+    k0,
+    n,
+    cols,
+    valid,
+    GROUP: tl.constexpr,
+    SCALE_AFTER: tl.constexpr,
+    DTYPE: tl.constexpr,
+    PACKED: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """acc + a @ W^T over the 128 inputs from k0 of 4-bit experts (the expert's words at
+    w_base, rows stride_wn apart; its scales and zero points at ws_at, zs_at): a dot per
+    nibble's 16 inputs and each group scaled once (SCALE_AFTER, kernels/w4a16.py's decode
+    form), or the words made [128, BLOCK_N] weights and one dot."""
+    words = block_words(w_base, k0, stride_wn, cols, valid)
+    if SCALE_AFTER:
+        return scaled_after_dots(a_rows + tl.arange(0, 16)[None, :], real[:, None], words, ws_at,
+                                 zs_at, k0, n, cols, valid, acc, GROUP, DTYPE, PACKED, False,
+                                 PRECISION)  # fmt: skip
+    w = block_weights(words, ws_at, zs_at, k0, n, cols, valid, GROUP, DTYPE, PACKED)
+    a = tl.load(a_rows + k0 + tl.arange(0, 128)[None, :], mask=real[:, None], other=0.0)
+    return tl.dot(a, w, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -59,11 +99,16 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
     as_ptr,  # A_FP8: a's scales, a token's (stride_ag 0) or its 128-groups'
     stride_ar,
     stride_ag,
+    zs_ptr,  # W4: the zero points [E, K / G, N] (ws_ptr the scales, alike)
+    stride_ze,
     A_ROW_DIV: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     SCALES: tl.constexpr,  # w: 16-bit (0), or e4m3 codes, a scale a row (1) or blocks (128)
     A_FP8: tl.constexpr,  # a is e4m3 codes too (FP8 only): fp8 tensor-core dots
     GATED: tl.constexpr,  # w is gate | up [E, 2I, K]: write silu(gate) * up, [P, I]
+    W4_GROUP: tl.constexpr,  # w is 4-bit words [E, K / 8, N] in groups of this (0: not)
+    W4_SCALE_AFTER: tl.constexpr,  # W4: a dot per 16 inputs, scaled once a group (decode)
+    PACKED: tl.constexpr,  # W4: nibbles to 16-bit floats two at a time (CUDA)
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -83,34 +128,41 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
         valid = cols < n
     w_base = w_ptr + expert * stride_we
     ws_at = ws_ptr + expert * stride_se
+    zs_at = zs_ptr + expert * stride_ze
     as_at = as_ptr + a_row * stride_ar
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a_rows = a_ptr + a_row[:, None] * stride_a
+    dtype: tl.constexpr = c_ptr.dtype.element_ty  # the inputs' too, but for FP8 codes
     for k0 in range(0, k, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(
-            a_ptr + a_row[:, None] * stride_a + ks[None, :],
-            mask=real[:, None] & (ks[None, :] < k),
-            other=0.0,
-        )  # [BLOCK_M, BLOCK_K]
-        w = tl.load(
-            w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
-            mask=valid[None, :] & (ks[:, None] < k),
-            other=0.0,
-        )  # [BLOCK_K, BLOCK_N]
-        if SCALES > 1:  # each block of K its own scale (and a's group's)
-            both = expert_scales(ws_at, cols, k0, stride_sn, stride_sk, valid, SCALES)[None, :]
-            if A_FP8:
-                both *= tl.load(as_at + (k0 // SCALES) * stride_ag, mask=real, other=0.0)[:, None]
-            acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION) * both
-        else:  # (A_FP8: w already e4m3, a's dtype)
-            acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
+        if W4_GROUP:  # BLOCK_K 128
+            acc = _four_bit_slice(
+                acc, a_rows, real, w_base, stride_wn, ws_at, zs_at, k0, n, cols, valid,
+                W4_GROUP, W4_SCALE_AFTER, dtype, PACKED, PRECISION,
+            )  # fmt: skip
+        else:
+            ks = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(
+                a_rows + ks[None, :], mask=real[:, None] & (ks[None, :] < k), other=0.0
+            )  # [BLOCK_M, BLOCK_K]
+            w = tl.load(
+                w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
+                mask=valid[None, :] & (ks[:, None] < k),
+                other=0.0,
+            )  # [BLOCK_K, BLOCK_N]
+            if SCALES > 1:  # each block of K its own scale (and a's group's)
+                both = expert_scales(ws_at, cols, k0, stride_sn, stride_sk, valid, SCALES)[None, :]
+                if A_FP8:
+                    a_scales = tl.load(as_at + (k0 // SCALES) * stride_ag, mask=real, other=0.0)
+                    both *= a_scales[:, None]
+                acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION) * both
+            else:  # (A_FP8: w already e4m3, a's dtype)
+                acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
     if SCALES == 1:  # a scale a row: the whole sum scaled once
         acc *= expert_scales(ws_at, cols, 0, stride_sn, 0, valid, SCALES)[None, :]
         if A_FP8:
             acc *= tl.load(as_at, mask=real, other=0.0)[:, None]
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + pair, mask=real, other=0.0).to(tl.float32)[:, None]
-    dtype: tl.constexpr = c_ptr.dtype.element_ty
     c_rows = c_ptr + pair.to(tl.int64)[:, None] * stride_c
     if GATED:  # each product rounded first, as silu_and_mul reads it
         gate, up = tl.split(tl.reshape(acc.to(dtype), (BLOCK_M, BLOCK_N // 2, 2)))
@@ -123,7 +175,7 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
 
 def grouped_gemm(
     a: Tensor,
-    weight: Tensor | Fp8Experts,
+    weight: Experts,
     sorted_pairs: Tensor,
     block_expert: Tensor,
     *,
@@ -147,25 +199,35 @@ def grouped_gemm(
     row's) scale, BLOCK_K at most 128. `a_scale` (Fp8Experts only): a is e4m3 codes,
     a ~= codes * a_scale, a_scale [R, 1] (per token, for a scale a row) or [R, ceil(K /
     128)] (per 128-group, for blocks), as `fp8_input` makes them; out in the experts'
-    dtype.
+    dtype. W4A16Experts: BLOCK_K is 128 (a slice's 16 rows of words).
     """
     _, n, k = weight.shape
-    ops = kernel_operands(weight, a)
+    w4 = weight if isinstance(weight, W4A16Experts) else None
+    if isinstance(weight, W4A16Experts):  # the words, their scales as FP8's per row
+        ops = Operands(weight.qweight, (weight.scales, weight.scales.stride(0), 0, 0), 0)
+    else:
+        ops = kernel_operands(weight, a)
     if a.shape[1] != k or a.stride(1) != 1 or ops.codes.stride(2) != 1:
         raise ValueError(f"grouped_gemm: a {tuple(a.shape)} against weights {tuple(weight.shape)}")
     if gated and (n % 2 or scale is not None):
         raise ValueError("grouped_gemm's gated takes gate | up rows and no scale")
     if a_scale is not None and not isinstance(weight, Fp8Experts):
         raise ValueError("grouped_gemm takes fp8 codes for a against FP8 experts only")
-    out_dtype = weight.dtype if isinstance(weight, Fp8Experts) else a.dtype
+    out_dtype = a.dtype if isinstance(weight, Tensor) else weight.dtype
+    if out_dtype != a.dtype and a_scale is None:
+        raise ValueError(f"grouped_gemm: a in {a.dtype} against experts in {out_dtype}")
     out = torch.empty(num_pairs, n // 2 if gated else n, dtype=out_dtype, device=a.device)
     # The fastest at Qwen3-30B-A3B's shapes on an H200 (scripts/moe_tiles.py): 64 x 128
     # for decode's few rows per expert (~4 TB/s), 128 x 64 for 64-row blocks, 256 x 64
     # on 8 warps for a prefill's 128-row blocks (1.2x 64-row blocks at 4-8k tokens).
-    # FP8 codes against FP8 experts from 64-row blocks: 128 x 128 on 8 warps in 4 stages
-    # for blocks (1.6 against 3.6 ms at 4,096 tokens), 128 x 64 so for a scale a row.
-    if block_m >= 64 and a_scale is not None:
+    # FP8 codes against FP8 experts, 128-row blocks: 128 x 128 on 8 warps in 4 stages for
+    # blocks (1.6 against 3.6 ms at 4,096 tokens), 128 x 64 so for a scale a row; 64-row
+    # blocks (1,024 tokens): 64 x 128 on 4 warps in 4 stages for blocks (299 against 366
+    # us), 128 x 128 on 8 warps in 3 for a scale a row (205 against 261).
+    if block_m >= 128 and a_scale is not None:
         default = (128, 128 if ops.scales > 1 else 64, 8, 4)
+    elif block_m >= 64 and a_scale is not None:
+        default = (64, 128, 4, 4) if ops.scales > 1 else (128, 128, 8, 3)
     elif block_m >= 128:
         default = (min(256, triton.next_power_of_2(n)), 64, 8, 3)
     elif block_m >= 64:
@@ -173,6 +235,8 @@ def grouped_gemm(
     else:
         default = (64 if n >= 1024 else 32, 128, 4, 3)
     block_n, block_k, num_warps, num_stages = tiles or default
+    if w4 is not None:
+        block_k = 128
     grid = (block_expert.shape[0], triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a,
@@ -192,11 +256,15 @@ def grouped_gemm(
         a_scale if a_scale is not None else a,
         a_scale.stride(0) if a_scale is not None else 0,
         a_scale.stride(1) if a_scale is not None else 0,
+        *((w4.zeros, w4.zeros.stride(0)) if w4 is not None else (a, 0)),
         A_ROW_DIV=a_row_div,
         HAS_SCALE=scale is not None,
         SCALES=ops.scales,
         A_FP8=a_scale is not None,
         GATED=gated,
+        W4_GROUP=w4.group_size if w4 is not None else 0,
+        W4_SCALE_AFTER=w4 is not None and block_m <= W4_SCALE_AFTER_ROWS,
+        PACKED=PACKED_NIBBLES and a.is_cuda and a.dtype != torch.float32,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",  # float32: no TF32 rounding
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -205,6 +273,15 @@ def grouped_gemm(
         num_stages=num_stages,
     )
     return out
+
+
+# 4-bit experts in blocks of up to this many rows take the dense W4A16 kernel's decode
+# form (a dot per nibble's 16 inputs, each group's sum scaled once: kernels/w4a16.py's
+# rule, there measured best up to 32 rows), larger blocks one dot a block of 128 inputs
+# made weights by block_weights. That form at 16-row blocks took a layer of Qwen3-30B-
+# A3B's experts 523 us at 64 tokens against bf16's 297 (H200, docs/benchmarks.md); this
+# one is not measured on experts yet (scripts/moe_tiles.py --w4a16 128 --w4-rows N).
+W4_SCALE_AFTER_ROWS = 32
 
 
 def block_rows(num_pairs: int, num_experts: int) -> int:
@@ -226,7 +303,7 @@ def block_rows(num_pairs: int, num_experts: int) -> int:
 FP8_CODES_ROWS = 16
 
 
-def fp8_input(x: Tensor, weight: Tensor | Fp8Experts, block_m: int) -> tuple[Tensor, Tensor | None]:
+def fp8_input(x: Tensor, weight: Experts, block_m: int) -> tuple[Tensor, Tensor | None]:
     """A grouped GEMM's input as it takes it: x (16-bit), or for FP8 experts at
     FP8_CODES_ROWS rows a block or more, x's e4m3 codes and scales, per token for a scale
     a row, per 128-group for blocks (kernels/fp8_quant.py)."""
@@ -247,15 +324,15 @@ GATED_GEMM = True
 def fused_moe(
     h: Tensor,
     router: Tensor,
-    gate_up: Tensor | Fp8Experts,
-    down: Tensor | Fp8Experts,
+    gate_up: Experts,
+    down: Experts,
     *,
     top_k: int,
     normalize: bool,
     float_out: bool = False,
 ) -> Tensor:
     """h: [T, hidden]; router: [E, hidden]; gate_up: [E, 2 I, hidden]; down:
-    [E, hidden, I] (16-bit as h, or FP8) -> [T, hidden] in h's dtype. `float_out`:
+    [E, hidden, I] (16-bit as h, FP8 or W4A16) -> [T, hidden] in h's dtype. `float_out`:
     torch.mm can take the router's product straight to float32 (route)."""
     num_tokens, hidden = h.shape
     num_experts = router.shape[0]

@@ -29,6 +29,8 @@ from torch import Tensor
 from lmd.engine.turbo.kernels.common import expert_scales
 from lmd.engine.turbo.kernels.vector_gemv import Norm, Route, vector_gemv
 from lmd.engine.turbo.quant.fp8_experts import Fp8Experts, kernel_operands
+from lmd.engine.turbo.quant.load import Experts
+from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
 
 # The mix's tiles (BLOCK_N, BLOCK_K, warps, stages): a program's k experts make a
 # [k, BLOCK_N, BLOCK_K] float32 accumulator, so narrower than vector_gemv's. The
@@ -133,8 +135,8 @@ def experts_vector(
     hidden: Tensor,
     norm: Norm,
     router: Tensor,
-    gate_up: Tensor | Fp8Experts,
-    down: Tensor | Fp8Experts,
+    gate_up: Experts,
+    down: Experts,
     *,
     top_k: int,
     normalize: bool,
@@ -144,7 +146,10 @@ def experts_vector(
     (the module docstring); norm.summed, if given, receives hidden + residual. router:
     [E, H]; gate_up: [E, 2I, H] (gate | up); down: [E, H, I] (16-bit, or both FP8); the
     activation SiLU.
-    count: [1] int32 at 0, the router's launch's counter (vector_gemv's `Route`)."""
+    count: [1] int32 at 0, the router's launch's counter (vector_gemv's `Route`).
+    4-bit experts take kernels/moe.py's path (no kernel here reads their words)."""
+    if isinstance(gate_up, W4A16Experts) or isinstance(down, W4A16Experts):
+        raise ValueError("experts_vector takes 16-bit or FP8 experts, not 4-bit")
     device = hidden.device
     route = Route(
         count,

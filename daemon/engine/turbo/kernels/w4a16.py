@@ -59,7 +59,7 @@ import triton.language as tl
 from torch import Tensor
 
 from lmd.engine.turbo.kernels.w4a16_dense import PACK_K, dense_matmul
-from lmd.engine.turbo.kernels.w4a16_nibbles import biased, block_weights, nibbles
+from lmd.engine.turbo.kernels.w4a16_nibbles import biased, block_weights, block_words, nibbles
 from lmd.engine.turbo.kernels.w4a16_rows import native_rows
 
 SKINNY_ROWS = 16  # up to this many rows of x: the decode tiling
@@ -98,6 +98,43 @@ def _per_col(v, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
+def scaled_after_dots(  # noqa: PLR0917  # Triton functions take positional arguments
+    x_at,
+    x_mask,
+    words,
+    s_ptr,
+    z_ptr,
+    kb,
+    n,
+    cols,
+    col_ok,
+    acc,
+    GROUP: tl.constexpr,
+    DTYPE: tl.constexpr,
+    PACKED: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """acc + x @ W^T over the 128 inputs kb ... of one block of words [16, BLOCK_N], the
+    decode form: a tl.dot per nibble j of (q - z) with x's 16 inputs kb + 16 j ...
+    (x_at + kb + 16 j: [BLOCK_M, 16] pointers, x_mask their rows), exact in float32, and
+    each group's sum scaled once (scales and zero points at s_ptr, z_ptr: [K / G, n])."""
+    part = tl.zeros_like(acc)
+    for j in tl.static_range(8):
+        if (16 * j) % GROUP == 0:  # a group starts: its scales and zero points
+            group = ((kb + 16 * j) // GROUP) * n
+            s = tl.load(s_ptr + group + cols, mask=col_ok, other=0.0).to(DTYPE)
+            z = biased(tl.load(z_ptr + group + cols, mask=col_ok, other=0).to(tl.int32), DTYPE)
+        w = nibbles(words, j, DTYPE, PACKED) - z[None, :]  # [16, BLOCK_N]
+        x = tl.load(x_at + kb + 16 * j, mask=x_mask, other=0.0)  # [BLOCK_M, 16]
+        part = _dot(x, w, part, SWAP_AB, PRECISION)
+        if j == 7 or (16 * (j + 1)) % GROUP == 0:  # the group's (or block's) end
+            acc += part * _per_col(s.to(tl.float32), SWAP_AB)
+            part = tl.zeros_like(part)
+    return acc
+
+
+@triton.jit
 def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     x_ptr,
     q_ptr,
@@ -130,35 +167,18 @@ def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     k_start = split * k_per_split
     k_end = tl.minimum(k, k_start + k_per_split)
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x + tl.arange(0, 16)[None, :]
-    word_rows = tl.arange(0, 16)
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    part = acc  # one group's dots (decode)
-    s = tl.zeros((BLOCK_N,), dtype=dtype)
-    z = tl.zeros((BLOCK_N,), dtype=dtype)
     for k0 in range(k_start, k_end, BLOCK_K):
         for b in tl.static_range(BLOCK_K // 128):
             kb = k0 + 128 * b
-            words = tl.load(
-                q_ptr + (kb // 8 + word_rows)[:, None].to(tl.int64) * n + cols[None, :],
-                mask=col_ok[None, :],
-                other=0,
-            )  # [16, BLOCK_N] int32: nibble j = inputs kb + 16 j ... kb + 16 j + 15
+            words = block_words(q_ptr, kb, n, cols, col_ok)  # [16, BLOCK_N] int32
             if SCALE_AFTER_DOT:  # decode: a tl.dot per 16 inputs, scaled once a group
-                for j in tl.static_range(8):
-                    if (16 * j) % GROUP == 0:  # a group starts: its scales and zero points
-                        group = ((kb + 16 * j) // GROUP) * n
-                        s = tl.load(s_ptr + group + cols, mask=col_ok, other=0.0).to(dtype)
-                        zq = tl.load(z_ptr + group + cols, mask=col_ok, other=0).to(tl.int32)
-                        z = biased(zq, dtype)
-                    w = nibbles(words, j, dtype, PACKED) - z[None, :]  # [16, BLOCK_N]
-                    x = tl.load(x_rows + kb + 16 * j, mask=row_ok[:, None], other=0.0)  # [BM, 16]
-                    part = _dot(x, w, part, SWAP_AB, PRECISION)
-                    if j == 7 or (16 * (j + 1)) % GROUP == 0:  # the group's (or block's) end
-                        acc += part * _per_col(s.to(tl.float32), SWAP_AB)
-                        part = tl.zeros_like(part)
+                acc = scaled_after_dots(x_rows, row_ok[:, None], words, s_ptr, z_ptr, kb, n,
+                                        cols, col_ok, acc, GROUP, dtype, PACKED, SWAP_AB,
+                                        PRECISION)  # fmt: skip
             else:  # one tl.dot for the block's 128 inputs
                 x = tl.load(
                     x_ptr

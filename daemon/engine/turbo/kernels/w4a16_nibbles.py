@@ -49,6 +49,14 @@ def nibbles(words, J: tl.constexpr, DTYPE: tl.constexpr, PACKED: tl.constexpr):
 
 
 @triton.jit
+def block_words(q_ptr, kb, stride, cols, col_ok):
+    """The 16 rows of words [16, BLOCK_N] int32 (rows `stride` apart) that hold the 128
+    inputs kb ... kb + 127 of columns `cols`: nibble j is inputs kb + 16 j ... + 15."""
+    rows = (kb // 8 + tl.arange(0, 16)).to(tl.int64)
+    return tl.load(q_ptr + rows[:, None] * stride + cols[None, :], mask=col_ok[None, :], other=0)
+
+
+@triton.jit
 def block_weights(  # noqa: PLR0917  # Triton functions take positional arguments
     words,
     s_ptr,

@@ -19,11 +19,14 @@ from torch import Tensor
 
 from lmd.engine.turbo.config import UnsupportedModel
 from lmd.engine.turbo.quant.fp8 import Fp8Weight
+from lmd.engine.turbo.quant.fp8_experts import Fp8Experts
 from lmd.engine.turbo.quant.scheme import QuantScheme
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
 from lmd.engine.turbo.quant.w4a16_checkpoint import read_awq, read_gptq
+from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
 
 Linear = Tensor | W4A16Weight | Fp8Weight
+Experts = Tensor | Fp8Experts | W4A16Experts  # a layer's experts of one projection, stacked
 
 
 class Reader(Protocol):
@@ -65,7 +68,7 @@ def read_dense(
     device: torch.device,
 ) -> Tensor:
     """One projection as a [N, K] tensor in `dtype`, whatever form the checkpoint holds
-    it in: a quantized one is dequantized (turbo runs MoE experts 16-bit)."""
+    it in: a quantized one is dequantized (a router; experts turbo runs 16-bit)."""
     if scheme is None or scheme.source == "load" or not _packed(reader, prefix):
         return reader.get(f"{prefix}.weight", dtype, device)
     try:

@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lmd.engine.turbo.config import UnsupportedModel
+from lmd.engine.turbo.config import TurboConfig, UnsupportedModel
+from lmd.engine.turbo.quant.w4a16 import PACK_K
 
 READ_METHODS = ("awq", "gptq", "fp8", "compressed-tensors")
 
@@ -128,3 +129,13 @@ def _compressed_fp8(packed: Mapping[str, Any]) -> QuantScheme:
     if not groups:
         raise UnsupportedModel("a compressed-tensors quantization_config without config_groups")
     return QuantScheme("fp8", "checkpoint")
+
+
+def four_bit_experts(scheme: QuantScheme, config: TurboConfig) -> bool:
+    """Whether a W4A16 scheme's experts run 4-bit (W4A16Experts): their inputs in their
+    own order (no act order) and every K (hidden, the rank's intermediate width) whole
+    blocks of 128 and groups; else they run 16-bit, dequantized at load."""
+    if scheme.method != "w4a16" or scheme.act_order or config.moe is None:
+        return False
+    unit = max(PACK_K, scheme.group_size)
+    return not (config.hidden_size % unit or config.moe.intermediate_size % unit)

@@ -146,7 +146,7 @@ class W4A16Weight:
 
         The Triton kernel on a GPU, and on CPU under Triton's interpreter (tests); on CPU
         without it, dequantize() and F.linear (slow: a reference, not a serving path)."""
-        from lmd.engine.turbo.kernels import interpreting  # triton, imported on first use
+        from lmd.engine.turbo.kernels.common import interpreting  # triton, on first use
 
         n, k = self.shape
         if x.shape[-1] != k or x.dtype != self.dtype:
@@ -172,7 +172,7 @@ class W4A16Weight:
 
     def _gated(self, x: Tensor, bias: Tensor | None, activation: str, ordered: bool) -> Tensor:
         """act(gate) * up of W = gate | up: [..., N / 2]."""
-        from lmd.engine.turbo.kernels import silu_and_mul
+        from lmd.engine.turbo.kernels.activation import silu_and_mul
         from lmd.engine.turbo.kernels.w4a16_rows import native_rows
 
         n, k = self.shape
@@ -189,7 +189,7 @@ class W4A16Weight:
     def _packed_rows(self, x: Tensor, ordered: bool) -> Tensor:
         """x [..., K] as the kernels read it: [M, K] rows of unit stride, the inputs in
         the packed order (gathered, for act order, unless `ordered`)."""
-        from lmd.engine.turbo.kernels import gather_columns
+        from lmd.engine.turbo.kernels.norm import gather_columns
 
         rows = x.reshape(-1, x.shape[-1])
         if rows.stride(1) != 1:

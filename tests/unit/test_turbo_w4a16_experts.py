@@ -1,0 +1,172 @@
+"""4-bit experts (quant/w4a16_experts.py) in kernels/moe.py: the grouped GEMM and a layer
+of experts (with one token too, which takes that path for them) against the same math in
+float32 on the dequantized experts, in groups of 128 and of 64; and the loading:
+`--quantization w4a16` rounds each expert as W4A16Weight.quantize does (one by one or
+stacked), an AWQ checkpoint's experts stay its words, while an act-order checkpoint's and
+widths off 128 stay 16-bit and say so. Through Triton's interpreter without CUDA
+(float16: the interpreter's dots take no bfloat16).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+# First: without CUDA this switches Triton to its interpreter before turbo is imported.
+from tests.unit.test_turbo_kernels import DEVICE, ON_CUDA, TOLERANCE, rel_err
+
+pytest.importorskip("triton")
+
+from lmd.engine.turbo.backend import TurboBackend
+from lmd.engine.turbo.config import TurboConfig
+from lmd.engine.turbo.kernels import moe, moe_align
+from lmd.engine.turbo.quant.scheme import QuantScheme
+from lmd.engine.turbo.quant.w4a16 import W4A16Weight
+from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
+from lmd.engine.turbo.weights import load_weights
+from tests.models import TINY_SHAPE
+from tests.unit.test_turbo_fp8_experts import experts_checkpoint
+from tests.unit.test_turbo_moe import moe_ref
+from tests.unit.test_turbo_quant_checkpoints import moe_dir  # noqa: F401  (a fixture)
+
+CPU = torch.device("cpu")
+DTYPES = [torch.float16, torch.bfloat16] if ON_CUDA else [torch.float16]
+DTYPE = torch.float16 if ON_CUDA else torch.float32  # a backend's
+HIDDEN, INTER = 256, 128  # gate|up's K two blocks of 128, down's one
+
+
+def four_bit(
+    shape: tuple[int, int, int], group: int, dtype: torch.dtype, seed: int
+) -> W4A16Experts:
+    """E random experts of [N, K], each its own range, rounded to 4 bits one by one."""
+    e, n, k = shape
+    gen = torch.Generator().manual_seed(seed)
+    ranges = torch.arange(1, e + 1)[:, None, None] / 8
+    return W4A16Experts.quantize((torch.randn(e, n, k, generator=gen) * ranges).to(dtype), group)
+
+
+def on_device(experts: W4A16Experts) -> W4A16Experts:
+    return W4A16Experts(
+        experts.qweight.to(DEVICE), experts.scales.to(DEVICE), experts.zeros.to(DEVICE),
+        experts.group_size,
+    )  # fmt: skip
+
+
+def test_experts_hold_their_parts_words() -> None:
+    part = W4A16Weight.quantize(torch.randn(128, 256, dtype=torch.float16))
+    experts = W4A16Experts.empty((2, 256, 256), 128, torch.float16, CPU)
+    experts.put(1, 128, part)  # up's outputs of an expert whose gate is outputs 0..127
+    assert torch.equal(experts.expert(1).dequantize()[128:], part.dequantize())
+    assert experts.shape == (2, 256, 256) and experts.dtype == torch.float16
+    assert experts.nbytes == 2 * (256 * 256 // 2 + 2 * 256 * 2 + 2 * 256)
+    ordered = W4A16Weight(part.qweight, part.scales, part.zeros, perm=torch.arange(256))
+    with pytest.raises(ValueError, match="act order: True"):
+        experts.put(0, 0, ordered)
+    with pytest.raises(ValueError, match="in groups of 64"):
+        experts.put(0, 0, W4A16Weight.quantize(torch.randn(128, 256), 64))
+    with pytest.raises(ValueError, match="not a multiple of 128"):
+        W4A16Experts.empty((2, 256, 96), 128, torch.float16, CPU)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [128, 64])
+@pytest.mark.parametrize("num_tokens", [3, 70, 150])
+@pytest.mark.parametrize("scale_after", [32, 0], ids=["decode-form", "block-weights"])
+def test_the_grouped_gemm_of_w4a16_experts_is_their_meaning(
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+    group: int,
+    num_tokens: int,
+    scale_after: int,
+) -> None:
+    """gate|up's and down's products against float32 products with the dequantized
+    experts, in 16-, 32- and 64-row blocks (3, 70 and 150 tokens over 4 experts), each
+    128 inputs' products in either form (moe.W4_SCALE_AFTER_ROWS)."""
+    monkeypatch.setattr(moe, "W4_SCALE_AFTER_ROWS", scale_after)
+    num_experts, top_k = 4, 2
+    gate_up = on_device(four_bit((num_experts, 2 * INTER, HIDDEN), group, dtype, num_tokens))
+    down = on_device(four_bit((num_experts, HIDDEN, INTER), group, dtype, num_tokens + 1))
+    gen = torch.Generator().manual_seed(num_tokens)
+    h = torch.randn(num_tokens, HIDDEN, generator=gen).to(dtype).to(DEVICE)
+    experts = torch.randint(0, num_experts, (num_tokens, top_k), generator=gen).to(DEVICE)
+    num_pairs = num_tokens * top_k
+    block_m = moe.block_rows(num_pairs, num_experts)
+    layout = moe_align.align(experts, num_experts, block_m)
+    flat = experts.flatten().cpu()
+    act = torch.randn(num_pairs, INTER, generator=gen).to(dtype).to(DEVICE)  # down's input
+    for weight, rows, div in ((gate_up, h, top_k), (down, act, 1)):
+        out = moe.grouped_gemm(
+            rows, weight, *layout, num_pairs=num_pairs, a_row_div=div, block_m=block_m
+        )
+        dense = weight.dequantize().cpu()
+        ref = torch.stack(
+            [dense[int(flat[p])] @ rows[p // div].float().cpu() for p in range(num_pairs)]
+        )
+        assert out.dtype == dtype and rel_err(out.cpu(), ref) < TOLERANCE[dtype], weight.shape
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_tokens", "top_k"), [(1, 2), (40, 2), (9, 4)])
+def test_a_layer_of_w4a16_experts_equals_the_loop(
+    dtype: torch.dtype, num_tokens: int, top_k: int
+) -> None:
+    """fused_moe (gate|up with its SiLU, the routing weights, the sum over k) against
+    transformers' loop on the dequantized experts."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    router = torch.randn(8, HIDDEN, generator=gen).to(dtype).to(DEVICE)
+    gate_up = on_device(four_bit((8, 2 * INTER, HIDDEN), 128, dtype, 1))
+    down = on_device(four_bit((8, HIDDEN, INTER), 128, dtype, 2))
+    h = torch.randn(num_tokens, HIDDEN, generator=gen).to(dtype).to(DEVICE)
+    ref = moe_ref(h, router, gate_up.dequantize(), down.dequantize(), top_k, True)
+    out = moe.fused_moe(h, router, gate_up, down, top_k=top_k, normalize=True)
+    assert rel_err(out, ref) < 4 * TOLERANCE[dtype]
+    with pytest.raises(ValueError, match="against experts in"):
+        moe.fused_moe(h.float(), router.float(), gate_up, down, top_k=top_k, normalize=True)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["per-expert", "stacked"])
+def test_w4a16_at_load_rounds_each_expert(
+    moe_dir: Path,  # noqa: F811  (the fixture)
+    tmp_path: Path,
+    stacked: bool,
+) -> None:
+    """--quantization w4a16 on a 16-bit MoE checkpoint: each expert's projections become
+    exactly W4A16Weight.quantize of its 16-bit rows (gate | up as one weight), whether
+    the checkpoint holds the experts one by one or stacked; the model says so."""
+    model, per_expert = experts_checkpoint(moe_dir, tmp_path, stacked)
+    scheme = QuantScheme("w4a16", "load")
+    weights = load_weights(model, TurboConfig.load(model), CPU, torch.bfloat16, scheme)
+    experts = weights.layers[0].experts
+    assert experts is not None
+    assert isinstance(experts.gate_up, W4A16Experts) and isinstance(experts.down, W4A16Experts)
+    assert experts.gate_up.nbytes == 4 * (512 * 256 // 2 + 2 * 512 * 2 + 2 * 512)
+    for j in range(4):
+        gate_up = torch.cat([per_expert["gate_proj"][j], per_expert["up_proj"][j]])
+        for got, rows in ((experts.gate_up, gate_up), (experts.down, per_expert["down_proj"][j])):
+            want, mine = W4A16Weight.quantize(rows.to(torch.bfloat16)), got.expert(j)
+            assert torch.equal(mine.qweight, want.qweight) and torch.equal(mine.zeros, want.zeros)
+            assert torch.equal(mine.scales, want.scales)
+    turbo = TurboBackend(
+        model, DEVICE, torch.float16 if ON_CUDA else torch.float32, quantization="w4a16"
+    )
+    assert turbo.quantization == "w4a16 (round to nearest at load, group 128)"
+
+
+def test_experts_off_128_stay_sixteen_bit_and_say_so(tmp_path: Path) -> None:
+    """--quantization w4a16 on experts 96 wide (down's K no whole block of 128; a
+    checkpoint's are whole groups): they stay 16-bit, and the backend says so."""
+    shape = {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 96}
+    config = Qwen3MoeConfig(**(TINY_SHAPE | shape | {"hidden_size": 128, "head_dim": 32}))
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(config).save_pretrained(tmp_path)
+    scheme = QuantScheme("w4a16", "load")
+    weights = load_weights(tmp_path, TurboConfig.load(tmp_path), CPU, torch.float32, scheme)
+    experts = weights.layers[0].experts
+    assert experts is not None and isinstance(experts.gate_up, Tensor)
+    assert isinstance(weights.layers[0].qkv, W4A16Weight)
+    turbo = TurboBackend(tmp_path, DEVICE, DTYPE, quantization="w4a16")
+    assert turbo.quantization == "w4a16 (round to nearest at load, group 128); experts 16-bit"
