@@ -157,16 +157,23 @@ def test_the_memory_plan_counts_weights_as_they_will_load(tmp_path: Path) -> Non
     assert w4 == pytest.approx((linear + fp8) * (0.5 + 4 / 128) + 2 * embed + packed, abs=2)
 
 
-def test_the_memory_plan_counts_experts_as_they_will_load(tmp_path: Path) -> None:
-    """turbo dequantizes a 4-bit checkpoint's experts at load (2 bytes a weight in bf16,
-    their scales and zero points nothing), keeps an FP8 checkpoint's (1 byte and its
-    float32 scales), and --quantization fp8 makes 16-bit experts 1 byte a weight."""
-    expert = "model.layers.0.mlp.experts.3"
-    tensors = {
-        f"{expert}.gate_proj.qweight": torch.zeros(16, 256, dtype=torch.int32),  # 128 x 256
+def gptq_gate(expert: str) -> dict[str, torch.Tensor]:
+    """A GPTQ checkpoint's gate_proj of `expert`, 128 inputs x 256 outputs, as stored."""
+    return {
+        f"{expert}.gate_proj.qweight": torch.zeros(16, 256, dtype=torch.int32),
         f"{expert}.gate_proj.qzeros": torch.zeros(1, 32, dtype=torch.int32),
         f"{expert}.gate_proj.scales": torch.zeros(1, 256, dtype=torch.float16),
         f"{expert}.gate_proj.g_idx": torch.zeros(128, dtype=torch.int32),
+    }
+
+
+def test_the_memory_plan_counts_experts_as_they_will_load(tmp_path: Path) -> None:
+    """Without a config.json that lets turbo keep them 4-bit (none here), a 4-bit
+    checkpoint's experts count as dequantized at load (2 bytes a weight in bf16, their
+    scales and zero points nothing); an FP8 checkpoint's are kept (1 byte and its float32
+    scales), and --quantization fp8 makes 16-bit experts 1 byte a weight."""
+    expert = "model.layers.0.mlp.experts.3"
+    tensors = gptq_gate(expert) | {
         f"{expert}.up_proj.weight": torch.zeros(256, 128).to(torch.float8_e4m3fn),
         f"{expert}.up_proj.weight_scale_inv": torch.zeros(2, 1, dtype=torch.bfloat16),
         f"{expert}.down_proj.weight": torch.zeros(128, 256, dtype=torch.bfloat16),
@@ -191,12 +198,7 @@ def test_the_memory_plan_counts_four_bit_experts_kept_four_bit(tmp_path: Path) -
     }
     config = Qwen3MoeConfig(**(TINY_SHAPE | fields)).to_dict() | {"architectures": [ARCH]}
     expert = "model.layers.0.mlp.experts.3"
-    tensors = {
-        f"{expert}.gate_proj.qweight": torch.zeros(16, 256, dtype=torch.int32),  # 128 x 256
-        f"{expert}.gate_proj.qzeros": torch.zeros(1, 32, dtype=torch.int32),
-        f"{expert}.gate_proj.scales": torch.zeros(1, 256, dtype=torch.float16),
-        f"{expert}.gate_proj.g_idx": torch.zeros(128, dtype=torch.int32),
-    }
+    tensors = gptq_gate(expert)
     save_file(tensors, str(tmp_path / "model.safetensors"))
     size = 128 * 256
     for quant, kept in ((GPTQ, size // 2 + 2 * 256 + 256), (GPTQ | {"desc_act": True}, 2 * size)):

@@ -32,6 +32,7 @@ from lmd.engine.turbo.kernels.vector_gemv import Norm, vector_gemv
 from lmd.engine.turbo.quant.fp8 import Fp8Weight, quantize_per_token_ref
 from lmd.engine.turbo.quant.fp8_experts import Fp8Experts
 from lmd.engine.turbo.quant.scheme import QuantScheme, read_scheme
+from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
 from lmd.engine.turbo.weights import load_weights
 from tests.models import TINY_SHAPE
 from tests.unit.test_turbo_moe import moe_ref
@@ -94,9 +95,21 @@ def test_the_grouped_gemm_of_fp8_experts_is_their_meaning(
 ) -> None:
     """gate|up's and down's products with 16-bit inputs against float32 products with the
     dequantized experts (the activation and the routing weights: fused_moe's tests)."""
-    num_experts, top_k = 4, 2
-    _, gate_up, down = experts_layer(blocks, dtype, num_experts, num_tokens)
-    hidden, inter = SHAPES[blocks]
+    _, gate_up, down = experts_layer(blocks, dtype, 4, num_tokens)
+    assert_grouped_gemms(gate_up, down, SHAPES[blocks], dtype, num_tokens)
+
+
+def assert_grouped_gemms(
+    gate_up: Fp8Experts | W4A16Experts,
+    down: Fp8Experts | W4A16Experts,
+    shape: tuple[int, int],
+    dtype: torch.dtype,
+    num_tokens: int,
+) -> None:
+    """gate|up's and down's grouped GEMMs (4 experts, 2 a token, routed at random; random
+    16-bit inputs) each within TOLERANCE[dtype] of float32 products with the dequantized
+    experts, in `dtype`; shape: (hidden, the experts' width)."""
+    (hidden, inter), num_experts, top_k = shape, 4, 2
     gen = torch.Generator().manual_seed(num_tokens)
     h = torch.randn(num_tokens, hidden, generator=gen).to(dtype).to(DEVICE)
     experts = torch.randint(0, num_experts, (num_tokens, top_k), generator=gen).to(DEVICE)
@@ -113,7 +126,7 @@ def test_the_grouped_gemm_of_fp8_experts_is_their_meaning(
         ref = torch.stack(
             [dense[int(flat[p])] @ rows[p // div].float().cpu() for p in range(num_pairs)]
         )
-        assert rel_err(out.cpu(), ref) < TOLERANCE[dtype], weight.shape
+        assert out.dtype == dtype and rel_err(out.cpu(), ref) < TOLERANCE[dtype], weight.shape
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -23,13 +23,13 @@ pytest.importorskip("triton")
 
 from lmd.engine.turbo.backend import TurboBackend
 from lmd.engine.turbo.config import TurboConfig
-from lmd.engine.turbo.kernels import moe, moe_align
+from lmd.engine.turbo.kernels import moe
 from lmd.engine.turbo.quant.scheme import QuantScheme
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
 from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
 from lmd.engine.turbo.weights import load_weights
 from tests.models import TINY_SHAPE
-from tests.unit.test_turbo_fp8_experts import experts_checkpoint
+from tests.unit.test_turbo_fp8_experts import assert_grouped_gemms, experts_checkpoint
 from tests.unit.test_turbo_moe import moe_ref
 from tests.unit.test_turbo_quant_checkpoints import moe_dir  # noqa: F401  (a fixture)
 
@@ -87,26 +87,9 @@ def test_the_grouped_gemm_of_w4a16_experts_is_their_meaning(
     experts, in 16-, 32- and 64-row blocks (3, 70 and 150 tokens over 4 experts), each
     128 inputs' products in either form (moe.W4_SCALE_AFTER_ROWS)."""
     monkeypatch.setattr(moe, "W4_SCALE_AFTER_ROWS", scale_after)
-    num_experts, top_k = 4, 2
-    gate_up = on_device(four_bit((num_experts, 2 * INTER, HIDDEN), group, dtype, num_tokens))
-    down = on_device(four_bit((num_experts, HIDDEN, INTER), group, dtype, num_tokens + 1))
-    gen = torch.Generator().manual_seed(num_tokens)
-    h = torch.randn(num_tokens, HIDDEN, generator=gen).to(dtype).to(DEVICE)
-    experts = torch.randint(0, num_experts, (num_tokens, top_k), generator=gen).to(DEVICE)
-    num_pairs = num_tokens * top_k
-    block_m = moe.block_rows(num_pairs, num_experts)
-    layout = moe_align.align(experts, num_experts, block_m)
-    flat = experts.flatten().cpu()
-    act = torch.randn(num_pairs, INTER, generator=gen).to(dtype).to(DEVICE)  # down's input
-    for weight, rows, div in ((gate_up, h, top_k), (down, act, 1)):
-        out = moe.grouped_gemm(
-            rows, weight, *layout, num_pairs=num_pairs, a_row_div=div, block_m=block_m
-        )
-        dense = weight.dequantize().cpu()
-        ref = torch.stack(
-            [dense[int(flat[p])] @ rows[p // div].float().cpu() for p in range(num_pairs)]
-        )
-        assert out.dtype == dtype and rel_err(out.cpu(), ref) < TOLERANCE[dtype], weight.shape
+    gate_up = on_device(four_bit((4, 2 * INTER, HIDDEN), group, dtype, num_tokens))
+    down = on_device(four_bit((4, HIDDEN, INTER), group, dtype, num_tokens + 1))
+    assert_grouped_gemms(gate_up, down, (HIDDEN, INTER), dtype, num_tokens)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
