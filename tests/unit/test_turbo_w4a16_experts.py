@@ -9,6 +9,7 @@ widths off 128 stay 16-bit and say so. Through Triton's interpreter without CUDA
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ pytest.importorskip("triton")
 from lmd.engine.turbo.backend import TurboBackend
 from lmd.engine.turbo.config import TurboConfig
 from lmd.engine.turbo.kernels import moe
-from lmd.engine.turbo.quant.scheme import QuantScheme
+from lmd.engine.turbo.quant.scheme import QuantScheme, four_bit_experts
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
 from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
 from lmd.engine.turbo.weights import load_weights
@@ -137,6 +138,23 @@ def test_w4a16_at_load_rounds_each_expert(
         model, DEVICE, torch.float16 if ON_CUDA else torch.float32, quantization="w4a16"
     )
     assert turbo.quantization == "w4a16 (round to nearest at load, group 128)"
+
+
+def test_four_bit_experts_where_the_scheme_and_the_widths_allow(
+    moe_dir: Path,  # noqa: F811  (the fixture)
+) -> None:
+    """Hidden and the experts' width (256 each here) whole blocks of 128 and of the
+    groups, groups that divide 128 or are whole blocks of it, no act order."""
+    config = TurboConfig.load(moe_dir)
+    w4 = QuantScheme("w4a16", "load")
+    assert four_bit_experts(w4, config) and four_bit_experts(replace(w4, group_size=64), config)
+    assert not four_bit_experts(replace(w4, act_order=True), config)
+    assert not four_bit_experts(replace(w4, group_size=96), config)
+    assert not four_bit_experts(replace(w4, group_size=512), config)
+    assert not four_bit_experts(QuantScheme("fp8", "load"), config)
+    assert config.moe is not None
+    narrow = replace(config, moe=replace(config.moe, intermediate_size=192))
+    assert not four_bit_experts(w4, narrow)
 
 
 def test_experts_off_128_stay_sixteen_bit_and_say_so(tmp_path: Path) -> None:

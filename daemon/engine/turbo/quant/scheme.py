@@ -133,9 +133,13 @@ def _compressed_fp8(packed: Mapping[str, Any]) -> QuantScheme:
 
 def four_bit_experts(scheme: QuantScheme, config: TurboConfig) -> bool:
     """Whether a W4A16 scheme's experts run 4-bit (W4A16Experts): their inputs in their
-    own order (no act order) and every K (hidden, the rank's intermediate width) whole
-    blocks of 128 and groups; else they run 16-bit, dequantized at load."""
+    own order (no act order), groups that divide 128 or are whole blocks of it, and every
+    K (hidden, the rank's intermediate width) whole blocks of 128 and groups; else they
+    run 16-bit, dequantized at load."""
+    group = scheme.group_size
     if scheme.method != "w4a16" or scheme.act_order or config.moe is None:
         return False
-    unit = max(PACK_K, scheme.group_size)
+    if PACK_K % group and group % PACK_K:
+        return False
+    unit = max(PACK_K, group)
     return not (config.hidden_size % unit or config.moe.intermediate_size % unit)
