@@ -36,7 +36,7 @@ from lmd.engine.turbo.exchange import PeerExchange
 from lmd.engine.turbo.graphs import DecodeGraphs
 from lmd.engine.turbo.model import TurboModel
 from lmd.engine.turbo.quant.fp8 import fp8_supported
-from lmd.engine.turbo.quant.scheme import four_bit_experts, read_scheme
+from lmd.engine.turbo.quant.scheme import quantized_experts, read_scheme
 from lmd.engine.turbo.rope import layer_rope_tables
 from lmd.engine.turbo.step_inputs import StepInputs
 from lmd.engine.turbo.weights import eos_token_ids, load_weights
@@ -161,10 +161,8 @@ class TurboBackend(GraphedDecode):
     def quantization(self) -> str | None:
         if self.scheme is None:
             return None
-        sixteen = self.config.moe is not None and self.scheme.method != "fp8"
-        if sixteen and four_bit_experts(self.scheme, self.config):
-            sixteen = False
-        experts = "; experts 16-bit" if sixteen else ""  # act order or K off 128: dequantized
+        sixteen = self.config.moe is not None and not quantized_experts(self.scheme, self.config)
+        experts = "; experts 16-bit" if sixteen else ""  # e.g. act order: dequantized at load
         return f"{self.scheme.describe()}{experts}"
 
     @property

@@ -31,7 +31,7 @@ from lmd.engine.turbo.config import TurboConfig, UnsupportedModel
 from lmd.engine.turbo.quant.fp8 import Fp8Weight
 from lmd.engine.turbo.quant.fp8_experts import Fp8Experts
 from lmd.engine.turbo.quant.load import Experts, Linear, fold_down_order, load_linear, read_dense
-from lmd.engine.turbo.quant.scheme import QuantScheme, four_bit_experts
+from lmd.engine.turbo.quant.scheme import QuantScheme, quantized_experts
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
 from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
 
@@ -225,7 +225,7 @@ def load_experts(
     `experts.down_proj`) when a checkpoint has that. Under an FP8 scheme the experts are
     FP8 (Fp8Experts: a checkpoint's codes and scales, or quantized here per channel);
     under W4A16 4-bit (W4A16Experts: a checkpoint's words, or rounded here) where
-    `four_bit_experts` allows, else 16-bit (a checkpoint's dequantized). `config` is the
+    `quantized_experts` allows, else 16-bit (a checkpoint's dequantized). `config` is the
     rank's (its part of each expert's width), as `reader` reads them."""
     moe = config.moe
     if moe is None:
@@ -234,9 +234,7 @@ def load_experts(
     prefix = f"model.layers.{layer}.{block}"
     router = read_dense(reader, f"{prefix}.{router_name}", scheme, dtype, device)
     e, i, hidden = moe.num_experts, moe.intermediate_size, config.hidden_size
-    kept = scheme if scheme is not None and scheme.method == "fp8" else None
-    if scheme is not None and four_bit_experts(scheme, config):
-        kept = scheme
+    kept = scheme if scheme is not None and quantized_experts(scheme, config) else None
     if f"{prefix}.experts.gate_up_proj" in reader:
         gate_up, down_all = (
             reader.get(f"{prefix}.experts.{name}", dtype, device)

@@ -202,11 +202,13 @@ def grouped_gemm(
     dtype. W4A16Experts: BLOCK_K is 128 (a slice's 16 rows of words).
     """
     _, n, k = weight.shape
-    w4 = weight if isinstance(weight, W4A16Experts) else None
-    if isinstance(weight, W4A16Experts):  # the words, their scales as FP8's per row
-        ops = Operands(weight.qweight, (weight.scales, weight.scales.stride(0), 0, 0), 0)
+    if isinstance(weight, W4A16Experts):  # the words; the scales at FP8's, the zeros own
+        w4, ops = (
+            weight,
+            Operands(weight.qweight, (weight.scales, weight.scales.stride(0), 0, 0), 0),
+        )
     else:
-        ops = kernel_operands(weight, a)
+        w4, ops = None, kernel_operands(weight, a)
     if a.shape[1] != k or a.stride(1) != 1 or ops.codes.stride(2) != 1:
         raise ValueError(f"grouped_gemm: a {tuple(a.shape)} against weights {tuple(weight.shape)}")
     if gated and (n % 2 or scale is not None):

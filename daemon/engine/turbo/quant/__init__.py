@@ -5,7 +5,7 @@
 (q|k|v, gate|up, o, down) in that form; `w4a16` and `fp8` hold the weights and run their
 GEMMs (kernels/w4a16.py, kernels/fp8.py); `fp8_experts` and `w4a16_experts` hold a layer
 of MoE experts stacked (kernels/moe.py runs them). The embedding, the output head and
-norms stay 16-bit, as do experts a 4-bit scheme cannot stack (`scheme.four_bit_experts`:
+norms stay 16-bit, as do experts a 4-bit scheme cannot stack (`scheme.quantized_experts`:
 dequantized at load, `load.read_dense`).
 """
 

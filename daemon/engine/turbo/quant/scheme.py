@@ -131,6 +131,13 @@ def _compressed_fp8(packed: Mapping[str, Any]) -> QuantScheme:
     return QuantScheme("fp8", "checkpoint")
 
 
+def quantized_experts(scheme: QuantScheme, config: TurboConfig) -> bool:
+    """Whether a model's MoE experts run in the scheme's form: FP8 always (Fp8Experts),
+    W4A16 where four_bit_experts allows (W4A16Experts); else 16-bit, a quantized
+    checkpoint's dequantized at load."""
+    return scheme.method == "fp8" or four_bit_experts(scheme, config)
+
+
 def four_bit_experts(scheme: QuantScheme, config: TurboConfig) -> bool:
     """Whether a W4A16 scheme's experts run 4-bit (W4A16Experts): their inputs in their
     own order (no act order), groups that divide 128 or are whole blocks of it, and every

@@ -8,11 +8,11 @@ Expert e is quant/w4a16.py's W4A16Weight of qweight[e], scales[e], zeros[e]:
     scales  [E, K / G, N]           the activations' dtype
     zeros   [E, K / G, N] uint8
 
-K (an expert's inputs) a multiple of 128 and of G. The grouped GEMM turns each 128 inputs'
-16 rows of words into a [128, BLOCK_N] tile of 16-bit weights in registers
-(kernels/w4a16_nibbles.py's block_weights) and multiplies on 16-bit tensor cores: a
-quarter of a 16-bit expert's bytes. Inputs in their own order only: an act-order expert
-(each its own g_idx) or a K off 128 stays 16-bit (weights.load_experts decides).
+K (an expert's inputs) a multiple of 128 and of G. The grouped GEMM makes the words 16-bit
+weights in registers, 128 inputs at a time (kernels/moe.py), and multiplies on 16-bit
+tensor cores: a quarter of a 16-bit expert's bytes. Inputs in their own order only: an
+act-order expert (each its own g_idx) or a K off 128 stays 16-bit
+(quant/scheme.py's four_bit_experts decides).
 """
 
 from __future__ import annotations
@@ -64,16 +64,12 @@ class W4A16Experts:
             out.put(j, 0, W4A16Weight.quantize(stacked[j], group_size))
         return out
 
-    @staticmethod
-    def holds(part: W4A16Weight) -> bool:
-        """Whether an expert's projection fits the stack: its inputs in their own order
-        (no act order) and none added at load (K a multiple of 128 and of the group)."""
-        return part.perm is None and part.in_features is None
-
     def put(self, expert: int, row: int, part: W4A16Weight) -> None:
-        """Expert `expert`'s outputs from `row` (gate at 0, up at I) are `part`'s."""
+        """Expert `expert`'s outputs from `row` (gate at 0, up at I) are `part`'s: its
+        inputs in their own order (no act order), none added at load, the stack's groups."""
         n, k = part.shape
-        if not self.holds(part) or part.group_size != self.group_size or k != self.shape[2]:
+        fits = part.perm is None and part.in_features is None and k == self.shape[2]
+        if not fits or part.group_size != self.group_size:
             raise ValueError(
                 f"a W4A16 part [{n}, {k}] in groups of {part.group_size} (act order: "
                 f"{part.perm is not None}) in experts {self.shape} in groups of {self.group_size}"
