@@ -48,6 +48,30 @@ def w4a16_rows(
 ) -> None:
     """y = x W^T (+ b) for 1-16 rows on the tensor cores, enqueued on a CUstream."""
 
+def w4a16_experts(
+    device: int,
+    x: int,
+    q: int,
+    s: int,
+    z: int,
+    pairs: int,
+    experts: int,
+    weights: int,
+    y: int,
+    rows: int,
+    blocks: int,
+    num_pairs: int,
+    row_div: int,
+    n: int,
+    k: int,
+    x_stride: int,
+    bf16: bool,
+    warps: int,
+    stream: int,
+) -> None:
+    """y[p] = x[p / row_div] W_e^T (* weights[p]) for blocks of 8 or 16 pairs sorted by
+    expert, on the tensor cores, enqueued on a CUstream."""
+
 def w4a16_wide(
     device: int,
     x: int,

@@ -16,6 +16,10 @@ constexpr const char* kNames[2][2] = {
     {"lmd_w4a16_rows_f16_m8", "lmd_w4a16_rows_f16_m16"},
     {"lmd_w4a16_rows_bf16_m8", "lmd_w4a16_rows_bf16_m16"},
 };
+constexpr const char* kExpertsNames[2][2] = {
+    {"lmd_w4a16_experts_f16_m8", "lmd_w4a16_experts_f16_m16"},
+    {"lmd_w4a16_experts_bf16_m8", "lmd_w4a16_experts_bf16_m16"},
+};
 constexpr const char* kWideNames[2] = {"lmd_w4a16_wide_f16_m32", "lmd_w4a16_wide_bf16_m32"};
 constexpr const char* kWgmmaNames[2] = {"lmd_w4a16_wgmma_f16_m64", "lmd_w4a16_wgmma_bf16_m64"};
 constexpr const char* kFp8Names[2][2] = {
@@ -29,6 +33,8 @@ struct Loaded {
   cu::Module wide_module = nullptr;
   cu::Function kernels[2][2] = {};
   cu::Function wide[2] = {};
+  cu::Module experts_module = nullptr;
+  cu::Function experts[2][2] = {};
   std::string error;  // why not loaded; "" when loaded
   cu::Module fp8_module = nullptr;  // loaded apart: it needs sm_89 where W4A16 needs sm_80
   cu::Function fp8[2][2] = {};
@@ -95,7 +101,10 @@ Loaded load(int ordinal) {
     ScopedContext scope(d, out.context);
     d.check(d.cuModuleLoadData(&out.module, kW4a16RowsPtx), "cuModuleLoadData(w4a16_rows)");
     d.check(d.cuModuleLoadData(&out.wide_module, kW4a16WidePtx), "cuModuleLoadData(w4a16_wide)");
+    d.check(d.cuModuleLoadData(&out.experts_module, kW4a16ExpertsPtx),
+            "cuModuleLoadData(w4a16_experts)");
     get_functions(d, out.module, kNames, out.kernels);
+    get_functions(d, out.experts_module, kExpertsNames, out.experts);
     for (int bf16 = 0; bf16 < 2; ++bf16) {
       d.check(d.cuModuleGetFunction(&out.wide[bf16], out.wide_module, kWideNames[bf16]),
               kWideNames[bf16]);
@@ -206,6 +215,36 @@ void launch_w4a16_rows(int ordinal, const W4a16RowsArgs& args, bool bf16, int wa
   if (!wrong.empty()) throw std::invalid_argument(wrong);
   const Loaded& l = loaded_or_throw(ordinal);
   launch_rows(l, l.kernels, args, bf16, warps, stream, "cuLaunchKernel(w4a16_rows)");
+}
+
+std::string w4a16_experts_check(const W4a16ExpertsArgs& a, int rows, int blocks, int warps) {
+  if ((rows != 8 && rows != 16) || blocks < 1 || blocks > 65535 || a.n < 1 ||
+      a.n % kW4a16RowsColumns || a.k < 128 || a.k % 128 || a.x_stride < a.k ||
+      a.num_pairs < 1 || a.row_div < 1) {
+    return "w4a16_experts: rows must be 8 or 16, blocks 1..65535, n a multiple of 32, k of "
+           "128, x_stride >= k, num_pairs and row_div >= 1";
+  }
+  const std::string warps_error = rows_warps_error("w4a16_experts", rows, warps);
+  if (!warps_error.empty()) return warps_error;
+  // w4a16_rows' loads, and 4-byte pair ids, experts and routing weights.
+  if (!a.x || !a.q || !a.s || !a.z || !a.pairs || !a.experts || !a.y || a.x % 8 ||
+      a.x_stride % 4 || a.q % 16 || a.s % 8 || a.z % 4 || a.pairs % 4 || a.experts % 4 ||
+      a.weights % 4 || a.y % 2) {
+    return "w4a16_experts: a null or misaligned address";
+  }
+  return "";
+}
+
+void launch_w4a16_experts(int ordinal, const W4a16ExpertsArgs& args, int rows, int blocks,
+                          bool bf16, int warps, std::uintptr_t stream) {
+  const std::string wrong = w4a16_experts_check(args, rows, blocks, warps);
+  if (!wrong.empty()) throw std::invalid_argument(wrong);
+  const Loaded& l = loaded_or_throw(ordinal);
+  const int tiles = rows / 8;
+  const unsigned sums = static_cast<unsigned>(warps) * tiles * 8 * 32 * sizeof(float);
+  launch(l, l.experts[bf16 ? 1 : 0][tiles - 1], args,
+         static_cast<unsigned>(args.n / kW4a16RowsColumns), static_cast<unsigned>(blocks),
+         static_cast<unsigned>(warps) * 32, sums, stream, "cuLaunchKernel(w4a16_experts)");
 }
 
 namespace {

@@ -2,12 +2,15 @@
 a few tilings, at decode and prefill sizes: which tiles to take where.
 
     python3 scripts/moe_tiles.py [--tokens 1,8,64,256,4096] [--fp8 rows|blocks]
-        [--codes-rows N] [--w4a16 GROUP] [--w4-rows N]
+        [--codes-rows N] [--w4a16 GROUP] [--w4-rows N] [--expert-warps 2,4,8] [--no-native]
 
 Random bf16 inputs, E = 128 experts, k = 8, hidden 2,048, I = 768; with --fp8 the experts
 quantized (quant/fp8_experts.py: a scale a row, or 128x128 blocks), with --w4a16 rounded
 to 4 bits in groups of GROUP (quant/w4a16_experts.py; tiles' BLOCK_K is then 128), blocks
-of up to --w4-rows rows in the decode form (moe.W4_SCALE_AFTER_ROWS). Times are
+of up to --w4-rows rows in the decode form (moe.W4_SCALE_AFTER_ROWS); blocks of up to 16
+rows take the native experts kernel on the default tiles (kernels/w4a16_rows.py; with
+--expert-warps it is timed at each count of warps a CTA instead of the Triton tilings,
+which take 16-row blocks and up; --no-native: the Triton kernel for all). Times are
 `triton.testing.do_bench_cudagraph` medians (no launch overhead), with the bytes of the
 experts the tokens hit over that time.
 """
@@ -21,7 +24,7 @@ from functools import partial
 import torch
 import triton
 
-from lmd.engine.turbo.kernels import moe, moe_align, routing
+from lmd.engine.turbo.kernels import moe, moe_align, routing, w4a16_rows
 from lmd.engine.turbo.quant.fp8_experts import Fp8Experts
 from lmd.engine.turbo.quant.load import Experts
 from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
@@ -50,7 +53,10 @@ def main() -> None:
     parser.add_argument(
         "--codes-rows", type=int, default=0, help="moe.FP8_CODES_ROWS (default: as it is)"
     )
+    parser.add_argument("--expert-warps", default="", help="w4a16_rows.EXPERT_WARPS to try")
+    parser.add_argument("--no-native", action="store_true", help="w4a16_rows.EXPERTS off")
     args = parser.parse_args()
+    w4a16_rows.EXPERTS = not args.no_native
     moe.FP8_CODES_ROWS = args.codes_rows or moe.FP8_CODES_ROWS
     if args.w4_rows >= 0:
         moe.W4_SCALE_AFTER_ROWS = args.w4_rows
@@ -72,7 +78,8 @@ def main() -> None:
         h = torch.randn(tokens, HIDDEN, device=dev, dtype=torch.bfloat16)
         weights, experts = routing.route(h, router, K, True, float_out=True)
         gb = int(torch.unique(experts).numel()) * expert_bytes / 1e3  # in kB: GB/s from us
-        block_m = args.block_m or moe.block_rows(tokens * K, E)
+        eight = moe.native_eight(h, gate_up, down)
+        block_m = args.block_m or moe.block_rows(tokens * K, E, eight=eight)
         layout = moe_align.align(experts, E, block_m)
         act = torch.randn(tokens * K, INTER, device=dev, dtype=torch.bfloat16)
         h_in, h_scale = moe.fp8_input(h, gate_up, block_m)  # codes past FP8_CODES_ROWS
@@ -82,19 +89,47 @@ def main() -> None:
         print(f"T={tokens}: block_m {block_m}, fused_moe {whole:.1f} us, "
               f"{gb / whole:.0f} GB/s of the experts hit")  # fmt: skip
         pairs = tokens * K
-        for tiles in TILES:
-            try:  # gate|up as the model runs it (with its activation under GATED_GEMM)
-                up = bench(partial(moe.grouped_gemm, h_in, gate_up, *layout, a_row_div=K,
-                                   tiles=tiles, num_pairs=pairs, block_m=block_m,
-                                   gated=moe.GATED_GEMM, a_scale=h_scale))  # fmt: skip
-                dn = bench(partial(moe.grouped_gemm, act_in, down, *layout, a_row_div=1,
-                                   scale=weights.flatten(), tiles=tiles, num_pairs=pairs,
-                                   block_m=block_m, a_scale=act_scale))  # fmt: skip
+        gemms = partial(both_gemms, h_in, act_in, gate_up, down, layout, weights.flatten(),
+                        block_m=block_m, pairs=pairs, h_scale=h_scale,
+                        act_scale=act_scale)  # fmt: skip
+        for warps in [int(w) for w in args.expert_warps.split(",") if w]:
+            w4a16_rows.EXPERT_WARPS = warps
+            up, dn = gemms(None)
+            print(f"  native, {warps} warps: gate_up {up:.1f} us, down {dn:.1f} us, "
+                  f"{gb / (up + dn):.0f} GB/s")  # fmt: skip
+        for tiles in TILES if block_m >= 16 and not args.expert_warps else []:
+            try:
+                up, dn = gemms(tiles)
             except Exception as exc:  # a tiling that does not compile is a result too
                 print(f"  tiles {tiles}: {type(exc).__name__} {str(exc)[:80]}")
                 continue
             print(f"  tiles {tiles or 'default'}: gate_up {up:.1f} us, down {dn:.1f} us, "
                   f"{gb / (up + dn):.0f} GB/s")  # fmt: skip
+
+
+def both_gemms(  # noqa: PLR0917  # what a layer's two grouped GEMMs take
+    h_in: torch.Tensor,
+    act_in: torch.Tensor,
+    gate_up: Experts,
+    down: Experts,
+    layout: tuple[torch.Tensor, torch.Tensor],
+    routed: torch.Tensor,
+    tiles: tuple[int, int, int, int] | None,
+    *,
+    block_m: int,
+    pairs: int,
+    h_scale: torch.Tensor | None,
+    act_scale: torch.Tensor | None,
+) -> tuple[float, float]:
+    """gate|up (with its activation under GATED_GEMM, as the model runs it) and down
+    (times the routing weights) at `tiles`, microseconds each."""
+    up = bench(partial(moe.grouped_gemm, h_in, gate_up, *layout, a_row_div=K, tiles=tiles,
+                       num_pairs=pairs, block_m=block_m, gated=moe.GATED_GEMM,
+                       a_scale=h_scale))  # fmt: skip
+    dn = bench(partial(moe.grouped_gemm, act_in, down, *layout, a_row_div=1, scale=routed,
+                       tiles=tiles, num_pairs=pairs, block_m=block_m,
+                       a_scale=act_scale))  # fmt: skip
+    return up, dn
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 
 from lmd.engine.turbo.backend import TurboBackend
 from lmd.engine.turbo.config import TurboConfig
-from lmd.engine.turbo.kernels import moe
+from lmd.engine.turbo.kernels import moe, moe_align
 from lmd.engine.turbo.quant.scheme import QuantScheme, four_bit_experts
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
 from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
@@ -171,3 +171,21 @@ def test_experts_off_128_stay_sixteen_bit_and_say_so(tmp_path: Path) -> None:
     assert isinstance(weights.layers[0].qkv, W4A16Weight)
     turbo = TurboBackend(tmp_path, DEVICE, DTYPE, quantization="w4a16")
     assert turbo.quantization == "w4a16 (round to nearest at load, group 128); experts 16-bit"
+
+
+def test_blocks_of_eight_rows_are_the_native_kernels_alone() -> None:
+    """8-row blocks for up to 2 pairs an expert where the native experts kernel takes both
+    layers of experts (a GPU; kernels/w4a16_rows.py), and the grouped GEMM refuses them
+    otherwise (tl.dot takes 16 rows and more)."""
+    assert moe.block_rows(8, 128) == 16
+    assert moe.block_rows(8 * 32, 128, eight=True) == 8
+    assert moe.block_rows(8 * 64, 128, eight=True) == 16
+    gate_up = on_device(four_bit((4, 2 * INTER, HIDDEN), 128, torch.float16, 1))
+    down = on_device(four_bit((4, HIDDEN, INTER), 128, torch.float16, 2))
+    h = torch.randn(3, HIDDEN).to(torch.float16).to(DEVICE)
+    assert moe.native_eight(h, gate_up, down) == ON_CUDA
+    if not ON_CUDA:
+        sorted_pairs, block_expert = moe_align.align(torch.zeros(3, 2, dtype=torch.int32), 4, 8)
+        with pytest.raises(ValueError, match="blocks of 8 rows take the native W4A16 kernel"):
+            moe.grouped_gemm(h, gate_up, sorted_pairs, block_expert, num_pairs=6, a_row_div=2,
+                             block_m=8)  # fmt: skip

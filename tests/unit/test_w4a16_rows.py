@@ -1,7 +1,8 @@
 """The native W4A16 decode kernels' host side (engine/turbo/kernels/w4a16_rows.py,
-lmd._native.w4a16_rows and w4a16_wide) on a machine without a GPU: the warps and splits
-they pick and their argument checks before any CUDA call. Their PTX is
-test_native_ptx.py's, their products tests/gpu/test_w4a16_rows_gpu.py's."""
+lmd._native.w4a16_rows, w4a16_wide, w4a16_wgmma and w4a16_experts) on a machine without
+a GPU: the warps and splits they pick and their argument checks before any CUDA call.
+Their PTX is test_native_ptx.py's, their products tests/gpu/test_w4a16_rows_gpu.py's and
+test_w4a16_experts_gpu.py's."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from lmd import _native
 from lmd.engine.turbo.kernels import w4a16_rows
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
+from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
 
 LLAMA3_8B = {
     "qkv": (6144, 4096),
@@ -176,3 +178,59 @@ def test_wgmma_gated_takes_one_split_no_bias_and_n_of_64s(bias: int, n: int, spl
         _native.w4a16_wgmma(
             0, 64, 64, 64, 64, bias, 64, 64, 64, 33, n, 256, 256, splits, True, 0, gated=True
         )
+
+
+EXPERTS_SHAPES = (
+    "rows must be 8 or 16, blocks 1..65535, n a multiple of 32, k of 128, x_stride >= k, "
+    "num_pairs and row_div >= 1"
+)
+# (rows, blocks, num_pairs, row_div, n, k, x_stride, warps) the experts kernel refuses,
+# and the message's end; None: its message for shapes.
+BAD_EXPERTS_LAUNCHES = [
+    ((12, 4, 8, 2, 64, 256, 256, 4), None),
+    ((16, 0, 8, 2, 64, 256, 256, 4), None),
+    ((16, 65536, 8, 2, 64, 256, 256, 4), None),
+    ((16, 4, 0, 2, 64, 256, 256, 4), None),
+    ((16, 4, 8, 0, 64, 256, 256, 4), None),
+    ((16, 4, 8, 2, 48, 256, 256, 4), None),
+    ((16, 4, 8, 2, 64, 200, 200, 4), None),
+    ((16, 4, 8, 2, 64, 256, 128, 4), None),
+    ((16, 4, 8, 2, 64, 256, 256, 9), "warps must be 1..8"),
+    ((8, 4, 8, 2, 64, 256, 256, 17), "warps must be 1..16"),
+    ((8, 4, 8, 2, 64, 256, 258, 4), "misaligned"),  # a row stride not a multiple of 4
+]
+
+
+@pytest.mark.parametrize(("launch", "message"), BAD_EXPERTS_LAUNCHES)
+def test_bad_experts_launches_are_refused_before_cuda(
+    launch: tuple[int, ...], message: str | None
+) -> None:
+    rows, blocks, num_pairs, row_div, n, k, stride, warps = launch
+    with pytest.raises(ValueError, match=re.escape(message or EXPERTS_SHAPES)):
+        _native.w4a16_experts(
+            0, 64, 64, 64, 64, 64, 64, 0, 64,
+            rows, blocks, num_pairs, row_div, n, k, stride, True, warps, 0,
+        )  # fmt: skip
+
+
+def test_experts_need_their_pairs_and_aligned_weights() -> None:
+    ok = (64, 64, 64, 64, 64, 64, 0, 64)
+    for at, bad in ((4, 0), (5, 0), (6, 66), (1, 72)):  # pairs, experts null; weights, q
+        addresses = list(ok)
+        addresses[at] = bad
+        x, q, s, z, pairs, experts, weights, y = addresses
+        with pytest.raises(ValueError, match="misaligned"):
+            _native.w4a16_experts(
+                0, x, q, s, z, pairs, experts, weights, y, 16, 4, 8, 2, 64, 256, 256, True, 4, 0
+            )
+
+
+def test_cpu_experts_stay_with_the_triton_kernel() -> None:
+    experts = W4A16Experts.quantize(torch.randn(2, 64, 256), 128)
+    x = torch.randn(3, 256)
+    parts = (experts.qweight, experts.scales, experts.zeros, 128)
+    assert not w4a16_rows.experts_take(x, experts.qweight, experts.scales, 128)
+    y = torch.zeros(6, 64)
+    pairs, blocks = torch.zeros(16, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    assert not w4a16_rows.native_experts(x, *parts, pairs, blocks, y, row_div=2, block_m=16)
+    assert not y.any()

@@ -19,8 +19,10 @@ the layout (the counts' zeroing and two kernels), two grouped GEMMs, SiLU, the s
 FP8 experts (quant/fp8_experts.py) are read as codes; past FP8_CODES_ROWS rows a block
 each GEMM's input is quantized too (a launch) and the products run on fp8 tensor cores.
 W4A16 experts (quant/w4a16_experts.py) are read as 4-bit words, made 16-bit weights in
-registers (a dot per nibble's 16 inputs in small blocks, one per 128 inputs in large
-ones), the products on 16-bit tensor cores.
+registers, the products on 16-bit tensor cores: on a GPU blocks of 8 or 16 rows by
+native/kernels/w4a16_experts.cu (kernels/w4a16_rows.py native_experts; gate|up's SiLU
+then a launch of its own), else by the grouped GEMM (a dot per nibble's 16 inputs in
+small blocks, one per 128 inputs in large ones).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from lmd.engine.turbo.kernels.moe_align import align
 from lmd.engine.turbo.kernels.routing import route
 from lmd.engine.turbo.kernels.w4a16 import PACKED_NIBBLES, scaled_after_dots
 from lmd.engine.turbo.kernels.w4a16_nibbles import block_weights, block_words
+from lmd.engine.turbo.kernels.w4a16_rows import EXPERTS_ROWS, experts_take, native_experts
 from lmd.engine.turbo.quant.fp8_experts import Fp8Experts, Operands, kernel_operands
 from lmd.engine.turbo.quant.load import Experts
 from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
@@ -199,7 +202,9 @@ def grouped_gemm(
     row's) scale, BLOCK_K at most 128. `a_scale` (Fp8Experts only): a is e4m3 codes,
     a ~= codes * a_scale, a_scale [R, 1] (per token, for a scale a row) or [R, ceil(K /
     128)] (per 128-group, for blocks), as `fp8_input` makes them; out in the experts'
-    dtype. W4A16Experts: BLOCK_K is 128 (a slice's 16 rows of words).
+    dtype. W4A16Experts: blocks of up to 16 rows through the native experts kernel
+    where it takes them (no `tiles`; 8-row blocks only so), else BLOCK_K 128 (a slice's
+    16 rows of words).
     """
     _, n, k = weight.shape
     if isinstance(weight, W4A16Experts):  # the words; the scales at FP8's, the zeros own
@@ -218,6 +223,14 @@ def grouped_gemm(
     out_dtype = a.dtype if isinstance(weight, Tensor) else weight.dtype
     if out_dtype != a.dtype and a_scale is None:
         raise ValueError(f"grouped_gemm: a in {a.dtype} against experts in {out_dtype}")
+    if w4 is not None and tiles is None and block_m <= max(EXPERTS_ROWS):
+        product = torch.empty(num_pairs, n, dtype=out_dtype, device=a.device)
+        if native_experts(a, w4.qweight, w4.scales, w4.zeros, w4.group_size, sorted_pairs,
+                          block_expert, product, row_div=a_row_div, block_m=block_m,
+                          weights=scale):  # fmt: skip
+            return silu_and_mul(product) if gated else product
+    if block_m < 16:
+        raise ValueError(f"grouped_gemm: blocks of {block_m} rows take the native W4A16 kernel")
     out = torch.empty(num_pairs, n // 2 if gated else n, dtype=out_dtype, device=a.device)
     # The fastest at Qwen3-30B-A3B's shapes on an H200 (scripts/moe_tiles.py): 64 x 128
     # for decode's few rows per expert (~4 TB/s), 128 x 64 for 64-row blocks, 256 x 64
@@ -286,14 +299,32 @@ def grouped_gemm(
 W4_SCALE_AFTER_ROWS = 32
 
 
-def block_rows(num_pairs: int, num_experts: int) -> int:
+# Blocks of 8 rows (the native W4A16 experts kernel's least) while the pairs an expert gets
+# on average are at most this: fewer rows' products than 16-row blocks, but an expert
+# with more than 8 pairs reads its weights once a block.
+EIGHT_ROWS_UP_TO = 2
+
+
+def block_rows(num_pairs: int, num_experts: int, *, eight: bool = False) -> int:
     """BLOCK_M for this many pairs: the rows an expert gets on average, at least 16
-    (tl.dot's least) and at most 128; a decode step's few rows per expert waste less
-    padding with small blocks, a prefill's many use the tensor cores better with big."""
+    (tl.dot's least; 8 with `eight`, for the native W4A16 experts kernel) and at most
+    128; a decode step's few rows per expert waste less padding with small blocks, a
+    prefill's many use the tensor cores better with big."""
     per_expert = num_pairs / num_experts
+    if eight and per_expert <= EIGHT_ROWS_UP_TO:
+        return 8
     if per_expert <= 48:
         return 16 if per_expert <= 16 else 32
     return 64 if per_expert <= 128 else 128
+
+
+def native_eight(h: Tensor, gate_up: Experts, down: Experts) -> bool:
+    """May blocks be 8 rows: are both layers of experts 4-bit ones the native kernel
+    takes at h's dtype and device (kernels/w4a16_rows.py native_experts)?"""
+    return all(
+        isinstance(w, W4A16Experts) and experts_take(h, w.qweight, w.scales, w.group_size)
+        for w in (gate_up, down)
+    )
 
 
 # FP8 experts' inputs as e4m3 codes too (fp8 tensor cores) from this many rows a block up:
@@ -342,7 +373,7 @@ def fused_moe(
         return torch.empty_like(h)
     weights, experts = route(h, router, top_k, normalize, float_out=float_out)
     num_pairs = num_tokens * top_k
-    block_m = block_rows(num_pairs, num_experts)
+    block_m = block_rows(num_pairs, num_experts, eight=native_eight(h, gate_up, down))
     sorted_pairs, block_expert = align(experts, num_experts, block_m)
     layout = partial(grouped_gemm, sorted_pairs=sorted_pairs, block_expert=block_expert,
                      num_pairs=num_pairs, block_m=block_m)  # fmt: skip

@@ -1,6 +1,8 @@
 """The W4A16 product of a decode step's rows through lmd._native's CUDA kernels: 1-16
 rows by native/kernels/w4a16_rows.cu, 17-32 by native/kernels/w4a16_wide.cu, 33-64 on
-Hopper by native/kernels/w4a16_wgmma.cu. The first two run mma.sync on the tensor cores
+Hopper by native/kernels/w4a16_wgmma.cu; 4-bit experts' blocks of 8 or 16 sorted pairs
+(kernels/moe.py's grouped GEMM at decode) by native/kernels/w4a16_experts.cu, the rows
+kernel's CTA for a block's pairs and expert. The first two run mma.sync on the tensor cores
 with the codes made into 16-bit operands two at a time in registers, 16-byte loads of
 the packed weights, the next block of K loaded while the current one is multiplied; the
 wide one shares x among a CTA's 128 columns through shared memory and splits K over
@@ -23,6 +25,7 @@ import torch
 from torch import Tensor
 
 from lmd._native import (
+    w4a16_experts,
     w4a16_rows,
     w4a16_rows_ready,
     w4a16_wgmma,
@@ -35,6 +38,10 @@ from lmd.engine.turbo.kernels.native_kernels import NativeKernels, device_index
 NATIVE_ROWS = True  # off: decode rows go to the Triton tiles (scripts' A/B runs)
 MAX_ROWS = 16  # the rows kernel's; the wide kernel's is WIDE_MAX_ROWS
 WIDE_MAX_ROWS = 32  # from 33 rows the Triton tiles were as fast (docs/benchmarks.md)
+EXPERTS = True  # off: 4-bit experts' small blocks go to the Triton grouped GEMM (A/B runs)
+EXPERTS_ROWS = (8, 16)  # the experts kernel's blocks of pairs
+MAX_BLOCKS = 65535  # blocks of pairs a launch (the grid's second dimension)
+EXPERT_WARPS = 4  # a CTA's, at most K / 128 (scripts/moe_tiles.py --expert-warps)
 WGMMA = True  # off: 33-64 rows go to the Triton tiles on Hopper too (scripts' A/B runs)
 WGMMA_MAX_ROWS = 64
 WGMMA_SPAN = 256  # output columns of a wgmma kernel's CTA
@@ -205,4 +212,90 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
         buffer = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
         work, counters = buffer.data_ptr(), _counters[device].data_ptr()
     w4a16_wide(device, *addresses, work, counters, m, n, k, x.stride(0), splits, bf16, stream)
+    return True
+
+
+def experts_take(x: Tensor, qweight: Tensor, scales: Tensor, group_size: int) -> bool:
+    """Does native_experts take inputs of x's dtype and device (where the kernels load)
+    against 4-bit experts of these words, scales and groups, whatever the blocks' layout
+    and x's strides?"""
+    return (
+        EXPERTS
+        and x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and scales.dtype == x.dtype
+        and group_size == GROUP
+        and qweight.shape[2] % COLUMNS == 0
+        and qweight.shape[1] * 8 % GROUP == 0
+        and ready(x.device)
+    )
+
+
+def native_experts(  # noqa: PLR0917  # the experts' tensors, as W4A16Experts holds them
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    zeros: Tensor,
+    group_size: int,
+    sorted_pairs: Tensor,
+    block_expert: Tensor,
+    y: Tensor,
+    *,
+    row_div: int,
+    block_m: int,
+    weights: Tensor | None = None,
+    warps: int | None = None,
+) -> bool:
+    """y[p] = x[p // row_div] @ W_e^T (* weights[p]) for every pair p of the blocks of
+    block_m (8 or 16) sorted pairs (kernels/moe_align.py's layout; y [P, N] contiguous, P
+    its rows), W_e the block's expert's: qweight [E, K / 8, N], scales and zeros [E, K /
+    128, N]; True once enqueued, False (y untouched) when the kernel does not take it.
+    `warps` overrides EXPERT_WARPS."""
+    k = x.shape[1]
+    warps = min(EXPERT_WARPS if warps is None else warps, k // GROUP)
+    takes = (
+        block_m in EXPERTS_ROWS
+        and experts_take(x, qweight, scales, group_size)
+        and k == qweight.shape[1] * 8
+        and block_expert.numel() <= MAX_BLOCKS
+        and x.stride(1) == 1
+        and x.stride(0) % 4 == 0
+        and x.data_ptr() % 8 == 0
+        and y.is_contiguous()
+        and y.dtype == x.dtype
+        and y.shape[1] == qweight.shape[2]
+        and sorted_pairs.dtype == block_expert.dtype == torch.int32
+        and sorted_pairs.is_contiguous()
+        and block_expert.is_contiguous()
+        and sorted_pairs.numel() == block_expert.numel() * block_m
+        and (weights is None or (weights.dtype == torch.float32 and weights.is_contiguous()))
+        and all(
+            t.is_contiguous() and t.data_ptr() % align == 0
+            for t, align in ((qweight, 16), (scales, 8), (zeros, 4))
+        )
+    )
+    if not takes:
+        return False
+    device = device_index(x.device)
+    w4a16_experts(
+        device,
+        x.data_ptr(),
+        qweight.data_ptr(),
+        scales.data_ptr(),
+        zeros.data_ptr(),
+        sorted_pairs.data_ptr(),
+        block_expert.data_ptr(),
+        0 if weights is None else weights.data_ptr(),
+        y.data_ptr(),
+        block_m,
+        block_expert.numel(),
+        y.shape[0],
+        row_div,
+        qweight.shape[2],
+        k,
+        x.stride(0),
+        x.dtype == torch.bfloat16,
+        warps,
+        torch.cuda.current_stream(x.device).cuda_stream,
+    )
     return True

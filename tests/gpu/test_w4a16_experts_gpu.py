@@ -1,0 +1,203 @@
+"""The native W4A16 experts kernel (native/kernels/w4a16_experts.cu through
+kernels/w4a16_rows.py native_experts, taken by kernels/moe.py's grouped GEMM for blocks of
+8 or 16 pairs) on a GPU: each pair's row against the float64 product of its expert's
+dequantized weights (times its routing weight), every pair written and no other row,
+every warp count, fused_moe through it against the Triton grouped GEMM it replaces (at
+Qwen3-30B-A3B's experts' shape too), 8-row blocks at one token, captured in a CUDA graph,
+and declined where it does not apply. Skipped without CUDA.
+
+Bound: as the rows kernel's (tests/gpu/test_w4a16_rows_gpu.py): exact products summed in
+float32, each group's sum scaled once, so each output is the reference rounded once to
+the dtype plus float32 summation error.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+from torch import Tensor
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+pytest.importorskip("triton")
+
+from lmd.engine.turbo.kernels import moe, w4a16_rows
+from lmd.engine.turbo.kernels.moe_align import align
+from lmd.engine.turbo.kernels.w4a16_rows import native_experts
+from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
+
+pytestmark = pytest.mark.gpu
+RTOL = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+ATOL = 1e-4
+
+
+def experts(shape: tuple[int, int, int], dtype: torch.dtype, seed: int) -> W4A16Experts:
+    """E random experts of [N, K], rounded to 4 bits in groups of 128."""
+    e, n, k = shape
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    weights = torch.randn(e, n, k, device="cuda", generator=gen) / k**0.5
+    return W4A16Experts.quantize(weights.to(dtype), 128)
+
+
+def layout(num_tokens: int, num_experts: int, top_k: int, block_m: int) -> tuple[Tensor, ...]:
+    """Random routing: (each pair's expert [P], sorted pairs, each block's expert)."""
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens * 7 + block_m)
+    chosen = torch.rand(num_tokens, num_experts, device="cuda", generator=gen).argsort(dim=1)
+    chosen = chosen[:, :top_k].to(torch.int32)
+    return (chosen.flatten(), *align(chosen, num_experts, block_m))
+
+
+def reference(x: Tensor, w: W4A16Experts, expert: Tensor, row_div: int) -> Tensor:
+    """Each pair's row x[p // row_div] W_e^T in float64."""
+    dense = w.dequantize().double()
+    rows = x.double()[torch.arange(expert.numel(), device="cuda") // row_div]
+    return torch.einsum("pk,pnk->pn", rows, dense[expert.long()])
+
+
+def run(
+    x: Tensor,
+    w: W4A16Experts,
+    pairs: tuple[Tensor, Tensor],
+    *,
+    row_div: int,
+    block_m: int,
+    weights: Tensor | None = None,
+    warps: int | None = None,
+) -> Tensor:
+    """native_experts (asserted taken) into a y of NaNs, one row a pair."""
+    num_pairs = x.shape[0] * row_div
+    y = torch.full((num_pairs, w.shape[1]), float("nan"), dtype=x.dtype, device="cuda")
+    taken = native_experts(
+        x, w.qweight, w.scales, w.zeros, w.group_size, *pairs, y,
+        row_div=row_div, block_m=block_m, weights=weights, warps=warps,
+    )  # fmt: skip
+    assert taken
+    torch.cuda.synchronize()
+    return y
+
+
+def assert_close(y: Tensor, ref: Tensor, dtype: torch.dtype) -> None:
+    assert not y.isnan().any(), "a pair's row was not written"
+    err = (y.double() - ref).abs()
+    bound = RTOL[dtype] * ref.abs() + ATOL
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item():.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_m", [8, 16])
+@pytest.mark.parametrize("num_tokens", [1, 3, 16, 64])
+@pytest.mark.parametrize("gate_up", [True, False], ids=["gate_up", "down"])
+def test_against_float64(dtype: torch.dtype, block_m: int, num_tokens: int, gate_up: bool) -> None:
+    """16 experts, 4 a token: gate|up reads token p // 4 ([T, 512] against [E, 512, 512]);
+    down a row a pair ([P, 256] against [E, 512, 256]) times its routing weight."""
+    top_k = 4
+    shape = (16, 512, 512) if gate_up else (16, 512, 256)
+    w = experts(shape, dtype, seed=num_tokens)
+    expert, *pairs = layout(num_tokens, 16, top_k, block_m)
+    rows = num_tokens if gate_up else num_tokens * top_k
+    x = torch.randn(rows, shape[2], device="cuda").to(dtype)
+    row_div = top_k if gate_up else 1
+    ref = reference(x, w, expert, row_div)
+    weights = None
+    if not gate_up:
+        weights = torch.rand(num_tokens * top_k, device="cuda")
+        ref = ref * weights.double()[:, None]
+    y = run(x, w, (pairs[0], pairs[1]), row_div=row_div, block_m=block_m, weights=weights)
+    assert_close(y, ref, dtype)
+
+
+@pytest.mark.parametrize("warps", [1, 2, 3, 4, 8])
+def test_every_warp_count(warps: int) -> None:
+    """K of 8 blocks of 128 split over 1-8 warps: the same sums."""
+    w = experts((8, 256, 1024), torch.bfloat16, seed=warps)
+    expert, *pairs = layout(10, 8, 2, 16)
+    x = torch.randn(10, 1024, device="cuda").to(torch.bfloat16)
+    y = run(x, w, (pairs[0], pairs[1]), row_div=2, block_m=16, warps=warps)
+    assert_close(y, reference(x, w, expert, 2), torch.bfloat16)
+
+
+def test_strided_rows() -> None:
+    """x a view whose rows are apart by more than K (a slice of a wider buffer)."""
+    w = experts((4, 128, 256), torch.float16, seed=3)
+    expert, *pairs = layout(5, 4, 2, 8)
+    wide = torch.randn(5, 384, device="cuda").to(torch.float16)
+    x = wide[:, 64:320]
+    y = run(x, w, (pairs[0], pairs[1]), row_div=2, block_m=8)
+    assert_close(y, reference(x, w, expert, 2), torch.float16)
+
+
+def qwen3_moe_experts(seed: int) -> tuple[W4A16Experts, W4A16Experts, Tensor]:
+    """Qwen3-30B-A3B's experts (128, hidden 2,048, width 768) and router, 4-bit."""
+    gate_up = experts((128, 1536, 2048), torch.bfloat16, seed)
+    down = experts((128, 2048, 768), torch.bfloat16, seed + 1)
+    router = torch.randn(128, 2048, device="cuda").to(torch.bfloat16)
+    return gate_up, down, router
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 256])
+def test_fused_moe_agrees_with_the_triton_kernel(
+    monkeypatch: pytest.MonkeyPatch, num_tokens: int
+) -> None:
+    """A layer of Qwen3-30B-A3B's 4-bit experts through the native kernel and through the
+    Triton grouped GEMM it replaces (w4a16_rows.EXPERTS off): the same routing, products
+    in float32 either way, so within bf16 rounding of each other."""
+    gate_up, down, router = qwen3_moe_experts(num_tokens)
+    h = torch.randn(num_tokens, 2048, device="cuda").to(torch.bfloat16)
+    call = partial(moe.fused_moe, top_k=8, normalize=True, float_out=True)
+    native = call(h, router, gate_up, down)
+    monkeypatch.setattr(w4a16_rows, "EXPERTS", False)
+    triton_out = call(h, router, gate_up, down)
+    err = (native.float() - triton_out.float()).abs().max().item()
+    assert err <= 2.0**-6 * triton_out.float().abs().max().item(), err
+
+
+def test_one_token_takes_blocks_of_eight() -> None:
+    gate_up, down, _ = qwen3_moe_experts(0)
+    h = torch.randn(1, 2048, device="cuda").to(torch.bfloat16)
+    assert moe.native_eight(h, gate_up, down)
+    assert moe.block_rows(8, 128, eight=True) == 8
+    assert moe.block_rows(8 * 32, 128, eight=True) == 8  # 2 pairs an expert
+    assert moe.block_rows(8 * 64, 128, eight=True) == 16  # 4: some would take 2 blocks
+    assert not moe.native_eight(h.float(), gate_up, down)
+
+
+def test_captured_in_a_cuda_graph() -> None:
+    gate_up, down, router = qwen3_moe_experts(5)
+    h = torch.randn(4, 2048, device="cuda").to(torch.bfloat16)
+    call = partial(moe.fused_moe, top_k=8, normalize=True, float_out=True)
+    call(h, router, gate_up, down)  # warm: Triton compiles outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call(h, router, gate_up, down)
+    h.copy_(torch.randn(4, 2048, device="cuda").to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, call(h, router, gate_up, down))
+
+
+def test_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Groups of 64, float32, 32-row blocks, int64 pairs, and EXPERTS off: False, y
+    untouched; an 8-row block the Triton kernel cannot take is an error then."""
+    w = experts((4, 128, 256), torch.bfloat16, seed=9)
+    expert, *pairs = layout(3, 4, 2, 16)
+    x = torch.randn(3, 256, device="cuda").to(torch.bfloat16)
+    y = torch.zeros(6, 128, dtype=torch.bfloat16, device="cuda")
+    parts = (w.qweight, w.scales, w.zeros)
+    sixty_four = W4A16Experts.quantize(w.dequantize().to(torch.bfloat16), 64)
+    declined = [
+        native_experts(x, sixty_four.qweight, sixty_four.scales, sixty_four.zeros, 64,
+                       pairs[0], pairs[1], y, row_div=2, block_m=16),
+        native_experts(x.float(), *parts, 128, pairs[0], pairs[1], y.float(), row_div=2,
+                       block_m=16),
+        native_experts(x, *parts, 128, pairs[0], pairs[1], y, row_div=2, block_m=32),
+        native_experts(x, *parts, 128, pairs[0].long(), pairs[1], y, row_div=2, block_m=16),
+    ]  # fmt: skip
+    monkeypatch.setattr(w4a16_rows, "EXPERTS", False)
+    declined.append(native_experts(x, *parts, 128, pairs[0], pairs[1], y, row_div=2, block_m=16))
+    assert not any(declined) and not y.any()
+    _, *eight = layout(3, 4, 2, 8)
+    with pytest.raises(ValueError, match="blocks of 8 rows take the native"):
+        moe.grouped_gemm(x, w, eight[0], eight[1], num_pairs=6, a_row_div=2, block_m=8)
+    assert expert.numel() == 6
