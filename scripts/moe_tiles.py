@@ -3,6 +3,7 @@ a few tilings, at decode and prefill sizes: which tiles to take where.
 
     python3 scripts/moe_tiles.py [--tokens 1,8,64,256,4096] [--fp8 rows|blocks]
         [--codes-rows N] [--w4a16 GROUP] [--w4-rows N] [--expert-warps 2,4,8] [--no-native]
+        [--profile]
 
 Random bf16 inputs, E = 128 experts, k = 8, hidden 2,048, I = 768; with --fp8 the experts
 quantized (quant/fp8_experts.py: a scale a row, or 128x128 blocks), with --w4a16 rounded
@@ -10,7 +11,8 @@ to 4 bits in groups of GROUP (quant/w4a16_experts.py; tiles' BLOCK_K is then 128
 of up to --w4-rows rows in the decode form (moe.W4_SCALE_AFTER_ROWS); blocks of up to 16
 rows take the native experts kernel on the default tiles (kernels/w4a16_rows.py; with
 --expert-warps it is timed at each count of warps a CTA instead of the Triton tilings,
-which take 16-row blocks and up; --no-native: the Triton kernel for all). Times are
+which take 16-row blocks and up; --no-native: the Triton kernel for all; --profile: the
+kernels of eager fused_moe calls under torch.profiler, a call's each). Times are
 `triton.testing.do_bench_cudagraph` medians (no launch overhead), with the bytes of the
 experts the tokens hit over that time.
 """
@@ -23,6 +25,7 @@ from functools import partial
 
 import torch
 import triton
+from tp_step import kernel_table, print_kernels  # scripts/ is this script's import path
 
 from lmd.engine.turbo.kernels import moe, moe_align, routing, w4a16_rows
 from lmd.engine.turbo.quant.fp8_experts import Fp8Experts
@@ -41,7 +44,12 @@ def bench(fn: Callable[[], object]) -> float:
     return float(triton.testing.do_bench_cudagraph(fn)) * 1e3
 
 
-def main() -> None:
+def calls(layer: Callable[[], object], _: int) -> None:
+    """kernel_table's step: one call of the layer."""
+    layer()
+
+
+def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", default="1,8,64,256,4096")
     parser.add_argument(
@@ -55,7 +63,12 @@ def main() -> None:
     )
     parser.add_argument("--expert-warps", default="", help="w4a16_rows.EXPERT_WARPS to try")
     parser.add_argument("--no-native", action="store_true", help="w4a16_rows.EXPERTS off")
-    args = parser.parse_args()
+    parser.add_argument("--profile", action="store_true", help="fused_moe's kernels, eager")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse()
     w4a16_rows.EXPERTS = not args.no_native
     moe.FP8_CODES_ROWS = args.codes_rows or moe.FP8_CODES_ROWS
     if args.w4_rows >= 0:
@@ -84,10 +97,13 @@ def main() -> None:
         act = torch.randn(tokens * K, INTER, device=dev, dtype=torch.bfloat16)
         h_in, h_scale = moe.fp8_input(h, gate_up, block_m)  # codes past FP8_CODES_ROWS
         act_in, act_scale = moe.fp8_input(act, down, block_m)
-        whole = bench(partial(moe.fused_moe, h, router, gate_up, down, top_k=K,
-                              normalize=True, float_out=True))  # fmt: skip
+        layer = partial(moe.fused_moe, h, router, gate_up, down, top_k=K, normalize=True,
+                        float_out=True)  # fmt: skip
+        whole = bench(layer)
         print(f"T={tokens}: block_m {block_m}, fused_moe {whole:.1f} us, "
               f"{gb / whole:.0f} GB/s of the experts hit")  # fmt: skip
+        if args.profile:
+            print_kernels(kernel_table(partial(calls, layer), 20), 12, whole / 1e3)
         pairs = tokens * K
         gemms = partial(both_gemms, h_in, act_in, gate_up, down, layout, weights.flatten(),
                         block_m=block_m, pairs=pairs, h_scale=h_scale,
@@ -97,7 +113,9 @@ def main() -> None:
             up, dn = gemms(None)
             print(f"  native, {warps} warps: gate_up {up:.1f} us, down {dn:.1f} us, "
                   f"{gb / (up + dn):.0f} GB/s")  # fmt: skip
-        for tiles in TILES if block_m >= 16 and not args.expert_warps else []:
+        w4a16_rows.EXPERT_WARPS = None  # the next fused_moe at its default
+        sweep = block_m >= 16 and not (args.expert_warps or args.profile)
+        for tiles in TILES if sweep else []:
             try:
                 up, dn = gemms(tiles)
             except Exception as exc:  # a tiling that does not compile is a result too

@@ -41,7 +41,12 @@ WIDE_MAX_ROWS = 32  # from 33 rows the Triton tiles were as fast (docs/benchmark
 EXPERTS = True  # off: 4-bit experts' small blocks go to the Triton grouped GEMM (A/B runs)
 EXPERTS_ROWS = (8, 16)  # the experts kernel's blocks of pairs
 MAX_BLOCKS = 65535  # blocks of pairs a launch (the grid's second dimension)
-EXPERT_WARPS = 4  # a CTA's, at most K / 128 (scripts/moe_tiles.py --expert-warps)
+# A CTA's warps: 2, or 4 for a step's first few pairs (at most K / 128). On an H200 at
+# Qwen3-30B-A3B's experts (scripts/moe_tiles.py --expert-warps, gate|up + down, us): 1
+# token 14.4 at 2 warps, 13.0 at 4, 15.0 at 8; 8 tokens 52.9, 56.5, 72.9; 64 tokens
+# 200.9, 239.7, 334.0; 256 tokens 300.4, 377.0, 538.3. None: that rule; else this.
+EXPERT_WARPS: int | None = None
+EXPERT_FEW_PAIRS = 16
 WGMMA = True  # off: 33-64 rows go to the Triton tiles on Hopper too (scripts' A/B runs)
 WGMMA_MAX_ROWS = 64
 WGMMA_SPAN = 256  # output columns of a wgmma kernel's CTA
@@ -252,7 +257,10 @@ def native_experts(  # noqa: PLR0917  # the experts' tensors, as W4A16Experts ho
     128, N]; True once enqueued, False (y untouched) when the kernel does not take it.
     `warps` overrides EXPERT_WARPS."""
     k = x.shape[1]
-    warps = min(EXPERT_WARPS if warps is None else warps, k // GROUP)
+    if warps is None:
+        few = y.shape[0] <= EXPERT_FEW_PAIRS
+        warps = EXPERT_WARPS if EXPERT_WARPS is not None else 4 if few else 2
+    warps = min(warps, k // GROUP)
     takes = (
         block_m in EXPERTS_ROWS
         and experts_take(x, qweight, scales, group_size)
