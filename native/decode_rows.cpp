@@ -226,8 +226,11 @@ std::string w4a16_experts_check(const W4a16ExpertsArgs& a, int rows, int blocks,
   }
   const std::string warps_error = rows_warps_error("w4a16_experts", rows, warps);
   if (!warps_error.empty()) return warps_error;
-  // w4a16_rows' loads, and 4-byte pair ids, experts and routing weights.
-  if (!a.x || !a.q || !a.s || !a.z || !a.pairs || !a.experts || !a.y || a.x % 8 ||
+  // w4a16_rows' loads, and 4-byte pair ids (or none), experts and routing weights.
+  if (!a.pairs && blocks != a.num_pairs) {
+    return "w4a16_experts: without sorted pairs, a block a pair (blocks == num_pairs)";
+  }
+  if (!a.x || !a.q || !a.s || !a.z || !a.experts || !a.y || a.x % 8 ||
       a.x_stride % 4 || a.q % 16 || a.s % 8 || a.z % 4 || a.pairs % 4 || a.experts % 4 ||
       a.weights % 4 || a.y % 2) {
     return "w4a16_experts: a null or misaligned address";

@@ -44,8 +44,8 @@ static_assert(sizeof(W4a16ExpertsArgs) == 88, "must match W4a16Experts in w4a16_
 std::string w4a16_experts_check(const W4a16ExpertsArgs& args, int rows, int blocks, int warps);
 
 // Enqueues y[p] = x[p / row_div] W_e^T (* weights[p]) for the pairs p of `blocks` blocks of
-// `rows` pairs sorted by expert (pairs [blocks * rows] int32, num_pairs for padding;
-// experts [blocks] int32, -1 for none) on `stream`: N / 32 x blocks CTAs of `warps`
+// `rows` pairs sorted by expert (pairs [blocks * rows] int32, num_pairs for padding, or 0:
+// block b holds pair b alone; experts [blocks] int32, -1 for none) on `stream`: N / 32 x blocks CTAs of `warps`
 // warps, the experts' qweight [E, k / 8, n], scales and zeros [E, k / 128, n]. Throws as
 // launch_w4a16_rows.
 void launch_w4a16_experts(int ordinal, const W4a16ExpertsArgs& args, int rows, int blocks,

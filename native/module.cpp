@@ -194,7 +194,8 @@ PYBIND11_MODULE(_native, m) {
       },
       "y[p] = x[p / row_div] W_e^T (* weights[p]) for each pair p of `blocks` blocks of\n"
       "`rows` (8 or 16) pairs sorted by expert (native/kernels/w4a16_experts.cu), e the\n"
-      "block's expert, on addresses: pairs [blocks * rows] int32 (num_pairs: padding),\n"
+      "block's expert, on addresses: pairs [blocks * rows] int32 (num_pairs: padding; 0:\n"
+      "block b holds pair b alone, blocks == num_pairs),\n"
       "experts [blocks] int32 (-1: none), x (row stride x_stride) and y [num_pairs, n] in\n"
       "bf16 (or fp16), qweight [E, k / 8, n] int32, scales [E, k / 128, n] in x's dtype,\n"
       "zeros [E, k / 128, n] uint8, weights [num_pairs] float32 or 0; n / 32 x blocks\n"

@@ -23,10 +23,11 @@
 #       prefill of 12 layers of the Qwen3-30B-A3B shape profiled, bf16 and fp8
 #       (scripts/prefill_profile.py). Carry .gpu-assets too.
 #   scripts/gpu-quant.sh experts4
-#       ~6 minutes: the 4-bit experts' tests compiled (the native experts kernel's among
-#       them), scripts/moe_tiles.py --w4a16 128 at 1-256 tokens through the native kernel
-#       at 1, 2 and 4 warps a CTA and a layer's kernels profiled (the Triton kernel's and
-#       bf16's too, at 64 and 256 tokens), then families_bench.py on 12 layers of the Qwen3-30B-A3B shape at batches 1, 64 and
+#       ~6 minutes: the 4-bit experts' and the grouped GEMM's tests compiled (the native
+#       experts kernel's among them), scripts/moe_tiles.py --profile with 4-bit experts at
+#       1-4,096 tokens (the native kernel, dequantized slabs from 64-row blocks), with the
+#       Triton 4-bit tiles and with bf16 experts at 1,024 and 4,096, then
+#       families_bench.py on 12 layers of the Qwen3-30B-A3B shape at batches 1, 64 and
 #       256, --quantization w4a16 and bf16. Carry .gpu-assets too.
 # Carry .whl (device-wheels.sh setproctitle gguf accelerate). Results in $OUT.
 set -uo pipefail
@@ -79,15 +80,15 @@ experts)
   ;;
 experts4)
   python3 setup.py -q build_ext --inplace 2>&1 | tail -3
-  timeout 150 python3 -m pytest -q -ra -p no:cacheprovider --timeout 140 \
-    tests/gpu/test_w4a16_experts_gpu.py tests/unit/test_turbo_w4a16_experts.py 2>&1 \
+  timeout 200 python3 -m pytest -q -ra -p no:cacheprovider --timeout 140 \
+    tests/gpu/test_w4a16_experts_gpu.py tests/unit/test_turbo_w4a16_experts.py \
+    tests/unit/test_turbo_moe.py tests/unit/test_turbo_fp8_experts.py 2>&1 \
     | tee "$out/experts4-tests.txt" | tail -8
-  timeout 90 python3 scripts/moe_tiles.py --tokens 1,8,64,256 --w4a16 128 \
-    --expert-warps 1,2,4 --profile 2>&1 | tee -a "$out/moe-tiles-w4.txt"
-  for flags in "--w4a16 128 --no-native" ""; do  # the Triton kernel's and bf16's kernels
-    # shellcheck disable=SC2086  # $flags: none, or the flags and their values
-    timeout 60 python3 scripts/moe_tiles.py --tokens 64,256 $flags --profile 2>&1 \
-      | tee -a "$out/moe-tiles-w4.txt"
+  for flags in "--tokens 1,64,256,1024,4096 --w4a16 128" \
+    "--tokens 1024,4096 --w4a16 128 --dequant-rows 1000" "--tokens 1024,4096"; do
+    # shellcheck disable=SC2086  # $flags: the flags and their values
+    timeout 60 python3 scripts/moe_tiles.py $flags --profile 2>&1 \
+      | grep -v "_warn_once\|UserWarning" | tee -a "$out/moe-tiles-w4.txt"
   done
   model=/dev/shm/qwen3-30b-a3b-shape-12l
   python3 scripts/random_models.py qwen3-30b-a3b-shape --layers 12 --out-dir /dev/shm \

@@ -3,7 +3,7 @@ a few tilings, at decode and prefill sizes: which tiles to take where.
 
     python3 scripts/moe_tiles.py [--tokens 1,8,64,256,4096] [--fp8 rows|blocks]
         [--codes-rows N] [--w4a16 GROUP] [--w4-rows N] [--expert-warps 2,4,8] [--no-native]
-        [--profile]
+        [--profile] [--dequant-rows N]
 
 Random bf16 inputs, E = 128 experts, k = 8, hidden 2,048, I = 768; with --fp8 the experts
 quantized (quant/fp8_experts.py: a scale a row, or 128x128 blocks), with --w4a16 rounded
@@ -12,7 +12,8 @@ of up to --w4-rows rows in the decode form (moe.W4_SCALE_AFTER_ROWS); blocks of 
 rows take the native experts kernel on the default tiles (kernels/w4a16_rows.py; with
 --expert-warps it is timed at each count of warps a CTA instead of the Triton tilings,
 which take 16-row blocks and up; --no-native: the Triton kernel for all; --profile: the
-kernels of eager fused_moe calls under torch.profiler, a call's each). Times are
+kernels of eager fused_moe calls under torch.profiler, a call's each; blocks of
+--dequant-rows rows and more multiply dequantized slabs, moe.W4_DEQUANT_ROWS). Times are
 `triton.testing.do_bench_cudagraph` medians (no launch overhead), with the bytes of the
 experts the tokens hit over that time.
 """
@@ -64,12 +65,14 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--expert-warps", default="", help="w4a16_rows.EXPERT_WARPS to try")
     parser.add_argument("--no-native", action="store_true", help="w4a16_rows.EXPERTS off")
     parser.add_argument("--profile", action="store_true", help="fused_moe's kernels, eager")
+    parser.add_argument("--dequant-rows", type=int, default=0, help="moe.W4_DEQUANT_ROWS")
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse()
     w4a16_rows.EXPERTS = not args.no_native
+    moe.W4_DEQUANT_ROWS = args.dequant_rows or moe.W4_DEQUANT_ROWS
     moe.FP8_CODES_ROWS = args.codes_rows or moe.FP8_CODES_ROWS
     if args.w4_rows >= 0:
         moe.W4_SCALE_AFTER_ROWS = args.w4_rows

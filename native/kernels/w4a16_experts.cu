@@ -2,7 +2,8 @@
 // (token, choice) pair p of a block, y[p] = x[p / row_div] W_e^T (* weights[p]), W_e the
 // block's expert's 4-bit weights. The pairs come sorted by expert and padded to blocks of
 // 8 or 16 rows, each block one expert's (daemon/engine/turbo/kernels/moe_align.py); pair
-// ids of num_pairs are padding. The experts are W4A16Weights stacked
+// ids of num_pairs are padding. Without the sorted ids (one token's pairs, whose experts
+// are distinct) block b holds pair b alone. The experts are W4A16Weights stacked
 // (daemon/engine/turbo/quant/w4a16_experts.py):
 //
 //     qweight [E, K / 8, N] int32, scales [E, K / 128, N] (x's dtype), zeros [E, K / 128,
@@ -30,7 +31,8 @@ struct W4a16Experts {
   const uint32_t* q;       // [E, k / 8, n]
   const uint16_t* s;       // [E, k / 128, n]
   const uint8_t* z;        // [E, k / 128, n]
-  const int32_t* pairs;    // [blocks * block rows] pair ids sorted by expert
+  const int32_t* pairs;    // [blocks * block rows] pair ids sorted by expert; null: block
+                           // b holds pair b alone (one token's pairs, experts distinct)
   const int32_t* experts;  // [blocks] the expert of each block, -1 for none
   const float* weights;    // [num_pairs] routing weights, or null
   uint16_t* y;             // [num_pairs, n]
@@ -64,11 +66,15 @@ __device__ __forceinline__ void w4a16_experts(const W4a16Experts& a) {
   const int col = blockIdx.x * kExpertColumns + 4 * g;
   const int blocks = a.k / 128;
   const int32_t* pairs = a.pairs + static_cast<size_t>(blockIdx.y) * kRows;
-  const int first = pairs[0];
+  const auto pair_at = [&](int slot) {  // the pair in the block's row `slot`
+    if (a.pairs != nullptr) return pairs[slot];
+    return slot == 0 ? static_cast<int>(blockIdx.y) : a.num_pairs;
+  };
+  const int first = pair_at(0);
   const uint16_t* x_rows[kTiles];  // the lane's rows 8 nt + g of the block, at input 4t
 #pragma unroll
   for (int nt = 0; nt < kTiles; ++nt) {
-    const int pair = pairs[8 * nt + g];
+    const int pair = pair_at(8 * nt + g);
     const int row = (pair < a.num_pairs ? pair : first) / a.row_div;
     x_rows[nt] = a.x + static_cast<size_t>(row) * a.x_stride + 4 * t;
   }
@@ -111,7 +117,7 @@ __device__ __forceinline__ void w4a16_experts(const W4a16Experts& a) {
     const int e = i / 32;
     const int l = i % 32;
     const int d = e % 4;
-    const int pair = pairs[8 * (e / 8) + 2 * (l & 3) + (d & 1)];
+    const int pair = pair_at(8 * (e / 8) + 2 * (l & 3) + (d & 1));
     if (pair >= a.num_pairs) continue;
     float v = 0.0f;
     for (int w = 0; w < warps; ++w) v += sums[(w * kSums + e) * 32 + l];

@@ -2,9 +2,10 @@
 kernels/w4a16_rows.py native_experts, taken by kernels/moe.py's grouped GEMM for blocks of
 8 or 16 pairs) on a GPU: each pair's row against the float64 product of its expert's
 dequantized weights (times its routing weight), every pair written and no other row,
-every warp count, fused_moe through it against the Triton grouped GEMM it replaces (at
-Qwen3-30B-A3B's experts' shape too), 8-row blocks at one token, captured in a CUDA graph,
-and declined where it does not apply. Skipped without CUDA.
+one token's pairs a block each without sorted ids, every warp count, fused_moe through it
+against the Triton grouped GEMM it replaces (at Qwen3-30B-A3B's experts' shape, up to
+4,096 tokens, whose 128-row blocks multiply dequantized slabs), 8-row blocks at one
+token, captured in a CUDA graph, and declined where it does not apply. Skipped without CUDA.
 
 Bound: as the rows kernel's (tests/gpu/test_w4a16_rows_gpu.py): exact products summed in
 float32, each group's sum scaled once, so each output is the reference rounded once to
@@ -108,6 +109,20 @@ def test_against_float64(dtype: torch.dtype, block_m: int, num_tokens: int, gate
     assert_close(y, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_token_a_block_a_pair(dtype: torch.dtype) -> None:
+    """No sorted ids (fused_moe's one token): block p holds pair p alone, its expert
+    block_expert[p]; gate|up reads the token for each of its 8 pairs."""
+    w = experts((128, 1536, 2048), dtype, seed=11)
+    chosen = torch.randperm(128, device="cuda")[:8].to(torch.int32)
+    x = torch.randn(1, 2048, device="cuda").to(dtype)
+    y = torch.full((8, 1536), float("nan"), dtype=dtype, device="cuda")
+    assert native_experts(x, w.qweight, w.scales, w.zeros, 128, None, chosen, y, row_div=8,
+                          block_m=8)  # fmt: skip
+    torch.cuda.synchronize()
+    assert_close(y, reference(x, w, chosen, 8), dtype)
+
+
 @pytest.mark.parametrize("warps", [1, 2, 3, 4, 8])
 def test_every_warp_count(warps: int) -> None:
     """K of 8 blocks of 128 split over 1-8 warps: the same sums."""
@@ -136,18 +151,20 @@ def qwen3_moe_experts(seed: int) -> tuple[W4A16Experts, W4A16Experts, Tensor]:
     return gate_up, down, router
 
 
-@pytest.mark.parametrize("num_tokens", [1, 8, 64, 256])
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 256, 4096])
 def test_fused_moe_agrees_with_the_triton_kernel(
     monkeypatch: pytest.MonkeyPatch, num_tokens: int
 ) -> None:
-    """A layer of Qwen3-30B-A3B's 4-bit experts through the native kernel and through the
-    Triton grouped GEMM it replaces (w4a16_rows.EXPERTS off): the same routing, products
-    in float32 either way, so within bf16 rounding of each other."""
+    """A layer of Qwen3-30B-A3B's 4-bit experts through the native kernel (or, at 4,096
+    tokens, dequantized slabs) and through the Triton grouped GEMM's 4-bit tiles it
+    replaces (w4a16_rows.EXPERTS off; moe.W4_DEQUANT_ROWS past 128): the same routing,
+    products in float32 either way, so within bf16 rounding of each other."""
     gate_up, down, router = qwen3_moe_experts(num_tokens)
     h = torch.randn(num_tokens, 2048, device="cuda").to(torch.bfloat16)
     call = partial(moe.fused_moe, top_k=8, normalize=True, float_out=True)
     native = call(h, router, gate_up, down)
     monkeypatch.setattr(w4a16_rows, "EXPERTS", False)
+    monkeypatch.setattr(moe, "W4_DEQUANT_ROWS", 256)
     triton_out = call(h, router, gate_up, down)
     err = (native.float() - triton_out.float()).abs().max().item()
     assert err <= 2.0**-6 * triton_out.float().abs().max().item(), err

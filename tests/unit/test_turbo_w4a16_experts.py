@@ -25,6 +25,7 @@ pytest.importorskip("triton")
 from lmd.engine.turbo.backend import TurboBackend
 from lmd.engine.turbo.config import TurboConfig
 from lmd.engine.turbo.kernels import moe, moe_align
+from lmd.engine.turbo.kernels.w4a16_dense import dequantize_experts
 from lmd.engine.turbo.quant.scheme import QuantScheme, four_bit_experts
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
 from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
@@ -94,12 +95,13 @@ def test_the_grouped_gemm_of_w4a16_experts_is_their_meaning(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("num_tokens", "top_k"), [(1, 2), (40, 2), (9, 4)])
+@pytest.mark.parametrize(("num_tokens", "top_k"), [(1, 2), (40, 2), (9, 4), (300, 2)])
 def test_a_layer_of_w4a16_experts_equals_the_loop(
     dtype: torch.dtype, num_tokens: int, top_k: int
 ) -> None:
     """fused_moe (gate|up with its SiLU, the routing weights, the sum over k) against
-    transformers' loop on the dequantized experts."""
+    transformers' loop on the dequantized experts; 300 tokens in 64-row blocks, which
+    multiply dequantized slabs."""
     gen = torch.Generator().manual_seed(num_tokens)
     router = torch.randn(8, HIDDEN, generator=gen).to(dtype).to(DEVICE)
     gate_up = on_device(four_bit((8, 2 * INTER, HIDDEN), 128, dtype, 1))
@@ -189,3 +191,23 @@ def test_blocks_of_eight_rows_are_the_native_kernels_alone() -> None:
         with pytest.raises(ValueError, match="blocks of 8 rows take the native W4A16 kernel"):
             moe.grouped_gemm(h, gate_up, sorted_pairs, block_expert, num_pairs=6, a_row_div=2,
                              block_m=8)  # fmt: skip
+
+
+@pytest.mark.parametrize("per_slab", [1, 3])
+def test_large_blocks_multiply_dequantized_slabs(
+    monkeypatch: pytest.MonkeyPatch, per_slab: int
+) -> None:
+    """From moe.W4_DEQUANT_ROWS rows a block, slabs of `per_slab` experts (4 and 2 slabs
+    of the 4) made 16-bit by dequantize_experts, each slab's blocks multiplied apart:
+    their meaning still (150 tokens, 64-row blocks); and dequantize_experts is each
+    expert's W4A16Weight.dequantize, transposed."""
+    gate_up = on_device(four_bit((4, 2 * INTER, HIDDEN), 128, DTYPE, 5))
+    down = on_device(four_bit((4, HIDDEN, INTER), 128, DTYPE, 6))
+    monkeypatch.setattr(moe, "SLAB_BYTES", per_slab * 2 * INTER * HIDDEN * DTYPE.itemsize)
+    assert moe.block_rows(150 * 2, 4) >= moe.W4_DEQUANT_ROWS
+    assert_grouped_gemms(gate_up, down, (HIDDEN, INTER), DTYPE, 150)
+    slab = dequantize_experts(
+        down.qweight, down.scales, down.zeros, 128, lo=1, hi=3
+    )  # [2, INTER, HIDDEN]
+    expected = down.dequantize()[1:3].transpose(1, 2).to(DTYPE)
+    assert slab.dtype == DTYPE and torch.equal(slab.cpu(), expected.cpu())

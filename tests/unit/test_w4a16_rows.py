@@ -213,9 +213,14 @@ def test_bad_experts_launches_are_refused_before_cuda(
         )  # fmt: skip
 
 
-def test_experts_need_their_pairs_and_aligned_weights() -> None:
+def test_experts_without_sorted_pairs_take_a_block_a_pair() -> None:
+    with pytest.raises(ValueError, match=re.escape("a block a pair (blocks == num_pairs)")):
+        _native.w4a16_experts(0, 64, 64, 64, 64, 0, 64, 0, 64, 8, 4, 8, 8, 64, 256, 256, True, 4, 0)
+
+
+def test_experts_need_aligned_addresses() -> None:
     ok = (64, 64, 64, 64, 64, 64, 0, 64)
-    for at, bad in ((4, 0), (5, 0), (6, 66), (1, 72)):  # pairs, experts null; weights, q
+    for at, bad in ((5, 0), (6, 66), (1, 72)):  # experts null; weights, q misaligned
         addresses = list(ok)
         addresses[at] = bad
         x, q, s, z, pairs, experts, weights, y = addresses

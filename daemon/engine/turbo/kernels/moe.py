@@ -39,45 +39,12 @@ from lmd.engine.turbo.kernels.common import expert_scales
 from lmd.engine.turbo.kernels.fp8_quant import quantize_per_token, quantize_per_token_group
 from lmd.engine.turbo.kernels.moe_align import align
 from lmd.engine.turbo.kernels.routing import route
-from lmd.engine.turbo.kernels.w4a16 import PACKED_NIBBLES, scaled_after_dots
-from lmd.engine.turbo.kernels.w4a16_nibbles import block_weights, block_words
+from lmd.engine.turbo.kernels.w4a16 import PACKED_NIBBLES, four_bit_slice
+from lmd.engine.turbo.kernels.w4a16_dense import SLAB_BYTES, dequantize_experts
 from lmd.engine.turbo.kernels.w4a16_rows import EXPERTS_ROWS, experts_take, native_experts
 from lmd.engine.turbo.quant.fp8_experts import Fp8Experts, Operands, kernel_operands
 from lmd.engine.turbo.quant.load import Experts
 from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
-
-
-@triton.jit
-def _four_bit_slice(  # noqa: PLR0917  # Triton functions take positional arguments
-    acc,
-    a_rows,
-    real,
-    w_base,
-    stride_wn,
-    ws_at,
-    zs_at,
-    k0,
-    n,
-    cols,
-    valid,
-    GROUP: tl.constexpr,
-    SCALE_AFTER: tl.constexpr,
-    DTYPE: tl.constexpr,
-    PACKED: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """acc + a @ W^T over the 128 inputs from k0 of 4-bit experts (the expert's words at
-    w_base, rows stride_wn apart; its scales and zero points at ws_at, zs_at): a dot per
-    nibble's 16 inputs and each group scaled once (SCALE_AFTER, kernels/w4a16.py's decode
-    form), or the words made [128, BLOCK_N] weights and one dot."""
-    words = block_words(w_base, k0, stride_wn, cols, valid)
-    if SCALE_AFTER:
-        return scaled_after_dots(a_rows + tl.arange(0, 16)[None, :], real[:, None], words, ws_at,
-                                 zs_at, k0, n, cols, valid, acc, GROUP, DTYPE, PACKED, False,
-                                 PRECISION)  # fmt: skip
-    w = block_weights(words, ws_at, zs_at, k0, n, cols, valid, GROUP, DTYPE, PACKED)
-    a = tl.load(a_rows + k0 + tl.arange(0, 128)[None, :], mask=real[:, None], other=0.0)
-    return tl.dot(a, w, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -94,6 +61,9 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
     stride_a,
     stride_we,
     stride_wn,
+    stride_wk,  # 16-bit w: 1 ([E, N, K]), or N for a dequantized slab ([E', K, N])
+    expert_lo,  # w holds experts lo .. hi - 1 (its first at w_ptr); blocks of others return
+    expert_hi,
     stride_c,
     ws_ptr,  # FP8: the codes' scales and their strides (fp8_experts.Operands)
     stride_se,
@@ -118,7 +88,7 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
     BLOCK_K: tl.constexpr,
 ):
     expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
-    if expert < 0:  # past the last expert's run: nothing to do
+    if expert < expert_lo or expert >= expert_hi:  # -1: past the last expert's run
         return
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + rows)  # (token, choice) pair ids; num_pairs = padding
@@ -129,7 +99,7 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
     else:
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = cols < n
-    w_base = w_ptr + expert * stride_we
+    w_base = w_ptr + (expert - expert_lo) * stride_we
     ws_at = ws_ptr + expert * stride_se
     zs_at = zs_ptr + expert * stride_ze
     as_at = as_ptr + a_row * stride_ar
@@ -138,7 +108,7 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
     dtype: tl.constexpr = c_ptr.dtype.element_ty  # the inputs' too, but for FP8 codes
     for k0 in range(0, k, BLOCK_K):
         if W4_GROUP:  # BLOCK_K 128
-            acc = _four_bit_slice(
+            acc = four_bit_slice(
                 acc, a_rows, real, w_base, stride_wn, ws_at, zs_at, k0, n, cols, valid,
                 W4_GROUP, W4_SCALE_AFTER, dtype, PACKED, PRECISION,
             )  # fmt: skip
@@ -148,7 +118,7 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
                 a_rows + ks[None, :], mask=real[:, None] & (ks[None, :] < k), other=0.0
             )  # [BLOCK_M, BLOCK_K]
             w = tl.load(
-                w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
+                w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk,
                 mask=valid[None, :] & (ks[:, None] < k),
                 other=0.0,
             )  # [BLOCK_K, BLOCK_N]
@@ -179,7 +149,7 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
 def grouped_gemm(
     a: Tensor,
     weight: Experts,
-    sorted_pairs: Tensor,
+    sorted_pairs: Tensor | None,
     block_expert: Tensor,
     *,
     num_pairs: int,
@@ -194,8 +164,9 @@ def grouped_gemm(
 
     a: [R, K]; weight: [E, N, K]; scale: [P] float32 or None -> out [num_pairs, N] in
     a's dtype. Rows of pairs no block holds are left unwritten (there are none when
-    `sorted_pairs` comes from `align`). `tiles`: (BLOCK_N, BLOCK_K, warps, stages), to
-    try others than the default. `gated`: weight is gate | up (N = 2I) and out [P, I]
+    `sorted_pairs` comes from `align`; None, for the native W4A16 kernel alone: block p
+    holds pair p). `tiles`: (BLOCK_N, BLOCK_K, warps, stages), to try others than the
+    default. `gated`: weight is gate | up (N = 2I) and out [P, I]
     is silu_and_mul of the product, made in the same launch (a program's columns are
     its outputs' gate and up rows side by side), bit for bit the two launches' values.
     Fp8Experts: each BLOCK_K slice's product with the codes is scaled by its block's (or
@@ -229,9 +200,44 @@ def grouped_gemm(
                           block_expert, product, row_div=a_row_div, block_m=block_m,
                           weights=scale):  # fmt: skip
             return silu_and_mul(product) if gated else product
-    if block_m < 16:
+    if block_m < 16 or sorted_pairs is None:
         raise ValueError(f"grouped_gemm: blocks of {block_m} rows take the native W4A16 kernel")
     out = torch.empty(num_pairs, n // 2 if gated else n, dtype=out_dtype, device=a.device)
+    launch = partial(_launch, a, out=out, sorted_pairs=sorted_pairs, block_expert=block_expert,
+                     num_pairs=num_pairs, a_row_div=a_row_div, block_m=block_m, scale=scale,
+                     gated=gated, a_scale=a_scale)  # fmt: skip
+    if w4 is None or tiles is not None or block_m < W4_DEQUANT_ROWS:
+        launch(ops, w4, tiles, (ops.codes.stride(0), ops.codes.stride(1), 1), (0, weight.shape[0]))
+        return out
+    per_slab = max(1, SLAB_BYTES // (n * k * a.element_size()))
+    for lo in range(0, weight.shape[0], per_slab):  # 16-bit experts a slab at a time
+        hi = min(lo + per_slab, weight.shape[0])
+        slab = dequantize_experts(w4.qweight, w4.scales, w4.zeros, w4.group_size, lo=lo, hi=hi)
+        launch(kernel_operands(slab, a), None, None, (slab.stride(0), 1, n), (lo, hi))
+    return out
+
+
+def _launch(  # noqa: PLR0917  # grouped_gemm's arguments, a weight's operands
+    a: Tensor,
+    ops: Operands,
+    w4: W4A16Experts | None,
+    tiles: tuple[int, int, int, int] | None,
+    strides: tuple[int, int, int],
+    experts: tuple[int, int],
+    *,
+    out: Tensor,
+    sorted_pairs: Tensor,
+    block_expert: Tensor,
+    num_pairs: int,
+    a_row_div: int,
+    block_m: int,
+    scale: Tensor | None,
+    gated: bool,
+    a_scale: Tensor | None,
+) -> None:
+    """_grouped_gemm_kernel on grouped_gemm's arguments for the weight `ops` (its
+    experts' stride, its outputs', its inputs'), which holds experts lo .. hi - 1."""
+    n, k = out.shape[1] * (2 if gated else 1), a.shape[1]
     # The fastest at Qwen3-30B-A3B's shapes on an H200 (scripts/moe_tiles.py): 64 x 128
     # for decode's few rows per expert (~4 TB/s), 128 x 64 for 64-row blocks, 256 x 64
     # on 8 warps for a prefill's 128-row blocks (1.2x 64-row blocks at 4-8k tokens).
@@ -264,8 +270,8 @@ def grouped_gemm(
         n,
         k,
         a.stride(0),
-        ops.codes.stride(0),
-        ops.codes.stride(1),
+        *strides,
+        *experts,
         out.stride(0),
         *ops.scale_args,
         a_scale if a_scale is not None else a,
@@ -287,16 +293,19 @@ def grouped_gemm(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    return out
 
 
-# 4-bit experts in blocks of up to this many rows take the dense W4A16 kernel's decode
-# form (a dot per nibble's 16 inputs, each group's sum scaled once: kernels/w4a16.py's
-# rule, there measured best up to 32 rows), larger blocks one dot a block of 128 inputs
-# made weights by block_weights. That form at 16-row blocks took a layer of Qwen3-30B-
-# A3B's experts 523 us at 64 tokens against bf16's 297 (H200, docs/benchmarks.md); this
-# one is not measured on experts yet (scripts/moe_tiles.py --w4a16 128 --w4-rows N).
+# 4-bit experts in blocks of up to this many rows (past the native kernel's) take the dense
+# W4A16 kernel's decode form (w4a16.scaled_after_dots), larger ones block_weights' one dot
+# a block of 128 inputs: at 64 tokens (16-row blocks) 416 against 521 us a layer.
 W4_SCALE_AFTER_ROWS = 32
+
+# From this many rows a block (1,024 tokens of Qwen3-30B-A3B on), 4-bit experts are made
+# 16-bit a slab of experts at a time (w4a16_dense.SLAB_BYTES at most, by
+# w4a16_dense.dequantize_experts), and the 16-bit grouped GEMM multiplies each slab's
+# blocks, as the dense W4A16 path hands cuBLAS dequantized slabs from DENSE_ROWS rows:
+# block_weights' tiles took 1,966 us a layer at 4,096 tokens against 16-bit experts' 914.
+W4_DEQUANT_ROWS = 64
 
 
 # Blocks of 8 rows (the native W4A16 experts kernel's least) while the pairs an expert gets
@@ -374,7 +383,10 @@ def fused_moe(
     weights, experts = route(h, router, top_k, normalize, float_out=float_out)
     num_pairs = num_tokens * top_k
     block_m = block_rows(num_pairs, num_experts, eight=native_eight(h, gate_up, down))
-    sorted_pairs, block_expert = align(experts, num_experts, block_m)
+    if num_tokens == 1 and block_m == 8:  # a block a pair, its experts distinct: no layout
+        sorted_pairs, block_expert = None, experts.view(-1)
+    else:
+        sorted_pairs, block_expert = align(experts, num_experts, block_m)
     layout = partial(grouped_gemm, sorted_pairs=sorted_pairs, block_expert=block_expert,
                      num_pairs=num_pairs, block_m=block_m)  # fmt: skip
     a, a_scale = fp8_input(h, gate_up, block_m)

@@ -135,6 +135,40 @@ def scaled_after_dots(  # noqa: PLR0917  # Triton functions take positional argu
 
 
 @triton.jit
+def four_bit_slice(  # noqa: PLR0917  # Triton functions take positional arguments
+    acc,
+    a_rows,
+    real,
+    w_base,
+    stride_wn,
+    ws_at,
+    zs_at,
+    k0,
+    n,
+    cols,
+    valid,
+    GROUP: tl.constexpr,
+    SCALE_AFTER: tl.constexpr,
+    DTYPE: tl.constexpr,
+    PACKED: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """acc + a @ W^T over the 128 inputs from k0 of 4-bit experts (the expert's words at
+    w_base, rows stride_wn apart; its scales and zero points at ws_at, zs_at): a dot per
+    nibble's 16 inputs and each group scaled once (SCALE_AFTER, this kernel's decode
+    form), or the words made [128, BLOCK_N] weights and one dot (kernels/moe.py's grouped
+    GEMM's slice of 4-bit experts)."""
+    words = block_words(w_base, k0, stride_wn, cols, valid)
+    if SCALE_AFTER:
+        return scaled_after_dots(a_rows + tl.arange(0, 16)[None, :], real[:, None], words, ws_at,
+                                 zs_at, k0, n, cols, valid, acc, GROUP, DTYPE, PACKED, False,
+                                 PRECISION)  # fmt: skip
+    w = block_weights(words, ws_at, zs_at, k0, n, cols, valid, GROUP, DTYPE, PACKED)
+    a = tl.load(a_rows + k0 + tl.arange(0, 128)[None, :], mask=real[:, None], other=0.0)
+    return tl.dot(a, w, acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _w4a16_kernel(  # noqa: PLR0917  # Triton kernels take positional arguments
     x_ptr,
     q_ptr,

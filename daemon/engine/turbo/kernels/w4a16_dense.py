@@ -13,6 +13,7 @@ from torch import Tensor
 
 PACK_K = 128  # inputs per block of the layout (w4a16.py imports it from here)
 SLAB_BYTES = 64 << 20  # the most a dequantized slab of W takes
+DEQUANT_BLOCK_N = 64
 
 
 @triton.jit
@@ -24,11 +25,20 @@ def _dequant_kernel(  # noqa: PLR0917  # Triton kernels take positional argument
     n,
     n0,
     width,
+    stride_qe,
+    stride_se,
+    stride_we,
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """w[k, c] = W[n0 + c, k] for c < width: one block of 128 inputs, BLOCK_N columns.
-    w: [K, width] in its dtype."""
+    w: [K, width] in its dtype; of a stack of experts (the grid's third axis; each W's
+    words, scales and zeros and each w stride_qe, stride_se, stride_we apart), each's."""
+    e = tl.program_id(2).to(tl.int64)
+    q_ptr += e * stride_qe
+    s_ptr += e * stride_se
+    z_ptr += e * stride_se
+    w_ptr += e * stride_we
     kb = tl.program_id(0) * 128
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = offs < width
@@ -52,11 +62,26 @@ def dequantize_slab(
     """Output columns n0 .. n0 + width of W, transposed: [K, width] in scales' dtype."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     w = torch.empty(k, width, dtype=scales.dtype, device=qweight.device)
-    block_n = 64
-    grid = (k // PACK_K, triton.cdiv(width, block_n))
+    grid = (k // PACK_K, triton.cdiv(width, DEQUANT_BLOCK_N), 1)
     _dequant_kernel[grid](
-        qweight, scales, zeros, w, n, n0, width, GROUP=group_size, BLOCK_N=block_n
-    )
+        qweight, scales, zeros, w, n, n0, width, 0, 0, 0, GROUP=group_size,
+        BLOCK_N=DEQUANT_BLOCK_N,
+    )  # fmt: skip
+    return w
+
+
+def dequantize_experts(
+    qweight: Tensor, scales: Tensor, zeros: Tensor, group_size: int, *, lo: int, hi: int
+) -> Tensor:
+    """Experts lo .. hi - 1 of a 4-bit stack (quant/w4a16_experts.py: qweight [E, K / 8,
+    N]), transposed: [hi - lo, K, N] in scales' dtype."""
+    k, n = qweight.shape[1] * 8, qweight.shape[2]
+    w = torch.empty(hi - lo, k, n, dtype=scales.dtype, device=qweight.device)
+    grid = (k // PACK_K, triton.cdiv(n, DEQUANT_BLOCK_N), hi - lo)
+    _dequant_kernel[grid](
+        qweight[lo], scales[lo], zeros[lo], w, n, 0, n, qweight.stride(0), scales.stride(0),
+        w.stride(0), GROUP=group_size, BLOCK_N=DEQUANT_BLOCK_N,
+    )  # fmt: skip
     return w
 
 

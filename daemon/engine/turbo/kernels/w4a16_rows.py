@@ -41,12 +41,13 @@ WIDE_MAX_ROWS = 32  # from 33 rows the Triton tiles were as fast (docs/benchmark
 EXPERTS = True  # off: 4-bit experts' small blocks go to the Triton grouped GEMM (A/B runs)
 EXPERTS_ROWS = (8, 16)  # the experts kernel's blocks of pairs
 MAX_BLOCKS = 65535  # blocks of pairs a launch (the grid's second dimension)
-# A CTA's warps: 2, or 4 for a step's first few pairs (at most K / 128). On an H200 at
-# Qwen3-30B-A3B's experts (scripts/moe_tiles.py --expert-warps, gate|up + down, us): 1
-# token 14.4 at 2 warps, 13.0 at 4, 15.0 at 8; 8 tokens 52.9, 56.5, 72.9; 64 tokens
-# 200.9, 239.7, 334.0; 256 tokens 300.4, 377.0, 538.3. None: that rule; else this.
+# A CTA's warps by the pairs of the product (at most K / 128): 4 up to 16 pairs, 2 up to
+# 128, else 1. On an H200 at Qwen3-30B-A3B's experts (scripts/moe_tiles.py
+# --expert-warps, gate|up + down, us at 1 / 2 / 4 warps): 1 token 18.7 / 15.7 / 14.4; 8
+# tokens 56.5 / 53.9 / 57.5; 64 tokens 186.4 / 200.0 / 235.7; 256 tokens 286.7 / 311.3
+# / 388.3. EXPERT_WARPS None: that rule; else this.
 EXPERT_WARPS: int | None = None
-EXPERT_FEW_PAIRS = 16
+EXPERT_WARPS_BY_PAIRS = ((16, 4), (128, 2))  # (at most this many pairs, warps)
 WGMMA = True  # off: 33-64 rows go to the Triton tiles on Hopper too (scripts' A/B runs)
 WGMMA_MAX_ROWS = 64
 WGMMA_SPAN = 256  # output columns of a wgmma kernel's CTA
@@ -242,7 +243,7 @@ def native_experts(  # noqa: PLR0917  # the experts' tensors, as W4A16Experts ho
     scales: Tensor,
     zeros: Tensor,
     group_size: int,
-    sorted_pairs: Tensor,
+    sorted_pairs: Tensor | None,
     block_expert: Tensor,
     y: Tensor,
     *,
@@ -253,13 +254,13 @@ def native_experts(  # noqa: PLR0917  # the experts' tensors, as W4A16Experts ho
 ) -> bool:
     """y[p] = x[p // row_div] @ W_e^T (* weights[p]) for every pair p of the blocks of
     block_m (8 or 16) sorted pairs (kernels/moe_align.py's layout; y [P, N] contiguous, P
-    its rows), W_e the block's expert's: qweight [E, K / 8, N], scales and zeros [E, K /
-    128, N]; True once enqueued, False (y untouched) when the kernel does not take it.
-    `warps` overrides EXPERT_WARPS."""
+    its rows; no sorted pairs: block p holds pair p alone), W_e the block's expert's:
+    qweight [E, K / 8, N], scales and zeros [E, K / 128, N]; True once enqueued, False (y
+    untouched) when the kernel does not take it. `warps` overrides EXPERT_WARPS."""
     k = x.shape[1]
     if warps is None:
-        few = y.shape[0] <= EXPERT_FEW_PAIRS
-        warps = EXPERT_WARPS if EXPERT_WARPS is not None else 4 if few else 2
+        by_pairs = (w for most, w in EXPERT_WARPS_BY_PAIRS if y.shape[0] <= most)
+        warps = EXPERT_WARPS if EXPERT_WARPS is not None else next(by_pairs, 1)
     warps = min(warps, k // GROUP)
     takes = (
         block_m in EXPERTS_ROWS
@@ -272,10 +273,15 @@ def native_experts(  # noqa: PLR0917  # the experts' tensors, as W4A16Experts ho
         and y.is_contiguous()
         and y.dtype == x.dtype
         and y.shape[1] == qweight.shape[2]
-        and sorted_pairs.dtype == block_expert.dtype == torch.int32
-        and sorted_pairs.is_contiguous()
+        and block_expert.dtype == torch.int32
         and block_expert.is_contiguous()
-        and sorted_pairs.numel() == block_expert.numel() * block_m
+        and (
+            block_expert.numel() == y.shape[0]
+            if sorted_pairs is None
+            else sorted_pairs.dtype == torch.int32
+            and sorted_pairs.is_contiguous()
+            and sorted_pairs.numel() == block_expert.numel() * block_m
+        )
         and (weights is None or (weights.dtype == torch.float32 and weights.is_contiguous()))
         and all(
             t.is_contiguous() and t.data_ptr() % align == 0
@@ -291,7 +297,7 @@ def native_experts(  # noqa: PLR0917  # the experts' tensors, as W4A16Experts ho
         qweight.data_ptr(),
         scales.data_ptr(),
         zeros.data_ptr(),
-        sorted_pairs.data_ptr(),
+        0 if sorted_pairs is None else sorted_pairs.data_ptr(),
         block_expert.data_ptr(),
         0 if weights is None else weights.data_ptr(),
         y.data_ptr(),
