@@ -29,6 +29,9 @@
 #       Triton 4-bit tiles and with bf16 experts at 1,024 and 4,096, then
 #       families_bench.py on 12 layers of the Qwen3-30B-A3B shape at batches 1, 64 and
 #       256, --quantization w4a16 and bf16. Carry .gpu-assets too.
+#   scripts/gpu-quant.sh slabs
+#       ~3 minutes: 4-bit experts' dequantized slabs alone (their tests, a layer at 1,024
+#       and 4,096 tokens profiled, 12 layers at batches 64 and 256 under w4a16).
 # Carry .whl (device-wheels.sh setproctitle gguf accelerate). Results in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -98,6 +101,18 @@ experts4)
     timeout 130 python3 scripts/families_bench.py "$model" --batches 1,64,256 $quant \
       2>>"$out/bench-stderr.txt" | tee -a "$out/quant-bench.jsonl"
   done
+  ;;
+slabs)  # the dequantized slabs of 4-bit experts alone: their tests, a layer, 12 layers
+  python3 setup.py -q build_ext --inplace 2>&1 | tail -3
+  timeout 100 python3 -m pytest -q -ra -p no:cacheprovider --timeout 90 -k "slabs or fused_moe" \
+    tests/gpu/test_w4a16_experts_gpu.py tests/unit/test_turbo_w4a16_experts.py 2>&1 | tail -3
+  timeout 40 python3 scripts/moe_tiles.py --tokens 1024,4096 --w4a16 128 --profile 2>&1 \
+    | grep -v "_warn_once\|UserWarning" | tee -a "$out/moe-tiles-w4.txt"
+  model=/dev/shm/qwen3-30b-a3b-shape-12l
+  python3 scripts/random_models.py qwen3-30b-a3b-shape --layers 12 --out-dir /dev/shm \
+    --tokenizer .gpu-assets/qwen3-tokenizer 2>&1 | grep -v "^Writing" | tail -2
+  timeout 100 python3 scripts/families_bench.py "$model" --batches 64,256 --quantization w4a16 \
+    2>>"$out/bench-stderr.txt" | tee -a "$out/quant-bench.jsonl"
   ;;
 bench|profile|step)
   python3 setup.py -q build_ext --inplace 2>&1 | tail -3  # lmd-bench imports lmd._native

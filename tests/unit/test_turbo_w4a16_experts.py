@@ -200,14 +200,12 @@ def test_large_blocks_multiply_dequantized_slabs(
     """From moe.W4_DEQUANT_ROWS rows a block, slabs of `per_slab` experts (4 and 2 slabs
     of the 4) made 16-bit by dequantize_experts, each slab's blocks multiplied apart:
     their meaning still (150 tokens, 64-row blocks); and dequantize_experts is each
-    expert's W4A16Weight.dequantize, transposed."""
+    expert's W4A16Weight.dequantize."""
     gate_up = on_device(four_bit((4, 2 * INTER, HIDDEN), 128, DTYPE, 5))
     down = on_device(four_bit((4, HIDDEN, INTER), 128, DTYPE, 6))
     monkeypatch.setattr(moe, "SLAB_BYTES", per_slab * 2 * INTER * HIDDEN * DTYPE.itemsize)
     assert moe.block_rows(150 * 2, 4) >= moe.W4_DEQUANT_ROWS
     assert_grouped_gemms(gate_up, down, (HIDDEN, INTER), DTYPE, 150)
-    slab = dequantize_experts(
-        down.qweight, down.scales, down.zeros, 128, lo=1, hi=3
-    )  # [2, INTER, HIDDEN]
-    expected = down.dequantize()[1:3].transpose(1, 2).to(DTYPE)
+    slab = dequantize_experts(down.qweight, down.scales, down.zeros, 128, lo=1, hi=3)
+    expected = down.dequantize()[1:3].to(DTYPE)  # [2, HIDDEN, INTER]
     assert slab.dtype == DTYPE and torch.equal(slab.cpu(), expected.cpu())

@@ -61,7 +61,6 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
     stride_a,
     stride_we,
     stride_wn,
-    stride_wk,  # 16-bit w: 1 ([E, N, K]), or N for a dequantized slab ([E', K, N])
     expert_lo,  # w holds experts lo .. hi - 1 (its first at w_ptr); blocks of others return
     expert_hi,
     stride_c,
@@ -118,7 +117,7 @@ def _grouped_gemm_kernel(  # noqa: PLR0917  # Triton kernels take positional arg
                 a_rows + ks[None, :], mask=real[:, None] & (ks[None, :] < k), other=0.0
             )  # [BLOCK_M, BLOCK_K]
             w = tl.load(
-                w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk,
+                w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
                 mask=valid[None, :] & (ks[:, None] < k),
                 other=0.0,
             )  # [BLOCK_K, BLOCK_N]
@@ -207,13 +206,13 @@ def grouped_gemm(
                      num_pairs=num_pairs, a_row_div=a_row_div, block_m=block_m, scale=scale,
                      gated=gated, a_scale=a_scale)  # fmt: skip
     if w4 is None or tiles is not None or block_m < W4_DEQUANT_ROWS:
-        launch(ops, w4, tiles, (ops.codes.stride(0), ops.codes.stride(1), 1), (0, weight.shape[0]))
+        launch(ops, w4, tiles, (ops.codes.stride(0), ops.codes.stride(1)), (0, weight.shape[0]))
         return out
     per_slab = max(1, SLAB_BYTES // (n * k * a.element_size()))
     for lo in range(0, weight.shape[0], per_slab):  # 16-bit experts a slab at a time
         hi = min(lo + per_slab, weight.shape[0])
         slab = dequantize_experts(w4.qweight, w4.scales, w4.zeros, w4.group_size, lo=lo, hi=hi)
-        launch(kernel_operands(slab, a), None, None, (slab.stride(0), 1, n), (lo, hi))
+        launch(kernel_operands(slab, a), None, None, (slab.stride(0), slab.stride(1)), (lo, hi))
     return out
 
 
@@ -222,7 +221,7 @@ def _launch(  # noqa: PLR0917  # grouped_gemm's arguments, a weight's operands
     ops: Operands,
     w4: W4A16Experts | None,
     tiles: tuple[int, int, int, int] | None,
-    strides: tuple[int, int, int],
+    strides: tuple[int, int],
     experts: tuple[int, int],
     *,
     out: Tensor,
@@ -236,7 +235,7 @@ def _launch(  # noqa: PLR0917  # grouped_gemm's arguments, a weight's operands
     a_scale: Tensor | None,
 ) -> None:
     """_grouped_gemm_kernel on grouped_gemm's arguments for the weight `ops` (its
-    experts' stride, its outputs', its inputs'), which holds experts lo .. hi - 1."""
+    experts' stride and its outputs'), which holds experts lo .. hi - 1."""
     n, k = out.shape[1] * (2 if gated else 1), a.shape[1]
     # The fastest at Qwen3-30B-A3B's shapes on an H200 (scripts/moe_tiles.py): 64 x 128
     # for decode's few rows per expert (~4 TB/s), 128 x 64 for 64-row blocks, 256 x 64

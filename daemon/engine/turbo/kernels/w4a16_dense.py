@@ -28,12 +28,15 @@ def _dequant_kernel(  # noqa: PLR0917  # Triton kernels take positional argument
     stride_qe,
     stride_se,
     stride_we,
+    stride_wk,
+    stride_wc,
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """w[k, c] = W[n0 + c, k] for c < width: one block of 128 inputs, BLOCK_N columns.
-    w: [K, width] in its dtype; of a stack of experts (the grid's third axis; each W's
-    words, scales and zeros and each w stride_qe, stride_se, stride_we apart), each's."""
+    """w[k, c] = W[n0 + c, k] for c < width: one block of 128 inputs, BLOCK_N columns,
+    w's element (k, c) at k * stride_wk + c * stride_wc, in its dtype; of a stack of
+    experts (the grid's third axis; each W's words, scales and zeros and each w
+    stride_qe, stride_se, stride_we apart), each's."""
     e = tl.program_id(2).to(tl.int64)
     q_ptr += e * stride_qe
     s_ptr += e * stride_se
@@ -52,7 +55,9 @@ def _dequant_kernel(  # noqa: PLR0917  # Triton kernels take positional argument
         s = tl.load(s_ptr + group + cols, mask=ok).to(tl.float32)
         z = tl.load(z_ptr + group + cols, mask=ok).to(tl.float32)
         w = (((words >> (4 * j)) & 0xF).to(tl.float32) - z[None, :]) * s[None, :]  # [16, BN]
-        out = w_ptr + (kb + 16 * j + r)[:, None].to(tl.int64) * width + offs[None, :]
+        out = (
+            w_ptr + (kb + 16 * j + r)[:, None].to(tl.int64) * stride_wk + offs[None, :] * stride_wc
+        )
         tl.store(out, w.to(w_ptr.dtype.element_ty), mask=ok[None, :])
 
 
@@ -64,7 +69,7 @@ def dequantize_slab(
     w = torch.empty(k, width, dtype=scales.dtype, device=qweight.device)
     grid = (k // PACK_K, triton.cdiv(width, DEQUANT_BLOCK_N), 1)
     _dequant_kernel[grid](
-        qweight, scales, zeros, w, n, n0, width, 0, 0, 0, GROUP=group_size,
+        qweight, scales, zeros, w, n, n0, width, 0, 0, 0, width, 1, GROUP=group_size,
         BLOCK_N=DEQUANT_BLOCK_N,
     )  # fmt: skip
     return w
@@ -74,13 +79,13 @@ def dequantize_experts(
     qweight: Tensor, scales: Tensor, zeros: Tensor, group_size: int, *, lo: int, hi: int
 ) -> Tensor:
     """Experts lo .. hi - 1 of a 4-bit stack (quant/w4a16_experts.py: qweight [E, K / 8,
-    N]), transposed: [hi - lo, K, N] in scales' dtype."""
+    N]) as 16-bit experts, [hi - lo, N, K] in scales' dtype."""
     k, n = qweight.shape[1] * 8, qweight.shape[2]
-    w = torch.empty(hi - lo, k, n, dtype=scales.dtype, device=qweight.device)
+    w = torch.empty(hi - lo, n, k, dtype=scales.dtype, device=qweight.device)
     grid = (k // PACK_K, triton.cdiv(n, DEQUANT_BLOCK_N), hi - lo)
     _dequant_kernel[grid](
         qweight[lo], scales[lo], zeros[lo], w, n, 0, n, qweight.stride(0), scales.stride(0),
-        w.stride(0), GROUP=group_size, BLOCK_N=DEQUANT_BLOCK_N,
+        w.stride(0), 1, k, GROUP=group_size, BLOCK_N=DEQUANT_BLOCK_N,
     )  # fmt: skip
     return w
 
