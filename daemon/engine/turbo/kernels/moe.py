@@ -304,7 +304,7 @@ W4_SCALE_AFTER_ROWS = 32
 # w4a16_dense.dequantize_experts), and the 16-bit grouped GEMM multiplies each slab's
 # blocks, as the dense W4A16 path hands cuBLAS dequantized slabs from DENSE_ROWS rows:
 # block_weights' tiles took 1,966 us a layer at 4,096 tokens against 16-bit experts' 914.
-W4_DEQUANT_ROWS = 64
+W4_DEQUANT_ROWS = 128
 
 
 # Blocks of 8 rows (the native W4A16 experts kernel's least) while the pairs an expert gets
