@@ -241,13 +241,11 @@ __device__ __forceinline__ void over_blocks(int warp, int warps, int blocks, con
 }
 
 // The warps' sums acc[nt][h][d] (mma output d of tile h for x tile nt) added in warp
-// order through shared memory `sums` ([warps][kTiles * 8][32] floats), and each output
-// of a row under m written to y [m, n]: column(lane, h, d) is its output column, finish(v,
-// column) its value in float32 before the bias and the rounding to x's dtype.
-template <bool kBf16, int kTiles, typename Column, typename Finish>
-__device__ __forceinline__ void store_sums(float* sums, const float (&acc)[kTiles][2][4],
-                                           int m, int n, const uint16_t* bias, uint16_t* y,
-                                           const Column& column, const Finish& finish) {
+// order through shared memory `sums` ([warps][kTiles * 8][32] floats), each handed to
+// emit(row, lane, h, d, v) with its x row (row 8 nt + 2t + d % 2 of the CTA's rows).
+template <int kTiles, typename Emit>
+__device__ __forceinline__ void sum_warps(float* sums, const float (&acc)[kTiles][2][4],
+                                          const Emit& emit) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int warps = blockDim.x >> 5;
@@ -264,13 +262,78 @@ __device__ __forceinline__ void store_sums(float* sums, const float (&acc)[kTile
     const int nt = e / 8;
     const int h = (e / 4) % 2;
     const int d = e % 4;
-    const int row = 8 * nt + 2 * (l & 3) + (d & 1);
+    emit(8 * nt + 2 * (l & 3) + (d & 1), l, h, d, v);
+  }
+}
+
+// sum_warps, and each output of a row under m written to y [m, n]: column(lane, h, d) is
+// its output column, finish(v, column) its value in float32 before the bias and the
+// rounding to x's dtype.
+template <bool kBf16, int kTiles, typename Column, typename Finish>
+__device__ __forceinline__ void store_sums(float* sums, const float (&acc)[kTiles][2][4],
+                                           int m, int n, const uint16_t* bias, uint16_t* y,
+                                           const Column& column, const Finish& finish) {
+  sum_warps<kTiles>(sums, acc, [&](int row, int l, int h, int d, float v) {
     const int col = column(l, h, d);
-    if (row >= m) continue;
+    if (row >= m) return;
     v = finish(v, col);
     if (bias != nullptr) v += to_float<kBf16>(bias[col]);
     y[static_cast<size_t>(row) * n + col] = from_float<kBf16>(v);
-  }
+  });
+}
+
+// One block of 128 inputs as a rows kernel's lane holds it: word rows 4t .. 4t+3 at its
+// 4 columns, its x rows' inputs 16 j + 4t .. 4t+3 for each step j, and its columns'
+// scales and zeros.
+template <int kTiles>
+struct RowsBlock {
+  uint4 w[4];
+  uint2 x[kTiles][8];
+  uint2 s;
+  uint32_t z;
+};
+
+// A rows kernel's CTA (w4a16_rows.cu, w4a16_experts.cu): 32 columns from col0 of W (words
+// q [k / 8, n], scales s and zeros z [k / 128, n]) by all of K, its warps taking every
+// warps-th block of 128 inputs, loading the next block while they multiply the current
+// one, their sums added in warp order (sum_warps: emit(row, lane, h, d, v)). x_row(nt)
+// is the lane's x row of tile nt (rows 8 nt + g), from its input 4t.
+template <bool kBf16, int kTiles, typename XRow, typename Emit>
+__device__ __forceinline__ void rows_cta(const uint32_t* q, const uint16_t* s, const uint8_t* z,
+                                         int n, int k, int col0, const XRow& x_row,
+                                         float* sums, const Emit& emit) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int warps = blockDim.x >> 5;
+  const int t = lane & 3;
+  const int col = col0 + 4 * (lane >> 2);
+  // In registers, not immediates (see and_or); the loop keeps them.
+  uint32_t mask = 0x000F000Fu;
+  uint32_t magic = kBf16 ? 0x43004300u : 0x64006400u;
+  asm("" : "+r"(mask), "+r"(magic));
+
+  float acc[kTiles][2][4] = {};
+  over_blocks<RowsBlock<kTiles>>(
+      warp, warps, k / 128,
+      [&](RowsBlock<kTiles>& b, int kb) {
+        const uint32_t* w = q + static_cast<size_t>(16 * kb + 4 * t) * n + col;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) b.w[i] = load16(w + static_cast<size_t>(i) * n);
+#pragma unroll
+        for (int nt = 0; nt < kTiles; ++nt) {
+          const uint16_t* x = x_row(nt) + 128 * kb;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) b.x[nt][j] = load8(x + 16 * j);
+        }
+        const size_t at = static_cast<size_t>(kb) * n + col;
+        b.s = load8(s + at);
+        b.z = load4(z + at);
+      },
+      [&](const RowsBlock<kTiles>& b, int) {
+        const auto step_b = [&](int j, int nt, uint2 (&bx)[1]) { bx[0] = b.x[nt][j]; };
+        multiply_steps<kBf16, kTiles, 1>(b.w, b.s, b.z, mask, magic, step_b, acc);
+      });
+  sum_warps<kTiles>(sums, acc, emit);
 }
 
 }  // namespace lmd_w4a16

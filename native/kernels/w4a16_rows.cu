@@ -22,10 +22,10 @@
 // group's) products in float32; the sum is scaled in float32. Exact products, so this
 // agrees with the float32 product of the dequantized weights to float32 rounding.
 //
-// A CTA is 32 columns by all of K, its WARPS warps taking every WARPS-th block of K,
-// loading the next block (words, x, scales, zeros) into registers while they multiply
-// the current one (two sets of registers in turn: a copy between them was 35 SELs a
-// block); the warps' sums meet in shared memory and are added in warp order
+// A CTA (w4a16_ops.cuh rows_cta) is 32 columns by all of K, its WARPS warps taking every
+// WARPS-th block of K, loading the next block (words, x, scales, zeros) into registers
+// while they multiply the current one (two sets of registers in turn: a copy between them
+// was 35 SELs a block); the warps' sums meet in shared memory and are added in warp order
 // (deterministic). Grid: N / 32 CTAs. The kernel is bound by its integer instructions
 // (half-rate on the multiprocessor), not by bytes in flight: a ring of 2-6 blocks through
 // cp.async and shared memory was 30-40% slower, an L2 prefetch no faster. Hence the
@@ -55,66 +55,26 @@ namespace lmd_w4a16 {
 
 constexpr int kColumns = 32;  // output columns a CTA
 
-// One block of 128 inputs as a lane holds it: word rows 4t .. 4t+3 at its 4 columns, its
-// x rows' inputs 16 j + 4t .. 4t+3 for each step j, and its columns' scales and zeros.
-template <int kTiles>
-struct Block {
-  uint4 w[4];
-  uint2 x[kTiles][8];
-  uint2 s;
-  uint32_t z;
-};
-
-template <int kTiles>
-__device__ __forceinline__ void load_block(Block<kTiles>& b, const W4a16Rows& a,
-                                           int kb, int col, int g, int t) {
-  const uint32_t* q = a.q + static_cast<size_t>(16 * kb + 4 * t) * a.n + col;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) b.w[i] = load16(q + static_cast<size_t>(i) * a.n);
-#pragma unroll
-  for (int nt = 0; nt < kTiles; ++nt) {
-    const int row = min(8 * nt + g, a.m - 1);  // past M: a real row, its outputs unstored
-    const uint16_t* x = a.x + static_cast<size_t>(row) * a.x_stride + 128 * kb + 4 * t;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) b.x[nt][j] = load8(x + 16 * j);
-  }
-  const size_t at = static_cast<size_t>(kb) * a.n + col;
-  b.s = load8(a.s + at);
-  b.z = load4(a.z + at);
-}
-
-template <bool kBf16, int kTiles>
-__device__ __forceinline__ void multiply_block(const Block<kTiles>& b, uint32_t mask,
-                                               uint32_t magic, float (&acc)[kTiles][2][4]) {
-  const auto step_b = [&](int j, int nt, uint2 (&bx)[1]) { bx[0] = b.x[nt][j]; };
-  multiply_steps<kBf16, kTiles, 1>(b.w, b.s, b.z, mask, magic, step_b, acc);
-}
-
 template <bool kBf16, int kTiles>
 __device__ __forceinline__ void w4a16_rows(const W4a16Rows& a) {
   extern __shared__ float sums[];  // [warps][kTiles * 8][32]
   const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int warps = blockDim.x >> 5;
   const int g = lane >> 2;
   const int t = lane & 3;
-  const int col = blockIdx.x * kColumns + 4 * g;
-  const int blocks = a.k / 128;
-  // In registers, not immediates (see and_or); the loop keeps them.
-  uint32_t mask = 0x000F000Fu;
-  uint32_t magic = kBf16 ? 0x43004300u : 0x64006400u;
-  asm("" : "+r"(mask), "+r"(magic));
-
-  float acc[kTiles][2][4] = {};
-  over_blocks<Block<kTiles>>(
-      warp, warps, blocks,
-      [&](Block<kTiles>& b, int kb) { load_block(b, a, kb, col, g, t); },
-      [&](const Block<kTiles>& b, int) { multiply_block<kBf16>(b, mask, magic, acc); });
-  // Lane (g, ...)'s tile h holds columns 4g + 2h (d 0, 1) and 4g + 2h + 1 (d 2, 3).
-  store_sums<kBf16, kTiles>(
-      sums, acc, a.m, a.n, a.bias, a.y,
-      [&](int l, int h, int d) { return blockIdx.x * kColumns + 4 * (l >> 2) + 2 * h + d / 2; },
-      [](float v, int) { return v; });
+  rows_cta<kBf16, kTiles>(
+      a.q, a.s, a.z, a.n, a.k, blockIdx.x * kColumns,
+      [&](int nt) {
+        const int row = min(8 * nt + g, a.m - 1);  // past M: a real row, its outputs unstored
+        return a.x + static_cast<size_t>(row) * a.x_stride + 4 * t;
+      },
+      sums,
+      [&](int row, int l, int h, int d, float v) {
+        // Lane l's tile h holds columns 4 (l / 4) + 2h (d 0, 1) and 4 (l / 4) + 2h + 1 (d 2, 3).
+        const int col = blockIdx.x * kColumns + 4 * (l >> 2) + 2 * h + d / 2;
+        if (row >= a.m) return;
+        if (a.bias != nullptr) v += to_float<kBf16>(a.bias[col]);
+        a.y[static_cast<size_t>(row) * a.n + col] = from_float<kBf16>(v);
+      });
 }
 
 }  // namespace lmd_w4a16
