@@ -97,11 +97,12 @@ def test_the_grouped_gemm_of_w4a16_experts_is_their_meaning(
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_tokens", "top_k"), [(1, 2), (40, 2), (9, 4), (300, 2)])
 def test_a_layer_of_w4a16_experts_equals_the_loop(
-    dtype: torch.dtype, num_tokens: int, top_k: int
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, num_tokens: int, top_k: int
 ) -> None:
     """fused_moe (gate|up with its SiLU, the routing weights, the sum over k) against
     transformers' loop on the dequantized experts; 300 tokens in 64-row blocks, which
-    multiply dequantized slabs."""
+    multiply dequantized slabs from moe.W4_DEQUANT_ROWS (here 64)."""
+    monkeypatch.setattr(moe, "W4_DEQUANT_ROWS", 64)
     gen = torch.Generator().manual_seed(num_tokens)
     router = torch.randn(8, HIDDEN, generator=gen).to(dtype).to(DEVICE)
     gate_up = on_device(four_bit((8, 2 * INTER, HIDDEN), 128, dtype, 1))
@@ -197,14 +198,15 @@ def test_blocks_of_eight_rows_are_the_native_kernels_alone() -> None:
 def test_large_blocks_multiply_dequantized_slabs(
     monkeypatch: pytest.MonkeyPatch, per_slab: int
 ) -> None:
-    """From moe.W4_DEQUANT_ROWS rows a block, slabs of `per_slab` experts (4 and 2 slabs
-    of the 4) made 16-bit by dequantize_experts, each slab's blocks multiplied apart:
-    their meaning still (150 tokens, 64-row blocks); and dequantize_experts is each
-    expert's W4A16Weight.dequantize."""
+    """From moe.W4_DEQUANT_ROWS rows a block (here 64), slabs of `per_slab` experts (4
+    and 2 slabs of the 4) made 16-bit by dequantize_experts, each slab's blocks
+    multiplied apart: their meaning still (150 tokens, 64-row blocks); and
+    dequantize_experts is each expert's W4A16Weight.dequantize."""
     gate_up = on_device(four_bit((4, 2 * INTER, HIDDEN), 128, DTYPE, 5))
     down = on_device(four_bit((4, HIDDEN, INTER), 128, DTYPE, 6))
     monkeypatch.setattr(moe, "SLAB_BYTES", per_slab * 2 * INTER * HIDDEN * DTYPE.itemsize)
-    assert moe.block_rows(150 * 2, 4) >= moe.W4_DEQUANT_ROWS
+    monkeypatch.setattr(moe, "W4_DEQUANT_ROWS", 64)  # 64-row blocks: the interpreter's pace
+    assert moe.block_rows(150 * 2, 4) == 64
     assert_grouped_gemms(gate_up, down, (HIDDEN, INTER), DTYPE, 150)
     slab = dequantize_experts(down.qweight, down.scales, down.zeros, 128, lo=1, hi=3)
     expected = down.dequantize()[1:3].to(DTYPE)  # [2, HIDDEN, INTER]

@@ -299,11 +299,12 @@ def _launch(  # noqa: PLR0917  # grouped_gemm's arguments, a weight's operands
 # a block of 128 inputs: at 64 tokens (16-row blocks) 416 against 521 us a layer.
 W4_SCALE_AFTER_ROWS = 32
 
-# From this many rows a block (1,024 tokens of Qwen3-30B-A3B on), 4-bit experts are made
-# 16-bit a slab of experts at a time (w4a16_dense.SLAB_BYTES at most, by
+# From this many rows a block (past 2,048 tokens of Qwen3-30B-A3B a step), 4-bit experts
+# are made 16-bit a slab of experts at a time (w4a16_dense.SLAB_BYTES at most, by
 # w4a16_dense.dequantize_experts), and the 16-bit grouped GEMM multiplies each slab's
-# blocks, as the dense W4A16 path hands cuBLAS dequantized slabs from DENSE_ROWS rows:
-# block_weights' tiles took 1,966 us a layer at 4,096 tokens against 16-bit experts' 914.
+# blocks, as the dense W4A16 path hands cuBLAS dequantized slabs from DENSE_ROWS rows. A
+# layer at 4,096 tokens (H200): 1,748 us against block_weights' tiles' 1,988 (16-bit
+# experts 915); at 1,024 (64-row blocks) 1,118 against the tiles' 880, so not there.
 W4_DEQUANT_ROWS = 128
 
 
