@@ -21,8 +21,8 @@ each GEMM's input is quantized too (a launch) and the products run on fp8 tensor
 W4A16 experts (quant/w4a16_experts.py) are read as 4-bit words, made 16-bit weights in
 registers, the products on 16-bit tensor cores: on a GPU blocks of 8 or 16 rows by
 native/kernels/w4a16_experts.cu (kernels/w4a16_rows.py native_experts; gate|up's SiLU
-then a launch of its own), else by the grouped GEMM (a dot per nibble's 16 inputs in
-small blocks, one per 128 inputs in large ones).
+then a launch of its own), from W4_DEQUANT_ROWS rows by 16-bit slabs made from the words,
+else by the grouped GEMM (a dot per nibble's 16 inputs, or one per 128 inputs).
 """
 
 from __future__ import annotations
@@ -310,7 +310,8 @@ W4_DEQUANT_ROWS = 128
 
 # Blocks of 8 rows (the native W4A16 experts kernel's least) while the pairs an expert gets
 # on average are at most this: fewer rows' products than 16-row blocks, but an expert
-# with more than 8 pairs reads its weights once a block.
+# with more than 8 pairs reads its weights once a block. At 1 / 8 / 16 / 32 tokens of
+# Qwen3-30B-A3B (H200): 13.0 / 56.5 / 84.2 / 120.8 us against 19.5 / 96.3 / 146.4 / 212.3.
 EIGHT_ROWS_UP_TO = 2
 
 
