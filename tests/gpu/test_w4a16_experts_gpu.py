@@ -178,6 +178,9 @@ def test_one_token_takes_blocks_of_eight() -> None:
     assert moe.block_rows(8 * 32, 128, eight=True) == 8  # 2 pairs an expert
     assert moe.block_rows(8 * 64, 128, eight=True) == 16  # 4: some would take 2 blocks
     assert not moe.native_eight(h.float(), gate_up, down)
+    odd = torch.randn(1, 2050, device="cuda").to(torch.bfloat16)[:, 1:2049]  # 2-byte aligned
+    assert not moe.native_eight(odd, gate_up, down)
+    assert moe.block_rows(8, 128, eight=moe.native_eight(odd, gate_up, down)) == 16
 
 
 def test_captured_in_a_cuda_graph() -> None:

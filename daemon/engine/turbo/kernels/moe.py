@@ -330,7 +330,8 @@ def block_rows(num_pairs: int, num_experts: int, *, eight: bool = False) -> int:
 
 def native_eight(h: Tensor, gate_up: Experts, down: Experts) -> bool:
     """May blocks be 8 rows: are both layers of experts 4-bit ones the native kernel
-    takes at h's dtype and device (kernels/w4a16_rows.py native_experts)?"""
+    takes with h as gate|up's input (kernels/w4a16_rows.py native_experts; down's, made
+    by fused_moe, is contiguous)?"""
     return all(
         isinstance(w, W4A16Experts) and experts_take(h, w.qweight, w.scales, w.group_size)
         for w in (gate_up, down)

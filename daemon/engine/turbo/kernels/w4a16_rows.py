@@ -222,13 +222,16 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
 
 
 def experts_take(x: Tensor, qweight: Tensor, scales: Tensor, group_size: int) -> bool:
-    """Does native_experts take inputs of x's dtype and device (where the kernels load)
-    against 4-bit experts of these words, scales and groups, whatever the blocks' layout
-    and x's strides?"""
+    """Does native_experts take x (its dtype, device where the kernels load, strides and
+    alignment) against 4-bit experts of these words, scales and groups, whatever the
+    blocks' layout?"""
     return (
         EXPERTS
         and x.is_cuda
         and x.dtype in (torch.bfloat16, torch.float16)
+        and x.stride(1) == 1
+        and x.stride(0) % 4 == 0
+        and x.data_ptr() % 8 == 0
         and scales.dtype == x.dtype
         and group_size == GROUP
         and qweight.shape[2] % COLUMNS == 0
@@ -267,9 +270,6 @@ def native_experts(  # noqa: PLR0917  # the experts' tensors, as W4A16Experts ho
         and experts_take(x, qweight, scales, group_size)
         and k == qweight.shape[1] * 8
         and block_expert.numel() <= MAX_BLOCKS
-        and x.stride(1) == 1
-        and x.stride(0) % 4 == 0
-        and x.data_ptr() % 8 == 0
         and y.is_contiguous()
         and y.dtype == x.dtype
         and y.shape[1] == qweight.shape[2]
