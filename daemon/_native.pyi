@@ -68,9 +68,11 @@ def w4a16_experts(
     bf16: bool,
     warps: int,
     stream: int,
+    gated: bool = False,
 ) -> None:
     """y[p] = x[p / row_div] W_e^T (* weights[p]) for blocks of 8 or 16 pairs sorted by
-    expert, on the tensor cores, enqueued on a CUstream."""
+    expert (64 on Hopper, then also gated: silu(gate) * up), on the tensor cores, enqueued
+    on a CUstream."""
 
 def w4a16_wide(
     device: int,

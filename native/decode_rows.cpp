@@ -11,7 +11,7 @@
 namespace lmd {
 namespace {
 
-// The kernels of each module: {fp16, bf16} x {fewer, more rows}.
+// The kernels of each module: {fp16, bf16} x {fewer, more rows} (wgmma: {dense, experts}).
 constexpr const char* kNames[2][2] = {
     {"lmd_w4a16_rows_f16_m8", "lmd_w4a16_rows_f16_m16"},
     {"lmd_w4a16_rows_bf16_m8", "lmd_w4a16_rows_bf16_m16"},
@@ -21,7 +21,10 @@ constexpr const char* kExpertsNames[2][2] = {
     {"lmd_w4a16_experts_bf16_m8", "lmd_w4a16_experts_bf16_m16"},
 };
 constexpr const char* kWideNames[2] = {"lmd_w4a16_wide_f16_m32", "lmd_w4a16_wide_bf16_m32"};
-constexpr const char* kWgmmaNames[2] = {"lmd_w4a16_wgmma_f16_m64", "lmd_w4a16_wgmma_bf16_m64"};
+constexpr const char* kWgmmaNames[2][2] = {
+    {"lmd_w4a16_wgmma_f16_m64", "lmd_w4a16_wgmma_experts_f16_m64"},
+    {"lmd_w4a16_wgmma_bf16_m64", "lmd_w4a16_wgmma_experts_bf16_m64"},
+};
 constexpr const char* kFp8Names[2][2] = {
     {"lmd_fp8_rows_f16_m8", "lmd_fp8_rows_f16_m16"},
     {"lmd_fp8_rows_bf16_m8", "lmd_fp8_rows_bf16_m16"},
@@ -40,10 +43,22 @@ struct Loaded {
   cu::Function fp8[2][2] = {};
   std::string fp8_error;
   cu::Module wgmma_module = nullptr;  // apart: only sm_90 runs its sm_90a PTX
-  cu::Function wgmma[2] = {};
+  cu::Function wgmma[2] = {};          // dense
+  cu::Function wgmma_experts[2] = {};  // a block of 64 sorted pairs
   std::string wgmma_error;
   int wgmma_ctas = 0;  // w4a16_wgmma_ctas
 };
+
+// The four kernels {fp16, bf16} x {two kinds} named `names` of `module`.
+void get_functions(const CudaDriver& d, cu::Module module, const char* const (&names)[2][2],
+                   cu::Function (&out)[2][2]) {
+  for (int bf16 = 0; bf16 < 2; ++bf16) {
+    for (int more = 0; more < 2; ++more) {
+      d.check(d.cuModuleGetFunction(&out[bf16][more], module, names[bf16][more]),
+              names[bf16][more]);
+    }
+  }
+}
 
 // The wgmma kernels into `out` (the context current), or why not in out.wgmma_error.
 void load_wgmma(const CudaDriver& d, cu::Device device, Loaded& out) {
@@ -57,12 +72,16 @@ void load_wgmma(const CudaDriver& d, cu::Device device, Loaded& out) {
       return;
     }
     d.check(d.cuModuleLoadData(&out.wgmma_module, kW4a16WgmmaPtx), "cuModuleLoadData(w4a16_wgmma)");
+    cu::Function functions[2][2];  // {fp16, bf16} x {dense, experts}
+    get_functions(d, out.wgmma_module, kWgmmaNames, functions);
     for (int bf16 = 0; bf16 < 2; ++bf16) {
-      d.check(d.cuModuleGetFunction(&out.wgmma[bf16], out.wgmma_module, kWgmmaNames[bf16]),
-              kWgmmaNames[bf16]);
-      d.check(d.cuFuncSetAttribute(out.wgmma[bf16], cu::kFuncAttributeMaxDynamicSharedSizeBytes,
-                                   kW4a16WgmmaSharedBytes),
-              "cuFuncSetAttribute(w4a16_wgmma)");
+      for (int experts = 0; experts < 2; ++experts) {
+        (experts ? out.wgmma_experts : out.wgmma)[bf16] = functions[bf16][experts];
+        d.check(d.cuFuncSetAttribute(functions[bf16][experts],
+                                     cu::kFuncAttributeMaxDynamicSharedSizeBytes,
+                                     kW4a16WgmmaSharedBytes),
+                "cuFuncSetAttribute(w4a16_wgmma)");
+      }
     }
     int per_sm = 0, sms = 0;
     d.check(d.cuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, out.wgmma[1],
@@ -74,17 +93,6 @@ void load_wgmma(const CudaDriver& d, cu::Device device, Loaded& out) {
     out.wgmma_ctas = per_sm * sms;
   } catch (const std::exception& e) {
     out.wgmma_error = e.what();
-  }
-}
-
-// The four kernels {fp16, bf16} x {fewer, more rows} named `names` of `module`.
-void get_functions(const CudaDriver& d, cu::Module module, const char* const (&names)[2][2],
-                   cu::Function (&out)[2][2]) {
-  for (int bf16 = 0; bf16 < 2; ++bf16) {
-    for (int more = 0; more < 2; ++more) {
-      d.check(d.cuModuleGetFunction(&out[bf16][more], module, names[bf16][more]),
-              names[bf16][more]);
-    }
   }
 }
 
@@ -218,21 +226,29 @@ void launch_w4a16_rows(int ordinal, const W4a16RowsArgs& args, bool bf16, int wa
 }
 
 std::string w4a16_experts_check(const W4a16ExpertsArgs& a, int rows, int blocks, int warps) {
-  if ((rows != 8 && rows != 16) || blocks < 1 || blocks > 65535 || a.n < 1 ||
-      a.n % kW4a16RowsColumns || a.k < 128 || a.k % 128 || a.x_stride < a.k ||
+  if ((rows != 8 && rows != 16 && rows != kW4a16WgmmaMaxRows) || blocks < 1 || blocks > 65535 ||
+      a.n < 1 || a.n % kW4a16RowsColumns || a.k < 128 || a.k % 128 || a.x_stride < a.k ||
       a.num_pairs < 1 || a.row_div < 1) {
-    return "w4a16_experts: rows must be 8 or 16, blocks 1..65535, n a multiple of 32, k of "
-           "128, x_stride >= k, num_pairs and row_div >= 1";
+    return "w4a16_experts: rows must be 8, 16 or 64, blocks 1..65535, n a multiple of 32, k "
+           "of 128, x_stride >= k, num_pairs and row_div >= 1";
   }
-  const std::string warps_error = rows_warps_error("w4a16_experts", rows, warps);
+  const bool wgmma = rows == kW4a16WgmmaMaxRows;  // that kernel's CTAs, its 16-byte copies
+  if (wgmma && (warps != 0 || !a.pairs || (a.gated && (a.n % 64 || a.weights)))) {
+    return "w4a16_experts: 64 rows take sorted pairs and warps 0; gated no weights and n a "
+           "multiple of 64";
+  }
+  if (!wgmma && a.gated) return "w4a16_experts: gated takes 64-row blocks";
+  const std::string warps_error = wgmma ? "" : rows_warps_error("w4a16_experts", rows, warps);
   if (!warps_error.empty()) return warps_error;
-  // w4a16_rows' loads, and 4-byte pair ids (or none), experts and routing weights.
   if (!a.pairs && blocks != a.num_pairs) {
     return "w4a16_experts: without sorted pairs, a block a pair (blocks == num_pairs)";
   }
-  if (!a.x || !a.q || !a.s || !a.z || !a.experts || !a.y || a.x % 8 ||
-      a.x_stride % 4 || a.q % 16 || a.s % 8 || a.z % 4 || a.pairs % 4 || a.experts % 4 ||
-      a.weights % 4 || a.y % 2) {
+  // w4a16_rows' loads (x, scales and zeros copied 16 bytes at a time by the wgmma kernel),
+  // and 4-byte pair ids (or none), experts and routing weights.
+  const int w = wgmma ? 2 : 1;
+  if (!a.x || !a.q || !a.s || !a.z || !a.experts || !a.y || a.x % (8 * w) ||
+      a.x_stride % (4 * w) || a.q % 16 || a.s % (8 * w) || a.z % (4 * w * w) || a.pairs % 4 ||
+      a.experts % 4 || a.weights % 4 || a.y % (2 * w)) {
     return "w4a16_experts: a null or misaligned address";
   }
   return "";
@@ -242,12 +258,15 @@ void launch_w4a16_experts(int ordinal, const W4a16ExpertsArgs& args, int rows, i
                           bool bf16, int warps, std::uintptr_t stream) {
   const std::string wrong = w4a16_experts_check(args, rows, blocks, warps);
   if (!wrong.empty()) throw std::invalid_argument(wrong);
-  const Loaded& l = loaded_or_throw(ordinal);
-  const int tiles = rows / 8;
-  const unsigned sums = static_cast<unsigned>(warps) * tiles * 8 * 32 * sizeof(float);
-  launch(l, l.experts[bf16 ? 1 : 0][tiles - 1], args,
-         static_cast<unsigned>(args.n / kW4a16RowsColumns), static_cast<unsigned>(blocks),
-         static_cast<unsigned>(warps) * 32, sums, stream, "cuLaunchKernel(w4a16_experts)");
+  const bool wgmma = rows == kW4a16WgmmaMaxRows;
+  const Loaded& l = loaded_or_throw(ordinal, wgmma ? Kernels::kWgmma : Kernels::kW4a16);
+  const int columns = wgmma ? kW4a16WgmmaColumns : kW4a16RowsColumns;
+  const int threads = wgmma ? kW4a16WgmmaThreads : warps * 32;
+  const int shared = wgmma ? kW4a16WgmmaSharedBytes : threads * rows * 4;  // the warps' sums
+  launch(l, wgmma ? l.wgmma_experts[bf16 ? 1 : 0] : l.experts[bf16 ? 1 : 0][rows / 16], args,
+         static_cast<unsigned>((args.n + columns - 1) / columns), static_cast<unsigned>(blocks),
+         static_cast<unsigned>(threads), static_cast<unsigned>(shared), stream,
+         "cuLaunchKernel(w4a16_experts)");
 }
 
 namespace {

@@ -1,7 +1,8 @@
 // The products of decode steps' few rows on the tensor cores: W4A16 for 1-16 rows
 // (native/kernels/w4a16_rows.cu), 17-32 rows (native/kernels/w4a16_wide.cu) and, on
 // Hopper, 33-64 rows (native/kernels/w4a16_wgmma.cu); W4A16 experts in blocks of 8 or 16
-// rows (native/kernels/w4a16_experts.cu); FP8 weights for 1-16 rows
+// rows (native/kernels/w4a16_experts.cu) and, on Hopper, 64 (w4a16_wgmma.cu's experts
+// entry); FP8 weights for 1-16 rows
 // (native/kernels/fp8_rows.cu). Their PTX
 // is embedded (native/kernels/*.ptx, by setup.py) and JIT-compiled into
 // the device's primary context, the one PyTorch uses, so its tensors' addresses and
@@ -32,21 +33,24 @@ constexpr int kW4a16RowsColumns = 32;  // output columns of a CTA
 // The most warps a CTA may have for m rows (the kernels' __launch_bounds__).
 inline int w4a16_rows_max_warps(int m) { return m <= 8 ? 16 : 8; }
 
-// The experts kernel's parameter, byte for byte (W4a16Experts in w4a16_experts.cu).
+// The experts kernels' parameter, byte for byte (W4a16Experts in w4a16_ops.cuh).
 struct W4a16ExpertsArgs {
   std::uint64_t x, q, s, z, pairs, experts, weights, y;  // addresses; weights 0 for none
-  std::int32_t n, k, x_stride, num_pairs, row_div, pad;
+  std::int32_t n, k, x_stride, num_pairs, row_div;
+  std::int32_t gated;  // 64-row blocks only: y = silu(x gate^T) * (x up^T)
 };
-static_assert(sizeof(W4a16ExpertsArgs) == 88, "must match W4a16Experts in w4a16_experts.cu");
+static_assert(sizeof(W4a16ExpertsArgs) == 88, "must match W4a16Experts in w4a16_ops.cuh");
 
-// What is wrong with an experts launch's arguments, or "": `rows` a block's (8 or 16),
-// `blocks` the grid's blocks of pairs, `warps` a CTA's (as w4a16_rows_max_warps(rows)).
+// What is wrong with an experts launch's arguments, or "": `rows` a block's (8 or 16; 64
+// on Hopper), `blocks` the grid's blocks of pairs, `warps` a CTA's (as
+// w4a16_rows_max_warps(rows); 0 for 64 rows, whose CTAs are the wgmma kernel's).
 std::string w4a16_experts_check(const W4a16ExpertsArgs& args, int rows, int blocks, int warps);
 
 // Enqueues y[p] = x[p / row_div] W_e^T (* weights[p]) for the pairs p of `blocks` blocks of
 // `rows` pairs sorted by expert (pairs [blocks * rows] int32, num_pairs for padding, or 0:
-// block b holds pair b alone; experts [blocks] int32, -1 for none) on `stream`: N / 32 x blocks CTAs of `warps`
-// warps, the experts' qweight [E, k / 8, n], scales and zeros [E, k / 128, n]. Throws as
+// block b holds pair b alone; experts [blocks] int32, -1 for none) on `stream`: N / 32 x
+// blocks CTAs of `warps` warps (64 rows: ceil(N / 256) x blocks of the wgmma kernel's),
+// the experts' qweight [E, k / 8, n], scales and zeros [E, k / 128, n]. Throws as
 // launch_w4a16_rows.
 void launch_w4a16_experts(int ordinal, const W4a16ExpertsArgs& args, int rows, int blocks,
                           bool bf16, int warps, std::uintptr_t stream);

@@ -22,13 +22,14 @@
 #       (default 512,1024) with 16-bit experts, FP8 rows and FP8 blocks, then a 1 x 512
 #       prefill of 12 layers of the Qwen3-30B-A3B shape profiled, bf16 and fp8
 #       (scripts/prefill_profile.py). Carry .gpu-assets too.
-#   scripts/gpu-quant.sh experts4
-#       ~6 minutes: the 4-bit experts' and the grouped GEMM's tests compiled (the native
-#       experts kernel's among them), scripts/moe_tiles.py --profile with 4-bit experts at
-#       1-4,096 tokens (the native kernel, dequantized slabs from 64-row blocks), with the
-#       Triton 4-bit tiles and with bf16 experts at 1,024 and 4,096, then
-#       families_bench.py on 12 layers of the Qwen3-30B-A3B shape at batches 1, 64 and
-#       256, --quantization w4a16 and bf16. Carry .gpu-assets too.
+#   scripts/gpu-quant.sh experts4 [tests|layers|model]...
+#       ~7 minutes: the 4-bit experts' and the grouped GEMM's tests compiled (the native
+#       experts kernels' among them; tests), scripts/moe_tiles.py --profile with 4-bit
+#       experts at 1-4,096 tokens (the native kernels: 8- and 16-row blocks, 64 on Hopper),
+#       without the wgmma kernel (Triton tiles, dequantized slabs from 128-row blocks) and
+#       with bf16 experts at 300-4,096 (layers), then families_bench.py on 12 layers of the
+#       Qwen3-30B-A3B shape at batches 1, 64 and 256, --quantization w4a16 and bf16
+#       (model). All three without arguments. Carry .gpu-assets too.
 #   scripts/gpu-quant.sh slabs
 #       ~3 minutes: 4-bit experts' dequantized slabs alone (their tests, a layer at 1,024
 #       and 4,096 tokens profiled, 12 layers at batches 64 and 256 under w4a16).
@@ -82,17 +83,24 @@ experts)
   done
   ;;
 experts4)
+  shift
+  parts=" ${*:-tests layers model} "
   python3 setup.py -q build_ext --inplace 2>&1 | tail -3
-  timeout 200 python3 -m pytest -q -ra -p no:cacheprovider --timeout 140 \
-    tests/gpu/test_w4a16_experts_gpu.py tests/unit/test_turbo_w4a16_experts.py \
-    tests/unit/test_turbo_moe.py tests/unit/test_turbo_fp8_experts.py 2>&1 \
-    | tee "$out/experts4-tests.txt" | tail -8
-  for flags in "--tokens 1,64,256,1024,4096 --w4a16 128" \
-    "--tokens 1024,4096 --w4a16 128 --dequant-rows 1000" "--tokens 1024,4096"; do
-    # shellcheck disable=SC2086  # $flags: the flags and their values
-    timeout 60 python3 scripts/moe_tiles.py $flags --profile 2>&1 \
-      | grep -v "_warn_once\|UserWarning" | tee -a "$out/moe-tiles-w4.txt"
-  done
+  if [[ $parts == *" tests "* ]]; then
+    timeout 240 python3 -m pytest -q -ra -p no:cacheprovider --timeout 140 \
+      tests/gpu/test_w4a16_experts_gpu.py tests/unit/test_turbo_w4a16_experts.py \
+      tests/unit/test_turbo_moe.py tests/unit/test_turbo_fp8_experts.py 2>&1 \
+      | tee "$out/experts4-tests.txt" | tail -8
+  fi
+  if [[ $parts == *" layers "* ]]; then
+    for flags in "--tokens 1,64,256,300,1024,4096 --w4a16 128" \
+      "--tokens 300,1024,4096 --w4a16 128 --no-wgmma" "--tokens 300,1024,4096"; do
+      # shellcheck disable=SC2086  # $flags: the flags and their values
+      timeout 60 python3 scripts/moe_tiles.py $flags --profile 2>&1 \
+        | grep -v "_warn_once\|UserWarning" | tee -a "$out/moe-tiles-w4.txt"
+    done
+  fi
+  [[ $parts == *" model "* ]] || exit 0
   model=/dev/shm/qwen3-30b-a3b-shape-12l
   python3 scripts/random_models.py qwen3-30b-a3b-shape --layers 12 --out-dir /dev/shm \
     --tokenizer .gpu-assets/qwen3-tokenizer 2>&1 | grep -v "^Writing" | tail -2

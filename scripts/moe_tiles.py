@@ -54,7 +54,7 @@ def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", default="1,8,64,256,4096")
     parser.add_argument(
-        "--block-m", type=int, default=0, help="rows per block (default: moe.block_rows)"
+        "--block-m", type=int, default=0, help="rows per block (default: moe_align.block_rows)"
     )
     parser.add_argument("--fp8", choices=["rows", "blocks"], default=None)
     parser.add_argument("--w4a16", type=int, default=0, help="4-bit experts in groups of this")
@@ -64,6 +64,9 @@ def parse() -> argparse.Namespace:
     )
     parser.add_argument("--expert-warps", default="", help="w4a16_rows.EXPERT_WARPS to try")
     parser.add_argument("--no-native", action="store_true", help="w4a16_rows.EXPERTS off")
+    parser.add_argument(
+        "--no-wgmma", action="store_true", help="w4a16_rows.WGMMA_EXPERTS off (64-row blocks)"
+    )
     parser.add_argument("--profile", action="store_true", help="fused_moe's kernels, eager")
     parser.add_argument("--dequant-rows", type=int, default=0, help="moe.W4_DEQUANT_ROWS")
     return parser.parse_args()
@@ -72,6 +75,7 @@ def parse() -> argparse.Namespace:
 def main() -> None:
     args = parse()
     w4a16_rows.EXPERTS = not args.no_native
+    w4a16_rows.WGMMA_EXPERTS = not args.no_wgmma
     moe.W4_DEQUANT_ROWS = args.dequant_rows or moe.W4_DEQUANT_ROWS
     moe.FP8_CODES_ROWS = args.codes_rows or moe.FP8_CODES_ROWS
     if args.w4_rows >= 0:
@@ -94,8 +98,8 @@ def main() -> None:
         h = torch.randn(tokens, HIDDEN, device=dev, dtype=torch.bfloat16)
         weights, experts = routing.route(h, router, K, True, float_out=True)
         gb = int(torch.unique(experts).numel()) * expert_bytes / 1e3  # in kB: GB/s from us
-        eight = moe.native_eight(h, gate_up, down)
-        block_m = args.block_m or moe.block_rows(tokens * K, E, eight=eight)
+        native = moe_align.native_blocks(h, gate_up, down)
+        block_m = args.block_m or moe_align.block_rows(tokens * K, E, native=native)
         layout = moe_align.align(experts, E, block_m)
         act = torch.randn(tokens * K, INTER, device=dev, dtype=torch.bfloat16)
         h_in, h_scale = moe.fp8_input(h, gate_up, block_m)  # codes past FP8_CODES_ROWS

@@ -25,19 +25,6 @@
 
 #include "w4a16_ops.cuh"
 
-struct W4a16Experts {
-  const uint16_t* x;       // [rows, k], row stride x_stride elements; 8-byte aligned rows
-  const uint32_t* q;       // [E, k / 8, n]
-  const uint16_t* s;       // [E, k / 128, n]
-  const uint8_t* z;        // [E, k / 128, n]
-  const int32_t* pairs;    // [blocks * block rows] pair ids sorted by expert; null: block
-                           // b holds pair b alone (one token's pairs, experts distinct)
-  const int32_t* experts;  // [blocks] the expert of each block, -1 for none
-  const float* weights;    // [num_pairs] routing weights, or null
-  uint16_t* y;             // [num_pairs, n]
-  int n, k, x_stride, num_pairs, row_div, pad;
-};
-
 namespace lmd_w4a16 {
 
 constexpr int kExpertColumns = 32;  // output columns a CTA

@@ -34,6 +34,23 @@ struct W4a16Wide {
   int gated;  // w4a16_wgmma: y [m, n / 2] = silu(x gate^T) * (x up^T), W = gate | up
 };
 
+// The parameter of the experts kernels (w4a16_experts.cu for blocks of 8 or 16 pairs,
+// w4a16_wgmma.cu's experts entry for 64; native/decode_rows.h: W4a16ExpertsArgs).
+struct W4a16Experts {
+  const uint16_t* x;       // [rows, k], row stride x_stride elements; 8-byte aligned rows
+                           // (16 for 64-row blocks)
+  const uint32_t* q;       // [E, k / 8, n]
+  const uint16_t* s;       // [E, k / 128, n]
+  const uint8_t* z;        // [E, k / 128, n]
+  const int32_t* pairs;    // [blocks * block rows] pair ids sorted by expert; null: block
+                           // b holds pair b alone (one token's pairs, experts distinct)
+  const int32_t* experts;  // [blocks] the expert of each block, -1 for none
+  const float* weights;    // [num_pairs] routing weights, or null
+  uint16_t* y;             // [num_pairs, n] (n / 2 gated)
+  int n, k, x_stride, num_pairs, row_div;
+  int gated;  // 64-row blocks only: y = silu(x gate^T) * (x up^T), W = gate | up
+};
+
 namespace lmd_w4a16 {  // named: an anonymous one mangles in a hash of the path
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {

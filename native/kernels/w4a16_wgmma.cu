@@ -112,9 +112,10 @@ __device__ __forceinline__ void hold_a(uint32_t (&a)[4]) {
 
 // Warpgroup `group` (0-3): its 64 columns over the CTA's blocks, then its sums to y (one
 // split) or to work (sums_of) for sum_span.
-template <bool kBf16>
-__device__ __forceinline__ void multiply(const W4a16Wide& a, Barriers& bars, uint32_t xs,
-                                         uint32_t ring, int first, int end, int span) {
+template <bool kBf16, typename Rows>
+__device__ __forceinline__ void multiply(const W4a16Wide& a, const Rows& rows, Barriers& bars,
+                                         uint32_t xs, uint32_t ring, int first, int end,
+                                         int span) {
   const int warp = (threadIdx.x >> 5) & 3;
   const int lane = threadIdx.x & 31;
   const int t = lane & 3;
@@ -185,20 +186,23 @@ __device__ __forceinline__ void multiply(const W4a16Wide& a, Barriers& bars, uin
     return;
   }
   if (a.gated) {
-    store_gated<kBf16>(a, d, xs, span, col);
+    store_gated<kBf16>(a, rows, d, xs, span, col);
     return;
   }
   const int y_col = span * kSpan + col;
   if (y_col >= a.n) return;
   const float bias0 = bias_at<kBf16>(a, y_col);
   const float bias1 = bias_at<kBf16>(a, y_col + 1);
-  store_pairs(a, a.n, y_col, [&](int i, int e) {
-    return pack2<kBf16>(d[4 * i + e] + bias0, d[4 * i + 2 + e] + bias1);
+  store_pairs(a, rows, a.n, y_col, [&](int i, int e, int row) {
+    return pack2<kBf16>(rows.times(row, d[4 * i + e] + bias0),
+                        rows.times(row, d[4 * i + 2 + e] + bias1));
   });
 }
 
-template <bool kBf16>
-__device__ __forceinline__ void w4a16_wgmma(const W4a16Wide& a) {
+// The CTA of span blockIdx.x and split `split` of K over a's rows (`rows`: DenseRows or
+// PairRows).
+template <bool kBf16, typename Rows>
+__device__ __forceinline__ void w4a16_wgmma(const W4a16Wide& a, const Rows& rows, int split) {
   extern __shared__ __align__(1024) uint8_t dynamic[];
   __shared__ Barriers bars;
   // Stages on 1,024-byte boundaries (the swizzle's period), then the ring of words; the
@@ -207,8 +211,8 @@ __device__ __forceinline__ void w4a16_wgmma(const W4a16Wide& a) {
   const uint32_t ring = xs + kStages * kXBytes;
   const int span = blockIdx.x;
   const int blocks = a.k / 128;
-  const int first = static_cast<int>(static_cast<long long>(blockIdx.y) * blocks / a.splits);
-  const int end = static_cast<int>(static_cast<long long>(blockIdx.y + 1) * blocks / a.splits);
+  const int first = static_cast<int>(static_cast<long long>(split) * blocks / a.splits);
+  const int end = static_cast<int>(static_cast<long long>(split + 1) * blocks / a.splits);
   // The loader asks for its first block of x and of words before the barriers are set up,
   // so that their latency runs under that and the barrier; arrive_after_copies, after it,
   // counts them in as it does the later blocks'. (Each CTA has a block: splits <= blocks.)
@@ -217,7 +221,7 @@ __device__ __forceinline__ void w4a16_wgmma(const W4a16Wide& a) {
   XShare x_at;
   WordsShare words_at;
   if (x_loader) {
-    x_at = x_share(a, threadIdx.x - kMultipliers - 64);
+    x_at = x_share(a, rows, threadIdx.x - kMultipliers - 64);
     load_x(xs, x_at, first);
   } else if (words_loader) {
     words_at = words_share(a, span, threadIdx.x - kMultipliers);
@@ -254,9 +258,25 @@ __device__ __forceinline__ void w4a16_wgmma(const W4a16Wide& a) {
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
   } else {
-    multiply<kBf16>(a, bars, xs, ring, first, end, span);
+    multiply<kBf16>(a, rows, bars, xs, ring, first, end, span);
   }
-  if (a.splits > 1) sum_span<kBf16>(a, span, blockIdx.y);
+  if (a.splits > 1) sum_span<kBf16>(a, span, split);
+}
+
+// A block of 64 pairs sorted by expert (blockIdx.y) as a product of one split: the
+// block's expert's words, its pairs' rows of x, their sums to their rows of y (times
+// their routing weights when given). A block of expert -1 returns at once.
+template <bool kBf16>
+__device__ __forceinline__ void w4a16_wgmma_experts(const W4a16Experts& e) {
+  const int expert = e.experts[blockIdx.y];
+  if (expert < 0) return;
+  const size_t groups = static_cast<size_t>(expert) * (e.k / 128) * e.n;  // [K / 128, N] each
+  const W4a16Wide a{e.x,    e.q + 16 * groups, e.s + groups, e.z + groups, nullptr, e.y,
+                    nullptr, nullptr, kRows,   e.n,          e.k,          e.x_stride, 1,
+                    e.gated};
+  const PairRows rows{e.pairs + static_cast<size_t>(blockIdx.y) * kRows, e.weights,
+                      e.num_pairs, e.row_div};
+  w4a16_wgmma<kBf16>(a, rows, 0);
 }
 
 }  // namespace lmd_w4a16
@@ -266,7 +286,11 @@ __device__ __forceinline__ void w4a16_wgmma(const W4a16Wide& a) {
 #define LMD_W4A16_WGMMA(dtype, bf16)                                                     \
   extern "C" __global__ void __launch_bounds__(lmd_w4a16::kThreads, 1)                 \
       lmd_w4a16_wgmma_##dtype##_m64(const W4a16Wide a) {                               \
-    lmd_w4a16::w4a16_wgmma<bf16>(a);                                                     \
+    lmd_w4a16::w4a16_wgmma<bf16>(a, lmd_w4a16::DenseRows{a.m}, blockIdx.y);              \
+  }                                                                                      \
+  extern "C" __global__ void __launch_bounds__(lmd_w4a16::kThreads, 1)                 \
+      lmd_w4a16_wgmma_experts_##dtype##_m64(const W4a16Experts a) {                    \
+    lmd_w4a16::w4a16_wgmma_experts<bf16>(a);                                             \
   }
 
 LMD_W4A16_WGMMA(bf16, true)

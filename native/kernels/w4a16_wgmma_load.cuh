@@ -100,18 +100,47 @@ __device__ __forceinline__ void load_words(uint32_t slot, const WordsShare& l,
   }
 }
 
+// Which row of x a CTA's row r (0..63) reads, and which row of y its sums go to (-1:
+// none) times what. A dense product's rows are x's and y's (past m: row m - 1, not
+// stored); an experts block's are its 64 sorted pairs' (kernels/moe_align.py's layout:
+// padding, a pair id of num_pairs, reads the block's first pair's row, always a real one).
+struct DenseRows {
+  int m;
+  __device__ __forceinline__ int x_row(int r) const { return min(r, m - 1); }
+  __device__ __forceinline__ int y_row(int r) const { return r < m ? r : -1; }
+  __device__ __forceinline__ float times(int, float v) const { return v; }
+};
+
+struct PairRows {
+  const int32_t* pairs;   // the block's
+  const float* weights;  // routing weights by pair, or null
+  int num_pairs, row_div;
+  __device__ __forceinline__ int x_row(int r) const {
+    const int pair = pairs[r];
+    return (pair < num_pairs ? pair : pairs[0]) / row_div;
+  }
+  __device__ __forceinline__ int y_row(int r) const {
+    const int pair = pairs[r];
+    return pair < num_pairs ? pair : -1;
+  }
+  __device__ __forceinline__ float times(int pair, float v) const {
+    return weights == nullptr ? v : v * weights[pair];
+  }
+};
+
 // An x thread's share of every stage: chunk t % 8 of rows t / 8 + 8 i.
 struct XShare {
   const uint16_t* x[8];  // the rows' first 8 inputs of the chunk
   uint32_t to[8];        // offsets in a stage
 };
 
-__device__ __forceinline__ XShare x_share(const W4a16Wide& a, int t) {
+template <typename Rows>
+__device__ __forceinline__ XShare x_share(const W4a16Wide& a, const Rows& rows, int t) {
   XShare l;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int row = (t >> 3) + 8 * i;
-    l.x[i] = a.x + static_cast<size_t>(min(row, a.m - 1)) * a.x_stride + 8 * (t & 7);
+    l.x[i] = a.x + static_cast<size_t>(rows.x_row(row)) * a.x_stride + 8 * (t & 7);
     l.to[i] = swizzled(row, t & 7);
   }
   return l;

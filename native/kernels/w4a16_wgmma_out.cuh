@@ -89,19 +89,20 @@ __device__ __forceinline__ void sum_span(const W4a16Wide& a, int span, int split
 }
 
 // A multiplying thread's outputs to y (rows `stride` apart): for each of its rows
-// 8 i + 2 t + e under m, the two columns y_col, y_col + 1 that pair(i, e) packs.
-template <typename Pair>
-__device__ __forceinline__ void store_pairs(const W4a16Wide& a, int stride, int y_col,
-                                            Pair pair) {
+// 8 i + 2 t + e that has a row of y (rows.y_row), the two columns y_col, y_col + 1 that
+// pair(i, e, that row) packs.
+template <typename Rows, typename Pair>
+__device__ __forceinline__ void store_pairs(const W4a16Wide& a, const Rows& rows, int stride,
+                                            int y_col, Pair pair) {
   const int t = threadIdx.x & 3;
 #pragma unroll
   for (int i = 0; i < kRows / 8; ++i) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int row = 8 * i + 2 * t + e;
-      if (row >= a.m) continue;
+      const int row = rows.y_row(8 * i + 2 * t + e);
+      if (row < 0) continue;
       uint16_t* to = a.y + static_cast<size_t>(row) * stride + y_col;
-      asm volatile("st.global.b32 [%0], %1;" ::"l"(to), "r"(pair(i, e)) : "memory");
+      asm volatile("st.global.b32 [%0], %1;" ::"l"(to), "r"(pair(i, e, row)) : "memory");
     }
   }
 }
@@ -111,9 +112,10 @@ __device__ __forceinline__ void store_pairs(const W4a16Wide& a, int stride, int 
 // the x ring, free once every multiplying warpgroup's wgmmas are done, and threads 0-255
 // store silu(gate) * up, each rounded to x's dtype first as a separate gate|up product
 // and silu_and_mul would (y [m, n / 2]).
-template <bool kBf16>
-__device__ __forceinline__ void store_gated(const W4a16Wide& a, const float (&d)[32], uint32_t xs,
-                                            int span, int col) {
+template <bool kBf16, typename Rows>
+__device__ __forceinline__ void store_gated(const W4a16Wide& a, const Rows& rows,
+                                            const float (&d)[32], uint32_t xs, int span,
+                                            int col) {
   const uint32_t mine = xs + 4 * (threadIdx.x % 256);  // register r at mine + r * 1,024
   asm volatile("bar.sync 1, %0;" ::"n"(kMultipliers) : "memory");  // the ring is free
   if (threadIdx.x >= 256) {
@@ -132,7 +134,7 @@ __device__ __forceinline__ void store_gated(const W4a16Wide& a, const float (&d)
   for (int r = 0; r < 32; ++r) {
     asm volatile("ld.shared.f32 %0, [%1];" : "=f"(up[r]) : "r"(mine + r * 1024) : "memory");
   }
-  store_pairs(a, half, y_col, [&](int i, int e) {
+  store_pairs(a, rows, half, y_col, [&](int i, int e, int) {
     float v[2];
 #pragma unroll
     for (int c = 0; c < 2; ++c) {

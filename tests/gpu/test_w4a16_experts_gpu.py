@@ -1,15 +1,18 @@
-"""The native W4A16 experts kernel (native/kernels/w4a16_experts.cu through
-kernels/w4a16_rows.py native_experts, taken by kernels/moe.py's grouped GEMM for blocks of
-8 or 16 pairs) on a GPU: each pair's row against the float64 product of its expert's
-dequantized weights (times its routing weight), every pair written and no other row,
-one token's pairs a block each without sorted ids, every warp count, fused_moe through it
-against the Triton grouped GEMM it replaces (at Qwen3-30B-A3B's experts' shape, up to
-4,096 tokens, whose 128-row blocks multiply dequantized slabs), 8-row blocks at one
-token, captured in a CUDA graph, and declined where it does not apply. Skipped without CUDA.
+"""The native W4A16 experts kernels (native/kernels/w4a16_experts.cu for blocks of 8 or
+16 pairs, and on Hopper w4a16_wgmma.cu's experts entry for 64, through
+kernels/w4a16_rows.py native_experts, taken by kernels/moe.py's grouped GEMM) on a GPU:
+each pair's row against the float64 product of its expert's dequantized weights (times
+its routing weight), every pair written and no other row, gate|up's SiLU in the wgmma
+kernel, one token's pairs a block each without sorted ids, every warp count, fused_moe
+through them against the Triton grouped GEMM they replace (at Qwen3-30B-A3B's experts'
+shape, up to 4,096 tokens; without the wgmma kernel 128-row blocks multiply dequantized
+slabs), 8-row blocks at one token, captured in a CUDA graph, and declined where they do
+not apply. Skipped without CUDA.
 
 Bound: as the rows kernel's (tests/gpu/test_w4a16_rows_gpu.py): exact products summed in
-float32, each group's sum scaled once, so each output is the reference rounded once to
-the dtype plus float32 summation error.
+float32 (the wgmma kernel: each weight rounded once to the dtype, as the Triton tiles),
+each group's sum scaled once, so each output is the reference rounded once to the dtype
+plus float32 summation error.
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
-from lmd.engine.turbo.kernels import moe, w4a16_rows
-from lmd.engine.turbo.kernels.moe_align import align
+from lmd.engine.turbo.kernels import moe, moe_align, w4a16_rows
+from lmd.engine.turbo.kernels.activation import silu_and_mul
 from lmd.engine.turbo.kernels.w4a16_rows import native_experts
 from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
 
 pytestmark = pytest.mark.gpu
+HOPPER = torch.cuda.get_device_capability() == (9, 0)  # the wgmma kernel's 64-row blocks
 RTOL = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 ATOL = 1e-4
 
@@ -47,12 +51,15 @@ def layout(num_tokens: int, num_experts: int, top_k: int, block_m: int) -> tuple
     gen = torch.Generator(device="cuda").manual_seed(num_tokens * 7 + block_m)
     chosen = torch.rand(num_tokens, num_experts, device="cuda", generator=gen).argsort(dim=1)
     chosen = chosen[:, :top_k].to(torch.int32)
-    return (chosen.flatten(), *align(chosen, num_experts, block_m))
+    return (chosen.flatten(), *moe_align.align(chosen, num_experts, block_m))
 
 
-def reference(x: Tensor, w: W4A16Experts, expert: Tensor, row_div: int) -> Tensor:
-    """Each pair's row x[p // row_div] W_e^T in float64."""
-    dense = w.dequantize().double()
+def reference(
+    x: Tensor, w: W4A16Experts, expert: Tensor, row_div: int, *, rounded: bool = False
+) -> Tensor:
+    """Each pair's row x[p // row_div] W_e^T in float64; `rounded`: W_e's (q - z) * scale
+    rounded to x's dtype first, as the wgmma kernel (and the Triton tiles) multiply it."""
+    dense = (w.dequantize().to(x.dtype) if rounded else w.dequantize()).double()
     rows = x.double()[torch.arange(expert.numel(), device="cuda") // row_div]
     return torch.einsum("pk,pnk->pn", rows, dense[expert.long()])
 
@@ -66,13 +73,15 @@ def run(
     block_m: int,
     weights: Tensor | None = None,
     warps: int | None = None,
+    gated: bool = False,
 ) -> Tensor:
     """native_experts (asserted taken) into a y of NaNs, one row a pair."""
     num_pairs = x.shape[0] * row_div
-    y = torch.full((num_pairs, w.shape[1]), float("nan"), dtype=x.dtype, device="cuda")
+    width = w.shape[1] // 2 if gated else w.shape[1]
+    y = torch.full((num_pairs, width), float("nan"), dtype=x.dtype, device="cuda")
     taken = native_experts(
         x, w.qweight, w.scales, w.zeros, w.group_size, *pairs, y,
-        row_div=row_div, block_m=block_m, weights=weights, warps=warps,
+        row_div=row_div, block_m=block_m, weights=weights, warps=warps, gated=gated,
     )  # fmt: skip
     assert taken
     torch.cuda.synchronize()
@@ -86,13 +95,20 @@ def assert_close(y: Tensor, ref: Tensor, dtype: torch.dtype) -> None:
     assert bool((err <= bound).all()), f"max excess {(err - bound).max().item():.3g}"
 
 
+def needs(block_m: int) -> None:
+    if block_m == 64 and not HOPPER:
+        pytest.skip("64-row blocks take the wgmma kernel: Hopper only")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("block_m", [8, 16])
-@pytest.mark.parametrize("num_tokens", [1, 3, 16, 64])
+@pytest.mark.parametrize("block_m", [8, 16, 64])
+@pytest.mark.parametrize("num_tokens", [1, 3, 16, 64, 300])
 @pytest.mark.parametrize("gate_up", [True, False], ids=["gate_up", "down"])
 def test_against_float64(dtype: torch.dtype, block_m: int, num_tokens: int, gate_up: bool) -> None:
     """16 experts, 4 a token: gate|up reads token p // 4 ([T, 512] against [E, 512, 512]);
-    down a row a pair ([P, 256] against [E, 512, 256]) times its routing weight."""
+    down a row a pair ([P, 256] against [E, 512, 256]) times its routing weight. 300
+    tokens give an expert ~75 pairs: several blocks, the last one's padding."""
+    needs(block_m)
     top_k = 4
     shape = (16, 512, 512) if gate_up else (16, 512, 256)
     w = experts(shape, dtype, seed=num_tokens)
@@ -100,13 +116,30 @@ def test_against_float64(dtype: torch.dtype, block_m: int, num_tokens: int, gate
     rows = num_tokens if gate_up else num_tokens * top_k
     x = torch.randn(rows, shape[2], device="cuda").to(dtype)
     row_div = top_k if gate_up else 1
-    ref = reference(x, w, expert, row_div)
+    ref = reference(x, w, expert, row_div, rounded=block_m == 64)
     weights = None
     if not gate_up:
         weights = torch.rand(num_tokens * top_k, device="cuda")
         ref = ref * weights.double()[:, None]
     y = run(x, w, (pairs[0], pairs[1]), row_div=row_div, block_m=block_m, weights=weights)
     assert_close(y, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens", [5, 300])
+def test_gate_up_with_its_silu_in_the_wgmma_kernel(dtype: torch.dtype, num_tokens: int) -> None:
+    """gated 64-row blocks: silu(gate) * up of each pair's two products, each rounded to
+    the dtype first, as the plain product and silu_and_mul make it (within a rounding:
+    the kernel's exp is __expf)."""
+    needs(64)
+    w = experts((16, 512, 512), dtype, seed=num_tokens)
+    _, *pairs = layout(num_tokens, 16, 4, 64)
+    x = torch.randn(num_tokens, 512, device="cuda").to(dtype)
+    plain = run(x, w, (pairs[0], pairs[1]), row_div=4, block_m=64)
+    y = run(x, w, (pairs[0], pairs[1]), row_div=4, block_m=64, gated=True)
+    expected = silu_and_mul(plain).double()
+    err = (y.double() - expected).abs()
+    assert bool((err <= 2 * RTOL[dtype] * expected.abs() + ATOL).all()), err.max().item()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -151,17 +184,23 @@ def qwen3_moe_experts(seed: int) -> tuple[W4A16Experts, W4A16Experts, Tensor]:
     return gate_up, down, router
 
 
-@pytest.mark.parametrize("num_tokens", [1, 8, 64, 256, 4096])
+FUSED_CASES = [(1, True), (8, True), (64, True), (256, True), (300, True), (1024, True)]
+
+
+@pytest.mark.parametrize(("num_tokens", "wgmma"), [*FUSED_CASES, (4096, True), (4096, False)])
 def test_fused_moe_agrees_with_the_triton_kernel(
-    monkeypatch: pytest.MonkeyPatch, num_tokens: int
+    monkeypatch: pytest.MonkeyPatch, num_tokens: int, wgmma: bool
 ) -> None:
-    """A layer of Qwen3-30B-A3B's 4-bit experts through the native kernel (or, at 4,096
-    tokens, dequantized slabs) and through the Triton grouped GEMM's 4-bit tiles it
-    replaces (w4a16_rows.EXPERTS off; moe.W4_DEQUANT_ROWS past 128): the same routing,
-    products in float32 either way, so within bf16 rounding of each other."""
+    """A layer of Qwen3-30B-A3B's 4-bit experts through the native kernels (from 257
+    tokens 64-row blocks on Hopper; with w4a16_rows.WGMMA_EXPERTS off or on another GPU
+    Triton tiles and, at 4,096 tokens, dequantized slabs) and through the Triton grouped
+    GEMM's 4-bit tiles they replace (w4a16_rows.EXPERTS off; moe.W4_DEQUANT_ROWS past
+    128): the same routing, products in float32 either way, so within bf16 rounding of
+    each other."""
     gate_up, down, router = qwen3_moe_experts(num_tokens)
     h = torch.randn(num_tokens, 2048, device="cuda").to(torch.bfloat16)
     call = partial(moe.fused_moe, top_k=8, normalize=True, float_out=True)
+    monkeypatch.setattr(w4a16_rows, "WGMMA_EXPERTS", wgmma)
     native = call(h, router, gate_up, down)
     monkeypatch.setattr(w4a16_rows, "EXPERTS", False)
     monkeypatch.setattr(moe, "W4_DEQUANT_ROWS", 256)
@@ -170,36 +209,47 @@ def test_fused_moe_agrees_with_the_triton_kernel(
     assert err <= 2.0**-6 * triton_out.float().abs().max().item(), err
 
 
-def test_one_token_takes_blocks_of_eight() -> None:
+def test_the_blocks_the_native_kernels_take() -> None:
+    """8 rows at one token, 64 (Hopper) past 16 pairs an expert; neither for float32 or
+    an x the kernels cannot read (2-byte aligned: 16 rows' Triton tiles; 8-byte aligned:
+    not the wgmma kernel's 16-byte copies)."""
     gate_up, down, _ = qwen3_moe_experts(0)
     h = torch.randn(1, 2048, device="cuda").to(torch.bfloat16)
-    assert moe.native_eight(h, gate_up, down)
-    assert moe.block_rows(8, 128, eight=True) == 8
-    assert moe.block_rows(8 * 32, 128, eight=True) == 8  # 2 pairs an expert
-    assert moe.block_rows(8 * 64, 128, eight=True) == 16  # 4: some would take 2 blocks
-    assert not moe.native_eight(h.float(), gate_up, down)
+    native = moe_align.native_blocks(h, gate_up, down)
+    assert native == ((8, 16, 64) if HOPPER else (8, 16))
+    assert moe_align.block_rows(8, 128, native=native) == 8
+    assert moe_align.block_rows(8 * 32, 128, native=native) == 8  # 2 pairs an expert
+    assert moe_align.block_rows(8 * 64, 128, native=native) == 16  # 4: some would take 2 blocks
+    assert moe_align.block_rows(8 * 300, 128, native=native) == (64 if HOPPER else 32)
+    assert moe_align.native_blocks(h.float(), gate_up, down) == ()
     odd = torch.randn(1, 2050, device="cuda").to(torch.bfloat16)[:, 1:2049]  # 2-byte aligned
-    assert not moe.native_eight(odd, gate_up, down)
-    assert moe.block_rows(8, 128, eight=moe.native_eight(odd, gate_up, down)) == 16
+    assert moe_align.native_blocks(odd, gate_up, down) == ()
+    assert moe_align.block_rows(8, 128, native=moe_align.native_blocks(odd, gate_up, down)) == 16
+    eight = torch.randn(1, 2052, device="cuda").to(torch.bfloat16)[:, 4:2052]  # 8-byte
+    assert moe_align.native_blocks(eight, gate_up, down) == (8, 16)
 
 
-def test_captured_in_a_cuda_graph() -> None:
+@pytest.mark.parametrize("num_tokens", [4, 300])
+def test_captured_in_a_cuda_graph(num_tokens: int) -> None:
+    """8-row blocks (4 tokens) and, on Hopper, the wgmma kernel's 64 (300)."""
     gate_up, down, router = qwen3_moe_experts(5)
-    h = torch.randn(4, 2048, device="cuda").to(torch.bfloat16)
+    h = torch.randn(num_tokens, 2048, device="cuda").to(torch.bfloat16)
     call = partial(moe.fused_moe, top_k=8, normalize=True, float_out=True)
     call(h, router, gate_up, down)  # warm: Triton compiles outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = call(h, router, gate_up, down)
-    h.copy_(torch.randn(4, 2048, device="cuda").to(torch.bfloat16))
+    h.copy_(torch.randn(num_tokens, 2048, device="cuda").to(torch.bfloat16))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, call(h, router, gate_up, down))
 
 
 def test_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Groups of 64, float32, 32-row blocks, int64 pairs, and EXPERTS off: False, y
-    untouched; an 8-row block the Triton kernel cannot take is an error then."""
+    """Groups of 64, float32, 32-row blocks, int64 pairs, gated 16-row blocks, gated with
+    routing weights, 64-row blocks without sorted pairs or (off Hopper) at all, and
+    EXPERTS off: False, y untouched; an 8-row block the Triton kernel cannot take is an
+    error then."""
     w = experts((4, 128, 256), torch.bfloat16, seed=9)
     expert, *pairs = layout(3, 4, 2, 16)
     x = torch.randn(3, 256, device="cuda").to(torch.bfloat16)
@@ -214,9 +264,22 @@ def test_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None
         native_experts(x, *parts, 128, pairs[0], pairs[1], y, row_div=2, block_m=32),
         native_experts(x, *parts, 128, pairs[0].long(), pairs[1], y, row_div=2, block_m=16),
     ]  # fmt: skip
+    _, *rows64 = layout(3, 4, 2, 64)
+    half = torch.zeros(6, 64, dtype=torch.bfloat16, device="cuda")  # a gated product's
+    declined += [
+        native_experts(x, *parts, 128, pairs[0], pairs[1], half, row_div=2, block_m=16,
+                       gated=True),
+        native_experts(x, *parts, 128, rows64[0], rows64[1], half, row_div=2, block_m=64,
+                       weights=torch.ones(6, device="cuda"), gated=True),
+        native_experts(x, *parts, 128, None, rows64[1], y, row_div=2, block_m=64),
+    ]  # fmt: skip
+    if not HOPPER:
+        declined.append(
+            native_experts(x, *parts, 128, rows64[0], rows64[1], y, row_div=2, block_m=64)
+        )
     monkeypatch.setattr(w4a16_rows, "EXPERTS", False)
     declined.append(native_experts(x, *parts, 128, pairs[0], pairs[1], y, row_div=2, block_m=16))
-    assert not any(declined) and not y.any()
+    assert not any(declined) and not y.any() and not half.any()
     _, *eight = layout(3, 4, 2, 8)
     with pytest.raises(ValueError, match="blocks of 8 rows take the native"):
         moe.grouped_gemm(x, w, eight[0], eight[1], num_pairs=6, a_row_div=2, block_m=8)

@@ -20,7 +20,7 @@ KERNELS = {
     "w4a16_wide": ("80", "7.0", 2),
     "w4a16_experts": ("80", "7.0", 4),
     "fp8_rows": ("89", "8.1", 4),
-    "w4a16_wgmma": ("90a", "8.0", 2),  # sm_90a only: its oldest GPU is its newest
+    "w4a16_wgmma": ("90a", "8.0", 4),  # sm_90a only: its oldest GPU is its newest; + experts
 }
 
 

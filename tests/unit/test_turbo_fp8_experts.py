@@ -114,7 +114,7 @@ def assert_grouped_gemms(
     h = torch.randn(num_tokens, hidden, generator=gen).to(dtype).to(DEVICE)
     experts = torch.randint(0, num_experts, (num_tokens, top_k), generator=gen).to(DEVICE)
     num_pairs = num_tokens * top_k
-    block_m = moe.block_rows(num_pairs, num_experts)
+    block_m = moe_align.block_rows(num_pairs, num_experts)
     layout = moe_align.align(experts, num_experts, block_m)
     flat = experts.flatten().cpu()
     act = torch.randn(num_pairs, inter, generator=gen).to(dtype).to(DEVICE)  # down's input

@@ -119,7 +119,7 @@ def test_gate_up_with_its_activation_gives_the_two_launches_values(
     gate_up = (torch.randn(num_experts, 2 * inter, hidden, device=DEVICE) / 8).to(dtype)
     experts = torch.randint(0, num_experts, (num_tokens, top_k), device=DEVICE)
     num_pairs = num_tokens * top_k
-    block_m = moe.block_rows(num_pairs, num_experts)
+    block_m = moe_align.block_rows(num_pairs, num_experts)
     layout = moe_align.align(experts, num_experts, block_m)
     gemm = partial(
         moe.grouped_gemm, num_pairs=num_pairs, a_row_div=top_k, block_m=block_m, tiles=tiles
@@ -153,7 +153,7 @@ def test_fused_moe_of_no_tokens_is_empty() -> None:
 
 
 def test_block_rows_grow_with_the_rows_per_expert() -> None:
-    assert moe.block_rows(8, 128) == 16  # a decode step: a few rows per expert
-    assert moe.block_rows(64 * 8, 8) == 64  # a short prefill: many
-    assert moe.block_rows(4096 * 8, 128) == 128  # a prefill chunk of Qwen3-30B-A3B
-    assert moe.block_rows(3 * 128, 8) == 32
+    assert moe_align.block_rows(8, 128) == 16  # a decode step: a few rows per expert
+    assert moe_align.block_rows(64 * 8, 8) == 64  # a short prefill: many
+    assert moe_align.block_rows(4096 * 8, 128) == 128  # a prefill chunk of Qwen3-30B-A3B
+    assert moe_align.block_rows(3 * 128, 8) == 32

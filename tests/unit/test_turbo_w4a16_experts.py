@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 
 from lmd.engine.turbo.backend import TurboBackend
 from lmd.engine.turbo.config import TurboConfig
-from lmd.engine.turbo.kernels import moe, moe_align
+from lmd.engine.turbo.kernels import moe, moe_align, w4a16_rows
 from lmd.engine.turbo.kernels.w4a16_dense import dequantize_experts
 from lmd.engine.turbo.quant.scheme import QuantScheme, four_bit_experts
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
@@ -178,15 +178,21 @@ def test_experts_off_128_stay_sixteen_bit_and_say_so(tmp_path: Path) -> None:
 
 def test_blocks_of_eight_rows_are_the_native_kernels_alone() -> None:
     """8-row blocks for up to 2 pairs an expert where the native experts kernel takes both
-    layers of experts (a GPU; kernels/w4a16_rows.py), and the grouped GEMM refuses them
-    otherwise (tl.dot takes 16 rows and more)."""
-    assert moe.block_rows(8, 128) == 16
-    assert moe.block_rows(8 * 32, 128, eight=True) == 8
-    assert moe.block_rows(8 * 64, 128, eight=True) == 16
+    layers of experts (a GPU; kernels/w4a16_rows.py), 64-row ones past 16 where the wgmma
+    kernel does (Hopper), and the grouped GEMM refuses 8 rows otherwise (tl.dot takes 16
+    rows and more)."""
+    assert moe_align.block_rows(8, 128) == 16
+    assert moe_align.block_rows(8 * 32, 128, native=(8, 16)) == 8
+    assert moe_align.block_rows(8 * 64, 128, native=(8, 16)) == 16
+    assert moe_align.block_rows(8 * 300, 128, native=(8, 16)) == 32
+    assert moe_align.block_rows(8 * 4096, 128, native=(8, 16)) == 128
+    assert moe_align.block_rows(8 * 256, 128, native=(8, 16, 64)) == 16  # 16 pairs an expert
+    assert moe_align.block_rows(8 * 300, 128, native=(8, 16, 64)) == 64
+    assert moe_align.block_rows(8 * 4096, 128, native=(8, 16, 64)) == 64
     gate_up = on_device(four_bit((4, 2 * INTER, HIDDEN), 128, torch.float16, 1))
     down = on_device(four_bit((4, HIDDEN, INTER), 128, torch.float16, 2))
     h = torch.randn(3, HIDDEN).to(torch.float16).to(DEVICE)
-    assert moe.native_eight(h, gate_up, down) == ON_CUDA
+    assert bool(moe_align.native_blocks(h, gate_up, down)) == ON_CUDA
     if not ON_CUDA:
         sorted_pairs, block_expert = moe_align.align(torch.zeros(3, 2, dtype=torch.int32), 4, 8)
         with pytest.raises(ValueError, match="blocks of 8 rows take the native W4A16 kernel"):
@@ -206,7 +212,8 @@ def test_large_blocks_multiply_dequantized_slabs(
     down = on_device(four_bit((4, HIDDEN, INTER), 128, DTYPE, 6))
     monkeypatch.setattr(moe, "SLAB_BYTES", per_slab * 2 * INTER * HIDDEN * DTYPE.itemsize)
     monkeypatch.setattr(moe, "W4_DEQUANT_ROWS", 64)  # 64-row blocks: the interpreter's pace
-    assert moe.block_rows(150 * 2, 4) == 64
+    monkeypatch.setattr(w4a16_rows, "WGMMA_EXPERTS", False)  # on Hopper it would take them
+    assert moe_align.block_rows(150 * 2, 4) == 64
     assert_grouped_gemms(gate_up, down, (HIDDEN, INTER), DTYPE, 150)
     slab = dequantize_experts(down.qweight, down.scales, down.zeros, 128, lo=1, hi=3)
     expected = down.dequantize()[1:3].to(DTYPE)  # [2, HIDDEN, INTER]

@@ -181,7 +181,7 @@ def test_wgmma_gated_takes_one_split_no_bias_and_n_of_64s(bias: int, n: int, spl
 
 
 EXPERTS_SHAPES = (
-    "rows must be 8 or 16, blocks 1..65535, n a multiple of 32, k of 128, x_stride >= k, "
+    "rows must be 8, 16 or 64, blocks 1..65535, n a multiple of 32, k of 128, x_stride >= k, "
     "num_pairs and row_div >= 1"
 )
 # (rows, blocks, num_pairs, row_div, n, k, x_stride, warps) the experts kernel refuses,
@@ -198,6 +198,9 @@ BAD_EXPERTS_LAUNCHES = [
     ((16, 4, 8, 2, 64, 256, 256, 9), "warps must be 1..8"),
     ((8, 4, 8, 2, 64, 256, 256, 17), "warps must be 1..16"),
     ((8, 4, 8, 2, 64, 256, 258, 4), "misaligned"),  # a row stride not a multiple of 4
+    ((32, 4, 8, 2, 64, 256, 256, 4), None),
+    ((64, 4, 8, 2, 64, 256, 256, 4), "64 rows take sorted pairs and warps 0"),
+    ((64, 4, 8, 2, 64, 256, 260, 0), "misaligned"),  # the wgmma kernel's: a multiple of 8
 ]
 
 
@@ -211,6 +214,37 @@ def test_bad_experts_launches_are_refused_before_cuda(
             0, 64, 64, 64, 64, 64, 64, 0, 64,
             rows, blocks, num_pairs, row_div, n, k, stride, True, warps, 0,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("rows", "pairs", "n", "weights", "message"),
+    [
+        (64, 0, 128, 0, "64 rows take sorted pairs"),  # no sorted pairs
+        (64, 64, 96, 0, "gated no weights and n a multiple of 64"),
+        (64, 64, 128, 64, "gated no weights and n a multiple of 64"),
+        (16, 64, 128, 0, "gated takes 64-row blocks"),
+    ],
+)
+def test_gated_experts_take_64_row_blocks(
+    rows: int, pairs: int, n: int, weights: int, message: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _native.w4a16_experts(
+            0, 64, 64, 64, 64, pairs, 64, weights, 64, rows, 4, 8, 2, n, 256, 256, True,
+            0 if rows == 64 else 4, 0, gated=True,
+        )  # fmt: skip
+
+
+def test_experts_64_row_blocks_copy_16_bytes() -> None:
+    """x, scales and zeros at 16-byte boundaries for the wgmma kernel (8 do for 16 rows)."""
+    for at in (0, 2, 3):  # x, s, z
+        addresses = [64, 64, 64, 64, 64, 64, 0, 64]
+        addresses[at] = 72
+        x, q, s, z, pairs, experts, weights, y = addresses
+        with pytest.raises(ValueError, match="misaligned"):
+            _native.w4a16_experts(
+                0, x, q, s, z, pairs, experts, weights, y, 64, 4, 8, 2, 64, 256, 256, True, 0, 0
+            )
 
 
 def test_experts_without_sorted_pairs_take_a_block_a_pair() -> None:

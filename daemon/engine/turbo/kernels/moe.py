@@ -37,11 +37,15 @@ from torch import Tensor
 from lmd.engine.turbo.kernels.activation import gate_up_rows, gated, silu_and_mul
 from lmd.engine.turbo.kernels.common import expert_scales
 from lmd.engine.turbo.kernels.fp8_quant import quantize_per_token, quantize_per_token_group
-from lmd.engine.turbo.kernels.moe_align import align
+from lmd.engine.turbo.kernels.moe_align import align, block_rows, native_blocks
 from lmd.engine.turbo.kernels.routing import route
 from lmd.engine.turbo.kernels.w4a16 import PACKED_NIBBLES, four_bit_slice
 from lmd.engine.turbo.kernels.w4a16_dense import SLAB_BYTES, dequantize_experts
-from lmd.engine.turbo.kernels.w4a16_rows import EXPERTS_ROWS, experts_take, native_experts
+from lmd.engine.turbo.kernels.w4a16_rows import (
+    NATIVE_EXPERTS_ROWS,
+    WGMMA_EXPERTS_ROWS,
+    native_experts,
+)
 from lmd.engine.turbo.quant.fp8_experts import Fp8Experts, Operands, kernel_operands
 from lmd.engine.turbo.quant.load import Experts
 from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
@@ -193,12 +197,13 @@ def grouped_gemm(
     out_dtype = a.dtype if isinstance(weight, Tensor) else weight.dtype
     if out_dtype != a.dtype and a_scale is None:
         raise ValueError(f"grouped_gemm: a in {a.dtype} against experts in {out_dtype}")
-    if w4 is not None and tiles is None and block_m <= max(EXPERTS_ROWS):
-        product = torch.empty(num_pairs, n, dtype=out_dtype, device=a.device)
+    if w4 is not None and tiles is None and block_m in NATIVE_EXPERTS_ROWS:
+        fused = gated and block_m == WGMMA_EXPERTS_ROWS and n % 64 == 0  # its SiLU in it
+        product = torch.empty(num_pairs, n // 2 if fused else n, dtype=out_dtype, device=a.device)
         if native_experts(a, w4.qweight, w4.scales, w4.zeros, w4.group_size, sorted_pairs,
                           block_expert, product, row_div=a_row_div, block_m=block_m,
-                          weights=scale):  # fmt: skip
-            return silu_and_mul(product) if gated else product
+                          weights=scale, gated=fused):  # fmt: skip
+            return silu_and_mul(product) if gated and not fused else product
     if block_m < 16 or sorted_pairs is None:
         raise ValueError(f"grouped_gemm: blocks of {block_m} rows take the native W4A16 kernel")
     out = torch.empty(num_pairs, n // 2 if gated else n, dtype=out_dtype, device=a.device)
@@ -308,36 +313,6 @@ W4_SCALE_AFTER_ROWS = 32
 W4_DEQUANT_ROWS = 128
 
 
-# Blocks of 8 rows (the native W4A16 experts kernel's least) while the pairs an expert gets
-# on average are at most this: fewer rows' products than 16-row blocks, but an expert
-# with more than 8 pairs reads its weights once a block. At 1 / 8 / 16 / 32 tokens of
-# Qwen3-30B-A3B (H200): 13.0 / 56.5 / 84.2 / 120.8 us against 19.5 / 96.3 / 146.4 / 212.3.
-EIGHT_ROWS_UP_TO = 2
-
-
-def block_rows(num_pairs: int, num_experts: int, *, eight: bool = False) -> int:
-    """BLOCK_M for this many pairs: the rows an expert gets on average, at least 16
-    (tl.dot's least; 8 with `eight`, for the native W4A16 experts kernel) and at most
-    128; a decode step's few rows per expert waste less padding with small blocks, a
-    prefill's many use the tensor cores better with big."""
-    per_expert = num_pairs / num_experts
-    if eight and per_expert <= EIGHT_ROWS_UP_TO:
-        return 8
-    if per_expert <= 48:
-        return 16 if per_expert <= 16 else 32
-    return 64 if per_expert <= 128 else 128
-
-
-def native_eight(h: Tensor, gate_up: Experts, down: Experts) -> bool:
-    """May blocks be 8 rows: are both layers of experts 4-bit ones the native kernel
-    takes with h as gate|up's input (kernels/w4a16_rows.py native_experts; down's, made
-    by fused_moe, is contiguous)?"""
-    return all(
-        isinstance(w, W4A16Experts) and experts_take(h, w.qweight, w.scales, w.group_size)
-        for w in (gate_up, down)
-    )
-
-
 # FP8 experts' inputs as e4m3 codes too (fp8 tensor cores) from this many rows a block up:
 # every grouped GEMM (one token takes kernels/moe_vector.py's path). The codes took a layer
 # of Qwen3-30B-A3B's experts at 64 / 256 / 4,096 tokens 216 / 302 / 1,413 -> 180 / 196 /
@@ -384,7 +359,7 @@ def fused_moe(
         return torch.empty_like(h)
     weights, experts = route(h, router, top_k, normalize, float_out=float_out)
     num_pairs = num_tokens * top_k
-    block_m = block_rows(num_pairs, num_experts, eight=native_eight(h, gate_up, down))
+    block_m = block_rows(num_pairs, num_experts, native=native_blocks(h, gate_up, down))
     if num_tokens == 1 and block_m == 8:  # a block a pair, its experts distinct: no layout
         sorted_pairs, block_expert = None, experts.view(-1)
     else:

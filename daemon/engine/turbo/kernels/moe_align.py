@@ -1,7 +1,8 @@
-"""The experts' block layout (kernels/moe.py): the (token, choice) pairs sorted by expert,
-each expert's run padded to a multiple of BLOCK_M, so that every block of BLOCK_M sorted
-pairs belongs to one expert, and the expert of each block; on the device, without a host
-sync (sized for the worst case), in two launches after the counts' zeroing.
+"""The experts' block layout (kernels/moe.py): how many rows a block (block_rows), and
+the (token, choice) pairs sorted by expert, each expert's run padded to a multiple of
+BLOCK_M, so that every block of BLOCK_M sorted pairs belongs to one expert, and the expert
+of each block (align); on the device, without a host sync (sized for the worst case), in
+two launches after the counts' zeroing.
 """
 
 from __future__ import annotations
@@ -10,6 +11,56 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from lmd.engine.turbo.kernels.w4a16_rows import (
+    EXPERTS_ROWS,
+    WGMMA_EXPERTS_ROWS,
+    experts_take,
+)
+from lmd.engine.turbo.quant.load import Experts
+from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
+
+# Blocks of 8 rows (the native W4A16 experts kernel's least) while the pairs an expert gets
+# on average are at most this: fewer rows' products than 16-row blocks, but an expert
+# with more than 8 pairs reads its weights once a block. At 1 / 8 / 16 / 32 tokens of
+# Qwen3-30B-A3B (H200): 13.0 / 56.5 / 84.2 / 120.8 us against 19.5 / 96.3 / 146.4 / 212.3.
+EIGHT_ROWS_UP_TO = 2
+
+
+def block_rows(num_pairs: int, num_experts: int, *, native: tuple[int, ...] = ()) -> int:
+    """BLOCK_M for this many pairs: the rows an expert gets on average, at least 16
+    (tl.dot's least) and at most 128; a decode step's few rows per expert waste less
+    padding with small blocks, a prefill's many use the tensor cores better with big.
+    `native`: the blocks the native W4A16 experts kernels take (native_blocks): 8 rows up
+    to EIGHT_ROWS_UP_TO pairs an expert, and 64 (the wgmma kernel's) past 16."""
+    per_expert = num_pairs / num_experts
+    if 8 in native and per_expert <= EIGHT_ROWS_UP_TO:
+        return 8
+    if per_expert <= 16:
+        return 16
+    if WGMMA_EXPERTS_ROWS in native:
+        return WGMMA_EXPERTS_ROWS
+    if per_expert <= 48:
+        return 32
+    return 64 if per_expert <= 128 else 128
+
+
+def native_blocks(h: Tensor, gate_up: Experts, down: Experts) -> tuple[int, ...]:
+    """The blocks of pairs (rows) the native W4A16 experts kernels take for both layers of
+    experts with h as gate|up's input (kernels/w4a16_rows.py native_experts; down's, made
+    by fused_moe, is contiguous): none unless both are 4-bit."""
+    both = (gate_up, down)
+    if not all(
+        isinstance(w, W4A16Experts) and experts_take(h, w.qweight, w.scales, w.group_size)
+        for w in both
+    ):
+        return ()
+    wgmma = all(
+        isinstance(w, W4A16Experts)
+        and experts_take(h, w.qweight, w.scales, w.group_size, wgmma=True)
+        for w in both
+    )
+    return (*EXPERTS_ROWS, WGMMA_EXPERTS_ROWS) if wgmma else EXPERTS_ROWS
 
 
 @triton.jit

@@ -40,6 +40,9 @@ MAX_ROWS = 16  # the rows kernel's; the wide kernel's is WIDE_MAX_ROWS
 WIDE_MAX_ROWS = 32  # from 33 rows the Triton tiles were as fast (docs/benchmarks.md)
 EXPERTS = True  # off: 4-bit experts' small blocks go to the Triton grouped GEMM (A/B runs)
 EXPERTS_ROWS = (8, 16)  # the experts kernel's blocks of pairs
+WGMMA_EXPERTS = True  # off: 4-bit experts' 64-row blocks are not native (A/B runs)
+WGMMA_EXPERTS_ROWS = 64  # a block of pairs of the wgmma kernel's experts entry (Hopper)
+NATIVE_EXPERTS_ROWS = (*EXPERTS_ROWS, WGMMA_EXPERTS_ROWS)
 MAX_BLOCKS = 65535  # blocks of pairs a launch (the grid's second dimension)
 # A CTA's warps by the pairs of the product (at most K / 128): 4 up to 16 pairs, 2 up to
 # 128, else 1. On an H200 at Qwen3-30B-A3B's experts (scripts/moe_tiles.py
@@ -221,11 +224,13 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
     return True
 
 
-def experts_take(x: Tensor, qweight: Tensor, scales: Tensor, group_size: int) -> bool:
+def experts_take(
+    x: Tensor, qweight: Tensor, scales: Tensor, group_size: int, *, wgmma: bool = False
+) -> bool:
     """Does native_experts take x (its dtype, device where the kernels load, strides and
     alignment) against 4-bit experts of these words, scales and groups, whatever the
-    blocks' layout?"""
-    return (
+    blocks' layout, in blocks of 8 or 16 pairs (`wgmma`: of 64, on Hopper)?"""
+    takes = (
         EXPERTS
         and x.is_cuda
         and x.dtype in (torch.bfloat16, torch.float16)
@@ -237,6 +242,16 @@ def experts_take(x: Tensor, qweight: Tensor, scales: Tensor, group_size: int) ->
         and qweight.shape[2] % COLUMNS == 0
         and qweight.shape[1] * 8 % GROUP == 0
         and ready(x.device)
+    )
+    if not (takes and wgmma):
+        return takes
+    # The wgmma kernel copies x, the scales and the zeros 16 bytes at a time.
+    return (
+        WGMMA_EXPERTS
+        and x.stride(0) % 8 == 0
+        and x.data_ptr() % 16 == 0
+        and scales.data_ptr() % 16 == 0
+        and _wgmma.ready(device_index(x.device))
     )
 
 
@@ -254,25 +269,33 @@ def native_experts(  # noqa: PLR0917  # the experts' tensors, as W4A16Experts ho
     block_m: int,
     weights: Tensor | None = None,
     warps: int | None = None,
+    gated: bool = False,
 ) -> bool:
     """y[p] = x[p // row_div] @ W_e^T (* weights[p]) for every pair p of the blocks of
-    block_m (8 or 16) sorted pairs (kernels/moe_align.py's layout; y [P, N] contiguous, P
-    its rows; no sorted pairs: block p holds pair p alone), W_e the block's expert's:
-    qweight [E, K / 8, N], scales and zeros [E, K / 128, N]; True once enqueued, False (y
-    untouched) when the kernel does not take it. `warps` overrides EXPERT_WARPS."""
-    k = x.shape[1]
-    if warps is None:
+    block_m (8 or 16; 64 on Hopper, the wgmma kernel's) sorted pairs
+    (kernels/moe_align.py's layout; y [P, N] contiguous, P its rows; no sorted pairs, 8
+    rows: block p holds pair p alone), W_e the block's expert's: qweight [E, K / 8, N],
+    scales and zeros [E, K / 128, N]; True once enqueued, False (y untouched) when the
+    kernel does not take it. `warps` overrides EXPERT_WARPS. `gated` (64 rows only): W_e
+    is gate | up and y [P, N / 2] = silu(x gate^T) * (x up^T), no weights."""
+    k, n = x.shape[1], qweight.shape[2]
+    wgmma = block_m == WGMMA_EXPERTS_ROWS
+    if wgmma:
+        warps = 0  # the wgmma kernel's own CTAs
+    elif warps is None:
         by_pairs = (w for most, w in EXPERT_WARPS_BY_PAIRS if y.shape[0] <= most)
         warps = EXPERT_WARPS if EXPERT_WARPS is not None else next(by_pairs, 1)
     warps = min(warps, k // GROUP)
     takes = (
-        block_m in EXPERTS_ROWS
-        and experts_take(x, qweight, scales, group_size)
+        block_m in NATIVE_EXPERTS_ROWS
+        and (not wgmma or sorted_pairs is not None)
+        and (not gated or (wgmma and n % 64 == 0 and weights is None))
+        and experts_take(x, qweight, scales, group_size, wgmma=wgmma)
         and k == qweight.shape[1] * 8
         and block_expert.numel() <= MAX_BLOCKS
         and y.is_contiguous()
         and y.dtype == x.dtype
-        and y.shape[1] == qweight.shape[2]
+        and y.shape[1] == (n // 2 if gated else n)
         and block_expert.dtype == torch.int32
         and block_expert.is_contiguous()
         and (
@@ -285,7 +308,11 @@ def native_experts(  # noqa: PLR0917  # the experts' tensors, as W4A16Experts ho
         and (weights is None or (weights.dtype == torch.float32 and weights.is_contiguous()))
         and all(
             t.is_contiguous() and t.data_ptr() % align == 0
-            for t, align in ((qweight, 16), (scales, 8), (zeros, 4))
+            for t, align in (
+                (qweight, 16),
+                (scales, 16 if wgmma else 8),
+                (zeros, 16 if wgmma else 4),
+            )
         )
     )
     if not takes:
@@ -305,11 +332,12 @@ def native_experts(  # noqa: PLR0917  # the experts' tensors, as W4A16Experts ho
         block_expert.numel(),
         y.shape[0],
         row_div,
-        qweight.shape[2],
+        n,
         k,
         x.stride(0),
         x.dtype == torch.bfloat16,
         warps,
         torch.cuda.current_stream(x.device).cuda_stream,
+        gated,
     )
     return True
