@@ -21,8 +21,10 @@ each GEMM's input is quantized too (a launch) and the products run on fp8 tensor
 W4A16 experts (quant/w4a16_experts.py) are read as 4-bit words, made 16-bit weights in
 registers, the products on 16-bit tensor cores: on a GPU blocks of 8 or 16 rows by
 native/kernels/w4a16_experts.cu (kernels/w4a16_rows.py native_experts; gate|up's SiLU
-then a launch of its own), from W4_DEQUANT_ROWS rows by 16-bit slabs made from the words,
-else by the grouped GEMM (a dot per nibble's 16 inputs, or one per 128 inputs).
+then a launch of its own), on Hopper blocks of 64 by native/kernels/w4a16_wgmma.cu's
+experts entry (gate|up's SiLU in it); elsewhere from W4_DEQUANT_ROWS rows by 16-bit slabs
+made from the words, else by the grouped GEMM (a dot per nibble's 16 inputs, or one per
+128 inputs).
 """
 
 from __future__ import annotations
@@ -176,9 +178,9 @@ def grouped_gemm(
     row's) scale, BLOCK_K at most 128. `a_scale` (Fp8Experts only): a is e4m3 codes,
     a ~= codes * a_scale, a_scale [R, 1] (per token, for a scale a row) or [R, ceil(K /
     128)] (per 128-group, for blocks), as `fp8_input` makes them; out in the experts'
-    dtype. W4A16Experts: blocks of up to 16 rows through the native experts kernel
-    where it takes them (no `tiles`; 8-row blocks only so), else BLOCK_K 128 (a slice's
-    16 rows of words).
+    dtype. W4A16Experts: blocks of 8, 16 (and on Hopper 64) rows through the native
+    experts kernels where they take them (no `tiles`; 8-row blocks only so), else BLOCK_K
+    128 (a slice's 16 rows of words).
     """
     _, n, k = weight.shape
     if isinstance(weight, W4A16Experts):  # the words; the scales at FP8's, the zeros own

@@ -1,16 +1,17 @@
-"""The W4A16 product of a decode step's rows through lmd._native's CUDA kernels: 1-16
-rows by native/kernels/w4a16_rows.cu, 17-32 by native/kernels/w4a16_wide.cu, 33-64 on
-Hopper by native/kernels/w4a16_wgmma.cu; 4-bit experts' blocks of 8 or 16 sorted pairs
+"""The W4A16 product of a decode step's rows through lmd._native's CUDA kernels: 1-16 rows
+by native/kernels/w4a16_rows.cu, 17-32 by native/kernels/w4a16_wide.cu, 33-64 on Hopper
+by native/kernels/w4a16_wgmma.cu; 4-bit experts' blocks of 8 or 16 sorted pairs
 (kernels/moe.py's grouped GEMM at decode) by native/kernels/w4a16_experts.cu, the rows
-kernel's CTA for a block's pairs and expert. The first two run mma.sync on the tensor cores
-with the codes made into 16-bit operands two at a time in registers, 16-byte loads of
-the packed weights, the next block of K loaded while the current one is multiplied; the
-wide one shares x among a CTA's 128 columns through shared memory and splits K over
-CTAs, summed in split order by the last CTA of a span. The wgmma one makes the same
-operands in the registers of four warpgroups that run wgmma on them while a fifth copies
-the words and x into shared memory (its file says how), and splits K over CTAs all
-resident at once, a span's CTAs each adding a share of their sums once all have stored
-theirs.
+kernel's CTA for a block's pairs and expert, and on Hopper blocks of 64 by the wgmma
+kernel's experts entry (its CTA for a block's pairs and expert). The first two run
+mma.sync on the tensor cores with the codes made into 16-bit operands two at a time in
+registers, 16-byte loads of the packed weights, the next block of K loaded while the
+current one is multiplied; the wide one shares x among a CTA's 128 columns through
+shared memory and splits K over CTAs, summed in split order by the last CTA of a span.
+The wgmma one makes the same operands in the registers of four warpgroups that run wgmma
+on them while a fifth copies the words and x into shared memory (its file says how), and
+splits K over CTAs all resident at once, a span's CTAs each adding a share of their sums
+once all have stored theirs.
 
 They read the layout that kernels/w4a16.py's Triton tiles read (quant/w4a16.py), so
 they need no copy of the weights; they take 1-32 rows (1-64 on Hopper) of bf16 or fp16,
