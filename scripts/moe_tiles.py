@@ -67,6 +67,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument(
         "--no-wgmma", action="store_true", help="w4a16_rows.WGMMA_EXPERTS off (64-row blocks)"
     )
+    parser.add_argument("--wgmma-past", type=int, default=-1, help="moe_align.WGMMA_PAST")
     parser.add_argument("--profile", action="store_true", help="fused_moe's kernels, eager")
     parser.add_argument("--dequant-rows", type=int, default=0, help="moe.W4_DEQUANT_ROWS")
     return parser.parse_args()
@@ -76,6 +77,8 @@ def main() -> None:
     args = parse()
     w4a16_rows.EXPERTS = not args.no_native
     w4a16_rows.WGMMA_EXPERTS = not args.no_wgmma
+    if args.wgmma_past >= 0:
+        moe_align.WGMMA_PAST = args.wgmma_past
     moe.W4_DEQUANT_ROWS = args.dequant_rows or moe.W4_DEQUANT_ROWS
     moe.FP8_CODES_ROWS = args.codes_rows or moe.FP8_CODES_ROWS
     if args.w4_rows >= 0:

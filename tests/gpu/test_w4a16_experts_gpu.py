@@ -221,6 +221,7 @@ def test_the_blocks_the_native_kernels_take() -> None:
     assert moe_align.block_rows(8 * 32, 128, native=native) == 8  # 2 pairs an expert
     assert moe_align.block_rows(8 * 64, 128, native=native) == 16  # 4: some would take 2 blocks
     assert moe_align.block_rows(8 * 300, 128, native=native) == (64 if HOPPER else 32)
+    assert moe_align.block_rows(8 * 128, 128, native=native) == (64 if HOPPER else 16)  # 8
     assert moe_align.native_blocks(h.float(), gate_up, down) == ()
     odd = torch.randn(1, 2050, device="cuda").to(torch.bfloat16)[:, 1:2049]  # 2-byte aligned
     assert moe_align.native_blocks(odd, gate_up, down) == ()

@@ -186,7 +186,8 @@ def test_blocks_of_eight_rows_are_the_native_kernels_alone() -> None:
     assert moe_align.block_rows(8 * 64, 128, native=(8, 16)) == 16
     assert moe_align.block_rows(8 * 300, 128, native=(8, 16)) == 32
     assert moe_align.block_rows(8 * 4096, 128, native=(8, 16)) == 128
-    assert moe_align.block_rows(8 * 256, 128, native=(8, 16, 64)) == 16  # 16 pairs an expert
+    assert moe_align.block_rows(8 * 64, 128, native=(8, 16, 64)) == 16  # 4 pairs an expert
+    assert moe_align.block_rows(8 * 80, 128, native=(8, 16, 64)) == 64  # 5
     assert moe_align.block_rows(8 * 300, 128, native=(8, 16, 64)) == 64
     assert moe_align.block_rows(8 * 4096, 128, native=(8, 16, 64)) == 64
     gate_up = on_device(four_bit((4, 2 * INTER, HIDDEN), 128, torch.float16, 1))

@@ -25,6 +25,11 @@ from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
 # with more than 8 pairs reads its weights once a block. At 1 / 8 / 16 / 32 tokens of
 # Qwen3-30B-A3B (H200): 13.0 / 56.5 / 84.2 / 120.8 us against 19.5 / 96.3 / 146.4 / 212.3.
 EIGHT_ROWS_UP_TO = 2
+# 64-row blocks (the wgmma kernel's, Hopper) past this many pairs an expert on average,
+# where 16-row ones took longer: at 64 / 96 / 128 / 192 / 256 tokens of Qwen3-30B-A3B
+# (4-16 pairs an expert; H200, a layer's fused_moe) 218 / 224 / 225 / 231 / 234 us against
+# 220 / 228 / 234 / 263 / 322 (scripts/moe_tiles.py --wgmma-past).
+WGMMA_PAST = 4
 
 
 def block_rows(num_pairs: int, num_experts: int, *, native: tuple[int, ...] = ()) -> int:
@@ -32,16 +37,14 @@ def block_rows(num_pairs: int, num_experts: int, *, native: tuple[int, ...] = ()
     (tl.dot's least) and at most 128; a decode step's few rows per expert waste less
     padding with small blocks, a prefill's many use the tensor cores better with big.
     `native`: the blocks the native W4A16 experts kernels take (native_blocks): 8 rows up
-    to EIGHT_ROWS_UP_TO pairs an expert, and 64 (the wgmma kernel's) past 16."""
+    to EIGHT_ROWS_UP_TO pairs an expert, and 64 (the wgmma kernel's) past WGMMA_PAST."""
     per_expert = num_pairs / num_experts
     if 8 in native and per_expert <= EIGHT_ROWS_UP_TO:
         return 8
-    if per_expert <= 16:
-        return 16
-    if WGMMA_EXPERTS_ROWS in native:
+    if WGMMA_EXPERTS_ROWS in native and per_expert > WGMMA_PAST:
         return WGMMA_EXPERTS_ROWS
     if per_expert <= 48:
-        return 32
+        return 16 if per_expert <= 16 else 32
     return 64 if per_expert <= 128 else 128
 
 
