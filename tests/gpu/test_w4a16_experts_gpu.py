@@ -27,7 +27,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
-from lmd.engine.turbo.kernels import moe, moe_align, w4a16_rows
+from lmd.engine.turbo.kernels import Norm, moe, moe_align, moe_vector, rms_norm, w4a16_rows
 from lmd.engine.turbo.kernels.activation import silu_and_mul
 from lmd.engine.turbo.kernels.w4a16_rows import native_experts
 from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
@@ -228,6 +228,36 @@ def test_the_blocks_the_native_kernels_take() -> None:
     assert moe_align.block_rows(8, 128, native=moe_align.native_blocks(odd, gate_up, down)) == 16
     eight = torch.randn(1, 2052, device="cuda").to(torch.bfloat16)[:, 4:2052]  # 8-byte
     assert moe_align.native_blocks(eight, gate_up, down) == (8, 16)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_one_token_through_the_router_that_chooses(normalize: bool) -> None:
+    """moe_vector.experts_vector on 4-bit experts (the router's launch choosing the 8
+    experts, then the native kernel a block a pair, in a CUDA graph): what rms_norm and
+    fused_moe give, within bf16 rounding (the sum over k in another order), and the
+    residual stream's sum written."""
+    gate_up, down, router = qwen3_moe_experts(21)
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    hidden, residual = (torch.randn(1, 2048, device="cuda", generator=gen) for _ in range(2))
+    hidden, residual = hidden.to(torch.bfloat16), residual.to(torch.bfloat16)
+    weight = (1 + 0.2 * torch.randn(2048, device="cuda", generator=gen)).to(torch.bfloat16)
+    assert 8 in moe_align.native_blocks(hidden, gate_up, down)
+    summed = torch.empty_like(residual)
+    count = torch.zeros(1, dtype=torch.int32, device="cuda")
+    call = partial(moe_vector.experts_vector, hidden, Norm(weight, 1e-6, residual, summed),
+                   router, gate_up, down, top_k=8, normalize=normalize, count=count)  # fmt: skip
+    call()  # warm: Triton compiles outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert count.item() == 0
+    assert torch.equal(summed, (hidden.float() + residual.float()).to(torch.bfloat16))
+    h = rms_norm(hidden, weight, 1e-6, residual.clone())
+    ref = moe.fused_moe(h, router, gate_up, down, top_k=8, normalize=normalize, float_out=True)
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= 2.0**-6 * ref.float().abs().max().item(), err
 
 
 @pytest.mark.parametrize("num_tokens", [4, 300])

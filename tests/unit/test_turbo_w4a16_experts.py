@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 
 from lmd.engine.turbo.backend import TurboBackend
 from lmd.engine.turbo.config import TurboConfig
-from lmd.engine.turbo.kernels import moe, moe_align, w4a16_rows
+from lmd.engine.turbo.kernels import Norm, moe, moe_align, moe_vector, w4a16_rows
 from lmd.engine.turbo.kernels.w4a16_dense import dequantize_experts
 from lmd.engine.turbo.quant.scheme import QuantScheme, four_bit_experts
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
@@ -219,3 +219,17 @@ def test_large_blocks_multiply_dequantized_slabs(
     slab = dequantize_experts(down.qweight, down.scales, down.zeros, 128, lo=1, hi=3)
     expected = down.dequantize()[1:3].to(DTYPE)  # [2, HIDDEN, INTER]
     assert slab.dtype == DTYPE and torch.equal(slab.cpu(), expected.cpu())
+
+
+def test_one_token_takes_both_layers_4_bit_or_neither() -> None:
+    """moe_vector.experts_vector's 4-bit branch (the router's launch, then the native
+    kernel: tests/gpu/test_w4a16_experts_gpu.py) refuses one layer 4-bit and one not."""
+    gate_up = on_device(four_bit((4, 2 * INTER, HIDDEN), 128, DTYPE, 7))
+    down = torch.randn(4, HIDDEN, INTER, dtype=DTYPE, device=DEVICE)
+    hidden = torch.randn(1, HIDDEN, dtype=DTYPE, device=DEVICE)
+    norm = Norm(torch.ones(HIDDEN, dtype=DTYPE, device=DEVICE), 1e-6)
+    router = torch.randn(4, HIDDEN, dtype=DTYPE, device=DEVICE)
+    count = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="both layers of experts 4-bit or neither"):
+        moe_vector.experts_vector(hidden, norm, router, gate_up, down, top_k=2, normalize=True,
+                                  count=count)  # fmt: skip

@@ -228,8 +228,10 @@ class TurboModel:
         the residual stream after the add)."""
         if layer.experts is not None and self.config.moe is not None:
             x, moe, eps = layer.experts, self.config.moe, self.config.rms_norm_eps
-            four_bit = isinstance(x.gate_up, W4A16Experts)  # moe.py's path, even at one token
-            if self.vector_experts and self._vector(hidden) and not four_bit:
+            # 4-bit experts at one token: where the native experts kernel takes them
+            four_bit = isinstance(x.gate_up, W4A16Experts)
+            native = not four_bit or 8 in kernels.native_blocks(hidden, x.gate_up, x.down)
+            if self.vector_experts and self._vector(hidden) and native:
                 summed = torch.empty_like(residual)
                 out = kernels.experts_vector(
                     hidden,

@@ -16,6 +16,7 @@ from lmd.engine.turbo.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from lmd.engine.turbo.kernels.gemv import gemv
 from lmd.engine.turbo.kernels.kv_quant import scales_of
 from lmd.engine.turbo.kernels.moe import fused_moe
+from lmd.engine.turbo.kernels.moe_align import native_blocks
 from lmd.engine.turbo.kernels.moe_vector import experts_vector
 from lmd.engine.turbo.kernels.norm import gather_columns, rms_norm, rms_norm_fp8
 from lmd.engine.turbo.kernels.prefill_attention import prefill_attention
@@ -35,6 +36,7 @@ __all__ = [
     "gather_columns",
     "gemv",
     "interpreting",
+    "native_blocks",
     "plain_tiles",
     "prefill_attention",
     "rms_norm",

@@ -17,16 +17,25 @@ tl.dot's 16 rows, SiLU, the sum over k, and the norm before it: 10 launches) giv
 same values up to the order of float32 sums: each expert's product is scaled by its
 weight and rounded to the activations' dtype before the k of them are added in float32
 and rounded once, as there.
+
+4-bit experts (W4A16Experts) take launch 1 as it is, then the RMSNorm of its sum and
+moe.py's grouped GEMMs on the chosen experts, a block a pair without a layout (the native
+W4A16 experts kernel: gate|up, SiLU, down times the weights), and the sum over k: six
+launches where moe.py's path takes seven, its router GEMM and top-k kernel one.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from lmd.engine.turbo.kernels import moe
 from lmd.engine.turbo.kernels.common import expert_scales
+from lmd.engine.turbo.kernels.norm import rms_norm
 from lmd.engine.turbo.kernels.vector_gemv import Norm, Route, vector_gemv
 from lmd.engine.turbo.quant.fp8_experts import Fp8Experts, kernel_operands
 from lmd.engine.turbo.quant.load import Experts
@@ -147,9 +156,10 @@ def experts_vector(
     [E, H]; gate_up: [E, 2I, H] (gate | up); down: [E, H, I] (16-bit, or both FP8); the
     activation SiLU.
     count: [1] int32 at 0, the router's launch's counter (vector_gemv's `Route`).
-    4-bit experts take kernels/moe.py's path (no kernel here reads their words)."""
-    if isinstance(gate_up, W4A16Experts) or isinstance(down, W4A16Experts):
-        raise ValueError("experts_vector takes 16-bit or FP8 experts, not 4-bit")
+    4-bit experts (both layers) go to the native W4A16 experts kernel after the router
+    (the module docstring), which must take them (moe_align.native_blocks has 8)."""
+    if isinstance(gate_up, W4A16Experts) != isinstance(down, W4A16Experts):
+        raise ValueError("experts_vector takes both layers of experts 4-bit or neither")
     device = hidden.device
     route = Route(
         count,
@@ -160,5 +170,11 @@ def experts_vector(
     vector_gemv(hidden, router, norm=norm, out_dtype=torch.float32, route=route)  # [1, E]
     if norm.summed is not None:  # the experts' input: the stream after the add, normed
         hidden, norm = norm.summed, Norm(norm.weight, norm.eps)
+    if isinstance(gate_up, W4A16Experts) or isinstance(down, W4A16Experts):  # a block a pair
+        layout = partial(moe.grouped_gemm, sorted_pairs=None, block_expert=route.experts,
+                         num_pairs=top_k, block_m=8)  # fmt: skip
+        act = layout(rms_norm(hidden, norm.weight, norm.eps), gate_up, a_row_div=top_k,
+                     gated=True)  # fmt: skip
+        return layout(act, down, a_row_div=1, scale=route.weights).sum(dim=0, keepdim=True)
     act = vector_gemv(hidden, gate_up, norm=norm, activation="silu", experts=route.experts)
     return mix_down(act, down, route.experts, route.weights)
