@@ -297,10 +297,10 @@ class Supervisor:
         self._finished.set()
 
     def _drained(self) -> bool:
-        """Every live worker reported, since the drain began, that it holds nothing."""
-        return all(
-            c.last_seen > self._drain_started and c.inflight == 0 for c in self.live_children
-        )
+        """Every running worker reported, since the drain began, that it holds nothing (one
+        still starting, e.g. loading its model, was given no request and is not waited for)."""
+        running = (c for c in self.live_children if c.state == WorkerState.RUNNING)
+        return all(c.last_seen > self._drain_started and c.inflight == 0 for c in running)
 
     # Operations (the control API, control.py, calls these) ---------------------------
 

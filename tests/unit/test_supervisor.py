@@ -6,6 +6,7 @@ The router is a fake that records what would go to each worker.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from lmd import protocol
 from lmd.config_loader import ConfigSource
 from lmd.supervisor.control import build_control_app
 from lmd.supervisor.errors import BadConfig
-from lmd.supervisor.states import DaemonState
+from lmd.supervisor.states import DaemonState, WorkerState
 from lmd.supervisor.supervisor import Supervisor
 
 NO_DEFAULT_FILE = Path("/nonexistent/lmd.toml")
@@ -83,3 +84,20 @@ async def test_a_good_file_applies_live_keys_everywhere(tmp_path: Path) -> None:
     sent = sup.router.sent  # type: ignore[attr-defined]
     assert sorted(name for name, _ in sent) == sorted(sup.children)
     assert all(msg == protocol.Reconfigure({"max_request_bytes": 2048}) for _, msg in sent)
+
+
+def test_the_drain_waits_for_running_workers_alone(tmp_path: Path) -> None:
+    """A stop during start-up: workers still starting (loading their models, silent) hold
+    no request, so the drain is over at once for them; a running worker holds it until
+    it reports, since the drain began, that it holds nothing."""
+    sup, _ = running_supervisor(tmp_path)
+    sup._drain_started = time.monotonic()
+    assert all(c.state == WorkerState.STARTING for c in sup.children.values())
+    assert sup._drained()
+    first = next(iter(sup.children.values()))
+    first.set_state(WorkerState.RUNNING)
+    assert not sup._drained()  # not heard from since the drain began
+    first.heard(protocol.Heartbeat(first.name, inflight=2, num_dropped=0, stats={}))
+    assert not sup._drained()
+    first.heard(protocol.Heartbeat(first.name, inflight=0, num_dropped=0, stats={}))
+    assert sup._drained()
