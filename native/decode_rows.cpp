@@ -243,12 +243,12 @@ std::string w4a16_experts_check(const W4a16ExpertsArgs& a, int rows, int blocks,
   if (!a.pairs && blocks != a.num_pairs) {
     return "w4a16_experts: without sorted pairs, a block a pair (blocks == num_pairs)";
   }
-  // w4a16_rows' loads (x, scales and zeros copied 16 bytes at a time by the wgmma kernel),
-  // and 4-byte pair ids (or none), experts and routing weights.
-  const int w = wgmma ? 2 : 1;
-  if (!a.x || !a.q || !a.s || !a.z || !a.experts || !a.y || a.x % (8 * w) ||
-      a.x_stride % (4 * w) || a.q % 16 || a.s % (8 * w) || a.z % (4 * w * w) || a.pairs % 4 ||
-      a.experts % 4 || a.weights % 4 || a.y % (2 * w)) {
+  // w4a16_rows' loads (the wgmma kernel copies x, scales and zeros 16 bytes at a time and
+  // stores y 4), and 4-byte pair ids (or none), experts and routing weights.
+  const int x_align = wgmma ? 16 : 8, s_align = wgmma ? 16 : 8, z_align = wgmma ? 16 : 4;
+  if (!a.x || !a.q || !a.s || !a.z || !a.experts || !a.y || a.x % x_align ||
+      a.x_stride % (x_align / 2) || a.q % 16 || a.s % s_align || a.z % z_align || a.pairs % 4 ||
+      a.experts % 4 || a.weights % 4 || a.y % (wgmma ? 4 : 2)) {
     return "w4a16_experts: a null or misaligned address";
   }
   return "";

@@ -268,7 +268,7 @@ def test_cpu_experts_stay_with_the_triton_kernel() -> None:
     experts = W4A16Experts.quantize(torch.randn(2, 64, 256), 128)
     x = torch.randn(3, 256)
     parts = (experts.qweight, experts.scales, experts.zeros, 128)
-    assert not w4a16_rows.experts_take(x, experts.qweight, experts.scales, 128)
+    assert w4a16_rows.experts_blocks(x, experts.qweight, experts.scales, 128) == ()
     y = torch.zeros(6, 64)
     pairs, blocks = torch.zeros(16, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     assert not w4a16_rows.native_experts(x, *parts, pairs, blocks, y, row_div=2, block_m=16)

@@ -228,10 +228,11 @@ class TurboModel:
         the residual stream after the add)."""
         if layer.experts is not None and self.config.moe is not None:
             x, moe, eps = layer.experts, self.config.moe, self.config.rms_norm_eps
-            # 4-bit experts at one token: where the native experts kernel takes them
-            four_bit = isinstance(x.gate_up, W4A16Experts)
-            native = not four_bit or 8 in kernels.native_blocks(hidden, x.gate_up, x.down)
-            if self.vector_experts and self._vector(hidden) and native:
+            vector = self.vector_experts and self._vector(hidden)  # 4-bit: where native
+            if vector and (
+                not isinstance(x.gate_up, W4A16Experts)
+                or 8 in kernels.native_blocks(hidden, x.gate_up, x.down)
+            ):
                 summed = torch.empty_like(residual)
                 out = kernels.experts_vector(
                     hidden,

@@ -355,11 +355,25 @@ def fused_moe(
     """h: [T, hidden]; router: [E, hidden]; gate_up: [E, 2 I, hidden]; down:
     [E, hidden, I] (16-bit as h, FP8 or W4A16) -> [T, hidden] in h's dtype. `float_out`:
     torch.mm can take the router's product straight to float32 (route)."""
-    num_tokens, hidden = h.shape
-    num_experts = router.shape[0]
-    if num_tokens == 0:
+    if h.shape[0] == 0:
         return torch.empty_like(h)
     weights, experts = route(h, router, top_k, normalize, float_out=float_out)
+    return routed_moe(h, weights, experts, gate_up, down, num_experts=router.shape[0])
+
+
+def routed_moe(
+    h: Tensor,
+    weights: Tensor,
+    experts: Tensor,
+    gate_up: Experts,
+    down: Experts,
+    *,
+    num_experts: int,
+) -> Tensor:
+    """fused_moe after its router: h [T, hidden] through its chosen experts [T, k] int32,
+    each product times its weight [T, k] float32, summed over k -> [T, hidden]."""
+    num_tokens, hidden = h.shape
+    top_k = experts.shape[1]
     num_pairs = num_tokens * top_k
     block_m = block_rows(num_pairs, num_experts, native=native_blocks(h, gate_up, down))
     if num_tokens == 1 and block_m == 8:  # a block a pair, its experts distinct: no layout

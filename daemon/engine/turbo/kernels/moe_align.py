@@ -12,11 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lmd.engine.turbo.kernels.w4a16_rows import (
-    EXPERTS_ROWS,
-    WGMMA_EXPERTS_ROWS,
-    experts_take,
-)
+from lmd.engine.turbo.kernels.w4a16_rows import WGMMA_EXPERTS_ROWS, experts_blocks
 from lmd.engine.turbo.quant.load import Experts
 from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
 
@@ -52,18 +48,10 @@ def native_blocks(h: Tensor, gate_up: Experts, down: Experts) -> tuple[int, ...]
     """The blocks of pairs (rows) the native W4A16 experts kernels take for both layers of
     experts with h as gate|up's input (kernels/w4a16_rows.py native_experts; down's, made
     by fused_moe, is contiguous): none unless both are 4-bit."""
-    both = (gate_up, down)
-    if not all(
-        isinstance(w, W4A16Experts) and experts_take(h, w.qweight, w.scales, w.group_size)
-        for w in both
-    ):
+    if not isinstance(gate_up, W4A16Experts) or not isinstance(down, W4A16Experts):
         return ()
-    wgmma = all(
-        isinstance(w, W4A16Experts)
-        and experts_take(h, w.qweight, w.scales, w.group_size, wgmma=True)
-        for w in both
-    )
-    return (*EXPERTS_ROWS, WGMMA_EXPERTS_ROWS) if wgmma else EXPERTS_ROWS
+    first, second = (experts_blocks(h, w.qweight, w.scales, w.group_size) for w in (gate_up, down))
+    return tuple(rows for rows in first if rows in second)
 
 
 @triton.jit

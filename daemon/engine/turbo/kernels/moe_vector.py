@@ -19,14 +19,12 @@ weight and rounded to the activations' dtype before the k of them are added in f
 and rounded once, as there.
 
 4-bit experts (W4A16Experts) take launch 1 as it is, then the RMSNorm of its sum and
-moe.py's grouped GEMMs on the chosen experts, a block a pair without a layout (the native
-W4A16 experts kernel: gate|up, SiLU, down times the weights), and the sum over k: six
-launches where moe.py's path takes seven, its router GEMM and top-k kernel one.
+moe.py's path after its router (routed_moe: a block a pair without a layout through the
+native W4A16 experts kernel, gate|up, SiLU, down times the weights, and the sum over k):
+six launches where fused_moe takes seven, its router GEMM and top-k kernel one.
 """
 
 from __future__ import annotations
-
-from functools import partial
 
 import torch
 import triton
@@ -156,8 +154,8 @@ def experts_vector(
     [E, H]; gate_up: [E, 2I, H] (gate | up); down: [E, H, I] (16-bit, or both FP8); the
     activation SiLU.
     count: [1] int32 at 0, the router's launch's counter (vector_gemv's `Route`).
-    4-bit experts (both layers) go to the native W4A16 experts kernel after the router
-    (the module docstring), which must take them (moe_align.native_blocks has 8)."""
+    4-bit experts (both layers) go to moe.routed_moe after the router (the module
+    docstring)."""
     if isinstance(gate_up, W4A16Experts) != isinstance(down, W4A16Experts):
         raise ValueError("experts_vector takes both layers of experts 4-bit or neither")
     device = hidden.device
@@ -170,11 +168,9 @@ def experts_vector(
     vector_gemv(hidden, router, norm=norm, out_dtype=torch.float32, route=route)  # [1, E]
     if norm.summed is not None:  # the experts' input: the stream after the add, normed
         hidden, norm = norm.summed, Norm(norm.weight, norm.eps)
-    if isinstance(gate_up, W4A16Experts) or isinstance(down, W4A16Experts):  # a block a pair
-        layout = partial(moe.grouped_gemm, sorted_pairs=None, block_expert=route.experts,
-                         num_pairs=top_k, block_m=8)  # fmt: skip
-        act = layout(rms_norm(hidden, norm.weight, norm.eps), gate_up, a_row_div=top_k,
-                     gated=True)  # fmt: skip
-        return layout(act, down, a_row_div=1, scale=route.weights).sum(dim=0, keepdim=True)
+    if isinstance(gate_up, W4A16Experts) or isinstance(down, W4A16Experts):
+        h = rms_norm(hidden, norm.weight, norm.eps)
+        chosen = (route.weights.view(1, top_k), route.experts.view(1, top_k))
+        return moe.routed_moe(h, *chosen, gate_up, down, num_experts=router.shape[0])
     act = vector_gemv(hidden, gate_up, norm=norm, activation="silu", experts=route.experts)
     return mix_down(act, down, route.experts, route.weights)

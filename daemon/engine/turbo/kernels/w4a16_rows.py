@@ -225,12 +225,11 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
     return True
 
 
-def experts_take(
-    x: Tensor, qweight: Tensor, scales: Tensor, group_size: int, *, wgmma: bool = False
-) -> bool:
-    """Does native_experts take x (its dtype, device where the kernels load, strides and
-    alignment) against 4-bit experts of these words, scales and groups, whatever the
-    blocks' layout, in blocks of 8 or 16 pairs (`wgmma`: of 64, on Hopper)?"""
+def experts_blocks(x: Tensor, qweight: Tensor, scales: Tensor, group_size: int) -> tuple[int, ...]:
+    """The blocks of pairs (rows) in which native_experts takes x (its dtype, device where
+    the kernels load, strides and alignment) against 4-bit experts of these words, scales
+    and groups, whatever the blocks' layout: EXPERTS_ROWS, and WGMMA_EXPERTS_ROWS too on
+    Hopper; () for none."""
     takes = (
         EXPERTS
         and x.is_cuda
@@ -244,16 +243,17 @@ def experts_take(
         and qweight.shape[1] * 8 % GROUP == 0
         and ready(x.device)
     )
-    if not (takes and wgmma):
-        return takes
+    if not takes:
+        return ()
     # The wgmma kernel copies x, the scales and the zeros 16 bytes at a time.
-    return (
+    wgmma = (
         WGMMA_EXPERTS
         and x.stride(0) % 8 == 0
         and x.data_ptr() % 16 == 0
         and scales.data_ptr() % 16 == 0
         and _wgmma.ready(device_index(x.device))
     )
+    return NATIVE_EXPERTS_ROWS if wgmma else EXPERTS_ROWS
 
 
 def native_experts(  # noqa: PLR0917  # the experts' tensors, as W4A16Experts holds them
@@ -288,10 +288,9 @@ def native_experts(  # noqa: PLR0917  # the experts' tensors, as W4A16Experts ho
         warps = EXPERT_WARPS if EXPERT_WARPS is not None else next(by_pairs, 1)
     warps = min(warps, k // GROUP)
     takes = (
-        block_m in NATIVE_EXPERTS_ROWS
+        block_m in experts_blocks(x, qweight, scales, group_size)
         and (not wgmma or sorted_pairs is not None)
         and (not gated or (wgmma and n % 64 == 0 and weights is None))
-        and experts_take(x, qweight, scales, group_size, wgmma=wgmma)
         and k == qweight.shape[1] * 8
         and block_expert.numel() <= MAX_BLOCKS
         and y.is_contiguous()
