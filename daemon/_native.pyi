@@ -71,7 +71,7 @@ def w4a16_experts(
     gated: bool = False,
 ) -> None:
     """y[p] = x[p / row_div] W_e^T (* weights[p]) for blocks of 8 or 16 pairs sorted by
-    expert (64 on Hopper, then also gated: silu(gate) * up), on the tensor cores, enqueued
+    expert (64 on Hopper; gated: silu(gate) * up), on the tensor cores, enqueued
     on a CUstream."""
 
 def w4a16_wide(

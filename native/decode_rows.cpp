@@ -233,11 +233,11 @@ std::string w4a16_experts_check(const W4a16ExpertsArgs& a, int rows, int blocks,
            "of 128, x_stride >= k, num_pairs and row_div >= 1";
   }
   const bool wgmma = rows == kW4a16WgmmaMaxRows;  // that kernel's CTAs, its 16-byte copies
-  if (wgmma && (warps != 0 || !a.pairs || (a.gated && (a.n % 64 || a.weights)))) {
-    return "w4a16_experts: 64 rows take sorted pairs and warps 0; gated no weights and n a "
-           "multiple of 64";
+  if (wgmma && (warps != 0 || !a.pairs))
+    return "w4a16_experts: 64 rows take sorted pairs and warps 0";
+  if (a.gated && (a.n % 64 || a.weights)) {
+    return "w4a16_experts: gated takes no weights and n a multiple of 64";
   }
-  if (!wgmma && a.gated) return "w4a16_experts: gated takes 64-row blocks";
   const std::string warps_error = wgmma ? "" : rows_warps_error("w4a16_experts", rows, warps);
   if (!warps_error.empty()) return warps_error;
   if (!a.pairs && blocks != a.num_pairs) {

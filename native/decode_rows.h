@@ -37,7 +37,7 @@ inline int w4a16_rows_max_warps(int m) { return m <= 8 ? 16 : 8; }
 struct W4a16ExpertsArgs {
   std::uint64_t x, q, s, z, pairs, experts, weights, y;  // addresses; weights 0 for none
   std::int32_t n, k, x_stride, num_pairs, row_div;
-  std::int32_t gated;  // 64-row blocks only: y = silu(x gate^T) * (x up^T)
+  std::int32_t gated;  // y [num_pairs, n / 2] = silu(x gate^T) * (x up^T), W = gate | up
 };
 static_assert(sizeof(W4a16ExpertsArgs) == 88, "must match W4a16Experts in w4a16_ops.cuh");
 

@@ -204,10 +204,11 @@ PYBIND11_MODULE(_native, m) {
       "experts [blocks] int32 (-1: none), x (row stride x_stride) and y [num_pairs, n] in\n"
       "bf16 (or fp16), qweight [E, k / 8, n] int32, scales [E, k / 128, n] in x's dtype,\n"
       "zeros [E, k / 128, n] uint8, weights [num_pairs] float32 or 0; n / 32 x blocks\n"
-      "CTAs of `warps` warps (1-16 for 8 rows, 1-8 for 16) splitting K. rows 64 (Hopper:\n"
+      "CTAs of `warps` warps (1-16 for 8 rows, 1-8 for 16) splitting K; rows 64 (Hopper:\n"
       "w4a16_wgmma.cu's experts entry, ceil(n / 256) x blocks CTAs; warps 0, sorted pairs,\n"
-      "x, scales and zeros 16-byte aligned, x_stride a multiple of 8) also takes gated:\n"
-      "W_e is gate | up and y [num_pairs, n / 2] = silu(x gate^T) * (x up^T), no weights.\n"
+      "x, scales and zeros 16-byte aligned, x_stride a multiple of 8). gated: W_e is\n"
+      "gate | up and y [num_pairs, n / 2] = silu(x gate^T) * (x up^T) (no weights, n a\n"
+      "multiple of 64).\n"
       "ValueError for bad arguments, RuntimeError as w4a16_rows.");
 
   m.def(

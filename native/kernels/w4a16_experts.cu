@@ -14,8 +14,10 @@
 // products summed in float32, each group's sum scaled once. What differs: x's rows are
 // the block's pairs' rows (padding rows read the block's first pair's row, always a real
 // one, and are not stored), the weights are the block's expert's, and the sums of row p
-// go to y's row p, times its routing weight when weights are given. Grid: N / 32 x the
-// blocks; a block of expert -1 (past the last expert's run) returns at once. Nothing is
+// go to y's row p, times its routing weight when weights are given. With `gated` (W_e
+// gate | up, no weights) a CTA's lanes 0-15 read 16 of gate's columns and lanes 16-31
+// up's for the same outputs, and y [P, N / 2] gets silu(gate) * up, each product rounded
+// to x's dtype first as silu_and_mul reads them. Grid: N / 32 x the blocks; a block of expert -1 (past the last expert's run) returns at once. Nothing is
 // synchronized with the host: decode steps capture it in their CUDA graphs.
 //
 // Not compiled by setup.py: its PTX (native/kernels/w4a16_experts.ptx) is embedded and
@@ -52,16 +54,33 @@ __device__ __forceinline__ void w4a16_experts(const W4a16Experts& a) {
     x_rows[nt] = a.x + static_cast<size_t>(row) * a.x_stride + 4 * t;
   }
   const size_t groups = static_cast<size_t>(expert) * (a.k / 128) * a.n;  // [K / 128, N] each
+  const uint32_t* q = a.q + 16 * groups;
+  const auto x_row = [&](int nt) { return x_rows[nt]; };
+  // Lane l's tile h holds columns 4 (l / 4) + 2h (d 0, 1) and 4 (l / 4) + 2h + 1 (d 2, 3).
+  const auto column = [](int l, int h, int d) { return 4 * (l >> 2) + 2 * h + d / 2; };
+  if (a.gated) {  // lanes 0-15: gate's 16 columns of 16 outputs; 16-31: up's, n / 2 on
+    const int half = a.n / 2;
+    rows_cta<kBf16, kTiles, 16>(
+        q, a.s + groups, a.z + groups, a.n, a.k, blockIdx.x * (kExpertColumns / 2), x_row, sums,
+        [&](int row, int l, int h, int d, float gate, float up) {
+          const int pair = pair_at(row);
+          if (pair >= a.num_pairs) return;
+          const float g = to_float<kBf16>(from_float<kBf16>(gate));  // each rounded first,
+          const float u = to_float<kBf16>(from_float<kBf16>(up));    // as silu_and_mul reads
+          const int out = blockIdx.x * (kExpertColumns / 2) + column(l, h, d);
+          a.y[static_cast<size_t>(pair) * half + out] = from_float<kBf16>(g / (1.0f + __expf(-g)) * u);
+        },
+        half - kExpertColumns / 2);
+    return;
+  }
   rows_cta<kBf16, kTiles>(
-      a.q + 16 * groups, a.s + groups, a.z + groups, a.n, a.k, blockIdx.x * kExpertColumns,
-      [&](int nt) { return x_rows[nt]; }, sums,
+      q, a.s + groups, a.z + groups, a.n, a.k, blockIdx.x * kExpertColumns, x_row, sums,
       [&](int row, int l, int h, int d, float v) {
         const int pair = pair_at(row);
         if (pair >= a.num_pairs) return;
         if (a.weights != nullptr) v *= a.weights[pair];
-        // Lane l's tile h holds columns 4 (l / 4) + 2h (d 0, 1) and 4 (l / 4) + 2h + 1 (d 2, 3).
-        const int column = blockIdx.x * kExpertColumns + 4 * (l >> 2) + 2 * h + d / 2;
-        a.y[static_cast<size_t>(pair) * a.n + column] = from_float<kBf16>(v);
+        a.y[static_cast<size_t>(pair) * a.n + blockIdx.x * kExpertColumns + column(l, h, d)] =
+            from_float<kBf16>(v);
       });
 }
 

@@ -48,7 +48,7 @@ struct W4a16Experts {
   const float* weights;    // [num_pairs] routing weights, or null
   uint16_t* y;             // [num_pairs, n] (n / 2 gated)
   int n, k, x_stride, num_pairs, row_div;
-  int gated;  // 64-row blocks only: y = silu(x gate^T) * (x up^T), W = gate | up
+  int gated;  // y [num_pairs, n / 2] = silu(x gate^T) * (x up^T), W = gate | up
 };
 
 namespace lmd_w4a16 {  // named: an anonymous one mangles in a hash of the path
@@ -257,29 +257,45 @@ __device__ __forceinline__ void over_blocks(int warp, int warps, int blocks, con
   }
 }
 
-// The warps' sums acc[nt][h][d] (mma output d of tile h for x tile nt) added in warp
-// order through shared memory `sums` ([warps][kTiles * 8][32] floats), each handed to
-// emit(row, lane, h, d, v) with its x row (row 8 nt + 2t + d % 2 of the CTA's rows).
-template <int kTiles, typename Emit>
-__device__ __forceinline__ void sum_warps(float* sums, const float (&acc)[kTiles][2][4],
-                                          const Emit& emit) {
+// The warps' sums acc[nt][h][d] (mma output d of tile h for x tile nt) into shared memory
+// `sums` ([warps][kTiles * 8][32] floats), for warp_sum once all have.
+template <int kTiles>
+__device__ __forceinline__ void stash_sums(float* sums, const float (&acc)[kTiles][2][4]) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const int warps = blockDim.x >> 5;
-  constexpr int kSums = kTiles * 8;
   const float* flat = &acc[0][0][0];
 #pragma unroll
-  for (int e = 0; e < kSums; ++e) sums[(warp * kSums + e) * 32 + lane] = flat[e];
+  for (int e = 0; e < kTiles * 8; ++e) sums[(warp * kTiles * 8 + e) * 32 + lane] = flat[e];
   __syncthreads();
-  for (int i = threadIdx.x; i < kSums * 32; i += blockDim.x) {
-    const int e = i / 32;
-    const int l = i % 32;
-    float v = 0.0f;
-    for (int w = 0; w < warps; ++w) v += sums[(w * kSums + e) * 32 + l];
-    const int nt = e / 8;
-    const int h = (e / 4) % 2;
-    const int d = e % 4;
-    emit(8 * nt + 2 * (l & 3) + (d & 1), l, h, d, v);
+}
+
+// Lane l's sum e over the CTA's warps, in warp order (kSums: kTiles * 8).
+template <int kSums>
+__device__ __forceinline__ float warp_sum(const float* sums, int e, int l) {
+  float v = 0.0f;
+  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) v += sums[(w * kSums + e) * 32 + l];
+  return v;
+}
+
+// The warps' sums added in warp order (stash_sums, warp_sum), each handed to
+// emit(row, lane, h, d, v) with its x row (row 8 nt + 2t + d % 2 of the CTA's rows, e =
+// 8 nt + 4 h + d); `kLanes` 16: lanes 0-15's only, emit(row, lane, h, d, v, v of lane +
+// 16) (a CTA whose lanes 16-31 hold up's columns for lanes 0-15's gate ones).
+template <int kTiles, int kLanes = 32, typename Emit>
+__device__ __forceinline__ void sum_warps(float* sums, const float (&acc)[kTiles][2][4],
+                                          const Emit& emit) {
+  constexpr int kSums = kTiles * 8;
+  stash_sums<kTiles>(sums, acc);
+  for (int i = threadIdx.x; i < kSums * kLanes; i += blockDim.x) {
+    const int e = i / kLanes;
+    const int l = i % kLanes;
+    const int row = 8 * (e / 8) + 2 * (l & 3) + (e & 1);
+    if constexpr (kLanes == 32) {
+      emit(row, l, (e / 4) % 2, e % 4, warp_sum<kSums>(sums, e, l));
+    } else {
+      emit(row, l, (e / 4) % 2, e % 4, warp_sum<kSums>(sums, e, l),
+           warp_sum<kSums>(sums, e, l + 16));
+    }
   }
 }
 
@@ -313,17 +329,18 @@ struct RowsBlock {
 // A rows kernel's CTA (w4a16_rows.cu, w4a16_experts.cu): 32 columns from col0 of W (words
 // q [k / 8, n], scales s and zeros z [k / 128, n]) by all of K, its warps taking every
 // warps-th block of 128 inputs, loading the next block while they multiply the current
-// one, their sums added in warp order (sum_warps: emit(row, lane, h, d, v)). x_row(nt)
-// is the lane's x row of tile nt (rows 8 nt + g), from its input 4t.
-template <bool kBf16, int kTiles, typename XRow, typename Emit>
+// one, their sums added in warp order (sum_warps<kTiles, kLanes>: emit(row, lane, h, d,
+// v...)). x_row(nt) is the lane's x row of tile nt (rows 8 nt + g), from its input 4t.
+// Lanes 16-31 read their columns `upper` further (gate | up: up's half for gate's 16).
+template <bool kBf16, int kTiles, int kLanes = 32, typename XRow, typename Emit>
 __device__ __forceinline__ void rows_cta(const uint32_t* q, const uint16_t* s, const uint8_t* z,
                                          int n, int k, int col0, const XRow& x_row,
-                                         float* sums, const Emit& emit) {
+                                         float* sums, const Emit& emit, int upper = 0) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int warps = blockDim.x >> 5;
   const int t = lane & 3;
-  const int col = col0 + 4 * (lane >> 2);
+  const int col = col0 + 4 * (lane >> 2) + (lane >= 16 ? upper : 0);
   // In registers, not immediates (see and_or); the loop keeps them.
   uint32_t mask = 0x000F000Fu;
   uint32_t magic = kBf16 ? 0x43004300u : 0x64006400u;
@@ -350,7 +367,7 @@ __device__ __forceinline__ void rows_cta(const uint32_t* q, const uint16_t* s, c
         const auto step_b = [&](int j, int nt, uint2 (&bx)[1]) { bx[0] = b.x[nt][j]; };
         multiply_steps<kBf16, kTiles, 1>(b.w, b.s, b.z, mask, magic, step_b, acc);
       });
-  sum_warps<kTiles>(sums, acc, emit);
+  sum_warps<kTiles, kLanes>(sums, acc, emit);
 }
 
 }  // namespace lmd_w4a16

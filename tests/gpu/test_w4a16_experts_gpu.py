@@ -126,17 +126,20 @@ def test_against_float64(dtype: torch.dtype, block_m: int, num_tokens: int, gate
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_m", [8, 16, 64])
 @pytest.mark.parametrize("num_tokens", [5, 300])
-def test_gate_up_with_its_silu_in_the_wgmma_kernel(dtype: torch.dtype, num_tokens: int) -> None:
-    """gated 64-row blocks: silu(gate) * up of each pair's two products, each rounded to
-    the dtype first, as the plain product and silu_and_mul make it (within a rounding:
-    the kernel's exp is __expf)."""
-    needs(64)
+def test_gate_up_with_its_silu_in_the_launch(
+    dtype: torch.dtype, block_m: int, num_tokens: int
+) -> None:
+    """gated blocks: silu(gate) * up of each pair's two products, each rounded to the
+    dtype first, as the plain product and silu_and_mul make it (within a rounding: the
+    kernels' exp is __expf)."""
+    needs(block_m)
     w = experts((16, 512, 512), dtype, seed=num_tokens)
-    _, *pairs = layout(num_tokens, 16, 4, 64)
+    _, *pairs = layout(num_tokens, 16, 4, block_m)
     x = torch.randn(num_tokens, 512, device="cuda").to(dtype)
-    plain = run(x, w, (pairs[0], pairs[1]), row_div=4, block_m=64)
-    y = run(x, w, (pairs[0], pairs[1]), row_div=4, block_m=64, gated=True)
+    plain = run(x, w, (pairs[0], pairs[1]), row_div=4, block_m=block_m)
+    y = run(x, w, (pairs[0], pairs[1]), row_div=4, block_m=block_m, gated=True)
     expected = silu_and_mul(plain).double()
     err = (y.double() - expected).abs()
     assert bool((err <= 2 * RTOL[dtype] * expected.abs() + ATOL).all()), err.max().item()
@@ -145,7 +148,8 @@ def test_gate_up_with_its_silu_in_the_wgmma_kernel(dtype: torch.dtype, num_token
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_one_token_a_block_a_pair(dtype: torch.dtype) -> None:
     """No sorted ids (fused_moe's one token): block p holds pair p alone, its expert
-    block_expert[p]; gate|up reads the token for each of its 8 pairs."""
+    block_expert[p]; gate|up reads the token for each of its 8 pairs, and gated gives
+    silu_and_mul of that."""
     w = experts((128, 1536, 2048), dtype, seed=11)
     chosen = torch.randperm(128, device="cuda")[:8].to(torch.int32)
     x = torch.randn(1, 2048, device="cuda").to(dtype)
@@ -154,6 +158,12 @@ def test_one_token_a_block_a_pair(dtype: torch.dtype) -> None:
                           block_m=8)  # fmt: skip
     torch.cuda.synchronize()
     assert_close(y, reference(x, w, chosen, 8), dtype)
+    act = torch.full((8, 768), float("nan"), dtype=dtype, device="cuda")
+    assert native_experts(x, w.qweight, w.scales, w.zeros, 128, None, chosen, act, row_div=8,
+                          block_m=8, gated=True)  # fmt: skip
+    expected = silu_and_mul(y).double()
+    err = (act.double() - expected).abs()
+    assert bool((err <= 2 * RTOL[dtype] * expected.abs() + ATOL).all()), err.max().item()
 
 
 @pytest.mark.parametrize("warps", [1, 2, 3, 4, 8])
@@ -277,8 +287,8 @@ def test_captured_in_a_cuda_graph(num_tokens: int) -> None:
 
 
 def test_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Groups of 64, float32, 32-row blocks, int64 pairs, gated 16-row blocks, gated with
-    routing weights, 64-row blocks without sorted pairs or (off Hopper) at all, and
+    """Groups of 64, float32, 32-row blocks, int64 pairs, gated with routing weights or
+    into a y of gate|up's width, 64-row blocks without sorted pairs or (off Hopper) at all, and
     EXPERTS off: False, y untouched; an 8-row block the Triton kernel cannot take is an
     error then."""
     w = experts((4, 128, 256), torch.bfloat16, seed=9)
@@ -298,8 +308,10 @@ def test_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None
     _, *rows64 = layout(3, 4, 2, 64)
     half = torch.zeros(6, 64, dtype=torch.bfloat16, device="cuda")  # a gated product's
     declined += [
-        native_experts(x, *parts, 128, pairs[0], pairs[1], half, row_div=2, block_m=16,
+        native_experts(x, *parts, 128, pairs[0], pairs[1], y, row_div=2, block_m=16,
                        gated=True),
+        native_experts(x, *parts, 128, pairs[0], pairs[1], half, row_div=2, block_m=16,
+                       weights=torch.ones(6, device="cuda"), gated=True),
         native_experts(x, *parts, 128, rows64[0], rows64[1], half, row_div=2, block_m=64,
                        weights=torch.ones(6, device="cuda"), gated=True),
         native_experts(x, *parts, 128, None, rows64[1], y, row_div=2, block_m=64),

@@ -220,12 +220,13 @@ def test_bad_experts_launches_are_refused_before_cuda(
     ("rows", "pairs", "n", "weights", "message"),
     [
         (64, 0, 128, 0, "64 rows take sorted pairs"),  # no sorted pairs
-        (64, 64, 96, 0, "gated no weights and n a multiple of 64"),
-        (64, 64, 128, 64, "gated no weights and n a multiple of 64"),
-        (16, 64, 128, 0, "gated takes 64-row blocks"),
+        (64, 64, 96, 0, "gated takes no weights and n a multiple of 64"),
+        (64, 64, 128, 64, "gated takes no weights and n a multiple of 64"),
+        (16, 64, 96, 0, "gated takes no weights and n a multiple of 64"),
+        (8, 0, 128, 64, "gated takes no weights and n a multiple of 64"),
     ],
 )
-def test_gated_experts_take_64_row_blocks(
+def test_gated_experts_take_no_weights_and_n_of_64s(
     rows: int, pairs: int, n: int, weights: int, message: str
 ) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):

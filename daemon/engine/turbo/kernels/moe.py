@@ -20,9 +20,9 @@ FP8 experts (quant/fp8_experts.py) are read as codes; past FP8_CODES_ROWS rows a
 each GEMM's input is quantized too (a launch) and the products run on fp8 tensor cores.
 W4A16 experts (quant/w4a16_experts.py) are read as 4-bit words, made 16-bit weights in
 registers, the products on 16-bit tensor cores: on a GPU blocks of 8 or 16 rows by
-native/kernels/w4a16_experts.cu (kernels/w4a16_rows.py native_experts; gate|up's SiLU
-then a launch of its own), on Hopper blocks of 64 by native/kernels/w4a16_wgmma.cu's
-experts entry (gate|up's SiLU in it); elsewhere from W4_DEQUANT_ROWS rows by 16-bit slabs
+native/kernels/w4a16_experts.cu (kernels/w4a16_rows.py native_experts), on Hopper blocks
+of 64 by native/kernels/w4a16_wgmma.cu's experts entry (gate|up's SiLU in the launch
+either way); elsewhere from W4_DEQUANT_ROWS rows by 16-bit slabs
 made from the words, else by the grouped GEMM (a dot per nibble's 16 inputs, or one per
 128 inputs).
 """
@@ -45,7 +45,6 @@ from lmd.engine.turbo.kernels.w4a16 import PACKED_NIBBLES, four_bit_slice
 from lmd.engine.turbo.kernels.w4a16_dense import SLAB_BYTES, dequantize_experts
 from lmd.engine.turbo.kernels.w4a16_rows import (
     NATIVE_EXPERTS_ROWS,
-    WGMMA_EXPERTS_ROWS,
     native_experts,
 )
 from lmd.engine.turbo.quant.fp8_experts import Fp8Experts, Operands, kernel_operands
@@ -200,7 +199,7 @@ def grouped_gemm(
     if out_dtype != a.dtype and a_scale is None:
         raise ValueError(f"grouped_gemm: a in {a.dtype} against experts in {out_dtype}")
     if w4 is not None and tiles is None and block_m in NATIVE_EXPERTS_ROWS:
-        fused = gated and block_m == WGMMA_EXPERTS_ROWS and n % 64 == 0  # its SiLU in it
+        fused = gated and n % 64 == 0  # the SiLU in the native kernel
         product = torch.empty(num_pairs, n // 2 if fused else n, dtype=out_dtype, device=a.device)
         if native_experts(a, w4.qweight, w4.scales, w4.zeros, w4.group_size, sorted_pairs,
                           block_expert, product, row_div=a_row_div, block_m=block_m,

@@ -277,8 +277,8 @@ def native_experts(  # noqa: PLR0917  # the experts' tensors, as W4A16Experts ho
     (kernels/moe_align.py's layout; y [P, N] contiguous, P its rows; no sorted pairs, 8
     rows: block p holds pair p alone), W_e the block's expert's: qweight [E, K / 8, N],
     scales and zeros [E, K / 128, N]; True once enqueued, False (y untouched) when the
-    kernel does not take it. `warps` overrides EXPERT_WARPS. `gated` (64 rows only): W_e
-    is gate | up and y [P, N / 2] = silu(x gate^T) * (x up^T), no weights."""
+    kernel does not take it. `warps` overrides EXPERT_WARPS. `gated`: W_e is gate | up
+    and y [P, N / 2] = silu(x gate^T) * (x up^T) (N a multiple of 64, no weights)."""
     k, n = x.shape[1], qweight.shape[2]
     wgmma = block_m == WGMMA_EXPERTS_ROWS
     if wgmma:
@@ -290,7 +290,7 @@ def native_experts(  # noqa: PLR0917  # the experts' tensors, as W4A16Experts ho
     takes = (
         block_m in experts_blocks(x, qweight, scales, group_size)
         and (not wgmma or sorted_pairs is not None)
-        and (not gated or (wgmma and n % 64 == 0 and weights is None))
+        and (not gated or (n % 64 == 0 and weights is None))
         and k == qweight.shape[1] * 8
         and block_expert.numel() <= MAX_BLOCKS
         and y.is_contiguous()
