@@ -17,8 +17,9 @@
 // go to y's row p, times its routing weight when weights are given. With `gated` (W_e
 // gate | up, no weights) a CTA's lanes 0-15 read 16 of gate's columns and lanes 16-31
 // up's for the same outputs, and y [P, N / 2] gets silu(gate) * up, each product rounded
-// to x's dtype first as silu_and_mul reads them. Grid: N / 32 x the blocks; a block of expert -1 (past the last expert's run) returns at once. Nothing is
-// synchronized with the host: decode steps capture it in their CUDA graphs.
+// to x's dtype first as silu_and_mul reads them. Grid: N / 32 x the blocks; a block of
+// expert -1 (past the last expert's run) returns at once. Nothing is synchronized with the
+// host: decode steps capture it in their CUDA graphs.
 //
 // Not compiled by setup.py: its PTX (native/kernels/w4a16_experts.ptx) is embedded and
 // JIT-compiled by the driver at run time (native/decode_rows.cpp). After editing, run
