@@ -6,7 +6,9 @@
 #   scripts/gpu-ab.sh [ROUNDS] -- COMMAND...
 # runs COMMAND ROUNDS times (default 1) on each side, new first, alternating; COMMAND's
 # output goes to stdout with a "== new" / "== base" line before each run, and it sees
-# $SIDE (new | base). lmd._native is built once and copied into the baseline.
+# $SIDE (new | base). lmd._native is built once and copied into the baseline, unless the
+# baseline has its own native code (to A/B a kernel's change):
+#   git archive REV daemon clients native setup.py pyproject.toml README.md | tar -x -C .baseline
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu-env.sh
@@ -15,7 +17,11 @@ rounds=1
 shift
 [[ -d .baseline/daemon ]] || { echo "no .baseline/daemon: see this script's header" >&2; exit 1; }
 python3 setup.py -q build_ext --inplace 2>&1 | tail -3
-cp daemon/_native*.so .baseline/daemon/
+if [[ -d .baseline/native ]]; then
+  (cd .baseline && python3 setup.py -q build_ext --inplace 2>&1 | tail -3)
+else
+  cp daemon/_native*.so .baseline/daemon/
+fi
 mkdir -p /tmp/pkgs-base && ln -sfn "$PWD/.baseline/daemon" /tmp/pkgs-base/lmd &&
   ln -sfn "$PWD/clients" /tmp/pkgs-base/lmd_client
 new_path=$PYTHONPATH
