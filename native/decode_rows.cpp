@@ -225,8 +225,8 @@ void launch_w4a16_rows(int ordinal, const W4a16RowsArgs& args, bool bf16, int wa
   launch_rows(l, l.kernels, args, bf16, warps, stream, "cuLaunchKernel(w4a16_rows)");
 }
 
-std::string w4a16_experts_check(const W4a16ExpertsArgs& a, int rows, int warps) {
-  if ((rows != 8 && rows != 16 && rows != kW4a16WgmmaMaxRows) || a.blocks < 1 || a.blocks > 65535 ||
+std::string w4a16_experts_check(const W4a16ExpertsArgs& a, int rows, int blocks, int warps) {
+  if ((rows != 8 && rows != 16 && rows != kW4a16WgmmaMaxRows) || blocks < 1 || blocks > 65535 ||
       a.n < 1 || a.n % kW4a16RowsColumns || a.k < 128 || a.k % 128 || a.x_stride < a.k ||
       a.num_pairs < 1 || a.row_div < 1) {
     return "w4a16_experts: rows must be 8, 16 or 64, blocks 1..65535, n a multiple of 32, k "
@@ -240,7 +240,7 @@ std::string w4a16_experts_check(const W4a16ExpertsArgs& a, int rows, int warps) 
   }
   const std::string warps_error = wgmma ? "" : rows_warps_error("w4a16_experts", rows, warps);
   if (!warps_error.empty()) return warps_error;
-  if (!a.pairs && a.blocks != a.num_pairs) {
+  if (!a.pairs && blocks != a.num_pairs) {
     return "w4a16_experts: without sorted pairs, a block a pair (blocks == num_pairs)";
   }
   // w4a16_rows' loads (the wgmma kernel copies x, scales and zeros 16 bytes at a time and
@@ -254,19 +254,19 @@ std::string w4a16_experts_check(const W4a16ExpertsArgs& a, int rows, int warps) 
   return "";
 }
 
-void launch_w4a16_experts(int ordinal, const W4a16ExpertsArgs& args, int rows, bool bf16,
-                          int warps, std::uintptr_t stream) {
-  const std::string wrong = w4a16_experts_check(args, rows, warps);
+void launch_w4a16_experts(int ordinal, const W4a16ExpertsArgs& args, int rows, int blocks,
+                          bool bf16, int warps, std::uintptr_t stream) {
+  const std::string wrong = w4a16_experts_check(args, rows, blocks, warps);
   if (!wrong.empty()) throw std::invalid_argument(wrong);
   const bool wgmma = rows == kW4a16WgmmaMaxRows;
   const Loaded& l = loaded_or_throw(ordinal, wgmma ? Kernels::kWgmma : Kernels::kW4a16);
   const int columns = wgmma ? kW4a16WgmmaColumns : kW4a16RowsColumns;
   const int threads = wgmma ? kW4a16WgmmaThreads : warps * 32;
   const int shared = wgmma ? kW4a16WgmmaSharedBytes : threads * rows * 4;  // the warps' sums
-  const int spans = (args.n + columns - 1) / columns;  // wgmma: a CTA an SM, tiles in turn
-  const unsigned x = wgmma ? std::min(spans * args.blocks, l.wgmma_ctas) : spans;
-  launch(l, wgmma ? l.wgmma_experts[bf16 ? 1 : 0] : l.experts[bf16 ? 1 : 0][rows / 16], args, x,
-         wgmma ? 1u : args.blocks, threads, shared, stream, "cuLaunchKernel(w4a16_experts)");
+  launch(l, wgmma ? l.wgmma_experts[bf16 ? 1 : 0] : l.experts[bf16 ? 1 : 0][rows / 16], args,
+         static_cast<unsigned>((args.n + columns - 1) / columns), static_cast<unsigned>(blocks),
+         static_cast<unsigned>(threads), static_cast<unsigned>(shared), stream,
+         "cuLaunchKernel(w4a16_experts)");
 }
 
 namespace {

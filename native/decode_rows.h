@@ -37,25 +37,23 @@ inline int w4a16_rows_max_warps(int m) { return m <= 8 ? 16 : 8; }
 struct W4a16ExpertsArgs {
   std::uint64_t x, q, s, z, pairs, experts, weights, y;  // addresses; weights 0 for none
   std::int32_t n, k, x_stride, num_pairs, row_div;
-  std::int32_t gated;   // y [num_pairs, n / 2] = silu(x gate^T) * (x up^T), W = gate | up
-  std::int32_t blocks;  // of pairs
+  std::int32_t gated;  // y [num_pairs, n / 2] = silu(x gate^T) * (x up^T), W = gate | up
 };
-static_assert(sizeof(W4a16ExpertsArgs) == 96, "must match W4a16Experts in w4a16_ops.cuh");
+static_assert(sizeof(W4a16ExpertsArgs) == 88, "must match W4a16Experts in w4a16_ops.cuh");
 
 // What is wrong with an experts launch's arguments, or "": `rows` a block's (8 or 16; 64
-// on Hopper), `warps` a CTA's (as w4a16_rows_max_warps(rows); 0 for 64 rows, whose CTAs
-// are the wgmma kernel's).
-std::string w4a16_experts_check(const W4a16ExpertsArgs& args, int rows, int warps);
+// on Hopper), `blocks` the grid's blocks of pairs, `warps` a CTA's (as
+// w4a16_rows_max_warps(rows); 0 for 64 rows, whose CTAs are the wgmma kernel's).
+std::string w4a16_experts_check(const W4a16ExpertsArgs& args, int rows, int blocks, int warps);
 
-// Enqueues y[p] = x[p / row_div] W_e^T (* weights[p]) for the pairs p of args.blocks blocks
-// of `rows` pairs sorted by expert (pairs [blocks * rows] int32, num_pairs for padding, or
-// 0: block b holds pair b alone; experts [blocks] int32, -1 for none, only past the last
-// expert's blocks) on `stream`: N / 32 x blocks CTAs of `warps` warps (64 rows: the wgmma
-// kernel's, one a multiprocessor, each taking the blocks' 256-column tiles in turn), the
-// experts' qweight [E, k / 8, n], scales and zeros [E, k / 128, n]. Throws as
+// Enqueues y[p] = x[p / row_div] W_e^T (* weights[p]) for the pairs p of `blocks` blocks of
+// `rows` pairs sorted by expert (pairs [blocks * rows] int32, num_pairs for padding, or 0:
+// block b holds pair b alone; experts [blocks] int32, -1 for none) on `stream`: N / 32 x
+// blocks CTAs of `warps` warps (64 rows: ceil(N / 256) x blocks of the wgmma kernel's),
+// the experts' qweight [E, k / 8, n], scales and zeros [E, k / 128, n]. Throws as
 // launch_w4a16_rows.
-void launch_w4a16_experts(int ordinal, const W4a16ExpertsArgs& args, int rows, bool bf16,
-                          int warps, std::uintptr_t stream);
+void launch_w4a16_experts(int ordinal, const W4a16ExpertsArgs& args, int rows, int blocks,
+                          bool bf16, int warps, std::uintptr_t stream);
 
 // The split kernels' parameter, byte for byte (W4a16Wide in w4a16_ops.cuh).
 struct W4a16WideArgs {

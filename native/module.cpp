@@ -188,10 +188,9 @@ PYBIND11_MODULE(_native, m) {
          std::uintptr_t pairs, std::uintptr_t experts, std::uintptr_t weights, std::uintptr_t y,
          int rows, int blocks, int num_pairs, int row_div, int n, int k, int x_stride,
          bool bf16, int warps, std::uintptr_t stream, bool gated) {
-        const lmd::W4a16ExpertsArgs args{x,     q, s,        z,         pairs,   experts,
-                                         weights, y, n,      k,         x_stride, num_pairs,
-                                         row_div, gated ? 1 : 0, blocks};
-        lmd::launch_w4a16_experts(device, args, rows, bf16, warps, stream);
+        const lmd::W4a16ExpertsArgs args{x, q, s, z, pairs, experts, weights, y,
+                                         n, k, x_stride, num_pairs, row_div, gated ? 1 : 0};
+        lmd::launch_w4a16_experts(device, args, rows, blocks, bf16, warps, stream);
       },
       py::arg("device"), py::arg("x"), py::arg("q"), py::arg("s"), py::arg("z"),
       py::arg("pairs"), py::arg("experts"), py::arg("weights"), py::arg("y"), py::arg("rows"),
@@ -206,8 +205,7 @@ PYBIND11_MODULE(_native, m) {
       "bf16 (or fp16), qweight [E, k / 8, n] int32, scales [E, k / 128, n] in x's dtype,\n"
       "zeros [E, k / 128, n] uint8, weights [num_pairs] float32 or 0; n / 32 x blocks\n"
       "CTAs of `warps` warps (1-16 for 8 rows, 1-8 for 16) splitting K; rows 64 (Hopper:\n"
-      "w4a16_wgmma.cu's experts entry, a CTA a multiprocessor taking the blocks' 256-column\n"
-      "tiles in turn; warps 0, sorted pairs,\n"
+      "w4a16_wgmma.cu's experts entry, ceil(n / 256) x blocks CTAs; warps 0, sorted pairs,\n"
       "x, scales and zeros 16-byte aligned, x_stride a multiple of 8). gated: W_e is\n"
       "gate | up and y [num_pairs, n / 2] = silu(x gate^T) * (x up^T) (no weights, n a\n"
       "multiple of 64).\n"

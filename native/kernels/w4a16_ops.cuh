@@ -48,8 +48,7 @@ struct W4a16Experts {
   const float* weights;    // [num_pairs] routing weights, or null
   uint16_t* y;             // [num_pairs, n] (n / 2 gated)
   int n, k, x_stride, num_pairs, row_div;
-  int gated;   // y [num_pairs, n / 2] = silu(x gate^T) * (x up^T), W = gate | up
-  int blocks;  // of pairs (the wgmma entry's CTAs take them in turn; the others' grid)
+  int gated;  // y [num_pairs, n / 2] = silu(x gate^T) * (x up^T), W = gate | up
 };
 
 namespace lmd_w4a16 {  // named: an anonymous one mangles in a hash of the path

@@ -28,17 +28,12 @@
 // The global loads are all the loader's, so no multiplying warp waits on memory but at a
 // barrier.
 //
-// A CTA takes tiles (a span of 256 columns by a range of K, DenseWork / ExpertsWork below)
-// in turn, its roles each walking them alike: the rings' positions run on across tiles, so
-// the loader fills the next tile's blocks while the multiplying warpgroups end the last.
-// Dense grid: ceil(N / 256) column spans by `splits` (at most 8) ranges of K, a tile a
-// CTA; with more than one split every CTA is resident at once (a cooperative launch,
-// native/decode_rows.cpp): each stores its float32 sums to work ([spans x splits, 64,
-// 256]), and once all of its span's CTAs have (counted in counters) each adds a share of
-// the span's outputs over all of them in split order. Rows past M repeat row M - 1 in the
-// stages, their outputs not stored; columns past N are zero. Experts grid: a CTA a
-// multiprocessor (at most the tiles), each tile a block of 64 sorted pairs by a span, all
-// of K.
+// Grid: ceil(N / 256) column spans by `splits` (at most 8) ranges of K; with more than
+// one split every CTA is resident at once (a cooperative launch, native/decode_rows.cpp):
+// each stores its float32 sums to work ([spans x splits, 64, 256]), and once all of its
+// span's CTAs have (counted in counters) each adds a share of the span's outputs over
+// all of them in split order. Rows past M repeat row M - 1 in the stages, their outputs
+// not stored; columns past N are zero.
 //
 // Not compiled by setup.py: its PTX (native/kernels/w4a16_wgmma.ptx, ISA 8.0, target
 // sm_90a) is embedded and JIT-compiled by the driver at run time on a GPU of compute
@@ -115,14 +110,12 @@ __device__ __forceinline__ void hold_a(uint32_t (&a)[4]) {
   for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(a[r])::"memory");
 }
 
-// A multiplying warpgroup (0-3): its 64 columns over a tile's `count` blocks of K, at
-// the rings' positions from `base` (the blocks the CTA took before), then its sums to y
-// (one split) or to work (sums_of) for sum_span.
-template <bool kBf16, typename Work>
-__device__ __forceinline__ void multiply(const Work& work, const typename Work::Tile& tile,
-                                         Barriers& bars, uint32_t xs, uint32_t ring,
-                                         unsigned base) {
-  const int count = tile.end - tile.first;
+// Warpgroup `group` (0-3): its 64 columns over the CTA's blocks, then its sums to y (one
+// split) or to work (sums_of) for sum_span.
+template <bool kBf16, typename Rows>
+__device__ __forceinline__ void multiply(const W4a16Wide& a, const Rows& rows, Barriers& bars,
+                                         uint32_t xs, uint32_t ring, int first, int end,
+                                         int span) {
   const int warp = (threadIdx.x >> 5) & 3;
   const int lane = threadIdx.x & 31;
   const int t = lane & 3;
@@ -139,41 +132,43 @@ __device__ __forceinline__ void multiply(const Work& work, const typename Work::
   const uint64_t x_desc = descriptor(xs);
   const uint32_t x_lo = static_cast<uint32_t>(x_desc);
   const uint32_t x_hi = static_cast<uint32_t>(x_desc >> 32);
-  for (int kb = 0; kb < count; ++kb) {
-    const unsigned b = base + kb;
-    const unsigned u = b % kXBlocks;  // the x ring's block
-    const unsigned slot = b % kWordSlots;
-    Share sh;
-    wait(smem(&bars.words_full[slot]), (b / kWordSlots) & 1);
-    take_share<kBf16>(sh, at, slot * kSlotBytes);
-    arrive(smem(&bars.words_empty[slot]));
-    wait(smem(&bars.full[u]), (b / kXBlocks) & 1);
-    const uint32_t x_block = x_lo + 2 * u * (kXBytes >> 4);
+  // Four blocks a pass: each step's stage, so its descriptor's offset, is a constant.
+  static_assert(kXBlocks == 4, "a pass is the x ring's four blocks");
+  for (unsigned b0 = 0; first + static_cast<int>(b0) < end; b0 += 4) {
+    const unsigned phase = (b0 / 4) & 1;  // of the x blocks' barriers this pass
 #pragma unroll
-    for (unsigned h = 0; h < 2; ++h) {
+    for (unsigned u = 0; u < 4; ++u) {
+      const unsigned b = b0 + u;
+      if (first + static_cast<int>(b) >= end) break;
+      const unsigned slot = b % kWordSlots;
+      Share sh;
+      wait(smem(&bars.words_full[slot]), (b / kWordSlots) & 1);
+      take_share<kBf16>(sh, at, slot * kSlotBytes);
+      arrive(smem(&bars.words_empty[slot]));
+      wait(smem(&bars.full[u]), phase);
 #pragma unroll
-      for (unsigned jj = 0; jj < 4; ++jj) {
-        make_a<kBf16>(sh, 4 * h + jj, mask, magic, sets[jj % 2]);
-        hold(d);
-        wgmma_fence();
-        wgmma<kBf16>(d, sets[jj % 2], x_block + h * (kXBytes >> 4) + 2 * jj, x_hi,
-                     kb > 0 || h > 0 || jj > 0);
-        wgmma_commit();
-        wgmma_wait<1>();  // the step before is done: its registers and stage are free
-        hold(d);
-        hold_a(sets[(jj + 1) % 2]);
-        if (jj == 0 && h == 0 && b > 0 && lane == 0) {  // the block before (maybe a tile's)
-          arrive(smem(&bars.empty[(u + kXBlocks - 1) % kXBlocks]));
+      for (unsigned h = 0; h < 2; ++h) {
+        const unsigned s = 2 * u + h;
+#pragma unroll
+        for (unsigned jj = 0; jj < 4; ++jj) {
+          make_a<kBf16>(sh, 4 * h + jj, mask, magic, sets[jj % 2]);
+          hold(d);
+          wgmma_fence();
+          wgmma<kBf16>(d, sets[jj % 2], x_lo + s * (kXBytes >> 4) + 2 * jj, x_hi,
+                       b > 0 || h > 0 || jj > 0);
+          wgmma_commit();
+          wgmma_wait<1>();  // the step before is done: its registers and stage are free
+          hold(d);
+          hold_a(sets[(jj + 1) % 2]);
+          if (jj == 0 && h == 0 && b > 0 && lane == 0) {
+            arrive(smem(&bars.empty[(u + kXBlocks - 1) % kXBlocks]));
+          }
         }
       }
     }
   }
   wgmma_wait<0>();
   hold(d);
-  // The tile's product and rows made only now, so that none of it is held over the loop.
-  const W4a16Wide a = work.wide(tile);
-  const auto rows = work.rows(tile);
-  const int span = tile.span;
   // d[4 i + e]: column col + e / 2 (row 16 warp + lane / 4 + 8 (e / 2) of A), x row 8 i +
   // 2 t + e % 2.
   if (a.splits > 1) {
@@ -190,9 +185,8 @@ __device__ __forceinline__ void multiply(const Work& work, const typename Work::
     }
     return;
   }
-  if (a.gated) {  // through the tile's last block of x, held until the next tile's first
-    const unsigned last = (base + count - 1) % kXBlocks;
-    store_gated<kBf16>(a, rows, d, xs + 2 * last * kXBytes, span, col);
+  if (a.gated) {
+    store_gated<kBf16>(a, rows, d, xs, span, col);
     return;
   }
   const int y_col = span * kSpan + col;
@@ -205,101 +199,33 @@ __device__ __forceinline__ void multiply(const Work& work, const typename Work::
   });
 }
 
-// A dense product's one tile: span blockIdx.x, split blockIdx.y of K (with more than one
-// split, the span's sums added after the loop, sum_span).
-struct DenseWork {
-  const W4a16Wide& a;
-  struct Tile {
-    int span, first, end;
-  };
-  __device__ __forceinline__ int first() const { return 0; }
-  __device__ __forceinline__ int step() const { return 1; }
-  __device__ __forceinline__ int total() const { return 1; }
-  // t if it is a tile (and `tile` it), else total().
-  __device__ __forceinline__ int next(int t, Tile& tile) const {
-    if (t > 0) return 1;
-    const long long blocks = a.k / 128, split = blockIdx.y;
-    tile = Tile{static_cast<int>(blockIdx.x), static_cast<int>(split * blocks / a.splits),
-                static_cast<int>((split + 1) * blocks / a.splits)};
-    return 0;
-  }
-  __device__ __forceinline__ const W4a16Wide& wide(const Tile&) const { return a; }
-  __device__ __forceinline__ DenseRows rows(const Tile&) const { return DenseRows{a.m}; }
-  template <bool kBf16>
-  __device__ __forceinline__ void finish() const {
-    if (a.splits > 1) sum_span<kBf16>(a, blockIdx.x, blockIdx.y);
-  }
-};
-
-// An experts launch's tiles: block t / spans of 64 pairs sorted by expert by span t % spans,
-// all of K in one split, the CTAs taking tiles blockIdx.x, + gridDim.x, ... until the
-// first block of expert -1 (those are the last): the block's expert's words, its pairs'
-// rows of x, their sums to their rows of y (times their routing weights when given).
-struct ExpertsWork {
-  const W4a16Experts& e;
-  int spans;
-  struct Tile {
-    int block, span, first, end;
-  };
-  __device__ __forceinline__ int first() const { return blockIdx.x; }
-  __device__ __forceinline__ int step() const { return gridDim.x; }
-  __device__ __forceinline__ int total() const { return spans * e.blocks; }
-  __device__ __forceinline__ int next(int t, Tile& tile) const {
-    if (t >= total() || e.experts[t / spans] < 0) return total();
-    tile = Tile{t / spans, t % spans, 0, e.k / 128};
-    return t;
-  }
-  __device__ __forceinline__ W4a16Wide wide(const Tile& tile) const {
-    const size_t groups = static_cast<size_t>(e.experts[tile.block]) * (e.k / 128) * e.n;
-    return W4a16Wide{e.x,      e.q + 16 * groups, e.s + groups, e.z + groups, nullptr,
-                     e.y,      nullptr,           nullptr,      kRows,        e.n,
-                     e.k,      e.x_stride,        1,            e.gated};
-  }
-  __device__ __forceinline__ PairRows rows(const Tile& tile) const {
-    return PairRows{e.pairs + static_cast<size_t>(tile.block) * kRows, e.weights, e.num_pairs,
-                    e.row_div};
-  }
-  template <bool kBf16>
-  __device__ __forceinline__ void finish() const {}
-};
-
-// f(tile, base) for `work`'s tiles from t (`tile` its), base the blocks of K before.
-template <typename Work, typename F>
-__device__ __forceinline__ void each_tile(const Work& work, int t, typename Work::Tile tile,
-                                          F&& f) {
-  for (unsigned base = 0; t < work.total(); t = work.next(t + work.step(), tile)) {
-    f(tile, base);
-    base += tile.end - tile.first;
-  }
-}
-
-// A CTA over its tiles (`work`: DenseWork or ExpertsWork). The loader runs on into the
-// next tile's blocks as the rings free up, so a tile after the first pays no fill.
-template <bool kBf16, typename Work>
-__device__ __forceinline__ void w4a16_wgmma(const Work& work) {
+// The CTA of span blockIdx.x and split `split` of K over a's rows (`rows`: DenseRows or
+// PairRows).
+template <bool kBf16, typename Rows>
+__device__ __forceinline__ void w4a16_wgmma(const W4a16Wide& a, const Rows& rows, int split) {
   extern __shared__ __align__(1024) uint8_t dynamic[];
   __shared__ Barriers bars;
   // Stages on 1,024-byte boundaries (the swizzle's period), then the ring of words; the
   // launch asks 1,024 bytes more than they take.
   const uint32_t xs = (smem(dynamic) + 1023u) & ~1023u;
   const uint32_t ring = xs + kStages * kXBytes;
-  typename Work::Tile tile;
-  int t = work.next(work.first(), tile);
+  const int span = blockIdx.x;
+  const int blocks = a.k / 128;
+  const int first = static_cast<int>(static_cast<long long>(split) * blocks / a.splits);
+  const int end = static_cast<int>(static_cast<long long>(split + 1) * blocks / a.splits);
   // The loader asks for its first block of x and of words before the barriers are set up,
   // so that their latency runs under that and the barrier; arrive_after_copies, after it,
-  // counts them in as it does the later blocks'.
+  // counts them in as it does the later blocks'. (Each CTA has a block: splits <= blocks.)
   const bool x_loader = threadIdx.x >= kMultipliers + 64;
   const bool words_loader = !x_loader && threadIdx.x >= kMultipliers;
   XShare x_at;
   WordsShare words_at;
-  if (t < work.total()) {
-    if (x_loader) {
-      x_at = x_share(work.wide(tile), work.rows(tile), threadIdx.x - kMultipliers - 64);
-      load_x(xs, x_at, tile.first);
-    } else if (words_loader) {
-      words_at = words_share(work.wide(tile), tile.span, threadIdx.x - kMultipliers);
-      load_words(ring, words_at, work.wide(tile), tile.first);
-    }
+  if (x_loader) {
+    x_at = x_share(a, rows, threadIdx.x - kMultipliers - 64);
+    load_x(xs, x_at, first);
+  } else if (words_loader) {
+    words_at = words_share(a, span, threadIdx.x - kMultipliers);
+    load_words(ring, words_at, a, first);
   }
   if (threadIdx.x == 0) {
     for (int s = 0; s < kXBlocks; ++s) {
@@ -313,44 +239,44 @@ __device__ __forceinline__ void w4a16_wgmma(const Work& work) {
   }
   __syncthreads();
 
-  // Each role walks the tiles on its own (what one role holds is not live in another's):
-  // x, a block's two stages once they are free; words, a block once its slot is free; the
-  // multiplying warpgroups. `base`: the blocks of K the CTA took before, the rings'
-  // positions.
-  if (x_loader) {
-    each_tile(work, t, tile, [&](const typename Work::Tile& at, unsigned base) {
-      if (base > 0) x_at = x_share(work.wide(at), work.rows(at), threadIdx.x - kMultipliers - 64);
-      for (int i = 0; i < at.end - at.first; ++i) {
-        const unsigned b = base + i;
-        const unsigned u = b % kXBlocks;
-        if (b > 0) {
-          wait(smem(&bars.empty[u]), ((b / kXBlocks) & 1) ^ 1);
-          load_x(xs + 2 * u * kXBytes, x_at, at.first + i);
-        }
-        arrive_after_copies(smem(&bars.full[u]));
-      }
-    });
+  if (x_loader) {  // x, a block's two stages once they are free
+    arrive_after_copies(smem(&bars.full[0]));
+    for (int i = 1; first + i < end; ++i) {
+      const int u = i % kXBlocks;
+      wait(smem(&bars.empty[u]), ((i / kXBlocks) & 1) ^ 1);
+      load_x(xs + 2 * u * kXBytes, x_at, first + i);
+      arrive_after_copies(smem(&bars.full[u]));
+    }
     asm volatile("cp.async.wait_all;" ::: "memory");
-  } else if (words_loader) {
-    each_tile(work, t, tile, [&](const typename Work::Tile& at, unsigned base) {
-      if (base > 0) words_at = words_share(work.wide(at), at.span, threadIdx.x - kMultipliers);
-      for (int i = 0; i < at.end - at.first; ++i) {
-        const unsigned b = base + i;
-        const unsigned slot = b % kWordSlots;
-        if (b > 0) {
-          wait(smem(&bars.words_empty[slot]), ((b / kWordSlots) & 1) ^ 1);
-          load_words(ring + slot * kSlotBytes, words_at, work.wide(at), at.first + i);
-        }
-        arrive_after_copies(smem(&bars.words_full[slot]));
-      }
-    });
+  } else if (words_loader) {  // words, a block once its slot is free
+    arrive_after_copies(smem(&bars.words_full[0]));
+    for (int b = 1; first + b < end; ++b) {
+      const int slot = b % kWordSlots;
+      wait(smem(&bars.words_empty[slot]), ((b / kWordSlots) & 1) ^ 1);
+      load_words(ring + slot * kSlotBytes, words_at, a, first + b);
+      arrive_after_copies(smem(&bars.words_full[slot]));
+    }
     asm volatile("cp.async.wait_all;" ::: "memory");
   } else {
-    each_tile(work, t, tile, [&](const typename Work::Tile& at, unsigned base) {
-      multiply<kBf16>(work, at, bars, xs, ring, base);
-    });
+    multiply<kBf16>(a, rows, bars, xs, ring, first, end, span);
   }
-  work.template finish<kBf16>();
+  if (a.splits > 1) sum_span<kBf16>(a, span, split);
+}
+
+// A block of 64 pairs sorted by expert (blockIdx.y) as a product of one split: the
+// block's expert's words, its pairs' rows of x, their sums to their rows of y (times
+// their routing weights when given). A block of expert -1 returns at once.
+template <bool kBf16>
+__device__ __forceinline__ void w4a16_wgmma_experts(const W4a16Experts& e) {
+  const int expert = e.experts[blockIdx.y];
+  if (expert < 0) return;
+  const size_t groups = static_cast<size_t>(expert) * (e.k / 128) * e.n;  // [K / 128, N] each
+  const W4a16Wide a{e.x,    e.q + 16 * groups, e.s + groups, e.z + groups, nullptr, e.y,
+                    nullptr, nullptr, kRows,   e.n,          e.k,          e.x_stride, 1,
+                    e.gated};
+  const PairRows rows{e.pairs + static_cast<size_t>(blockIdx.y) * kRows, e.weights,
+                      e.num_pairs, e.row_div};
+  w4a16_wgmma<kBf16>(a, rows, 0);
 }
 
 }  // namespace lmd_w4a16
@@ -360,12 +286,11 @@ __device__ __forceinline__ void w4a16_wgmma(const Work& work) {
 #define LMD_W4A16_WGMMA(dtype, bf16)                                                     \
   extern "C" __global__ void __launch_bounds__(lmd_w4a16::kThreads, 1)                 \
       lmd_w4a16_wgmma_##dtype##_m64(const W4a16Wide a) {                               \
-    lmd_w4a16::w4a16_wgmma<bf16>(lmd_w4a16::DenseWork{a});                               \
+    lmd_w4a16::w4a16_wgmma<bf16>(a, lmd_w4a16::DenseRows{a.m}, blockIdx.y);              \
   }                                                                                      \
   extern "C" __global__ void __launch_bounds__(lmd_w4a16::kThreads, 1)                 \
       lmd_w4a16_wgmma_experts_##dtype##_m64(const W4a16Experts a) {                    \
-    lmd_w4a16::w4a16_wgmma<bf16>(                                                        \
-        lmd_w4a16::ExpertsWork{a, (a.n + lmd_w4a16::kSpan - 1) / lmd_w4a16::kSpan});     \
+    lmd_w4a16::w4a16_wgmma_experts<bf16>(a);                                             \
   }
 
 LMD_W4A16_WGMMA(bf16, true)

@@ -108,39 +108,32 @@ __device__ __forceinline__ void store_pairs(const W4a16Wide& a, const Rows& rows
 }
 
 // With a.gated (one split): warpgroups 2-3 hold up's sums for the columns whose gate's
-// sums warpgroups 0-1 hold (thread i + 256 those of thread i); they hand them over in two
-// halves through `hand`, a block of x's ring (16 KiB) free once every multiplying
-// warpgroup's wgmmas are done, and threads 0-255 store silu(gate) * up, each rounded to x's
-// dtype first as a separate gate|up product and silu_and_mul would (y [m, n / 2]).
+// sums warpgroups 0-1 hold (thread i + 256 those of thread i); they hand them over through
+// the x ring, free once every multiplying warpgroup's wgmmas are done, and threads 0-255
+// store silu(gate) * up, each rounded to x's dtype first as a separate gate|up product
+// and silu_and_mul would (y [m, n / 2]).
 template <bool kBf16, typename Rows>
 __device__ __forceinline__ void store_gated(const W4a16Wide& a, const Rows& rows,
-                                            const float (&d)[32], uint32_t hand, int span,
+                                            const float (&d)[32], uint32_t xs, int span,
                                             int col) {
-  const uint32_t mine = hand + 4 * (threadIdx.x % 256);  // register r at mine + r % 16 * 1,024
-  float up[32];
+  const uint32_t mine = xs + 4 * (threadIdx.x % 256);  // register r at mine + r * 1,024
+  asm volatile("bar.sync 1, %0;" ::"n"(kMultipliers) : "memory");  // the ring is free
+  if (threadIdx.x >= 256) {
 #pragma unroll
-  for (int part = 0; part < 2; ++part) {
-    asm volatile("bar.sync 1, %0;" ::"n"(kMultipliers) : "memory");  // `hand` is free
-    if (threadIdx.x >= 256) {
-#pragma unroll
-      for (int r = 0; r < 16; ++r) {
-        asm volatile("st.shared.f32 [%0], %1;" ::"r"(mine + r * 1024), "f"(d[16 * part + r])
-                     : "memory");
-      }
-    }
-    asm volatile("bar.sync 1, %0;" ::"n"(kMultipliers) : "memory");
-    if (threadIdx.x < 256) {
-#pragma unroll
-      for (int r = 0; r < 16; ++r) {
-        asm volatile("ld.shared.f32 %0, [%1];" : "=f"(up[16 * part + r]) : "r"(mine + r * 1024)
-                     : "memory");
-      }
+    for (int r = 0; r < 32; ++r) {
+      asm volatile("st.shared.f32 [%0], %1;" ::"r"(mine + r * 1024), "f"(d[r]) : "memory");
     }
   }
+  asm volatile("bar.sync 1, %0;" ::"n"(kMultipliers) : "memory");
   if (threadIdx.x >= 256) return;
   const int half = a.n / 2;
   const int y_col = span * (kSpan / 2) + col;
   if (y_col >= half) return;
+  float up[32];
+#pragma unroll
+  for (int r = 0; r < 32; ++r) {
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(up[r]) : "r"(mine + r * 1024) : "memory");
+  }
   store_pairs(a, rows, half, y_col, [&](int i, int e, int) {
     float v[2];
 #pragma unroll
