@@ -66,10 +66,9 @@ __device__ __forceinline__ void w4a16_experts(const W4a16Experts& a) {
         [&](int row, int l, int h, int d, float gate, float up) {
           const int pair = pair_at(row);
           if (pair >= a.num_pairs) return;
-          const float g = to_float<kBf16>(from_float<kBf16>(gate));  // each rounded first,
-          const float u = to_float<kBf16>(from_float<kBf16>(up));    // as silu_and_mul reads
+          const float v = silu_mul<kBf16>(gate, up);
           const int out = blockIdx.x * (kExpertColumns / 2) + column(l, h, d);
-          a.y[static_cast<size_t>(pair) * half + out] = from_float<kBf16>(g / (1.0f + __expf(-g)) * u);
+          a.y[static_cast<size_t>(pair) * half + out] = from_float<kBf16>(v);
         },
         half - kExpertColumns / 2);
     return;

@@ -110,6 +110,16 @@ __device__ __forceinline__ uint16_t from_float(float f) {
   return h;
 }
 
+// silu(gate) * up for a gate|up product's two sums, each rounded to x's dtype first as a
+// separate product and silu_and_mul would read them (the experts' and wgmma's gated
+// stores).
+template <bool kBf16>
+__device__ __forceinline__ float silu_mul(float gate, float up) {
+  const float g = to_float<kBf16>(from_float<kBf16>(gate));
+  const float u = to_float<kBf16>(from_float<kBf16>(up));
+  return g / (1.0f + __expf(-g)) * u;
+}
+
 // v - (magic + zero) in both halves, exact: v * 1 + (-(magic + zero)).
 template <bool kBf16>
 __device__ __forceinline__ uint32_t minus(uint32_t v, uint32_t neg) {

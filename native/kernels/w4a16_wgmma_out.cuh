@@ -138,9 +138,7 @@ __device__ __forceinline__ void store_gated(const W4a16Wide& a, const Rows& rows
     float v[2];
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-      const float g = to_float<kBf16>(from_float<kBf16>(d[4 * i + 2 * c + e]));
-      const float u = to_float<kBf16>(from_float<kBf16>(up[4 * i + 2 * c + e]));
-      v[c] = g / (1.0f + __expf(-g)) * u;
+      v[c] = silu_mul<kBf16>(d[4 * i + 2 * c + e], up[4 * i + 2 * c + e]);
     }
     return pack2<kBf16>(v[0], v[1]);
   });
