@@ -69,10 +69,11 @@ def w4a16_experts(
     warps: int,
     stream: int,
     gated: bool = False,
+    mixed: bool = False,
 ) -> None:
     """y[p] = x[p / row_div] W_e^T (* weights[p]) for blocks of 8 or 16 pairs sorted by
-    expert (64 on Hopper; gated: silu(gate) * up), on the tensor cores, enqueued
-    on a CUstream."""
+    expert (64 on Hopper; gated: silu(gate) * up; mixed: one token's pairs summed into
+    y [1, n]), on the tensor cores, enqueued on a CUstream."""
 
 def w4a16_wide(
     device: int,

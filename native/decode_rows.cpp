@@ -113,10 +113,9 @@ Loaded load(int ordinal) {
             "cuModuleLoadData(w4a16_experts)");
     get_functions(d, out.module, kNames, out.kernels);
     get_functions(d, out.experts_module, kExpertsNames, out.experts);
-    for (int bf16 = 0; bf16 < 2; ++bf16) {
+    for (int bf16 = 0; bf16 < 2; ++bf16)
       d.check(d.cuModuleGetFunction(&out.wide[bf16], out.wide_module, kWideNames[bf16]),
               kWideNames[bf16]);
-    }
     load_wgmma(d, device, out);
   } catch (const std::exception& e) {
     out.error = e.what();
@@ -235,14 +234,15 @@ std::string w4a16_experts_check(const W4a16ExpertsArgs& a, int rows, int blocks,
   const bool wgmma = rows == kW4a16WgmmaMaxRows;  // that kernel's CTAs, its 16-byte copies
   if (wgmma && (warps != 0 || !a.pairs))
     return "w4a16_experts: 64 rows take sorted pairs and warps 0";
-  if (a.gated && (a.n % 64 || a.weights)) {
-    return "w4a16_experts: gated takes no weights and n a multiple of 64";
-  }
-  const std::string warps_error = wgmma ? "" : rows_warps_error("w4a16_experts", rows, warps);
+  if (a.gated && (a.n % 64 || a.weights || a.mixed))
+    return "w4a16_experts: gated takes no weights and n a multiple of 64, and is not mixed";
+  if (a.mixed && (rows != 8 || a.pairs || !a.weights || blocks != 1 || a.num_pairs > 16))
+    return "w4a16_experts: mixed takes 8 rows, no sorted pairs, weights, a block, <= 16 pairs";
+  const int all = a.mixed ? std::min(warps, 17) * a.num_pairs : warps;  // mixed: a pair's
+  const std::string warps_error = wgmma ? "" : rows_warps_error("w4a16_experts", rows, all);
   if (!warps_error.empty()) return warps_error;
-  if (!a.pairs && blocks != a.num_pairs) {
+  if (!a.pairs && !a.mixed && blocks != a.num_pairs)
     return "w4a16_experts: without sorted pairs, a block a pair (blocks == num_pairs)";
-  }
   // w4a16_rows' loads (the wgmma kernel copies x, scales and zeros 16 bytes at a time and
   // stores y 4), and 4-byte pair ids (or none), experts and routing weights.
   const int x_align = wgmma ? 16 : 8, s_align = wgmma ? 16 : 8, z_align = wgmma ? 16 : 4;
@@ -261,7 +261,7 @@ void launch_w4a16_experts(int ordinal, const W4a16ExpertsArgs& args, int rows, i
   const bool wgmma = rows == kW4a16WgmmaMaxRows;
   const Loaded& l = loaded_or_throw(ordinal, wgmma ? Kernels::kWgmma : Kernels::kW4a16);
   const int columns = wgmma ? kW4a16WgmmaColumns : kW4a16RowsColumns;
-  const int threads = wgmma ? kW4a16WgmmaThreads : warps * 32;
+  const int threads = wgmma ? kW4a16WgmmaThreads : warps * (args.mixed ? args.num_pairs : 1) * 32;
   const int shared = wgmma ? kW4a16WgmmaSharedBytes : threads * rows * 4;  // the warps' sums
   launch(l, wgmma ? l.wgmma_experts[bf16 ? 1 : 0] : l.experts[bf16 ? 1 : 0][rows / 16], args,
          static_cast<unsigned>((args.n + columns - 1) / columns), static_cast<unsigned>(blocks),

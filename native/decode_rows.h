@@ -38,8 +38,9 @@ struct W4a16ExpertsArgs {
   std::uint64_t x, q, s, z, pairs, experts, weights, y;  // addresses; weights 0 for none
   std::int32_t n, k, x_stride, num_pairs, row_div;
   std::int32_t gated;  // y [num_pairs, n / 2] = silu(x gate^T) * (x up^T), W = gate | up
+  std::int32_t mixed;  // y [1, n] = sum over p of weights[p] x[p / row_div] W_e^T
 };
-static_assert(sizeof(W4a16ExpertsArgs) == 88, "must match W4a16Experts in w4a16_ops.cuh");
+static_assert(sizeof(W4a16ExpertsArgs) == 96, "must match W4a16Experts in w4a16_ops.cuh");
 
 // What is wrong with an experts launch's arguments, or "": `rows` a block's (8 or 16; 64
 // on Hopper), `blocks` the grid's blocks of pairs, `warps` a CTA's (as
@@ -50,8 +51,9 @@ std::string w4a16_experts_check(const W4a16ExpertsArgs& args, int rows, int bloc
 // `rows` pairs sorted by expert (pairs [blocks * rows] int32, num_pairs for padding, or 0:
 // block b holds pair b alone; experts [blocks] int32, -1 for none) on `stream`: N / 32 x
 // blocks CTAs of `warps` warps (64 rows: ceil(N / 256) x blocks of the wgmma kernel's),
-// the experts' qweight [E, k / 8, n], scales and zeros [E, k / 128, n]. Throws as
-// launch_w4a16_rows.
+// the experts' qweight [E, k / 8, n], scales and zeros [E, k / 128, n]. `mixed` (8 rows,
+// pairs 0, weights, one block): N / 32 CTAs of num_pairs x `warps` warps, y [1, n] the
+// pairs' products summed (w4a16_experts.cu). Throws as launch_w4a16_rows.
 void launch_w4a16_experts(int ordinal, const W4a16ExpertsArgs& args, int rows, int blocks,
                           bool bf16, int warps, std::uintptr_t stream);
 

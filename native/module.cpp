@@ -187,16 +187,17 @@ PYBIND11_MODULE(_native, m) {
       [](int device, std::uintptr_t x, std::uintptr_t q, std::uintptr_t s, std::uintptr_t z,
          std::uintptr_t pairs, std::uintptr_t experts, std::uintptr_t weights, std::uintptr_t y,
          int rows, int blocks, int num_pairs, int row_div, int n, int k, int x_stride,
-         bool bf16, int warps, std::uintptr_t stream, bool gated) {
-        const lmd::W4a16ExpertsArgs args{x, q, s, z, pairs, experts, weights, y,
-                                         n, k, x_stride, num_pairs, row_div, gated ? 1 : 0};
+         bool bf16, int warps, std::uintptr_t stream, bool gated, bool mixed) {
+        const lmd::W4a16ExpertsArgs args{x, q, s, z, pairs, experts, weights, y, n, k,
+                                         x_stride, num_pairs, row_div, gated ? 1 : 0,
+                                         mixed ? 1 : 0};
         lmd::launch_w4a16_experts(device, args, rows, blocks, bf16, warps, stream);
       },
       py::arg("device"), py::arg("x"), py::arg("q"), py::arg("s"), py::arg("z"),
       py::arg("pairs"), py::arg("experts"), py::arg("weights"), py::arg("y"), py::arg("rows"),
       py::arg("blocks"), py::arg("num_pairs"), py::arg("row_div"), py::arg("n"), py::arg("k"),
       py::arg("x_stride"), py::arg("bf16"), py::arg("warps"), py::arg("stream"),
-      py::arg("gated") = false,
+      py::arg("gated") = false, py::arg("mixed") = false,
       "y[p] = x[p / row_div] W_e^T (* weights[p]) for each pair p of `blocks` blocks of\n"
       "`rows` (8 or 16) pairs sorted by expert (native/kernels/w4a16_experts.cu), e the\n"
       "block's expert, on addresses: pairs [blocks * rows] int32 (num_pairs: padding; 0:\n"
@@ -208,7 +209,9 @@ PYBIND11_MODULE(_native, m) {
       "w4a16_wgmma.cu's experts entry, ceil(n / 256) x blocks CTAs; warps 0, sorted pairs,\n"
       "x, scales and zeros 16-byte aligned, x_stride a multiple of 8). gated: W_e is\n"
       "gate | up and y [num_pairs, n / 2] = silu(x gate^T) * (x up^T) (no weights, n a\n"
-      "multiple of 64).\n"
+      "multiple of 64). mixed: one token's pairs (8 rows, pairs 0, weights, blocks 1, at\n"
+      "most 16 pairs), n / 32 CTAs of num_pairs x `warps` warps, and y [1, n] the sum over\n"
+      "p of weights[p] x[p / row_div] W_e^T, each term rounded to x's dtype first.\n"
       "ValueError for bad arguments, RuntimeError as w4a16_rows.");
 
   m.def(

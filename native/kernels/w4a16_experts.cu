@@ -18,8 +18,13 @@
 // gate | up, no weights) a CTA's lanes 0-15 read 16 of gate's columns and lanes 16-31
 // up's for the same outputs, and y [P, N / 2] gets silu(gate) * up, each product rounded
 // to x's dtype first as silu_and_mul reads them. Grid: N / 32 x the blocks; a block of
-// expert -1 (past the last expert's run) returns at once. Nothing is synchronized with the
-// host: decode steps capture it in their CUDA graphs.
+// expert -1 (past the last expert's run) returns at once. With `mixed` (one token's
+// pairs, no sorted ids, routing weights, 8 rows, one block) a CTA's warps are the pairs'
+// in turn, warps / num_pairs each splitting K, and y [1, N] gets the token's mix: the
+// sum over pairs, in pair order in float32 and rounded once, of each pair's product
+// times its weight rounded to x's dtype (what the products and a sum over them give, in
+// one launch). Nothing is synchronized with the host: decode steps capture it in their
+// CUDA graphs.
 //
 // Not compiled by setup.py: its PTX (native/kernels/w4a16_experts.ptx) is embedded and
 // JIT-compiled by the driver at run time (native/decode_rows.cpp). After editing, run
@@ -32,8 +37,39 @@ namespace lmd_w4a16 {
 
 constexpr int kExpertColumns = 32;  // output columns a CTA
 
+// `mixed`: one token's pairs, pair p's warps p per .. p per + per - 1, y [1, n].
+template <bool kBf16>
+__device__ __forceinline__ void w4a16_mixed(const W4a16Experts& a) {
+  extern __shared__ float sums[];  // [warps][8][32]
+  const int warp = threadIdx.x >> 5;
+  const int per = (blockDim.x >> 5) / a.num_pairs;  // warps a pair
+  const int pair = warp / per;
+  const size_t groups = static_cast<size_t>(a.experts[pair]) * (a.k / 128) * a.n;
+  const uint16_t* x =
+      a.x + static_cast<size_t>(pair / a.row_div) * a.x_stride + 4 * (threadIdx.x & 3);
+  float acc[1][2][4] = {};
+  rows_warp<kBf16, 1>(a.q + 16 * groups, a.s + groups, a.z + groups, a.n, a.k,
+                      blockIdx.x * kExpertColumns, [&](int) { return x; }, warp % per, per, acc);
+  stash_sums<1>(sums, acc);
+  if (threadIdx.x >= kExpertColumns) return;
+  // Column c is row 0's: lane 4 (c / 4) (t 0), tile h = c % 4 / 2, output d = 2 (c % 2).
+  const int c = threadIdx.x;
+  const int l = 4 * (c >> 2);
+  const int e = 4 * ((c & 3) >> 1) + 2 * (c & 1);
+  float mix = 0.0f;
+  for (int p = 0; p < a.num_pairs; ++p) {
+    float v = 0.0f;
+    for (int w = p * per; w < (p + 1) * per; ++w) v += sums[(w * 8 + e) * 32 + l];
+    mix += to_float<kBf16>(from_float<kBf16>(v * a.weights[p]));
+  }
+  a.y[blockIdx.x * kExpertColumns + c] = from_float<kBf16>(mix);
+}
+
 template <bool kBf16, int kTiles>
 __device__ __forceinline__ void w4a16_experts(const W4a16Experts& a) {
+  if constexpr (kTiles == 1) {
+    if (a.mixed) return w4a16_mixed<kBf16>(a);
+  }
   extern __shared__ float sums[];  // [warps][kTiles * 8][32]
   constexpr int kRows = 8 * kTiles;
   const int expert = a.experts[blockIdx.y];

@@ -49,6 +49,7 @@ struct W4a16Experts {
   uint16_t* y;             // [num_pairs, n] (n / 2 gated)
   int n, k, x_stride, num_pairs, row_div;
   int gated;  // y [num_pairs, n / 2] = silu(x gate^T) * (x up^T), W = gate | up
+  int mixed;  // one token's pairs in one CTA's warps, y [1, n] their weighted sum
 };
 
 namespace lmd_w4a16 {  // named: an anonymous one mangles in a hash of the path
@@ -336,27 +337,22 @@ struct RowsBlock {
   uint32_t z;
 };
 
-// A rows kernel's CTA (w4a16_rows.cu, w4a16_experts.cu): 32 columns from col0 of W (words
-// q [k / 8, n], scales s and zeros z [k / 128, n]) by all of K, its warps taking every
-// warps-th block of 128 inputs, loading the next block while they multiply the current
-// one, their sums added in warp order (sum_warps<kTiles, kLanes>: emit(row, lane, h, d,
-// v...)). x_row(nt) is the lane's x row of tile nt (rows 8 nt + g), from its input 4t.
-// Lanes 16-31 read their columns `upper` further (gate | up: up's half for gate's 16).
-template <bool kBf16, int kTiles, int kLanes = 32, typename XRow, typename Emit>
-__device__ __forceinline__ void rows_cta(const uint32_t* q, const uint16_t* s, const uint8_t* z,
-                                         int n, int k, int col0, const XRow& x_row,
-                                         float* sums, const Emit& emit, int upper = 0) {
+// A rows kernel warp's sums acc over 32 columns from col0 of W (words q [k / 8, n], scales
+// s and zeros z [k / 128, n]): blocks of 128 inputs warp, warp + warps, ..., loading the
+// next block while it multiplies the current one. x_row(nt) is the lane's x row of tile
+// nt (rows 8 nt + g), from its input 4t. Lanes 16-31 read their columns `upper` further
+// (gate | up: up's half for gate's 16).
+template <bool kBf16, int kTiles, typename XRow>
+__device__ __forceinline__ void rows_warp(const uint32_t* q, const uint16_t* s, const uint8_t* z,
+                                          int n, int k, int col0, const XRow& x_row, int warp,
+                                          int warps, float (&acc)[kTiles][2][4], int upper = 0) {
   const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int warps = blockDim.x >> 5;
   const int t = lane & 3;
   const int col = col0 + 4 * (lane >> 2) + (lane >= 16 ? upper : 0);
   // In registers, not immediates (see and_or); the loop keeps them.
   uint32_t mask = 0x000F000Fu;
   uint32_t magic = kBf16 ? 0x43004300u : 0x64006400u;
   asm("" : "+r"(mask), "+r"(magic));
-
-  float acc[kTiles][2][4] = {};
   over_blocks<RowsBlock<kTiles>>(
       warp, warps, k / 128,
       [&](RowsBlock<kTiles>& b, int kb) {
@@ -377,6 +373,18 @@ __device__ __forceinline__ void rows_cta(const uint32_t* q, const uint16_t* s, c
         const auto step_b = [&](int j, int nt, uint2 (&bx)[1]) { bx[0] = b.x[nt][j]; };
         multiply_steps<kBf16, kTiles, 1>(b.w, b.s, b.z, mask, magic, step_b, acc);
       });
+}
+
+// A rows kernel's CTA (w4a16_rows.cu, w4a16_experts.cu): rows_warp for each of its warps
+// over all of K, their sums added in warp order (sum_warps<kTiles, kLanes>: emit(row,
+// lane, h, d, v...)).
+template <bool kBf16, int kTiles, int kLanes = 32, typename XRow, typename Emit>
+__device__ __forceinline__ void rows_cta(const uint32_t* q, const uint16_t* s, const uint8_t* z,
+                                         int n, int k, int col0, const XRow& x_row,
+                                         float* sums, const Emit& emit, int upper = 0) {
+  float acc[kTiles][2][4] = {};
+  rows_warp<kBf16, kTiles>(q, s, z, n, k, col0, x_row, threadIdx.x >> 5, blockDim.x >> 5, acc,
+                           upper);
   sum_warps<kTiles, kLanes>(sums, acc, emit);
 }
 

@@ -166,6 +166,39 @@ def test_one_token_a_block_a_pair(dtype: torch.dtype) -> None:
     assert bool((err <= 2 * RTOL[dtype] * expected.abs() + ATOL).all()), err.max().item()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("top_k", "k", "warps"),
+    [(8, 768, None), (8, 768, 1), (2, 1024, None), (16, 256, 1), (3, 640, 5)],
+)
+def test_one_tokens_mix_in_the_launch(
+    dtype: torch.dtype, top_k: int, k: int, warps: int | None
+) -> None:
+    """`mixed`: y [1, N] = the token's pairs' products times their weights, each rounded
+    to the dtype, summed in float32 in pair order and rounded once: the unmixed rows
+    summed so, each term within a rounding of them (a pair's warps sum K in another
+    order); `warps` a pair's."""
+    w = experts((32, 256, k), dtype, seed=top_k + k)
+    chosen = torch.randperm(32, device="cuda")[:top_k].to(torch.int32)
+    x = torch.randn(top_k, k, device="cuda").to(dtype)
+    weights = torch.rand(top_k, device="cuda")
+    parts = (w.qweight, w.scales, w.zeros, 128, None, chosen)
+    rows = torch.full((top_k, 256), float("nan"), dtype=dtype, device="cuda")
+    assert native_experts(x, *parts, rows, row_div=1, block_m=8, weights=weights)
+    y = torch.full((1, 256), float("nan"), dtype=dtype, device="cuda")
+    assert native_experts(x, *parts, y, row_div=1, block_m=8, weights=weights, warps=warps,
+                          mixed=True)  # fmt: skip
+    torch.cuda.synchronize()
+    expected = torch.zeros(256, device="cuda")
+    for row in rows.float():
+        expected += row
+    bound = 2 * RTOL[dtype] * (rows.float().abs().sum(0) + expected.abs()) + ATOL
+    assert bool(((y[0].float() - expected).abs() <= bound).all())
+    terms = reference(x, w, chosen, 1) * weights.double()[:, None]  # float64
+    err = (y[0].double() - terms.sum(0)).abs()
+    assert bool((err <= 2 * RTOL[dtype] * terms.abs().sum(0) + ATOL).all())
+
+
 @pytest.mark.parametrize("warps", [1, 2, 3, 4, 8])
 def test_every_warp_count(warps: int) -> None:
     """K of 8 blocks of 128 split over 1-8 warps: the same sums."""
@@ -320,9 +353,20 @@ def test_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None
         declined.append(
             native_experts(x, *parts, 128, rows64[0], rows64[1], y, row_div=2, block_m=64)
         )
+    one = torch.zeros(1, 128, dtype=torch.bfloat16, device="cuda")  # a token's mix
+    ones, many = torch.ones(6, device="cuda"), torch.zeros(17, dtype=torch.int32, device="cuda")
+    declined += [
+        native_experts(x, *parts, 128, pairs[0], pairs[1], one, row_div=2, block_m=8,
+                       weights=ones, mixed=True),  # sorted pairs
+        native_experts(x, *parts, 128, None, expert, one, row_div=2, block_m=8, mixed=True),
+        native_experts(x, *parts, 128, None, expert, one, row_div=2, block_m=16,
+                       weights=ones, mixed=True),
+        native_experts(x, *parts, 128, None, many, one, row_div=6, block_m=8,
+                       weights=torch.ones(17, device="cuda"), mixed=True),  # 17 pairs
+    ]  # fmt: skip
     monkeypatch.setattr(w4a16_rows, "EXPERTS", False)
     declined.append(native_experts(x, *parts, 128, pairs[0], pairs[1], y, row_div=2, block_m=16))
-    assert not any(declined) and not y.any() and not half.any()
+    assert not any(declined) and not y.any() and not half.any() and not one.any()
     _, *eight = layout(3, 4, 2, 8)
     with pytest.raises(ValueError, match="blocks of 8 rows take the native"):
         moe.grouped_gemm(x, w, eight[0], eight[1], num_pairs=6, a_row_div=2, block_m=8)

@@ -64,7 +64,8 @@ def test_gemv_refuses_what_it_cannot_take() -> None:
 def check_vector_gemv(n: int, k: int, dtype: torch.dtype, prologue: str, out_float: bool) -> None:
     """One row times W^T, its input made in the same launch (RMSNorm of the residual
     stream), against float32 references; the summed stream equal to what
-    kernels.rms_norm leaves."""
+    kernels.rms_norm leaves, the normed row to what it returns within a rounding (its
+    squares summed in another order)."""
     w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
     b = torch.randn(n, device=DEVICE).to(dtype) if prologue == "bias" else None
     out_dtype = torch.float32 if out_float else None
@@ -74,8 +75,12 @@ def check_vector_gemv(n: int, k: int, dtype: torch.dtype, prologue: str, out_flo
         residual = torch.randn(1, k, device=DEVICE).to(dtype) if "residual" in prologue else None
         summing = residual is not None and "unsummed" not in prologue  # lm_head's: no sum
         summed = torch.empty(1, k, device=DEVICE, dtype=dtype) if summing else None
-        norm = kernels.Norm(weight, 1e-6, residual, summed)
+        normed = torch.empty(1, k, device=DEVICE, dtype=dtype)
+        norm = kernels.Norm(weight, 1e-6, residual, summed, normed)
         y = kernels.vector_gemv(x, w, norm=norm, out_dtype=out_dtype)
+        made = kernels.rms_norm(x, weight, 1e-6, None if residual is None else residual.clone())
+        ulp = torch.finfo(dtype).eps * made.float().abs() + 1e-6
+        assert bool(((normed.float() - made.float()).abs() <= ulp).all())
         stream = x.float() + (residual.float() if residual is not None else 0)
         ref = rms_norm_ref(stream, weight, 1e-6) @ w.float().t()
         if residual is not None and summed is not None:
@@ -148,6 +153,8 @@ def test_vector_gemv_refuses_what_it_cannot_take() -> None:
         kernels.vector_gemv(x, w, norm=kernels.Norm(torch.ones(8, device=DEVICE), 1e-6, x, x))
     with pytest.raises(ValueError, match="weight of K"):
         kernels.vector_gemv(x, w, norm=kernels.Norm(torch.ones(4, device=DEVICE), 1e-6))
+    with pytest.raises(ValueError, match="normed is a tensor of its own"):
+        kernels.vector_gemv(x, w, norm=kernels.Norm(torch.ones(8, device=DEVICE), 1e-6, normed=x))
     with pytest.raises(ValueError, match=r"gate \| up rows, got 5"):
         kernels.vector_gemv(x, torch.zeros(5, 8, device=DEVICE), activation="silu")
     with pytest.raises(ValueError, match="not silu or gelu_tanh"):

@@ -274,3 +274,32 @@ def test_cpu_experts_stay_with_the_triton_kernel() -> None:
     pairs, blocks = torch.zeros(16, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     assert not w4a16_rows.native_experts(x, *parts, pairs, blocks, y, row_div=2, block_m=16)
     assert not y.any()
+
+
+@pytest.mark.parametrize(
+    ("launch", "message"),
+    [
+        ((16, 0, 64, 1, 8, 2), "mixed takes 8 rows, no sorted pairs, weights"),
+        ((8, 64, 64, 1, 8, 2), "mixed takes 8 rows, no sorted pairs, weights"),
+        ((8, 0, 0, 1, 8, 2), "mixed takes 8 rows, no sorted pairs, weights"),
+        ((8, 0, 64, 8, 8, 2), "mixed takes 8 rows, no sorted pairs, weights"),
+        ((8, 0, 64, 1, 17, 1), "<= 16 pairs"),
+        ((8, 0, 64, 1, 8, 3), "warps must be 1..16"),  # 24 warps a CTA
+        ((8, 0, 64, 1, 2, 9), "warps must be 1..16"),
+        ((8, 0, 64, 1, 8, 0), "warps must be 1..16"),
+    ],
+)
+def test_bad_mixed_launches_are_refused_before_cuda(launch: tuple[int, ...], message: str) -> None:
+    """One token's mix: 8 rows, no sorted ids, routing weights, one block of at most 16
+    pairs, and a pair's warps times the pairs at most the 8-row kernel's 16."""
+    rows, pairs, weights, blocks, num_pairs, warps = launch
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _native.w4a16_experts(
+            0, 64, 64, 64, 64, pairs, 64, weights, 64, rows, blocks, num_pairs, 1, 64, 256,
+            256, True, warps, 0, mixed=True,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=re.escape("is not mixed")):  # nor gated
+        _native.w4a16_experts(
+            0, 64, 64, 64, 64, 0, 64, 0, 64, 8, 1, 8, 1, 64, 256, 256, True, 2, 0,
+            gated=True, mixed=True,
+        )  # fmt: skip

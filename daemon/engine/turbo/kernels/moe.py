@@ -384,6 +384,12 @@ def routed_moe(
     a, a_scale = fp8_input(h, gate_up, block_m)
     act = layout(a, gate_up, a_row_div=top_k, gated=GATED_GEMM, a_scale=a_scale)
     act = act if GATED_GEMM else silu_and_mul(act)  # [T k, I]
+    if sorted_pairs is None and isinstance(down, W4A16Experts):  # the sum over k in down's
+        mixed = torch.empty(1, hidden, dtype=act.dtype, device=act.device)
+        if native_experts(act, down.qweight, down.scales, down.zeros, down.group_size, None,
+                          block_expert, mixed, row_div=1, block_m=8, weights=weights.flatten(),
+                          mixed=True):  # fmt: skip
+            return mixed
     a, a_scale = fp8_input(act, down, block_m)  # each row times its routing weight:
     mixed = layout(a, down, a_row_div=1, scale=weights.flatten(), a_scale=a_scale)
     return mixed.view(num_tokens, top_k, hidden).sum(dim=1)

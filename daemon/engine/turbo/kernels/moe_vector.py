@@ -18,13 +18,15 @@ same values up to the order of float32 sums: each expert's product is scaled by 
 weight and rounded to the activations' dtype before the k of them are added in float32
 and rounded once, as there.
 
-4-bit experts (W4A16Experts) take launch 1 as it is, then the RMSNorm of its sum and
-moe.py's path after its router (routed_moe: a block a pair without a layout through the
-native W4A16 experts kernel, gate|up, SiLU, down times the weights, and the sum over k):
-six launches where fused_moe takes seven, its router GEMM and top-k kernel one.
+4-bit experts (W4A16Experts) take launch 1 with the normed row written too (vector_gemv's
+`Norm.normed`), then moe.py's path after its router (routed_moe: a block a pair without
+a layout through the native W4A16 experts kernel, gate|up with its SiLU, then down, each
+product times its weight and summed over k in the same launch): three launches.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import triton
@@ -33,7 +35,6 @@ from torch import Tensor
 
 from lmd.engine.turbo.kernels import moe
 from lmd.engine.turbo.kernels.common import expert_scales
-from lmd.engine.turbo.kernels.norm import rms_norm
 from lmd.engine.turbo.kernels.vector_gemv import Norm, Route, vector_gemv
 from lmd.engine.turbo.quant.fp8_experts import Fp8Experts, kernel_operands
 from lmd.engine.turbo.quant.load import Experts
@@ -165,12 +166,14 @@ def experts_vector(
         torch.empty(top_k, dtype=torch.int32, device=device),
         normalize,
     )
+    if isinstance(gate_up, W4A16Experts):  # the experts' input normed by the router's launch
+        h = torch.empty_like(hidden)
+        vector_gemv(hidden, router, norm=replace(norm, normed=h), out_dtype=torch.float32,
+                    route=route)  # fmt: skip
+        chosen = (route.weights.view(1, top_k), route.experts.view(1, top_k))
+        return moe.routed_moe(h, *chosen, gate_up, down, num_experts=router.shape[0])
     vector_gemv(hidden, router, norm=norm, out_dtype=torch.float32, route=route)  # [1, E]
     if norm.summed is not None:  # the experts' input: the stream after the add, normed
         hidden, norm = norm.summed, Norm(norm.weight, norm.eps)
-    if isinstance(gate_up, W4A16Experts) or isinstance(down, W4A16Experts):
-        h = rms_norm(hidden, norm.weight, norm.eps)
-        chosen = (route.weights.view(1, top_k), route.experts.view(1, top_k))
-        return moe.routed_moe(h, *chosen, gate_up, down, num_experts=router.shape[0])
     act = vector_gemv(hidden, gate_up, norm=norm, activation="silu", experts=route.experts)
     return mix_down(act, down, route.experts, route.weights)

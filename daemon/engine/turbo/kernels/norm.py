@@ -65,6 +65,40 @@ def _rms_norm_kernel(  # noqa: PLR0917  # Triton kernels take positional argumen
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def summed_row(  # noqa: PLR0917  # a Triton function: positional arguments
+    x_ptr,
+    res_ptr,
+    summed_ptr,
+    normed_ptr,
+    w_ptr,
+    squares,
+    eps,
+    k,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_SUMMED: tl.constexpr,
+    HAS_NORMED: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """In a program that has summed the squares of a row's (x + residual, rounded to its
+    dtype) k elements into `squares` ([BLOCK_K] float32, by slices): writes x + residual
+    to summed_ptr and its RMSNorm with weight w to normed_ptr, as _rms_norm_kernel
+    rounds them (its squares summed in another order), BLOCK_K elements at a time."""
+    rstd = tl.rsqrt(tl.sum(squares, axis=0) / k + eps)
+    for k0 in range(0, k, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < k
+        x = tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            x += tl.load(res_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+            x = x.to(res_ptr.dtype.element_ty).to(tl.float32)
+        if HAS_SUMMED:
+            tl.store(summed_ptr + ks, x.to(summed_ptr.dtype.element_ty), mask=kmask)
+        if HAS_NORMED:
+            w = tl.load(w_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+            tl.store(normed_ptr + ks, (x * rstd * w).to(normed_ptr.dtype.element_ty), mask=kmask)
+
+
 def rms_norm(
     x: Tensor,
     weight: Tensor,

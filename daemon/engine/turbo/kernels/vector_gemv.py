@@ -1,24 +1,22 @@
 """One row times a matrix, y = x @ W^T (+ b), with the RMSNorm that makes x folded in:
 a batch-1 decode step's products after a norm (qkv, gate|up, lm_head), without tl.dot.
 
-kernels/gemv.py pads x to tl.dot's 16 rows; work done on x inside its loop then runs
-on 16 rows in every program and moves into the dot's operand layout every slice, which
-made an RMSNorm or activation folded into it 2.5-5x slower than the two kernels it
-replaced (docs/benchmarks.md). Here x is one vector: each program owns BLOCK_N output
-columns, streams their weight rows [BLOCK_N, K] in BLOCK_K slices (contiguous along K),
+Unlike kernels/gemv.py (x padded to tl.dot's 16 rows, where a folded norm ran 2.5-5x
+slower: docs/benchmarks.md), x is one vector: each program owns BLOCK_N output columns,
+streams their weight rows [BLOCK_N, K] in BLOCK_K slices (contiguous along K),
 multiplies them by the slice of x in float32 and sums along K once at the end. With a
 `Norm`, x = RMSNorm(hidden + residual) is made on BLOCK_K elements a slice: the row's
 squares summed as it streams, the accumulator scaled by 1/rms at the end; the
 normalized values rounded to x's dtype before that scale (kernels.rms_norm rounds
 after it: the same size of error). Program 0 writes the summed stream after its
-loop, when asked (`Norm.summed`).
+loop, when asked (`Norm.summed`), and x as kernels.rms_norm makes it (`Norm.normed`,
+for a product that does not fold the norm in: 4-bit experts).
 
 With `activation` (the MLP's gate|up product, weight [2I, K]) a program owns BLOCK_N / 2
 outputs: it streams the gate rows and the up rows of its outputs, interleaved, and
 writes act(gate) * up ([1, I]) instead of the product, each rounded to x's dtype first
 as kernels/activation.py reads them: the same values as the product and silu_and_mul,
-one launch fewer a layer. (The activation folded into down instead, its input, measured
-no faster than the two kernels: 0.97-1.00x, H100; docs/benchmarks.md.)
+one launch fewer a layer.
 
 With `experts` (a layer of experts at batch 1, kernels/moe_vector.py) the weight is [E,
 N, K] and the launch makes one row for each of the token's chosen experts: a second grid
@@ -47,6 +45,7 @@ from torch import Tensor
 from lmd.engine.turbo.kernels.activation import check_activation, gate_up_rows, gated
 from lmd.engine.turbo.kernels.common import expert_scales
 from lmd.engine.turbo.kernels.native_kernels import device_index
+from lmd.engine.turbo.kernels.norm import summed_row
 from lmd.engine.turbo.kernels.rotary import Rotary, rotate_head_when_last
 from lmd.engine.turbo.kernels.routing import choose_when_last
 from lmd.engine.turbo.quant.fp8_experts import Fp8Experts, kernel_operands
@@ -55,12 +54,14 @@ from lmd.engine.turbo.quant.fp8_experts import Fp8Experts, kernel_operands
 @dataclass(frozen=True, slots=True)
 class Norm:
     """x = RMSNorm(hidden + residual) with this weight; `summed` (hidden's shape, not the
-    residual), if given, receives hidden + residual. Without a residual, RMSNorm(hidden)."""
+    residual), if given, receives hidden + residual, and `normed` x as rms_norm would
+    make it (its squares summed in another order). Without a residual, RMSNorm(hidden)."""
 
     weight: Tensor  # [K]
     eps: float
     residual: Tensor | None = None  # [1, K]
     summed: Tensor | None = None  # [1, K]: the stream after the add, for the next layer
+    normed: Tensor | None = None  # [1, K]: x, for a product that does not fold the norm
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +85,7 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
     y_ptr,
     res_ptr,
     summed_ptr,
+    normed_ptr,
     norm_ptr,
     experts_ptr,
     count_ptr,  # ROUTE: [1] int32, 0 before and after; ROTARY: [H + Hkv]
@@ -118,6 +120,7 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_SUMMED: tl.constexpr,
+    HAS_NORMED: tl.constexpr,
     GATED: tl.constexpr,  # W is gate | up, n = 2 I: write act(gate) * up
     GELU: tl.constexpr,  # (the activation: gelu_tanh, else silu)
     ROUTE: tl.constexpr,  # y is a router's float32 logits: choose TOP_K experts of them
@@ -189,21 +192,12 @@ def _vector_gemv_kernel(  # noqa: PLR0917  # Triton kernels take positional argu
             stride_kv_layer, stride_kv_kv, stride_kv_slot, stride_kv_head, NUM_HEADS,
             NUM_KV_HEADS, HEAD_DIM, HAS_QK_NORM, BLOCK_N,
         )  # fmt: skip
-    # The summed stream, once, after the weights. Two ifs: the first is decided when the
-    # kernel compiles, the second at run time.
-    if HAS_SUMMED:  # noqa: SIM102
+    # The summed stream and x, once, after the weights. Two ifs: the first is decided
+    # when the kernel compiles, the second at run time.
+    if HAS_SUMMED or HAS_NORMED:  # noqa: SIM102
         if pid == 0 and choice == 0:
-            _write_summed(x_ptr, res_ptr, summed_ptr, k, BLOCK_K)
-
-
-@triton.jit
-def _write_summed(x_ptr, res_ptr, summed_ptr, k, BLOCK_K: tl.constexpr):
-    for k0 in range(0, k, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < k
-        x = tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
-        res = tl.load(res_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
-        tl.store(summed_ptr + ks, (x + res).to(summed_ptr.dtype.element_ty), mask=kmask)
+            summed_row(x_ptr, res_ptr, summed_ptr, normed_ptr, norm_ptr, squares, eps, k,
+                       HAS_RESIDUAL, HAS_SUMMED, HAS_NORMED, BLOCK_K)  # fmt: skip
 
 
 def vector_gemv(
@@ -249,10 +243,10 @@ def vector_gemv(
         check_activation(activation)
         if n % 2:
             raise ValueError(f"vector_gemv's activation needs gate | up rows, got {n}")
-    residual = summed = None
+    residual = summed = normed = None
     if norm is not None:
         _check(norm, x, k)
-        residual, summed = norm.residual, norm.summed
+        residual, summed, normed = norm.residual, norm.summed, norm.normed
     top_k = 1
     if route is not None:
         _check_route(route, n, out_dtype, experts, activation)
@@ -273,6 +267,7 @@ def vector_gemv(
         y,
         residual if residual is not None else x,
         summed if summed is not None else x,
+        normed if normed is not None else x,
         norm.weight if norm is not None else weight,
         experts if experts is not None else weight,
         route.count if route is not None else rotary.counts if rotary is not None else weight,
@@ -293,6 +288,7 @@ def vector_gemv(
         NORM=norm is not None,
         HAS_RESIDUAL=residual is not None,
         HAS_SUMMED=summed is not None,
+        HAS_NORMED=normed is not None,
         GATED=activation is not None,
         GELU=activation == "gelu_tanh",
         ROUTE=route is not None,
@@ -365,11 +361,13 @@ def plain_tiles(n: int, k: int, device: torch.device | None = None) -> tuple[int
 def _check(norm: Norm, x: Tensor, k: int) -> None:
     if norm.weight.shape != (k,):
         raise ValueError("vector_gemv's norm needs a weight of K")
-    for t in (norm.residual, norm.summed):
+    for t in (norm.residual, norm.summed, norm.normed):
         if t is not None and (t.shape != x.shape or not t.is_contiguous()):
-            raise ValueError("vector_gemv's residual and summed are contiguous rows of x's shape")
+            raise ValueError("vector_gemv's residual, summed and normed are rows like x")
     if norm.summed is not None and (norm.residual is None or norm.summed is norm.residual):
         raise ValueError("vector_gemv's summed is a separate `summed` tensor beside a residual")
+    if norm.normed is not None and any(norm.normed is t for t in (x, norm.residual, norm.summed)):
+        raise ValueError("vector_gemv's normed is a tensor of its own")
 
 
 def _check_route(

@@ -52,6 +52,10 @@ MAX_BLOCKS = 65535  # blocks of pairs a launch (the grid's second dimension)
 # / 388.3. EXPERT_WARPS None: that rule; else this.
 EXPERT_WARPS: int | None = None
 EXPERT_WARPS_BY_PAIRS = ((16, 4), (128, 2))  # (at most this many pairs, warps)
+# One token's mix (native_experts' `mixed`): a CTA's warps, shared by its pairs, and the
+# most pairs (a warp each at least; the 8-row kernel's most warps).
+MIXED_WARPS = 16
+MIXED_MAX_PAIRS = 16
 WGMMA = True  # off: 33-64 rows go to the Triton tiles on Hopper too (scripts' A/B runs)
 WGMMA_MAX_ROWS = 64
 WGMMA_SPAN = 256  # output columns of a wgmma kernel's CTA
@@ -271,6 +275,7 @@ def native_experts(  # noqa: PLR0917  # the experts' tensors, as W4A16Experts ho
     weights: Tensor | None = None,
     warps: int | None = None,
     gated: bool = False,
+    mixed: bool = False,
 ) -> bool:
     """y[p] = x[p // row_div] @ W_e^T (* weights[p]) for every pair p of the blocks of
     block_m (8 or 16; 64 on Hopper, the wgmma kernel's) sorted pairs
@@ -278,11 +283,18 @@ def native_experts(  # noqa: PLR0917  # the experts' tensors, as W4A16Experts ho
     rows: block p holds pair p alone), W_e the block's expert's: qweight [E, K / 8, N],
     scales and zeros [E, K / 128, N]; True once enqueued, False (y untouched) when the
     kernel does not take it. `warps` overrides EXPERT_WARPS. `gated`: W_e is gate | up
-    and y [P, N / 2] = silu(x gate^T) * (x up^T) (N a multiple of 64, no weights)."""
+    and y [P, N / 2] = silu(x gate^T) * (x up^T) (N a multiple of 64, no weights).
+    `mixed`: one token's pairs (no sorted pairs, 8 rows, weights given, at most
+    MIXED_MAX_PAIRS), y [1, N] = the sum over p of weights[p] * x[p // row_div] @ W_e^T,
+    each term rounded to x's dtype first; `warps` then a pair's (default MIXED_WARPS
+    shared by the pairs)."""
     k, n = x.shape[1], qweight.shape[2]
     wgmma = block_m == WGMMA_EXPERTS_ROWS
+    num_pairs = block_expert.numel() if mixed else y.shape[0]
     if wgmma:
         warps = 0  # the wgmma kernel's own CTAs
+    elif mixed:
+        warps = max(1, MIXED_WARPS // num_pairs) if warps is None else warps
     elif warps is None:
         by_pairs = (w for most, w in EXPERT_WARPS_BY_PAIRS if y.shape[0] <= most)
         warps = EXPERT_WARPS if EXPERT_WARPS is not None else next(by_pairs, 1)
@@ -290,7 +302,17 @@ def native_experts(  # noqa: PLR0917  # the experts' tensors, as W4A16Experts ho
     takes = (
         block_m in experts_blocks(x, qweight, scales, group_size)
         and (not wgmma or sorted_pairs is not None)
-        and (not gated or (n % 64 == 0 and weights is None))
+        and (not gated or (n % 64 == 0 and weights is None and not mixed))
+        and (
+            not mixed
+            or (
+                block_m == 8
+                and sorted_pairs is None
+                and weights is not None
+                and num_pairs <= MIXED_MAX_PAIRS
+                and y.shape[0] == 1
+            )
+        )
         and k == qweight.shape[1] * 8
         and block_expert.numel() <= MAX_BLOCKS
         and y.is_contiguous()
@@ -299,7 +321,7 @@ def native_experts(  # noqa: PLR0917  # the experts' tensors, as W4A16Experts ho
         and block_expert.dtype == torch.int32
         and block_expert.is_contiguous()
         and (
-            block_expert.numel() == y.shape[0]
+            block_expert.numel() == num_pairs
             if sorted_pairs is None
             else sorted_pairs.dtype == torch.int32
             and sorted_pairs.is_contiguous()
@@ -329,8 +351,8 @@ def native_experts(  # noqa: PLR0917  # the experts' tensors, as W4A16Experts ho
         0 if weights is None else weights.data_ptr(),
         y.data_ptr(),
         block_m,
-        block_expert.numel(),
-        y.shape[0],
+        1 if mixed else block_expert.numel(),
+        num_pairs,
         row_div,
         n,
         k,
@@ -339,5 +361,6 @@ def native_experts(  # noqa: PLR0917  # the experts' tensors, as W4A16Experts ho
         warps,
         torch.cuda.current_stream(x.device).cuda_stream,
         gated,
+        mixed,
     )
     return True
