@@ -52,8 +52,8 @@ std::string w4a16_experts_check(const W4a16ExpertsArgs& args, int rows, int bloc
 // block b holds pair b alone; experts [blocks] int32, -1 for none) on `stream`: N / 32 x
 // blocks CTAs of `warps` warps (64 rows: ceil(N / 256) x blocks of the wgmma kernel's),
 // the experts' qweight [E, k / 8, n], scales and zeros [E, k / 128, n]. `mixed` (8 rows,
-// pairs 0, weights, one block): N / 32 CTAs of num_pairs x `warps` warps, y [1, n] the
-// pairs' products summed (w4a16_experts.cu). Throws as launch_w4a16_rows.
+// pairs 0, weights, one block): N / 16 CTAs of ceil(num_pairs / 2) x `warps` warps, y
+// [1, n] the pairs' products summed (w4a16_experts.cu). Throws as launch_w4a16_rows.
 void launch_w4a16_experts(int ordinal, const W4a16ExpertsArgs& args, int rows, int blocks,
                           bool bf16, int warps, std::uintptr_t stream);
 

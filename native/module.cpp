@@ -210,8 +210,9 @@ PYBIND11_MODULE(_native, m) {
       "x, scales and zeros 16-byte aligned, x_stride a multiple of 8). gated: W_e is\n"
       "gate | up and y [num_pairs, n / 2] = silu(x gate^T) * (x up^T) (no weights, n a\n"
       "multiple of 64). mixed: one token's pairs (8 rows, pairs 0, weights, blocks 1, at\n"
-      "most 16 pairs), n / 32 CTAs of num_pairs x `warps` warps, and y [1, n] the sum over\n"
-      "p of weights[p] x[p / row_div] W_e^T, each term rounded to x's dtype first.\n"
+      "most 16 pairs), n / 16 CTAs of ceil(num_pairs / 2) x `warps` warps, and y [1, n]\n"
+      "the sum over p of weights[p] x[p / row_div] W_e^T, each term rounded to x's dtype\n"
+      "first.\n"
       "ValueError for bad arguments, RuntimeError as w4a16_rows.");
 
   m.def(

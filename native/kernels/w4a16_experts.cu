@@ -19,11 +19,11 @@
 // up's for the same outputs, and y [P, N / 2] gets silu(gate) * up, each product rounded
 // to x's dtype first as silu_and_mul reads them. Grid: N / 32 x the blocks; a block of
 // expert -1 (past the last expert's run) returns at once. With `mixed` (one token's
-// pairs, no sorted ids, routing weights, 8 rows, one block) a CTA's warps are the pairs'
-// in turn, warps / num_pairs each splitting K, and y [1, N] gets the token's mix: the
-// sum over pairs, in pair order in float32 and rounded once, of each pair's product
-// times its weight rounded to x's dtype (what the products and a sum over them give, in
-// one launch). Nothing is synchronized with the host: decode steps capture it in their
+// pairs, no sorted ids, routing weights, 8 rows, one block) a CTA owns 16 columns, its
+// warps two pairs each in turn (w4a16_mixed), warps / ceil(num_pairs / 2) of them
+// splitting K, and y [1, N] gets the token's mix: the sum over pairs, in pair order in
+// float32 and rounded once, of each pair's product times its weight rounded to x's dtype
+// (what the products and a sum over them give, in one launch; grid N / 16). Nothing is synchronized with the host: decode steps capture it in their
 // CUDA graphs.
 //
 // Not compiled by setup.py: its PTX (native/kernels/w4a16_experts.ptx) is embedded and
@@ -37,32 +37,40 @@ namespace lmd_w4a16 {
 
 constexpr int kExpertColumns = 32;  // output columns a CTA
 
-// `mixed`: one token's pairs, pair p's warps p per .. p per + per - 1, y [1, n].
+// `mixed`: one token's pairs two a warp, 16 columns a CTA: lanes 0-15 multiply pair 2j's
+// expert's columns by x row 0 (pair 2j's), lanes 16-31 pair 2j + 1's same columns (rows_warp's
+// `upper` -16) by x row 1 (pair 2j + 1's); warps j per .. j per + per - 1 split K.
 template <bool kBf16>
 __device__ __forceinline__ void w4a16_mixed(const W4a16Experts& a) {
   extern __shared__ float sums[];  // [warps][8][32]
+  const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const int per = (blockDim.x >> 5) / a.num_pairs;  // warps a pair
-  const int pair = warp / per;
-  const size_t groups = static_cast<size_t>(a.experts[pair]) * (a.k / 128) * a.n;
-  const uint16_t* x =
-      a.x + static_cast<size_t>(pair / a.row_div) * a.x_stride + 4 * (threadIdx.x & 3);
+  const int per = (blockDim.x >> 5) / ((a.num_pairs + 1) / 2);  // warps a two pairs
+  const int first = 2 * (warp / per);
+  const auto pair_or_first = [&](int p) { return p < a.num_pairs ? p : first; };
+  const int mine = pair_or_first(first + (lane >> 4));  // the pair whose weights it reads
+  const size_t groups = static_cast<size_t>(a.experts[mine]) * (a.k / 128) * a.n;
+  const int row = pair_or_first(first + ((lane >> 2) == 1));  // x row g: 1 the second pair's
+  const uint16_t* x = a.x + static_cast<size_t>(row / a.row_div) * a.x_stride + 4 * (lane & 3);
+  const int col0 = blockIdx.x * (kExpertColumns / 2);
   float acc[1][2][4] = {};
-  rows_warp<kBf16, 1>(a.q + 16 * groups, a.s + groups, a.z + groups, a.n, a.k,
-                      blockIdx.x * kExpertColumns, [&](int) { return x; }, warp % per, per, acc);
+  rows_warp<kBf16, 1>(a.q + 16 * groups, a.s + groups, a.z + groups, a.n, a.k, col0,
+                      [&](int) { return x; }, warp % per, per, acc, -kExpertColumns / 2);
   stash_sums<1>(sums, acc);
-  if (threadIdx.x >= kExpertColumns) return;
-  // Column c is row 0's: lane 4 (c / 4) (t 0), tile h = c % 4 / 2, output d = 2 (c % 2).
+  if (threadIdx.x >= kExpertColumns / 2) return;
+  // Column c: lane 4 (c / 4) (+ 16 for the second pair), tile h = c % 4 / 2, output d =
+  // 2 (c % 2) at x row 0 (d + 1 at row 1 for the second pair).
   const int c = threadIdx.x;
-  const int l = 4 * (c >> 2);
   const int e = 4 * ((c & 3) >> 1) + 2 * (c & 1);
   float mix = 0.0f;
   for (int p = 0; p < a.num_pairs; ++p) {
+    const int l = 4 * (c >> 2) + 16 * (p & 1);
     float v = 0.0f;
-    for (int w = p * per; w < (p + 1) * per; ++w) v += sums[(w * 8 + e) * 32 + l];
+    for (int w = p / 2 * per; w < (p / 2 + 1) * per; ++w)
+      v += sums[(w * 8 + e + (p & 1)) * 32 + l];
     mix += to_float<kBf16>(from_float<kBf16>(v * a.weights[p]));
   }
-  a.y[blockIdx.x * kExpertColumns + c] = from_float<kBf16>(mix);
+  a.y[col0 + c] = from_float<kBf16>(mix);
 }
 
 template <bool kBf16, int kTiles>

@@ -169,7 +169,7 @@ def test_one_token_a_block_a_pair(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     ("top_k", "k", "warps"),
-    [(8, 768, None), (8, 768, 1), (2, 1024, None), (16, 256, 1), (3, 640, 5)],
+    [(8, 768, None), (8, 768, 1), (2, 1024, None), (16, 256, 2), (3, 640, 5), (1, 384, 3)],
 )
 def test_one_tokens_mix_in_the_launch(
     dtype: torch.dtype, top_k: int, k: int, warps: int | None
@@ -177,7 +177,8 @@ def test_one_tokens_mix_in_the_launch(
     """`mixed`: y [1, N] = the token's pairs' products times their weights, each rounded
     to the dtype, summed in float32 in pair order and rounded once: the unmixed rows
     summed so, each term within a rounding of them (a pair's warps sum K in another
-    order); `warps` a pair's."""
+    order); `warps` a two pairs' (an odd count's last warps read the first of theirs
+    twice)."""
     w = experts((32, 256, k), dtype, seed=top_k + k)
     chosen = torch.randperm(32, device="cuda")[:top_k].to(torch.int32)
     x = torch.randn(top_k, k, device="cuda").to(dtype)

@@ -52,8 +52,8 @@ MAX_BLOCKS = 65535  # blocks of pairs a launch (the grid's second dimension)
 # / 388.3. EXPERT_WARPS None: that rule; else this.
 EXPERT_WARPS: int | None = None
 EXPERT_WARPS_BY_PAIRS = ((16, 4), (128, 2))  # (at most this many pairs, warps)
-# One token's mix (native_experts' `mixed`): a CTA's warps, shared by its pairs, and the
-# most pairs (a warp each at least; the 8-row kernel's most warps).
+# One token's mix (native_experts' `mixed`): a CTA's warps, shared by its pairs two a
+# warp, and the most pairs.
 MIXED_WARPS = 16
 MIXED_MAX_PAIRS = 16
 WGMMA = True  # off: 33-64 rows go to the Triton tiles on Hopper too (scripts' A/B runs)
@@ -286,7 +286,7 @@ def native_experts(  # noqa: PLR0917  # the experts' tensors, as W4A16Experts ho
     and y [P, N / 2] = silu(x gate^T) * (x up^T) (N a multiple of 64, no weights).
     `mixed`: one token's pairs (no sorted pairs, 8 rows, weights given, at most
     MIXED_MAX_PAIRS), y [1, N] = the sum over p of weights[p] * x[p // row_div] @ W_e^T,
-    each term rounded to x's dtype first; `warps` then a pair's (default MIXED_WARPS
+    each term rounded to x's dtype first; `warps` then a two pairs' (default MIXED_WARPS
     shared by the pairs)."""
     k, n = x.shape[1], qweight.shape[2]
     wgmma = block_m == WGMMA_EXPERTS_ROWS
@@ -294,7 +294,7 @@ def native_experts(  # noqa: PLR0917  # the experts' tensors, as W4A16Experts ho
     if wgmma:
         warps = 0  # the wgmma kernel's own CTAs
     elif mixed:
-        warps = max(1, MIXED_WARPS // num_pairs) if warps is None else warps
+        warps = max(1, MIXED_WARPS // -(-num_pairs // 2)) if warps is None else warps
     elif warps is None:
         by_pairs = (w for most, w in EXPERT_WARPS_BY_PAIRS if y.shape[0] <= most)
         warps = EXPERT_WARPS if EXPERT_WARPS is not None else next(by_pairs, 1)
