@@ -3,7 +3,8 @@
 kernels/w4a16_rows.py native_experts, taken by kernels/moe.py's grouped GEMM) on a GPU:
 each pair's row against the float64 product of its expert's dequantized weights (times
 its routing weight), every pair written and no other row, gate|up's SiLU in the wgmma
-kernel, one token's pairs a block each without sorted ids, every warp count, fused_moe
+kernel, one token's pairs a block each without sorted ids and their mix in one launch
+(`mixed`), every warp count, fused_moe
 through them against the Triton grouped GEMM they replace (at Qwen3-30B-A3B's experts'
 shape, up to 4,096 tokens; without the wgmma kernel 128-row blocks multiply dequantized
 slabs), 8-row blocks at one token, captured in a CUDA graph, and declined where they do
@@ -277,7 +278,8 @@ def test_the_blocks_the_native_kernels_take() -> None:
 @pytest.mark.parametrize("normalize", [True, False])
 def test_one_token_through_the_router_that_chooses(normalize: bool) -> None:
     """moe_vector.experts_vector on 4-bit experts (the router's launch choosing the 8
-    experts, then the native kernel a block a pair, in a CUDA graph): what rms_norm and
+    experts and writing their normed input, then gate|up a block a pair and down's mix,
+    in a CUDA graph): what rms_norm and
     fused_moe give, within bf16 rounding (the sum over k in another order), and the
     residual stream's sum written."""
     gate_up, down, router = qwen3_moe_experts(21)

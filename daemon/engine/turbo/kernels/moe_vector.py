@@ -166,7 +166,8 @@ def experts_vector(
         torch.empty(top_k, dtype=torch.int32, device=device),
         normalize,
     )
-    if isinstance(gate_up, W4A16Experts):  # the experts' input normed by the router's launch
+    if isinstance(gate_up, W4A16Experts) or isinstance(down, W4A16Experts):  # (both: above)
+        # the experts' input normed by the router's launch
         h = torch.empty_like(hidden)
         vector_gemv(hidden, router, norm=replace(norm, normed=h), out_dtype=torch.float32,
                     route=route)  # fmt: skip
