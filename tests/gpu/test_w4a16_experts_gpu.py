@@ -222,11 +222,16 @@ def test_strided_rows() -> None:
 
 
 def qwen3_moe_experts(seed: int) -> tuple[W4A16Experts, W4A16Experts, Tensor]:
-    """Qwen3-30B-A3B's experts (128, hidden 2,048, width 768) and router, 4-bit."""
+    """Qwen3-30B-A3B's experts (128, hidden 2,048, width 768), 4-bit, and router: seeded,
+    and scaled as the experts so that the logits are O(1) (unscaled, ~45 apart: the
+    softmax's weights then move by whole percents with the logits' last bits, and the
+    router-that-chooses test failed on a draw where fused_moe's GEMM and vector_gemv's
+    logits differed so)."""
     gate_up = experts((128, 1536, 2048), torch.bfloat16, seed)
     down = experts((128, 2048, 768), torch.bfloat16, seed + 1)
-    router = torch.randn(128, 2048, device="cuda").to(torch.bfloat16)
-    return gate_up, down, router
+    gen = torch.Generator(device="cuda").manual_seed(seed + 2)
+    router = torch.randn(128, 2048, device="cuda", generator=gen) / 2048**0.5
+    return gate_up, down, router.to(torch.bfloat16)
 
 
 FUSED_CASES = [(1, True), (8, True), (64, True), (256, True), (300, True), (1024, True)]
