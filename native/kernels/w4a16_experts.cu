@@ -23,8 +23,8 @@
 // warps two pairs each in turn (w4a16_mixed), warps / ceil(num_pairs / 2) of them
 // splitting K, and y [1, N] gets the token's mix: the sum over pairs, in pair order in
 // float32 and rounded once, of each pair's product times its weight rounded to x's dtype
-// (what the products and a sum over them give, in one launch; grid N / 16). Nothing is synchronized with the host: decode steps capture it in their
-// CUDA graphs.
+// (what the products and a sum over them give, in one launch; grid N / 16). Nothing is
+// synchronized with the host: decode steps capture it in their CUDA graphs.
 //
 // Not compiled by setup.py: its PTX (native/kernels/w4a16_experts.ptx) is embedded and
 // JIT-compiled by the driver at run time (native/decode_rows.cpp). After editing, run
@@ -38,8 +38,9 @@ namespace lmd_w4a16 {
 constexpr int kExpertColumns = 32;  // output columns a CTA
 
 // `mixed`: one token's pairs two a warp, 16 columns a CTA: lanes 0-15 multiply pair 2j's
-// expert's columns by x row 0 (pair 2j's), lanes 16-31 pair 2j + 1's same columns (rows_warp's
-// `upper` -16) by x row 1 (pair 2j + 1's); warps j per .. j per + per - 1 split K.
+// expert's columns by x row 0 (pair 2j's), lanes 16-31 pair 2j + 1's same columns
+// (rows_warp's `upper` -16) by x row 1 (pair 2j + 1's); warps j per .. j per + per - 1
+// split K. An odd count's last lanes 16-31 read pair 2j again (not stored).
 template <bool kBf16>
 __device__ __forceinline__ void w4a16_mixed(const W4a16Experts& a) {
   extern __shared__ float sums[];  // [warps][8][32]

@@ -370,7 +370,9 @@ def routed_moe(
     num_experts: int,
 ) -> Tensor:
     """fused_moe after its router: h [T, hidden] through its chosen experts [T, k] int32,
-    each product times its weight [T, k] float32, summed over k -> [T, hidden]."""
+    each product times its weight [T, k] float32, summed over k -> [T, hidden]. One
+    token's 4-bit pairs (a block each, no layout) are summed in down's launch (the native
+    kernel's `mixed`)."""
     num_tokens, hidden = h.shape
     top_k = experts.shape[1]
     num_pairs = num_tokens * top_k
@@ -384,7 +386,7 @@ def routed_moe(
     a, a_scale = fp8_input(h, gate_up, block_m)
     act = layout(a, gate_up, a_row_div=top_k, gated=GATED_GEMM, a_scale=a_scale)
     act = act if GATED_GEMM else silu_and_mul(act)  # [T k, I]
-    if sorted_pairs is None and isinstance(down, W4A16Experts):  # the sum over k in down's
+    if sorted_pairs is None and isinstance(down, W4A16Experts):  # one token: the sum over k
         mixed = torch.empty(1, hidden, dtype=act.dtype, device=act.device)
         if native_experts(act, down.qweight, down.scales, down.zeros, down.group_size, None,
                           block_expert, mixed, row_div=1, block_m=8, weights=weights.flatten(),

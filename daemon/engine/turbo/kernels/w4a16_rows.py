@@ -294,7 +294,7 @@ def native_experts(  # noqa: PLR0917  # the experts' tensors, as W4A16Experts ho
     if wgmma:
         warps = 0  # the wgmma kernel's own CTAs
     elif mixed:
-        warps = max(1, MIXED_WARPS // -(-num_pairs // 2)) if warps is None else warps
+        warps = max(1, MIXED_WARPS // ((num_pairs + 1) // 2)) if warps is None else warps
     elif warps is None:
         by_pairs = (w for most, w in EXPERT_WARPS_BY_PAIRS if y.shape[0] <= most)
         warps = EXPERT_WARPS if EXPERT_WARPS is not None else next(by_pairs, 1)
