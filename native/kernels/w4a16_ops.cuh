@@ -28,8 +28,7 @@ struct W4a16Wide {
   const uint16_t* bias;  // [n] or null
   uint16_t* y;           // [m, n]
   float* work;           // [splits, m, n] when splits > 1
-  unsigned* counters;    // [a span's]: w4a16_wide's zero between launches, w4a16_wgmma's
-                         // 64-bit (w4a16_wgmma.cu: span_wait)
+  unsigned* counters;    // a span's: w4a16_wide's 0 between launches, wgmma's 64-bit
   int m, n, k, x_stride, splits;
   int gated;  // w4a16_wgmma: y [m, n / 2] = silu(x gate^T) * (x up^T), W = gate | up
 };
@@ -37,8 +36,7 @@ struct W4a16Wide {
 // The parameter of the experts kernels (w4a16_experts.cu for blocks of 8 or 16 pairs,
 // w4a16_wgmma.cu's experts entry for 64; native/decode_rows.h: W4a16ExpertsArgs).
 struct W4a16Experts {
-  const uint16_t* x;       // [rows, k], row stride x_stride elements; 8-byte aligned rows
-                           // (16 for 64-row blocks)
+  const uint16_t* x;       // [rows, k], row stride x_stride; 8-byte aligned rows (64: 16)
   const uint32_t* q;       // [E, k / 8, n]
   const uint16_t* s;       // [E, k / 128, n]
   const uint8_t* z;        // [E, k / 128, n]
@@ -327,8 +325,7 @@ __device__ __forceinline__ void store_sums(float* sums, const float (&acc)[kTile
 }
 
 // One block of 128 inputs as a rows kernel's lane holds it: word rows 4t .. 4t+3 at its
-// 4 columns, its x rows' inputs 16 j + 4t .. 4t+3 for each step j, and its columns'
-// scales and zeros.
+// 4 columns, its x rows' inputs 16 j + 4t .. 4t+3 each step j, its columns' scales, zeros.
 template <int kTiles>
 struct RowsBlock {
   uint4 w[4];
@@ -338,10 +335,9 @@ struct RowsBlock {
 };
 
 // A rows kernel warp's sums acc over 32 columns from col0 of W (words q [k / 8, n], scales
-// s and zeros z [k / 128, n]): blocks of 128 inputs warp, warp + warps, ..., loading the
-// next block while it multiplies the current one. x_row(nt) is the lane's x row of tile
-// nt (rows 8 nt + g), from its input 4t. Lanes 16-31 read their columns `upper` further
-// (gate | up: up's half for gate's 16).
+// s, zeros z [k / 128, n]): blocks of 128 inputs warp, warp + warps, ..., each loaded while
+// the last is multiplied. x_row(nt): the lane's x row of tile nt (rows 8 nt + g) from its
+// input 4t. Lanes 16-31 read their columns `upper` further (up's half for gate's 16).
 template <bool kBf16, int kTiles, typename XRow>
 __device__ __forceinline__ void rows_warp(const uint32_t* q, const uint16_t* s, const uint8_t* z,
                                           int n, int k, int col0, const XRow& x_row, int warp,
@@ -375,16 +371,15 @@ __device__ __forceinline__ void rows_warp(const uint32_t* q, const uint16_t* s, 
       });
 }
 
-// A rows kernel's CTA (w4a16_rows.cu, w4a16_experts.cu): rows_warp for each of its warps
-// over all of K, their sums added in warp order (sum_warps<kTiles, kLanes>: emit(row,
-// lane, h, d, v...)).
+// A rows kernel's CTA (w4a16_rows.cu, w4a16_experts.cu): rows_warp for each warp over K,
+// the sums added in warp order (sum_warps<kTiles, kLanes>: emit(row, lane, h, d, v...)).
 template <bool kBf16, int kTiles, int kLanes = 32, typename XRow, typename Emit>
 __device__ __forceinline__ void rows_cta(const uint32_t* q, const uint16_t* s, const uint8_t* z,
                                          int n, int k, int col0, const XRow& x_row,
                                          float* sums, const Emit& emit, int upper = 0) {
   float acc[kTiles][2][4] = {};
-  rows_warp<kBf16, kTiles>(q, s, z, n, k, col0, x_row, threadIdx.x >> 5, blockDim.x >> 5, acc,
-                           upper);
+  const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  rows_warp<kBf16, kTiles>(q, s, z, n, k, col0, x_row, warp, warps, acc, upper);
   sum_warps<kTiles, kLanes>(sums, acc, emit);
 }
 
