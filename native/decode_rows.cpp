@@ -12,19 +12,15 @@ namespace lmd {
 namespace {
 
 // The kernels of each module: {fp16, bf16} x {fewer, more rows} (wgmma: {dense, experts}).
-constexpr const char* kNames[2][2] = {
-    {"lmd_w4a16_rows_f16_m8", "lmd_w4a16_rows_f16_m16"},
-    {"lmd_w4a16_rows_bf16_m8", "lmd_w4a16_rows_bf16_m16"},
-};
+constexpr const char* kNames[2][2] = {{"lmd_w4a16_rows_f16_m8", "lmd_w4a16_rows_f16_m16"},
+                                       {"lmd_w4a16_rows_bf16_m8", "lmd_w4a16_rows_bf16_m16"}};
 constexpr const char* kExpertsNames[2][2] = {
     {"lmd_w4a16_experts_f16_m8", "lmd_w4a16_experts_f16_m16"},
-    {"lmd_w4a16_experts_bf16_m8", "lmd_w4a16_experts_bf16_m16"},
-};
+    {"lmd_w4a16_experts_bf16_m8", "lmd_w4a16_experts_bf16_m16"}};
 constexpr const char* kWideNames[2] = {"lmd_w4a16_wide_f16_m32", "lmd_w4a16_wide_bf16_m32"};
 constexpr const char* kWgmmaNames[2][2] = {
     {"lmd_w4a16_wgmma_f16_m64", "lmd_w4a16_wgmma_experts_f16_m64"},
-    {"lmd_w4a16_wgmma_bf16_m64", "lmd_w4a16_wgmma_experts_bf16_m64"},
-};
+    {"lmd_w4a16_wgmma_bf16_m64", "lmd_w4a16_wgmma_experts_bf16_m64"}};
 constexpr const char* kFp8Names[2][2] = {{"lmd_fp8_rows_f16_m8", "lmd_fp8_rows_f16_m16"},
                                           {"lmd_fp8_rows_bf16_m8", "lmd_fp8_rows_bf16_m16"}};
 
@@ -192,6 +188,11 @@ void launch_rows(const Loaded& l, const cu::Function (&kernels)[2][2], const Arg
          static_cast<unsigned>(warps) * 32, sums, stream, what);
 }
 
+// An 8/16-row experts launch's warps a CTA: `warps`, or mixed, `warps` for each two pairs.
+int experts_warps(const W4a16ExpertsArgs& a, int warps) {
+  return a.mixed ? std::min(warps, 17) * ((a.num_pairs + 1) / 2) : warps;
+}
+
 }  // namespace
 
 std::string w4a16_rows_ready(int ordinal) {
@@ -236,8 +237,8 @@ std::string w4a16_experts_check(const W4a16ExpertsArgs& a, int rows, int blocks,
     return "w4a16_experts: gated takes no weights and n a multiple of 64, and is not mixed";
   if (a.mixed && (rows != 8 || a.pairs || !a.weights || blocks != 1 || a.num_pairs > 16))
     return "w4a16_experts: mixed takes 8 rows, no sorted pairs, weights, a block, <= 16 pairs";
-  const int all = a.mixed ? std::min(warps, 17) * ((a.num_pairs + 1) / 2) : warps;  // 2 pairs
-  const std::string warps_error = wgmma ? "" : rows_warps_error("w4a16_experts", rows, all);
+  const std::string warps_error =
+      wgmma ? "" : rows_warps_error("w4a16_experts", rows, experts_warps(a, warps));
   if (!warps_error.empty()) return warps_error;
   if (!a.pairs && !a.mixed && blocks != a.num_pairs)
     return "w4a16_experts: without sorted pairs, a block a pair (blocks == num_pairs)";
@@ -259,12 +260,10 @@ void launch_w4a16_experts(int ordinal, const W4a16ExpertsArgs& args, int rows, i
   const bool wgmma = rows == kW4a16WgmmaMaxRows;
   const Loaded& l = loaded_or_throw(ordinal, wgmma ? Kernels::kWgmma : Kernels::kW4a16);
   const int columns = wgmma ? kW4a16WgmmaColumns : kW4a16RowsColumns / (args.mixed ? 2 : 1);
-  const int threads = wgmma ? kW4a16WgmmaThreads  // mixed: `warps` a two pairs
-                            : warps * (args.mixed ? (args.num_pairs + 1) / 2 : 1) * 32;
+  const int threads = wgmma ? kW4a16WgmmaThreads : experts_warps(args, warps) * 32;
   const int shared = wgmma ? kW4a16WgmmaSharedBytes : threads * rows * 4;  // the warps' sums
   launch(l, wgmma ? l.wgmma_experts[bf16 ? 1 : 0] : l.experts[bf16 ? 1 : 0][rows / 16], args,
-         static_cast<unsigned>((args.n + columns - 1) / columns), static_cast<unsigned>(blocks),
-         static_cast<unsigned>(threads), static_cast<unsigned>(shared), stream,
+         (args.n + columns - 1) / columns, blocks, threads, shared, stream,
          "cuLaunchKernel(w4a16_experts)");
 }
 

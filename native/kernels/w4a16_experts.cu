@@ -65,10 +65,8 @@ __device__ __forceinline__ void w4a16_mixed(const W4a16Experts& a) {
   const int e = 4 * ((c & 3) >> 1) + 2 * (c & 1);
   float mix = 0.0f;
   for (int p = 0; p < a.num_pairs; ++p) {
-    const int l = 4 * (c >> 2) + 16 * (p & 1);
-    float v = 0.0f;
-    for (int w = p / 2 * per; w < (p / 2 + 1) * per; ++w)
-      v += sums[(w * 8 + e + (p & 1)) * 32 + l];
+    const float v = warp_sum<8>(sums, e + (p & 1), 4 * (c >> 2) + 16 * (p & 1), p / 2 * per,
+                                (p / 2 + 1) * per);
     mix += to_float<kBf16>(from_float<kBf16>(v * a.weights[p]));
   }
   a.y[col0 + c] = from_float<kBf16>(mix);

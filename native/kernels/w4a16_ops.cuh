@@ -40,8 +40,7 @@ struct W4a16Experts {
   const uint32_t* q;       // [E, k / 8, n]
   const uint16_t* s;       // [E, k / 128, n]
   const uint8_t* z;        // [E, k / 128, n]
-  const int32_t* pairs;    // [blocks * block rows] pair ids sorted by expert; null: block
-                           // b holds pair b alone (one token's pairs, experts distinct)
+  const int32_t* pairs;    // [blocks * rows] ids sorted by expert; null: block b = pair b
   const int32_t* experts;  // [blocks] the expert of each block, -1 for none
   const float* weights;    // [num_pairs] routing weights, or null
   uint16_t* y;             // [num_pairs, n] (n / 2 gated)
@@ -278,11 +277,11 @@ __device__ __forceinline__ void stash_sums(float* sums, const float (&acc)[kTile
   __syncthreads();
 }
 
-// Lane l's sum e over the CTA's warps, in warp order (kSums: kTiles * 8).
+// Lane l's sum e over warps first .. last - 1, in warp order (kSums: kTiles * 8).
 template <int kSums>
-__device__ __forceinline__ float warp_sum(const float* sums, int e, int l) {
+__device__ __forceinline__ float warp_sum(const float* sums, int e, int l, int first, int last) {
   float v = 0.0f;
-  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) v += sums[(w * kSums + e) * 32 + l];
+  for (int w = first; w < last; ++w) v += sums[(w * kSums + e) * 32 + l];
   return v;
 }
 
@@ -295,15 +294,16 @@ __device__ __forceinline__ void sum_warps(float* sums, const float (&acc)[kTiles
                                           const Emit& emit) {
   constexpr int kSums = kTiles * 8;
   stash_sums<kTiles>(sums, acc);
+  const int warps = blockDim.x >> 5;
   for (int i = threadIdx.x; i < kSums * kLanes; i += blockDim.x) {
     const int e = i / kLanes;
     const int l = i % kLanes;
     const int row = 8 * (e / 8) + 2 * (l & 3) + (e & 1);
     if constexpr (kLanes == 32) {
-      emit(row, l, (e / 4) % 2, e % 4, warp_sum<kSums>(sums, e, l));
+      emit(row, l, (e / 4) % 2, e % 4, warp_sum<kSums>(sums, e, l, 0, warps));
     } else {
-      emit(row, l, (e / 4) % 2, e % 4, warp_sum<kSums>(sums, e, l),
-           warp_sum<kSums>(sums, e, l + 16));
+      emit(row, l, (e / 4) % 2, e % 4, warp_sum<kSums>(sums, e, l, 0, warps),
+           warp_sum<kSums>(sums, e, l + 16, 0, warps));
     }
   }
 }
