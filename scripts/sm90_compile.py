@@ -8,8 +8,9 @@ where it differs from ours.
 Each case is a kernel with its constexprs and the types of the arguments that are not
 bf16 pointers or int32 (the default for names ending in _ptr / _ptrs, and for the
 rest); every argument is taken as 16-byte aligned or a multiple of 16, as launches on
-real tensors are specialized. Prints one line per case (OK, or the error's first line)
-and exits 1 if one fails. --ptx DIR writes each case's PTX there.
+real tensors are specialized. Prints one line per case (OK with the registers a thread
+ptxas gives it, or the error's first line) and exits 1 if one fails. --ptx DIR writes
+each case's PTX there.
 
 A kernel that compiles under the interpreter can still fail Triton's GPU passes (3.6
 could not lay out a while loop that carried tensors, kernels/tagged.py), and a failed
@@ -21,7 +22,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -240,6 +244,20 @@ def cases() -> list[tuple[str, ASTSource, dict[str, Any]]]:
     return out
 
 
+def registers(ptx: str) -> str:
+    """The kernel's registers a thread, as ptxas -v counts them ("?" without ptxas)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        try:
+            done = subprocess.run(["ptxas", "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
+                                  capture_output=True, text=True, check=True)  # fmt: skip
+        except (OSError, subprocess.CalledProcessError):
+            return "?"
+    found = re.search(r"Used (\d+) registers", done.stderr)
+    return found.group(1) if found else "?"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ptx", type=Path, default=None)
@@ -253,7 +271,7 @@ def main() -> None:
             failed += 1
             print(f"FAIL {label}: {str(exc).strip().splitlines()[0][:160]}")
             continue
-        print(f"OK   {label}")
+        print(f"OK   {label}: {registers(compiled.asm['ptx'])} registers")
         if args.ptx is not None:
             args.ptx.mkdir(parents=True, exist_ok=True)
             (args.ptx / f"{n:02d}.ptx").write_text(compiled.asm["ptx"])
