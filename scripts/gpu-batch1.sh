@@ -39,11 +39,12 @@
 #       launch and the merge in decode attention's, and with each in a kernel of its own
 #       (families_bench.py --separate-rotary --separate-merge --separate-rotary-merge) on
 #       the same two shapes.
-#   scripts/gpu-batch1.sh moe48
+#   scripts/gpu-batch1.sh moe48 [FLAGS...]
 #       nvidia-h200, ~5 minutes: the whole Qwen3-30B-A3B shape written streamed into
 #       /dev/shm (57 GB, ~85 s), then families_bench.py at batch 1 (the step against its
-#       floor) and at 256 (each in an engine of its own), and step_profile.py at 256 and
-#       at 1 and prefill_profile.py at 16 x 512 tokens (where each run's time goes).
+#       floor) and at 256 (each in an engine of its own; BATCHES="1 64" others; each of
+#       FLAGS, e.g. "--quantization w4a16" "", a run of its own), and step_profile.py at 256
+#       and at 1 and prefill_profile.py at 16 x 512 tokens (PROFILES=0: not).
 # Carry .whl and .gpu-assets (scripts/gpu-assets.sh makes it). Results in $OUT: batch1-tests.txt,
 # batch1.jsonl (or tp-step.jsonl), batch1-stderr.txt.
 set -uo pipefail
@@ -59,10 +60,15 @@ if [[ ${1:-} == moe48 ]]; then
   model=/dev/shm/qwen3-30b-a3b-shape
   [[ -f $model/config.json ]] || python3 scripts/random_models.py qwen3-30b-a3b-shape --streamed \
     --out-dir /dev/shm 2>&1 | grep -v "^Writing" | tail -2
-  for batch in 1 256; do
-    timeout 200 python3 scripts/families_bench.py "$model" --batches $batch \
-      2>>"$out/batch1-stderr.txt" | tee -a "$out/moe48.jsonl"
+  shift
+  for batch in ${BATCHES:-1 256}; do
+    for flags in "${@:-}"; do  # each a run of its own (default: bf16 alone)
+      # shellcheck disable=SC2086  # flags: words
+      timeout 260 python3 scripts/families_bench.py "$model" --batches $batch $flags \
+        2>>"$out/batch1-stderr.txt" | tee -a "$out/moe48.jsonl"
+    done
   done
+  [[ ${PROFILES:-1} == 0 ]] && exit 0
   for batch in 256 1; do
     timeout 120 python3 scripts/step_profile.py "$model" --batch $batch --kernels 14 \
       2>>"$out/batch1-stderr.txt" | tee "$out/step$batch-profile.txt"
