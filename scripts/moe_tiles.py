@@ -3,7 +3,7 @@ a few tilings, at decode and prefill sizes: which tiles to take where.
 
     python3 scripts/moe_tiles.py [--tokens 1,8,64,256,4096] [--fp8 rows|blocks]
         [--codes-rows N] [--w4a16 GROUP] [--w4-rows N] [--expert-warps 2,4,8] [--no-native]
-        [--profile] [--dequant-rows N]
+        [--profile] [--dequant-rows N] [--torch-sum]
 
 Random bf16 inputs, E = 128 experts, k = 8, hidden 2,048, I = 768; with --fp8 the experts
 quantized (quant/fp8_experts.py: a scale a row, or 128x128 blocks), with --w4a16 rounded
@@ -13,7 +13,8 @@ rows take the native experts kernel on the default tiles (kernels/w4a16_rows.py;
 --expert-warps it is timed at each count of warps a CTA instead of the Triton tilings,
 which take 16-row blocks and up; --no-native: the Triton kernel for all; --profile: the
 kernels of eager fused_moe calls under torch.profiler, a call's each; blocks of
---dequant-rows rows and more multiply dequantized slabs, moe.W4_DEQUANT_ROWS). Times are
+--dequant-rows rows and more multiply dequantized slabs, moe.W4_DEQUANT_ROWS; --torch-sum:
+the sum over k by torch, moe_sum.TRITON_SUM off). Times are
 `triton.testing.do_bench_cudagraph` medians (no launch overhead), with the bytes of the
 experts the tokens hit over that time.
 """
@@ -28,7 +29,7 @@ import torch
 import triton
 from tp_step import kernel_table, print_kernels  # scripts/ is this script's import path
 
-from lmd.engine.turbo.kernels import moe, moe_align, routing, w4a16_rows
+from lmd.engine.turbo.kernels import moe, moe_align, moe_sum, routing, w4a16_rows
 from lmd.engine.turbo.quant.fp8_experts import Fp8Experts
 from lmd.engine.turbo.quant.load import Experts
 from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
@@ -69,13 +70,15 @@ def parse() -> argparse.Namespace:
     )
     parser.add_argument("--wgmma-past", type=int, default=-1, help="moe_align.WGMMA_PAST")
     parser.add_argument("--profile", action="store_true", help="fused_moe's kernels, eager")
+    parser.add_argument("--torch-sum", action="store_true", help="moe_sum.TRITON_SUM off")
     parser.add_argument("--dequant-rows", type=int, default=0, help="moe.W4_DEQUANT_ROWS")
     return parser.parse_args()
 
 
-def main() -> None:
-    args = parse()
+def set_switches(args: argparse.Namespace) -> None:
+    """The kernels' module switches as the flags ask."""
     w4a16_rows.EXPERTS = not args.no_native
+    moe_sum.TRITON_SUM = not args.torch_sum
     w4a16_rows.WGMMA_EXPERTS = not args.no_wgmma
     if args.wgmma_past >= 0:
         moe_align.WGMMA_PAST = args.wgmma_past
@@ -83,6 +86,11 @@ def main() -> None:
     moe.FP8_CODES_ROWS = args.codes_rows or moe.FP8_CODES_ROWS
     if args.w4_rows >= 0:
         moe.W4_SCALE_AFTER_ROWS = args.w4_rows
+
+
+def main() -> None:
+    args = parse()
+    set_switches(args)
     torch.manual_seed(0)
     dev = torch.device("cuda")
     router = torch.randn(E, HIDDEN, device=dev, dtype=torch.bfloat16)

@@ -40,13 +40,11 @@ from lmd.engine.turbo.kernels.activation import gate_up_rows, gated, silu_and_mu
 from lmd.engine.turbo.kernels.common import expert_scales
 from lmd.engine.turbo.kernels.fp8_quant import quantize_per_token, quantize_per_token_group
 from lmd.engine.turbo.kernels.moe_align import align, block_rows, native_blocks
+from lmd.engine.turbo.kernels.moe_sum import sum_over_k
 from lmd.engine.turbo.kernels.routing import route
 from lmd.engine.turbo.kernels.w4a16 import PACKED_NIBBLES, four_bit_slice
 from lmd.engine.turbo.kernels.w4a16_dense import SLAB_BYTES, dequantize_experts
-from lmd.engine.turbo.kernels.w4a16_rows import (
-    NATIVE_EXPERTS_ROWS,
-    native_experts,
-)
+from lmd.engine.turbo.kernels.w4a16_rows import NATIVE_EXPERTS_ROWS, native_experts
 from lmd.engine.turbo.quant.fp8_experts import Fp8Experts, Operands, kernel_operands
 from lmd.engine.turbo.quant.load import Experts
 from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
@@ -394,4 +392,4 @@ def routed_moe(
             return mixed
     a, a_scale = fp8_input(act, down, block_m)  # each row times its routing weight:
     mixed = layout(a, down, a_row_div=1, scale=weights.flatten(), a_scale=a_scale)
-    return mixed.view(num_tokens, top_k, hidden).sum(dim=1)
+    return sum_over_k(mixed, num_tokens, top_k)
