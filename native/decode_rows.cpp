@@ -188,7 +188,8 @@ void launch_rows(const Loaded& l, const cu::Function (&kernels)[2][2], const Arg
          static_cast<unsigned>(warps) * 32, sums, stream, what);
 }
 
-// An 8/16-row experts launch's warps a CTA: `warps`, or mixed, `warps` for each two pairs.
+// An 8/16-row experts launch's warps a CTA: `warps`, or mixed, `warps` for each two pairs
+// (clamped at 17, past any CTA's 16, so that a wrong count is refused, not overflowed).
 int experts_warps(const W4a16ExpertsArgs& a, int warps) {
   return a.mixed ? std::min(warps, 17) * ((a.num_pairs + 1) / 2) : warps;
 }

@@ -1,8 +1,8 @@
 """The sum over k of a layer of experts (kernels/moe_sum.py): each token's k rows summed
 as torch sums them (float32, rounded once), for k a power of two or not, a width that is
 not a multiple of a program's columns, no tokens; torch's sum where the rows are not
-one token's k in order, or with the kernel switched off. Through Triton's interpreter
-without CUDA, compiled with it.
+contiguous, or with the kernel switched off; rows that are not T k refused. Through
+Triton's interpreter without CUDA, compiled with it.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ def test_no_tokens_and_the_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
     assert moe_sum.sum_over_k(empty, 0, 4).shape == (0, 32)
     rows = torch.randn(8, 2 * 32, device=DEVICE)[:, :32]  # not contiguous: torch's sum
     assert torch.equal(moe_sum.sum_over_k(rows, 2, 4), rows.reshape(2, 4, 32).sum(dim=1))
+    with pytest.raises(ValueError, match="rows are not"):  # not 2 tokens' 4 rows each
+        moe_sum.sum_over_k(torch.randn(7, 32, device=DEVICE), 2, 4)
     monkeypatch.setattr(moe_sum, "TRITON_SUM", False)
     rows = torch.randn(8, 32, device=DEVICE)
     assert torch.equal(moe_sum.sum_over_k(rows, 2, 4), rows.view(2, 4, 32).sum(dim=1))

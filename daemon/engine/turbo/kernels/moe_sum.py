@@ -37,7 +37,9 @@ def sum_over_k(rows: Tensor, num_tokens: int, top_k: int) -> Tensor:
     """rows [T k, hidden] (contiguous, pair t k + j of token t) -> [T, hidden], each
     token's k rows summed."""
     hidden = rows.shape[1]
-    if not TRITON_SUM or not rows.is_contiguous() or rows.shape[0] != num_tokens * top_k:
+    if rows.shape[0] != num_tokens * top_k:
+        raise ValueError(f"{rows.shape[0]} rows are not {num_tokens} tokens' {top_k} each")
+    if not TRITON_SUM or not rows.is_contiguous():
         return rows.view(num_tokens, top_k, hidden).sum(dim=1)
     out = torch.empty(num_tokens, hidden, dtype=rows.dtype, device=rows.device)
     if num_tokens == 0:
