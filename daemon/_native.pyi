@@ -45,8 +45,31 @@ def w4a16_rows(
     bf16: bool,
     warps: int,
     stream: int,
+    gated: bool = False,
 ) -> None:
-    """y = x W^T (+ b) for 1-16 rows on the tensor cores, enqueued on a CUstream."""
+    """y = x W^T (+ b) for 1-16 rows on the tensor cores, enqueued on a CUstream;
+    `gated`: y = silu(x gate^T) * (x up^T), W = gate | up."""
+
+def w4a16_rows_normed(
+    device: int,
+    x: int,
+    residual: int,
+    gamma: int,
+    summed: int,
+    eps: float,
+    q: int,
+    s: int,
+    z: int,
+    bias: int,
+    y: int,
+    n: int,
+    k: int,
+    bf16: bool,
+    warps: int,
+    stream: int,
+    gated: bool = False,
+) -> None:
+    """w4a16_rows for one row of RMSNorm(x + residual), made in the launch."""
 
 def w4a16_experts(
     device: int,

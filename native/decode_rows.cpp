@@ -14,6 +14,8 @@ namespace {
 // The kernels of each module: {fp16, bf16} x {fewer, more rows} (wgmma: {dense, experts}).
 constexpr const char* kNames[2][2] = {{"lmd_w4a16_rows_f16_m8", "lmd_w4a16_rows_f16_m16"},
                                        {"lmd_w4a16_rows_bf16_m8", "lmd_w4a16_rows_bf16_m16"}};
+constexpr const char* kNormedNames[2] = {"lmd_w4a16_rows_normed_f16_m1",
+                                         "lmd_w4a16_rows_normed_bf16_m1"};
 constexpr const char* kExpertsNames[2][2] = {
     {"lmd_w4a16_experts_f16_m8", "lmd_w4a16_experts_f16_m16"},
     {"lmd_w4a16_experts_bf16_m8", "lmd_w4a16_experts_bf16_m16"}};
@@ -29,6 +31,7 @@ struct Loaded {
   cu::Module module = nullptr;
   cu::Module wide_module = nullptr;
   cu::Function kernels[2][2] = {};
+  cu::Function normed[2] = {};
   cu::Function wide[2] = {};
   cu::Module experts_module = nullptr;
   cu::Function experts[2][2] = {};
@@ -107,9 +110,12 @@ Loaded load(int ordinal) {
             "cuModuleLoadData(w4a16_experts)");
     get_functions(d, out.module, kNames, out.kernels);
     get_functions(d, out.experts_module, kExpertsNames, out.experts);
-    for (int bf16 = 0; bf16 < 2; ++bf16)
+    for (int bf16 = 0; bf16 < 2; ++bf16) {
       d.check(d.cuModuleGetFunction(&out.wide[bf16], out.wide_module, kWideNames[bf16]),
               kWideNames[bf16]);
+      d.check(d.cuModuleGetFunction(&out.normed[bf16], out.module, kNormedNames[bf16]),
+              kNormedNames[bf16]);
+    }
     load_wgmma(d, device, out);
   } catch (const std::exception& e) {
     out.error = e.what();
@@ -170,12 +176,6 @@ void launch(const Loaded& l, cu::Function kernel, const Args& args, unsigned gri
   d.check(d.cuLaunchKernelEx(&config, kernel, params, nullptr), what);
 }
 
-// What is wrong with a rows kernel's count of warps for m rows, or "".
-std::string rows_warps_error(const char* name, int m, int warps) {
-  if (warps >= 1 && warps <= w4a16_rows_max_warps(m)) return "";
-  return std::string(name) + ": warps must be 1.." + std::to_string(w4a16_rows_max_warps(m));
-}
-
 // Enqueues one of a rows kernel's four entries ({fp16, bf16} x {up to 8, up to 16 rows}):
 // N / 32 CTAs of `warps` warps, with room for their warps' sums in shared memory.
 template <typename Args>
@@ -188,32 +188,11 @@ void launch_rows(const Loaded& l, const cu::Function (&kernels)[2][2], const Arg
          static_cast<unsigned>(warps) * 32, sums, stream, what);
 }
 
-// An 8/16-row experts launch's warps a CTA: `warps`, or mixed, `warps` for each two pairs
-// (clamped at 17, past any CTA's 16, so that a wrong count is refused, not overflowed).
-int experts_warps(const W4a16ExpertsArgs& a, int warps) {
-  return a.mixed ? std::min(warps, 17) * ((a.num_pairs + 1) / 2) : warps;
-}
-
 }  // namespace
 
 std::string w4a16_rows_ready(int ordinal) {
   if (ordinal < 0) return "w4a16_rows: no such CUDA device " + std::to_string(ordinal);
   return loaded_on(ordinal).error;
-}
-
-std::string w4a16_rows_check(const W4a16RowsArgs& a, int warps) {
-  if (a.m < 1 || a.m > 16 || a.n < 1 || a.n % kW4a16RowsColumns || a.k < 128 || a.k % 128 ||
-      a.x_stride < a.k) {
-    return "w4a16_rows: m must be 1..16, n a multiple of 32, k of 128 and x_stride >= k";
-  }
-  const std::string warps_error = rows_warps_error("w4a16_rows", a.m, warps);
-  if (!warps_error.empty()) return warps_error;
-  // 16-byte word loads, 8-byte x, scale and bias loads, 4-byte zero loads.
-  if (!a.x || !a.q || !a.s || !a.z || !a.y || a.x % 8 || a.x_stride % 4 || a.q % 16 ||
-      a.s % 8 || a.z % 4 || a.y % 2 || a.bias % 2) {
-    return "w4a16_rows: a null or misaligned address";
-  }
-  return "";
 }
 
 void launch_w4a16_rows(int ordinal, const W4a16RowsArgs& args, bool bf16, int warps,
@@ -224,34 +203,15 @@ void launch_w4a16_rows(int ordinal, const W4a16RowsArgs& args, bool bf16, int wa
   launch_rows(l, l.kernels, args, bf16, warps, stream, "cuLaunchKernel(w4a16_rows)");
 }
 
-std::string w4a16_experts_check(const W4a16ExpertsArgs& a, int rows, int blocks, int warps) {
-  if ((rows != 8 && rows != 16 && rows != kW4a16WgmmaMaxRows) || blocks < 1 || blocks > 65535 ||
-      a.n < 1 || a.n % kW4a16RowsColumns || a.k < 128 || a.k % 128 || a.x_stride < a.k ||
-      a.num_pairs < 1 || a.row_div < 1) {
-    return "w4a16_experts: rows must be 8, 16 or 64, blocks 1..65535, n a multiple of 32, k "
-           "of 128, x_stride >= k, num_pairs and row_div >= 1";
-  }
-  const bool wgmma = rows == kW4a16WgmmaMaxRows;  // that kernel's CTAs, its 16-byte copies
-  if (wgmma && (warps != 0 || !a.pairs))
-    return "w4a16_experts: 64 rows take sorted pairs and warps 0";
-  if (a.gated && (a.n % 64 || a.weights || a.mixed))
-    return "w4a16_experts: gated takes no weights and n a multiple of 64, and is not mixed";
-  if (a.mixed && (rows != 8 || a.pairs || !a.weights || blocks != 1 || a.num_pairs > 16))
-    return "w4a16_experts: mixed takes 8 rows, no sorted pairs, weights, a block, <= 16 pairs";
-  const std::string warps_error =
-      wgmma ? "" : rows_warps_error("w4a16_experts", rows, experts_warps(a, warps));
-  if (!warps_error.empty()) return warps_error;
-  if (!a.pairs && !a.mixed && blocks != a.num_pairs)
-    return "w4a16_experts: without sorted pairs, a block a pair (blocks == num_pairs)";
-  // w4a16_rows' loads (the wgmma kernel copies x, scales and zeros 16 bytes at a time and
-  // stores y 4), and 4-byte pair ids (or none), experts and routing weights.
-  const int x_align = wgmma ? 16 : 8, s_align = wgmma ? 16 : 8, z_align = wgmma ? 16 : 4;
-  if (!a.x || !a.q || !a.s || !a.z || !a.experts || !a.y || a.x % x_align ||
-      a.x_stride % (x_align / 2) || a.q % 16 || a.s % s_align || a.z % z_align || a.pairs % 4 ||
-      a.experts % 4 || a.weights % 4 || a.y % (wgmma ? 4 : 2)) {
-    return "w4a16_experts: a null or misaligned address";
-  }
-  return "";
+void launch_w4a16_rows_normed(int ordinal, const W4a16RowsArgs& args, bool bf16, int warps,
+                              std::uintptr_t stream) {
+  const std::string wrong = w4a16_rows_normed_check(args, warps);
+  if (!wrong.empty()) throw std::invalid_argument(wrong);
+  const Loaded& l = loaded_or_throw(ordinal);
+  // The warps' sums (one x tile), then x's row in 16 bits.
+  const unsigned shared = static_cast<unsigned>(warps * 8 * 32 * sizeof(float) + args.k * 2);
+  launch(l, l.normed[bf16 ? 1 : 0], args, static_cast<unsigned>(args.n / kW4a16RowsColumns), 1,
+         static_cast<unsigned>(warps) * 32, shared, stream, "cuLaunchKernel(w4a16_rows_normed)");
 }
 
 void launch_w4a16_experts(int ordinal, const W4a16ExpertsArgs& args, int rows, int blocks,
@@ -370,22 +330,6 @@ void launch_w4a16_wgmma(int ordinal, const W4a16WideArgs& args, bool bf16,
 std::string fp8_rows_ready(int ordinal) {
   if (ordinal < 0) return "fp8_rows: no such CUDA device " + std::to_string(ordinal);
   return loaded_on(ordinal).fp8_error;
-}
-
-std::string fp8_rows_check(const Fp8RowsArgs& a, int warps) {
-  if (a.m < 1 || a.m > 16 || a.n < 1 || a.n % kW4a16RowsColumns || a.k < 128 || a.k % 128 ||
-      a.x_stride < a.k || (a.s_stride != 0 && a.s_stride < a.k / 128)) {
-    return "fp8_rows: m must be 1..16, n a multiple of 32, k of 128, x_stride >= k and "
-           "s_stride 0 or >= k / 128";
-  }
-  const std::string warps_error = rows_warps_error("fp8_rows", a.m, warps);
-  if (!warps_error.empty()) return warps_error;
-  // 16-byte weight and x loads, 4-byte scales, 2-byte bias and y.
-  if (!a.x || !a.w || !a.s || !a.y || a.x % 16 || a.x_stride % 8 || a.w % 16 || a.s % 4 ||
-      a.y % 2 || a.bias % 2) {
-    return "fp8_rows: a null or misaligned address";
-  }
-  return "";
 }
 
 void launch_fp8_rows(int ordinal, const Fp8RowsArgs& args, bool bf16, int warps,

@@ -21,17 +21,25 @@ extern const char kW4a16ExpertsPtx[];
 extern const char kFp8RowsPtx[];
 extern const char kW4a16WgmmaPtx[];
 
-// The kernel's parameter, byte for byte (W4a16Rows in the .cu).
+// The kernel's parameter, byte for byte (W4a16Rows in native/kernels/w4a16_params.cuh).
 struct W4a16RowsArgs {
   std::uint64_t x, q, s, z, bias, y;  // addresses; bias 0 for none
   std::int32_t m, n, k, x_stride;
+  std::uint64_t residual = 0, gamma = 0, summed = 0;  // the normed entries' (0: none)
+  float eps = 0.0f;
+  std::int32_t gated = 0;  // y [m, n / 2] = silu(x gate^T) * (x up^T), W = gate | up
 };
-static_assert(sizeof(W4a16RowsArgs) == 64, "must match W4a16Rows in w4a16_rows.cu");
+static_assert(sizeof(W4a16RowsArgs) == 96, "must match W4a16Rows in w4a16_params.cuh");
 
 constexpr int kW4a16RowsColumns = 32;  // output columns of a CTA
+constexpr int kW4a16NormedMaxK = 16384;  // the normed entries' x row in shared memory
 
 // The most warps a CTA may have for m rows (the kernels' __launch_bounds__).
 inline int w4a16_rows_max_warps(int m) { return m <= 8 ? 16 : 8; }
+
+// What is wrong with a rows kernel's count of warps for m rows, or "" (messages named
+// `name`; decode_rows_check.cpp).
+std::string rows_warps_error(const char* name, int m, int warps);
 
 // The experts kernels' parameter, byte for byte (W4a16Experts in w4a16_ops.cuh).
 struct W4a16ExpertsArgs {
@@ -46,6 +54,10 @@ static_assert(sizeof(W4a16ExpertsArgs) == 96, "must match W4a16Experts in w4a16_
 // on Hopper), `blocks` the grid's blocks of pairs, `warps` a CTA's (as
 // w4a16_rows_max_warps(rows); 0 for 64 rows, whose CTAs are the wgmma kernel's).
 std::string w4a16_experts_check(const W4a16ExpertsArgs& args, int rows, int blocks, int warps);
+
+// An 8/16-row experts launch's warps a CTA: `warps`, or mixed, `warps` for each two pairs
+// (clamped at 17, past any CTA's 16, so that a wrong count is refused, not overflowed).
+int experts_warps(const W4a16ExpertsArgs& args, int warps);
 
 // Enqueues y[p] = x[p / row_div] W_e^T (* weights[p]) for the pairs p of `blocks` blocks of
 // `rows` pairs sorted by expert (pairs [blocks * rows] int32, num_pairs for padding, or 0:
@@ -88,10 +100,22 @@ std::string w4a16_rows_ready(int ordinal);
 std::string w4a16_rows_check(const W4a16RowsArgs& args, int warps);
 
 // Enqueues y = x W^T (+ b) on `stream` (a CUstream of device `ordinal`): N / 32 CTAs of
-// `warps` warps. Throws std::runtime_error when the kernels are not ready or the launch
-// fails, std::invalid_argument for what w4a16_rows_check refuses.
+// `warps` warps (gated: no bias, n a multiple of 64, y [m, n / 2]). Throws
+// std::runtime_error when the kernels are not ready or the launch fails,
+// std::invalid_argument for what w4a16_rows_check refuses.
 void launch_w4a16_rows(int ordinal, const W4a16RowsArgs& args, bool bf16, int warps,
                        std::uintptr_t stream);
+
+// What is wrong with a normed launch's arguments, or "": w4a16_rows_check's, and one row,
+// k <= kW4a16NormedMaxK, gamma given, x, residual, gamma and summed 16-byte aligned,
+// summed neither residual nor x.
+std::string w4a16_rows_normed_check(const W4a16RowsArgs& args, int warps);
+
+// launch_w4a16_rows for one row of x = RMSNorm(x + residual) (no residual: RMSNorm(x)),
+// weight gamma, made by each CTA into shared memory (native/kernels/w4a16_rows.cu); CTA
+// 0 stores x + residual to summed when given.
+void launch_w4a16_rows_normed(int ordinal, const W4a16RowsArgs& args, bool bf16, int warps,
+                              std::uintptr_t stream);
 
 // What is wrong with a wide launch's arguments, or "".
 std::string w4a16_wide_check(const W4a16WideArgs& args);

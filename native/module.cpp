@@ -156,16 +156,41 @@ PYBIND11_MODULE(_native, m) {
       "w4a16_rows",
       [](int device, std::uintptr_t x, std::uintptr_t q, std::uintptr_t s, std::uintptr_t z,
          std::uintptr_t bias, std::uintptr_t y, int rows, int n, int k, int x_stride, bool bf16,
-         int warps, std::uintptr_t stream) {
-        const lmd::W4a16RowsArgs args{x, q, s, z, bias, y, rows, n, k, x_stride};
+         int warps, std::uintptr_t stream, bool gated) {
+        lmd::W4a16RowsArgs args{x, q, s, z, bias, y, rows, n, k, x_stride};
+        args.gated = gated ? 1 : 0;
         lmd::launch_w4a16_rows(device, args, bf16, warps, stream);
       },
+      py::arg("device"), py::arg("x"), py::arg("q"), py::arg("s"), py::arg("z"),
+      py::arg("bias"), py::arg("y"), py::arg("rows"), py::arg("n"), py::arg("k"),
+      py::arg("x_stride"), py::arg("bf16"), py::arg("warps"), py::arg("stream"),
+      py::arg("gated") = false,
       "y = x W^T (+ b) for 1-16 rows of x on the tensor cores (native/kernels/w4a16_rows.cu),\n"
       "enqueued on `stream` (a CUstream of device `device`), on addresses: x [rows, k]\n"
       "(row stride x_stride) and y [rows, n] in bf16 (or fp16), qweight [k / 8, n] int32,\n"
       "scales [k / 128, n] in x's dtype, zeros [k / 128, n] uint8, bias [n] or 0; n / 32\n"
-      "CTAs of `warps` warps (1-16 up to 8 rows, 1-8 above) splitting K. ValueError for bad\n"
-      "arguments, RuntimeError when the kernels are not loaded or the launch fails.");
+      "CTAs of `warps` warps (1-16 up to 8 rows, 1-8 above) splitting K. `gated`: W is\n"
+      "gate | up (n a multiple of 64, no bias) and y [rows, n / 2] silu(gate) * up.\n"
+      "ValueError for bad arguments, RuntimeError when the kernels are not loaded or the\n"
+      "launch fails.");
+  m.def(
+      "w4a16_rows_normed",
+      [](int device, std::uintptr_t x, std::uintptr_t residual, std::uintptr_t gamma,
+         std::uintptr_t summed, float eps, std::uintptr_t q, std::uintptr_t s, std::uintptr_t z,
+         std::uintptr_t bias, std::uintptr_t y, int n, int k, bool bf16, int warps,
+         std::uintptr_t stream, bool gated) {
+        const lmd::W4a16RowsArgs args{x, q, s, z, bias, y, 1, n, k, k,
+                                      residual, gamma, summed, eps, gated ? 1 : 0};
+        lmd::launch_w4a16_rows_normed(device, args, bf16, warps, stream);
+      },
+      py::arg("device"), py::arg("x"), py::arg("residual"), py::arg("gamma"), py::arg("summed"),
+      py::arg("eps"), py::arg("q"), py::arg("s"), py::arg("z"), py::arg("bias"), py::arg("y"),
+      py::arg("n"), py::arg("k"), py::arg("bf16"), py::arg("warps"), py::arg("stream"),
+      py::arg("gated") = false,
+      "w4a16_rows for one row of RMSNorm(x + residual) with weight gamma [k] (residual 0:\n"
+      "RMSNorm(x)), made in the launch; summed [k] (or 0) receives x + residual, and is\n"
+      "neither x nor residual. x, residual, gamma and summed 16-byte aligned, k at most\n"
+      "16384. Raises as w4a16_rows.");
   m.def(
       "w4a16_wide",
       [](int device, std::uintptr_t x, std::uintptr_t q, std::uintptr_t s, std::uintptr_t z,

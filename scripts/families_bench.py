@@ -5,7 +5,8 @@ against the HBM floor (docs/benchmarks.md, "turbo for Qwen3 and mixtures of expe
         [--output-len 256] [--backend turbo] [--quantization w4a16|fp8]
         [--kv-cache-dtype int8|fp8] [--separate-batch1] [--separate-activation]
         [--separate-experts] [--separate-rotary] [--separate-merge]
-        [--separate-rotary-merge] [--gemv-plain]
+        [--separate-rotary-merge] [--separate-w4a16-norms] [--separate-w4a16-silu]
+        [--gemv-plain]
         [--rotary-whole] [--h100-tiles]
         [--wide-max-rows 16] [--no-wgmma] [--no-fp8-codes] [--exact-accum]
         [--act-order]
@@ -62,6 +63,12 @@ def model_flag(*names: str, on_value: bool) -> Callable[[Any, bool], None]:
     return switch
 
 
+def separate_w4a16(model: Any, on: bool) -> None:
+    """The one-row 4-bit products' norms, and 1-16 rows' SiLU, in launches of their own."""
+    model.w4a16_norms = not on
+    w4a16_rows.ROWS_GATED = not on
+
+
 # --FLAG: (what it measures, switch(turbo's model, on)); its line's key FLAG_batch1_step_ms
 STEP_SWITCHES: dict[str, tuple[str, Callable[[Any, bool], None]]] = {
     "separate-batch1": (
@@ -87,6 +94,14 @@ STEP_SWITCHES: dict[str, tuple[str, Callable[[Any, bool], None]]] = {
     "separate-rotary-merge": (
         "with both of the last two in kernels of their own",
         model_flag("fused_rotary", "fused_merge", on_value=False),
+    ),
+    "separate-w4a16-norms": (
+        "with a 4-bit one-row product's RMSNorm in a kernel of its own (w4a16_norms off)",
+        model_flag("w4a16_norms", on_value=False),
+    ),
+    "separate-w4a16-silu": (
+        "with both 4-bit norms and, at 1-16 rows, SiLU's gate in kernels of their own",
+        separate_w4a16,
     ),
     "gemv-plain": (
         "with o and down through kernels/gemv.py (vector_plain off)",

@@ -39,6 +39,11 @@
 #       launch and the merge in decode attention's, and with each in a kernel of its own
 #       (families_bench.py --separate-rotary --separate-merge --separate-rotary-merge) on
 #       the same two shapes.
+#   scripts/gpu-batch1.sh norms [TESTS...]
+#       nvidia-h200, ~6 minutes: TESTS, then the batch-1 step under --quantization w4a16
+#       of the Llama-3-8B shape and of the first 12 layers of Qwen3-30B-A3B, with the
+#       norms and SiLU's gate in the 4-bit products' launches and apart
+#       (families_bench.py --separate-w4a16-norms --separate-w4a16-silu).
 #   scripts/gpu-batch1.sh moe48 [FLAGS...]
 #       nvidia-h200, ~5 minutes: the whole Qwen3-30B-A3B shape written streamed into
 #       /dev/shm (57 GB, ~85 s), then families_bench.py at batch 1 (the step against its
@@ -75,6 +80,24 @@ if [[ ${1:-} == moe48 ]]; then
   done
   timeout 120 python3 scripts/prefill_profile.py "$model" --prompts 16 --top 14 \
     2>>"$out/batch1-stderr.txt" | tee -a "$out/prefill-profile.txt"
+  grep -E "Error|error" "$out/batch1-stderr.txt" | tail -5
+  exit 0
+fi
+if [[ ${1:-} == norms ]]; then
+  shift
+  python3 setup.py -q build_ext --inplace 2>&1 | tail -3
+  if (($#)); then
+    timeout 300 python3 -m pytest -q -ra -p no:cacheprovider --timeout 200 "$@" 2>&1 \
+      | grep -v "^Writing" | tee "$out/batch1-tests.txt" | tail -25
+  fi
+  python3 scripts/random_models.py llama3-8b-shape --out-dir /tmp 2>&1 | grep -v "^Writing" | tail -2
+  python3 scripts/random_models.py qwen3-30b-a3b-shape --layers 12 --out-dir /tmp 2>&1 \
+    | grep -v "^Writing" | tail -2
+  for model in /tmp/llama3-8b-shape /tmp/qwen3-30b-a3b-shape-12l; do
+    timeout 240 python3 scripts/families_bench.py "$model" --batches 1 --quantization w4a16 \
+      --separate-w4a16-norms --separate-w4a16-silu 2>>"$out/batch1-stderr.txt" \
+      | tee -a "$out/batch1.jsonl"
+  done
   grep -E "Error|error" "$out/batch1-stderr.txt" | tail -5
   exit 0
 fi

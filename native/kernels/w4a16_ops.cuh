@@ -18,36 +18,7 @@
 
 #include <stdint.h>
 
-// The parameter of the kernels that split K over CTAs (w4a16_wide.cu, w4a16_wgmma.cu;
-// native/decode_rows.h: W4a16WideArgs); work and counters serve the splits' sums.
-struct W4a16Wide {
-  const uint16_t* x;     // [m, k], row stride x_stride elements; 16-byte aligned rows
-  const uint32_t* q;     // [k / 8, n]
-  const uint16_t* s;     // [k / 128, n]
-  const uint8_t* z;      // [k / 128, n]
-  const uint16_t* bias;  // [n] or null
-  uint16_t* y;           // [m, n]
-  float* work;           // [splits, m, n] when splits > 1
-  unsigned* counters;    // a span's: w4a16_wide's 0 between launches, wgmma's 64-bit
-  int m, n, k, x_stride, splits;
-  int gated;  // w4a16_wgmma: y [m, n / 2] = silu(x gate^T) * (x up^T), W = gate | up
-};
-
-// The parameter of the experts kernels (w4a16_experts.cu for blocks of 8 or 16 pairs,
-// w4a16_wgmma.cu's experts entry for 64; native/decode_rows.h: W4a16ExpertsArgs).
-struct W4a16Experts {
-  const uint16_t* x;       // [rows, k], row stride x_stride; 8-byte aligned rows (64: 16)
-  const uint32_t* q;       // [E, k / 8, n]
-  const uint16_t* s;       // [E, k / 128, n]
-  const uint8_t* z;        // [E, k / 128, n]
-  const int32_t* pairs;    // [blocks * rows] ids sorted by expert; null: block b = pair b
-  const int32_t* experts;  // [blocks] the expert of each block, -1 for none
-  const float* weights;    // [num_pairs] routing weights, or null
-  uint16_t* y;             // [num_pairs, n] (n / 2 gated)
-  int n, k, x_stride, num_pairs, row_div;
-  int gated;  // y [num_pairs, n / 2] = silu(x gate^T) * (x up^T), W = gate | up
-  int mixed;  // one token's pairs in one CTA's warps, y [1, n] their weighted sum
-};
+#include "w4a16_params.cuh"
 
 namespace lmd_w4a16 {  // named: an anonymous one mangles in a hash of the path
 
@@ -247,15 +218,22 @@ __device__ __forceinline__ void multiply_steps(const uint4 (&w)[4], uint2 s, uin
   }
 }
 
+struct Nothing {
+  __device__ void operator()() const {}
+};
+
 // A CTA's warps over K, warp w taking blocks w, w + warps, ...: two blocks in turn, each
 // loaded while the other is multiplied (no copy between them). load(b, kb) fills a
-// Block, multiply(b, kb) adds it to the warp's sums.
-template <typename Block, typename Load, typename Multiply>
+// Block, multiply(b, kb) adds it to the warp's sums; first() runs in every warp once its
+// first block's loads are issued (a CTA's shared work while they are in flight).
+template <typename Block, typename Load, typename Multiply, typename First = Nothing>
 __device__ __forceinline__ void over_blocks(int warp, int warps, int blocks, const Load& load,
-                                            const Multiply& multiply) {
+                                            const Multiply& multiply,
+                                            const First& first = First()) {
   Block even;
   Block odd;
   if (warp < blocks) load(even, warp);
+  first();
   for (int kb = warp; kb < blocks; kb += 2 * warps) {
     if (kb + warps < blocks) load(odd, kb + warps);
     multiply(even, kb);
@@ -324,14 +302,27 @@ __device__ __forceinline__ void store_sums(float* sums, const float (&acc)[kTile
   });
 }
 
-// One block of 128 inputs as a rows kernel's lane holds it: word rows 4t .. 4t+3 at its
-// 4 columns, its x rows' inputs 16 j + 4t .. 4t+3 each step j, its columns' scales, zeros.
-template <int kTiles>
-struct RowsBlock {
+// A rows kernel lane's share of block kb of 128 inputs: word rows 4t .. 4t+3 at its 4
+// columns from col, their scales and zeros; RowsBlock adds its x rows' inputs 16 j + 4t ..
+// 4t+3 each step j.
+struct WordsBlock {
   uint4 w[4];
-  uint2 x[kTiles][8];
   uint2 s;
   uint32_t z;
+
+  __device__ __forceinline__ void load(const uint32_t* q, const uint16_t* s_, const uint8_t* z_,
+                                       int n, int kb, int t, int col) {
+    const uint32_t* words = q + static_cast<size_t>(16 * kb + 4 * t) * n + col;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = load16(words + static_cast<size_t>(i) * n);
+    const size_t at = static_cast<size_t>(kb) * n + col;
+    s = load8(s_ + at);
+    z = load4(z_ + at);
+  }
+};
+template <int kTiles>
+struct RowsBlock : WordsBlock {
+  uint2 x[kTiles][8];
 };
 
 // A rows kernel warp's sums acc over 32 columns from col0 of W (words q [k / 8, n], scales
@@ -352,18 +343,13 @@ __device__ __forceinline__ void rows_warp(const uint32_t* q, const uint16_t* s, 
   over_blocks<RowsBlock<kTiles>>(
       warp, warps, k / 128,
       [&](RowsBlock<kTiles>& b, int kb) {
-        const uint32_t* w = q + static_cast<size_t>(16 * kb + 4 * t) * n + col;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) b.w[i] = load16(w + static_cast<size_t>(i) * n);
+        b.load(q, s, z, n, kb, t, col);
 #pragma unroll
         for (int nt = 0; nt < kTiles; ++nt) {
           const uint16_t* x = x_row(nt) + 128 * kb;
 #pragma unroll
           for (int j = 0; j < 8; ++j) b.x[nt][j] = load8(x + 16 * j);
         }
-        const size_t at = static_cast<size_t>(kb) * n + col;
-        b.s = load8(s + at);
-        b.z = load4(z + at);
       },
       [&](const RowsBlock<kTiles>& b, int) {
         const auto step_b = [&](int j, int nt, uint2 (&bx)[1]) { bx[0] = b.x[nt][j]; };

@@ -302,12 +302,13 @@ def test_wgmma_gated_is_silu_and_mul_of_the_product(
     assert torch.equal(native(x, w, splits=1, gated=True), y)
 
 
-def test_gated_is_refused_where_the_wgmma_kernel_does_not_take_it() -> None:
-    """Rows the wgmma kernel does not take, a bias, and several splits: native_rows says
-    no (y untouched) and W4A16Weight.matmul takes the two launches instead."""
+def test_gated_is_refused_where_no_kernel_takes_it() -> None:
+    """Rows the wide kernel takes (17-32), a bias, and several splits: native_rows says
+    no (y untouched) and W4A16Weight.matmul takes the two launches instead. (1-16 rows:
+    test_w4a16_normed_gpu.py.)"""
     w = weight(512, 256, torch.bfloat16)
     bias = torch.randn(512, device="cuda", dtype=torch.bfloat16)
-    for rows, b, splits in ((16, None, 1), (64, bias, 1), (64, None, 2)):
+    for rows, b, splits in ((24, None, 1), (64, bias, 1), (64, None, 2), (8, bias, 1)):
         x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
         y = torch.zeros(rows, 256, device="cuda", dtype=torch.bfloat16)
         weights = (w.qweight, w.scales, w.zeros, w.group_size)

@@ -7,12 +7,14 @@ test_w4a16_experts_gpu.py's."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 import torch
 
 from lmd import _native
 from lmd.engine.turbo.kernels import w4a16_rows
+from lmd.engine.turbo.kernels.vector_gemv import Norm
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
 from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
 
@@ -98,6 +100,62 @@ def test_misaligned_addresses_are_refused() -> None:
         _native.w4a16_rows(0, 64, 72, 64, 64, 0, 64, 1, 64, 256, 256, True, 4, 0)  # q
     with pytest.raises(ValueError, match="misaligned"):
         _native.w4a16_rows(0, 64, 64, 64, 64, 0, 64, 1, 64, 256, 258, True, 4, 0)  # stride
+
+
+def test_rows_gated_takes_no_bias_and_n_of_64s() -> None:
+    for bias, n in ((64, 256), (0, 96)):
+        with pytest.raises(ValueError, match="gated takes no bias and n a multiple of 64"):
+            _native.w4a16_rows(0, 64, 64, 64, 64, bias, 64, 1, n, 256, 256, True, 4, 0, gated=True)
+
+
+def normed(
+    *, x: int = 64, residual: int = 128, gamma: int = 192, summed: int = 256, n: int = 64,
+    k: int = 256, warps: int = 4, gated: bool = False,
+) -> None:  # fmt: skip
+    """A normed launch on these addresses (words, scales, zeros and y at 64)."""
+    _native.w4a16_rows_normed(
+        0, x, residual, gamma, summed, 1e-6, 64, 64, 64, 0, 64, n, k, True, warps, 0, gated
+    )
+
+
+@pytest.mark.parametrize(
+    ("launch", "message"),
+    [
+        ({"k": 16384 + 128}, "m must be 1 and k at most 16384"),
+        ({"k": 200}, SHAPES),
+        ({"warps": 17}, "warps must be 1..16"),
+        ({"x": 72}, "misaligned"),  # x, residual, gamma and summed 16 bytes at a time
+        ({"residual": 136}, "misaligned"),
+        ({"gamma": 0}, "misaligned"),
+        ({"gamma": 200}, "misaligned"),
+        ({"summed": 264}, "misaligned"),
+        ({"summed": 128}, "summed must not be x or the residual"),
+        ({"summed": 64}, "summed must not be x or the residual"),
+        ({"n": 96, "gated": True}, "gated takes no bias and n a multiple of 64"),
+    ],
+)
+def test_bad_normed_launches_are_refused_before_cuda(launch: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        normed(**launch)
+
+
+def test_normed_launches_without_residual_or_summed_pass_the_checks() -> None:
+    if _native.probe_cuda()["available"]:
+        pytest.skip("this machine has CUDA: the launch would run")
+    launches: list[dict[str, Any]] = [{"residual": 0, "summed": 0}, {"summed": 0}, {}]
+    for launch in launches:
+        with pytest.raises(RuntimeError, match="CUDA"):  # past the checks, to the driver
+            normed(**launch)
+
+
+def test_cpu_tensors_stay_with_the_norm_and_tiles() -> None:
+    w = W4A16Weight.quantize(torch.randn(64, 256), 128)
+    x, residual, gamma = torch.randn(1, 256), torch.randn(1, 256), torch.ones(256)
+    y = torch.zeros(1, 64)
+    weight = (w.qweight, w.scales, w.zeros, 128)
+    assert not w4a16_rows.native_normed(x, gamma, 1e-6, residual, None, *weight, None, y)
+    assert not y.any()
+    assert w.matmul_normed(x, Norm(gamma, 1e-6, residual)) is None
 
 
 # (rows past the kernel's most, None for its most; n, k, x_stride, splits) a kernel that

@@ -101,6 +101,9 @@ class TurboModel:
         # Past 16 rows, an FP8 product's input quantized per token by the RMSNorm or the
         # activation before it, in their launches (no quantizer launch a product).
         self.fp8_codes = True
+        # A 4-bit weight's one-row product takes its RMSNorm (and SiLU's gate) in its launch
+        # (kernels/w4a16_rows.py's native_normed; families_bench.py --separate-w4a16-norms).
+        self.w4a16_norms = True
         # A group's batch-1 all-reduces over peer memory (turbo/exchange.py), set by the
         # backend where exchange_fits().
         self.exchange: PeerExchange | None = None
@@ -152,12 +155,7 @@ class TurboModel:
             residual = residual[step.logits_indices]
         if self._vector(hidden):  # [1, V]
             norm = kernels.Norm(w.norm, c.rms_norm_eps, residual)  # no stream after it
-            logits = kernels.vector_gemv(
-                hidden,
-                w.lm_head,
-                norm=norm,
-                out_dtype=torch.float32,
-            )
+            logits = kernels.vector_gemv(hidden, w.lm_head, norm=norm, out_dtype=torch.float32)
             return self._gathered(logits, out)
         h = kernels.rms_norm(hidden, w.norm, c.rms_norm_eps, residual)
         if self.skinny and h.shape[0] <= kernels.GEMV_MAX_ROWS:
@@ -246,15 +244,9 @@ class TurboModel:
                 )
                 return self.tp.all_reduce(out), summed
             h = kernels.rms_norm(hidden, layer.post_norm, eps, residual)
-            out = kernels.fused_moe(
-                h,
-                x.router,
-                x.gate_up,
-                x.down,
-                top_k=moe.top_k,
-                normalize=moe.normalize_top_k,
-                float_out=self.float_logits,
-            )
+            out = kernels.fused_moe(h, x.router, x.gate_up, x.down, top_k=moe.top_k,
+                                    normalize=moe.normalize_top_k,
+                                    float_out=self.float_logits)  # fmt: skip
             return self.tp.all_reduce(out), residual
         if layer.gate_up is None or layer.down is None:
             raise ValueError("a dense layer without its MLP weights")
@@ -284,16 +276,23 @@ class TurboModel:
         rotary: kernels.Rotary | None = None,
     ) -> tuple[Tensor, Tensor]:
         """RMSNorm(residual += hidden) @ weight (RMSNorm(residual) with no hidden yet),
-        and the residual stream after the add: a new tensor when vector_gemv does both
-        in one launch, else `residual`, added to in place. With `activation` the weight
-        is gate | up and the result act(gate) * up (in vector_gemv's launch, where
-        fused_activation, or a W4A16 product's); with `rotary` qkv's, its work done too
+        and the residual stream after the add: a new tensor when one launch does both
+        (vector_gemv's, or a 4-bit weight's one-row product's where w4a16_norms), else
+        `residual`, added to in place. With `activation` the weight is gate | up and the
+        result act(gate) * up (in vector_gemv's launch, where fused_activation, or a W4A16
+        product's); with `rotary` qkv's, its work done too
         (in vector_gemv's, where fused_rotary). An act-order W4A16 weight's input comes
         from the norm in its packed order."""
         eps = self.config.rms_norm_eps
         x, res = (residual, None) if hidden is None else (hidden, residual)
-        folded = None  # the activation vector_gemv made
-        if self._vector(x) and isinstance(weight, Tensor):
+        folded = None  # the activation vector_gemv or the W4A16 product made
+        done = None  # a 4-bit weight's product of one row with its norm, and SiLU's gate
+        if self._vector(x) and self.w4a16_norms and isinstance(weight, W4A16Weight):
+            done = weight.matmul_normed(x, kernels.Norm(norm, eps, res), bias, activation)
+        if done is not None:
+            (y, summed), folded = done, activation
+            residual = summed if summed is not None else residual
+        elif self._vector(x) and isinstance(weight, Tensor):
             summed = torch.empty_like(residual) if res is not None else None
             folded = activation if self.fused_activation else None
             tiles = kernels.default_tiles(weight.shape[0], weight.shape[1], x.device)

@@ -28,6 +28,7 @@ from torch import Tensor
 from lmd._native import (
     w4a16_experts,
     w4a16_rows,
+    w4a16_rows_normed,
     w4a16_rows_ready,
     w4a16_wgmma,
     w4a16_wgmma_ctas,
@@ -37,7 +38,9 @@ from lmd._native import (
 from lmd.engine.turbo.kernels.native_kernels import NativeKernels, device_index
 
 NATIVE_ROWS = True  # off: decode rows go to the Triton tiles (scripts' A/B runs)
+ROWS_GATED = True  # off: 1-16 rows' gate|up products leave SiLU to a launch of its own
 MAX_ROWS = 16  # the rows kernel's; the wide kernel's is WIDE_MAX_ROWS
+NORMED_MAX_K = 16384  # the rows kernel's normed entries keep x's one row in shared memory
 WIDE_MAX_ROWS = 32  # from 33 rows the Triton tiles were as fast (docs/benchmarks.md)
 EXPERTS = True  # off: 4-bit experts' small blocks go to the Triton grouped GEMM (A/B runs)
 EXPERTS_ROWS = (8, 16)  # the experts kernel's blocks of pairs
@@ -148,12 +151,78 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
     wide kernel's) default_splits (scripts/w4a16_switches.py). Besides the shapes, their
     loads need x's rows 8-byte aligned (16 from 17 rows on, and y and the bias 8), the
     weight's tensors contiguous and aligned. `gated`: W is gate | up and y [M, N / 2] =
-    silu(x gate^T) * (x up^T), taken by the wgmma kernel alone (33-64 rows) in one split,
-    with no bias."""
+    silu(x gate^T) * (x up^T), taken by the rows kernel (1-16 rows) and the wgmma kernel
+    (33-64) in one split, with no bias."""
     m, k = x.shape
     n = qweight.shape[1]
     wide = m > MAX_ROWS
-    if gated and not (m > WIDE_MAX_ROWS and bias is None and n % 64 == 0):
+    if not _takes(x, qweight, scales, zeros, group_size, bias, y, gated):
+        return False
+    device = device_index(x.device)
+    wgmma = m > WIDE_MAX_ROWS
+    if wgmma and not (
+        _wgmma.ready(device) and scales.data_ptr() % 16 == 0 and zeros.data_ptr() % 16 == 0
+    ):  # the wgmma kernel copies scales and zeros 16 bytes at a time
+        return False
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    num_sms = _kernels.num_sms(device)
+    bf16 = x.dtype == torch.bfloat16
+    b = 0 if bias is None else bias.data_ptr()
+    addresses = (
+        x.data_ptr(),
+        qweight.data_ptr(),
+        scales.data_ptr(),
+        zeros.data_ptr(),
+        b,
+        y.data_ptr(),
+    )
+    if not wide:
+        warps = default_warps(m, n, k, num_sms) if warps is None else warps
+        w4a16_rows(device, *addresses, m, n, k, x.stride(0), bf16, warps, stream, gated)
+        return True
+    if splits is None:
+        splits = wgmma_splits(n, k, wgmma_ctas(device)) if wgmma else default_splits(n, k, num_sms)
+    if gated and splits > 1:  # its sums are added across CTAs, past the activation
+        return False
+    work = counters = 0
+    if wgmma:
+        if splits > 1:  # each CTA's float32 sums, added by its span's CTAs, a share each
+            spans = -(-n // WGMMA_SPAN)
+            shape = (spans * splits, WGMMA_MAX_ROWS, WGMMA_SPAN)
+            buffer = torch.empty(shape, dtype=torch.float32, device=x.device)
+            work, counters = buffer.data_ptr(), _wgmma_counters[device].data_ptr()
+        w4a16_wgmma(
+            device, *addresses, work, counters, m, n, k, x.stride(0), splits, bf16, stream, gated
+        )
+        return True
+    if splits > 1:  # the splits' float32 sums, added by the last CTA of each span
+        buffer = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+        work, counters = buffer.data_ptr(), _counters[device].data_ptr()
+    w4a16_wide(device, *addresses, work, counters, m, n, k, x.stride(0), splits, bf16, stream)
+    return True
+
+
+def _takes(  # noqa: PLR0917  # native_rows' arguments
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    zeros: Tensor,
+    group_size: int,
+    bias: Tensor | None,
+    y: Tensor,
+    gated: bool,
+) -> bool:
+    """Whether native_rows' shapes, dtypes and alignments let a kernel take the product,
+    the kernels loaded on x's device (the wgmma kernel's own needs apart)."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    wide = m > MAX_ROWS
+    if gated and not (
+        (ROWS_GATED or m > MAX_ROWS)
+        and not MAX_ROWS < m <= WIDE_MAX_ROWS
+        and bias is None
+        and n % 64 == 0
+    ):
         return False
     takes = (
         NATIVE_ROWS
@@ -183,49 +252,71 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
             )
         )
     )
-    if not takes or not ready(x.device):
+    return takes and ready(x.device)
+
+
+def native_normed(  # noqa: PLR0917  # the norm's and the weight's tensors
+    x: Tensor,
+    gamma: Tensor,
+    eps: float,
+    residual: Tensor | None,
+    summed: Tensor | None,
+    qweight: Tensor,
+    scales: Tensor,
+    zeros: Tensor,
+    group_size: int,
+    bias: Tensor | None,
+    y: Tensor,
+    *,
+    gated: bool = False,
+    warps: int | None = None,
+) -> bool:
+    """y [1, N] = RMSNorm(x + residual) W^T (+ b) (RMSNorm(x) without a residual; weight
+    gamma [K], eps), the norm made in the product's launch (the rows kernel's normed
+    entries): what rms_norm and native_rows give apart, to the norm's order of summing
+    squares; `summed` ([1, K], or None) receives x + residual as rms_norm leaves its
+    residual. True once enqueued, False (nothing written) where the kernel does not take
+    it: one row, K <= NORMED_MAX_K, x, residual, gamma and summed of x's dtype, contiguous
+    and 16-byte aligned, summed a tensor of its own; the rest as native_rows."""
+    k = x.shape[1]
+    inputs = [t for t in (x, residual) if t is not None]
+    vectors = inputs if summed is None else [*inputs, summed]
+    takes = (
+        x.shape[0] == 1
+        and k <= NORMED_MAX_K
+        and tuple(gamma.shape) == (k,)
+        and all(tuple(t.shape) == (1, k) for t in vectors)
+        and all(
+            t.dtype == x.dtype and t.is_contiguous() and t.data_ptr() % 16 == 0
+            for t in (*vectors, gamma)
+        )
+        and (summed is None or all(summed.data_ptr() != t.data_ptr() for t in inputs))
+    )
+    if not takes:
         return False
-    device = device_index(x.device)
-    wgmma = m > WIDE_MAX_ROWS
-    if wgmma and not (
-        _wgmma.ready(device) and scales.data_ptr() % 16 == 0 and zeros.data_ptr() % 16 == 0
-    ):  # the wgmma kernel copies scales and zeros 16 bytes at a time
+    if not _takes(x, qweight, scales, zeros, group_size, bias, y, gated):
         return False
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    num_sms = _kernels.num_sms(device)
-    bf16 = x.dtype == torch.bfloat16
-    b = 0 if bias is None else bias.data_ptr()
-    addresses = (
+    n, device = qweight.shape[1], device_index(x.device)
+    warps = default_warps(1, n, k, _kernels.num_sms(device)) if warps is None else warps
+    w4a16_rows_normed(
+        device,
         x.data_ptr(),
+        0 if residual is None else residual.data_ptr(),
+        gamma.data_ptr(),
+        0 if summed is None else summed.data_ptr(),
+        eps,
         qweight.data_ptr(),
         scales.data_ptr(),
         zeros.data_ptr(),
-        b,
+        0 if bias is None else bias.data_ptr(),
         y.data_ptr(),
+        n,
+        k,
+        x.dtype == torch.bfloat16,
+        warps,
+        torch.cuda.current_stream(x.device).cuda_stream,
+        gated,
     )
-    if not wide:
-        warps = default_warps(m, n, k, num_sms) if warps is None else warps
-        w4a16_rows(device, *addresses, m, n, k, x.stride(0), bf16, warps, stream)
-        return True
-    if splits is None:
-        splits = wgmma_splits(n, k, wgmma_ctas(device)) if wgmma else default_splits(n, k, num_sms)
-    if gated and splits > 1:  # its sums are added across CTAs, past the activation
-        return False
-    work = counters = 0
-    if wgmma:
-        if splits > 1:  # each CTA's float32 sums, added by its span's CTAs, a share each
-            spans = -(-n // WGMMA_SPAN)
-            shape = (spans * splits, WGMMA_MAX_ROWS, WGMMA_SPAN)
-            buffer = torch.empty(shape, dtype=torch.float32, device=x.device)
-            work, counters = buffer.data_ptr(), _wgmma_counters[device].data_ptr()
-        w4a16_wgmma(
-            device, *addresses, work, counters, m, n, k, x.stride(0), splits, bf16, stream, gated
-        )
-        return True
-    if splits > 1:  # the splits' float32 sums, added by the last CTA of each span
-        buffer = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-        work, counters = buffer.data_ptr(), _counters[device].data_ptr()
-    w4a16_wide(device, *addresses, work, counters, m, n, k, x.stride(0), splits, bf16, stream)
     return True
 
 

@@ -25,10 +25,14 @@ kernels/w4a16.py; everything else is plain torch on any device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from lmd.engine.turbo.kernels.vector_gemv import Norm
 
 PACK_K = 128  # inputs per block of the layout
 _QUANTIZE_ELEMENTS = 1 << 22  # weights quantized at a time (bounds the float32 copies)
@@ -169,6 +173,31 @@ class W4A16Weight:
             rows = F.pad(rows, (0, padded))
         y = w4a16_matmul(rows, self.qweight, self.scales, self.zeros, self.group_size, bias)
         return y.view(*x.shape[:-1], n)
+
+    def matmul_normed(
+        self, x: Tensor, norm: Norm, bias: Tensor | None = None, activation: str | None = None
+    ) -> tuple[Tensor, Tensor | None] | None:
+        """One row's matmul of RMSNorm(x + norm.residual) (norm's weight and eps; no
+        residual: RMSNorm(x)), the norm made in the product's launch, SiLU's gate too with
+        `activation` "silu" (kernels/w4a16_rows.py's native_normed): (the product, x +
+        residual as rms_norm leaves its residual, or None without one). None where that
+        kernel does not take it (no CUDA kernels, another activation, act order, a padded
+        K, more rows): the caller then runs the norm and matmul."""
+        from lmd.engine.turbo.kernels.w4a16_rows import native_normed
+
+        n, k = self.shape
+        if activation not in (None, "silu") or self.perm is not None or not x.is_cuda:
+            return None
+        if k != self.packed_shape[1] or tuple(x.shape) != (1, k) or norm.normed is not None:
+            return None
+        residual = norm.residual
+        summed = None if residual is None else torch.empty_like(residual)
+        gated = activation is not None
+        y = x.new_empty(1, n // 2 if gated else n)
+        weight = (self.qweight, self.scales, self.zeros, self.group_size)
+        if native_normed(x, norm.weight, norm.eps, residual, summed, *weight, bias, y, gated=gated):
+            return y, summed
+        return None
 
     def _gated(self, x: Tensor, bias: Tensor | None, activation: str, ordered: bool) -> Tensor:
         """act(gate) * up of W = gate | up: [..., N / 2]."""
