@@ -33,6 +33,7 @@ static_assert(sizeof(W4a16RowsArgs) == 96, "must match W4a16Rows in w4a16_params
 
 constexpr int kW4a16RowsColumns = 32;  // output columns of a CTA
 constexpr int kW4a16NormedMaxK = 16384;  // the normed entries' x row in shared memory
+constexpr int kW4a16NormedKPerWarp = 1024;  // their threads' 4 chunks of 8 inputs each
 
 // The most warps a CTA may have for m rows (the kernels' __launch_bounds__).
 inline int w4a16_rows_max_warps(int m) { return m <= 8 ? 16 : 8; }
@@ -107,7 +108,7 @@ void launch_w4a16_rows(int ordinal, const W4a16RowsArgs& args, bool bf16, int wa
                        std::uintptr_t stream);
 
 // What is wrong with a normed launch's arguments, or "": w4a16_rows_check's, and one row,
-// k <= kW4a16NormedMaxK, gamma given, x, residual, gamma and summed 16-byte aligned,
+// k <= kW4a16NormedMaxK and kW4a16NormedKPerWarp x warps, gamma given, x, residual, gamma and summed 16-byte aligned,
 // summed neither residual nor x.
 std::string w4a16_rows_normed_check(const W4a16RowsArgs& args, int warps);
 

@@ -35,8 +35,10 @@ std::string w4a16_rows_check(const W4a16RowsArgs& a, int warps) {
 std::string w4a16_rows_normed_check(const W4a16RowsArgs& a, int warps) {
   const std::string wrong = w4a16_rows_check(a, warps);
   if (!wrong.empty()) return wrong;
-  if (a.m != 1 || a.k > kW4a16NormedMaxK)
-    return "w4a16_rows_normed: m must be 1 and k at most " + std::to_string(kW4a16NormedMaxK);
+  if (a.m != 1 || a.k > kW4a16NormedMaxK || a.k > kW4a16NormedKPerWarp * warps) {
+    return "w4a16_rows_normed: m must be 1 and k at most " + std::to_string(kW4a16NormedMaxK) +
+           " and " + std::to_string(kW4a16NormedKPerWarp) + " a warp";
+  }
   // 16-byte loads of x, residual and gamma, stores of summed; summed written while every
   // CTA reads x and residual.
   if (!a.gamma || a.x % 16 || a.residual % 16 || a.gamma % 16 || a.summed % 16)

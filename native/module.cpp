@@ -190,7 +190,7 @@ PYBIND11_MODULE(_native, m) {
       "w4a16_rows for one row of RMSNorm(x + residual) with weight gamma [k] (residual 0:\n"
       "RMSNorm(x)), made in the launch; summed [k] (or 0) receives x + residual, and is\n"
       "neither x nor residual. x, residual, gamma and summed 16-byte aligned, k at most\n"
-      "16384. Raises as w4a16_rows.");
+      "16384 and 1,024 a warp. Raises as w4a16_rows.");
   m.def(
       "w4a16_wide",
       [](int device, std::uintptr_t x, std::uintptr_t q, std::uintptr_t s, std::uintptr_t z,

@@ -40,7 +40,8 @@
 #       (families_bench.py --separate-rotary --separate-merge --separate-rotary-merge) on
 #       the same two shapes.
 #   scripts/gpu-batch1.sh norms [TESTS...]
-#       nvidia-h200, ~6 minutes: TESTS, then the batch-1 step under --quantization w4a16
+#       nvidia-h200, ~6 minutes: TESTS, scripts/w4a16_normed_bench.py (the normed launch
+#       alone against the norm's and SiLU's own), then the batch-1 step under --quantization w4a16
 #       of the Llama-3-8B shape and of the first 12 layers of Qwen3-30B-A3B, with the
 #       norms and SiLU's gate in the 4-bit products' launches and apart
 #       (families_bench.py --separate-w4a16-norms --separate-w4a16-silu).
@@ -90,6 +91,7 @@ if [[ ${1:-} == norms ]]; then
     timeout 300 python3 -m pytest -q -ra -p no:cacheprovider --timeout 200 "$@" 2>&1 \
       | grep -v "^Writing" | tee "$out/batch1-tests.txt" | tail -25
   fi
+  (cd scripts && timeout 150 python3 w4a16_normed_bench.py 2>&1) | tee "$out/normed-bench.txt"
   python3 scripts/random_models.py llama3-8b-shape --out-dir /tmp 2>&1 | grep -v "^Writing" | tail -2
   python3 scripts/random_models.py qwen3-30b-a3b-shape --layers 12 --out-dir /tmp 2>&1 \
     | grep -v "^Writing" | tail -2

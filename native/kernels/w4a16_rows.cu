@@ -121,29 +121,42 @@ __device__ __forceinline__ uint4 map8(uint4 v, uint4 u, const F& f) {
   return make_uint4(vs[0], vs[1], vs[2], vs[3]);
 }
 
-// x = RMSNorm(x + residual) into xs [k] (shared), eight inputs a thread at a time: first
-// the sum rounded to the dtype (CTA 0 storing it to summed) and its squares, then, once
-// the warps' squares (a float a warp in `scratch`) are added in warp order, x * rstd *
-// gamma rounded. Every CTA sums in the same order, so all read the same x.
+// x = RMSNorm(x + residual) into xs [k] (shared), a thread's kChunks chunks of eight
+// inputs (k <= 8 kChunks threads: decode_rows.cpp checks) loaded at once, x, residual
+// and gamma, so that the norm costs one round trip through L2: the sum rounded to the
+// dtype (CTA 0 storing it to summed) and its squares; once the warps' squares (a float a
+// warp in `scratch`) are added in warp order, x * rstd * gamma rounded. Every CTA sums in
+// the same order, so all read the same x.
+constexpr int kChunks = 4;
 template <bool kBf16>
 __device__ __forceinline__ void normed_row(const W4a16Rows& a, uint16_t* xs, float* scratch) {
   const auto words = [](const uint16_t* p, int i) {
     return load16(reinterpret_cast<const uint32_t*>(p + i));
   };
+  uint4 v[kChunks], r[kChunks], g[kChunks];
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const int i = 8 * (threadIdx.x + c * blockDim.x);
+    if (i >= a.k) break;
+    v[c] = words(a.x, i);
+    g[c] = words(a.gamma, i);
+    if (a.residual != nullptr) r[c] = words(a.residual, i);
+  }
   float squares = 0.0f;
-  for (int i = 8 * threadIdx.x; i < a.k; i += 8 * blockDim.x) {
-    uint4 v = words(a.x, i);
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const int i = 8 * (threadIdx.x + c * blockDim.x);
+    if (i >= a.k) break;
     if (a.residual != nullptr) {
-      v = map8<kBf16>(v, words(a.residual, i), [](float x, float r) { return x + r; });
-      if (blockIdx.x == 0 && a.summed != nullptr) *reinterpret_cast<uint4*>(a.summed + i) = v;
+      v[c] = map8<kBf16>(v[c], r[c], [](float x, float y) { return x + y; });
+      if (blockIdx.x == 0 && a.summed != nullptr) *reinterpret_cast<uint4*>(a.summed + i) = v[c];
     }
-    const uint32_t vs[4] = {v.x, v.y, v.z, v.w};
+    const uint32_t vs[4] = {v[c].x, v[c].y, v[c].z, v[c].w};
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const float x = to_float<kBf16>(j % 2 ? vs[j / 2] >> 16 : vs[j / 2] & 0xFFFFu);
       squares += x * x;
     }
-    *reinterpret_cast<uint4*>(xs + i) = v;
   }
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1)
@@ -153,9 +166,12 @@ __device__ __forceinline__ void normed_row(const W4a16Rows& a, uint16_t* xs, flo
   float total = 0.0f;
   for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) total += scratch[w];
   const float rstd = rsqrtf(total / static_cast<float>(a.k) + a.eps);
-  for (int i = 8 * threadIdx.x; i < a.k; i += 8 * blockDim.x) {
-    uint4* x = reinterpret_cast<uint4*>(xs + i);
-    *x = map8<kBf16>(*x, words(a.gamma, i), [&](float v, float g) { return v * rstd * g; });
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const int i = 8 * (threadIdx.x + c * blockDim.x);
+    if (i >= a.k) break;
+    *reinterpret_cast<uint4*>(xs + i) =
+        map8<kBf16>(v[c], g[c], [&](float x, float w) { return x * rstd * w; });
   }
   __syncthreads();
 }

@@ -86,8 +86,9 @@ def test_normed_is_rms_norm_then_the_product(n: int, k: int, dtype: torch.dtype,
         assert torch.equal(residual, before)  # read, not written
         if add:
             assert summed is not None and torch.equal(summed, stream)
-        torch.testing.assert_close(y, native(h, w, b), rtol=RTOL[dtype], atol=ATOL)
-        torch.testing.assert_close(y.double(), reference(h, w, b), rtol=RTOL[dtype], atol=ATOL)
+        rtol = 4 * RTOL[dtype]  # two roundings of the output apart, at most
+        torch.testing.assert_close(y, native(h, w, b), rtol=rtol, atol=ATOL)
+        torch.testing.assert_close(y.double(), reference(h, w, b), rtol=rtol, atol=ATOL)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -151,7 +152,7 @@ def test_refused_where_the_kernel_does_not_take_it() -> None:
     x, residual, gamma = row_inputs(256, torch.bfloat16, 9)
     tensors = (w.qweight, w.scales, w.zeros, w.group_size)
     y = torch.zeros(2, 128, dtype=torch.bfloat16, device="cuda")
-    odd = torch.empty(1, 264, dtype=torch.bfloat16, device="cuda")[:, 8:]  # 16 bytes in
+    odd = torch.empty(1, 260, dtype=torch.bfloat16, device="cuda")[:, 4:]  # 8 bytes in
     cases = [
         (torch.cat([x, x]), gamma, residual, None),
         (x, gamma.float(), residual, None),
@@ -165,6 +166,11 @@ def test_refused_where_the_kernel_does_not_take_it() -> None:
     wide = weight(128, 16384 + 128, torch.bfloat16)
     big = row_inputs(16384 + 128, torch.bfloat16, 10)
     assert wide.matmul_normed(big[0], Norm(big[2], EPS, big[1])) is None
+    x, residual, gamma = row_inputs(4096, torch.bfloat16, 11)
+    w = weight(128, 4096, torch.bfloat16)
+    tensors = (w.qweight, w.scales, w.zeros, w.group_size)
+    y = torch.zeros(1, 128, dtype=torch.bfloat16, device="cuda")
+    assert not native_normed(x, gamma, EPS, residual, None, *tensors, None, y, warps=2)  # 2,048
 
 
 def test_4_bit_one_row_steps_take_the_norms_in_the_products(

@@ -121,7 +121,8 @@ def normed(
 @pytest.mark.parametrize(
     ("launch", "message"),
     [
-        ({"k": 16384 + 128}, "m must be 1 and k at most 16384"),
+        ({"k": 16384 + 128, "warps": 16}, "m must be 1 and k at most 16384 and 1024 a warp"),
+        ({"k": 4096 + 128}, "m must be 1 and k at most 16384 and 1024 a warp"),  # 4 warps
         ({"k": 200}, SHAPES),
         ({"warps": 17}, "warps must be 1..16"),
         ({"x": 72}, "misaligned"),  # x, residual, gamma and summed 16 bytes at a time

@@ -41,6 +41,7 @@ NATIVE_ROWS = True  # off: decode rows go to the Triton tiles (scripts' A/B runs
 ROWS_GATED = True  # off: 1-16 rows' gate|up products leave SiLU to a launch of its own
 MAX_ROWS = 16  # the rows kernel's; the wide kernel's is WIDE_MAX_ROWS
 NORMED_MAX_K = 16384  # the rows kernel's normed entries keep x's one row in shared memory
+NORMED_K_PER_WARP = 1024  # ... loaded at once, 4 chunks of 8 inputs a thread
 WIDE_MAX_ROWS = 32  # from 33 rows the Triton tiles were as fast (docs/benchmarks.md)
 EXPERTS = True  # off: 4-bit experts' small blocks go to the Triton grouped GEMM (A/B runs)
 EXPERTS_ROWS = (8, 16)  # the experts kernel's blocks of pairs
@@ -276,8 +277,9 @@ def native_normed(  # noqa: PLR0917  # the norm's and the weight's tensors
     entries): what rms_norm and native_rows give apart, to the norm's order of summing
     squares; `summed` ([1, K], or None) receives x + residual as rms_norm leaves its
     residual. True once enqueued, False (nothing written) where the kernel does not take
-    it: one row, K <= NORMED_MAX_K, x, residual, gamma and summed of x's dtype, contiguous
-    and 16-byte aligned, summed a tensor of its own; the rest as native_rows."""
+    it: one row, K <= NORMED_MAX_K and NORMED_K_PER_WARP a warp (by default, warps enough
+    for that), x, residual, gamma and summed of x's dtype, contiguous and 16-byte aligned,
+    summed a tensor of its own; the rest as native_rows."""
     k = x.shape[1]
     inputs = [t for t in (x, residual) if t is not None]
     vectors = inputs if summed is None else [*inputs, summed]
@@ -297,7 +299,10 @@ def native_normed(  # noqa: PLR0917  # the norm's and the weight's tensors
     if not _takes(x, qweight, scales, zeros, group_size, bias, y, gated):
         return False
     n, device = qweight.shape[1], device_index(x.device)
-    warps = default_warps(1, n, k, _kernels.num_sms(device)) if warps is None else warps
+    if warps is None:  # default_warps', or as many more as the norm's loads need
+        warps = max(default_warps(1, n, k, _kernels.num_sms(device)), -(-k // NORMED_K_PER_WARP))
+    if k > NORMED_K_PER_WARP * warps:
+        return False
     w4a16_rows_normed(
         device,
         x.data_ptr(),
