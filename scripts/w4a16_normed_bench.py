@@ -21,7 +21,8 @@ import torch
 from w4a16_tiles import L2_BYTES, time_us
 
 from lmd.engine.turbo.kernels import rms_norm, silu_and_mul
-from lmd.engine.turbo.kernels.w4a16_rows import native_normed, native_rows
+from lmd.engine.turbo.kernels.w4a16_normed import native_normed
+from lmd.engine.turbo.kernels.w4a16_rows import native_rows
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
 
 # name: (N, K, gated) at one row

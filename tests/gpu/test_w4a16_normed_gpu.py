@@ -1,5 +1,5 @@
 """The 4-bit rows kernel's launches that do more than the product, on a GPU: the normed
-entries (native/kernels/w4a16_rows.cu, through kernels/w4a16_rows.py's native_normed and
+entries (native/kernels/w4a16_rows.cu, through kernels/w4a16_normed.py's native_normed and
 W4A16Weight.matmul_normed: one row of RMSNorm(x + residual) made in the product's
 launch) against rms_norm and then the product; its gated launches at 1-16 rows against
 silu_and_mul of the product; and a 4-bit model's one-row decode steps with the norms in
@@ -29,7 +29,7 @@ pytest.importorskip("triton")
 from lmd.engine.turbo import kernels
 from lmd.engine.turbo.backend import TurboBackend
 from lmd.engine.turbo.kernels import Norm, rms_norm, silu_and_mul
-from lmd.engine.turbo.kernels.w4a16_rows import native_normed
+from lmd.engine.turbo.kernels.w4a16_normed import native_normed
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
 from tests.gpu.test_turbo_families_gpu import FAMILIES
 from tests.gpu.test_w4a16_rows_gpu import ATOL, RTOL, native, reference, weight

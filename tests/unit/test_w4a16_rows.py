@@ -15,6 +15,7 @@ import torch
 from lmd import _native
 from lmd.engine.turbo.kernels import w4a16_rows
 from lmd.engine.turbo.kernels.vector_gemv import Norm
+from lmd.engine.turbo.kernels.w4a16_normed import native_normed
 from lmd.engine.turbo.quant.w4a16 import W4A16Weight
 from lmd.engine.turbo.quant.w4a16_experts import W4A16Experts
 
@@ -154,7 +155,7 @@ def test_cpu_tensors_stay_with_the_norm_and_tiles() -> None:
     x, residual, gamma = torch.randn(1, 256), torch.randn(1, 256), torch.ones(256)
     y = torch.zeros(1, 64)
     weight = (w.qweight, w.scales, w.zeros, 128)
-    assert not w4a16_rows.native_normed(x, gamma, 1e-6, residual, None, *weight, None, y)
+    assert not native_normed(x, gamma, 1e-6, residual, None, *weight, None, y)
     assert not y.any()
     assert w.matmul_normed(x, Norm(gamma, 1e-6, residual)) is None
 

@@ -102,7 +102,7 @@ class TurboModel:
         # activation before it, in their launches (no quantizer launch a product).
         self.fp8_codes = True
         # A 4-bit weight's one-row product takes its RMSNorm (and SiLU's gate) in its launch
-        # (kernels/w4a16_rows.py's native_normed; families_bench.py --separate-w4a16-norms).
+        # (kernels/w4a16_normed.py; families_bench.py --separate-w4a16-norms).
         self.w4a16_norms = True
         # A group's batch-1 all-reduces over peer memory (turbo/exchange.py), set by the
         # backend where exchange_fits().

@@ -11,7 +11,8 @@ shared memory and splits K over CTAs, summed in split order by the last CTA of a
 The wgmma one makes the same operands in the registers of four warpgroups that run wgmma
 on them while a fifth copies the words and x into shared memory (its file says how), and
 splits K over CTAs all resident at once, a span's CTAs each adding a share of their sums
-once all have stored theirs.
+once all have stored theirs. (kernels/w4a16_normed.py launches the rows kernel's normed
+entries.)
 
 They read the layout that kernels/w4a16.py's Triton tiles read (quant/w4a16.py), so
 they need no copy of the weights; they take 1-32 rows (1-64 on Hopper) of bf16 or fp16,
@@ -28,7 +29,6 @@ from torch import Tensor
 from lmd._native import (
     w4a16_experts,
     w4a16_rows,
-    w4a16_rows_normed,
     w4a16_rows_ready,
     w4a16_wgmma,
     w4a16_wgmma_ctas,
@@ -40,8 +40,6 @@ from lmd.engine.turbo.kernels.native_kernels import NativeKernels, device_index
 NATIVE_ROWS = True  # off: decode rows go to the Triton tiles (scripts' A/B runs)
 ROWS_GATED = True  # off: 1-16 rows' gate|up products leave SiLU to a launch of its own
 MAX_ROWS = 16  # the rows kernel's; the wide kernel's is WIDE_MAX_ROWS
-NORMED_MAX_K = 16384  # the rows kernel's normed entries keep x's one row in shared memory
-NORMED_K_PER_WARP = 1024  # ... loaded at once, 4 chunks of 8 inputs a thread
 WIDE_MAX_ROWS = 32  # from 33 rows the Triton tiles were as fast (docs/benchmarks.md)
 EXPERTS = True  # off: 4-bit experts' small blocks go to the Triton grouped GEMM (A/B runs)
 EXPERTS_ROWS = (8, 16)  # the experts kernel's blocks of pairs
@@ -125,6 +123,11 @@ def wgmma_splits(n: int, k: int, ctas: int) -> int:
     return max(fits, default=1)
 
 
+def num_sms(device: int) -> int:
+    """The multiprocessors of a device where the kernels are loaded (ready)."""
+    return _kernels.num_sms(device)
+
+
 def wgmma_ctas(device: int) -> int:
     """lmd._native.w4a16_wgmma_ctas of a device (which loads the wgmma kernel there if it
     is not yet), asked once."""
@@ -157,7 +160,7 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
     m, k = x.shape
     n = qweight.shape[1]
     wide = m > MAX_ROWS
-    if not _takes(x, qweight, scales, zeros, group_size, bias, y, gated):
+    if not rows_take(x, qweight, scales, zeros, group_size, bias, y, gated):
         return False
     device = device_index(x.device)
     wgmma = m > WIDE_MAX_ROWS
@@ -203,7 +206,7 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
     return True
 
 
-def _takes(  # noqa: PLR0917  # native_rows' arguments
+def rows_take(  # noqa: PLR0917  # native_rows' arguments
     x: Tensor,
     qweight: Tensor,
     scales: Tensor,
@@ -214,7 +217,8 @@ def _takes(  # noqa: PLR0917  # native_rows' arguments
     gated: bool,
 ) -> bool:
     """Whether native_rows' shapes, dtypes and alignments let a kernel take the product,
-    the kernels loaded on x's device (the wgmma kernel's own needs apart)."""
+    the kernels loaded on x's device (the wgmma kernel's own needs apart; the normed
+    launches' too, kernels/w4a16_normed.py)."""
     m, k = x.shape
     n = qweight.shape[1]
     wide = m > MAX_ROWS
@@ -254,75 +258,6 @@ def _takes(  # noqa: PLR0917  # native_rows' arguments
         )
     )
     return takes and ready(x.device)
-
-
-def native_normed(  # noqa: PLR0917  # the norm's and the weight's tensors
-    x: Tensor,
-    gamma: Tensor,
-    eps: float,
-    residual: Tensor | None,
-    summed: Tensor | None,
-    qweight: Tensor,
-    scales: Tensor,
-    zeros: Tensor,
-    group_size: int,
-    bias: Tensor | None,
-    y: Tensor,
-    *,
-    gated: bool = False,
-    warps: int | None = None,
-) -> bool:
-    """y [1, N] = RMSNorm(x + residual) W^T (+ b) (RMSNorm(x) without a residual; weight
-    gamma [K], eps), the norm made in the product's launch (the rows kernel's normed
-    entries): what rms_norm and native_rows give apart, to the norm's order of summing
-    squares; `summed` ([1, K], or None) receives x + residual as rms_norm leaves its
-    residual. True once enqueued, False (nothing written) where the kernel does not take
-    it: one row, K <= NORMED_MAX_K and NORMED_K_PER_WARP a warp (by default, warps enough
-    for that), x, residual, gamma and summed of x's dtype, contiguous and 16-byte aligned,
-    summed a tensor of its own; the rest as native_rows."""
-    k = x.shape[1]
-    inputs = [t for t in (x, residual) if t is not None]
-    vectors = inputs if summed is None else [*inputs, summed]
-    takes = (
-        x.shape[0] == 1
-        and k <= NORMED_MAX_K
-        and tuple(gamma.shape) == (k,)
-        and all(tuple(t.shape) == (1, k) for t in vectors)
-        and all(
-            t.dtype == x.dtype and t.is_contiguous() and t.data_ptr() % 16 == 0
-            for t in (*vectors, gamma)
-        )
-        and (summed is None or all(summed.data_ptr() != t.data_ptr() for t in inputs))
-    )
-    if not takes:
-        return False
-    if not _takes(x, qweight, scales, zeros, group_size, bias, y, gated):
-        return False
-    n, device = qweight.shape[1], device_index(x.device)
-    if warps is None:  # default_warps', or as many more as the norm's loads need
-        warps = max(default_warps(1, n, k, _kernels.num_sms(device)), -(-k // NORMED_K_PER_WARP))
-    if k > NORMED_K_PER_WARP * warps:
-        return False
-    w4a16_rows_normed(
-        device,
-        x.data_ptr(),
-        0 if residual is None else residual.data_ptr(),
-        gamma.data_ptr(),
-        0 if summed is None else summed.data_ptr(),
-        eps,
-        qweight.data_ptr(),
-        scales.data_ptr(),
-        zeros.data_ptr(),
-        0 if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        n,
-        k,
-        x.dtype == torch.bfloat16,
-        warps,
-        torch.cuda.current_stream(x.device).cuda_stream,
-        gated,
-    )
-    return True
 
 
 def experts_blocks(x: Tensor, qweight: Tensor, scales: Tensor, group_size: int) -> tuple[int, ...]:

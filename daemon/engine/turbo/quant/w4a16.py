@@ -179,11 +179,11 @@ class W4A16Weight:
     ) -> tuple[Tensor, Tensor | None] | None:
         """One row's matmul of RMSNorm(x + norm.residual) (norm's weight and eps; no
         residual: RMSNorm(x)), the norm made in the product's launch, SiLU's gate too with
-        `activation` "silu" (kernels/w4a16_rows.py's native_normed): (the product, x +
+        `activation` "silu" (kernels/w4a16_normed.py): (the product, x +
         residual as rms_norm leaves its residual, or None without one). None where that
         kernel does not take it (no CUDA kernels, another activation, act order, a padded
         K, more rows): the caller then runs the norm and matmul."""
-        from lmd.engine.turbo.kernels.w4a16_rows import native_normed
+        from lmd.engine.turbo.kernels.w4a16_normed import native_normed
 
         n, k = self.shape
         if activation not in (None, "silu") or self.perm is not None or not x.is_cuda:
