@@ -51,8 +51,8 @@ def ways(n: int, k: int, gated: bool, warps: int | None) -> dict[str, list[Calla
     full = torch.empty(1, n, device=cuda, dtype=dtype)
 
     def normed(w: W4A16Weight) -> None:
-        tensors = (w.qweight, w.scales, w.zeros, w.group_size)
-        args = (x, gamma, EPS, residual, summed, *tensors, None, out)
+        packed = (w.qweight, w.scales, w.zeros, w.group_size)
+        args = (x, gamma, EPS, residual, summed, packed, None, out)
         assert native_normed(*args, gated=gated, warps=warps)
 
     def apart(w: W4A16Weight, *, silu_apart: bool) -> None:

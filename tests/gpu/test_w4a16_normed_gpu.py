@@ -51,6 +51,10 @@ def row_inputs(k: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...
     return x, residual, gamma
 
 
+def packed(w: W4A16Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    return (w.qweight, w.scales, w.zeros, w.group_size)
+
+
 def normed(
     x: torch.Tensor,
     gamma: torch.Tensor,
@@ -64,8 +68,7 @@ def normed(
     residual)."""
     summed = None if residual is None else torch.empty_like(residual)
     y = torch.empty(1, w.shape[0] // (2 if gated else 1), dtype=x.dtype, device="cuda")
-    tensors = (w.qweight, w.scales, w.zeros, w.group_size)
-    assert native_normed(x, gamma, EPS, residual, summed, *tensors, bias, y, gated=gated)
+    assert native_normed(x, gamma, EPS, residual, summed, packed(w), bias, y, gated=gated)
     return y, summed
 
 
@@ -128,12 +131,11 @@ def test_normed_is_deterministic_and_captured_in_a_graph() -> None:
     x, residual, gamma = row_inputs(4096, torch.bfloat16, 7)
     summed = torch.empty_like(residual)
     y = torch.empty(1, 6144, dtype=torch.bfloat16, device="cuda")
-    tensors = (w.qweight, w.scales, w.zeros, w.group_size)
-    assert native_normed(x, gamma, EPS, residual, summed, *tensors, None, y)  # loads, warms
+    assert native_normed(x, gamma, EPS, residual, summed, packed(w), None, y)  # loads, warms
     first = (y.clone(), summed.clone())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        native_normed(x, gamma, EPS, residual, summed, *tensors, None, y)
+        native_normed(x, gamma, EPS, residual, summed, packed(w), None, y)
     y.zero_()
     graph.replay()
     assert torch.equal(y, first[0]) and torch.equal(summed, first[1])
@@ -150,7 +152,6 @@ def test_refused_where_the_kernel_does_not_take_it() -> None:
     None and the model runs the norm's kernel."""
     w = weight(128, 256, torch.bfloat16)
     x, residual, gamma = row_inputs(256, torch.bfloat16, 9)
-    tensors = (w.qweight, w.scales, w.zeros, w.group_size)
     y = torch.zeros(2, 128, dtype=torch.bfloat16, device="cuda")
     odd = torch.empty(1, 260, dtype=torch.bfloat16, device="cuda")[:, 4:]  # 8 bytes in
     cases = [
@@ -160,7 +161,7 @@ def test_refused_where_the_kernel_does_not_take_it() -> None:
         (x, gamma, residual, residual),
     ]
     for xs, g, r, summed in cases:
-        assert not native_normed(xs, g, EPS, r, summed, *tensors, None, y[: xs.shape[0]])
+        assert not native_normed(xs, g, EPS, r, summed, packed(w), None, y[: xs.shape[0]])
     assert not y.any()
     assert w.matmul_normed(x, Norm(gamma, EPS, residual), None, "gelu_pytorch_tanh") is None
     wide = weight(128, 16384 + 128, torch.bfloat16)
@@ -168,9 +169,8 @@ def test_refused_where_the_kernel_does_not_take_it() -> None:
     assert wide.matmul_normed(big[0], Norm(big[2], EPS, big[1])) is None
     x, residual, gamma = row_inputs(4096, torch.bfloat16, 11)
     w = weight(128, 4096, torch.bfloat16)
-    tensors = (w.qweight, w.scales, w.zeros, w.group_size)
     y = torch.zeros(1, 128, dtype=torch.bfloat16, device="cuda")
-    assert not native_normed(x, gamma, EPS, residual, None, *tensors, None, y, warps=2)  # 2,048
+    assert not native_normed(x, gamma, EPS, residual, None, packed(w), None, y, warps=2)  # 2,048
 
 
 def test_4_bit_one_row_steps_take_the_norms_in_the_products(

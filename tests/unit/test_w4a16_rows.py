@@ -154,8 +154,8 @@ def test_cpu_tensors_stay_with_the_norm_and_tiles() -> None:
     w = W4A16Weight.quantize(torch.randn(64, 256), 128)
     x, residual, gamma = torch.randn(1, 256), torch.randn(1, 256), torch.ones(256)
     y = torch.zeros(1, 64)
-    weight = (w.qweight, w.scales, w.zeros, 128)
-    assert not native_normed(x, gamma, 1e-6, residual, None, *weight, None, y)
+    packed = (w.qweight, w.scales, w.zeros, 128)
+    assert not native_normed(x, gamma, 1e-6, residual, None, packed, None, y)
     assert not y.any()
     assert w.matmul_normed(x, Norm(gamma, 1e-6, residual)) is None
 

@@ -12,30 +12,28 @@ from torch import Tensor
 
 from lmd._native import w4a16_rows_normed
 from lmd.engine.turbo.kernels.native_kernels import device_index
-from lmd.engine.turbo.kernels.w4a16_rows import default_warps, num_sms, rows_take
+from lmd.engine.turbo.kernels.w4a16_rows import Packed, default_warps, num_sms, rows_take
 
 NORMED_MAX_K = 16384  # x's one row in shared memory
 NORMED_K_PER_WARP = 1024  # ... loaded at once, 4 chunks of 8 inputs a thread
 
 
-def native_normed(  # noqa: PLR0917  # the norm's and the weight's tensors
+def native_normed(  # noqa: PLR0917  # the norm's tensors, then the product's
     x: Tensor,
     gamma: Tensor,
     eps: float,
     residual: Tensor | None,
     summed: Tensor | None,
-    qweight: Tensor,
-    scales: Tensor,
-    zeros: Tensor,
-    group_size: int,
+    weight: Packed,
     bias: Tensor | None,
     y: Tensor,
     *,
     gated: bool = False,
     warps: int | None = None,
 ) -> bool:
-    """y [1, N] = RMSNorm(x + residual) W^T (+ b) (RMSNorm(x) without a residual; weight
-    gamma [K], eps), the norm made in the product's launch (the rows kernel's normed
+    """y [1, N] = RMSNorm(x + residual) W^T (+ b) (RMSNorm(x) without a residual; the
+    norm's weight gamma [K], eps; W the 4-bit `weight`, its qweight, scales, zeros and
+    group size as W4A16Weight holds them), the norm made in the product's launch (the rows kernel's normed
     entries): what rms_norm and native_rows give apart, to the norm's order of summing
     squares; `summed` ([1, K], or None) receives x + residual as rms_norm leaves its
     residual. True once enqueued, False (nothing written) where the kernel does not take
@@ -58,8 +56,9 @@ def native_normed(  # noqa: PLR0917  # the norm's and the weight's tensors
     )
     if not takes:
         return False
-    if not rows_take(x, qweight, scales, zeros, group_size, bias, y, gated):
+    if not rows_take(x, weight, bias, y, gated):
         return False
+    qweight, scales, zeros, _ = weight
     n, device = qweight.shape[1], device_index(x.device)
     if warps is None:  # default_warps', or as many more as the norm's loads need
         warps = max(default_warps(1, n, k, num_sms(device)), -(-k // NORMED_K_PER_WARP))

@@ -69,6 +69,8 @@ MAX_SPANS = 4096  # a wide product's spans, so N <= 524,288 (each has a counter)
 WARPS_PER_SM = 16  # what the kernels' registers leave room for at up to 8 rows (8 above)
 WIDE_CTAS_PER_SM = 2  # what default_splits plans for (3 fit; 2 measured best at 64 rows)
 
+Packed = tuple[Tensor, Tensor, Tensor, int]  # a W4A16Weight's qweight, scales, zeros, group
+
 _kernels = NativeKernels(w4a16_rows_ready, "W4A16 decode rows go to the Triton tiles")
 _wgmma = NativeKernels(w4a16_wgmma_ready, "W4A16 decode steps of 33-64 rows take the Triton tiles")
 # A device's span counters for the split kernels: the wide one's 32 bits a span, zero
@@ -160,7 +162,7 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
     m, k = x.shape
     n = qweight.shape[1]
     wide = m > MAX_ROWS
-    if not rows_take(x, qweight, scales, zeros, group_size, bias, y, gated):
+    if not rows_take(x, (qweight, scales, zeros, group_size), bias, y, gated):
         return False
     device = device_index(x.device)
     wgmma = m > WIDE_MAX_ROWS
@@ -206,19 +208,11 @@ def native_rows(  # noqa: PLR0917  # the weight's tensors, as W4A16Weight holds 
     return True
 
 
-def rows_take(  # noqa: PLR0917  # native_rows' arguments
-    x: Tensor,
-    qweight: Tensor,
-    scales: Tensor,
-    zeros: Tensor,
-    group_size: int,
-    bias: Tensor | None,
-    y: Tensor,
-    gated: bool,
-) -> bool:
-    """Whether native_rows' shapes, dtypes and alignments let a kernel take the product,
-    the kernels loaded on x's device (the wgmma kernel's own needs apart; the normed
-    launches' too, kernels/w4a16_normed.py)."""
+def rows_take(x: Tensor, weight: Packed, bias: Tensor | None, y: Tensor, gated: bool) -> bool:
+    """Whether native_rows' shapes, dtypes and alignments let a kernel take the product
+    of x and weight (qweight, scales, zeros, group size), the kernels loaded on x's device
+    (the wgmma kernel's own needs apart; the normed launches' too, kernels/w4a16_normed.py)."""
+    qweight, scales, zeros, group_size = weight
     m, k = x.shape
     n = qweight.shape[1]
     wide = m > MAX_ROWS

@@ -195,7 +195,7 @@ class W4A16Weight:
         gated = activation is not None
         y = x.new_empty(1, n // 2 if gated else n)
         weight = (self.qweight, self.scales, self.zeros, self.group_size)
-        if native_normed(x, norm.weight, norm.eps, residual, summed, *weight, bias, y, gated=gated):
+        if native_normed(x, norm.weight, norm.eps, residual, summed, weight, bias, y, gated=gated):
             return y, summed
         return None
 
