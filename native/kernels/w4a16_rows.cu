@@ -104,8 +104,8 @@ __device__ __forceinline__ void w4a16_rows(const W4a16Rows& a) {
   store_rows<kBf16, kTiles>(a, sums, acc);
 }
 
-// Eight 16-bit values (two a word) through f: v[i] = f(i, v[i] as float, u[i] as float),
-// rounded to the dtype.
+// Eight 16-bit values (two a word) through f: value i becomes f(v's i, u's i), both as
+// floats, rounded to the dtype.
 template <bool kBf16, typename F>
 __device__ __forceinline__ uint4 map8(uint4 v, uint4 u, const F& f) {
   uint32_t vs[4] = {v.x, v.y, v.z, v.w};

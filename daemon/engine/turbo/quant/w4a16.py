@@ -179,10 +179,10 @@ class W4A16Weight:
     ) -> tuple[Tensor, Tensor | None] | None:
         """One row's matmul of RMSNorm(x + norm.residual) (norm's weight and eps; no
         residual: RMSNorm(x)), the norm made in the product's launch, SiLU's gate too with
-        `activation` "silu" (kernels/w4a16_normed.py): (the product, x +
-        residual as rms_norm leaves its residual, or None without one). None where that
-        kernel does not take it (no CUDA kernels, another activation, act order, a padded
-        K, more rows): the caller then runs the norm and matmul."""
+        `activation` "silu" (kernels/w4a16_normed.py): (the product, x + residual as
+        rms_norm leaves its residual, or None without one). None where that kernel does
+        not take it (no CUDA kernels, another activation, act order, a padded K, more
+        rows): the caller then runs the norm and matmul."""
         from lmd.engine.turbo.kernels.w4a16_normed import native_normed
 
         n, k = self.shape
