@@ -33,13 +33,13 @@ def native_normed(  # noqa: PLR0917  # the norm's tensors, then the product's
 ) -> bool:
     """y [1, N] = RMSNorm(x + residual) W^T (+ b) (RMSNorm(x) without a residual; the
     norm's weight gamma [K], eps; W the 4-bit `weight`, its qweight, scales, zeros and
-    group size as W4A16Weight holds them), the norm made in the product's launch (the rows kernel's normed
-    entries): what rms_norm and native_rows give apart, to the norm's order of summing
-    squares; `summed` ([1, K], or None) receives x + residual as rms_norm leaves its
-    residual. True once enqueued, False (nothing written) where the kernel does not take
-    it: one row, K <= NORMED_MAX_K and NORMED_K_PER_WARP a warp (by default, warps enough
-    for that), x, residual, gamma and summed of x's dtype, contiguous and 16-byte aligned,
-    summed a tensor of its own; the rest as native_rows."""
+    group size as W4A16Weight holds them), the norm made in the product's launch (the
+    rows kernel's normed entries): what rms_norm and native_rows give apart, to the norm's
+    order of summing squares; `summed` ([1, K], or None) receives x + residual as rms_norm
+    leaves its residual. True once enqueued, False (nothing written) where the kernel does
+    not take it: one row, K <= NORMED_MAX_K and NORMED_K_PER_WARP a warp (by default,
+    warps enough for that), x, residual, gamma and summed of x's dtype, contiguous and
+    16-byte aligned, summed a tensor of its own; the rest as native_rows."""
     k = x.shape[1]
     inputs = [t for t in (x, residual) if t is not None]
     vectors = inputs if summed is None else [*inputs, summed]
